@@ -1,0 +1,11 @@
+"""Built-in backends, one module each; installed as ``rope_dispatch.backends``.
+
+Importing this package registers every backend. Optional ones (triton, TransformerEngine,
+torch.compile) import their package lazily and report themselves unavailable with the reason.
+"""
+
+from rope_dispatch.registry import register
+
+from .eager import EagerBackend
+
+register(EagerBackend())

@@ -1,0 +1,241 @@
+"""Checking one call's tensors against its spec, producing the :class:`RoPECall` backends receive.
+
+Shape, dtype and device checks cost a few integer comparisons and always run. Checks of the
+*values* inside index tensors (``cu_seqlens``, ``start_positions``) need them on the host: they
+run for free on CPU tensors, and on device tensors they cost one device-to-host copy, so they run
+only where no static promise makes them unnecessary (see docs/semantics.md):
+
+- ``cu_seqlens`` on a device is read when the spec leaves ``max_seqlen`` unset; with
+  ``max_seqlen`` given, the call makes no host sync and trusts the offsets.
+- ``start_positions`` on a device is read unless ``ROPE_DISPATCH_CHECK_VALUES=0``.
+- Nothing is read while ``torch.compile`` traces or a CUDA graph is captured.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import RoPEError
+from .spec import RoPESpec, dtype_name
+from .tables import CosSinCache, RotaryTable, angles_2d
+
+
+@dataclass(frozen=True, slots=True)
+class RoPECall:
+    """One checked call: what every backend receives.
+
+    ``table`` is ``[s2, d2]`` float32 angles or a :class:`CosSinCache`. ``seq_len`` is the local
+    sequence length ``s`` (tokens ``T`` for thd), ``batch`` is ``b`` (the number of sequences for
+    thd).
+    """
+
+    t: torch.Tensor
+    table: RotaryTable
+    spec: RoPESpec
+    start_positions: torch.Tensor | None
+    seq_len: int
+    batch: int
+    heads: int
+    head_dim: int
+    rotary_dim: int
+
+    @property
+    def table_len(self) -> int:
+        table = self.table
+        return table.seq_len if isinstance(table, CosSinCache) else table.shape[0]
+
+    @property
+    def uses_cache(self) -> bool:
+        return isinstance(self.table, CosSinCache)
+
+
+def _value_checks_enabled() -> bool:
+    return os.environ.get("ROPE_DISPATCH_CHECK_VALUES", "1") != "0"
+
+
+def _host_reads_allowed() -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _check_table(table: object, device: torch.device) -> RotaryTable:
+    if isinstance(table, CosSinCache):
+        cos, sin = table.cos, table.sin
+        if (
+            cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.dim() != 2
+            or cos.shape != sin.shape or not cos.is_contiguous() or not sin.is_contiguous()
+        ):
+            raise RoPEError(
+                "freqs is a CosSinCache whose tables are not contiguous float32 [s2, d2] pairs "
+                f"(cos {tuple(cos.shape)} {dtype_name(cos.dtype)}, sin {tuple(sin.shape)} "
+                f"{dtype_name(sin.dtype)}); build it with rope_dispatch.cos_sin_cache(freqs)"
+            )
+        checked: RotaryTable = table
+        table_device = cos.device
+    else:
+        checked = angles_2d(table)  # type: ignore[arg-type]
+        table_device = checked.device
+    if table_device != device:
+        raise RoPEError(f"freqs is on {table_device} but t is on {device}; expected the same device")
+    return checked
+
+
+def _check_cu_seqlens(
+    spec: RoPESpec, tokens: int, table_len: int, start_positions: torch.Tensor | None
+) -> None:
+    cu = spec.cu_seqlens
+    assert cu is not None
+    cp = spec.cp_size
+    on_host = cu.device.type == "cpu"
+    if not on_host and (spec.max_seqlen is not None or not _host_reads_allowed()):
+        if spec.max_seqlen is not None and spec.max_seqlen > table_len:
+            raise RoPEError(
+                f"freqs has {table_len} positions but max_seqlen={spec.max_seqlen}; the table "
+                "must cover the longest (global) sequence"
+            )
+        return
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        raise RoPEError(f"cu_seqlens must start at 0, got {offsets[0]}")
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    bad = next((i for i, n in enumerate(lengths) if n < 0), None)
+    if bad is not None:
+        raise RoPEError(
+            f"cu_seqlens must be non-decreasing, but cu_seqlens[{bad + 1}]={offsets[bad + 1]} < "
+            f"cu_seqlens[{bad}]={offsets[bad]}"
+        )
+    if offsets[-1] != tokens * cp:
+        raise RoPEError(
+            f"cu_seqlens[-1]={offsets[-1]} must equal the total tokens t.shape[0]={tokens}"
+            + (f" times cp_size={cp} (global offsets)" if cp > 1 else "")
+        )
+    if cp > 1:
+        bad = next((i for i, n in enumerate(lengths) if n % (2 * cp)), None)
+        if bad is not None:
+            raise RoPEError(
+                f"with cp_size={cp} every sequence length must be divisible by 2*cp_size="
+                f"{2 * cp}; sequence {bad} has length {lengths[bad]}"
+            )
+    longest = max(lengths)
+    if spec.max_seqlen is not None and longest > spec.max_seqlen:
+        raise RoPEError(
+            f"max_seqlen={spec.max_seqlen} but cu_seqlens holds a sequence of length {longest}"
+        )
+    if start_positions is not None and start_positions.device.type == "cpu":
+        ends = [n + s for n, s in zip(lengths, start_positions.tolist())]
+        longest = max(ends)
+    if longest > table_len:
+        raise RoPEError(
+            f"freqs has {table_len} positions but a sequence needs positions up to {longest - 1}; "
+            f"expected freqs.shape[0] >= {longest}"
+        )
+
+
+def _check_start_positions(
+    start_positions: object, spec: RoPESpec, batch: int, seq_len: int, table_len: int,
+    device: torch.device,
+) -> None:
+    if not isinstance(start_positions, torch.Tensor):
+        raise TypeError(
+            f"start_positions must be an int tensor [b] or None, got {type(start_positions).__name__}"
+        )
+    if spec.cp_size > 1:
+        raise RoPEError(
+            f"start_positions cannot be combined with context parallelism (cp_size={spec.cp_size})"
+        )
+    if start_positions.dtype not in (torch.int32, torch.int64):
+        raise RoPEError(
+            f"start_positions must be int32 or int64, got {dtype_name(start_positions.dtype)}"
+        )
+    what = "number of sequences" if spec.layout == "thd" else "batch size"
+    if tuple(start_positions.shape) != (batch,):
+        raise RoPEError(
+            f"start_positions must have shape [{batch}] (the {what}), got "
+            f"{tuple(start_positions.shape)}"
+        )
+    if start_positions.device != device:
+        raise RoPEError(
+            f"start_positions is on {start_positions.device} but t is on {device}; expected the "
+            "same device"
+        )
+    if start_positions.device.type != "cpu" and not (
+        _value_checks_enabled() and _host_reads_allowed()
+    ):
+        return
+    starts = start_positions.tolist()
+    if starts and min(starts) < 0:
+        raise RoPEError(f"start_positions must be >= 0, got {min(starts)}")
+    if spec.layout != "thd" and starts and max(starts) + seq_len > table_len:
+        raise RoPEError(
+            f"freqs has {table_len} positions but start_positions max {max(starts)} + "
+            f"sequence length {seq_len} needs {max(starts) + seq_len}"
+        )
+
+
+def check_call(
+    t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None = None
+) -> RoPECall:
+    """Check ``t``, ``freqs`` and ``start_positions`` against ``spec``; raise a clear error or
+    return the :class:`RoPECall` every backend takes."""
+    if not isinstance(spec, RoPESpec):
+        raise TypeError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != spec.dtype:
+        raise RoPEError(
+            f"t has dtype {dtype_name(t.dtype)} but spec.dtype is {dtype_name(spec.dtype)}; "
+            "build the spec with the tensor's dtype"
+        )
+    layout = spec.layout
+    rank = 3 if layout == "thd" else 4
+    if t.dim() != rank:
+        raise RoPEError(
+            f"t must have {rank} dims for layout {layout!r} ([{', '.join(layout)}]), got shape "
+            f"{tuple(t.shape)}"
+        )
+    table = _check_table(freqs, t.device)
+    table_len = table.seq_len if isinstance(table, CosSinCache) else table.shape[0]
+    d2 = table.rotary_dim if isinstance(table, CosSinCache) else table.shape[1]
+    if spec.rotary_dim is not None and spec.rotary_dim != d2:
+        raise RoPEError(
+            f"spec.rotary_dim={spec.rotary_dim} but freqs has last dim d2={d2}; they must be equal"
+        )
+    head_dim, heads = t.shape[-1], t.shape[-2]
+    if d2 > head_dim:
+        raise RoPEError(
+            f"rotary dim d2={d2} (freqs' last dim) exceeds the head dim d={head_dim} of t "
+            f"{tuple(t.shape)}"
+        )
+    cp = spec.cp_size
+    if layout == "thd":
+        seq_len = t.shape[0]
+        cu = spec.cu_seqlens
+        assert cu is not None
+        if cu.device != t.device:
+            raise RoPEError(
+                f"cu_seqlens is on {cu.device} but t is on {t.device}; expected the same device"
+            )
+        batch = cu.numel() - 1
+    else:
+        seq_len, batch = (t.shape[0], t.shape[1]) if layout == "sbhd" else (t.shape[1], t.shape[0])
+        if cp > 1 and seq_len % 2:
+            raise RoPEError(
+                f"with cp_size={cp} the local sequence length must be even (two chunks), got "
+                f"{seq_len}"
+            )
+        needed = seq_len * cp
+        if needed > table_len:
+            raise RoPEError(
+                f"freqs has {table_len} positions but the sequence needs {needed} "
+                f"(s={seq_len}" + (f" x cp_size={cp}" if cp > 1 else "") + "); expected "
+                f"freqs.shape[0] >= {needed}"
+            )
+    if start_positions is not None:
+        _check_start_positions(start_positions, spec, batch, seq_len, table_len, t.device)
+    if layout == "thd":
+        _check_cu_seqlens(spec, seq_len, table_len, start_positions)
+    return RoPECall(t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2)

@@ -1,0 +1,234 @@
+"""Choosing a backend for a call, and the public ``apply``/``explain``/``use_backend``.
+
+Order of choice: ``backend=`` argument > :func:`use_backend` scope > ``ROPE_BACKEND`` > the
+autotune cache (a one-time measurement) > priority. A forced backend that cannot serve the call
+raises with its reasons; it never falls back silently.
+
+A decision is cached per :func:`decision_key` (the spec's static fields plus cheap tensor
+properties), so a training step pays a tuple build and a dict lookup, not the checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from . import autotune, registry
+from .call import RoPECall, check_call
+from .errors import BackendNotSupportedError, NoBackendError
+from .registry import Backend
+from .spec import RoPESpec
+from .tables import RotaryTable
+
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rope_backend", default=None)
+_decisions: dict[tuple, tuple[Backend, str]] = {}
+_MAX_DECISIONS = 4096
+_INT32_LIMIT = 2**31
+_GRID_AXIS_LIMIT = 65536
+
+
+def clear_decisions() -> None:
+    """Forget cached decisions (after registering a backend or clearing the autotune cache)."""
+    _decisions.clear()
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Force backend ``name`` for the calls in this scope (``None`` lifts an outer override)."""
+    if name is not None:
+        registry.get_backend(name)
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def requested_backend(backend: str | None = None) -> tuple[str | None, str]:
+    """The forced backend name in force for a call and where it came from."""
+    if backend is not None:
+        return backend, "the backend= argument"
+    scoped = _forced.get()
+    if scoped is not None:
+        return scoped, "use_backend()"
+    env = os.environ.get("ROPE_BACKEND") or None
+    if env is not None:
+        return env, "the ROPE_BACKEND environment variable"
+    return None, "nothing"
+
+
+def stride_class(t: torch.Tensor) -> str:
+    """``contiguous``, ``unit-last`` (rows strided, channels packed) or ``strided``."""
+    if t.is_contiguous():
+        return "contiguous"
+    return "unit-last" if t.stride(-1) == 1 else "strided"
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def decision_key(call: RoPECall, forced: str | None) -> tuple:
+    """What a backend choice may depend on; equal keys get the same backend.
+
+    Sizes enter as power-of-two buckets plus the two hard limits kernels have (int32 offsets,
+    65,535 blocks on a secondary grid axis), so a size limit is never hidden by a cached choice.
+    """
+    t = call.t
+    numel = t.numel()
+    return (
+        call.spec.static_key,
+        t.device.type,
+        t.device.index,
+        call.uses_cache,
+        call.start_positions is not None,
+        t.requires_grad and torch.is_grad_enabled(),
+        stride_class(t),
+        tuple(_bucket(n) for n in t.shape),
+        numel >= _INT32_LIMIT,
+        max(call.seq_len, call.batch) >= _GRID_AXIS_LIMIT,
+        forced,
+    )
+
+
+def _candidates(call: RoPECall) -> tuple[list[Backend], dict[str, list[str]]]:
+    supported, rejected = [], {}
+    for b in registry.backends():
+        reasons = b.not_supported_reasons(call)
+        if reasons:
+            rejected[b.name] = reasons
+        else:
+            supported.append(b)
+    return supported, rejected
+
+
+def _format_rejections(rejected: dict[str, list[str]]) -> str:
+    return "\n".join(f"  - {name}: {'; '.join(reasons)}" for name, reasons in rejected.items())
+
+
+def _decide(call: RoPECall, forced: str | None, source: str) -> tuple[Backend, str]:
+    if forced is not None:
+        b = registry.get_backend(forced)
+        reasons = b.not_supported_reasons(call)
+        if reasons:
+            raise BackendNotSupportedError(
+                f"backend {forced!r} was forced by {source} but cannot serve this call "
+                f"({_describe(call)}): {'; '.join(reasons)}"
+            )
+        return b, f"forced by {source}"
+    supported, rejected = _candidates(call)
+    if not supported:
+        raise NoBackendError(
+            f"no backend can serve this call ({_describe(call)}):\n{_format_rejections(rejected)}"
+        )
+    if len(supported) == 1:
+        return supported[0], "the only backend that supports this call"
+    return autotune.select(call, supported)
+
+
+def _describe(call: RoPECall) -> str:
+    t = call.t
+    return (
+        f"{call.spec.layout} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on "
+        f"{t.device}, rotary dim {call.rotary_dim}"
+    )
+
+
+def choose(call: RoPECall, backend: str | None = None) -> Backend:
+    """The backend that runs ``call``: cached per :func:`decision_key`."""
+    forced, source = requested_backend(backend)
+    key = decision_key(call, forced)
+    hit = _decisions.get(key)
+    if hit is None:
+        hit = _decide(call, forced, source)
+        if autotune.decision_is_final(hit[1]):
+            if len(_decisions) >= _MAX_DECISIONS:
+                _decisions.clear()
+            _decisions[key] = hit
+    return hit[0]
+
+
+def apply(
+    t: torch.Tensor,
+    freqs: torch.Tensor | RotaryTable,
+    spec: RoPESpec,
+    *,
+    start_positions: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Rotary position embedding of ``t`` (TransformerEngine 2.9 ``apply_rotary_pos_emb``).
+
+    ``freqs`` is the float32 angle table ``[s2, 1, 1, d2]`` (or ``[s2, d2]``) or a
+    :class:`~rope_dispatch.CosSinCache`. Returns a new tensor, contiguous in ``spec.layout``;
+    differentiable with respect to ``t``.
+    """
+    call = check_call(t, freqs, spec, start_positions)
+    return choose(call, backend).apply(call)
+
+
+@dataclass
+class Explanation:
+    """Which backend a call would run on and why; every other backend's reasons."""
+
+    call: str
+    chosen: str | None
+    why: str
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+    passed_over: list[str] = field(default_factory=list)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"call: {self.call}"]
+        if self.chosen is None:
+            lines.append(f"no backend: {self.why}")
+        else:
+            lines.append(f"backend: {self.chosen} ({self.why})")
+            if self.chosen in self.notes:
+                lines.append(f"  note: {self.notes[self.chosen]}")
+        for name in self.passed_over:
+            note = f"; {self.notes[name]}" if name in self.notes else ""
+            lines.append(f"  - {name}: could serve it, not chosen{note}")
+        for name, reasons in self.rejected.items():
+            lines.append(f"  - {name}: {'; '.join(reasons)}")
+        return "\n".join(lines)
+
+
+def explain(
+    t: torch.Tensor,
+    freqs: torch.Tensor | RotaryTable,
+    spec: RoPESpec,
+    *,
+    start_positions: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> Explanation:
+    """Which backend :func:`apply` would run for this call, why, and why not the others.
+
+    It measures nothing: where the autotune cache holds no entry yet, it says the first call
+    would measure the candidates.
+    """
+    call = check_call(t, freqs, spec, start_positions)
+    forced, source = requested_backend(backend)
+    supported, rejected = _candidates(call)
+    notes = {b.name: n for b in registry.backends() if (n := getattr(b, "explain_note", lambda c: "")(call))}
+    if forced is not None:
+        b = registry.get_backend(forced)
+        if b.name in rejected:
+            return Explanation(
+                _describe(call), None, f"{forced!r} was forced by {source} but cannot serve it",
+                rejected, [], notes,
+            )
+        others = [s.name for s in supported if s is not b]
+        return Explanation(_describe(call), b.name, f"forced by {source}", rejected, others, notes)
+    if not supported:
+        return Explanation(_describe(call), None, "every backend refused", rejected, [], notes)
+    if len(supported) == 1:
+        chosen, why = supported[0], "the only backend that supports this call"
+    else:
+        chosen, why = autotune.peek(call, supported)
+    others = [s.name for s in supported if s is not chosen]
+    return Explanation(_describe(call), chosen.name, why, rejected, others, notes)

@@ -1,0 +1,26 @@
+"""Exceptions raised by rope-dispatch.
+
+Every error names the argument, the value it got and what was expected, so that a user can fix
+the call without reading our source.
+"""
+
+from __future__ import annotations
+
+
+class RoPEError(ValueError):
+    """Base class of every rope-dispatch error about a call's arguments or backends."""
+
+
+class NoBackendError(RoPEError):
+    """No registered backend can serve a call; the message lists every backend's reasons."""
+
+
+class BackendNotSupportedError(RoPEError):
+    """A forced backend (``backend=``, ``use_backend`` or ``ROPE_BACKEND``) cannot serve the call."""
+
+
+class UnknownBackendError(RoPEError, KeyError):
+    """A backend name that is not registered; the message lists the known names."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

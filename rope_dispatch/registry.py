@@ -1,0 +1,151 @@
+"""The backend registry: interchangeable implementations that say *why not* in sentences.
+
+A backend has three separate parts, after xformers' and vLLM's dispatchers:
+
+- static availability (:meth:`Backend.unavailable_reasons`): is its package importable, is there a
+  device for it. Evaluated once per process and cached.
+- per-call support (:meth:`Backend.not_supported_reasons`): layout, dtype, device, features and
+  sizes of one :class:`~rope_dispatch.call.RoPECall`. Capabilities are class attributes, so
+  the generic checks here cover most of it; :meth:`Backend.extra_reasons` adds the rest.
+- priority (:attr:`Backend.priority`): the fallback policy when nothing was measured.
+
+A check returns a list of sentences with the actual values; an empty list means "supported".
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .call import RoPECall
+from .errors import UnknownBackendError
+from .spec import dtype_name
+
+ALL_LAYOUTS = frozenset({"sbhd", "bshd", "thd"})
+ALL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+class Backend:
+    """One way to run RoPE. Subclasses set the capability attributes and implement :meth:`apply`."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    layouts: ClassVar[frozenset[str]] = ALL_LAYOUTS
+    dtypes: ClassVar[frozenset[torch.dtype]] = ALL_DTYPES
+    supports_interleaved: ClassVar[bool] = True
+    supports_context_parallel: ClassVar[bool] = True
+    supports_start_positions: ClassVar[bool] = True
+    supports_cos_sin_cache: ClassVar[bool] = True
+    supports_autograd: ClassVar[bool] = True
+    max_numel: ClassVar[int | None] = None
+
+    def unavailable_reasons(self) -> list[str]:
+        """Why this backend cannot run in this process at all (missing package, no device)."""
+        return []
+
+    def extra_reasons(self, call: RoPECall) -> list[str]:
+        """Backend-specific per-call reasons beyond the capability attributes."""
+        return []
+
+    def apply(self, call: RoPECall) -> torch.Tensor:
+        """Run RoPE on a checked call; differentiable with respect to ``call.t``."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def availability(self) -> tuple[str, ...]:
+        """:meth:`unavailable_reasons`, evaluated once; a crash in the probe is a reason too."""
+        try:
+            return tuple(self.unavailable_reasons())
+        except Exception as exc:  # an optional package that is broken, not merely missing
+            return (f"probing it raised {type(exc).__name__}: {exc}",)
+
+    @property
+    def available(self) -> bool:
+        return not self.availability
+
+    def not_supported_reasons(self, call: RoPECall) -> list[str]:
+        """Every reason this backend cannot serve ``call``; empty when it can."""
+        if self.availability:
+            return list(self.availability)
+        reasons = []
+        t, spec = call.t, call.spec
+        if t.device.type not in self.devices:
+            reasons.append(
+                f"tensor is on {t.device.type}; supports {', '.join(sorted(self.devices))}"
+            )
+        if spec.layout not in self.layouts:
+            reasons.append(
+                f"layout {spec.layout!r} is not supported; supports {', '.join(sorted(self.layouts))}"
+            )
+        if t.dtype not in self.dtypes:
+            names = ", ".join(sorted(dtype_name(d) for d in self.dtypes))
+            reasons.append(f"dtype {dtype_name(t.dtype)} is not supported; supports {names}")
+        if spec.interleaved and not self.supports_interleaved:
+            reasons.append("interleaved=True is not supported")
+        if spec.cp_size > 1 and not self.supports_context_parallel:
+            reasons.append(f"context parallelism (cp_size={spec.cp_size}) is not supported")
+        if call.start_positions is not None and not self.supports_start_positions:
+            reasons.append("start_positions is not supported")
+        if call.uses_cache and not self.supports_cos_sin_cache:
+            reasons.append("a CosSinCache table is not supported; pass the angle table")
+        if t.requires_grad and torch.is_grad_enabled() and not self.supports_autograd:
+            reasons.append("t requires grad but this backend has no backward")
+        if self.max_numel is not None and t.numel() > self.max_numel:
+            reasons.append(f"t has {t.numel():,} elements; at most {self.max_numel:,} supported")
+        if not reasons:
+            reasons.extend(self.extra_reasons(call))
+        return reasons
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What :func:`list_backends` reports for one backend."""
+
+    name: str
+    available: bool
+    reasons: tuple[str, ...]
+    priority: int
+    description: str
+
+    def __str__(self) -> str:
+        state = "available" if self.available else "unavailable: " + "; ".join(self.reasons)
+        return f"{self.name} (priority {self.priority}): {state}"
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Add a backend instance under its ``name`` (a later registration replaces an earlier one)."""
+    _REGISTRY[backend.name] = backend
+    from . import dispatch  # a new backend invalidates cached decisions
+
+    dispatch.clear_decisions()
+    return backend
+
+
+def backends() -> list[Backend]:
+    """Registered backends, highest priority first."""
+    return sorted(_REGISTRY.values(), key=lambda b: -b.priority)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered as ``name``; an unknown name lists the known ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY))
+        raise UnknownBackendError(f"unknown backend {name!r}; known backends: {known}") from None
+
+
+def list_backends() -> list[BackendInfo]:
+    """Every registered backend, whether it is available here, and why not."""
+    return [
+        BackendInfo(b.name, b.available, b.availability, b.priority, b.description)
+        for b in backends()
+    ]

@@ -1,0 +1,165 @@
+"""``RoPESpec``: the static description of a RoPE call (layout, dtype, rotary dim, packing, CP)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+
+from .errors import RoPEError
+
+Layout = Literal["sbhd", "bshd", "thd"]
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the short name used in messages and cache keys."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(value: Any) -> torch.dtype:
+    """Accept a torch dtype or one of its names (``"bf16"``, ``"torch.float16"``, ...)."""
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key not in _DTYPE_NAMES:
+            raise ValueError(
+                f"dtype {value!r} is not a known dtype name; expected one of {sorted(_DTYPE_NAMES)}"
+            )
+        dtype = _DTYPE_NAMES[key]
+    else:
+        raise ValueError(f"dtype {value!r} must be a torch.dtype or a dtype name such as 'bf16'")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"dtype {dtype_name(dtype)} is not supported; expected one of "
+            f"{[dtype_name(d) for d in SUPPORTED_DTYPES]}"
+        )
+    return dtype
+
+
+def check_cu_seqlens_tensor(cu_seqlens: Any) -> None:
+    """Static checks on ``cu_seqlens`` (type, rank, dtype, length); values are checked per call."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise RoPEError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise RoPEError(
+            f"cu_seqlens must have dtype int32 or int64, got {dtype_name(cu_seqlens.dtype)}"
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise RoPEError(
+            "cu_seqlens must be a 1-D tensor of at least 2 offsets [0, end_0, ..., total], "
+            f"got shape {tuple(cu_seqlens.shape)}"
+        )
+
+
+class RoPESpec(BaseModel):
+    """What a RoPE call looks like, validated once and reused every step.
+
+    Semantics are TransformerEngine 2.9 ``apply_rotary_pos_emb``. The static fields (all but
+    ``cu_seqlens``) form :attr:`static_key`, a hashable tuple that dispatch and autotune key on.
+    For ``thd`` batches that change every step, build the spec once and call
+    :meth:`with_cu_seqlens` per step: it checks the tensor and skips full validation.
+    """
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
+
+    layout: Layout = Field(description="sbhd, bshd or thd (packed sequences with cu_seqlens)")
+    dtype: Annotated[torch.dtype, BeforeValidator(parse_dtype)] = Field(
+        description="dtype of the input tensor: float32, float16 or bfloat16"
+    )
+    rotary_dim: int | None = Field(
+        default=None, description="channels rotated; must equal the table's last dim when given"
+    )
+    interleaved: bool = Field(default=False, description="rotate pairs (2k, 2k+1), not halves")
+    cu_seqlens: torch.Tensor | None = Field(
+        default=None, description="int32/int64 [n+1] global sequence offsets, thd only"
+    )
+    max_seqlen: int | None = Field(
+        default=None, description="longest global sequence (thd): lets calls skip any host sync"
+    )
+    cp_size: int = Field(default=1, description="context-parallel world size")
+    cp_rank: int = Field(default=0, description="this rank in the context-parallel group")
+
+    _static_key: tuple = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _check(self) -> RoPESpec:
+        if self.rotary_dim is not None and (self.rotary_dim <= 0 or self.rotary_dim % 2):
+            raise ValueError(f"rotary_dim must be a positive even integer, got {self.rotary_dim}")
+        if self.cp_size < 1:
+            raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
+        if not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(
+                f"cp_rank must satisfy 0 <= cp_rank < cp_size={self.cp_size}, got {self.cp_rank}"
+            )
+        if self.layout == "thd":
+            if self.cu_seqlens is None:
+                raise ValueError("layout 'thd' needs cu_seqlens (the [n+1] sequence offsets)")
+            check_cu_seqlens_tensor(self.cu_seqlens)
+        else:
+            if self.cu_seqlens is not None:
+                raise ValueError(
+                    f"cu_seqlens is only for layout 'thd', got it with layout {self.layout!r}"
+                )
+            if self.max_seqlen is not None:
+                raise ValueError(
+                    f"max_seqlen is only for layout 'thd', got {self.max_seqlen} with layout "
+                    f"{self.layout!r}"
+                )
+        if self.max_seqlen is not None and self.max_seqlen < 1:
+            raise ValueError(f"max_seqlen must be >= 1, got {self.max_seqlen}")
+        self._static_key = self._make_static_key()
+        return self
+
+    def _make_static_key(self) -> tuple:
+        return (
+            self.layout,
+            dtype_name(self.dtype),
+            self.rotary_dim,
+            self.interleaved,
+            self.max_seqlen,
+            self.cp_size,
+            self.cp_rank,
+        )
+
+    @property
+    def static_key(self) -> tuple:
+        """Hashable tuple of every field but the ``cu_seqlens`` tensor."""
+        return self._static_key
+
+    def static_fields(self) -> dict[str, Any]:
+        """The static fields as JSON-friendly values (for cache keys and reports)."""
+        names = ("layout", "dtype", "rotary_dim", "interleaved", "max_seqlen", "cp_size", "cp_rank")
+        return dict(zip(names, self._static_key))
+
+    def with_cu_seqlens(
+        self, cu_seqlens: torch.Tensor, max_seqlen: int | None = None
+    ) -> RoPESpec:
+        """The same ``thd`` spec for a new batch, without re-running pydantic validation."""
+        if self.layout != "thd":
+            raise RoPEError(f"with_cu_seqlens needs layout 'thd', this spec has {self.layout!r}")
+        check_cu_seqlens_tensor(cu_seqlens)
+        if max_seqlen is not None and max_seqlen < 1:
+            raise RoPEError(f"max_seqlen must be >= 1, got {max_seqlen}")
+        new = self.model_copy(update={"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen})
+        new._static_key = new._make_static_key()
+        return new
+
+    def __hash__(self) -> int:
+        return hash(self._static_key) ^ id(self.cu_seqlens)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.static_fields().items())
+        cu = "" if self.cu_seqlens is None else f", cu_seqlens=<{self.cu_seqlens.numel()} offsets>"
+        return f"RoPESpec({fields}{cu})"
+
+    __str__ = __repr__

@@ -1,0 +1,92 @@
+"""Rotary tables: the float32 angle table ``freqs`` and the optional precomputed cos/sin cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import RoPEError
+
+
+@dataclass(frozen=True, eq=False)
+class CosSinCache:
+    """float32 ``cos`` and ``sin`` of an angle table, each ``[s2, d2]`` and contiguous.
+
+    Build it once with :func:`cos_sin_cache` and pass it wherever ``apply`` takes ``freqs``:
+    kernels then read the two tables instead of evaluating sin/cos per element.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def seq_len(self) -> int:
+        return self.cos.shape[0]
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.cos.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.cos.device
+
+    def to(self, device: torch.device | str) -> CosSinCache:
+        return CosSinCache(self.cos.to(device), self.sin.to(device))
+
+
+RotaryTable = torch.Tensor | CosSinCache
+
+
+def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
+    """Check an angle table ``[s2, 1, 1, d2]`` or ``[s2, d2]`` and return it as ``[s2, d2]``.
+
+    The result is a view when the input is contiguous float32 (the usual case), so a call pays
+    no copy; other strides are made contiguous once here.
+    """
+    if not isinstance(freqs, torch.Tensor):
+        raise TypeError(
+            f"{argument} must be a float32 torch.Tensor [s2, 1, 1, d2] or [s2, d2], or a "
+            f"CosSinCache; got {type(freqs).__name__}"
+        )
+    if freqs.dtype != torch.float32:
+        raise RoPEError(
+            f"{argument} must be float32 angles (bf16/fp16 angles lose position precision), "
+            f"got dtype {str(freqs.dtype).removeprefix('torch.')}"
+        )
+    if freqs.dim() == 4:
+        if freqs.shape[1] != 1 or freqs.shape[2] != 1:
+            raise RoPEError(
+                f"{argument} must have shape [s2, 1, 1, d2], got {tuple(freqs.shape)}"
+            )
+        freqs = freqs.view(freqs.shape[0], freqs.shape[3]) if freqs.is_contiguous() else (
+            freqs.reshape(freqs.shape[0], freqs.shape[3])
+        )
+    elif freqs.dim() != 2:
+        raise RoPEError(
+            f"{argument} must have shape [s2, 1, 1, d2] or [s2, d2], got {tuple(freqs.shape)}"
+        )
+    if freqs.shape[0] < 1 or freqs.shape[1] < 2 or freqs.shape[1] % 2:
+        raise RoPEError(
+            f"{argument} must have at least one position and an even rotary dim d2 >= 2, "
+            f"got shape {tuple(freqs.shape)}"
+        )
+    return freqs if freqs.is_contiguous() else freqs.contiguous()
+
+
+def cos_sin_cache(freqs: torch.Tensor) -> CosSinCache:
+    """Precompute float32 cos and sin of an angle table ``[s2, 1, 1, d2]`` (or ``[s2, d2]``).
+
+    Evaluated in float64 and rounded once, so the cache is at least as accurate as the float32
+    ``sincos`` a kernel would do; every backend gives the same results from either form.
+    """
+    angles = angles_2d(freqs).double()
+    return CosSinCache(torch.cos(angles).float().contiguous(), torch.sin(angles).float().contiguous())
+
+
+def table_cos_sin(table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(cos, sin)`` ``[s2, d2]`` of a checked table (angles or cache)."""
+    if isinstance(table, CosSinCache):
+        return table.cos, table.sin
+    return torch.cos(table), torch.sin(table)

@@ -1,0 +1,111 @@
+"""An independent float64 reference for RoPE, written from the formula (docs/semantics.md).
+
+It shares no code with the package: positions come from plain Python loops over the definition
+of each layout and of the context-parallel chunking, and the rotation from an explicit partner
+index and sign per channel. Its backward is float64 autograd through the same formula.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Elementwise tolerances for unit-scale inputs: the dtype's output rounding plus float32 math.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def global_position(i: int, local_len: int, cp_size: int, cp_rank: int) -> int:
+    """Position of local index ``i`` when a sequence of ``local_len * cp_size`` tokens is cut
+    into ``2 * cp_size`` equal chunks and a rank holds chunks ``cp_rank`` and
+    ``2 * cp_size - 1 - cp_rank``, in that order."""
+    if cp_size == 1:
+        return i
+    chunk = local_len // 2
+    held = (cp_rank, 2 * cp_size - 1 - cp_rank)
+    return held[i // chunk] * chunk + i % chunk
+
+
+def reference_positions(
+    layout: str, shape: tuple[int, ...], *, cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0,
+    start_positions=None,
+) -> torch.Tensor:
+    """Table row of each token, shaped like ``t.shape[:-2]``."""
+    starts = None if start_positions is None else [int(v) for v in start_positions]
+    if layout == "thd":
+        cu = [int(v) // cp_size for v in cu_seqlens]
+        pos = [0] * shape[0]
+        for seq, (a, b) in enumerate(zip(cu, cu[1:])):
+            for i in range(b - a):
+                p = global_position(i, b - a, cp_size, cp_rank)
+                pos[a + i] = p + (starts[seq] if starts else 0)
+        return torch.tensor(pos, dtype=torch.long)
+    s, b = (shape[0], shape[1]) if layout == "sbhd" else (shape[1], shape[0])
+    grid = [[0] * b for _ in range(s)]
+    for i in range(s):
+        for j in range(b):
+            grid[i][j] = global_position(i, s, cp_size, cp_rank) + (starts[j] if starts else 0)
+    pos = torch.tensor(grid, dtype=torch.long)
+    return pos if layout == "sbhd" else pos.t().contiguous()
+
+
+def partners(d2: int, interleaved: bool) -> tuple[list[int], list[float]]:
+    """For each rotated channel, the channel it pairs with and that channel's sign."""
+    idx, sign = [], []
+    for i in range(d2):
+        if interleaved:
+            idx.append(i + 1 if i % 2 == 0 else i - 1)
+            sign.append(-1.0 if i % 2 == 0 else 1.0)
+        else:
+            half = d2 // 2
+            idx.append(i + half if i < half else i - half)
+            sign.append(-1.0 if i < half else 1.0)
+    return idx, sign
+
+
+def reference_rope(
+    t: torch.Tensor, angles: torch.Tensor, positions: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """float64 ``out_i = x_i cos(f[p,i]) + sign_i x_partner(i) sin(f[p,i])``, rest copied.
+
+    ``angles`` is ``[s2, d2]`` (any float dtype); differentiable with respect to ``t``.
+    """
+    d2 = angles.shape[-1]
+    x = t.double()
+    f = angles.double().cpu()[positions.cpu()].to(x.device).unsqueeze(-2)
+    idx, sign = partners(d2, interleaved)
+    sign_t = torch.tensor(sign, dtype=torch.float64, device=x.device)
+    idx_t = torch.tensor(idx, device=x.device)
+    rot = x[..., :d2]
+    out = rot * torch.cos(f) + sign_t * rot[..., idx_t] * torch.sin(f)
+    return torch.cat((out, x[..., d2:]), dim=-1)
+
+
+def reference_for(t, angles, spec, start_positions=None) -> torch.Tensor:
+    """The reference output for a call described by a ``RoPESpec`` (read field by field)."""
+    positions = reference_positions(
+        spec.layout, tuple(t.shape), cu_seqlens=None if spec.cu_seqlens is None else spec.cu_seqlens.tolist(),
+        cp_size=spec.cp_size, cp_rank=spec.cp_rank,
+        start_positions=None if start_positions is None else start_positions.tolist(),
+    )
+    return reference_rope(t, angles.reshape(angles.shape[0], angles.shape[-1]), positions, spec.interleaved)
+
+
+def reference_forward_backward(t, angles, spec, grad_out, start_positions=None):
+    """float64 output and input gradient ``(out, dL/dt)`` for ``L = sum(out * grad_out)``."""
+    x = t.detach().double().requires_grad_(True)
+    out = reference_for(x, angles, spec, start_positions)
+    (grad,) = torch.autograd.grad(out, x, grad_out.double())
+    return out.detach(), grad
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest elementwise error scaled as ``|a - e| / (1 + |e|)`` (unit-scale inputs)."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    return float(((a - e).abs() / (1 + e.abs())).max()) if a.numel() else 0.0
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "output") -> None:
+    """Shape, finiteness, and elementwise error within the dtype's tolerance."""
+    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err = max_error(actual, expected)
+    assert err <= TOLERANCE[dtype], f"{what}: max error {err:.3g} > {TOLERANCE[dtype]:.3g} for {dtype}"
