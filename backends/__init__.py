@@ -6,6 +6,10 @@ torch.compile) import their package lazily and report themselves unavailable wit
 
 from rope_dispatch.registry import register
 
+from .compiled import CompileBackend
 from .eager import EagerBackend
+from .te import TEBackend
+from .triton_rope import TritonBackend, TritonCachedBackend
 
-register(EagerBackend())
+for _backend in (TritonBackend(), TritonCachedBackend(), TEBackend(), CompileBackend(), EagerBackend()):
+    register(_backend)
