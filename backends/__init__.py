@@ -9,7 +9,7 @@ from rope_dispatch.registry import register
 from .compiled import CompileBackend
 from .eager import EagerBackend
 from .te import TEBackend
-from .triton_rope import TritonBackend, TritonCachedBackend
+from .triton_rope import TritonBackend
 
-for _backend in (TritonBackend(), TritonCachedBackend(), TEBackend(), CompileBackend(), EagerBackend()):
+for _backend in (TritonBackend(), TEBackend(), CompileBackend(), EagerBackend()):
     register(_backend)

@@ -9,7 +9,3 @@ class TritonBackend(Backend):
 
     def unavailable_reasons(self) -> list[str]:
         return ["not implemented yet"]
-
-
-class TritonCachedBackend(TritonBackend):
-    name = "triton-cached"
