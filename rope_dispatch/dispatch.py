@@ -10,8 +10,10 @@ properties), so a training step pays a tuple build and a dict lookup, not the ch
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +37,14 @@ _GRID_AXIS_LIMIT = 65536
 def clear_decisions() -> None:
     """Forget cached decisions (after registering a backend or clearing the autotune cache)."""
     _decisions.clear()
+    _size_limits.cache_clear()
+
+
+@functools.cache
+def _size_limits() -> tuple[int, ...]:
+    """Every element-count limit a registered backend declares, plus the int32 offset limit."""
+    limits = {_INT32_LIMIT - 1} | {b.max_numel for b in registry.backends() if b.max_numel}
+    return tuple(sorted(limits))
 
 
 @contextlib.contextmanager
@@ -76,8 +86,9 @@ def _bucket(n: int) -> int:
 def decision_key(call: RoPECall, forced: str | None) -> tuple:
     """What a backend choice may depend on; equal keys get the same backend.
 
-    Sizes enter as power-of-two buckets plus the two hard limits kernels have (int32 offsets,
-    65,535 blocks on a secondary grid axis), so a size limit is never hidden by a cached choice.
+    Sizes enter as power-of-two buckets plus which side of every declared element-count limit
+    (and of the int32 offset limit) the call is on, and whether a dimension passes the 65,535
+    blocks of a secondary grid axis, so a size limit is never hidden by a cached choice.
     """
     t = call.t
     numel = t.numel()
@@ -90,7 +101,7 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
         t.requires_grad and torch.is_grad_enabled(),
         stride_class(t),
         tuple(_bucket(n) for n in t.shape),
-        numel >= _INT32_LIMIT,
+        bisect.bisect_left(_size_limits(), numel),
         max(call.seq_len, call.batch) >= _GRID_AXIS_LIMIT,
         forced,
     )

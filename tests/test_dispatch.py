@@ -1,0 +1,157 @@
+"""Choice of backend: overrides, reasons in sentences, cached decisions, explain."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rope_dispatch as rd
+from rope_dispatch import dispatch, registry
+from rope_dispatch.backends.eager import rope_eager
+
+
+class Picky(rd.Backend):
+    """A test backend that only takes bshd and counts its checks."""
+
+    name = "picky"
+    priority = 1000
+    layouts = frozenset({"bshd"})
+    devices = frozenset({"cpu"})
+    checks = 0
+    runs = 0
+
+    def extra_reasons(self, call):
+        type(self).checks += 1
+        return []
+
+    def apply(self, call):
+        type(self).runs += 1
+        return rope_eager(call)
+
+
+@pytest.fixture
+def picky(monkeypatch):
+    monkeypatch.setitem(registry._REGISTRY, "picky", Picky())
+    monkeypatch.setattr(Picky, "checks", 0)
+    monkeypatch.setattr(Picky, "runs", 0)
+    monkeypatch.setenv("ROPE_AUTOTUNE", "0")
+    monkeypatch.delenv("ROPE_BACKEND", raising=False)
+    dispatch.clear_decisions()
+    yield Picky
+    dispatch.clear_decisions()
+
+
+def inputs(layout="bshd"):
+    t = torch.randn(2, 6, 3, 8) if layout == "bshd" else torch.randn(6, 2, 3, 8)
+    return t, torch.rand(6, 1, 1, 8), rd.RoPESpec(layout=layout, dtype="fp32")
+
+
+def test_list_backends_reports_every_backend():
+    infos = {b.name: b for b in rd.list_backends()}
+    assert {"eager", "triton", "te", "compile"} <= set(infos)
+    assert infos["eager"].available and infos["eager"].reasons == ()
+    for info in infos.values():
+        assert info.available or info.reasons, info  # unavailable always says why
+
+
+def test_priority_then_capability(picky):
+    t, f, spec = inputs("bshd")
+    rd.apply(t, f, spec)
+    assert picky.runs == 1
+    t, f, spec = inputs("sbhd")
+    rd.apply(t, f, spec)
+    assert picky.runs == 1  # picky refuses sbhd; another backend served it
+
+
+def test_decision_is_cached_per_static_key(picky):
+    t, f, spec = inputs("bshd")
+    for _ in range(5):
+        rd.apply(t, f, spec)
+    assert picky.runs == 5 and picky.checks == 1
+    rd.apply(torch.randn(2, 5, 3, 8), f, spec)  # same power-of-two bucket
+    assert picky.checks == 1
+    rd.apply(torch.randn(2, 6, 3, 8).half(), f, rd.RoPESpec(layout="bshd", dtype="fp16"))
+    assert picky.checks == 2
+
+
+def test_override_order(picky, monkeypatch):
+    t, f, spec = inputs("bshd")
+    monkeypatch.setenv("ROPE_BACKEND", "eager")
+    rd.apply(t, f, spec)
+    assert picky.runs == 0
+    with rd.use_backend("picky"):
+        rd.apply(t, f, spec)
+        assert picky.runs == 1
+        rd.apply(t, f, spec, backend="eager")
+        assert picky.runs == 1
+        with rd.use_backend(None):
+            rd.apply(t, f, spec)  # ROPE_BACKEND=eager applies again
+            assert picky.runs == 1
+    assert rd.explain(t, f, spec).chosen == "eager"
+    assert "ROPE_BACKEND" in rd.explain(t, f, spec).why
+
+
+def test_forced_backend_never_falls_back(picky):
+    t, f, spec = inputs("sbhd")
+    with pytest.raises(rd.BackendNotSupportedError) as info:
+        rd.apply(t, f, spec, backend="picky")
+    message = str(info.value)
+    assert "'picky'" in message and "backend= argument" in message
+    assert "layout 'sbhd' is not supported; supports bshd" in message
+
+
+def test_unknown_backend_lists_known(picky):
+    with pytest.raises(rd.UnknownBackendError, match="known backends: .*eager.*picky"):
+        with rd.use_backend("fastest"):
+            pass
+    assert isinstance(rd.UnknownBackendError("x"), rd.RoPEError)
+
+
+def test_no_backend_lists_every_reason(picky, monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTRY", {"picky": registry._REGISTRY["picky"]})
+    t, f, spec = inputs("sbhd")
+    with pytest.raises(rd.NoBackendError) as info:
+        rd.apply(t, f, spec)
+    assert "picky: layout 'sbhd' is not supported" in str(info.value)
+    assert "(6, 2, 3, 8)" in str(info.value)
+
+
+def test_explain_names_choice_and_rejections(picky):
+    t, f, spec = inputs("sbhd")
+    text = str(rd.explain(t, f, spec))
+    assert "backend: " in text
+    assert "picky: layout 'sbhd' is not supported; supports bshd" in text
+    for info in rd.list_backends():
+        assert info.name in text
+    forced = rd.explain(t, f, spec, backend="picky")
+    assert forced.chosen is None and "forced" in forced.why
+
+
+def test_size_limits_are_not_hidden_by_cache(picky, monkeypatch):
+    monkeypatch.setattr(Picky, "max_numel", 300)
+    dispatch.clear_decisions()  # the registry's size limits changed
+    f = torch.rand(8, 1, 1, 8)
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    rd.apply(torch.randn(2, 6, 3, 8), f, spec)  # 288 elements: picky serves it
+    assert picky.runs == 1
+    rd.apply(torch.randn(2, 7, 3, 8), f, spec)  # same bucket, but 336 > 300: refused
+    assert picky.runs == 1
+    reasons = rd.explain(torch.randn(2, 7, 3, 8), f, spec).rejected["picky"]
+    assert reasons == ["t has 336 elements; at most 300 supported"]
+
+
+def test_unavailable_backend_says_why():
+    class Missing(rd.Backend):
+        name = "missing"
+
+        def unavailable_reasons(self):
+            return ["package 'nothing' is not installed (pip install nothing)"]
+
+    class Broken(rd.Backend):
+        name = "broken"
+
+        def unavailable_reasons(self):
+            raise OSError("libfoo.so: cannot open shared object file")
+
+    assert Missing().availability == ("package 'nothing' is not installed (pip install nothing)",)
+    assert "OSError: libfoo.so" in Broken().availability[0]

@@ -1,0 +1,145 @@
+"""Every bad input raises a clear error that names the argument, the value and what was expected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+import rope_dispatch as rd
+
+SBHD = dict(layout="sbhd", dtype="fp32")
+
+
+def call(t=None, freqs=None, spec=None, **kw):
+    t = torch.randn(8, 2, 3, 16) if t is None else t
+    freqs = torch.rand(8, 1, 1, 16) if freqs is None else freqs
+    spec = rd.RoPESpec(**SBHD) if spec is None else spec
+    return rd.apply(t, freqs, spec, **kw)
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        (dict(layout="hsbd", dtype="fp32"), ["layout", "hsbd"]),
+        (dict(layout="sbhd", dtype="int8"), ["dtype", "int8"]),
+        (dict(layout="sbhd", dtype=torch.float64), ["float64", "not supported"]),
+        (dict(layout="sbhd", dtype=3), ["dtype", "3"]),
+        (dict(layout="sbhd", dtype="fp32", rotary_dim=7), ["rotary_dim", "7", "even"]),
+        (dict(layout="sbhd", dtype="fp32", rotary_dim=0), ["rotary_dim", "0"]),
+        (dict(layout="sbhd", dtype="fp32", cp_size=0), ["cp_size", "0"]),
+        (dict(layout="sbhd", dtype="fp32", cp_size=2, cp_rank=2), ["cp_rank", "2"]),
+        (dict(layout="sbhd", dtype="fp32", cp_rank=-1), ["cp_rank", "-1"]),
+        (dict(layout="thd", dtype="fp32"), ["thd", "cu_seqlens"]),
+        (dict(layout="sbhd", dtype="fp32", cu_seqlens=torch.tensor([0, 4])), ["cu_seqlens", "only", "thd"]),
+        (dict(layout="sbhd", dtype="fp32", max_seqlen=4), ["max_seqlen", "thd"]),
+        (dict(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0.0, 4.0])), ["cu_seqlens", "int32", "float32"]),
+        (dict(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([[0, 4]])), ["cu_seqlens", "1-D", "(1, 2)"]),
+        (dict(layout="thd", dtype="fp32", cu_seqlens=[0, 4]), ["cu_seqlens"]),
+        (dict(layout="sbhd", dtype="fp32", colour="red"), ["colour"]),
+    ],
+)
+def test_bad_spec(fields, words):
+    with pytest.raises(ValidationError) as info:
+        rd.RoPESpec(**fields)
+    assert isinstance(info.value, ValueError)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_spec_is_frozen_and_hashable():
+    spec = rd.RoPESpec(layout="bshd", dtype="bfloat16", rotary_dim=64)
+    with pytest.raises(ValidationError):
+        spec.layout = "sbhd"
+    assert spec.dtype is torch.bfloat16
+    assert spec.static_key == rd.RoPESpec(layout="bshd", dtype=torch.bfloat16, rotary_dim=64).static_key
+    assert {spec: 1}[spec] == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(t=torch.randn(8, 2, 3, 16).half()), ["t has dtype float16", "spec.dtype is float32"]),
+        (dict(t=torch.randint(0, 5, (8, 2, 3, 16))), ["int64", "float32"]),
+        (dict(t=torch.randn(8, 3, 16)), ["4 dims", "sbhd", "(8, 3, 16)"]),
+        (dict(freqs=torch.rand(8, 1, 1, 15)), ["even", "(8, 15)"]),
+        (dict(freqs=torch.rand(8, 1, 1, 32)), ["d2=32", "head dim d=16"]),
+        (dict(freqs=torch.rand(5, 1, 1, 16)), ["5 positions", "needs 8", ">= 8"]),
+        (dict(freqs=torch.rand(8, 2, 1, 16)), ["[s2, 1, 1, d2]", "(8, 2, 1, 16)"]),
+        (dict(freqs=torch.rand(8, 16).double()), ["float32", "float64"]),
+        (dict(freqs=torch.rand(8, 16).bfloat16()), ["float32", "bfloat16"]),
+        (dict(freqs=torch.rand(8)), ["freqs", "(8,)"]),
+        (dict(spec=rd.RoPESpec(**SBHD, rotary_dim=8)), ["rotary_dim=8", "d2=16"]),
+        (dict(spec=rd.RoPESpec(**SBHD, cp_size=2, cp_rank=1)), ["needs 16", "cp_size=2"]),
+        (dict(t=torch.randn(7, 2, 3, 16), spec=rd.RoPESpec(**SBHD, cp_size=2)), ["even", "7"]),
+        (dict(start_positions=torch.tensor([0, 1, 2])), ["start_positions", "[2]", "(3,)"]),
+        (dict(start_positions=torch.tensor([0.0, 1.0])), ["start_positions", "int32", "float32"]),
+        (dict(start_positions=torch.tensor([0, -1])), ["start_positions", ">= 0", "-1"]),
+        (dict(start_positions=torch.tensor([0, 1])), ["start_positions max 1", "needs 9"]),
+        (dict(start_positions=[0, 1]), ["start_positions", "list"]),
+        (dict(spec=rd.RoPESpec(**SBHD, cp_size=2), freqs=torch.rand(16, 16), start_positions=torch.tensor([0, 0])),
+         ["start_positions", "cp_size=2"]),
+        (dict(backend="nope"), ["unknown backend 'nope'", "eager"]),
+        (dict(t=[1.0]), ["t must be a torch.Tensor", "list"]),
+        (dict(freqs="angles"), ["freqs", "str"]),
+        (dict(spec={"layout": "sbhd"}), ["spec must be", "dict"]),
+    ],
+)
+def test_bad_call(kwargs, words):
+    with pytest.raises((rd.RoPEError, TypeError)) as info:
+        call(**kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+THD_T = torch.randn(10, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "cu, kw, words",
+    [
+        ([0, 6, 4, 10], {}, ["non-decreasing", "cu_seqlens[2]=4", "cu_seqlens[1]=6"]),
+        ([1, 6, 10], {}, ["start at 0", "1"]),
+        ([0, 6, 12], {}, ["cu_seqlens[-1]=12", "t.shape[0]=10"]),
+        ([0, 6, 10], dict(max_seqlen=5), ["max_seqlen=5", "length 6"]),
+        ([0, 10, 20], dict(cp_size=2), ["divisible by 2*cp_size=4", "length 10"]),
+        ([0, 3, 10], dict(freqs_len=6), ["6 positions", "up to 6", ">= 7"]),
+    ],
+)
+def test_bad_cu_seqlens(cu, kw, words):
+    freqs_len = kw.pop("freqs_len", 16)
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor(cu), **kw)
+    with pytest.raises(rd.RoPEError) as info:
+        rd.apply(THD_T, torch.rand(freqs_len, 8), spec)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_thd_start_positions_past_table():
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 4, 10]))
+    with pytest.raises(rd.RoPEError, match="up to 16"):
+        rd.apply(THD_T, torch.rand(16, 8), spec, start_positions=torch.tensor([0, 11]))
+    rd.apply(THD_T, torch.rand(17, 8), spec, start_positions=torch.tensor([0, 11]))
+
+
+def test_bad_cache_object():
+    bad = rd.CosSinCache(torch.rand(8, 16).double(), torch.rand(8, 16))
+    with pytest.raises(rd.RoPEError, match="CosSinCache"):
+        call(freqs=bad)
+
+
+def test_with_cu_seqlens_checks_tensor():
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 10]))
+    with pytest.raises(rd.RoPEError, match="int32 or int64"):
+        spec.with_cu_seqlens(torch.tensor([0.0, 10.0]))
+    with pytest.raises(rd.RoPEError, match="needs layout 'thd'"):
+        rd.RoPESpec(**SBHD).with_cu_seqlens(torch.tensor([0, 10]))
+    new = spec.with_cu_seqlens(torch.tensor([0, 4, 10]), max_seqlen=6)
+    assert new.max_seqlen == 6 and new.cu_seqlens.tolist() == [0, 4, 10]
+    assert rd.apply(THD_T, torch.rand(6, 8), new).shape == THD_T.shape
+
+
+def test_errors_are_value_errors():
+    assert issubclass(rd.RoPEError, ValueError)
+    assert issubclass(rd.NoBackendError, rd.RoPEError)
+    assert issubclass(rd.BackendNotSupportedError, rd.RoPEError)
