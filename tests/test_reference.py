@@ -46,3 +46,25 @@ def test_context_parallel_ranks_tile_the_sequence():
 def test_thd_positions_restart_per_sequence():
     pos = reference_positions("thd", (7, 1, 2), cu_seqlens=[0, 3, 3, 7], start_positions=[10, 0, 2])
     assert pos.tolist() == [10, 11, 12, 2, 3, 4, 5]
+
+
+def test_packaged_reference_agrees_with_test_reference():
+    """rope_dispatch.reference (used by the selftest) against this directory's reference."""
+    from hypothesis import given
+
+    import rope_dispatch as rd
+    from cases import build, cases
+    from reference import reference_for
+    from rope_dispatch.reference import reference_apply
+
+    @given(cases())
+    def check(case):
+        t, table, spec, starts, angles = build(case, requires_grad=False)
+        call = rd.check_call(t, table, spec, starts)
+        packaged = reference_apply(call, t)
+        if case.use_cache:
+            assert (packaged - reference_for(t, angles, spec, starts)).abs().max() < 1e-6
+        else:
+            torch.testing.assert_close(packaged, reference_for(t, angles, spec, starts), rtol=0, atol=1e-12)
+
+    check()

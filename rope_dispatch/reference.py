@@ -1,0 +1,67 @@
+"""A float64 reference shipped with the package, so ``selftest`` can check backends anywhere.
+
+Written from the formula in docs/semantics.md, independently of the backends: positions from
+the chunk definition of context parallelism, the rotation from an explicit partner index and
+sign per channel. The test suite checks it against its own loop-based reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .call import RoPECall
+from .tables import CosSinCache
+
+
+def reference_positions(call: RoPECall) -> torch.Tensor:
+    """int64 table row of every token, shaped like ``t.shape[:-2]`` (on the CPU)."""
+    spec = call.spec
+    cp, rank = spec.cp_size, spec.cp_rank
+
+    def global_pos(i: torch.Tensor, local_len: torch.Tensor) -> torch.Tensor:
+        if cp == 1:
+            return i
+        chunk = local_len // 2
+        second = i >= chunk
+        held = torch.where(second, 2 * cp - 1 - rank, rank)
+        return held * chunk + torch.where(second, i - chunk, i)
+
+    starts = None if call.start_positions is None else call.start_positions.cpu().long()
+    if spec.layout == "thd":
+        lengths = (spec.cu_seqlens.cpu().long() // cp).diff()
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        first = torch.cumsum(lengths, 0) - lengths
+        i = torch.arange(int(lengths.sum())) - first[seq]
+        pos = global_pos(i, lengths[seq])
+        return pos if starts is None else pos + starts[seq]
+    s = call.seq_len
+    pos = global_pos(torch.arange(s), torch.tensor(s))[:, None].expand(s, call.batch)
+    if starts is not None:
+        pos = pos + starts[None, :]
+    return pos if spec.layout == "sbhd" else pos.t()
+
+
+def reference_cos_sin(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 cos and sin ``[s2, d2]`` (from the angles, or the cache's float32 values)."""
+    if isinstance(call.table, CosSinCache):
+        return call.table.cos.double().cpu(), call.table.sin.double().cpu()
+    angles = call.table.double().cpu()
+    return torch.cos(angles), torch.sin(angles)
+
+
+def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor:
+    """float64 RoPE of ``x`` (``call.t``'s values, any float dtype, on the CPU); differentiable."""
+    d2 = call.rotary_dim
+    cos, sin = reference_cos_sin(call)
+    pos = reference_positions(call)
+    cos, sin = cos[pos].unsqueeze(-2), sin[pos].unsqueeze(-2)
+    i = torch.arange(d2)
+    if call.spec.interleaved:
+        partner, sign = i ^ 1, torch.where(i % 2 == 0, -1.0, 1.0)
+    else:
+        half = d2 // 2
+        partner, sign = (i + half) % d2, torch.where(i < half, -1.0, 1.0)
+    x = x.double()
+    head = x[..., :d2]
+    out = head * cos + sign.double() * head[..., partner] * sin
+    return torch.cat((out, x[..., d2:]), dim=-1)

@@ -1,0 +1,259 @@
+"""``python -m rope_dispatch.selftest``: what this machine can run, and proof that it is right.
+
+Prints versions, every backend's availability with reasons, the overrides in force and the
+autotune cache, then checks every available backend against the float64 reference
+(:mod:`rope_dispatch.reference`) over a small grid of calls, forward and backward, with timings.
+Exit code 1 when any check fails. ``--json`` prints one JSON document instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+
+import torch
+
+import rope_dispatch as rd
+from rope_dispatch import autotune
+from rope_dispatch.reference import reference_apply
+from rope_dispatch.tables import cos_sin_cache
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@dataclass(frozen=True)
+class GridCase:
+    """One call of the selftest grid."""
+
+    label: str
+    layout: str
+    dtype: torch.dtype
+    head_dim: int = 64
+    rotary_dim: int = 64
+    interleaved: bool = False
+    cp_size: int = 1
+    cp_rank: int = 0
+    starts: bool = False
+    cache: bool = False
+    strided: bool = False
+
+
+GRID = (
+    GridCase("sbhd bf16", "sbhd", torch.bfloat16),
+    GridCase("bshd fp16 partial interleaved", "bshd", torch.float16, rotary_dim=32, interleaved=True),
+    GridCase("sbhd fp32 cp 2/rank 1", "sbhd", torch.float32, cp_size=2, cp_rank=1),
+    GridCase("bshd bf16 start_positions", "bshd", torch.bfloat16, starts=True),
+    GridCase("sbhd bf16 qkv-slice cos/sin cache", "sbhd", torch.bfloat16, cache=True, strided=True),
+    GridCase("thd bf16 partial start_positions", "thd", torch.bfloat16, rotary_dim=32, starts=True),
+    GridCase("thd fp32 cp 2/rank 0 interleaved", "thd", torch.float32, cp_size=2, interleaved=True),
+)
+
+
+def versions() -> dict[str, str]:
+    """Versions of everything a result depends on (packages read without importing them)."""
+    def pkg(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        device = f"{torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]}, CUDA {torch.version.cuda})"
+    else:
+        device = f"CPU only ({platform.machine()}, {os.cpu_count()} cores)"
+    te = pkg("transformer-engine")
+    if te == "not installed":
+        te = pkg("transformer_engine")
+    return {
+        "python": platform.python_version(),
+        "rope-dispatch": rd.__version__,
+        "torch": torch.__version__,
+        "triton": pkg("triton"),
+        "transformer-engine": te,
+        "device": device,
+    }
+
+
+def make_inputs(case: GridCase, device: str, gen: torch.Generator):
+    """``(t, table, spec, start_positions)`` for one grid case (table halves deliberately unequal)."""
+    heads, batch, seq = (8, 2, 96) if device == "cuda" else (4, 2, 32)
+    cp = case.cp_size
+    cu = None
+    if case.layout == "thd":
+        lengths = torch.tensor([seq, 6, 0, seq // 2]) * cp
+        if cp > 1:
+            lengths = (lengths // (2 * cp)) * 2 * cp
+        cu = torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))).int()
+        shape, batch, longest = (int(lengths.sum()) // cp, heads, case.head_dim), len(lengths), int(lengths.max())
+    elif case.layout == "sbhd":
+        shape, longest = (seq, batch, heads, case.head_dim), seq * cp
+    else:
+        shape, longest = (batch, seq, heads, case.head_dim), seq * cp
+    starts = torch.randint(0, 9, (batch,), generator=gen) if case.starts else None
+    s2 = longest + (0 if starts is None else int(starts.max())) + 3
+    angles = (torch.rand(s2, 1, 1, case.rotary_dim, generator=gen) * 200 - 100).to(device)
+    if case.strided:
+        t = torch.randn(*shape[:-2], 3 * shape[-2], shape[-1], generator=gen)[..., heads : 2 * heads, :]
+    else:
+        t = torch.randn(*shape, generator=gen)
+    t = t.to(case.dtype).to(device)
+    spec = rd.RoPESpec(
+        layout=case.layout, dtype=case.dtype, rotary_dim=case.rotary_dim, interleaved=case.interleaved,
+        cu_seqlens=None if cu is None else cu.to(device), cp_size=cp, cp_rank=case.cp_rank,
+    )
+    table = cos_sin_cache(angles) if case.cache else angles
+    return t, table, spec, None if starts is None else starts.to(device)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.detach().double().cpu(), expected.detach().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float(((a - e).abs() / (1 + e.abs())).max())
+
+
+def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
+    """Forward and backward of one backend on one case against the reference, and a timing."""
+    gen = torch.Generator().manual_seed(seed)
+    t, table, spec, starts = make_inputs(case, device, gen)
+    result = {"backend": backend, "case": case.label, "device": device}
+    x = t.detach().requires_grad_(True)
+    try:
+        out = rd.apply(x, table, spec, start_positions=starts, backend=backend)
+    except rd.BackendNotSupportedError as exc:
+        return result | {"status": "not supported", "detail": str(exc).split(": ", 1)[-1]}
+    except Exception as exc:  # a backend that crashes is a failed check, not a crashed selftest
+        return result | {"status": "FAIL", "detail": f"{type(exc).__name__}: {exc}"}
+    grad_out = torch.randn(out.shape, generator=gen).to(t.dtype).to(device)
+    (grad,) = torch.autograd.grad(out, x, grad_out)
+    call = rd.check_call(t, table, spec, starts)
+    ref_x = t.detach().cpu().double().requires_grad_(True)
+    ref = reference_apply(call, ref_x)
+    (ref_grad,) = torch.autograd.grad(ref, ref_x, grad_out.cpu().double())
+    fwd_err, bwd_err = _max_error(out, ref), _max_error(grad, ref_grad)
+    tol = TOLERANCE[t.dtype]
+    times = []
+    for i in range(7):
+        _sync(device)
+        start = time.perf_counter()
+        y = rd.apply(x, table, spec, start_positions=starts, backend=backend)
+        torch.autograd.grad(y, x, grad_out)
+        _sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    ok = fwd_err <= tol and bwd_err <= tol and out.shape == t.shape and out.is_contiguous()
+    return result | {
+        "status": "ok" if ok else "FAIL",
+        "forward_error": fwd_err,
+        "backward_error": bwd_err,
+        "tolerance": tol,
+        "fwd_bwd_ms": statistics.median(times) * 1e3,
+    }
+
+
+def _cache_report() -> dict:
+    report = {"autotune": os.environ.get("ROPE_AUTOTUNE", "1") != "0"}
+    for name in ("cache_dir", "cache_entries"):
+        fn = getattr(autotune, name, None)
+        if fn is not None:
+            try:
+                value = fn()
+                report[name] = str(value) if name == "cache_dir" else value
+            except Exception as exc:
+                report[name] = f"unreadable: {exc}"
+    return report
+
+
+def run(devices: list[str], progress) -> dict:
+    """Every available backend on every case and device; the whole report as a dict."""
+    infos = rd.list_backends()
+    jobs = [
+        (info.name, case, device)
+        for device in devices
+        for info in infos
+        if info.available
+        for case in GRID
+    ]
+    checks = []
+    for i, (name, case, device) in enumerate(jobs, 1):
+        progress(f"[{i}/{len(jobs)}] {name} on {device}: {case.label}")
+        checks.append(check(name, case, device, seed=i))
+    return {
+        "versions": versions(),
+        "backends": [asdict(info) for info in infos],
+        "override": os.environ.get("ROPE_BACKEND") or None,
+        "cache": _cache_report(),
+        "checks": checks,
+        "ok": all(c["status"] != "FAIL" for c in checks) and bool(checks),
+    }
+
+
+def _print_report(report: dict) -> None:
+    print("rope-dispatch selftest")
+    for key, value in report["versions"].items():
+        print(f"  {key:20s} {value}")
+    print("\nbackends (highest priority first)")
+    for b in report["backends"]:
+        state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
+        print(f"  {b['name']:10s} {state}")
+    print(f"\noverride: ROPE_BACKEND={report['override'] or '(unset)'}")
+    cache = report["cache"]
+    print(f"autotune: {'on' if cache['autotune'] else 'off (ROPE_AUTOTUNE=0)'}", end="")
+    if "cache_dir" in cache:
+        entries = cache.get("cache_entries", [])
+        count = len(entries) if isinstance(entries, list) else entries
+        print(f", cache {cache['cache_dir']} ({count} entries)")
+        for entry in entries if isinstance(entries, list) else []:
+            print(f"  {entry}")
+    else:
+        print()
+    print(f"\n{'backend':10s} {'device':6s} {'case':36s} {'status':14s} {'fwd err':>9s} {'bwd err':>9s} {'fwd+bwd':>10s}")
+    for c in report["checks"]:
+        if "forward_error" in c:
+            print(
+                f"{c['backend']:10s} {c['device']:6s} {c['case']:36s} {c['status']:14s} "
+                f"{c['forward_error']:9.2e} {c['backward_error']:9.2e} {c['fwd_bwd_ms']:8.3f}ms"
+            )
+        else:
+            print(f"{c['backend']:10s} {c['device']:6s} {c['case']:36s} {c['status']:14s} {c['detail']}")
+    failed = sum(c["status"] == "FAIL" for c in report["checks"])
+    print(f"\n{'PASS' if report['ok'] else 'FAIL'}: {len(report['checks']) - failed} checks passed, {failed} failed")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rope_dispatch.selftest", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
+                        help="devices to check (default: CPU, and CUDA when present)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch")
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    report = run(devices, progress)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        _print_report(report)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

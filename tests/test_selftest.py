@@ -1,0 +1,47 @@
+"""The selftest reports every backend and fails when a backend is wrong."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+import rope_dispatch as rd
+from rope_dispatch import registry, selftest
+from rope_dispatch.backends.eager import rope_eager
+
+
+class WrongSign(rd.Backend):
+    """Negates every output: the selftest must catch it."""
+
+    name = "wrong-sign"
+    devices = frozenset({"cpu"})
+
+    def apply(self, call):
+        return -rope_eager(call)
+
+
+def test_selftest_cli_json():
+    proc = subprocess.run(
+        [sys.executable, "-m", "rope_dispatch.selftest", "--json", "--device", "cpu"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] is True
+    assert report["versions"]["torch"] == torch.__version__
+    names = {b["name"] for b in report["backends"]}
+    assert {"eager", "triton", "te", "compile"} <= names
+    eager = [c for c in report["checks"] if c["backend"] == "eager"]
+    assert len(eager) == len(selftest.GRID) and all(c["status"] == "ok" for c in eager)
+    assert "[1/" in proc.stderr  # progress goes to stderr
+
+
+def test_selftest_fails_on_a_wrong_backend(monkeypatch, capsys):
+    monkeypatch.setitem(registry._REGISTRY, "wrong-sign", WrongSign())
+    monkeypatch.setattr(selftest, "GRID", selftest.GRID[:2])
+    assert selftest.main(["--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "wrong-sign" in out and "FAIL" in out
