@@ -26,28 +26,40 @@ def zigzag_positions(local: torch.Tensor, local_len: torch.Tensor | int, cp_size
     return torch.where(local < half, first, second)
 
 
+def positions(
+    shape: torch.Size, layout: str, cu_seqlens: torch.Tensor | None,
+    start_positions: torch.Tensor | None, cp_size: int, cp_rank: int, device: torch.device,
+) -> torch.Tensor:
+    """The table row of every token of a ``t`` of ``shape``: ``[s, b]``, ``[b, s]`` or ``[T]``.
+
+    A function of tensors and plain settings only (no :class:`RoPECall`), so that torch.compile
+    can trace it with symbolic sizes.
+    """
+    starts = None if start_positions is None else start_positions.long()
+    if layout == "thd":
+        cu = cu_seqlens.long() // cp_size
+        token = torch.arange(shape[0], device=device)
+        seq = torch.searchsorted(cu[1:], token, right=True).clamp_(max=cu.numel() - 2)
+        local = token - cu[seq]
+        if cp_size > 1:
+            return zigzag_positions(local, cu[seq + 1] - cu[seq], cp_size, cp_rank)
+        return local if starts is None else local + starts[seq]
+    seq_len = shape[0] if layout == "sbhd" else shape[1]
+    local = torch.arange(seq_len, device=device)
+    pos = zigzag_positions(local, seq_len, cp_size, cp_rank) if cp_size > 1 else local
+    pos = pos[:, None] if layout == "sbhd" else pos[None, :]
+    if starts is not None:
+        pos = pos + (starts[None, :] if layout == "sbhd" else starts[:, None])
+    return pos.expand(*shape[:-2])
+
+
 def token_positions(call: RoPECall) -> torch.Tensor:
     """The table row of every token: ``[s, b]`` (sbhd), ``[b, s]`` (bshd) or ``[T]`` (thd)."""
-    spec, device = call.spec, call.t.device
-    cp, rank = spec.cp_size, spec.cp_rank
-    starts = None if call.start_positions is None else call.start_positions.long()
-    if spec.layout == "thd":
-        cu = spec.cu_seqlens.long() // cp
-        token = torch.arange(call.seq_len, device=device)
-        seq = torch.searchsorted(cu[1:], token, right=True).clamp_(max=call.batch - 1)
-        local = token - cu[seq]
-        if cp > 1:
-            return zigzag_positions(local, cu[seq + 1] - cu[seq], cp, rank)
-        return local if starts is None else local + starts[seq]
-    local = torch.arange(call.seq_len, device=device)
-    if cp > 1:
-        pos = zigzag_positions(local, call.seq_len, cp, rank)
-    else:
-        pos = local
-    pos = pos[:, None] if spec.layout == "sbhd" else pos[None, :]
-    if starts is not None:
-        pos = pos + (starts[None, :] if spec.layout == "sbhd" else starts[:, None])
-    return pos.expand(*call.t.shape[:-2])
+    spec = call.spec
+    return positions(
+        call.t.shape, spec.layout, spec.cu_seqlens, call.start_positions, spec.cp_size,
+        spec.cp_rank, call.t.device,
+    )
 
 
 def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -59,17 +71,34 @@ def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def rope_eager(call: RoPECall) -> torch.Tensor:
-    """``out = x cos + rotate(x) sin`` on the first d2 channels in float32, the rest copied."""
-    cos, sin = table_cos_sin(call.table)
-    pos = token_positions(call)
+def rope_tensors(
+    t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None,
+    start_positions: torch.Tensor | None, *, layout: str, interleaved: bool, cp_size: int,
+    cp_rank: int,
+) -> torch.Tensor:
+    """``out = x cos + rotate(x) sin`` on the first d2 channels in float32, the rest copied.
+
+    ``cos``/``sin`` are float32 ``[s2, d2]``. Pure in its tensor arguments, so the compile
+    backend traces exactly this math.
+    """
+    pos = positions(t.shape, layout, cu_seqlens, start_positions, cp_size, cp_rank, t.device)
     cos, sin = cos[pos].unsqueeze(-2), sin[pos].unsqueeze(-2)
-    t, d2 = call.t, call.rotary_dim
+    d2 = cos.shape[-1]
     x = t[..., :d2].float()
-    rotated = (x * cos + rotate(x, call.spec.interleaved) * sin).to(t.dtype)
-    if d2 == call.head_dim:
+    rotated = (x * cos + rotate(x, interleaved) * sin).to(t.dtype)
+    if d2 == t.shape[-1]:
         return rotated.contiguous()
     return torch.cat((rotated, t[..., d2:]), dim=-1)
+
+
+def rope_eager(call: RoPECall) -> torch.Tensor:
+    """RoPE of a checked call in plain PyTorch (see :func:`rope_tensors`)."""
+    spec = call.spec
+    cos, sin = table_cos_sin(call.table)
+    return rope_tensors(
+        call.t, cos, sin, spec.cu_seqlens, call.start_positions, layout=spec.layout,
+        interleaved=spec.interleaved, cp_size=spec.cp_size, cp_rank=spec.cp_rank,
+    )
 
 
 class EagerBackend(Backend):
