@@ -129,6 +129,16 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
+def unregister(name: str) -> Backend:
+    """Remove the backend registered as ``name`` and return it (tests, plugins being unloaded)."""
+    backend = get_backend(name)
+    del _REGISTRY[name]
+    from . import dispatch
+
+    dispatch.clear_decisions()
+    return backend
+
+
 def backends() -> list[Backend]:
     """Registered backends, highest priority first."""
     return sorted(_REGISTRY.values(), key=lambda b: -b.priority)
