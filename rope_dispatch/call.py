@@ -14,7 +14,7 @@ only where no static promise makes them unnecessary (see docs/semantics.md):
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -23,9 +23,8 @@ from .spec import RoPESpec, dtype_name
 from .tables import CosSinCache, RotaryTable, angles_2d
 
 
-@dataclass(frozen=True, slots=True)
-class RoPECall:
-    """One checked call: what every backend receives.
+class RoPECall(NamedTuple):
+    """One checked call: what every backend receives (a tuple: cheap to build per call).
 
     ``table`` is ``[s2, d2]`` float32 angles or a :class:`CosSinCache`. ``seq_len`` is the local
     sequence length ``s`` (tokens ``T`` for thd), ``batch`` is ``b`` (the number of sequences for

@@ -29,6 +29,7 @@ from .tables import RotaryTable
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rope_backend", default=None)
 _decisions: dict[tuple, tuple[Backend, str]] = {}
+_exact: dict[tuple, Backend] = {}
 _MAX_DECISIONS = 4096
 _INT32_LIMIT = 2**31
 _GRID_AXIS_LIMIT = 65536
@@ -37,6 +38,7 @@ _GRID_AXIS_LIMIT = 65536
 def clear_decisions() -> None:
     """Forget cached decisions (after registering a backend or clearing the autotune cache)."""
     _decisions.clear()
+    _exact.clear()
     _size_limits.cache_clear()
 
 
@@ -151,17 +153,34 @@ def _describe(call: RoPECall) -> str:
 
 
 def choose(call: RoPECall, backend: str | None = None) -> Backend:
-    """The backend that runs ``call``: cached per :func:`decision_key`."""
+    """The backend that runs ``call``.
+
+    Two memo levels keep this cheap: an exact key (the spec's static key, the tensor's shape,
+    device and stride class, ...) answers repeated shapes with one dict lookup; a new shape
+    falls back to :func:`decision_key`'s bucketed key, and only a new bucket runs the checks.
+    """
     forced, source = requested_backend(backend)
+    t = call.t
+    exact = (
+        call.spec.static_key, t.shape, call.batch, t.device, call.uses_cache, call.start_positions is None,
+        t.requires_grad and torch.is_grad_enabled(), stride_class(t), forced,
+    )
+    hit = _exact.get(exact)
+    if hit is not None:
+        return hit
     key = decision_key(call, forced)
-    hit = _decisions.get(key)
-    if hit is None:
-        hit = _decide(call, forced, source)
-        if autotune.decision_is_final(hit[1]):
-            if len(_decisions) >= _MAX_DECISIONS:
-                _decisions.clear()
-            _decisions[key] = hit
-    return hit[0]
+    decision = _decisions.get(key)
+    if decision is None:
+        decision = _decide(call, forced, source)
+        if not autotune.decision_is_final(decision[1]):
+            return decision[0]
+        if len(_decisions) >= _MAX_DECISIONS:
+            _decisions.clear()
+        _decisions[key] = decision
+    if len(_exact) >= _MAX_DECISIONS:
+        _exact.clear()
+    _exact[exact] = decision[0]
+    return decision[0]
 
 
 def apply(

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from .errors import RoPEError
 
@@ -89,8 +90,6 @@ class RoPESpec(BaseModel):
     cp_size: int = Field(default=1, description="context-parallel world size")
     cp_rank: int = Field(default=0, description="this rank in the context-parallel group")
 
-    _static_key: tuple = PrivateAttr(default=())
-
     @model_validator(mode="after")
     def _check(self) -> RoPESpec:
         if self.rotary_dim is not None and (self.rotary_dim <= 0 or self.rotary_dim % 2):
@@ -117,10 +116,11 @@ class RoPESpec(BaseModel):
                 )
         if self.max_seqlen is not None and self.max_seqlen < 1:
             raise ValueError(f"max_seqlen must be >= 1, got {self.max_seqlen}")
-        self._static_key = self._make_static_key()
         return self
 
-    def _make_static_key(self) -> tuple:
+    @functools.cached_property
+    def static_key(self) -> tuple:
+        """Hashable tuple of every field but the ``cu_seqlens`` tensor (computed once)."""
         return (
             self.layout,
             dtype_name(self.dtype),
@@ -131,15 +131,10 @@ class RoPESpec(BaseModel):
             self.cp_rank,
         )
 
-    @property
-    def static_key(self) -> tuple:
-        """Hashable tuple of every field but the ``cu_seqlens`` tensor."""
-        return self._static_key
-
     def static_fields(self) -> dict[str, Any]:
         """The static fields as JSON-friendly values (for cache keys and reports)."""
         names = ("layout", "dtype", "rotary_dim", "interleaved", "max_seqlen", "cp_size", "cp_rank")
-        return dict(zip(names, self._static_key))
+        return dict(zip(names, self.static_key))
 
     def with_cu_seqlens(
         self, cu_seqlens: torch.Tensor, max_seqlen: int | None = None
@@ -151,11 +146,17 @@ class RoPESpec(BaseModel):
         if max_seqlen is not None and max_seqlen < 1:
             raise RoPEError(f"max_seqlen must be >= 1, got {max_seqlen}")
         new = self.model_copy(update={"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen})
-        new._static_key = new._make_static_key()
+        new.__dict__.pop("static_key", None)  # model_copy copies the cached key of the old spec
         return new
 
     def __hash__(self) -> int:
-        return hash(self._static_key) ^ id(self.cu_seqlens)
+        return hash(self.static_key) ^ id(self.cu_seqlens)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal static fields and the very same ``cu_seqlens`` tensor (tensors compare by identity)."""
+        if not isinstance(other, RoPESpec):
+            return NotImplemented
+        return self.static_key == other.static_key and self.cu_seqlens is other.cu_seqlens
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.static_fields().items())

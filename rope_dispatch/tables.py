@@ -39,12 +39,27 @@ class CosSinCache:
 RotaryTable = torch.Tensor | CosSinCache
 
 
+_recent_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
     """Check an angle table ``[s2, 1, 1, d2]`` or ``[s2, d2]`` and return it as ``[s2, d2]``.
 
     The result is a view when the input is contiguous float32 (the usual case), so a call pays
-    no copy; other strides are made contiguous once here.
+    no copy; other strides are made contiguous here. The last few tables are remembered, so a
+    training step that passes the same table to every layer checks it once.
     """
+    hit = _recent_tables.get(id(freqs))
+    if hit is not None and hit[0] is freqs and hit[0].shape[0] == hit[1].shape[0]:
+        return hit[1]
+    table = _angles_2d(freqs, argument)
+    if len(_recent_tables) >= 8:
+        _recent_tables.clear()
+    _recent_tables[id(freqs)] = (freqs, table)
+    return table
+
+
+def _angles_2d(freqs: torch.Tensor, argument: str) -> torch.Tensor:
     if not isinstance(freqs, torch.Tensor):
         raise TypeError(
             f"{argument} must be a float32 torch.Tensor [s2, 1, 1, d2] or [s2, d2], or a "
