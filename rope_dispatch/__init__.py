@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import autotune
+from .autotune import cache_dir, cache_entries, clear_cache
 from .call import RoPECall, check_call
 from .dispatch import Explanation, apply, explain, use_backend
 from .errors import BackendNotSupportedError, NoBackendError, RoPEError, UnknownBackendError
@@ -29,4 +31,5 @@ __all__ = [
     "NoBackendError", "RoPECall", "RoPEError", "RoPESpec", "UnknownBackendError", "apply",
     "check_call", "cos_sin_cache", "explain", "get_backend", "list_backends", "register",
     "use_backend",
+    "autotune", "cache_dir", "cache_entries", "clear_cache",
 ]
