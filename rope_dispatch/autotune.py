@@ -1,21 +1,688 @@
-"""Choosing among several capable backends. Placeholder: priority order until measurement lands."""
+"""Choosing among several capable backends by measuring them once per machine.
+
+When two or more backends can serve a call, :func:`select` times each of them on a private copy
+of the call's tensor (forward, plus backward when ``t`` requires grad), keeps the fastest and
+remembers it in memory and on disk. Later calls with the same key, in this process or any later
+one on the same machine and software, read the choice instead of measuring.
+
+The key (see :func:`key_fields`) is the spec's static fields, power-of-two shape buckets, the
+stride class, the table kind, whether ``start_positions`` is given, whether the call needs a
+backward, the sorted candidate names, and the environment: device name and capability, versions
+of rope-dispatch, torch, triton and TransformerEngine, a sha256 of the backends' source files and
+a schema version. It is hashed with sha256 over sorted JSON (Python's ``hash()`` differs between
+processes).
+
+Storage: one JSON file per key in ``<cache_dir()>/<device>-<environment hash>/``. Each file is
+written to a temporary file in the same directory and moved into place with ``os.replace``, so
+readers see a whole file or none, and processes tuning different keys never touch each other's
+files: no lock is needed and no entry is lost. A corrupt, truncated or foreign file is ignored
+with one warning and rewritten; an unwritable directory leaves the choices in memory.
+
+Nothing is measured while ``torch.compile`` traces, while a CUDA graph is captured, or on a
+tensor subclass (fake tensors): such calls use a cached choice or the priority order, and a
+priority-order decision there is provisional so that a later real call measures.
+``ROPE_AUTOTUNE=0`` turns measuring off: the priority order decides and the cache is not read.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from .call import RoPECall
 from .registry import Backend
 
+SCHEMA_VERSION = 1
+"""Bumped whenever the key or the entry format changes; old entries then stop matching."""
+
+_log = logging.getLogger(__name__)
+
+_ROUNDS = 5  # timed rounds per candidate; the median round counts
+_ROUND_SECONDS = 2e-3  # a round repeats the call until it lasts about this long
+_MAX_CALLS_PER_ROUND = 100
+_SLOW_CALL_SECONDS = 0.05  # calls slower than this get 3 rounds of one call
+
+_PROVISIONAL = "provisional"
+_NOT_MEASURED = "would measure on first call"
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{64}\.json$")
+_ENVIRONMENT_FILE = "environment.json"
+
+_lock = threading.RLock()
+_memory: dict[str, tuple[str, str]] = {}  # key digest -> (backend name, why)
+_warned: set[str] = set()  # files and directories already warned about
+_unwritable: set[str] = set()  # directories where writing failed: memory only from then on
+_failed_backends: set[str] = set()  # backends already warned about for raising while measured
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKey:
+    """Where one call's measurement lives: the key digest and the file that holds it."""
+
+    digest: str
+    path: Path
+    fields: dict[str, Any]
+
+
+def autotune_enabled() -> bool:
+    """False when ``ROPE_AUTOTUNE`` is ``0`` (or ``false``/``off``/``no``)."""
+    return os.environ.get("ROPE_AUTOTUNE", "1").strip().lower() not in {"0", "false", "off", "no"}
+
+
+def cache_dir() -> Path:
+    """The cache root: ``ROPE_DISPATCH_CACHE_DIR``, else the user cache directory."""
+    env = os.environ.get("ROPE_DISPATCH_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("rope-dispatch"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The key
+
+
+def _sha256_json(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _bucket(n: Any) -> int:
+    """The power of two at or above ``n``; a symbolic size is compared, never specialised."""
+    if isinstance(n, int):
+        return 1 << max(n - 1, 0).bit_length()
+    bucket = 1
+    while bucket < n:
+        bucket *= 2
+    return bucket
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict[str, str | None]:
+    """Installed versions, read from package metadata (TransformerEngine is not imported)."""
+    return {
+        "rope-dispatch": _dist_version("rope-dispatch"),
+        "torch": torch.__version__,
+        "triton": _dist_version("triton", "pytorch-triton", "pytorch-triton-rocm"),
+        "transformer-engine": _dist_version(
+            "transformer-engine", "transformer_engine", "transformer-engine-cu12",
+            "transformer-engine-cu13",
+        ),
+        "transformer-engine-torch": _dist_version("transformer-engine-torch", "transformer_engine_torch"),
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_sources_sha() -> str:
+    """sha256 over the backends' source files of the installed package (name and bytes)."""
+    from . import backends
+
+    digest = hashlib.sha256()
+    for folder in backends.__path__:
+        for path in sorted(Path(folder).glob("*.py")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _device_fields(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return {
+            "type": "cuda",
+            "name": torch.cuda.get_device_name(index),
+            "capability": list(torch.cuda.get_device_capability(index)),
+            "runtime": torch.version.hip or torch.version.cuda,
+        }
+    if device.type == "cpu":
+        # CPU timings depend on the thread count, so it is part of the device.
+        return {
+            "type": "cpu",
+            "name": _cpu_name(),
+            "machine": platform.machine(),
+            "threads": torch.get_num_threads(),
+        }
+    return {"type": device.type, "name": str(device)}
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    """Everything outside the call that a measurement depends on."""
+    return {
+        "schema": SCHEMA_VERSION,
+        "device": _device_fields(device),
+        "versions": _versions(),
+        "kernel_sources_sha256": _kernel_sources_sha(),
+    }
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._]+", "-", text).strip("-")[:60] or "device"
+
+
+def environment_dir(device: torch.device | str) -> Path:
+    """The cache subdirectory for ``device`` and the installed versions."""
+    device = torch.device(device)
+    env = _environment(device)
+    dev = env["device"]
+    label = dev["name"]
+    if "capability" in dev:
+        label += "-sm" + "".join(str(c) for c in dev["capability"])
+    return cache_dir() / f"{dev['type']}-{_slug(label)}-{_sha256_json(env)[:16]}"
+
+
+def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple:
+    """The call-dependent part of the key as a tuple of plain values (traceable by Dynamo)."""
+    from .dispatch import stride_class
+
+    t = call.t
+    return (
+        tuple(call.spec.static_fields().items()),
+        tuple(_bucket(n) for n in t.shape),
+        _bucket(call.batch),
+        stride_class(t),
+        "cos_sin_cache" if call.uses_cache else "angles",
+        call.start_positions is not None,
+        bool(t.requires_grad and torch.is_grad_enabled()),
+        tuple(sorted(b.name for b in candidates)),
+    )
+
+
+def key_fields(signature: tuple) -> dict[str, Any]:
+    """:func:`call_signature` as the named JSON fields stored in each entry."""
+    spec, shape, sequences, stride, table, starts, grad, names = signature
+    return {
+        "spec": dict(spec),
+        "shape_bucket": list(shape),
+        "sequences_bucket": sequences,
+        "stride": stride,
+        "table": table,
+        "start_positions": starts,
+        "requires_grad": grad,
+        "candidates": list(names),
+    }
+
+
+def cache_key(device: torch.device, signature: tuple) -> CacheKey:
+    """The sha256 key of a call signature on ``device`` and the file storing its measurement."""
+    fields = key_fields(signature)
+    digest = _sha256_json({"environment": _environment(device), "call": fields})
+    return CacheKey(digest, environment_dir(device) / f"{digest}.json", fields)
+
+
+def _call_key(call: RoPECall, candidates: list[Backend]) -> CacheKey:
+    return cache_key(call.t.device, call_signature(call, candidates))
+
+
+def _needs_grad(call: RoPECall) -> bool:
+    return bool(call.t.requires_grad and torch.is_grad_enabled())
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what in _warned:
+        return
+    _warned.add(what)
+    warnings.warn(f"rope-dispatch autotune: {message}", RuntimeWarning, stacklevel=3)
+
+
+def _entry_problem(entry: Any, digest: str | None) -> str | None:
+    """Why ``entry`` is not a valid cache entry (``None`` when it is)."""
+    if not isinstance(entry, dict):
+        return f"it holds a {type(entry).__name__}, not an entry object"
+    if entry.get("schema") != SCHEMA_VERSION:
+        return f"schema {entry.get('schema')!r} is not {SCHEMA_VERSION}"
+    if digest is not None and entry.get("key") != digest:
+        return "its key does not match its file name"
+    times = entry.get("times_us")
+    choice = entry.get("choice")
+    if not isinstance(times, dict) or not all(
+        isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in times.values()
+    ):
+        return "its times_us is not a mapping of backend names to times"
+    if not isinstance(choice, str) or choice not in times:
+        return f"its choice {choice!r} has no measured time"
+    if not isinstance(entry.get("fields"), dict):
+        return "it has no key fields"
+    return None
+
+
+def _read_json(path: Path) -> Any:
+    """Parsed JSON of ``path``, ``None`` when it does not exist; raises ValueError when unreadable."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"it cannot be read ({exc})") from exc
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"it is not valid JSON ({exc}); truncated or corrupt") from exc
+
+
+def _read_entry(key: CacheKey) -> dict[str, Any] | None:
+    """The valid entry stored for ``key``; a bad file warns once and reads as missing."""
+    try:
+        entry = _read_json(key.path)
+    except ValueError as exc:
+        _warn_once(str(key.path), f"ignoring cache file {key.path}: {exc}; it will be rewritten")
+        return None
+    if entry is None:
+        return None
+    problem = _entry_problem(entry, key.digest)
+    if problem is None and entry["fields"].get("candidates") != key.fields["candidates"]:
+        problem = "its candidates differ from this call's"
+    if problem is not None:
+        _warn_once(
+            str(key.path), f"ignoring cache file {key.path}: {problem}; it will be rewritten"
+        )
+        return None
+    return entry
+
+
+def _write_json_atomic(path: Path, value: Any) -> bool:
+    """Write ``value`` to ``path`` through a temporary file and ``os.replace``; False on failure
+    (one warning per directory, after which that directory is left alone)."""
+    folder = path.parent
+    if str(folder) in _unwritable:
+        return False
+    tmp = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        _unwritable.add(str(folder))
+        _warn_once(
+            str(folder),
+            f"cannot write the cache in {folder} ({exc}); choices stay in memory for this process",
+        )
+        return False
+
+
+def _store(key: CacheKey, entry: dict[str, Any], device: torch.device) -> None:
+    env_file = key.path.parent / _ENVIRONMENT_FILE
+    if not env_file.exists():
+        _write_json_atomic(env_file, _environment(device))
+    _write_json_atomic(key.path, entry)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+def _measuring_blocked(t: torch.Tensor) -> str | None:
+    """Why the call's tensors cannot be timed now (``None`` when they can)."""
+    if torch.compiler.is_compiling():
+        return "torch.compile is tracing"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "a CUDA graph is being captured"
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return f"t is a {type(t).__name__}, not a plain tensor"
+    if t.device.type == "meta":
+        return "t is on the meta device"
+    return None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cpu":
+        return
+    module = getattr(torch, device.type, None)
+    sync = getattr(module, "synchronize", None)
+    if sync is not None:
+        sync(device)
+
+
+def _private_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with the same strides, so the user's tensor is never touched."""
+    with torch.no_grad():
+        try:
+            x = torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device=t.device)
+            x.copy_(t)
+        except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written
+            x = t.clone()
+    return x
+
+
+def _with_tensor(call: RoPECall, t: torch.Tensor) -> RoPECall:
+    """``call`` with another input tensor (RoPECall is a named tuple or a dataclass)."""
+    replace = getattr(call, "_replace", None)
+    return replace(t=t) if replace is not None else dataclasses.replace(call, t=t)
+
+
+def _time_backend(backend: Backend, call: RoPECall, needs_grad: bool) -> float:
+    """Median seconds per call of ``backend`` on a private copy of the call's tensor."""
+    x = _private_copy(call.t).requires_grad_(needs_grad)
+    private = _with_tensor(call, x)
+    device = x.device
+    grad_mode = torch.enable_grad() if needs_grad else torch.no_grad()
+    with grad_mode:
+        warm_up = getattr(backend, "warm_up", None)
+        if warm_up is not None:
+            warm_up(private)  # compilation happens here, never inside a timed round
+        out = backend.apply(private)
+        grad_out = torch.ones_like(out) if needs_grad else None
+
+        def once() -> None:
+            result = backend.apply(private)
+            if needs_grad:
+                torch.autograd.grad(result, x, grad_out)
+
+        once()  # first backward, lazy initialisation
+        _synchronize(device)
+        start = time.perf_counter()
+        once()
+        _synchronize(device)
+        estimate = time.perf_counter() - start
+        if estimate >= _SLOW_CALL_SECONDS:
+            rounds, calls = 3, 1
+        else:
+            rounds = _ROUNDS
+            calls = min(_MAX_CALLS_PER_ROUND, max(1, math.ceil(_ROUND_SECONDS / max(estimate, 1e-7))))
+        samples = []
+        for _ in range(rounds):
+            _synchronize(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                once()
+            _synchronize(device)
+            samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def _format_time(us: float) -> str:
+    if us < 10:
+        return f"{us:.1f} us"
+    if us < 1000:
+        return f"{us:.0f} us"
+    if us < 1e6:
+        return f"{us / 1000:.2f} ms"
+    return f"{us / 1e6:.2f} s"
+
+
+def _summary(times: dict[str, float], failed: dict[str, str]) -> str:
+    """``triton 71 us vs te 125 us (1.76x), eager 900 us``: fastest first."""
+    ranked = sorted(times.items(), key=lambda kv: kv[1])
+    text = f"{ranked[0][0]} {_format_time(ranked[0][1])}"
+    if len(ranked) > 1:
+        best, second = ranked[0][1], ranked[1][1]
+        ratio = f" ({second / best:.2f}x)" if best > 0 else ""
+        text += f" vs {ranked[1][0]} {_format_time(second)}{ratio}"
+        text += "".join(f", {name} {_format_time(us)}" for name, us in ranked[2:])
+    if failed:
+        text += "; skipped " + ", ".join(f"{name} (raised {err})" for name, err in failed.items())
+    return text
+
+
+def _measure(call: RoPECall, candidates: list[Backend], key: CacheKey) -> dict[str, Any]:
+    """Time every candidate; the entry that records the fastest."""
+    needs_grad = _needs_grad(call)
+    times: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    out_of_memory = False
+    for backend in candidates:
+        try:
+            times[backend.name] = _time_backend(backend, call, needs_grad) * 1e6
+        except Exception as exc:  # a candidate that fails here would fail the real call too
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            failed[backend.name] = error
+            out_of_memory |= isinstance(exc, torch.OutOfMemoryError)
+            if backend.name not in _failed_backends:
+                _failed_backends.add(backend.name)
+                warnings.warn(
+                    f"rope-dispatch autotune: backend {backend.name!r} raised while being "
+                    f"measured ({error}); it is skipped for this call shape",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+    _log.info("measured %s: %s", key.digest[:12], {**times, **failed})
+    choice = min(times, key=times.__getitem__) if times else None
+    return {
+        "schema": SCHEMA_VERSION,
+        "key": key.digest,
+        "fields": key.fields,
+        "choice": choice,
+        "times_us": {name: round(us, 3) for name, us in times.items()},
+        "failed": failed,
+        "measured": "forward+backward" if needs_grad else "forward",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "transient_failure": out_of_memory,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The functions dispatch calls
+
+
+def _priority(candidates: list[Backend]) -> str:
+    return f"highest priority among {', '.join(b.name for b in candidates)}"
+
+
+def _remembered(key: CacheKey) -> tuple[str, str] | None:
+    """The remembered ``(backend name, why)`` for ``key``: from memory, else from its file."""
+    hit = _memory.get(key.digest)
+    if hit is None:
+        entry = _read_entry(key)
+        if entry is None:
+            return None
+        summary = _summary(entry["times_us"], entry.get("failed") or {})
+        hit = _memory[key.digest] = (entry["choice"], f"cached measurement from {key.path}: {summary}")
+    return hit
+
+
+@torch.compiler.assume_constant_result
+def _remembered_while_tracing(device: str, signature: tuple) -> tuple[str, str] | None:
+    """:func:`_remembered` run for real by Dynamo at trace time; the graph keeps its answer."""
+    return _remembered(cache_key(torch.device(device), signature))
+
+
+def _pick(candidates: list[Backend], hit: tuple[str, str] | None) -> tuple[Backend, str] | None:
+    if hit is not None:
+        for backend in candidates:
+            if backend.name == hit[0]:
+                return backend, hit[1]
+    return None
+
+
+def _provisional(candidates: list[Backend], blocked: str) -> tuple[Backend, str]:
+    return candidates[0], (
+        f"{_PROVISIONAL} ({blocked}, nothing measured yet): {_priority(candidates)}; "
+        "a later eager call measures"
+    )
+
 
 def select(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
-    """The backend to run among ``candidates`` (highest priority first), and why."""
-    return candidates[0], f"highest priority among {', '.join(b.name for b in candidates)}"
+    """The backend to run among ``candidates`` (highest priority first), and why.
+
+    Reads the remembered measurement for this call's key or, the first time, measures every
+    candidate and remembers the fastest.
+    """
+    return _select(call, candidates, use_cache=True)
+
+
+def tune(call: RoPECall, candidates: list[Backend], *, retune: bool = False) -> tuple[Backend, str]:
+    """Measure ``call`` now, unless its key is remembered and not ``retune``; store the result.
+
+    This is :func:`select` for ahead-of-time tuning (``python -m rope_dispatch.tune``): with
+    ``retune`` an existing entry is measured again and overwritten.
+    """
+    return _select(call, candidates, use_cache=not retune)
+
+
+def _select(call: RoPECall, candidates: list[Backend], use_cache: bool) -> tuple[Backend, str]:
+    if not autotune_enabled():
+        return candidates[0], f"autotune off (ROPE_AUTOTUNE=0): {_priority(candidates)}"
+    if torch.compiler.is_compiling():
+        hit = _remembered_while_tracing(str(call.t.device), call_signature(call, candidates))
+        return _pick(candidates, hit) or _provisional(candidates, "torch.compile is tracing")
+    blocked = _measuring_blocked(call.t)
+    with _lock:
+        key = _call_key(call, candidates)
+        picked = _pick(candidates, _remembered(key)) if use_cache else None
+        if picked is not None:
+            return picked
+        if blocked is not None:
+            return _provisional(candidates, blocked)
+        entry = _measure(call, candidates, key)
+        if entry["choice"] is None:
+            why = (
+                "autotune: every candidate raised while measured "
+                f"({'; '.join(f'{n}: {e}' for n, e in entry['failed'].items())}); "
+                f"{_priority(candidates)}"
+            )
+            _memory[key.digest] = (candidates[0].name, why)
+            return candidates[0], why
+        if not entry.pop("transient_failure"):
+            _store(key, entry, call.t.device)
+        why = f"autotuned ({entry['measured']}): {_summary(entry['times_us'], entry['failed'])}"
+        _memory[key.digest] = (entry["choice"], why)
+        return _pick(candidates, _memory[key.digest])  # type: ignore[return-value]
 
 
 def peek(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
     """What :func:`select` would choose, without measuring anything."""
-    return select(call, candidates)
+    if not autotune_enabled():
+        return candidates[0], f"autotune off (ROPE_AUTOTUNE=0): {_priority(candidates)}"
+    if torch.compiler.is_compiling():
+        hit = _remembered_while_tracing(str(call.t.device), call_signature(call, candidates))
+    else:
+        with _lock:
+            hit = _remembered(_call_key(call, candidates))
+    picked = _pick(candidates, hit)
+    if picked is not None:
+        return picked
+    names = ", ".join(b.name for b in candidates)
+    return candidates[0], (
+        f"{_NOT_MEASURED} (no cached measurement of {names} for this key); "
+        f"until then the priority order picks {candidates[0].name}"
+    )
 
 
 def decision_is_final(why: str) -> bool:
-    """Whether a decision may be cached in memory for the rest of the process."""
-    return True
+    """Whether a decision may be cached in memory for the rest of the process.
+
+    Priority-order decisions taken where measuring was impossible (tracing, graph capture) are
+    not: the next real call measures.
+    """
+    return not why.startswith((_PROVISIONAL, _NOT_MEASURED))
+
+
+# ---------------------------------------------------------------------------------------------
+# Inspecting and clearing
+
+
+def cache_entries() -> list[dict[str, Any]]:
+    """Every valid entry under :func:`cache_dir`, across devices and version sets.
+
+    Each dict holds the entry's fields (``choice``, ``times_us``, ``failed``, ``measured``,
+    ``fields``, ``created``) plus ``path`` and the ``environment`` of its directory.
+    """
+    root = cache_dir()
+    entries: list[dict[str, Any]] = []
+    if not root.is_dir():
+        return entries
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        try:
+            environment = _read_json(folder / _ENVIRONMENT_FILE)
+        except ValueError:
+            environment = None
+        for path in sorted(folder.iterdir()):
+            if not _ENTRY_NAME.match(path.name):
+                continue
+            try:
+                entry = _read_json(path)
+            except ValueError as exc:
+                _warn_once(str(path), f"ignoring cache file {path}: {exc}; it will be rewritten")
+                continue
+            problem = _entry_problem(entry, path.stem)
+            if problem is not None:
+                _warn_once(str(path), f"ignoring cache file {path}: {problem}; it will be rewritten")
+                continue
+            entries.append({**entry, "path": str(path), "environment": environment})
+    return entries
+
+
+def clear_cache(memory_only: bool = False) -> int:
+    """Forget every measurement (and dispatch's cached decisions); returns the files removed.
+
+    With ``memory_only`` the files stay and the next call of each key reads its file again.
+    Only this module's files are removed: entries, environment files and stale temporaries.
+    """
+    from . import dispatch
+
+    with _lock:
+        _memory.clear()
+        _warned.clear()
+        _unwritable.clear()
+        _failed_backends.clear()
+        dispatch.clear_decisions()
+        if memory_only:
+            return 0
+        removed = 0
+        root = cache_dir()
+        if not root.is_dir():
+            return 0
+        for folder in (p for p in root.iterdir() if p.is_dir()):
+            for path in folder.iterdir():
+                name = path.name
+                if _ENTRY_NAME.match(name) or name == _ENVIRONMENT_FILE or (
+                    name.startswith(".tmp-") and name.endswith(".json")
+                ):
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                        removed += 1
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when nothing else is left in it
+        return removed

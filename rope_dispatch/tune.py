@@ -1,0 +1,244 @@
+"""Warm the autotune cache ahead of training: ``python -m rope_dispatch.tune``.
+
+Each shape is built with random data on the chosen device, every backend that can serve it is
+measured (unless the cache already holds its key; ``--retune`` measures again) and the choice is
+written to the cache that ``apply`` reads. Run it once per machine type with
+``ROPE_DISPATCH_CACHE_DIR`` on a shared filesystem and every node of that type reads the result.
+
+    python -m rope_dispatch.tune --layout sbhd --dtype bf16 --shape 4096,4,32,128 --grad
+    python -m rope_dispatch.tune --specs shapes.json
+
+A specs file is a JSON list of objects with the same names as the options: ``layout``, ``dtype``,
+``shape`` (a list), and optionally ``rotary_dim``, ``interleaved``, ``grad``, ``device``,
+``cos_sin_cache``, ``start_positions``, ``cu_seqlens`` (a list), ``cp_size``, ``cp_rank``.
+Exit status: 0 when every shape was tuned (or needed no tuning), 1 when one failed, 2 for bad
+arguments or when ``ROPE_AUTOTUNE=0`` forbids measuring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from . import autotune, dispatch
+from .call import check_call
+from .spec import RoPESpec
+from .tables import cos_sin_cache
+
+
+@dataclass(frozen=True)
+class Job:
+    """One shape to tune, with the options that change its key."""
+
+    layout: str
+    dtype: str
+    shape: tuple[int, ...]
+    rotary_dim: int | None = None
+    interleaved: bool = False
+    grad: bool = False
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    cos_sin_cache: bool = False
+    start_positions: bool = False
+    cu_seqlens: tuple[int, ...] | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
+
+    def describe(self) -> str:
+        extras = [
+            name for name, on in (
+                ("interleaved", self.interleaved), ("grad", self.grad),
+                ("cos_sin_cache", self.cos_sin_cache), ("start_positions", self.start_positions),
+            ) if on
+        ]
+        if self.rotary_dim is not None:
+            extras.insert(0, f"rotary_dim={self.rotary_dim}")
+        if self.cp_size > 1:
+            extras.append(f"cp {self.cp_rank}/{self.cp_size}")
+        shape = "x".join(str(n) for n in self.shape)
+        return " ".join([self.layout, self.dtype, shape, self.device, *extras])
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{what} must be comma-separated integers such as 4096,4,32,128; got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{what} must not be empty")
+    return values
+
+
+def _job_from_json(item: Any, where: str) -> Job:
+    if not isinstance(item, dict):
+        raise ValueError(f"{where} must be an object, got {type(item).__name__}")
+    known = {f.name for f in fields(Job)}
+    unknown = sorted(set(item) - known)
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; known keys are {sorted(known)}")
+    missing = [k for k in ("layout", "dtype", "shape") if k not in item]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}")
+    values = dict(item)
+    for name in ("shape", "cu_seqlens"):
+        if values.get(name) is not None:
+            if not isinstance(values[name], list) or not all(isinstance(v, int) for v in values[name]):
+                raise ValueError(f"{where}: {name} must be a list of integers, got {values[name]!r}")
+            values[name] = tuple(values[name])
+    return Job(**values)
+
+
+def load_specs(path: str) -> list[Job]:
+    """The jobs of a JSON specs file (a list of objects, see the module docstring)."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, list):
+        raise ValueError(f"{path} must hold a JSON list of shape objects, got {type(data).__name__}")
+    return [_job_from_json(item, f"{path} item {i}") for i, item in enumerate(data)]
+
+
+def build(job: Job):
+    """A checked call for ``job``: random input, an angle table long enough for every position."""
+    device = torch.device(job.device)
+    spec_args: dict[str, Any] = {
+        "layout": job.layout, "dtype": job.dtype, "rotary_dim": job.rotary_dim,
+        "interleaved": job.interleaved, "cp_size": job.cp_size, "cp_rank": job.cp_rank,
+    }
+    shape = job.shape
+    if job.layout == "thd":
+        tokens = shape[0]
+        cu = job.cu_seqlens or (0, tokens * job.cp_size)
+        spec_args["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
+        positions = max(b - a for a, b in zip(cu, cu[1:]))
+        sequences = len(cu) - 1
+    else:
+        seq = shape[0] if job.layout == "sbhd" else shape[1]
+        positions = seq * job.cp_size
+        sequences = shape[1] if job.layout == "sbhd" else shape[0]
+    spec = RoPESpec(**spec_args)
+    rotary_dim = job.rotary_dim or shape[-1]
+    freqs = torch.rand(positions, 1, 1, rotary_dim, device=device) * 100
+    table = cos_sin_cache(freqs) if job.cos_sin_cache else freqs
+    t = torch.randn(shape, dtype=spec.dtype, device=device).requires_grad_(job.grad)
+    starts = (
+        torch.zeros(sequences, dtype=torch.int32, device=device) if job.start_positions else None
+    )
+    return check_call(t, table, spec, starts)
+
+
+def tune_job(job: Job, retune: bool = False) -> str:
+    """Tune one job; the line that reports what was chosen and why."""
+    with torch.enable_grad():
+        call = build(job)
+        supported, rejected = dispatch._candidates(call)
+        if not supported:
+            reasons = "; ".join(f"{name}: {' '.join(r)}" for name, r in rejected.items())
+            raise RuntimeError(f"no backend can serve it ({reasons})")
+        if len(supported) == 1:
+            return f"{supported[0].name} (the only backend that can serve it; nothing to measure)"
+        chosen, why = autotune.tune(call, supported, retune=retune)
+    return f"{chosen.name} ({why})"
+
+
+def _progress(jobs: list[Job]) -> Iterator[tuple[int, Job]]:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        for i, job in enumerate(jobs, 1):
+            print(f"[{i}/{len(jobs)}] tuning {job.describe()}", file=sys.stderr, flush=True)
+            yield i, job
+        return
+    bar = tqdm(jobs, desc="rope-dispatch tune", unit="shape", file=sys.stderr)
+    for i, job in enumerate(bar, 1):
+        bar.set_postfix_str(job.describe())
+        yield i, job
+
+
+def _emit(text: str) -> None:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(text, flush=True)
+    else:
+        tqdm.write(text, file=sys.stdout)
+
+
+def parse_args(argv: Iterable[str] | None = None) -> tuple[argparse.Namespace, list[Job]]:
+    """The options and the jobs they describe (``--shape`` jobs, then those of ``--specs``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m rope_dispatch.tune",
+        description="Measure the backends for a list of RoPE shapes and store the choices in the "
+        "autotune cache (ROPE_DISPATCH_CACHE_DIR or the user cache directory).",
+    )
+    parser.add_argument("--layout", choices=("sbhd", "bshd", "thd"), help="layout of --shape")
+    parser.add_argument("--dtype", default="bf16", help="fp32, fp16 or bf16 (default bf16)")
+    parser.add_argument(
+        "--shape", action="append", default=[], type=lambda s: _ints(s, "--shape"),
+        help="a tensor shape in the layout's order, e.g. 4096,4,32,128; repeat for more",
+    )
+    parser.add_argument("--rotary-dim", type=int, help="rotated channels (default: head dim)")
+    parser.add_argument("--interleaved", action="store_true", help="pairwise (GPT-J) rotation")
+    parser.add_argument("--grad", action="store_true", help="tune forward+backward (training)")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--cos-sin-cache", action="store_true", help="pass a CosSinCache table")
+    parser.add_argument("--start-positions", action="store_true", help="pass start_positions")
+    parser.add_argument(
+        "--cu-seqlens", type=lambda s: _ints(s, "--cu-seqlens"),
+        help="thd: global sequence offsets, e.g. 0,1000,4096 (default: one sequence)",
+    )
+    parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size")
+    parser.add_argument("--cp-rank", type=int, default=0, help="context-parallel rank")
+    parser.add_argument("--specs", action="append", default=[], help="a JSON file of shapes")
+    parser.add_argument("--retune", action="store_true", help="measure again keys already cached")
+    args = parser.parse_args(None if argv is None else list(argv))
+    if args.shape and args.layout is None:
+        parser.error("--shape needs --layout")
+    if not args.shape and not args.specs:
+        parser.error("give at least one --shape (with --layout) or --specs FILE")
+    jobs = []
+    for shape in args.shape:
+        extra = {} if args.device is None else {"device": args.device}
+        jobs.append(Job(
+            layout=args.layout, dtype=args.dtype, shape=shape, rotary_dim=args.rotary_dim,
+            interleaved=args.interleaved, grad=args.grad, cos_sin_cache=args.cos_sin_cache,
+            start_positions=args.start_positions, cu_seqlens=args.cu_seqlens,
+            cp_size=args.cp_size, cp_rank=args.cp_rank, **extra,
+        ))
+    for path in args.specs:
+        try:
+            jobs.extend(load_specs(path))
+        except (OSError, ValueError, TypeError) as exc:
+            parser.error(f"--specs {path}: {exc}")
+    return args, jobs
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """Tune every job; 0 when all succeeded, 1 when one failed, 2 when measuring is off."""
+    args, jobs = parse_args(argv)
+    if not autotune.autotune_enabled():
+        print("ROPE_AUTOTUNE=0 turns measuring off; unset it to tune", file=sys.stderr)
+        return 2
+    failures = 0
+    for _, job in _progress(jobs):
+        try:
+            line = tune_job(job, retune=args.retune)
+        except Exception as exc:  # report every shape, then fail at the end
+            failures += 1
+            _emit(f"{job.describe()}: FAILED: {type(exc).__name__}: {exc}")
+        else:
+            _emit(f"{job.describe()}: {line}")
+    print(f"cache: {autotune.cache_dir()} ({len(autotune.cache_entries())} entries)", flush=True)
+    if failures:
+        print(f"{failures} of {len(jobs)} shapes failed", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
