@@ -1,11 +1,312 @@
-"""Placeholder: the triton backends are being written."""
+"""The Triton backend: our own kernels (backends/triton_kernels.py), their launcher and torch op.
 
+Three ways in, one kernel:
+
+- eager, no autograd needed: :meth:`TritonBackend.apply` allocates the output and launches the
+  kernel directly (the shortest host path: decode-size calls are launch-bound);
+- autograd, tracing (``torch.compile``) or tensor subclasses: the ``torch.library`` custom op
+  ``rope_dispatch::triton_rope``, with a fake implementation (for tracing) and an autograd
+  formula (the same op with ``backward=True``), so ``torch.compile(fullgraph=True)`` compiles
+  forward and backward without a graph break;
+- :func:`rope_triton` for direct use with tensors and plain settings.
+
+The backward saves only the table (and the index tensors), never activations, and returns the
+gradient in the input's memory layout when that layout is dense (as ``empty_like`` would).
+
+Triton is imported lazily. The backend runs on CUDA devices; with ``TRITON_INTERPRET=1`` set
+before its first use, it also runs on the CPU through Triton's interpreter (for CI).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from rope_dispatch.call import RoPECall
 from rope_dispatch.registry import Backend
+from rope_dispatch.tables import CosSinCache
+
+LAYOUT_CODES = {"sbhd": 0, "bshd": 1, "thd": 2}
+
+_kernels: ModuleType | None = None
+
+
+def _load_kernels() -> ModuleType:
+    """Import the kernel module once (imports triton)."""
+    global _kernels
+    if _kernels is None:
+        from . import triton_kernels
+
+        _kernels = triton_kernels
+    return _kernels
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return 1
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# Launch configuration: (BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, num_warps).
+Config = tuple[int, int, int, int, int, int]
+
+# A program moves about this many bytes of input per head iteration; enough to keep 16-byte
+# loads in flight for every thread of 4 warps, small enough for many programs per SM.
+TILE_BYTES = 8192
+# Programs wanted per SM, so a large call is spread evenly and a small one still fills the GPU.
+PROGRAMS_PER_SM = 8
+
+
+def choose_config(
+    n_tokens: int, heads: int, head_dim: int, rotary_dim: int, element_size: int,
+    interleaved: bool, sms: int,
+) -> Config:
+    """Tile sizes for a call: tokens per program, heads per tile and per program, widths.
+
+    Rows of one tile are (token, head) pairs; heads are spread over programs only when tokens
+    alone give too few programs (decode), since each program computes its tokens' sin/cos once.
+    """
+    block_r = _next_pow2(rotary_dim) if interleaved else _next_pow2(rotary_dim // 2)
+    pass_dim = head_dim - rotary_dim
+    block_p = _next_pow2(pass_dim) if pass_dim else 1
+    rows = max(1, min(128, TILE_BYTES // (head_dim * element_size)))
+    rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``
+    block_t = min(rows, _next_pow2(n_tokens))
+    block_h = min(max(1, rows // block_t), _next_pow2(heads))
+    head_chunks = -(-heads // block_h)
+    token_blocks = -(-n_tokens // block_t)
+    target = PROGRAMS_PER_SM * sms
+    head_iters = 1
+    for d in range(head_chunks, 0, -1):  # largest divisor that still leaves enough programs
+        if head_chunks % d == 0 and token_blocks * (head_chunks // d) >= target:
+            head_iters = d
+            break
+    return block_t, block_h, head_iters, block_r, block_p, 4
+
+
+_configs: dict[tuple, Config] = {}
+
+
+def launch(
+    x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, start_positions: torch.Tensor | None, layout: str,
+    interleaved: bool, cp_size: int, cp_rank: int, backward: bool, config: Config | None = None,
+) -> torch.Tensor:
+    """Run the kernel: ``out`` = RoPE of ``x`` (its transpose when ``backward``); returns ``out``.
+
+    ``table`` is the float32 ``[s2, d2]`` angle table, or the cos table when ``sin`` is given.
+    ``x`` may have any strides; ``out`` (same shape) too. No host sync, no allocation.
+    """
+    kernels = _kernels if _kernels is not None else _load_kernels()
+    shape = x.shape
+    heads, head_dim = shape[-2], shape[-1]
+    code = LAYOUT_CODES[layout]
+    if code == 2:
+        n_tokens = shape[0]
+        sx0, sxh, sxd = x.stride()
+        so0, soh, sod = out.stride()
+        sx1 = so1 = 0
+        dim1 = 1
+        seq_len = n_tokens
+        if not cu_seqlens.is_contiguous():
+            cu_seqlens = cu_seqlens.contiguous()
+        n_seqs = cu_seqlens.shape[0] - 1
+    else:
+        n0, dim1 = shape[0], shape[1]
+        n_tokens = n0 * dim1
+        sx0, sx1, sxh, sxd = x.stride()
+        so0, so1, soh, sod = out.stride()
+        seq_len = n0 if code == 0 else dim1
+        n_seqs = 0
+    if n_tokens == 0 or heads == 0:
+        return out
+    if start_positions is not None and not start_positions.is_contiguous():
+        start_positions = start_positions.contiguous()
+    rotary_dim = table.shape[1]
+    if config is None:
+        key = (_next_pow2(n_tokens), heads, head_dim, rotary_dim, x.dtype, interleaved, x.device)
+        config = _configs.get(key)
+        if config is None:
+            sms = 1 if kernels.INTERPRETED else _sm_count(x.device.index)
+            config = choose_config(
+                n_tokens, heads, head_dim, rotary_dim, x.element_size(), interleaved, sms
+            )
+            if len(_configs) > 1024:
+                _configs.clear()
+            _configs[key] = config
+    block_t, block_h, head_iters, block_r, block_p, num_warps = config
+    head_groups = -(-heads // (block_h * head_iters))
+    grid = (-(-n_tokens // block_t) * head_groups,)
+    kernels.rope_kernel[grid](
+        x, out, table, table if sin is None else sin,
+        table if cu_seqlens is None else cu_seqlens,
+        table if start_positions is None else start_positions,
+        n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs, cp_size, cp_rank,
+        sx0, sx1, sxh, sxd, so0, so1, soh, sod,
+        LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
+        INTERLEAVED=interleaved, USE_CACHE=sin is not None,
+        HAS_STARTS=start_positions is not None, CONTEXT_PARALLEL=cp_size > 1,
+        BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
+        BLOCK_R=block_r, BLOCK_P=block_p, num_warps=num_warps,
+    )
+    return out
+
+
+def _dense_strides(x: torch.Tensor) -> list[int] | None:
+    """``x``'s strides when it is dense but not contiguous (so a gradient can share its layout);
+    ``None`` for contiguous or non-dense tensors (the gradient is then contiguous)."""
+    if x.is_contiguous():
+        return None
+    expected = 1
+    for dim in sorted(range(x.dim()), key=lambda i: x.stride(i)):
+        size = x.shape[dim]
+        if size == 1:
+            continue
+        if x.stride(dim) != expected:
+            return None
+        expected *= size
+    return list(x.stride())
+
+
+def _allocate(x: torch.Tensor, out_strides: Sequence[int] | None) -> torch.Tensor:
+    if out_strides is None:
+        return x.new_empty(x.shape)
+    return x.new_empty_strided(x.shape, out_strides)
+
+
+@torch.library.custom_op("rope_dispatch::triton_rope", mutates_args=())
+def triton_rope_op(
+    x: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, start_positions: torch.Tensor | None, layout: str,
+    interleaved: bool, cp_size: int, cp_rank: int, backward: bool,
+    out_strides: Sequence[int] | None,
+) -> torch.Tensor:
+    """RoPE (or its transpose) through our Triton kernel, as an opaque op for torch.compile.
+
+    The output has ``out_strides`` when given, else is contiguous.
+    """
+    out = _allocate(x, out_strides)
+    return launch(
+        x, out, table, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
+        backward,
+    )
+
+
+@triton_rope_op.register_fake
+def _triton_rope_fake(
+    x, table, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank, backward,
+    out_strides,
+):
+    return _allocate(x, out_strides)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, table, sin, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank, backward, _ = inputs
+    ctx.save_for_backward(table, sin, cu_seqlens, starts)
+    ctx.settings = (layout, interleaved, cp_size, cp_rank, not backward)
+    ctx.grad_strides = _dense_strides(x)
+
+
+def _backward(ctx: Any, grad: torch.Tensor):
+    table, sin, cu_seqlens, starts = ctx.saved_tensors
+    grad_x = triton_rope_op(grad, table, sin, cu_seqlens, starts, *ctx.settings, ctx.grad_strides)
+    return grad_x, None, None, None, None, None, None, None, None, None, None
+
+
+triton_rope_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rope_triton(
+    t: torch.Tensor, table: torch.Tensor | CosSinCache, *, layout: str, interleaved: bool = False,
+    cu_seqlens: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
+    cp_size: int = 1, cp_rank: int = 0,
+) -> torch.Tensor:
+    """RoPE of already-checked tensors: ``table`` is ``[s2, d2]`` float32 angles or a cache.
+
+    Launches the kernel directly when no autograd graph, tracing or tensor subclass is involved;
+    otherwise goes through the ``rope_dispatch::triton_rope`` op.
+    """
+    if type(table) is CosSinCache:
+        tab, sin = table.cos, table.sin
+    else:
+        tab, sin = table, None
+    if (
+        (t.requires_grad and torch.is_grad_enabled())
+        or type(t) is not torch.Tensor
+        or torch.compiler.is_compiling()
+    ):
+        return triton_rope_op(
+            t, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
+            False, None,
+        )
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        with torch.cuda.device(t.device):
+            return launch(
+                t, out, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size,
+                cp_rank, False,
+            )
+    return launch(
+        t, out, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
+        False,
+    )
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 class TritonBackend(Backend):
+    """Our Triton kernels: every layout and feature, both table kinds, at memory bandwidth."""
+
     name = "triton"
-    description = "not yet implemented"
+    description = (
+        "rope-dispatch's own Triton kernels (CUDA; CPU through TRITON_INTERPRET=1): one pass, "
+        "fp32 math, any strides, angles or cos/sin cache"
+    )
+    priority = 40
+
+    @property
+    def devices(self) -> frozenset[str]:  # type: ignore[override]
+        if not self.availability and _kernels is not None and _kernels.INTERPRETED:
+            return frozenset({"cpu", "cuda"})
+        return frozenset({"cuda"})
 
     def unavailable_reasons(self) -> list[str]:
-        return ["not implemented yet"]
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return [f"triton is not importable ({exc}); install it with pip install 'rope-dispatch[triton]'"]
+        interpret = _interpret_requested()
+        if not interpret and not torch.cuda.is_available():
+            return [
+                "no CUDA device (torch.cuda.is_available() is False) and TRITON_INTERPRET is not "
+                "set to 1, so the kernels have nowhere to run"
+            ]
+        kernels = _load_kernels()
+        if interpret and not kernels.INTERPRETED:
+            return [
+                "TRITON_INTERPRET=1 was set after the kernels had been compiled for the GPU; set "
+                "it before rope_dispatch's first call"
+            ]
+        if not interpret and kernels.INTERPRETED and not torch.cuda.is_available():
+            return ["the kernels were loaded for the interpreter but TRITON_INTERPRET is unset"]
+        return []
+
+    def apply(self, call: RoPECall) -> torch.Tensor:
+        spec = call.spec
+        return rope_triton(
+            call.t, call.table, layout=spec.layout, interleaved=spec.interleaved,
+            cu_seqlens=spec.cu_seqlens, start_positions=call.start_positions,
+            cp_size=spec.cp_size, cp_rank=spec.cp_rank,
+        )
