@@ -90,7 +90,7 @@ def _check_cu_seqlens(
     assert cu is not None
     cp = spec.cp_size
     on_host = cu.device.type == "cpu"
-    if not on_host and (spec.max_seqlen is not None or not _host_reads_allowed()):
+    if not _host_reads_allowed() or (not on_host and spec.max_seqlen is not None):
         if spec.max_seqlen is not None and spec.max_seqlen > table_len:
             raise RoPEError(
                 f"freqs has {table_len} positions but max_seqlen={spec.max_seqlen}; the table "
@@ -124,7 +124,9 @@ def _check_cu_seqlens(
         raise RoPEError(
             f"max_seqlen={spec.max_seqlen} but cu_seqlens holds a sequence of length {longest}"
         )
-    if start_positions is not None and start_positions.device.type == "cpu":
+    if start_positions is not None and (
+        start_positions.device.type == "cpu" or _value_checks_enabled()
+    ):
         ends = [n + s for n, s in zip(lengths, start_positions.tolist())]
         longest = max(ends)
     if longest > table_len:
@@ -161,8 +163,8 @@ def _check_start_positions(
             f"start_positions is on {start_positions.device} but t is on {device}; expected the "
             "same device"
         )
-    if start_positions.device.type != "cpu" and not (
-        _value_checks_enabled() and _host_reads_allowed()
+    if not _host_reads_allowed() or (
+        start_positions.device.type != "cpu" and not _value_checks_enabled()
     ):
         return
     starts = start_positions.tolist()

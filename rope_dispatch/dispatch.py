@@ -65,6 +65,13 @@ def requested_backend(backend: str | None = None) -> tuple[str | None, str]:
     """The forced backend name in force for a call and where it came from."""
     if backend is not None:
         return backend, "the backend= argument"
+    return _scoped_or_env_backend()
+
+
+@torch._dynamo.assume_constant_result
+def _scoped_or_env_backend() -> tuple[str | None, str]:
+    # Under torch.compile this is evaluated once at trace time and baked into the graph
+    # (Dynamo cannot trace ContextVar.get), like the backend choice itself.
     scoped = _forced.get()
     if scoped is not None:
         return scoped, "use_backend()"
@@ -160,6 +167,10 @@ def choose(call: RoPECall, backend: str | None = None) -> Backend:
     falls back to :func:`decision_key`'s bucketed key, and only a new bucket runs the checks.
     """
     forced, source = requested_backend(backend)
+    if torch.compiler.is_compiling():
+        # Traced code decides from metadata, once per trace, and leaves the memo dicts alone:
+        # mutating them or calling C helpers such as bisect would break the graph.
+        return _decide(call, forced, source)[0]
     t = call.t
     exact = (
         call.spec.static_key, t.shape, call.batch, t.device, call.uses_cache, call.start_positions is None,

@@ -14,7 +14,6 @@ A check returns a list of sentences with the actual values; an empty list means 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -56,13 +55,14 @@ class Backend:
         """Run RoPE on a checked call; differentiable with respect to ``call.t``."""
         raise NotImplementedError
 
-    @functools.cached_property
+    @property
     def availability(self) -> tuple[str, ...]:
-        """:meth:`unavailable_reasons`, evaluated once; a crash in the probe is a reason too."""
-        try:
-            return tuple(self.unavailable_reasons())
-        except Exception as exc:  # an optional package that is broken, not merely missing
-            return (f"probing it raised {type(exc).__name__}: {exc}",)
+        """:meth:`unavailable_reasons`, evaluated once per process; a crash in the probe is a
+        reason too."""
+        cached = self.__dict__.get("_availability")
+        if cached is None:
+            cached = _probe(self.name) if _REGISTRY.get(self.name) is self else _run_probe(self)
+        return cached
 
     @property
     def available(self) -> bool:
@@ -137,6 +137,22 @@ def unregister(name: str) -> Backend:
 
     dispatch.clear_decisions()
     return backend
+
+
+@torch._dynamo.assume_constant_result
+def _probe(name: str) -> tuple[str, ...]:
+    """Run a backend's availability probe once; opaque to torch.compile, which would otherwise
+    trace the optional imports inside it."""
+    return _run_probe(_REGISTRY[name])
+
+
+def _run_probe(backend: Backend) -> tuple[str, ...]:
+    try:
+        reasons = tuple(backend.unavailable_reasons())
+    except Exception as exc:  # an optional package that is broken, not merely missing
+        reasons = (f"probing it raised {type(exc).__name__}: {exc}",)
+    backend.__dict__["_availability"] = reasons
+    return reasons
 
 
 def backends() -> list[Backend]:

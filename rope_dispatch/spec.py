@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -73,6 +72,9 @@ class RoPESpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
 
+    static_key: ClassVar[tuple]
+    """Hashable tuple of every field but the ``cu_seqlens`` tensor, set once at validation."""
+
     layout: Layout = Field(description="sbhd, bshd or thd (packed sequences with cu_seqlens)")
     dtype: Annotated[torch.dtype, BeforeValidator(parse_dtype)] = Field(
         description="dtype of the input tensor: float32, float16 or bfloat16"
@@ -116,12 +118,13 @@ class RoPESpec(BaseModel):
                 )
         if self.max_seqlen is not None and self.max_seqlen < 1:
             raise ValueError(f"max_seqlen must be >= 1, got {self.max_seqlen}")
+        self._set_static_key()
         return self
 
-    @functools.cached_property
-    def static_key(self) -> tuple:
-        """Hashable tuple of every field but the ``cu_seqlens`` tensor (computed once)."""
-        return (
+    def _set_static_key(self) -> None:
+        # A plain instance attribute: read on every call, so no property, no pydantic private
+        # attribute (2 us) and no cached_property (its lock breaks torch.compile graphs).
+        self.__dict__["static_key"] = (
             self.layout,
             dtype_name(self.dtype),
             self.rotary_dim,
@@ -146,7 +149,7 @@ class RoPESpec(BaseModel):
         if max_seqlen is not None and max_seqlen < 1:
             raise RoPEError(f"max_seqlen must be >= 1, got {max_seqlen}")
         new = self.model_copy(update={"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen})
-        new.__dict__.pop("static_key", None)  # model_copy copies the cached key of the old spec
+        new._set_static_key()
         return new
 
     def __hash__(self) -> int:

@@ -49,6 +49,8 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
     no copy; other strides are made contiguous here. The last few tables are remembered, so a
     training step that passes the same table to every layer checks it once.
     """
+    if torch.compiler.is_compiling():
+        return _angles_2d(freqs, argument)
     hit = _recent_tables.get(id(freqs))
     if hit is not None and hit[0] is freqs and hit[0].shape[0] == hit[1].shape[0]:
         return hit[1]

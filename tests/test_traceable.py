@@ -1,0 +1,50 @@
+"""``rope_dispatch.apply`` inside ``torch.compile(fullgraph=True)``: dispatch itself never breaks
+the graph (the backends' own kernels are tested in their files)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rope_dispatch as rd
+from reference import assert_matches, reference_forward_backward
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_fullgraph_forward_backward(layout):
+    torch._dynamo.reset()
+    if layout == "thd":
+        shape, extra = (9, 3, 16), {"cu_seqlens": torch.tensor([0, 4, 9])}
+    else:
+        shape, extra = (9, 2, 3, 16), {}
+    spec = rd.RoPESpec(layout=layout, dtype="fp32", **extra)
+    freqs = torch.rand(12, 1, 1, 16) * 10
+    starts = torch.tensor([1, 2])
+
+    def step(x):
+        return rd.apply(x, freqs, spec, start_positions=starts, backend="eager") * 2
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    t = torch.randn(*shape, requires_grad=True)
+    out = compiled(t)
+    grad_out = torch.randn(out.shape)
+    (grad,) = torch.autograd.grad(out, t, grad_out)
+    ref_out, ref_grad = reference_forward_backward(t, freqs.view(12, 16), spec, 2 * grad_out, starts)
+    assert_matches(out, 2 * ref_out, torch.float32)
+    assert_matches(grad, ref_grad, torch.float32)
+
+
+def test_overrides_are_read_at_trace_time(monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setenv("ROPE_AUTOTUNE", "0")
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    freqs = torch.rand(8, 16)
+    compiled = torch.compile(lambda x: rd.apply(x, freqs, spec), fullgraph=True, backend="aot_eager")
+    with rd.use_backend("eager"):
+        out = compiled(torch.randn(2, 8, 3, 16))
+    assert out.shape == (2, 8, 3, 16)
+    with pytest.raises(Exception, match="unknown backend 'nope'"):
+        with monkeypatch.context() as m:
+            m.setenv("ROPE_BACKEND", "nope")
+            torch._dynamo.reset()
+            compiled(torch.randn(2, 8, 3, 16))
