@@ -1,11 +1,292 @@
-"""Placeholder: the compile backend is being written."""
+"""The compile backend: ``torch.compile`` of the eager math, on CPU (C++) and CUDA (Triton).
 
+It compiles :func:`~rope_dispatch.backends.eager.rope_tensors` itself, so it has the eager
+backend's semantics by construction. One compiled function exists per *compile key* (layout,
+dtype, rotary dim, interleaving, context parallelism, table kind, whether ``start_positions``
+is given, whether autograd records the call, device type). Each gets a code object of its own,
+because Dynamo keeps its cache and its recompile limit per code object: sharing one would let
+a handful of specs exhaust the limit and silently fall back to eager. Sequence, batch, head and
+table-length dims are marked dynamic on the compiling call, so a new sequence length or batch
+reuses the compiled code (a dim of size 1 is still specialised by Dynamo, so a first call with
+``s == 1`` compiles once more when a longer sequence arrives).
+
+The first call of a new key compiles, which takes seconds; :meth:`CompileBackend.warm_up` lets
+the autotuner pay that before it starts timing. Inside an outer ``torch.compile`` the backend
+returns the eager math unchanged, so the outer graph traces and fuses it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import types
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from rope_dispatch.call import RoPECall
 from rope_dispatch.registry import Backend
+from rope_dispatch.spec import dtype_name
+from rope_dispatch.tables import CosSinCache
+
+from .eager import rope_eager, rope_tensors
+
+CompileKey = tuple
+
+
+def compile_key(call: RoPECall) -> CompileKey:
+    """What a compiled function is specialised on; every other size is a dynamic dim.
+
+    ``max_seqlen`` is left out on purpose: thd callers may pass a new one every step and it
+    does not enter the math.
+    """
+    spec = call.spec
+    return (
+        call.t.device.type,
+        spec.layout,
+        dtype_name(spec.dtype),
+        call.rotary_dim,
+        spec.interleaved,
+        spec.cp_size,
+        spec.cp_rank,
+        "cache" if call.uses_cache else "angles",
+        call.start_positions is not None,
+        call.t.requires_grad and torch.is_grad_enabled(),
+    )
+
+
+def _key_name(key: CompileKey) -> str:
+    device, layout, dtype, d2, interleaved, cp, rank, table, starts, grad = key
+    return (
+        f"rope_compiled_{device}_{layout}_{dtype}_d{d2}{'_interleaved' if interleaved else ''}"
+        f"_cp{cp}r{rank}_{table}{'_starts' if starts else ''}{'_grad' if grad else ''}"
+    )
+
+
+def _build(key: CompileKey) -> Callable:
+    """A fresh function (own code object) running the eager math for ``key``, compiled."""
+    _, layout, _, _, interleaved, cp_size, cp_rank, table, _, _ = key
+    from_angles = table == "angles"
+
+    def rope_compiled(t, a, b, cu_seqlens, start_positions):
+        cos, sin = (torch.cos(a), torch.sin(a)) if from_angles else (a, b)
+        return rope_tensors(
+            t, cos, sin, cu_seqlens, start_positions, layout=layout, interleaved=interleaved,
+            cp_size=cp_size, cp_rank=cp_rank,
+        )
+
+    name = _key_name(key)
+    changes = {"co_name": name}
+    if hasattr(rope_compiled.__code__, "co_qualname"):
+        changes["co_qualname"] = name
+    code = rope_compiled.__code__.replace(**changes)
+    fn = types.FunctionType(code, rope_compiled.__globals__, name, None, rope_compiled.__closure__)
+    return torch.compile(fn, fullgraph=True)
+
+
+def _arguments(call: RoPECall) -> tuple:
+    table = call.table
+    a, b = (table.cos, table.sin) if isinstance(table, CosSinCache) else (table, None)
+    return call.t, a, b, call.spec.cu_seqlens, call.start_positions
+
+
+def _mark_dynamic(args: tuple) -> None:
+    """Ask Dynamo for symbolic sizes where calls vary: every dim of ``t`` but the head dim,
+    the table length, the number of sequences."""
+    t, a, b, cu, starts = args
+    for dim in range(t.dim() - 1):
+        torch._dynamo.maybe_mark_dynamic(t, dim)
+    for x in (a, b, cu, starts):
+        if x is not None:
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+
+
+def dynamo_problem() -> str | None:
+    """Why ``torch.compile`` cannot run in this Python at all, or ``None``."""
+    check = getattr(torch._dynamo.eval_frame, "check_if_dynamo_supported", None)
+    if check is None:
+        return None
+    try:
+        check()
+    except Exception as exc:
+        return f"torch.compile is not supported here: {exc}"
+    return None
+
+
+def cpu_compiler_problem() -> str | None:
+    """Why TorchInductor cannot build CPU code here (no working C++ compiler), or ``None``.
+
+    Uses Inductor's own lookup (``torch._inductor.config.cpp.cxx``, default ``$CXX`` or g++),
+    so the answer matches what a compile would find; falls back to ``PATH`` where that private
+    helper is missing.
+    """
+    try:
+        from torch._inductor import cpp_builder
+
+        find = cpp_builder.get_cpp_compiler
+    except (ImportError, AttributeError):
+        names = [n for n in (os.environ.get("CXX"), "g++", "c++", "clang++") if n]
+        if any(shutil.which(n) for n in names):
+            return None
+        return (
+            f"no C++ compiler for TorchInductor's CPU code: none of {', '.join(names)} is on "
+            "PATH; install g++ or set CXX"
+        )
+    try:
+        find()
+    except Exception as exc:
+        return (
+            f"no C++ compiler for TorchInductor's CPU code ({exc}); install g++ or set CXX "
+            "(or torch._inductor.config.cpp.cxx) to a working one"
+        )
+    return None
+
+
+def cuda_problem(index: int | None = None) -> str | None:
+    """Why TorchInductor cannot build CUDA code here (no device, no triton, old GPU), or ``None``."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:
+        return (
+            f"triton is not importable ({type(exc).__name__}: {exc}); TorchInductor needs it "
+            "for CUDA code"
+        )
+    names = [n for n in (os.environ.get("CC"), "gcc", "clang", "cc") if n]
+    if not any(shutil.which(n) for n in names):
+        return (
+            f"no C compiler for Triton's launcher: none of {', '.join(names)} is on PATH; "
+            "install gcc or set CC"
+        )
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 7:
+        return (
+            f"CUDA device {torch.cuda.get_device_name(index)} has compute capability "
+            f"{major}.{minor}; TorchInductor's Triton code needs 7.0 or newer"
+        )
+    return None
 
 
 class CompileBackend(Backend):
+    """``torch.compile`` (Inductor) of the eager math: fused, generated kernels on CPU and CUDA."""
+
     name = "compile"
-    description = "not yet implemented"
+    description = "torch.compile of the eager math (Inductor: C++ on CPU, Triton on CUDA)"
+    priority = 20
+
+    def __init__(self) -> None:
+        self._compiled: dict[CompileKey, Callable] = {}
+        self._ready: set[CompileKey] = set()
+        self._failed: dict[CompileKey, str] = {}
+        self._device_problems: dict[tuple[str, int | None], str | None] = {}
 
     def unavailable_reasons(self) -> list[str]:
-        return ["not implemented yet"]
+        problem = dynamo_problem()
+        if problem is not None:
+            return [problem]
+        cpu = self._device_problem(torch.device("cpu"))
+        if cpu is None:
+            return []
+        cuda = cuda_problem()
+        return [] if cuda is None else [f"CPU: {cpu}", f"CUDA: {cuda}"]
+
+    def _device_problem(self, device: torch.device) -> str | None:
+        slot = (device.type, device.index)
+        if slot not in self._device_problems:
+            if device.type == "cpu":
+                self._device_problems[slot] = cpu_compiler_problem()
+            else:
+                self._device_problems[slot] = cuda_problem(device.index)
+        return self._device_problems[slot]
+
+    def extra_reasons(self, call: RoPECall) -> list[str]:
+        reasons = []
+        problem = self._device_problem(call.t.device)
+        if problem is not None:
+            reasons.append(problem)
+        failure = self._failed.get(compile_key(call))
+        if failure is not None:
+            reasons.append(f"compiling this spec failed earlier in this process: {failure}")
+        return reasons
+
+    def explain_note(self, call: RoPECall) -> str:
+        """Whether this call's spec is compiled yet; the first call of a spec compiles."""
+        if not self.available:
+            return ""
+        key = compile_key(call)
+        if key in self._failed:
+            return f"compiling this spec failed in this process, it runs eager: {self._failed[key]}"
+        if key in self._ready:
+            return (
+                "torch.compile: this spec is already compiled in this process; new sequence "
+                "lengths and batch sizes reuse it"
+            )
+        return (
+            "torch.compile: not compiled yet in this process; the first call of a new spec "
+            "compiles it, which takes seconds (tens of seconds with a cold Inductor cache)"
+        )
+
+    def is_compiled(self, call: RoPECall) -> bool:
+        """Whether a call with this call's compile key has already run compiled code."""
+        return compile_key(call) in self._ready
+
+    def warm_up(self, call: RoPECall) -> None:
+        """Compile what running ``call`` needs, without timing it: the forward, and the backward
+        too when autograd records the call (``t.requires_grad`` under grad mode).
+
+        Call it under the grad mode that will be timed. Raises if compiling fails, so a tuner
+        drops this backend rather than timing a fallback.
+        """
+        if torch.compiler.is_compiling():
+            return
+        if not (call.t.requires_grad and torch.is_grad_enabled()):
+            self._run(call, fallback=False)
+            return
+        x = call.t.detach().requires_grad_(True)
+        out = self._run(call._replace(t=x), fallback=False)
+        torch.autograd.grad(out, x, torch.ones_like(out))
+
+    def apply(self, call: RoPECall) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # inside an outer graph: let it trace the math
+            return rope_eager(call)
+        return self._run(call, fallback=True)
+
+    def _run(self, call: RoPECall, fallback: bool) -> torch.Tensor:
+        key = compile_key(call)
+        if key in self._ready:
+            return self._compiled[key](*_arguments(call))
+        if key in self._failed:
+            if fallback:
+                return rope_eager(call)
+            raise RuntimeError(f"torch.compile failed for this spec: {self._failed[key]}")
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = _build(key)
+        args = _arguments(call)
+        _mark_dynamic(args)
+        try:
+            out = fn(*args)
+        except Exception as exc:
+            if not fallback:
+                self._failed[key] = _summary(exc)
+                raise
+            try:
+                out = rope_eager(call)
+            except Exception:
+                raise exc from None  # the inputs are at fault, not the compiler
+            self._failed[key] = _summary(exc)
+            warnings.warn(
+                f"rope_dispatch: torch.compile failed for {_key_name(key)} "
+                f"({self._failed[key]}); running the eager math for it from now on",
+                RuntimeWarning, stacklevel=3,
+            )
+            return out
+        self._ready.add(key)
+        return out
+
+
+def _summary(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__

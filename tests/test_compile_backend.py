@@ -1,0 +1,277 @@
+"""The compile backend against the float64 reference, its no-recompile promise, and availability.
+
+Compiling is slow on a 2-core CPU (seconds per spec), so the CPU tests use a handful of fixed
+specs that together cover every layout and feature, instead of random ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import pytest
+import torch
+
+import rope_dispatch as rd
+from cases import Case, build
+from reference import assert_matches, reference_for, reference_forward_backward
+from rope_dispatch.backends import compiled
+from rope_dispatch.backends.compiled import CompileBackend, compile_key
+
+
+def case(**changes) -> Case:
+    base = Case(
+        layout="sbhd", dtype=torch.float32, seq=6, batch=2, heads=3, head_dim=16, rotary_dim=16,
+        interleaved=False, cp_size=1, cp_rank=0, seqlens=(), with_starts=False,
+        strides="contiguous", use_cache=False, table_margin=2, seed=0,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def check(c: Case, backend: str = "compile", device: str = "cpu", grad: bool = True) -> None:
+    t, table, spec, starts, angles = build(c, device, requires_grad=grad)
+    out = rd.apply(t, table, spec, start_positions=starts, backend=backend)
+    assert out.dtype == t.dtype and out.device == t.device and out.is_contiguous()
+    if not grad:
+        assert_matches(out, reference_for(t, angles, spec, starts), t.dtype, "forward")
+        return
+    grad_out = torch.randn(out.shape, dtype=torch.float32).to(t.dtype).to(device)
+    (grad_t,) = torch.autograd.grad(out, t, grad_out)
+    ref_out, ref_grad = reference_forward_backward(t, angles, spec, grad_out.cpu(), starts)
+    assert_matches(out, ref_out, t.dtype, "forward")
+    assert_matches(grad_t, ref_grad, t.dtype, "backward")
+
+
+needs_compile = pytest.mark.skipif(
+    not rd.get_backend("compile").available, reason="torch.compile cannot run here"
+)
+
+# Five specs that between them cover every layout, dtype, feature and stride pattern.
+CPU_CASES = {
+    "bshd-bf16-partial-interleaved-cache-permuted": (case(
+        layout="bshd", dtype=torch.bfloat16, rotary_dim=8, interleaved=True, use_cache=True,
+        strides="permuted", seq=7, batch=3,
+    ), True),
+    "thd-fp16-cp2-rank1-partial-qkv-slice": (case(
+        layout="thd", dtype=torch.float16, rotary_dim=12, cp_size=2, cp_rank=1,
+        seqlens=(8, 4, 12), strides="qkv-slice",
+    ), True),
+    "sbhd-fp32-cp3-rank2-interleaved-channel-strided": (case(
+        layout="sbhd", interleaved=True, cp_size=3, cp_rank=2, seq=4,
+        strides="channel-strided",
+    ), True),
+    "thd-fp32-start-positions-cache-forward-only": (case(
+        layout="thd", seqlens=(5, 0, 3), with_starts=True, use_cache=True, rotary_dim=10,
+        seed=3,
+    ), False),
+}
+
+
+@needs_compile
+@pytest.mark.parametrize("name", sorted(CPU_CASES))
+def test_matches_reference(name):
+    c, grad = CPU_CASES[name]
+    check(c, grad=grad)
+
+
+def _call(s: int, b: int, starts_dtype=torch.int64, grad: bool = True) -> rd.RoPECall:
+    gen = torch.Generator().manual_seed(s * 100 + b)
+    t = torch.randn(s, b, 2, 8, generator=gen).requires_grad_(grad)
+    freqs = torch.rand(s + 8, 8, generator=gen) * 20
+    starts = torch.randint(0, 8, (b,), generator=gen).to(starts_dtype)
+    return rd.check_call(t, freqs, rd.RoPESpec(layout="sbhd", dtype="fp32"), starts)
+
+
+def _run_and_check(backend: CompileBackend, call: rd.RoPECall) -> None:
+    out = backend.apply(call)
+    grad_out = torch.randn(out.shape)
+    (grad_t,) = torch.autograd.grad(out, call.t, grad_out)
+    ref_out, ref_grad = reference_forward_backward(
+        call.t, call.table, call.spec, grad_out, call.start_positions
+    )
+    assert_matches(out, ref_out, torch.float32, "forward")
+    assert_matches(grad_t, ref_grad, torch.float32, "backward")
+
+
+@pytest.fixture
+def recompile_log(caplog):
+    """The ``TORCH_LOGS=recompiles`` records, captured in-process."""
+    torch._logging.set_logs(recompiles=True)
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        torch._logging.set_logs()
+
+
+@needs_compile
+def test_new_sequence_length_and_batch_do_not_recompile(recompile_log):
+    backend = CompileBackend()  # own compiled functions: independent of other tests
+    first = _call(6, 2)
+    _run_and_check(backend, first)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    recompile_log.clear()
+    for s, b in ((11, 2), (11, 3), (4, 5)):
+        _run_and_check(backend, _call(s, b))
+    assert "Recompiling" not in recompile_log.text
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    # The capture does see a recompile: start_positions' dtype is guarded, not part of the key.
+    _run_and_check(backend, _call(5, 2, starts_dtype=torch.int32))
+    assert "Recompiling" in recompile_log.text
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
+
+
+@needs_compile
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward-backward"])
+def test_warm_up_compiles_so_later_calls_do_not(grad):
+    backend = CompileBackend()
+    call = _call(6, 3, grad=grad)
+    assert "first call" in backend.explain_note(call)
+    assert not backend.is_compiled(call)
+    backend.warm_up(call)
+    assert backend.is_compiled(call)
+    assert "already compiled" in backend.explain_note(call)
+    other = _call(9, 2, grad=not grad)
+    assert not backend.is_compiled(other)  # the variant it was not asked for
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    later = _call(9, 2, grad=grad)
+    if grad:
+        _run_and_check(backend, later)  # forward and backward: nothing left to compile
+    else:
+        out = backend.apply(later)
+        assert_matches(
+            out, reference_for(later.t, later.table, later.spec, later.start_positions),
+            torch.float32,
+        )
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_compile
+def test_inside_an_outer_compile_it_runs_the_eager_math():
+    backend = CompileBackend()
+    t = torch.randn(2, 5, 3, 8)
+    freqs = torch.rand(7, 1, 1, 8) * 10
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32", interleaved=True)
+
+    def outer(x):
+        return backend.apply(rd.check_call(x, freqs, spec)) * 2
+
+    out = torch.compile(outer)(t)
+    assert_matches(out, 2 * reference_for(t, freqs, spec), torch.float32)
+    assert not backend._compiled  # no compiled function of its own: the outer graph has the math
+
+
+def test_explain_note_is_empty_when_unavailable(monkeypatch):
+    backend = CompileBackend()
+    monkeypatch.setattr(compiled, "dynamo_problem", lambda: "torch.compile is not supported here")
+    assert backend.explain_note(_call(4, 2)) == ""
+    assert backend.availability == ("torch.compile is not supported here",)
+
+
+def test_unavailable_without_a_cpu_compiler_or_cuda(monkeypatch):
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpp_builder
+
+    cpp_builder.cpp_compiler_search.cache_clear()
+    try:
+        with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/rope-dispatch-g++")}):
+            problem = compiled.cpu_compiler_problem()
+    finally:
+        cpp_builder.cpp_compiler_search.cache_clear()
+    assert problem is not None and "C++ compiler" in problem and "rope-dispatch-g++" in problem
+
+    monkeypatch.setattr(compiled, "cpu_compiler_problem", lambda: problem)
+    monkeypatch.setattr(compiled, "cuda_problem", lambda index=None: "no CUDA device")
+    backend = CompileBackend()
+    assert not backend.available
+    assert backend.availability == (f"CPU: {problem}", "CUDA: no CUDA device")
+    reasons = backend.not_supported_reasons(_call(4, 2))
+    assert any("C++ compiler" in r for r in reasons)
+
+
+def test_cpu_call_refused_without_compiler_when_cuda_works(monkeypatch):
+    monkeypatch.setattr(compiled, "cpu_compiler_problem", lambda: "no C++ compiler (test)")
+    monkeypatch.setattr(compiled, "cuda_problem", lambda index=None: None)
+    backend = CompileBackend()
+    assert backend.available
+    assert backend.not_supported_reasons(_call(4, 2)) == ["no C++ compiler (test)"]
+
+
+def test_cuda_needs_triton(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(__import__("sys").modules, "triton", None)  # import triton fails
+    problem = compiled.cuda_problem()
+    assert problem is not None and "triton is not importable" in problem
+
+
+def test_compile_failure_falls_back_with_a_warning_and_is_then_refused(monkeypatch):
+    def broken(key):
+        def fn(*args):
+            raise RuntimeError("inductor exploded\nsecond line")
+        return fn
+
+    monkeypatch.setattr(compiled, "_build", broken)
+    backend = CompileBackend()
+    call = _call(5, 2)
+    with pytest.warns(RuntimeWarning, match="inductor exploded"):
+        out = backend.apply(call)
+    assert_matches(
+        out, reference_for(call.t, call.table, call.spec, call.start_positions), torch.float32
+    )
+    assert backend.extra_reasons(call) == [
+        "compiling this spec failed earlier in this process: RuntimeError: inductor exploded"
+    ]
+    with pytest.raises(RuntimeError, match="inductor exploded"):
+        backend.warm_up(call)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend.apply(call)  # later calls run eager without warning again
+
+
+def test_bad_inputs_are_not_blamed_on_the_compiler(monkeypatch):
+    def broken(key):
+        def fn(*args):
+            raise IndexError("index 40 is out of bounds")
+        return fn
+
+    monkeypatch.setattr(compiled, "_build", broken)
+    monkeypatch.setattr(compiled, "rope_eager", lambda call: (_ for _ in ()).throw(IndexError("x")))
+    backend = CompileBackend()
+    call = _call(5, 2)
+    with pytest.raises(IndexError, match="index 40"):
+        backend.apply(call)
+    assert backend.extra_reasons(call) == []
+
+
+def test_key_ignores_sizes_and_max_seqlen():
+    a, b = _call(5, 2), _call(9, 4)
+    assert compile_key(a) == compile_key(b)
+    recorded = compile_key(a)
+    with torch.no_grad():
+        assert compile_key(a) != recorded  # whether autograd records the call is part of it
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    t = torch.randn(9, 2, 8)
+    one = rd.check_call(t, torch.rand(9, 8), rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu, max_seqlen=5))
+    two = rd.check_call(t, torch.rand(9, 8), rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu, max_seqlen=9))
+    assert compile_key(one) == compile_key(two)
+
+
+GPU_CASES = [
+    case(layout="sbhd", dtype=torch.bfloat16, seq=64, batch=2, heads=4, head_dim=64, rotary_dim=32,
+         strides="qkv-slice"),
+    case(layout="bshd", dtype=torch.float16, seq=34, batch=3, heads=2, head_dim=32,
+         rotary_dim=32, interleaved=True, use_cache=True, cp_size=2, cp_rank=1),
+    case(layout="thd", dtype=torch.float32, seqlens=(17, 1, 40), heads=4, head_dim=64,
+         rotary_dim=64, with_starts=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(GPU_CASES)))
+def test_matches_reference_on_cuda(index):
+    if not rd.get_backend("compile").available:
+        pytest.skip("torch.compile cannot run here: " + "; ".join(rd.get_backend("compile").availability))
+    check(GPU_CASES[index], device="cuda")
