@@ -292,7 +292,7 @@ def _read_json(path: Path) -> Any:
     """Parsed JSON of ``path``, ``None`` when it does not exist; raises ValueError when unreadable."""
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no entry, or no cache directory yet
         return None
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"it cannot be read ({exc})") from exc
