@@ -1,11 +1,307 @@
-"""Placeholder: the te backend is being written."""
+"""The TE backend: TransformerEngine's own fused RoPE, ``apply_rotary_pos_emb(..., fused=True)``.
 
+TransformerEngine defines the semantics rope-dispatch follows, so this backend is the
+reference implementation where it runs. It is imported lazily, from whichever module the
+installed version keeps it in, and checked against what that version's fused kernel can do.
+What the TE 2.9 sources show (``common/fused_rope/fused_rope.cu``, ``pytorch/csrc/extensions/
+apply_rope.cpp``, ``pytorch/attention/rope.py``), and how this backend answers it:
+
+- ``freqs`` must be float32 ``[s2, 1, 1, d2]`` and is read as a contiguous array: we pass a
+  view of our contiguous ``[s2, d2]`` angle table. TE reads angles only, so a
+  :class:`~rope_dispatch.CosSinCache` is refused (cos/sin cannot be turned back into the
+  exact angles).
+- ``cu_seqlens`` and ``start_positions`` are read as ``int*``: int64 tensors are converted to
+  int32 here (an int64 tensor would be misread, not rejected).
+- Offsets and strides are 32-bit ``int``: tensors whose elements or strides reach 2^31 are
+  refused.
+- The grid is ``(s, b)`` (``(s2, number of sequences)`` for thd): the second axis holds at most
+  65,535, so larger batches are refused.
+- The backward kernel has no ``start_positions`` argument (it rotates gradients as if every
+  sequence started at 0): ``start_positions`` is refused when autograd records the call.
+- Any input strides are read directly, and the output is a new contiguous tensor.
+- Inside ``torch.compile`` it refuses: the pybind call cannot be traced and would break the
+  graph, where the other backends fuse or trace.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rope_dispatch.call import RoPECall
 from rope_dispatch.registry import Backend
+
+# Where apply_rotary_pos_emb lives, newest first.
+MODULE_PATHS = (
+    "transformer_engine.pytorch.attention.rope",  # 2.3 and newer
+    "transformer_engine.pytorch.dot_product_attention.rope",  # 2.2
+    "transformer_engine.pytorch.attention",  # before 2.2
+)
+FEATURES_SINCE = (2, 3)  # interleaved, start_positions, context parallel for sbhd/bshd (fused)
+INT32_LIMIT = 2**31
+GRID_Y_LIMIT = 65535
+INSTALL_HINT = "pip install 'transformer-engine[pytorch]>=2.2'"
+
+
+@dataclass(frozen=True)
+class TEInfo:
+    """The TransformerEngine found in this process."""
+
+    version: str
+    release: tuple[int, ...] | None  # (major, minor, patch), None when unparseable
+    module: str
+    apply: Callable[..., torch.Tensor]
+    parameters: frozenset[str]
+
+    def at_least(self, release: tuple[int, ...]) -> bool:
+        return self.release is not None and self.release >= release
+
+
+def parse_release(version: str) -> tuple[int, ...] | None:
+    """``"2.9.0+abc"`` -> ``(2, 9, 0)``; ``"2.3.0.dev0"`` -> ``(2, 3, 0)``; junk -> ``None``."""
+    match = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version or "")
+    if match is None:
+        return None
+    return tuple(int(part or 0) for part in match.groups())
+
+
+def _te_version(package: object) -> str:
+    version = getattr(package, "__version__", None)
+    if isinstance(version, str):
+        return version
+    from importlib import metadata
+
+    for dist in ("transformer_engine", "transformer-engine"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _missing(exc: ModuleNotFoundError, path: str) -> bool:
+    """Whether ``exc`` says ``path`` (or a parent of it) does not exist, rather than a module
+    that ``path`` itself imports being missing."""
+    name = exc.name or ""
+    return bool(name) and (path == name or path.startswith(name + "."))
+
+
+def te_installed() -> bool:
+    """Whether a ``transformer_engine`` package can be found, without importing it."""
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):  # a module in sys.modules without a spec: it is there
+        return True
+
+
+def load_te(import_module: Callable[[str], object] = importlib.import_module) -> TEInfo | list[str]:
+    """Import TransformerEngine's ``apply_rotary_pos_emb`` from where its version keeps it.
+
+    Returns what was found, or the reasons (sentences) it could not be used.
+    """
+    try:
+        package = import_module("transformer_engine")
+    except ModuleNotFoundError as exc:
+        if _missing(exc, "transformer_engine"):
+            return [f"transformer_engine is not installed ({INSTALL_HINT})"]
+        return [f"transformer_engine is installed but importing it failed: {type(exc).__name__}: {exc}"]
+    except Exception as exc:
+        return [f"transformer_engine is installed but importing it failed: {type(exc).__name__}: {exc}"]
+    version = _te_version(package)
+    tried = []
+    for path in MODULE_PATHS:
+        try:
+            module = import_module(path)
+        except ModuleNotFoundError as exc:
+            if _missing(exc, path):
+                tried.append(f"{path} does not exist")
+                continue
+            tried.append(f"importing {path} failed: {type(exc).__name__}: {exc}")
+            continue
+        except Exception as exc:
+            tried.append(f"importing {path} failed: {type(exc).__name__}: {exc}")
+            continue
+        apply = getattr(module, "apply_rotary_pos_emb", None)
+        if apply is None:
+            tried.append(f"{path} has no apply_rotary_pos_emb")
+            continue
+        try:
+            parameters = frozenset(inspect.signature(apply).parameters)
+        except (TypeError, ValueError):
+            parameters = frozenset()
+        return TEInfo(version, parse_release(version), path, apply, parameters)
+    return [
+        f"transformer_engine {version} is installed but its apply_rotary_pos_emb could not be "
+        f"imported: {'; '.join(tried)}"
+    ]
+
+
+def _version_reason(info: TEInfo, feature: str) -> str | None:
+    if info.at_least(FEATURES_SINCE):
+        return None
+    need = ".".join(map(str, FEATURES_SINCE))
+    if info.release is None:
+        return (
+            f"{feature} needs TransformerEngine {need} or newer, and the installed version "
+            f"{info.version!r} could not be parsed"
+        )
+    return f"{feature} needs TransformerEngine {need} or newer; installed {info.version}"
+
+
+def te_reasons(call: RoPECall, info: TEInfo) -> list[str]:
+    """Why this TransformerEngine cannot serve ``call`` (beyond device, layout and dtype)."""
+    reasons = []
+    spec, t = call.spec, call.t
+    params = info.parameters
+    wanted = {"fused": True, "tensor_format": True}
+    if spec.interleaved:
+        wanted["interleaved"] = True
+        if (why := _version_reason(info, "interleaved=True in the fused kernel")) is not None:
+            reasons.append(why)
+    if call.start_positions is not None:
+        wanted["start_positions"] = True
+        if (why := _version_reason(info, "start_positions in the fused kernel")) is not None:
+            reasons.append(why)
+        if t.requires_grad and torch.is_grad_enabled():
+            reasons.append(
+                "start_positions while t requires grad: TransformerEngine's fused backward "
+                f"(checked up to 2.9; installed {info.version}) ignores start_positions and "
+                "would rotate the gradient by the wrong positions; run it under torch.no_grad() "
+                "(inference) or use another backend"
+            )
+    if spec.layout == "thd":
+        wanted["cu_seqlens"] = True
+    if spec.cp_size > 1:
+        wanted["cp_size"] = wanted["cp_rank"] = True
+        if spec.layout != "thd":
+            why = _version_reason(
+                info, f"context parallelism (cp_size={spec.cp_size}) with layout {spec.layout!r}"
+            )
+            if why is not None:
+                reasons.append(why)
+    if params:
+        absent = sorted(name for name in wanted if name not in params)
+        if absent:
+            reasons.append(
+                f"TransformerEngine {info.version}'s apply_rotary_pos_emb ({info.module}) has no "
+                f"{', '.join(absent)} argument{'s' if len(absent) > 1 else ''}"
+            )
+    numel = t.numel()
+    if numel >= INT32_LIMIT:
+        reasons.append(
+            f"t has {numel:,} elements; TransformerEngine's kernel uses int32 offsets, so at most "
+            f"{INT32_LIMIT - 1:,}"
+        )
+    else:
+        reach = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()) if n > 0)
+        if reach >= INT32_LIMIT:
+            reasons.append(
+                f"t's strides {tuple(t.stride())} reach element offset {reach:,}; "
+                f"TransformerEngine's kernel uses int32 offsets (below {INT32_LIMIT:,})"
+            )
+    if spec.layout == "thd" and call.seq_len * spec.cp_size >= INT32_LIMIT:
+        reasons.append(
+            f"{call.seq_len * spec.cp_size:,} global tokens do not fit TransformerEngine's int32 "
+            "cu_seqlens"
+        )
+    if call.batch > GRID_Y_LIMIT:
+        what = "number of sequences" if spec.layout == "thd" else "batch size"
+        reasons.append(
+            f"{what} {call.batch:,} exceeds {GRID_Y_LIMIT:,}: TransformerEngine puts it on CUDA "
+            "grid axis y, which holds at most 65,535 blocks"
+        )
+    return reasons
+
+
+CACHE_REASON = (
+    "a CosSinCache table is not supported: TE reads angles; pass the angle table (cos/sin "
+    "cannot be turned back into the exact angles)"
+)
+COMPILE_REASON = (
+    "inside torch.compile: TransformerEngine's fused RoPE is a pybind call that Dynamo cannot "
+    "trace, so it would break the graph"
+)
+
+
+def _default_load() -> TEInfo | list[str]:
+    if not te_installed():
+        return [f"transformer_engine is not installed ({INSTALL_HINT})"]
+    if not torch.cuda.is_available():
+        return [
+            "no CUDA device (torch.cuda.is_available() is False); TransformerEngine's fused "
+            "RoPE runs on CUDA only"
+        ]
+    return load_te()
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int32 else x.to(torch.int32)
 
 
 class TEBackend(Backend):
+    """TransformerEngine's fused kernel: the semantics' own implementation, CUDA only."""
+
     name = "te"
-    description = "not yet implemented"
+    description = "TransformerEngine apply_rotary_pos_emb(fused=True) (CUDA)"
+    priority = 30
+    devices = frozenset({"cuda"})
+    supports_cos_sin_cache = False
+
+    def __init__(self, load: Callable[[], TEInfo | list[str]] = _default_load) -> None:
+        self._load = load
+        self._info: TEInfo | None = None
 
     def unavailable_reasons(self) -> list[str]:
-        return ["not implemented yet"]
+        found = self._load()
+        if isinstance(found, TEInfo):
+            self._info = found
+            return []
+        return list(found)
+
+    @property
+    def info(self) -> TEInfo | None:
+        """The TransformerEngine in use (``None`` where unavailable)."""
+        return self._info if self.available else None
+
+    def not_supported_reasons(self, call: RoPECall) -> list[str]:
+        reasons = super().not_supported_reasons(call)
+        if call.uses_cache and self.available:  # say why, in TE's terms
+            reasons = [CACHE_REASON if "CosSinCache" in r else r for r in reasons]
+        return reasons
+
+    def extra_reasons(self, call: RoPECall) -> list[str]:
+        if torch.compiler.is_compiling():
+            return [COMPILE_REASON]
+        return te_reasons(call, self._info)
+
+    def apply(self, call: RoPECall) -> torch.Tensor:
+        fn, kwargs = self._info.apply, te_arguments(call)
+        table = call.table
+        freqs = table.view(table.shape[0], 1, 1, table.shape[1])
+        t = call.t
+        if t.is_cuda and t.device.index != torch.cuda.current_device():
+            with torch.cuda.device(t.device):
+                return fn(t, freqs, **kwargs)
+        return fn(t, freqs, **kwargs)
+
+
+def te_arguments(call: RoPECall) -> dict[str, object]:
+    """Keyword arguments for TE's ``apply_rotary_pos_emb``: only what differs from its defaults,
+    so that older versions, which lack some of them, are called correctly."""
+    spec = call.spec
+    kwargs: dict[str, object] = {"tensor_format": spec.layout, "fused": True}
+    if spec.interleaved:
+        kwargs["interleaved"] = True
+    if spec.layout == "thd":
+        kwargs["cu_seqlens"] = _int32(spec.cu_seqlens)
+    if spec.cp_size > 1:
+        kwargs["cp_size"], kwargs["cp_rank"] = spec.cp_size, spec.cp_rank
+    if call.start_positions is not None:
+        kwargs["start_positions"] = _int32(call.start_positions)
+    return kwargs
