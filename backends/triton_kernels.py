@@ -125,7 +125,7 @@ def rope_kernel(
     ``PASS_DIM`` pass-through channels.
     """
     pid = tl.program_id(0).to(tl.int64)
-    head_groups = tl.cdiv(heads, HEAD_ITERS * BLOCK_H)
+    head_groups = (heads + HEAD_ITERS * BLOCK_H - 1) // (HEAD_ITERS * BLOCK_H)
     token_block = pid // head_groups
     head_lo = (pid - token_block * head_groups) * (HEAD_ITERS * BLOCK_H)
 

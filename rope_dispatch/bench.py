@@ -1,0 +1,531 @@
+"""``python -m rope_dispatch.bench``: RoPE speed against a device copy of the same bytes.
+
+For each shape, every available backend of ours (through ``rope_dispatch.apply(...,
+backend=name)``; triton both with the angle table and with a cos/sin cache) and, when importable,
+the peers TransformerEngine (fused ``apply_rotary_pos_emb``) and Liger-Kernel (``rope_forward`` /
+``rope_backward``, where the shape fits its API) are timed forward, backward and
+forward+backward (``torch.autograd.grad``). Times are medians of ``triton.testing.do_bench``;
+bandwidth counts one read and one write of the tensor; the ceiling is ``copy_`` of the same
+bytes measured in the same run. A float64 check of every implementation's forward output is
+reported next to its times.
+
+The decode shape also reports ``rope_dispatch.apply`` end to end on the host clock (dispatch,
+checks and launch included), since there the host, not the GPU, sets the pace.
+
+Writes ``bench.json``, ``bench.md`` and (with matplotlib) ``bench.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import rope_dispatch as rd
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark shape; ``seq`` is tokens for thd (split into ``n_seqs`` sequences)."""
+
+    name: str
+    layout: str
+    dtype: torch.dtype
+    seq: int
+    batch: int
+    heads: int
+    head_dim: int
+    rotary_dim: int
+    n_seqs: int = 0
+
+    def dims(self) -> tuple[int, ...]:
+        if self.layout == "thd":
+            return (self.seq, self.heads, self.head_dim)
+        if self.layout == "sbhd":
+            return (self.seq, self.batch, self.heads, self.head_dim)
+        return (self.batch, self.seq, self.heads, self.head_dim)
+
+
+SHAPES = (
+    Shape("sbhd s4096 b4 h32 d128 bf16", "sbhd", torch.bfloat16, 4096, 4, 32, 128, 128),
+    Shape("bshd s4096 b4 h32 d128 bf16", "bshd", torch.bfloat16, 4096, 4, 32, 128, 128),
+    Shape("sbhd s4096 b4 h32 d128 rot64 bf16", "sbhd", torch.bfloat16, 4096, 4, 32, 128, 64),
+    Shape("thd 12 seqs T26460 h32 d128 bf16", "thd", torch.bfloat16, 26460, 1, 32, 128, 128, 12),
+    Shape("sbhd s2048 b16 h8 d256 fp32", "sbhd", torch.float32, 2048, 16, 8, 256, 256),
+    Shape("decode sbhd s1 b64 h32 d128 bf16", "sbhd", torch.bfloat16, 1, 64, 32, 128, 128),
+)
+DECODE = SHAPES[-1]
+TABLE_LEN = 4096
+
+
+@dataclass
+class Inputs:
+    t: torch.Tensor
+    freqs: torch.Tensor  # [s2, 1, 1, d2] float32 angles, TE's duplicated-halves layout
+    cache: rd.CosSinCache
+    spec: rd.RoPESpec
+    grad: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+
+
+def _seqlens(total: int, n: int, gen: torch.Generator) -> list[int]:
+    """``n`` random lengths summing to ``total`` (fixed seed)."""
+    weights = torch.rand(n, generator=gen) + 0.25
+    lengths = (weights / weights.sum() * total).long()
+    lengths[-1] += total - int(lengths.sum())
+    return lengths.tolist()
+
+
+def make_inputs(shape: Shape, device: str = "cuda") -> Inputs:
+    gen = torch.Generator().manual_seed(0)
+    rot = shape.rotary_dim
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    table_len = max(TABLE_LEN, shape.seq)
+    angles = torch.outer(torch.arange(table_len, dtype=torch.float64), inv)
+    freqs = torch.cat((angles, angles), dim=-1).float().view(table_len, 1, 1, rot).to(device)
+    t = torch.randn(shape.dims(), generator=gen).to(shape.dtype).to(device)
+    cu = None
+    if shape.layout == "thd":
+        lengths = _seqlens(shape.seq, shape.n_seqs, gen)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        cu = cu.to(device)
+        spec = rd.RoPESpec(layout="thd", dtype=shape.dtype, cu_seqlens=cu, max_seqlen=max(lengths))
+    else:
+        spec = rd.RoPESpec(layout=shape.layout, dtype=shape.dtype)
+    grad = torch.randn(shape.dims(), generator=gen).to(shape.dtype).to(device)
+    return Inputs(t, freqs, rd.cos_sin_cache(freqs), spec, grad, cu)
+
+
+@dataclass
+class Impl:
+    """Something to time: forward, backward and forward+backward callables (or None)."""
+
+    name: str
+    fwd: Callable[[], Any]
+    bwd: Callable[[], Any] | None
+    fwd_bwd: Callable[[], Any] | None
+    output: Callable[[], torch.Tensor]
+    note: str = ""
+    bytes_factor: float = 1.0  # bytes it moves relative to ours (Liger also rotates a 1-head k)
+
+
+def _ours(name: str, label: str, inp: Inputs, table: Any) -> Impl | None:
+    backend = rd.get_backend(name)
+    t = inp.t.detach().requires_grad_(True)
+    call = rd.check_call(t, table, inp.spec)
+    if backend.not_supported_reasons(call):
+        return None
+    leaf = inp.t.detach().requires_grad_(True)
+    out_graph = rd.apply(leaf, table, inp.spec, backend=name)
+
+    def fwd():
+        return rd.apply(inp.t, table, inp.spec, backend=name)
+
+    def bwd():
+        return torch.autograd.grad(out_graph, leaf, inp.grad, retain_graph=True)
+
+    def fwd_bwd():
+        return torch.autograd.grad(rd.apply(leaf, table, inp.spec, backend=name), leaf, inp.grad)
+
+    return Impl(label, fwd, bwd, fwd_bwd, fwd)
+
+
+def _te_peer(shape: Shape, inp: Inputs) -> Impl | None:
+    try:
+        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+    except Exception:  # noqa: BLE001 (not installed, or installed but broken)
+        return None
+    kwargs: dict[str, Any] = {"tensor_format": shape.layout, "fused": True}
+    if inp.cu_seqlens is not None:
+        kwargs["cu_seqlens"] = inp.cu_seqlens
+    leaf = inp.t.detach().requires_grad_(True)
+    out_graph = apply_rotary_pos_emb(leaf, inp.freqs, **kwargs)
+
+    def fwd():
+        return apply_rotary_pos_emb(inp.t, inp.freqs, **kwargs)
+
+    def bwd():
+        return torch.autograd.grad(out_graph, leaf, inp.grad, retain_graph=True)
+
+    def fwd_bwd():
+        return torch.autograd.grad(apply_rotary_pos_emb(leaf, inp.freqs, **kwargs), leaf, inp.grad)
+
+    return Impl("TE fused (peer)", fwd, bwd, fwd_bwd, fwd)
+
+
+def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
+    """Liger rotates q and k in place in a [b, s, h, d] buffer; here k has one head."""
+    if shape.layout == "thd":
+        return None
+    try:
+        from liger_kernel.ops.rope import rope_backward, rope_forward
+    except Exception:  # noqa: BLE001
+        return None
+    b, s, h, d, rot = shape.batch, shape.seq, shape.heads, shape.head_dim, shape.rotary_dim
+    dev = inp.t.device
+    # same bytes as ours, in Liger's physical layout [b, s, h, d]
+    q = inp.t.reshape(-1).view(b, s, h, d).clone()
+    k = torch.randn(b, s, 1, d, device=dev).to(shape.dtype)
+    dq = inp.grad.reshape(-1).view(b, s, h, d).clone()
+    dk = torch.randn(b, s, 1, d, device=dev).to(shape.dtype)
+    cos = inp.cache.cos[:s, : rot // 2].repeat(1, 2)[None].to(shape.dtype).contiguous()
+    sin = inp.cache.sin[:s, : rot // 2].repeat(1, 2)[None].to(shape.dtype).contiguous()
+
+    def fwd():
+        return rope_forward(q.transpose(1, 2), k.transpose(1, 2), cos, sin, rotary_dim=rot)
+
+    def bwd():
+        return rope_backward(dq.transpose(1, 2), dk.transpose(1, 2), cos, sin, rotary_dim=rot)
+
+    def fwd_bwd():
+        fwd()
+        return bwd()
+
+    def output():
+        fresh = inp.t.reshape(-1).view(b, s, h, d).clone()
+        rope_forward(fresh.transpose(1, 2), k.clone().transpose(1, 2), cos, sin, rotary_dim=rot)
+        return fresh.reshape(inp.t.shape) if shape.layout == "bshd" else None
+
+    note = "in place; k with 1 head included in its bytes"
+    if rot < d:
+        note += "; in place it skips the pass-through channels"
+    return Impl("Liger (peer)", fwd, bwd, fwd_bwd, output, note, bytes_factor=(h + 1) / h)
+
+
+def _reference64(inp: Inputs) -> torch.Tensor:
+    """float64 RoPE of the inputs on the GPU, written with plain tensor ops (eager's math)."""
+    from rope_dispatch.backends.eager import rope_tensors
+
+    angles = inp.freqs.view(inp.freqs.shape[0], -1).double()
+    spec = inp.spec
+    return rope_tensors(
+        inp.t.double(), torch.cos(angles), torch.sin(angles), spec.cu_seqlens, None,
+        layout=spec.layout, interleaved=spec.interleaved, cp_size=spec.cp_size,
+        cp_rank=spec.cp_rank,
+    )
+
+
+def _error(out: torch.Tensor | None, ref: torch.Tensor) -> float | None:
+    if out is None or out.shape != ref.shape:
+        return None
+    return float(((out.double() - ref).abs() / (1 + ref.abs())).max())
+
+
+def bench_ms(fn: Callable[[], Any]) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, return_mode="median"))
+
+
+def host_us_per_call(fn: Callable[[], Any], calls: int = 200, rounds: int = 15) -> float:
+    """Median over rounds of wall time per call, synchronising once per round: with tiny
+    kernels this is the host's time per call (dispatch, checks, launch)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(per_call)
+
+
+@dataclass
+class Row:
+    shape: str
+    impl: str
+    mode: str
+    us: float
+    gbps: float
+    copy_ratio: float
+    max_error: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Report:
+    device: str
+    date: str
+    versions: dict[str, str]
+    rows: list[Row] = field(default_factory=list)
+    copy_us: dict[str, float] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
+    sweep: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_shape(
+    shape: Shape, report: Report, backends: list[str] | None, peers: bool, device: str = "cuda"
+) -> None:
+    inp = make_inputs(shape, device)
+    nbytes = 2 * inp.t.numel() * inp.t.element_size()
+    src, dst = inp.t.clone(), torch.empty_like(inp.t)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    report.copy_us[shape.name] = copy_ms * 1e3
+    report.rows.append(Row(shape.name, "device copy", "copy", copy_ms * 1e3, nbytes / copy_ms / 1e6, 1.0))
+    ref = _reference64(inp)
+    impls: list[Impl] = []
+    for info in rd.list_backends():
+        if not info.available or (backends is not None and info.name not in backends):
+            continue
+        impl = _ours(info.name, info.name, inp, inp.freqs)
+        if impl is not None:
+            impls.append(impl)
+        if info.name == "triton":
+            impl = _ours("triton", "triton+cache", inp, inp.cache)
+            if impl is not None:
+                impls.append(impl)
+    if peers:
+        impls.extend(p for p in (_te_peer(shape, inp), _liger_peer(shape, inp)) if p is not None)
+    for impl in impls:
+        try:
+            err = _error(impl.output(), ref)
+        except Exception as exc:  # noqa: BLE001 (a peer that fails is reported, not fatal)
+            print(f"  {impl.name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        for mode, fn in (("fwd", impl.fwd), ("bwd", impl.bwd), ("fwd+bwd", impl.fwd_bwd)):
+            if fn is None:
+                continue
+            ms = bench_ms(fn)
+            moved = nbytes * impl.bytes_factor * (2 if mode == "fwd+bwd" else 1)
+            ratio = copy_ms * impl.bytes_factor * (2 if mode == "fwd+bwd" else 1) / ms
+            row = Row(shape.name, impl.name, mode, ms * 1e3, moved / ms / 1e6, ratio,
+                      err if mode == "fwd" else None, impl.note)
+            report.rows.append(row)
+            print(f"  {impl.name:>16} {mode:>8} {row.us:9.1f} us {100 * ratio:5.0f}% of copy", flush=True)
+    del inp, ref, src, dst
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_host(report: Report) -> None:
+    """Decode-size ``apply`` end to end on the host clock, and where the time goes."""
+    from rope_dispatch.backends import triton_rope
+
+    inp = make_inputs(DECODE)
+    t, freqs, spec = inp.t, inp.freqs, inp.spec
+    report.host["apply (auto) us"] = host_us_per_call(lambda: rd.apply(t, freqs, spec))
+    for info in rd.list_backends():
+        if info.available:
+            call = rd.check_call(t, freqs, spec)
+            if not rd.get_backend(info.name).not_supported_reasons(call):
+                report.host[f"apply backend={info.name} us"] = host_us_per_call(
+                    lambda n=info.name: rd.apply(t, freqs, spec, backend=n)
+                )
+    if rd.get_backend("triton").available:
+        table = freqs.view(freqs.shape[0], -1)
+        out = torch.empty_like(t)
+        report.host["check_call us"] = host_us_per_call(lambda: rd.check_call(t, freqs, spec))
+        report.host["triton launch only us"] = host_us_per_call(
+            lambda: triton_rope.launch(t, out, table, None, None, None, "sbhd", False, 1, 0, False)
+        )
+        report.host["triton kernel (do_bench) us"] = 1e3 * bench_ms(
+            lambda: triton_rope.launch(t, out, table, None, None, None, "sbhd", False, 1, 0, False)
+        )
+        report.host["apply triton CUDA graph replay us"] = _graph_replay_us(
+            lambda: rd.apply(t, freqs, spec, backend="triton")
+        )
+
+
+def _graph_replay_us(fn: Callable[[], Any], calls: int = 20) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return 1e3 * bench_ms(graph.replay) / calls
+
+
+SWEEP_CONFIGS = [
+    # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps); BLOCK_R/BLOCK_P follow from the shape
+    (bt, bh, hi, w)
+    for bt, bh in ((8, 1), (16, 1), (32, 1), (64, 1), (4, 8))
+    for hi in (1, 8, 32)
+    for w in (4, 8)
+]
+
+
+def run_sweep(report: Report, shapes: list[Shape], device: str = "cuda") -> None:
+    """Time triton launch configurations (forward) on the large shapes; for tuning heuristics."""
+    from rope_dispatch.backends import triton_rope
+
+    for shape in shapes:
+        if shape.layout == "bshd" or shape is DECODE:  # bshd behaves as sbhd; decode is launch-bound
+            continue
+        inp = make_inputs(shape, device)
+        table = inp.freqs.view(inp.freqs.shape[0], -1)
+        out = torch.empty_like(inp.t)
+        heads, d, rot = shape.heads, shape.head_dim, shape.rotary_dim
+        block_r = triton_rope._next_pow2(rot // 2)
+        block_p = triton_rope._next_pow2(d - rot) if d > rot else 1
+        copy_us = report.copy_us.get(shape.name)
+        default = triton_rope.choose_config(
+            inp.t.numel() // (heads * d), heads, d, rot, inp.t.element_size(), False,
+            triton_rope._sm_count(inp.t.device.index),
+        )
+        results = []
+        for bt, bh, hi, w in [default[:3] + (default[5],)] + SWEEP_CONFIGS:
+            if bh * hi > heads:
+                continue
+            config = (bt, bh, hi, block_r, block_p, w)
+
+            def fn(config=config):
+                triton_rope.launch(
+                    inp.t, out, table, None, inp.cu_seqlens, None, shape.layout, False, 1, 0,
+                    False, config=config,
+                )
+
+            us = 1e3 * bench_ms(fn)
+            results.append({"shape": shape.name, "config": config, "us": us,
+                            "copy_ratio": None if copy_us is None else copy_us / us,
+                            "default": config == default})
+        results.sort(key=lambda r: r["us"])
+        report.sweep.extend(results)
+        best = results[0]
+        dflt = next(r for r in results if r["default"])
+        print(f"sweep {shape.name}: best {best['config']} {best['us']:.1f} us; "
+              f"default {dflt['config']} {dflt['us']:.1f} us", flush=True)
+        del inp, out
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "rope-dispatch": rd.__version__}
+    for dist in ("triton", "transformer_engine", "liger_kernel"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def format_table(report: Report) -> str:
+    """Markdown: one line per shape and implementation, fwd/bwd/fwd+bwd in us and % of copy."""
+    lines = [
+        "| shape | implementation | fwd us (% copy) | bwd us (% copy) | fwd+bwd us (% of 2 copies) | max err |",
+        "|---|---|---|---|---|---|",
+    ]
+    cells: dict[tuple[str, str], dict[str, Row]] = {}
+    for row in report.rows:
+        cells.setdefault((row.shape, row.impl), {})[row.mode] = row
+    for (shape, impl), modes in cells.items():
+        if "copy" in modes:
+            r = modes["copy"]
+            lines.append(f"| {shape} | device copy | {r.us:.1f} ({r.gbps / 1e3:.2f} TB/s) | | | |")
+            continue
+
+        def cell(mode: str) -> str:
+            r = modes.get(mode)
+            return "-" if r is None else f"{r.us:.1f} ({100 * r.copy_ratio:.0f}%)"
+
+        err = modes.get("fwd")
+        err_text = "-" if err is None or err.max_error is None else f"{err.max_error:.1e}"
+        note = f" ({modes['fwd'].note})" if "fwd" in modes and modes["fwd"].note else ""
+        lines.append(f"| {shape} | {impl}{note} | {cell('fwd')} | {cell('bwd')} | {cell('fwd+bwd')} | {err_text} |")
+    if report.host:
+        lines += ["", "| decode host path | us |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in report.host.items()]
+    return "\n".join(lines)
+
+
+def plot(report: Report, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sizes = {s.name: 2 * math.prod(s.dims()) * s.dtype.itemsize for s in SHAPES}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, mode in zip(axes, ("fwd", "bwd")):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for row in report.rows:
+            if row.mode in (mode, "copy") and row.shape in sizes:
+                series.setdefault(row.impl, []).append((sizes[row.shape], row.gbps))
+        for name, points in sorted(series.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes moved (read + write)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"RoPE {mode}")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{report.device}, {report.date}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def write(report: Report, out: Path) -> str:
+    """Write bench.json and bench.md; returns the table."""
+    (out / "bench.json").write_text(json.dumps(asdict(report), indent=1, default=str))
+    table = format_table(report)
+    (out / "bench.md").write_text(f"{report.device}, {report.date}\n\n{table}\n")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rope_dispatch.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for bench.json/.md/.png")
+    parser.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to run")
+    parser.add_argument("--backends", default=None, help="comma-separated backends of ours (default: all available)")
+    parser.add_argument("--no-peers", action="store_true", help="skip TransformerEngine and Liger")
+    parser.add_argument("--sweep", action="store_true", help="also time triton launch configurations")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("rope_dispatch.bench needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    shapes = list(SHAPES)
+    if args.shapes:
+        wanted = [w.strip() for w in args.shapes.split(",")]
+        shapes = [s for s in shapes if any(w in s.name for w in wanted)]
+    backends = None if args.backends is None else [b.strip() for b in args.backends.split(",")]
+    report = Report(
+        device=torch.cuda.get_device_name(),
+        date=datetime.date.today().isoformat(),
+        versions=_versions(),
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    for shape in shapes:
+        print(f"shape {shape.name}", flush=True)
+        run_shape(shape, report, backends, not args.no_peers)
+        write(report, args.out)  # partial results survive a time limit
+    if DECODE in shapes:
+        run_host(report)
+        write(report, args.out)
+    if args.sweep:
+        run_sweep(report, shapes)
+    table = write(report, args.out)
+    plotted = plot(report, args.out / "bench.png")
+    print(f"\n{report.device}, {report.date}, {report.versions}")
+    print(table)
+    print(f"\nwrote {args.out}/bench.json, bench.md" + (", bench.png" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The one script the GPU machine runs: install, GPU and CPU tests, selftest, benchmark.
+#
+#   source .device-carry/base/setup.sh is done here; run from the repository root:
+#   TE=1 bash scripts/device_check.sh        # with TransformerEngine staged (see ../shared/device)
+#
+# Environment: OUT (results folder, default /tmp/rope-out), TE (non-empty: load TransformerEngine),
+# TESTS (pytest targets, default tests), PYTEST_ARGS, BENCH_ARGS (extra benchmark arguments),
+# SKIP_TESTS / SKIP_BENCH (non-empty: skip that part), TEST_TIMEOUT / SELFTEST_TIMEOUT /
+# BENCH_TIMEOUT (seconds; the defaults keep one call under the device's 10-minute limit).
+# Ends with the benchmark's table, so the last lines of the output are the figures.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/rope-out}
+mkdir -p "$OUT"
+# shellcheck disable=SC1091
+source .device-carry/base/setup.sh ${TE:+--te}
+pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^\[notice\]" || true
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+
+status=0
+if [[ -z "${SKIP_TESTS:-}" ]]; then
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest ${TESTS:-tests} -q -m "gpu or not slow" -p no:cacheprovider \
+    ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
+  status=$?
+  grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/pytest.log" | tail -30
+  echo "pytest exit code $status (log: pytest.log)"
+fi
+
+if python3 -c "import rope_dispatch.selftest" 2>/dev/null; then
+  timeout ${SELFTEST_TIMEOUT:-90} python3 -m rope_dispatch.selftest >"$OUT/selftest.log" 2>&1
+  echo "selftest exit code $? (log: selftest.log)"
+  tail -5 "$OUT/selftest.log"
+fi
+
+if [[ -z "${SKIP_BENCH:-}" ]]; then
+  timeout ${BENCH_TIMEOUT:-300} python3 -m rope_dispatch.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^shape " | tail -60
+fi
+exit $status

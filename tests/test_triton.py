@@ -1,0 +1,388 @@
+"""The Triton backend against the float64 reference, forward and backward.
+
+Without CUDA the kernels run on Triton's CPU interpreter: this module sets ``TRITON_INTERPRET=1``
+for its own duration only (a module fixture restores it and re-probes the backend afterwards, so
+other test modules still see the backend unavailable on a CPU-only machine). Shapes stay small
+there. Tests marked ``gpu`` run the compiled kernels on large shapes, past 65,535 tokens and
+past 2**31 elements, under torch.compile and opcheck.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rope_dispatch as rd
+from cases import Case, build, cases
+from reference import (
+    assert_matches, reference_for, reference_forward_backward, reference_positions, reference_rope,
+)
+from rope_dispatch.backends.triton_rope import TritonBackend
+
+pytest.importorskip("triton", reason="triton is not installed; the triton backend is unavailable")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.gpu
+
+
+def _reprobe(backend) -> None:
+    backend.__dict__.pop("availability", None)
+    backend.__dict__.pop("_availability", None)
+    rd.dispatch.clear_decisions()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_backend():
+    """The registered triton backend, on the interpreter when there is no CUDA device."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    if not CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    backend = rd.get_backend("triton")
+    _reprobe(backend)
+    try:
+        if not backend.available:
+            pytest.skip(f"triton backend unavailable: {'; '.join(backend.availability)}")
+        yield backend
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+        _reprobe(backend)
+
+
+def base_case(**changes) -> Case:
+    c = Case(
+        layout="sbhd", dtype=torch.float32, seq=5, batch=2, heads=3, head_dim=16, rotary_dim=16,
+        interleaved=False, cp_size=1, cp_rank=0, seqlens=(3, 6, 4), with_starts=False,
+        strides="contiguous", use_cache=False, table_margin=2, seed=0,
+    )
+    return dataclasses.replace(c, **changes)
+
+
+def check_case(case: Case, device: str = DEVICE) -> None:
+    """triton's forward and backward of ``case`` match the float64 reference."""
+    t, table, spec, starts, angles = build(case, device)
+    out = rd.apply(t, table, spec, start_positions=starts, backend="triton")
+    assert out.dtype == t.dtype and out.device == t.device and out.is_contiguous()
+    grad_out = torch.randn(out.shape, dtype=torch.float32).to(t.dtype).to(device)
+    (grad,) = torch.autograd.grad(out, t, grad_out)
+    ref_out, ref_grad = reference_forward_backward(t.cpu(), angles, spec, grad_out.cpu(), starts)
+    assert_matches(out, ref_out, t.dtype, "forward")
+    assert_matches(grad, ref_grad, t.dtype, "backward")
+    with torch.no_grad():  # the direct launch path (no autograd op) gives the same numbers
+        direct = rd.apply(t, table, spec, start_positions=starts, backend="triton")
+    assert torch.equal(direct, out.detach())
+
+
+@settings(max_examples=30 if not CUDA else 60, deadline=None)
+@given(cases())
+def test_matches_reference(case):
+    check_case(case)
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_every_layout_both_pairings_half_dtypes(layout, interleaved):
+    for dtype, cache in ((torch.bfloat16, False), (torch.float16, True)):
+        check_case(base_case(layout=layout, interleaved=interleaved, dtype=dtype, use_cache=cache,
+                             rotary_dim=10, head_dim=16, with_starts=True, strides="qkv-slice"))
+
+
+@pytest.mark.parametrize("cp_size,cp_rank", [(2, 0), (2, 1), (4, 3)])
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_context_parallel_ranks(layout, cp_size, cp_rank):
+    seqlens = tuple(2 * cp_size * n for n in (1, 0, 3, 2))
+    check_case(base_case(layout=layout, cp_size=cp_size, cp_rank=cp_rank, seq=6, seqlens=seqlens,
+                         interleaved=cp_rank % 2 == 1, strides="permuted"))
+
+
+# BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps: several token blocks with a ragged last one, heads
+# split across programs, a tile of several heads, a head group larger than what is left.
+LAUNCH_CONFIGS = [(2, 1, 1, 1), (4, 2, 1, 2), (1, 4, 1, 1), (2, 2, 2, 4), (8, 1, 3, 4)]
+
+
+@pytest.mark.parametrize("config", LAUNCH_CONFIGS)
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_launch_configurations(config, layout):
+    """Every way of cutting tokens and heads into programs gives the reference's result."""
+    from rope_dispatch.backends import triton_rope
+
+    case = base_case(layout=layout, heads=5, seq=7, batch=3, seqlens=(5, 1, 9), rotary_dim=12,
+                     with_starts=True, strides="channel-strided")
+    t, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
+    bt, bh, hi, warps = config
+    rot = angles.shape[1]
+    full = (bt, bh, hi, triton_rope._next_pow2(rot // 2), triton_rope._next_pow2(16 - rot), warps)
+    out = torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEVICE)
+    triton_rope.launch(
+        t, out, table.view(table.shape[0], -1), None, spec.cu_seqlens, starts, layout, False, 1, 0,
+        False, config=full,
+    )
+    assert_matches(out, reference_for(t.cpu(), angles, spec, starts), t.dtype)
+
+
+def test_output_is_written_everywhere_and_input_untouched():
+    case = base_case(layout="bshd", rotary_dim=6, head_dim=12, heads=4, seq=9)
+    t, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
+    before = t.clone()
+    out = rd.apply(t, table, spec, backend="triton")
+    assert torch.isfinite(out).all()
+    assert torch.equal(t, before)
+    assert_matches(out, reference_for(t.cpu(), angles, spec), t.dtype)
+
+
+def test_gradient_keeps_a_dense_input_layout():
+    x = torch.randn(3, 6, 2, 8, device=DEVICE).permute(1, 0, 2, 3).requires_grad_(True)  # sbhd view
+    freqs = torch.rand(6, 1, 1, 8, device=DEVICE)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    out = rd.apply(x, freqs, spec, backend="triton")
+    assert out.is_contiguous()
+    grad_out = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, x, grad_out)
+    assert grad.stride() == x.stride()
+    _, ref_grad = reference_forward_backward(x.cpu(), freqs.view(6, 8).cpu(), spec, grad_out.cpu())
+    assert_matches(grad, ref_grad, torch.float32, "backward")
+
+
+def test_stride_zero_gradient():
+    """``out.sum()`` hands the backward an expanded gradient (all strides 0)."""
+    x = torch.randn(4, 2, 3, 8, device=DEVICE, requires_grad=True)
+    freqs = torch.rand(4, 8, device=DEVICE)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    (grad,) = torch.autograd.grad(rd.apply(x, freqs, spec, backend="triton").sum(), x)
+    _, ref_grad = reference_forward_backward(x.cpu(), freqs.cpu(), spec, torch.ones(x.shape))
+    assert_matches(grad, ref_grad, torch.float32, "backward")
+
+
+def test_double_backward_is_the_forward():
+    """The transpose of the transpose is the forward map, so the op is twice differentiable."""
+    x = torch.randn(3, 2, 2, 8, device=DEVICE, requires_grad=True)
+    freqs = torch.rand(3, 8, device=DEVICE) * 10
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    out = rd.apply(x, freqs, spec, backend="triton")
+    v = torch.randn_like(out, requires_grad=True)
+    (grad,) = torch.autograd.grad(out, x, v, create_graph=True)
+    w = torch.randn_like(grad)
+    (grad_v,) = torch.autograd.grad(grad, v, w)
+    ref = reference_for(w.detach().cpu(), freqs.cpu(), spec)
+    assert_matches(grad_v, ref, torch.float32, "double backward")
+
+
+def test_empty_inputs():
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    for shape in ((0, 2, 3, 8), (4, 2, 0, 8)):
+        x = torch.randn(shape, device=DEVICE)
+        out = rd.apply(x, torch.rand(4, 8, device=DEVICE), spec, backend="triton")
+        assert out.shape == x.shape
+
+
+def test_large_angles_keep_float32_accuracy():
+    """Positions far beyond 2*pi: the in-kernel sin/cos must stay within float32 rounding."""
+    x = torch.randn(4, 1, 2, 16, device=DEVICE)
+    freqs = (torch.rand(4, 16) * 2e5).to(DEVICE)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    out = rd.apply(x, freqs, spec, backend="triton")
+    assert_matches(out, reference_for(x.cpu(), freqs.cpu(), spec), torch.float32)
+
+
+def test_opcheck_contiguous_and_permuted():
+    from torch.library import opcheck
+
+    op = torch.ops.rope_dispatch.triton_rope.default
+    angles = torch.rand(8, 8, device=DEVICE) * 5
+    cu = torch.tensor([0, 4, 6, 12], dtype=torch.int32, device=DEVICE)
+    contiguous = torch.randn(6, 2, 3, 16, device=DEVICE, requires_grad=True)
+    permuted = torch.randn(2, 6, 3, 16, device=DEVICE).transpose(0, 1).requires_grad_(True)
+    packed = torch.randn(12, 3, 16, device=DEVICE, requires_grad=True)
+    for args in (
+        (contiguous, angles, None, None, None, "sbhd", False, 1, 0, False, None),
+        (permuted, angles.cos(), angles.sin(), None, None, "sbhd", True, 1, 0, False, None),
+        (packed, angles, None, cu, None, "thd", False, 2, 1, False, None),
+    ):
+        opcheck(op, args)
+
+
+def test_compile_fullgraph_forward_and_backward():
+    """torch.compile(fullgraph=True) over code calling rope_dispatch.apply: no graph break."""
+    backend = "inductor" if CUDA else "aot_eager"
+    freqs = (torch.rand(16, 1, 1, 8) * 10).to(DEVICE)
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32", rotary_dim=8)
+
+    def attention_input(q):
+        return rd.apply(q * 2, freqs, spec, backend="triton") + 1
+
+    compiled = torch.compile(attention_input, fullgraph=True, backend=backend)
+    q = torch.randn(2, 8, 3, 16, device=DEVICE, requires_grad=True)
+    out = compiled(q)
+    grad_out = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, q, grad_out)
+    ref_out, ref_grad = reference_forward_backward(q.detach().cpu() * 2, freqs.view(16, 8).cpu(),
+                                                   spec, grad_out.cpu())
+    assert_matches(out, ref_out + 1, torch.float32)
+    assert_matches(grad, 2 * ref_grad, torch.float32, "backward")
+
+
+def test_unavailable_without_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes "import triton" raise ImportError
+    reasons = TritonBackend().unavailable_reasons()
+    assert len(reasons) == 1 and "triton is not importable" in reasons[0]
+
+
+def test_unavailable_without_cuda_or_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    reasons = TritonBackend().unavailable_reasons()
+    assert len(reasons) == 1 and "no CUDA device" in reasons[0] and "TRITON_INTERPRET" in reasons[0]
+
+
+def test_cpu_tensor_refused_without_interpreter(triton_backend):
+    from rope_dispatch.backends import triton_rope
+
+    if triton_rope._kernels.INTERPRETED:
+        assert "cpu" in triton_backend.devices
+        return
+    call = rd.check_call(torch.randn(2, 1, 1, 4), torch.rand(2, 4), rd.RoPESpec(layout="sbhd", dtype="fp32"))
+    reasons = triton_backend.not_supported_reasons(call)
+    assert reasons and "tensor is on cpu" in reasons[0]
+
+
+# ---------------------------------------------------------------- GPU: compiled kernels, big sizes
+
+
+def _rope_check_gpu(t, freqs, spec, starts=None, grad=True):
+    """Forward (and backward) against the float64 reference computed on the GPU."""
+    angles = freqs.reshape(freqs.shape[0], freqs.shape[-1])
+    leaf = t.detach().requires_grad_(grad)
+    out = rd.apply(leaf, freqs, spec, start_positions=starts, backend="triton")
+    positions = reference_positions(
+        spec.layout, tuple(t.shape), cu_seqlens=None if spec.cu_seqlens is None else spec.cu_seqlens.tolist(),
+        cp_size=spec.cp_size, cp_rank=spec.cp_rank, start_positions=None if starts is None else starts.tolist(),
+    )
+    ref = reference_rope(t.detach(), angles, positions, spec.interleaved)
+    assert_matches(out, ref, t.dtype)
+    del ref
+    if grad:
+        grad_out = torch.randn_like(out)
+        (g,) = torch.autograd.grad(out, leaf, grad_out)
+        # the transpose: the reference's vector-Jacobian product via float64 autograd
+        x64 = t.detach().double().requires_grad_(True)
+        (ref_g,) = torch.autograd.grad(reference_rope(x64, angles, positions, spec.interleaved), x64,
+                                       grad_out.double())
+        assert_matches(g, ref_g, t.dtype, "backward")
+
+
+def _te_freqs(s2, rot, device="cuda"):
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    ang = torch.outer(torch.arange(s2, dtype=torch.float64), inv)
+    return torch.cat((ang, ang), -1).float().view(s2, 1, 1, rot).to(device)
+
+
+@gpu
+@pytest.mark.parametrize("layout,rot,dtype", [
+    ("sbhd", 128, torch.bfloat16), ("bshd", 128, torch.bfloat16), ("sbhd", 64, torch.bfloat16),
+    ("bshd", 256, torch.float32), ("sbhd", 96, torch.float16),
+])
+def test_gpu_large_shapes(layout, rot, dtype):
+    head_dim = max(rot, 128)
+    heads = 32 if head_dim == 128 else 8
+    shape = (4096, 2, heads, head_dim) if layout == "sbhd" else (2, 4096, heads, head_dim)
+    t = torch.randn(shape, device="cuda").to(dtype)
+    _rope_check_gpu(t, _te_freqs(4096, rot), rd.RoPESpec(layout=layout, dtype=dtype))
+
+
+@gpu
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gpu_thd_many_sequences_cache(interleaved):
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 3000, (12,), generator=gen)
+    cu = torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))).int().cuda()
+    t = torch.randn(int(lengths.sum()), 16, 128, device="cuda", dtype=torch.bfloat16)
+    spec = rd.RoPESpec(layout="thd", dtype="bf16", cu_seqlens=cu, interleaved=interleaved,
+                       max_seqlen=int(lengths.max()))
+    _rope_check_gpu(t, _te_freqs(3000, 128), spec)
+    angles = _te_freqs(3000, 128)
+    a = rd.apply(t, angles, spec, backend="triton")
+    b = rd.apply(t, rd.cos_sin_cache(angles), spec, backend="triton")
+    assert (a.float() - b.float()).abs().max() <= 2 ** -6
+
+
+@gpu
+def test_gpu_past_65535_tokens_and_batch():
+    """Sequence, batch and packed token counts beyond the 65,535 limit of secondary grid axes."""
+    freqs = _te_freqs(72_000, 32)
+    t = torch.randn(70_000, 2, 2, 32, device="cuda", dtype=torch.bfloat16)  # sbhd, s > 65,535
+    _rope_check_gpu(t, freqs, rd.RoPESpec(layout="sbhd", dtype="bf16"))
+    t = torch.randn(1, 70_000, 2, 32, device="cuda", dtype=torch.bfloat16)  # sbhd, b > 65,535
+    starts = torch.randint(0, 100, (70_000,), device="cuda")
+    _rope_check_gpu(t, freqs, rd.RoPESpec(layout="sbhd", dtype="bf16"), starts=starts)
+    cu = torch.tensor([0, 8, 68_000, 140_000], dtype=torch.int32, device="cuda")  # global offsets
+    t = torch.randn(70_000, 2, 32, device="cuda", dtype=torch.float16)
+    spec = rd.RoPESpec(layout="thd", dtype="fp16", cu_seqlens=cu, cp_size=2, cp_rank=1)
+    _rope_check_gpu(t, freqs, spec)
+
+
+@gpu
+def test_gpu_more_than_2_31_elements():
+    """int64 offsets: a bf16 tensor of 2**31 + 2**21 elements, checked at its far end."""
+    s, h, d = 16_400, 1024, 128  # 2,149,580,800 elements, 4.3 GB
+    free, _ = torch.cuda.mem_get_info()
+    if free < 10 * 2**30:
+        pytest.skip(f"needs about 10 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    t = torch.empty(s, 1, h, d, device="cuda", dtype=torch.bfloat16)
+    t[-4:].normal_()
+    t[:4].normal_()
+    freqs = _te_freqs(s, d)
+    spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
+    out = rd.apply(t, freqs, spec, backend="triton")
+    angles = freqs.view(s, d)
+    for rows in (slice(0, 4), slice(s - 4, s)):
+        pos = torch.arange(s)[rows][:, None]
+        ref = reference_rope(t[rows], angles, pos, False)
+        assert_matches(out[rows], ref, torch.bfloat16, f"tokens {rows}")
+    del out, t
+    torch.cuda.empty_cache()
+
+
+@gpu
+def test_gpu_output_is_the_only_allocation():
+    t = torch.randn(1024, 4, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    freqs = _te_freqs(4096, 128)
+    spec = rd.RoPESpec(layout="bshd", dtype="bf16")
+    rd.apply(t, freqs, spec, backend="triton")  # compile and cache first
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = rd.apply(t, freqs, spec, backend="triton")
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra == out.numel() * out.element_size(), f"{extra} bytes allocated"
+
+
+@gpu
+def test_gpu_compile_inductor_thd_and_cache():
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(1, 200, (5,), generator=gen)
+    cu = torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))).int().cuda()
+    freqs = _te_freqs(256, 64)
+    cache = rd.cos_sin_cache(freqs)
+    spec = rd.RoPESpec(layout="thd", dtype="bf16", cu_seqlens=cu, max_seqlen=int(lengths.max()))
+
+    def f(x):
+        return rd.apply(x * 3, cache, spec, backend="triton")
+
+    x = torch.randn(int(lengths.sum()), 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = torch.compile(f, fullgraph=True)(x)
+    grad_out = torch.randn_like(out)
+    (g,) = torch.autograd.grad(out, x, grad_out)
+    ref_out, ref_g = reference_forward_backward((x * 3).detach().cpu(), freqs.view(256, 64).cpu(),
+                                                spec, grad_out.cpu())
+    assert_matches(out, ref_out, torch.bfloat16)
+    assert_matches(g, 3 * ref_g, torch.bfloat16, "backward")
