@@ -10,7 +10,8 @@ written to the cache that ``apply`` reads. Run it once per machine type with
 
 A specs file is a JSON list of objects with the same names as the options: ``layout``, ``dtype``,
 ``shape`` (a list), and optionally ``rotary_dim``, ``interleaved``, ``grad``, ``device``,
-``cos_sin_cache``, ``start_positions``, ``cu_seqlens`` (a list), ``cp_size``, ``cp_rank``.
+``cos_sin_cache``, ``start_positions``, ``cu_seqlens`` (a list), ``cp_size``, ``cp_rank``,
+``qkv_slice``.
 Exit status: 0 when every shape was tuned (or needed no tuning), 1 when one failed, 2 for bad
 arguments or when ``ROPE_AUTOTUNE=0`` forbids measuring.
 """
@@ -48,12 +49,14 @@ class Job:
     cu_seqlens: tuple[int, ...] | None = None
     cp_size: int = 1
     cp_rank: int = 0
+    qkv_slice: bool = False
 
     def describe(self) -> str:
         extras = [
             name for name, on in (
                 ("interleaved", self.interleaved), ("grad", self.grad),
                 ("cos_sin_cache", self.cos_sin_cache), ("start_positions", self.start_positions),
+                ("qkv_slice", self.qkv_slice),
             ) if on
         ]
         if self.rotary_dim is not None:
@@ -126,7 +129,12 @@ def build(job: Job):
     rotary_dim = job.rotary_dim or shape[-1]
     freqs = torch.rand(positions, 1, 1, rotary_dim, device=device) * 100
     table = cos_sin_cache(freqs) if job.cos_sin_cache else freqs
-    t = torch.randn(shape, dtype=spec.dtype, device=device).requires_grad_(job.grad)
+    if job.qkv_slice:  # the q of a fused qkv projection: heads strided, channels packed
+        fused = (*shape[:-2], 3 * shape[-2], shape[-1])
+        t = torch.randn(fused, dtype=spec.dtype, device=device)[..., : shape[-2], :]
+    else:
+        t = torch.randn(shape, dtype=spec.dtype, device=device)
+    t.requires_grad_(job.grad)
     starts = (
         torch.zeros(sequences, dtype=torch.int32, device=device) if job.start_positions else None
     )
@@ -190,6 +198,10 @@ def parse_args(argv: Iterable[str] | None = None) -> tuple[argparse.Namespace, l
     parser.add_argument("--cos-sin-cache", action="store_true", help="pass a CosSinCache table")
     parser.add_argument("--start-positions", action="store_true", help="pass start_positions")
     parser.add_argument(
+        "--qkv-slice", action="store_true",
+        help="t is a head slice of a fused qkv buffer (non-contiguous heads, packed channels)",
+    )
+    parser.add_argument(
         "--cu-seqlens", type=lambda s: _ints(s, "--cu-seqlens"),
         help="thd: global sequence offsets, e.g. 0,1000,4096 (default: one sequence)",
     )
@@ -209,7 +221,7 @@ def parse_args(argv: Iterable[str] | None = None) -> tuple[argparse.Namespace, l
             layout=args.layout, dtype=args.dtype, shape=shape, rotary_dim=args.rotary_dim,
             interleaved=args.interleaved, grad=args.grad, cos_sin_cache=args.cos_sin_cache,
             start_positions=args.start_positions, cu_seqlens=args.cu_seqlens,
-            cp_size=args.cp_size, cp_rank=args.cp_rank, **extra,
+            cp_size=args.cp_size, cp_rank=args.cp_rank, qkv_slice=args.qkv_slice, **extra,
         ))
     for path in args.specs:
         try:

@@ -379,6 +379,12 @@ def test_tune_cli_warms_the_cache(fakes, cache, tmp_path, capsys, monkeypatch):
     autotune.clear_cache(memory_only=True)  # the key the CLI stored is the one apply looks up
     assert rd.explain(t, freqs, thd).why.startswith("cached measurement from")
 
+    assert tune.main([*shape, "--qkv-slice"]) == 0
+    qkv = torch.randn(8, 2, 6, 16)
+    q = qkv[:, :, :2]  # the q heads of a fused projection: stride class unit-last
+    autotune.clear_cache(memory_only=True)
+    assert rd.explain(q, torch.rand(8, 1, 1, 16), SPEC).why.startswith("cached measurement from")
+
     monkeypatch.setenv("ROPE_AUTOTUNE", "0")
     assert tune.main(shape) == 2
 
