@@ -281,6 +281,8 @@ class TEBackend(Backend):
         return te_reasons(call, self._info)
 
     def apply(self, call: RoPECall) -> torch.Tensor:
+        if self._info is None and self.availability:
+            raise RuntimeError(f"the te backend is unavailable: {'; '.join(self.availability)}")
         fn, kwargs = self._info.apply, te_arguments(call)
         table = call.table
         freqs = table.view(table.shape[0], 1, 1, table.shape[1])

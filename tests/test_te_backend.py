@@ -243,6 +243,12 @@ def test_apply_hands_te_a_4d_angle_view():
     assert seen["kwargs"]["start_positions"].dtype == torch.int32
 
 
+def test_apply_when_unavailable_raises_with_the_reasons():
+    backend = TEBackend(load=lambda: ["transformer_engine is not installed (test)"])
+    with pytest.raises(RuntimeError, match="not installed \\(test\\)"):
+        backend.apply(make_call())
+
+
 # --- on the GPU machine, with TransformerEngine 2.9 -----------------------------------------
 
 def _te_or_skip() -> TEBackend:
