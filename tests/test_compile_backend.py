@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import warnings
 
 import pytest
@@ -202,7 +203,7 @@ def test_cpu_call_refused_without_compiler_when_cuda_works(monkeypatch):
 
 def test_cuda_needs_triton(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(__import__("sys").modules, "triton", None)  # import triton fails
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton fails
     problem = compiled.cuda_problem()
     assert problem is not None and "triton is not importable" in problem
 

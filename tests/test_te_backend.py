@@ -5,6 +5,7 @@ reference (``pytest -m gpu tests/test_te_backend.py``)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 
 import pytest
@@ -63,7 +64,7 @@ def test_unavailable_without_te_says_so():
 
 
 def test_not_installed_reported_from_the_import(monkeypatch):
-    monkeypatch.setitem(__import__("sys").modules, "transformer_engine", None)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
     assert not te_module.te_installed()
     found = load_te()
     assert found == [f"transformer_engine is not installed ({te_module.INSTALL_HINT})"]
