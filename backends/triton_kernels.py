@@ -40,23 +40,39 @@ _INV_TWO_PI: tl.constexpr = tl.constexpr(0.15915494309189535)
 
 
 @triton.jit
-def _cos_sin(angle):
-    """float32 cos and sin of float32 angles (explicit range reduction, see _TWO_PI_*)."""
+def _cos_sin(angle, FAST_TRIG: tl.constexpr):
+    """float32 cos and sin of float32 angles.
+
+    The angle is first reduced to [-pi, pi] exactly enough (see _TWO_PI_*); there the GPU's
+    ``cos.approx``/``sin.approx`` err by about 1e-6, far below float32 tolerance, and cost a
+    fraction of libdevice's sinf/cosf (no call, no stack frame, few registers). The interpreter
+    (``FAST_TRIG`` off) uses tl.cos/tl.sin.
+    """
     turns = tl.floor(angle * _INV_TWO_PI + 0.5)
     r = tl.fma(turns, -_TWO_PI_A, angle)
     r = tl.fma(turns, -_TWO_PI_B, r)
     r = tl.fma(turns, -_TWO_PI_C, r)
-    return tl.cos(r), tl.sin(r)
+    if FAST_TRIG:
+        cos = tl.inline_asm_elementwise(
+            "cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1
+        )
+        sin = tl.inline_asm_elementwise(
+            "sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        cos = tl.cos(r)
+        sin = tl.sin(r)
+    return cos, sin
 
 
 @triton.jit
-def _table(tab_ptr, sin_ptr, offsets, mask, USE_CACHE: tl.constexpr):
+def _table(tab_ptr, sin_ptr, offsets, mask, USE_CACHE: tl.constexpr, FAST_TRIG: tl.constexpr):
     """cos and sin of the table entries at ``offsets``: cache loads or sin/cos of angles."""
     if USE_CACHE:
         cos = tl.load(tab_ptr + offsets, mask=mask, other=1.0)
         sin = tl.load(sin_ptr + offsets, mask=mask, other=0.0)
     else:
-        cos, sin = _cos_sin(tl.load(tab_ptr + offsets, mask=mask, other=0.0))
+        cos, sin = _cos_sin(tl.load(tab_ptr + offsets, mask=mask, other=0.0), FAST_TRIG)
     return cos, sin
 
 
@@ -65,7 +81,11 @@ def _token_rows(
     tok, tok_mask, dim1, seq_len, table_len, cu_ptr, starts_ptr, n_seqs, cp_size, cp_rank,
     LAYOUT: tl.constexpr, HAS_STARTS: tl.constexpr, CONTEXT_PARALLEL: tl.constexpr,
 ):
-    """For int64 token indices (in output order): the two leading indices and the table row."""
+    """For int32 token indices (in output order): the two leading indices and the table row.
+
+    Token counts and positions fit in int32 (the grid's axis 0 caps programs at 2**31 - 1);
+    offsets into memory are formed in int64 by the caller.
+    """
     if LAYOUT == 2:  # thd: find each token's sequence by binary search in cu_seqlens
         i0 = tok
         i1 = tok * 0
@@ -74,13 +94,13 @@ def _token_rows(
         width = n_seqs
         while width > 1:  # invariant: cu[lo]/cp <= tok < cu[hi]/cp
             mid = (lo + hi) // 2
-            go = tl.load(cu_ptr + mid, mask=tok_mask, other=0).to(tl.int64) // cp_size <= tok
+            go = tl.load(cu_ptr + mid, mask=tok_mask, other=0).to(tl.int32) // cp_size <= tok
             lo = tl.where(go, mid, lo)
             hi = tl.where(go, hi, mid)
             width = (width + 1) // 2
         seq = lo
-        first = tl.load(cu_ptr + seq, mask=tok_mask, other=0).to(tl.int64) // cp_size
-        last = tl.load(cu_ptr + seq + 1, mask=tok_mask, other=0).to(tl.int64) // cp_size
+        first = tl.load(cu_ptr + seq, mask=tok_mask, other=0).to(tl.int32) // cp_size
+        last = tl.load(cu_ptr + seq + 1, mask=tok_mask, other=0).to(tl.int32) // cp_size
         local = tok - first
         length = last - first
     else:
@@ -101,7 +121,7 @@ def _token_rows(
     else:
         pos = local
         if HAS_STARTS:
-            pos += tl.load(starts_ptr + seq, mask=tok_mask, other=0).to(tl.int64)
+            pos += tl.load(starts_ptr + seq, mask=tok_mask, other=0).to(tl.int32)
     pos = tl.minimum(tl.maximum(pos, 0), table_len - 1)  # never read outside the table
     return i0, i1, pos
 
@@ -115,7 +135,7 @@ def rope_kernel(
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, HAS_STARTS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
 ):
     """RoPE (or its transpose) of ``BLOCK_T`` tokens x ``HEAD_ITERS * BLOCK_H`` heads.
 
@@ -124,21 +144,21 @@ def rope_kernel(
     ``BLOCK_R`` covers the rotated channels (half of them for rotate-half), ``BLOCK_P`` the
     ``PASS_DIM`` pass-through channels.
     """
-    pid = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
     head_groups = (heads + HEAD_ITERS * BLOCK_H - 1) // (HEAD_ITERS * BLOCK_H)
     token_block = pid // head_groups
     head_lo = (pid - token_block * head_groups) * (HEAD_ITERS * BLOCK_H)
 
-    tok = token_block * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    tok = token_block * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_mask = tok < n_tokens
     i0, i1, pos = _token_rows(
         tok, tok_mask, dim1, seq_len, table_len, cu_ptr, starts_ptr, n_seqs, cp_size, cp_rank,
         LAYOUT, HAS_STARTS, CONTEXT_PARALLEL,
     )
-    x_row = x_ptr + (i0 * sx0 + i1 * sx1)
-    o_row = out_ptr + (i0 * so0 + i1 * so1)
+    x_row = x_ptr + (i0.to(tl.int64) * sx0 + i1.to(tl.int64) * sx1)
+    o_row = out_ptr + (i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1)
     out_ty = out_ptr.dtype.element_ty
-    t_row = pos * ROT_DIM
+    t_row = pos.to(tl.int64) * ROT_DIM
 
     c = tl.arange(0, BLOCK_R)
     if INTERLEAVED:
@@ -148,12 +168,14 @@ def rope_kernel(
     tab_off = t_row[:, None] + c[None, :]
     tab_mask = tok_mask[:, None] & c_mask[None, :]
     if INTERLEAVED:
-        cos, sin = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE)
+        cos, sin = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
         cos_a, cos_b = tl.split(tl.reshape(cos, [BLOCK_T, BLOCK_R // 2, 2]))
         sin_a, sin_b = tl.split(tl.reshape(sin, [BLOCK_T, BLOCK_R // 2, 2]))
     else:
-        cos_a, sin_a = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE)
-        cos_b, sin_b = _table(tab_ptr, sin_ptr, tab_off + ROT_DIM // 2, tab_mask, USE_CACHE)
+        cos_a, sin_a = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
+        cos_b, sin_b = _table(
+            tab_ptr, sin_ptr, tab_off + ROT_DIM // 2, tab_mask, USE_CACHE, FAST_TRIG
+        )
     # out_a = x_a cos_a + x_b * coef_a, out_b = x_b cos_b + x_a * coef_b
     if BACKWARD:
         coef_a = sin_b
@@ -175,7 +197,7 @@ def rope_kernel(
         po = (p + ROT_DIM).to(tl.int64) * sod
 
     for it in range(HEAD_ITERS):
-        hh = head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H).to(tl.int64)
+        hh = (head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
         row_mask = tok_mask[:, None] & (hh < heads)[None, :]
         x_h = x_row[:, None] + hh[None, :] * sxh
         o_h = o_row[:, None] + hh[None, :] * soh

@@ -157,7 +157,7 @@ def launch(
         INTERLEAVED=interleaved, USE_CACHE=sin is not None,
         HAS_STARTS=start_positions is not None, CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
-        BLOCK_R=block_r, BLOCK_P=block_p, num_warps=num_warps,
+        BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED, num_warps=num_warps,
     )
     return out
 

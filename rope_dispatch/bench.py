@@ -354,12 +354,11 @@ def _graph_replay_us(fn: Callable[[], Any], calls: int = 20) -> float:
     return 1e3 * bench_ms(graph.replay) / calls
 
 
-SWEEP_CONFIGS = [
-    # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps); BLOCK_R/BLOCK_P follow from the shape
-    (bt, bh, hi, w)
-    for bt, bh in ((8, 1), (16, 1), (32, 1), (64, 1), (4, 8))
-    for hi in (1, 8, 32)
-    for w in (4, 8)
+SWEEP_CONFIGS = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps); BLOCK_R/BLOCK_P follow from the shape
+    (8, 1, 8, 4), (16, 1, 8, 4), (32, 1, 8, 4), (64, 1, 8, 4), (16, 1, 32, 4), (32, 1, 32, 4),
+    (16, 2, 4, 4), (32, 2, 4, 4), (16, 2, 16, 4), (8, 4, 8, 4), (16, 4, 4, 4), (4, 8, 4, 4),
+    (2, 16, 2, 4), (1, 32, 1, 4), (1, 32, 1, 8), (2, 16, 1, 4), (32, 1, 8, 8), (16, 2, 4, 8),
+    (64, 1, 4, 8), (8, 4, 2, 4), (32, 1, 2, 4), (16, 1, 2, 4),
 ]
 
 

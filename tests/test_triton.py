@@ -82,7 +82,7 @@ def check_case(case: Case, device: str = DEVICE) -> None:
     assert torch.equal(direct, out.detach())
 
 
-@settings(max_examples=30 if not CUDA else 60, deadline=None)
+@settings(max_examples=30 if not CUDA else 40, deadline=None)
 @given(cases())
 def test_matches_reference(case):
     check_case(case)
