@@ -62,6 +62,7 @@ _MAX_CALLS_PER_ROUND = 100
 _SLOW_CALL_SECONDS = 0.05  # calls slower than this get 3 rounds of one call
 
 _PROVISIONAL = "provisional"
+_OFF = "autotune off (ROPE_AUTOTUNE=0)"
 _NOT_MEASURED = "would measure on first call"
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{64}\.json$")
 _ENVIRONMENT_FILE = "environment.json"
@@ -523,13 +524,23 @@ def _remembered(key: CacheKey) -> tuple[str, str] | None:
 
 
 @torch.compiler.assume_constant_result
-def _remembered_while_tracing(device: str, signature: tuple) -> tuple[str, str] | None:
-    """:func:`_remembered` run for real by Dynamo at trace time; the graph keeps its answer."""
-    return _remembered(cache_key(torch.device(device), signature))
+def _decide_while_tracing(device: str, signature: tuple) -> tuple[str | None, str | None]:
+    """Run for real by Dynamo once at trace time (the graph keeps the answer), so reading the
+    environment, hashing and file reads never enter traced code.
+
+    ``(name, why)`` of a remembered choice; ``(None, why)`` when measuring is off; ``(None,
+    None)`` when nothing is remembered.
+    """
+    if not autotune_enabled():
+        return None, _OFF
+    hit = _remembered(cache_key(torch.device(device), signature))
+    return (None, None) if hit is None else hit
 
 
-def _pick(candidates: list[Backend], hit: tuple[str, str] | None) -> tuple[Backend, str] | None:
-    if hit is not None:
+def _pick(
+    candidates: list[Backend], hit: tuple[str | None, str | None] | None
+) -> tuple[Backend, str] | None:
+    if hit is not None and hit[0] is not None:
         for backend in candidates:
             if backend.name == hit[0]:
                 return backend, hit[1]
@@ -562,11 +573,13 @@ def tune(call: RoPECall, candidates: list[Backend], *, retune: bool = False) -> 
 
 
 def _select(call: RoPECall, candidates: list[Backend], use_cache: bool) -> tuple[Backend, str]:
-    if not autotune_enabled():
-        return candidates[0], f"autotune off (ROPE_AUTOTUNE=0): {_priority(candidates)}"
     if torch.compiler.is_compiling():
-        hit = _remembered_while_tracing(str(call.t.device), call_signature(call, candidates))
-        return _pick(candidates, hit) or _provisional(candidates, "torch.compile is tracing")
+        name, why = _decide_while_tracing(str(call.t.device), call_signature(call, candidates))
+        if why == _OFF:
+            return candidates[0], f"{_OFF}: {_priority(candidates)}"
+        return _pick(candidates, (name, why)) or _provisional(candidates, "torch.compile is tracing")
+    if not autotune_enabled():
+        return candidates[0], f"{_OFF}: {_priority(candidates)}"
     blocked = _measuring_blocked(call.t)
     with _lock:
         key = _call_key(call, candidates)
@@ -593,10 +606,13 @@ def _select(call: RoPECall, candidates: list[Backend], use_cache: bool) -> tuple
 
 def peek(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
     """What :func:`select` would choose, without measuring anything."""
-    if not autotune_enabled():
-        return candidates[0], f"autotune off (ROPE_AUTOTUNE=0): {_priority(candidates)}"
     if torch.compiler.is_compiling():
-        hit = _remembered_while_tracing(str(call.t.device), call_signature(call, candidates))
+        name, why = _decide_while_tracing(str(call.t.device), call_signature(call, candidates))
+        hit = None if name is None else (name, why)
+        if why == _OFF:
+            return candidates[0], f"{_OFF}: {_priority(candidates)}"
+    elif not autotune_enabled():
+        return candidates[0], f"{_OFF}: {_priority(candidates)}"
     else:
         with _lock:
             hit = _remembered(_call_key(call, candidates))
