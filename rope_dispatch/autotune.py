@@ -66,6 +66,7 @@ _OFF = "autotune off (ROPE_AUTOTUNE=0)"
 _NOT_MEASURED = "would measure on first call"
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{64}\.json$")
 _ENVIRONMENT_FILE = "environment.json"
+_ENVIRONMENT_DIR = re.compile(r"^[a-z0-9_]+-.+-[0-9a-f]{16}$")  # <device type>-<name>-<env hash>
 
 _lock = threading.RLock()
 _memory: dict[str, tuple[str, str]] = {}  # key digest -> (backend name, why)
@@ -380,10 +381,12 @@ def _measuring_blocked(t: torch.Tensor) -> str | None:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cpu":
         return
-    module = getattr(torch, device.type, None)
-    sync = getattr(module, "synchronize", None)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
     if sync is not None:
-        sync(device)
+        sync()  # other accelerators (xpu, mps): the current device
 
 
 def _private_copy(t: torch.Tensor) -> torch.Tensor:
@@ -639,6 +642,21 @@ def decision_is_final(why: str) -> bool:
 # Inspecting and clearing
 
 
+def _environment_dirs(root: Path) -> list[Path]:
+    """The subdirectories of ``root`` named like ours; anything else there is left alone."""
+    try:
+        return sorted(p for p in root.iterdir() if p.is_dir() and _ENVIRONMENT_DIR.match(p.name))
+    except OSError:
+        return []
+
+
+def _listing(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except OSError:
+        return []
+
+
 def cache_entries() -> list[dict[str, Any]]:
     """Every valid entry under :func:`cache_dir`, across devices and version sets.
 
@@ -649,12 +667,12 @@ def cache_entries() -> list[dict[str, Any]]:
     entries: list[dict[str, Any]] = []
     if not root.is_dir():
         return entries
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+    for folder in _environment_dirs(root):
         try:
             environment = _read_json(folder / _ENVIRONMENT_FILE)
         except ValueError:
             environment = None
-        for path in sorted(folder.iterdir()):
+        for path in _listing(folder):
             if not _ENTRY_NAME.match(path.name):
                 continue
             try:
@@ -690,8 +708,8 @@ def clear_cache(memory_only: bool = False) -> int:
         root = cache_dir()
         if not root.is_dir():
             return 0
-        for folder in (p for p in root.iterdir() if p.is_dir()):
-            for path in folder.iterdir():
+        for folder in _environment_dirs(root):
+            for path in _listing(folder):
                 name = path.name
                 if _ENTRY_NAME.match(name) or name == _ENVIRONMENT_FILE or (
                     name.startswith(".tmp-") and name.endswith(".json")

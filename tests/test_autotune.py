@@ -344,8 +344,11 @@ def test_clear_cache_removes_only_its_own_files(fakes, cache, measurements):
     (path,) = entry_files(cache)
     keep = path.parent / "notes.txt"
     keep.write_text("not the cache's")
+    foreign = cache / "other-tool" / "environment.json"
+    foreign.parent.mkdir()
+    foreign.write_text("{}")
     assert rd.clear_cache() == 2  # the entry and environment.json
-    assert keep.exists() and rd.cache_entries() == []
+    assert keep.exists() and foreign.exists() and rd.cache_entries() == []
     assert rd.explain(t, freqs, SPEC).why.startswith("would measure on first call")
     rd.apply(t, freqs, SPEC)
     assert measurements() == 2
