@@ -166,34 +166,50 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _device_fields(device: torch.device) -> dict[str, Any]:
+def _device_id(device: torch.device) -> tuple[str, int | None, int]:
+    """What identifies a device's environment: type, index, and the CPU thread count."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
+        return "cuda", index, 0
+    if device.type == "cpu":
+        # CPU timings depend on the thread count, so it is part of the device.
+        return "cpu", None, torch.get_num_threads()
+    return device.type, device.index, 0
+
+
+def _device_fields(kind: str, index: int | None, threads: int) -> dict[str, Any]:
+    if kind == "cuda":
         return {
             "type": "cuda",
             "name": torch.cuda.get_device_name(index),
             "capability": list(torch.cuda.get_device_capability(index)),
             "runtime": torch.version.hip or torch.version.cuda,
         }
-    if device.type == "cpu":
-        # CPU timings depend on the thread count, so it is part of the device.
-        return {
-            "type": "cpu",
-            "name": _cpu_name(),
-            "machine": platform.machine(),
-            "threads": torch.get_num_threads(),
-        }
-    return {"type": device.type, "name": str(device)}
+    if kind == "cpu":
+        return {"type": "cpu", "name": _cpu_name(), "machine": platform.machine(), "threads": threads}
+    return {"type": kind, "name": kind if index is None else f"{kind}:{index}"}
+
+
+@functools.lru_cache(maxsize=64)
+def _environment_for(kind: str, index: int | None, threads: int) -> tuple[dict[str, Any], str, str]:
+    """The environment of a device, its sha256 and its directory name (computed once)."""
+    env = {
+        "schema": SCHEMA_VERSION,
+        "device": _device_fields(kind, index, threads),
+        "versions": _versions(),
+        "kernel_sources_sha256": _kernel_sources_sha(),
+    }
+    digest = _sha256_json(env)
+    dev = env["device"]
+    label = dev["name"]
+    if "capability" in dev:
+        label += "-sm" + "".join(str(c) for c in dev["capability"])
+    return env, digest, f"{kind}-{_slug(label)}-{digest[:16]}"
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
     """Everything outside the call that a measurement depends on."""
-    return {
-        "schema": SCHEMA_VERSION,
-        "device": _device_fields(device),
-        "versions": _versions(),
-        "kernel_sources_sha256": _kernel_sources_sha(),
-    }
+    return _environment_for(*_device_id(device))[0]
 
 
 def _slug(text: str) -> str:
@@ -202,13 +218,7 @@ def _slug(text: str) -> str:
 
 def environment_dir(device: torch.device | str) -> Path:
     """The cache subdirectory for ``device`` and the installed versions."""
-    device = torch.device(device)
-    env = _environment(device)
-    dev = env["device"]
-    label = dev["name"]
-    if "capability" in dev:
-        label += "-sm" + "".join(str(c) for c in dev["capability"])
-    return cache_dir() / f"{dev['type']}-{_slug(label)}-{_sha256_json(env)[:16]}"
+    return cache_dir() / _environment_for(*_device_id(torch.device(device)))[2]
 
 
 def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple:
@@ -246,8 +256,9 @@ def key_fields(signature: tuple) -> dict[str, Any]:
 def cache_key(device: torch.device, signature: tuple) -> CacheKey:
     """The sha256 key of a call signature on ``device`` and the file storing its measurement."""
     fields = key_fields(signature)
-    digest = _sha256_json({"environment": _environment(device), "call": fields})
-    return CacheKey(digest, environment_dir(device) / f"{digest}.json", fields)
+    _, environment, folder = _environment_for(*_device_id(device))
+    digest = _sha256_json({"environment": environment, "call": fields})
+    return CacheKey(digest, cache_dir() / folder / f"{digest}.json", fields)
 
 
 def _call_key(call: RoPECall, candidates: list[Backend]) -> CacheKey:
