@@ -1,4 +1,5 @@
-"""Shared test configuration: GPU tests are skipped, with the reason, where CUDA is absent."""
+"""Shared test configuration: GPU tests skip with the reason where CUDA is absent; the autotune
+cache lives in a temporary folder."""
 
 from __future__ import annotations
 
@@ -19,3 +20,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_autotune(tmp_path_factory):
+    """Tests never read or write the user's autotune cache, and choose by priority unless a
+    test turns measuring on (tests/test_autotune.py does)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ROPE_DISPATCH_CACHE_DIR", str(tmp_path_factory.mktemp("rope-dispatch-cache")))
+    mp.setenv("ROPE_AUTOTUNE", "0")
+    yield
+    mp.undo()
