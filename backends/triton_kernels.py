@@ -77,18 +77,29 @@ def _table(tab_ptr, sin_ptr, offsets, mask, USE_CACHE: tl.constexpr, FAST_TRIG: 
 
 
 @triton.jit
-def _token_rows(
-    tok, tok_mask, dim1, seq_len, table_len, cu_ptr, starts_ptr, n_seqs, cp_size, cp_rank,
-    LAYOUT: tl.constexpr, HAS_STARTS: tl.constexpr, CONTEXT_PARALLEL: tl.constexpr,
-):
-    """For int32 token indices (in output order): the two leading indices and the table row.
+def _token_index(tok, dim1, LAYOUT: tl.constexpr):
+    """The two leading indices of int32 tokens numbered ``i0 * dim1 + i1`` (``i1 = 0`` for thd).
 
     Token counts and positions fit in int32 (the grid's axis 0 caps programs at 2**31 - 1);
-    offsets into memory are formed in int64 by the caller.
+    memory offsets are formed in int64 by the caller.
     """
-    if LAYOUT == 2:  # thd: find each token's sequence by binary search in cu_seqlens
+    if LAYOUT == 2:
         i0 = tok
         i1 = tok * 0
+    else:
+        i0 = tok // dim1
+        i1 = tok - i0 * dim1
+    return i0, i1
+
+
+@triton.jit
+def _positions(
+    tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, starts_ptr, n_seqs, cp_size, cp_rank,
+    LAYOUT: tl.constexpr, HAS_STARTS: tl.constexpr, CONTEXT_PARALLEL: tl.constexpr,
+):
+    """The table row of each token: its position in its sequence (zigzag under CP), plus its
+    sequence's start position; for thd the sequence is found by binary search in cu_seqlens."""
+    if LAYOUT == 2:
         lo = tok * 0
         hi = lo + n_seqs
         width = n_seqs
@@ -104,8 +115,6 @@ def _token_rows(
         local = tok - first
         length = last - first
     else:
-        i0 = tok // dim1
-        i1 = tok - i0 * dim1
         if LAYOUT == 0:
             local = i0
             seq = i1
@@ -122,8 +131,86 @@ def _token_rows(
         pos = local
         if HAS_STARTS:
             pos += tl.load(starts_ptr + seq, mask=tok_mask, other=0).to(tl.int32)
-    pos = tl.minimum(tl.maximum(pos, 0), table_len - 1)  # never read outside the table
-    return i0, i1, pos
+    return tl.minimum(tl.maximum(pos, 0), table_len - 1)  # never read outside the table
+
+
+@triton.jit
+def _load(ptrs, mask, STREAM: tl.constexpr):
+    """Input tiles are read once: with STREAM, ask the cache to evict them first."""
+    if STREAM:
+        v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
+def _store(ptrs, value, mask, STREAM: tl.constexpr):
+    if STREAM:
+        tl.store(ptrs, value, mask=mask, eviction_policy="evict_first")
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
+def _chunk_rows(x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, BLOCK_H: tl.constexpr):
+    """Row pointers ``[BLOCK_T, BLOCK_H]`` of head chunk ``it`` in x and out, and their mask.
+
+    Recomputed where needed rather than carried through the head loop: loop-carried pointers
+    lose the alignment facts that make 16-byte accesses possible.
+    """
+    hh = (head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    row_mask = tok_mask[:, None] & (hh < heads)[None, :]
+    return x_row[:, None] + hh[None, :] * sxh, o_row[:, None] + hh[None, :] * soh, row_mask
+
+
+@triton.jit
+def _load_chunk(
+    x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sxd, sod, c_mask, p_mask,
+    ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, STREAM: tl.constexpr,
+):
+    """Load head chunk ``it``'s rotated channels (two halves, or the whole interleaved tile
+    twice) and copy its pass-through channels to the output."""
+    x_h, o_h, row_mask = _chunk_rows(x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, BLOCK_H)
+    mask = row_mask[:, :, None] & c_mask[None, None, :]
+    x_ptrs = x_h[:, :, None] + (tl.arange(0, BLOCK_R).to(tl.int64) * sxd)[None, None, :]
+    x_a = _load(x_ptrs, mask, STREAM)
+    if INTERLEAVED:
+        x_b = x_a
+    else:
+        x_b = _load(x_ptrs + (ROT_DIM // 2) * sxd, mask, STREAM)
+    if PASS_DIM > 0:
+        p = (tl.arange(0, BLOCK_P) + ROT_DIM).to(tl.int64)
+        p_full = row_mask[:, :, None] & p_mask[None, None, :]
+        kept = _load(x_h[:, :, None] + (p * sxd)[None, None, :], p_full, STREAM)
+        _store(o_h[:, :, None] + (p * sod)[None, None, :], kept.to(o_row.dtype.element_ty),
+               p_full, STREAM)
+    return x_a, x_b
+
+
+@triton.jit
+def _rotate_store(
+    x_a, x_b, x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sod, c_mask,
+    cos_a, cos_b, coef_a, coef_b, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, STREAM: tl.constexpr,
+):
+    """out_a = x_a cos_a + x_b coef_a, out_b = x_b cos_b + x_a coef_b in float32, stored."""
+    _, o_h, row_mask = _chunk_rows(x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, BLOCK_H)
+    mask = row_mask[:, :, None] & c_mask[None, None, :]
+    out_ty = o_row.dtype.element_ty
+    o_ptrs = o_h[:, :, None] + (tl.arange(0, BLOCK_R).to(tl.int64) * sod)[None, None, :]
+    if INTERLEAVED:
+        a, b = tl.split(tl.reshape(x_a.to(tl.float32), [BLOCK_T, BLOCK_H, BLOCK_R // 2, 2]))
+        out_a = a * cos_a + b * coef_a
+        out_b = b * cos_b + a * coef_b
+        out = tl.reshape(tl.join(out_a, out_b), [BLOCK_T, BLOCK_H, BLOCK_R])
+        _store(o_ptrs, out.to(out_ty), mask, STREAM)
+    else:
+        a = x_a.to(tl.float32)
+        b = x_b.to(tl.float32)
+        _store(o_ptrs, (a * cos_a + b * coef_a).to(out_ty), mask, STREAM)
+        _store(o_ptrs + (ROT_DIM // 2) * sod, (b * cos_b + a * coef_b).to(out_ty), mask, STREAM)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "dim1", "seq_len", "table_len", "heads", "n_seqs"])
@@ -135,7 +222,7 @@ def rope_kernel(
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, HAS_STARTS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr, STREAM: tl.constexpr,
 ):
     """RoPE (or its transpose) of ``BLOCK_T`` tokens x ``HEAD_ITERS * BLOCK_H`` heads.
 
@@ -143,6 +230,10 @@ def rope_kernel(
     ``sx*``; ``out`` has strides ``so*``. Tokens are numbered ``i0 * dim1 + i1``.
     ``BLOCK_R`` covers the rotated channels (half of them for rotate-half), ``BLOCK_P`` the
     ``PASS_DIM`` pass-through channels.
+
+    The first head chunk's loads are issued before the positions and the table are worked out
+    (a thd binary search and a table row are dependent loads), and each later chunk is loaded
+    before the previous one is rotated, so memory requests stay in flight.
     """
     pid = tl.program_id(0)
     head_groups = (heads + HEAD_ITERS * BLOCK_H - 1) // (HEAD_ITERS * BLOCK_H)
@@ -151,21 +242,27 @@ def rope_kernel(
 
     tok = token_block * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_mask = tok < n_tokens
-    i0, i1, pos = _token_rows(
-        tok, tok_mask, dim1, seq_len, table_len, cu_ptr, starts_ptr, n_seqs, cp_size, cp_rank,
-        LAYOUT, HAS_STARTS, CONTEXT_PARALLEL,
-    )
+    i0, i1 = _token_index(tok, dim1, LAYOUT)
     x_row = x_ptr + (i0.to(tl.int64) * sx0 + i1.to(tl.int64) * sx1)
     o_row = out_ptr + (i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1)
-    out_ty = out_ptr.dtype.element_ty
-    t_row = pos.to(tl.int64) * ROT_DIM
 
     c = tl.arange(0, BLOCK_R)
     if INTERLEAVED:
         c_mask = c < ROT_DIM
     else:
         c_mask = c < ROT_DIM // 2
-    tab_off = t_row[:, None] + c[None, :]
+    p_mask = tl.arange(0, BLOCK_P) < PASS_DIM
+
+    x_a, x_b = _load_chunk(
+        x_row, o_row, tok_mask, head_lo, 0, heads, sxh, soh, sxd, sod, c_mask, p_mask,
+        ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, STREAM,
+    )
+
+    pos = _positions(
+        tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, starts_ptr, n_seqs, cp_size, cp_rank,
+        LAYOUT, HAS_STARTS, CONTEXT_PARALLEL,
+    )
+    tab_off = pos.to(tl.int64)[:, None] * ROT_DIM + c[None, :]
     tab_mask = tok_mask[:, None] & c_mask[None, :]
     if INTERLEAVED:
         cos, sin = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
@@ -176,8 +273,7 @@ def rope_kernel(
         cos_b, sin_b = _table(
             tab_ptr, sin_ptr, tab_off + ROT_DIM // 2, tab_mask, USE_CACHE, FAST_TRIG
         )
-    # out_a = x_a cos_a + x_b * coef_a, out_b = x_b cos_b + x_a * coef_b
-    if BACKWARD:
+    if BACKWARD:  # the transpose: each channel takes its partner's sine
         coef_a = sin_b
         coef_b = -sin_a
     else:
@@ -188,40 +284,19 @@ def rope_kernel(
     coef_a = coef_a[:, None, :]
     coef_b = coef_b[:, None, :]
 
-    cx = c.to(tl.int64) * sxd
-    co = c.to(tl.int64) * sod
-    if PASS_DIM > 0:
-        p = tl.arange(0, BLOCK_P)
-        p_mask = p < PASS_DIM
-        px = (p + ROT_DIM).to(tl.int64) * sxd
-        po = (p + ROT_DIM).to(tl.int64) * sod
-
-    for it in range(HEAD_ITERS):
-        hh = (head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-        row_mask = tok_mask[:, None] & (hh < heads)[None, :]
-        x_h = x_row[:, None] + hh[None, :] * sxh
-        o_h = o_row[:, None] + hh[None, :] * soh
-        mask = row_mask[:, :, None] & c_mask[None, None, :]
-        if INTERLEAVED:
-            x = tl.load(x_h[:, :, None] + cx[None, None, :], mask=mask, other=0.0).to(tl.float32)
-            x_a, x_b = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_H, BLOCK_R // 2, 2]))
-            out_a = x_a * cos_a + x_b * coef_a
-            out_b = x_b * cos_b + x_a * coef_b
-            out = tl.reshape(tl.join(out_a, out_b), [BLOCK_T, BLOCK_H, BLOCK_R])
-            tl.store(o_h[:, :, None] + co[None, None, :], out.to(out_ty), mask=mask)
-        else:
-            x_ptrs = x_h[:, :, None] + cx[None, None, :]
-            x_a = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-            x_b = tl.load(x_ptrs + (ROT_DIM // 2) * sxd, mask=mask, other=0.0).to(tl.float32)
-            out_a = x_a * cos_a + x_b * coef_a
-            out_b = x_b * cos_b + x_a * coef_b
-            o_ptrs = o_h[:, :, None] + co[None, None, :]
-            tl.store(o_ptrs, out_a.to(out_ty), mask=mask)
-            tl.store(o_ptrs + (ROT_DIM // 2) * sod, out_b.to(out_ty), mask=mask)
-        if PASS_DIM > 0:
-            p_full = row_mask[:, :, None] & p_mask[None, None, :]
-            kept = tl.load(x_h[:, :, None] + px[None, None, :], mask=p_full, other=0.0)
-            tl.store(o_h[:, :, None] + po[None, None, :], kept.to(out_ty), mask=p_full)
+    for it in range(HEAD_ITERS - 1):
+        a_next, b_next = _load_chunk(
+            x_row, o_row, tok_mask, head_lo, it + 1, heads, sxh, soh, sxd, sod, c_mask, p_mask,
+            ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, STREAM,
+        )
+        _rotate_store(x_a, x_b, x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sod, c_mask,
+                      cos_a, cos_b, coef_a, coef_b, ROT_DIM, INTERLEAVED, BLOCK_T, BLOCK_H,
+                      BLOCK_R, STREAM)
+        x_a = a_next
+        x_b = b_next
+    _rotate_store(x_a, x_b, x_row, o_row, tok_mask, head_lo, HEAD_ITERS - 1, heads, sxh, soh, sod,
+                  c_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM, INTERLEAVED, BLOCK_T, BLOCK_H,
+                  BLOCK_R, STREAM)
 
 
 INTERPRETED: bool = isinstance(rope_kernel, InterpretedFunction)

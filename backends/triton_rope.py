@@ -19,6 +19,7 @@ before its first use, it also runs on the CPU through Triton's interpreter (for 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Sequence
@@ -57,14 +58,16 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Launch configuration: (BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, num_warps).
-Config = tuple[int, int, int, int, int, int]
+# Launch configuration: (BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, num_warps, STREAM).
+Config = tuple[int, int, int, int, int, int, bool]
 
-# A program moves about this many bytes of input per head iteration; enough to keep 16-byte
-# loads in flight for every thread of 4 warps, small enough for many programs per SM.
+# A program moves about this many bytes of input per head chunk: 16-byte accesses for every
+# thread of 4 warps, small programs (many per SM, a short tail). Measured on an H200
+# (docs/benchmarks.md): one token with all its heads per program beat larger token blocks that
+# share sin/cos across more programs' worth of data.
 TILE_BYTES = 8192
-# Programs wanted per SM, so a large call is spread evenly and a small one still fills the GPU.
-PROGRAMS_PER_SM = 8
+# With fewer programs than this per SM (decode), heads are split across programs.
+MIN_PROGRAMS_PER_SM = 2
 
 
 def choose_config(
@@ -73,28 +76,51 @@ def choose_config(
 ) -> Config:
     """Tile sizes for a call: tokens per program, heads per tile and per program, widths.
 
-    Rows of one tile are (token, head) pairs; heads are spread over programs only when tokens
-    alone give too few programs (decode), since each program computes its tokens' sin/cos once.
+    A tile is ``BLOCK_T`` tokens x ``BLOCK_H`` heads x the head dim, about ``TILE_BYTES``;
+    heads go into the tile first (sin/cos are shared by a token's heads), tokens fill the rest.
     """
     block_r = _next_pow2(rotary_dim) if interleaved else _next_pow2(rotary_dim // 2)
     pass_dim = head_dim - rotary_dim
     block_p = _next_pow2(pass_dim) if pass_dim else 1
-    rows = max(1, min(128, TILE_BYTES // (head_dim * element_size)))
+    rows = max(1, TILE_BYTES // (head_dim * element_size))
     rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``
-    block_t = min(rows, _next_pow2(n_tokens))
-    block_h = min(max(1, rows // block_t), _next_pow2(heads))
-    head_chunks = -(-heads // block_h)
-    token_blocks = -(-n_tokens // block_t)
-    target = PROGRAMS_PER_SM * sms
-    head_iters = 1
-    for d in range(head_chunks, 0, -1):  # largest divisor that still leaves enough programs
-        if head_chunks % d == 0 and token_blocks * (head_chunks // d) >= target:
-            head_iters = d
-            break
-    return block_t, block_h, head_iters, block_r, block_p, 4
+    block_h = min(_next_pow2(heads), rows)
+    block_t = min(max(1, rows // block_h), _next_pow2(n_tokens))
+    while block_h > 1 and -(-n_tokens // block_t) * -(-heads // block_h) < MIN_PROGRAMS_PER_SM * sms:
+        block_h //= 2
+    head_iters = max(1, -(-heads // block_h) // 8) if block_h == rows else 1
+    if -(-heads // block_h) % head_iters:
+        head_iters = 1
+    return block_t, block_h, head_iters, block_r, block_p, 4, True
 
 
 _configs: dict[tuple, Config] = {}
+# Compiled kernels by everything their specialisation depends on (see _fast_key), so a repeated
+# call skips Triton's per-launch argument binding (about 15 us of host time per call).
+_fast: dict[tuple, tuple] = {}
+_PARAM_ORDER: tuple[str, ...] = ()
+
+
+def _raw_stream_getter():
+    try:
+        from torch._C import _cuda_getCurrentRawStream
+
+        return _cuda_getCurrentRawStream
+    except ImportError:  # older torch: the public (slower) way
+        return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+_current_stream = _raw_stream_getter()
+
+
+def _hooks_active() -> bool:
+    """Whether a profiler registered Triton launch hooks (then launch the documented way)."""
+    from triton import knobs
+
+    runtime = knobs.runtime
+    return bool(getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)) or bool(
+        getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook)
+    )
 
 
 def launch(
@@ -105,8 +131,38 @@ def launch(
     """Run the kernel: ``out`` = RoPE of ``x`` (its transpose when ``backward``); returns ``out``.
 
     ``table`` is the float32 ``[s2, d2]`` angle table, or the cos table when ``sin`` is given.
-    ``x`` may have any strides; ``out`` (same shape) too. No host sync, no allocation.
+    ``x`` may have any strides; ``out`` (same shape) too. No host sync, no allocation. The
+    current CUDA device must be ``x``'s.
     """
+    if config is None and _kernels is not None and not _kernels.INTERPRETED:
+        # Fast path: the same call signature as before -> the same compiled kernel, launched
+        # directly. The key holds every input of Triton's specialisation: dtypes, 16-byte
+        # alignment of each pointer, and the sizes and strides the integer arguments come from.
+        aligned = (
+            (x.data_ptr() & 15 == 0) + 2 * (out.data_ptr() & 15 == 0)
+            + 4 * (table.data_ptr() & 15 == 0)
+            + 8 * (sin is None or sin.data_ptr() & 15 == 0)
+            + 16 * (cu_seqlens is None or cu_seqlens.data_ptr() & 15 == 0)
+            + 32 * (start_positions is None or start_positions.data_ptr() & 15 == 0)
+        )
+        key = (
+            layout, x.shape, x.stride(), out.stride(), x.dtype, table.shape, sin is None,
+            None if cu_seqlens is None else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.stride()),
+            None if start_positions is None else (start_positions.dtype, start_positions.stride()),
+            interleaved, cp_size, cp_rank, backward, x.device.index, aligned,
+        )
+        entry = _fast.get(key)
+        if entry is not None:
+            run, function, metadata, grid, ints, consts = entry
+            run(
+                grid, 1, 1, _current_stream(x.device.index), function, metadata, None, None, None,
+                x, out, table, table if sin is None else sin,
+                table if cu_seqlens is None else cu_seqlens,
+                table if start_positions is None else start_positions, *ints, *consts,
+            )
+            return out
+    else:
+        key = None
     kernels = _kernels if _kernels is not None else _load_kernels()
     shape = x.shape
     heads, head_dim = shape[-2], shape[-1]
@@ -120,6 +176,7 @@ def launch(
         seq_len = n_tokens
         if not cu_seqlens.is_contiguous():
             cu_seqlens = cu_seqlens.contiguous()
+            key = None
         n_seqs = cu_seqlens.shape[0] - 1
     else:
         n0, dim1 = shape[0], shape[1]
@@ -132,10 +189,11 @@ def launch(
         return out
     if start_positions is not None and not start_positions.is_contiguous():
         start_positions = start_positions.contiguous()
+        key = None
     rotary_dim = table.shape[1]
     if config is None:
-        key = (_next_pow2(n_tokens), heads, head_dim, rotary_dim, x.dtype, interleaved, x.device)
-        config = _configs.get(key)
+        ckey = (_next_pow2(n_tokens), heads, head_dim, rotary_dim, x.dtype, interleaved, x.device)
+        config = _configs.get(ckey)
         if config is None:
             sms = 1 if kernels.INTERPRETED else _sm_count(x.device.index)
             config = choose_config(
@@ -143,23 +201,58 @@ def launch(
             )
             if len(_configs) > 1024:
                 _configs.clear()
-            _configs[key] = config
-    block_t, block_h, head_iters, block_r, block_p, num_warps = config
+            _configs[ckey] = config
+    block_t, block_h, head_iters, block_r, block_p, num_warps, stream = config
     head_groups = -(-heads // (block_h * head_iters))
-    grid = (-(-n_tokens // block_t) * head_groups,)
-    kernels.rope_kernel[grid](
-        x, out, table, table if sin is None else sin,
-        table if cu_seqlens is None else cu_seqlens,
-        table if start_positions is None else start_positions,
-        n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs, cp_size, cp_rank,
-        sx0, sx1, sxh, sxd, so0, so1, soh, sod,
+    grid = -(-n_tokens // block_t) * head_groups
+    ints = (n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs, cp_size, cp_rank,
+            sx0, sx1, sxh, sxd, so0, so1, soh, sod)
+    consts = dict(
         LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
         INTERLEAVED=interleaved, USE_CACHE=sin is not None,
         HAS_STARTS=start_positions is not None, CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
-        BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED, num_warps=num_warps,
+        BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
+        STREAM=stream and not kernels.INTERPRETED,
     )
+    compiled = kernels.rope_kernel[(grid,)](
+        x, out, table, table if sin is None else sin,
+        table if cu_seqlens is None else cu_seqlens,
+        table if start_positions is None else start_positions, *ints,
+        num_warps=num_warps, **consts,
+    )
+    if key is not None and compiled is not None and not _hooks_active():
+        global _PARAM_ORDER
+        if not _PARAM_ORDER:
+            _PARAM_ORDER = tuple(kernels.rope_kernel.arg_names)
+        ordered = tuple(consts[name] for name in _PARAM_ORDER[6 + len(ints):])
+        if len(_fast) > 4096:
+            _fast.clear()
+        _fast[key] = (
+            compiled.run, compiled.function, compiled.packed_metadata, grid, ints, ordered
+        )
     return out
+
+
+class _RoPEFunction(torch.autograd.Function):
+    """Eager autograd around the direct launch (no dispatcher round trip): the backward is the
+    same kernel transposed, saving only the tables, and is itself differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, table, sin, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank,
+                backward, out_strides):
+        out = _allocate(x, out_strides)
+        launch(x, out, table, sin, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank,
+               backward)
+        ctx.tables = (table, sin, cu_seqlens, starts)
+        ctx.settings = (layout, interleaved, cp_size, cp_rank, not backward)
+        ctx.grad_strides = _dense_strides(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = _RoPEFunction.apply(grad, *ctx.tables, *ctx.settings, ctx.grad_strides)
+        return grad_x, None, None, None, None, None, None, None, None, None, None
 
 
 def _dense_strides(x: torch.Tensor) -> list[int] | None:
@@ -196,10 +289,11 @@ def triton_rope_op(
     The output has ``out_strides`` when given, else is contiguous.
     """
     out = _allocate(x, out_strides)
-    return launch(
-        x, out, table, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
-        backward,
-    )
+    with _on_device(x):
+        return launch(
+            x, out, table, sin, cu_seqlens, start_positions, layout, interleaved, cp_size,
+            cp_rank, backward,
+        )
 
 
 @triton_rope_op.register_fake
@@ -226,6 +320,17 @@ def _backward(ctx: Any, grad: torch.Tensor):
 triton_rope_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+_NO_GUARD = contextlib.nullcontext()
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make ``t``'s CUDA device current for the launch (a no-op in the usual single-device case)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_GUARD
+
+
 def rope_triton(
     t: torch.Tensor, table: torch.Tensor | CosSinCache, *, layout: str, interleaved: bool = False,
     cu_seqlens: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
@@ -233,33 +338,30 @@ def rope_triton(
 ) -> torch.Tensor:
     """RoPE of already-checked tensors: ``table`` is ``[s2, d2]`` float32 angles or a cache.
 
-    Launches the kernel directly when no autograd graph, tracing or tensor subclass is involved;
-    otherwise goes through the ``rope_dispatch::triton_rope`` op.
+    In eager mode it launches the kernel directly (through a ``torch.autograd.Function`` when a
+    gradient is needed); while tracing, or for tensor subclasses, it calls the
+    ``rope_dispatch::triton_rope`` op.
     """
     if type(table) is CosSinCache:
         tab, sin = table.cos, table.sin
     else:
         tab, sin = table, None
-    if (
-        (t.requires_grad and torch.is_grad_enabled())
-        or type(t) is not torch.Tensor
-        or torch.compiler.is_compiling()
-    ):
+    if type(t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         return triton_rope_op(
             t, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
             False, None,
         )
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        with torch.cuda.device(t.device):
-            return launch(
-                t, out, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size,
-                cp_rank, False,
+    with _on_device(t):
+        if t.requires_grad and torch.is_grad_enabled():
+            return _RoPEFunction.apply(
+                t, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
+                False, None,
             )
-    return launch(
-        t, out, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
-        False,
-    )
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        return launch(
+            t, out, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
+            False,
+        )
 
 
 def _interpret_requested() -> bool:

@@ -354,12 +354,18 @@ def _graph_replay_us(fn: Callable[[], Any], calls: int = 20) -> float:
     return 1e3 * bench_ms(graph.replay) / calls
 
 
-SWEEP_CONFIGS = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps); BLOCK_R/BLOCK_P follow from the shape
-    (8, 1, 8, 4), (16, 1, 8, 4), (32, 1, 8, 4), (64, 1, 8, 4), (16, 1, 32, 4), (32, 1, 32, 4),
-    (16, 2, 4, 4), (32, 2, 4, 4), (16, 2, 16, 4), (8, 4, 8, 4), (16, 4, 4, 4), (4, 8, 4, 4),
-    (2, 16, 2, 4), (1, 32, 1, 4), (1, 32, 1, 8), (2, 16, 1, 4), (32, 1, 8, 8), (16, 2, 4, 8),
-    (64, 1, 4, 8), (8, 4, 2, 4), (32, 1, 2, 4), (16, 1, 2, 4),
-]
+def sweep_configs(heads: int) -> list[tuple[int, int, int, int, bool]]:
+    """(BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps, STREAM) around one token with all its heads."""
+    h = 1 << (heads - 1).bit_length()
+    out = []
+    for bt, bh in ((1, h), (2, h), (1, h // 2), (2, h // 2), (4, h // 4), (8, h // 4)):
+        if bh < 1:
+            continue
+        out += [(bt, bh, 1, 4, True), (bt, bh, 1, 8, True), (bt, bh, 1, 4, False)]
+    for bt, bh, hi in ((1, h // 4, 4), (2, h // 4, 2), (4, h // 8, 8), (16, 1, 8)):
+        if bh >= 1 and bh * hi <= h:
+            out.append((bt, bh, hi, 4, True))
+    return out
 
 
 def run_sweep(report: Report, shapes: list[Shape], device: str = "cuda") -> None:
@@ -381,10 +387,8 @@ def run_sweep(report: Report, shapes: list[Shape], device: str = "cuda") -> None
             triton_rope._sm_count(inp.t.device.index),
         )
         results = []
-        for bt, bh, hi, w in [default[:3] + (default[5],)] + SWEEP_CONFIGS:
-            if bh * hi > heads:
-                continue
-            config = (bt, bh, hi, block_r, block_p, w)
+        for bt, bh, hi, w, stream in [default[:3] + default[5:]] + sweep_configs(heads):
+            config = (bt, bh, hi, block_r, block_p, w, stream)
 
             def fn(config=config):
                 triton_rope.launch(

@@ -15,7 +15,10 @@ OUT=${OUT:-/tmp/rope-out}
 mkdir -p "$OUT"
 # shellcheck disable=SC1091
 source .device-carry/base/setup.sh ${TE:+--te}
-pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^\[notice\]" || true
+# python3 -m pip: the pip on PATH may belong to another interpreter than python3
+python3 -m pip install -q --no-deps --no-build-isolation --root-user-action=ignore -e . >"$OUT/pip.log" 2>&1 \
+  || { echo "pip install -e . failed:"; tail -20 "$OUT/pip.log"; }
+python3 -c "import rope_dispatch.backends" || { echo "rope_dispatch is not importable; see pip.log"; exit 3; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 

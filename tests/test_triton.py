@@ -105,8 +105,8 @@ def test_context_parallel_ranks(layout, cp_size, cp_rank):
 
 
 # BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps: several token blocks with a ragged last one, heads
-# split across programs, a tile of several heads, a head group larger than what is left.
-LAUNCH_CONFIGS = [(2, 1, 1, 1), (4, 2, 1, 2), (1, 4, 1, 1), (2, 2, 2, 4), (8, 1, 3, 4)]
+# split across programs, a tile of several heads, a head loop with a ragged last chunk.
+LAUNCH_CONFIGS = [(2, 1, 1, 1), (4, 2, 1, 2), (1, 4, 1, 1), (2, 2, 2, 4), (8, 1, 3, 4), (1, 2, 3, 4)]
 
 
 @pytest.mark.parametrize("config", LAUNCH_CONFIGS)
@@ -120,7 +120,8 @@ def test_launch_configurations(config, layout):
     t, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
     bt, bh, hi, warps = config
     rot = angles.shape[1]
-    full = (bt, bh, hi, triton_rope._next_pow2(rot // 2), triton_rope._next_pow2(16 - rot), warps)
+    full = (bt, bh, hi, triton_rope._next_pow2(rot // 2), triton_rope._next_pow2(16 - rot), warps,
+            True)
     out = torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEVICE)
     triton_rope.launch(
         t, out, table.view(table.shape[0], -1), None, spec.cu_seqlens, starts, layout, False, 1, 0,
@@ -349,6 +350,23 @@ def test_gpu_more_than_2_31_elements():
         assert_matches(out[rows], ref, torch.bfloat16, f"tokens {rows}")
     del out, t
     torch.cuda.empty_cache()
+
+
+@gpu
+def test_gpu_repeated_calls_follow_alignment_and_strides():
+    """Repeated calls reuse compiled kernels; one specialised for aligned or unit-stride data
+    must never be reused for data that is not."""
+    freqs = _te_freqs(64, 64)
+    spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
+    buffer = torch.randn(64 * 2 * 4 * 64 * 2 + 8, device="cuda", dtype=torch.bfloat16)
+    shape, strides = (64, 2, 4, 64), (512, 256, 64, 1)
+    for offset in (0, 1, 0, 3, 8, 0):
+        t = buffer[offset:].as_strided(shape, strides)
+        for _ in range(2):
+            _rope_check_gpu(t, freqs, spec, grad=offset == 0)
+    wide = torch.randn(64, 2, 4, 128, device="cuda", dtype=torch.bfloat16)
+    for t in (wide[..., ::2], wide[..., :64], wide[..., ::2]):  # channel stride 2, then 1, then 2
+        _rope_check_gpu(t, freqs, spec)
 
 
 @gpu
