@@ -201,6 +201,19 @@ def run(devices: list[str], progress) -> dict:
     }
 
 
+def _entry_line(entry: dict) -> str:
+    """One autotune cache entry as a line: the call it covers, the choice and the timings."""
+    fields = entry.get("fields", {})
+    spec = fields.get("spec", {})
+    shape = "x".join(str(n) for n in fields.get("shape_bucket", []))
+    times = ", ".join(f"{name} {us:.0f} us" for name, us in sorted(entry.get("times_us", {}).items()))
+    what = (
+        f"{spec.get('layout')} {spec.get('dtype')} <= {shape} {fields.get('stride', '')}"
+        f"{' grad' if fields.get('requires_grad') else ''}"
+    )
+    return f"{what}: {entry.get('choice')} ({times})"
+
+
 def _print_report(report: dict) -> None:
     print("rope-dispatch selftest")
     for key, value in report["versions"].items():
@@ -217,7 +230,7 @@ def _print_report(report: dict) -> None:
         count = len(entries) if isinstance(entries, list) else entries
         print(f", cache {cache['cache_dir']} ({count} entries)")
         for entry in entries if isinstance(entries, list) else []:
-            print(f"  {entry}")
+            print(f"  {_entry_line(entry)}")
     else:
         print()
     print(f"\n{'backend':10s} {'device':6s} {'case':36s} {'status':14s} {'fwd err':>9s} {'bwd err':>9s} {'fwd+bwd':>10s}")
