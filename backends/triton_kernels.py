@@ -135,24 +135,6 @@ def _positions(
 
 
 @triton.jit
-def _load(ptrs, mask, STREAM: tl.constexpr):
-    """Input tiles are read once: with STREAM, ask the cache to evict them first."""
-    if STREAM:
-        v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-    else:
-        v = tl.load(ptrs, mask=mask, other=0.0)
-    return v
-
-
-@triton.jit
-def _store(ptrs, value, mask, STREAM: tl.constexpr):
-    if STREAM:
-        tl.store(ptrs, value, mask=mask, eviction_policy="evict_first")
-    else:
-        tl.store(ptrs, value, mask=mask)
-
-
-@triton.jit
 def _chunk_rows(x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, BLOCK_H: tl.constexpr):
     """Row pointers ``[BLOCK_T, BLOCK_H]`` of head chunk ``it`` in x and out, and their mask.
 
@@ -166,36 +148,39 @@ def _chunk_rows(x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, BLOCK_H: t
 
 @triton.jit
 def _load_chunk(
-    x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sxd, sod, c_mask, p_mask,
+    x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sxd, c_mask, p_mask,
     ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, STREAM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Load head chunk ``it``'s rotated channels (two halves, or the whole interleaved tile
-    twice) and copy its pass-through channels to the output."""
+    """Load head chunk ``it``: the rotated channels (two halves, or the whole interleaved tile
+    twice) and the pass-through channels (written back by _rotate_store, not here: a store
+    right after its load would stall the program for a full memory latency)."""
     x_h, o_h, row_mask = _chunk_rows(x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, BLOCK_H)
     mask = row_mask[:, :, None] & c_mask[None, None, :]
     x_ptrs = x_h[:, :, None] + (tl.arange(0, BLOCK_R).to(tl.int64) * sxd)[None, None, :]
-    x_a = _load(x_ptrs, mask, STREAM)
+    x_a = tl.load(x_ptrs, mask=mask, other=0.0)
     if INTERLEAVED:
         x_b = x_a
     else:
-        x_b = _load(x_ptrs + (ROT_DIM // 2) * sxd, mask, STREAM)
+        x_b = tl.load(x_ptrs + (ROT_DIM // 2) * sxd, mask=mask, other=0.0)
     if PASS_DIM > 0:
         p = (tl.arange(0, BLOCK_P) + ROT_DIM).to(tl.int64)
         p_full = row_mask[:, :, None] & p_mask[None, None, :]
-        kept = _load(x_h[:, :, None] + (p * sxd)[None, None, :], p_full, STREAM)
-        _store(o_h[:, :, None] + (p * sod)[None, None, :], kept.to(o_row.dtype.element_ty),
-               p_full, STREAM)
-    return x_a, x_b
+        kept = tl.load(x_h[:, :, None] + (p * sxd)[None, None, :], mask=p_full, other=0.0)
+    else:
+        kept = x_a
+    return x_a, x_b, kept
 
 
 @triton.jit
 def _rotate_store(
-    x_a, x_b, x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sod, c_mask,
-    cos_a, cos_b, coef_a, coef_b, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, STREAM: tl.constexpr,
+    x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sod, c_mask, p_mask,
+    cos_a, cos_b, coef_a, coef_b, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """out_a = x_a cos_a + x_b coef_a, out_b = x_b cos_b + x_a coef_b in float32, stored."""
+    """out_a = x_a cos_a + x_b coef_a, out_b = x_b cos_b + x_a coef_b in float32, stored;
+    then the pass-through channels as they were read."""
     _, o_h, row_mask = _chunk_rows(x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, BLOCK_H)
     mask = row_mask[:, :, None] & c_mask[None, None, :]
     out_ty = o_row.dtype.element_ty
@@ -205,12 +190,16 @@ def _rotate_store(
         out_a = a * cos_a + b * coef_a
         out_b = b * cos_b + a * coef_b
         out = tl.reshape(tl.join(out_a, out_b), [BLOCK_T, BLOCK_H, BLOCK_R])
-        _store(o_ptrs, out.to(out_ty), mask, STREAM)
+        tl.store(o_ptrs, out.to(out_ty), mask=mask)
     else:
         a = x_a.to(tl.float32)
         b = x_b.to(tl.float32)
-        _store(o_ptrs, (a * cos_a + b * coef_a).to(out_ty), mask, STREAM)
-        _store(o_ptrs + (ROT_DIM // 2) * sod, (b * cos_b + a * coef_b).to(out_ty), mask, STREAM)
+        tl.store(o_ptrs, (a * cos_a + b * coef_a).to(out_ty), mask=mask)
+        tl.store(o_ptrs + (ROT_DIM // 2) * sod, (b * cos_b + a * coef_b).to(out_ty), mask=mask)
+    if PASS_DIM > 0:
+        p = (tl.arange(0, BLOCK_P) + ROT_DIM).to(tl.int64)
+        p_full = row_mask[:, :, None] & p_mask[None, None, :]
+        tl.store(o_h[:, :, None] + (p * sod)[None, None, :], kept.to(out_ty), mask=p_full)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "dim1", "seq_len", "table_len", "heads", "n_seqs"])
@@ -222,7 +211,7 @@ def rope_kernel(
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, HAS_STARTS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr, STREAM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
 ):
     """RoPE (or its transpose) of ``BLOCK_T`` tokens x ``HEAD_ITERS * BLOCK_H`` heads.
 
@@ -253,9 +242,9 @@ def rope_kernel(
         c_mask = c < ROT_DIM // 2
     p_mask = tl.arange(0, BLOCK_P) < PASS_DIM
 
-    x_a, x_b = _load_chunk(
-        x_row, o_row, tok_mask, head_lo, 0, heads, sxh, soh, sxd, sod, c_mask, p_mask,
-        ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, STREAM,
+    x_a, x_b, kept = _load_chunk(
+        x_row, o_row, tok_mask, head_lo, 0, heads, sxh, soh, sxd, c_mask, p_mask,
+        ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
     )
 
     pos = _positions(
@@ -285,18 +274,19 @@ def rope_kernel(
     coef_b = coef_b[:, None, :]
 
     for it in range(HEAD_ITERS - 1):
-        a_next, b_next = _load_chunk(
-            x_row, o_row, tok_mask, head_lo, it + 1, heads, sxh, soh, sxd, sod, c_mask, p_mask,
-            ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, STREAM,
+        a_next, b_next, kept_next = _load_chunk(
+            x_row, o_row, tok_mask, head_lo, it + 1, heads, sxh, soh, sxd, c_mask, p_mask,
+            ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
         )
-        _rotate_store(x_a, x_b, x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sod, c_mask,
-                      cos_a, cos_b, coef_a, coef_b, ROT_DIM, INTERLEAVED, BLOCK_T, BLOCK_H,
-                      BLOCK_R, STREAM)
+        _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sod,
+                      c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM, PASS_DIM,
+                      INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P)
         x_a = a_next
         x_b = b_next
-    _rotate_store(x_a, x_b, x_row, o_row, tok_mask, head_lo, HEAD_ITERS - 1, heads, sxh, soh, sod,
-                  c_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM, INTERLEAVED, BLOCK_T, BLOCK_H,
-                  BLOCK_R, STREAM)
+        kept = kept_next
+    _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, HEAD_ITERS - 1, heads, sxh, soh,
+                  sod, c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM, PASS_DIM,
+                  INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P)
 
 
 INTERPRETED: bool = isinstance(rope_kernel, InterpretedFunction)

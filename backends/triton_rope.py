@@ -58,14 +58,16 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Launch configuration: (BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, num_warps, STREAM).
-Config = tuple[int, int, int, int, int, int, bool]
+# Launch configuration: (BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, num_warps).
+Config = tuple[int, int, int, int, int, int]
 
-# A program moves about this many bytes of input per head chunk: 16-byte accesses for every
-# thread of 4 warps, small programs (many per SM, a short tail). Measured on an H200
-# (docs/benchmarks.md): one token with all its heads per program beat larger token blocks that
-# share sin/cos across more programs' worth of data.
+# A program moves about this many bytes of input: 16-byte accesses for every thread of 4 warps
+# and small programs (many per SM, a short tail). Measured on an H200 (docs/benchmarks.md):
+# 4 tokens x 8 heads (bf16, d 128) reached 95-98% of copy bandwidth on every large shape, ahead of
+# one token with all its heads and far ahead of 32-token blocks looping over heads, whose cached
+# sin/cos cost registers (4 programs per SM instead of 8+).
 TILE_BYTES = 8192
+TOKENS_PER_TILE = 4
 # With fewer programs than this per SM (decode), heads are split across programs.
 MIN_PROGRAMS_PER_SM = 2
 
@@ -84,14 +86,11 @@ def choose_config(
     block_p = _next_pow2(pass_dim) if pass_dim else 1
     rows = max(1, TILE_BYTES // (head_dim * element_size))
     rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``
-    block_h = min(_next_pow2(heads), rows)
+    block_h = min(_next_pow2(heads), max(1, rows // TOKENS_PER_TILE))
     block_t = min(max(1, rows // block_h), _next_pow2(n_tokens))
     while block_h > 1 and -(-n_tokens // block_t) * -(-heads // block_h) < MIN_PROGRAMS_PER_SM * sms:
         block_h //= 2
-    head_iters = max(1, -(-heads // block_h) // 8) if block_h == rows else 1
-    if -(-heads // block_h) % head_iters:
-        head_iters = 1
-    return block_t, block_h, head_iters, block_r, block_p, 4, True
+    return block_t, block_h, 1, block_r, block_p, 4
 
 
 _configs: dict[tuple, Config] = {}
@@ -153,9 +152,9 @@ def launch(
         )
         entry = _fast.get(key)
         if entry is not None:
-            run, function, metadata, grid, ints, consts = entry
+            run, prefix, grid, ints, consts = entry
             run(
-                grid, 1, 1, _current_stream(x.device.index), function, metadata, None, None, None,
+                grid, 1, 1, _current_stream(x.device.index), *prefix,
                 x, out, table, table if sin is None else sin,
                 table if cu_seqlens is None else cu_seqlens,
                 table if start_positions is None else start_positions, *ints, *consts,
@@ -202,7 +201,7 @@ def launch(
             if len(_configs) > 1024:
                 _configs.clear()
             _configs[ckey] = config
-    block_t, block_h, head_iters, block_r, block_p, num_warps, stream = config
+    block_t, block_h, head_iters, block_r, block_p, num_warps = config
     head_groups = -(-heads // (block_h * head_iters))
     grid = -(-n_tokens // block_t) * head_groups
     ints = (n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs, cp_size, cp_rank,
@@ -213,7 +212,6 @@ def launch(
         HAS_STARTS=start_positions is not None, CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
-        STREAM=stream and not kernels.INTERPRETED,
     )
     compiled = kernels.rope_kernel[(grid,)](
         x, out, table, table if sin is None else sin,
@@ -228,10 +226,33 @@ def launch(
         ordered = tuple(consts[name] for name in _PARAM_ORDER[6 + len(ints):])
         if len(_fast) > 4096:
             _fast.clear()
-        _fast[key] = (
-            compiled.run, compiled.function, compiled.packed_metadata, grid, ints, ordered
-        )
+        _fast[key] = _direct_launcher(compiled) + (grid, ints, ordered)
     return out
+
+
+def _direct_launcher(compiled: Any) -> tuple[Any, tuple]:
+    """``(fn, prefix)`` such that ``fn(gx, gy, gz, stream, *prefix, *kernel_args)`` launches
+    ``compiled`` as Triton's own launch does, minus its per-call Python bookkeeping.
+
+    Triton's CUDA launcher object wraps a C ``launch`` that also takes the cooperative-grid and
+    PDL flags and two scratch buffers, allocated only when the kernel asks for scratch space (ours
+    never does); where that layout is not found, the launcher object itself is used.
+    """
+    runner = compiled.run
+    launch_c = getattr(runner, "launch", None)
+    if (
+        launch_c is not None
+        and getattr(runner, "global_scratch_size", 1) == 0
+        and getattr(runner, "profile_scratch_size", 1) == 0
+        and hasattr(runner, "launch_cooperative_grid")
+        and hasattr(runner, "launch_pdl")
+    ):
+        prefix = (
+            compiled.function, runner.launch_cooperative_grid, runner.launch_pdl, None, None,
+            compiled.packed_metadata, None, None, None,
+        )
+        return launch_c, prefix
+    return runner, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
 class _RoPEFunction(torch.autograd.Function):
@@ -357,7 +378,7 @@ def rope_triton(
                 t, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
                 False, None,
             )
-        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
         return launch(
             t, out, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
             False,

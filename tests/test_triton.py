@@ -120,8 +120,7 @@ def test_launch_configurations(config, layout):
     t, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
     bt, bh, hi, warps = config
     rot = angles.shape[1]
-    full = (bt, bh, hi, triton_rope._next_pow2(rot // 2), triton_rope._next_pow2(16 - rot), warps,
-            True)
+    full = (bt, bh, hi, triton_rope._next_pow2(rot // 2), triton_rope._next_pow2(16 - rot), warps)
     out = torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEVICE)
     triton_rope.launch(
         t, out, table.view(table.shape[0], -1), None, spec.cu_seqlens, starts, layout, False, 1, 0,
