@@ -63,11 +63,11 @@ Config = tuple[int, int, int, int, int, int]
 
 # A program moves about this many bytes of input: 16-byte accesses for every thread of 4 warps
 # and small programs (many per SM, a short tail). Measured on an H200 (docs/benchmarks.md):
-# 4 tokens x 8 heads (bf16, d 128) reached 95-98% of copy bandwidth on every large shape, ahead of
-# one token with all its heads and far ahead of 32-token blocks looping over heads, whose cached
-# sin/cos cost registers (4 programs per SM instead of 8+).
+# 8 tokens x 4 heads (bf16, d 128; 8 x 1 for fp32 d 256) was best or within 1% of best on every
+# large shape, ahead of one token with all its heads and far ahead of 32-token blocks looping
+# over heads, whose cached sin/cos cost registers (4 programs per SM instead of 8+).
 TILE_BYTES = 8192
-TOKENS_PER_TILE = 4
+TOKENS_PER_TILE = 8
 # With fewer programs than this per SM (decode), heads are split across programs.
 MIN_PROGRAMS_PER_SM = 2
 
@@ -137,28 +137,26 @@ def launch(
         # Fast path: the same call signature as before -> the same compiled kernel, launched
         # directly. The key holds every input of Triton's specialisation: dtypes, 16-byte
         # alignment of each pointer, and the sizes and strides the integer arguments come from.
+        xp, op, tp = x.data_ptr(), out.data_ptr(), table.data_ptr()
+        sp = tp if sin is None else sin.data_ptr()
+        cp = tp if cu_seqlens is None else cu_seqlens.data_ptr()
+        stp = tp if start_positions is None else start_positions.data_ptr()
         aligned = (
-            (x.data_ptr() & 15 == 0) + 2 * (out.data_ptr() & 15 == 0)
-            + 4 * (table.data_ptr() & 15 == 0)
-            + 8 * (sin is None or sin.data_ptr() & 15 == 0)
-            + 16 * (cu_seqlens is None or cu_seqlens.data_ptr() & 15 == 0)
-            + 32 * (start_positions is None or start_positions.data_ptr() & 15 == 0)
+            (xp & 15 == 0) + 2 * (op & 15 == 0) + 4 * (tp & 15 == 0) + 8 * (sp & 15 == 0)
+            + 16 * (cp & 15 == 0) + 32 * (stp & 15 == 0)
         )
+        device = x.get_device()
         key = (
             layout, x.shape, x.stride(), out.stride(), x.dtype, table.shape, sin is None,
             None if cu_seqlens is None else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.stride()),
             None if start_positions is None else (start_positions.dtype, start_positions.stride()),
-            interleaved, cp_size, cp_rank, backward, x.device.index, aligned,
+            interleaved, cp_size, cp_rank, backward, device, aligned,
         )
         entry = _fast.get(key)
         if entry is not None:
             run, prefix, grid, ints, consts = entry
-            run(
-                grid, 1, 1, _current_stream(x.device.index), *prefix,
-                x, out, table, table if sin is None else sin,
-                table if cu_seqlens is None else cu_seqlens,
-                table if start_positions is None else start_positions, *ints, *consts,
-            )
+            # raw addresses: the C launcher takes ints as they are, tensors via data_ptr()
+            run(grid, 1, 1, _current_stream(device), *prefix, xp, op, tp, sp, cp, stp, *ints, *consts)
             return out
     else:
         key = None
@@ -345,9 +343,14 @@ _NO_GUARD = contextlib.nullcontext()
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
+@functools.lru_cache(maxsize=1)
+def _several_gpus() -> bool:
+    return torch.cuda.device_count() > 1
+
+
 def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Make ``t``'s CUDA device current for the launch (a no-op in the usual single-device case)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
+    if t.is_cuda and _several_gpus() and t.get_device() != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return _NO_GUARD
 
