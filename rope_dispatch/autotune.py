@@ -227,7 +227,7 @@ def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple:
 
     t = call.t
     return (
-        tuple(call.spec.static_fields().items()),
+        tuple({**call.spec.static_fields(), "rotary_dim": call.rotary_dim}.items()),
         tuple(_bucket(n) for n in t.shape),
         _bucket(call.batch),
         stride_class(t),

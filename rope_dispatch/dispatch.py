@@ -103,6 +103,7 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
     numel = t.numel()
     return (
         call.spec.static_key,
+        call.rotary_dim,  # the table's d2, which spec.rotary_dim=None leaves out
         t.device.type,
         t.device.index,
         call.uses_cache,
@@ -173,7 +174,7 @@ def choose(call: RoPECall, backend: str | None = None) -> Backend:
         return _decide(call, forced, source)[0]
     t = call.t
     exact = (
-        call.spec.static_key, t.shape, call.batch, t.device, call.uses_cache, call.start_positions is None,
+        call.spec.static_key, call.rotary_dim, t.shape, call.batch, t.device, call.uses_cache, call.start_positions is None,
         t.requires_grad and torch.is_grad_enabled(), stride_class(t), forced,
     )
     hit = _exact.get(exact)

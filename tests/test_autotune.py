@@ -166,6 +166,9 @@ def test_key_separates_grad_and_shape_buckets(fakes, measurements):
     assert measurements() == 3
     measured = sorted(e["measured"] for e in rd.cache_entries())
     assert measured == ["forward", "forward", "forward+backward"]
+    t, freqs = inputs(seq=8)
+    rd.apply(t, freqs[..., : freqs.shape[-1] // 2], SPEC)  # spec leaves rotary_dim to the table
+    assert measurements() == 4
 
 
 @pytest.mark.parametrize(

@@ -155,3 +155,13 @@ def test_unavailable_backend_says_why():
 
     assert Missing().availability == ("package 'nothing' is not installed (pip install nothing)",)
     assert "OSError: libfoo.so" in Broken().availability[0]
+
+
+def test_rotary_dim_from_the_table_is_part_of_the_decision(picky, monkeypatch):
+    """spec.rotary_dim defaults to the table's d2; a cached choice for d2=8 must not serve d2=4."""
+    monkeypatch.setattr(Picky, "extra_reasons", lambda self, call: ["d2 must be 8"] if call.rotary_dim != 8 else [])
+    t, _, spec = inputs("bshd")
+    rd.apply(t, torch.rand(6, 8), spec)
+    assert picky.runs == 1
+    rd.apply(t, torch.rand(6, 4), spec)
+    assert picky.runs == 1
