@@ -1,14 +1,16 @@
 """The Triton backend: our own kernels (backends/triton_kernels.py), their launcher and torch op.
 
-Three ways in, one kernel:
+Three ways in, one kernel (:func:`rope_triton` picks):
 
-- eager, no autograd needed: :meth:`TritonBackend.apply` allocates the output and launches the
-  kernel directly (the shortest host path: decode-size calls are launch-bound);
-- autograd, tracing (``torch.compile``) or tensor subclasses: the ``torch.library`` custom op
-  ``rope_dispatch::triton_rope``, with a fake implementation (for tracing) and an autograd
-  formula (the same op with ``backward=True``), so ``torch.compile(fullgraph=True)`` compiles
-  forward and backward without a graph break;
-- :func:`rope_triton` for direct use with tensors and plain settings.
+- eager, no gradient needed: allocate the output and launch the kernel directly; a repeated
+  call signature reuses the compiled kernel through Triton's C launcher (decode-size calls are
+  bound by this host path);
+- eager with a gradient: the same launch inside a ``torch.autograd.Function`` (no dispatcher
+  round trip), whose backward is the kernel transposed;
+- tracing (``torch.compile``) or tensor subclasses: the ``torch.library`` custom op
+  ``rope_dispatch::triton_rope``, with a fake implementation and an autograd formula (the same
+  op with ``backward=True``), so ``torch.compile(fullgraph=True)`` compiles forward and backward
+  without a graph break.
 
 The backward saves only the table (and the index tensors), never activations, and returns the
 gradient in the input's memory layout when that layout is dense (as ``empty_like`` would).

@@ -443,7 +443,8 @@ def _versions() -> dict[str, str]:
 def format_table(report: Report) -> str:
     """Markdown: one line per shape and implementation, fwd/bwd/fwd+bwd in us and % of copy."""
     lines = [
-        "| shape | implementation | fwd us (% copy) | bwd us (% copy) | fwd+bwd us (% of 2 copies) | max err |",
+        "| shape | implementation | fwd us (% copy) | bwd us (% copy) "
+        "| fwd+bwd us (% of 2 copies) | max err |",
         "|---|---|---|---|---|---|",
     ]
     cells: dict[tuple[str, str], dict[str, Row]] = {}
@@ -462,7 +463,10 @@ def format_table(report: Report) -> str:
         err = modes.get("fwd")
         err_text = "-" if err is None or err.max_error is None else f"{err.max_error:.1e}"
         note = f" ({modes['fwd'].note})" if "fwd" in modes and modes["fwd"].note else ""
-        lines.append(f"| {shape} | {impl}{note} | {cell('fwd')} | {cell('bwd')} | {cell('fwd+bwd')} | {err_text} |")
+        lines.append(
+            f"| {shape} | {impl}{note} | {cell('fwd')} | {cell('bwd')} | {cell('fwd+bwd')} "
+            f"| {err_text} |"
+        )
     if report.host:
         lines += ["", "| decode host path | us |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in report.host.items()]
@@ -511,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rope_dispatch.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for bench.json/.md/.png")
     parser.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to run")
-    parser.add_argument("--backends", default=None, help="comma-separated backends of ours (default: all available)")
+    parser.add_argument(
+        "--backends", default=None, help="comma-separated backends of ours (default: all available)"
+    )
     parser.add_argument("--no-peers", action="store_true", help="skip TransformerEngine and Liger")
     parser.add_argument("--sweep", action="store_true", help="also time triton launch configurations")
     args = parser.parse_args(argv)

@@ -263,8 +263,10 @@ def _rope_check_gpu(t, freqs, spec, starts=None, grad=True):
     leaf = t.detach().requires_grad_(grad)
     out = rd.apply(leaf, freqs, spec, start_positions=starts, backend="triton")
     positions = reference_positions(
-        spec.layout, tuple(t.shape), cu_seqlens=None if spec.cu_seqlens is None else spec.cu_seqlens.tolist(),
-        cp_size=spec.cp_size, cp_rank=spec.cp_rank, start_positions=None if starts is None else starts.tolist(),
+        spec.layout, tuple(t.shape),
+        cu_seqlens=None if spec.cu_seqlens is None else spec.cu_seqlens.tolist(),
+        cp_size=spec.cp_size, cp_rank=spec.cp_rank,
+        start_positions=None if starts is None else starts.tolist(),
     )
     ref = reference_rope(t.detach(), angles, positions, spec.interleaved)
     assert_matches(out, ref, t.dtype)
