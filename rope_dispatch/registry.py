@@ -162,11 +162,11 @@ def backends() -> list[Backend]:
 
 def get_backend(name: str) -> Backend:
     """The backend registered as ``name``; an unknown name lists the known ones."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
+    backend = _REGISTRY.get(name)
+    if backend is None:  # no try/except: `raise ... from None` breaks torch.compile tracing
         known = ", ".join(sorted(_REGISTRY))
-        raise UnknownBackendError(f"unknown backend {name!r}; known backends: {known}") from None
+        raise UnknownBackendError(f"unknown backend {name!r}; known backends: {known}")
+    return backend
 
 
 def list_backends() -> list[BackendInfo]:

@@ -90,10 +90,11 @@ def reference_for(t, angles, spec, start_positions=None) -> torch.Tensor:
 
 
 def reference_forward_backward(t, angles, spec, grad_out, start_positions=None):
-    """float64 output and input gradient ``(out, dL/dt)`` for ``L = sum(out * grad_out)``."""
-    x = t.detach().double().requires_grad_(True)
-    out = reference_for(x, angles, spec, start_positions)
-    (grad,) = torch.autograd.grad(out, x, grad_out.double())
+    """float64 output and input gradient ``(out, dL/dt)`` for ``L = sum(out * grad_out)``,
+    computed on the CPU whatever the inputs' device."""
+    x = t.detach().cpu().double().requires_grad_(True)
+    out = reference_for(x, angles.cpu(), spec, start_positions)
+    (grad,) = torch.autograd.grad(out, x, grad_out.cpu().double())
     return out.detach(), grad
 
 
