@@ -1,9 +1,13 @@
 """The compile backend: ``torch.compile`` of the eager math, on CPU (C++) and CUDA (Triton).
 
 It compiles :func:`~rope_dispatch.backends.eager.rope_tensors` itself, so it has the eager
-backend's semantics by construction. One compiled function exists per *compile key* (layout,
-dtype, rotary dim, interleaving, context parallelism, table kind, whether ``start_positions``
-is given, whether autograd records the call, device type). Each gets a code object of its own,
+backend's semantics by construction. The forward and its transpose (the backward) are compiled
+as two separate inference graphs inside an ``autograd.Function`` that saves only the tables, as a
+fused kernel would: nothing the size of the input is kept for the backward, and a second
+backward through the same graph (``retain_graph=True``) works, which Inductor's own autograd
+graphs refuse once they donate buffers. One pair of compiled functions exists per *compile key*
+(layout, dtype, rotary dim, interleaving, context parallelism, table kind, whether
+``start_positions`` is given, device type). Each gets a code object of its own,
 because Dynamo keeps its cache and its recompile limit per code object: sharing one would let
 a handful of specs exhaust the limit and silently fall back to eager. Sequence, batch, head and
 table-length dims are marked dynamic on the compiling call, so a new sequence length or batch
@@ -52,31 +56,36 @@ def compile_key(call: RoPECall) -> CompileKey:
         spec.cp_rank,
         "cache" if call.uses_cache else "angles",
         call.start_positions is not None,
-        call.t.requires_grad and torch.is_grad_enabled(),
     )
 
 
-def _key_name(key: CompileKey) -> str:
-    device, layout, dtype, d2, interleaved, cp, rank, table, starts, grad = key
+def _key_name(key: CompileKey, transpose: bool = False) -> str:
+    device, layout, dtype, d2, interleaved, cp, rank, table, starts = key
     return (
         f"rope_compiled_{device}_{layout}_{dtype}_d{d2}{'_interleaved' if interleaved else ''}"
-        f"_cp{cp}r{rank}_{table}{'_starts' if starts else ''}{'_grad' if grad else ''}"
+        f"_cp{cp}r{rank}_{table}{'_starts' if starts else ''}{'_transpose' if transpose else ''}"
     )
 
 
-def _build(key: CompileKey) -> Callable:
-    """A fresh function (own code object) running the eager math for ``key``, compiled."""
-    _, layout, _, _, interleaved, cp_size, cp_rank, table, _, _ = key
+def _math(key: CompileKey, transpose: bool) -> Callable:
+    """The eager math for ``key`` (forward, or its transpose) as a function of tensors only."""
+    _, layout, _, _, interleaved, cp_size, cp_rank, table, _ = key
     from_angles = table == "angles"
 
     def rope_compiled(t, a, b, cu_seqlens, start_positions):
         cos, sin = (torch.cos(a), torch.sin(a)) if from_angles else (a, b)
         return rope_tensors(
             t, cos, sin, cu_seqlens, start_positions, layout=layout, interleaved=interleaved,
-            cp_size=cp_size, cp_rank=cp_rank,
+            cp_size=cp_size, cp_rank=cp_rank, transpose=transpose,
         )
 
-    name = _key_name(key)
+    return rope_compiled
+
+
+def _build(key: CompileKey, transpose: bool) -> Callable:
+    """A fresh function (own code object) running the math for ``key``, compiled."""
+    rope_compiled = _math(key, transpose)
+    name = _key_name(key, transpose)
     changes = {"co_name": name}
     if hasattr(rope_compiled.__code__, "co_qualname"):
         changes["co_qualname"] = name
@@ -177,8 +186,8 @@ class CompileBackend(Backend):
     priority = 20
 
     def __init__(self) -> None:
-        self._compiled: dict[CompileKey, Callable] = {}
-        self._ready: set[CompileKey] = set()
+        self._compiled: dict[tuple[CompileKey, bool], Callable] = {}
+        self._ready: set[tuple[CompileKey, bool]] = set()  # (key, transpose) that ran compiled
         self._failed: dict[CompileKey, str] = {}
         self._device_problems: dict[tuple[str, int | None], str | None] = {}
 
@@ -218,7 +227,7 @@ class CompileBackend(Backend):
         key = compile_key(call)
         if key in self._failed:
             return f"compiling this spec failed in this process, it runs eager: {self._failed[key]}"
-        if key in self._ready:
+        if (key, False) in self._ready:
             return (
                 "torch.compile: this spec is already compiled in this process; new sequence "
                 "lengths and batch sizes reuse it"
@@ -229,8 +238,11 @@ class CompileBackend(Backend):
         )
 
     def is_compiled(self, call: RoPECall) -> bool:
-        """Whether a call with this call's compile key has already run compiled code."""
-        return compile_key(call) in self._ready
+        """Whether what ``call`` needs (the forward, and the transpose when autograd records it)
+        has already run compiled in this process."""
+        key = compile_key(call)
+        needs_grad = call.t.requires_grad and torch.is_grad_enabled()
+        return (key, False) in self._ready and (not needs_grad or (key, True) in self._ready)
 
     def warm_up(self, call: RoPECall) -> None:
         """Compile what running ``call`` needs, without timing it: the forward, and the backward
@@ -255,16 +267,27 @@ class CompileBackend(Backend):
 
     def _run(self, call: RoPECall, fallback: bool) -> torch.Tensor:
         key = compile_key(call)
-        if key in self._ready:
-            return self._compiled[key](*_arguments(call))
         if key in self._failed:
             if fallback:
                 return rope_eager(call)
             raise RuntimeError(f"torch.compile failed for this spec: {self._failed[key]}")
-        fn = self._compiled.get(key)
-        if fn is None:
-            fn = self._compiled[key] = _build(key)
         args = _arguments(call)
+        if call.t.requires_grad and torch.is_grad_enabled():
+            return _CompiledRoPE.apply(self, key, fallback, *args)
+        return self.run_compiled(key, False, fallback, args)
+
+    def run_compiled(self, key: CompileKey, transpose: bool, fallback: bool, args: tuple) -> torch.Tensor:
+        """The compiled forward (or transpose) of ``key`` on ``args``, compiling it on first use.
+
+        A compile failure is remembered: with ``fallback`` the eager math answers (one warning)
+        and later decisions refuse this key; without it the error propagates.
+        """
+        slot = (key, transpose)
+        fn = self._compiled.get(slot)
+        if slot in self._ready:
+            return fn(*args)
+        if fn is None:
+            fn = self._compiled[slot] = _build(key, transpose)
         _mark_dynamic(args)
         try:
             out = fn(*args)
@@ -273,18 +296,34 @@ class CompileBackend(Backend):
                 self._failed[key] = _summary(exc)
                 raise
             try:
-                out = rope_eager(call)
+                out = _math(key, transpose)(*args)
             except Exception:
                 raise exc from None  # the inputs are at fault, not the compiler
             self._failed[key] = _summary(exc)
             warnings.warn(
-                f"rope_dispatch: torch.compile failed for {_key_name(key)} "
+                f"rope_dispatch: torch.compile failed for {_key_name(key, transpose)} "
                 f"({self._failed[key]}); running the eager math for it from now on",
                 RuntimeWarning, stacklevel=3,
             )
             return out
-        self._ready.add(key)
+        self._ready.add(slot)
         return out
+
+
+class _CompiledRoPE(torch.autograd.Function):
+    """Compiled forward, compiled transpose as the backward; saves only the tables."""
+
+    @staticmethod
+    def forward(ctx, backend, key, fallback, t, a, b, cu_seqlens, start_positions):
+        ctx.backend, ctx.key, ctx.fallback = backend, key, fallback
+        ctx.save_for_backward(a, b, cu_seqlens, start_positions)
+        return backend.run_compiled(key, False, fallback, (t, a, b, cu_seqlens, start_positions))
+
+    @staticmethod
+    def backward(ctx, grad):
+        tables = ctx.saved_tensors
+        grad_t = ctx.backend.run_compiled(ctx.key, True, ctx.fallback, (grad, *tables))
+        return None, None, None, grad_t, None, None, None, None
 
 
 def _summary(exc: BaseException) -> str:

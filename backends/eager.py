@@ -74,18 +74,24 @@ def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 def rope_tensors(
     t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None,
     start_positions: torch.Tensor | None, *, layout: str, interleaved: bool, cp_size: int,
-    cp_rank: int,
+    cp_rank: int, transpose: bool = False,
 ) -> torch.Tensor:
     """``out = x cos + rotate(x) sin`` on the first d2 channels in float32, the rest copied.
 
-    ``cos``/``sin`` are float32 ``[s2, d2]``. Pure in its tensor arguments, so the compile
-    backend traces exactly this math.
+    With ``transpose=True`` it applies the transposed map instead, which is the backward:
+    ``rotate`` is a quarter turn, so its transpose is ``-rotate`` and the gradient of ``g`` is
+    ``g cos - rotate(g sin)`` (each channel meets its partner's sine). ``cos``/``sin`` are
+    float32 ``[s2, d2]``. Pure in its tensor arguments, so the compile backend traces exactly
+    this math.
     """
     pos = positions(t.shape, layout, cu_seqlens, start_positions, cp_size, cp_rank, t.device)
     cos, sin = cos[pos].unsqueeze(-2), sin[pos].unsqueeze(-2)
     d2 = cos.shape[-1]
     x = t[..., :d2].float()
-    rotated = (x * cos + rotate(x, interleaved) * sin).to(t.dtype)
+    if transpose:
+        rotated = (x * cos - rotate(x * sin, interleaved)).to(t.dtype)
+    else:
+        rotated = (x * cos + rotate(x, interleaved) * sin).to(t.dtype)
     if d2 == t.shape[-1]:
         return rotated.contiguous()
     return torch.cat((rotated, t[..., d2:]), dim=-1)
