@@ -314,7 +314,11 @@ def run_shape(
         for mode, fn in (("fwd", impl.fwd), ("bwd", impl.bwd), ("fwd+bwd", impl.fwd_bwd)):
             if fn is None:
                 continue
-            ms = bench_ms(fn)
+            try:
+                ms = bench_ms(fn)
+            except Exception as exc:  # noqa: BLE001 (one failing mode is reported, not fatal)
+                print(f"  {impl.name} {mode}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
             moved = nbytes * impl.bytes_factor * (2 if mode == "fwd+bwd" else 1)
             ratio = copy_ms * impl.bytes_factor * (2 if mode == "fwd+bwd" else 1) / ms
             row = Row(shape.name, impl.name, mode, ms * 1e3, moved / ms / 1e6, ratio,

@@ -47,6 +47,8 @@ def main() -> int:
                 shape, seq=max(1, shape.seq // (16 * scale) * scale) if shape.seq > 1 else 1,
                 batch=min(shape.batch, 2), heads=min(shape.heads, 4),
             )
+            dims = "x".join(str(n) for n in shape.dims())
+            shape = dataclasses.replace(shape, name=f"{shape.layout} {dims} {shape.name.split()[-1]}")
         inp = make_inputs(shape, args.device)
         for grad in (False, True):
             if grad and shape.seq == 1:
@@ -80,11 +82,13 @@ def main() -> int:
                 rd.apply(t.detach(), inp.freqs, inp.spec)
                 _sync(args.device)
                 apply_times.append(time.perf_counter() - start)
-            why = rd.explain(t, inp.freqs, inp.spec)
+            # The decision the first call made (explain would re-derive it from the candidates
+            # available now, which differ when a backend failed while being measured).
+            chosen, why = dispatch._decisions[dispatch.decision_key(call, None)]
             print(
                 f"{shape.name[:38]:38s} {'training' if grad else 'inference':9s} "
                 f"{first * 1e3:9.0f}ms {statistics.median(rounds) * 1e6:6.2f}us "
-                f"{statistics.median(apply_times) * 1e6:7.1f}us  {why.chosen}: {why.why}",
+                f"{statistics.median(apply_times) * 1e6:7.1f}us  {chosen.name}: {why}",
                 flush=True,
             )
     return 0
