@@ -92,28 +92,69 @@ def _token_index(tok, dim1, LAYOUT: tl.constexpr):
     return i0, i1
 
 
+# Reduction combiners of our own (tl.max/tl.min/tl.sum are library jit functions, which the
+# interpreter cannot call from our kernels when triton was imported before TRITON_INTERPRET=1).
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
 @triton.jit
 def _positions(
     tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, starts_ptr, n_seqs, cp_size, cp_rank,
     LAYOUT: tl.constexpr, HAS_STARTS: tl.constexpr, CONTEXT_PARALLEL: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr,
 ):
     """The table row of each token: its position in its sequence (zigzag under CP), plus its
-    sequence's start position; for thd the sequence is found by binary search in cu_seqlens."""
+    sequence's start position.
+
+    For thd the sequence comes from cu_seqlens: with ``SEQ_BLOCK`` > 0 (at most that many
+    offsets) from one load of all offsets, compared with every token at once (no chain of
+    dependent loads; a sequence's first offset is the largest one not above the token), else by
+    binary search.
+    """
     if LAYOUT == 2:
-        lo = tok * 0
-        hi = lo + n_seqs
-        width = n_seqs
-        while width > 1:  # invariant: cu[lo]/cp <= tok < cu[hi]/cp
-            mid = (lo + hi) // 2
-            go = tl.load(cu_ptr + mid, mask=tok_mask, other=0).to(tl.int32) // cp_size <= tok
-            lo = tl.where(go, mid, lo)
-            hi = tl.where(go, hi, mid)
-            width = (width + 1) // 2
-        seq = lo
-        first = tl.load(cu_ptr + seq, mask=tok_mask, other=0).to(tl.int32) // cp_size
-        last = tl.load(cu_ptr + seq + 1, mask=tok_mask, other=0).to(tl.int32) // cp_size
+        if SEQ_BLOCK > 0:
+            j = tl.arange(0, SEQ_BLOCK)
+            j_mask = j <= n_seqs
+            bound = tl.load(cu_ptr + j, mask=j_mask, other=0).to(tl.int32) // cp_size
+            bound = tl.where(j_mask, bound, 2147483647)
+            before = bound[None, :] <= tok[:, None]
+            first = tl.reduce(tl.where(before, bound[None, :], 0), 1, _maximum)
+            if CONTEXT_PARALLEL:
+                last = tl.reduce(tl.where(before, 2147483647, bound[None, :]), 1, _minimum)
+                length = last - first
+            else:
+                length = first  # unused without context parallelism
+            if HAS_STARTS:
+                seq = tl.minimum(tl.reduce(before.to(tl.int32), 1, _add) - 1, n_seqs - 1)
+            else:
+                seq = first
+        else:
+            lo = tok * 0
+            hi = lo + n_seqs
+            width = n_seqs
+            while width > 1:  # invariant: cu[lo]/cp <= tok < cu[hi]/cp
+                mid = (lo + hi) // 2
+                go = tl.load(cu_ptr + mid, mask=tok_mask, other=0).to(tl.int32) // cp_size <= tok
+                lo = tl.where(go, mid, lo)
+                hi = tl.where(go, hi, mid)
+                width = (width + 1) // 2
+            seq = lo
+            first = tl.load(cu_ptr + seq, mask=tok_mask, other=0).to(tl.int32) // cp_size
+            last = tl.load(cu_ptr + seq + 1, mask=tok_mask, other=0).to(tl.int32) // cp_size
+            length = last - first
         local = tok - first
-        length = last - first
     else:
         if LAYOUT == 0:
             local = i0
@@ -212,6 +253,7 @@ def rope_kernel(
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr,
 ):
     """RoPE (or its transpose) of ``BLOCK_T`` tokens x ``HEAD_ITERS * BLOCK_H`` heads.
 
@@ -249,7 +291,7 @@ def rope_kernel(
 
     pos = _positions(
         tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, starts_ptr, n_seqs, cp_size, cp_rank,
-        LAYOUT, HAS_STARTS, CONTEXT_PARALLEL,
+        LAYOUT, HAS_STARTS, CONTEXT_PARALLEL, SEQ_BLOCK,
     )
     tab_off = pos.to(tl.int64)[:, None] * ROT_DIM + c[None, :]
     tab_mask = tok_mask[:, None] & c_mask[None, :]

@@ -104,6 +104,20 @@ def test_context_parallel_ranks(layout, cp_size, cp_rank):
                          interleaved=cp_rank % 2 == 1, strides="permuted"))
 
 
+@pytest.mark.parametrize("scan_limit", [0, 256])
+@pytest.mark.parametrize("cp_size,cp_rank,with_starts", [(1, 0, True), (2, 1, False)])
+def test_thd_sequence_lookup_both_ways(monkeypatch, scan_limit, cp_size, cp_rank, with_starts):
+    """A token's sequence found by comparing it with every cu_seqlens offset (few sequences) or
+    by binary search (``scan_limit`` 0) gives the reference's result, empty sequences included."""
+    from rope_dispatch.backends import triton_rope
+
+    monkeypatch.setattr(triton_rope, "SEQ_SCAN_LIMIT", scan_limit)
+    monkeypatch.setattr(triton_rope, "_fast", {})
+    seqlens = tuple(2 * cp_size * n for n in (3, 0, 1, 0, 5, 2, 4))
+    check_case(base_case(layout="thd", cp_size=cp_size, cp_rank=cp_rank, seqlens=seqlens,
+                         with_starts=with_starts, heads=2))
+
+
 # BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps: several token blocks with a ragged last one, heads
 # split across programs, a tile of several heads, a head loop with a ragged last chunk.
 LAUNCH_CONFIGS = [(2, 1, 1, 1), (4, 2, 1, 2), (1, 4, 1, 1), (2, 2, 2, 4), (8, 1, 3, 4), (1, 2, 3, 4)]
