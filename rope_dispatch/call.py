@@ -177,6 +177,9 @@ def _check_start_positions(
         )
 
 
+_new_call = tuple.__new__
+
+
 def check_call(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None = None
 ) -> RoPECall:
@@ -191,38 +194,44 @@ def check_call(
             f"t has dtype {dtype_name(t.dtype)} but spec.dtype is {dtype_name(spec.dtype)}; "
             "build the spec with the tensor's dtype"
         )
+    # t.shape, t.device and table.shape are each read once: every read builds a new object, and
+    # at decode size these checks are a measurable share of the call (docs/benchmarks.md).
+    shape = t.shape
     layout = spec.layout
     rank = 3 if layout == "thd" else 4
-    if t.dim() != rank:
+    if len(shape) != rank:
         raise RoPEError(
             f"t must have {rank} dims for layout {layout!r} ([{', '.join(layout)}]), got shape "
-            f"{tuple(t.shape)}"
+            f"{tuple(shape)}"
         )
-    table = _check_table(freqs, t.device)
-    table_len = table.seq_len if isinstance(table, CosSinCache) else table.shape[0]
-    d2 = table.rotary_dim if isinstance(table, CosSinCache) else table.shape[1]
+    device = t.device
+    table = _check_table(freqs, device)
+    if isinstance(table, CosSinCache):
+        table_len, d2 = table.seq_len, table.rotary_dim
+    else:
+        table_len, d2 = table.shape
     if spec.rotary_dim is not None and spec.rotary_dim != d2:
         raise RoPEError(
             f"spec.rotary_dim={spec.rotary_dim} but freqs has last dim d2={d2}; they must be equal"
         )
-    head_dim, heads = t.shape[-1], t.shape[-2]
+    head_dim, heads = shape[-1], shape[-2]
     if d2 > head_dim:
         raise RoPEError(
             f"rotary dim d2={d2} (freqs' last dim) exceeds the head dim d={head_dim} of t "
-            f"{tuple(t.shape)}"
+            f"{tuple(shape)}"
         )
     cp = spec.cp_size
-    if layout == "thd":
-        seq_len = t.shape[0]
+    if rank == 3:
+        seq_len = shape[0]
         cu = spec.cu_seqlens
         assert cu is not None
-        if cu.device != t.device:
+        if cu.device != device:
             raise RoPEError(
-                f"cu_seqlens is on {cu.device} but t is on {t.device}; expected the same device"
+                f"cu_seqlens is on {cu.device} but t is on {device}; expected the same device"
             )
         batch = cu.numel() - 1
     else:
-        seq_len, batch = (t.shape[0], t.shape[1]) if layout == "sbhd" else (t.shape[1], t.shape[0])
+        seq_len, batch = (shape[0], shape[1]) if layout == "sbhd" else (shape[1], shape[0])
         if cp > 1 and seq_len % 2:
             raise RoPEError(
                 f"with cp_size={cp} the local sequence length must be even (two chunks), got "
@@ -236,7 +245,9 @@ def check_call(
                 f"freqs.shape[0] >= {needed}"
             )
     if start_positions is not None:
-        _check_start_positions(start_positions, spec, batch, seq_len, table_len, t.device)
-    if layout == "thd":
+        _check_start_positions(start_positions, spec, batch, seq_len, table_len, device)
+    if rank == 3:
         _check_cu_seqlens(spec, seq_len, table_len, start_positions)
-    return RoPECall(t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2)
+    # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
+    return _new_call(RoPECall, (t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2))
+
