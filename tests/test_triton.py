@@ -327,7 +327,9 @@ def test_gpu_thd_many_sequences_cache(interleaved):
     angles = _te_freqs(3000, 128)
     a = rd.apply(t, angles, spec, backend="triton")
     b = rd.apply(t, rd.cos_sin_cache(angles), spec, backend="triton")
-    assert (a.float() - b.float()).abs().max() <= 2 ** -6
+    # At most one bf16 rounding apart (the tables differ in the last float32 bit): 2^-7
+    # relative. An absolute bound failed now and then, on values >= 4 from an unseeded input.
+    torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-6)
 
 
 @gpu
