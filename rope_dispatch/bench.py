@@ -91,13 +91,15 @@ def make_inputs(shape: Shape, device: str = "cuda") -> Inputs:
     gen = torch.Generator().manual_seed(0)
     rot = shape.rotary_dim
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
-    table_len = max(TABLE_LEN, shape.seq)
+    t = torch.randn(shape.dims(), generator=gen).to(shape.dtype).to(device)
+    lengths = _seqlens(shape.seq, shape.n_seqs, gen) if shape.layout == "thd" else None
+    # The table covers the longest sequence, as a model's table does: for thd that is the
+    # longest packed sequence, not the token count (TE's thd grid grows with the table length).
+    table_len = max(TABLE_LEN, max(lengths) if lengths else shape.seq)
     angles = torch.outer(torch.arange(table_len, dtype=torch.float64), inv)
     freqs = torch.cat((angles, angles), dim=-1).float().view(table_len, 1, 1, rot).to(device)
-    t = torch.randn(shape.dims(), generator=gen).to(shape.dtype).to(device)
     cu = None
-    if shape.layout == "thd":
-        lengths = _seqlens(shape.seq, shape.n_seqs, gen)
+    if lengths is not None:
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         cu = cu.to(device)
         spec = rd.RoPESpec(layout="thd", dtype=shape.dtype, cu_seqlens=cu, max_seqlen=max(lengths))
