@@ -138,7 +138,9 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
     )
 
 
-def _candidates(call: RoPECall) -> tuple[list[Backend], dict[str, list[str]]]:
+def capable_backends(call: RoPECall) -> tuple[list[Backend], dict[str, list[str]]]:
+    """The backends that can serve ``call`` (highest priority first), and every other
+    backend's reasons."""
     supported, rejected = [], {}
     for b in registry.backends():
         reasons = b.not_supported_reasons(call)
@@ -163,7 +165,7 @@ def _decide(call: RoPECall, forced: str | None, source: str) -> tuple[Backend, s
                 f"({_describe(call)}): {'; '.join(reasons)}"
             )
         return b, f"forced by {source}"
-    supported, rejected = _candidates(call)
+    supported, rejected = capable_backends(call)
     if not supported:
         raise NoBackendError(
             f"no backend can serve this call ({_describe(call)}):\n{_format_rejections(rejected)}"
@@ -277,7 +279,7 @@ def explain(
     """
     call = check_call(t, freqs, spec, start_positions)
     forced, source = requested_backend(backend)
-    supported, rejected = _candidates(call)
+    supported, rejected = capable_backends(call)
     notes = {b.name: n for b in registry.backends() if (n := getattr(b, "explain_note", lambda c: "")(call))}
     if forced is not None:
         b = registry.get_backend(forced)

@@ -145,7 +145,7 @@ def tune_job(job: Job, retune: bool = False) -> str:
     """Tune one job; the line that reports what was chosen and why."""
     with torch.enable_grad():
         call = build(job)
-        supported, rejected = dispatch._candidates(call)
+        supported, rejected = dispatch.capable_backends(call)
         if not supported:
             reasons = "; ".join(f"{name}: {' '.join(r)}" for name, r in rejected.items())
             raise RuntimeError(f"no backend can serve it ({reasons})")
