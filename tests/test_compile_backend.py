@@ -209,13 +209,17 @@ def test_cuda_needs_triton(monkeypatch):
     assert problem is not None and "triton is not importable" in problem
 
 
-def test_compile_failure_falls_back_with_a_warning_and_is_then_refused(monkeypatch):
-    def broken(key, transpose):
+def raising(error: Exception):
+    """A stand-in for ``compiled._build``/``_math``: every function it builds raises ``error``."""
+    def build(key, transpose):
         def fn(*args):
-            raise RuntimeError("inductor exploded\nsecond line")
+            raise error
         return fn
+    return build
 
-    monkeypatch.setattr(compiled, "_build", broken)
+
+def test_compile_failure_falls_back_with_a_warning_and_is_then_refused(monkeypatch):
+    monkeypatch.setattr(compiled, "_build", raising(RuntimeError("inductor exploded\nsecond line")))
     backend = CompileBackend()
     call = _call(5, 2)
     with pytest.warns(RuntimeWarning, match="inductor exploded"):
@@ -234,11 +238,7 @@ def test_compile_failure_falls_back_with_a_warning_and_is_then_refused(monkeypat
 
 
 def test_bad_inputs_are_not_blamed_on_the_compiler(monkeypatch):
-    def broken(key, transpose):
-        def fn(*args):
-            raise IndexError("index 40 is out of bounds")
-        return fn
-
+    broken = raising(IndexError("index 40 is out of bounds"))
     monkeypatch.setattr(compiled, "_build", broken)
     monkeypatch.setattr(compiled, "_math", broken)  # the eager math fails on these inputs too
     backend = CompileBackend()
