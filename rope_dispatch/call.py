@@ -83,9 +83,8 @@ def _check_table(table: object, device: torch.device) -> RotaryTable:
     return checked
 
 
-def _check_cu_seqlens(
-    spec: RoPESpec, tokens: int, table_len: int, start_positions: torch.Tensor | None
-) -> None:
+def _check_cu_seqlens(spec: RoPESpec, tokens: int, table_len: int, starts: list[int] | None) -> None:
+    """``starts``: the values of ``start_positions`` when they were read, else ``None``."""
     cu = spec.cu_seqlens
     assert cu is not None
     cp = spec.cp_size
@@ -124,11 +123,8 @@ def _check_cu_seqlens(
         raise RoPEError(
             f"max_seqlen={spec.max_seqlen} but cu_seqlens holds a sequence of length {longest}"
         )
-    if start_positions is not None and (
-        start_positions.device.type == "cpu" or _value_checks_enabled()
-    ):
-        ends = [n + s for n, s in zip(lengths, start_positions.tolist())]
-        longest = max(ends)
+    if starts is not None:
+        longest = max(n + s for n, s in zip(lengths, starts))
     if longest > table_len:
         raise RoPEError(
             f"freqs has {table_len} positions but a sequence needs positions up to {longest - 1}; "
@@ -139,7 +135,9 @@ def _check_cu_seqlens(
 def _check_start_positions(
     start_positions: object, spec: RoPESpec, batch: int, seq_len: int, table_len: int,
     device: torch.device,
-) -> None:
+) -> list[int] | None:
+    """Check ``start_positions``; return its values when they were read (see the module
+    docstring for when), so the thd checks reuse them instead of syncing again."""
     if not isinstance(start_positions, torch.Tensor):
         raise TypeError(
             f"start_positions must be an int tensor [b] or None, got {type(start_positions).__name__}"
@@ -166,7 +164,7 @@ def _check_start_positions(
     if not _host_reads_allowed() or (
         start_positions.device.type != "cpu" and not _value_checks_enabled()
     ):
-        return
+        return None
     starts = start_positions.tolist()
     if starts and min(starts) < 0:
         raise RoPEError(f"start_positions must be >= 0, got {min(starts)}")
@@ -175,6 +173,7 @@ def _check_start_positions(
             f"freqs has {table_len} positions but start_positions max {max(starts)} + "
             f"sequence length {seq_len} needs {max(starts) + seq_len}"
         )
+    return starts
 
 
 _new_call = tuple.__new__
@@ -244,10 +243,11 @@ def check_call(
                 f"(s={seq_len}" + (f" x cp_size={cp}" if cp > 1 else "") + "); expected "
                 f"freqs.shape[0] >= {needed}"
             )
+    starts = None
     if start_positions is not None:
-        _check_start_positions(start_positions, spec, batch, seq_len, table_len, device)
+        starts = _check_start_positions(start_positions, spec, batch, seq_len, table_len, device)
     if rank == 3:
-        _check_cu_seqlens(spec, seq_len, table_len, start_positions)
+        _check_cu_seqlens(spec, seq_len, table_len, starts)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2))
 
