@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from .call import RoPECall
+from .call import RoPECall, size_bucket
 from .registry import Backend
 
 SCHEMA_VERSION = 1
@@ -106,16 +106,6 @@ def cache_dir() -> Path:
 def _sha256_json(value: Any) -> str:
     text = json.dumps(value, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _bucket(n: Any) -> int:
-    """The power of two at or above ``n``; a symbolic size is compared, never specialised."""
-    if isinstance(n, int):
-        return 1 << max(n - 1, 0).bit_length()
-    bucket = 1
-    while bucket < n:
-        bucket *= 2
-    return bucket
 
 
 def _dist_version(*names: str) -> str | None:
@@ -228,8 +218,8 @@ def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple:
     t = call.t
     return (
         tuple({**call.spec.static_fields(), "rotary_dim": call.rotary_dim}.items()),
-        tuple(_bucket(n) for n in t.shape),
-        _bucket(call.batch),
+        tuple(size_bucket(n) for n in t.shape),
+        size_bucket(call.batch),
         stride_class(t),
         "cos_sin_cache" if call.uses_cache else "angles",
         call.start_positions is not None,

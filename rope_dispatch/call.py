@@ -176,6 +176,17 @@ def _check_start_positions(
     return starts
 
 
+def size_bucket(n: object) -> int:
+    """The power of two at or above ``n``: the size classes dispatch and autotune key on. A
+    symbolic size (under torch.compile) is compared, never specialised to one value."""
+    if isinstance(n, int):
+        return 1 << max(n - 1, 0).bit_length()
+    bucket = 1
+    while bucket < n:
+        bucket *= 2
+    return bucket
+
+
 _new_call = tuple.__new__
 
 

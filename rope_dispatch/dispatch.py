@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import autotune, registry
-from .call import RoPECall, check_call
+from .call import RoPECall, check_call, size_bucket
 from .errors import BackendNotSupportedError, NoBackendError
 from .registry import Backend
 from .spec import RoPESpec
@@ -109,10 +109,6 @@ def stride_class(t: torch.Tensor) -> str:
     return "unit-last" if t.stride(-1) == 1 else "strided"
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def decision_key(call: RoPECall, forced: str | None) -> tuple:
     """What a backend choice may depend on; equal keys get the same backend.
 
@@ -131,7 +127,7 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
         call.start_positions is not None,
         t.requires_grad and torch.is_grad_enabled(),
         stride_class(t),
-        tuple(_bucket(n) for n in t.shape),
+        tuple(size_bucket(n) for n in t.shape),
         bisect.bisect_left(_size_limits(), numel),
         max(call.seq_len, call.batch) >= _GRID_AXIS_LIMIT,
         forced,
