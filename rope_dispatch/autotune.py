@@ -108,7 +108,8 @@ def _sha256_json(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _dist_version(*names: str) -> str | None:
+def dist_version(*names: str) -> str | None:
+    """The version of the first installed distribution among ``names``, else ``None``."""
     for name in names:
         try:
             return metadata.version(name)
@@ -118,17 +119,18 @@ def _dist_version(*names: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _versions() -> dict[str, str | None]:
-    """Installed versions, read from package metadata (TransformerEngine is not imported)."""
+def installed_versions() -> dict[str, str | None]:
+    """Versions a result depends on, from package metadata (``None``: not installed).
+    TransformerEngine is not imported; its distributions go by several names."""
     return {
-        "rope-dispatch": _dist_version("rope-dispatch"),
+        "rope-dispatch": dist_version("rope-dispatch"),
         "torch": torch.__version__,
-        "triton": _dist_version("triton", "pytorch-triton", "pytorch-triton-rocm"),
-        "transformer-engine": _dist_version(
+        "triton": dist_version("triton", "pytorch-triton", "pytorch-triton-rocm"),
+        "transformer-engine": dist_version(
             "transformer-engine", "transformer_engine", "transformer-engine-cu12",
             "transformer-engine-cu13",
         ),
-        "transformer-engine-torch": _dist_version("transformer-engine-torch", "transformer_engine_torch"),
+        "transformer-engine-torch": dist_version("transformer-engine-torch", "transformer_engine_torch"),
     }
 
 
@@ -186,7 +188,7 @@ def _environment_for(kind: str, index: int | None, threads: int) -> tuple[dict[s
     env = {
         "schema": SCHEMA_VERSION,
         "device": _device_fields(kind, index, threads),
-        "versions": _versions(),
+        "versions": installed_versions(),
         "kernel_sources_sha256": _kernel_sources_sha(),
     }
     digest = _sha256_json(env)

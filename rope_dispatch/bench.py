@@ -434,16 +434,10 @@ def run_sweep(report: Report, shapes: list[Shape], device: str = "cuda") -> None
 
 
 def _versions() -> dict[str, str]:
-    from importlib import metadata
+    from rope_dispatch.autotune import dist_version, installed_versions
 
-    out = {"python": platform.python_version(), "torch": torch.__version__,
-           "rope-dispatch": rd.__version__}
-    for dist in ("triton", "transformer_engine", "liger_kernel"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
+    found = {**installed_versions(), "liger-kernel": dist_version("liger-kernel", "liger_kernel")}
+    return {"python": platform.python_version(), **{k: v for k, v in found.items() if v}}
 
 
 def format_table(report: Report) -> str:

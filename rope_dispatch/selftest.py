@@ -16,7 +16,6 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from importlib import metadata
 
 import torch
 
@@ -58,26 +57,16 @@ GRID = (
 
 def versions() -> dict[str, str]:
     """Versions of everything a result depends on (packages read without importing them)."""
-    def pkg(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
         device = f"{torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]}, CUDA {torch.version.cuda})"
     else:
         device = f"CPU only ({platform.machine()}, {os.cpu_count()} cores)"
-    te = pkg("transformer-engine")
-    if te == "not installed":
-        te = pkg("transformer_engine")
+    installed = autotune.installed_versions()
+    packages = ("rope-dispatch", "torch", "triton", "transformer-engine")
     return {
         "python": platform.python_version(),
-        "rope-dispatch": rd.__version__,
-        "torch": torch.__version__,
-        "triton": pkg("triton"),
-        "transformer-engine": te,
+        **{name: installed[name] or "not installed" for name in packages},
         "device": device,
     }
 
