@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 import rope_dispatch as rd
+from rope_dispatch.reference import max_error, reference_apply
 
 
 @dataclass(frozen=True)
@@ -206,22 +207,15 @@ def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
 
 
 def _reference64(inp: Inputs) -> torch.Tensor:
-    """float64 RoPE of the inputs on the GPU, written with plain tensor ops (eager's math)."""
-    from rope_dispatch.backends.eager import rope_tensors
-
-    angles = inp.freqs.view(inp.freqs.shape[0], -1).double()
-    spec = inp.spec
-    return rope_tensors(
-        inp.t.double(), torch.cos(angles), torch.sin(angles), spec.cu_seqlens, None,
-        layout=spec.layout, interleaved=spec.interleaved, cp_size=spec.cp_size,
-        cp_rank=spec.cp_rank,
-    )
+    """float64 RoPE of the inputs on their device (rope_dispatch.reference: the formula,
+    independent of every backend)."""
+    return reference_apply(rd.check_call(inp.t, inp.freqs, inp.spec), inp.t)
 
 
 def _error(out: torch.Tensor | None, ref: torch.Tensor) -> float | None:
     if out is None or out.shape != ref.shape:
         return None
-    return float(((out.double() - ref).abs() / (1 + ref.abs())).max())
+    return max_error(out, ref)
 
 
 def bench_ms(fn: Callable[[], Any]) -> float:

@@ -50,12 +50,13 @@ def reference_cos_sin(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor:
-    """float64 RoPE of ``x`` (``call.t``'s values, any float dtype, on the CPU); differentiable."""
+    """float64 RoPE of ``x`` (``call.t``'s values, any float dtype), computed on ``x``'s device
+    (positions and table rows are gathered on the CPU); differentiable."""
     d2 = call.rotary_dim
     cos, sin = reference_cos_sin(call)
     pos = reference_positions(call)
-    cos, sin = cos[pos].unsqueeze(-2), sin[pos].unsqueeze(-2)
-    i = torch.arange(d2)
+    cos, sin = cos[pos].unsqueeze(-2).to(x.device), sin[pos].unsqueeze(-2).to(x.device)
+    i = torch.arange(d2, device=x.device)
     if call.spec.interleaved:
         partner, sign = i ^ 1, torch.where(i % 2 == 0, -1.0, 1.0)
     else:
@@ -65,3 +66,12 @@ def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor:
     head = x[..., :d2]
     out = head * cos + sign.double() * head[..., partner] * sin
     return torch.cat((out, x[..., d2:]), dim=-1)
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest elementwise ``|a - e| / (1 + |e|)`` (unit-scale data); ``inf`` for a non-finite
+    output, so NaN never passes."""
+    a, e = actual.detach().double(), expected.detach().to(actual.device, torch.float64)
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float(((a - e).abs() / (1 + e.abs())).max()) if a.numel() else 0.0

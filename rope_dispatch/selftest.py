@@ -21,7 +21,7 @@ import torch
 
 import rope_dispatch as rd
 from rope_dispatch import autotune
-from rope_dispatch.reference import reference_apply
+from rope_dispatch.reference import max_error, reference_apply
 from rope_dispatch.tables import cos_sin_cache
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -107,13 +107,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.detach().double().cpu(), expected.detach().cpu()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return float(((a - e).abs() / (1 + e.abs())).max())
-
-
 def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
     """Forward and backward of one backend on one case against the reference, and a timing."""
     gen = torch.Generator().manual_seed(seed)
@@ -132,7 +125,7 @@ def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
     ref_x = t.detach().cpu().double().requires_grad_(True)
     ref = reference_apply(call, ref_x)
     (ref_grad,) = torch.autograd.grad(ref, ref_x, grad_out.cpu().double())
-    fwd_err, bwd_err = _max_error(out, ref), _max_error(grad, ref_grad)
+    fwd_err, bwd_err = max_error(out, ref), max_error(grad, ref_grad)
     tol = TOLERANCE[t.dtype]
     times = []
     for i in range(7):
