@@ -46,6 +46,10 @@ def parse_dtype(value: Any) -> torch.dtype:
     return dtype
 
 
+# Every field but the cu_seqlens tensor, in the order of RoPESpec.static_key.
+STATIC_FIELDS = ("layout", "dtype", "rotary_dim", "interleaved", "max_seqlen", "cp_size", "cp_rank")
+
+
 def check_cu_seqlens_tensor(cu_seqlens: Any) -> None:
     """Static checks on ``cu_seqlens`` (type, rank, dtype, length); values are checked per call."""
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -124,20 +128,14 @@ class RoPESpec(BaseModel):
     def _set_static_key(self) -> None:
         # A plain instance attribute: read on every call, so no property, no pydantic private
         # attribute (2 us) and no cached_property (its lock breaks torch.compile graphs).
-        self.__dict__["static_key"] = (
-            self.layout,
-            dtype_name(self.dtype),
-            self.rotary_dim,
-            self.interleaved,
-            self.max_seqlen,
-            self.cp_size,
-            self.cp_rank,
+        self.__dict__["static_key"] = tuple(
+            dtype_name(self.dtype) if name == "dtype" else getattr(self, name)
+            for name in STATIC_FIELDS
         )
 
     def static_fields(self) -> dict[str, Any]:
         """The static fields as JSON-friendly values (for cache keys and reports)."""
-        names = ("layout", "dtype", "rotary_dim", "interleaved", "max_seqlen", "cp_size", "cp_rank")
-        return dict(zip(names, self.static_key))
+        return dict(zip(STATIC_FIELDS, self.static_key))
 
     def with_cu_seqlens(
         self, cu_seqlens: torch.Tensor, max_seqlen: int | None = None
