@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -128,6 +128,49 @@ def _hooks_active() -> bool:
     )
 
 
+def _fast_key(
+    x: torch.Tensor, xp: int, op: int, out_strides: tuple[int, ...] | None, table: torch.Tensor,
+    tp: int, sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+    start_positions: torch.Tensor | None, layout: str, interleaved: bool, cp_size: int,
+    cp_rank: int, backward: bool,
+) -> tuple[tuple, tuple[int, int, int, int]]:
+    """The key of a launch's compiled kernel in ``_fast``, and the addresses of the table, sin,
+    cu_seqlens and start_positions arguments (absent ones point at the table).
+
+    The key holds every input of Triton's specialisation: dtypes, 16-byte alignment of each
+    pointer, and the sizes and strides the integer arguments come from (``out_strides`` is
+    ``None`` for a fresh contiguous output). It is built from as few tensor reads as possible:
+    at decode size this path is a measurable share of the call. Its last two items are the
+    device index and the alignment bits (bit 0: ``x``).
+    """
+    if sin is None and cu_seqlens is None and start_positions is None:
+        sp = cp = stp = tp
+        extra = None
+    else:
+        sp = tp if sin is None else sin.data_ptr()
+        cp = tp if cu_seqlens is None else cu_seqlens.data_ptr()
+        stp = tp if start_positions is None else start_positions.data_ptr()
+        extra = (
+            sin is None,
+            None if cu_seqlens is None
+            else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.stride()),
+            None if start_positions is None
+            else (start_positions.dtype, start_positions.stride()),
+        )
+    if (xp | op | tp | sp | cp | stp) & 15 == 0:
+        aligned = 63  # the usual case: every pointer on a 16-byte boundary
+    else:
+        aligned = (
+            (xp & 15 == 0) + 2 * (op & 15 == 0) + 4 * (tp & 15 == 0) + 8 * (sp & 15 == 0)
+            + 16 * (cp & 15 == 0) + 32 * (stp & 15 == 0)
+        )
+    key = (
+        layout, x.shape, x.stride(), out_strides, x.dtype, table.shape, extra, interleaved,
+        cp_size, cp_rank, backward, x.get_device(), aligned,
+    )
+    return key, (tp, sp, cp, stp)
+
+
 def launch(
     x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, start_positions: torch.Tensor | None, layout: str,
@@ -144,42 +187,17 @@ def launch(
     """
     if config is None and _kernels is not None and not _kernels.INTERPRETED:
         # Fast path: the same call signature as before -> the same compiled kernel, launched
-        # directly. The key holds every input of Triton's specialisation: dtypes, 16-byte
-        # alignment of each pointer, and the sizes and strides the integer arguments come from.
-        # It is built from as few tensor reads as possible: at decode size this path is a
-        # measurable share of the call.
+        # directly.
         xp, op, tp = x.data_ptr(), out.data_ptr(), table.data_ptr()
-        if sin is None and cu_seqlens is None and start_positions is None:
-            sp = cp = stp = tp
-            extra = None
-        else:
-            sp = tp if sin is None else sin.data_ptr()
-            cp = tp if cu_seqlens is None else cu_seqlens.data_ptr()
-            stp = tp if start_positions is None else start_positions.data_ptr()
-            extra = (
-                sin is None,
-                None if cu_seqlens is None
-                else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.stride()),
-                None if start_positions is None
-                else (start_positions.dtype, start_positions.stride()),
-            )
-        if (xp | op | tp | sp | cp | stp) & 15 == 0:
-            aligned = 63  # the usual case: every pointer on a 16-byte boundary
-        else:
-            aligned = (
-                (xp & 15 == 0) + 2 * (op & 15 == 0) + 4 * (tp & 15 == 0) + 8 * (sp & 15 == 0)
-                + 16 * (cp & 15 == 0) + 32 * (stp & 15 == 0)
-            )
-        device = x.get_device()
-        key = (
-            layout, x.shape, x.stride(), None if fresh_out else out.stride(), x.dtype,
-            table.shape, extra, interleaved, cp_size, cp_rank, backward, device, aligned,
+        key, tail = _fast_key(
+            x, xp, op, None if fresh_out else out.stride(), table, tp, sin, cu_seqlens,
+            start_positions, layout, interleaved, cp_size, cp_rank, backward,
         )
         entry = _fast.get(key)
         if entry is not None:
             run, prefix, grid, ints, consts = entry
             # raw addresses: the C launcher takes ints as they are, tensors via data_ptr()
-            run(grid, 1, 1, _current_stream(device), *prefix, xp, op, tp, sp, cp, stp, *ints, *consts)
+            run(grid, 1, 1, _current_stream(key[-2]), *prefix, xp, op, *tail, *ints, *consts)
             return out
     else:
         key = None
@@ -418,6 +436,47 @@ def rope_triton(
     )
 
 
+def _bound_launch(
+    call: RoPECall, generic: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function launching ``call``'s compiled kernel (compiled by the call that just ran) on a
+    new input of the same shape, strides, dtype and device: an output allocation, two address
+    reads and Triton's C launcher. Only a kernel compiled for a 16-byte aligned input is bound;
+    ``generic`` serves unaligned inputs and calls made while another device is current."""
+    t, spec = call.t, call.spec
+    if type(call.table) is CosSinCache:
+        table, sin = call.table.cos, call.table.sin
+    else:
+        table, sin = call.table, None
+    key, tail = _fast_key(
+        t, t.data_ptr(), 0, None, table, table.data_ptr(), sin, None, None, spec.layout,
+        spec.interleaved, spec.cp_size, spec.cp_rank, False,
+    )
+    entry = _fast.get(key)
+    if entry is None or not key[-1] & 1:  # not compiled, or for an unaligned input: keep it rare
+        return generic
+    run, prefix, grid, ints, consts = entry
+    head = (grid, 1, 1)
+    tail = tail + ints + consts
+    device_index = key[-2]
+    guard = _several_gpus()
+    stream = _current_stream
+    current_device = torch.cuda.current_device
+    contiguous = t.is_contiguous()
+    empty_like = torch.empty_like
+    dense = torch.contiguous_format
+
+    def launch_bound(x: torch.Tensor) -> torch.Tensor:
+        xp = x.data_ptr()
+        if xp & 15 or (guard and current_device() != device_index):
+            return generic(x)
+        out = empty_like(x) if contiguous else empty_like(x, memory_format=dense)
+        run(*head, stream(device_index), *prefix, xp, out.data_ptr(), *tail)
+        return out
+
+    return launch_bound
+
+
 def _interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -458,6 +517,19 @@ class TritonBackend(Backend):
         if not interpret and kernels.INTERPRETED and not torch.cuda.is_available():
             return ["the kernels were loaded for the interpreter but TRITON_INTERPRET is unset"]
         return []
+
+    def plan(self, call: RoPECall) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Inference calls on sbhd/bshd launch the compiled kernel straight from the plan, with
+        the call's constant arguments bound; anything else goes through :meth:`apply`."""
+        generic = super().plan(call)
+        t = call.t
+        if (
+            call.spec.layout == "thd" or call.start_positions is not None
+            or (t.requires_grad and torch.is_grad_enabled()) or _kernels is None
+            or _kernels.INTERPRETED
+        ):
+            return generic
+        return _bound_launch(call, generic)
 
     def apply(self, call: RoPECall) -> torch.Tensor:
         spec = call.spec

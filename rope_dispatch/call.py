@@ -83,6 +83,13 @@ def _check_table(table: object, device: torch.device) -> RotaryTable:
     return checked
 
 
+def reads_values(spec: RoPESpec) -> bool:
+    """Whether :func:`check_call` checks the values of ``spec.cu_seqlens`` (so a call cannot
+    reuse an earlier call's checks: the offsets may have been rewritten in place)."""
+    cu = spec.cu_seqlens
+    return cu is not None and (cu.device.type == "cpu" or spec.max_seqlen is None)
+
+
 def _check_cu_seqlens(spec: RoPESpec, tokens: int, table_len: int, starts: list[int] | None) -> None:
     """``starts``: the values of ``start_positions`` when they were read, else ``None``."""
     cu = spec.cu_seqlens

@@ -15,13 +15,15 @@ import contextlib
 import contextvars
 import functools
 import os
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from . import autotune, registry
-from .call import RoPECall, check_call, size_bucket
+from .call import RoPECall, check_call, reads_values, size_bucket
 from .errors import BackendNotSupportedError, NoBackendError
 from .registry import Backend
 from .spec import RoPESpec
@@ -39,6 +41,7 @@ def clear_decisions() -> None:
     """Forget cached decisions (after registering a backend or clearing the autotune cache)."""
     _decisions.clear()
     _exact.clear()
+    _plans.clear()
     _size_limits.cache_clear()
 
 
@@ -186,11 +189,16 @@ def choose(call: RoPECall, backend: str | None = None) -> Backend:
     device and stride class, ...) answers repeated shapes with one dict lookup; a new shape
     falls back to :func:`decision_key`'s bucketed key, and only a new bucket runs the checks.
     """
+    return _choose(call, backend)[0]
+
+
+def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
+    """:func:`choose`, and whether the decision is final (cached, so a plan may keep it)."""
     forced, source = requested_backend(backend)
     if torch.compiler.is_compiling():
         # Traced code decides from metadata, once per trace, and leaves the memo dicts alone:
         # mutating them or calling C helpers such as bisect would break the graph.
-        return _decide(call, forced, source)[0]
+        return _decide(call, forced, source)[0], False
     t = call.t
     exact = (
         call.spec.static_key, call.rotary_dim, t.shape, call.batch, t.device,
@@ -199,20 +207,38 @@ def choose(call: RoPECall, backend: str | None = None) -> Backend:
     )
     hit = _exact.get(exact)
     if hit is not None:
-        return hit
+        return hit, True
     key = decision_key(call, forced)
     decision = _decisions.get(key)
     if decision is None:
         decision = _decide(call, forced, source)
         if not autotune.decision_is_final(decision[1]):
-            return decision[0]
+            return decision[0], False
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.clear()
         _decisions[key] = decision
     if len(_exact) >= _MAX_DECISIONS:
         _exact.clear()
     _exact[exact] = decision[0]
-    return decision[0]
+    return decision[0], True
+
+
+class _Plan(NamedTuple):
+    """A repeated call's checked and decided path: valid while ``spec`` and ``freqs`` are the
+    same objects and ``freqs`` still holds the same memory (``table_address``)."""
+
+    spec: weakref.ref
+    freqs: weakref.ref
+    table_address: int
+    run: Callable[[torch.Tensor], torch.Tensor]
+
+
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256
+
+
+def _table_address(freqs: object) -> int:
+    return freqs.cos.data_ptr() if type(freqs) is CosSinCache else freqs.data_ptr()  # type: ignore[attr-defined]
 
 
 def apply(
@@ -228,9 +254,35 @@ def apply(
     ``freqs`` is the float32 angle table ``[s2, 1, 1, d2]`` (or ``[s2, d2]``) or a
     :class:`~rope_dispatch.CosSinCache`. Returns a new tensor, contiguous in ``spec.layout``;
     differentiable with respect to ``t``.
+
+    A call repeating an earlier one's spec and table objects and ``t``'s shape, strides, dtype,
+    device and gradient mode reuses that call's checks and decision (a *plan*): at decode size
+    the host path, not the GPU, sets the pace.
     """
+    key = None
+    if start_positions is None and type(t) is torch.Tensor and not torch.compiler.is_compiling():
+        key = (
+            id(spec), id(freqs), t.shape, t.stride(), t.dtype, t.device,
+            t.requires_grad and torch.is_grad_enabled(),
+            backend if backend is not None else _scoped_or_env_backend()[0],
+        )
+        plan = _plans.get(key)
+        if (
+            plan is not None and plan.spec() is spec and plan.freqs() is freqs
+            and _table_address(freqs) == plan.table_address
+        ):
+            return plan.run(t)
     call = check_call(t, freqs, spec, start_positions)
-    return choose(call, backend).apply(call)
+    chosen, final = _choose(call, backend)
+    out = chosen.apply(call)
+    if key is not None and final and not reads_values(spec):
+        # planned after the call ran, so a backend can bind what that call compiled
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = _Plan(
+            weakref.ref(spec), weakref.ref(freqs), _table_address(freqs), chosen.plan(call)
+        )
+    return out
 
 
 @dataclass

@@ -14,6 +14,7 @@ A check returns a list of sentences with the actual values; an empty list means 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,6 +22,8 @@ import torch
 
 from .call import RoPECall
 from .errors import UnknownBackendError
+
+_new_call = tuple.__new__
 from .spec import dtype_name
 
 ALL_LAYOUTS = frozenset({"sbhd", "bshd", "thd"})
@@ -54,6 +57,16 @@ class Backend:
     def apply(self, call: RoPECall) -> torch.Tensor:
         """Run RoPE on a checked call; differentiable with respect to ``call.t``."""
         raise NotImplementedError
+
+    def plan(self, call: RoPECall) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A function that runs this backend on a new ``t`` of a call otherwise equal to
+        ``call`` (same spec, table, shape, strides, dtype, device and gradient mode), which
+        :func:`~rope_dispatch.apply` keeps for repeated calls. The default rebuilds the call
+        around the new tensor; a backend may prepare more (the Triton backend binds its launch).
+        """
+        rest = tuple(call)[1:]
+        run = self.apply
+        return lambda t: run(_new_call(RoPECall, (t, *rest)))
 
     @property
     def availability(self) -> tuple[str, ...]:

@@ -39,7 +39,7 @@ class CosSinCache:
 RotaryTable = torch.Tensor | CosSinCache
 
 
-_recent_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_recent_tables: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
 
 def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
@@ -47,17 +47,22 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
 
     The result is a view when the input is contiguous float32 (the usual case), so a call pays
     no copy; other strides are made contiguous here. The last few tables are remembered, so a
-    training step that passes the same table to every layer checks it once.
+    training step that passes the same table to every layer checks it once (while it is the
+    same object over the same memory and rows: ``freqs.data = ...`` or ``resize_`` start
+    afresh).
     """
     if torch.compiler.is_compiling():
         return _angles_2d(freqs, argument)
     hit = _recent_tables.get(id(freqs))
-    if hit is not None and hit[0] is freqs and hit[0].shape[0] == hit[1].shape[0]:
-        return hit[1]
+    if (
+        hit is not None and hit[0] is freqs and hit[1] == freqs.data_ptr()
+        and freqs.shape[0] == hit[2].shape[0]
+    ):
+        return hit[2]
     table = _angles_2d(freqs, argument)
     if len(_recent_tables) >= 8:
         _recent_tables.clear()
-    _recent_tables[id(freqs)] = (freqs, table)
+    _recent_tables[id(freqs)] = (freqs, freqs.data_ptr(), table)
     return table
 
 

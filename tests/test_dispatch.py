@@ -8,6 +8,7 @@ import torch
 import rope_dispatch as rd
 from rope_dispatch import dispatch, registry
 from rope_dispatch.backends.eager import rope_eager
+from reference import assert_matches, reference_for
 
 
 class Picky(rd.Backend):
@@ -165,3 +166,68 @@ def test_rotary_dim_from_the_table_is_part_of_the_decision(picky, monkeypatch):
     assert picky.runs == 1
     rd.apply(t, torch.rand(6, 4), spec)
     assert picky.runs == 1
+
+
+# ---------------------------------------------------------------- plans: repeated calls
+
+
+def test_repeated_calls_reuse_checks_but_compute_on_new_data(picky):
+    f = torch.rand(6, 1, 1, 8)
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    for _ in range(3):
+        t = torch.randn(2, 6, 3, 8)
+        assert_matches(rd.apply(t, f, spec), reference_for(t, f, spec), torch.float32)
+    assert picky.runs == 3 and picky.checks == 1
+
+
+def test_repeated_call_follows_a_table_rewritten_or_replaced(picky):
+    t = torch.randn(2, 6, 3, 8)
+    f = torch.rand(6, 1, 1, 8)
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    rd.apply(t, f, spec)
+    f.mul_(3)  # same memory, new values
+    assert_matches(rd.apply(t, f, spec), reference_for(t, f, spec), torch.float32)
+    f.data = torch.rand(6, 1, 1, 8)  # new memory under the same object
+    assert_matches(rd.apply(t, f, spec), reference_for(t, f, spec), torch.float32)
+    f.data = torch.rand(4, 1, 1, 8)  # now too short for s=6: the checks run again
+    with pytest.raises(rd.RoPEError, match="freqs has 4 positions but the sequence needs 6"):
+        rd.apply(t, f, spec)
+
+
+def test_repeated_call_rechecks_what_the_plan_does_not_cover(picky):
+    t, f, spec = inputs("bshd")
+    rd.apply(t, f, spec)
+    with pytest.raises(rd.RoPEError, match="t has dtype float64 but spec.dtype is float32"):
+        rd.apply(t.double(), f, spec)
+    with pytest.raises(rd.RoPEError, match="freqs is on cpu but t is on meta"):
+        rd.apply(t.to("meta"), f, spec)
+    # a new spec object never inherits a plan, whatever its id
+    for interleaved in (True, False, True):
+        other = rd.RoPESpec(layout="bshd", dtype="fp32", interleaved=interleaved)
+        assert_matches(rd.apply(t, f, other), reference_for(t, f, other), torch.float32)
+
+
+def test_repeated_thd_call_rechecks_offsets_rewritten_in_place(picky):
+    cu = torch.tensor([0, 2, 6])
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu)
+    t, f = torch.randn(6, 3, 8), torch.rand(6, 8)
+    assert_matches(rd.apply(t, f, spec), reference_for(t, f, spec), torch.float32)
+    cu[2] = 7
+    with pytest.raises(rd.RoPEError, match=r"cu_seqlens\[-1\]=7 must equal the total tokens"):
+        rd.apply(t, f, spec)
+
+
+def test_registering_a_backend_replaces_planned_choices(monkeypatch):
+    monkeypatch.setenv("ROPE_AUTOTUNE", "0")
+    monkeypatch.delenv("ROPE_BACKEND", raising=False)
+    monkeypatch.setattr(Picky, "runs", 0)
+    t, f, spec = inputs("bshd")
+    rd.apply(t, f, spec)
+    rd.register(Picky())
+    try:
+        rd.apply(t, f, spec)
+        assert Picky.runs == 1
+    finally:
+        registry.unregister("picky")
+    rd.apply(t, f, spec)
+    assert Picky.runs == 1
