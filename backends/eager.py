@@ -98,13 +98,19 @@ def rope_tensors(
 
 
 def rope_eager(call: RoPECall) -> torch.Tensor:
-    """RoPE of a checked call in plain PyTorch (see :func:`rope_tensors`)."""
+    """RoPE of a checked call in plain PyTorch (see :func:`rope_tensors`); in place, the
+    rotated channels are computed apart and copied back (autograd sees a ``copy_``)."""
     spec = call.spec
     cos, sin = table_cos_sin(call.table)
-    return rope_tensors(
-        call.t, cos, sin, spec.cu_seqlens, call.start_positions, layout=spec.layout,
+    t = call.t[..., : call.rotary_dim] if call.in_place else call.t
+    out = rope_tensors(
+        t, cos, sin, spec.cu_seqlens, call.start_positions, layout=spec.layout,
         interleaved=spec.interleaved, cp_size=spec.cp_size, cp_rank=spec.cp_rank,
     )
+    if call.in_place:
+        t.copy_(out)
+        return call.t
+    return out
 
 
 class EagerBackend(Backend):
@@ -113,6 +119,7 @@ class EagerBackend(Backend):
     name = "eager"
     description = "plain PyTorch ops (reference semantics, CPU and CUDA)"
     priority = 0
+    supports_in_place = True
 
     def apply(self, call: RoPECall) -> torch.Tensor:
         return rope_eager(call)

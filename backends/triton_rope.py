@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from torch.autograd.graph import increment_version
+
 from rope_dispatch.call import RoPECall
 from rope_dispatch.registry import Backend
 from rope_dispatch.tables import CosSinCache
@@ -132,7 +134,7 @@ def _fast_key(
     x: torch.Tensor, xp: int, op: int, out_strides: tuple[int, ...] | None, table: torch.Tensor,
     tp: int, sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
     start_positions: torch.Tensor | None, layout: str, interleaved: bool, cp_size: int,
-    cp_rank: int, backward: bool,
+    cp_rank: int, backward: bool, copy_pass: bool,
 ) -> tuple[tuple, tuple[int, int, int, int]]:
     """The key of a launch's compiled kernel in ``_fast``, and the addresses of the table, sin,
     cu_seqlens and start_positions arguments (absent ones point at the table).
@@ -166,7 +168,7 @@ def _fast_key(
         )
     key = (
         layout, x.shape, x.stride(), out_strides, x.dtype, table.shape, extra, interleaved,
-        cp_size, cp_rank, backward, x.get_device(), aligned,
+        cp_size, cp_rank, backward, copy_pass, x.get_device(), aligned,
     )
     return key, (tp, sp, cp, stp)
 
@@ -175,15 +177,16 @@ def launch(
     x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, start_positions: torch.Tensor | None, layout: str,
     interleaved: bool, cp_size: int, cp_rank: int, backward: bool, config: Config | None = None,
-    fresh_out: bool = False,
+    fresh_out: bool = False, copy_pass: bool = True,
 ) -> torch.Tensor:
     """Run the kernel: ``out`` = RoPE of ``x`` (its transpose when ``backward``); returns ``out``.
 
     ``table`` is the float32 ``[s2, d2]`` angle table, or the cos table when ``sin`` is given.
     ``x`` may have any strides; ``out`` (same shape) too. ``fresh_out`` promises that ``out``
     was allocated with ``torch.contiguous_format`` from ``x.shape`` (so its strides follow from
-    that shape and need not be read). No host sync, no allocation. The current CUDA device must
-    be ``x``'s.
+    that shape and need not be read). ``copy_pass=False`` leaves the pass-through channels
+    alone (neither read nor written): with ``out`` being ``x``, an in-place rotation. No host
+    sync, no allocation. The current CUDA device must be ``x``'s.
     """
     if config is None and _kernels is not None and not _kernels.INTERPRETED:
         # Fast path: the same call signature as before -> the same compiled kernel, launched
@@ -191,7 +194,7 @@ def launch(
         xp, op, tp = x.data_ptr(), out.data_ptr(), table.data_ptr()
         key, tail = _fast_key(
             x, xp, op, None if fresh_out else out.stride(), table, tp, sin, cu_seqlens,
-            start_positions, layout, interleaved, cp_size, cp_rank, backward,
+            start_positions, layout, interleaved, cp_size, cp_rank, backward, copy_pass,
         )
         entry = _fast.get(key)
         if entry is not None:
@@ -229,13 +232,14 @@ def launch(
         start_positions = start_positions.contiguous()
         key = None
     rotary_dim = table.shape[1]
+    width = head_dim if copy_pass else rotary_dim  # the channels a token moves
     if config is None:
-        ckey = (_next_pow2(n_tokens), heads, head_dim, rotary_dim, x.dtype, interleaved, x.device)
+        ckey = (_next_pow2(n_tokens), heads, width, rotary_dim, x.dtype, interleaved, x.device)
         config = _configs.get(ckey)
         if config is None:
             sms = 1 if kernels.INTERPRETED else _sm_count(x.device.index)
             config = choose_config(
-                n_tokens, heads, head_dim, rotary_dim, x.element_size(), interleaved, sms
+                n_tokens, heads, width, rotary_dim, x.element_size(), interleaved, sms
             )
             if len(_configs) > 1024:
                 _configs.clear()
@@ -246,7 +250,7 @@ def launch(
     ints = (n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs, cp_size, cp_rank,
             sx0, sx1, sxh, sxd, so0, so1, soh, sod)
     consts = dict(
-        LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
+        LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim,
         INTERLEAVED=interleaved, USE_CACHE=sin is not None,
         HAS_STARTS=start_positions is not None, CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
@@ -314,6 +318,40 @@ class _RoPEFunction(torch.autograd.Function):
     def backward(ctx, grad):
         grad_x = _RoPEFunction.apply(grad, *ctx.tables, *ctx.settings, ctx.grad_strides)
         return grad_x, None, None, None, None, None, None, None, None, None, None
+
+
+class _RoPEInPlaceFunction(torch.autograd.Function):
+    """Eager autograd for :func:`rope_dispatch.apply_`: the forward rotates ``x``'s rotary
+    channels in place (marked dirty, so autograd sees the new version); the backward makes a
+    new gradient, or, with ``grad_in_place`` and a writable gradient outside double backward,
+    rotates the incoming gradient in place."""
+
+    @staticmethod
+    def forward(ctx, x, table, sin, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank,
+                grad_in_place):
+        launch(x, x, table, sin, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank,
+               False, copy_pass=False)
+        ctx.mark_dirty(x)
+        ctx.tables = (table, sin, cu_seqlens, starts)
+        ctx.settings = (layout, interleaved, cp_size, cp_rank)
+        ctx.grad_in_place = grad_in_place
+        ctx.grad_strides = _dense_strides(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_in_place and not torch.is_grad_enabled() and _writable(grad):
+            with _on_device(grad):
+                launch(grad, grad, *ctx.tables, *ctx.settings, True, copy_pass=False)
+            grad_x = grad
+        else:
+            grad_x = _RoPEFunction.apply(grad, *ctx.tables, *ctx.settings, True, ctx.grad_strides)
+        return grad_x, None, None, None, None, None, None, None, None, None
+
+
+def _writable(t: torch.Tensor) -> bool:
+    """No two elements of ``t`` share memory (no expanded dimension)."""
+    return all(stride or size < 2 for size, stride in zip(t.shape, t.stride()))
 
 
 def _dense_strides(x: torch.Tensor) -> list[int] | None:
@@ -400,23 +438,36 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 def rope_triton(
     t: torch.Tensor, table: torch.Tensor | CosSinCache, *, layout: str, interleaved: bool = False,
     cu_seqlens: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
-    cp_size: int = 1, cp_rank: int = 0,
+    cp_size: int = 1, cp_rank: int = 0, in_place: bool = False, grad_in_place: bool = False,
 ) -> torch.Tensor:
     """RoPE of already-checked tensors: ``table`` is ``[s2, d2]`` float32 angles or a cache.
 
     In eager mode it launches the kernel directly (through a ``torch.autograd.Function`` when a
     gradient is needed); while tracing, or for tensor subclasses, it calls the
-    ``rope_dispatch::triton_rope`` op.
+    ``rope_dispatch::triton_rope`` op. ``in_place``: rotate ``t``'s rotary channels in place
+    and return ``t`` (while tracing: the op's result copied into ``t``).
     """
     if type(table) is CosSinCache:
         tab, sin = table.cos, table.sin
     else:
         tab, sin = table, None
     if type(t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
-        return triton_rope_op(
+        out = triton_rope_op(
             t, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
             False, None,
         )
+        return t.copy_(out) if in_place else out
+    if in_place:
+        with _on_device(t):
+            if t.requires_grad and torch.is_grad_enabled():
+                return _RoPEInPlaceFunction.apply(
+                    t, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size,
+                    cp_rank, grad_in_place,
+                )
+            launch(t, t, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size,
+                   cp_rank, False, copy_pass=False)
+        increment_version(t)
+        return t
     if t.requires_grad and torch.is_grad_enabled():
         with _on_device(t):
             return _RoPEFunction.apply(
@@ -440,17 +491,19 @@ def _bound_launch(
     call: RoPECall, generic: Callable[[torch.Tensor], torch.Tensor]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function launching ``call``'s compiled kernel (compiled by the call that just ran) on a
-    new input of the same shape, strides, dtype and device: an output allocation, two address
-    reads and Triton's C launcher. Only a kernel compiled for a 16-byte aligned input is bound;
-    ``generic`` serves unaligned inputs and calls made while another device is current."""
-    t, spec = call.t, call.spec
+    new input of the same shape, strides, dtype and device: an output allocation (none in
+    place), address reads and Triton's C launcher. Only a kernel compiled for a 16-byte aligned
+    input is bound; ``generic`` serves unaligned inputs and calls made while another device is
+    current."""
+    t, spec, in_place = call.t, call.spec, call.in_place
     if type(call.table) is CosSinCache:
         table, sin = call.table.cos, call.table.sin
     else:
         table, sin = call.table, None
     key, tail = _fast_key(
-        t, t.data_ptr(), 0, None, table, table.data_ptr(), sin, None, None, spec.layout,
-        spec.interleaved, spec.cp_size, spec.cp_rank, False,
+        t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
+        table, table.data_ptr(), sin, None, None, spec.layout, spec.interleaved, spec.cp_size,
+        spec.cp_rank, False, not in_place,
     )
     entry = _fast.get(key)
     if entry is None or not key[-1] & 1:  # not compiled, or for an unaligned input: keep it rare
@@ -474,7 +527,15 @@ def _bound_launch(
         run(*head, stream(device_index), *prefix, xp, out.data_ptr(), *tail)
         return out
 
-    return launch_bound
+    def launch_bound_in_place(x: torch.Tensor) -> torch.Tensor:
+        xp = x.data_ptr()
+        if xp & 15 or (guard and current_device() != device_index):
+            return generic(x)
+        run(*head, stream(device_index), *prefix, xp, xp, *tail)
+        increment_version(x)
+        return x
+
+    return launch_bound_in_place if in_place else launch_bound
 
 
 def _interpret_requested() -> bool:
@@ -490,6 +551,7 @@ class TritonBackend(Backend):
         "fp32 math, any strides, angles or cos/sin cache"
     )
     priority = 40
+    supports_in_place = True
 
     @property
     def devices(self) -> frozenset[str]:  # type: ignore[override]
@@ -536,5 +598,6 @@ class TritonBackend(Backend):
         return rope_triton(
             call.t, call.table, layout=spec.layout, interleaved=spec.interleaved,
             cu_seqlens=spec.cu_seqlens, start_positions=call.start_positions,
-            cp_size=spec.cp_size, cp_rank=spec.cp_rank,
+            cp_size=spec.cp_size, cp_rank=spec.cp_rank, in_place=call.in_place,
+            grad_in_place=call.grad_in_place,
         )

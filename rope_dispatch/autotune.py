@@ -227,13 +227,15 @@ def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple:
         call.start_positions is not None,
         bool(t.requires_grad and torch.is_grad_enabled()),
         tuple(sorted(b.name for b in candidates)),
+        call.in_place,
     )
 
 
 def key_fields(signature: tuple) -> dict[str, Any]:
-    """:func:`call_signature` as the named JSON fields stored in each entry."""
-    spec, shape, sequences, stride, table, starts, grad, names = signature
-    return {
+    """:func:`call_signature` as the named JSON fields stored in each entry (``in_place`` only
+    when set, so the keys of calls that return a new tensor are those of earlier versions)."""
+    spec, shape, sequences, stride, table, starts, grad, names, in_place = signature
+    fields = {
         "spec": dict(spec),
         "shape_bucket": list(shape),
         "sequences_bucket": sequences,
@@ -243,6 +245,9 @@ def key_fields(signature: tuple) -> dict[str, Any]:
         "requires_grad": grad,
         "candidates": list(names),
     }
+    if in_place:
+        fields["in_place"] = True
+    return fields
 
 
 def cache_key(device: torch.device, signature: tuple) -> CacheKey:
@@ -419,11 +424,16 @@ def _time_backend(backend: Backend, call: RoPECall, needs_grad: bool) -> float:
         warm_up = getattr(backend, "warm_up", None)
         if warm_up is not None:
             warm_up(private)  # compilation happens here, never inside a timed round
-        out = backend.apply(private)
+        # an in-place call with a gradient needs a non-leaf input: a clone per call, the same
+        # extra copy for every candidate
+        fresh = (lambda: _with_tensor(private, x.clone())) if call.in_place and needs_grad else (
+            lambda: private
+        )
+        out = backend.apply(fresh())
         grad_out = torch.ones_like(out) if needs_grad else None
 
         def once() -> None:
-            result = backend.apply(private)
+            result = backend.apply(fresh())
             if needs_grad:
                 torch.autograd.grad(result, x, grad_out)
 

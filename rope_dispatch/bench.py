@@ -1,7 +1,7 @@
 """``python -m rope_dispatch.bench``: RoPE speed against a device copy of the same bytes.
 
 For each shape, every available backend of ours (through ``rope_dispatch.apply(...,
-backend=name)``; triton both with the angle table and with a cos/sin cache) and, when importable,
+backend=name)``; triton also with a cos/sin cache, and in place through ``apply_``) and, when importable,
 the peers TransformerEngine (fused ``apply_rotary_pos_emb``) and Liger-Kernel (``rope_forward`` /
 ``rope_backward``, where the shape fits its API) are timed forward, backward and
 forward+backward (``torch.autograd.grad``). Times are medians of ``triton.testing.do_bench``;
@@ -120,7 +120,7 @@ class Impl:
     fwd_bwd: Callable[[], Any] | None
     output: Callable[[], torch.Tensor]
     note: str = ""
-    bytes_factor: float = 1.0  # bytes it moves relative to ours (Liger also rotates a 1-head k)
+    bytes_factor: float = 1.0  # bytes it moves relative to apply (in place: d2/d; Liger: + a 1-head k)
 
 
 def _ours(name: str, label: str, inp: Inputs, table: Any) -> Impl | None:
@@ -142,6 +142,30 @@ def _ours(name: str, label: str, inp: Inputs, table: Any) -> Impl | None:
         return torch.autograd.grad(rd.apply(leaf, table, inp.spec, backend=name), leaf, inp.grad)
 
     return Impl(label, fwd, bwd, fwd_bwd, fwd)
+
+
+def _ours_in_place(name: str, inp: Inputs) -> Impl | None:
+    """``apply_`` on a buffer holding the input (each call rotates it again: the tables are
+    rotations, so its scale stays), and its backward with ``grad_in_place=True``: both move
+    ``d2 / d`` of the bytes."""
+    call = rd.check_call(inp.t, inp.freqs, inp.spec, in_place=True)
+    if rd.get_backend(name).not_supported_reasons(call):
+        return None
+    buffer, grad = inp.t.clone(), inp.grad.clone()
+    leaf = inp.t.detach().requires_grad_(True)
+    out_graph = rd.apply_(leaf.clone(), inp.freqs, inp.spec, backend=name, grad_in_place=True)
+
+    def fwd():
+        return rd.apply_(buffer, inp.freqs, inp.spec, backend=name)
+
+    def bwd():
+        return torch.autograd.grad(out_graph, leaf, grad, retain_graph=True)
+
+    def output():
+        return rd.apply_(inp.t.clone(), inp.freqs, inp.spec, backend=name)
+
+    return Impl(f"{name} in place", fwd, bwd, None, output, "apply_, grad_in_place=True",
+                bytes_factor=call.rotary_dim / call.head_dim)
 
 
 def _te_peer(shape: Shape, inp: Inputs) -> Impl | None:
@@ -203,7 +227,7 @@ def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
     note = "in place; k with 1 head included in its bytes"
     if rot < d:
         note += "; in place it skips the pass-through channels"
-    return Impl("Liger (peer)", fwd, bwd, fwd_bwd, output, note, bytes_factor=(h + 1) / h)
+    return Impl("Liger (peer)", fwd, bwd, fwd_bwd, output, note, bytes_factor=(h + 1) / h * rot / d)
 
 
 def _reference64(inp: Inputs) -> torch.Tensor:
@@ -299,6 +323,9 @@ def run_shape(
             impl = _ours("triton", "triton+cache", inp, inp.cache)
             if impl is not None:
                 impls.append(impl)
+            impl = _ours_in_place("triton", inp)
+            if impl is not None:
+                impls.append(impl)
     if peers:
         impls.extend(p for p in (_te_peer(shape, inp), _liger_peer(shape, inp)) if p is not None)
     for impl in impls:
@@ -333,6 +360,8 @@ def run_host(report: Report) -> None:
     inp = make_inputs(DECODE)
     t, freqs, spec = inp.t, inp.freqs, inp.spec
     _record_host(report, "apply (auto)", lambda: rd.apply(t, freqs, spec))
+    buffer = t.clone()
+    _record_host(report, "apply_ (auto, in place)", lambda: rd.apply_(buffer, freqs, spec))
     for info in rd.list_backends():
         if info.available:
             call = rd.check_call(t, freqs, spec)

@@ -28,7 +28,9 @@ class RoPECall(NamedTuple):
 
     ``table`` is ``[s2, d2]`` float32 angles or a :class:`CosSinCache`. ``seq_len`` is the local
     sequence length ``s`` (tokens ``T`` for thd), ``batch`` is ``b`` (the number of sequences for
-    thd).
+    thd). ``in_place``: rotate ``t``'s first ``d2`` channels in place and return ``t``
+    (:func:`~rope_dispatch.apply_`); ``grad_in_place``: its backward may rotate the incoming
+    gradient in place too.
     """
 
     t: torch.Tensor
@@ -40,6 +42,8 @@ class RoPECall(NamedTuple):
     heads: int
     head_dim: int
     rotary_dim: int
+    in_place: bool = False
+    grad_in_place: bool = False
 
     @property
     def table_len(self) -> int:
@@ -198,10 +202,12 @@ _new_call = tuple.__new__
 
 
 def check_call(
-    t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None = None
+    t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None = None,
+    *, in_place: bool = False, grad_in_place: bool = False,
 ) -> RoPECall:
     """Check ``t``, ``freqs`` and ``start_positions`` against ``spec``; raise a clear error or
-    return the :class:`RoPECall` every backend takes."""
+    return the :class:`RoPECall` every backend takes. ``in_place`` adds the checks of
+    :func:`~rope_dispatch.apply_` (``t`` must be writable)."""
     if not isinstance(spec, RoPESpec):
         raise TypeError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
     if not isinstance(t, torch.Tensor):
@@ -266,6 +272,31 @@ def check_call(
         starts = _check_start_positions(start_positions, spec, batch, seq_len, table_len, device)
     if rank == 3:
         _check_cu_seqlens(spec, seq_len, table_len, starts)
+    if in_place:
+        _check_writable(t)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
-    return _new_call(RoPECall, (t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2))
+    return _new_call(RoPECall, (
+        t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,
+        in_place and grad_in_place,
+    ))
+
+
+def _check_writable(t: torch.Tensor) -> None:
+    """What an in-place rotation of ``t`` needs, as torch's own in-place ops require it."""
+    if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+        raise RoPEError(
+            "apply_ rotates t in place, but t is a leaf tensor that requires grad (autograd "
+            "needs its value); use rope_dispatch.apply, or pass a non-leaf such as t.clone()"
+        )
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            raise RoPEError(
+                f"apply_ cannot rotate t in place: dim {dim} (size {size}) has stride 0, so its "
+                "elements share memory (an expanded tensor); use rope_dispatch.apply"
+            )
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RoPEError(
+            "apply_ cannot rotate t in place: t is an inference tensor and inference mode is "
+            "off (torch forbids updating it there); use rope_dispatch.apply"
+        )
 

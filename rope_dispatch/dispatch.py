@@ -133,6 +133,7 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
         tuple(size_bucket(n) for n in t.shape),
         bisect.bisect_left(_size_limits(), numel),
         max(call.seq_len, call.batch) >= _GRID_AXIS_LIMIT,
+        call.in_place,
         forced,
     )
 
@@ -203,7 +204,8 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
     exact = (
         call.spec.static_key, call.rotary_dim, t.shape, call.batch, t.device,
         isinstance(call.table, CosSinCache), call.start_positions is None,
-        t.requires_grad and torch.is_grad_enabled(), t.is_contiguous() or stride_class(t), forced,
+        t.requires_grad and torch.is_grad_enabled(), t.is_contiguous() or stride_class(t),
+        call.in_place, forced,
     )
     hit = _exact.get(exact)
     if hit is not None:
@@ -259,12 +261,44 @@ def apply(
     device and gradient mode reuses that call's checks and decision (a *plan*): at decode size
     the host path, not the GPU, sets the pace.
     """
+    return _run(t, freqs, spec, start_positions, backend, False, False)
+
+
+def apply_(
+    t: torch.Tensor,
+    freqs: torch.Tensor | RotaryTable,
+    spec: RoPESpec,
+    *,
+    start_positions: torch.Tensor | None = None,
+    backend: str | None = None,
+    grad_in_place: bool = False,
+) -> torch.Tensor:
+    """:func:`apply` in place: rotates the first ``d2`` channels of ``t`` and returns ``t``.
+
+    The pass-through channels are neither read nor written, so with partial rotary the call
+    moves ``d2 / d`` of the bytes :func:`apply` moves. Like torch's in-place ops it bumps
+    ``t``'s version counter and refuses a leaf that requires grad; the backward makes a new
+    gradient unless ``grad_in_place=True``, which lets it rotate the incoming gradient in place
+    (also ``d2 / d`` of the bytes). Use that only where nothing else reads that gradient
+    (a query or key whose only consumer is attention): a gradient that autograd shares with
+    another branch (``t`` also used in a sum, say) would be changed under it.
+    """
+    return _run(t, freqs, spec, start_positions, backend, True, grad_in_place)
+
+
+def _run(
+    t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
+    backend: str | None, in_place: bool, grad_in_place: bool,
+) -> torch.Tensor:
     key = None
     if start_positions is None and type(t) is torch.Tensor and not torch.compiler.is_compiling():
         key = (
             id(spec), id(freqs), t.shape, t.stride(), t.dtype, t.device,
             t.requires_grad and torch.is_grad_enabled(),
             backend if backend is not None else _scoped_or_env_backend()[0],
+            # what apply_'s writability checks look at, beyond shape and strides
+            in_place and (t.is_leaf, t.is_inference() and not torch.is_inference_mode_enabled()),
+            grad_in_place,
         )
         plan = _plans.get(key)
         if (
@@ -272,7 +306,9 @@ def apply(
             and _table_address(freqs) == plan.table_address
         ):
             return plan.run(t)
-    call = check_call(t, freqs, spec, start_positions)
+    call = check_call(
+        t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place
+    )
     chosen, final = _choose(call, backend)
     out = chosen.apply(call)
     if key is not None and final and not reads_values(spec):
@@ -319,13 +355,15 @@ def explain(
     *,
     start_positions: torch.Tensor | None = None,
     backend: str | None = None,
+    in_place: bool = False,
 ) -> Explanation:
-    """Which backend :func:`apply` would run for this call, why, and why not the others.
+    """Which backend :func:`apply` (:func:`apply_` with ``in_place=True``) would run for this
+    call, why, and why not the others.
 
     It measures nothing: where the autotune cache holds no entry yet, it says the first call
     would measure the candidates.
     """
-    call = check_call(t, freqs, spec, start_positions)
+    call = check_call(t, freqs, spec, start_positions, in_place=in_place)
     forced, source = requested_backend(backend)
     supported, rejected = capable_backends(call)
     notes = {b.name: n for b in registry.backends() if (n := getattr(b, "explain_note", lambda c: "")(call))}

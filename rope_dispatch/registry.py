@@ -44,6 +44,7 @@ class Backend:
     supports_start_positions: ClassVar[bool] = True
     supports_cos_sin_cache: ClassVar[bool] = True
     supports_autograd: ClassVar[bool] = True
+    supports_in_place: ClassVar[bool] = False
     max_numel: ClassVar[int | None] = None
 
     def unavailable_reasons(self) -> list[str]:
@@ -106,6 +107,8 @@ class Backend:
             reasons.append("start_positions is not supported")
         if call.uses_cache and not self.supports_cos_sin_cache:
             reasons.append("a CosSinCache table is not supported; pass the angle table")
+        if call.in_place and not self.supports_in_place:
+            reasons.append("in-place rotation (apply_) is not supported; it writes a new tensor")
         if t.requires_grad and torch.is_grad_enabled() and not self.supports_autograd:
             reasons.append("t requires grad but this backend has no backward")
         if self.max_numel is not None and t.numel() > self.max_numel:

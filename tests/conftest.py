@@ -3,6 +3,8 @@ cache lives in a temporary folder."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -31,3 +33,38 @@ def _isolated_autotune(tmp_path_factory):
     mp.setenv("ROPE_AUTOTUNE", "0")
     yield
     mp.undo()
+
+
+def _reprobe(backend) -> None:
+    backend.__dict__.pop("availability", None)
+    backend.__dict__.pop("_availability", None)
+    import rope_dispatch as rd
+
+    rd.dispatch.clear_decisions()
+
+
+@pytest.fixture(scope="module")
+def triton_backend():
+    """The registered triton backend, on Triton's CPU interpreter when there is no CUDA device.
+
+    ``TRITON_INTERPRET=1`` is set for the using module's duration only and the backend is
+    re-probed afterwards, so other modules still see it unavailable on a CPU-only machine.
+    """
+    pytest.importorskip("triton", reason="triton is not installed; the triton backend is unavailable")
+    import rope_dispatch as rd
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    backend = rd.get_backend("triton")
+    _reprobe(backend)
+    try:
+        if not backend.available:
+            pytest.skip(f"triton backend unavailable: {'; '.join(backend.availability)}")
+        yield backend
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+        _reprobe(backend)

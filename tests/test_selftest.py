@@ -23,6 +23,17 @@ class WrongSign(rd.Backend):
         return -rope_eager(call)
 
 
+class InPlaceNoOp(rd.Backend):
+    """Right out of place, but its apply_ leaves t as it was: the selftest must catch it."""
+
+    name = "in-place-no-op"
+    devices = frozenset({"cpu"})
+    supports_in_place = True
+
+    def apply(self, call):
+        return call.t if call.in_place else rope_eager(call)
+
+
 def test_selftest_cli_json():
     proc = subprocess.run(
         [sys.executable, "-m", "rope_dispatch.selftest", "--json", "--device", "cpu"],
@@ -45,3 +56,11 @@ def test_selftest_fails_on_a_wrong_backend(monkeypatch, capsys):
     assert selftest.main(["--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "wrong-sign" in out and "FAIL" in out
+
+
+def test_selftest_checks_apply_in_place(monkeypatch, capsys):
+    monkeypatch.setitem(registry._REGISTRY, "in-place-no-op", InPlaceNoOp())
+    monkeypatch.setattr(selftest, "GRID", selftest.GRID[:2])
+    assert selftest.main(["--device", "cpu"]) == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("in-place-no-op")]
+    assert lines and all("FAIL" in line for line in lines)

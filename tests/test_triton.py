@@ -10,7 +10,6 @@ past 2**31 elements, under torch.compile and opcheck.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
 import pytest
@@ -32,30 +31,8 @@ DEVICE = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.gpu
 
 
-def _reprobe(backend) -> None:
-    backend.__dict__.pop("availability", None)
-    backend.__dict__.pop("_availability", None)
-    rd.dispatch.clear_decisions()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def triton_backend():
-    """The registered triton backend, on the interpreter when there is no CUDA device."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    if not CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    backend = rd.get_backend("triton")
-    _reprobe(backend)
-    try:
-        if not backend.available:
-            pytest.skip(f"triton backend unavailable: {'; '.join(backend.availability)}")
-        yield backend
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-        _reprobe(backend)
+# the registered triton backend, on the interpreter when there is no CUDA device (conftest.py)
+pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
 def base_case(**changes) -> Case:

@@ -1,0 +1,200 @@
+"""``rope_dispatch.apply_``: in-place rotation against the float64 reference, forward and backward.
+
+Each check rotates a tensor that is a view into a larger buffer (``cases.build`` makes qkv
+slices, permuted and channel-strided layouts) and verifies three things: the rotary channels
+hold the reference result, every other element of the buffer (pass-through channels, other
+heads) is bit-for-bit unchanged, and autograd sees the new version. The eager backend runs
+everywhere; triton on the CPU interpreter (small shapes) or on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import rope_dispatch as rd
+from cases import Case, build, cases
+from reference import assert_matches, reference_forward_backward
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(params=["eager", "triton"])
+def backend(request):
+    if request.param == "triton":
+        request.getfixturevalue("triton_backend")
+    return request.param
+
+
+def _buffer(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+def _view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return buffer.as_strided(like.shape, like.stride(), like.storage_offset())
+
+
+def check_in_place(case: Case, backend: str, grad_in_place: bool = False) -> None:
+    t, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
+    d2 = case.rotary_dim
+    grad_out = torch.randn(t.shape, dtype=torch.float32).to(t.dtype).to(DEVICE)
+    ref_out, ref_grad = reference_forward_backward(t.cpu(), angles, spec, grad_out.cpu(), starts)
+
+    # no gradient: the tensor itself is rotated, nothing else in its buffer changes
+    buffer = _buffer(t)
+    before, version = buffer.clone(), t._version
+    out = rd.apply_(t, table, spec, start_positions=starts, backend=backend)
+    assert out is t and t._version > version
+    assert_matches(t[..., :d2], ref_out[..., :d2], t.dtype, "forward")
+    expected = before.clone()
+    _view(expected, t)[..., :d2] = t[..., :d2]
+    assert torch.equal(buffer, expected), "apply_ wrote outside the rotary channels of t"
+
+    # with a gradient: t is a view of a non-leaf; dL/dbuffer is the reference's dL/dt there
+    leaf = before.clone().requires_grad_(True)
+    x = _view(leaf * 1, t)
+    rd.apply_(x, table, spec, start_positions=starts, backend=backend, grad_in_place=grad_in_place)
+    assert_matches(x[..., :d2], ref_out[..., :d2], t.dtype, "forward with autograd")
+    incoming = grad_out.clone()
+    (grad,) = torch.autograd.grad(x, leaf, incoming)
+    expected_grad = torch.zeros_like(leaf)
+    _view(expected_grad, t).copy_(ref_grad.to(t.dtype))
+    assert_matches(grad, expected_grad, t.dtype, "backward")
+    if not grad_in_place:
+        assert torch.equal(incoming, grad_out), "the backward changed the incoming gradient"
+
+
+@settings(max_examples=25 if not CUDA else 60, deadline=None)
+@given(cases())
+def test_eager_in_place_matches_reference(case):
+    check_in_place(case, "eager")
+
+
+@settings(max_examples=20 if not CUDA else 60, deadline=None)
+@given(cases())
+def test_triton_in_place_matches_reference(triton_backend, case):
+    check_in_place(case, "triton")
+
+
+def _case(**changes) -> Case:
+    c = Case(
+        layout="sbhd", dtype=torch.bfloat16, seq=6, batch=2, heads=3, head_dim=16, rotary_dim=8,
+        interleaved=False, cp_size=1, cp_rank=0, seqlens=(3, 6, 4), with_starts=False,
+        strides="qkv-slice", use_cache=False, table_margin=2, seed=1,
+    )
+    return dataclasses.replace(c, **changes)
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gradient_in_place_gives_the_same_gradient(backend, layout, interleaved):
+    check_in_place(_case(layout=layout, interleaved=interleaved), backend, grad_in_place=True)
+
+
+def test_gradient_in_place_rotates_the_incoming_gradient(triton_backend):
+    t, table, spec, _, _ = build(_case(strides="contiguous"), DEVICE, requires_grad=False)
+    leaf = t.clone().requires_grad_(True)
+    x = rd.apply_(leaf * 1, table, spec, backend="triton", grad_in_place=True)
+    incoming = torch.randn_like(x)
+    original = incoming.clone()
+    (grad,) = torch.autograd.grad(x, leaf, incoming)
+    # the backward rotated the incoming gradient itself (leaf * 1 then copied it to grad)
+    assert torch.equal(incoming, grad) and not torch.equal(incoming, original)
+    # an expanded gradient (no two elements apart) cannot be written: a new one is made
+    x = rd.apply_(leaf * 1, table, spec, backend="triton", grad_in_place=True)
+    (grad,) = torch.autograd.grad(x.sum(), leaf)
+    assert grad.is_contiguous()
+
+
+def test_double_backward_through_apply_(backend):
+    """The gradient is differentiable with respect to the incoming gradient ``v``: the map is
+    linear, so d<g, w>/dv is the forward of ``w`` (grad_in_place yields to create_graph)."""
+    t, table, spec, _, _ = build(_case(dtype=torch.float32), DEVICE)
+    leaf = t.detach().clone().requires_grad_(True)
+    x = rd.apply_(leaf * 1, table, spec, backend=backend, grad_in_place=True)
+    v = torch.randn_like(x).requires_grad_(True)
+    (g,) = torch.autograd.grad(x, leaf, v, create_graph=True)
+    w = torch.randn_like(g)
+    (dv,) = torch.autograd.grad(g, v, w)
+    assert_matches(dv, rd.apply(w, table, spec, backend="eager"), torch.float32, "double backward")
+
+
+def test_refusals_name_the_problem(backend):
+    t, table, spec, _, _ = build(_case(strides="contiguous", dtype=torch.float32), DEVICE)
+    with pytest.raises(rd.RoPEError, match="t is a leaf tensor that requires grad"):
+        rd.apply_(t, table, spec, backend=backend)
+    expanded = torch.randn(1, 2, 3, 16, device=DEVICE).expand(6, 2, 3, 16)
+    with pytest.raises(rd.RoPEError, match=r"dim 0 \(size 6\) has stride 0"):
+        rd.apply_(expanded, table, spec, backend=backend)
+    with torch.inference_mode():
+        frozen = torch.randn(6, 2, 3, 16, device=DEVICE)
+    with pytest.raises(rd.RoPEError, match="t is an inference tensor and inference mode is off"):
+        rd.apply_(frozen, table, spec, backend=backend)
+    with torch.inference_mode():  # inside inference mode it is allowed
+        assert rd.apply_(frozen, table, spec, backend=backend) is frozen
+
+
+class OutOfPlaceOnly(rd.Backend):
+    """A backend that leaves ``supports_in_place`` at its default."""
+
+    name = "out-of-place-only"
+    priority = 1000
+
+    def apply(self, call):
+        raise AssertionError("never chosen for apply_")
+
+
+def test_backends_without_in_place_say_so(monkeypatch):
+    monkeypatch.setitem(rd.registry._REGISTRY, OutOfPlaceOnly.name, OutOfPlaceOnly())
+    rd.dispatch.clear_decisions()
+    t, table, spec, _, _ = build(_case(strides="contiguous"), DEVICE, requires_grad=False)
+    reason = "in-place rotation (apply_) is not supported; it writes a new tensor"
+    explanation = rd.explain(t, table, spec, in_place=True)
+    assert explanation.rejected[OutOfPlaceOnly.name] == [reason]
+    assert explanation.chosen in ("eager", "triton")
+    with pytest.raises(rd.BackendNotSupportedError, match=r"in-place rotation \(apply_\)"):
+        rd.apply_(t, table, spec, backend=OutOfPlaceOnly.name)
+    rd.apply_(t, table, spec)  # dispatch passes over it
+    assert not rd.get_backend("te").supports_in_place
+    assert not rd.get_backend("compile").supports_in_place
+    monkeypatch.undo()
+    rd.dispatch.clear_decisions()
+
+
+def test_repeated_in_place_calls_rotate_each_time(backend):
+    """A repeated call reuses its plan; rotating twice by the same angles is rotating by twice
+    the angles."""
+    t, _, spec, _, _ = build(_case(strides="contiguous", dtype=torch.float32), DEVICE, requires_grad=False)
+    half = torch.rand(12, 4) * 6  # both halves of a pair turn by the same angle: rotations
+    table = torch.cat((half, half), dim=-1).view(12, 1, 1, 8).to(DEVICE)
+    expected = rd.apply(t, 2 * table, spec, backend="eager")
+    for _ in range(2):
+        rd.apply_(t, table, spec, backend=backend)
+    assert_matches(t, expected, torch.float32, "two rotations")
+
+
+@pytest.mark.gpu
+def test_gpu_in_place_partial_rotary_repeated_and_unaligned(triton_backend):
+    """Large sbhd with rotary dim 64 of 128, through the first call, the bound launch of a
+    repeated call, and an unaligned input that the bound launch must hand back."""
+    from reference import reference_positions, reference_rope
+
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    angles = torch.outer(torch.arange(2048, dtype=torch.float64), inv)
+    freqs = torch.cat((angles, angles), dim=-1).float().view(2048, 1, 1, 64).cuda()
+    spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
+    shape = (2048, 2, 8, 128)
+    buffer = torch.randn(torch.Size(shape).numel() + 8, device="cuda").bfloat16()
+    positions = reference_positions("sbhd", shape)
+    for offset in (0, 0, 8, 1, 0):
+        with torch.no_grad():
+            x = buffer[offset:offset + torch.Size(shape).numel()].view(shape)
+            original = x.clone()
+            ref = reference_rope(original, freqs.view(2048, 64), positions, False)
+            assert rd.apply_(x, freqs, spec) is x
+        assert_matches(x, ref, torch.bfloat16, f"offset {offset}")
+        assert torch.equal(x[..., 64:], original[..., 64:])
