@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -33,7 +33,8 @@ import torch
 from torch.autograd.graph import increment_version
 
 from rope_dispatch.call import RoPECall
-from rope_dispatch.registry import Backend
+from rope_dispatch.spec import RoPESpec
+from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.tables import CosSinCache
 
 LAYOUT_CODES = {"sbhd": 0, "bshd": 1, "thd": 2}
@@ -487,14 +488,14 @@ def rope_triton(
     )
 
 
-def _bound_launch(
-    call: RoPECall, generic: Callable[[torch.Tensor], torch.Tensor]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A function launching ``call``'s compiled kernel (compiled by the call that just ran) on a
-    new input of the same shape, strides, dtype and device: an output allocation (none in
-    place), address reads and Triton's C launcher. Only a kernel compiled for a 16-byte aligned
-    input is bound; ``generic`` serves unaligned inputs and calls made while another device is
-    current."""
+def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
+    """A plan launching ``call``'s compiled kernel (compiled by the call that just ran) on a new
+    input of the same shape, strides, dtype and device: an output allocation (none in place),
+    address reads and Triton's C launcher. It holds addresses, never tensors, so it checks with
+    each call that ``freqs`` still holds the table it bound (not so when the call used a
+    contiguous copy of a strided table: then every call takes ``generic``). Only a kernel
+    compiled for a 16-byte aligned input is bound; ``generic`` also serves unaligned inputs and
+    calls made while another device is current."""
     t, spec, in_place = call.t, call.spec, call.in_place
     if type(call.table) is CosSinCache:
         table, sin = call.table.cos, call.table.sin
@@ -510,6 +511,7 @@ def _bound_launch(
         return generic
     run, prefix, grid, ints, consts = entry
     head = (grid, 1, 1)
+    table_address = tail[0]
     tail = tail + ints + consts
     device_index = key[-2]
     guard = _several_gpus()
@@ -519,18 +521,27 @@ def _bound_launch(
     empty_like = torch.empty_like
     dense = torch.contiguous_format
 
-    def launch_bound(x: torch.Tensor) -> torch.Tensor:
+    def bound_address(freqs: object) -> int:
+        return (freqs.cos if type(freqs) is CosSinCache else freqs).data_ptr()  # type: ignore[attr-defined]
+
+    def launch_bound(x: torch.Tensor, freqs: object, spec: RoPESpec) -> torch.Tensor:
         xp = x.data_ptr()
-        if xp & 15 or (guard and current_device() != device_index):
-            return generic(x)
+        if (
+            xp & 15 or bound_address(freqs) != table_address
+            or (guard and current_device() != device_index)
+        ):
+            return generic(x, freqs, spec)
         out = empty_like(x) if contiguous else empty_like(x, memory_format=dense)
         run(*head, stream(device_index), *prefix, xp, out.data_ptr(), *tail)
         return out
 
-    def launch_bound_in_place(x: torch.Tensor) -> torch.Tensor:
+    def launch_bound_in_place(x: torch.Tensor, freqs: object, spec: RoPESpec) -> torch.Tensor:
         xp = x.data_ptr()
-        if xp & 15 or (guard and current_device() != device_index):
-            return generic(x)
+        if (
+            xp & 15 or bound_address(freqs) != table_address
+            or (guard and current_device() != device_index)
+        ):
+            return generic(x, freqs, spec)
         run(*head, stream(device_index), *prefix, xp, xp, *tail)
         increment_version(x)
         return x
@@ -580,7 +591,7 @@ class TritonBackend(Backend):
             return ["the kernels were loaded for the interpreter but TRITON_INTERPRET is unset"]
         return []
 
-    def plan(self, call: RoPECall) -> Callable[[torch.Tensor], torch.Tensor]:
+    def plan(self, call: RoPECall) -> Plan:
         """Inference calls on sbhd/bshd launch the compiled kernel straight from the plan, with
         the call's constant arguments bound; anything else goes through :meth:`apply`."""
         generic = super().plan(call)

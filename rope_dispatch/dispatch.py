@@ -16,7 +16,7 @@ import contextvars
 import functools
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -227,20 +227,23 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
 
 class _Plan(NamedTuple):
     """A repeated call's checked and decided path: valid while ``spec`` and ``freqs`` are the
-    same objects and ``freqs`` still holds the same memory (``table_address``)."""
+    same objects and ``freqs`` still holds the same memory (``table_address``). Only weak
+    references: a plan never keeps a table alive."""
 
     spec: weakref.ref
     freqs: weakref.ref
-    table_address: int
-    run: Callable[[torch.Tensor], torch.Tensor]
+    table_address: int | tuple[int, int]
+    run: registry.Plan
 
 
 _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 256
 
 
-def _table_address(freqs: object) -> int:
-    return freqs.cos.data_ptr() if type(freqs) is CosSinCache else freqs.data_ptr()  # type: ignore[attr-defined]
+def _table_address(freqs: object) -> int | tuple[int, int]:
+    if type(freqs) is CosSinCache:
+        return freqs.cos.data_ptr(), freqs.sin.data_ptr()
+    return freqs.data_ptr()  # type: ignore[attr-defined]
 
 
 def apply(
@@ -305,7 +308,7 @@ def _run(
             plan is not None and plan.spec() is spec and plan.freqs() is freqs
             and _table_address(freqs) == plan.table_address
         ):
-            return plan.run(t)
+            return plan.run(t, freqs, spec)
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place
     )

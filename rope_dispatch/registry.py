@@ -22,11 +22,12 @@ import torch
 
 from .call import RoPECall
 from .errors import UnknownBackendError
-
-_new_call = tuple.__new__
-from .spec import dtype_name
+from .spec import RoPESpec, dtype_name
+from .tables import CosSinCache, angles_2d
 
 ALL_LAYOUTS = frozenset({"sbhd", "bshd", "thd"})
+_new_call = tuple.__new__
+Plan = Callable[[torch.Tensor, object, RoPESpec], torch.Tensor]
 ALL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
@@ -59,15 +60,22 @@ class Backend:
         """Run RoPE on a checked call; differentiable with respect to ``call.t``."""
         raise NotImplementedError
 
-    def plan(self, call: RoPECall) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A function that runs this backend on a new ``t`` of a call otherwise equal to
-        ``call`` (same spec, table, shape, strides, dtype, device and gradient mode), which
-        :func:`~rope_dispatch.apply` keeps for repeated calls. The default rebuilds the call
-        around the new tensor; a backend may prepare more (the Triton backend binds its launch).
+    def plan(self, call: RoPECall) -> Plan:
+        """A function ``run(t, freqs, spec)`` that runs this backend on a call equal to ``call``
+        but for ``t``'s data (same spec and table objects, shape, strides, dtype, device and
+        gradient mode), which :func:`~rope_dispatch.apply` keeps for repeated calls. It gets the
+        spec and table with each call and keeps no tensor of the call: a plan must not keep a
+        table alive. The default rebuilds the call around the new tensor; a backend may prepare
+        more (the Triton backend binds its launch).
         """
-        rest = tuple(call)[1:]
+        sizes = tuple(call)[3:]  # start_positions (None in a plan), sizes and flags
         run = self.apply
-        return lambda t: run(_new_call(RoPECall, (t, *rest)))
+
+        def run_call(t: torch.Tensor, freqs: object, spec: RoPESpec) -> torch.Tensor:
+            table = freqs if type(freqs) is CosSinCache else angles_2d(freqs)  # type: ignore[arg-type]
+            return run(_new_call(RoPECall, (t, table, spec, *sizes)))
+
+        return run_call
 
     @property
     def availability(self) -> tuple[str, ...]:

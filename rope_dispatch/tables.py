@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,30 +40,44 @@ class CosSinCache:
 RotaryTable = torch.Tensor | CosSinCache
 
 
-_recent_tables: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+# id(freqs) -> (weak reference to freqs, its address, whether it is [s2, 1, 1, d2]): tables
+# checked lately. No tensor is held (a view would keep its base alive), so a table is freed as
+# soon as its owner drops it, and its entry with it.
+_recent_tables: dict[int, tuple[weakref.ref, int, bool]] = {}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _recent_tables.get(key)
+    if entry is not None and entry[0] is ref:
+        del _recent_tables[key]
 
 
 def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
     """Check an angle table ``[s2, 1, 1, d2]`` or ``[s2, d2]`` and return it as ``[s2, d2]``.
 
     The result is a view when the input is contiguous float32 (the usual case), so a call pays
-    no copy; other strides are made contiguous here. The last few tables are remembered, so a
-    training step that passes the same table to every layer checks it once (while it is the
-    same object over the same memory and rows: ``freqs.data = ...`` or ``resize_`` start
-    afresh).
+    no copy; other strides are made contiguous here. The last few contiguous tables are
+    remembered, so a training step that passes the same table to every layer checks it once
+    (while it is the same object over the same memory and shape: ``freqs.data = ...`` or
+    ``resize_`` start afresh).
     """
     if torch.compiler.is_compiling():
         return _angles_2d(freqs, argument)
-    hit = _recent_tables.get(id(freqs))
-    if (
-        hit is not None and hit[0] is freqs and hit[1] == freqs.data_ptr()
-        and freqs.shape[0] == hit[2].shape[0]
-    ):
-        return hit[2]
+    key = id(freqs)
+    hit = _recent_tables.get(key)
+    if hit is not None and hit[0]() is freqs and hit[1] == freqs.data_ptr():
+        shape = freqs.shape
+        if hit[2] and len(shape) == 4 and freqs.is_contiguous():
+            return freqs.view(shape[0], shape[3])
+        if not hit[2] and len(shape) == 2 and freqs.is_contiguous():
+            return freqs
     table = _angles_2d(freqs, argument)
-    if len(_recent_tables) >= 8:
-        _recent_tables.clear()
-    _recent_tables[id(freqs)] = (freqs, freqs.data_ptr(), table)
+    if table.data_ptr() == freqs.data_ptr():  # a view, not a copy: worth remembering
+        if len(_recent_tables) >= 8:
+            _recent_tables.clear()
+        _recent_tables[key] = (
+            weakref.ref(freqs, lambda ref: _forget(key, ref)), freqs.data_ptr(), freqs.dim() == 4
+        )
     return table
 
 

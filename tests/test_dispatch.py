@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -231,3 +234,17 @@ def test_registering_a_backend_replaces_planned_choices(monkeypatch):
         registry.unregister("picky")
     rd.apply(t, f, spec)
     assert Picky.runs == 1
+
+
+def test_plans_and_remembered_tables_keep_no_table_alive(picky):
+    t = torch.randn(2, 6, 3, 8)
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    for make in (lambda: torch.rand(6, 1, 1, 8), lambda: torch.rand(6, 8),
+                 lambda: rd.cos_sin_cache(torch.rand(6, 8))):
+        f = make()
+        for _ in range(3):
+            rd.apply(t, f, spec)
+        ref = weakref.ref(f)
+        del f
+        gc.collect()
+        assert ref() is None, "a plan or the table memo kept the table alive"
