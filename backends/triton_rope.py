@@ -29,12 +29,11 @@ from types import ModuleType
 from typing import Any
 
 import torch
-
 from torch.autograd.graph import increment_version
 
-from rope_dispatch.call import RoPECall
-from rope_dispatch.spec import RoPESpec
+from rope_dispatch.call import RoPECall, expanded_dim
 from rope_dispatch.registry import Backend, Plan
+from rope_dispatch.spec import RoPESpec
 from rope_dispatch.tables import CosSinCache
 
 LAYOUT_CODES = {"sbhd": 0, "bshd": 1, "thd": 2}
@@ -341,18 +340,13 @@ class _RoPEInPlaceFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.grad_in_place and not torch.is_grad_enabled() and _writable(grad):
+        if ctx.grad_in_place and not torch.is_grad_enabled() and expanded_dim(grad) is None:
             with _on_device(grad):
                 launch(grad, grad, *ctx.tables, *ctx.settings, True, copy_pass=False)
             grad_x = grad
         else:
             grad_x = _RoPEFunction.apply(grad, *ctx.tables, *ctx.settings, True, ctx.grad_strides)
         return grad_x, None, None, None, None, None, None, None, None, None
-
-
-def _writable(t: torch.Tensor) -> bool:
-    """No two elements of ``t`` share memory (no expanded dimension)."""
-    return all(stride or size < 2 for size, stride in zip(t.shape, t.stride()))
 
 
 def _dense_strides(x: torch.Tensor) -> list[int] | None:

@@ -281,6 +281,12 @@ def check_call(
     ))
 
 
+def expanded_dim(t: torch.Tensor) -> int | None:
+    """The first dimension of ``t`` whose elements share memory (stride 0, size > 1), if any:
+    such a tensor cannot be written in place."""
+    return next((i for i, (n, s) in enumerate(zip(t.shape, t.stride())) if s == 0 and n > 1), None)
+
+
 def _check_writable(t: torch.Tensor) -> None:
     """What an in-place rotation of ``t`` needs, as torch's own in-place ops require it."""
     if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
@@ -288,12 +294,14 @@ def _check_writable(t: torch.Tensor) -> None:
             "apply_ rotates t in place, but t is a leaf tensor that requires grad (autograd "
             "needs its value); use rope_dispatch.apply, or pass a non-leaf such as t.clone()"
         )
-    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        if stride == 0 and size > 1:
-            raise RoPEError(
-                f"apply_ cannot rotate t in place: dim {dim} (size {size}) has stride 0, so its "
-                "elements share memory (an expanded tensor); use rope_dispatch.apply"
-            )
+    dim = expanded_dim(t)
+    if dim is not None:
+        raise RoPEError(
+            f"apply_ cannot rotate t in place: dim {dim} (size {t.shape[dim]}) has stride 0, so "
+            "its elements share memory (an expanded tensor); use rope_dispatch.apply"
+        )
+    if torch.compiler.is_compiling():
+        return  # inference tensors never reach a traced graph
     if t.is_inference() and not torch.is_inference_mode_enabled():
         raise RoPEError(
             "apply_ cannot rotate t in place: t is an inference tensor and inference mode is "

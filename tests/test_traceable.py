@@ -1,4 +1,4 @@
-"""``rope_dispatch.apply`` inside ``torch.compile(fullgraph=True)``: dispatch itself never breaks
+"""``rope_dispatch.apply`` and ``apply_`` inside ``torch.compile(fullgraph=True)``: dispatch itself never breaks
 the graph (the backends' own kernels are tested in their files)."""
 
 from __future__ import annotations
@@ -32,6 +32,26 @@ def test_fullgraph_forward_backward(layout):
     ref_out, ref_grad = reference_forward_backward(t, freqs.view(12, 16), spec, 2 * grad_out, starts)
     assert_matches(out, 2 * ref_out, torch.float32)
     assert_matches(grad, ref_grad, torch.float32)
+
+
+def test_fullgraph_in_place_forward_backward():
+    """apply_ traces too: the in-place rotation of an intermediate, and its gradient."""
+    torch._dynamo.reset()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    freqs = torch.rand(12, 1, 1, 8) * 10
+
+    def step(x):
+        y = x * 2
+        return rd.apply_(y, freqs, spec, backend="eager") + 1
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    t = torch.randn(9, 2, 3, 16, requires_grad=True)
+    out = compiled(t)
+    grad_out = torch.randn(out.shape)
+    (grad,) = torch.autograd.grad(out, t, grad_out)
+    ref_out, ref_grad = reference_forward_backward(2 * t.detach(), freqs.view(12, 8), spec, grad_out)
+    assert_matches(out, ref_out + 1, torch.float32)
+    assert_matches(grad, 2 * ref_grad, torch.float32)
 
 
 def test_overrides_are_read_at_trace_time(monkeypatch):
