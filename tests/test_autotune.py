@@ -415,3 +415,26 @@ def test_real_compile_backend_is_timed_without_its_compile_time(cache, measureme
         for backend in removed.values():
             registry.register(backend)
         autotune.clear_cache(memory_only=True)
+
+
+def test_in_place_calls_have_their_own_key_and_rotate_t_once(fakes, measurements):
+    for backend in fakes.values():
+        backend.supports_in_place = True  # both fakes run the eager math, which has apply_
+    rd.dispatch.clear_decisions()
+    t, freqs = inputs()
+    rd.apply(t, freqs, SPEC)
+    expected = reference_for(t, freqs, SPEC)
+    assert rd.apply_(t, freqs, SPEC) is t
+    assert measurements() == 2  # in place is a key of its own
+    assert_matches(t, expected, torch.float32)  # measuring used copies: t was rotated once
+    (entry,) = [e for e in rd.cache_entries() if e["fields"].get("in_place")]
+    assert entry["choice"] == "fast" and entry["measured"] == "forward"
+    leaf, _ = inputs(requires_grad=True, seed=2)
+    x = leaf * 1  # a non-leaf: apply_ with a gradient, timed on a clone per call
+    expected = reference_for(x.detach(), freqs, SPEC)
+    rd.apply_(x, freqs, SPEC)
+    assert measurements() == 3
+    assert_matches(x, expected, torch.float32)
+    (grad,) = torch.autograd.grad(x.sum(), leaf)
+    _, ref_grad = reference_forward_backward(leaf.detach(), freqs, SPEC, torch.ones_like(grad))
+    assert_matches(grad, ref_grad, torch.float32, "grad")
