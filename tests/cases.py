@@ -7,6 +7,7 @@ of a bigger buffer, as a qkv split makes), an angle table with unequal halves, a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,18 @@ class Case:
     use_cache: bool
     table_margin: int
     seed: int
+
+
+_FIXED = Case(
+    layout="sbhd", dtype=torch.float32, seq=5, batch=2, heads=3, head_dim=16, rotary_dim=16,
+    interleaved=False, cp_size=1, cp_rank=0, seqlens=(3, 6, 4), with_starts=False,
+    strides="contiguous", use_cache=False, table_margin=2, seed=0,
+)
+
+
+def fixed_case(**changes) -> Case:
+    """A small fixed case (sbhd fp32 s5 b2 h3 d16, full rotary, contiguous) with ``changes``."""
+    return dataclasses.replace(_FIXED, **changes)
 
 
 @st.composite

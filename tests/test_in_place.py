@@ -9,14 +9,13 @@ everywhere; triton on the CPU interpreter (small shapes) or on the GPU.
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 from hypothesis import given, settings
 
 import rope_dispatch as rd
-from cases import Case, build, cases
+from cases import Case, build, cases, fixed_case
 from reference import assert_matches, reference_forward_backward
 
 CUDA = torch.cuda.is_available()
@@ -81,12 +80,9 @@ def test_triton_in_place_matches_reference(triton_backend, case):
 
 
 def _case(**changes) -> Case:
-    c = Case(
-        layout="sbhd", dtype=torch.bfloat16, seq=6, batch=2, heads=3, head_dim=16, rotary_dim=8,
-        interleaved=False, cp_size=1, cp_rank=0, seqlens=(3, 6, 4), with_starts=False,
-        strides="qkv-slice", use_cache=False, table_margin=2, seed=1,
-    )
-    return dataclasses.replace(c, **changes)
+    """bf16 partial rotary on a qkv slice unless ``changes`` say otherwise."""
+    defaults = dict(dtype=torch.bfloat16, seq=6, rotary_dim=8, strides="qkv-slice", seed=1)
+    return fixed_case(**{**defaults, **changes})
 
 
 @pytest.mark.parametrize("layout", ["sbhd", "bshd", "thd"])

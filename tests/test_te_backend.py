@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 
 import rope_dispatch as rd
-from cases import Case, build, cases
+from cases import Case, build, cases, fixed_case
 from reference import assert_matches, reference_for, reference_forward_backward
 from rope_dispatch.backends import te as te_module
 from rope_dispatch.backends.te import TEBackend, TEInfo, load_te, parse_release, te_arguments, te_reasons
@@ -283,12 +283,10 @@ def test_te_matches_reference(c):
 
 
 def gpu_case(**changes) -> Case:
-    base = Case(
-        layout="sbhd", dtype=torch.bfloat16, seq=128, batch=2, heads=8, head_dim=128,
-        rotary_dim=128, interleaved=False, cp_size=1, cp_rank=0, seqlens=(), with_starts=False,
-        strides="contiguous", use_cache=False, table_margin=5, seed=1,
-    )
-    return dataclasses.replace(base, **changes)
+    """A GPU-sized bf16 case (s128 b2 h8 d128) unless ``changes`` say otherwise."""
+    defaults = dict(dtype=torch.bfloat16, seq=128, heads=8, head_dim=128, rotary_dim=128,
+                    seqlens=(), table_margin=5, seed=1)
+    return fixed_case(**{**defaults, **changes})
 
 
 GPU_CASES = {

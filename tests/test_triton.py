@@ -9,7 +9,6 @@ past 2**31 elements, under torch.compile and opcheck.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import pytest
@@ -18,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rope_dispatch as rd
-from cases import Case, build, cases
+from cases import Case, build, cases, fixed_case
 from reference import (
     assert_matches, reference_for, reference_forward_backward, reference_positions, reference_rope,
 )
@@ -33,15 +32,6 @@ gpu = pytest.mark.gpu
 
 # the registered triton backend, on the interpreter when there is no CUDA device (conftest.py)
 pytestmark = pytest.mark.usefixtures("triton_backend")
-
-
-def base_case(**changes) -> Case:
-    c = Case(
-        layout="sbhd", dtype=torch.float32, seq=5, batch=2, heads=3, head_dim=16, rotary_dim=16,
-        interleaved=False, cp_size=1, cp_rank=0, seqlens=(3, 6, 4), with_starts=False,
-        strides="contiguous", use_cache=False, table_margin=2, seed=0,
-    )
-    return dataclasses.replace(c, **changes)
 
 
 def check_case(case: Case, device: str = DEVICE) -> None:
@@ -69,7 +59,7 @@ def test_matches_reference(case):
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_every_layout_both_pairings_half_dtypes(layout, interleaved):
     for dtype, cache in ((torch.bfloat16, False), (torch.float16, True)):
-        check_case(base_case(layout=layout, interleaved=interleaved, dtype=dtype, use_cache=cache,
+        check_case(fixed_case(layout=layout, interleaved=interleaved, dtype=dtype, use_cache=cache,
                              rotary_dim=10, head_dim=16, with_starts=True, strides="qkv-slice"))
 
 
@@ -77,7 +67,7 @@ def test_every_layout_both_pairings_half_dtypes(layout, interleaved):
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 def test_context_parallel_ranks(layout, cp_size, cp_rank):
     seqlens = tuple(2 * cp_size * n for n in (1, 0, 3, 2))
-    check_case(base_case(layout=layout, cp_size=cp_size, cp_rank=cp_rank, seq=6, seqlens=seqlens,
+    check_case(fixed_case(layout=layout, cp_size=cp_size, cp_rank=cp_rank, seq=6, seqlens=seqlens,
                          interleaved=cp_rank % 2 == 1, strides="permuted"))
 
 
@@ -91,7 +81,7 @@ def test_thd_sequence_lookup_both_ways(monkeypatch, scan_limit, cp_size, cp_rank
     monkeypatch.setattr(triton_rope, "SEQ_SCAN_LIMIT", scan_limit)
     monkeypatch.setattr(triton_rope, "_fast", {})
     seqlens = tuple(2 * cp_size * n for n in (3, 0, 1, 0, 5, 2, 4))
-    check_case(base_case(layout="thd", cp_size=cp_size, cp_rank=cp_rank, seqlens=seqlens,
+    check_case(fixed_case(layout="thd", cp_size=cp_size, cp_rank=cp_rank, seqlens=seqlens,
                          with_starts=with_starts, heads=2))
 
 
@@ -106,7 +96,7 @@ def test_launch_configurations(config, layout):
     """Every way of cutting tokens and heads into programs gives the reference's result."""
     from rope_dispatch.backends import triton_rope
 
-    case = base_case(layout=layout, heads=5, seq=7, batch=3, seqlens=(5, 1, 9), rotary_dim=12,
+    case = fixed_case(layout=layout, heads=5, seq=7, batch=3, seqlens=(5, 1, 9), rotary_dim=12,
                      with_starts=True, strides="channel-strided")
     t, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
     bt, bh, hi, warps = config
@@ -121,7 +111,7 @@ def test_launch_configurations(config, layout):
 
 
 def test_output_is_written_everywhere_and_input_untouched():
-    case = base_case(layout="bshd", rotary_dim=6, head_dim=12, heads=4, seq=9)
+    case = fixed_case(layout="bshd", rotary_dim=6, head_dim=12, heads=4, seq=9)
     t, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
     before = t.clone()
     out = rd.apply(t, table, spec, backend="triton")
