@@ -99,8 +99,7 @@ def _check_cu_seqlens(spec: RoPESpec, tokens: int, table_len: int, starts: list[
     cu = spec.cu_seqlens
     assert cu is not None
     cp = spec.cp_size
-    on_host = cu.device.type == "cpu"
-    if not _host_reads_allowed() or (not on_host and spec.max_seqlen is not None):
+    if not _host_reads_allowed() or not reads_values(spec):
         if spec.max_seqlen is not None and spec.max_seqlen > table_len:
             raise RoPEError(
                 f"freqs has {table_len} positions but max_seqlen={spec.max_seqlen}; the table "
