@@ -525,22 +525,15 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
             or (guard and current_device() != device_index)
         ):
             return generic(x, freqs, spec)
+        if in_place:
+            run(*head, stream(device_index), *prefix, xp, xp, *tail)
+            increment_version(x)
+            return x
         out = empty_like(x) if contiguous else empty_like(x, memory_format=dense)
         run(*head, stream(device_index), *prefix, xp, out.data_ptr(), *tail)
         return out
 
-    def launch_bound_in_place(x: torch.Tensor, freqs: object, spec: RoPESpec) -> torch.Tensor:
-        xp = x.data_ptr()
-        if (
-            xp & 15 or bound_address(freqs) != table_address
-            or (guard and current_device() != device_index)
-        ):
-            return generic(x, freqs, spec)
-        run(*head, stream(device_index), *prefix, xp, xp, *tail)
-        increment_version(x)
-        return x
-
-    return launch_bound_in_place if in_place else launch_bound
+    return launch_bound
 
 
 def _interpret_requested() -> bool:
