@@ -42,7 +42,7 @@ def positions(
         seq = torch.searchsorted(cu[1:], token, right=True).clamp_(max=cu.numel() - 2)
         local = token - cu[seq]
         if cp_size > 1:
-            return zigzag_positions(local, cu[seq + 1] - cu[seq], cp_size, cp_rank)
+            local = zigzag_positions(local, cu[seq + 1] - cu[seq], cp_size, cp_rank)
         return local if starts is None else local + starts[seq]
     seq_len = shape[0] if layout == "sbhd" else shape[1]
     local = torch.arange(seq_len, device=device)

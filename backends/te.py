@@ -3,7 +3,7 @@
 TransformerEngine defines the semantics rope-dispatch follows, so this backend is the
 reference implementation where it runs. It is imported lazily, from whichever module the
 installed version keeps it in, and checked against what that version's fused kernel can do.
-What the TE 2.9 sources show (``common/fused_rope/fused_rope.cu``, ``pytorch/csrc/extensions/
+What the TE 2.9-2.20 sources show (``common/fused_rope/fused_rope.cu``, ``pytorch/csrc/extensions/
 apply_rope.cpp``, ``pytorch/attention/rope.py``), and how this backend answers it:
 
 - ``freqs`` must be float32 ``[s2, 1, 1, d2]`` and is read as a contiguous array: we pass a
@@ -16,8 +16,10 @@ apply_rope.cpp``, ``pytorch/attention/rope.py``), and how this backend answers i
   refused.
 - The grid is ``(s, b)`` (``(s2, number of sequences)`` for thd): the second axis holds at most
   65,535, so larger batches are refused.
-- The backward kernel has no ``start_positions`` argument (it rotates gradients as if every
-  sequence started at 0): ``start_positions`` is refused when autograd records the call.
+- Before 2.10 the backward kernel had no ``start_positions`` argument (it rotated gradients as
+  if every sequence started at 0) and the forward ignored them under context parallelism: with
+  such a version ``start_positions`` is refused when autograd records the call or ``cp_size > 1``.
+  2.10 (PR #2188) adds the start position to the zigzag position in both directions.
 - Any input strides are read directly, and the output is a new contiguous tensor.
 - Inside ``torch.compile`` it refuses: the pybind call cannot be traced and would break the
   graph, where the other backends fuse or trace.
@@ -44,6 +46,7 @@ MODULE_PATHS = (
     "transformer_engine.pytorch.attention",  # before 2.2
 )
 FEATURES_SINCE = (2, 3)  # interleaved, start_positions, context parallel for sbhd/bshd (fused)
+STARTS_EVERYWHERE_SINCE = (2, 10)  # start_positions in the backward and with context parallelism
 INT32_LIMIT = 2**31
 GRID_Y_LIMIT = 65535
 INSTALL_HINT = "pip install 'transformer-engine[pytorch]>=2.2'"
@@ -142,10 +145,12 @@ def load_te(import_module: Callable[[str], object] = importlib.import_module) ->
     ]
 
 
-def _version_reason(info: TEInfo, feature: str) -> str | None:
-    if info.at_least(FEATURES_SINCE):
+def _version_reason(
+    info: TEInfo, feature: str, since: tuple[int, ...] = FEATURES_SINCE
+) -> str | None:
+    if info.at_least(since):
         return None
-    need = ".".join(map(str, FEATURES_SINCE))
+    need = ".".join(map(str, since))
     if info.release is None:
         return (
             f"{feature} needs TransformerEngine {need} or newer, and the installed version "
@@ -169,12 +174,19 @@ def te_reasons(call: RoPECall, info: TEInfo) -> list[str]:
         if (why := _version_reason(info, "start_positions in the fused kernel")) is not None:
             reasons.append(why)
         if t.requires_grad and torch.is_grad_enabled():
-            reasons.append(
-                "start_positions while t requires grad: TransformerEngine's fused backward "
-                f"(checked up to 2.9; installed {info.version}) ignores start_positions and "
-                "would rotate the gradient by the wrong positions; run it under torch.no_grad() "
-                "(inference) or use another backend"
+            why = _version_reason(
+                info, "start_positions while t requires grad (the fused backward ignores them "
+                "before 2.10)", STARTS_EVERYWHERE_SINCE,
             )
+            if why is not None:
+                reasons.append(why)
+        if spec.cp_size > 1:
+            why = _version_reason(
+                info, f"start_positions with context parallelism (cp_size={spec.cp_size})",
+                STARTS_EVERYWHERE_SINCE,
+            )
+            if why is not None:
+                reasons.append(why)
     if spec.layout == "thd":
         wanted["cu_seqlens"] = True
     if spec.cp_size > 1:

@@ -115,8 +115,8 @@ def _positions(
     LAYOUT: tl.constexpr, HAS_STARTS: tl.constexpr, CONTEXT_PARALLEL: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
 ):
-    """The table row of each token: its position in its sequence (zigzag under CP), plus its
-    sequence's start position.
+    """The table row of each token: its sequence's start position plus its position in the
+    sequence (the zigzag position under context parallelism), as TransformerEngine 2.10+ adds them.
 
     For thd the sequence comes from cu_seqlens: with ``SEQ_BLOCK`` > 0 (at most that many
     offsets) from one load of all offsets, compared with every token at once (no chain of
@@ -170,8 +170,8 @@ def _positions(
         )
     else:
         pos = local
-        if HAS_STARTS:
-            pos += tl.load(starts_ptr + seq, mask=tok_mask, other=0).to(tl.int32)
+    if HAS_STARTS:
+        pos += tl.load(starts_ptr + seq, mask=tok_mask, other=0).to(tl.int32)
     return tl.minimum(tl.maximum(pos, 0), table_len - 1)  # never read outside the table
 
 

@@ -3,7 +3,7 @@
 >>> spec = rope_dispatch.RoPESpec(layout="sbhd", dtype="bf16")
 >>> out = rope_dispatch.apply(q, freqs, spec)
 
-Semantics are TransformerEngine 2.9 ``apply_rotary_pos_emb``; see docs/semantics.md.
+Semantics are TransformerEngine 2.20.2 ``apply_rotary_pos_emb``; see docs/semantics.md.
 """
 
 from __future__ import annotations

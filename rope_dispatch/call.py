@@ -152,10 +152,6 @@ def _check_start_positions(
         raise TypeError(
             f"start_positions must be an int tensor [b] or None, got {type(start_positions).__name__}"
         )
-    if spec.cp_size > 1:
-        raise RoPEError(
-            f"start_positions cannot be combined with context parallelism (cp_size={spec.cp_size})"
-        )
     if start_positions.dtype not in (torch.int32, torch.int64):
         raise RoPEError(
             f"start_positions must be int32 or int64, got {dtype_name(start_positions.dtype)}"
@@ -178,10 +174,12 @@ def _check_start_positions(
     starts = start_positions.tolist()
     if starts and min(starts) < 0:
         raise RoPEError(f"start_positions must be >= 0, got {min(starts)}")
-    if spec.layout != "thd" and starts and max(starts) + seq_len > table_len:
+    cp = spec.cp_size
+    if spec.layout != "thd" and starts and max(starts) + seq_len * cp > table_len:
+        span = f"sequence length {seq_len}" + (f" x cp_size={cp}" if cp > 1 else "")
         raise RoPEError(
-            f"freqs has {table_len} positions but start_positions max {max(starts)} + "
-            f"sequence length {seq_len} needs {max(starts) + seq_len}"
+            f"freqs has {table_len} positions but start_positions max {max(starts)} + {span} "
+            f"needs {max(starts) + seq_len * cp}"
         )
     return starts
 

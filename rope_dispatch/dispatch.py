@@ -254,7 +254,7 @@ def apply(
     start_positions: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Rotary position embedding of ``t`` (TransformerEngine 2.9 ``apply_rotary_pos_emb``).
+    """Rotary position embedding of ``t`` (TransformerEngine 2.20.2 ``apply_rotary_pos_emb``).
 
     ``freqs`` is the float32 angle table ``[s2, 1, 1, d2]`` (or ``[s2, d2]``) or a
     :class:`~rope_dispatch.CosSinCache`. Returns a new tensor, contiguous in ``spec.layout``;

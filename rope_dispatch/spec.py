@@ -68,7 +68,7 @@ def check_cu_seqlens_tensor(cu_seqlens: Any) -> None:
 class RoPESpec(BaseModel):
     """What a RoPE call looks like, validated once and reused every step.
 
-    Semantics are TransformerEngine 2.9 ``apply_rotary_pos_emb``. The static fields (all but
+    Semantics are TransformerEngine 2.20.2 ``apply_rotary_pos_emb``. The static fields (all but
     ``cu_seqlens``) form :attr:`static_key`, a hashable tuple that dispatch and autotune key on.
     For ``thd`` batches that change every step, build the spec once and call
     :meth:`with_cu_seqlens` per step: it checks the tensor and skips full validation.

@@ -52,9 +52,12 @@ def fixed_case(**changes) -> Case:
 
 
 @st.composite
-def cases(draw, layouts=("sbhd", "bshd", "thd"), dtypes=DTYPES, max_seq: int = 12) -> Case:
+def cases(
+    draw, layouts=("sbhd", "bshd", "thd"), dtypes=DTYPES, max_seq: int = 12,
+    cp_sizes=(1, 1, 2, 3), starts=(False, True),
+) -> Case:
     layout = draw(st.sampled_from(layouts))
-    cp_size = draw(st.sampled_from((1, 1, 2, 3)))
+    cp_size = draw(st.sampled_from(cp_sizes))
     cp_rank = draw(st.integers(0, cp_size - 1))
     head_dim = draw(st.sampled_from((4, 8, 12, 16, 32)))
     rotary_dim = 2 * draw(st.integers(1, head_dim // 2))
@@ -78,7 +81,7 @@ def cases(draw, layouts=("sbhd", "bshd", "thd"), dtypes=DTYPES, max_seq: int = 1
         cp_size=cp_size,
         cp_rank=cp_rank,
         seqlens=seqlens,
-        with_starts=cp_size == 1 and draw(st.booleans()),
+        with_starts=draw(st.sampled_from(starts)),
         strides=draw(st.sampled_from(STRIDES)),
         use_cache=draw(st.booleans()),
         table_margin=draw(st.integers(0, 5)),

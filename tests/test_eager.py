@@ -28,6 +28,12 @@ def test_eager_matches_reference(case):
     check_backend(case, "eager")
 
 
+@given(cases(cp_sizes=(2, 3, 4), starts=(True,)))
+def test_start_positions_with_context_parallelism(case):
+    """TE 2.10+: a token's row is its sequence's start plus its zigzag position; gradients too."""
+    check_backend(case, "eager")
+
+
 @pytest.mark.gpu
 @given(cases())
 def test_eager_matches_reference_on_cuda(case):

@@ -1,6 +1,6 @@
 """The TransformerEngine backend: what CI sees (no TE), the version gating and argument
-translation (with a fake TE on CPU), and, on the GPU machine, TE 2.9 against the float64
-reference (``pytest -m gpu tests/test_te_backend.py``)."""
+translation (with a fake TE on CPU), and, on the GPU machine, the installed TE (2.20.2 there)
+against the float64 reference (``pytest -m gpu tests/test_te_backend.py``)."""
 
 from __future__ import annotations
 
@@ -179,11 +179,23 @@ def test_missing_arguments_are_named():
     ]
 
 
-def test_start_positions_with_grad_is_refused_with_the_reason():
+def test_start_positions_with_grad_needs_2_10():
     (reason,) = te_reasons(make_call(starts=True, grad=True), info("2.9.0"))
-    assert "fused backward" in reason and "ignores start_positions" in reason
+    assert "start_positions while t requires grad" in reason and "fused backward" in reason
+    assert "needs TransformerEngine 2.10 or newer; installed 2.9.0" in reason
     with torch.no_grad():
         assert te_reasons(make_call(starts=True, grad=True), info("2.9.0")) == []
+    for version in ("2.10.0", "2.20.2"):
+        assert te_reasons(make_call(starts=True, grad=True), info(version)) == []
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "bshd", "thd"])
+def test_start_positions_with_context_parallelism_needs_2_10(layout):
+    call = make_call(layout, starts=True, cp_size=2, cp_rank=1)
+    (reason,) = te_reasons(call, info("2.9.0"))
+    assert "start_positions with context parallelism (cp_size=2)" in reason
+    assert "needs TransformerEngine 2.10 or newer; installed 2.9.0" in reason
+    assert te_reasons(call, info("2.20.2")) == []
 
 
 def test_int32_offsets_and_grid_limits():
@@ -250,7 +262,7 @@ def test_apply_when_unavailable_raises_with_the_reasons():
         backend.apply(make_call())
 
 
-# --- on the GPU machine, with TransformerEngine 2.9 -----------------------------------------
+# --- on the GPU machine, with the installed TransformerEngine ---------------------------------
 
 def _te_or_skip() -> TEBackend:
     backend = rd.get_backend("te")
@@ -260,8 +272,9 @@ def _te_or_skip() -> TEBackend:
 
 
 def check_te(c: Case) -> None:
-    """TE through rope_dispatch against the float64 reference; gradients unless TE refuses them."""
-    grad = not c.with_starts  # TE's backward ignores start_positions: forward only there
+    """TE through rope_dispatch against the float64 reference; gradients unless the installed
+    TE refuses them (start_positions before 2.10)."""
+    grad = not c.with_starts or _te_or_skip().info.at_least(te_module.STARTS_EVERYWHERE_SINCE)
     t, table, spec, starts, angles = build(c, "cuda", requires_grad=grad)
     out = rd.apply(t, table, spec, start_positions=starts, backend="te")
     assert out.dtype == t.dtype and out.device == t.device and out.is_contiguous()
@@ -303,8 +316,8 @@ GPU_CASES = {
     }.items()
 }
 CP_CASES = {
-    f"{layout}-cp{cp}-rank{rank}{'-interleaved' if inter else ''}": gpu_case(
-        layout=layout, cp_size=cp, cp_rank=rank, interleaved=inter, seq=64,
+    f"{layout}-cp{cp}-rank{rank}{'-interleaved' if inter else '-starts'}": gpu_case(
+        layout=layout, cp_size=cp, cp_rank=rank, interleaved=inter, with_starts=not inter, seq=64,
         seqlens=tuple(2 * cp * n for n in (5, 16, 1)),
     )
     for layout in ("sbhd", "bshd", "thd")
@@ -341,13 +354,14 @@ def test_te_agrees_with_eager_and_reports_its_version():
 
 @pytest.mark.gpu
 def test_te_refusals_on_cuda():
-    _te_or_skip()
+    backend = _te_or_skip()
     c = gpu_case(with_starts=True, seq=16)
     t, table, spec, starts, angles = build(c, "cuda", requires_grad=True)
-    with pytest.raises(rd.BackendNotSupportedError, match="ignores start_positions"):
-        rd.apply(t, table, spec, start_positions=starts, backend="te")
-    explanation = rd.explain(t, table, spec, start_positions=starts)
-    assert explanation.chosen != "te" and "ignores start_positions" in " ".join(explanation.rejected["te"])
+    if not backend.info.at_least(te_module.STARTS_EVERYWHERE_SINCE):
+        with pytest.raises(rd.BackendNotSupportedError, match="start_positions while t requires grad"):
+            rd.apply(t, table, spec, start_positions=starts, backend="te")
+    else:
+        assert "te" not in rd.explain(t, table, spec, start_positions=starts).rejected
     with pytest.raises(rd.BackendNotSupportedError, match="TE reads angles"):
         rd.apply(t.detach(), rd.cos_sin_cache(table), spec, backend="te")
 

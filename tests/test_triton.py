@@ -65,10 +65,18 @@ def test_every_layout_both_pairings_half_dtypes(layout, interleaved):
 
 @pytest.mark.parametrize("cp_size,cp_rank", [(2, 0), (2, 1), (4, 3)])
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
-def test_context_parallel_ranks(layout, cp_size, cp_rank):
+@pytest.mark.parametrize("with_starts", [False, True])
+def test_context_parallel_ranks(layout, cp_size, cp_rank, with_starts):
     seqlens = tuple(2 * cp_size * n for n in (1, 0, 3, 2))
     check_case(fixed_case(layout=layout, cp_size=cp_size, cp_rank=cp_rank, seq=6, seqlens=seqlens,
-                         interleaved=cp_rank % 2 == 1, strides="permuted"))
+                         interleaved=cp_rank % 2 == 1, strides="permuted", with_starts=with_starts))
+
+
+@settings(max_examples=20, deadline=None)
+@given(cases(cp_sizes=(2, 3, 4), starts=(True,)))
+def test_start_positions_with_context_parallelism(case):
+    """TE 2.10+: a token's row is its sequence's start plus its zigzag position, both ways."""
+    check_case(case)
 
 
 @pytest.mark.parametrize("scan_limit", [0, 256])
