@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import RoPEError
 
@@ -65,6 +65,20 @@ def check_cu_seqlens_tensor(cu_seqlens: Any) -> None:
         )
 
 
+def _spec_problem(exc: ValidationError) -> str:
+    """A pydantic validation failure as one sentence per field, with the value it got."""
+    problems = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] != "value_error":  # pydantic's own words: add what it got
+            message = f"{message} (got {repr(error['input'])[:80]})"
+        if field and not message.startswith(field):
+            message = f"{field}: {message}"
+        problems.append(message)
+    return "invalid RoPESpec: " + "; ".join(problems)
+
+
 class RoPESpec(BaseModel):
     """What a RoPE call looks like, validated once and reused every step.
 
@@ -95,6 +109,13 @@ class RoPESpec(BaseModel):
     )
     cp_size: int = Field(default=1, description="context-parallel world size")
     cp_rank: int = Field(default=0, description="this rank in the context-parallel group")
+
+    def __init__(self, **fields: Any) -> None:
+        """Validate ``fields``; a bad one raises :class:`~rope_dispatch.RoPEError` naming it."""
+        try:
+            super().__init__(**fields)
+        except ValidationError as exc:
+            raise RoPEError(_spec_problem(exc)) from None
 
     @model_validator(mode="after")
     def _check(self) -> RoPESpec:

@@ -40,9 +40,10 @@ def call(t=None, freqs=None, spec=None, **kw):
     ],
 )
 def test_bad_spec(fields, words):
-    with pytest.raises(ValidationError) as info:
+    with pytest.raises(rd.RoPEError) as info:
         rd.RoPESpec(**fields)
     assert isinstance(info.value, ValueError)
+    assert str(info.value).startswith("invalid RoPESpec: ")
     for word in words:
         assert word in str(info.value), (word, str(info.value))
 
