@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rope_dispatch.call import RoPECall
+from rope_dispatch.call import RoPECall, qkv_parts
 from rope_dispatch.registry import Backend
 from rope_dispatch.tables import table_cos_sin
 
@@ -97,9 +97,13 @@ def rope_tensors(
     return torch.cat((rotated, t[..., d2:]), dim=-1)
 
 
-def rope_eager(call: RoPECall) -> torch.Tensor:
+def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE of a checked call in plain PyTorch (see :func:`rope_tensors`); in place, the
-    rotated channels are computed apart and copied back (autograd sees a ``copy_``)."""
+    rotated channels are computed apart and copied back (autograd sees a ``copy_``). A packed
+    qkv call is split into q and k calls and a copy of v."""
+    if call.tensors == "qkv":
+        q_call, k_call, v = qkv_parts(call)
+        return rope_eager(q_call), rope_eager(k_call), v.clone(memory_format=torch.contiguous_format)
     spec = call.spec
     cos, sin = table_cos_sin(call.table)
     t = call.t[..., : call.rotary_dim] if call.in_place else call.t
@@ -120,6 +124,7 @@ class EagerBackend(Backend):
     description = "plain PyTorch ops (reference semantics, CPU and CUDA)"
     priority = 0
     supports_in_place = True
+    tensors = frozenset({"t", "qkv"})
 
-    def apply(self, call: RoPECall) -> torch.Tensor:
+    def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:
         return rope_eager(call)

@@ -23,6 +23,12 @@ apply_rope.cpp``, ``pytorch/attention/rope.py``), and how this backend answers i
 - Any input strides are read directly, and the output is a new contiguous tensor.
 - Inside ``torch.compile`` it refuses: the pybind call cannot be traced and would break the
   graph, where the other backends fuse or trace.
+
+Packed qkv calls go to ``apply_fused_qkv_rotary_pos_emb`` (TE 2.8 and newer, PR #2122), which
+takes a contiguous ``[s, b, h, q + k + v]`` tensor in sbhd or bshd only, asserts against
+``start_positions`` with context parallelism, has no ``start_positions`` in its backward kernel
+(2.8 to 2.20.2), and takes the head dim from v's width while shaping q by k's: such calls are
+refused with those reasons.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ MODULE_PATHS = (
 )
 FEATURES_SINCE = (2, 3)  # interleaved, start_positions, context parallel for sbhd/bshd (fused)
 STARTS_EVERYWHERE_SINCE = (2, 10)  # start_positions in the backward and with context parallelism
+QKV_SINCE = (2, 8)  # apply_fused_qkv_rotary_pos_emb
 INT32_LIMIT = 2**31
 GRID_Y_LIMIT = 65535
 INSTALL_HINT = "pip install 'transformer-engine[pytorch]>=2.2'"
@@ -61,6 +68,7 @@ class TEInfo:
     module: str
     apply: Callable[..., torch.Tensor]
     parameters: frozenset[str]
+    apply_qkv: Callable[..., tuple[torch.Tensor, ...]] | None = None
 
     def at_least(self, release: tuple[int, ...]) -> bool:
         return self.release is not None and self.release >= release
@@ -138,7 +146,8 @@ def load_te(import_module: Callable[[str], object] = importlib.import_module) ->
             parameters = frozenset(inspect.signature(apply).parameters)
         except (TypeError, ValueError):
             parameters = frozenset()
-        return TEInfo(version, parse_release(version), path, apply, parameters)
+        apply_qkv = getattr(module, "apply_fused_qkv_rotary_pos_emb", None)
+        return TEInfo(version, parse_release(version), path, apply, parameters, apply_qkv)
     return [
         f"transformer_engine {version} is installed but its apply_rotary_pos_emb could not be "
         f"imported: {'; '.join(tried)}"
@@ -159,8 +168,47 @@ def _version_reason(
     return f"{feature} needs TransformerEngine {need} or newer; installed {info.version}"
 
 
+def _qkv_reasons(call: RoPECall, info: TEInfo) -> list[str]:
+    """Why TE's ``apply_fused_qkv_rotary_pos_emb`` cannot serve a packed qkv call."""
+    if info.apply_qkv is None:
+        return [
+            f"TransformerEngine {info.version} ({info.module}) has no "
+            "apply_fused_qkv_rotary_pos_emb (added in 2.8)"
+        ]
+    reasons = []
+    spec, t = call.spec, call.t
+    if spec.layout == "thd":
+        reasons.append("TransformerEngine's apply_fused_qkv_rotary_pos_emb takes sbhd or bshd, not thd")
+    if not t.is_contiguous():
+        reasons.append(
+            f"qkv with strides {tuple(t.stride())} is not contiguous; TransformerEngine's "
+            "apply_fused_qkv_rotary_pos_emb asserts a contiguous qkv"
+        )
+    _, k_len, v_len = call.split
+    if v_len != k_len:
+        reasons.append(
+            f"split {call.split}: TransformerEngine's fused QKV kernel takes the head dim from "
+            f"v ({v_len}) but shapes q by k ({k_len}); it is right only when they are equal"
+        )
+    if call.start_positions is not None:
+        if spec.cp_size > 1:
+            reasons.append(
+                f"start_positions with context parallelism (cp_size={spec.cp_size}): "
+                "TransformerEngine's apply_fused_qkv_rotary_pos_emb asserts against it"
+            )
+        if t.requires_grad and torch.is_grad_enabled():
+            reasons.append(
+                "start_positions while qkv requires grad: TransformerEngine's fused QKV "
+                f"backward (2.8 to 2.20.2; installed {info.version}) takes no start_positions "
+                "and would rotate the gradient by the wrong positions"
+            )
+    return reasons
+
+
 def te_reasons(call: RoPECall, info: TEInfo) -> list[str]:
     """Why this TransformerEngine cannot serve ``call`` (beyond device, layout and dtype)."""
+    if call.tensors == "qkv":
+        return _qkv_reasons(call, info) + _limit_reasons(call)
     reasons = []
     spec, t = call.spec, call.t
     params = info.parameters
@@ -204,6 +252,13 @@ def te_reasons(call: RoPECall, info: TEInfo) -> list[str]:
                 f"TransformerEngine {info.version}'s apply_rotary_pos_emb ({info.module}) has no "
                 f"{', '.join(absent)} argument{'s' if len(absent) > 1 else ''}"
             )
+    return reasons + _limit_reasons(call)
+
+
+def _limit_reasons(call: RoPECall) -> list[str]:
+    """TE's kernels use 32-bit offsets and put the batch on grid axis y."""
+    reasons = []
+    spec, t = call.spec, call.t
     numel = t.numel()
     if numel >= INT32_LIMIT:
         reasons.append(
@@ -264,6 +319,7 @@ class TEBackend(Backend):
     priority = 30
     devices = frozenset({"cuda"})
     supports_cos_sin_cache = False
+    tensors = frozenset({"t", "qkv"})
 
     def __init__(self, load: Callable[[], TEInfo | list[str]] = _default_load) -> None:
         self._load = load
@@ -295,14 +351,23 @@ class TEBackend(Backend):
     def apply(self, call: RoPECall) -> torch.Tensor:
         if self._info is None and self.availability:
             raise RuntimeError(f"the te backend is unavailable: {'; '.join(self.availability)}")
-        fn, kwargs = self._info.apply, te_arguments(call)
-        table = call.table
-        freqs = table.view(table.shape[0], 1, 1, table.shape[1])
-        t = call.t
+        t, kwargs = call.t, te_arguments(call)
+        if call.tensors == "qkv":
+            k_table = call.table if call.k_table is None else call.k_table
+            fn = self._info.apply_qkv
+            args = (t, _angles_4d(call.table), _angles_4d(k_table), list(call.split))
+            kwargs.pop("fused")
+        else:
+            fn, args = self._info.apply, (t, _angles_4d(call.table))
         if t.is_cuda and t.device.index != torch.cuda.current_device():
             with torch.cuda.device(t.device):
-                return fn(t, freqs, **kwargs)
-        return fn(t, freqs, **kwargs)
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+
+def _angles_4d(table: torch.Tensor) -> torch.Tensor:
+    """TE's ``[s2, 1, 1, d2]`` view of a contiguous ``[s2, d2]`` angle table (no copy)."""
+    return table.view(table.shape[0], 1, 1, table.shape[1])
 
 
 def te_arguments(call: RoPECall) -> dict[str, object]:

@@ -176,7 +176,22 @@ def _positions(
 
 
 @triton.jit
-def _chunk_rows(x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, BLOCK_H: tl.constexpr):
+def _head_offsets(hh, group, s_group, s_head, GROUPED: tl.constexpr):
+    """Memory offsets (int64) of heads ``hh``. In a packed qkv row heads come in groups: head
+    ``g * group + j`` lies at ``g * s_group + j * s_head``; otherwise at ``hh * s_head``."""
+    if GROUPED:
+        g = hh // group
+        offsets = g * s_group + (hh - g * group) * s_head
+    else:
+        offsets = hh * s_head
+    return offsets
+
+
+@triton.jit
+def _chunk_rows(
+    x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh,
+    BLOCK_H: tl.constexpr, GROUPED: tl.constexpr,
+):
     """Row pointers ``[BLOCK_T, BLOCK_H]`` of head chunk ``it`` in x and out, and their mask.
 
     Recomputed where needed rather than carried through the head loop: loop-carried pointers
@@ -184,19 +199,23 @@ def _chunk_rows(x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, BLOCK_H: t
     """
     hh = (head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     row_mask = tok_mask[:, None] & (hh < heads)[None, :]
-    return x_row[:, None] + hh[None, :] * sxh, o_row[:, None] + hh[None, :] * soh, row_mask
+    x_h = x_row[:, None] + _head_offsets(hh, group, sxg, sxh, GROUPED)[None, :]
+    o_h = o_row[:, None] + _head_offsets(hh, group, sog, soh, GROUPED)[None, :]
+    return x_h, o_h, row_mask
 
 
 @triton.jit
 def _load_chunk(
-    x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sxd, c_mask, p_mask,
+    x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd, c_mask, p_mask,
     ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """Load head chunk ``it``: the rotated channels (two halves, or the whole interleaved tile
     twice) and the pass-through channels (written back by _rotate_store, not here: a store
     right after its load would stall the program for a full memory latency)."""
-    x_h, o_h, row_mask = _chunk_rows(x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, BLOCK_H)
+    x_h, o_h, row_mask = _chunk_rows(
+        x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, BLOCK_H, GROUPED
+    )
     mask = row_mask[:, :, None] & c_mask[None, None, :]
     x_ptrs = x_h[:, :, None] + (tl.arange(0, BLOCK_R).to(tl.int64) * sxd)[None, None, :]
     x_a = tl.load(x_ptrs, mask=mask, other=0.0)
@@ -215,14 +234,16 @@ def _load_chunk(
 
 @triton.jit
 def _rotate_store(
-    x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sod, c_mask, p_mask,
-    cos_a, cos_b, coef_a, coef_b, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
+    x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sod,
+    c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """out_a = x_a cos_a + x_b coef_a, out_b = x_b cos_b + x_a coef_b in float32, stored;
     then the pass-through channels as they were read."""
-    _, o_h, row_mask = _chunk_rows(x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, BLOCK_H)
+    _, o_h, row_mask = _chunk_rows(
+        x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, BLOCK_H, GROUPED
+    )
     mask = row_mask[:, :, None] & c_mask[None, None, :]
     out_ty = o_row.dtype.element_ty
     o_ptrs = o_h[:, :, None] + (tl.arange(0, BLOCK_R).to(tl.int64) * sod)[None, None, :]
@@ -243,40 +264,47 @@ def _rotate_store(
         tl.store(o_h[:, :, None] + (p * sod)[None, None, :], kept.to(out_ty), mask=p_full)
 
 
-@triton.jit(do_not_specialize=["n_tokens", "dim1", "seq_len", "table_len", "heads", "n_seqs"])
-def rope_kernel(
-    x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, starts_ptr,
-    n_tokens, dim1, seq_len, table_len, heads, n_seqs, cp_size, cp_rank,
-    sx0, sx1, sxh, sxd, so0, so1, soh, sod,
-    LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, HAS_STARTS: tl.constexpr,
-    CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
+@triton.jit
+def _token_rows(
+    pid, x_ptr, out_ptr, n_tokens, dim1, heads, sx0, sx1, so0, so1, LAYOUT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
-    SEQ_BLOCK: tl.constexpr,
 ):
-    """RoPE (or its transpose) of ``BLOCK_T`` tokens x ``HEAD_ITERS * BLOCK_H`` heads.
-
-    ``x`` is ``[n0, n1, h, d]`` (``[T, h, d]`` for thd, with ``sx1 = 0``) with strides
-    ``sx*``; ``out`` has strides ``so*``. Tokens are numbered ``i0 * dim1 + i1``.
-    ``BLOCK_R`` covers the rotated channels (half of them for rotate-half), ``BLOCK_P`` the
-    ``PASS_DIM`` pass-through channels.
-
-    The first head chunk's loads are issued before the positions and the table are worked out
-    (a thd binary search and a table row are dependent loads), and each later chunk is loaded
-    before the previous one is rotated, so memory requests stay in flight.
-    """
-    pid = tl.program_id(0)
+    """Program ``pid``'s tokens (``BLOCK_T`` of them, numbered ``i0 * dim1 + i1``), their row
+    pointers in x and out, and the first of the ``HEAD_ITERS * BLOCK_H`` heads it owns."""
     head_groups = (heads + HEAD_ITERS * BLOCK_H - 1) // (HEAD_ITERS * BLOCK_H)
     token_block = pid // head_groups
     head_lo = (pid - token_block * head_groups) * (HEAD_ITERS * BLOCK_H)
-
     tok = token_block * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_mask = tok < n_tokens
     i0, i1 = _token_index(tok, dim1, LAYOUT)
     x_row = x_ptr + (i0.to(tl.int64) * sx0 + i1.to(tl.int64) * sx1)
     o_row = out_ptr + (i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1)
+    return tok, tok_mask, i0, i1, x_row, o_row, head_lo
 
+
+@triton.jit
+def _rope_program(
+    pid, x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, starts_ptr,
+    n_tokens, dim1, seq_len, table_len, heads, group, n_seqs, cp_size, cp_rank,
+    sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
+    LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, HAS_STARTS: tl.constexpr,
+    CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr, GROUPED: tl.constexpr,
+):
+    """RoPE (or its transpose) of program ``pid``'s ``BLOCK_T`` tokens x ``HEAD_ITERS *
+    BLOCK_H`` heads: the body of both kernels below.
+
+    The first head chunk's loads are issued before the positions and the table are worked out
+    (a thd binary search and a table row are dependent loads), and each later chunk is loaded
+    before the previous one is rotated, so memory requests stay in flight.
+    """
+    tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
+        pid, x_ptr, out_ptr, n_tokens, dim1, heads, sx0, sx1, so0, so1, LAYOUT, BLOCK_T,
+        BLOCK_H, HEAD_ITERS,
+    )
     c = tl.arange(0, BLOCK_R)
     if INTERLEAVED:
         c_mask = c < ROT_DIM
@@ -285,8 +313,8 @@ def rope_kernel(
     p_mask = tl.arange(0, BLOCK_P) < PASS_DIM
 
     x_a, x_b, kept = _load_chunk(
-        x_row, o_row, tok_mask, head_lo, 0, heads, sxh, soh, sxd, c_mask, p_mask,
-        ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
+        x_row, o_row, tok_mask, head_lo, 0, heads, group, sxg, sxh, sog, soh, sxd, c_mask,
+        p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
     )
 
     pos = _positions(
@@ -317,18 +345,123 @@ def rope_kernel(
 
     for it in range(HEAD_ITERS - 1):
         a_next, b_next, kept_next = _load_chunk(
-            x_row, o_row, tok_mask, head_lo, it + 1, heads, sxh, soh, sxd, c_mask, p_mask,
-            ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
+            x_row, o_row, tok_mask, head_lo, it + 1, heads, group, sxg, sxh, sog, soh, sxd,
+            c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
         )
-        _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, sxh, soh, sod,
-                      c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM, PASS_DIM,
-                      INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P)
+        _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group, sxg,
+                      sxh, sog, soh, sod, c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM,
+                      PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
         x_a = a_next
         x_b = b_next
         kept = kept_next
-    _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, HEAD_ITERS - 1, heads, sxh, soh,
-                  sod, c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM, PASS_DIM,
-                  INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P)
+    _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, HEAD_ITERS - 1, heads, group,
+                  sxg, sxh, sog, soh, sod, c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM,
+                  PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
+
+
+@triton.jit
+def _copy_program(
+    pid, x_ptr, out_ptr, n_tokens, dim1, heads, group, sx0, sx1, sxg, sxh, sxd,
+    so0, so1, sog, soh, sod, LAYOUT: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Copy program ``pid``'s tokens x heads of ``WIDTH`` channels (v of a packed qkv call)."""
+    tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
+        pid, x_ptr, out_ptr, n_tokens, dim1, heads, sx0, sx1, so0, so1, LAYOUT, BLOCK_T,
+        BLOCK_H, HEAD_ITERS,
+    )
+    w = tl.arange(0, BLOCK_W).to(tl.int64)
+    w_mask = w < WIDTH
+    for it in range(HEAD_ITERS):
+        x_h, o_h, row_mask = _chunk_rows(
+            x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, BLOCK_H, True
+        )
+        mask = row_mask[:, :, None] & w_mask[None, None, :]
+        values = tl.load(x_h[:, :, None] + (w * sxd)[None, None, :], mask=mask)
+        tl.store(o_h[:, :, None] + (w * sod)[None, None, :], values, mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "dim1", "seq_len", "table_len", "heads", "n_seqs"])
+def rope_kernel(
+    x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, starts_ptr,
+    n_tokens, dim1, seq_len, table_len, heads, n_seqs, cp_size, cp_rank,
+    sx0, sx1, sxh, sxd, so0, so1, soh, sod,
+    LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, HAS_STARTS: tl.constexpr,
+    CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr,
+):
+    """RoPE (or its transpose) of one tensor, ``BLOCK_T`` tokens x ``HEAD_ITERS * BLOCK_H``
+    heads per program.
+
+    ``x`` is ``[n0, n1, h, d]`` (``[T, h, d]`` for thd, with ``sx1 = 0``) with strides
+    ``sx*``; ``out`` has strides ``so*``. Tokens are numbered ``i0 * dim1 + i1``.
+    ``BLOCK_R`` covers the rotated channels (half of them for rotate-half), ``BLOCK_P`` the
+    ``PASS_DIM`` pass-through channels. Its argument list is kept short: at decode size the
+    launch's host time is the call's time.
+    """
+    _rope_program(
+        tl.program_id(0), x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, starts_ptr,
+        n_tokens, dim1, seq_len, table_len, heads, 1, n_seqs, cp_size, cp_rank,
+        sx0, sx1, sxh, sxh, sxd, so0, so1, soh, soh, sod,
+        LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, HAS_STARTS, CONTEXT_PARALLEL,
+        BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, False,
+    )
+
+
+@triton.jit(do_not_specialize=[
+    "n_tokens", "dim1", "seq_len", "q_table_len", "k_table_len", "n_seqs", "q_heads",
+    "q_programs", "k_heads", "k_programs", "v_heads",
+])
+def rope_qkv_kernel(
+    q_x, q_out, k_x, k_out, v_x, v_out, q_tab, q_sin, k_tab, k_sin, cu_ptr, starts_ptr,
+    n_tokens, dim1, seq_len, q_table_len, k_table_len, n_seqs, cp_size, cp_rank,
+    q_heads, q_group, q_programs, k_heads, k_group, k_programs, v_heads, v_group,
+    qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
+    kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
+    vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
+    LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, HAS_STARTS: tl.constexpr,
+    CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr, HAS_V: tl.constexpr, V_WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """q and k rotated (each by its own table) and v copied, in one launch.
+
+    Each of q, k and v is a ``[n0, n1, groups, group, d]`` view (``[T, groups, group, d]`` for
+    thd): head ``g * group + j`` at ``g * s?g + j * s?h``, which addresses the heads of a
+    packed qkv row (forward input, backward output) and plain ``[.., h, d]`` tensors alike.
+    Programs ``[0, q_programs)`` serve q, the next ``k_programs`` serve k, the rest copy v (none
+    without ``HAS_V``); v's heads are ``V_WIDTH`` channels wide (``BLOCK_W``, a power of two,
+    covers them). The backward is the same launch with ``BACKWARD`` set: q's and k's gradients
+    transposed, v's copied, into one packed gradient.
+    """
+    pid = tl.program_id(0)
+    if pid < q_programs:
+        _rope_program(
+            pid, q_x, q_out, q_tab, q_sin, cu_ptr, starts_ptr,
+            n_tokens, dim1, seq_len, q_table_len, q_heads, q_group, n_seqs, cp_size, cp_rank,
+            qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, HAS_STARTS, CONTEXT_PARALLEL,
+            BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, True,
+        )
+    elif pid < q_programs + k_programs:
+        _rope_program(
+            pid - q_programs, k_x, k_out, k_tab, k_sin, cu_ptr, starts_ptr,
+            n_tokens, dim1, seq_len, k_table_len, k_heads, k_group, n_seqs, cp_size, cp_rank,
+            kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, HAS_STARTS, CONTEXT_PARALLEL,
+            BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, True,
+        )
+    elif HAS_V:
+        _copy_program(
+            pid - q_programs - k_programs, v_x, v_out, n_tokens, dim1, v_heads, v_group,
+            vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
+            LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
+        )
 
 
 INTERPRETED: bool = isinstance(rope_kernel, InterpretedFunction)

@@ -81,22 +81,27 @@ SEQ_SCAN_LIMIT = 256
 
 
 def choose_config(
-    n_tokens: int, heads: int, head_dim: int, rotary_dim: int, element_size: int,
-    interleaved: bool, sms: int,
+    n_tokens: int, heads: int | tuple[int, ...], head_dim: int, rotary_dim: int,
+    element_size: int, interleaved: bool, sms: int,
 ) -> Config:
     """Tile sizes for a call: tokens per program, heads per tile and per program, widths.
 
     A tile is ``BLOCK_T`` tokens x ``BLOCK_H`` heads x the head dim, about ``TILE_BYTES``;
     heads go into the tile first (sin/cos are shared by a token's heads), tokens fill the rest.
+    ``heads`` is a tuple for a launch over several tensors (q, k, v): tiles fit the one with the
+    fewest heads, and programs are counted over all of them.
     """
+    counts = heads if isinstance(heads, tuple) else (heads,)
     block_r = _next_pow2(rotary_dim) if interleaved else _next_pow2(rotary_dim // 2)
     pass_dim = head_dim - rotary_dim
     block_p = _next_pow2(pass_dim) if pass_dim else 1
     rows = max(1, TILE_BYTES // (head_dim * element_size))
     rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``
-    block_h = min(_next_pow2(heads), max(1, rows // TOKENS_PER_TILE))
+    block_h = min(_next_pow2(min(counts)), max(1, rows // TOKENS_PER_TILE))
     block_t = min(max(1, rows // block_h), _next_pow2(n_tokens))
-    while block_h > 1 and -(-n_tokens // block_t) * -(-heads // block_h) < MIN_PROGRAMS_PER_SM * sms:
+    while block_h > 1 and -(-n_tokens // block_t) * sum(
+        -(-n // block_h) for n in counts
+    ) < MIN_PROGRAMS_PER_SM * sms:
         block_h //= 2
     return block_t, block_h, 1, block_r, block_p, 4
 
@@ -414,6 +419,301 @@ def _backward(ctx: Any, grad: torch.Tensor):
 triton_rope_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------------------------------------
+# Packed qkv: q and k rotated and v copied in one launch, forward and backward
+
+
+def qkv_views(qkv: torch.Tensor, split: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """q, k and v of a packed ``[.., h, q + k + v]`` tensor as ``[.., h, group, d]`` views
+    (``d = k``): the kernel's grouped addressing of a packed row."""
+    q_len, d, _ = split
+    return (
+        qkv[..., :q_len].unflatten(-1, (q_len // d, d)),
+        qkv[..., q_len : q_len + d].unflatten(-1, (1, d)),
+        qkv[..., q_len + d :].unflatten(-1, (-1, d)),
+    )
+
+
+def _grouped_strides(x: torch.Tensor, layout: str) -> tuple[int, ...]:
+    """``(s0, s1, s_group, s_head, s_channel)`` of a grouped view (``s1 = 0`` for thd)."""
+    if layout == "thd":
+        s0, sg, sh, sd = x.stride()
+        return s0, 0, sg, sh, sd
+    return x.stride()
+
+
+_fast_qkv: dict[tuple, tuple] = {}
+
+
+def launch_qkv(
+    xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: Sequence[torch.Tensor | None],
+    cu_seqlens: torch.Tensor | None, start_positions: torch.Tensor | None, layout: str,
+    interleaved: bool, cp_size: int, cp_rank: int, backward: bool, config: Config | None = None,
+) -> None:
+    """One launch of ``rope_qkv_kernel``: ``outs[i]`` = RoPE of ``xs[i]`` for q (i = 0) and k
+    (i = 1), each by its own table, and a copy for v (i = 2, when given); the transpose when
+    ``backward``. Every tensor is a grouped view ``[n0, n1, groups, group, d]`` (``[T, groups,
+    group, d]`` for thd) with any strides; ``tables`` are ``(q_table, q_sin, k_table, k_sin)``
+    (sin ``None`` for angle tables). No host sync, no allocation."""
+    kernels = _kernels if _kernels is not None else _load_kernels()
+    q_tab, q_sin, k_tab, k_sin = tables
+    x0 = xs[0]
+    shape = x0.shape
+    if layout == "thd":
+        n_tokens, dim1, seq_len = shape[0], 1, shape[0]
+        cu_seqlens = cu_seqlens.contiguous()
+        n_seqs = cu_seqlens.shape[0] - 1
+    else:
+        n_tokens, dim1 = shape[0] * shape[1], shape[1]
+        seq_len = shape[0] if layout == "sbhd" else shape[1]
+        n_seqs = 0
+    if start_positions is not None:
+        start_positions = start_positions.contiguous()
+    head_dim, rotary_dim = shape[-1], q_tab.shape[1]
+    heads = tuple(x.shape[-3] * x.shape[-2] for x in xs)
+    if n_tokens == 0 or min(heads) == 0:
+        return
+    if config is None:
+        sms = 1 if kernels.INTERPRETED else _sm_count(x0.device.index)
+        config = choose_config(
+            n_tokens, heads, head_dim, rotary_dim, x0.element_size(), interleaved, sms
+        )
+    block_t, block_h, head_iters, block_r, block_p, num_warps = config
+    token_blocks = -(-n_tokens // block_t)
+    programs = [token_blocks * -(-n // (block_h * head_iters)) for n in heads]
+    has_v = len(xs) == 3
+    v_x, v_out = (xs[2], outs[2]) if has_v else (xs[1], outs[1])
+    ints = (
+        n_tokens, dim1, seq_len, q_tab.shape[0], k_tab.shape[0], n_seqs, cp_size, cp_rank,
+        heads[0], xs[0].shape[-2], programs[0], heads[1], xs[1].shape[-2], programs[1],
+        v_x.shape[-3] * v_x.shape[-2], v_x.shape[-2],
+        *(
+            stride for x, out in ((xs[0], outs[0]), (xs[1], outs[1]), (v_x, v_out))
+            for stride in (*_grouped_strides(x, layout), *_grouped_strides(out, layout))
+        ),
+    )
+    pointers = (
+        xs[0], outs[0], xs[1], outs[1], v_x, v_out, q_tab, q_tab if q_sin is None else q_sin,
+        k_tab, k_tab if k_sin is None else k_sin,
+        q_tab if cu_seqlens is None else cu_seqlens,
+        q_tab if start_positions is None else start_positions,
+    )
+    grid = sum(programs) if has_v else programs[0] + programs[1]
+    consts = dict(
+        LAYOUT=LAYOUT_CODES[layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
+        INTERLEAVED=interleaved, USE_CACHE=q_sin is not None,
+        HAS_STARTS=start_positions is not None, CONTEXT_PARALLEL=cp_size > 1,
+        BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
+        BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
+        SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
+        HAS_V=has_v, V_WIDTH=head_dim, BLOCK_W=_next_pow2(head_dim),
+    )
+    addresses = tuple(t.data_ptr() for t in pointers)
+    key = None
+    if not kernels.INTERPRETED:
+        # Triton specialises on dtypes, 16-byte alignment and the integer arguments' values:
+        # all of them are in the key, so a repeated call reuses the compiled kernel directly.
+        aligned = tuple(a & 15 == 0 for a in addresses)
+        key = (ints, aligned, x0.dtype, outs[0].dtype, tuple(sorted(consts.items())),
+               x0.get_device())
+        entry = _fast_qkv.get(key)
+        if entry is not None:
+            run, prefix, ordered = entry
+            run(grid, 1, 1, _current_stream(key[-1]), *prefix, *addresses, *ints, *ordered)
+            return
+    compiled = kernels.rope_qkv_kernel[(grid,)](*pointers, *ints, num_warps=num_warps, **consts)
+    if key is not None and compiled is not None and not _hooks_active():
+        names = kernels.rope_qkv_kernel.arg_names
+        ordered = tuple(consts[name] for name in names[len(pointers) + len(ints):])
+        if len(_fast_qkv) > 1024:
+            _fast_qkv.clear()
+        _fast_qkv[key] = _direct_launcher(compiled) + (ordered,)
+
+
+def _qkv_forward(
+    qkv: torch.Tensor, split: Sequence[int], tables: Sequence[torch.Tensor | None],
+    cu_seqlens: torch.Tensor | None, starts: torch.Tensor | None, layout: str,
+    interleaved: bool, cp_size: int, cp_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """New contiguous q ``[.., h * q/d, d]``, k ``[.., h, k]``, v ``[.., h, v]`` of a packed qkv."""
+    q, k, v = _qkv_outputs(qkv, split)
+    launch_qkv(
+        qkv_views(qkv, split), (q.unflatten(-2, (qkv.shape[-2], -1)), k.unsqueeze(-2),
+                                v.unflatten(-1, (-1, split[1]))),
+        tables, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank, False,
+    )
+    return q, k, v
+
+
+def _qkv_outputs(qkv: torch.Tensor, split: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    q_len, d, v_len = split
+    lead, heads = qkv.shape[:-2], qkv.shape[-2]
+    return (
+        qkv.new_empty(*lead, heads * (q_len // d), d),
+        qkv.new_empty(*lead, heads, d),
+        qkv.new_empty(*lead, heads, v_len),
+    )
+
+
+def _qkv_transpose(
+    gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, split: Sequence[int],
+    tables: Sequence[torch.Tensor | None], cu_seqlens: torch.Tensor | None,
+    starts: torch.Tensor | None, layout: str, interleaved: bool, cp_size: int, cp_rank: int,
+    grad_strides: Sequence[int] | None,
+) -> torch.Tensor:
+    """The packed gradient ``[.., h, q + k + v]`` of q's, k's and v's gradients (any strides):
+    q and k rotated back, v copied, in one launch (in ``grad_strides`` when given)."""
+    heads = gk.shape[-2]
+    grad = _allocate_shape(gk, (*gk.shape[:-1], sum(split)), grad_strides)
+    launch_qkv(
+        (gq.unflatten(-2, (heads, -1)), gk.unsqueeze(-2), gv.unflatten(-1, (-1, split[1]))),
+        qkv_views(grad, split), tables, cu_seqlens, starts, layout, interleaved, cp_size,
+        cp_rank, True,
+    )
+    return grad
+
+
+def _allocate_shape(
+    like: torch.Tensor, shape: Sequence[int], strides: Sequence[int] | None
+) -> torch.Tensor:
+    if strides is None:
+        return like.new_empty(shape)
+    return like.new_empty_strided(shape, strides)
+
+
+class _QKVFunction(torch.autograd.Function):
+    """Eager autograd for packed qkv: one launch forward; the backward is
+    :class:`_QKVTransposeFunction`, whose own backward is this function again."""
+
+    @staticmethod
+    def forward(ctx, qkv, q_tab, q_sin, k_tab, k_sin, cu_seqlens, starts, split, layout,
+                interleaved, cp_size, cp_rank):
+        with _on_device(qkv):
+            out = _qkv_forward(qkv, split, (q_tab, q_sin, k_tab, k_sin), cu_seqlens, starts,
+                               layout, interleaved, cp_size, cp_rank)
+        ctx.inputs = (q_tab, q_sin, k_tab, k_sin, cu_seqlens, starts, split, layout,
+                      interleaved, cp_size, cp_rank)
+        ctx.grad_strides = _dense_strides(qkv)
+        return out
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        grad = _QKVTransposeFunction.apply(gq, gk, gv, *ctx.inputs, ctx.grad_strides)
+        return (grad,) + (None,) * 11
+
+
+class _QKVTransposeFunction(torch.autograd.Function):
+    """q's, k's and v's gradients into one packed gradient (one launch)."""
+
+    @staticmethod
+    def forward(ctx, gq, gk, gv, q_tab, q_sin, k_tab, k_sin, cu_seqlens, starts, split, layout,
+                interleaved, cp_size, cp_rank, grad_strides):
+        ctx.inputs = (q_tab, q_sin, k_tab, k_sin, cu_seqlens, starts, split, layout,
+                      interleaved, cp_size, cp_rank)
+        with _on_device(gk):
+            return _qkv_transpose(gq, gk, gv, split, (q_tab, q_sin, k_tab, k_sin), cu_seqlens,
+                                  starts, layout, interleaved, cp_size, cp_rank, grad_strides)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gq, gk, gv = _QKVFunction.apply(grad, *ctx.inputs)
+        return (gq, gk, gv) + (None,) * 12
+
+
+@torch.library.custom_op("rope_dispatch::triton_rope_qkv", mutates_args=())
+def triton_rope_qkv_op(
+    qkv: torch.Tensor, q_tab: torch.Tensor, q_sin: torch.Tensor | None, k_tab: torch.Tensor,
+    k_sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+    start_positions: torch.Tensor | None, split: Sequence[int], layout: str, interleaved: bool,
+    cp_size: int, cp_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed qkv RoPE through our Triton kernel, as an opaque op for torch.compile."""
+    with _on_device(qkv):
+        return _qkv_forward(qkv, split, (q_tab, q_sin, k_tab, k_sin), cu_seqlens,
+                            start_positions, layout, interleaved, cp_size, cp_rank)
+
+
+@triton_rope_qkv_op.register_fake
+def _triton_rope_qkv_fake(qkv, q_tab, q_sin, k_tab, k_sin, cu_seqlens, start_positions, split,
+                          layout, interleaved, cp_size, cp_rank):
+    return _qkv_outputs(qkv, split)
+
+
+@torch.library.custom_op("rope_dispatch::triton_rope_qkv_transpose", mutates_args=())
+def triton_rope_qkv_transpose_op(
+    gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, q_tab: torch.Tensor,
+    q_sin: torch.Tensor | None, k_tab: torch.Tensor, k_sin: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, start_positions: torch.Tensor | None, split: Sequence[int],
+    layout: str, interleaved: bool, cp_size: int, cp_rank: int,
+    grad_strides: Sequence[int] | None,
+) -> torch.Tensor:
+    """The packed gradient of q's, k's and v's gradients, as an opaque op for torch.compile."""
+    with _on_device(gk):
+        return _qkv_transpose(gq, gk, gv, split, (q_tab, q_sin, k_tab, k_sin), cu_seqlens,
+                              start_positions, layout, interleaved, cp_size, cp_rank,
+                              grad_strides)
+
+
+@triton_rope_qkv_transpose_op.register_fake
+def _triton_rope_qkv_transpose_fake(gq, gk, gv, q_tab, q_sin, k_tab, k_sin, cu_seqlens,
+                                    start_positions, split, layout, interleaved, cp_size,
+                                    cp_rank, grad_strides):
+    return _allocate_shape(gk, (*gk.shape[:-1], sum(split)), grad_strides)
+
+
+def _qkv_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+    qkv, *tables_and_settings = inputs
+    ctx.save_for_backward(*tables_and_settings[:6])
+    ctx.settings = tuple(tables_and_settings[6:])
+    ctx.grad_strides = _dense_strides(qkv)
+
+
+def _qkv_backward(ctx: Any, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor):
+    grad = triton_rope_qkv_transpose_op(gq, gk, gv, *ctx.saved_tensors, *ctx.settings,
+                                        ctx.grad_strides)
+    return (grad,) + (None,) * 11
+
+
+def _qkv_transpose_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.save_for_backward(*inputs[3:9])
+    ctx.settings = tuple(inputs[9:14])
+
+
+def _qkv_transpose_backward(ctx: Any, grad: torch.Tensor):
+    gq, gk, gv = triton_rope_qkv_op(grad, *ctx.saved_tensors, *ctx.settings)
+    return (gq, gk, gv) + (None,) * 12
+
+
+triton_rope_qkv_op.register_autograd(_qkv_backward, setup_context=_qkv_setup_context)
+triton_rope_qkv_transpose_op.register_autograd(
+    _qkv_transpose_backward, setup_context=_qkv_transpose_setup_context
+)
+
+
+def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed qkv RoPE of a checked call: q ``[.., h * q/d, d]``, k ``[.., h, k]``, v
+    ``[.., h, v]``, new and contiguous; eager autograd or, while tracing, the custom ops."""
+    spec = call.spec
+    tables = (*_table_pair(call.table), *_table_pair(
+        call.table if call.k_table is None else call.k_table
+    ))
+    args = (call.t, *tables, spec.cu_seqlens, call.start_positions, call.split, spec.layout,
+            spec.interleaved, spec.cp_size, spec.cp_rank)
+    if type(call.t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
+        return triton_rope_qkv_op(*args)
+    if call.t.requires_grad and torch.is_grad_enabled():
+        return _QKVFunction.apply(*args)
+    with _on_device(call.t):
+        return _qkv_forward(call.t, call.split, tables, *args[5:7], *args[8:])
+
+
+def _table_pair(table: torch.Tensor | CosSinCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(table, None)`` for angles, ``(cos, sin)`` for a cache: the kernels' table arguments."""
+    if type(table) is CosSinCache:
+        return table.cos, table.sin
+    return table, None
+
+
 _NO_GUARD = contextlib.nullcontext()
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -550,6 +850,7 @@ class TritonBackend(Backend):
     )
     priority = 40
     supports_in_place = True
+    tensors = frozenset({"t", "qkv"})
 
     @property
     def devices(self) -> frozenset[str]:  # type: ignore[override]
@@ -591,7 +892,9 @@ class TritonBackend(Backend):
             return generic
         return _bound_launch(call, generic)
 
-    def apply(self, call: RoPECall) -> torch.Tensor:
+    def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if call.tensors == "qkv":
+            return rope_triton_qkv(call)
         spec = call.spec
         return rope_triton(
             call.t, call.table, layout=spec.layout, interleaved=spec.interleaved,

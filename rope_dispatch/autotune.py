@@ -228,13 +228,15 @@ def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple:
         bool(t.requires_grad and torch.is_grad_enabled()),
         tuple(sorted(b.name for b in candidates)),
         call.in_place,
+        call.split,
     )
 
 
 def key_fields(signature: tuple) -> dict[str, Any]:
-    """:func:`call_signature` as the named JSON fields stored in each entry (``in_place`` only
-    when set, so the keys of calls that return a new tensor are those of earlier versions)."""
-    spec, shape, sequences, stride, table, starts, grad, names, in_place = signature
+    """:func:`call_signature` as the named JSON fields stored in each entry (``in_place`` and
+    ``split`` only when set, so the keys of single-tensor calls that return a new tensor are
+    those of earlier versions)."""
+    spec, shape, sequences, stride, table, starts, grad, names, in_place, split = signature
     fields = {
         "spec": dict(spec),
         "shape_bucket": list(shape),
@@ -247,6 +249,8 @@ def key_fields(signature: tuple) -> dict[str, Any]:
     }
     if in_place:
         fields["in_place"] = True
+    if split is not None:
+        fields["qkv_split"] = list(split)
     return fields
 
 
@@ -414,6 +418,11 @@ def _with_tensor(call: RoPECall, t: torch.Tensor) -> RoPECall:
     return replace(t=t) if replace is not None else dataclasses.replace(call, t=t)
 
 
+def _outputs(result: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A backend's result as a tuple (a packed qkv call returns q, k and v)."""
+    return result if isinstance(result, tuple) else (result,)
+
+
 def _time_backend(backend: Backend, call: RoPECall, needs_grad: bool) -> float:
     """Median seconds per call of ``backend`` on a private copy of the call's tensor."""
     x = _private_copy(call.t).requires_grad_(needs_grad)
@@ -429,13 +438,13 @@ def _time_backend(backend: Backend, call: RoPECall, needs_grad: bool) -> float:
         fresh = (lambda: _with_tensor(private, x.clone())) if call.in_place and needs_grad else (
             lambda: private
         )
-        out = backend.apply(fresh())
-        grad_out = torch.ones_like(out) if needs_grad else None
+        out = _outputs(backend.apply(fresh()))
+        grad_out = tuple(torch.ones_like(o) for o in out) if needs_grad else None
 
         def once() -> None:
             result = backend.apply(fresh())
             if needs_grad:
-                torch.autograd.grad(result, x, grad_out)
+                torch.autograd.grad(_outputs(result), x, grad_out)
 
         once()  # first backward, lazy initialisation
         _synchronize(device)

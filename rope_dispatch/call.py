@@ -23,14 +23,28 @@ from .spec import RoPESpec, dtype_name
 from .tables import CosSinCache, RotaryTable, angles_2d
 
 
+TENSOR_KINDS = {
+    "t": "single tensors (apply)",
+    "qkv": "packed qkv tensors (apply_qkv)",
+}
+"""What a call's tensors are, and how messages name them."""
+
+
 class RoPECall(NamedTuple):
     """One checked call: what every backend receives (a tuple: cheap to build per call).
 
-    ``table`` is ``[s2, d2]`` float32 angles or a :class:`CosSinCache`. ``seq_len`` is the local
-    sequence length ``s`` (tokens ``T`` for thd), ``batch`` is ``b`` (the number of sequences for
-    thd). ``in_place``: rotate ``t``'s first ``d2`` channels in place and return ``t``
-    (:func:`~rope_dispatch.apply_`); ``grad_in_place``: its backward may rotate the incoming
-    gradient in place too.
+    It describes its tensors (``tensors``), its table kind (``table``: ``[s2, d2]`` float32
+    angles or a :class:`CosSinCache`) and its positions (by index, plus ``start_positions``).
+    ``seq_len`` is the local sequence length ``s`` (tokens ``T`` for thd), ``batch`` is ``b``
+    (the number of sequences for thd). ``in_place``: rotate ``t``'s first ``d2`` channels in
+    place and return ``t`` (:func:`~rope_dispatch.apply_`); ``grad_in_place``: its backward may
+    rotate the incoming gradient in place too.
+
+    ``tensors`` is ``"t"`` for one tensor ``t`` ``[.., heads, head_dim]``, or ``"qkv"`` for a
+    packed ``t`` ``[.., heads, q + k + v]`` (:func:`~rope_dispatch.apply_qkv`): each of its
+    ``heads`` groups holds ``split = (q, k, v)`` channels, ``head_dim = k``, so a group holds
+    ``q / k`` query heads, one key head and ``v / k`` value heads; ``k_table`` rotates k (``None``:
+    ``table`` does).
     """
 
     t: torch.Tensor
@@ -44,15 +58,37 @@ class RoPECall(NamedTuple):
     rotary_dim: int
     in_place: bool = False
     grad_in_place: bool = False
+    tensors: str = "t"
+    split: tuple[int, int, int] | None = None
+    k_table: RotaryTable | None = None
 
     @property
     def table_len(self) -> int:
-        table = self.table
-        return table.seq_len if isinstance(table, CosSinCache) else table.shape[0]
+        return _table_len(self.table)
 
     @property
     def uses_cache(self) -> bool:
         return isinstance(self.table, CosSinCache)
+
+
+def _table_len(table: RotaryTable) -> int:
+    return table.seq_len if isinstance(table, CosSinCache) else table.shape[0]
+
+
+def qkv_parts(call: RoPECall) -> tuple[RoPECall, RoPECall, torch.Tensor]:
+    """A packed qkv call as two single-tensor calls, on views of ``t`` (q ``[.., h * q/d, d]``
+    where the view allows it, else a copy; k ``[.., h, d]``) and the v view ``[.., h, v]``."""
+    q_len, k_len, _ = call.split
+    t = call.t
+    q = t[..., :q_len]
+    q = q.reshape(*q.shape[:-2], call.heads * q_len // k_len, k_len)
+    k = t[..., q_len : q_len + k_len]
+    v = t[..., q_len + k_len :]
+    single = dict(tensors="t", split=None, k_table=None)
+    q_call = call._replace(t=q, heads=q.shape[-2], **single)
+    k_table = call.table if call.k_table is None else call.k_table
+    k_call = call._replace(t=k, table=k_table, **single)
+    return q_call, k_call, v
 
 
 def _value_checks_enabled() -> bool:
@@ -65,7 +101,7 @@ def _host_reads_allowed() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _check_table(table: object, device: torch.device) -> RotaryTable:
+def _check_table(table: object, device: torch.device, argument: str = "freqs") -> RotaryTable:
     if isinstance(table, CosSinCache):
         cos, sin = table.cos, table.sin
         if (
@@ -73,17 +109,19 @@ def _check_table(table: object, device: torch.device) -> RotaryTable:
             or cos.shape != sin.shape or not cos.is_contiguous() or not sin.is_contiguous()
         ):
             raise RoPEError(
-                "freqs is a CosSinCache whose tables are not contiguous float32 [s2, d2] pairs "
+                f"{argument} is a CosSinCache whose tables are not contiguous float32 [s2, d2] pairs "
                 f"(cos {tuple(cos.shape)} {dtype_name(cos.dtype)}, sin {tuple(sin.shape)} "
                 f"{dtype_name(sin.dtype)}); build it with rope_dispatch.cos_sin_cache(freqs)"
             )
         checked: RotaryTable = table
         table_device = cos.device
     else:
-        checked = angles_2d(table)  # type: ignore[arg-type]
+        checked = angles_2d(table, argument)  # type: ignore[arg-type]
         table_device = checked.device
     if table_device != device:
-        raise RoPEError(f"freqs is on {table_device} but t is on {device}; expected the same device")
+        raise RoPEError(
+            f"{argument} is on {table_device} but t is on {device}; expected the same device"
+        )
     return checked
 
 
@@ -94,16 +132,19 @@ def reads_values(spec: RoPESpec) -> bool:
     return cu is not None and (cu.device.type == "cpu" or spec.max_seqlen is None)
 
 
-def _check_cu_seqlens(spec: RoPESpec, tokens: int, table_len: int, starts: list[int] | None) -> None:
-    """``starts``: the values of ``start_positions`` when they were read, else ``None``."""
+def _check_cu_seqlens(
+    spec: RoPESpec, tokens: int, table_len: int, starts: list[int] | None, table_name: str
+) -> None:
+    """``starts``: the values of ``start_positions`` when they were read, else ``None``;
+    ``table_name``: the argument holding the shorter table."""
     cu = spec.cu_seqlens
     assert cu is not None
     cp = spec.cp_size
     if not _host_reads_allowed() or not reads_values(spec):
         if spec.max_seqlen is not None and spec.max_seqlen > table_len:
             raise RoPEError(
-                f"freqs has {table_len} positions but max_seqlen={spec.max_seqlen}; the table "
-                "must cover the longest (global) sequence"
+                f"{table_name} has {table_len} positions but max_seqlen={spec.max_seqlen}; the "
+                "table must cover the longest (global) sequence"
             )
         return
     offsets = cu.tolist()
@@ -137,14 +178,14 @@ def _check_cu_seqlens(spec: RoPESpec, tokens: int, table_len: int, starts: list[
         longest = max(n + s for n, s in zip(lengths, starts))
     if longest > table_len:
         raise RoPEError(
-            f"freqs has {table_len} positions but a sequence needs positions up to {longest - 1}; "
-            f"expected freqs.shape[0] >= {longest}"
+            f"{table_name} has {table_len} positions but a sequence needs positions up to "
+            f"{longest - 1}; expected {table_name}.shape[0] >= {longest}"
         )
 
 
 def _check_start_positions(
     start_positions: object, spec: RoPESpec, batch: int, seq_len: int, table_len: int,
-    device: torch.device,
+    device: torch.device, table_name: str,
 ) -> list[int] | None:
     """Check ``start_positions``; return its values when they were read (see the module
     docstring for when), so the thd checks reuse them instead of syncing again."""
@@ -178,7 +219,7 @@ def _check_start_positions(
     if spec.layout != "thd" and starts and max(starts) + seq_len * cp > table_len:
         span = f"sequence length {seq_len}" + (f" x cp_size={cp}" if cp > 1 else "")
         raise RoPEError(
-            f"freqs has {table_len} positions but start_positions max {max(starts)} + {span} "
+            f"{table_name} has {table_len} positions but start_positions max {max(starts)} + {span} "
             f"needs {max(starts) + seq_len * cp}"
         )
     return starts
@@ -198,13 +239,41 @@ def size_bucket(n: object) -> int:
 _new_call = tuple.__new__
 
 
+def _check_split(split: object, channels: int) -> tuple[int, int, int]:
+    """``split`` as three ints ``(q, k, v)`` that cut a packed qkv group of ``channels``."""
+    if (
+        not isinstance(split, (tuple, list)) or len(split) != 3
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in split)
+    ):
+        raise RoPEError(
+            f"split must be three ints (q, k, v channels per head group), got {split!r}"
+        )
+    q_len, k_len, v_len = split
+    if q_len <= 0 or k_len <= 0 or v_len <= 0:
+        raise RoPEError(f"split must be positive (q, k, v channels), got {tuple(split)}")
+    if q_len + k_len + v_len != channels:
+        raise RoPEError(
+            f"split {tuple(split)} sums to {q_len + k_len + v_len} but qkv's last dim is "
+            f"{channels}; expected q + k + v == qkv.shape[-1]"
+        )
+    if q_len % k_len or v_len % k_len:
+        raise RoPEError(
+            f"split {tuple(split)}: k={k_len} is the head dim, so q={q_len} and v={v_len} must "
+            "be multiples of it"
+        )
+    return q_len, k_len, v_len
+
+
 def check_call(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None = None,
     *, in_place: bool = False, grad_in_place: bool = False,
+    split: tuple[int, int, int] | None = None, k_freqs: object = None,
 ) -> RoPECall:
     """Check ``t``, ``freqs`` and ``start_positions`` against ``spec``; raise a clear error or
     return the :class:`RoPECall` every backend takes. ``in_place`` adds the checks of
-    :func:`~rope_dispatch.apply_` (``t`` must be writable)."""
+    :func:`~rope_dispatch.apply_` (``t`` must be writable). ``split`` makes ``t`` a packed
+    qkv tensor (:func:`~rope_dispatch.apply_qkv`), whose k is rotated by ``k_freqs`` when
+    given."""
     if not isinstance(spec, RoPESpec):
         raise TypeError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
     if not isinstance(t, torch.Tensor):
@@ -234,11 +303,25 @@ def check_call(
         raise RoPEError(
             f"spec.rotary_dim={spec.rotary_dim} but freqs has last dim d2={d2}; they must be equal"
         )
-    head_dim, heads = shape[-1], shape[-2]
+    heads = shape[-2]
+    kind, k_table, table_name = "t", None, "freqs"
+    if split is not None:
+        if in_place:
+            raise RoPEError("a packed qkv call writes new q, k and v; it has no in-place form")
+        kind, split = "qkv", _check_split(split, shape[-1])
+        head_dim = split[1]
+        if k_freqs is not None and k_freqs is not freqs:
+            k_table = _check_k_table(k_freqs, table, device)
+            if _table_len(k_table) < table_len:
+                table_len, table_name = _table_len(k_table), "k_freqs"
+    elif k_freqs is not None:
+        raise RoPEError("k_freqs is for packed qkv calls (apply_qkv) only")
+    else:
+        head_dim = shape[-1]
     if d2 > head_dim:
         raise RoPEError(
             f"rotary dim d2={d2} (freqs' last dim) exceeds the head dim d={head_dim} of t "
-            f"{tuple(shape)}"
+            f"{tuple(shape)}" + (f" (the k part of split {split})" if split else "")
         )
     cp = spec.cp_size
     if rank == 3:
@@ -260,22 +343,43 @@ def check_call(
         needed = seq_len * cp
         if needed > table_len:
             raise RoPEError(
-                f"freqs has {table_len} positions but the sequence needs {needed} "
+                f"{table_name} has {table_len} positions but the sequence needs {needed} "
                 f"(s={seq_len}" + (f" x cp_size={cp}" if cp > 1 else "") + "); expected "
-                f"freqs.shape[0] >= {needed}"
+                f"{table_name}.shape[0] >= {needed}"
             )
     starts = None
     if start_positions is not None:
-        starts = _check_start_positions(start_positions, spec, batch, seq_len, table_len, device)
+        starts = _check_start_positions(
+            start_positions, spec, batch, seq_len, table_len, device, table_name
+        )
     if rank == 3:
-        _check_cu_seqlens(spec, seq_len, table_len, starts)
+        _check_cu_seqlens(spec, seq_len, table_len, starts, table_name)
     if in_place:
         _check_writable(t)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,
-        in_place and grad_in_place,
+        in_place and grad_in_place, kind, split, k_table,
     ))
+
+
+def _check_k_table(k_freqs: object, table: RotaryTable, device: torch.device) -> RotaryTable:
+    """k's own table: the same kind and rotary dim as q's (one kernel rotates both)."""
+    k_table = _check_table(k_freqs, device, "k_freqs")
+    if isinstance(k_table, CosSinCache) != isinstance(table, CosSinCache):
+        kinds = {True: "a CosSinCache", False: "an angle table"}
+        raise RoPEError(
+            f"k_freqs is {kinds[isinstance(k_table, CosSinCache)]} but freqs is "
+            f"{kinds[isinstance(table, CosSinCache)]}; pass both in the same form"
+        )
+    k_d2 = k_table.rotary_dim if isinstance(k_table, CosSinCache) else k_table.shape[1]
+    d2 = table.rotary_dim if isinstance(table, CosSinCache) else table.shape[1]
+    if k_d2 != d2:
+        raise RoPEError(
+            f"k_freqs has rotary dim {k_d2} but freqs has {d2}; q and k must rotate the same "
+            "number of channels"
+        )
+    return k_table
 
 
 def expanded_dim(t: torch.Tensor) -> int | None:

@@ -134,6 +134,7 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
         bisect.bisect_left(_size_limits(), numel),
         max(call.seq_len, call.batch) >= _GRID_AXIS_LIMIT,
         call.in_place,
+        call.split,
         forced,
     )
 
@@ -177,8 +178,9 @@ def _decide(call: RoPECall, forced: str | None, source: str) -> tuple[Backend, s
 
 def _describe(call: RoPECall) -> str:
     t = call.t
+    packed = "" if call.split is None else f" packed qkv split {call.split},"
     return (
-        f"{call.spec.layout} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on "
+        f"{call.spec.layout}{packed} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on "
         f"{t.device}, rotary dim {call.rotary_dim}"
     )
 
@@ -205,7 +207,7 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
         call.spec.static_key, call.rotary_dim, t.shape, call.batch, t.device,
         isinstance(call.table, CosSinCache), call.start_positions is None,
         t.requires_grad and torch.is_grad_enabled(), t.is_contiguous() or stride_class(t),
-        call.in_place, forced,
+        call.in_place, call.split, forced,
     )
     hit = _exact.get(exact)
     if hit is not None:
@@ -289,12 +291,41 @@ def apply_(
     return _run(t, freqs, spec, start_positions, backend, True, grad_in_place)
 
 
+def apply_qkv(
+    qkv: torch.Tensor,
+    freqs: torch.Tensor | RotaryTable,
+    spec: RoPESpec,
+    split: tuple[int, int, int],
+    *,
+    k_freqs: torch.Tensor | RotaryTable | None = None,
+    start_positions: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE of a packed qkv tensor, split and rotated in one pass: returns new ``(q, k, v)``.
+
+    ``qkv`` is ``[s, b, h, q + k + v]`` (``[b, s, ...]`` for bshd, ``[T, h, ...]`` for thd)
+    with ``split = (q, k, v)`` channels per head group, as a fused qkv projection lays them out
+    (TransformerEngine's ``apply_fused_qkv_rotary_pos_emb``). ``k`` is the head dim ``d``: a
+    group holds ``q / d`` query heads (GQA), one key head and ``v / d`` value heads. Returns q
+    ``[s, b, h * q / d, d]``, k ``[s, b, h, k]`` and v ``[s, b, h, v]``, contiguous; q is rotated
+    by ``freqs`` and k by ``k_freqs`` (default ``freqs``), v is copied. Positions, tables and
+    ``start_positions`` are as in :func:`apply`; the backward writes one packed gradient.
+    """
+    return _run(
+        qkv, freqs, spec, start_positions, backend, False, False, split=split, k_freqs=k_freqs
+    )
+
+
 def _run(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
     backend: str | None, in_place: bool, grad_in_place: bool,
+    split: tuple[int, int, int] | None = None, k_freqs: object = None,
 ) -> torch.Tensor:
     key = None
-    if start_positions is None and type(t) is torch.Tensor and not torch.compiler.is_compiling():
+    if (
+        start_positions is None and split is None and type(t) is torch.Tensor
+        and not torch.compiler.is_compiling()
+    ):
         key = (
             id(spec), id(freqs), t.shape, t.stride(), t.dtype, t.device,
             t.requires_grad and torch.is_grad_enabled(),
@@ -310,7 +341,8 @@ def _run(
         ):
             return plan.run(t, freqs, spec)
     call = check_call(
-        t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place
+        t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place,
+        split=split, k_freqs=k_freqs,
     )
     chosen, final = _choose(call, backend)
     out = chosen.apply(call)
@@ -359,14 +391,18 @@ def explain(
     start_positions: torch.Tensor | None = None,
     backend: str | None = None,
     in_place: bool = False,
+    split: tuple[int, int, int] | None = None,
+    k_freqs: torch.Tensor | RotaryTable | None = None,
 ) -> Explanation:
-    """Which backend :func:`apply` (:func:`apply_` with ``in_place=True``) would run for this
-    call, why, and why not the others.
+    """Which backend :func:`apply` (:func:`apply_` with ``in_place=True``, :func:`apply_qkv`
+    with ``split``) would run for this call, why, and why not the others.
 
     It measures nothing: where the autotune cache holds no entry yet, it says the first call
     would measure the candidates.
     """
-    call = check_call(t, freqs, spec, start_positions, in_place=in_place)
+    call = check_call(
+        t, freqs, spec, start_positions, in_place=in_place, split=split, k_freqs=k_freqs
+    )
     forced, source = requested_backend(backend)
     supported, rejected = capable_backends(call)
     notes = {b.name: n for b in registry.backends() if (n := getattr(b, "explain_note", lambda c: "")(call))}

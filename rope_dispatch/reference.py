@@ -49,9 +49,21 @@ def reference_cos_sin(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cos(angles), torch.sin(angles)
 
 
-def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor:
+def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """float64 RoPE of ``x`` (``call.t``'s values, any float dtype), computed on ``x``'s device
-    (positions and table rows are gathered on the CPU); differentiable."""
+    (positions and table rows are gathered on the CPU); differentiable. For a packed qkv call,
+    ``(q, k, v)``: q's heads rotated by ``call.table``, k's by ``call.k_table``, v copied."""
+    if call.split is not None:
+        q_len, d, _ = call.split
+        q = x[..., :q_len].unflatten(-1, (q_len // d, d)).flatten(-3, -2)
+        k, v = x[..., q_len : q_len + d], x[..., q_len + d :]
+        k_table = call.table if call.k_table is None else call.k_table
+        single = dict(split=None, k_table=None, heads=q.shape[-2], head_dim=d)
+        return (
+            reference_apply(call._replace(**single), q),
+            reference_apply(call._replace(table=k_table, **single), k),
+            v.double(),
+        )
     d2 = call.rotary_dim
     cos, sin = reference_cos_sin(call)
     pos = reference_positions(call)

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from .call import RoPECall
+from .call import TENSOR_KINDS, RoPECall
 from .errors import UnknownBackendError
 from .spec import RoPESpec, dtype_name
 from .tables import CosSinCache, angles_2d
@@ -46,6 +46,9 @@ class Backend:
     supports_cos_sin_cache: ClassVar[bool] = True
     supports_autograd: ClassVar[bool] = True
     supports_in_place: ClassVar[bool] = False
+    tensors: ClassVar[frozenset[str]] = frozenset({"t"})
+    """The call kinds it serves (:data:`~rope_dispatch.call.TENSOR_KINDS`): ``"t"`` single
+    tensors, ``"qkv"`` packed qkv tensors."""
     max_numel: ClassVar[int | None] = None
 
     def unavailable_reasons(self) -> list[str]:
@@ -56,8 +59,10 @@ class Backend:
         """Backend-specific per-call reasons beyond the capability attributes."""
         return []
 
-    def apply(self, call: RoPECall) -> torch.Tensor:
-        """Run RoPE on a checked call; differentiable with respect to ``call.t``."""
+    def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Run RoPE on a checked call; differentiable with respect to ``call.t``. A packed qkv
+        call returns ``(q, k, v)``, new contiguous tensors (q ``[.., h * q/d, d]``, k
+        ``[.., h, k]``, v ``[.., h, v]`` for ``split = (q, k, v)``, ``d = k``)."""
         raise NotImplementedError
 
     def plan(self, call: RoPECall) -> Plan:
@@ -96,6 +101,9 @@ class Backend:
             return list(self.availability)
         reasons = []
         t, spec = call.t, call.spec
+        if call.tensors not in self.tensors:
+            served = ", ".join(TENSOR_KINDS[kind] for kind in sorted(self.tensors))
+            reasons.append(f"{TENSOR_KINDS[call.tensors]} are not supported; supports {served}")
         if t.device.type not in self.devices:
             reasons.append(
                 f"tensor is on {t.device.type}; supports {', '.join(sorted(self.devices))}"

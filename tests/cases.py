@@ -141,3 +141,41 @@ def build(case: Case, device: str | torch.device = "cpu", requires_grad: bool = 
     table_4d = angles.view(s2, 1, 1, case.rotary_dim).to(device)
     table = rd.cos_sin_cache(table_4d) if case.use_cache else table_4d
     return t, table, spec, None if starts is None else starts.to(device), angles
+
+
+@dataclass(frozen=True)
+class QKVCase:
+    """A packed qkv call: ``base`` gives everything but the packing (its ``heads`` are head
+    groups, its ``head_dim`` the k/head dim); a group holds ``q_heads`` query heads and
+    ``v_heads`` value heads; ``own_k_table``: k gets a table of its own."""
+
+    base: Case
+    q_heads: int
+    v_heads: int
+    own_k_table: bool
+
+    @property
+    def split(self) -> tuple[int, int, int]:
+        d = self.base.head_dim
+        return self.q_heads * d, d, self.v_heads * d
+
+
+@st.composite
+def qkv_cases(draw, layouts=("sbhd", "bshd", "thd"), dtypes=DTYPES) -> QKVCase:
+    base = draw(cases(layouts=layouts, dtypes=dtypes))
+    base = dataclasses.replace(base, heads=min(base.heads, 3), head_dim=draw(st.sampled_from((4, 8, 16))))
+    base = dataclasses.replace(base, rotary_dim=2 * draw(st.integers(1, base.head_dim // 2)))
+    return QKVCase(base, draw(st.sampled_from((1, 2, 4))), draw(st.sampled_from((1, 2))), draw(st.booleans()))
+
+
+def build_qkv(case: QKVCase, device: str | torch.device = "cpu", requires_grad: bool = True):
+    """``(qkv, q_table, k_table_or_None, spec, start_positions, q_angles, k_angles)``."""
+    base = dataclasses.replace(case.base, head_dim=sum(case.split))
+    qkv, table, spec, starts, angles = build(base, device, requires_grad)
+    if not case.own_k_table:
+        return qkv, table, None, spec, starts, angles, angles
+    gen = torch.Generator().manual_seed(case.base.seed + 1)
+    k_angles = (torch.rand(angles.shape, generator=gen, dtype=torch.float64) * 40 - 20).float()
+    k_4d = k_angles.view(k_angles.shape[0], 1, 1, -1).to(device)
+    k_table = rd.cos_sin_cache(k_4d) if case.base.use_cache else k_4d
+    return qkv, table, k_table, spec, starts, angles, k_angles

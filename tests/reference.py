@@ -98,6 +98,30 @@ def reference_forward_backward(t, angles, spec, grad_out, start_positions=None):
     return out.detach(), grad
 
 
+def split_qkv(qkv: torch.Tensor, split: tuple[int, int, int]):
+    """q ``[.., h * q/d, d]``, k ``[.., h, k]`` and v ``[.., h, v]`` of a packed
+    ``[.., h, q + k + v]`` tensor, ``d = k``: query head ``g * (q/d) + j`` is channels
+    ``j*d .. (j+1)*d`` of head group ``g`` (TransformerEngine's fused QKV layout)."""
+    q_len, d, _ = split
+    groups = qkv.shape[-2]
+    heads = [qkv[..., g, j * d : (j + 1) * d] for g in range(groups) for j in range(q_len // d)]
+    return torch.stack(heads, dim=-2), qkv[..., q_len : q_len + d], qkv[..., q_len + d :]
+
+
+def reference_qkv_forward_backward(qkv, q_angles, k_angles, spec, split, grad_outs, start_positions=None):
+    """float64 ``((q, k, v), dL/dqkv)`` for ``L = sum(q gq) + sum(k gk) + sum(v gv)``: q rotated
+    by ``q_angles``, k by ``k_angles``, v passed through; on the CPU."""
+    x = qkv.detach().cpu().double().requires_grad_(True)
+    q, k, v = split_qkv(x, split)
+    outs = (
+        reference_for(q, q_angles.cpu(), spec, start_positions),
+        reference_for(k, k_angles.cpu(), spec, start_positions),
+        v,
+    )
+    (grad,) = torch.autograd.grad(outs, x, [g.cpu().double() for g in grad_outs])
+    return tuple(o.detach() for o in outs), grad
+
+
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Largest elementwise error scaled as ``|a - e| / (1 + |e|)`` (unit-scale inputs)."""
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
