@@ -42,6 +42,7 @@ class GridCase:
     starts: bool = False
     cache: bool = False
     strided: bool = False
+    qkv: bool = False  # a packed [.., h, 2d + d + d] tensor (apply_qkv), k with its own table
 
 
 GRID = (
@@ -52,7 +53,13 @@ GRID = (
     GridCase("sbhd bf16 qkv-slice cos/sin cache", "sbhd", torch.bfloat16, cache=True, strided=True),
     GridCase("thd bf16 partial start_positions", "thd", torch.bfloat16, rotary_dim=32, starts=True),
     GridCase("thd fp32 cp 2/rank 0 interleaved", "thd", torch.float32, cp_size=2, interleaved=True),
+    GridCase("bshd fp32 start_positions cp 2/rank 1", "bshd", torch.float32, cp_size=2, cp_rank=1,
+             starts=True),
+    GridCase("sbhd bf16 packed qkv GQA partial", "sbhd", torch.bfloat16, rotary_dim=32, qkv=True),
+    GridCase("thd fp16 packed qkv cp 2/rank 1 start", "thd", torch.float16, cp_size=2, cp_rank=1,
+             starts=True, qkv=True),
 )
+QKV_SPLIT = (128, 64, 64)  # two query heads, one key head and one value head of d 64 a group
 
 
 def versions() -> dict[str, str]:
@@ -72,7 +79,8 @@ def versions() -> dict[str, str]:
 
 
 def make_inputs(case: GridCase, device: str, gen: torch.Generator):
-    """``(t, table, spec, start_positions)`` for one grid case (table halves deliberately unequal)."""
+    """``(t, table, spec, start_positions, call_kwargs)`` for one grid case (table halves
+    deliberately unequal; a qkv case's k has a table of its own)."""
     heads, batch, seq = (8, 2, 96) if device == "cuda" else (4, 2, 32)
     cp = case.cp_size
     cu = None
@@ -89,6 +97,11 @@ def make_inputs(case: GridCase, device: str, gen: torch.Generator):
     starts = torch.randint(0, 9, (batch,), generator=gen) if case.starts else None
     s2 = longest + (0 if starts is None else int(starts.max())) + 3
     angles = (torch.rand(s2, 1, 1, case.rotary_dim, generator=gen) * 200 - 100).to(device)
+    kwargs = {}
+    if case.qkv:
+        shape = (*shape[:-1], sum(QKV_SPLIT))
+        k_angles = (torch.rand(angles.shape, generator=gen) * 200 - 100).to(device)
+        kwargs = dict(split=QKV_SPLIT, k_freqs=cos_sin_cache(k_angles) if case.cache else k_angles)
     if case.strided:
         t = torch.randn(*shape[:-2], 3 * shape[-2], shape[-1], generator=gen)[..., heads : 2 * heads, :]
     else:
@@ -99,7 +112,7 @@ def make_inputs(case: GridCase, device: str, gen: torch.Generator):
         cu_seqlens=None if cu is None else cu.to(device), cp_size=cp, cp_rank=case.cp_rank,
     )
     table = cos_sin_cache(angles) if case.cache else angles
-    return t, table, spec, None if starts is None else starts.to(device)
+    return t, table, spec, None if starts is None else starts.to(device), kwargs
 
 
 def _sync(device: str) -> None:
@@ -110,40 +123,48 @@ def _sync(device: str) -> None:
 def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
     """Forward and backward of one backend on one case against the reference, and a timing."""
     gen = torch.Generator().manual_seed(seed)
-    t, table, spec, starts = make_inputs(case, device, gen)
+    t, table, spec, starts, kwargs = make_inputs(case, device, gen)
     result = {"backend": backend, "case": case.label, "device": device}
     x = t.detach().requires_grad_(True)
+    run = rd.apply_qkv if case.qkv else rd.apply
+
+    def outputs() -> tuple[torch.Tensor, ...]:
+        out = run(x, table, spec, start_positions=starts, backend=backend, **kwargs)
+        return out if isinstance(out, tuple) else (out,)
+
     try:
-        out = rd.apply(x, table, spec, start_positions=starts, backend=backend)
+        outs = outputs()
     except rd.BackendNotSupportedError as exc:
         return result | {"status": "not supported", "detail": str(exc).split(": ", 1)[-1]}
     except Exception as exc:  # a backend that crashes is a failed check, not a crashed selftest
         return result | {"status": "FAIL", "detail": f"{type(exc).__name__}: {exc}"}
-    grad_out = torch.randn(out.shape, generator=gen).to(t.dtype).to(device)
-    (grad,) = torch.autograd.grad(out, x, grad_out)
-    call = rd.check_call(t, table, spec, starts)
+    grad_outs = [torch.randn(o.shape, generator=gen).to(t.dtype).to(device) for o in outs]
+    (grad,) = torch.autograd.grad(outs, x, grad_outs)
+    call = rd.check_call(t, table, spec, starts, **kwargs)
     ref_x = t.detach().cpu().double().requires_grad_(True)
-    ref = reference_apply(call, ref_x)
-    (ref_grad,) = torch.autograd.grad(ref, ref_x, grad_out.cpu().double())
-    fwd_err, bwd_err = max_error(out, ref), max_error(grad, ref_grad)
+    refs = reference_apply(call, ref_x)
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    (ref_grad,) = torch.autograd.grad(refs, ref_x, [g.cpu().double() for g in grad_outs])
+    fwd_err = max(max_error(o, r) for o, r in zip(outs, refs))
+    bwd_err = max_error(grad, ref_grad)
     tol = TOLERANCE[t.dtype]
     in_place = {}
-    if rd.get_backend(backend).supports_in_place:  # apply_ must give the same numbers
+    if rd.get_backend(backend).supports_in_place and not case.qkv:  # apply_: the same numbers
         y = t.detach().clone()
         with torch.no_grad():
             rd.apply_(y, table, spec, start_positions=starts, backend=backend)
-        in_place = {"in_place_error": max_error(y, ref)}
+        in_place = {"in_place_error": max_error(y, refs[0])}
     times = []
     for i in range(7):
         _sync(device)
         start = time.perf_counter()
-        y = rd.apply(x, table, spec, start_positions=starts, backend=backend)
-        torch.autograd.grad(y, x, grad_out)
+        torch.autograd.grad(outputs(), x, grad_outs)
         _sync(device)
         if i >= 2:
             times.append(time.perf_counter() - start)
-    ok = fwd_err <= tol and bwd_err <= tol and out.shape == t.shape and out.is_contiguous()
-    ok = ok and in_place.get("in_place_error", 0.0) <= tol
+    shapes = [tuple(r.shape) for r in refs]
+    ok = fwd_err <= tol and bwd_err <= tol and [tuple(o.shape) for o in outs] == shapes
+    ok = ok and all(o.is_contiguous() for o in outs) and in_place.get("in_place_error", 0.0) <= tol
     return result | {
         "status": "ok" if ok else "FAIL",
         "forward_error": fwd_err,
@@ -224,19 +245,19 @@ def _print_report(report: dict) -> None:
     else:
         print()
     print(
-        f"\n{'backend':10s} {'device':6s} {'case':36s} {'status':14s} {'fwd err':>9s} "
+        f"\n{'backend':10s} {'device':6s} {'case':40s} {'status':14s} {'fwd err':>9s} "
         f"{'bwd err':>9s} {'apply_ err':>10s} {'fwd+bwd':>10s}"
     )
     for c in report["checks"]:
         if "forward_error" in c:
             in_place = f"{c['in_place_error']:10.2e}" if "in_place_error" in c else f"{'-':>10s}"
             print(
-                f"{c['backend']:10s} {c['device']:6s} {c['case']:36s} {c['status']:14s} "
+                f"{c['backend']:10s} {c['device']:6s} {c['case']:40s} {c['status']:14s} "
                 f"{c['forward_error']:9.2e} {c['backward_error']:9.2e} {in_place} "
                 f"{c['fwd_bwd_ms']:8.3f}ms"
             )
         else:
-            print(f"{c['backend']:10s} {c['device']:6s} {c['case']:36s} {c['status']:14s} {c['detail']}")
+            print(f"{c['backend']:10s} {c['device']:6s} {c['case']:40s} {c['status']:14s} {c['detail']}")
     failed = sum(c["status"] == "FAIL" for c in report["checks"])
     print(f"\n{'PASS' if report['ok'] else 'FAIL'}: {len(report['checks']) - failed} checks passed, {failed} failed")
 
