@@ -141,11 +141,15 @@ def _check_cu_seqlens(
     assert cu is not None
     cp = spec.cp_size
     if not _host_reads_allowed() or not reads_values(spec):
-        if spec.max_seqlen is not None and spec.max_seqlen > table_len:
-            raise RoPEError(
-                f"{table_name} has {table_len} positions but max_seqlen={spec.max_seqlen}; the "
-                "table must cover the longest (global) sequence"
-            )
+        if spec.max_seqlen is not None:
+            start = max(starts) if starts else 0
+            if spec.max_seqlen + start > table_len:
+                plus = f" + start_positions max {start}" if start else ""
+                raise RoPEError(
+                    f"{table_name} has {table_len} positions but max_seqlen={spec.max_seqlen}"
+                    f"{plus} needs {spec.max_seqlen + start}; the table must cover the longest "
+                    "(global) sequence from its start position"
+                )
         return
     offsets = cu.tolist()
     if offsets[0] != 0:

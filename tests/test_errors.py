@@ -123,6 +123,18 @@ def test_thd_start_positions_past_table():
     rd.apply(THD_T, torch.rand(17, 8), spec, start_positions=torch.tensor([0, 11]))
 
 
+def test_thd_start_positions_past_table_with_trusted_offsets(monkeypatch):
+    """With max_seqlen given (device offsets are then not read), a table too short for
+    max_seqlen plus the largest start position is still refused."""
+    from rope_dispatch import call as call_module
+
+    monkeypatch.setattr(call_module, "reads_values", lambda spec: False)  # as on a GPU
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 4, 10]), max_seqlen=6)
+    with pytest.raises(rd.RoPEError, match="max_seqlen=6 \\+ start_positions max 11 needs 17"):
+        rd.apply(THD_T, torch.rand(16, 8), spec, start_positions=torch.tensor([0, 11]))
+    rd.apply(THD_T, torch.rand(17, 8), spec, start_positions=torch.tensor([0, 11]))
+
+
 def test_bad_cache_object():
     bad = rd.CosSinCache(torch.rand(8, 16).double(), torch.rand(8, 16))
     with pytest.raises(rd.RoPEError, match="CosSinCache"):
