@@ -11,6 +11,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from . import autotune
+from . import cp
 from .autotune import cache_dir, cache_entries, clear_cache
 from .call import RoPECall, check_call
 from .dispatch import Explanation, apply, apply_, apply_qkv, explain, use_backend
@@ -33,4 +34,5 @@ __all__ = [
     "check_call", "cos_sin_cache", "explain", "get_backend", "list_backends", "register",
     "use_backend",
     "autotune", "cache_dir", "cache_entries", "clear_cache",
+    "cp",
 ]
