@@ -49,13 +49,16 @@ class Shape:
     head_dim: int
     rotary_dim: int
     n_seqs: int = 0
+    cp_size: int = 1  # context parallelism: the local part of rank cp_size - 1, with start_positions
+    qkv: tuple[int, int, int] | None = None  # packed qkv split; heads are head groups
 
     def dims(self) -> tuple[int, ...]:
+        width = self.head_dim if self.qkv is None else sum(self.qkv)
         if self.layout == "thd":
-            return (self.seq, self.heads, self.head_dim)
+            return (self.seq, self.heads, width)
         if self.layout == "sbhd":
-            return (self.seq, self.batch, self.heads, self.head_dim)
-        return (self.batch, self.seq, self.heads, self.head_dim)
+            return (self.seq, self.batch, self.heads, width)
+        return (self.batch, self.seq, self.heads, width)
 
 
 SHAPES = (
@@ -64,10 +67,19 @@ SHAPES = (
     Shape("sbhd s4096 b4 h32 d128 rot64 bf16", "sbhd", torch.bfloat16, 4096, 4, 32, 128, 64),
     Shape("thd 12 seqs T26460 h32 d128 bf16", "thd", torch.bfloat16, 26460, 1, 32, 128, 128, 12),
     Shape("sbhd s2048 b16 h8 d256 fp32", "sbhd", torch.float32, 2048, 16, 8, 256, 256),
+    Shape("sbhd s4096 b4 h32 d128 bf16 start+cp2", "sbhd", torch.bfloat16, 4096, 4, 32, 128, 128,
+          cp_size=2),
+    Shape("thd 12 seqs T26460 h32 d128 bf16 start+cp2", "thd", torch.bfloat16, 26460, 1, 32, 128,
+          128, 12, cp_size=2),
+    Shape("qkv sbhd s4096 b4 g8 q4x128 k128 v128 bf16", "sbhd", torch.bfloat16, 4096, 4, 8, 128,
+          128, qkv=(512, 128, 128)),
+    Shape("qkv bshd s4096 b2 g16 q2x128 k128 v128 rot64 bf16", "bshd", torch.bfloat16, 4096, 2, 16,
+          128, 64, qkv=(256, 128, 128)),
     Shape("decode sbhd s1 b64 h32 d128 bf16", "sbhd", torch.bfloat16, 1, 64, 32, 128, 128),
 )
 DECODE = SHAPES[-1]
 TABLE_LEN = 4096
+MAX_START = 64  # start_positions of the start+cp shapes are drawn below this
 
 
 @dataclass
@@ -76,38 +88,61 @@ class Inputs:
     freqs: torch.Tensor  # [s2, 1, 1, d2] float32 angles, TE's duplicated-halves layout
     cache: rd.CosSinCache
     spec: rd.RoPESpec
-    grad: torch.Tensor
+    grad: torch.Tensor | tuple[torch.Tensor, ...]  # one per output (q, k, v for packed qkv)
     cu_seqlens: torch.Tensor | None
+    starts: torch.Tensor | None = None
+    split: tuple[int, int, int] | None = None
+
+    def call_args(self) -> dict[str, Any]:
+        """The keywords ``apply``/``apply_qkv``/``check_call`` take beyond ``t, table, spec``."""
+        args: dict[str, Any] = {"start_positions": self.starts}
+        return args if self.split is None else {**args, "split": self.split}
 
 
-def _seqlens(total: int, n: int, gen: torch.Generator) -> list[int]:
-    """``n`` random lengths summing to ``total`` (fixed seed)."""
+def _seqlens(total: int, n: int, gen: torch.Generator, multiple: int = 1) -> list[int]:
+    """``n`` random lengths summing to ``total``, each a multiple of ``multiple`` (fixed seed)."""
     weights = torch.rand(n, generator=gen) + 0.25
-    lengths = (weights / weights.sum() * total).long()
+    lengths = (weights / weights.sum() * (total // multiple)).long() * multiple
     lengths[-1] += total - int(lengths.sum())
     return lengths.tolist()
 
 
 def make_inputs(shape: Shape, device: str = "cuda") -> Inputs:
     gen = torch.Generator().manual_seed(0)
-    rot = shape.rotary_dim
+    rot, cp = shape.rotary_dim, shape.cp_size
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     t = torch.randn(shape.dims(), generator=gen).to(shape.dtype).to(device)
-    lengths = _seqlens(shape.seq, shape.n_seqs, gen) if shape.layout == "thd" else None
+    # thd under CP: shape.seq is the local token count; global lengths divide by 2 * cp
+    lengths = (
+        _seqlens(shape.seq * cp, shape.n_seqs, gen, 2 * cp) if shape.layout == "thd" else None
+    )
+    batch = len(lengths) if lengths else shape.batch
+    starts = torch.randint(0, MAX_START, (batch,), generator=gen) if cp > 1 else None
     # The table covers the longest sequence, as a model's table does: for thd that is the
     # longest packed sequence, not the token count (TE's thd grid grows with the table length).
-    table_len = max(TABLE_LEN, max(lengths) if lengths else shape.seq)
+    longest = max(lengths) if lengths else shape.seq * cp
+    table_len = max(TABLE_LEN, longest + (MAX_START if starts is not None else 0))
     angles = torch.outer(torch.arange(table_len, dtype=torch.float64), inv)
     freqs = torch.cat((angles, angles), dim=-1).float().view(table_len, 1, 1, rot).to(device)
     cu = None
+    common = dict(dtype=shape.dtype, cp_size=cp, cp_rank=cp - 1)
     if lengths is not None:
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         cu = cu.to(device)
-        spec = rd.RoPESpec(layout="thd", dtype=shape.dtype, cu_seqlens=cu, max_seqlen=max(lengths))
+        spec = rd.RoPESpec(layout="thd", cu_seqlens=cu, max_seqlen=max(lengths), **common)
     else:
-        spec = rd.RoPESpec(layout=shape.layout, dtype=shape.dtype)
-    grad = torch.randn(shape.dims(), generator=gen).to(shape.dtype).to(device)
-    return Inputs(t, freqs, rd.cos_sin_cache(freqs), spec, grad, cu)
+        spec = rd.RoPESpec(layout=shape.layout, **common)
+    if shape.qkv is None:
+        grad: Any = torch.randn(shape.dims(), generator=gen).to(shape.dtype).to(device)
+    else:  # gradients of q [.., h * q/d, d], k [.., h, d] and v [.., h, v]
+        lead, h = shape.dims()[:-2], shape.heads
+        q_len, d, v_len = shape.qkv
+        grad = tuple(
+            torch.randn(dims, generator=gen).to(shape.dtype).to(device)
+            for dims in ((*lead, h * q_len // d, d), (*lead, h, d), (*lead, h, v_len))
+        )
+    return Inputs(t, freqs, rd.cos_sin_cache(freqs), spec, grad, cu,
+                  None if starts is None else starts.to(device), shape.qkv)
 
 
 @dataclass
@@ -125,22 +160,24 @@ class Impl:
 
 
 def _ours(name: str, label: str, inp: Inputs, table: Any) -> Impl | None:
+    """``rope_dispatch.apply`` (``apply_qkv`` for packed qkv) forced onto backend ``name``."""
     backend = rd.get_backend(name)
     t = inp.t.detach().requires_grad_(True)
-    call = rd.check_call(t, table, inp.spec)
-    if backend.not_supported_reasons(call):
+    args = inp.call_args()
+    if backend.not_supported_reasons(rd.check_call(t, table, inp.spec, **args)):
         return None
+    run = rd.apply if inp.split is None else rd.apply_qkv
     leaf = inp.t.detach().requires_grad_(True)
-    out_graph = rd.apply(leaf, table, inp.spec, backend=name)
+    out_graph = run(leaf, table, inp.spec, backend=name, **args)
 
     def fwd():
-        return rd.apply(inp.t, table, inp.spec, backend=name)
+        return run(inp.t, table, inp.spec, backend=name, **args)
 
     def bwd():
         return torch.autograd.grad(out_graph, leaf, inp.grad, retain_graph=True)
 
     def fwd_bwd():
-        return torch.autograd.grad(rd.apply(leaf, table, inp.spec, backend=name), leaf, inp.grad)
+        return torch.autograd.grad(run(leaf, table, inp.spec, backend=name, **args), leaf, inp.grad)
 
     return Impl(label, fwd, bwd, fwd_bwd, fwd)
 
@@ -149,52 +186,68 @@ def _ours_in_place(name: str, inp: Inputs) -> Impl | None:
     """``apply_`` on a buffer holding the input (each call rotates it again: the tables are
     rotations, so its scale stays), and its backward with ``grad_in_place=True``: both move
     ``d2 / d`` of the bytes."""
-    call = rd.check_call(inp.t, inp.freqs, inp.spec, in_place=True)
+    starts = inp.starts
+    call = rd.check_call(inp.t, inp.freqs, inp.spec, starts, in_place=True)
     if rd.get_backend(name).not_supported_reasons(call):
         return None
     buffer, grad = inp.t.clone(), inp.grad.clone()
     leaf = inp.t.detach().requires_grad_(True)
-    out_graph = rd.apply_(leaf.clone(), inp.freqs, inp.spec, backend=name, grad_in_place=True)
+    out_graph = rd.apply_(leaf.clone(), inp.freqs, inp.spec, start_positions=starts, backend=name,
+                          grad_in_place=True)
 
     def fwd():
-        return rd.apply_(buffer, inp.freqs, inp.spec, backend=name)
+        return rd.apply_(buffer, inp.freqs, inp.spec, start_positions=starts, backend=name)
 
     def bwd():
         return torch.autograd.grad(out_graph, leaf, grad, retain_graph=True)
 
     def output():
-        return rd.apply_(inp.t.clone(), inp.freqs, inp.spec, backend=name)
+        return rd.apply_(inp.t.clone(), inp.freqs, inp.spec, start_positions=starts, backend=name)
 
     return Impl(f"{name} in place", fwd, bwd, None, output, "apply_, grad_in_place=True",
                 rotary_only=call.rotary_dim < call.head_dim)
 
 
 def _te_peer(shape: Shape, inp: Inputs) -> Impl | None:
+    """TransformerEngine's fused ``apply_rotary_pos_emb`` (``apply_fused_qkv_rotary_pos_emb``
+    for packed qkv) called directly, with the same positions."""
     try:
-        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+        from transformer_engine.pytorch.attention import rope
     except Exception:  # noqa: BLE001 (not installed, or installed but broken)
         return None
-    kwargs: dict[str, Any] = {"tensor_format": shape.layout, "fused": True}
+    kwargs: dict[str, Any] = {"tensor_format": shape.layout}
     if inp.cu_seqlens is not None:
         kwargs["cu_seqlens"] = inp.cu_seqlens
+    if inp.starts is not None:
+        kwargs["start_positions"] = inp.starts.int()
+    if shape.cp_size > 1:
+        kwargs.update(cp_size=inp.spec.cp_size, cp_rank=inp.spec.cp_rank)
+    if inp.split is None:
+        def run(x):
+            return rope.apply_rotary_pos_emb(x, inp.freqs, fused=True, **kwargs)
+    elif hasattr(rope, "apply_fused_qkv_rotary_pos_emb"):
+        def run(x):
+            return rope.apply_fused_qkv_rotary_pos_emb(x, inp.freqs, inp.freqs, list(inp.split), **kwargs)
+    else:
+        return None
     leaf = inp.t.detach().requires_grad_(True)
-    out_graph = apply_rotary_pos_emb(leaf, inp.freqs, **kwargs)
+    out_graph = run(leaf)
 
     def fwd():
-        return apply_rotary_pos_emb(inp.t, inp.freqs, **kwargs)
+        return run(inp.t)
 
     def bwd():
         return torch.autograd.grad(out_graph, leaf, inp.grad, retain_graph=True)
 
     def fwd_bwd():
-        return torch.autograd.grad(apply_rotary_pos_emb(leaf, inp.freqs, **kwargs), leaf, inp.grad)
+        return torch.autograd.grad(run(leaf), leaf, inp.grad)
 
     return Impl("TE fused (peer)", fwd, bwd, fwd_bwd, fwd)
 
 
 def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
     """Liger rotates q and k in place in a [b, s, h, d] buffer; here k has one head."""
-    if shape.layout == "thd":
+    if shape.layout == "thd" or shape.cp_size > 1 or shape.qkv is not None:
         return None
     try:
         from liger_kernel.ops.rope import rope_backward, rope_forward
@@ -232,16 +285,18 @@ def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
                 rotary_only=rot < d)
 
 
-def _reference64(inp: Inputs) -> torch.Tensor:
+def _reference64(inp: Inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """float64 RoPE of the inputs on their device (rope_dispatch.reference: the formula,
     independent of every backend)."""
-    return reference_apply(rd.check_call(inp.t, inp.freqs, inp.spec), inp.t)
+    return reference_apply(rd.check_call(inp.t, inp.freqs, inp.spec, **inp.call_args()), inp.t)
 
 
-def _error(out: torch.Tensor | None, ref: torch.Tensor) -> float | None:
-    if out is None or out.shape != ref.shape:
+def _error(out: Any, ref: torch.Tensor | tuple[torch.Tensor, ...]) -> float | None:
+    """Largest error of an output (or of each of q, k, v) against the reference."""
+    outs, refs = (out, ref) if isinstance(ref, tuple) else ((out,), (ref,))
+    if out is None or len(outs) != len(refs) or any(o.shape != r.shape for o, r in zip(outs, refs)):
         return None
-    return max_error(out, ref)
+    return max(max_error(o, r) for o, r in zip(outs, refs))
 
 
 def bench_ms(fn: Callable[[], Any]) -> float:
@@ -328,7 +383,7 @@ def run_shape(
             impl = _ours("triton", "triton+cache", inp, inp.cache)
             if impl is not None:
                 impls.append(impl)
-            impl = _ours_in_place("triton", inp)
+            impl = None if inp.split is not None else _ours_in_place("triton", inp)
             if impl is not None:
                 impls.append(impl)
     if peers:

@@ -6,8 +6,13 @@
 #
 # Environment: OUT (results folder, default /tmp/rope-out), TE (non-empty: load TransformerEngine),
 # TESTS (pytest targets, default tests), PYTEST_ARGS, BENCH_ARGS (extra benchmark arguments),
-# SKIP_TESTS / SKIP_BENCH (non-empty: skip that part), TEST_TIMEOUT / SELFTEST_TIMEOUT /
-# BENCH_TIMEOUT (seconds; the defaults keep one call under the device's 10-minute limit).
+# SKIP_TESTS / SKIP_SELFTEST / SKIP_BENCH (non-empty: skip that part), TEST_TIMEOUT /
+# SELFTEST_TIMEOUT / BENCH_TIMEOUT (seconds; the defaults keep one call under the device's
+# 10-minute limit).
+# TE_TESTS: path of TransformerEngine's tests/pytorch/test_fused_rope.py (not in this repository;
+# carried with the call): it runs unchanged, beside our tests, with its fused calls served by
+# rope_dispatch.compat.te on the triton backend (scripts/te_parity.py); TE_WORKERS pytest-xdist
+# workers (default 6), TE_TIMEOUT seconds, TE_K a pytest -k expression.
 # Ends with the benchmark's table, so the last lines of the output are the figures.
 set -u
 export PYTHONUNBUFFERED=1
@@ -23,6 +28,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
 status=0
+te_pid=
+if [[ -n "${TE_TESTS:-}" ]]; then
+  (
+    ROPE_BACKEND=triton PYTHONPATH="scripts${PYTHONPATH:+:$PYTHONPATH}" timeout "${TE_TIMEOUT:-420}" \
+      python3 -m pytest -p te_parity -p no:cacheprovider -q -n "${TE_WORKERS:-6}" \
+      ${TE_K:+-k "$TE_K"} "$TE_TESTS" >"$OUT/te_parity.log" 2>&1
+    echo "TE test file exit code $?" >>"$OUT/te_parity.log"
+  ) &
+  te_pid=$!
+fi
 if [[ -z "${SKIP_TESTS:-}" ]]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest ${TESTS:-tests} -q -m "gpu or not slow" -p no:cacheprovider \
     ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
@@ -31,7 +46,13 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
   echo "pytest exit code $status (log: pytest.log)"
 fi
 
-if python3 -c "import rope_dispatch.selftest" 2>/dev/null; then
+if [[ -n "$te_pid" ]]; then
+  wait "$te_pid"
+  echo "--- TransformerEngine's test_fused_rope.py through rope_dispatch.compat.te (te_parity.log)"
+  grep -E "^te_parity:|^(FAILED|ERROR)|passed|failed|exit code" "$OUT/te_parity.log" | tail -15
+fi
+
+if [[ -z "${SKIP_SELFTEST:-}" ]] && python3 -c "import rope_dispatch.selftest" 2>/dev/null; then
   timeout ${SELFTEST_TIMEOUT:-90} python3 -m rope_dispatch.selftest >"$OUT/selftest.log" 2>&1
   echo "selftest exit code $? (log: selftest.log)"
   tail -5 "$OUT/selftest.log"
