@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -127,3 +128,55 @@ def table_cos_sin(table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(table, CosSinCache):
         return table.cos, table.sin
     return torch.cos(table), torch.sin(table)
+
+
+# --- building angle tables --------------------------------------------------------------------
+# The float32 operations below, in this order, are those of TransformerEngine 2.20.2's
+# RotaryPositionEmbedding, so a table built here on a device equals TE's on that device bit for
+# bit (tests/test_compat_te.py). Options that choose a position scale (TE's interpolation,
+# later other models' rules) compute it outside and pass it in as ``scale``.
+
+
+def inverse_frequencies(
+    dim: int, base: float = 10000.0, *, device: torch.device | str | int | None = None
+) -> torch.Tensor:
+    """float32 ``[ceil(dim / 2)]`` rotation rates ``1 / base ** (2k / dim)``, ``k = 0, 1, ...``.
+
+    ``dim`` is the rotary dim (the table's last dim is ``2 * len(result)``); ``device`` is
+    where the result lives (``None``: torch's default device). The exponent ``2k / dim`` and
+    the power are float32, as in TransformerEngine.
+    """
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    return 1.0 / (base ** exponents)
+
+
+def _autocast_off(device_type: str):
+    """A context that turns autocast off for ``device_type`` (where autocast exists for it)."""
+    available = getattr(torch.amp, "is_autocast_available", None)
+    if available is not None and not available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+def angle_table(
+    inv_freq: torch.Tensor, length: int, *, offset: int | float = 0, scale: float = 1.0,
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """The angle table ``freqs`` ``[length, 1, 1, 2n]`` of rates ``inv_freq`` ``[n]``.
+
+    Row ``p`` holds the angles of position ``(p + offset) * scale``, each rate once per
+    rotated pair: ``[a_0 .. a_{n-1}, a_0 .. a_{n-1}]`` (the two halves, NeoX style) or, with
+    ``interleaved``, ``[a_0, a_0, a_1, a_1, ...]``. ``scale`` shrinks positions (linear
+    interpolation: ``1 / factor``); ``1.0`` leaves them unscaled. The result has ``inv_freq``'s
+    dtype and device, is contiguous, and is computed with autocast off.
+    """
+    with _autocast_off(inv_freq.device.type):
+        positions = torch.arange(length, device=inv_freq.device, dtype=inv_freq.dtype) + offset
+        if scale != 1.0:
+            positions = positions * scale
+        angles = torch.outer(positions, inv_freq)  # one float32 multiply per entry
+    if interleaved:
+        angles = angles.repeat_interleave(2, dim=-1)
+    else:
+        angles = torch.cat((angles, angles), dim=-1)
+    return angles.reshape(length, 1, 1, angles.shape[-1])
