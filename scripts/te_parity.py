@@ -21,9 +21,19 @@ import inspect
 
 
 def pytest_configure(config) -> None:
+    import os
+
+    import torch
     from transformer_engine.pytorch.attention import rope as te_rope
 
     from rope_dispatch.compat import te as ours
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and torch.cuda.is_available():
+        # pytest-xdist workers share one GPU: each keeps its caching allocator within its share,
+        # so one worker's cached blocks cannot starve another's next test (TE's fused QKV tests
+        # allocate several GiB each).
+        torch.cuda.set_per_process_memory_fraction(0.95 / workers)
 
     unfused = te_rope.apply_rotary_pos_emb
     parameters = list(inspect.signature(unfused).parameters)
