@@ -40,7 +40,7 @@ def positions(
         cu = cu_seqlens.long() // cp_size
         token = torch.arange(shape[0], device=device)
         seq = torch.searchsorted(cu[1:], token, right=True).clamp_(max=cu.numel() - 2)
-        local = token - cu[seq]
+        local = torch.where(token < cu[-1], token - cu[seq], -(2**31))  # past the last offset
         if cp_size > 1:
             local = zigzag_positions(local, cu[seq + 1] - cu[seq], cp_size, cp_rank)
         return local if starts is None else local + starts[seq]
@@ -60,6 +60,14 @@ def token_positions(call: RoPECall) -> torch.Tensor:
         call.t.shape, spec.layout, spec.cu_seqlens, call.start_positions, spec.cp_size,
         spec.cp_rank, call.t.device,
     )
+
+
+def table_rows(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rows ``pos`` of a ``[s2, d2]`` table, NaN where ``pos`` falls outside it (index values
+    the host did not read): never an out-of-bounds read, never a plausible wrong angle."""
+    inside = (pos >= 0) & (pos < table.shape[0])
+    rows = table[pos.clamp(0, table.shape[0] - 1)]
+    return torch.where(inside.unsqueeze(-1), rows, float("nan"))
 
 
 def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -85,7 +93,7 @@ def rope_tensors(
     this math.
     """
     pos = positions(t.shape, layout, cu_seqlens, start_positions, cp_size, cp_rank, t.device)
-    cos, sin = cos[pos].unsqueeze(-2), sin[pos].unsqueeze(-2)
+    cos, sin = table_rows(cos, pos).unsqueeze(-2), table_rows(sin, pos).unsqueeze(-2)
     d2 = cos.shape[-1]
     x = t[..., :d2].float()
     if transpose:

@@ -205,10 +205,29 @@ def _qkv_reasons(call: RoPECall, info: TEInfo) -> list[str]:
     return reasons
 
 
+UNBOUNDED_REASON = (
+    "the positions are not known to lie inside the table: {what} on the GPU are not read on "
+    "the host (no sync), and TransformerEngine's kernel does not guard its table reads (an "
+    "out-of-range position would read past the table or leave rows unwritten); set "
+    "ROPE_DISPATCH_CHECK_VALUES=1 (one sync per call){promise}, or another backend marks such "
+    "rows NaN"
+)
+
+
+def _unbounded_reason(call: RoPECall) -> str:
+    unread = "start_positions" if call.start_positions is not None else "cu_seqlens"
+    promise = (
+        ", give the spec max_seqlen" if unread == "cu_seqlens" and call.spec.max_seqlen is None
+        else ""
+    )
+    return UNBOUNDED_REASON.format(what=unread, promise=promise)
+
+
 def te_reasons(call: RoPECall, info: TEInfo) -> list[str]:
     """Why this TransformerEngine cannot serve ``call`` (beyond device, layout and dtype)."""
+    bounded = [] if call.positions_bounded else [_unbounded_reason(call)]
     if call.tensors == "qkv":
-        return _qkv_reasons(call, info) + _limit_reasons(call)
+        return _qkv_reasons(call, info) + _limit_reasons(call) + bounded
     reasons = []
     spec, t = call.spec, call.t
     params = info.parameters
@@ -252,7 +271,7 @@ def te_reasons(call: RoPECall, info: TEInfo) -> list[str]:
                 f"TransformerEngine {info.version}'s apply_rotary_pos_emb ({info.module}) has no "
                 f"{', '.join(absent)} argument{'s' if len(absent) > 1 else ''}"
             )
-    return reasons + _limit_reasons(call)
+    return reasons + _limit_reasons(call) + bounded
 
 
 def _limit_reasons(call: RoPECall) -> list[str]:

@@ -10,8 +10,9 @@ the data tiles, so they are neither recomputed per head nor per thread.
 
 Positions come from the token index alone: ``s`` (+ ``start_positions[b]``) for sbhd/bshd, the
 context-parallel zigzag map when ``cp_size > 1``, and for thd a binary search of the token in
-``cu_seqlens`` inside the kernel (no host sync, no ``max_seqlen x batch`` grid). Offsets are
-int64. Math is float32 with one rounding to the output dtype.
+``cu_seqlens`` inside the kernel (no host sync, no ``max_seqlen x batch`` grid). A position
+outside the table (index values the host never read) reads no memory and makes the token's
+rotated channels NaN. Offsets are int64. Math is float32 with one rounding to the output dtype.
 
 The transpose (``BACKWARD``) uses each channel's partner sine: for rotate-half
 ``g1 c1 + g2 s2`` and ``g2 c2 - g1 s1``; for pairs ``ge ce + go so`` and ``go co - ge se``.
@@ -67,12 +68,14 @@ def _cos_sin(angle, FAST_TRIG: tl.constexpr):
 
 @triton.jit
 def _table(tab_ptr, sin_ptr, offsets, mask, USE_CACHE: tl.constexpr, FAST_TRIG: tl.constexpr):
-    """cos and sin of the table entries at ``offsets``: cache loads or sin/cos of angles."""
+    """cos and sin of the table entries at ``offsets``: cache loads or sin/cos of angles. Where
+    ``mask`` is off (a position outside the table, or padding) both are NaN, so a row whose
+    position is out of range comes out NaN rather than rotated by a plausible angle."""
     if USE_CACHE:
-        cos = tl.load(tab_ptr + offsets, mask=mask, other=1.0)
-        sin = tl.load(sin_ptr + offsets, mask=mask, other=0.0)
+        cos = tl.load(tab_ptr + offsets, mask=mask, other=float("nan"))
+        sin = tl.load(sin_ptr + offsets, mask=mask, other=float("nan"))
     else:
-        cos, sin = _cos_sin(tl.load(tab_ptr + offsets, mask=mask, other=0.0), FAST_TRIG)
+        cos, sin = _cos_sin(tl.load(tab_ptr + offsets, mask=mask, other=float("nan")), FAST_TRIG)
     return cos, sin
 
 
@@ -155,6 +158,8 @@ def _positions(
             last = tl.load(cu_ptr + seq + 1, mask=tok_mask, other=0).to(tl.int32) // cp_size
             length = last - first
         local = tok - first
+        total = tl.load(cu_ptr + n_seqs).to(tl.int32) // cp_size
+        local = tl.where(tok < total, local, -2147483647)  # past the last offset: no sequence
     else:
         if LAYOUT == 0:
             local = i0
@@ -172,7 +177,7 @@ def _positions(
         pos = local
     if HAS_STARTS:
         pos += tl.load(starts_ptr + seq, mask=tok_mask, other=0).to(tl.int32)
-    return tl.minimum(tl.maximum(pos, 0), table_len - 1)  # never read outside the table
+    return pos
 
 
 @triton.jit
@@ -322,7 +327,8 @@ def _rope_program(
         LAYOUT, HAS_STARTS, CONTEXT_PARALLEL, SEQ_BLOCK,
     )
     tab_off = pos.to(tl.int64)[:, None] * ROT_DIM + c[None, :]
-    tab_mask = tok_mask[:, None] & c_mask[None, :]
+    inside = tok_mask & (pos >= 0) & (pos < table_len)  # never read outside the table
+    tab_mask = inside[:, None] & c_mask[None, :]
     if INTERLEAVED:
         cos, sin = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
         cos_a, cos_b = tl.split(tl.reshape(cos, [BLOCK_T, BLOCK_R // 2, 2]))

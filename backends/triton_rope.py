@@ -321,7 +321,11 @@ class _RoPEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad_x = _RoPEFunction.apply(grad, *ctx.tables, *ctx.settings, ctx.grad_strides)
+        if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
+            grad_x = _RoPEFunction.apply(grad, *ctx.tables, *ctx.settings, ctx.grad_strides)
+        else:  # the usual backward: launch straight away (an autograd node costs host time)
+            grad_x = _allocate(grad, ctx.grad_strides)
+            launch(grad, grad_x, *ctx.tables, *ctx.settings, fresh_out=ctx.grad_strides is None)
         return grad_x, None, None, None, None, None, None, None, None, None, None
 
 
@@ -423,82 +427,116 @@ triton_rope_op.register_autograd(_backward, setup_context=_setup_context)
 # Packed qkv: q and k rotated and v copied in one launch, forward and backward
 
 
-def qkv_views(qkv: torch.Tensor, split: Sequence[int]) -> tuple[torch.Tensor, ...]:
-    """q, k and v of a packed ``[.., h, q + k + v]`` tensor as ``[.., h, group, d]`` views
-    (``d = k``): the kernel's grouped addressing of a packed row."""
-    q_len, d, _ = split
+Segment = tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...]]
+"""One of q, k, v as the kernel sees it: ``(base tensor, element offset, shape, strides)`` of a
+grouped view ``[n0, n1, groups, group, d]`` (``[T, groups, group, d]`` for thd), where head
+``g * group + j`` lies at ``g * s_group + j * s_head``. Described by numbers rather than made
+as a view: building nine views per call cost more host time than the rest of the launch."""
+
+
+def packed_segments(qkv: torch.Tensor, split: Sequence[int]) -> tuple[Segment, Segment, Segment]:
+    """q, k and v of a packed ``[.., h, q + k + v]`` tensor (``d = k``)."""
+    q_len, d, v_len = split
+    *lead, heads, _ = qkv.shape
+    *lead_strides, s_head, s_chan = qkv.stride()
+    strides = (*lead_strides, s_head, d * s_chan, s_chan)
     return (
-        qkv[..., :q_len].unflatten(-1, (q_len // d, d)),
-        qkv[..., q_len : q_len + d].unflatten(-1, (1, d)),
-        qkv[..., q_len + d :].unflatten(-1, (-1, d)),
+        (qkv, 0, (*lead, heads, q_len // d, d), strides),
+        (qkv, q_len * s_chan, (*lead, heads, 1, d), strides),
+        (qkv, (q_len + d) * s_chan, (*lead, heads, v_len // d, d), strides),
     )
 
 
-def _grouped_strides(x: torch.Tensor, layout: str) -> tuple[int, ...]:
-    """``(s0, s1, s_group, s_head, s_channel)`` of a grouped view (``s1 = 0`` for thd)."""
-    if layout == "thd":
-        s0, sg, sh, sd = x.stride()
-        return s0, 0, sg, sh, sd
-    return x.stride()
+def head_segment(t: torch.Tensor, group: int) -> Segment:
+    """A ``[.., H, d]`` tensor as ``H / group`` groups of ``group`` heads."""
+    *lead, heads, d = t.shape
+    *lead_strides, s_head, s_chan = t.stride()
+    return (t, 0, (*lead, heads // group, group, d), (*lead_strides, group * s_head, s_head, s_chan))
+
+
+def width_segment(t: torch.Tensor, d: int) -> Segment:
+    """A ``[.., h, n * d]`` tensor (k or v of a packed call) as ``h`` groups of ``n`` heads."""
+    *lead, heads, width = t.shape
+    *lead_strides, s_head, s_chan = t.stride()
+    return (t, 0, (*lead, heads, width // d, d), (*lead_strides, s_head, d * s_chan, s_chan))
+
+
+def _view(segment: Segment) -> torch.Tensor:
+    base, offset, shape, strides = segment
+    return base.as_strided(shape, strides, base.storage_offset() + offset)
 
 
 _fast_qkv: dict[tuple, tuple] = {}
 
 
 def launch_qkv(
-    xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: Sequence[torch.Tensor | None],
+    xs: Sequence[Segment], outs: Sequence[Segment], tables: Sequence[torch.Tensor | None],
     cu_seqlens: torch.Tensor | None, start_positions: torch.Tensor | None, layout: str,
     interleaved: bool, cp_size: int, cp_rank: int, backward: bool, config: Config | None = None,
 ) -> None:
     """One launch of ``rope_qkv_kernel``: ``outs[i]`` = RoPE of ``xs[i]`` for q (i = 0) and k
     (i = 1), each by its own table, and a copy for v (i = 2, when given); the transpose when
-    ``backward``. Every tensor is a grouped view ``[n0, n1, groups, group, d]`` (``[T, groups,
-    group, d]`` for thd) with any strides; ``tables`` are ``(q_table, q_sin, k_table, k_sin)``
-    (sin ``None`` for angle tables). No host sync, no allocation."""
+    ``backward``. ``tables`` are ``(q_table, q_sin, k_table, k_sin)`` (sin ``None`` for angle
+    tables). No host sync, no allocation; a repeated call signature launches the compiled
+    kernel through Triton's C launcher from addresses and integers alone."""
     kernels = _kernels if _kernels is not None else _load_kernels()
     q_tab, q_sin, k_tab, k_sin = tables
-    x0 = xs[0]
-    shape = x0.shape
-    if layout == "thd":
-        n_tokens, dim1, seq_len = shape[0], 1, shape[0]
-        cu_seqlens = cu_seqlens.contiguous()
-        n_seqs = cu_seqlens.shape[0] - 1
+    has_v = len(xs) == 3
+    pairs = tuple(zip(xs, outs)) if has_v else (*zip(xs, outs), (xs[1], outs[1]))
+    shape = xs[0][2]
+    thd = layout == "thd"
+    if thd:
+        n_tokens, dim1, seq_len, n_seqs = shape[0], 1, shape[0], cu_seqlens.shape[0] - 1
     else:
-        n_tokens, dim1 = shape[0] * shape[1], shape[1]
+        n_tokens, dim1, n_seqs = shape[0] * shape[1], shape[1], 0
         seq_len = shape[0] if layout == "sbhd" else shape[1]
-        n_seqs = 0
-    if start_positions is not None:
-        start_positions = start_positions.contiguous()
-    head_dim, rotary_dim = shape[-1], q_tab.shape[1]
-    heads = tuple(x.shape[-3] * x.shape[-2] for x in xs)
+    heads = tuple(x[2][-3] * x[2][-2] for x, _ in pairs)
     if n_tokens == 0 or min(heads) == 0:
         return
-    if config is None:
-        sms = 1 if kernels.INTERPRETED else _sm_count(x0.device.index)
-        config = choose_config(
-            n_tokens, heads, head_dim, rotary_dim, x0.element_size(), interleaved, sms
-        )
-    block_t, block_h, head_iters, block_r, block_p, num_warps = config
-    token_blocks = -(-n_tokens // block_t)
-    programs = [token_blocks * -(-n // (block_h * head_iters)) for n in heads]
-    has_v = len(xs) == 3
-    v_x, v_out = (xs[2], outs[2]) if has_v else (xs[1], outs[1])
-    ints = (
-        n_tokens, dim1, seq_len, q_tab.shape[0], k_tab.shape[0], n_seqs, cp_size, cp_rank,
-        heads[0], xs[0].shape[-2], programs[0], heads[1], xs[1].shape[-2], programs[1],
-        v_x.shape[-3] * v_x.shape[-2], v_x.shape[-2],
-        *(
-            stride for x, out in ((xs[0], outs[0]), (xs[1], outs[1]), (v_x, v_out))
-            for stride in (*_grouped_strides(x, layout), *_grouped_strides(out, layout))
-        ),
+    if cu_seqlens is not None and not cu_seqlens.is_contiguous():
+        cu_seqlens = cu_seqlens.contiguous()
+    if start_positions is not None and not start_positions.is_contiguous():
+        start_positions = start_positions.contiguous()
+    strides = tuple(
+        stride for x, out in pairs for seg in (x, out)
+        for stride in ((seg[3][0], 0, *seg[3][1:]) if thd else seg[3])
     )
-    pointers = (
-        xs[0], outs[0], xs[1], outs[1], v_x, v_out, q_tab, q_tab if q_sin is None else q_sin,
-        k_tab, k_tab if k_sin is None else k_sin,
+    base_ints = (
+        n_tokens, dim1, seq_len, q_tab.shape[0], k_tab.shape[0], n_seqs, cp_size, cp_rank,
+        *heads, *(x[2][-2] for x, _ in pairs), *strides,
+    )
+    size = xs[0][0].element_size()
+    index = (
+        q_tab, q_tab if q_sin is None else q_sin, k_tab, k_tab if k_sin is None else k_sin,
         q_tab if cu_seqlens is None else cu_seqlens,
         q_tab if start_positions is None else start_positions,
     )
+    addresses = (
+        *(seg[0].data_ptr() + seg[1] * size for x, out in pairs for seg in (x, out)),
+        *(t.data_ptr() for t in index),
+    )
+    key = None
+    if not kernels.INTERPRETED and config is None:
+        aligned = tuple(a & 15 == 0 for a in addresses)
+        key = (base_ints, aligned, xs[0][0].dtype, layout, interleaved, q_sin is not None,
+               start_positions is not None, backward, has_v, q_tab.shape[1],
+               xs[0][0].get_device())
+        entry = _fast_qkv.get(key)
+        if entry is not None:
+            run, prefix, grid, ints, ordered = entry
+            run(grid, 1, 1, _current_stream(key[-1]), *prefix, *addresses, *ints, *ordered)
+            return
+    head_dim, rotary_dim = shape[-1], q_tab.shape[1]
+    if config is None:
+        sms = 1 if kernels.INTERPRETED else _sm_count(xs[0][0].device.index)
+        config = choose_config(n_tokens, heads, head_dim, rotary_dim, size, interleaved, sms)
+    block_t, block_h, head_iters, block_r, block_p, num_warps = config
+    token_blocks = -(-n_tokens // block_t)
+    programs = [token_blocks * -(-n // (block_h * head_iters)) for n in heads]
     grid = sum(programs) if has_v else programs[0] + programs[1]
+    # the kernel's order: per-segment heads, group and (for q and k) program counts
+    ints = (*base_ints[:8], heads[0], base_ints[11], programs[0], heads[1], base_ints[12],
+            programs[1], heads[2], base_ints[13], *strides)
     consts = dict(
         LAYOUT=LAYOUT_CODES[layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
         INTERLEAVED=interleaved, USE_CACHE=q_sin is not None,
@@ -508,26 +546,14 @@ def launch_qkv(
         SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
         HAS_V=has_v, V_WIDTH=head_dim, BLOCK_W=_next_pow2(head_dim),
     )
-    addresses = tuple(t.data_ptr() for t in pointers)
-    key = None
-    if not kernels.INTERPRETED:
-        # Triton specialises on dtypes, 16-byte alignment and the integer arguments' values:
-        # all of them are in the key, so a repeated call reuses the compiled kernel directly.
-        aligned = tuple(a & 15 == 0 for a in addresses)
-        key = (ints, aligned, x0.dtype, outs[0].dtype, tuple(sorted(consts.items())),
-               x0.get_device())
-        entry = _fast_qkv.get(key)
-        if entry is not None:
-            run, prefix, ordered = entry
-            run(grid, 1, 1, _current_stream(key[-1]), *prefix, *addresses, *ints, *ordered)
-            return
-    compiled = kernels.rope_qkv_kernel[(grid,)](*pointers, *ints, num_warps=num_warps, **consts)
+    views = tuple(_view(seg) for x, out in pairs for seg in (x, out))
+    compiled = kernels.rope_qkv_kernel[(grid,)](*views, *index, *ints, num_warps=num_warps, **consts)
     if key is not None and compiled is not None and not _hooks_active():
         names = kernels.rope_qkv_kernel.arg_names
-        ordered = tuple(consts[name] for name in names[len(pointers) + len(ints):])
+        ordered = tuple(consts[name] for name in names[len(views) + len(index) + len(ints):])
         if len(_fast_qkv) > 1024:
             _fast_qkv.clear()
-        _fast_qkv[key] = _direct_launcher(compiled) + (ordered,)
+        _fast_qkv[key] = _direct_launcher(compiled) + (grid, ints, ordered)
 
 
 def _qkv_forward(
@@ -537,9 +563,10 @@ def _qkv_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """New contiguous q ``[.., h * q/d, d]``, k ``[.., h, k]``, v ``[.., h, v]`` of a packed qkv."""
     q, k, v = _qkv_outputs(qkv, split)
+    d = split[1]
     launch_qkv(
-        qkv_views(qkv, split), (q.unflatten(-2, (qkv.shape[-2], -1)), k.unsqueeze(-2),
-                                v.unflatten(-1, (-1, split[1]))),
+        packed_segments(qkv, split),
+        (head_segment(q, split[0] // d), width_segment(k, d), width_segment(v, d)),
         tables, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank, False,
     )
     return q, k, v
@@ -563,11 +590,11 @@ def _qkv_transpose(
 ) -> torch.Tensor:
     """The packed gradient ``[.., h, q + k + v]`` of q's, k's and v's gradients (any strides):
     q and k rotated back, v copied, in one launch (in ``grad_strides`` when given)."""
-    heads = gk.shape[-2]
+    d = split[1]
     grad = _allocate_shape(gk, (*gk.shape[:-1], sum(split)), grad_strides)
     launch_qkv(
-        (gq.unflatten(-2, (heads, -1)), gk.unsqueeze(-2), gv.unflatten(-1, (-1, split[1]))),
-        qkv_views(grad, split), tables, cu_seqlens, starts, layout, interleaved, cp_size,
+        (head_segment(gq, split[0] // d), width_segment(gk, d), width_segment(gv, d)),
+        packed_segments(grad, split), tables, cu_seqlens, starts, layout, interleaved, cp_size,
         cp_rank, True,
     )
     return grad
@@ -598,7 +625,12 @@ class _QKVFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
-        grad = _QKVTransposeFunction.apply(gq, gk, gv, *ctx.inputs, ctx.grad_strides)
+        if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
+            grad = _QKVTransposeFunction.apply(gq, gk, gv, *ctx.inputs, ctx.grad_strides)
+        else:  # the usual backward: launch straight away (an autograd node costs host time)
+            tables, index, settings = ctx.inputs[:4], ctx.inputs[4:6], ctx.inputs[6:]
+            grad = _qkv_transpose(gq, gk, gv, settings[0], tables, *index, *settings[1:],
+                                  ctx.grad_strides)
         return (grad,) + (None,) * 11
 
 

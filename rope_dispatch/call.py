@@ -2,13 +2,13 @@
 
 Shape, dtype and device checks cost a few integer comparisons and always run. Checks of the
 *values* inside index tensors (``cu_seqlens``, ``start_positions``) need them on the host: they
-run for free on CPU tensors, and on device tensors they cost one device-to-host copy, so they run
-only where no static promise makes them unnecessary (see docs/semantics.md):
-
-- ``cu_seqlens`` on a device is read when the spec leaves ``max_seqlen`` unset; with
-  ``max_seqlen`` given, the call makes no host sync and trusts the offsets.
-- ``start_positions`` on a device is read unless ``ROPE_DISPATCH_CHECK_VALUES=0``.
-- Nothing is read while ``torch.compile`` traces or a CUDA graph is captured.
+run for free on CPU tensors, where every bad value gets a clear error. On a device they would
+cost a device-to-host copy per call (a sync that serving engines and CUDA graphs cannot afford),
+so device values are read only in strict mode, ``ROPE_DISPATCH_CHECK_VALUES=1``
+(docs/semantics.md). Unread, they are never trusted blindly: a token whose position falls
+outside the table gets NaN in its rotated channels from every backend that can guard its reads,
+and backends that cannot (TransformerEngine) serve only calls whose positions are known to be in
+range. Nothing is read while ``torch.compile`` traces or a CUDA graph is captured.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ class RoPECall(NamedTuple):
     place and return ``t`` (:func:`~rope_dispatch.apply_`); ``grad_in_place``: its backward may
     rotate the incoming gradient in place too.
 
+    ``positions_bounded``: every token's table row is known to lie inside the table (its index
+    values were read and checked, or ``spec.max_seqlen`` promises it); when not, backends that
+    guard their reads mark out-of-range rows NaN.
+
     ``tensors`` is ``"t"`` for one tensor ``t`` ``[.., heads, head_dim]``, or ``"qkv"`` for a
     packed ``t`` ``[.., heads, q + k + v]`` (:func:`~rope_dispatch.apply_qkv`): each of its
     ``heads`` groups holds ``split = (q, k, v)`` channels, ``head_dim = k``, so a group holds
@@ -61,6 +65,7 @@ class RoPECall(NamedTuple):
     tensors: str = "t"
     split: tuple[int, int, int] | None = None
     k_table: RotaryTable | None = None
+    positions_bounded: bool = True
 
     @property
     def table_len(self) -> int:
@@ -91,8 +96,9 @@ def qkv_parts(call: RoPECall) -> tuple[RoPECall, RoPECall, torch.Tensor]:
     return q_call, k_call, v
 
 
-def _value_checks_enabled() -> bool:
-    return os.environ.get("ROPE_DISPATCH_CHECK_VALUES", "1") != "0"
+def _strict_values() -> bool:
+    """``ROPE_DISPATCH_CHECK_VALUES=1``: read and check device index values too (a sync per call)."""
+    return os.environ.get("ROPE_DISPATCH_CHECK_VALUES", "0") == "1"
 
 
 def _host_reads_allowed() -> bool:
@@ -125,32 +131,39 @@ def _check_table(table: object, device: torch.device, argument: str = "freqs") -
     return checked
 
 
+def _reads(index: torch.Tensor) -> bool:
+    """Whether an index tensor's values are read on the host: on the CPU, or in strict mode."""
+    return index.device.type == "cpu" or _strict_values()
+
+
 def reads_values(spec: RoPESpec) -> bool:
     """Whether :func:`check_call` checks the values of ``spec.cu_seqlens`` (so a call cannot
     reuse an earlier call's checks: the offsets may have been rewritten in place)."""
     cu = spec.cu_seqlens
-    return cu is not None and (cu.device.type == "cpu" or spec.max_seqlen is None)
+    return cu is not None and _reads(cu)
 
 
 def _check_cu_seqlens(
     spec: RoPESpec, tokens: int, table_len: int, starts: list[int] | None, table_name: str
-) -> None:
+) -> bool:
     """``starts``: the values of ``start_positions`` when they were read, else ``None``;
-    ``table_name``: the argument holding the shorter table."""
+    ``table_name``: the argument holding the shorter table. Returns whether the offsets bound
+    every position inside the table (read and checked, or promised by ``max_seqlen``)."""
     cu = spec.cu_seqlens
     assert cu is not None
     cp = spec.cp_size
     if not _host_reads_allowed() or not reads_values(spec):
-        if spec.max_seqlen is not None:
-            start = max(starts) if starts else 0
-            if spec.max_seqlen + start > table_len:
-                plus = f" + start_positions max {start}" if start else ""
-                raise RoPEError(
-                    f"{table_name} has {table_len} positions but max_seqlen={spec.max_seqlen}"
-                    f"{plus} needs {spec.max_seqlen + start}; the table must cover the longest "
-                    "(global) sequence from its start position"
-                )
-        return
+        if spec.max_seqlen is None:
+            return False
+        start = max(starts) if starts else 0
+        if spec.max_seqlen + start > table_len:
+            plus = f" + start_positions max {start}" if start else ""
+            raise RoPEError(
+                f"{table_name} has {table_len} positions but max_seqlen={spec.max_seqlen}"
+                f"{plus} needs {spec.max_seqlen + start}; the table must cover the longest "
+                "(global) sequence from its start position"
+            )
+        return True
     offsets = cu.tolist()
     if offsets[0] != 0:
         raise RoPEError(f"cu_seqlens must start at 0, got {offsets[0]}")
@@ -185,6 +198,7 @@ def _check_cu_seqlens(
             f"{table_name} has {table_len} positions but a sequence needs positions up to "
             f"{longest - 1}; expected {table_name}.shape[0] >= {longest}"
         )
+    return True
 
 
 def _check_start_positions(
@@ -212,9 +226,7 @@ def _check_start_positions(
             f"start_positions is on {start_positions.device} but t is on {device}; expected the "
             "same device"
         )
-    if not _host_reads_allowed() or (
-        start_positions.device.type != "cpu" and not _value_checks_enabled()
-    ):
+    if not _host_reads_allowed() or not _reads(start_positions):
         return None
     starts = start_positions.tolist()
     if starts and min(starts) < 0:
@@ -356,14 +368,15 @@ def check_call(
         starts = _check_start_positions(
             start_positions, spec, batch, seq_len, table_len, device, table_name
         )
+    bounded = start_positions is None or starts is not None
     if rank == 3:
-        _check_cu_seqlens(spec, seq_len, table_len, starts, table_name)
+        bounded = _check_cu_seqlens(spec, seq_len, table_len, starts, table_name) and bounded
     if in_place:
         _check_writable(t)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,
-        in_place and grad_in_place, kind, split, k_table,
+        in_place and grad_in_place, kind, split, k_table, bounded,
     ))
 
 

@@ -182,8 +182,9 @@ def _te_qkv_or_skip():
 @pytest.mark.parametrize("layout", ["sbhd", "bshd"])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [64, 128])
-def test_te_fused_qkv_matches_reference(layout, interleaved, rotary_dim):
+def test_te_fused_qkv_matches_reference(layout, interleaved, rotary_dim, monkeypatch):
     _te_qkv_or_skip()
+    monkeypatch.setenv("ROPE_DISPATCH_CHECK_VALUES", "1")  # TE serves checked start positions only
     base = fixed_case(layout=layout, dtype=torch.bfloat16, seq=64, batch=2, heads=4, head_dim=128,
                       rotary_dim=rotary_dim, interleaved=interleaved, seed=5)
     check_qkv(QKVCase(base, 4, 1, True), "te", "cuda")
@@ -194,8 +195,9 @@ def test_te_fused_qkv_matches_reference(layout, interleaved, rotary_dim):
 
 
 @pytest.mark.gpu
-def test_te_fused_qkv_refusals():
+def test_te_fused_qkv_refusals(monkeypatch):
     _te_qkv_or_skip()
+    monkeypatch.setenv("ROPE_DISPATCH_CHECK_VALUES", "1")
     base = fixed_case(dtype=torch.bfloat16, seq=16, heads=2, head_dim=64, rotary_dim=64,
                       with_starts=True)
     qkv, table, _, spec, starts, _, _ = build_qkv(QKVCase(base, 2, 1, False), "cuda")

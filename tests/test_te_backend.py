@@ -264,6 +264,13 @@ def test_apply_when_unavailable_raises_with_the_reasons():
 
 # --- on the GPU machine, with the installed TransformerEngine ---------------------------------
 
+@pytest.fixture(autouse=True)
+def _strict_values(monkeypatch):
+    """TE's kernel cannot guard positions past its table, so it serves GPU calls with index
+    tensors only when their values are read: strict mode (CPU values are read anyway)."""
+    monkeypatch.setenv("ROPE_DISPATCH_CHECK_VALUES", "1")
+
+
 def _te_or_skip() -> TEBackend:
     backend = rd.get_backend("te")
     if not backend.available:

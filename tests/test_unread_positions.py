@@ -1,0 +1,162 @@
+"""Index values the host does not read (device tensors outside strict mode): no sync, never
+silently wrong. A token whose position falls outside the table gets NaN in its rotated channels
+from every backend that guards its reads; the TE backend, which cannot, refuses such calls.
+
+On the CPU values are always read, so these tests make ``call._reads`` answer as it does for a
+device tensor outside strict mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rope_dispatch as rd
+from reference import reference_for
+from rope_dispatch import call as call_module
+from rope_dispatch.backends.te import TEBackend, TEInfo, te_reasons
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def unread(monkeypatch):
+    """Index tensors' values stay unread, as on a GPU by default."""
+    monkeypatch.setattr(call_module, "_reads", lambda index: False)
+
+
+def _expect_nan_rows(out, t, freqs, spec, starts, bad):
+    """Rows flagged in ``bad`` are NaN in the rotated channels (pass-through kept); every other
+    row equals the reference computed with the table extended by rows no valid token reads."""
+    d2 = freqs.shape[-1]
+    assert torch.isnan(out[bad][..., :d2]).all()
+    assert torch.equal(out[bad][..., d2:], t[bad][..., d2:])
+    extended = torch.cat((freqs, torch.rand(16, d2) * 10))
+    ref = reference_for(t, extended, spec, starts)
+    good = ~bad
+    assert not torch.isnan(out[good]).any()
+    torch.testing.assert_close(out[good].double(), ref[good], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_start_past_the_table_gives_nan_rows(unread, backend, request):
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    t = torch.randn(6, 3, 2, 8)  # sbhd: s 6, b 3
+    freqs = torch.rand(10, 8) * 10
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32", rotary_dim=6 if backend == "eager" else None)
+    freqs = freqs[:, : spec.rotary_dim] if spec.rotary_dim else freqs
+    starts = torch.tensor([0, 7, 4])  # batch 1 needs rows 7..12 of 10; batch 2 fits (4..9)
+    call = rd.check_call(t, freqs.contiguous(), spec, starts)
+    assert not call.positions_bounded
+    out = rd.apply(t, freqs.contiguous(), spec, start_positions=starts, backend=backend)
+    bad = torch.zeros(6, 3, dtype=torch.bool)
+    bad[3:, 1] = True  # positions 10, 11, 12 of batch 1
+    _expect_nan_rows(out, t, freqs.contiguous(), spec, starts, bad)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_thd_sequence_longer_than_the_table_gives_nan_rows(unread, backend, request):
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    t = torch.randn(9, 2, 8)
+    freqs = torch.rand(5, 8) * 10
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 2, 9]))
+    out = rd.apply(t, freqs, spec, backend=backend)  # sequence 1 has 7 tokens, the table 5 rows
+    d2 = 8
+    assert torch.isnan(out[7:]).all() and not torch.isnan(out[:7]).any()
+    full = torch.cat((freqs, torch.rand(2, 8)))
+    torch.testing.assert_close(out[:7].double(), reference_for(t, full, spec)[:7], rtol=1e-5, atol=1e-5)
+    assert out.shape[-1] == d2
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_thd_tokens_past_the_last_offset_give_nan_rows(unread, backend, request):
+    """Padding after the last sequence belongs to no sequence: its rows are NaN, not rotated
+    as if the last sequence went on."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    t = torch.randn(10, 2, 8)
+    freqs = torch.rand(16, 8) * 10
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 3, 7]))
+    out = rd.apply(t, freqs, spec, backend=backend)
+    assert torch.isnan(out[7:]).all() and not torch.isnan(out[:7]).any()
+    ref = reference_for(t[:7], freqs, spec)
+    torch.testing.assert_close(out[:7].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_te_refuses_positions_it_cannot_bound(unread):
+    def fake(t, freqs, **kwargs):
+        return t
+
+    info = TEInfo("2.20.2", (2, 20, 2), "fake", fake, frozenset(
+        ["t", "freqs", "tensor_format", "start_positions", "interleaved", "fused", "cu_seqlens",
+         "cp_size", "cp_rank"]))
+    starts = rd.check_call(torch.randn(4, 2, 1, 8), torch.rand(8, 8),
+                           rd.RoPESpec(layout="sbhd", dtype="fp32"), torch.tensor([0, 1]))
+    (reason,) = te_reasons(starts, info)
+    assert "start_positions on the GPU are not read" in reason and "ROPE_DISPATCH_CHECK_VALUES=1" in reason
+    cu = torch.tensor([0, 3, 8])
+    thd = rd.check_call(torch.randn(8, 1, 8), torch.rand(8, 8),
+                        rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu))
+    (reason,) = te_reasons(thd, info)
+    assert "cu_seqlens on the GPU" in reason and "max_seqlen" in reason
+    promised = rd.check_call(torch.randn(8, 1, 8), torch.rand(8, 8),
+                             rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu, max_seqlen=5))
+    assert promised.positions_bounded and te_reasons(promised, info) == []
+    assert TEBackend(load=lambda: info).available
+
+
+def test_strict_mode_reads_device_values(monkeypatch):
+    monkeypatch.setenv("ROPE_DISPATCH_CHECK_VALUES", "1")
+    assert call_module._strict_values()
+    monkeypatch.setenv("ROPE_DISPATCH_CHECK_VALUES", "0")
+    assert not call_module._strict_values()
+    monkeypatch.delenv("ROPE_DISPATCH_CHECK_VALUES")
+    assert not call_module._strict_values()  # the default: no sync
+
+
+@pytest.mark.gpu
+def test_no_host_sync_with_device_index_tensors():
+    """Every apply path with device index tensors runs under sync-debug mode 'error' once
+    warmed up: no device-to-host copy per call."""
+    t = torch.randn(16, 4, 2, 64, device="cuda")
+    freqs = torch.rand(64, 64, device="cuda")
+    starts = torch.tensor([0, 3, 9, 1], device="cuda")
+    cu = torch.tensor([0, 10, 24, 64], device="cuda", dtype=torch.int32)
+    packed = torch.randn(32, 2, 64, device="cuda")
+    sbhd = rd.RoPESpec(layout="sbhd", dtype="fp32", cp_size=2, cp_rank=1)
+    thd = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu, cp_size=2, cp_rank=0)
+    calls = [
+        lambda: rd.apply(t, freqs, sbhd, start_positions=starts),
+        lambda: rd.apply(packed, freqs, thd, start_positions=starts[:3]),
+        lambda: rd.apply_(t.clone(), freqs, sbhd, start_positions=starts),
+        lambda: rd.apply_qkv(torch.randn(16, 4, 2, 192, device="cuda"), freqs, sbhd, (64, 64, 64),
+                             start_positions=starts),
+    ]
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for fn in calls:
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_with_new_start_positions():
+    t = torch.randn(8, 4, 2, 64, device="cuda")
+    freqs = torch.rand(64, 64, device="cuda")
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    starts = torch.zeros(4, dtype=torch.int64, device="cuda")
+    rd.apply(t, freqs, spec, start_positions=starts, backend="triton")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rd.apply(t, freqs, spec, start_positions=starts, backend="triton")
+    for values in ([0, 1, 2, 3], [50, 7, 0, 56]):
+        starts.copy_(torch.tensor(values))
+        graph.replay()
+        torch.testing.assert_close(out.cpu().double(), reference_for(t.cpu(), freqs.cpu(), spec, starts.cpu()),
+                                   rtol=1e-5, atol=1e-5)
