@@ -4,7 +4,9 @@ For each shape, every available backend of ours (through ``rope_dispatch.apply(.
 backend=name)``; triton also with a cos/sin cache, and in place through ``apply_``) and, when importable,
 the peers TransformerEngine (fused ``apply_rotary_pos_emb``) and Liger-Kernel (``rope_forward`` /
 ``rope_backward``, where the shape fits its API) are timed forward, backward and
-forward+backward (``torch.autograd.grad``). Times are medians of ``triton.testing.do_bench``;
+forward+backward (``torch.autograd.grad``), and for triton the backward's launch alone (the
+transposed kernel without the autograd engine: where the autograd rows exceed it, the host
+path sets the pace). Times are medians of ``triton.testing.do_bench``;
 bandwidth counts one read and one write of the tensor; the ceiling is ``copy_`` of the same
 bytes measured in the same run. A float64 check of every implementation's forward output is
 reported next to its times.
@@ -157,6 +159,7 @@ class Impl:
     note: str = ""
     bytes_factor: float = 1.0  # bytes it moves relative to its ceiling's (Liger: + a 1-head k)
     rotary_only: bool = False  # moves only the rotary channels (d2 / d of the bytes)
+    bwd_kernel: Callable[[], Any] | None = None  # the backward's launch alone, no autograd
 
 
 def _ours(name: str, label: str, inp: Inputs, table: Any) -> Impl | None:
@@ -179,7 +182,32 @@ def _ours(name: str, label: str, inp: Inputs, table: Any) -> Impl | None:
     def fwd_bwd():
         return torch.autograd.grad(run(leaf, table, inp.spec, backend=name, **args), leaf, inp.grad)
 
-    return Impl(label, fwd, bwd, fwd_bwd, fwd)
+    kernel = _triton_transpose(inp, table) if name == "triton" else None
+    return Impl(label, fwd, bwd, fwd_bwd, fwd, bwd_kernel=kernel)
+
+
+def _triton_transpose(inp: Inputs, table: Any) -> Callable[[], Any]:
+    """The triton backward's work without the autograd engine: the transposed launch on the
+    incoming gradient (one packed gradient for qkv), output allocation included."""
+    from rope_dispatch.backends import triton_rope
+
+    tab, sin = (table.cos, table.sin) if isinstance(table, rd.CosSinCache) else (
+        table.view(table.shape[0], -1), None)
+    spec = inp.spec
+    settings = (spec.layout, spec.interleaved, spec.cp_size, spec.cp_rank)
+    if inp.split is not None:
+        def transpose_qkv():
+            return triton_rope._qkv_transpose(
+                *inp.grad, inp.split, (tab, sin, tab, sin), inp.cu_seqlens, inp.starts, *settings,
+                None,
+            )
+        return transpose_qkv
+
+    def transpose():
+        out = torch.empty_like(inp.grad)
+        return triton_rope.launch(inp.grad, out, tab, sin, inp.cu_seqlens, inp.starts, *settings,
+                                  True, fresh_out=True)
+    return transpose
 
 
 def _ours_in_place(name: str, inp: Inputs) -> Impl | None:
@@ -394,7 +422,9 @@ def run_shape(
         except Exception as exc:  # noqa: BLE001 (a peer that fails is reported, not fatal)
             print(f"  {impl.name}: {type(exc).__name__}: {exc}", file=sys.stderr)
             continue
-        for mode, fn in (("fwd", impl.fwd), ("bwd", impl.bwd), ("fwd+bwd", impl.fwd_bwd)):
+        modes = (("fwd", impl.fwd), ("bwd", impl.bwd), ("fwd+bwd", impl.fwd_bwd),
+                 ("bwd kernel", impl.bwd_kernel))
+        for mode, fn in modes:
             if fn is None:
                 continue
             try:
@@ -532,8 +562,8 @@ def format_table(report: Report) -> str:
     """Markdown: one line per shape and implementation, fwd/bwd/fwd+bwd in us and % of copy."""
     lines = [
         "| shape | implementation | fwd us (% copy) | bwd us (% copy) "
-        "| fwd+bwd us (% of 2 copies) | max err |",
-        "|---|---|---|---|---|---|",
+        "| fwd+bwd us (% of 2 copies) | bwd kernel us (% copy) | max err |",
+        "|---|---|---|---|---|---|---|",
     ]
     cells: dict[tuple[str, str], dict[str, Row]] = {}
     for row in report.rows:
@@ -541,7 +571,7 @@ def format_table(report: Report) -> str:
     for (shape, impl), modes in cells.items():
         if "copy" in modes:
             r = modes["copy"]
-            lines.append(f"| {shape} | {impl} | {r.us:.1f} ({r.gbps / 1e3:.2f} TB/s) | | | |")
+            lines.append(f"| {shape} | {impl} | {r.us:.1f} ({r.gbps / 1e3:.2f} TB/s) | | | | |")
             continue
 
         def cell(mode: str) -> str:
@@ -553,7 +583,7 @@ def format_table(report: Report) -> str:
         note = f" ({modes['fwd'].note})" if "fwd" in modes and modes["fwd"].note else ""
         lines.append(
             f"| {shape} | {impl}{note} | {cell('fwd')} | {cell('bwd')} | {cell('fwd+bwd')} "
-            f"| {err_text} |"
+            f"| {cell('bwd kernel')} | {err_text} |"
         )
     if report.host:
         lines += ["", "| decode host path | us |", "|---|---|"]

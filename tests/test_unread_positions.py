@@ -17,6 +17,7 @@ from rope_dispatch import call as call_module
 from rope_dispatch.backends.te import TEBackend, TEInfo, te_reasons
 
 CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"  # the compiled triton backend runs on CUDA, else the interpreter
 
 
 @pytest.fixture
@@ -45,14 +46,16 @@ def test_start_past_the_table_gives_nan_rows(unread, backend, request):
     t = torch.randn(6, 3, 2, 8)  # sbhd: s 6, b 3
     freqs = torch.rand(10, 8) * 10
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32", rotary_dim=6 if backend == "eager" else None)
-    freqs = freqs[:, : spec.rotary_dim] if spec.rotary_dim else freqs
+    freqs = (freqs[:, : spec.rotary_dim] if spec.rotary_dim else freqs).contiguous()
     starts = torch.tensor([0, 7, 4])  # batch 1 needs rows 7..12 of 10; batch 2 fits (4..9)
-    call = rd.check_call(t, freqs.contiguous(), spec, starts)
+    on = dict(device=DEVICE)
+    call = rd.check_call(t.to(**on), freqs.to(**on), spec, starts.to(**on))
     assert not call.positions_bounded
-    out = rd.apply(t, freqs.contiguous(), spec, start_positions=starts, backend=backend)
+    out = rd.apply(t.to(**on), freqs.to(**on), spec, start_positions=starts.to(**on),
+                   backend=backend).cpu()
     bad = torch.zeros(6, 3, dtype=torch.bool)
     bad[3:, 1] = True  # positions 10, 11, 12 of batch 1
-    _expect_nan_rows(out, t, freqs.contiguous(), spec, starts, bad)
+    _expect_nan_rows(out, t, freqs, spec, starts, bad)
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
@@ -61,12 +64,14 @@ def test_thd_sequence_longer_than_the_table_gives_nan_rows(unread, backend, requ
         request.getfixturevalue("triton_backend")
     t = torch.randn(9, 2, 8)
     freqs = torch.rand(5, 8) * 10
-    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 2, 9]))
-    out = rd.apply(t, freqs, spec, backend=backend)  # sequence 1 has 7 tokens, the table 5 rows
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 2, 9], device=DEVICE))
+    # sequence 1 has 7 tokens, the table 5 rows
+    out = rd.apply(t.to(DEVICE), freqs.to(DEVICE), spec, backend=backend).cpu()
     d2 = 8
     assert torch.isnan(out[7:]).all() and not torch.isnan(out[:7]).any()
     full = torch.cat((freqs, torch.rand(2, 8)))
-    torch.testing.assert_close(out[:7].double(), reference_for(t, full, spec)[:7], rtol=1e-5, atol=1e-5)
+    ref = reference_for(t, full, spec.with_cu_seqlens(torch.tensor([0, 2, 9])))
+    torch.testing.assert_close(out[:7].double(), ref[:7], rtol=1e-5, atol=1e-5)
     assert out.shape[-1] == d2
 
 
@@ -78,10 +83,11 @@ def test_thd_tokens_past_the_last_offset_give_nan_rows(unread, backend, request)
         request.getfixturevalue("triton_backend")
     t = torch.randn(10, 2, 8)
     freqs = torch.rand(16, 8) * 10
-    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 3, 7]))
-    out = rd.apply(t, freqs, spec, backend=backend)
+    cu = torch.tensor([0, 3, 7])
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu.to(DEVICE))
+    out = rd.apply(t.to(DEVICE), freqs.to(DEVICE), spec, backend=backend).cpu()
     assert torch.isnan(out[7:]).all() and not torch.isnan(out[:7]).any()
-    ref = reference_for(t[:7], freqs, spec)
+    ref = reference_for(t[:7], freqs, spec.with_cu_seqlens(cu))
     torch.testing.assert_close(out[:7].double(), ref, rtol=1e-5, atol=1e-5)
 
 
