@@ -135,6 +135,7 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
         max(call.seq_len, call.batch) >= _GRID_AXIS_LIMIT,
         call.in_place,
         call.split,
+        call.positions_bounded,  # a backend that cannot guard its reads serves bounded calls only
         forced,
     )
 
@@ -207,7 +208,7 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
         call.spec.static_key, call.rotary_dim, t.shape, call.batch, t.device,
         isinstance(call.table, CosSinCache), call.start_positions is None,
         t.requires_grad and torch.is_grad_enabled(), t.is_contiguous() or stride_class(t),
-        call.in_place, call.split, forced,
+        call.in_place, call.split, call.positions_bounded, forced,
     )
     hit = _exact.get(exact)
     if hit is not None:
@@ -320,7 +321,7 @@ def _run(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
     backend: str | None, in_place: bool, grad_in_place: bool,
     split: tuple[int, int, int] | None = None, k_freqs: object = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     key = None
     if (
         start_positions is None and split is None and type(t) is torch.Tensor

@@ -113,6 +113,34 @@ def test_te_refuses_positions_it_cannot_bound(unread):
     assert TEBackend(load=lambda: info).available
 
 
+def test_decisions_follow_whether_positions_are_bounded(monkeypatch):
+    """A decision taken for a call whose values were read is not reused once they are not:
+    a backend that cannot guard its reads must not be picked from the memo."""
+    from rope_dispatch.registry import Backend, register, unregister
+
+    class Unguarded(Backend):
+        name = "unguarded"
+        priority = 100
+
+        def extra_reasons(self, call):
+            return [] if call.positions_bounded else ["positions unbounded"]
+
+        def apply(self, call):
+            return call.t.clone()
+
+    register(Unguarded())
+    try:
+        t, freqs = torch.randn(4, 2, 1, 8), torch.rand(12, 8)
+        spec, starts = rd.RoPESpec(layout="sbhd", dtype="fp32"), torch.tensor([0, 3])
+        assert rd.explain(t, freqs, spec, start_positions=starts).chosen == "unguarded"
+        rd.apply(t, freqs, spec, start_positions=starts)  # decided and remembered
+        monkeypatch.setattr(call_module, "_reads", lambda index: False)
+        call = rd.check_call(t, freqs, spec, starts)
+        assert rd.dispatch.choose(call).name != "unguarded"
+    finally:
+        unregister("unguarded")
+
+
 def test_strict_mode_reads_device_values(monkeypatch):
     monkeypatch.setenv("ROPE_DISPATCH_CHECK_VALUES", "1")
     assert call_module._strict_values()
