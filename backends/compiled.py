@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from rope_dispatch.call import RoPECall
+from rope_dispatch.call import RoPECall, position_index
 from rope_dispatch.registry import Backend
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import CosSinCache
@@ -55,15 +55,17 @@ def compile_key(call: RoPECall) -> CompileKey:
         spec.cp_size,
         spec.cp_rank,
         "cache" if call.uses_cache else "angles",
-        call.start_positions is not None,
+        "positions" if call.positions is not None else (
+            "starts" if call.start_positions is not None else ""
+        ),
     )
 
 
 def _key_name(key: CompileKey, transpose: bool = False) -> str:
-    device, layout, dtype, d2, interleaved, cp, rank, table, starts = key
+    device, layout, dtype, d2, interleaved, cp, rank, table, index = key
     return (
         f"rope_compiled_{device}_{layout}_{dtype}_d{d2}{'_interleaved' if interleaved else ''}"
-        f"_cp{cp}r{rank}_{table}{'_starts' if starts else ''}{'_transpose' if transpose else ''}"
+        f"_cp{cp}r{rank}_{table}{'_' + index if index else ''}{'_transpose' if transpose else ''}"
     )
 
 
@@ -97,7 +99,7 @@ def _build(key: CompileKey, transpose: bool) -> Callable:
 def _arguments(call: RoPECall) -> tuple:
     table = call.table
     a, b = (table.cos, table.sin) if isinstance(table, CosSinCache) else (table, None)
-    return call.t, a, b, call.spec.cu_seqlens, call.start_positions
+    return call.t, a, b, call.spec.cu_seqlens, position_index(call)
 
 
 def _mark_dynamic(args: tuple) -> None:
@@ -184,6 +186,7 @@ class CompileBackend(Backend):
     name = "compile"
     description = "torch.compile of the eager math (Inductor: C++ on CPU, Triton on CUDA)"
     priority = 20
+    supports_positions = True
 
     def __init__(self) -> None:
         self._compiled: dict[tuple[CompileKey, bool], Callable] = {}

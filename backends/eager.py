@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rope_dispatch.call import RoPECall, qkv_parts
+from rope_dispatch.call import RoPECall, position_index, qkv_parts
 from rope_dispatch.registry import Backend
 from rope_dispatch.tables import table_cos_sin
 
@@ -28,22 +28,26 @@ def zigzag_positions(local: torch.Tensor, local_len: torch.Tensor | int, cp_size
 
 def positions(
     shape: torch.Size, layout: str, cu_seqlens: torch.Tensor | None,
-    start_positions: torch.Tensor | None, cp_size: int, cp_rank: int, device: torch.device,
+    index: torch.Tensor | None, cp_size: int, cp_rank: int, device: torch.device,
 ) -> torch.Tensor:
     """The table row of every token of a ``t`` of ``shape``: ``[s, b]``, ``[b, s]`` or ``[T]``.
 
-    A function of tensors and plain settings only (no :class:`RoPECall`), so that torch.compile
-    can trace it with symbolic sizes.
+    ``index`` is :func:`~rope_dispatch.call.position_index`'s: start positions (1-D) or the
+    rows themselves (2-D, per token). A function of tensors and plain settings only (no
+    :class:`RoPECall`), so that torch.compile can trace it with symbolic sizes.
     """
-    starts = None if start_positions is None else start_positions.long()
+    if index is not None and index.dim() == 2:  # given per token
+        return index.reshape(shape[:-2]).long()
+    starts = None if index is None else index.long()
     if layout == "thd":
         cu = cu_seqlens.long() // cp_size
         token = torch.arange(shape[0], device=device)
         seq = torch.searchsorted(cu[1:], token, right=True).clamp_(max=cu.numel() - 2)
-        local = torch.where(token < cu[-1], token - cu[seq], -(2**31))  # past the last offset
+        local = token - cu[seq]
         if cp_size > 1:
             local = zigzag_positions(local, cu[seq + 1] - cu[seq], cp_size, cp_rank)
-        return local if starts is None else local + starts[seq]
+        pos = local if starts is None else local + starts[seq]
+        return torch.where(token < cu[-1], pos, -1)  # past the last offset: in no sequence
     seq_len = shape[0] if layout == "sbhd" else shape[1]
     local = torch.arange(seq_len, device=device)
     pos = zigzag_positions(local, seq_len, cp_size, cp_rank) if cp_size > 1 else local
@@ -51,15 +55,6 @@ def positions(
     if starts is not None:
         pos = pos + (starts[None, :] if layout == "sbhd" else starts[:, None])
     return pos.expand(*shape[:-2])
-
-
-def token_positions(call: RoPECall) -> torch.Tensor:
-    """The table row of every token: ``[s, b]`` (sbhd), ``[b, s]`` (bshd) or ``[T]`` (thd)."""
-    spec = call.spec
-    return positions(
-        call.t.shape, spec.layout, spec.cu_seqlens, call.start_positions, spec.cp_size,
-        spec.cp_rank, call.t.device,
-    )
 
 
 def table_rows(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -81,7 +76,7 @@ def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 def rope_tensors(
     t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None,
-    start_positions: torch.Tensor | None, *, layout: str, interleaved: bool, cp_size: int,
+    index: torch.Tensor | None, *, layout: str, interleaved: bool, cp_size: int,
     cp_rank: int, transpose: bool = False,
 ) -> torch.Tensor:
     """``out = x cos + rotate(x) sin`` on the first d2 channels in float32, the rest copied.
@@ -92,7 +87,7 @@ def rope_tensors(
     float32 ``[s2, d2]``. Pure in its tensor arguments, so the compile backend traces exactly
     this math.
     """
-    pos = positions(t.shape, layout, cu_seqlens, start_positions, cp_size, cp_rank, t.device)
+    pos = positions(t.shape, layout, cu_seqlens, index, cp_size, cp_rank, t.device)
     cos, sin = table_rows(cos, pos).unsqueeze(-2), table_rows(sin, pos).unsqueeze(-2)
     d2 = cos.shape[-1]
     x = t[..., :d2].float()
@@ -116,7 +111,7 @@ def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tenso
     cos, sin = table_cos_sin(call.table)
     t = call.t[..., : call.rotary_dim] if call.in_place else call.t
     out = rope_tensors(
-        t, cos, sin, spec.cu_seqlens, call.start_positions, layout=spec.layout,
+        t, cos, sin, spec.cu_seqlens, position_index(call), layout=spec.layout,
         interleaved=spec.interleaved, cp_size=spec.cp_size, cp_rank=spec.cp_rank,
     )
     if call.in_place:
@@ -132,6 +127,7 @@ class EagerBackend(Backend):
     description = "plain PyTorch ops (reference semantics, CPU and CUDA)"
     priority = 0
     supports_in_place = True
+    supports_positions = True
     tensors = frozenset({"t", "qkv"})
 
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:

@@ -112,71 +112,81 @@ def _add(a, b):
     return a + b
 
 
+BY_INDEX: tl.constexpr = tl.constexpr(0)  # a token's place in its sequence (zigzag under CP)
+STARTS: tl.constexpr = tl.constexpr(1)  # plus its sequence's start, from pos_ptr [sequences]
+PER_TOKEN: tl.constexpr = tl.constexpr(2)  # given per token, pos_ptr [tokens] in token order
+
+
 @triton.jit
 def _positions(
-    tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, starts_ptr, n_seqs, cp_size, cp_rank,
-    LAYOUT: tl.constexpr, HAS_STARTS: tl.constexpr, CONTEXT_PARALLEL: tl.constexpr,
+    tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, pos_ptr, n_seqs, cp_size, cp_rank,
+    LAYOUT: tl.constexpr, POSITIONS: tl.constexpr, CONTEXT_PARALLEL: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
 ):
-    """The table row of each token: its sequence's start position plus its position in the
-    sequence (the zigzag position under context parallelism), as TransformerEngine 2.10+ adds them.
+    """The table row of each token: given per token (``PER_TOKEN``), or its sequence's start
+    position (``STARTS``) plus its position in the sequence (the zigzag position under context
+    parallelism), as TransformerEngine 2.10+ adds them.
 
     For thd the sequence comes from cu_seqlens: with ``SEQ_BLOCK`` > 0 (at most that many
     offsets) from one load of all offsets, compared with every token at once (no chain of
     dependent loads; a sequence's first offset is the largest one not above the token), else by
     binary search.
     """
-    if LAYOUT == 2:
-        if SEQ_BLOCK > 0:
-            j = tl.arange(0, SEQ_BLOCK)
-            j_mask = j <= n_seqs
-            bound = tl.load(cu_ptr + j, mask=j_mask, other=0).to(tl.int32) // cp_size
-            bound = tl.where(j_mask, bound, 2147483647)
-            before = bound[None, :] <= tok[:, None]
-            first = tl.reduce(tl.where(before, bound[None, :], 0), 1, _maximum)
-            if CONTEXT_PARALLEL:
-                last = tl.reduce(tl.where(before, 2147483647, bound[None, :]), 1, _minimum)
+    if POSITIONS == PER_TOKEN:  # tokens are numbered in the positions tensor's order
+        pos = tl.load(pos_ptr + tok, mask=tok_mask, other=-1)
+    else:
+        if LAYOUT == 2:
+            if SEQ_BLOCK > 0:
+                j = tl.arange(0, SEQ_BLOCK)
+                j_mask = j <= n_seqs
+                bound = tl.load(cu_ptr + j, mask=j_mask, other=0).to(tl.int32) // cp_size
+                bound = tl.where(j_mask, bound, 2147483647)
+                before = bound[None, :] <= tok[:, None]
+                first = tl.reduce(tl.where(before, bound[None, :], 0), 1, _maximum)
+                if CONTEXT_PARALLEL:
+                    last = tl.reduce(tl.where(before, 2147483647, bound[None, :]), 1, _minimum)
+                    length = last - first
+                else:
+                    length = first  # unused without context parallelism
+                if POSITIONS == STARTS:
+                    seq = tl.minimum(tl.reduce(before.to(tl.int32), 1, _add) - 1, n_seqs - 1)
+                else:
+                    seq = first
+            else:
+                lo = tok * 0
+                hi = lo + n_seqs
+                width = n_seqs
+                while width > 1:  # invariant: cu[lo]/cp <= tok < cu[hi]/cp
+                    mid = (lo + hi) // 2
+                    go = tl.load(cu_ptr + mid, mask=tok_mask, other=0).to(tl.int32) // cp_size <= tok
+                    lo = tl.where(go, mid, lo)
+                    hi = tl.where(go, hi, mid)
+                    width = (width + 1) // 2
+                seq = lo
+                first = tl.load(cu_ptr + seq, mask=tok_mask, other=0).to(tl.int32) // cp_size
+                last = tl.load(cu_ptr + seq + 1, mask=tok_mask, other=0).to(tl.int32) // cp_size
                 length = last - first
-            else:
-                length = first  # unused without context parallelism
-            if HAS_STARTS:
-                seq = tl.minimum(tl.reduce(before.to(tl.int32), 1, _add) - 1, n_seqs - 1)
-            else:
-                seq = first
+            local = tok - first
+            past = tok >= tl.load(cu_ptr + n_seqs).to(tl.int32) // cp_size  # in no sequence
         else:
-            lo = tok * 0
-            hi = lo + n_seqs
-            width = n_seqs
-            while width > 1:  # invariant: cu[lo]/cp <= tok < cu[hi]/cp
-                mid = (lo + hi) // 2
-                go = tl.load(cu_ptr + mid, mask=tok_mask, other=0).to(tl.int32) // cp_size <= tok
-                lo = tl.where(go, mid, lo)
-                hi = tl.where(go, hi, mid)
-                width = (width + 1) // 2
-            seq = lo
-            first = tl.load(cu_ptr + seq, mask=tok_mask, other=0).to(tl.int32) // cp_size
-            last = tl.load(cu_ptr + seq + 1, mask=tok_mask, other=0).to(tl.int32) // cp_size
-            length = last - first
-        local = tok - first
-        total = tl.load(cu_ptr + n_seqs).to(tl.int32) // cp_size
-        local = tl.where(tok < total, local, -2147483647)  # past the last offset: no sequence
-    else:
-        if LAYOUT == 0:
-            local = i0
-            seq = i1
+            if LAYOUT == 0:
+                local = i0
+                seq = i1
+            else:
+                local = i1
+                seq = i0
+            length = local * 0 + seq_len
+            past = tok < 0
+        if CONTEXT_PARALLEL:
+            half = length // 2
+            pos = tl.where(
+                local < half, local + cp_rank * half, length * cp_size - (cp_rank + 1) * half + local - half
+            )
         else:
-            local = i1
-            seq = i0
-        length = local * 0 + seq_len
-    if CONTEXT_PARALLEL:
-        half = length // 2
-        pos = tl.where(
-            local < half, local + cp_rank * half, length * cp_size - (cp_rank + 1) * half + local - half
-        )
-    else:
-        pos = local
-    if HAS_STARTS:
-        pos += tl.load(starts_ptr + seq, mask=tok_mask, other=0).to(tl.int32)
+            pos = local
+        if POSITIONS == STARTS:  # in the index tensor's dtype: an int64 start is never narrowed
+            pos += tl.load(pos_ptr + seq, mask=tok_mask, other=0)
+        pos = tl.where(past, -1, pos)  # outside the table: such a token's rows come out NaN
     return pos
 
 
@@ -289,11 +299,11 @@ def _token_rows(
 
 @triton.jit
 def _rope_program(
-    pid, x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, starts_ptr,
+    pid, x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
     n_tokens, dim1, seq_len, table_len, heads, group, n_seqs, cp_size, cp_rank,
     sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, HAS_STARTS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -323,8 +333,8 @@ def _rope_program(
     )
 
     pos = _positions(
-        tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, starts_ptr, n_seqs, cp_size, cp_rank,
-        LAYOUT, HAS_STARTS, CONTEXT_PARALLEL, SEQ_BLOCK,
+        tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, pos_ptr, n_seqs, cp_size, cp_rank,
+        LAYOUT, POSITIONS, CONTEXT_PARALLEL, SEQ_BLOCK,
     )
     tab_off = pos.to(tl.int64)[:, None] * ROT_DIM + c[None, :]
     inside = tok_mask & (pos >= 0) & (pos < table_len)  # never read outside the table
@@ -389,11 +399,11 @@ def _copy_program(
 
 @triton.jit(do_not_specialize=["n_tokens", "dim1", "seq_len", "table_len", "heads", "n_seqs"])
 def rope_kernel(
-    x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, starts_ptr,
+    x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
     n_tokens, dim1, seq_len, table_len, heads, n_seqs, cp_size, cp_rank,
     sx0, sx1, sxh, sxd, so0, so1, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, HAS_STARTS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -409,10 +419,10 @@ def rope_kernel(
     launch's host time is the call's time.
     """
     _rope_program(
-        tl.program_id(0), x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, starts_ptr,
+        tl.program_id(0), x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
         n_tokens, dim1, seq_len, table_len, heads, 1, n_seqs, cp_size, cp_rank,
         sx0, sx1, sxh, sxh, sxd, so0, so1, soh, soh, sod,
-        LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, HAS_STARTS, CONTEXT_PARALLEL,
+        LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, POSITIONS, CONTEXT_PARALLEL,
         BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, False,
     )
 
@@ -422,14 +432,14 @@ def rope_kernel(
     "q_programs", "k_heads", "k_programs", "v_heads",
 ])
 def rope_qkv_kernel(
-    q_x, q_out, k_x, k_out, v_x, v_out, q_tab, q_sin, k_tab, k_sin, cu_ptr, starts_ptr,
+    q_x, q_out, k_x, k_out, v_x, v_out, q_tab, q_sin, k_tab, k_sin, cu_ptr, pos_ptr,
     n_tokens, dim1, seq_len, q_table_len, k_table_len, n_seqs, cp_size, cp_rank,
     q_heads, q_group, q_programs, k_heads, k_group, k_programs, v_heads, v_group,
     qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
     kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
     vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, HAS_STARTS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -448,18 +458,18 @@ def rope_qkv_kernel(
     pid = tl.program_id(0)
     if pid < q_programs:
         _rope_program(
-            pid, q_x, q_out, q_tab, q_sin, cu_ptr, starts_ptr,
+            pid, q_x, q_out, q_tab, q_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, q_table_len, q_heads, q_group, n_seqs, cp_size, cp_rank,
             qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
-            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, HAS_STARTS, CONTEXT_PARALLEL,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, POSITIONS, CONTEXT_PARALLEL,
             BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, True,
         )
     elif pid < q_programs + k_programs:
         _rope_program(
-            pid - q_programs, k_x, k_out, k_tab, k_sin, cu_ptr, starts_ptr,
+            pid - q_programs, k_x, k_out, k_tab, k_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, k_table_len, k_heads, k_group, n_seqs, cp_size, cp_rank,
             kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
-            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, HAS_STARTS, CONTEXT_PARALLEL,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, POSITIONS, CONTEXT_PARALLEL,
             BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, True,
         )
     elif HAS_V:

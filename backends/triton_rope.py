@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from rope_dispatch.call import RoPECall, expanded_dim
+from rope_dispatch.call import RoPECall, expanded_dim, position_index
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import RoPESpec
 from rope_dispatch.tables import CosSinCache
@@ -138,11 +138,11 @@ def _hooks_active() -> bool:
 def _fast_key(
     x: torch.Tensor, xp: int, op: int, out_strides: tuple[int, ...] | None, table: torch.Tensor,
     tp: int, sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-    start_positions: torch.Tensor | None, layout: str, interleaved: bool, cp_size: int,
+    positions: torch.Tensor | None, layout: str, interleaved: bool, cp_size: int,
     cp_rank: int, backward: bool, copy_pass: bool,
 ) -> tuple[tuple, tuple[int, int, int, int]]:
     """The key of a launch's compiled kernel in ``_fast``, and the addresses of the table, sin,
-    cu_seqlens and start_positions arguments (absent ones point at the table).
+    cu_seqlens and positions arguments (absent ones point at the table).
 
     The key holds every input of Triton's specialisation: dtypes, 16-byte alignment of each
     pointer, and the sizes and strides the integer arguments come from (``out_strides`` is
@@ -150,19 +150,19 @@ def _fast_key(
     at decode size this path is a measurable share of the call. Its last two items are the
     device index and the alignment bits (bit 0: ``x``).
     """
-    if sin is None and cu_seqlens is None and start_positions is None:
+    if sin is None and cu_seqlens is None and positions is None:
         sp = cp = stp = tp
         extra = None
     else:
         sp = tp if sin is None else sin.data_ptr()
         cp = tp if cu_seqlens is None else cu_seqlens.data_ptr()
-        stp = tp if start_positions is None else start_positions.data_ptr()
+        stp = tp if positions is None else positions.data_ptr()
         extra = (
             sin is None,
             None if cu_seqlens is None
             else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.stride()),
-            None if start_positions is None
-            else (start_positions.dtype, start_positions.stride()),
+            None if positions is None
+            else (positions.dtype, positions.stride()),
         )
     if (xp | op | tp | sp | cp | stp) & 15 == 0:
         aligned = 63  # the usual case: every pointer on a 16-byte boundary
@@ -178,9 +178,16 @@ def _fast_key(
     return key, (tp, sp, cp, stp)
 
 
+def _position_kind(positions: torch.Tensor | None) -> int:
+    """The kernels' ``POSITIONS``: 0 by index, 1 start positions (a 1-D index tensor, one per
+    sequence), 2 per-token positions (a 2-D one in token order: ``[s, b]``, ``[b, s]`` or
+    ``[T, 1]``)."""
+    return 0 if positions is None else positions.dim()
+
+
 def launch(
     x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None, start_positions: torch.Tensor | None, layout: str,
+    cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
     interleaved: bool, cp_size: int, cp_rank: int, backward: bool, config: Config | None = None,
     fresh_out: bool = False, copy_pass: bool = True,
 ) -> torch.Tensor:
@@ -199,7 +206,7 @@ def launch(
         xp, op, tp = x.data_ptr(), out.data_ptr(), table.data_ptr()
         key, tail = _fast_key(
             x, xp, op, None if fresh_out else out.stride(), table, tp, sin, cu_seqlens,
-            start_positions, layout, interleaved, cp_size, cp_rank, backward, copy_pass,
+            positions, layout, interleaved, cp_size, cp_rank, backward, copy_pass,
         )
         entry = _fast.get(key)
         if entry is not None:
@@ -220,10 +227,10 @@ def launch(
         sx1 = so1 = 0
         dim1 = 1
         seq_len = n_tokens
-        if not cu_seqlens.is_contiguous():
+        if cu_seqlens is not None and not cu_seqlens.is_contiguous():
             cu_seqlens = cu_seqlens.contiguous()
             key = None
-        n_seqs = cu_seqlens.shape[0] - 1
+        n_seqs = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1  # none: per-token positions
     else:
         n0, dim1 = shape[0], shape[1]
         n_tokens = n0 * dim1
@@ -233,8 +240,8 @@ def launch(
         n_seqs = 0
     if n_tokens == 0 or heads == 0:
         return out
-    if start_positions is not None and not start_positions.is_contiguous():
-        start_positions = start_positions.contiguous()
+    if positions is not None and not positions.is_contiguous():
+        positions = positions.contiguous()
         key = None
     rotary_dim = table.shape[1]
     width = head_dim if copy_pass else rotary_dim  # the channels a token moves
@@ -257,7 +264,7 @@ def launch(
     consts = dict(
         LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim,
         INTERLEAVED=interleaved, USE_CACHE=sin is not None,
-        HAS_STARTS=start_positions is not None, CONTEXT_PARALLEL=cp_size > 1,
+        POSITIONS=_position_kind(positions), CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
         SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
@@ -265,7 +272,7 @@ def launch(
     compiled = kernels.rope_kernel[(grid,)](
         x, out, table, table if sin is None else sin,
         table if cu_seqlens is None else cu_seqlens,
-        table if start_positions is None else start_positions, *ints,
+        table if positions is None else positions, *ints,
         num_warps=num_warps, **consts,
     )
     if key is not None and compiled is not None and not _hooks_active():
@@ -383,7 +390,7 @@ def _allocate(x: torch.Tensor, out_strides: Sequence[int] | None) -> torch.Tenso
 @torch.library.custom_op("rope_dispatch::triton_rope", mutates_args=())
 def triton_rope_op(
     x: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None, start_positions: torch.Tensor | None, layout: str,
+    cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
     interleaved: bool, cp_size: int, cp_rank: int, backward: bool,
     out_strides: Sequence[int] | None,
 ) -> torch.Tensor:
@@ -394,14 +401,14 @@ def triton_rope_op(
     out = _allocate(x, out_strides)
     with _on_device(x):
         return launch(
-            x, out, table, sin, cu_seqlens, start_positions, layout, interleaved, cp_size,
+            x, out, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
             cp_rank, backward, fresh_out=out_strides is None,
         )
 
 
 @triton_rope_op.register_fake
 def _triton_rope_fake(
-    x, table, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank, backward,
+    x, table, sin, cu_seqlens, positions, layout, interleaved, cp_size, cp_rank, backward,
     out_strides,
 ):
     return _allocate(x, out_strides)
@@ -471,7 +478,7 @@ _fast_qkv: dict[tuple, tuple] = {}
 
 def launch_qkv(
     xs: Sequence[Segment], outs: Sequence[Segment], tables: Sequence[torch.Tensor | None],
-    cu_seqlens: torch.Tensor | None, start_positions: torch.Tensor | None, layout: str,
+    cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
     interleaved: bool, cp_size: int, cp_rank: int, backward: bool, config: Config | None = None,
 ) -> None:
     """One launch of ``rope_qkv_kernel``: ``outs[i]`` = RoPE of ``xs[i]`` for q (i = 0) and k
@@ -486,7 +493,8 @@ def launch_qkv(
     shape = xs[0][2]
     thd = layout == "thd"
     if thd:
-        n_tokens, dim1, seq_len, n_seqs = shape[0], 1, shape[0], cu_seqlens.shape[0] - 1
+        n_seqs = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1  # none: per-token positions
+        n_tokens, dim1, seq_len = shape[0], 1, shape[0]
     else:
         n_tokens, dim1, n_seqs = shape[0] * shape[1], shape[1], 0
         seq_len = shape[0] if layout == "sbhd" else shape[1]
@@ -495,8 +503,8 @@ def launch_qkv(
         return
     if cu_seqlens is not None and not cu_seqlens.is_contiguous():
         cu_seqlens = cu_seqlens.contiguous()
-    if start_positions is not None and not start_positions.is_contiguous():
-        start_positions = start_positions.contiguous()
+    if positions is not None and not positions.is_contiguous():
+        positions = positions.contiguous()
     strides = tuple(
         stride for x, out in pairs for seg in (x, out)
         for stride in ((seg[3][0], 0, *seg[3][1:]) if thd else seg[3])
@@ -509,7 +517,7 @@ def launch_qkv(
     index = (
         q_tab, q_tab if q_sin is None else q_sin, k_tab, k_tab if k_sin is None else k_sin,
         q_tab if cu_seqlens is None else cu_seqlens,
-        q_tab if start_positions is None else start_positions,
+        q_tab if positions is None else positions,
     )
     addresses = (
         *(seg[0].data_ptr() + seg[1] * size for x, out in pairs for seg in (x, out)),
@@ -519,7 +527,7 @@ def launch_qkv(
     if not kernels.INTERPRETED and config is None:
         aligned = tuple(a & 15 == 0 for a in addresses)
         key = (base_ints, aligned, xs[0][0].dtype, layout, interleaved, q_sin is not None,
-               start_positions is not None, backward, has_v, q_tab.shape[1],
+               _position_kind(positions), backward, has_v, q_tab.shape[1],
                xs[0][0].get_device())
         entry = _fast_qkv.get(key)
         if entry is not None:
@@ -540,7 +548,7 @@ def launch_qkv(
     consts = dict(
         LAYOUT=LAYOUT_CODES[layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
         INTERLEAVED=interleaved, USE_CACHE=q_sin is not None,
-        HAS_STARTS=start_positions is not None, CONTEXT_PARALLEL=cp_size > 1,
+        POSITIONS=_position_kind(positions), CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
         SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
@@ -656,17 +664,17 @@ class _QKVTransposeFunction(torch.autograd.Function):
 def triton_rope_qkv_op(
     qkv: torch.Tensor, q_tab: torch.Tensor, q_sin: torch.Tensor | None, k_tab: torch.Tensor,
     k_sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-    start_positions: torch.Tensor | None, split: Sequence[int], layout: str, interleaved: bool,
+    positions: torch.Tensor | None, split: Sequence[int], layout: str, interleaved: bool,
     cp_size: int, cp_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed qkv RoPE through our Triton kernel, as an opaque op for torch.compile."""
     with _on_device(qkv):
         return _qkv_forward(qkv, split, (q_tab, q_sin, k_tab, k_sin), cu_seqlens,
-                            start_positions, layout, interleaved, cp_size, cp_rank)
+                            positions, layout, interleaved, cp_size, cp_rank)
 
 
 @triton_rope_qkv_op.register_fake
-def _triton_rope_qkv_fake(qkv, q_tab, q_sin, k_tab, k_sin, cu_seqlens, start_positions, split,
+def _triton_rope_qkv_fake(qkv, q_tab, q_sin, k_tab, k_sin, cu_seqlens, positions, split,
                           layout, interleaved, cp_size, cp_rank):
     return _qkv_outputs(qkv, split)
 
@@ -675,20 +683,20 @@ def _triton_rope_qkv_fake(qkv, q_tab, q_sin, k_tab, k_sin, cu_seqlens, start_pos
 def triton_rope_qkv_transpose_op(
     gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, q_tab: torch.Tensor,
     q_sin: torch.Tensor | None, k_tab: torch.Tensor, k_sin: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None, start_positions: torch.Tensor | None, split: Sequence[int],
+    cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, split: Sequence[int],
     layout: str, interleaved: bool, cp_size: int, cp_rank: int,
     grad_strides: Sequence[int] | None,
 ) -> torch.Tensor:
     """The packed gradient of q's, k's and v's gradients, as an opaque op for torch.compile."""
     with _on_device(gk):
         return _qkv_transpose(gq, gk, gv, split, (q_tab, q_sin, k_tab, k_sin), cu_seqlens,
-                              start_positions, layout, interleaved, cp_size, cp_rank,
+                              positions, layout, interleaved, cp_size, cp_rank,
                               grad_strides)
 
 
 @triton_rope_qkv_transpose_op.register_fake
 def _triton_rope_qkv_transpose_fake(gq, gk, gv, q_tab, q_sin, k_tab, k_sin, cu_seqlens,
-                                    start_positions, split, layout, interleaved, cp_size,
+                                    positions, split, layout, interleaved, cp_size,
                                     cp_rank, grad_strides):
     return _allocate_shape(gk, (*gk.shape[:-1], sum(split)), grad_strides)
 
@@ -729,7 +737,7 @@ def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.T
     tables = (*_table_pair(call.table), *_table_pair(
         call.table if call.k_table is None else call.k_table
     ))
-    args = (call.t, *tables, spec.cu_seqlens, call.start_positions, call.split, spec.layout,
+    args = (call.t, *tables, spec.cu_seqlens, position_index(call), call.split, spec.layout,
             spec.interleaved, spec.cp_size, spec.cp_rank)
     if type(call.t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         return triton_rope_qkv_op(*args)
@@ -764,7 +772,7 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 def rope_triton(
     t: torch.Tensor, table: torch.Tensor | CosSinCache, *, layout: str, interleaved: bool = False,
-    cu_seqlens: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
     cp_size: int = 1, cp_rank: int = 0, in_place: bool = False, grad_in_place: bool = False,
 ) -> torch.Tensor:
     """RoPE of already-checked tensors: ``table`` is ``[s2, d2]`` float32 angles or a cache.
@@ -780,7 +788,7 @@ def rope_triton(
         tab, sin = table, None
     if type(t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         out = triton_rope_op(
-            t, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
+            t, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size, cp_rank,
             False, None,
         )
         return t.copy_(out) if in_place else out
@@ -788,28 +796,28 @@ def rope_triton(
         with _on_device(t):
             if t.requires_grad and torch.is_grad_enabled():
                 return _RoPEInPlaceFunction.apply(
-                    t, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size,
+                    t, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size,
                     cp_rank, grad_in_place,
                 )
-            launch(t, t, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size,
+            launch(t, t, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size,
                    cp_rank, False, copy_pass=False)
         increment_version(t)
         return t
     if t.requires_grad and torch.is_grad_enabled():
         with _on_device(t):
             return _RoPEFunction.apply(
-                t, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
+                t, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size, cp_rank,
                 False, None,
             )
     out = torch.empty_like(t, memory_format=torch.contiguous_format)
     if _several_gpus() and t.is_cuda:
         with _on_device(t):
             return launch(
-                t, out, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size,
+                t, out, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size,
                 cp_rank, False, fresh_out=True,
             )
     return launch(  # one GPU (the usual case): no device guard to enter
-        t, out, tab, sin, cu_seqlens, start_positions, layout, interleaved, cp_size, cp_rank,
+        t, out, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size, cp_rank,
         False, fresh_out=True,
     )
 
@@ -882,6 +890,7 @@ class TritonBackend(Backend):
     )
     priority = 40
     supports_in_place = True
+    supports_positions = True
     tensors = frozenset({"t", "qkv"})
 
     @property
@@ -917,7 +926,7 @@ class TritonBackend(Backend):
         generic = super().plan(call)
         t = call.t
         if (
-            call.spec.layout == "thd" or call.start_positions is not None
+            call.spec.layout == "thd" or position_index(call) is not None
             or (t.requires_grad and torch.is_grad_enabled()) or _kernels is None
             or _kernels.INTERPRETED
         ):
@@ -930,7 +939,7 @@ class TritonBackend(Backend):
         spec = call.spec
         return rope_triton(
             call.t, call.table, layout=spec.layout, interleaved=spec.interleaved,
-            cu_seqlens=spec.cu_seqlens, start_positions=call.start_positions,
+            cu_seqlens=spec.cu_seqlens, positions=position_index(call),
             cp_size=spec.cp_size, cp_rank=spec.cp_rank, in_place=call.in_place,
             grad_in_place=call.grad_in_place,
         )

@@ -229,14 +229,15 @@ def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple:
         tuple(sorted(b.name for b in candidates)),
         call.in_place,
         call.split,
+        call.positions is not None,
     )
 
 
 def key_fields(signature: tuple) -> dict[str, Any]:
-    """:func:`call_signature` as the named JSON fields stored in each entry (``in_place`` and
-    ``split`` only when set, so the keys of single-tensor calls that return a new tensor are
-    those of earlier versions)."""
-    spec, shape, sequences, stride, table, starts, grad, names, in_place, split = signature
+    """:func:`call_signature` as the named JSON fields stored in each entry (``in_place``,
+    ``split`` and per-token ``positions`` only when set, so the keys of single-tensor calls that
+    return a new tensor are those of earlier versions)."""
+    spec, shape, sequences, stride, table, starts, grad, names, in_place, split, per_token = signature
     fields = {
         "spec": dict(spec),
         "shape_bucket": list(shape),
@@ -251,6 +252,8 @@ def key_fields(signature: tuple) -> dict[str, Any]:
         fields["in_place"] = True
     if split is not None:
         fields["qkv_split"] = list(split)
+    if per_token:
+        fields["positions"] = True
     return fields
 
 

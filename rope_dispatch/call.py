@@ -14,6 +14,7 @@ range. Nothing is read while ``torch.compile`` traces or a CUDA graph is capture
 from __future__ import annotations
 
 import os
+import sys
 from typing import NamedTuple
 
 import torch
@@ -34,7 +35,8 @@ class RoPECall(NamedTuple):
     """One checked call: what every backend receives (a tuple: cheap to build per call).
 
     It describes its tensors (``tensors``), its table kind (``table``: ``[s2, d2]`` float32
-    angles or a :class:`CosSinCache`) and its positions (by index, plus ``start_positions``).
+    angles or a :class:`CosSinCache`) and its positions: by index (plus ``start_positions``,
+    one per sequence) or given per token (``positions``, shaped like ``t.shape[:-2]``).
     ``seq_len`` is the local sequence length ``s`` (tokens ``T`` for thd), ``batch`` is ``b``
     (the number of sequences for thd). ``in_place``: rotate ``t``'s first ``d2`` channels in
     place and return ``t`` (:func:`~rope_dispatch.apply_`); ``grad_in_place``: its backward may
@@ -66,6 +68,7 @@ class RoPECall(NamedTuple):
     split: tuple[int, int, int] | None = None
     k_table: RotaryTable | None = None
     positions_bounded: bool = True
+    positions: torch.Tensor | None = None
 
     @property
     def table_len(self) -> int:
@@ -78,6 +81,16 @@ class RoPECall(NamedTuple):
 
 def _table_len(table: RotaryTable) -> int:
     return table.seq_len if isinstance(table, CosSinCache) else table.shape[0]
+
+
+def position_index(call: RoPECall) -> torch.Tensor | None:
+    """The call's index tensor as every backend's kernels take it: ``start_positions``, 1-D
+    (one per sequence), or the per-token ``positions``, 2-D in token order (``[s, b]``,
+    ``[b, s]``, or ``[T, 1]`` for thd), so the two kinds never look alike."""
+    positions = call.positions
+    if positions is None:
+        return call.start_positions
+    return positions.unsqueeze(-1) if positions.dim() == 1 else positions
 
 
 def qkv_parts(call: RoPECall) -> tuple[RoPECall, RoPECall, torch.Tensor]:
@@ -144,7 +157,7 @@ def reads_values(spec: RoPESpec) -> bool:
 
 
 def _check_cu_seqlens(
-    spec: RoPESpec, tokens: int, table_len: int, starts: list[int] | None, table_name: str
+    spec: RoPESpec, tokens: int, table_len: int | None, starts: list[int] | None, table_name: str
 ) -> bool:
     """``starts``: the values of ``start_positions`` when they were read, else ``None``;
     ``table_name``: the argument holding the shorter table. Returns whether the offsets bound
@@ -152,6 +165,8 @@ def _check_cu_seqlens(
     cu = spec.cu_seqlens
     assert cu is not None
     cp = spec.cp_size
+    if table_len is None:  # per-token positions: the offsets bound no position
+        table_len = sys.maxsize
     if not _host_reads_allowed() or not reads_values(spec):
         if spec.max_seqlen is None:
             return False
@@ -284,12 +299,13 @@ def check_call(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None = None,
     *, in_place: bool = False, grad_in_place: bool = False,
     split: tuple[int, int, int] | None = None, k_freqs: object = None,
+    positions: torch.Tensor | None = None,
 ) -> RoPECall:
-    """Check ``t``, ``freqs`` and ``start_positions`` against ``spec``; raise a clear error or
-    return the :class:`RoPECall` every backend takes. ``in_place`` adds the checks of
-    :func:`~rope_dispatch.apply_` (``t`` must be writable). ``split`` makes ``t`` a packed
-    qkv tensor (:func:`~rope_dispatch.apply_qkv`), whose k is rotated by ``k_freqs`` when
-    given."""
+    """Check ``t``, ``freqs`` and ``start_positions`` (or per-token ``positions``) against
+    ``spec``; raise a clear error or return the :class:`RoPECall` every backend takes.
+    ``in_place`` adds the checks of :func:`~rope_dispatch.apply_` (``t`` must be writable).
+    ``split`` makes ``t`` a packed qkv tensor (:func:`~rope_dispatch.apply_qkv`), whose k is
+    rotated by ``k_freqs`` when given."""
     if not isinstance(spec, RoPESpec):
         raise TypeError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
     if not isinstance(t, torch.Tensor):
@@ -340,15 +356,19 @@ def check_call(
             f"{tuple(shape)}" + (f" (the k part of split {split})" if split else "")
         )
     cp = spec.cp_size
+    cu = spec.cu_seqlens
     if rank == 3:
         seq_len = shape[0]
-        cu = spec.cu_seqlens
-        assert cu is not None
-        if cu.device != device:
+        if cu is None and positions is None:
+            raise RoPEError(
+                "layout 'thd' needs cu_seqlens in the spec (the [n+1] sequence offsets), or "
+                "per-token positions with every call"
+            )
+        if cu is not None and cu.device != device:
             raise RoPEError(
                 f"cu_seqlens is on {cu.device} but t is on {device}; expected the same device"
             )
-        batch = cu.numel() - 1
+        batch = 1 if cu is None else cu.numel() - 1
     else:
         seq_len, batch = (shape[0], shape[1]) if layout == "sbhd" else (shape[1], shape[0])
         if cp > 1 and seq_len % 2:
@@ -357,27 +377,79 @@ def check_call(
                 f"{seq_len}"
             )
         needed = seq_len * cp
-        if needed > table_len:
+        if positions is None and needed > table_len:
             raise RoPEError(
                 f"{table_name} has {table_len} positions but the sequence needs {needed} "
                 f"(s={seq_len}" + (f" x cp_size={cp}" if cp > 1 else "") + "); expected "
                 f"{table_name}.shape[0] >= {needed}"
             )
-    starts = None
-    if start_positions is not None:
-        starts = _check_start_positions(
-            start_positions, spec, batch, seq_len, table_len, device, table_name
-        )
-    bounded = start_positions is None or starts is not None
-    if rank == 3:
-        bounded = _check_cu_seqlens(spec, seq_len, table_len, starts, table_name) and bounded
+    if positions is not None:
+        bounded = _check_positions(positions, start_positions, spec, shape, table_len, device,
+                                   table_name)
+        if cu is not None and reads_values(spec) and _host_reads_allowed():
+            _check_cu_seqlens(spec, seq_len, None, None, table_name)
+    else:
+        starts = None
+        if start_positions is not None:
+            starts = _check_start_positions(
+                start_positions, spec, batch, seq_len, table_len, device, table_name
+            )
+        bounded = start_positions is None or starts is not None
+        if rank == 3:
+            bounded = _check_cu_seqlens(spec, seq_len, table_len, starts, table_name) and bounded
     if in_place:
         _check_writable(t)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,
-        in_place and grad_in_place, kind, split, k_table, bounded,
+        in_place and grad_in_place, kind, split, k_table, bounded, positions,
     ))
+
+
+def _check_positions(
+    positions: object, start_positions: object, spec: RoPESpec, shape: torch.Size,
+    table_len: int, device: torch.device, table_name: str,
+) -> bool:
+    """Check per-token ``positions`` (one table row per token, shaped like ``t.shape[:-2]``);
+    return whether their values were read and found inside the table."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(
+            f"positions must be an int tensor shaped like t.shape[:-2] or None, got "
+            f"{type(positions).__name__}"
+        )
+    if start_positions is not None:
+        raise RoPEError(
+            "positions and start_positions cannot be combined: per-token positions already "
+            "say each token's row; add the start to them instead"
+        )
+    if spec.cp_size > 1:
+        raise RoPEError(
+            f"positions cannot be combined with context parallelism (cp_size={spec.cp_size}): "
+            "per-token positions already say each token's row; pass the global positions of "
+            "this rank's tokens with cp_size=1"
+        )
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise RoPEError(f"positions must be int32 or int64, got {dtype_name(positions.dtype)}")
+    expected = tuple(shape[:-2])
+    if tuple(positions.shape) != expected:
+        names = {"sbhd": "[s, b]", "bshd": "[b, s]", "thd": "[T]"}[spec.layout]
+        raise RoPEError(
+            f"positions must have shape {names} = {list(expected)} for layout {spec.layout!r} "
+            f"(one per token), got {tuple(positions.shape)}"
+        )
+    if positions.device != device:
+        raise RoPEError(
+            f"positions is on {positions.device} but t is on {device}; expected the same device"
+        )
+    if not _host_reads_allowed() or not _reads(positions) or positions.numel() == 0:
+        return positions.numel() == 0
+    low, high = int(positions.min()), int(positions.max())
+    if low < 0 or high >= table_len:
+        raise RoPEError(
+            f"positions must lie in [0, {table_len}) ({table_name} has {table_len} rows), got "
+            f"values from {low} to {high}"
+        )
+    return True
 
 
 def _check_k_table(k_freqs: object, table: RotaryTable, device: torch.device) -> RotaryTable:

@@ -128,6 +128,7 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
         t.device.index,
         call.uses_cache,
         call.start_positions is not None,
+        call.positions is not None,
         t.requires_grad and torch.is_grad_enabled(),
         stride_class(t),
         tuple(size_bucket(n) for n in t.shape),
@@ -206,7 +207,7 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
     t = call.t
     exact = (
         call.spec.static_key, call.rotary_dim, t.shape, call.batch, t.device,
-        isinstance(call.table, CosSinCache), call.start_positions is None,
+        isinstance(call.table, CosSinCache), call.start_positions is None, call.positions is None,
         t.requires_grad and torch.is_grad_enabled(), t.is_contiguous() or stride_class(t),
         call.in_place, call.split, call.positions_bounded, forced,
     )
@@ -255,6 +256,7 @@ def apply(
     spec: RoPESpec,
     *,
     start_positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Rotary position embedding of ``t`` (TransformerEngine 2.20.2 ``apply_rotary_pos_emb``).
@@ -263,11 +265,17 @@ def apply(
     :class:`~rope_dispatch.CosSinCache`. Returns a new tensor, contiguous in ``spec.layout``;
     differentiable with respect to ``t``.
 
+    A token's table row is its place in its sequence (plus ``start_positions[b]``, one per
+    sequence, and the zigzag offset under context parallelism), or it is given per token by
+    ``positions``: an int tensor ``[s, b]`` (sbhd), ``[b, s]`` (bshd) or ``[T]`` (thd, where the
+    spec then needs no ``cu_seqlens``), as continuous batching, chunked prefill and speculative
+    decoding have them.
+
     A call repeating an earlier one's spec and table objects and ``t``'s shape, strides, dtype,
     device and gradient mode reuses that call's checks and decision (a *plan*): at decode size
     the host path, not the GPU, sets the pace.
     """
-    return _run(t, freqs, spec, start_positions, backend, False, False)
+    return _run(t, freqs, spec, start_positions, backend, False, False, positions=positions)
 
 
 def apply_(
@@ -276,6 +284,7 @@ def apply_(
     spec: RoPESpec,
     *,
     start_positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
     backend: str | None = None,
     grad_in_place: bool = False,
 ) -> torch.Tensor:
@@ -289,7 +298,7 @@ def apply_(
     (a query or key whose only consumer is attention): a gradient that autograd shares with
     another branch (``t`` also used in a sum, say) would be changed under it.
     """
-    return _run(t, freqs, spec, start_positions, backend, True, grad_in_place)
+    return _run(t, freqs, spec, start_positions, backend, True, grad_in_place, positions=positions)
 
 
 def apply_qkv(
@@ -300,6 +309,7 @@ def apply_qkv(
     *,
     k_freqs: torch.Tensor | RotaryTable | None = None,
     start_positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE of a packed qkv tensor, split and rotated in one pass: returns new ``(q, k, v)``.
@@ -313,7 +323,8 @@ def apply_qkv(
     ``start_positions`` are as in :func:`apply`; the backward writes one packed gradient.
     """
     return _run(
-        qkv, freqs, spec, start_positions, backend, False, False, split=split, k_freqs=k_freqs
+        qkv, freqs, spec, start_positions, backend, False, False, split=split, k_freqs=k_freqs,
+        positions=positions,
     )
 
 
@@ -321,11 +332,12 @@ def _run(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
     backend: str | None, in_place: bool, grad_in_place: bool,
     split: tuple[int, int, int] | None = None, k_freqs: object = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     key = None
     if (
-        start_positions is None and split is None and type(t) is torch.Tensor
-        and not torch.compiler.is_compiling()
+        start_positions is None and positions is None and split is None
+        and type(t) is torch.Tensor and not torch.compiler.is_compiling()
     ):
         key = (
             id(spec), id(freqs), t.shape, t.stride(), t.dtype, t.device,
@@ -343,7 +355,7 @@ def _run(
             return plan.run(t, freqs, spec)
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place,
-        split=split, k_freqs=k_freqs,
+        split=split, k_freqs=k_freqs, positions=positions,
     )
     chosen, final = _choose(call, backend)
     out = chosen.apply(call)
@@ -394,6 +406,7 @@ def explain(
     in_place: bool = False,
     split: tuple[int, int, int] | None = None,
     k_freqs: torch.Tensor | RotaryTable | None = None,
+    positions: torch.Tensor | None = None,
 ) -> Explanation:
     """Which backend :func:`apply` (:func:`apply_` with ``in_place=True``, :func:`apply_qkv`
     with ``split``) would run for this call, why, and why not the others.
@@ -402,7 +415,8 @@ def explain(
     would measure the candidates.
     """
     call = check_call(
-        t, freqs, spec, start_positions, in_place=in_place, split=split, k_freqs=k_freqs
+        t, freqs, spec, start_positions, in_place=in_place, split=split, k_freqs=k_freqs,
+        positions=positions,
     )
     forced, source = requested_backend(backend)
     supported, rejected = capable_backends(call)

@@ -15,6 +15,8 @@ from .tables import CosSinCache
 
 def reference_positions(call: RoPECall) -> torch.Tensor:
     """int64 table row of every token, shaped like ``t.shape[:-2]`` (on the CPU)."""
+    if call.positions is not None:  # given per token
+        return call.positions.cpu().long()
     spec = call.spec
     cp, rank = spec.cp_size, spec.cp_rank
 

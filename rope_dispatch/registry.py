@@ -43,6 +43,7 @@ class Backend:
     supports_interleaved: ClassVar[bool] = True
     supports_context_parallel: ClassVar[bool] = True
     supports_start_positions: ClassVar[bool] = True
+    supports_positions: ClassVar[bool] = False  # per-token positions (apply(..., positions=))
     supports_cos_sin_cache: ClassVar[bool] = True
     supports_autograd: ClassVar[bool] = True
     supports_in_place: ClassVar[bool] = False
@@ -121,6 +122,8 @@ class Backend:
             reasons.append(f"context parallelism (cp_size={spec.cp_size}) is not supported")
         if call.start_positions is not None and not self.supports_start_positions:
             reasons.append("start_positions is not supported")
+        if call.positions is not None and not self.supports_positions:
+            reasons.append("per-token positions are not supported")
         if call.uses_cache and not self.supports_cos_sin_cache:
             reasons.append("a CosSinCache table is not supported; pass the angle table")
         if call.in_place and not self.supports_in_place:

@@ -102,7 +102,9 @@ class RoPESpec(BaseModel):
     )
     interleaved: bool = Field(default=False, description="rotate pairs (2k, 2k+1), not halves")
     cu_seqlens: torch.Tensor | None = Field(
-        default=None, description="int32/int64 [n+1] global sequence offsets, thd only"
+        default=None,
+        description="int32/int64 [n+1] global sequence offsets, thd only (optional when every "
+        "call passes per-token positions)",
     )
     max_seqlen: int | None = Field(
         default=None, description="longest global sequence (thd): lets calls skip any host sync"
@@ -128,9 +130,8 @@ class RoPESpec(BaseModel):
                 f"cp_rank must satisfy 0 <= cp_rank < cp_size={self.cp_size}, got {self.cp_rank}"
             )
         if self.layout == "thd":
-            if self.cu_seqlens is None:
-                raise ValueError("layout 'thd' needs cu_seqlens (the [n+1] sequence offsets)")
-            check_cu_seqlens_tensor(self.cu_seqlens)
+            if self.cu_seqlens is not None:  # without it, every call must give positions
+                check_cu_seqlens_tensor(self.cu_seqlens)
         else:
             if self.cu_seqlens is not None:
                 raise ValueError(

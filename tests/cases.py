@@ -37,6 +37,7 @@ class Case:
     use_cache: bool
     table_margin: int
     seed: int
+    per_token: bool = False  # positions given per token (random rows), no start_positions or CP
 
 
 _FIXED = Case(
@@ -105,6 +106,14 @@ def _strided(shape: tuple[int, ...], kind: str, dtype, gen, device) -> torch.Ten
         return randn(shape[1], shape[0], shape[2]).transpose(0, 1)
     # channel-strided: every other channel of a wider buffer (stride on d is 2)
     return randn(*shape[:-1], 2 * shape[-1])[..., ::2]
+
+
+def positions_for(case: Case, t: torch.Tensor, table_rows: int) -> torch.Tensor:
+    """Random per-token rows ``t.shape[:-2]`` of a table of ``table_rows`` (a case's
+    ``per_token`` calls), int64 for even seeds, int32 for odd ones."""
+    gen = torch.Generator().manual_seed(case.seed + 7)
+    dtype = torch.int64 if case.seed % 2 == 0 else torch.int32
+    return torch.randint(0, table_rows, tuple(t.shape[:-2]), generator=gen).to(dtype)
 
 
 def build(case: Case, device: str | torch.device = "cpu", requires_grad: bool = True):

@@ -79,21 +79,26 @@ def reference_rope(
     return torch.cat((out, x[..., d2:]), dim=-1)
 
 
-def reference_for(t, angles, spec, start_positions=None) -> torch.Tensor:
-    """The reference output for a call described by a ``RoPESpec`` (read field by field)."""
-    positions = reference_positions(
-        spec.layout, tuple(t.shape), cu_seqlens=None if spec.cu_seqlens is None else spec.cu_seqlens.tolist(),
-        cp_size=spec.cp_size, cp_rank=spec.cp_rank,
-        start_positions=None if start_positions is None else start_positions.tolist(),
-    )
+def reference_for(t, angles, spec, start_positions=None, positions=None) -> torch.Tensor:
+    """The reference output for a call described by a ``RoPESpec`` (read field by field);
+    ``positions``, when given, are every token's table row (``t.shape[:-2]``)."""
+    if positions is not None:
+        positions = torch.tensor(positions.tolist(), dtype=torch.long).reshape(t.shape[:-2])
+    else:
+        positions = reference_positions(
+            spec.layout, tuple(t.shape),
+            cu_seqlens=None if spec.cu_seqlens is None else spec.cu_seqlens.tolist(),
+            cp_size=spec.cp_size, cp_rank=spec.cp_rank,
+            start_positions=None if start_positions is None else start_positions.tolist(),
+        )
     return reference_rope(t, angles.reshape(angles.shape[0], angles.shape[-1]), positions, spec.interleaved)
 
 
-def reference_forward_backward(t, angles, spec, grad_out, start_positions=None):
+def reference_forward_backward(t, angles, spec, grad_out, start_positions=None, positions=None):
     """float64 output and input gradient ``(out, dL/dt)`` for ``L = sum(out * grad_out)``,
     computed on the CPU whatever the inputs' device."""
     x = t.detach().cpu().double().requires_grad_(True)
-    out = reference_for(x, angles.cpu(), spec, start_positions)
+    out = reference_for(x, angles.cpu(), spec, start_positions, positions)
     (grad,) = torch.autograd.grad(out, x, grad_out.cpu().double())
     return out.detach(), grad
 
@@ -108,14 +113,17 @@ def split_qkv(qkv: torch.Tensor, split: tuple[int, int, int]):
     return torch.stack(heads, dim=-2), qkv[..., q_len : q_len + d], qkv[..., q_len + d :]
 
 
-def reference_qkv_forward_backward(qkv, q_angles, k_angles, spec, split, grad_outs, start_positions=None):
+def reference_qkv_forward_backward(
+    qkv, q_angles, k_angles, spec, split, grad_outs, start_positions=None, positions=None
+):
     """float64 ``((q, k, v), dL/dqkv)`` for ``L = sum(q gq) + sum(k gk) + sum(v gv)``: q rotated
     by ``q_angles``, k by ``k_angles``, v passed through; on the CPU."""
     x = qkv.detach().cpu().double().requires_grad_(True)
     q, k, v = split_qkv(x, split)
+    pos = None if positions is None else positions.cpu()
     outs = (
-        reference_for(q, q_angles.cpu(), spec, start_positions),
-        reference_for(k, k_angles.cpu(), spec, start_positions),
+        reference_for(q, q_angles.cpu(), spec, start_positions, pos),
+        reference_for(k, k_angles.cpu(), spec, start_positions, pos),
         v,
     )
     (grad,) = torch.autograd.grad(outs, x, [g.cpu().double() for g in grad_outs])

@@ -30,7 +30,6 @@ def call(t=None, freqs=None, spec=None, **kw):
         (dict(layout="sbhd", dtype="fp32", cp_size=0), ["cp_size", "0"]),
         (dict(layout="sbhd", dtype="fp32", cp_size=2, cp_rank=2), ["cp_rank", "2"]),
         (dict(layout="sbhd", dtype="fp32", cp_rank=-1), ["cp_rank", "-1"]),
-        (dict(layout="thd", dtype="fp32"), ["thd", "cu_seqlens"]),
         (dict(layout="sbhd", dtype="fp32", cu_seqlens=torch.tensor([0, 4])), ["cu_seqlens", "only", "thd"]),
         (dict(layout="sbhd", dtype="fp32", max_seqlen=4), ["max_seqlen", "thd"]),
         (dict(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0.0, 4.0])), ["cu_seqlens", "int32", "float32"]),
@@ -112,6 +111,41 @@ def test_bad_cu_seqlens(cu, kw, words):
     spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor(cu), **kw)
     with pytest.raises(rd.RoPEError) as info:
         rd.apply(THD_T, torch.rand(freqs_len, 8), spec)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_thd_needs_offsets_or_positions():
+    """A thd spec may leave cu_seqlens out (token batches with per-token positions); a call
+    that gives neither is refused."""
+    spec = rd.RoPESpec(layout="thd", dtype="fp32")
+    with pytest.raises(rd.RoPEError, match="needs cu_seqlens in the spec .* or per-token positions"):
+        rd.apply(THD_T, torch.rand(16, 8), spec)
+    out = rd.apply(THD_T, torch.rand(16, 8), spec, positions=torch.arange(10))
+    assert out.shape == THD_T.shape
+
+
+@pytest.mark.parametrize(
+    "layout, shape, positions, kw, words",
+    [
+        ("sbhd", (4, 2, 3, 8), torch.zeros(2, 4, dtype=torch.long), {}, ["[s, b] = [4, 2]", "(2, 4)"]),
+        ("bshd", (2, 4, 3, 8), torch.zeros(4, 2, dtype=torch.long), {}, ["[b, s] = [2, 4]", "(4, 2)"]),
+        ("thd", (6, 3, 8), torch.zeros(6, 1, dtype=torch.long), {}, ["[T] = [6]", "(6, 1)"]),
+        ("sbhd", (4, 2, 3, 8), torch.zeros(4, 2), {}, ["positions must be int32 or int64", "float32"]),
+        ("sbhd", (4, 2, 3, 8), torch.tensor([[0, 1]] * 3 + [[15, 16]]), {}, ["[0, 16)", "0 to 16"]),
+        ("sbhd", (4, 2, 3, 8), torch.tensor([[0, -1]] * 4), {}, ["[0, 16)", "-1 to 0"]),
+        ("sbhd", (4, 2, 3, 8), torch.zeros(4, 2, dtype=torch.long),
+         dict(start_positions=torch.tensor([0, 1])), ["positions and start_positions cannot be combined"]),
+        ("sbhd", (4, 2, 3, 8), torch.zeros(4, 2, dtype=torch.long), dict(cp_size=2),
+         ["positions cannot be combined with context parallelism", "cp_size=2"]),
+        ("sbhd", (4, 2, 3, 8), [[0, 1]], {}, ["positions must be an int tensor", "list"]),
+    ],
+)
+def test_bad_positions(layout, shape, positions, kw, words):
+    starts = kw.pop("start_positions", None)
+    spec = rd.RoPESpec(layout=layout, dtype="fp32", **kw)
+    with pytest.raises((rd.RoPEError, TypeError)) as info:
+        rd.apply(torch.randn(shape), torch.rand(16, 8), spec, positions=positions, start_positions=starts)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
 

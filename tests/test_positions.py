@@ -1,0 +1,103 @@
+"""Per-token positions (``apply(..., positions=P)``): every backend that takes them against the
+float64 reference, forward and backward, in place and packed; thd token batches with no
+offsets at all. On a CPU-only machine the Triton backend runs on its interpreter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rope_dispatch as rd
+from cases import QKVCase, build, build_qkv, cases, fixed_case, positions_for
+from reference import assert_matches, reference_for, reference_forward_backward, reference_qkv_forward_backward
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+per_token_cases = cases(cp_sizes=(1,), starts=(False,)).map(lambda c: dataclasses.replace(c, per_token=True))
+
+
+def check_positions(case, backend: str, device: str, drop_offsets: bool = False) -> None:
+    t, table, spec, _, angles = build(case, device)
+    positions = positions_for(case, t, angles.shape[0]).to(device)
+    if drop_offsets and spec.layout == "thd":
+        spec = rd.RoPESpec(layout="thd", dtype=spec.dtype, interleaved=spec.interleaved)
+    out = rd.apply(t, table, spec, positions=positions, backend=backend)
+    grad_out = torch.randn(out.shape, dtype=torch.float32).to(t.dtype).to(device)
+    (grad,) = torch.autograd.grad(out, t, grad_out)
+    ref_out, ref_grad = reference_forward_backward(t, angles, spec, grad_out, positions=positions)
+    assert_matches(out, ref_out, t.dtype, "forward")
+    assert_matches(grad, ref_grad, t.dtype, "backward")
+
+
+@given(per_token_cases, st.booleans())
+def test_eager_matches_reference(case, drop_offsets):
+    check_positions(case, "eager", "cpu", drop_offsets)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@settings(max_examples=25, deadline=None)
+@given(per_token_cases, st.booleans())
+def test_triton_matches_reference(case, drop_offsets):
+    check_positions(case, "triton", DEVICE, drop_offsets)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_in_place_with_positions(backend, request):
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    case = fixed_case(layout="bshd", rotary_dim=10, head_dim=16, strides="qkv-slice", per_token=True)
+    t, table, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    positions = positions_for(case, t, angles.shape[0]).to(DEVICE)
+    expected = reference_for(t.cpu(), angles, spec, positions=positions.cpu())
+    same = rd.apply_(t, table, spec, positions=positions, backend=backend)
+    assert same is t
+    assert_matches(t, expected, t.dtype, "in place")
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_packed_qkv_with_positions(backend, request):
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    base = fixed_case(layout="thd", heads=2, head_dim=8, rotary_dim=6, seqlens=(3, 4), per_token=True,
+                      interleaved=True)
+    case = QKVCase(base, q_heads=2, v_heads=1, own_k_table=True)
+    qkv, table, k_table, spec, _, q_angles, k_angles = build_qkv(case, DEVICE)
+    rows = min(q_angles.shape[0], k_angles.shape[0])
+    positions = positions_for(base, qkv, rows).to(DEVICE)
+    outs = rd.apply_qkv(qkv, table, spec, case.split, k_freqs=k_table, positions=positions, backend=backend)
+    grads = [torch.randn_like(o) for o in outs]
+    (grad,) = torch.autograd.grad(outs, qkv, grads)
+    ref_outs, ref_grad = reference_qkv_forward_backward(
+        qkv, q_angles, k_angles, spec, case.split, grads, positions=positions
+    )
+    for name, out, ref in zip("qkv", outs, ref_outs):
+        assert_matches(out, ref, qkv.dtype, name)
+    assert_matches(grad, ref_grad, qkv.dtype, "packed gradient")
+
+
+def test_te_does_not_take_per_token_positions():
+    from rope_dispatch.backends.te import TEBackend, TEInfo
+
+    backend = TEBackend(load=lambda: TEInfo("2.20.2", (2, 20, 2), "fake", lambda t, f, **k: t, frozenset()))
+    call = rd.check_call(torch.randn(4, 2, 1, 8), torch.rand(8, 8), rd.RoPESpec(layout="sbhd", dtype="fp32"),
+                         positions=torch.zeros(4, 2, dtype=torch.long))
+    assert "per-token positions are not supported" in backend.not_supported_reasons(call)
+
+
+def test_explain_and_autotune_key_name_positions():
+    from rope_dispatch import autotune
+
+    t = torch.randn(4, 2, 1, 8)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    positions = torch.tensor([[3, 0], [4, 9], [5, 2], [6, 1]])
+    assert rd.explain(t, torch.rand(10, 8), spec, positions=positions).chosen is not None
+    call = rd.check_call(t, torch.rand(10, 8), spec, positions=positions)
+    fields = autotune.key_fields(autotune.call_signature(call, [rd.get_backend("eager")]))
+    assert fields["positions"] is True
+    plain = rd.check_call(t, torch.rand(10, 8), spec)
+    assert "positions" not in autotune.key_fields(autotune.call_signature(plain, [rd.get_backend("eager")]))
