@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rope_dispatch.call import RoPECall, position_index, qkv_parts
+from rope_dispatch.call import RoPECall, k_call, position_index, qkv_parts
 from rope_dispatch.registry import Backend
 from rope_dispatch.tables import table_cos_sin
 
@@ -103,10 +103,12 @@ def rope_tensors(
 def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE of a checked call in plain PyTorch (see :func:`rope_tensors`); in place, the
     rotated channels are computed apart and copied back (autograd sees a ``copy_``). A packed
-    qkv call is split into q and k calls and a copy of v."""
+    qkv call is split into q and k calls and a copy of v, a q and k pair into two calls."""
     if call.tensors == "qkv":
-        q_call, k_call, v = qkv_parts(call)
-        return rope_eager(q_call), rope_eager(k_call), v.clone(memory_format=torch.contiguous_format)
+        q_part, k_part, v = qkv_parts(call)
+        return rope_eager(q_part), rope_eager(k_part), v.clone(memory_format=torch.contiguous_format)
+    if call.tensors == "qk":
+        return rope_eager(call._replace(tensors="t", k=None)), rope_eager(k_call(call))
     spec = call.spec
     cos, sin = table_cos_sin(call.table)
     t = call.t[..., : call.rotary_dim] if call.in_place else call.t
@@ -128,7 +130,7 @@ class EagerBackend(Backend):
     priority = 0
     supports_in_place = True
     supports_positions = True
-    tensors = frozenset({"t", "qkv"})
+    tensors = frozenset({"t", "qk", "qkv"})
 
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:
         return rope_eager(call)

@@ -480,12 +480,14 @@ def launch_qkv(
     xs: Sequence[Segment], outs: Sequence[Segment], tables: Sequence[torch.Tensor | None],
     cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
     interleaved: bool, cp_size: int, cp_rank: int, backward: bool, config: Config | None = None,
+    copy_pass: bool = True,
 ) -> None:
     """One launch of ``rope_qkv_kernel``: ``outs[i]`` = RoPE of ``xs[i]`` for q (i = 0) and k
     (i = 1), each by its own table, and a copy for v (i = 2, when given); the transpose when
     ``backward``. ``tables`` are ``(q_table, q_sin, k_table, k_sin)`` (sin ``None`` for angle
-    tables). No host sync, no allocation; a repeated call signature launches the compiled
-    kernel through Triton's C launcher from addresses and integers alone."""
+    tables). ``copy_pass=False`` leaves the pass-through channels alone: with ``outs`` being
+    ``xs``, q and k rotated in place. No host sync, no allocation; a repeated call signature
+    launches the compiled kernel through Triton's C launcher from addresses and integers alone."""
     kernels = _kernels if _kernels is not None else _load_kernels()
     q_tab, q_sin, k_tab, k_sin = tables
     has_v = len(xs) == 3
@@ -527,14 +529,15 @@ def launch_qkv(
     if not kernels.INTERPRETED and config is None:
         aligned = tuple(a & 15 == 0 for a in addresses)
         key = (base_ints, aligned, xs[0][0].dtype, layout, interleaved, q_sin is not None,
-               _position_kind(positions), backward, has_v, q_tab.shape[1],
+               _position_kind(positions), backward, has_v, q_tab.shape[1], copy_pass,
                xs[0][0].get_device())
         entry = _fast_qkv.get(key)
         if entry is not None:
             run, prefix, grid, ints, ordered = entry
             run(grid, 1, 1, _current_stream(key[-1]), *prefix, *addresses, *ints, *ordered)
             return
-    head_dim, rotary_dim = shape[-1], q_tab.shape[1]
+    rotary_dim = q_tab.shape[1]
+    head_dim = shape[-1] if copy_pass else rotary_dim  # the channels a token moves
     if config is None:
         sms = 1 if kernels.INTERPRETED else _sm_count(xs[0][0].device.index)
         config = choose_config(n_tokens, heads, head_dim, rotary_dim, size, interleaved, sms)
@@ -747,6 +750,158 @@ def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.T
         return _qkv_forward(call.t, call.split, tables, *args[5:7], *args[8:])
 
 
+# ---------------------------------------------------------------------------------------------
+# q and k pairs: the same kernel with two segments and no v
+
+
+def _qk_launch(
+    q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
+    tables: Sequence[torch.Tensor | None], cu_seqlens: torch.Tensor | None,
+    positions: torch.Tensor | None, layout: str, interleaved: bool, cp_size: int, cp_rank: int,
+    backward: bool, copy_pass: bool = True,
+) -> None:
+    launch_qkv(
+        (head_segment(q, 1), head_segment(k, 1)), (head_segment(q_out, 1), head_segment(k_out, 1)),
+        (*tables, *tables), cu_seqlens, positions, layout, interleaved, cp_size, cp_rank,
+        backward, copy_pass=copy_pass,
+    )
+
+
+def _qk_outputs(
+    q: torch.Tensor, k: torch.Tensor, strides: Sequence[Sequence[int] | None] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q_strides, k_strides = (None, None) if strides is None else strides
+    return _allocate(q, q_strides), _allocate(k, k_strides)
+
+
+def _qk_rope(
+    q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
+    interleaved: bool, cp_size: int, cp_rank: int, backward: bool,
+    strides: Sequence[Sequence[int] | None] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New ``(q_out, k_out)``: RoPE of q and k (the transpose when ``backward``) in one launch,
+    in ``strides`` when given, else contiguous."""
+    q_out, k_out = _qk_outputs(q, k, strides)
+    with _on_device(q):
+        _qk_launch(q, k, q_out, k_out, (table, sin), cu_seqlens, positions, layout, interleaved,
+                   cp_size, cp_rank, backward)
+    return q_out, k_out
+
+
+class _QKFunction(torch.autograd.Function):
+    """Eager autograd for a q and k pair: one launch each way; the backward is this function
+    with ``backward`` flipped, so it is twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+                cp_rank, backward, strides):
+        ctx.tables = (table, sin, cu_seqlens, positions)
+        ctx.settings = (layout, interleaved, cp_size, cp_rank, not backward)
+        ctx.grad_strides = (_dense_strides(q), _dense_strides(k))
+        return _qk_rope(q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+                        cp_rank, backward, strides)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
+            grads = _QKFunction.apply(gq, gk, *ctx.tables, *ctx.settings, ctx.grad_strides)
+        else:
+            grads = _qk_rope(gq, gk, *ctx.tables, *ctx.settings, ctx.grad_strides)
+        return (*grads,) + (None,) * 10
+
+
+class _QKInPlaceFunction(torch.autograd.Function):
+    """Eager autograd for :func:`rope_dispatch.apply_qk_`: q and k rotated in place in one
+    launch (marked dirty); the backward makes new gradients or, with ``grad_in_place`` and
+    writable gradients outside double backward, rotates the incoming ones in place."""
+
+    @staticmethod
+    def forward(ctx, q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+                cp_rank, grad_in_place):
+        with _on_device(q):
+            _qk_launch(q, k, q, k, (table, sin), cu_seqlens, positions, layout, interleaved,
+                       cp_size, cp_rank, False, copy_pass=False)
+        ctx.mark_dirty(q, k)
+        ctx.tables = (table, sin, cu_seqlens, positions)
+        ctx.settings = (layout, interleaved, cp_size, cp_rank)
+        ctx.grad_in_place = grad_in_place
+        ctx.grad_strides = (_dense_strides(q), _dense_strides(k))
+        return q, k
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        if (
+            ctx.grad_in_place and not torch.is_grad_enabled()
+            and expanded_dim(gq) is None and expanded_dim(gk) is None
+        ):
+            table, sin, cu_seqlens, positions = ctx.tables
+            with _on_device(gq):
+                _qk_launch(gq, gk, gq, gk, (table, sin), cu_seqlens, positions, *ctx.settings,
+                           True, copy_pass=False)
+            grads = (gq, gk)
+        else:
+            grads = _QKFunction.apply(gq, gk, *ctx.tables, *ctx.settings, True, ctx.grad_strides)
+        return (*grads,) + (None,) * 9
+
+
+@torch.library.custom_op("rope_dispatch::triton_rope_qk", mutates_args=())
+def triton_rope_qk_op(
+    q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
+    interleaved: bool, cp_size: int, cp_rank: int, backward: bool,
+    q_strides: Sequence[int] | None, k_strides: Sequence[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A q and k pair through our Triton kernel, as an opaque op for torch.compile."""
+    return _qk_rope(q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+                    cp_rank, backward, (q_strides, k_strides))
+
+
+@triton_rope_qk_op.register_fake
+def _triton_rope_qk_fake(q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+                         cp_rank, backward, q_strides, k_strides):
+    return _qk_outputs(q, k, (q_strides, k_strides))
+
+
+def _qk_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+    q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size, cp_rank, backward = inputs[:11]
+    ctx.save_for_backward(table, sin, cu_seqlens, positions)
+    ctx.settings = (layout, interleaved, cp_size, cp_rank, not backward)
+    ctx.grad_strides = (_dense_strides(q), _dense_strides(k))
+
+
+def _qk_backward(ctx: Any, gq: torch.Tensor, gk: torch.Tensor):
+    grads = triton_rope_qk_op(gq, gk, *ctx.saved_tensors, *ctx.settings, *ctx.grad_strides)
+    return (*grads,) + (None,) * 11
+
+
+triton_rope_qk_op.register_autograd(_qk_backward, setup_context=_qk_setup_context)
+
+
+def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
+    """A q and k pair of a checked call: new ``(q_out, k_out)``, or ``(q, k)`` rotated in place
+    (``call.in_place``); eager autograd or, while tracing, the custom op."""
+    spec, q, k = call.spec, call.t, call.k
+    table, sin = _table_pair(call.table)
+    args = (table, sin, spec.cu_seqlens, position_index(call), spec.layout, spec.interleaved,
+            spec.cp_size, spec.cp_rank)
+    if type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
+        q_out, k_out = triton_rope_qk_op(q, k, *args, False, None, None)
+        return (q.copy_(q_out), k.copy_(k_out)) if call.in_place else (q_out, k_out)
+    grad = (q.requires_grad or k.requires_grad) and torch.is_grad_enabled()
+    if call.in_place:
+        if grad:
+            return _QKInPlaceFunction.apply(q, k, *args, call.grad_in_place)
+        with _on_device(q):
+            _qk_launch(q, k, q, k, (table, sin), *args[2:], False, copy_pass=False)
+        increment_version(q)
+        increment_version(k)
+        return q, k
+    if grad:
+        return _QKFunction.apply(q, k, *args, False, None)
+    return _qk_rope(q, k, *args, False, None)
+
+
 def _table_pair(table: torch.Tensor | CosSinCache) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(table, None)`` for angles, ``(cos, sin)`` for a cache: the kernels' table arguments."""
     if type(table) is CosSinCache:
@@ -891,7 +1046,7 @@ class TritonBackend(Backend):
     priority = 40
     supports_in_place = True
     supports_positions = True
-    tensors = frozenset({"t", "qkv"})
+    tensors = frozenset({"t", "qk", "qkv"})
 
     @property
     def devices(self) -> frozenset[str]:  # type: ignore[override]
@@ -936,6 +1091,8 @@ class TritonBackend(Backend):
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if call.tensors == "qkv":
             return rope_triton_qkv(call)
+        if call.tensors == "qk":
+            return rope_triton_qk(call)
         spec = call.spec
         return rope_triton(
             call.t, call.table, layout=spec.layout, interleaved=spec.interleaved,

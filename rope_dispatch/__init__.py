@@ -14,7 +14,9 @@ from . import autotune
 from . import cp
 from .autotune import cache_dir, cache_entries, clear_cache
 from .call import RoPECall, check_call
-from .dispatch import Explanation, apply, apply_, apply_qkv, explain, use_backend
+from .dispatch import (
+    Explanation, apply, apply_, apply_qk, apply_qk_, apply_qkv, explain, use_backend,
+)
 from .errors import BackendNotSupportedError, NoBackendError, RoPEError, UnknownBackendError
 from .registry import Backend, BackendInfo, get_backend, list_backends, register
 from .spec import RoPESpec
@@ -30,7 +32,7 @@ from . import backends as _backends  # noqa: E402,F401  (registers the built-in 
 __all__ = [
     "Backend", "BackendInfo", "BackendNotSupportedError", "CosSinCache", "Explanation",
     "NoBackendError", "RoPECall", "RoPEError", "RoPESpec", "UnknownBackendError", "apply", "apply_",
-    "apply_qkv",
+    "apply_qk", "apply_qk_", "apply_qkv",
     "check_call", "cos_sin_cache", "explain", "get_backend", "list_backends", "register",
     "use_backend",
     "autotune", "cache_dir", "cache_entries", "clear_cache",

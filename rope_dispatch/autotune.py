@@ -230,6 +230,7 @@ def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple:
         call.in_place,
         call.split,
         call.positions is not None,
+        None if call.k is None else tuple(size_bucket(n) for n in call.k.shape),
     )
 
 
@@ -237,7 +238,7 @@ def key_fields(signature: tuple) -> dict[str, Any]:
     """:func:`call_signature` as the named JSON fields stored in each entry (``in_place``,
     ``split`` and per-token ``positions`` only when set, so the keys of single-tensor calls that
     return a new tensor are those of earlier versions)."""
-    spec, shape, sequences, stride, table, starts, grad, names, in_place, split, per_token = signature
+    spec, shape, sequences, stride, table, starts, grad, names, in_place, split, per_token, k = signature
     fields = {
         "spec": dict(spec),
         "shape_bucket": list(shape),
@@ -254,6 +255,8 @@ def key_fields(signature: tuple) -> dict[str, Any]:
         fields["qkv_split"] = list(split)
     if per_token:
         fields["positions"] = True
+    if k is not None:
+        fields["k_shape_bucket"] = list(k)
     return fields
 
 
@@ -415,10 +418,10 @@ def _private_copy(t: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _with_tensor(call: RoPECall, t: torch.Tensor) -> RoPECall:
+def _with_tensor(call: RoPECall, t: torch.Tensor, **more: Any) -> RoPECall:
     """``call`` with another input tensor (RoPECall is a named tuple or a dataclass)."""
     replace = getattr(call, "_replace", None)
-    return replace(t=t) if replace is not None else dataclasses.replace(call, t=t)
+    return replace(t=t, **more) if replace is not None else dataclasses.replace(call, t=t, **more)
 
 
 def _outputs(result: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -429,7 +432,10 @@ def _outputs(result: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Ten
 def _time_backend(backend: Backend, call: RoPECall, needs_grad: bool) -> float:
     """Median seconds per call of ``backend`` on a private copy of the call's tensor."""
     x = _private_copy(call.t).requires_grad_(needs_grad)
-    private = _with_tensor(call, x)
+    # a q and k pair: k is private too (an in-place call would rotate it at every round)
+    private = _with_tensor(call, x) if call.k is None else _with_tensor(
+        call, x, k=_private_copy(call.k)
+    )
     device = x.device
     grad_mode = torch.enable_grad() if needs_grad else torch.no_grad()
     with grad_mode:
@@ -438,9 +444,9 @@ def _time_backend(backend: Backend, call: RoPECall, needs_grad: bool) -> float:
             warm_up(private)  # compilation happens here, never inside a timed round
         # an in-place call with a gradient needs a non-leaf input: a clone per call, the same
         # extra copy for every candidate
-        fresh = (lambda: _with_tensor(private, x.clone())) if call.in_place and needs_grad else (
-            lambda: private
-        )
+        fresh = (lambda: _with_tensor(private, x.clone(), **(
+            {} if call.k is None else {"k": private.k.clone()}
+        ))) if call.in_place and needs_grad else (lambda: private)
         out = _outputs(backend.apply(fresh()))
         grad_out = tuple(torch.ones_like(o) for o in out) if needs_grad else None
 

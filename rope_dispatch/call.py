@@ -26,6 +26,7 @@ from .tables import CosSinCache, RotaryTable, angles_2d
 
 TENSOR_KINDS = {
     "t": "single tensors (apply)",
+    "qk": "q and k pairs (apply_qk)",
     "qkv": "packed qkv tensors (apply_qkv)",
 }
 """What a call's tensors are, and how messages name them."""
@@ -50,7 +51,9 @@ class RoPECall(NamedTuple):
     packed ``t`` ``[.., heads, q + k + v]`` (:func:`~rope_dispatch.apply_qkv`): each of its
     ``heads`` groups holds ``split = (q, k, v)`` channels, ``head_dim = k``, so a group holds
     ``q / k`` query heads, one key head and ``v / k`` value heads; ``k_table`` rotates k (``None``:
-    ``table`` does).
+    ``table`` does). ``"qk"`` is a pair (:func:`~rope_dispatch.apply_qk`): ``t`` is q and ``k``
+    is k, with the same leading dims and head dim and any head counts (GQA, MQA) and strides;
+    ``heads`` is q's.
     """
 
     t: torch.Tensor
@@ -69,6 +72,7 @@ class RoPECall(NamedTuple):
     k_table: RotaryTable | None = None
     positions_bounded: bool = True
     positions: torch.Tensor | None = None
+    k: torch.Tensor | None = None
 
     @property
     def table_len(self) -> int:
@@ -91,6 +95,12 @@ def position_index(call: RoPECall) -> torch.Tensor | None:
     if positions is None:
         return call.start_positions
     return positions.unsqueeze(-1) if positions.dim() == 1 else positions
+
+
+def k_call(call: RoPECall) -> RoPECall:
+    """The k half of a ``"qk"`` call as a single-tensor call."""
+    k = call.k
+    return call._replace(t=k, heads=k.shape[-2], tensors="t", k=None)
 
 
 def qkv_parts(call: RoPECall) -> tuple[RoPECall, RoPECall, torch.Tensor]:
@@ -299,13 +309,14 @@ def check_call(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None = None,
     *, in_place: bool = False, grad_in_place: bool = False,
     split: tuple[int, int, int] | None = None, k_freqs: object = None,
-    positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None, k: torch.Tensor | None = None,
 ) -> RoPECall:
     """Check ``t``, ``freqs`` and ``start_positions`` (or per-token ``positions``) against
     ``spec``; raise a clear error or return the :class:`RoPECall` every backend takes.
     ``in_place`` adds the checks of :func:`~rope_dispatch.apply_` (``t`` must be writable).
     ``split`` makes ``t`` a packed qkv tensor (:func:`~rope_dispatch.apply_qkv`), whose k is
-    rotated by ``k_freqs`` when given."""
+    rotated by ``k_freqs`` when given; ``k`` makes ``t`` the q of a q and k pair
+    (:func:`~rope_dispatch.apply_qk`)."""
     if not isinstance(spec, RoPESpec):
         raise TypeError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
     if not isinstance(t, torch.Tensor):
@@ -350,6 +361,9 @@ def check_call(
         raise RoPEError("k_freqs is for packed qkv calls (apply_qkv) only")
     else:
         head_dim = shape[-1]
+        if k is not None:
+            kind = "qk"
+            _check_k(t, k, in_place)
     if d2 > head_dim:
         raise RoPEError(
             f"rotary dim d2={d2} (freqs' last dim) exceeds the head dim d={head_dim} of t "
@@ -399,11 +413,31 @@ def check_call(
             bounded = _check_cu_seqlens(spec, seq_len, table_len, starts, table_name) and bounded
     if in_place:
         _check_writable(t)
+        if k is not None:
+            _check_writable(k)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,
-        in_place and grad_in_place, kind, split, k_table, bounded, positions,
+        in_place and grad_in_place, kind, split, k_table, bounded, positions, k,
     ))
+
+
+def _check_k(q: torch.Tensor, k: object, in_place: bool) -> None:
+    """k of a q and k pair: q's dtype, device, leading dims and head dim; any head count."""
+    if not isinstance(k, torch.Tensor):
+        raise TypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
+    if k.dtype != q.dtype or k.device != q.device:
+        raise RoPEError(
+            f"k is {dtype_name(k.dtype)} on {k.device} but q is {dtype_name(q.dtype)} on "
+            f"{q.device}; expected the same dtype and device"
+        )
+    if k.dim() != q.dim() or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        raise RoPEError(
+            f"k {tuple(k.shape)} must match q {tuple(q.shape)} in every dim but the heads "
+            "(dim -2): the same tokens and head dim"
+        )
+    if in_place and k is q:
+        raise RoPEError("apply_qk_ got the same tensor as q and k; it would be rotated twice")
 
 
 def _check_positions(

@@ -136,6 +136,7 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
         max(call.seq_len, call.batch) >= _GRID_AXIS_LIMIT,
         call.in_place,
         call.split,
+        None if call.k is None else tuple(size_bucket(n) for n in call.k.shape),
         call.positions_bounded,  # a backend that cannot guard its reads serves bounded calls only
         forced,
     )
@@ -181,6 +182,8 @@ def _decide(call: RoPECall, forced: str | None, source: str) -> tuple[Backend, s
 def _describe(call: RoPECall) -> str:
     t = call.t
     packed = "" if call.split is None else f" packed qkv split {call.split},"
+    if call.k is not None:
+        packed = f" q and k {tuple(call.k.shape)} (k),"
     return (
         f"{call.spec.layout}{packed} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on "
         f"{t.device}, rotary dim {call.rotary_dim}"
@@ -209,7 +212,8 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
         call.spec.static_key, call.rotary_dim, t.shape, call.batch, t.device,
         isinstance(call.table, CosSinCache), call.start_positions is None, call.positions is None,
         t.requires_grad and torch.is_grad_enabled(), t.is_contiguous() or stride_class(t),
-        call.in_place, call.split, call.positions_bounded, forced,
+        call.in_place, call.split, None if call.k is None else call.k.shape,
+        call.positions_bounded, forced,
     )
     hit = _exact.get(exact)
     if hit is not None:
@@ -328,15 +332,51 @@ def apply_qkv(
     )
 
 
+def apply_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    freqs: torch.Tensor | RotaryTable,
+    spec: RoPESpec,
+    *,
+    positions: torch.Tensor | None = None,
+    start_positions: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply` of q and k together, in one launch forward and one backward.
+
+    q and k have the same leading dims and head dim and any head counts (GQA, MQA) and strides
+    (slices of one fused projection); both are rotated by ``freqs`` at the same positions.
+    Returns new ``(q_out, k_out)``, contiguous; differentiable with respect to both.
+    """
+    return _run(q, freqs, spec, start_positions, backend, False, False, positions=positions, k=k)
+
+
+def apply_qk_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    freqs: torch.Tensor | RotaryTable,
+    spec: RoPESpec,
+    *,
+    positions: torch.Tensor | None = None,
+    start_positions: torch.Tensor | None = None,
+    backend: str | None = None,
+    grad_in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_qk` in place: rotates the first ``d2`` channels of q and k, in one launch,
+    and returns ``(q, k)`` (see :func:`apply_` for the in-place rules and ``grad_in_place``)."""
+    return _run(q, freqs, spec, start_positions, backend, True, grad_in_place,
+                positions=positions, k=k)
+
+
 def _run(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
     backend: str | None, in_place: bool, grad_in_place: bool,
     split: tuple[int, int, int] | None = None, k_freqs: object = None,
-    positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None, k: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     key = None
     if (
-        start_positions is None and positions is None and split is None
+        start_positions is None and positions is None and split is None and k is None
         and type(t) is torch.Tensor and not torch.compiler.is_compiling()
     ):
         key = (
@@ -355,7 +395,7 @@ def _run(
             return plan.run(t, freqs, spec)
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place,
-        split=split, k_freqs=k_freqs, positions=positions,
+        split=split, k_freqs=k_freqs, positions=positions, k=k,
     )
     chosen, final = _choose(call, backend)
     out = chosen.apply(call)
@@ -407,16 +447,18 @@ def explain(
     split: tuple[int, int, int] | None = None,
     k_freqs: torch.Tensor | RotaryTable | None = None,
     positions: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
 ) -> Explanation:
     """Which backend :func:`apply` (:func:`apply_` with ``in_place=True``, :func:`apply_qkv`
-    with ``split``) would run for this call, why, and why not the others.
+    with ``split``, :func:`apply_qk` with ``k``) would run for this call, why, and why not the
+    others.
 
     It measures nothing: where the autotune cache holds no entry yet, it says the first call
     would measure the candidates.
     """
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, split=split, k_freqs=k_freqs,
-        positions=positions,
+        positions=positions, k=k,
     )
     forced, source = requested_backend(backend)
     supported, rejected = capable_backends(call)

@@ -54,7 +54,14 @@ def reference_cos_sin(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
 def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """float64 RoPE of ``x`` (``call.t``'s values, any float dtype), computed on ``x``'s device
     (positions and table rows are gathered on the CPU); differentiable. For a packed qkv call,
-    ``(q, k, v)``: q's heads rotated by ``call.table``, k's by ``call.k_table``, v copied."""
+    ``(q, k, v)``: q's heads rotated by ``call.table``, k's by ``call.k_table``, v copied; for
+    a q and k pair, ``(q, k)`` (``x`` is q's values, k's are ``call.k``'s)."""
+    if call.k is not None:  # a q and k pair: each at the same positions
+        single = dict(tensors="t", k=None)
+        return (
+            reference_apply(call._replace(**single), x),
+            reference_apply(call._replace(t=call.k, heads=call.k.shape[-2], **single), call.k),
+        )
     if call.split is not None:
         q_len, d, _ = call.split
         q = x[..., :q_len].unflatten(-1, (q_len // d, d)).flatten(-3, -2)

@@ -43,6 +43,7 @@ class GridCase:
     cache: bool = False
     strided: bool = False
     qkv: bool = False  # a packed [.., h, 2d + d + d] tensor (apply_qkv), k with its own table
+    qk: bool = False  # q and a 2-head k sliced out of one projection (apply_qk)
 
 
 GRID = (
@@ -58,6 +59,8 @@ GRID = (
     GridCase("sbhd bf16 packed qkv GQA partial", "sbhd", torch.bfloat16, rotary_dim=32, qkv=True),
     GridCase("thd fp16 packed qkv cp 2/rank 1 start", "thd", torch.float16, cp_size=2, cp_rank=1,
              starts=True, qkv=True),
+    GridCase("bshd bf16 q+k slices start_positions", "bshd", torch.bfloat16, starts=True,
+             strided=True, qk=True),
 )
 QKV_SPLIT = (128, 64, 64)  # two query heads, one key head and one value head of d 64 a group
 
@@ -103,7 +106,10 @@ def make_inputs(case: GridCase, device: str, gen: torch.Generator):
         k_angles = (torch.rand(angles.shape, generator=gen) * 200 - 100).to(device)
         kwargs = dict(split=QKV_SPLIT, k_freqs=cos_sin_cache(k_angles) if case.cache else k_angles)
     if case.strided:
-        t = torch.randn(*shape[:-2], 3 * shape[-2], shape[-1], generator=gen)[..., heads : 2 * heads, :]
+        fused = torch.randn(*shape[:-2], 3 * shape[-2], shape[-1], generator=gen)
+        t = fused[..., heads : 2 * heads, :]
+        if case.qk:  # k: two heads of the same projection
+            kwargs = dict(k=fused[..., 2 * heads : 2 * heads + 2, :].to(case.dtype).to(device))
     else:
         t = torch.randn(*shape, generator=gen)
     t = t.to(case.dtype).to(device)
@@ -126,9 +132,13 @@ def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
     t, table, spec, starts, kwargs = make_inputs(case, device, gen)
     result = {"backend": backend, "case": case.label, "device": device}
     x = t.detach().requires_grad_(True)
-    run = rd.apply_qkv if case.qkv else rd.apply
+    k = kwargs.pop("k", None)
+    leaves = (x,) if k is None else (x, k.detach().requires_grad_(True))
 
     def outputs() -> tuple[torch.Tensor, ...]:
+        if k is not None:
+            return rd.apply_qk(*leaves, table, spec, start_positions=starts, backend=backend)
+        run = rd.apply_qkv if case.qkv else rd.apply
         out = run(x, table, spec, start_positions=starts, backend=backend, **kwargs)
         return out if isinstance(out, tuple) else (out,)
 
@@ -139,17 +149,21 @@ def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
     except Exception as exc:  # a backend that crashes is a failed check, not a crashed selftest
         return result | {"status": "FAIL", "detail": f"{type(exc).__name__}: {exc}"}
     grad_outs = [torch.randn(o.shape, generator=gen).to(t.dtype).to(device) for o in outs]
-    (grad,) = torch.autograd.grad(outs, x, grad_outs)
-    call = rd.check_call(t, table, spec, starts, **kwargs)
-    ref_x = t.detach().cpu().double().requires_grad_(True)
-    refs = reference_apply(call, ref_x)
-    refs = refs if isinstance(refs, tuple) else (refs,)
-    (ref_grad,) = torch.autograd.grad(refs, ref_x, [g.cpu().double() for g in grad_outs])
+    grads = torch.autograd.grad(outs, leaves, grad_outs)
+    # the float64 reference: one call per input tensor (a q and k pair is two calls)
+    refs, ref_grads = [], []
+    for leaf in leaves:
+        ref_x = leaf.detach().cpu().double().requires_grad_(True)
+        ref = reference_apply(rd.check_call(leaf.detach(), table, spec, starts, **kwargs), ref_x)
+        ref = ref if isinstance(ref, tuple) else (ref,)
+        wanted = grad_outs[len(refs):len(refs) + len(ref)]
+        ref_grads += torch.autograd.grad(ref, ref_x, [g.cpu().double() for g in wanted])
+        refs += ref
     fwd_err = max(max_error(o, r) for o, r in zip(outs, refs))
-    bwd_err = max_error(grad, ref_grad)
+    bwd_err = max(max_error(g, r) for g, r in zip(grads, ref_grads))
     tol = TOLERANCE[t.dtype]
     in_place = {}
-    if rd.get_backend(backend).supports_in_place and not case.qkv:  # apply_: the same numbers
+    if rd.get_backend(backend).supports_in_place and not (case.qkv or case.qk):  # apply_ too
         y = t.detach().clone()
         with torch.no_grad():
             rd.apply_(y, table, spec, start_positions=starts, backend=backend)
@@ -158,7 +172,7 @@ def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
     for i in range(7):
         _sync(device)
         start = time.perf_counter()
-        torch.autograd.grad(outputs(), x, grad_outs)
+        torch.autograd.grad(outputs(), leaves, grad_outs)
         _sync(device)
         if i >= 2:
             times.append(time.perf_counter() - start)

@@ -1,0 +1,168 @@
+"""q and k together (``apply_qk``, ``apply_qk_``): one call for a query and a key with their own
+head counts (GQA, MQA) and strides, against the float64 reference, forward and backward, in
+place, under torch.compile. On a CPU-only machine the Triton backend runs on its interpreter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rope_dispatch as rd
+from cases import _strided, build, cases, fixed_case, positions_for
+from reference import assert_matches, reference_forward_backward
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+STRIDES = ("contiguous", "qkv-slice", "permuted", "channel-strided")
+
+
+def build_qk(case, k_heads: int, k_strides: str, device: str, per_token: bool = False):
+    """q from ``case``; k with ``k_heads`` heads laid out as ``k_strides``; positions if asked."""
+    q, table, spec, starts, angles = build(case, device)
+    gen = torch.Generator().manual_seed(case.seed + 3)
+    shape = (*q.shape[:-2], k_heads, q.shape[-1])
+    k = _strided(shape, k_strides, case.dtype, gen, device).requires_grad_(True)
+    positions = positions_for(case, q, angles.shape[0]).to(device) if per_token else None
+    return q, k, table, spec, (None if per_token else starts), positions, angles
+
+
+def check_qk(case, k_heads, k_strides, backend, device=DEVICE, per_token=False):
+    q, k, table, spec, starts, positions, angles = build_qk(case, k_heads, k_strides, device, per_token)
+    q_out, k_out = rd.apply_qk(q, k, table, spec, start_positions=starts, positions=positions,
+                               backend=backend)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    gq = torch.randn(q.shape, dtype=torch.float32).to(q.dtype).to(device)
+    gk = torch.randn(k.shape, dtype=torch.float32).to(k.dtype).to(device)
+    grad_q, grad_k = torch.autograd.grad((q_out, k_out), (q, k), (gq, gk))
+    for name, x, out, g, grad in (("q", q, q_out, gq, grad_q), ("k", k, k_out, gk, grad_k)):
+        ref_out, ref_grad = reference_forward_backward(x, angles, spec, g, starts, positions)
+        assert_matches(out, ref_out, x.dtype, f"{name} forward")
+        assert_matches(grad, ref_grad, x.dtype, f"{name} backward")
+    with torch.no_grad():  # in place: the same numbers, the inputs returned
+        q2, k2 = q.detach().clone(), k.detach().clone()
+        got = rd.apply_qk_(q2, k2, table, spec, start_positions=starts, positions=positions,
+                           backend=backend)
+    assert got[0] is q2 and got[1] is k2
+    assert torch.equal(q2, q_out.detach()) and torch.equal(k2, k_out.detach())
+
+
+qk_args = st.tuples(st.integers(1, 3), st.sampled_from(STRIDES), st.booleans())
+
+
+@given(cases(), qk_args)
+def test_eager_matches_reference(case, args):
+    k_heads, k_strides, per_token = args
+    if per_token:
+        case = dataclasses.replace(case, cp_size=1, cp_rank=0, with_starts=False, per_token=True)
+    check_qk(case, k_heads, k_strides, "eager", "cpu", per_token)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@settings(max_examples=25, deadline=None)
+@given(cases(), qk_args)
+def test_triton_matches_reference(case, args):
+    k_heads, k_strides, per_token = args
+    if per_token:
+        case = dataclasses.replace(case, cp_size=1, cp_rank=0, with_starts=False, per_token=True)
+    check_qk(case, k_heads, k_strides, "triton", DEVICE, per_token)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("layout", ["sbhd", "bshd", "thd"])
+def test_triton_slices_of_one_fused_projection(layout):
+    """q (8 heads) and k (2 heads) as views of one [.., 12, d] projection output, rotated in
+    place: exactly their own channels change, v's heads and the pass-through channels do not."""
+    case = fixed_case(layout=layout, heads=12, head_dim=16, rotary_dim=12, seqlens=(3, 5),
+                      with_starts=True)
+    fused, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
+    before = fused.clone()
+    q, k = fused[..., :8, :], fused[..., 8:10, :]
+    with torch.no_grad():
+        rd.apply_qk_(q, k, table, spec, start_positions=starts, backend="triton")
+    for name, sl in (("q", slice(0, 8)), ("k", slice(8, 10))):
+        ref, _ = reference_forward_backward(before[..., sl, :], angles, spec,
+                                            torch.zeros(before[..., sl, :].shape), starts)
+        assert_matches(fused[..., sl, :], ref, fused.dtype, name)
+    assert torch.equal(fused[..., 10:, :], before[..., 10:, :]), "v untouched"
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_triton_double_backward_and_grad_in_place():
+    case = fixed_case(heads=4, head_dim=8, rotary_dim=8)
+    q, k, table, spec, _, _, angles = build_qk(case, 2, "contiguous", DEVICE)
+    q_out, k_out = rd.apply_qk(q, k, table, spec, backend="triton")
+    vq, vk = torch.randn_like(q_out, requires_grad=True), torch.randn_like(k_out, requires_grad=True)
+    gq, gk = torch.autograd.grad((q_out, k_out), (q, k), (vq, vk), create_graph=True)
+    wq, wk = torch.randn_like(gq), torch.randn_like(gk)
+    sq, sk = torch.autograd.grad((gq, gk), (vq, vk), (wq, wk))
+    assert_matches(sq, rd.apply(wq, table, spec, backend="eager").double(), torch.float32, "q")
+    assert_matches(sk, rd.apply(wk, table, spec, backend="eager").double(), torch.float32, "k")
+    x, y = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    a, b = rd.apply_qk_(x.clone(), y.clone(), table, spec, backend="triton", grad_in_place=True)
+    ga, gb = torch.autograd.grad((a, b), (x, y), (torch.ones_like(a), torch.ones_like(b)))
+    ra, rb = torch.autograd.grad(rd.apply_qk(x, y, table, spec, backend="eager"), (x, y),
+                                 (torch.ones_like(a), torch.ones_like(b)))
+    assert_matches(ga, ra.double(), torch.float32, "q grad in place")
+    assert_matches(gb, rb.double(), torch.float32, "k grad in place")
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_triton_compile_fullgraph():
+    case = fixed_case(layout="bshd", heads=4, head_dim=8, rotary_dim=8)
+    q, k, table, spec, _, _, angles = build_qk(case, 1, "qkv-slice", DEVICE)
+
+    def scores(q, k):
+        qo, ko = rd.apply_qk(q, k, table, spec, backend="triton")
+        return (qo.sum(-2, keepdim=True) * ko).sum()
+
+    compiled = torch.compile(scores, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
+    got = torch.autograd.grad(compiled(q, k), (q, k))
+    want = torch.autograd.grad(scores(q, k), (q, k))
+    for a, b in zip(got, want):
+        assert_matches(a, b.double(), torch.float32, "gradient through compile")
+
+
+@pytest.mark.parametrize(
+    "k, words",
+    [
+        (torch.randn(5, 2, 1, 8), ["k (5, 2, 1, 8) must match q (5, 2, 3, 16)", "head dim"]),
+        (torch.randn(4, 2, 1, 16), ["k (4, 2, 1, 16) must match q"]),
+        (torch.randn(5, 2, 1, 16).double(), ["k is float64", "q is float32"]),
+        ("k", ["k must be a torch.Tensor", "str"]),
+    ],
+)
+def test_bad_pairs(k, words):
+    q = torch.randn(5, 2, 3, 16)
+    with pytest.raises((rd.RoPEError, TypeError)) as info:
+        rd.apply_qk(q, k, torch.rand(8, 16), rd.RoPESpec(layout="sbhd", dtype="fp32"))
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_in_place_pair_refusals():
+    q = torch.randn(5, 2, 3, 16)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    with pytest.raises(rd.RoPEError, match="same tensor as q and k"):
+        rd.apply_qk_(q, q, torch.rand(8, 16), spec)
+    leaf = torch.randn(5, 2, 1, 16, requires_grad=True)
+    with pytest.raises(rd.RoPEError, match="leaf tensor that requires grad"):
+        rd.apply_qk_(q, leaf, torch.rand(8, 16), spec)
+
+
+def test_capabilities_explain_and_autotune_key():
+    from rope_dispatch import autotune
+
+    q, k = torch.randn(5, 2, 4, 16), torch.randn(5, 2, 1, 16)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    explanation = rd.explain(q, torch.rand(8, 16), spec, k=k)
+    assert "q and k (5, 2, 1, 16)" in explanation.call
+    if rd.get_backend("compile").available:
+        assert "q and k pairs (apply_qk) are not supported" in " ".join(explanation.rejected["compile"])
+    call = rd.check_call(q, torch.rand(8, 16), spec, k=k)
+    fields = autotune.key_fields(autotune.call_signature(call, [rd.get_backend("eager")]))
+    assert fields["k_shape_bucket"] == [8, 2, 1, 16]
