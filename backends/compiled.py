@@ -54,7 +54,7 @@ def compile_key(call: RoPECall) -> CompileKey:
         spec.interleaved,
         spec.cp_size,
         spec.cp_rank,
-        "cache" if call.uses_cache else "angles",
+        call.table_kind,
         "positions" if call.positions is not None else (
             "starts" if call.start_positions is not None else ""
         ),
@@ -72,7 +72,7 @@ def _key_name(key: CompileKey, transpose: bool = False) -> str:
 def _math(key: CompileKey, transpose: bool) -> Callable:
     """The eager math for ``key`` (forward, or its transpose) as a function of tensors only."""
     _, layout, _, _, interleaved, cp_size, cp_rank, table, _ = key
-    from_angles = table == "angles"
+    from_angles = table == "angles"  # else cos/sin tables
 
     def rope_compiled(t, a, b, cu_seqlens, start_positions):
         cos, sin = (torch.cos(a), torch.sin(a)) if from_angles else (a, b)

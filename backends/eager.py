@@ -110,7 +110,7 @@ def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tenso
     if call.tensors == "qk":
         return rope_eager(call._replace(tensors="t", k=None)), rope_eager(k_call(call))
     spec = call.spec
-    cos, sin = table_cos_sin(call.table)
+    cos, sin = table_cos_sin(call.table, spec.interleaved)
     t = call.t[..., : call.rotary_dim] if call.in_place else call.t
     out = rope_tensors(
         t, cos, sin, spec.cu_seqlens, position_index(call), layout=spec.layout,
@@ -130,6 +130,7 @@ class EagerBackend(Backend):
     priority = 0
     supports_in_place = True
     supports_positions = True
+    tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache"})
     tensors = frozenset({"t", "qk", "qkv"})
 
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:

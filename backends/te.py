@@ -306,7 +306,7 @@ def _limit_reasons(call: RoPECall) -> list[str]:
 
 
 CACHE_REASON = (
-    "a CosSinCache table is not supported: TE reads angles; pass the angle table (cos/sin "
+    "a {kind} table is not supported: TE reads angles; pass the angle table (cos/sin "
     "cannot be turned back into the exact angles)"
 )
 COMPILE_REASON = (
@@ -337,7 +337,7 @@ class TEBackend(Backend):
     description = "TransformerEngine apply_rotary_pos_emb(fused=True) (CUDA)"
     priority = 30
     devices = frozenset({"cuda"})
-    supports_cos_sin_cache = False
+    tables = frozenset({"angles"})
     tensors = frozenset({"t", "qkv"})
 
     def __init__(self, load: Callable[[], TEInfo | list[str]] = _default_load) -> None:
@@ -358,8 +358,10 @@ class TEBackend(Backend):
 
     def not_supported_reasons(self, call: RoPECall) -> list[str]:
         reasons = super().not_supported_reasons(call)
-        if call.uses_cache and self.available:  # say why, in TE's terms
-            reasons = [CACHE_REASON if "CosSinCache" in r else r for r in reasons]
+        kind = call.table_kind
+        if kind != "angles" and self.available:  # say why, in TE's terms
+            generic = f"a {kind} table is not supported"
+            reasons = [CACHE_REASON.format(kind=kind) if r.startswith(generic) else r for r in reasons]
         return reasons
 
     def extra_reasons(self, call: RoPECall) -> list[str]:

@@ -303,7 +303,8 @@ def _rope_program(
     n_tokens, dim1, seq_len, table_len, heads, group, n_seqs, cp_size, cp_rank,
     sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, POSITIONS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
+    POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -339,7 +340,14 @@ def _rope_program(
     tab_off = pos.to(tl.int64)[:, None] * ROT_DIM + c[None, :]
     inside = tok_mask & (pos >= 0) & (pos < table_len)  # never read outside the table
     tab_mask = inside[:, None] & c_mask[None, :]
-    if INTERLEAVED:
+    if PAIRED:  # one cos and one sin per rotated pair, shared by both of its channels
+        k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
+        k_mask = inside[:, None] & (k < ROT_DIM // 2)[None, :]
+        cos_a, sin_a = _table(tab_ptr, sin_ptr, pos.to(tl.int64)[:, None] * ROT_DIM + k[None, :],
+                              k_mask, USE_CACHE, FAST_TRIG)
+        cos_b = cos_a
+        sin_b = sin_a
+    elif INTERLEAVED:
         cos, sin = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
         cos_a, cos_b = tl.split(tl.reshape(cos, [BLOCK_T, BLOCK_R // 2, 2]))
         sin_a, sin_b = tl.split(tl.reshape(sin, [BLOCK_T, BLOCK_R // 2, 2]))
@@ -403,7 +411,8 @@ def rope_kernel(
     n_tokens, dim1, seq_len, table_len, heads, n_seqs, cp_size, cp_rank,
     sx0, sx1, sxh, sxd, so0, so1, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, POSITIONS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
+    POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -415,14 +424,15 @@ def rope_kernel(
     ``x`` is ``[n0, n1, h, d]`` (``[T, h, d]`` for thd, with ``sx1 = 0``) with strides
     ``sx*``; ``out`` has strides ``so*``. Tokens are numbered ``i0 * dim1 + i1``.
     ``BLOCK_R`` covers the rotated channels (half of them for rotate-half), ``BLOCK_P`` the
-    ``PASS_DIM`` pass-through channels. Its argument list is kept short: at decode size the
+    ``PASS_DIM`` pass-through channels. ``PAIRED``: the cache holds one cos and one sin per pair
+    (a pair cache; ``sin_ptr`` points half a row into it). Its argument list is kept short: at decode size the
     launch's host time is the call's time.
     """
     _rope_program(
         tl.program_id(0), x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
         n_tokens, dim1, seq_len, table_len, heads, 1, n_seqs, cp_size, cp_rank,
         sx0, sx1, sxh, sxh, sxd, so0, so1, soh, soh, sod,
-        LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, POSITIONS, CONTEXT_PARALLEL,
+        LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, POSITIONS, CONTEXT_PARALLEL,
         BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, False,
     )
 
@@ -439,7 +449,8 @@ def rope_qkv_kernel(
     kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
     vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, POSITIONS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
+    POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -461,7 +472,7 @@ def rope_qkv_kernel(
             pid, q_x, q_out, q_tab, q_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, q_table_len, q_heads, q_group, n_seqs, cp_size, cp_rank,
             qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
-            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, POSITIONS, CONTEXT_PARALLEL,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, POSITIONS, CONTEXT_PARALLEL,
             BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, True,
         )
     elif pid < q_programs + k_programs:
@@ -469,7 +480,7 @@ def rope_qkv_kernel(
             pid - q_programs, k_x, k_out, k_tab, k_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, k_table_len, k_heads, k_group, n_seqs, cp_size, cp_rank,
             kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
-            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, POSITIONS, CONTEXT_PARALLEL,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, POSITIONS, CONTEXT_PARALLEL,
             BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, True,
         )
     elif HAS_V:

@@ -34,7 +34,7 @@ from torch.autograd.graph import increment_version
 from rope_dispatch.call import RoPECall, expanded_dim, position_index
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import RoPESpec
-from rope_dispatch.tables import CosSinCache
+from rope_dispatch.tables import RotaryTable, kernel_tables
 
 LAYOUT_CODES = {"sbhd": 0, "bshd": 1, "thd": 2}
 
@@ -158,7 +158,7 @@ def _fast_key(
         cp = tp if cu_seqlens is None else cu_seqlens.data_ptr()
         stp = tp if positions is None else positions.data_ptr()
         extra = (
-            sin is None,
+            None if sin is None else sin.shape[-1],  # a pair cache's sin is half as wide
             None if cu_seqlens is None
             else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.stride()),
             None if positions is None
@@ -176,6 +176,12 @@ def _fast_key(
         cp_size, cp_rank, backward, copy_pass, x.get_device(), aligned,
     )
     return key, (tp, sp, cp, stp)
+
+
+def _paired(table: torch.Tensor, sin: torch.Tensor | None) -> bool:
+    """Whether the tables are a pair cache's: one value per rotated pair, its sin view half as
+    wide as the table (:func:`rope_dispatch.tables.kernel_tables`)."""
+    return sin is not None and sin.shape[-1] != table.shape[-1]
 
 
 def _position_kind(positions: torch.Tensor | None) -> int:
@@ -263,7 +269,7 @@ def launch(
             sx0, sx1, sxh, sxd, so0, so1, soh, sod)
     consts = dict(
         LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim,
-        INTERLEAVED=interleaved, USE_CACHE=sin is not None,
+        INTERLEAVED=interleaved, USE_CACHE=sin is not None, PAIRED=_paired(table, sin),
         POSITIONS=_position_kind(positions), CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
@@ -528,7 +534,8 @@ def launch_qkv(
     key = None
     if not kernels.INTERPRETED and config is None:
         aligned = tuple(a & 15 == 0 for a in addresses)
-        key = (base_ints, aligned, xs[0][0].dtype, layout, interleaved, q_sin is not None,
+        key = (base_ints, aligned, xs[0][0].dtype, layout, interleaved,
+               None if q_sin is None else q_sin.shape[-1],
                _position_kind(positions), backward, has_v, q_tab.shape[1], copy_pass,
                xs[0][0].get_device())
         entry = _fast_qkv.get(key)
@@ -550,7 +557,7 @@ def launch_qkv(
             programs[1], heads[2], base_ints[13], *strides)
     consts = dict(
         LAYOUT=LAYOUT_CODES[layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
-        INTERLEAVED=interleaved, USE_CACHE=q_sin is not None,
+        INTERLEAVED=interleaved, USE_CACHE=q_sin is not None, PAIRED=_paired(q_tab, q_sin),
         POSITIONS=_position_kind(positions), CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
@@ -737,7 +744,7 @@ def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """Packed qkv RoPE of a checked call: q ``[.., h * q/d, d]``, k ``[.., h, k]``, v
     ``[.., h, v]``, new and contiguous; eager autograd or, while tracing, the custom ops."""
     spec = call.spec
-    tables = (*_table_pair(call.table), *_table_pair(
+    tables = (*kernel_tables(call.table), *kernel_tables(
         call.table if call.k_table is None else call.k_table
     ))
     args = (call.t, *tables, spec.cu_seqlens, position_index(call), call.split, spec.layout,
@@ -882,7 +889,7 @@ def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     """A q and k pair of a checked call: new ``(q_out, k_out)``, or ``(q, k)`` rotated in place
     (``call.in_place``); eager autograd or, while tracing, the custom op."""
     spec, q, k = call.spec, call.t, call.k
-    table, sin = _table_pair(call.table)
+    table, sin = kernel_tables(call.table)
     args = (table, sin, spec.cu_seqlens, position_index(call), spec.layout, spec.interleaved,
             spec.cp_size, spec.cp_rank)
     if type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
@@ -902,13 +909,6 @@ def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     return _qk_rope(q, k, *args, False, None)
 
 
-def _table_pair(table: torch.Tensor | CosSinCache) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(table, None)`` for angles, ``(cos, sin)`` for a cache: the kernels' table arguments."""
-    if type(table) is CosSinCache:
-        return table.cos, table.sin
-    return table, None
-
-
 _NO_GUARD = contextlib.nullcontext()
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -926,21 +926,19 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 def rope_triton(
-    t: torch.Tensor, table: torch.Tensor | CosSinCache, *, layout: str, interleaved: bool = False,
+    t: torch.Tensor, table: RotaryTable, *, layout: str, interleaved: bool = False,
     cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
     cp_size: int = 1, cp_rank: int = 0, in_place: bool = False, grad_in_place: bool = False,
 ) -> torch.Tensor:
-    """RoPE of already-checked tensors: ``table`` is ``[s2, d2]`` float32 angles or a cache.
+    """RoPE of already-checked tensors: ``table`` is ``[s2, d2]`` float32 angles or a cache of
+    either kind.
 
     In eager mode it launches the kernel directly (through a ``torch.autograd.Function`` when a
     gradient is needed); while tracing, or for tensor subclasses, it calls the
     ``rope_dispatch::triton_rope`` op. ``in_place``: rotate ``t``'s rotary channels in place
     and return ``t`` (while tracing: the op's result copied into ``t``).
     """
-    if type(table) is CosSinCache:
-        tab, sin = table.cos, table.sin
-    else:
-        tab, sin = table, None
+    tab, sin = kernel_tables(table)
     if type(t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         out = triton_rope_op(
             t, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size, cp_rank,
@@ -986,10 +984,7 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     compiled for a 16-byte aligned input is bound; ``generic`` also serves unaligned inputs and
     calls made while another device is current."""
     t, spec, in_place = call.t, call.spec, call.in_place
-    if type(call.table) is CosSinCache:
-        table, sin = call.table.cos, call.table.sin
-    else:
-        table, sin = call.table, None
+    table, sin = kernel_tables(call.table)
     key, tail = _fast_key(
         t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
         table, table.data_ptr(), sin, None, None, spec.layout, spec.interleaved, spec.cp_size,
@@ -1011,7 +1006,7 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     dense = torch.contiguous_format
 
     def bound_address(freqs: object) -> int:
-        return (freqs.cos if type(freqs) is CosSinCache else freqs).data_ptr()  # type: ignore[attr-defined]
+        return kernel_tables(freqs)[0].data_ptr()  # type: ignore[arg-type]
 
     def launch_bound(x: torch.Tensor, freqs: object, spec: RoPESpec) -> torch.Tensor:
         xp = x.data_ptr()
@@ -1046,6 +1041,7 @@ class TritonBackend(Backend):
     priority = 40
     supports_in_place = True
     supports_positions = True
+    tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache"})
     tensors = frozenset({"t", "qk", "qkv"})
 
     @property

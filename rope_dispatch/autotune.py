@@ -223,7 +223,7 @@ def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple:
         tuple(size_bucket(n) for n in t.shape),
         size_bucket(call.batch),
         stride_class(t),
-        "cos_sin_cache" if call.uses_cache else "angles",
+        call.table_kind,
         call.start_positions is not None,
         bool(t.requires_grad and torch.is_grad_enabled()),
         tuple(sorted(b.name for b in candidates)),

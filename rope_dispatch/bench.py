@@ -191,8 +191,9 @@ def _triton_transpose(inp: Inputs, table: Any) -> Callable[[], Any]:
     incoming gradient (one packed gradient for qkv), output allocation included."""
     from rope_dispatch.backends import triton_rope
 
-    tab, sin = (table.cos, table.sin) if isinstance(table, rd.CosSinCache) else (
-        table.view(table.shape[0], -1), None)
+    from rope_dispatch.tables import angles_2d, kernel_tables
+
+    tab, sin = kernel_tables(table if isinstance(table, rd.CosSinCache) else angles_2d(table))
     spec = inp.spec
     settings = (spec.layout, spec.interleaved, spec.cp_size, spec.cp_rank)
     if inp.split is not None:

@@ -21,7 +21,7 @@ import torch
 
 from .errors import RoPEError
 from .spec import RoPESpec, dtype_name
-from .tables import CosSinCache, RotaryTable, angles_2d
+from .tables import CosSinCache, PairCosSinCache, RotaryTable, angles_2d, table_kind, table_shape
 
 
 TENSOR_KINDS = {
@@ -36,7 +36,8 @@ class RoPECall(NamedTuple):
     """One checked call: what every backend receives (a tuple: cheap to build per call).
 
     It describes its tensors (``tensors``), its table kind (``table``: ``[s2, d2]`` float32
-    angles or a :class:`CosSinCache`) and its positions: by index (plus ``start_positions``,
+    angles, a :class:`CosSinCache` or a :class:`PairCosSinCache`) and its positions: by index
+    (plus ``start_positions``,
     one per sequence) or given per token (``positions``, shaped like ``t.shape[:-2]``).
     ``seq_len`` is the local sequence length ``s`` (tokens ``T`` for thd), ``batch`` is ``b``
     (the number of sequences for thd). ``in_place``: rotate ``t``'s first ``d2`` channels in
@@ -76,15 +77,12 @@ class RoPECall(NamedTuple):
 
     @property
     def table_len(self) -> int:
-        return _table_len(self.table)
+        return table_shape(self.table)[0]
 
     @property
-    def uses_cache(self) -> bool:
-        return isinstance(self.table, CosSinCache)
-
-
-def _table_len(table: RotaryTable) -> int:
-    return table.seq_len if isinstance(table, CosSinCache) else table.shape[0]
+    def table_kind(self) -> str:
+        """``"angles"``, ``"cos_sin_cache"`` or ``"pair_cos_sin_cache"``."""
+        return table_kind(self.table)
 
 
 def position_index(call: RoPECall) -> torch.Tensor | None:
@@ -144,6 +142,23 @@ def _check_table(table: object, device: torch.device, argument: str = "freqs") -
             )
         checked: RotaryTable = table
         table_device = cos.device
+    elif isinstance(table, PairCosSinCache):
+        t = table.table
+        if (
+            not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2
+            or t.shape[1] < 2 or t.shape[1] % 2 or not t.is_contiguous()
+        ):
+            got = (
+                f"{tuple(t.shape)} {dtype_name(t.dtype)}"
+                + ("" if t.is_contiguous() else f" strides {t.stride()}")
+                if isinstance(t, torch.Tensor) else type(t).__name__
+            )
+            raise RoPEError(
+                f"{argument} is a PairCosSinCache whose table is not a contiguous float32 "
+                f"[s2, d2] tensor with an even d2 (cosines, then sines), got {got}"
+            )
+        checked = table
+        table_device = t.device
     else:
         checked = angles_2d(table, argument)  # type: ignore[arg-type]
         table_device = checked.device
@@ -338,10 +353,7 @@ def check_call(
         )
     device = t.device
     table = _check_table(freqs, device)
-    if isinstance(table, CosSinCache):
-        table_len, d2 = table.seq_len, table.rotary_dim
-    else:
-        table_len, d2 = table.shape
+    table_len, d2 = table_shape(table)
     if spec.rotary_dim is not None and spec.rotary_dim != d2:
         raise RoPEError(
             f"spec.rotary_dim={spec.rotary_dim} but freqs has last dim d2={d2}; they must be equal"
@@ -355,8 +367,8 @@ def check_call(
         head_dim = split[1]
         if k_freqs is not None and k_freqs is not freqs:
             k_table = _check_k_table(k_freqs, table, device)
-            if _table_len(k_table) < table_len:
-                table_len, table_name = _table_len(k_table), "k_freqs"
+            if table_shape(k_table)[0] < table_len:
+                table_len, table_name = table_shape(k_table)[0], "k_freqs"
     elif k_freqs is not None:
         raise RoPEError("k_freqs is for packed qkv calls (apply_qkv) only")
     else:
@@ -489,14 +501,14 @@ def _check_positions(
 def _check_k_table(k_freqs: object, table: RotaryTable, device: torch.device) -> RotaryTable:
     """k's own table: the same kind and rotary dim as q's (one kernel rotates both)."""
     k_table = _check_table(k_freqs, device, "k_freqs")
-    if isinstance(k_table, CosSinCache) != isinstance(table, CosSinCache):
-        kinds = {True: "a CosSinCache", False: "an angle table"}
+    if table_kind(k_table) != table_kind(table):
+        kinds = {"angles": "an angle table", "cos_sin_cache": "a CosSinCache",
+                 "pair_cos_sin_cache": "a PairCosSinCache"}
         raise RoPEError(
-            f"k_freqs is {kinds[isinstance(k_table, CosSinCache)]} but freqs is "
-            f"{kinds[isinstance(table, CosSinCache)]}; pass both in the same form"
+            f"k_freqs is {kinds[table_kind(k_table)]} but freqs is {kinds[table_kind(table)]}; "
+            "pass both in the same form"
         )
-    k_d2 = k_table.rotary_dim if isinstance(k_table, CosSinCache) else k_table.shape[1]
-    d2 = table.rotary_dim if isinstance(table, CosSinCache) else table.shape[1]
+    k_d2, d2 = table_shape(k_table)[1], table_shape(table)[1]
     if k_d2 != d2:
         raise RoPEError(
             f"k_freqs has rotary dim {k_d2} but freqs has {d2}; q and k must rotate the same "

@@ -27,7 +27,7 @@ from .call import RoPECall, check_call, reads_values, size_bucket
 from .errors import BackendNotSupportedError, NoBackendError
 from .registry import Backend
 from .spec import RoPESpec
-from .tables import CosSinCache, RotaryTable
+from .tables import RotaryTable, table_address
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rope_backend", default=None)
 _decisions: dict[tuple, tuple[Backend, str]] = {}
@@ -126,7 +126,7 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
         call.rotary_dim,  # the table's d2, which spec.rotary_dim=None leaves out
         t.device.type,
         t.device.index,
-        call.uses_cache,
+        call.table_kind,
         call.start_positions is not None,
         call.positions is not None,
         t.requires_grad and torch.is_grad_enabled(),
@@ -210,7 +210,7 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
     t = call.t
     exact = (
         call.spec.static_key, call.rotary_dim, t.shape, call.batch, t.device,
-        isinstance(call.table, CosSinCache), call.start_positions is None, call.positions is None,
+        type(call.table), call.start_positions is None, call.positions is None,
         t.requires_grad and torch.is_grad_enabled(), t.is_contiguous() or stride_class(t),
         call.in_place, call.split, None if call.k is None else call.k.shape,
         call.positions_bounded, forced,
@@ -248,12 +248,6 @@ _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 256
 
 
-def _table_address(freqs: object) -> int | tuple[int, int]:
-    if type(freqs) is CosSinCache:
-        return freqs.cos.data_ptr(), freqs.sin.data_ptr()
-    return freqs.data_ptr()  # type: ignore[attr-defined]
-
-
 def apply(
     t: torch.Tensor,
     freqs: torch.Tensor | RotaryTable,
@@ -265,8 +259,9 @@ def apply(
 ) -> torch.Tensor:
     """Rotary position embedding of ``t`` (TransformerEngine 2.20.2 ``apply_rotary_pos_emb``).
 
-    ``freqs`` is the float32 angle table ``[s2, 1, 1, d2]`` (or ``[s2, d2]``) or a
-    :class:`~rope_dispatch.CosSinCache`. Returns a new tensor, contiguous in ``spec.layout``;
+    ``freqs`` is the float32 angle table ``[s2, 1, 1, d2]`` (or ``[s2, d2]``), a
+    :class:`~rope_dispatch.CosSinCache` or a :class:`~rope_dispatch.PairCosSinCache` (an
+    engine's ``cos_sin_cache``). Returns a new tensor, contiguous in ``spec.layout``;
     differentiable with respect to ``t``.
 
     A token's table row is its place in its sequence (plus ``start_positions[b]``, one per
@@ -390,7 +385,7 @@ def _run(
         plan = _plans.get(key)
         if (
             plan is not None and plan.spec() is spec and plan.freqs() is freqs
-            and _table_address(freqs) == plan.table_address
+            and table_address(freqs) == plan.table_address
         ):
             return plan.run(t, freqs, spec)
     call = check_call(
@@ -404,7 +399,7 @@ def _run(
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = _Plan(
-            weakref.ref(spec), weakref.ref(freqs), _table_address(freqs), chosen.plan(call)
+            weakref.ref(spec), weakref.ref(freqs), table_address(freqs), chosen.plan(call)
         )
     return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .call import RoPECall
-from .tables import CosSinCache
+from .tables import CosSinCache, PairCosSinCache
 
 
 def reference_positions(call: RoPECall) -> torch.Tensor:
@@ -44,9 +44,16 @@ def reference_positions(call: RoPECall) -> torch.Tensor:
 
 
 def reference_cos_sin(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 cos and sin ``[s2, d2]`` (from the angles, or the cache's float32 values)."""
+    """float64 cos and sin ``[s2, d2]``, one per channel (from the angles, or a cache's float32
+    values: a pair cache's pair value for both channels of the pair)."""
     if isinstance(call.table, CosSinCache):
         return call.table.cos.double().cpu(), call.table.sin.double().cpu()
+    if isinstance(call.table, PairCosSinCache):
+        half = call.rotary_dim // 2
+        cache = call.table.table.double().cpu()
+        pair = torch.arange(call.rotary_dim)
+        pair = pair // 2 if call.spec.interleaved else pair % half
+        return cache[:, pair], cache[:, half + pair]
     angles = call.table.double().cpu()
     return torch.cos(angles), torch.sin(angles)
 

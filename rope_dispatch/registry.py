@@ -23,7 +23,7 @@ import torch
 from .call import TENSOR_KINDS, RoPECall
 from .errors import UnknownBackendError
 from .spec import RoPESpec, dtype_name
-from .tables import CosSinCache, angles_2d
+from .tables import angles_2d, table_kind
 
 ALL_LAYOUTS = frozenset({"sbhd", "bshd", "thd"})
 _new_call = tuple.__new__
@@ -44,7 +44,10 @@ class Backend:
     supports_context_parallel: ClassVar[bool] = True
     supports_start_positions: ClassVar[bool] = True
     supports_positions: ClassVar[bool] = False  # per-token positions (apply(..., positions=))
-    supports_cos_sin_cache: ClassVar[bool] = True
+    tables: ClassVar[frozenset[str]] = frozenset({"angles", "cos_sin_cache"})
+    """The table kinds it reads (:func:`~rope_dispatch.tables.table_kind`): ``"angles"``,
+    ``"cos_sin_cache"`` (:class:`~rope_dispatch.CosSinCache`), ``"pair_cos_sin_cache"``
+    (:class:`~rope_dispatch.PairCosSinCache`)."""
     supports_autograd: ClassVar[bool] = True
     supports_in_place: ClassVar[bool] = False
     tensors: ClassVar[frozenset[str]] = frozenset({"t"})
@@ -78,7 +81,7 @@ class Backend:
         run = self.apply
 
         def run_call(t: torch.Tensor, freqs: object, spec: RoPESpec) -> torch.Tensor:
-            table = freqs if type(freqs) is CosSinCache else angles_2d(freqs)  # type: ignore[arg-type]
+            table = angles_2d(freqs) if table_kind(freqs) == "angles" else freqs  # type: ignore[arg-type]
             return run(_new_call(RoPECall, (t, table, spec, *sizes)))
 
         return run_call
@@ -124,8 +127,10 @@ class Backend:
             reasons.append("start_positions is not supported")
         if call.positions is not None and not self.supports_positions:
             reasons.append("per-token positions are not supported")
-        if call.uses_cache and not self.supports_cos_sin_cache:
-            reasons.append("a CosSinCache table is not supported; pass the angle table")
+        if call.table_kind not in self.tables:
+            reasons.append(
+                f"a {call.table_kind} table is not supported; reads {', '.join(sorted(self.tables))}"
+            )
         if call.in_place and not self.supports_in_place:
             reasons.append("in-place rotation (apply_) is not supported; it writes a new tensor")
         if t.requires_grad and torch.is_grad_enabled() and not self.supports_autograd:

@@ -38,7 +38,71 @@ class CosSinCache:
         return CosSinCache(self.cos.to(device), self.sin.to(device))
 
 
-RotaryTable = torch.Tensor | CosSinCache
+@dataclass(frozen=True, eq=False)
+class PairCosSinCache:
+    """One float32 table ``[s2, d2]`` holding, for each position, the cosines of its ``d2 / 2``
+    pair angles followed by their sines: the layout vLLM, SGLang and FlashInfer call
+    ``cos_sin_cache``. Pair ``k`` (channels ``k`` and ``k + d2/2``, or ``2k`` and ``2k + 1`` when
+    interleaved) turns by the angle whose cosine is ``table[p, k]`` and sine
+    ``table[p, d2/2 + k]``. Wrap an engine's cache with it (no copy) and pass it as ``freqs``.
+    """
+
+    table: torch.Tensor
+
+    @property
+    def seq_len(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+
+RotaryTable = torch.Tensor | CosSinCache | PairCosSinCache
+
+TABLE_KINDS = {
+    torch.Tensor: "angles",
+    CosSinCache: "cos_sin_cache",
+    PairCosSinCache: "pair_cos_sin_cache",
+}
+"""A checked table's kind by its type (an angle table is a plain ``[s2, d2]`` tensor)."""
+
+
+def table_kind(table: RotaryTable) -> str:
+    """``"angles"``, ``"cos_sin_cache"`` or ``"pair_cos_sin_cache"``."""
+    return TABLE_KINDS.get(type(table), "angles")
+
+
+def table_shape(table: RotaryTable) -> tuple[int, int]:
+    """``(rows, rotary dim)`` of a checked table of any kind."""
+    if isinstance(table, torch.Tensor):
+        return table.shape[0], table.shape[1]
+    return table.seq_len, table.rotary_dim
+
+
+def kernel_tables(table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A checked table as the kernels read it: ``(angles, None)``; ``(cos, sin)``; for a pair
+    cache ``(table, table[:, d2/2:])``, a sin view half as wide as the table (one value per
+    pair: that width tells the kernels the kind)."""
+    if type(table) is CosSinCache:
+        return table.cos, table.sin
+    if type(table) is PairCosSinCache:
+        t = table.table
+        return t, t[:, t.shape[1] // 2 :]
+    return table, None
+
+
+def table_address(table: object) -> int | tuple[int, int]:
+    """Where a table's memory is (a plan checks it was not replaced with ``.data = ...``)."""
+    if type(table) is CosSinCache:
+        return table.cos.data_ptr(), table.sin.data_ptr()
+    if type(table) is PairCosSinCache:
+        return table.table.data_ptr()
+    return table.data_ptr()  # type: ignore[attr-defined]
 
 
 # id(freqs) -> (weak reference to freqs, its address, whether it is [s2, 1, 1, d2]): tables
@@ -123,10 +187,16 @@ def cos_sin_cache(freqs: torch.Tensor) -> CosSinCache:
     return CosSinCache(torch.cos(angles).float().contiguous(), torch.sin(angles).float().contiguous())
 
 
-def table_cos_sin(table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``(cos, sin)`` ``[s2, d2]`` of a checked table (angles or cache)."""
+def table_cos_sin(table: RotaryTable, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(cos, sin)`` ``[s2, d2]``, one value per channel, of a checked table of any
+    kind (a pair cache's values repeated for both channels of each pair)."""
     if isinstance(table, CosSinCache):
         return table.cos, table.sin
+    if isinstance(table, PairCosSinCache):
+        cos, sin = table.table.chunk(2, dim=-1)
+        if interleaved:
+            return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return torch.cos(table), torch.sin(table)
 
 

@@ -218,7 +218,7 @@ def test_cache_and_tracing_reasons(monkeypatch):
     backend = TEBackend(load=lambda: info("2.9.0"))
     assert backend.available
     reasons = backend.not_supported_reasons(make_call(cache=True))
-    assert te_module.CACHE_REASON in reasons  # (next to: the tensor is on the CPU)
+    assert te_module.CACHE_REASON.format(kind="cos_sin_cache") in reasons  # (next to: on the CPU)
     assert any("tensor is on cpu" in r for r in reasons)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert backend.extra_reasons(make_call()) == [te_module.COMPILE_REASON]

@@ -1,0 +1,112 @@
+"""``rope_dispatch.compat.flashinfer``: FlashInfer's ``apply_rope_with_cos_sin_cache_inplace``
+against its documented semantics, written out here in float64, on every backend that serves it
+(Triton on its interpreter without CUDA)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rope_dispatch as rd
+from rope_dispatch.compat.flashinfer import apply_rope_with_cos_sin_cache_inplace
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def flashinfer_reference(positions, x, head_size, cache, is_neox):
+    """FlashInfer's definition: rotary dim = the cache's last dim; cos = cache[p, :r/2],
+    sin = cache[p, r/2:]; NeoX pairs (i, i + r/2), else (2i, 2i+1); the rest untouched."""
+    r = cache.shape[-1]
+    x = x.detach().double().cpu().unflatten(-1, (-1, head_size)).clone()
+    c = cache.double().cpu()[positions.cpu().long()]
+    cos, sin = c[:, None, : r // 2], c[:, None, r // 2 :]
+    if is_neox:
+        a, b = x[..., : r // 2].clone(), x[..., r // 2 : r].clone()
+        x[..., : r // 2], x[..., r // 2 : r] = a * cos - b * sin, b * cos + a * sin
+    else:
+        a, b = x[..., 0:r:2].clone(), x[..., 1:r:2].clone()
+        x[..., 0:r:2], x[..., 1:r:2] = a * cos - b * sin, b * cos + a * sin
+    return x.flatten(-2)
+
+
+def engine_cache(max_pos: int, rotary_dim: int, gen: torch.Generator) -> torch.Tensor:
+    """A vLLM-style cache: [cos(angles) | sin(angles)] of random (unequal) pair angles."""
+    angles = torch.rand(max_pos, rotary_dim // 2, generator=gen, dtype=torch.float64) * 50
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+
+
+def check(backend, nnz, heads, kv_heads, head_size, rotary_dim, is_neox, dtype, int32, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    # q and k: slices of one fused [nnz, (heads + 2 kv_heads) * head_size] projection output
+    qkv = torch.randn(nnz, (heads + 2 * kv_heads) * head_size, generator=gen).to(dtype).to(device)
+    query, key = qkv[:, : heads * head_size], qkv[:, heads * head_size : (heads + kv_heads) * head_size]
+    value = qkv[:, (heads + kv_heads) * head_size :].clone()
+    cache = engine_cache(64, rotary_dim, gen).to(device)
+    positions = torch.randint(0, 64, (nnz,), generator=gen).to(torch.int32 if int32 else torch.int64).to(device)
+    want_q = flashinfer_reference(positions, query, head_size, cache, is_neox)
+    want_k = flashinfer_reference(positions, key, head_size, cache, is_neox)
+    with rd.use_backend(backend):
+        assert apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cache, is_neox) is None
+    tol = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    for name, got, want in (("query", query, want_q), ("key", key, want_k)):
+        err = ((got.double().cpu() - want).abs() / (1 + want.abs())).max()
+        assert err <= tol, f"{name}: {float(err):.3g}"
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_size :], value), "v untouched"
+
+
+args = st.tuples(
+    st.integers(1, 9), st.integers(1, 4), st.integers(1, 2), st.sampled_from((8, 16, 32)),
+    st.booleans(), st.sampled_from((torch.float32, torch.bfloat16, torch.float16)),
+    st.booleans(), st.integers(0, 2**16),
+)
+
+
+@given(args, st.booleans())
+def test_eager_matches_flashinfer_semantics(a, partial):
+    nnz, heads, kv, head_size, is_neox, dtype, int32, seed = a
+    check("eager", nnz, heads, kv, head_size, head_size // 2 if partial else head_size, is_neox,
+          dtype, int32, seed, "cpu")
+
+
+@pytest.mark.usefixtures("triton_backend")
+@settings(max_examples=25, deadline=None)
+@given(args, st.booleans())
+def test_triton_matches_flashinfer_semantics(a, partial):
+    nnz, heads, kv, head_size, is_neox, dtype, int32, seed = a
+    check("triton", nnz, heads, kv, head_size, head_size // 2 if partial else head_size, is_neox,
+          dtype, int32, seed, DEVICE)
+
+
+def test_signature_is_flashinfers():
+    params = inspect.signature(apply_rope_with_cos_sin_cache_inplace).parameters
+    assert list(params) == ["positions", "query", "key", "head_size", "cos_sin_cache", "is_neox"]
+    assert params["is_neox"].default is True
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(head_size=12), ["query must be a 2-D tensor", "head_size=12", "(4, 32)"]),
+        (dict(head_size=0), ["head_size must be a positive int", "0"]),
+        (dict(query=torch.randn(4, 2, 16)), ["query must be a 2-D tensor", "(4, 2, 16)"]),
+        (dict(cos_sin_cache=torch.rand(8, 16).double()), ["PairCosSinCache", "float64"]),
+        (dict(cos_sin_cache=torch.rand(8, 15)), ["PairCosSinCache", "even d2", "(8, 15)"]),
+        (dict(cos_sin_cache=torch.rand(16, 8).t()), ["PairCosSinCache", "strides"]),
+        (dict(positions=torch.tensor([0, 1, 2, 8])), ["positions must lie in [0, 8)", "0 to 8"]),
+        (dict(positions=torch.tensor([0, 1, 2])), ["positions must have shape [T] = [4]", "(3,)"]),
+        (dict(cos_sin_cache=torch.rand(8, 20)), ["rotary dim d2=20", "head dim d=16"]),
+    ],
+)
+def test_bad_arguments(kwargs, words):
+    args = dict(positions=torch.tensor([0, 1, 2, 3]), query=torch.randn(4, 32), key=torch.randn(4, 16),
+                head_size=16, cos_sin_cache=torch.rand(8, 16))
+    args.update(kwargs)
+    with pytest.raises(rd.RoPEError) as info:
+        apply_rope_with_cos_sin_cache_inplace(**args)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
