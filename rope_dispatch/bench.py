@@ -481,6 +481,98 @@ def run_host(report: Report) -> None:
         )
 
 
+SERVING_Q_HEADS, SERVING_K_HEADS, SERVING_HEAD_DIM = 32, 8, 128
+SERVING_TOKENS = {"decode": 64, "prefill": 16384}
+
+
+def serving_inputs(tokens: int, device: str = "cuda", max_pos: int = TABLE_LEN) -> dict[str, Any]:
+    """A serving step's q [T, 32, 128] and k [T, 8, 128] (bf16, slices of one fused
+    projection), positions on the device, the angle table, its engine-style pair cache, and the
+    specs: thd without offsets (positions per token) and sbhd with s = 1 (a decode batch, for
+    calls by start position and plain calls)."""
+    gen = torch.Generator().manual_seed(1)
+    heads = SERVING_Q_HEADS + 2 * SERVING_K_HEADS
+    qkv = torch.randn(tokens, heads, SERVING_HEAD_DIM, generator=gen).to(torch.bfloat16).to(device)
+    q, k = qkv[:, :SERVING_Q_HEADS], qkv[:, SERVING_Q_HEADS : SERVING_Q_HEADS + SERVING_K_HEADS]
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
+    rot = SERVING_HEAD_DIM
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    pair = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
+    return dict(
+        qkv=qkv, q=q, k=k, positions=positions,
+        freqs=torch.cat((pair, pair), -1).float().to(device),
+        pair_cache=rd.PairCosSinCache(torch.cat((pair.cos(), pair.sin()), -1).float().to(device)),
+        thd=rd.RoPESpec(layout="thd", dtype=torch.bfloat16),
+        sbhd=rd.RoPESpec(layout="sbhd", dtype=torch.bfloat16),
+    )
+
+
+def run_serving(report: Report) -> None:
+    """Serving-engine calls: decode q (32 heads) + k (8 heads), b64 d128 bf16, positions on the
+    GPU, end to end on the host clock against one TransformerEngine call on q alone; the same
+    call with per-token positions, start positions and none; the q+k kernel against Liger's q+k;
+    prefill q+k in one launch against a copy of the same bytes."""
+    from rope_dispatch.compat.flashinfer import apply_rope_with_cos_sin_cache_inplace
+
+    d = serving_inputs(SERVING_TOKENS["decode"])
+    q, k, pos, freqs, cache = d["q"], d["k"], d["positions"], d["freqs"], d["pair_cache"]
+    q4, k4 = q.unsqueeze(0), k.unsqueeze(0)  # sbhd s=1: b = the decode batch
+    calls: dict[str, Callable[[], Any]] = {
+        "apply_qk_ positions (angles)": lambda: rd.apply_qk_(q, k, freqs, d["thd"], positions=pos),
+        "apply_qk_ positions (pair cache)": lambda: rd.apply_qk_(q, k, cache, d["thd"], positions=pos),
+        "apply_qk_ start_positions": lambda: rd.apply_qk_(q4, k4, freqs, d["sbhd"], start_positions=pos),
+        "apply_qk_ plain": lambda: rd.apply_qk_(q4, k4, freqs, d["sbhd"]),
+        "flashinfer-style entry": lambda: apply_rope_with_cos_sin_cache_inplace(
+            pos, d["qkv"][:, :SERVING_Q_HEADS].flatten(1),
+            d["qkv"][:, SERVING_Q_HEADS : SERVING_Q_HEADS + SERVING_K_HEADS].flatten(1),
+            SERVING_HEAD_DIM, cache.table),
+        "two apply_ calls (q, k)": lambda: (rd.apply_(q4, freqs, d["sbhd"], start_positions=pos),
+                                            rd.apply_(k4, freqs, d["sbhd"], start_positions=pos)),
+    }
+    try:
+        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+
+        te_pos, te_freqs = pos.int(), freqs.view(freqs.shape[0], 1, 1, -1)
+        calls["TE apply_rotary_pos_emb on q alone (peer)"] = lambda: apply_rotary_pos_emb(
+            q4, te_freqs, tensor_format="sbhd", start_positions=te_pos, fused=True)
+    except Exception:  # noqa: BLE001 (not installed, or installed but broken)
+        pass
+    for name, fn in calls.items():
+        _record_host(report, f"serving decode {name}", fn)
+    report.host["serving decode apply_qk_ kernel (do_bench) us"] = 1e3 * bench_ms(
+        calls["apply_qk_ positions (pair cache)"])
+    liger = _liger_qk(q, k, freqs, pos)
+    if liger is not None:
+        report.host["serving decode Liger q+k kernel (do_bench, peer) us"] = 1e3 * bench_ms(liger)
+    p = serving_inputs(SERVING_TOKENS["prefill"])
+    q, k = p["q"], p["k"]
+    nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
+    src, dst = torch.cat((q.flatten(), k.flatten())), torch.empty(q.numel() + k.numel(), dtype=q.dtype, device=q.device)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    name = f"prefill q+k T{SERVING_TOKENS['prefill']} q32 k8 d128 bf16"
+    report.rows.append(Row(name, "device copy", "copy", copy_ms * 1e3, nbytes / copy_ms / 1e6, 1.0))
+    for label, fn in (
+        ("triton apply_qk (one launch)", lambda: rd.apply_qk(q, k, p["freqs"], p["thd"], positions=p["positions"])),
+        ("triton apply_qk (pair cache)", lambda: rd.apply_qk(q, k, p["pair_cache"], p["thd"], positions=p["positions"])),
+    ):
+        ms = bench_ms(fn)
+        report.rows.append(Row(name, label, "fwd", ms * 1e3, nbytes / ms / 1e6, copy_ms / ms))
+        print(f"  {label:>30} {ms * 1e3:9.1f} us {100 * copy_ms / ms:5.0f}% of copy", flush=True)
+
+
+def _liger_qk(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, pos: torch.Tensor):
+    """Liger's q+k kernel on the same tokens (in place, [b, h, s, d] views with s = 1 and the
+    per-token cos/sin gathered ahead, as its API takes them), or None without Liger."""
+    try:
+        from liger_kernel.ops.rope import rope_forward
+    except Exception:  # noqa: BLE001
+        return None
+    cos = freqs[pos].cos()[:, None, :].to(q.dtype).contiguous()  # [b, s=1, d]
+    sin = freqs[pos].sin()[:, None, :].to(q.dtype).contiguous()
+    qb, kb = q.unsqueeze(2).clone(), k.unsqueeze(2).clone()  # [b, h, s=1, d]
+    return lambda: rope_forward(qb, kb, cos, sin)
+
+
 def _graph_replay_us(fn: Callable[[], Any], calls: int = 20) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -639,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-peers", action="store_true", help="skip TransformerEngine and Liger")
     parser.add_argument("--sweep", action="store_true", help="also time triton launch configurations")
+    parser.add_argument("--serving", action="store_true",
+                        help="also time serving calls: decode q+k with GPU positions, prefill q+k")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("rope_dispatch.bench needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -660,6 +754,9 @@ def main(argv: list[str] | None = None) -> int:
         write(report, args.out)  # partial results survive a time limit
     if DECODE in shapes:
         run_host(report)
+        write(report, args.out)
+    if args.serving:
+        run_serving(report)
         write(report, args.out)
     if args.sweep:
         run_sweep(report, shapes)

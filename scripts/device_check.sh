@@ -13,6 +13,8 @@
 # carried with the call): it runs unchanged, beside our tests, with its fused calls served by
 # rope_dispatch.compat.te on the triton backend (scripts/te_parity.py); TE_WORKERS pytest-xdist
 # workers (default 6), TE_TIMEOUT seconds, TE_K a pytest -k expression.
+# The benchmark runs with --serving (decode q+k with GPU positions, prefill q+k) unless
+# BENCH_ARGS says otherwise.
 # Ends with the benchmark's table, so the last lines of the output are the figures.
 set -u
 export PYTHONUNBUFFERED=1
@@ -59,6 +61,6 @@ if [[ -z "${SKIP_SELFTEST:-}" ]] && python3 -c "import rope_dispatch.selftest" 2
 fi
 
 if [[ -z "${SKIP_BENCH:-}" ]]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 -m rope_dispatch.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^shape " | tail -60
+  timeout ${BENCH_TIMEOUT:-300} python3 -m rope_dispatch.bench --out "$OUT" ${BENCH_ARGS:---serving} 2>&1 | tee "$OUT/bench.log" | grep -v "^shape " | tail -60
 fi
 exit $status

@@ -161,12 +161,22 @@ def test_no_host_sync_with_device_index_tensors():
     packed = torch.randn(32, 2, 64, device="cuda")
     sbhd = rd.RoPESpec(layout="sbhd", dtype="fp32", cp_size=2, cp_rank=1)
     thd = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu, cp_size=2, cp_rank=0)
+    from rope_dispatch.compat.flashinfer import apply_rope_with_cos_sin_cache_inplace
+
+    tokens = torch.randint(0, 64, (32,), device="cuda")
+    q, k = torch.randn(32, 4, 64, device="cuda"), torch.randn(32, 2, 64, device="cuda")
+    cache = torch.rand(64, 64, device="cuda")
+    plain_thd = rd.RoPESpec(layout="thd", dtype="fp32")
     calls = [
         lambda: rd.apply(t, freqs, sbhd, start_positions=starts),
         lambda: rd.apply(packed, freqs, thd, start_positions=starts[:3]),
         lambda: rd.apply_(t.clone(), freqs, sbhd, start_positions=starts),
         lambda: rd.apply_qkv(torch.randn(16, 4, 2, 192, device="cuda"), freqs, sbhd, (64, 64, 64),
                              start_positions=starts),
+        lambda: rd.apply(q, freqs, plain_thd, positions=tokens),
+        lambda: rd.apply_qk(q, k, freqs, plain_thd, positions=tokens),
+        lambda: rd.apply_qk_(q, k, rd.PairCosSinCache(cache), plain_thd, positions=tokens),
+        lambda: apply_rope_with_cos_sin_cache_inplace(tokens, q.flatten(1), k.flatten(1), 64, cache),
     ]
     for fn in calls:
         fn()
@@ -193,4 +203,34 @@ def test_cuda_graph_replays_with_new_start_positions():
         starts.copy_(torch.tensor(values))
         graph.replay()
         torch.testing.assert_close(out.cpu().double(), reference_for(t.cpu(), freqs.cpu(), spec, starts.cpu()),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_q_and_k_with_new_positions():
+    """A serving step captured once: q and k rotated in place from a pair cache at per-token
+    positions; replays with new positions (and new q, k contents) give the reference's numbers."""
+    from reference import reference_for
+
+    q, k = torch.randn(16, 4, 64, device="cuda"), torch.randn(16, 2, 64, device="cuda")
+    pair = torch.rand(128, 32, dtype=torch.float64) * 30
+    cache = rd.PairCosSinCache(torch.cat((pair.cos(), pair.sin()), -1).float().cuda())
+    angles = torch.cat((pair, pair), -1).float()
+    spec = rd.RoPESpec(layout="thd", dtype="fp32")
+    positions = torch.zeros(16, dtype=torch.int64, device="cuda")
+    rd.apply_qk_(q, k, cache, spec, positions=positions, backend="triton")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rd.apply_qk_(q, k, cache, spec, positions=positions, backend="triton")
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        q0, k0 = torch.randn(16, 4, 64, generator=gen), torch.randn(16, 2, 64, generator=gen)
+        new = torch.randint(0, 128, (16,), generator=gen)
+        q.copy_(q0)
+        k.copy_(k0)
+        positions.copy_(new)
+        graph.replay()
+        torch.testing.assert_close(q.cpu().double(), reference_for(q0, angles, spec, positions=new),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k.cpu().double(), reference_for(k0, angles, spec, positions=new),
                                    rtol=1e-5, atol=1e-5)
