@@ -2,8 +2,9 @@
 
 Prints versions, every backend's availability with reasons, the overrides in force and the
 autotune cache, then checks every available backend against the float64 reference
-(:mod:`rope_dispatch.reference`) over a small grid of calls, forward and backward, with timings.
-Exit code 1 when any check fails. ``--json`` prints one JSON document instead.
+(:mod:`rope_dispatch.reference`) over a quick grid of calls covering every feature, forward and
+backward, with timings (``--thorough``: the whole grid). Exit code 1 when any check fails.
+``--json`` prints one JSON document instead.
 """
 
 from __future__ import annotations
@@ -63,6 +64,26 @@ GRID = (
              strided=True, qk=True),
 )
 QKV_SPLIT = (128, 64, 64)  # two query heads, one key head and one value head of d 64 a group
+
+QUICK = (
+    GridCase("sbhd bf16 start cp 2/rank 1 partial", "sbhd", torch.bfloat16,
+             rotary_dim=32, cp_size=2, cp_rank=1, starts=True),
+    GridCase("thd fp16 interleaved cos/sin cache start", "thd", torch.float16, interleaved=True,
+             cache=True, starts=True),
+    GRID[8],  # packed qkv
+    GRID[10],  # q and k, slices of one projection
+)
+"""The default run: every feature once (start positions with context parallelism, partial and
+interleaved rotary, thd, the cos/sin cache, strided views, packed qkv, q and k pairs). A backend
+whose first call of a spec compiles (torch.compile) runs the first case only; ``--thorough``
+runs the whole grid on every backend."""
+
+
+def cases_for(backend: str, thorough: bool) -> tuple[GridCase, ...]:
+    """The grid cases ``backend`` is checked on."""
+    if thorough:
+        return GRID
+    return QUICK[:1] if backend == "compile" else QUICK
 
 
 def versions() -> dict[str, str]:
@@ -202,15 +223,16 @@ def _cache_report() -> dict:
     return report
 
 
-def run(devices: list[str], progress) -> dict:
-    """Every available backend on every case and device; the whole report as a dict."""
+def run(devices: list[str], progress, thorough: bool = False) -> dict:
+    """Every available backend on its cases (:func:`cases_for`) and every device; the whole
+    report as a dict."""
     infos = rd.list_backends()
     jobs = [
         (info.name, case, device)
         for device in devices
         for info in infos
         if info.available
-        for case in GRID
+        for case in cases_for(info.name, thorough)
     ]
     checks = []
     for i, (name, case, device) in enumerate(jobs, 1):
@@ -279,18 +301,24 @@ def _print_report(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rope_dispatch.selftest", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
-                        help="devices to check (default: CPU, and CUDA when present)")
+    parser.add_argument("--thorough", action="store_true",
+                        help=f"every backend on all {len(GRID)} grid cases (slower: torch.compile "
+                        "compiles each)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "all"), default="auto",
+                        help="devices to check (default auto: CUDA when present, else the CPU; "
+                        "all: both)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    report = run(devices, progress)
+    report = run(devices, progress, args.thorough)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

@@ -46,13 +46,29 @@ def test_selftest_cli_json():
     names = {b["name"] for b in report["backends"]}
     assert {"eager", "triton", "te", "compile"} <= names
     eager = [c for c in report["checks"] if c["backend"] == "eager"]
-    assert len(eager) == len(selftest.GRID) and all(c["status"] == "ok" for c in eager)
+    assert len(eager) == len(selftest.QUICK) and all(c["status"] == "ok" for c in eager)
+    compiled = [c for c in report["checks"] if c["backend"] == "compile"]
+    assert len(compiled) <= 1  # a backend that compiles each spec checks one case by default
     assert "[1/" in proc.stderr  # progress goes to stderr
+    assert "Warning" not in proc.stderr  # no third-party warning on a plain run
+
+
+def test_quick_grid_covers_every_feature_and_thorough_runs_the_grid(monkeypatch):
+    quick = selftest.QUICK
+    assert any(c.cp_size > 1 and c.starts for c in quick) and any(c.layout == "thd" for c in quick)
+    assert any(c.interleaved for c in quick) and any(c.rotary_dim < c.head_dim for c in quick)
+    assert any(c.cache for c in quick) and any(c.qkv for c in quick) and any(c.qk for c in quick)
+    assert selftest.cases_for("eager", thorough=True) == selftest.GRID
+    assert selftest.cases_for("compile", thorough=False) == quick[:1]
+    eager_only = [info for info in rd.list_backends() if info.name == "eager"]
+    monkeypatch.setattr(rd, "list_backends", lambda: eager_only)
+    report = selftest.run(["cpu"], lambda line: None, thorough=True)
+    assert len(report["checks"]) == len(selftest.GRID) and report["ok"]
 
 
 def test_selftest_fails_on_a_wrong_backend(monkeypatch, capsys):
     monkeypatch.setitem(registry._REGISTRY, "wrong-sign", WrongSign())
-    monkeypatch.setattr(selftest, "GRID", selftest.GRID[:2])
+    monkeypatch.setattr(selftest, "QUICK", selftest.QUICK[:2])
     assert selftest.main(["--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "wrong-sign" in out and "FAIL" in out
@@ -60,7 +76,7 @@ def test_selftest_fails_on_a_wrong_backend(monkeypatch, capsys):
 
 def test_selftest_checks_apply_in_place(monkeypatch, capsys):
     monkeypatch.setitem(registry._REGISTRY, "in-place-no-op", InPlaceNoOp())
-    monkeypatch.setattr(selftest, "GRID", selftest.GRID[:2])
+    monkeypatch.setattr(selftest, "QUICK", selftest.QUICK[:2])
     assert selftest.main(["--device", "cpu"]) == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("in-place-no-op")]
     assert lines and all("FAIL" in line for line in lines)
