@@ -101,3 +101,12 @@ def test_explain_and_autotune_key_name_positions():
     assert fields["positions"] is True
     plain = rd.check_call(t, torch.rand(10, 8), spec)
     assert "positions" not in autotune.key_fields(autotune.call_signature(plain, [rd.get_backend("eager")]))
+
+
+def test_compile_backend_takes_positions():
+    """The compile backend traces the eager math with the per-token index (one thd case: each
+    new spec compiles)."""
+    if not rd.get_backend("compile").available:
+        pytest.skip("compile backend unavailable: " + "; ".join(rd.get_backend("compile").availability))
+    case = fixed_case(layout="thd", seqlens=(3, 6, 4), per_token=True, interleaved=True, rotary_dim=10)
+    check_positions(case, "compile", "cpu", drop_offsets=True)
