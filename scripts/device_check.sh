@@ -55,8 +55,9 @@ if [[ -n "$te_pid" ]]; then
 fi
 
 if [[ -z "${SKIP_SELFTEST:-}" ]] && python3 -c "import rope_dispatch.selftest" 2>/dev/null; then
+  started=$SECONDS
   timeout ${SELFTEST_TIMEOUT:-90} python3 -m rope_dispatch.selftest >"$OUT/selftest.log" 2>&1
-  echo "selftest exit code $? (log: selftest.log)"
+  echo "selftest exit code $? in $((SECONDS - started)) s (log: selftest.log)"
   tail -5 "$OUT/selftest.log"
 fi
 
