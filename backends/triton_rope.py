@@ -34,7 +34,7 @@ from torch.autograd.graph import increment_version
 from rope_dispatch.call import RoPECall, expanded_dim, position_index
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import RoPESpec
-from rope_dispatch.tables import RotaryTable, kernel_tables
+from rope_dispatch.tables import RotaryTable, kernel_tables, table_address
 
 LAYOUT_CODES = {"sbhd": 0, "bshd": 1, "thd": 2}
 
@@ -486,14 +486,16 @@ def launch_qkv(
     xs: Sequence[Segment], outs: Sequence[Segment], tables: Sequence[torch.Tensor | None],
     cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
     interleaved: bool, cp_size: int, cp_rank: int, backward: bool, config: Config | None = None,
-    copy_pass: bool = True,
-) -> None:
+    copy_pass: bool = True, key_only: bool = False,
+) -> tuple | None:
     """One launch of ``rope_qkv_kernel``: ``outs[i]`` = RoPE of ``xs[i]`` for q (i = 0) and k
     (i = 1), each by its own table, and a copy for v (i = 2, when given); the transpose when
     ``backward``. ``tables`` are ``(q_table, q_sin, k_table, k_sin)`` (sin ``None`` for angle
     tables). ``copy_pass=False`` leaves the pass-through channels alone: with ``outs`` being
     ``xs``, q and k rotated in place. No host sync, no allocation; a repeated call signature
-    launches the compiled kernel through Triton's C launcher from addresses and integers alone."""
+    launches the compiled kernel through Triton's C launcher from addresses and integers alone.
+    ``key_only``: launch nothing, return the launch's key in ``_fast_qkv`` (``None`` when it
+    would not use that cache), for a plan to bind the compiled kernel."""
     kernels = _kernels if _kernels is not None else _load_kernels()
     q_tab, q_sin, k_tab, k_sin = tables
     has_v = len(xs) == 3
@@ -508,11 +510,13 @@ def launch_qkv(
         seq_len = shape[0] if layout == "sbhd" else shape[1]
     heads = tuple(x[2][-3] * x[2][-2] for x, _ in pairs)
     if n_tokens == 0 or min(heads) == 0:
-        return
+        return None
     if cu_seqlens is not None and not cu_seqlens.is_contiguous():
         cu_seqlens = cu_seqlens.contiguous()
+        key_only = False  # a copy per call: nothing to bind
     if positions is not None and not positions.is_contiguous():
         positions = positions.contiguous()
+        key_only = False
     strides = tuple(
         stride for x, out in pairs for seg in (x, out)
         for stride in ((seg[3][0], 0, *seg[3][1:]) if thd else seg[3])
@@ -533,16 +537,17 @@ def launch_qkv(
     )
     key = None
     if not kernels.INTERPRETED and config is None:
-        aligned = tuple(a & 15 == 0 for a in addresses)
-        key = (base_ints, aligned, xs[0][0].dtype, layout, interleaved,
-               None if q_sin is None else q_sin.shape[-1],
-               _position_kind(positions), backward, has_v, q_tab.shape[1], copy_pass,
-               xs[0][0].get_device())
+        key = _qkv_key(base_ints, addresses, xs[0][0], layout, interleaved, q_sin, positions,
+                       backward, has_v, q_tab, copy_pass)
+        if key_only:
+            return key
         entry = _fast_qkv.get(key)
         if entry is not None:
             run, prefix, grid, ints, ordered = entry
             run(grid, 1, 1, _current_stream(key[-1]), *prefix, *addresses, *ints, *ordered)
-            return
+            return key
+    if key_only:
+        return None
     rotary_dim = q_tab.shape[1]
     head_dim = shape[-1] if copy_pass else rotary_dim  # the channels a token moves
     if config is None:
@@ -572,6 +577,21 @@ def launch_qkv(
         if len(_fast_qkv) > 1024:
             _fast_qkv.clear()
         _fast_qkv[key] = _direct_launcher(compiled) + (grid, ints, ordered)
+    return key
+
+
+def _qkv_key(
+    base_ints: tuple, addresses: tuple[int, ...], x: torch.Tensor, layout: str, interleaved: bool,
+    q_sin: torch.Tensor | None, positions: torch.Tensor | None, backward: bool, has_v: bool,
+    q_tab: torch.Tensor, copy_pass: bool,
+) -> tuple:
+    """The key of a ``rope_qkv_kernel`` launch's compiled kernel in ``_fast_qkv``: every input of
+    Triton's specialisation (the integers, each address's 16-byte alignment, the constants);
+    its last item is the device index."""
+    aligned = tuple(a & 15 == 0 for a in addresses)
+    return (base_ints, aligned, x.dtype, layout, interleaved,
+            None if q_sin is None else q_sin.shape[-1], _position_kind(positions), backward,
+            has_v, q_tab.shape[1], copy_pass, x.get_device())
 
 
 def _qkv_forward(
@@ -765,12 +785,12 @@ def _qk_launch(
     q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
     tables: Sequence[torch.Tensor | None], cu_seqlens: torch.Tensor | None,
     positions: torch.Tensor | None, layout: str, interleaved: bool, cp_size: int, cp_rank: int,
-    backward: bool, copy_pass: bool = True,
-) -> None:
-    launch_qkv(
+    backward: bool, copy_pass: bool = True, key_only: bool = False,
+) -> tuple | None:
+    return launch_qkv(
         (head_segment(q, 1), head_segment(k, 1)), (head_segment(q_out, 1), head_segment(k_out, 1)),
         (*tables, *tables), cu_seqlens, positions, layout, interleaved, cp_size, cp_rank,
-        backward, copy_pass=copy_pass,
+        backward, copy_pass=copy_pass, key_only=key_only,
     )
 
 
@@ -975,28 +995,44 @@ def rope_triton(
     )
 
 
+def _user_table_address(call: RoPECall) -> int:
+    """The address of the table (the cos table of a cache) the user passed, which dispatch
+    checks with every planned call."""
+    address = table_address(call.table)
+    return address if isinstance(address, int) else address[0]
+
+
 def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
-    """A plan launching ``call``'s compiled kernel (compiled by the call that just ran) on a new
-    input of the same shape, strides, dtype and device: an output allocation (none in place),
+    """A plan launching ``call``'s compiled kernel (compiled by the call that just ran) on new
+    inputs of the same shape, strides, dtype and device: an output allocation (none in place),
     address reads and Triton's C launcher. It holds addresses, never tensors, so it checks with
     each call that ``freqs`` still holds the table it bound (not so when the call used a
     contiguous copy of a strided table: then every call takes ``generic``). Only a kernel
-    compiled for a 16-byte aligned input is bound; ``generic`` also serves unaligned inputs and
-    calls made while another device is current."""
+    compiled for 16-byte aligned inputs is bound; ``generic`` also serves unaligned inputs and
+    calls made while another device is current. The index tensor (start or per-token
+    positions), when the call has one, is read by address too."""
     t, spec, in_place = call.t, call.spec, call.in_place
     table, sin = kernel_tables(call.table)
+    index = position_index(call)
     key, tail = _fast_key(
         t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
-        table, table.data_ptr(), sin, None, None, spec.layout, spec.interleaved, spec.cp_size,
+        table, table.data_ptr(), sin, None, index, spec.layout, spec.interleaved, spec.cp_size,
         spec.cp_rank, False, not in_place,
     )
     entry = _fast.get(key)
-    if entry is None or not key[-1] & 1:  # not compiled, or for an unaligned input: keep it rare
+    # not compiled, for unaligned inputs, or on a contiguous copy of a strided angle table
+    # (dispatch checks each call that ``freqs`` holds the memory it held at plan time; the kernel
+    # must read that memory): keep it rare
+    if (
+        entry is None or not key[-1] & 1 or (index is not None and key[-1] != 63)
+        or tail[0] != _user_table_address(call)
+    ):
         return generic
     run, prefix, grid, ints, consts = entry
     head = (grid, 1, 1)
-    table_address = tail[0]
-    tail = tail + ints + consts
+    bound_table = tail[0]
+    bound_tables = tail[:3]
+    rest = ints + consts
     device_index = key[-2]
     guard = _several_gpus()
     stream = _current_stream
@@ -1005,23 +1041,68 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     empty_like = torch.empty_like
     dense = torch.contiguous_format
 
-    def bound_address(freqs: object) -> int:
-        return kernel_tables(freqs)[0].data_ptr()  # type: ignore[arg-type]
-
-    def launch_bound(x: torch.Tensor, freqs: object, spec: RoPESpec) -> torch.Tensor:
+    def launch_bound(
+        x: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
+        positions: torch.Tensor | None, k: None,
+    ) -> torch.Tensor:
         xp = x.data_ptr()
-        if (
-            xp & 15 or bound_address(freqs) != table_address
-            or (guard and current_device() != device_index)
-        ):
-            return generic(x, freqs, spec)
+        given = positions if start_positions is None else start_positions
+        ip = bound_table if given is None else given.data_ptr()
+        if (xp | ip) & 15 or (guard and current_device() != device_index):
+            return generic(x, freqs, spec, start_positions, positions, k)
         if in_place:
-            run(*head, stream(device_index), *prefix, xp, xp, *tail)
+            run(*head, stream(device_index), *prefix, xp, xp, *bound_tables, ip, *rest)
             increment_version(x)
             return x
         out = empty_like(x) if contiguous else empty_like(x, memory_format=dense)
-        run(*head, stream(device_index), *prefix, xp, out.data_ptr(), *tail)
+        run(*head, stream(device_index), *prefix, xp, out.data_ptr(), *bound_tables, ip, *rest)
         return out
+
+    return launch_bound
+
+
+def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
+    """:func:`_bound_launch` for a q and k pair: one launch of the compiled two-segment kernel
+    from the new q's, k's and index tensor's addresses (two output allocations out of place)."""
+    q, k, spec, in_place = call.t, call.k, call.spec, call.in_place
+    table, sin = kernel_tables(call.table)
+    index, cu = position_index(call), spec.cu_seqlens
+    outs = (q, k) if in_place else _qk_outputs(q, k, None)
+    key = _qk_launch(q, k, *outs, (table, sin), cu, index, spec.layout, spec.interleaved,
+                     spec.cp_size, spec.cp_rank, False, copy_pass=not in_place, key_only=True)
+    entry = None if key is None else _fast_qkv.get(key)
+    tp = table.data_ptr()
+    if entry is None or not all(key[1]) or tp != _user_table_address(call):
+        return generic
+    run, prefix, grid, ints, ordered = entry
+    sp = tp if sin is None else sin.data_ptr()
+    cp = tp if cu is None else cu.data_ptr()
+    rest = ints + ordered
+    device_index = key[-1]
+    guard = _several_gpus()
+    stream = _current_stream
+    current_device = torch.cuda.current_device
+
+    def launch_bound(
+        x: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
+        positions: torch.Tensor | None, k: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        qp, kp = x.data_ptr(), k.data_ptr()
+        given = positions if start_positions is None else start_positions
+        ip = tp if given is None else given.data_ptr()
+        if (qp | kp | ip) & 15 or (guard and current_device() != device_index):
+            return generic(x, freqs, spec, start_positions, positions, k)
+        if in_place:
+            run(grid, 1, 1, stream(device_index), *prefix, qp, qp, kp, kp, kp, kp, tp, sp, tp, sp,
+                cp, ip, *rest)
+            increment_version(x)
+            increment_version(k)
+            return x, k
+        q_out, k_out = _qk_outputs(x, k, None)
+        qo, ko = q_out.data_ptr(), k_out.data_ptr()
+        run(grid, 1, 1, stream(device_index), *prefix, qp, qo, kp, ko, kp, ko, tp, sp, tp, sp, cp,
+            ip, *rest)
+        return q_out, k_out
 
     return launch_bound
 
@@ -1072,17 +1153,19 @@ class TritonBackend(Backend):
         return []
 
     def plan(self, call: RoPECall) -> Plan:
-        """Inference calls on sbhd/bshd launch the compiled kernel straight from the plan, with
-        the call's constant arguments bound; anything else goes through :meth:`apply`."""
+        """Inference calls (single tensors and q and k pairs, by index, start or per-token
+        positions; thd only without cu_seqlens) launch the compiled kernel straight from the
+        plan, with the call's constant arguments bound; anything else goes through
+        :meth:`apply`."""
         generic = super().plan(call)
-        t = call.t
+        t, k = call.t, call.k
         if (
-            call.spec.layout == "thd" or position_index(call) is not None
-            or (t.requires_grad and torch.is_grad_enabled()) or _kernels is None
-            or _kernels.INTERPRETED
+            call.tensors == "qkv" or call.spec.cu_seqlens is not None
+            or ((t.requires_grad or (k is not None and k.requires_grad)) and torch.is_grad_enabled())
+            or _kernels is None or _kernels.INTERPRETED
         ):
             return generic
-        return _bound_launch(call, generic)
+        return _bound_qk_launch(call, generic) if k is not None else _bound_launch(call, generic)
 
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if call.tensors == "qkv":

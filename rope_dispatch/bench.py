@@ -469,7 +469,7 @@ def run_host(report: Report) -> None:
         _record_host(report, "dispatch.choose", lambda: rd.dispatch.choose(call, "triton"))
         _record_host(report, "triton rope_triton", lambda: triton_rope.rope_triton(t, table, layout="sbhd"))
         bound = rd.get_backend("triton").plan(call)  # what apply keeps for a repeated call
-        _record_host(report, "triton bound launch (plan)", lambda: bound(t, freqs, spec))
+        _record_host(report, "triton bound launch (plan)", lambda: bound(t, freqs, spec, None, None, None))
         _record_host(report, "output allocation (empty_like)", lambda: torch.empty_like(t))
         _record_host(report, "triton launch", lambda: triton_rope.launch(
             t, out, table, None, None, None, "sbhd", False, 1, 0, False))

@@ -14,7 +14,6 @@ import bisect
 import contextlib
 import contextvars
 import functools
-import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,7 +22,8 @@ from typing import NamedTuple
 import torch
 
 from . import autotune, registry
-from .call import RoPECall, check_call, reads_values, size_bucket
+from . import call as call_module
+from .call import RoPECall, check_call, env_reader, reads_values, size_bucket
 from .errors import BackendNotSupportedError, NoBackendError
 from .registry import Backend
 from .spec import RoPESpec
@@ -71,25 +71,7 @@ def requested_backend(backend: str | None = None) -> tuple[str | None, str]:
     return _scoped_or_env_backend()
 
 
-def _env_reader(name: str):
-    """A function returning ``os.environ.get(name)``, reading the mapping's raw storage when it
-    has one: ``os.environ.get`` re-encodes the key on every call (about 0.5-1 us, a tenth of a
-    decode-size call)."""
-    raw = getattr(os.environ, "_data", None)
-    encode = getattr(os.environ, "encodekey", None)
-    decode = getattr(os.environ, "decodevalue", None)
-    if not isinstance(raw, dict) or encode is None or decode is None:
-        return lambda: os.environ.get(name)
-    key = encode(name)
-
-    def read() -> str | None:
-        value = raw.get(key)
-        return None if value is None else decode(value)
-
-    return read
-
-
-_env_backend = _env_reader("ROPE_BACKEND")
+_env_backend = env_reader("ROPE_BACKEND")
 
 
 @torch._dynamo.assume_constant_result
@@ -270,9 +252,10 @@ def apply(
     spec then needs no ``cu_seqlens``), as continuous batching, chunked prefill and speculative
     decoding have them.
 
-    A call repeating an earlier one's spec and table objects and ``t``'s shape, strides, dtype,
-    device and gradient mode reuses that call's checks and decision (a *plan*): at decode size
-    the host path, not the GPU, sets the pace.
+    A call repeating an earlier one's spec and table objects and its tensors' shapes, strides,
+    dtypes, devices and gradient mode reuses that call's checks and decision (a *plan*): at
+    decode size the host path, not the GPU, sets the pace. Calls whose index values are read on
+    the host (CPU tensors, strict mode) are checked every time.
     """
     return _run(t, freqs, spec, start_positions, backend, False, False, positions=positions)
 
@@ -363,6 +346,38 @@ def apply_qk_(
                 positions=positions, k=k)
 
 
+def _inputs_key(
+    t: torch.Tensor, freqs: object, start_positions: torch.Tensor | None,
+    positions: torch.Tensor | None, k: torch.Tensor | None, split: tuple[int, int, int] | None,
+    k_freqs: object, in_place: bool,
+) -> tuple | None | bool:
+    """The part of a plan's key beyond ``t``: the index tensor's and k's metadata and the
+    split; ``None`` for a single tensor without positions; ``False`` when the call must be
+    checked every time (index values read on the host, tensor subclasses, a separate k table,
+    arguments that check_call refuses)."""
+    if start_positions is None and positions is None and k is None and split is None:
+        return None
+    index_key = k_key = None
+    if start_positions is not None or positions is not None:
+        index = positions if start_positions is None else start_positions
+        if (
+            (start_positions is not None and positions is not None) or type(index) is not torch.Tensor
+            or call_module._reads(index)
+        ):
+            return False
+        index_key = (positions is None, index.shape, index.stride(), index.dtype, index.device)
+    if k is not None:
+        if type(k) is not torch.Tensor or k is t:
+            return False
+        k_key = (
+            k.shape, k.stride(), k.dtype, k.device, k.requires_grad,
+            in_place and (k.is_leaf, k.is_inference() and not torch.is_inference_mode_enabled()),
+        )
+    if k_freqs is not None and k_freqs is not freqs:
+        return False
+    return index_key, k_key, split
+
+
 def _run(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
     backend: str | None, in_place: bool, grad_in_place: bool,
@@ -370,24 +385,23 @@ def _run(
     positions: torch.Tensor | None = None, k: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     key = None
-    if (
-        start_positions is None and positions is None and split is None and k is None
-        and type(t) is torch.Tensor and not torch.compiler.is_compiling()
-    ):
-        key = (
-            id(spec), id(freqs), t.shape, t.stride(), t.dtype, t.device,
-            t.requires_grad and torch.is_grad_enabled(),
-            backend if backend is not None else _scoped_or_env_backend()[0],
-            # what apply_'s writability checks look at, beyond shape and strides
-            in_place and (t.is_leaf, t.is_inference() and not torch.is_inference_mode_enabled()),
-            grad_in_place,
-        )
-        plan = _plans.get(key)
-        if (
-            plan is not None and plan.spec() is spec and plan.freqs() is freqs
-            and table_address(freqs) == plan.table_address
-        ):
-            return plan.run(t, freqs, spec)
+    if type(t) is torch.Tensor and not torch.compiler.is_compiling():
+        inputs = _inputs_key(t, freqs, start_positions, positions, k, split, k_freqs, in_place)
+        if inputs is not False:
+            key = (
+                id(spec), id(freqs), t.shape, t.stride(), t.dtype, t.device,
+                t.requires_grad and torch.is_grad_enabled(),
+                backend if backend is not None else _scoped_or_env_backend()[0],
+                # what apply_'s writability checks look at, beyond shape and strides
+                in_place and (t.is_leaf, t.is_inference() and not torch.is_inference_mode_enabled()),
+                grad_in_place, inputs,
+            )
+            plan = _plans.get(key)
+            if (
+                plan is not None and plan.spec() is spec and plan.freqs() is freqs
+                and table_address(freqs) == plan.table_address
+            ):
+                return plan.run(t, freqs, spec, start_positions, positions, k)
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place,
         split=split, k_freqs=k_freqs, positions=positions, k=k,

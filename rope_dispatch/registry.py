@@ -27,7 +27,8 @@ from .tables import angles_2d, table_kind
 
 ALL_LAYOUTS = frozenset({"sbhd", "bshd", "thd"})
 _new_call = tuple.__new__
-Plan = Callable[[torch.Tensor, object, RoPESpec], torch.Tensor]
+Plan = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
+"""``run(t, freqs, spec, start_positions, positions, k)``: see :meth:`Backend.plan`."""
 ALL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
@@ -70,19 +71,24 @@ class Backend:
         raise NotImplementedError
 
     def plan(self, call: RoPECall) -> Plan:
-        """A function ``run(t, freqs, spec)`` that runs this backend on a call equal to ``call``
-        but for ``t``'s data (same spec and table objects, shape, strides, dtype, device and
-        gradient mode), which :func:`~rope_dispatch.apply` keeps for repeated calls. It gets the
-        spec and table with each call and keeps no tensor of the call: a plan must not keep a
-        table alive. The default rebuilds the call around the new tensor; a backend may prepare
-        more (the Triton backend binds its launch).
+        """A function ``run(t, freqs, spec, start_positions, positions, k)`` that runs this
+        backend on a call equal to ``call`` but for its tensors' data (same spec and table
+        objects; same shapes, strides, dtypes, devices and gradient mode of ``t``, ``k`` and the
+        index tensor, whose values are not read), which dispatch keeps for repeated calls. It
+        gets the spec and table with each call and keeps no tensor of the call: a plan must not
+        keep a table alive. The default rebuilds the call around the new tensors; a backend may
+        prepare more (the Triton backend binds its launch).
         """
-        sizes = tuple(call)[3:]  # start_positions (None in a plan), sizes and flags
+        sizes = tuple(call)[4:15]  # seq_len .. positions_bounded: fixed by the plan's key
+        assert call.k_table is None, "calls with a separate k table are never planned"
         run = self.apply
 
-        def run_call(t: torch.Tensor, freqs: object, spec: RoPESpec) -> torch.Tensor:
+        def run_call(
+            t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
+            positions: torch.Tensor | None, k: torch.Tensor | None,
+        ) -> torch.Tensor | tuple[torch.Tensor, ...]:
             table = angles_2d(freqs) if table_kind(freqs) == "angles" else freqs  # type: ignore[arg-type]
-            return run(_new_call(RoPECall, (t, table, spec, *sizes)))
+            return run(_new_call(RoPECall, (t, table, spec, start_positions, *sizes, positions, k)))
 
         return run_call
 

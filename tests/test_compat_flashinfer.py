@@ -110,3 +110,36 @@ def test_bad_arguments(kwargs, words):
         apply_rope_with_cos_sin_cache_inplace(**args)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+def test_repeated_calls_reuse_one_plan_and_caches_are_not_hoarded(monkeypatch):
+    """Every layer's call passes the same cache tensor: the adapter hands dispatch the same
+    table object, so the call's plan serves them all; caches it no longer sees are released."""
+    import gc
+    import weakref
+
+    from rope_dispatch import call as call_module
+    from rope_dispatch import dispatch
+
+    monkeypatch.setattr(call_module, "_reads", lambda index: False)  # as for device positions
+    checks = []
+    real = dispatch.check_call
+    monkeypatch.setattr(dispatch, "check_call", lambda *a, **kw: checks.append(1) or real(*a, **kw))
+    angles = torch.rand(32, 8, generator=torch.Generator().manual_seed(5)) * 4
+    cache = torch.cat((angles.cos(), angles.sin()), -1)
+    positions = torch.tensor([3, 0, 31, 7])
+    for layer in range(3):
+        q, k = torch.randn(4, 2 * 16), torch.randn(4, 16)
+        expected = (flashinfer_reference(positions, q, 16, cache, True),
+                    flashinfer_reference(positions, k, 16, cache, True))
+        apply_rope_with_cos_sin_cache_inplace(positions, q, k, 16, cache)
+        torch.testing.assert_close(q.double(), expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k.double(), expected[1], rtol=1e-5, atol=1e-5)
+    assert len(checks) == 1
+    dropped = weakref.ref(cache)
+    del cache
+    for _ in range(4):  # later caches push the dropped one out of the adapter's few
+        other = torch.cat((angles.cos(), angles.sin()), -1)
+        apply_rope_with_cos_sin_cache_inplace(positions, torch.randn(4, 16), torch.randn(4, 16), 16, other)
+    gc.collect()
+    assert dropped() is None

@@ -27,6 +27,20 @@ from ..tables import PairCosSinCache
 __all__ = ["apply_rope_with_cos_sin_cache_inplace"]
 
 _specs: dict[tuple, RoPESpec] = {}
+_caches: dict[int, PairCosSinCache] = {}
+_MAX_CACHES = 4
+
+
+def _pair_cache(cos_sin_cache: torch.Tensor) -> PairCosSinCache:
+    """The same wrapper for the same cache tensor, call after call, so rope-dispatch's plan for
+    the call (kept per table object) serves every layer and step. The last few caches seen stay
+    referenced here (an engine keeps one per model for its lifetime anyway)."""
+    wrapper = _caches.get(id(cos_sin_cache))
+    if wrapper is None or wrapper.table is not cos_sin_cache:
+        if len(_caches) >= _MAX_CACHES:
+            _caches.clear()
+        wrapper = _caches[id(cos_sin_cache)] = PairCosSinCache(cos_sin_cache)
+    return wrapper
 
 
 def _spec(dtype: torch.dtype, interleaved: bool) -> RoPESpec:
@@ -60,7 +74,7 @@ def apply_rope_with_cos_sin_cache_inplace(
     on a GPU are not read: no host sync, CUDA-graph safe; see docs/semantics.md).
     """
     q, k = _heads("query", query, head_size), _heads("key", key, head_size)
-    apply_qk_(q, k, PairCosSinCache(cos_sin_cache), _spec(query.dtype, not is_neox),
+    apply_qk_(q, k, _pair_cache(cos_sin_cache), _spec(query.dtype, not is_neox),
               positions=positions)
 
 

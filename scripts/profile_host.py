@@ -1,0 +1,74 @@
+"""Where a call's host time goes: cProfile of repeated serving and decode calls on the GPU, and
+the device time of their kernels from torch.profiler (a developer's tool, not part of the
+benchmark)."""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+
+import torch
+
+import rope_dispatch as rd
+from rope_dispatch import bench
+
+
+def profile(name, fn, calls=2000, top=14):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    lines = [l for l in s.getvalue().splitlines() if l.strip()][3:]
+    from rope_dispatch import dispatch
+
+    plans = sorted({getattr(p.run, "__qualname__", "?") for p in dispatch._plans.values()})
+    print(f"=== {name}: host {bench.host_us_per_call(fn)[0]:.2f} us/call; plans: {plans}")
+    print("\n".join(lines[: top + 2]))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    for e in p.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA or getattr(e, "device_time_total", 0):
+            print(f"  kernel {e.key[:60]}: {e.device_time_total / max(e.count, 1):.2f} us x {e.count}")
+
+
+def main():
+    d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
+    q, k, pos, freqs, cache = d["q"], d["k"], d["positions"], d["freqs"], d["pair_cache"]
+    q4, k4 = q.unsqueeze(0), k.unsqueeze(0)
+    qc, kc = q4.contiguous(), k4.contiguous()
+    x = torch.randn(1, 64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "apply decode plain (plan)": lambda: rd.apply(x, freqs, d["sbhd"]),
+        "apply_qk_ positions (pair cache)": lambda: rd.apply_qk_(q, k, cache, d["thd"], positions=pos),
+        "apply_qk_ start_positions": lambda: rd.apply_qk_(q4, k4, freqs, d["sbhd"], start_positions=pos),
+        "apply_qk_ positions (angles)": lambda: rd.apply_qk_(q, k, freqs, d["thd"], positions=pos),
+        "apply_qk_ plain": lambda: rd.apply_qk_(q4, k4, freqs, d["sbhd"]),
+        "apply_qk_ plain contiguous": lambda: rd.apply_qk_(qc, kc, freqs, d["sbhd"]),
+        "apply_ start_positions": lambda: rd.apply_(q4, freqs, d["sbhd"], start_positions=pos),
+        "apply_ start_positions contiguous": lambda: rd.apply_(qc, freqs, d["sbhd"], start_positions=pos),
+    }
+    only = sys.argv[1:]
+    for name, fn in calls.items():
+        if not only or any(o in name for o in only):
+            dispatch_plans_clear()
+            profile(name, fn)
+
+
+def dispatch_plans_clear():
+    from rope_dispatch import dispatch
+
+    dispatch._plans.clear()
+
+
+if __name__ == "__main__":
+    main()

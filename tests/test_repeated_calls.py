@@ -1,0 +1,134 @@
+"""Repeated calls with index tensors and q and k pairs reuse their first call's checks and
+decision (a plan), yet every call reads its own data: new positions, new q and k, an unaligned
+view of the same buffer. On the CPU index values are always read (so such calls are checked
+every time); the ``unread`` fixture makes them unread, as device tensors are outside strict
+mode, so the plan path runs here too. On CUDA the Triton backend binds its launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rope_dispatch as rd
+from reference import assert_matches, reference_for
+from rope_dispatch import call as call_module
+from rope_dispatch import dispatch
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+BACKEND = "triton" if CUDA else "eager"
+TABLE_LEN, D = 40, 16
+
+
+@pytest.fixture
+def counted_checks(monkeypatch):
+    """How many calls ran check_call (a planned call does not)."""
+    calls = []
+    real = dispatch.check_call
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "check_call", counting)
+    dispatch._plans.clear()
+    return calls
+
+
+@pytest.fixture
+def unread(monkeypatch):
+    if not CUDA:
+        monkeypatch.setattr(call_module, "_reads", lambda index: False)
+
+
+def _table():
+    return (torch.rand(TABLE_LEN, 1, 1, D, generator=torch.Generator().manual_seed(0)) * 6).to(DEVICE)
+
+
+def _data(shape, seed, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+@pytest.mark.usefixtures("unread")
+@pytest.mark.parametrize("in_place", [False, True])
+def test_pairs_with_per_token_positions_read_new_data_every_call(counted_checks, in_place):
+    """thd decode steps: q (4 heads) and k (2) slices of one projection, positions per token."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="thd", dtype="fp32")
+    buffer = torch.empty(200, dtype=torch.long, device=DEVICE)
+    for step in range(4):
+        fused = _data((6, 8, D), seed=step)
+        q, k = fused[:, :4], fused[:, 4:6]
+        # steps 2 and 3 read positions at an odd element offset: unaligned for a bound launch
+        offset = 0 if step < 2 else 1 + 2 * step
+        positions = buffer[offset : offset + 6]
+        positions.copy_(torch.randint(0, TABLE_LEN, (6,), generator=torch.Generator().manual_seed(step)))
+        expected = [reference_for(x, freqs.cpu(), spec, positions=positions.cpu()) for x in (q.cpu(), k.cpu())]
+        if in_place:
+            with torch.no_grad():
+                got = rd.apply_qk_(q, k, freqs, spec, positions=positions, backend=BACKEND)
+            assert got[0] is q and got[1] is k
+        else:
+            got = rd.apply_qk(q, k, freqs, spec, positions=positions, backend=BACKEND)
+        for name, out, ref in zip("qk", got, expected):
+            assert_matches(out, ref, torch.float32, f"step {step} {name}")
+    assert len(counted_checks) == 1, "the repeated calls did not reuse the first call's plan"
+
+
+@pytest.mark.usefixtures("unread")
+@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+def test_single_tensors_with_start_positions_read_new_starts_every_call(counted_checks, layout):
+    freqs = _table()
+    spec = rd.RoPESpec(layout=layout, dtype="bf16")
+    shape = (1, 5, 3, D) if layout == "sbhd" else (5, 1, 3, D)
+    for step in range(3):
+        t = _data(shape, seed=10 + step, dtype=torch.bfloat16)
+        starts = torch.randint(0, TABLE_LEN - 1, (5,), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        out = rd.apply(t, freqs, spec, start_positions=starts, backend=BACKEND)
+        assert_matches(out, reference_for(t.cpu(), freqs.cpu(), spec, starts.cpu()), torch.bfloat16,
+                       f"step {step}")
+    assert len(counted_checks) == 1
+
+
+@pytest.mark.usefixtures("unread")
+def test_a_planned_call_still_refuses_what_its_checks_refuse(counted_checks):
+    freqs = _table()
+    spec = rd.RoPESpec(layout="thd", dtype="fp32")
+    q, k = _data((6, 4, D), 1), _data((6, 2, D), 2)
+    positions = torch.arange(6, device=DEVICE)
+    with torch.no_grad():
+        rd.apply_qk_(q, k, freqs, spec, positions=positions)
+        rd.apply_qk_(q, k, freqs, spec, positions=positions)
+        with pytest.raises(rd.RoPEError, match="the same tensor as q and k"):
+            rd.apply_qk_(q, q, freqs, spec, positions=positions)
+        with pytest.raises(rd.RoPEError, match="positions and start_positions cannot be combined"):
+            rd.apply(q, freqs, spec, positions=positions, start_positions=positions)
+        with pytest.raises(rd.RoPEError, match=r"positions must have shape \[T\]"):
+            rd.apply_qk_(q, k, freqs, spec, positions=positions[:5])
+        with pytest.raises(rd.RoPEError, match="k .* must match q"):
+            rd.apply_qk_(q, k[:5], freqs, spec, positions=positions)
+
+
+@pytest.mark.skipif(CUDA, reason="CPU index tensors: the case where values are read")
+def test_read_index_values_are_checked_on_every_call(counted_checks):
+    """Values the host reads are never trusted from an earlier call: no plan for them."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="thd", dtype="fp32")
+    q, k = _data((6, 4, D), 1), _data((6, 2, D), 2)
+    positions = torch.arange(6)
+    rd.apply_qk(q, k, freqs, spec, positions=positions)
+    positions[3] = TABLE_LEN
+    with pytest.raises(rd.RoPEError, match=rf"positions must lie in \[0, {TABLE_LEN}\)"):
+        rd.apply_qk(q, k, freqs, spec, positions=positions)
+    assert len(counted_checks) == 2
+
+
+def test_pairs_without_positions_are_planned(counted_checks):
+    freqs = _table()
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    for step in range(3):
+        q, k = _data((2, 5, 4, D), 20 + step), _data((2, 5, 1, D), 30 + step)
+        got = rd.apply_qk(q, k, freqs, spec, backend=BACKEND)
+        for name, out, x in zip("qk", got, (q, k)):
+            assert_matches(out, reference_for(x.cpu(), freqs.cpu(), spec), torch.float32, name)
+    assert len(counted_checks) == 1
