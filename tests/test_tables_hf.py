@@ -1,0 +1,462 @@
+"""``rope_dispatch.tables``' rotary families against transformers 5.23 (pinned in the ``dev`` extra).
+
+Configs are built with transformers' own config classes (nothing is downloaded). For each family
+and several parameter sets the rates and the attention factor are compared with transformers'
+init functions, the cos/sin cache with what transformers' rotary module returns for float32
+input and positions ``0 .. n - 1``, and the angle table with a float64 evaluation of the
+family's formula written out here. The families whose rates depend on the sequence length
+(dynamic NTK, LongRoPE) are checked on both sides of their switch. TE's options are compared
+with ``rope_dispatch.compat.te.RotaryPositionEmbedding``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, Phi3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+from rope_dispatch import tables
+from rope_dispatch.compat.te import RotaryPositionEmbedding
+from rope_dispatch.errors import RoPEError
+from rope_dispatch.tables import (
+    HF_ROPE_TYPES, CosSinCache, RotaryFrequencies, from_hf_config, from_te_options,
+)
+
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+RATES_RTOL = 4 * FLOAT32_EPS  # "within float32 rounding": a few units in the last place
+
+
+# --- configs ----------------------------------------------------------------------------------
+
+def llama(max_position_embeddings: int = 1024, **rope_parameters) -> LlamaConfig:
+    rope_parameters.setdefault("rope_theta", 10000.0)
+    return LlamaConfig(
+        hidden_size=256, num_attention_heads=4, max_position_embeddings=max_position_embeddings,
+        rope_parameters=rope_parameters,
+    )
+
+
+def neox(partial_rotary_factor: float, hidden_size: int = 256, **rope_parameters) -> GPTNeoXConfig:
+    rope_parameters.setdefault("rope_theta", 10000.0)
+    rope_parameters.setdefault("rope_type", "default")
+    rope_parameters["partial_rotary_factor"] = partial_rotary_factor
+    return GPTNeoXConfig(
+        hidden_size=hidden_size, num_attention_heads=4, max_position_embeddings=1024,
+        rope_parameters=rope_parameters,
+    )
+
+
+def phi3(original: int = 256, max_position_embeddings: int = 1024, **rope_parameters) -> Phi3Config:
+    """A Phi-3 config (head dim 32: 16 pairs) with LongRoPE factors that differ per pair."""
+    rope_parameters.setdefault("rope_type", "longrope")
+    rope_parameters.setdefault("rope_theta", 10000.0)
+    rope_parameters.setdefault("short_factor", [1.0 + k / 40 for k in range(16)])
+    rope_parameters.setdefault("long_factor", [1.0 + k ** 1.5 / 3 for k in range(16)])
+    return Phi3Config(
+        hidden_size=128, num_attention_heads=4, max_position_embeddings=max_position_embeddings,
+        original_max_position_embeddings=original, rope_parameters=rope_parameters,
+    )
+
+
+# (id, config factory, transformers' rotary module for it, table length)
+CASES = [
+    ("default", lambda: llama(rope_type="default"), LlamaRotaryEmbedding, 1024),
+    ("default-theta5e5-head128", lambda: LlamaConfig(
+        hidden_size=256, num_attention_heads=4, head_dim=128, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ), LlamaRotaryEmbedding, 512),
+    ("default-partial-0.25", lambda: neox(0.25), GPTNeoXRotaryEmbedding, 1024),
+    ("default-partial-odd-dim", lambda: neox(0.25, hidden_size=80), GPTNeoXRotaryEmbedding, 300),
+    ("linear-2", lambda: llama(rope_type="linear", factor=2.0), LlamaRotaryEmbedding, 1024),
+    ("linear-8-theta1e6", lambda: llama(rope_type="linear", factor=8.0, rope_theta=1e6),
+     LlamaRotaryEmbedding, 1024),
+    ("linear-partial-0.5", lambda: neox(0.5, rope_type="linear", factor=4.0),
+     GPTNeoXRotaryEmbedding, 1024),
+    ("dynamic-within", lambda: llama(rope_type="dynamic", factor=4.0), LlamaRotaryEmbedding, 1000),
+    ("dynamic-beyond", lambda: llama(256, rope_type="dynamic", factor=2.0), LlamaRotaryEmbedding, 700),
+    ("yarn-4", lambda: llama(2048, rope_type="yarn", factor=4.0, original_max_position_embeddings=512),
+     LlamaRotaryEmbedding, 1024),
+    ("yarn-betas-no-truncate", lambda: llama(
+        4096, rope_type="yarn", factor=8.0, original_max_position_embeddings=512, beta_fast=16.0,
+        beta_slow=2.0, truncate=False, rope_theta=50000.0,
+    ), LlamaRotaryEmbedding, 1024),
+    ("yarn-mscale-deepseek", lambda: llama(
+        4096, rope_type="yarn", factor=40.0, original_max_position_embeddings=128, mscale=0.707,
+        mscale_all_dim=1.0,
+    ), LlamaRotaryEmbedding, 512),
+    ("yarn-mscale-equal", lambda: llama(
+        2048, rope_type="yarn", factor=16.0, original_max_position_embeddings=128, mscale=1.0,
+        mscale_all_dim=1.0,
+    ), LlamaRotaryEmbedding, 512),
+    ("yarn-mscale-alone-ignored", lambda: llama(
+        2048, rope_type="yarn", factor=16.0, original_max_position_embeddings=128, mscale=2.0,
+    ), LlamaRotaryEmbedding, 512),
+    ("yarn-attention-factor", lambda: llama(
+        2048, rope_type="yarn", factor=4.0, original_max_position_embeddings=512,
+        attention_factor=1.5,
+    ), LlamaRotaryEmbedding, 512),
+    ("yarn-factor-from-lengths", lambda: llama(
+        2048, rope_type="yarn", factor=None, original_max_position_embeddings=256,
+    ), LlamaRotaryEmbedding, 512),
+    ("yarn-partial-0.5", lambda: llama(
+        2048, rope_type="yarn", factor=4.0, original_max_position_embeddings=512,
+        partial_rotary_factor=0.5,
+    ), LlamaRotaryEmbedding, 512),
+    ("longrope-short", lambda: phi3(), Phi3RotaryEmbedding, 200),
+    ("longrope-long", lambda: phi3(), Phi3RotaryEmbedding, 1000),
+    ("longrope-factor-attention", lambda: phi3(factor=3.0, attention_factor=1.25),
+     Phi3RotaryEmbedding, 600),
+    ("llama3.1", lambda: LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    ), LlamaRotaryEmbedding, 512),
+    ("llama3-small-context", lambda: llama(
+        rope_type="llama3", factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0,
+        original_max_position_embeddings=512, rope_theta=500000.0,
+    ), LlamaRotaryEmbedding, 1024),
+]
+CASE_IDS = [case[0] for case in CASES]
+
+
+@pytest.fixture(params=CASES, ids=CASE_IDS)
+def case(request):
+    name, make_config, module_class, length = request.param
+    return name, make_config(), module_class, length
+
+
+def hf_rates(config, module_class, seq_len: int) -> tuple[torch.Tensor, float]:
+    """transformers' rates and attention factor for a sequence of ``seq_len`` positions."""
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":  # each model defines its own default
+        return module_class.compute_default_rope_parameters(config)
+    return ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=seq_len)
+
+
+def hf_cos_sin(config, module_class, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[length, d2]`` of a fresh rotary module for positions ``0 .. length - 1``."""
+    module = module_class(config)
+    cos, sin = module(torch.zeros(1, dtype=torch.float32), torch.arange(length)[None])
+    return cos[0], sin[0]
+
+
+def angle_rounding(length: int) -> float:
+    """How far cos or sin of two float32 evaluations of the same angle (up to ``length``
+    radians, rates a unit in the last place apart) may differ: a few float32 steps of it."""
+    return 4 * FLOAT32_EPS * length + 1e-6
+
+
+# --- transformers' rates, attention factor and rotary module ------------------------------------
+
+def test_rates_and_attention_factor_equal_transformers(case):
+    _, config, module_class, length = case
+    expected_rates, expected_factor = hf_rates(config, module_class, length)
+    f = from_hf_config(config, length)
+    assert f.rope_type == config.rope_parameters["rope_type"]
+    assert f.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(f.inv_freq, expected_rates, rtol=RATES_RTOL, atol=0)
+    assert f.attention_factor == pytest.approx(expected_factor, rel=1e-12)
+
+
+def test_cos_sin_cache_equals_transformers_rotary_module(case):
+    name, config, module_class, length = case
+    cos, sin = hf_cos_sin(config, module_class, length)
+    cache = from_hf_config(config, length).cos_sin_cache(length)
+    assert isinstance(cache, CosSinCache)
+    assert cache.cos.dtype == cache.sin.dtype == torch.float32
+    assert cache.cos.shape == cos.shape
+    # transformers' module computes a grown dynamic NTK base from a tensor in float32, its init
+    # function in float64: their rates may be a unit in the last place apart (angles further).
+    tolerance = angle_rounding(length) if name == "dynamic-beyond" else 2e-6
+    torch.testing.assert_close(cache.cos, cos, rtol=0, atol=tolerance)
+    torch.testing.assert_close(cache.sin, sin, rtol=0, atol=tolerance)
+
+
+# --- float64 from the formulas -----------------------------------------------------------------
+
+def formula_rates(rope_type: str, p: dict, dim: int, max_position_embeddings: int, seq_len: int):
+    """float64 rates of a family, from its published definition."""
+    pairs = (dim + 1) // 2
+    theta = p["rope_theta"]
+    if rope_type == "dynamic" and seq_len > max_position_embeddings:
+        growth = p["factor"] * seq_len / max_position_embeddings - (p["factor"] - 1)
+        theta = theta * growth ** (dim / (dim - 2))
+    base = [theta ** (-2 * k / dim) for k in range(pairs)]
+    if rope_type in ("default", "dynamic"):
+        return base
+    if rope_type == "linear":
+        return [r / p["factor"] for r in base]
+    if rope_type == "longrope":
+        factors = p["long_factor"] if seq_len > p["original_max_position_embeddings"] else p["short_factor"]
+        return [r / s for r, s in zip(base, factors)]
+    original = p["original_max_position_embeddings"]
+    factor = p["factor"] or max_position_embeddings / original
+    if rope_type == "llama3":
+        low, high = p["low_freq_factor"], p["high_freq_factor"]
+        rates = []
+        for r in base:
+            wavelength = 2 * math.pi / r
+            if wavelength < original / high:
+                rates.append(r)
+            elif wavelength > original / low:
+                rates.append(r / factor)
+            else:
+                s = (original / wavelength - low) / (high - low)
+                rates.append((1 - s) * r / factor + s * r)
+        return rates
+    assert rope_type == "yarn"
+    # the pair index whose rate turns `turns` times over the original length
+    def pair(turns):
+        return dim * math.log(original / (2 * math.pi * turns)) / (2 * math.log(theta))
+    start, end = pair(p.get("beta_fast") or 32), pair(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        start, end = math.floor(start), math.ceil(end)
+    start, end = max(start, 0), min(end, dim - 1)
+    rates = []
+    for k, r in enumerate(base):
+        interpolated_share = min(max((k - start) / (end - start), 0.0), 1.0)
+        rates.append(interpolated_share * r / factor + (1 - interpolated_share) * r)
+    return rates
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_angle_table_matches_float64_formula(case, interleaved):
+    _, config, _, length = case
+    p = config.rope_parameters
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
+    rates = torch.tensor(
+        formula_rates(p["rope_type"], p, dim, config.max_position_embeddings, length),
+        dtype=torch.float64,
+    )
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), rates)
+    expected = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), -1)
+
+    table = from_hf_config(config, length).angle_table(length, interleaved=interleaved)
+    assert table.dtype == torch.float32 and table.is_contiguous()
+    assert table.shape == (length, 1, 1, 2 * rates.numel())
+    # float32 exponents and powers: rates within ~ln(theta) * 2**-24 relative of the exact ones
+    torch.testing.assert_close(table[:, 0, 0].double(), expected, rtol=3e-6, atol=0)
+
+
+def test_cos_sin_cache_carries_the_attention_factor():
+    config = llama(2048, rope_type="yarn", factor=4.0, original_max_position_embeddings=512)
+    f = from_hf_config(config, 64)
+    assert f.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
+    angles = f.angle_table(64, interleaved=True)[:, 0, 0].double()
+    cache = f.cos_sin_cache(64, interleaved=True)
+    torch.testing.assert_close(cache.cos, (angles.cos() * f.attention_factor).float(), rtol=0, atol=0)
+    torch.testing.assert_close(cache.sin, (angles.sin() * f.attention_factor).float(), rtol=0, atol=0)
+
+
+# --- sequence-length-dependent families: the switch ---------------------------------------------
+
+@pytest.mark.parametrize("extra", [0, 1], ids=["at-max", "max+1"])
+def test_dynamic_ntk_switches_after_max_position_embeddings(extra):
+    config = llama(256, rope_type="dynamic", factor=4.0)
+    length = 256 + extra
+    f = from_hf_config(config, length)
+    expected_rates, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, None, seq_len=length)
+    torch.testing.assert_close(f.inv_freq, expected_rates, rtol=RATES_RTOL, atol=0)
+    default = LlamaRotaryEmbedding.compute_default_rope_parameters(config)[0]
+    assert torch.equal(f.inv_freq, default) == (extra == 0)
+    assert f.max_positions == length
+
+    cos, sin = hf_cos_sin(config, LlamaRotaryEmbedding, length)
+    cache = f.cos_sin_cache(length)
+    torch.testing.assert_close(cache.cos, cos, rtol=0, atol=angle_rounding(length))
+    torch.testing.assert_close(cache.sin, sin, rtol=0, atol=angle_rounding(length))
+
+
+@pytest.mark.parametrize("extra", [0, 1], ids=["at-original", "original+1"])
+def test_longrope_switches_to_long_factors_after_original_length(extra):
+    config = phi3(original=256)
+    length = 256 + extra
+    f = from_hf_config(config, length)
+    expected_rates, expected_factor = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=length)
+    torch.testing.assert_close(f.inv_freq, expected_rates, rtol=RATES_RTOL, atol=0)
+    assert f.attention_factor == pytest.approx(expected_factor, rel=1e-12)
+    factors = config.rope_parameters["long_factor" if extra else "short_factor"]
+    unscaled = tables.inverse_frequencies(32, 10000.0, device="cpu")
+    torch.testing.assert_close(f.inv_freq * torch.tensor(factors), unscaled, rtol=RATES_RTOL, atol=0)
+
+    cos, sin = hf_cos_sin(config, Phi3RotaryEmbedding, length)
+    cache = f.cos_sin_cache(length)
+    torch.testing.assert_close(cache.cos, cos, rtol=0, atol=2e-6)
+    torch.testing.assert_close(cache.sin, sin, rtol=0, atol=2e-6)
+
+
+def test_length_dependent_rates_refuse_a_longer_table():
+    f = from_hf_config(phi3(original=256), 256)
+    assert f.angle_table(100).shape[0] == 100  # a prefix of the same rates
+    with pytest.raises(RoPEError, match=r"max_positions=257 exceeds the 256 positions .*'longrope'"):
+        f.angle_table(257)
+    static = from_hf_config(llama(rope_type="linear", factor=2.0), 16)
+    assert static.max_positions is None and static.angle_table(5000).shape[0] == 5000
+
+
+# --- how the config is read ---------------------------------------------------------------------
+
+def test_per_layer_type_parameters_need_a_layer_type():
+    config = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, head_dim=16)
+    for layer_type in ("sliding_attention", "full_attention"):
+        expected, _ = Gemma3RotaryEmbedding.compute_default_rope_parameters(config, layer_type=layer_type)
+        f = from_hf_config(config, 32, layer_type=layer_type)
+        torch.testing.assert_close(f.inv_freq, expected, rtol=RATES_RTOL, atol=0)
+    with pytest.raises(RoPEError, match=r"per layer type \('sliding_attention', 'full_attention'\).*layer_type="):
+        from_hf_config(config, 32)
+    with pytest.raises(RoPEError, match=r"layer_type='chunked' is not in config.rope_parameters"):
+        from_hf_config(config, 32, layer_type="chunked")
+
+
+def test_duck_typed_config_and_transformers_4_rope_scaling():
+    hf = llama(2048, rope_type="yarn", factor=4.0, original_max_position_embeddings=512)
+    plain = SimpleNamespace(
+        hidden_size=256, num_attention_heads=4, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    )
+    legacy = SimpleNamespace(
+        head_dim=64, max_position_embeddings=2048, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    )
+    expected = from_hf_config(hf, 100)
+    for config in (plain, legacy):
+        f = from_hf_config(config, 100)
+        assert torch.equal(f.inv_freq, expected.inv_freq)
+        assert f.attention_factor == expected.attention_factor
+    assert plain.rope_parameters == {  # read, never written
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+    }
+
+
+def test_phi3_original_length_attribute_wins():
+    """Phi-3 keeps ``original_max_position_embeddings`` beside ``rope_parameters``; transformers
+    gives the attribute priority, and so does ``from_hf_config`` on a duck-typed config."""
+    config = SimpleNamespace(
+        hidden_size=128, num_attention_heads=4, max_position_embeddings=1024,
+        original_max_position_embeddings=256,
+        rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 512,
+                         "short_factor": [1.0] * 16, "long_factor": [2.0] * 16},
+    )
+    unscaled = tables.inverse_frequencies(32, 10000.0, device="cpu")
+    # 300 positions: beyond the attribute's 256 (long factors, 2), within the dict's 512 (short, 1)
+    torch.testing.assert_close(from_hf_config(config, 300).inv_freq, unscaled / 2, rtol=RATES_RTOL, atol=0)
+
+
+def test_supported_types_are_transformers_init_functions():
+    """Every rope type transformers 5.23 computes rates for is covered, except "proportional"
+    (Gemma 4: per-layer head dims, zero rates for unrotated pairs)."""
+    assert set(HF_ROPE_TYPES) == set(ROPE_INIT_FUNCTIONS) - {"proportional"} | {"default"}
+
+
+def test_tables_module_never_imports_transformers():
+    tree = ast.parse(inspect.getsource(tables))
+    imported = [
+        alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    ] + [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert not [name for name in imported if name.split(".")[0] == "transformers"]
+
+
+# --- TransformerEngine's options ---------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "options, length",
+    [
+        (dict(), 64),
+        (dict(rotary_percent=0.5, rotary_base=500000.0), 64),
+        (dict(seq_len_interpolation_factor=2, pretrained_max_position_embeddings=128), 200),
+        (dict(seq_len_interpolation_factor=2, pretrained_max_position_embeddings=128), 300),
+    ],
+    ids=["plain", "percent-base", "interpolation-fixed", "interpolation-dynamic"],
+)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_te_options_equal_rotary_position_embedding(options, length, interleaved):
+    module = RotaryPositionEmbedding(128, interleaved=interleaved, **options)
+    f = from_te_options(128, length, device=module.inv_freq.device, **options)
+    assert torch.equal(f.angle_table(length, interleaved=interleaved), module(length))
+    interpolating = "seq_len_interpolation_factor" in options
+    assert f.rope_type == ("linear" if interpolating else "default")
+    assert f.max_positions == (length if interpolating else None)
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+def test_unsupported_rope_type_names_it_and_the_supported_ones():
+    config = SimpleNamespace(
+        head_dim=64, max_position_embeddings=128,
+        rope_parameters={"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+    )
+    with pytest.raises(RoPEError, match=r"'rope_type'\] is 'proportional'.*'default', 'linear', "
+                                        r"'dynamic', 'yarn', 'longrope', 'llama3'"):
+        from_hf_config(config, 16)
+
+
+def _config(**rope_parameters):
+    return SimpleNamespace(head_dim=64, max_position_embeddings=1024, rope_parameters=rope_parameters)
+
+
+@pytest.mark.parametrize(
+    "config, max_positions, message",
+    [
+        (_config(rope_type="default"), 0, r"max_positions must be a positive int, got 0"),
+        (_config(rope_type="default"), 2.5, r"max_positions must be a positive int, got 2.5"),
+        (_config(rope_type="default"), True, r"max_positions must be a positive int, got True"),
+        (_config(rope_type="linear"), 8, r"config.rope_parameters has no 'factor', which rope_type 'linear'"),
+        (_config(rope_type="linear", factor=-2.0), 8,
+         r"config.rope_parameters \(rope_type 'linear'\): factor must be a finite number > 0, got -2.0"),
+        (_config(rope_type="default", rope_theta=0.0), 8, r"rope_theta must be a finite number > 0, got 0.0"),
+        (_config(rope_type="default", partial_rotary_factor=1.5), 8,
+         r"config.rope_parameters\['partial_rotary_factor'\] must be in \(0, 1\], got 1.5"),
+        (_config(rope_type="default", partial_rotary_factor=0.01), 8,
+         r"rotary dim int\(head_dim \* partial_rotary_factor\) = int\(64 \* 0.01\) = 0 must be >= 2"),
+        (_config(rope_type="llama3", factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0), 8,
+         r"high_freq_factor must be greater than low_freq_factor, got high_freq_factor=1.0"),
+        (_config(rope_type="llama3", factor=8.0, high_freq_factor=4.0), 8,
+         r"has no 'low_freq_factor', which rope_type 'llama3' needs"),
+        (_config(rope_type="longrope", short_factor=[1.0] * 3, long_factor=[1.0] * 32), 8,
+         r"short_factor must be 32 positive numbers \(one per pair\), got \[1.0, 1.0, 1.0\]"),
+        (_config(rope_type="yarn", factor=4.0, attention_factor=0.0), 8,
+         r"attention_factor must be a finite number > 0, got 0.0"),
+        (_config(rope_type="dynamic", factor=2.0), -1, r"max_positions must be a positive int, got -1"),
+        (SimpleNamespace(rope_parameters={"rope_type": "default"}), 8,
+         r"config must have head_dim, or hidden_size and num_attention_heads"),
+        (SimpleNamespace(head_dim=64, rope_parameters={"rope_type": "dynamic", "factor": 2.0}), 8,
+         r"config has no max_position_embeddings, which rope_type 'dynamic' needs"),
+        (SimpleNamespace(head_dim=64, rope_parameters={"full": None}), 8,
+         r"per layer type \('full'\); pass layer_type="),
+    ],
+)
+def test_bad_configs_raise_rope_error_naming_the_field(config, max_positions, message):
+    with pytest.raises(RoPEError, match=message):
+        from_hf_config(config, max_positions)
+
+
+def test_a_layer_type_without_rotary_embedding():
+    config = SimpleNamespace(head_dim=64, rope_parameters={"full": {"rope_type": "default"}, "nope": None})
+    with pytest.raises(RoPEError, match=r"\['nope'\] is None: layers of type 'nope' use no rotary"):
+        from_hf_config(config, 8, layer_type="nope")
+
+
+def test_builders_and_result_check_their_arguments():
+    with pytest.raises(RoPEError, match=r"dim must be even for YaRN.*got 7"):
+        tables.yarn_frequencies(7, factor=2.0, original_max_position_embeddings=64)
+    with pytest.raises(RoPEError, match=r"dim \(the rotary dim\) must be an int >= 2, got 1"):
+        tables.default_frequencies(1)
+    with pytest.raises(RoPEError, match=r"inv_freq must be a float32 tensor \[d2 / 2\], got dtype float64"):
+        RotaryFrequencies(torch.ones(4, dtype=torch.float64))
+    f = tables.default_frequencies(8)
+    with pytest.raises(RoPEError, match=r"interleaved must be a bool, got 1"):
+        f.angle_table(4, interleaved=1)
+    with pytest.raises(RoPEError, match=r"rotary_percent must be in \(0, 1\], got 2.0"):
+        from_te_options(64, 16, rotary_percent=2.0)
