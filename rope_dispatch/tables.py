@@ -286,10 +286,9 @@ class RotaryFrequencies:
       table are those of the long one, not the ones a shorter sequence would get). ``None``
       when the rates do not depend on the length.
 
-    An angle table does not carry ``attention_factor``: pass
-    ``RoPESpec(..., cos_sin_scale=f.attention_factor)`` with :meth:`angle_table` so that every
-    backend multiplies cos and sin by it. :meth:`cos_sin_cache` already includes the factor;
-    use it with ``cos_sin_scale`` left at 1.0.
+    An angle table cannot carry ``attention_factor`` (YaRN's and LongRoPE's multiplier of cos
+    and sin): :meth:`cos_sin_cache` includes it, and :meth:`angle_table` refuses a factor other
+    than 1.0 unless told that the caller applies it.
     """
 
     inv_freq: torch.Tensor
@@ -321,7 +320,8 @@ class RotaryFrequencies:
         return 2 * self.inv_freq.shape[0]
 
     def angle_table(
-        self, max_positions: int, *, device: _DeviceLike = None, interleaved: bool = False
+        self, max_positions: int, *, device: _DeviceLike = None, interleaved: bool = False,
+        without_attention_factor: bool = False,
     ) -> torch.Tensor:
         """float32 angles ``[max_positions, 1, 1, d2]`` of positions ``0 .. max_positions - 1``.
 
@@ -329,8 +329,16 @@ class RotaryFrequencies:
         ``inv_freq @ position_ids``; TE's options multiply positions by ``position_scale``
         first). The halves layout ``[a_0 .. a_{n-1}, a_0 .. a_{n-1}]``, or pairs with
         ``interleaved``. ``device``: where the table lives (``None``: where ``inv_freq`` is).
-        ``attention_factor`` is not applied: give it to the spec as ``cos_sin_scale``.
+        An angle table cannot apply ``attention_factor``: where it is not 1.0 this raises
+        (use :meth:`cos_sin_cache`) unless ``without_attention_factor=True`` says the caller
+        multiplies the result's cos and sin by it.
         """
+        if self.attention_factor != 1.0 and not without_attention_factor:
+            raise RoPEError(
+                f"this {self.rope_type!r} table has attention_factor={self.attention_factor:.6g}, "
+                "which an angle table cannot carry; use cos_sin_cache(), which includes it, or "
+                "pass without_attention_factor=True to apply it yourself"
+            )
         length = self._checked_length(max_positions)
         if not isinstance(interleaved, bool):
             raise RoPEError(f"interleaved must be a bool, got {interleaved!r}")
@@ -344,9 +352,10 @@ class RotaryFrequencies:
         ``attention_factor`` as transformers' rotary modules multiply them.
 
         Evaluated in float64 from the float32 angles and rounded once, like
-        :func:`cos_sin_cache`. The factor is inside: leave the spec's ``cos_sin_scale`` at 1.0.
+        :func:`cos_sin_cache`. Every backend that reads caches serves it as it is.
         """
-        angles = self.angle_table(max_positions, device=device, interleaved=interleaved)
+        angles = self.angle_table(max_positions, device=device, interleaved=interleaved,
+                                  without_attention_factor=True)
         angles = angles.view(angles.shape[0], angles.shape[3]).double()
         factor = self.attention_factor
         cos = (torch.cos(angles) * factor).float().contiguous()
@@ -707,7 +716,7 @@ def from_hf_config(
     families. Then::
 
         f = rope_dispatch.tables.from_hf_config(model.config, 4096)
-        freqs = f.angle_table(4096, device="cuda")  # with cos_sin_scale=f.attention_factor
+        table = f.cos_sin_cache(4096, device="cuda")  # attention factor included
 
     Raises :class:`~rope_dispatch.RoPEError` for an unsupported ``rope_type`` (naming the
     supported ones: :data:`HF_ROPE_TYPES`), a missing field, or a value out of range.

@@ -243,7 +243,9 @@ def test_angle_table_matches_float64_formula(case, interleaved):
     angles = torch.outer(torch.arange(length, dtype=torch.float64), rates)
     expected = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), -1)
 
-    table = from_hf_config(config, length).angle_table(length, interleaved=interleaved)
+    table = from_hf_config(config, length).angle_table(
+        length, interleaved=interleaved, without_attention_factor=True
+    )
     assert table.dtype == torch.float32 and table.is_contiguous()
     assert table.shape == (length, 1, 1, 2 * rates.numel())
     # float32 exponents and powers: rates within ~ln(theta) * 2**-24 relative of the exact ones
@@ -254,7 +256,9 @@ def test_cos_sin_cache_carries_the_attention_factor():
     config = llama(2048, rope_type="yarn", factor=4.0, original_max_position_embeddings=512)
     f = from_hf_config(config, 64)
     assert f.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
-    angles = f.angle_table(64, interleaved=True)[:, 0, 0].double()
+    with pytest.raises(RoPEError, match=r"'yarn' table has attention_factor=1.13863.*cos_sin_cache"):
+        f.angle_table(64)
+    angles = f.angle_table(64, interleaved=True, without_attention_factor=True)[:, 0, 0].double()
     cache = f.cos_sin_cache(64, interleaved=True)
     torch.testing.assert_close(cache.cos, (angles.cos() * f.attention_factor).float(), rtol=0, atol=0)
     torch.testing.assert_close(cache.sin, (angles.sin() * f.attention_factor).float(), rtol=0, atol=0)
@@ -299,9 +303,9 @@ def test_longrope_switches_to_long_factors_after_original_length(extra):
 
 def test_length_dependent_rates_refuse_a_longer_table():
     f = from_hf_config(phi3(original=256), 256)
-    assert f.angle_table(100).shape[0] == 100  # a prefix of the same rates
+    assert f.angle_table(100, without_attention_factor=True).shape[0] == 100  # a prefix
     with pytest.raises(RoPEError, match=r"max_positions=257 exceeds the 256 positions .*'longrope'"):
-        f.angle_table(257)
+        f.angle_table(257, without_attention_factor=True)
     static = from_hf_config(llama(rope_type="linear", factor=2.0), 16)
     assert static.max_positions is None and static.angle_table(5000).shape[0] == 5000
 
@@ -384,7 +388,8 @@ def test_tables_module_never_imports_transformers():
 def test_te_options_equal_rotary_position_embedding(options, length, interleaved):
     module = RotaryPositionEmbedding(128, interleaved=interleaved, **options)
     f = from_te_options(128, length, device=module.inv_freq.device, **options)
-    assert torch.equal(f.angle_table(length, interleaved=interleaved), module(length))
+    assert torch.equal(f.angle_table(length, interleaved=interleaved, without_attention_factor=True),
+                       module(length))
     interpolating = "seq_len_interpolation_factor" in options
     assert f.rope_type == ("linear" if interpolating else "default")
     assert f.max_positions == (length if interpolating else None)
