@@ -61,14 +61,15 @@ def reference(q, k, cos, sin, unsqueeze_dim):
     return one(q), one(k)
 
 
-def inputs(dtype, unsqueeze_dim, heads=4, kv_heads=2, head_dim=16, rotary_dim=None, batch_cos=BATCH, seed=0):
+def inputs(dtype, unsqueeze_dim, heads=4, kv_heads=2, head_dim=16, rotary_dim=None, batch_cos=BATCH, seed=0,
+           device="cpu"):
     """q and k as a model makes them: views of one projection output (non-contiguous), in
     ``[b, heads, s, d]`` for ``unsqueeze_dim=1`` and ``[b, s, heads, d]`` for 2; per-token cos
     and sin ``[batch_cos, s, d2]`` of random angles (the two halves equal), in ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
     rotary_dim = rotary_dim or head_dim
     width = (heads + 2 * kv_heads) * head_dim
-    projected = torch.randn(BATCH, TOKENS, width, generator=gen).to(dtype)
+    projected = torch.randn(BATCH, TOKENS, width, generator=gen).to(dtype).to(device)
     q = projected[..., : heads * head_dim].unflatten(-1, (heads, head_dim))
     k = projected[..., heads * head_dim : (heads + kv_heads) * head_dim].unflatten(-1, (kv_heads, head_dim))
     if unsqueeze_dim == 1:
@@ -77,7 +78,7 @@ def inputs(dtype, unsqueeze_dim, heads=4, kv_heads=2, head_dim=16, rotary_dim=No
     angles = torch.cat((angles, angles), dim=-1)
     return (
         q.detach().requires_grad_(), k.detach().requires_grad_(),
-        angles.cos().to(dtype), angles.sin().to(dtype),
+        angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device),
     )
 
 
@@ -266,8 +267,10 @@ def test_triton_backend_serves_the_call(triton_backend, unsqueeze_dim, batch_cos
     """The GPU path (Triton's interpreter without CUDA): q and k of a model's shapes, per-token
     cos and sin, forward and gradients against the float64 reference, within one bf16 ulp (the
     interpreter rounds float32 to bf16 toward zero)."""
-    q, k, cos, sin = inputs(torch.bfloat16, unsqueeze_dim, batch_cos=batch_cos, seed=6)
-    grad_q, grad_k = torch.randn(q.shape).bfloat16(), torch.randn(k.shape).bfloat16()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, cos, sin = inputs(torch.bfloat16, unsqueeze_dim, batch_cos=batch_cos, seed=6, device=device)
+    grad_q = torch.randn(q.shape).bfloat16().to(device)
+    grad_k = torch.randn(k.shape).bfloat16().to(device)
     with rd.use_backend("triton"):
         out = hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
         torch.autograd.backward(out, (grad_q, grad_k))
