@@ -14,7 +14,8 @@ reported next to its times.
 The decode shape also reports ``rope_dispatch.apply`` end to end on the host clock (dispatch,
 checks and launch included), since there the host, not the GPU, sets the pace.
 
-Writes ``bench.json``, ``bench.md`` and (with matplotlib) ``bench.png`` to ``--out``.
+Writes ``bench.json``, ``bench.md`` and (with matplotlib) ``bench.png`` (% of copy per shape,
+grouped bars) to ``--out``.
 """
 
 from __future__ import annotations
@@ -684,33 +685,57 @@ def format_table(report: Report) -> str:
     return "\n".join(lines)
 
 
-def plot(report: Report, path: Path) -> bool:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is absent."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(report: Report, path: Path) -> bool:
+    """Grouped bars: % of copy per shape, one bar per implementation; a forward panel and a
+    backward panel (through autograd, and hatched, the launch alone where measured). Shapes
+    differ in more than size, so each stands on its own: no line joins them."""
+    plt = pyplot()
+    if plt is None:
         return False
-    sizes = {s.name: 2 * math.prod(s.dims()) * s.dtype.itemsize for s in SHAPES}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for ax, mode in zip(axes, ("fwd", "bwd")):
-        series: dict[str, list[tuple[int, float]]] = {}
-        for row in report.rows:
-            if row.mode in (mode, "copy") and row.shape in sizes:
-                series.setdefault(row.impl, []).append((sizes[row.shape], row.gbps))
-        for name, points in sorted(series.items()):
-            points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=name)
-        ax.set_xscale("log")
-        ax.set_xlabel("bytes moved (read + write)")
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"RoPE {mode}")
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
+    rows = [r for r in report.rows if r.mode != "copy"]
+    shapes = list(dict.fromkeys(r.shape for r in rows))
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(impls)}
+    panels = (("forward", ("fwd",)), ("backward", ("bwd", "bwd kernel")))
+    fig, axes = plt.subplots(2, 1, figsize=(max(12.0, 1.5 * len(shapes)), 10), sharex=True)
+    for ax, (title, modes) in zip(axes, panels):
+        bars: dict[tuple[str, str], dict[str, float]] = {}
+        for row in rows:
+            if row.mode in modes:
+                bars.setdefault((row.impl, row.mode), {})[row.shape] = 100 * row.copy_ratio
+        width = 0.8 / max(1, len(bars))
+        for i, ((impl, mode), values) in enumerate(bars.items()):
+            offset = (i - (len(bars) - 1) / 2) * width
+            xs = [j + offset for j, shape in enumerate(shapes) if shape in values]
+            alone = mode == "bwd kernel"
+            ax.bar(xs, [values[s] for s in shapes if s in values], width, color=colors[impl],
+                   hatch="///" if alone else None, edgecolor="white" if alone else None,
+                   label=f"{impl}, launch alone" if alone else impl)
+        ax.axhline(100, color="black", linewidth=0.8)
+        ax.axhline(95, color="gray", linestyle=":", linewidth=0.8)
+        ax.set_ylabel("% of a device copy of the same bytes")
+        note = " (through autograd; hatched: the launch alone)" if len(modes) > 1 else ""
+        ax.set_title(f"RoPE {title}{note}")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[-1].set_xticks(range(len(shapes)))
+    axes[-1].set_xticklabels(shapes, rotation=30, ha="right", fontsize=7)
     fig.suptitle(f"{report.device}, {report.date}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     return True
 
 
