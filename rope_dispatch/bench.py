@@ -14,7 +14,8 @@ reported next to its times.
 The decode shape also reports ``rope_dispatch.apply`` end to end on the host clock (dispatch,
 checks and launch included), since there the host, not the GPU, sets the pace.
 
-Writes ``bench.json``, ``bench.md`` and (with matplotlib) ``bench.png`` to ``--out``.
+Writes ``bench.json``, ``bench.md`` and (with matplotlib) ``bench.png`` (% of copy per shape,
+grouped bars) to ``--out``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Shape:
     n_seqs: int = 0
     cp_size: int = 1  # context parallelism: the local part of rank cp_size - 1, with start_positions
     qkv: tuple[int, int, int] | None = None  # packed qkv split; heads are head groups
+    seqlens: tuple[int, ...] | None = None  # thd lengths; None: make_inputs draws n_seqs of them
 
     def dims(self) -> tuple[int, ...]:
         width = self.head_dim if self.qkv is None else sum(self.qkv)
@@ -61,6 +63,10 @@ class Shape:
         if self.layout == "sbhd":
             return (self.seq, self.batch, self.heads, width)
         return (self.batch, self.seq, self.heads, width)
+
+    def tensor_bytes(self) -> int:
+        """Bytes of the input tensor: a call reads them once and writes as many."""
+        return math.prod(self.dims()) * self.dtype.itemsize
 
 
 SHAPES = (
@@ -109,14 +115,25 @@ def _seqlens(total: int, n: int, gen: torch.Generator, multiple: int = 1) -> lis
     return lengths.tolist()
 
 
-def make_inputs(shape: Shape, device: str = "cuda") -> Inputs:
+def make_inputs(shape: Shape, device: str = "cuda", draw_on_device: bool = False) -> Inputs:
+    """The shape's tensor, gradient and tables, drawn with a fixed seed on the host, or on
+    ``device`` with ``draw_on_device`` (other values; seconds less per GiB, for sweeps)."""
     gen = torch.Generator().manual_seed(0)
+    device_gen = torch.Generator(device).manual_seed(0) if draw_on_device else None
+
+    def normal(dims: tuple[int, ...]) -> torch.Tensor:
+        if device_gen is not None:
+            return torch.randn(dims, generator=device_gen, device=device, dtype=shape.dtype)
+        return torch.randn(dims, generator=gen).to(shape.dtype).to(device)
+
     rot, cp = shape.rotary_dim, shape.cp_size
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
-    t = torch.randn(shape.dims(), generator=gen).to(shape.dtype).to(device)
+    t = normal(shape.dims())
     # thd under CP: shape.seq is the local token count; global lengths divide by 2 * cp
     lengths = (
-        _seqlens(shape.seq * cp, shape.n_seqs, gen, 2 * cp) if shape.layout == "thd" else None
+        None if shape.layout != "thd"
+        else list(shape.seqlens) if shape.seqlens is not None
+        else _seqlens(shape.seq * cp, shape.n_seqs, gen, 2 * cp)
     )
     batch = len(lengths) if lengths else shape.batch
     starts = torch.randint(0, MAX_START, (batch,), generator=gen) if cp > 1 else None
@@ -135,13 +152,12 @@ def make_inputs(shape: Shape, device: str = "cuda") -> Inputs:
     else:
         spec = rd.RoPESpec(layout=shape.layout, **common)
     if shape.qkv is None:
-        grad: Any = torch.randn(shape.dims(), generator=gen).to(shape.dtype).to(device)
+        grad: Any = normal(shape.dims())
     else:  # gradients of q [.., h * q/d, d], k [.., h, d] and v [.., h, v]
         lead, h = shape.dims()[:-2], shape.heads
         q_len, d, v_len = shape.qkv
         grad = tuple(
-            torch.randn(dims, generator=gen).to(shape.dtype).to(device)
-            for dims in ((*lead, h * q_len // d, d), (*lead, h, d), (*lead, h, v_len))
+            normal(dims) for dims in ((*lead, h * q_len // d, d), (*lead, h, d), (*lead, h, v_len))
         )
     return Inputs(t, freqs, rd.cos_sin_cache(freqs), spec, grad, cu,
                   None if starts is None else starts.to(device), shape.qkv)
@@ -160,6 +176,12 @@ class Impl:
     bytes_factor: float = 1.0  # bytes it moves relative to its ceiling's (Liger: + a 1-head k)
     rotary_only: bool = False  # moves only the rotary channels (d2 / d of the bytes)
     bwd_kernel: Callable[[], Any] | None = None  # the backward's launch alone, no autograd
+
+    def copy_share(self, mode: str, rotary_share: float) -> float:
+        """Bytes a ``mode`` call moves over the bytes of one copy of the tensor: two calls for
+        fwd+bwd, Liger's extra k, and only the rotary channels (``rotary_share``) in place."""
+        share = self.bytes_factor * (2 if mode == "fwd+bwd" else 1)
+        return share * (rotary_share if self.rotary_only else 1)
 
 
 def _ours(name: str, label: str, inp: Inputs, table: Any) -> Impl | None:
@@ -245,10 +267,11 @@ def _te_peer(shape: Shape, inp: Inputs) -> Impl | None:
     except Exception:  # noqa: BLE001 (not installed, or installed but broken)
         return None
     kwargs: dict[str, Any] = {"tensor_format": shape.layout}
+    starts = None if inp.starts is None else inp.starts.int()
     if inp.cu_seqlens is not None:
         kwargs["cu_seqlens"] = inp.cu_seqlens
-    if inp.starts is not None:
-        kwargs["start_positions"] = inp.starts.int()
+    if starts is not None:
+        kwargs["start_positions"] = starts
     if shape.cp_size > 1:
         kwargs.update(cp_size=inp.spec.cp_size, cp_rank=inp.spec.cp_rank)
     if inp.split is None:
@@ -271,7 +294,15 @@ def _te_peer(shape: Shape, inp: Inputs) -> Impl | None:
     def fwd_bwd():
         return torch.autograd.grad(run(leaf), leaf, inp.grad)
 
-    return Impl("TE fused (peer)", fwd, bwd, fwd_bwd, fwd)
+    kernel = None
+    backward_op = getattr(getattr(rope, "tex", None), "fused_rope_backward", None)
+    formats = getattr(rope, "QKVFormat", None)
+    if inp.split is None and backward_op is not None and formats is not None:
+        def kernel():  # what FusedRoPEFunc.backward calls
+            return backward_op(inp.grad, inp.freqs, starts, formats[shape.layout], False,
+                               inp.cu_seqlens, inp.spec.cp_size, inp.spec.cp_rank)
+
+    return Impl("TE fused (peer)", fwd, bwd, fwd_bwd, fwd, bwd_kernel=kernel)
 
 
 def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
@@ -311,7 +342,7 @@ def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
     if rot < d:
         note += "; in place it skips the pass-through channels"
     return Impl("Liger (peer)", fwd, bwd, fwd_bwd, output, note, bytes_factor=(h + 1) / h,
-                rotary_only=rot < d)
+                rotary_only=rot < d, bwd_kernel=bwd)
 
 
 def _reference64(inp: Inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -433,8 +464,7 @@ def run_shape(
             except Exception as exc:  # noqa: BLE001 (one failing mode is reported, not fatal)
                 print(f"  {impl.name} {mode}: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
-            share = impl.bytes_factor * (2 if mode == "fwd+bwd" else 1)
-            share *= rotary_share if impl.rotary_only else 1
+            share = impl.copy_share(mode, rotary_share)
             moved = nbytes * share
             ratio = copy_ms * share / ms
             row = Row(shape.name, impl.name, mode, ms * 1e3, moved / ms / 1e6, ratio,
@@ -684,33 +714,57 @@ def format_table(report: Report) -> str:
     return "\n".join(lines)
 
 
-def plot(report: Report, path: Path) -> bool:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is absent."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(report: Report, path: Path) -> bool:
+    """Grouped bars: % of copy per shape, one bar per implementation; a forward panel and a
+    backward panel (through autograd, and hatched, the launch alone where measured). Shapes
+    differ in more than size, so each stands on its own: no line joins them."""
+    plt = pyplot()
+    if plt is None:
         return False
-    sizes = {s.name: 2 * math.prod(s.dims()) * s.dtype.itemsize for s in SHAPES}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for ax, mode in zip(axes, ("fwd", "bwd")):
-        series: dict[str, list[tuple[int, float]]] = {}
-        for row in report.rows:
-            if row.mode in (mode, "copy") and row.shape in sizes:
-                series.setdefault(row.impl, []).append((sizes[row.shape], row.gbps))
-        for name, points in sorted(series.items()):
-            points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=name)
-        ax.set_xscale("log")
-        ax.set_xlabel("bytes moved (read + write)")
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"RoPE {mode}")
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
+    rows = [r for r in report.rows if r.mode != "copy"]
+    shapes = list(dict.fromkeys(r.shape for r in rows))
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(impls)}
+    panels = (("forward", ("fwd",)), ("backward", ("bwd", "bwd kernel")))
+    fig, axes = plt.subplots(2, 1, figsize=(max(12.0, 1.5 * len(shapes)), 10), sharex=True)
+    for ax, (title, modes) in zip(axes, panels):
+        bars: dict[tuple[str, str], dict[str, float]] = {}
+        for row in rows:
+            if row.mode in modes:
+                bars.setdefault((row.impl, row.mode), {})[row.shape] = 100 * row.copy_ratio
+        width = 0.8 / max(1, len(bars))
+        for i, ((impl, mode), values) in enumerate(bars.items()):
+            offset = (i - (len(bars) - 1) / 2) * width
+            xs = [j + offset for j, shape in enumerate(shapes) if shape in values]
+            alone = mode == "bwd kernel"
+            ax.bar(xs, [values[s] for s in shapes if s in values], width, color=colors[impl],
+                   hatch="///" if alone else None, edgecolor="white" if alone else None,
+                   label=f"{impl}, launch alone" if alone else impl)
+        ax.axhline(100, color="black", linewidth=0.8)
+        ax.axhline(95, color="gray", linestyle=":", linewidth=0.8)
+        ax.set_ylabel("% of a device copy of the same bytes")
+        note = " (through autograd; hatched: the launch alone)" if len(modes) > 1 else ""
+        ax.set_title(f"RoPE {title}{note}")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[-1].set_xticks(range(len(shapes)))
+    axes[-1].set_xticklabels(shapes, rotation=30, ha="right", fontsize=7)
     fig.suptitle(f"{report.device}, {report.date}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     return True
 
 

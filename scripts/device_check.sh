@@ -15,7 +15,12 @@
 # workers (default 6), TE_TIMEOUT seconds, TE_K a pytest -k expression.
 # The benchmark runs with --serving (decode q+k with GPU positions, prefill q+k) unless
 # BENCH_ARGS says otherwise.
-# Ends with the benchmark's table, so the last lines of the output are the figures.
+# SWEEP (non-empty): after the benchmark, the sweep (python3 -m rope_dispatch.sweep; about
+# 5 minutes for its default points, so skip the tests and the benchmark beside it) into
+# SWEEP_OUT (default OUT), with SWEEP_ARGS (e.g. --quick) and SWEEP_TIMEOUT seconds (default
+# 420; the sweep writes its results after every point, so a cut run keeps what it measured).
+# Ends with the benchmark's table (then the sweep's summary), so the last lines of the output
+# are the figures.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/rope-out}
@@ -63,5 +68,14 @@ fi
 
 if [[ -z "${SKIP_BENCH:-}" ]]; then
   timeout ${BENCH_TIMEOUT:-300} python3 -m rope_dispatch.bench --out "$OUT" ${BENCH_ARGS:---serving} 2>&1 | tee "$OUT/bench.log" | grep -v "^shape " | tail -60
+fi
+
+if [[ -n "${SWEEP:-}" ]]; then
+  SWEEP_OUT=${SWEEP_OUT:-$OUT}
+  mkdir -p "$SWEEP_OUT"
+  started=$SECONDS
+  timeout ${SWEEP_TIMEOUT:-420} python3 -m rope_dispatch.sweep --out "$SWEEP_OUT" ${SWEEP_ARGS:-} >"$SWEEP_OUT/sweep.log" 2>&1
+  echo "sweep exit code $? in $((SECONDS - started)) s (log: sweep.log; table: sweep.md)"
+  grep -E "^[0-9]+ points in|^matplotlib|Error" "$SWEEP_OUT/sweep.log" | tail -5
 fi
 exit $status

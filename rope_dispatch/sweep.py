@@ -1,0 +1,399 @@
+"""``python -m rope_dispatch.sweep``: RoPE's share of a device copy across sizes.
+
+``rope_dispatch.bench`` times a few Llama-like shapes; this sweep walks sequence length from
+128 to 131,072 (the token count for thd) for several (batch, heads, head dim) series, so a
+reader sees where each implementation reaches the copy's bandwidth and where launch and tail
+effects hold it back. Per point it measures a device-to-device copy of the tensor's bytes (the
+ceiling: RoPE reads the tensor once and writes it once) and, for our triton backend,
+TransformerEngine's fused ``apply_rotary_pos_emb`` and Liger-Kernel's ``rope_forward`` /
+``rope_backward`` (where importable and the layout fits their API): the forward, the
+backward's launch alone, forward+backward through autograd, each as the median of
+``triton.testing.do_bench`` and as % of the copy, and the kernels one forward and one
+forward+backward launch (counted with ``torch.profiler``).
+
+Writes ``sweep.json`` and ``sweep.md`` to ``--out`` after every point (a run cut short keeps
+what it measured) and, with matplotlib, ``sweep-<layout>.png``: % of copy against sequence
+length, one panel per series.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rope_dispatch.bench import (
+    Impl, Inputs, Shape, _liger_peer, _ours, _seqlens, _te_peer, _versions, bench_ms, make_inputs,
+    pyplot,
+)
+
+LAYOUTS = ("sbhd", "bshd", "thd")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SEQ_LENS = (128, 512, 2048, 8192, 32768, 131072)
+SIDE_SEQ_LENS = (2048, 32768)  # the head-dim and partial-rotary series: a short and a long point
+QUICK_SEQ_LENS = (512, 8192)
+MAX_TENSOR_BYTES = 1 << 30  # points whose input tensor is larger are left out
+LARGE_TENSOR_BYTES = 64 << 20  # the "95% of copy" target covers inputs of at least this size
+THD_SEQS_PER_BATCH = 4  # thd packs 4 * batch sequences into the token count
+NOT_KERNELS = ("Memcpy", "Memset", "Context Sync", "Stream Sync", "Event Sync", "Stream Wait")
+IMPLEMENTATIONS = {"triton": "triton", "te": "TE fused (peer)", "liger": "Liger (peer)"}
+MODES = ("fwd", "bwd kernel", "fwd+bwd")
+
+
+@dataclass(frozen=True)
+class Series:
+    """Points that differ only in sequence length: one line in a plot."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    rotary_dim: int
+    seq_lens: tuple[int, ...]
+    why: str
+
+
+SERIES = (
+    Series(1, 1, 128, 128, SEQ_LENS, "one head: a GQA key, or a tensor-parallel shard of one"),
+    Series(1, 8, 128, 128, SEQ_LENS, "8 heads: Llama-3's keys, or 32 query heads over 4 ranks"),
+    Series(4, 8, 128, 128, SEQ_LENS, "the same heads, batch 4 (16 packed sequences for thd)"),
+    Series(1, 32, 128, 128, SEQ_LENS, "32 heads: Llama-3 8B's queries on one GPU"),
+    Series(1, 8, 64, 64, SIDE_SEQ_LENS, "head dim 64"),
+    Series(1, 8, 256, 256, SIDE_SEQ_LENS, "head dim 256"),
+    Series(1, 32, 128, 64, SIDE_SEQ_LENS, "partial rotary: rotary dim half the head dim"),
+)
+QUICK_SERIES = (
+    Series(1, 8, 128, 128, QUICK_SEQ_LENS, "8 heads"),
+    Series(1, 1, 128, 128, (2048,), "one head"),
+    Series(1, 32, 128, 64, (2048,), "partial rotary"),
+)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The command line's name for ``dtype`` (bf16, fp32)."""
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def make_point(layout: str, dtype: torch.dtype, series: Series, seq: int) -> Shape:
+    """One sweep point as a bench ``Shape``; for thd, ``seq`` tokens in ``4 * batch`` packed
+    sequences of fixed pseudo-random lengths."""
+    rot = f" rot{series.rotary_dim}" if series.rotary_dim < series.head_dim else ""
+    dims = f"h{series.heads} d{series.head_dim}{rot} {dtype_name(dtype)}"
+    if layout != "thd":
+        return Shape(f"{layout} s{seq} b{series.batch} {dims}", layout, dtype, seq, series.batch,
+                     series.heads, series.head_dim, series.rotary_dim)
+    n = THD_SEQS_PER_BATCH * series.batch
+    lengths = tuple(_seqlens(seq, n, torch.Generator().manual_seed(0)))
+    return Shape(f"thd {n} seqs T{seq} {dims}", layout, dtype, seq, n, series.heads,
+                 series.head_dim, series.rotary_dim, n_seqs=n, seqlens=lengths)
+
+
+def sweep_points(
+    layouts: Sequence[str] = LAYOUTS, dtypes: Sequence[torch.dtype] = (torch.bfloat16,),
+    quick: bool = False,
+) -> list[Shape]:
+    """Every (layout, dtype, series, sequence length) whose input tensor fits the size cap."""
+    points = []
+    for layout in layouts:
+        for dtype in dtypes:
+            for series in QUICK_SERIES if quick else SERIES:
+                for seq in series.seq_lens:
+                    shape = make_point(layout, dtype, series, seq)
+                    if shape.tensor_bytes() <= MAX_TENSOR_BYTES:
+                        points.append(shape)
+    return points
+
+
+def bytes_moved(shape: Shape) -> int:
+    """What one RoPE call must move: the tensor read once and written once."""
+    return 2 * shape.tensor_bytes()
+
+
+def describe(shape: Shape) -> dict[str, Any]:
+    """The point's fields in the report: what the table shows and the plots group by."""
+    return {
+        "name": shape.name, "layout": shape.layout, "dtype": dtype_name(shape.dtype),
+        "seq": shape.seq, "batch": shape.batch, "heads": shape.heads,
+        "head_dim": shape.head_dim, "rotary_dim": shape.rotary_dim,
+        "seqlens": None if shape.seqlens is None else list(shape.seqlens),
+        "tensor_bytes": shape.tensor_bytes(), "bytes_moved": bytes_moved(shape),
+        "points_at_least_64MB": shape.tensor_bytes() >= LARGE_TENSOR_BYTES,
+    }
+
+
+def count_launches(fn: Callable[[], Any]) -> int | None:
+    """Kernels one call of ``fn`` runs on the GPU (copies, memsets and synchronisations not
+    counted), from a ``torch.profiler`` trace of a call after a warm one; None where the
+    profiler fails."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        events = prof.events()
+    except Exception as exc:  # noqa: BLE001 (a failing call or profiler costs one column)
+        print(f"  counting launches: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    return sum(
+        1 for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not e.name.startswith(NOT_KERNELS)
+    )
+
+
+def mode_key(mode: str) -> str:
+    """A mode's prefix in the report's keys: ``fwd``, ``bwd_kernel``, ``fwd_bwd``."""
+    return mode.replace("+", "_").replace(" ", "_")
+
+
+def measure(impl: Impl, copy_ms: float, rotary_share: float) -> dict[str, Any]:
+    """``impl``'s times (us and % of copy) and launch counts; a mode that fails is None."""
+    result: dict[str, Any] = {"label": impl.name}
+    calls = {"fwd": impl.fwd, "bwd kernel": impl.bwd_kernel, "fwd+bwd": impl.fwd_bwd}
+    for mode, fn in calls.items():
+        key = mode_key(mode)
+        result[f"{key}_us"] = result[f"{key}_pct_of_copy"] = None
+        if fn is None:
+            continue
+        try:
+            ms = bench_ms(fn)
+        except Exception as exc:  # noqa: BLE001 (one failing mode is reported, not fatal)
+            print(f"  {impl.name} {mode}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        result[f"{key}_us"] = 1e3 * ms
+        result[f"{key}_pct_of_copy"] = 100 * copy_ms * impl.copy_share(mode, rotary_share) / ms
+    result["launches_fwd"] = count_launches(impl.fwd)
+    result["launches_fwd_bwd"] = None if impl.fwd_bwd is None else count_launches(impl.fwd_bwd)
+    return result
+
+
+def _build(name: str, shape: Shape, inp: Inputs) -> tuple[Impl | None, str]:
+    """The implementation ``name`` for this point, or None and why it is absent."""
+    if name == "triton":
+        return _ours("triton", "triton", inp, inp.freqs), "the triton backend refuses the call"
+    if name == "te":
+        return _te_peer(shape, inp), "TransformerEngine is not importable"
+    if shape.layout == "thd":
+        return None, "Liger's API takes no packed (thd) batch"
+    return _liger_peer(shape, inp), "liger_kernel is not importable"
+
+
+def _measure_named(name: str, shape: Shape, inp: Inputs, copy_ms: float) -> dict[str, Any]:
+    """Build and measure one implementation; what it holds on the GPU goes when this returns."""
+    label = IMPLEMENTATIONS[name]
+    try:
+        impl, reason = _build(name, shape, inp)
+        if impl is None:
+            return {"label": label, "absent": reason}
+        return measure(impl, copy_ms, shape.rotary_dim / shape.head_dim)
+    except Exception as exc:  # noqa: BLE001 (a peer that fails is reported, not fatal)
+        print(f"  {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return {"label": label, "absent": f"failed: {type(exc).__name__}: {exc}"}
+
+
+def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]:
+    """Measure one point: the copy, then each implementation (absent ones say why)."""
+    record = describe(shape)
+    inp = make_inputs(shape, device, draw_on_device=True)
+    dst = torch.empty_like(inp.t)
+    copy_ms = bench_ms(lambda: dst.copy_(inp.t))
+    del dst
+    record["copy_us"] = 1e3 * copy_ms
+    print(f"  device copy {record['copy_us']:9.1f} us", flush=True)
+    results: dict[str, Any] = {}
+    for name, label in IMPLEMENTATIONS.items():
+        if name != "triton" and not peers:
+            results[name] = {"label": label, "absent": "--no-peers"}
+        else:
+            results[name] = _measure_named(name, shape, inp, copy_ms)
+        print(f"  {label:>16} {_cells(results[name])}", flush=True)
+    record["implementations"] = results
+    del inp
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return record
+
+
+def _time_cell(result: dict[str, Any], key: str) -> str:
+    """``us (pct%)`` of one mode, or ``-`` where it was not measured."""
+    us, pct = result.get(f"{key}_us"), result.get(f"{key}_pct_of_copy")
+    return "-" if us is None else f"{us:.1f} ({pct:.0f}%)"
+
+
+def _cells(result: dict[str, Any]) -> str:
+    """An implementation's table cells: its modes, then its launch counts."""
+    if "absent" in result:
+        return f"absent ({result['absent']})"
+    launches = "/".join("-" if n is None else str(n)
+                        for n in (result.get("launches_fwd"), result.get("launches_fwd_bwd")))
+    times = " | ".join(_time_cell(result, mode_key(m)) for m in MODES)
+    return f"{times} | {launches}"
+
+
+def format_table(points: Iterable[dict[str, Any]]) -> str:
+    """Markdown: one line per point and implementation."""
+    lines = [
+        "| layout | dtype | seq (tokens for thd) | batch (sequences for thd) | heads | head dim "
+        "| rotary dim | MiB moved | points_at_least_64MB | copy us | implementation "
+        "| fwd us (% copy) | bwd kernel us (% copy) | fwd+bwd us (% of 2 copies) "
+        "| launches fwd/fwd+bwd |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        lead = (f"| {p['layout']} | {p['dtype']} | {p['seq']} | {p['batch']} | {p['heads']} "
+                f"| {p['head_dim']} | {p['rotary_dim']} | {p['bytes_moved'] / 2**20:.1f} "
+                f"| {'yes' if p['points_at_least_64MB'] else 'no'} | {p['copy_us']:.1f}")
+        for result in p["implementations"].values():
+            if "absent" in result:
+                why = " ".join(result["absent"].replace("|", "/").split())  # one table cell
+                lines.append(f"{lead} | {result['label']} | absent: {why} | - | - | - |")
+            else:
+                lines.append(f"{lead} | {result['label']} | {_cells(result)} |")
+    return "\n".join(lines)
+
+
+@dataclass
+class SweepReport:
+    """What sweep.json holds: where and when, with which versions, and the measured points."""
+
+    device: str
+    date: str
+    versions: dict[str, str]
+    points: list[dict[str, Any]]
+
+
+def write(report: SweepReport, out: Path) -> None:
+    """sweep.json (everything) and sweep.md (the table), rewritten after each point."""
+    (out / "sweep.json").write_text(json.dumps(report.__dict__, indent=1))
+    header = f"{report.device}, {report.date}, {report.versions}"
+    (out / "sweep.md").write_text(f"{header}\n\n{format_table(report.points)}\n")
+
+
+def series_key(point: dict[str, Any]) -> tuple[str, int, int, int, int]:
+    """What a plotted line holds fixed: everything but the sequence length."""
+    return (point["dtype"], point["batch"], point["heads"], point["head_dim"], point["rotary_dim"])
+
+
+def plot_layout(report: SweepReport, layout: str, path: Path) -> bool:
+    """% of copy against sequence length for one layout: a panel per series, a line per
+    implementation and mode (fwd solid, backward kernel dashed); False without matplotlib."""
+    plt = pyplot()
+    points = [p for p in report.points if p["layout"] == layout]
+    if plt is None or not points:
+        return False
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for p in sorted(points, key=lambda p: p["seq"]):
+        groups.setdefault(series_key(p), []).append(p)
+    cols = min(4, len(groups))
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    colors = {name: plt.cm.tab10(i) for i, name in enumerate(IMPLEMENTATIONS)}
+    for ax, (key, group) in zip(axes.flat, groups.items()):
+        dtype, batch, heads, head_dim, rot = key
+        for name, label in IMPLEMENTATIONS.items():
+            for mode, style in (("fwd", "-"), ("bwd kernel", "--")):
+                pct = f"{mode_key(mode)}_pct_of_copy"
+                xy = [(p["seq"], p["implementations"][name][pct])
+                      for p in group if p["implementations"][name].get(pct)]
+                if xy:
+                    ax.plot(*zip(*xy), style, marker="o", markersize=3, color=colors[name],
+                            label=f"{label} {mode}")
+        large = [p["seq"] for p in group if p["points_at_least_64MB"]]
+        if large:
+            ax.axvline(min(large), color="gray", linestyle=":", linewidth=0.8)
+        ax.axhline(95, color="gray", linestyle=":", linewidth=0.8)
+        ax.axhline(100, color="black", linewidth=0.6)
+        ax.set_xscale("log", base=2)
+        who = f"{batch} seqs" if layout == "thd" else f"b{batch}"
+        rot_text = f" rot{rot}" if rot < head_dim else ""
+        ax.set_title(f"{who} h{heads} d{head_dim}{rot_text} {dtype}", fontsize=9)
+        ax.set_xlabel("tokens" if layout == "thd" else "sequence length", fontsize=8)
+        ax.set_ylabel("% of copy", fontsize=8)
+        ax.grid(True, alpha=0.3)
+    legend: dict[str, Any] = {}  # label -> line, over every panel (one may lack a peer)
+    for ax in axes.flat:
+        handles, labels = ax.get_legend_handles_labels()
+        legend.update(zip(labels, handles))
+    spare = list(axes.flat)[len(groups):]
+    for ax in spare:
+        ax.axis("off")
+    (spare[0] if spare else axes.flat[0]).legend(legend.values(), legend.keys(), fontsize=7,
+                                                 loc="center" if spare else "best")
+    fig.suptitle(f"RoPE {layout}: % of a device copy (dotted: 95%; inputs of 64 MiB and up "
+                 f"right of the vertical line) - {report.device}, {report.date}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_plots(report: SweepReport, out: Path) -> list[Path]:
+    """One ``sweep-<layout>.png`` per measured layout; none (and one line saying so) without
+    matplotlib."""
+    if pyplot() is None:
+        print("matplotlib is not installed: no plots (the table and JSON are written)")
+        return []
+    layouts = dict.fromkeys(p["layout"] for p in report.points)
+    paths = [out / f"sweep-{layout}.png" for layout in layouts]
+    return [path for layout, path in zip(layouts, paths) if plot_layout(report, layout, path)]
+
+
+def _choices(text: str, allowed: Iterable[str], what: str) -> list[str]:
+    """A comma-separated option's names, each checked against ``allowed``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{what}: {', '.join(unknown) or 'none given'}; choose from {', '.join(allowed)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep; 2 without a CUDA device."""
+    parser = argparse.ArgumentParser(prog="python -m rope_dispatch.sweep",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True,
+                        help="folder for sweep.json, sweep.md and sweep-<layout>.png")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+                        type=lambda s: _choices(s, LAYOUTS, "unknown layout"),
+                        help="comma-separated layouts (default: sbhd,bshd,thd)")
+    parser.add_argument("--dtypes", default="bf16",
+                        type=lambda s: _choices(s, DTYPES, "unknown dtype"),
+                        help="comma-separated dtypes from bf16, fp32 (default: bf16)")
+    parser.add_argument("--quick", action="store_true", help="a handful of points: a smoke run")
+    parser.add_argument("--no-peers", action="store_true", help="skip TransformerEngine and Liger")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("rope_dispatch.sweep needs a CUDA device (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    points = sweep_points(args.layouts, [DTYPES[d] for d in args.dtypes], args.quick)
+    report = SweepReport(torch.cuda.get_device_name(), datetime.date.today().isoformat(),
+                         _versions(), [])
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    print(f"{len(points)} points; {report.device}; {report.versions}", flush=True)
+    for i, shape in enumerate(points, 1):
+        elapsed = time.perf_counter() - started
+        print(f"[{i}/{len(points)}, {elapsed:.0f} s] {shape.name}", flush=True)
+        report.points.append(run_point(shape, not args.no_peers))
+        write(report, args.out)  # partial results survive a time limit
+    plots = write_plots(report, args.out)
+    print(f"\n{format_table(report.points)}\n")
+    print(f"{len(points)} points in {time.perf_counter() - started:.0f} s; wrote "
+          f"{args.out}/sweep.json, sweep.md" + "".join(f", {p.name}" for p in plots))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The sweep benchmark's CPU side: its points, byte counts, table and JSON, and its refusal
+without a CUDA device (the measurements themselves run on the GPU machine)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from rope_dispatch import bench, sweep
+
+BOTH_DTYPES = [torch.bfloat16, torch.float32]
+
+
+def test_points_cover_every_layout_and_dtype():
+    points = sweep.sweep_points(sweep.LAYOUTS, BOTH_DTYPES)
+    assert {(p.layout, p.dtype) for p in points} == {
+        (layout, dtype) for layout in sweep.LAYOUTS for dtype in BOTH_DTYPES
+    }
+
+
+def test_default_points_are_bf16_only():
+    assert {p.dtype for p in sweep.sweep_points()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("layout", sweep.LAYOUTS)
+def test_each_layout_has_one_to_eight_heads_and_the_whole_length_range(layout):
+    points = [p for p in sweep.sweep_points() if p.layout == layout]
+    assert {1, 8} <= {p.heads for p in points}
+    assert min(p.seq for p in points) == 128
+    assert max(p.seq for p in points) == 131072
+    assert {64, 128, 256} <= {p.head_dim for p in points}
+
+
+def test_partial_rotary_point_is_present():
+    points = sweep.sweep_points()
+    partial = [p for p in points if p.rotary_dim < p.head_dim]
+    assert partial and all(p.rotary_dim * 2 == p.head_dim for p in partial)
+    assert {p.layout for p in partial} == set(sweep.LAYOUTS)
+
+
+def test_size_cap_is_respected_and_leaves_out_the_largest_fp32_points():
+    kept = sweep.sweep_points(sweep.LAYOUTS, BOTH_DTYPES)
+    assert all(p.tensor_bytes() <= sweep.MAX_TENSOR_BYTES for p in kept)
+    every = [
+        sweep.make_point(layout, dtype, series, seq)
+        for layout in sweep.LAYOUTS for dtype in BOTH_DTYPES
+        for series in sweep.SERIES for seq in series.seq_lens
+    ]
+    dropped = [p for p in every if p.name not in {k.name for k in kept}]
+    assert dropped and all(p.tensor_bytes() > sweep.MAX_TENSOR_BYTES for p in dropped)
+
+
+def test_point_names_are_unique():
+    names = [p.name for p in sweep.sweep_points(sweep.LAYOUTS, BOTH_DTYPES)]
+    assert len(names) == len(set(names))
+
+
+def test_thd_points_pack_several_sequences_summing_to_the_token_count():
+    thd = [p for p in sweep.sweep_points() if p.layout == "thd"]
+    assert thd
+    for p in thd:
+        assert p.seqlens is not None and len(p.seqlens) == p.n_seqs >= 2
+        assert sum(p.seqlens) == p.seq
+        assert min(p.seqlens) > 0
+        assert p.dims() == (p.seq, p.heads, p.head_dim)
+
+
+def test_thd_lengths_reach_make_inputs():
+    shape = sweep.make_point("thd", torch.float32, sweep.SERIES[0], 128)
+    inp = bench.make_inputs(shape, device="cpu")
+    assert inp.cu_seqlens.tolist() == [0, *torch.tensor(shape.seqlens).cumsum(0).tolist()]
+
+
+def test_quick_is_a_handful_of_points_per_layout():
+    quick = sweep.sweep_points(quick=True)
+    assert {p.layout for p in quick} == set(sweep.LAYOUTS)
+    assert len(quick) <= 5 * len(sweep.LAYOUTS)
+
+
+def test_bytes_moved_counts_one_read_and_one_write():
+    sbhd = sweep.make_point("sbhd", torch.bfloat16, sweep.Series(4, 8, 128, 128, (), ""), 2048)
+    assert sbhd.dims() == (2048, 4, 8, 128)
+    assert sweep.bytes_moved(sbhd) == 2 * (2048 * 4 * 8 * 128) * 2  # 32 MiB
+    fp32 = sweep.make_point("bshd", torch.float32, sweep.Series(1, 1, 256, 128, (), ""), 512)
+    assert sweep.bytes_moved(fp32) == 2 * (512 * 256) * 4
+    thd = sweep.make_point("thd", torch.bfloat16, sweep.Series(1, 32, 128, 64, (), ""), 8192)
+    assert sweep.bytes_moved(thd) == 2 * (8192 * 32 * 128) * 2  # the pass-through half moves too
+
+
+def test_large_flag_follows_the_input_tensor_size():
+    series = sweep.Series(1, 8, 128, 128, (), "")
+    below = sweep.describe(sweep.make_point("sbhd", torch.bfloat16, series, 16384))  # 32 MiB
+    at = sweep.describe(sweep.make_point("sbhd", torch.bfloat16, series, 32768))  # 64 MiB
+    assert (below["points_at_least_64MB"], at["points_at_least_64MB"]) == (False, True)
+    assert at["tensor_bytes"] == 64 * 2**20 and at["bytes_moved"] == 128 * 2**20
+
+
+def _synthetic_point(layout: str, seq: int) -> dict:
+    """A measured point as run_point records it, with made-up times."""
+    shape = sweep.make_point(layout, torch.bfloat16, sweep.SERIES[1], seq)
+    record = sweep.describe(shape)
+    record["copy_us"] = 50.0
+    record["implementations"] = {
+        "triton": {
+            "label": "triton", "fwd_us": 52.5, "fwd_pct_of_copy": 95.238, "bwd_kernel_us": 55.0,
+            "bwd_kernel_pct_of_copy": 90.909, "fwd_bwd_us": 120.0, "fwd_bwd_pct_of_copy": 83.333,
+            "launches_fwd": 1, "launches_fwd_bwd": 2,
+        },
+        "te": {
+            "label": "TE fused (peer)", "fwd_us": 100.0, "fwd_pct_of_copy": 50.0,
+            "bwd_kernel_us": None, "bwd_kernel_pct_of_copy": None, "fwd_bwd_us": 200.0, "fwd_bwd_pct_of_copy": 50.0,
+            "launches_fwd": 1, "launches_fwd_bwd": None,
+        },
+        "liger": {"label": "Liger (peer)", "absent": "Liger's API takes no packed (thd) batch"},
+    }
+    return record
+
+
+def test_table_has_one_line_per_point_and_implementation():
+    points = [_synthetic_point("sbhd", 32768), _synthetic_point("thd", 2048)]
+    lines = sweep.format_table(points).splitlines()
+    assert len(lines) == 2 + 2 * 3
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert "points_at_least_64MB" in header and "copy us" in header
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    triton = [c.strip() for c in lines[2].strip("|").split("|")]
+    row = dict(zip(header, triton))
+    assert row["layout"] == "sbhd" and row["seq (tokens for thd)"] == "32768"
+    assert row["MiB moved"] == "128.0" and row["points_at_least_64MB"] == "yes"
+    assert row["fwd us (% copy)"] == "52.5 (95%)"
+    assert row["bwd kernel us (% copy)"] == "55.0 (91%)"
+    assert row["fwd+bwd us (% of 2 copies)"] == "120.0 (83%)"
+    assert row["launches fwd/fwd+bwd"] == "1/2"
+    te = dict(zip(header, [c.strip() for c in lines[3].strip("|").split("|")]))
+    assert te["bwd kernel us (% copy)"] == "-" and te["launches fwd/fwd+bwd"] == "1/-"
+    liger = dict(zip(header, [c.strip() for c in lines[-1].strip("|").split("|")]))
+    assert liger["points_at_least_64MB"] == "no" and liger["batch (sequences for thd)"] == "4"
+    assert liger["fwd us (% copy)"].startswith("absent: Liger's API")
+
+
+def test_write_produces_json_and_markdown(tmp_path):
+    report = sweep.SweepReport("a GPU", "2026-11-23", {"torch": "2.x"},
+                               [_synthetic_point("bshd", 512)])
+    sweep.write(report, tmp_path)
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert data["device"] == "a GPU" and len(data["points"]) == 1
+    point = data["points"][0]
+    assert point["bytes_moved"] == 2 * 512 * 8 * 128 * 2
+    assert point["implementations"]["triton"]["launches_fwd_bwd"] == 2
+    text = (tmp_path / "sweep.md").read_text()
+    assert text.startswith("a GPU, 2026-11-23") and "| bshd | bf16 | 512 |" in text
+
+
+def test_plots_are_skipped_with_one_line_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sweep, "pyplot", lambda: None)
+    report = sweep.SweepReport("a GPU", "2026-11-23", {}, [_synthetic_point("sbhd", 512)])
+    assert sweep.write_plots(report, tmp_path) == []
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_series_key_joins_only_points_differing_in_length():
+    a, b = _synthetic_point("sbhd", 512), _synthetic_point("sbhd", 8192)
+    other = sweep.describe(sweep.make_point("sbhd", torch.bfloat16, sweep.SERIES[0], 512))
+    assert sweep.series_key(a) == sweep.series_key(b) != sweep.series_key(other)
+
+
+def test_main_returns_2_without_cuda(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sweep.main(["--out", str(tmp_path / "out"), "--quick"]) == 2
+    assert "CUDA" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--out", "--layouts", "--dtypes", "--quick", "--no-peers"):
+        assert option in text
+
+
+def test_unknown_layout_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main(["--out", "x", "--layouts", "sbhd,hbsd"])
+    assert exit_info.value.code == 2
+    assert "hbsd" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_run_point_records_every_implementation(triton_backend, monkeypatch, layout):
+    """The measuring path end to end on Triton's CPU interpreter, with the clock and the
+    profiler replaced (each callable still runs once): peers absent here say why."""
+    ran = []
+
+    def one_call_ms(fn):
+        fn()
+        ran.append(fn)
+        return 0.002
+
+    monkeypatch.setattr(sweep, "bench_ms", one_call_ms)
+    monkeypatch.setattr(sweep, "count_launches", lambda fn: 1)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    shape = sweep.make_point(layout, torch.float32, sweep.Series(1, 2, 16, 8, (), ""), 32)
+    record = sweep.run_point(shape, peers=True, device="cpu")
+    assert len(ran) == 4  # the copy, then triton fwd, bwd kernel, fwd+bwd
+    triton = record["implementations"]["triton"]
+    assert triton["fwd_us"] == triton["bwd_kernel_us"] == pytest.approx(2.0)
+    assert triton["fwd_bwd_pct_of_copy"] == pytest.approx(200.0)  # two copies' bytes
+    assert triton["launches_fwd"] == triton["launches_fwd_bwd"] == 1
+    assert record["implementations"]["te"]["absent"] == "TransformerEngine is not importable"
+    liger = record["implementations"]["liger"]["absent"]
+    assert "thd" in liger if layout == "thd" else "not importable" in liger
+    assert sweep.format_table([record]).count("\n") == 2 + 2
+
+
+def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
+    monkeypatch.setattr(sweep, "bench_ms", lambda fn: 0.001)
+    monkeypatch.setattr(sweep, "count_launches", lambda fn: None)
+    shape = sweep.make_point("bshd", torch.float32, sweep.Series(2, 1, 8, 8, (), ""), 16)
+    record = sweep.run_point(shape, peers=False, device="cpu")
+    assert record["implementations"]["te"]["absent"] == "--no-peers"
+    assert record["implementations"]["liger"]["absent"] == "--no-peers"
+    assert record["implementations"]["triton"]["launches_fwd"] is None
