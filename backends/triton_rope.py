@@ -537,8 +537,8 @@ def launch_qkv(
     )
     key = None
     if not kernels.INTERPRETED and config is None:
-        key = _qkv_key(base_ints, addresses, xs[0][0], layout, interleaved, q_sin, positions,
-                       backward, has_v, q_tab, copy_pass)
+        key = _qkv_key(base_ints, addresses, xs[0][0], layout, interleaved, q_sin, cu_seqlens,
+                       positions, backward, has_v, q_tab, copy_pass)
         if key_only:
             return key
         entry = _fast_qkv.get(key)
@@ -582,15 +582,18 @@ def launch_qkv(
 
 def _qkv_key(
     base_ints: tuple, addresses: tuple[int, ...], x: torch.Tensor, layout: str, interleaved: bool,
-    q_sin: torch.Tensor | None, positions: torch.Tensor | None, backward: bool, has_v: bool,
-    q_tab: torch.Tensor, copy_pass: bool,
+    q_sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None,
+    backward: bool, has_v: bool, q_tab: torch.Tensor, copy_pass: bool,
 ) -> tuple:
     """The key of a ``rope_qkv_kernel`` launch's compiled kernel in ``_fast_qkv``: every input of
-    Triton's specialisation (the integers, each address's 16-byte alignment, the constants);
-    its last item is the device index."""
+    Triton's specialisation (the integers, each pointer's dtype and 16-byte alignment, the
+    constants); its last item is the device index. An int32 and an int64 index tensor compile
+    to different kernels: one must never run the other's."""
     aligned = tuple(a & 15 == 0 for a in addresses)
     return (base_ints, aligned, x.dtype, layout, interleaved,
-            None if q_sin is None else q_sin.shape[-1], _position_kind(positions), backward,
+            None if q_sin is None else (q_sin.shape[-1], q_sin.dtype), q_tab.dtype,
+            None if cu_seqlens is None else cu_seqlens.dtype,
+            None if positions is None else positions.dtype, _position_kind(positions), backward,
             has_v, q_tab.shape[1], copy_pass, x.get_device())
 
 

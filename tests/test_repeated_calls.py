@@ -132,3 +132,21 @@ def test_pairs_without_positions_are_planned(counted_checks):
         for name, out, x in zip("qk", got, (q, k)):
             assert_matches(out, reference_for(x.cpu(), freqs.cpu(), spec), torch.float32, name)
     assert len(counted_checks) == 1
+
+
+@pytest.mark.usefixtures("unread")
+@pytest.mark.parametrize("in_place", [False, True])
+def test_int32_and_int64_positions_of_one_shape_each_get_their_own_kernel(in_place):
+    """A compiled launch is keyed by its index tensor's dtype too: the same q, k and positions
+    shapes with int64 then int32 positions (and back) each read their positions right."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="thd", dtype="fp16")
+    for step, dtype in enumerate((torch.int64, torch.int32, torch.int64, torch.int32)):
+        q, k = _data((2, 3, D), 40 + step, torch.float16), _data((2, 2, D), 50 + step, torch.float16)
+        positions = torch.tensor([TABLE_LEN - 1, 5], dtype=dtype, device=DEVICE)
+        expected = [reference_for(x.cpu(), freqs.cpu(), spec, positions=positions.cpu()) for x in (q, k)]
+        with torch.no_grad():
+            got = (rd.apply_qk_ if in_place else rd.apply_qk)(q, k, freqs, spec, positions=positions,
+                                                              backend=BACKEND)
+        for name, out, ref in zip("qk", got, expected):
+            assert_matches(out, ref, torch.float16, f"{dtype} {name}")

@@ -11,6 +11,8 @@ import torch
 
 from rope_dispatch import bench, sweep
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the triton backend: CUDA, else its interpreter
+
 BOTH_DTYPES = [torch.bfloat16, torch.float32]
 
 
@@ -193,7 +195,7 @@ def test_unknown_layout_is_a_usage_error(capsys):
 
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 def test_run_point_records_every_implementation(triton_backend, monkeypatch, layout):
-    """The measuring path end to end on Triton's CPU interpreter, with the clock and the
+    """The measuring path end to end (on Triton's CPU interpreter without CUDA), with the clock and the
     profiler replaced (each callable still runs once): peers absent here say why."""
     ran = []
 
@@ -207,7 +209,7 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     monkeypatch.setitem(sys.modules, "transformer_engine", None)
     monkeypatch.setitem(sys.modules, "liger_kernel", None)
     shape = sweep.make_point(layout, torch.float32, sweep.Series(1, 2, 16, 8, (), ""), 32)
-    record = sweep.run_point(shape, peers=True, device="cpu")
+    record = sweep.run_point(shape, peers=True, device=DEVICE)
     assert len(ran) == 4  # the copy, then triton fwd, bwd kernel, fwd+bwd
     triton = record["implementations"]["triton"]
     assert triton["fwd_us"] == triton["bwd_kernel_us"] == pytest.approx(2.0)
@@ -223,7 +225,7 @@ def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
     monkeypatch.setattr(sweep, "bench_ms", lambda fn: 0.001)
     monkeypatch.setattr(sweep, "count_launches", lambda fn: None)
     shape = sweep.make_point("bshd", torch.float32, sweep.Series(2, 1, 8, 8, (), ""), 16)
-    record = sweep.run_point(shape, peers=False, device="cpu")
+    record = sweep.run_point(shape, peers=False, device=DEVICE)
     assert record["implementations"]["te"]["absent"] == "--no-peers"
     assert record["implementations"]["liger"]["absent"] == "--no-peers"
     assert record["implementations"]["triton"]["launches_fwd"] is None
