@@ -47,7 +47,11 @@ def main():
     q4, k4 = q.unsqueeze(0), k.unsqueeze(0)
     qc, kc = q4.contiguous(), k4.contiguous()
     x = torch.randn(1, 64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    leaf = torch.randn(128, 1, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(leaf)
     calls = {
+        "fwd+bwd autograd.grad s128 b1 h8": lambda: torch.autograd.grad(
+            rd.apply(leaf, freqs, d["sbhd"]), leaf, grad),
         "apply decode plain (plan)": lambda: rd.apply(x, freqs, d["sbhd"]),
         "apply_qk_ positions (pair cache)": lambda: rd.apply_qk_(q, k, cache, d["thd"], positions=pos),
         "apply_qk_ start_positions": lambda: rd.apply_qk_(q4, k4, freqs, d["sbhd"], start_positions=pos),
