@@ -432,10 +432,11 @@ def _outputs(result: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Ten
 def _time_backend(backend: Backend, call: RoPECall, needs_grad: bool) -> float:
     """Median seconds per call of ``backend`` on a private copy of the call's tensor."""
     x = _private_copy(call.t).requires_grad_(needs_grad)
-    # a q and k pair: k is private too (an in-place call would rotate it at every round)
-    private = _with_tensor(call, x) if call.k is None else _with_tensor(
-        call, x, k=_private_copy(call.k)
-    )
+    # a q and k pair: k is private too (an in-place call would rotate it at every round), and
+    # its gradient is timed with q's, as training computes both
+    k = None if call.k is None else _private_copy(call.k).requires_grad_(needs_grad)
+    private = _with_tensor(call, x) if k is None else _with_tensor(call, x, k=k)
+    leaves = (x,) if k is None else (x, k)
     device = x.device
     grad_mode = torch.enable_grad() if needs_grad else torch.no_grad()
     with grad_mode:
@@ -453,7 +454,7 @@ def _time_backend(backend: Backend, call: RoPECall, needs_grad: bool) -> float:
         def once() -> None:
             result = backend.apply(fresh())
             if needs_grad:
-                torch.autograd.grad(_outputs(result), x, grad_out)
+                torch.autograd.grad(_outputs(result), leaves, grad_out)
 
         once()  # first backward, lazy initialisation
         _synchronize(device)

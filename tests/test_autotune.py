@@ -438,3 +438,18 @@ def test_in_place_calls_have_their_own_key_and_rotate_t_once(fakes, measurements
     (grad,) = torch.autograd.grad(x.sum(), leaf)
     _, ref_grad = reference_forward_backward(leaf.detach(), freqs, SPEC, torch.ones_like(grad))
     assert_matches(grad, ref_grad, torch.float32, "grad")
+
+
+def test_pairs_with_gradients_are_timed_with_both_backwards(monkeypatch):
+    """A q and k call that needs gradients is measured forward and backward for q and k alike:
+    a backend whose k output needs a gradient only when k does (eager) is timed, not skipped."""
+    q = torch.randn(3, 2, 4, 8, requires_grad=True)
+    k = torch.randn(3, 2, 1, 8, requires_grad=True)
+    call = rd.check_call(q, torch.rand(3, 8), rd.RoPESpec(layout="sbhd", dtype="fp32"), k=k)
+    eager = rd.get_backend("eager")
+    seen = []
+    real_apply = eager.apply
+    monkeypatch.setattr(eager, "apply", lambda c: seen.append((c.t.requires_grad, c.k.requires_grad))
+                        or real_apply(c))
+    assert autotune._time_backend(eager, call, needs_grad=True) > 0
+    assert seen and all(flags == (True, True) for flags in seen)
