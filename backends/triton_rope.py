@@ -1008,9 +1008,10 @@ def _user_table_address(call: RoPECall) -> int:
 def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     """A plan launching ``call``'s compiled kernel (compiled by the call that just ran) on new
     inputs of the same shape, strides, dtype and device: an output allocation (none in place),
-    address reads and Triton's C launcher. It holds addresses, never tensors, so it checks with
-    each call that ``freqs`` still holds the table it bound (not so when the call used a
-    contiguous copy of a strided table: then every call takes ``generic``). Only a kernel
+    address reads and Triton's C launcher. It holds addresses, never tensors: dispatch checks
+    with each call that ``freqs`` still holds the memory it held at plan time, and a call that
+    ran on a contiguous copy of a strided table is never bound (``generic`` serves it). Only a
+    kernel
     compiled for 16-byte aligned inputs is bound; ``generic`` also serves unaligned inputs and
     calls made while another device is current. The index tensor (start or per-token
     positions), when the call has one, is read by address too."""
