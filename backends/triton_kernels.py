@@ -71,9 +71,9 @@ def _table(tab_ptr, sin_ptr, offsets, mask, USE_CACHE: tl.constexpr, FAST_TRIG: 
     """cos and sin of the table entries at ``offsets``: cache loads or sin/cos of angles. Where
     ``mask`` is off (a position outside the table, or padding) both are NaN, so a row whose
     position is out of range comes out NaN rather than rotated by a plausible angle."""
-    if USE_CACHE:
-        cos = tl.load(tab_ptr + offsets, mask=mask, other=float("nan"))
-        sin = tl.load(sin_ptr + offsets, mask=mask, other=float("nan"))
+    if USE_CACHE:  # float32, or a model dtype widened here
+        cos = tl.load(tab_ptr + offsets, mask=mask, other=float("nan")).to(tl.float32)
+        sin = tl.load(sin_ptr + offsets, mask=mask, other=float("nan")).to(tl.float32)
     else:
         cos, sin = _cos_sin(tl.load(tab_ptr + offsets, mask=mask, other=float("nan")), FAST_TRIG)
     return cos, sin

@@ -172,7 +172,8 @@ def _fast_key(
             + 16 * (cp & 15 == 0) + 32 * (stp & 15 == 0)
         )
     key = (
-        layout, x.shape, x.stride(), out_strides, x.dtype, table.shape, extra, interleaved,
+        layout, x.shape, x.stride(), out_strides, x.dtype, table.shape, table.dtype, extra,
+        interleaved,
         cp_size, cp_rank, backward, copy_pass, x.get_device(), aligned,
     )
     return key, (tp, sp, cp, stp)

@@ -149,17 +149,23 @@ def _host_reads_allowed() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What a CosSinCache may hold: float32, or a model's own dtype (as Hugging Face models make
+their per-token cos and sin); kernels widen the values to float32 before the math."""
+
+
 def _check_table(table: object, device: torch.device, argument: str = "freqs") -> RotaryTable:
     if isinstance(table, CosSinCache):
         cos, sin = table.cos, table.sin
         if (
-            cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.dim() != 2
+            cos.dtype not in CACHE_DTYPES or sin.dtype != cos.dtype or cos.dim() != 2
             or cos.shape != sin.shape or not cos.is_contiguous() or not sin.is_contiguous()
         ):
             raise RoPEError(
-                f"{argument} is a CosSinCache whose tables are not contiguous float32 [s2, d2] pairs "
-                f"(cos {tuple(cos.shape)} {dtype_name(cos.dtype)}, sin {tuple(sin.shape)} "
-                f"{dtype_name(sin.dtype)}); build it with rope_dispatch.cos_sin_cache(freqs)"
+                f"{argument} is a CosSinCache whose tables are not a contiguous [s2, d2] pair of "
+                f"one dtype among float32, bfloat16 and float16 (cos {tuple(cos.shape)} "
+                f"{dtype_name(cos.dtype)}, sin {tuple(sin.shape)} {dtype_name(sin.dtype)}); "
+                "build it with rope_dispatch.cos_sin_cache(freqs)"
             )
         checked: RotaryTable = table
         table_device = cos.device

@@ -15,7 +15,8 @@ from .errors import RoPEError
 
 @dataclass(frozen=True, eq=False)
 class CosSinCache:
-    """float32 ``cos`` and ``sin`` of an angle table, each ``[s2, d2]`` and contiguous.
+    """``cos`` and ``sin`` of an angle table, each ``[s2, d2]``, contiguous, float32 (or both
+    bfloat16 or float16: a model's own per-token values, widened to float32 by the kernels).
 
     Build it once with :func:`cos_sin_cache` and pass it wherever ``apply`` takes ``freqs``:
     kernels then read the two tables instead of evaluating sin/cos per element.

@@ -89,13 +89,10 @@ def apply_rotary_pos_emb(
 
 
 def _token_table(cos: torch.Tensor, sin: torch.Tensor) -> CosSinCache:
-    """``cos`` and ``sin`` ``[b, s, d2]`` as a table of ``b * s`` rows, one per token, converted
-    to the float32 the core reads (exact: every model dtype widens to float32). The conversion
-    goes once the core accepts the model's dtype."""
+    """``cos`` and ``sin`` ``[b, s, d2]`` as a table of ``b * s`` rows, one per token, in the
+    model's dtype (no copy of the usual contiguous values; the kernels widen them)."""
     d2 = cos.shape[-1]
-    return CosSinCache(
-        cos.reshape(-1, d2).float().contiguous(), sin.reshape(-1, d2).float().contiguous()
-    )
+    return CosSinCache(cos.reshape(-1, d2).contiguous(), sin.reshape(-1, d2).contiguous())
 
 
 def _token_positions(cos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:

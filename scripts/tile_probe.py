@@ -1,0 +1,48 @@
+"""Forward and backward kernel time of explicit launch tiles on few-head shapes, as % of a device
+copy (a developer's probe for choose_config; prints one line per shape and tile)."""
+from __future__ import annotations
+
+import torch
+
+from rope_dispatch import bench
+from rope_dispatch.backends import triton_rope
+
+SHAPES = [  # (layout, seq, batch, heads, head_dim)
+    ("sbhd", 32768, 1, 8, 128), ("bshd", 32768, 4, 8, 128), ("sbhd", 131072, 1, 8, 128),
+    ("sbhd", 32768, 1, 8, 256), ("sbhd", 8192, 1, 32, 128), ("sbhd", 4096, 4, 32, 128),
+]
+TILES = [(8, 4, 4), (4, 8, 4), (2, 8, 4), (8, 8, 4), (16, 4, 4), (4, 8, 8), (8, 8, 8), (16, 8, 8),
+         (2, 16, 4), (4, 16, 8), (1, 32, 4)]
+
+
+def main() -> None:
+    for layout, seq, batch, heads, d in SHAPES:
+        dims = (seq, batch, heads, d) if layout == "sbhd" else (batch, seq, heads, d)
+        x = torch.randn(dims, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        table = torch.rand(seq, d, device="cuda") * 100
+        src = x.flatten()
+        dst = torch.empty_like(src)
+        copy = bench.bench_ms(lambda: dst.copy_(src))
+        default = triton_rope.choose_config(seq * batch, heads, d, d, 2, False,
+                                            triton_rope._sm_count(0))
+        results = []
+        for bt, bh, warps in TILES:
+            if bh > heads:
+                continue
+            config = (bt, bh, 1, d // 2, 1, warps)
+            fwd = bench.bench_ms(lambda: triton_rope.launch(x, out, table, None, None, None, layout,
+                                                            False, 1, 0, False, config=config))
+            bwd = bench.bench_ms(lambda: triton_rope.launch(x, out, table, None, None, None, layout,
+                                                            False, 1, 0, True, config=config))
+            results.append((copy / fwd, copy / bwd, config))
+        results.sort(key=lambda r: -(r[0] + r[1]))
+        print(f"{layout} s{seq} b{batch} h{heads} d{d}: copy {1e3 * copy:.1f} us; default {default}")
+        for f, b, c in results:
+            mark = " <- default" if c[:3] == default[:3] and c[5] == default[5] else ""
+            print(f"   tile {c[0]:>2} tok x {c[1]:>2} heads, {c[5]} warps: fwd {100 * f:5.1f}%  bwd {100 * b:5.1f}%{mark}")
+        del x, out
+
+
+if __name__ == "__main__":
+    main()
