@@ -280,3 +280,27 @@ def test_triton_backend_serves_the_call(triton_backend, unsqueeze_dim, batch_cos
     torch.autograd.backward(ref, (grad_q.double(), grad_k.double()))
     for got, exact in zip((*out, *ours), (*ref, q.grad, k.grad)):
         torch.testing.assert_close(got.double(), exact.detach().double(), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_cos", [BATCH, 1])
+def test_layers_sharing_cos_and_sin_reuse_one_plan(monkeypatch, batch_cos):
+    """A model hands the same cos and sin to every layer: after the first layer's call the
+    others skip the checks, and values rewritten in place are still read."""
+    from rope_dispatch import call as call_module
+    from rope_dispatch import dispatch
+
+    monkeypatch.setattr(call_module, "_reads", lambda index: False)  # the token index, as on a GPU
+    checks = []
+    real = dispatch.check_call
+    monkeypatch.setattr(dispatch, "check_call", lambda *a, **kw: checks.append(1) or real(*a, **kw))
+    q, k, cos, sin = inputs(torch.float32, 1, seed=11, batch_cos=batch_cos)
+    with torch.no_grad():
+        for layer in range(3):
+            got = hf.apply_rotary_pos_emb(q, k, cos, sin)
+            for out, want in zip(got, reference(q, k, cos, sin, 1)):
+                torch.testing.assert_close(out.double(), want, **tolerance(torch.float32))
+        assert len(checks) == 1
+        cos.mul_(-1)  # same tensor, new values
+        got = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    for out, want in zip(got, reference(q, k, cos, sin, 1)):
+        torch.testing.assert_close(out.double(), want, **tolerance(torch.float32))

@@ -46,6 +46,8 @@ _HEADS_DIM = {1: 1, -3: 1, 2: 2, -2: 2}
 """``unsqueeze_dim`` -> where q's heads are: 1 for ``[b, heads, s, d]``, 2 for ``[b, s, heads, d]``."""
 
 _specs: dict[torch.dtype, RoPESpec] = {}
+_last_table: list = [None, None, None]
+"""The latest ``[table, cos, sin]`` of :func:`_token_table`."""
 _token_rows: dict[tuple, torch.Tensor] = {}
 _MAX_TOKEN_ROWS = 64
 _originals: dict[str, object] = {}
@@ -90,9 +92,23 @@ def apply_rotary_pos_emb(
 
 def _token_table(cos: torch.Tensor, sin: torch.Tensor) -> CosSinCache:
     """``cos`` and ``sin`` ``[b, s, d2]`` as a table of ``b * s`` rows, one per token, in the
-    model's dtype (no copy of the usual contiguous values; the kernels widen them)."""
+    model's dtype (no copy of the usual contiguous values; the kernels widen them).
+
+    A model passes the same ``cos`` and ``sin`` to every layer of a forward, so the table for
+    them is kept and handed out again: rope-dispatch then reuses the first layer's checks and
+    decision (its plan, kept per table object) for the other layers. Only the latest pair is
+    kept, so a finished forward's values are released by the next one. Only contiguous values
+    are kept (the table is then a view: values rewritten in place are seen), never while
+    torch.compile traces."""
     d2 = cos.shape[-1]
-    return CosSinCache(cos.reshape(-1, d2).contiguous(), sin.reshape(-1, d2).contiguous())
+    if torch.compiler.is_compiling() or not (cos.is_contiguous() and sin.is_contiguous()):
+        return CosSinCache(cos.reshape(-1, d2).contiguous(), sin.reshape(-1, d2).contiguous())
+    table = _last_table[0]
+    if table is not None and _last_table[1] is cos and _last_table[2] is sin:
+        return table
+    table = CosSinCache(cos.view(-1, d2), sin.view(-1, d2))
+    _last_table[:] = [table, cos, sin]
+    return table
 
 
 def _token_positions(cos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
