@@ -512,12 +512,16 @@ def launch_qkv(
     heads = tuple(x[2][-3] * x[2][-2] for x, _ in pairs)
     if n_tokens == 0 or min(heads) == 0:
         return None
-    if cu_seqlens is not None and not cu_seqlens.is_contiguous():
-        cu_seqlens = cu_seqlens.contiguous()
-        key_only = False  # a copy per call: nothing to bind
-    if positions is not None and not positions.is_contiguous():
-        positions = positions.contiguous()
-        key_only = False
+    copied = (cu_seqlens is not None and not cu_seqlens.is_contiguous()) or (
+        positions is not None and not positions.is_contiguous()
+    )
+    if copied:
+        if key_only:
+            return None  # the kernel reads a copy made per call: no launch to bind
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.contiguous()
+        if positions is not None:
+            positions = positions.contiguous()
     strides = tuple(
         stride for x, out in pairs for seg in (x, out)
         for stride in ((seg[3][0], 0, *seg[3][1:]) if thd else seg[3])

@@ -150,3 +150,21 @@ def test_int32_and_int64_positions_of_one_shape_each_get_their_own_kernel(in_pla
                                                               backend=BACKEND)
         for name, out, ref in zip("qk", got, expected):
             assert_matches(out, ref, torch.float16, f"{dtype} {name}")
+
+
+@pytest.mark.usefixtures("unread")
+def test_strided_positions_rotate_once_per_in_place_call():
+    """Positions read through a stride (every other element of a buffer) are copied per call
+    for the kernel; planning such a call must neither bind that copy nor launch again: each
+    in-place call rotates q and k exactly once."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="thd", dtype="fp32")
+    for step in range(3):
+        q, k = _data((5, 4, D), 60 + step), _data((5, 2, D), 70 + step)
+        buffer = torch.randint(0, TABLE_LEN, (10,), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        positions = buffer[::2]
+        expected = [reference_for(x.cpu(), freqs.cpu(), spec, positions=positions.cpu()) for x in (q, k)]
+        with torch.no_grad():
+            rd.apply_qk_(q, k, freqs, spec, positions=positions, backend=BACKEND)
+        for name, out, ref in zip("qk", (q, k), expected):
+            assert_matches(out, ref, torch.float32, f"step {step} {name}")
