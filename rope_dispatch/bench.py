@@ -365,6 +365,18 @@ def bench_ms(fn: Callable[[], Any]) -> float:
     return float(do_bench(fn, return_mode="median"))
 
 
+def time_mode(
+    label: str, mode: str, fn: Callable[[], Any], timer: Callable[[Callable[[], Any]], float] | None = None
+) -> float | None:
+    """``timer(fn)`` (default :func:`bench_ms`) in ms, or ``None`` when the mode fails: one
+    failing mode is reported on stderr, not fatal to the run."""
+    try:
+        return (timer or bench_ms)(fn)
+    except Exception as exc:  # noqa: BLE001
+        print(f"  {label} {mode}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
 def host_us_per_call(fn: Callable[[], Any], calls: int = 100, rounds: int = 21) -> tuple[float, float]:
     """``(host, end_to_end)`` us per call, medians over rounds of ``calls`` calls.
 
@@ -457,12 +469,8 @@ def run_shape(
         modes = (("fwd", impl.fwd), ("bwd", impl.bwd), ("fwd+bwd", impl.fwd_bwd),
                  ("bwd kernel", impl.bwd_kernel))
         for mode, fn in modes:
-            if fn is None:
-                continue
-            try:
-                ms = bench_ms(fn)
-            except Exception as exc:  # noqa: BLE001 (one failing mode is reported, not fatal)
-                print(f"  {impl.name} {mode}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            ms = None if fn is None else time_mode(impl.name, mode, fn)
+            if ms is None:
                 continue
             share = impl.copy_share(mode, rotary_share)
             moved = nbytes * share

@@ -32,7 +32,7 @@ import torch
 
 from rope_dispatch.bench import (
     Impl, Inputs, Shape, _liger_peer, _ours, _seqlens, _te_peer, _versions, bench_ms, make_inputs,
-    pyplot,
+    pyplot, time_mode,
 )
 
 LAYOUTS = ("sbhd", "bshd", "thd")
@@ -163,12 +163,8 @@ def measure(impl: Impl, copy_ms: float, rotary_share: float) -> dict[str, Any]:
     for mode, fn in calls.items():
         key = mode_key(mode)
         result[f"{key}_us"] = result[f"{key}_pct_of_copy"] = None
-        if fn is None:
-            continue
-        try:
-            ms = bench_ms(fn)
-        except Exception as exc:  # noqa: BLE001 (one failing mode is reported, not fatal)
-            print(f"  {impl.name} {mode}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        ms = None if fn is None else time_mode(impl.name, mode, fn, bench_ms)
+        if ms is None:
             continue
         result[f"{key}_us"] = 1e3 * ms
         result[f"{key}_pct_of_copy"] = 100 * copy_ms * impl.copy_share(mode, rotary_share) / ms
