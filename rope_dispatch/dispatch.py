@@ -350,13 +350,10 @@ def _inputs_key(
     t: torch.Tensor, freqs: object, start_positions: torch.Tensor | None,
     positions: torch.Tensor | None, k: torch.Tensor | None, split: tuple[int, int, int] | None,
     k_freqs: object, in_place: bool,
-) -> tuple | None | bool:
-    """The part of a plan's key beyond ``t``: the index tensor's and k's metadata and the
-    split; ``None`` for a single tensor without positions; ``False`` when the call must be
-    checked every time (index values read on the host, tensor subclasses, a separate k table,
-    arguments that check_call refuses)."""
-    if start_positions is None and positions is None and k is None and split is None:
-        return None
+) -> tuple | bool:
+    """The part of a plan's key beyond ``t`` for a call with an index tensor, k or a split:
+    their metadata; ``False`` when the call must be checked every time (index values read on
+    the host, tensor subclasses, a separate k table, arguments that check_call refuses)."""
     index_key = k_key = None
     if start_positions is not None or positions is not None:
         index = positions if start_positions is None else start_positions
@@ -386,7 +383,9 @@ def _run(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     key = None
     if type(t) is torch.Tensor and not torch.compiler.is_compiling():
-        inputs = _inputs_key(t, freqs, start_positions, positions, k, split, k_freqs, in_place)
+        inputs = None  # a single tensor by index, the decode case: no further call
+        if start_positions is not None or positions is not None or k is not None or split is not None:
+            inputs = _inputs_key(t, freqs, start_positions, positions, k, split, k_freqs, in_place)
         if inputs is not False:
             key = (
                 id(spec), id(freqs), t.shape, t.stride(), t.dtype, t.device,
