@@ -55,6 +55,7 @@ def compile_key(call: RoPECall) -> CompileKey:
         spec.cp_size,
         spec.cp_rank,
         call.table_kind,
+        spec.cos_sin_scale,
         "positions" if call.positions is not None else (
             "starts" if call.start_positions is not None else ""
         ),
@@ -62,23 +63,25 @@ def compile_key(call: RoPECall) -> CompileKey:
 
 
 def _key_name(key: CompileKey, transpose: bool = False) -> str:
-    device, layout, dtype, d2, interleaved, cp, rank, table, index = key
+    device, layout, dtype, d2, interleaved, cp, rank, table, scale, index = key
+    scaled = "" if scale == 1.0 else "_scaled"
     return (
         f"rope_compiled_{device}_{layout}_{dtype}_d{d2}{'_interleaved' if interleaved else ''}"
-        f"_cp{cp}r{rank}_{table}{'_' + index if index else ''}{'_transpose' if transpose else ''}"
+        f"_cp{cp}r{rank}_{table}{scaled}{'_' + index if index else ''}"
+        f"{'_transpose' if transpose else ''}"
     )
 
 
 def _math(key: CompileKey, transpose: bool) -> Callable:
     """The eager math for ``key`` (forward, or its transpose) as a function of tensors only."""
-    _, layout, _, _, interleaved, cp_size, cp_rank, table, _ = key
+    _, layout, _, _, interleaved, cp_size, cp_rank, table, scale, _ = key
     from_angles = table == "angles"  # else cos/sin tables
 
     def rope_compiled(t, a, b, cu_seqlens, start_positions):
         cos, sin = (torch.cos(a), torch.sin(a)) if from_angles else (a, b)
         return rope_tensors(
             t, cos, sin, cu_seqlens, start_positions, layout=layout, interleaved=interleaved,
-            cp_size=cp_size, cp_rank=cp_rank, transpose=transpose,
+            cp_size=cp_size, cp_rank=cp_rank, scale=scale, transpose=transpose,
         )
 
     return rope_compiled

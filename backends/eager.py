@@ -77,9 +77,10 @@ def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 def rope_tensors(
     t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None,
     index: torch.Tensor | None, *, layout: str, interleaved: bool, cp_size: int,
-    cp_rank: int, transpose: bool = False,
+    cp_rank: int, scale: float = 1.0, transpose: bool = False,
 ) -> torch.Tensor:
-    """``out = x cos + rotate(x) sin`` on the first d2 channels in float32, the rest copied.
+    """``out = x cos + rotate(x) sin`` on the first d2 channels in float32, the rest copied;
+    ``scale`` (the spec's ``cos_sin_scale``) multiplies cos and sin.
 
     With ``transpose=True`` it applies the transposed map instead, which is the backward:
     ``rotate`` is a quarter turn, so its transpose is ``-rotate`` and the gradient of ``g`` is
@@ -89,6 +90,8 @@ def rope_tensors(
     """
     pos = positions(t.shape, layout, cu_seqlens, index, cp_size, cp_rank, t.device)
     cos, sin = table_rows(cos, pos).unsqueeze(-2), table_rows(sin, pos).unsqueeze(-2)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     d2 = cos.shape[-1]
     x = t[..., :d2].float()
     if transpose:
@@ -115,6 +118,7 @@ def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tenso
     out = rope_tensors(
         t, cos, sin, spec.cu_seqlens, position_index(call), layout=spec.layout,
         interleaved=spec.interleaved, cp_size=spec.cp_size, cp_rank=spec.cp_rank,
+        scale=spec.cos_sin_scale,
     )
     if call.in_place:
         t.copy_(out)

@@ -225,9 +225,15 @@ def _unbounded_reason(call: RoPECall) -> str:
 
 def te_reasons(call: RoPECall, info: TEInfo) -> list[str]:
     """Why this TransformerEngine cannot serve ``call`` (beyond device, layout and dtype)."""
-    bounded = [] if call.positions_bounded else [_unbounded_reason(call)]
+    common = [] if call.positions_bounded else [_unbounded_reason(call)]
+    scale = call.spec.cos_sin_scale
+    if scale != 1.0:
+        common.append(
+            f"cos_sin_scale={scale:g}: TransformerEngine {info.version}'s kernels have no factor "
+            "on cos and sin (1.0 only)"
+        )
     if call.tensors == "qkv":
-        return _qkv_reasons(call, info) + _limit_reasons(call) + bounded
+        return _qkv_reasons(call, info) + _limit_reasons(call) + common
     reasons = []
     spec, t = call.spec, call.t
     params = info.parameters
@@ -271,7 +277,7 @@ def te_reasons(call: RoPECall, info: TEInfo) -> list[str]:
                 f"TransformerEngine {info.version}'s apply_rotary_pos_emb ({info.module}) has no "
                 f"{', '.join(absent)} argument{'s' if len(absent) > 1 else ''}"
             )
-    return reasons + _limit_reasons(call) + bounded
+    return reasons + _limit_reasons(call) + common
 
 
 def _limit_reasons(call: RoPECall) -> list[str]:

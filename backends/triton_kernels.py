@@ -308,7 +308,7 @@ def _rope_program(
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
-    SEQ_BLOCK: tl.constexpr, GROUPED: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr, GROUPED: tl.constexpr, SCALE: tl.constexpr,
 ):
     """RoPE (or its transpose) of program ``pid``'s ``BLOCK_T`` tokens x ``HEAD_ITERS *
     BLOCK_H`` heads: the body of both kernels below.
@@ -362,6 +362,11 @@ def _rope_program(
     else:
         coef_a = -sin_a
         coef_b = sin_b
+    if SCALE != 1.0:  # the spec's cos_sin_scale (an attention factor) on cos and sin alike
+        cos_a = cos_a * SCALE
+        cos_b = cos_b * SCALE
+        coef_a = coef_a * SCALE
+        coef_b = coef_b * SCALE
     cos_a = cos_a[:, None, :]
     cos_b = cos_b[:, None, :]
     coef_a = coef_a[:, None, :]
@@ -416,7 +421,7 @@ def rope_kernel(
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
-    SEQ_BLOCK: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr, SCALE: tl.constexpr,
 ):
     """RoPE (or its transpose) of one tensor, ``BLOCK_T`` tokens x ``HEAD_ITERS * BLOCK_H``
     heads per program.
@@ -434,6 +439,7 @@ def rope_kernel(
         sx0, sx1, sxh, sxh, sxd, so0, so1, soh, soh, sod,
         LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, POSITIONS, CONTEXT_PARALLEL,
         BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, False,
+        SCALE,
     )
 
 
@@ -455,6 +461,7 @@ def rope_qkv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, HAS_V: tl.constexpr, V_WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+    SCALE: tl.constexpr,
 ):
     """q and k rotated (each by its own table) and v copied, in one launch.
 
@@ -474,6 +481,7 @@ def rope_qkv_kernel(
             qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, POSITIONS, CONTEXT_PARALLEL,
             BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, True,
+            SCALE,
         )
     elif pid < q_programs + k_programs:
         _rope_program(
@@ -482,6 +490,7 @@ def rope_qkv_kernel(
             kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, POSITIONS, CONTEXT_PARALLEL,
             BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, True,
+            SCALE,
         )
     elif HAS_V:
         _copy_program(

@@ -138,7 +138,7 @@ def _hooks_active() -> bool:
 def _fast_key(
     x: torch.Tensor, xp: int, op: int, out_strides: tuple[int, ...] | None, table: torch.Tensor,
     tp: int, sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-    positions: torch.Tensor | None, layout: str, interleaved: bool, cp_size: int,
+    positions: torch.Tensor | None, layout: str, interleaved: bool, scale: float, cp_size: int,
     cp_rank: int, backward: bool, copy_pass: bool,
 ) -> tuple[tuple, tuple[int, int, int, int]]:
     """The key of a launch's compiled kernel in ``_fast``, and the addresses of the table, sin,
@@ -173,7 +173,7 @@ def _fast_key(
         )
     key = (
         layout, x.shape, x.stride(), out_strides, x.dtype, table.shape, table.dtype, extra,
-        interleaved,
+        interleaved, scale,
         cp_size, cp_rank, backward, copy_pass, x.get_device(), aligned,
     )
     return key, (tp, sp, cp, stp)
@@ -195,8 +195,8 @@ def _position_kind(positions: torch.Tensor | None) -> int:
 def launch(
     x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
-    interleaved: bool, cp_size: int, cp_rank: int, backward: bool, config: Config | None = None,
-    fresh_out: bool = False, copy_pass: bool = True,
+    interleaved: bool, scale: float, cp_size: int, cp_rank: int, backward: bool,
+    config: Config | None = None, fresh_out: bool = False, copy_pass: bool = True,
 ) -> torch.Tensor:
     """Run the kernel: ``out`` = RoPE of ``x`` (its transpose when ``backward``); returns ``out``.
 
@@ -213,7 +213,7 @@ def launch(
         xp, op, tp = x.data_ptr(), out.data_ptr(), table.data_ptr()
         key, tail = _fast_key(
             x, xp, op, None if fresh_out else out.stride(), table, tp, sin, cu_seqlens,
-            positions, layout, interleaved, cp_size, cp_rank, backward, copy_pass,
+            positions, layout, interleaved, scale, cp_size, cp_rank, backward, copy_pass,
         )
         entry = _fast.get(key)
         if entry is not None:
@@ -275,6 +275,7 @@ def launch(
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
         SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
+        SCALE=float(scale),
     )
     compiled = kernels.rope_kernel[(grid,)](
         x, out, table, table if sin is None else sin,
@@ -323,13 +324,13 @@ class _RoPEFunction(torch.autograd.Function):
     same kernel transposed, saving only the tables, and is itself differentiable."""
 
     @staticmethod
-    def forward(ctx, x, table, sin, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank,
-                backward, out_strides):
+    def forward(ctx, x, table, sin, cu_seqlens, starts, layout, interleaved, scale, cp_size,
+                cp_rank, backward, out_strides):
         out = _allocate(x, out_strides)
-        launch(x, out, table, sin, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank,
+        launch(x, out, table, sin, cu_seqlens, starts, layout, interleaved, scale, cp_size, cp_rank,
                backward, fresh_out=out_strides is None)
         ctx.tables = (table, sin, cu_seqlens, starts)
-        ctx.settings = (layout, interleaved, cp_size, cp_rank, not backward)
+        ctx.settings = (layout, interleaved, scale, cp_size, cp_rank, not backward)
         ctx.grad_strides = _dense_strides(x)
         return out
 
@@ -340,7 +341,7 @@ class _RoPEFunction(torch.autograd.Function):
         else:  # the usual backward: launch straight away (an autograd node costs host time)
             grad_x = _allocate(grad, ctx.grad_strides)
             launch(grad, grad_x, *ctx.tables, *ctx.settings, fresh_out=ctx.grad_strides is None)
-        return grad_x, None, None, None, None, None, None, None, None, None, None
+        return (grad_x,) + (None,) * 11
 
 
 class _RoPEInPlaceFunction(torch.autograd.Function):
@@ -350,13 +351,13 @@ class _RoPEInPlaceFunction(torch.autograd.Function):
     rotates the incoming gradient in place."""
 
     @staticmethod
-    def forward(ctx, x, table, sin, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank,
-                grad_in_place):
-        launch(x, x, table, sin, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank,
+    def forward(ctx, x, table, sin, cu_seqlens, starts, layout, interleaved, scale, cp_size,
+                cp_rank, grad_in_place):
+        launch(x, x, table, sin, cu_seqlens, starts, layout, interleaved, scale, cp_size, cp_rank,
                False, copy_pass=False)
         ctx.mark_dirty(x)
         ctx.tables = (table, sin, cu_seqlens, starts)
-        ctx.settings = (layout, interleaved, cp_size, cp_rank)
+        ctx.settings = (layout, interleaved, scale, cp_size, cp_rank)
         ctx.grad_in_place = grad_in_place
         ctx.grad_strides = _dense_strides(x)
         return x
@@ -369,7 +370,7 @@ class _RoPEInPlaceFunction(torch.autograd.Function):
             grad_x = grad
         else:
             grad_x = _RoPEFunction.apply(grad, *ctx.tables, *ctx.settings, True, ctx.grad_strides)
-        return grad_x, None, None, None, None, None, None, None, None, None
+        return (grad_x,) + (None,) * 10
 
 
 def _dense_strides(x: torch.Tensor) -> list[int] | None:
@@ -398,7 +399,7 @@ def _allocate(x: torch.Tensor, out_strides: Sequence[int] | None) -> torch.Tenso
 def triton_rope_op(
     x: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
-    interleaved: bool, cp_size: int, cp_rank: int, backward: bool,
+    interleaved: bool, scale: float, cp_size: int, cp_rank: int, backward: bool,
     out_strides: Sequence[int] | None,
 ) -> torch.Tensor:
     """RoPE (or its transpose) through our Triton kernel, as an opaque op for torch.compile.
@@ -408,30 +409,32 @@ def triton_rope_op(
     out = _allocate(x, out_strides)
     with _on_device(x):
         return launch(
-            x, out, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+            x, out, table, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size,
             cp_rank, backward, fresh_out=out_strides is None,
         )
 
 
 @triton_rope_op.register_fake
 def _triton_rope_fake(
-    x, table, sin, cu_seqlens, positions, layout, interleaved, cp_size, cp_rank, backward,
+    x, table, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size, cp_rank, backward,
     out_strides,
 ):
     return _allocate(x, out_strides)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x, table, sin, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank, backward, _ = inputs
+    x, table, sin, cu_seqlens, starts, layout, interleaved, scale, cp_size, cp_rank, backward = (
+        inputs[:11]
+    )
     ctx.save_for_backward(table, sin, cu_seqlens, starts)
-    ctx.settings = (layout, interleaved, cp_size, cp_rank, not backward)
+    ctx.settings = (layout, interleaved, scale, cp_size, cp_rank, not backward)
     ctx.grad_strides = _dense_strides(x)
 
 
 def _backward(ctx: Any, grad: torch.Tensor):
     table, sin, cu_seqlens, starts = ctx.saved_tensors
     grad_x = triton_rope_op(grad, table, sin, cu_seqlens, starts, *ctx.settings, ctx.grad_strides)
-    return grad_x, None, None, None, None, None, None, None, None, None, None
+    return (grad_x,) + (None,) * 11
 
 
 triton_rope_op.register_autograd(_backward, setup_context=_setup_context)
@@ -486,8 +489,8 @@ _fast_qkv: dict[tuple, tuple] = {}
 def launch_qkv(
     xs: Sequence[Segment], outs: Sequence[Segment], tables: Sequence[torch.Tensor | None],
     cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
-    interleaved: bool, cp_size: int, cp_rank: int, backward: bool, config: Config | None = None,
-    copy_pass: bool = True, key_only: bool = False,
+    interleaved: bool, scale: float, cp_size: int, cp_rank: int, backward: bool,
+    config: Config | None = None, copy_pass: bool = True, key_only: bool = False,
 ) -> tuple | None:
     """One launch of ``rope_qkv_kernel``: ``outs[i]`` = RoPE of ``xs[i]`` for q (i = 0) and k
     (i = 1), each by its own table, and a copy for v (i = 2, when given); the transpose when
@@ -542,8 +545,8 @@ def launch_qkv(
     )
     key = None
     if not kernels.INTERPRETED and config is None:
-        key = _qkv_key(base_ints, addresses, xs[0][0], layout, interleaved, q_sin, cu_seqlens,
-                       positions, backward, has_v, q_tab, copy_pass)
+        key = _qkv_key(base_ints, addresses, xs[0][0], layout, interleaved, scale, q_sin,
+                       cu_seqlens, positions, backward, has_v, q_tab, copy_pass)
         if key_only:
             return key
         entry = _fast_qkv.get(key)
@@ -572,7 +575,7 @@ def launch_qkv(
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
         SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
-        HAS_V=has_v, V_WIDTH=head_dim, BLOCK_W=_next_pow2(head_dim),
+        HAS_V=has_v, V_WIDTH=head_dim, BLOCK_W=_next_pow2(head_dim), SCALE=float(scale),
     )
     views = tuple(_view(seg) for x, out in pairs for seg in (x, out))
     compiled = kernels.rope_qkv_kernel[(grid,)](*views, *index, *ints, num_warps=num_warps, **consts)
@@ -587,7 +590,8 @@ def launch_qkv(
 
 def _qkv_key(
     base_ints: tuple, addresses: tuple[int, ...], x: torch.Tensor, layout: str, interleaved: bool,
-    q_sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None,
+    scale: float, q_sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+    positions: torch.Tensor | None,
     backward: bool, has_v: bool, q_tab: torch.Tensor, copy_pass: bool,
 ) -> tuple:
     """The key of a ``rope_qkv_kernel`` launch's compiled kernel in ``_fast_qkv``: every input of
@@ -595,7 +599,7 @@ def _qkv_key(
     constants); its last item is the device index. An int32 and an int64 index tensor compile
     to different kernels: one must never run the other's."""
     aligned = tuple(a & 15 == 0 for a in addresses)
-    return (base_ints, aligned, x.dtype, layout, interleaved,
+    return (base_ints, aligned, x.dtype, layout, interleaved, scale,
             None if q_sin is None else (q_sin.shape[-1], q_sin.dtype), q_tab.dtype,
             None if cu_seqlens is None else cu_seqlens.dtype,
             None if positions is None else positions.dtype, _position_kind(positions), backward,
@@ -605,7 +609,7 @@ def _qkv_key(
 def _qkv_forward(
     qkv: torch.Tensor, split: Sequence[int], tables: Sequence[torch.Tensor | None],
     cu_seqlens: torch.Tensor | None, starts: torch.Tensor | None, layout: str,
-    interleaved: bool, cp_size: int, cp_rank: int,
+    interleaved: bool, scale: float, cp_size: int, cp_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """New contiguous q ``[.., h * q/d, d]``, k ``[.., h, k]``, v ``[.., h, v]`` of a packed qkv."""
     q, k, v = _qkv_outputs(qkv, split)
@@ -613,7 +617,7 @@ def _qkv_forward(
     launch_qkv(
         packed_segments(qkv, split),
         (head_segment(q, split[0] // d), width_segment(k, d), width_segment(v, d)),
-        tables, cu_seqlens, starts, layout, interleaved, cp_size, cp_rank, False,
+        tables, cu_seqlens, starts, layout, interleaved, scale, cp_size, cp_rank, False,
     )
     return q, k, v
 
@@ -631,7 +635,8 @@ def _qkv_outputs(qkv: torch.Tensor, split: Sequence[int]) -> tuple[torch.Tensor,
 def _qkv_transpose(
     gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, split: Sequence[int],
     tables: Sequence[torch.Tensor | None], cu_seqlens: torch.Tensor | None,
-    starts: torch.Tensor | None, layout: str, interleaved: bool, cp_size: int, cp_rank: int,
+    starts: torch.Tensor | None, layout: str, interleaved: bool, scale: float, cp_size: int,
+    cp_rank: int,
     grad_strides: Sequence[int] | None,
 ) -> torch.Tensor:
     """The packed gradient ``[.., h, q + k + v]`` of q's, k's and v's gradients (any strides):
@@ -640,8 +645,8 @@ def _qkv_transpose(
     grad = _allocate_shape(gk, (*gk.shape[:-1], sum(split)), grad_strides)
     launch_qkv(
         (head_segment(gq, split[0] // d), width_segment(gk, d), width_segment(gv, d)),
-        packed_segments(grad, split), tables, cu_seqlens, starts, layout, interleaved, cp_size,
-        cp_rank, True,
+        packed_segments(grad, split), tables, cu_seqlens, starts, layout, interleaved, scale,
+        cp_size, cp_rank, True,
     )
     return grad
 
@@ -660,12 +665,12 @@ class _QKVFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, q_tab, q_sin, k_tab, k_sin, cu_seqlens, starts, split, layout,
-                interleaved, cp_size, cp_rank):
+                interleaved, scale, cp_size, cp_rank):
         with _on_device(qkv):
             out = _qkv_forward(qkv, split, (q_tab, q_sin, k_tab, k_sin), cu_seqlens, starts,
-                               layout, interleaved, cp_size, cp_rank)
+                               layout, interleaved, scale, cp_size, cp_rank)
         ctx.inputs = (q_tab, q_sin, k_tab, k_sin, cu_seqlens, starts, split, layout,
-                      interleaved, cp_size, cp_rank)
+                      interleaved, scale, cp_size, cp_rank)
         ctx.grad_strides = _dense_strides(qkv)
         return out
 
@@ -677,7 +682,7 @@ class _QKVFunction(torch.autograd.Function):
             tables, index, settings = ctx.inputs[:4], ctx.inputs[4:6], ctx.inputs[6:]
             grad = _qkv_transpose(gq, gk, gv, settings[0], tables, *index, *settings[1:],
                                   ctx.grad_strides)
-        return (grad,) + (None,) * 11
+        return (grad,) + (None,) * 12
 
 
 class _QKVTransposeFunction(torch.autograd.Function):
@@ -685,17 +690,18 @@ class _QKVTransposeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gq, gk, gv, q_tab, q_sin, k_tab, k_sin, cu_seqlens, starts, split, layout,
-                interleaved, cp_size, cp_rank, grad_strides):
+                interleaved, scale, cp_size, cp_rank, grad_strides):
         ctx.inputs = (q_tab, q_sin, k_tab, k_sin, cu_seqlens, starts, split, layout,
-                      interleaved, cp_size, cp_rank)
+                      interleaved, scale, cp_size, cp_rank)
         with _on_device(gk):
             return _qkv_transpose(gq, gk, gv, split, (q_tab, q_sin, k_tab, k_sin), cu_seqlens,
-                                  starts, layout, interleaved, cp_size, cp_rank, grad_strides)
+                                  starts, layout, interleaved, scale, cp_size, cp_rank,
+                                  grad_strides)
 
     @staticmethod
     def backward(ctx, grad):
         gq, gk, gv = _QKVFunction.apply(grad, *ctx.inputs)
-        return (gq, gk, gv) + (None,) * 12
+        return (gq, gk, gv) + (None,) * 13
 
 
 @torch.library.custom_op("rope_dispatch::triton_rope_qkv", mutates_args=())
@@ -703,17 +709,18 @@ def triton_rope_qkv_op(
     qkv: torch.Tensor, q_tab: torch.Tensor, q_sin: torch.Tensor | None, k_tab: torch.Tensor,
     k_sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
     positions: torch.Tensor | None, split: Sequence[int], layout: str, interleaved: bool,
+    scale: float,
     cp_size: int, cp_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed qkv RoPE through our Triton kernel, as an opaque op for torch.compile."""
     with _on_device(qkv):
         return _qkv_forward(qkv, split, (q_tab, q_sin, k_tab, k_sin), cu_seqlens,
-                            positions, layout, interleaved, cp_size, cp_rank)
+                            positions, layout, interleaved, scale, cp_size, cp_rank)
 
 
 @triton_rope_qkv_op.register_fake
 def _triton_rope_qkv_fake(qkv, q_tab, q_sin, k_tab, k_sin, cu_seqlens, positions, split,
-                          layout, interleaved, cp_size, cp_rank):
+                          layout, interleaved, scale, cp_size, cp_rank):
     return _qkv_outputs(qkv, split)
 
 
@@ -722,19 +729,19 @@ def triton_rope_qkv_transpose_op(
     gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, q_tab: torch.Tensor,
     q_sin: torch.Tensor | None, k_tab: torch.Tensor, k_sin: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, split: Sequence[int],
-    layout: str, interleaved: bool, cp_size: int, cp_rank: int,
+    layout: str, interleaved: bool, scale: float, cp_size: int, cp_rank: int,
     grad_strides: Sequence[int] | None,
 ) -> torch.Tensor:
     """The packed gradient of q's, k's and v's gradients, as an opaque op for torch.compile."""
     with _on_device(gk):
         return _qkv_transpose(gq, gk, gv, split, (q_tab, q_sin, k_tab, k_sin), cu_seqlens,
-                              positions, layout, interleaved, cp_size, cp_rank,
+                              positions, layout, interleaved, scale, cp_size, cp_rank,
                               grad_strides)
 
 
 @triton_rope_qkv_transpose_op.register_fake
 def _triton_rope_qkv_transpose_fake(gq, gk, gv, q_tab, q_sin, k_tab, k_sin, cu_seqlens,
-                                    positions, split, layout, interleaved, cp_size,
+                                    positions, split, layout, interleaved, scale, cp_size,
                                     cp_rank, grad_strides):
     return _allocate_shape(gk, (*gk.shape[:-1], sum(split)), grad_strides)
 
@@ -749,17 +756,17 @@ def _qkv_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
 def _qkv_backward(ctx: Any, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor):
     grad = triton_rope_qkv_transpose_op(gq, gk, gv, *ctx.saved_tensors, *ctx.settings,
                                         ctx.grad_strides)
-    return (grad,) + (None,) * 11
+    return (grad,) + (None,) * 12
 
 
 def _qkv_transpose_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.save_for_backward(*inputs[3:9])
-    ctx.settings = tuple(inputs[9:14])
+    ctx.settings = tuple(inputs[9:15])
 
 
 def _qkv_transpose_backward(ctx: Any, grad: torch.Tensor):
     gq, gk, gv = triton_rope_qkv_op(grad, *ctx.saved_tensors, *ctx.settings)
-    return (gq, gk, gv) + (None,) * 12
+    return (gq, gk, gv) + (None,) * 13
 
 
 triton_rope_qkv_op.register_autograd(_qkv_backward, setup_context=_qkv_setup_context)
@@ -776,7 +783,7 @@ def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.T
         call.table if call.k_table is None else call.k_table
     ))
     args = (call.t, *tables, spec.cu_seqlens, position_index(call), call.split, spec.layout,
-            spec.interleaved, spec.cp_size, spec.cp_rank)
+            spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
     if type(call.t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         return triton_rope_qkv_op(*args)
     if call.t.requires_grad and torch.is_grad_enabled():
@@ -792,12 +799,13 @@ def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.T
 def _qk_launch(
     q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
     tables: Sequence[torch.Tensor | None], cu_seqlens: torch.Tensor | None,
-    positions: torch.Tensor | None, layout: str, interleaved: bool, cp_size: int, cp_rank: int,
+    positions: torch.Tensor | None, layout: str, interleaved: bool, scale: float, cp_size: int,
+    cp_rank: int,
     backward: bool, copy_pass: bool = True, key_only: bool = False,
 ) -> tuple | None:
     return launch_qkv(
         (head_segment(q, 1), head_segment(k, 1)), (head_segment(q_out, 1), head_segment(k_out, 1)),
-        (*tables, *tables), cu_seqlens, positions, layout, interleaved, cp_size, cp_rank,
+        (*tables, *tables), cu_seqlens, positions, layout, interleaved, scale, cp_size, cp_rank,
         backward, copy_pass=copy_pass, key_only=key_only,
     )
 
@@ -812,7 +820,7 @@ def _qk_outputs(
 def _qk_rope(
     q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
-    interleaved: bool, cp_size: int, cp_rank: int, backward: bool,
+    interleaved: bool, scale: float, cp_size: int, cp_rank: int, backward: bool,
     strides: Sequence[Sequence[int] | None] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """New ``(q_out, k_out)``: RoPE of q and k (the transpose when ``backward``) in one launch,
@@ -820,7 +828,7 @@ def _qk_rope(
     q_out, k_out = _qk_outputs(q, k, strides)
     with _on_device(q):
         _qk_launch(q, k, q_out, k_out, (table, sin), cu_seqlens, positions, layout, interleaved,
-                   cp_size, cp_rank, backward)
+                   scale, cp_size, cp_rank, backward)
     return q_out, k_out
 
 
@@ -829,13 +837,13 @@ class _QKFunction(torch.autograd.Function):
     with ``backward`` flipped, so it is twice differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+    def forward(ctx, q, k, table, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size,
                 cp_rank, backward, strides):
         ctx.tables = (table, sin, cu_seqlens, positions)
-        ctx.settings = (layout, interleaved, cp_size, cp_rank, not backward)
+        ctx.settings = (layout, interleaved, scale, cp_size, cp_rank, not backward)
         ctx.grad_strides = (_dense_strides(q), _dense_strides(k))
-        return _qk_rope(q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
-                        cp_rank, backward, strides)
+        return _qk_rope(q, k, table, sin, cu_seqlens, positions, layout, interleaved, scale,
+                        cp_size, cp_rank, backward, strides)
 
     @staticmethod
     def backward(ctx, gq, gk):
@@ -843,7 +851,7 @@ class _QKFunction(torch.autograd.Function):
             grads = _QKFunction.apply(gq, gk, *ctx.tables, *ctx.settings, ctx.grad_strides)
         else:
             grads = _qk_rope(gq, gk, *ctx.tables, *ctx.settings, ctx.grad_strides)
-        return (*grads,) + (None,) * 10
+        return (*grads,) + (None,) * 11
 
 
 class _QKInPlaceFunction(torch.autograd.Function):
@@ -852,14 +860,14 @@ class _QKInPlaceFunction(torch.autograd.Function):
     writable gradients outside double backward, rotates the incoming ones in place."""
 
     @staticmethod
-    def forward(ctx, q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+    def forward(ctx, q, k, table, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size,
                 cp_rank, grad_in_place):
         with _on_device(q):
-            _qk_launch(q, k, q, k, (table, sin), cu_seqlens, positions, layout, interleaved,
+            _qk_launch(q, k, q, k, (table, sin), cu_seqlens, positions, layout, interleaved, scale,
                        cp_size, cp_rank, False, copy_pass=False)
         ctx.mark_dirty(q, k)
         ctx.tables = (table, sin, cu_seqlens, positions)
-        ctx.settings = (layout, interleaved, cp_size, cp_rank)
+        ctx.settings = (layout, interleaved, scale, cp_size, cp_rank)
         ctx.grad_in_place = grad_in_place
         ctx.grad_strides = (_dense_strides(q), _dense_strides(k))
         return q, k
@@ -877,37 +885,38 @@ class _QKInPlaceFunction(torch.autograd.Function):
             grads = (gq, gk)
         else:
             grads = _QKFunction.apply(gq, gk, *ctx.tables, *ctx.settings, True, ctx.grad_strides)
-        return (*grads,) + (None,) * 9
+        return (*grads,) + (None,) * 10
 
 
 @torch.library.custom_op("rope_dispatch::triton_rope_qk", mutates_args=())
 def triton_rope_qk_op(
     q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
-    interleaved: bool, cp_size: int, cp_rank: int, backward: bool,
+    interleaved: bool, scale: float, cp_size: int, cp_rank: int, backward: bool,
     q_strides: Sequence[int] | None, k_strides: Sequence[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A q and k pair through our Triton kernel, as an opaque op for torch.compile."""
-    return _qk_rope(q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+    return _qk_rope(q, k, table, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size,
                     cp_rank, backward, (q_strides, k_strides))
 
 
 @triton_rope_qk_op.register_fake
-def _triton_rope_qk_fake(q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size,
-                         cp_rank, backward, q_strides, k_strides):
+def _triton_rope_qk_fake(q, k, table, sin, cu_seqlens, positions, layout, interleaved, scale,
+                         cp_size, cp_rank, backward, q_strides, k_strides):
     return _qk_outputs(q, k, (q_strides, k_strides))
 
 
 def _qk_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-    q, k, table, sin, cu_seqlens, positions, layout, interleaved, cp_size, cp_rank, backward = inputs[:11]
+    q, k, table, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size = inputs[:10]
+    cp_rank, backward = inputs[10:12]
     ctx.save_for_backward(table, sin, cu_seqlens, positions)
-    ctx.settings = (layout, interleaved, cp_size, cp_rank, not backward)
+    ctx.settings = (layout, interleaved, scale, cp_size, cp_rank, not backward)
     ctx.grad_strides = (_dense_strides(q), _dense_strides(k))
 
 
 def _qk_backward(ctx: Any, gq: torch.Tensor, gk: torch.Tensor):
     grads = triton_rope_qk_op(gq, gk, *ctx.saved_tensors, *ctx.settings, *ctx.grad_strides)
-    return (*grads,) + (None,) * 11
+    return (*grads,) + (None,) * 12
 
 
 triton_rope_qk_op.register_autograd(_qk_backward, setup_context=_qk_setup_context)
@@ -919,7 +928,7 @@ def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     spec, q, k = call.spec, call.t, call.k
     table, sin = kernel_tables(call.table)
     args = (table, sin, spec.cu_seqlens, position_index(call), spec.layout, spec.interleaved,
-            spec.cp_size, spec.cp_rank)
+            spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
     if type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         q_out, k_out = triton_rope_qk_op(q, k, *args, False, None, None)
         return (q.copy_(q_out), k.copy_(k_out)) if call.in_place else (q_out, k_out)
@@ -955,6 +964,7 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 def rope_triton(
     t: torch.Tensor, table: RotaryTable, *, layout: str, interleaved: bool = False,
+    scale: float = 1.0,
     cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
     cp_size: int = 1, cp_rank: int = 0, in_place: bool = False, grad_in_place: bool = False,
 ) -> torch.Tensor:
@@ -969,7 +979,7 @@ def rope_triton(
     tab, sin = kernel_tables(table)
     if type(t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         out = triton_rope_op(
-            t, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size, cp_rank,
+            t, tab, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size, cp_rank,
             False, None,
         )
         return t.copy_(out) if in_place else out
@@ -977,28 +987,28 @@ def rope_triton(
         with _on_device(t):
             if t.requires_grad and torch.is_grad_enabled():
                 return _RoPEInPlaceFunction.apply(
-                    t, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+                    t, tab, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size,
                     cp_rank, grad_in_place,
                 )
-            launch(t, t, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+            launch(t, t, tab, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size,
                    cp_rank, False, copy_pass=False)
         increment_version(t)
         return t
     if t.requires_grad and torch.is_grad_enabled():
         with _on_device(t):
             return _RoPEFunction.apply(
-                t, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size, cp_rank,
+                t, tab, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size, cp_rank,
                 False, None,
             )
     out = torch.empty_like(t, memory_format=torch.contiguous_format)
     if _several_gpus() and t.is_cuda:
         with _on_device(t):
             return launch(
-                t, out, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size,
+                t, out, tab, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size,
                 cp_rank, False, fresh_out=True,
             )
     return launch(  # one GPU (the usual case): no device guard to enter
-        t, out, tab, sin, cu_seqlens, positions, layout, interleaved, cp_size, cp_rank,
+        t, out, tab, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size, cp_rank,
         False, fresh_out=True,
     )
 
@@ -1025,8 +1035,8 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     index = position_index(call)
     key, tail = _fast_key(
         t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
-        table, table.data_ptr(), sin, None, index, spec.layout, spec.interleaved, spec.cp_size,
-        spec.cp_rank, False, not in_place,
+        table, table.data_ptr(), sin, None, index, spec.layout, spec.interleaved,
+        spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False, not in_place,
     )
     entry = _fast.get(key)
     # not compiled, for unaligned inputs, or on a contiguous copy of a strided angle table
@@ -1078,7 +1088,8 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
     index, cu = position_index(call), spec.cu_seqlens
     outs = (q, k) if in_place else _qk_outputs(q, k, None)
     key = _qk_launch(q, k, *outs, (table, sin), cu, index, spec.layout, spec.interleaved,
-                     spec.cp_size, spec.cp_rank, False, copy_pass=not in_place, key_only=True)
+                     spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False,
+                     copy_pass=not in_place, key_only=True)
     entry = None if key is None else _fast_qkv.get(key)
     tp = table.data_ptr()
     if entry is None or not all(key[1]) or tp != _user_table_address(call):
@@ -1184,7 +1195,7 @@ class TritonBackend(Backend):
         spec = call.spec
         return rope_triton(
             call.t, call.table, layout=spec.layout, interleaved=spec.interleaved,
-            cu_seqlens=spec.cu_seqlens, positions=position_index(call),
+            scale=spec.cos_sin_scale, cu_seqlens=spec.cu_seqlens, positions=position_index(call),
             cp_size=spec.cp_size, cp_rank=spec.cp_rank, in_place=call.in_place,
             grad_in_place=call.grad_in_place,
         )

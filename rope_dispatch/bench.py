@@ -217,7 +217,7 @@ def _triton_transpose(inp: Inputs, table: Any) -> Callable[[], Any]:
 
     tab, sin = kernel_tables(table if isinstance(table, rd.CosSinCache) else angles_2d(table))
     spec = inp.spec
-    settings = (spec.layout, spec.interleaved, spec.cp_size, spec.cp_rank)
+    settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
     if inp.split is not None:
         def transpose_qkv():
             return triton_rope._qkv_transpose(
@@ -510,9 +510,11 @@ def run_host(report: Report) -> None:
         _record_host(report, "triton bound launch (plan)", lambda: bound(t, freqs, spec, None, None, None))
         _record_host(report, "output allocation (empty_like)", lambda: torch.empty_like(t))
         _record_host(report, "triton launch", lambda: triton_rope.launch(
-            t, out, table, None, None, None, "sbhd", False, 1, 0, False))
+            t, out, table, None, None, None, "sbhd", False, 1.0, 1, 0, False))
         report.host["triton kernel (do_bench) us"] = 1e3 * bench_ms(
-            lambda: triton_rope.launch(t, out, table, None, None, None, "sbhd", False, 1, 0, False)
+            lambda: triton_rope.launch(
+                t, out, table, None, None, None, "sbhd", False, 1.0, 1, 0, False
+            )
         )
         report.host["apply triton CUDA graph replay us"] = _graph_replay_us(
             lambda: rd.apply(t, freqs, spec, backend="triton")
@@ -663,7 +665,7 @@ def run_sweep(report: Report, shapes: list[Shape], device: str = "cuda") -> None
 
             def fn(config=config):
                 triton_rope.launch(
-                    inp.t, out, table, None, inp.cu_seqlens, None, shape.layout, False, 1, 0,
+                    inp.t, out, table, None, inp.cu_seqlens, None, shape.layout, False, 1.0, 1, 0,
                     False, config=config,
                 )
 

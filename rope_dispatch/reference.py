@@ -45,17 +45,21 @@ def reference_positions(call: RoPECall) -> torch.Tensor:
 
 def reference_cos_sin(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 cos and sin ``[s2, d2]``, one per channel (from the angles, or a cache's float32
-    values: a pair cache's pair value for both channels of the pair)."""
+    values: a pair cache's pair value for both channels of the pair), times the spec's
+    ``cos_sin_scale``."""
+    scale = call.spec.cos_sin_scale
     if isinstance(call.table, CosSinCache):
-        return call.table.cos.double().cpu(), call.table.sin.double().cpu()
-    if isinstance(call.table, PairCosSinCache):
+        cos, sin = call.table.cos.double().cpu(), call.table.sin.double().cpu()
+    elif isinstance(call.table, PairCosSinCache):
         half = call.rotary_dim // 2
         cache = call.table.table.double().cpu()
         pair = torch.arange(call.rotary_dim)
         pair = pair // 2 if call.spec.interleaved else pair % half
-        return cache[:, pair], cache[:, half + pair]
-    angles = call.table.double().cpu()
-    return torch.cos(angles), torch.sin(angles)
+        cos, sin = cache[:, pair], cache[:, half + pair]
+    else:
+        angles = call.table.double().cpu()
+        cos, sin = torch.cos(angles), torch.sin(angles)
+    return cos * scale, sin * scale
 
 
 def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:

@@ -45,6 +45,7 @@ class GridCase:
     strided: bool = False
     qkv: bool = False  # a packed [.., h, 2d + d + d] tensor (apply_qkv), k with its own table
     qk: bool = False  # q and a 2-head k sliced out of one projection (apply_qk)
+    scale: float = 1.0  # the spec's cos_sin_scale (an attention factor)
 
 
 GRID = (
@@ -62,21 +63,22 @@ GRID = (
              starts=True, qkv=True),
     GridCase("bshd bf16 q+k slices start_positions", "bshd", torch.bfloat16, starts=True,
              strided=True, qk=True),
+    GridCase("thd fp16 interleaved cache start x1.2", "thd", torch.float16,
+             interleaved=True, cache=True, starts=True, scale=1.2),
 )
 QKV_SPLIT = (128, 64, 64)  # two query heads, one key head and one value head of d 64 a group
 
 QUICK = (
     GridCase("sbhd bf16 start cp 2/rank 1 partial", "sbhd", torch.bfloat16,
              rotary_dim=32, cp_size=2, cp_rank=1, starts=True),
-    GridCase("thd fp16 interleaved cos/sin cache start", "thd", torch.float16, interleaved=True,
-             cache=True, starts=True),
+    GRID[11],  # thd, interleaved, a cos/sin cache, start positions, a cos/sin scale
     GRID[8],  # packed qkv
     GRID[10],  # q and k, slices of one projection
 )
 """The default run: every feature once (start positions with context parallelism, partial and
-interleaved rotary, thd, the cos/sin cache, strided views, packed qkv, q and k pairs). A backend
-whose first call of a spec compiles (torch.compile) runs the first case only; ``--thorough``
-runs the whole grid on every backend."""
+interleaved rotary, thd, the cos/sin cache and scale, strided views, packed qkv, q and k pairs).
+A backend whose first call of a spec compiles (torch.compile) runs the first case only;
+``--thorough`` runs the whole grid on every backend."""
 
 
 def cases_for(backend: str, thorough: bool) -> tuple[GridCase, ...]:
@@ -137,6 +139,7 @@ def make_inputs(case: GridCase, device: str, gen: torch.Generator):
     spec = rd.RoPESpec(
         layout=case.layout, dtype=case.dtype, rotary_dim=case.rotary_dim, interleaved=case.interleaved,
         cu_seqlens=None if cu is None else cu.to(device), cp_size=cp, cp_rank=case.cp_rank,
+        cos_sin_scale=case.scale,
     )
     table = cos_sin_cache(angles) if case.cache else angles
     return t, table, spec, None if starts is None else starts.to(device), kwargs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
@@ -47,7 +48,10 @@ def parse_dtype(value: Any) -> torch.dtype:
 
 
 # Every field but the cu_seqlens tensor, in the order of RoPESpec.static_key.
-STATIC_FIELDS = ("layout", "dtype", "rotary_dim", "interleaved", "max_seqlen", "cp_size", "cp_rank")
+STATIC_FIELDS = (
+    "layout", "dtype", "rotary_dim", "interleaved", "max_seqlen", "cp_size", "cp_rank",
+    "cos_sin_scale",
+)
 
 
 def check_cu_seqlens_tensor(cu_seqlens: Any) -> None:
@@ -82,10 +86,12 @@ def _spec_problem(exc: ValidationError) -> str:
 class RoPESpec(BaseModel):
     """What a RoPE call looks like, validated once and reused every step.
 
-    Semantics are TransformerEngine 2.20.2 ``apply_rotary_pos_emb``. The static fields (all but
-    ``cu_seqlens``) form :attr:`static_key`, a hashable tuple that dispatch and autotune key on.
-    For ``thd`` batches that change every step, build the spec once and call
-    :meth:`with_cu_seqlens` per step: it checks the tensor and skips full validation.
+    Semantics are TransformerEngine 2.20.2 ``apply_rotary_pos_emb``; ``cos_sin_scale`` (1.0, as
+    in TE, by default) multiplies cos and sin as Hugging Face's YaRN/LongRoPE models do. The
+    static fields (all but ``cu_seqlens``) form :attr:`static_key`, a hashable tuple that
+    dispatch and autotune key on. For ``thd`` batches that change every step, build the spec
+    once and call :meth:`with_cu_seqlens` per step: it checks the tensor and skips full
+    validation.
     """
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
@@ -111,6 +117,11 @@ class RoPESpec(BaseModel):
     )
     cp_size: int = Field(default=1, description="context-parallel world size")
     cp_rank: int = Field(default=0, description="this rank in the context-parallel group")
+    cos_sin_scale: float = Field(
+        default=1.0,
+        description="factor on cos and sin (YaRN's and LongRoPE's attention factor, as Hugging "
+        "Face applies it): the rotated channels come out scaled by it, for every table kind",
+    )
 
     def __init__(self, **fields: Any) -> None:
         """Validate ``fields``; a bad one raises :class:`~rope_dispatch.RoPEError` naming it."""
@@ -142,6 +153,10 @@ class RoPESpec(BaseModel):
                     f"max_seqlen is only for layout 'thd', got {self.max_seqlen} with layout "
                     f"{self.layout!r}"
                 )
+        if not (math.isfinite(self.cos_sin_scale) and self.cos_sin_scale > 0):
+            raise ValueError(
+                f"cos_sin_scale must be a finite number > 0, got {self.cos_sin_scale}"
+            )
         if self.max_seqlen is not None and self.max_seqlen < 1:
             raise ValueError(f"max_seqlen must be >= 1, got {self.max_seqlen}")
         self._set_static_key()

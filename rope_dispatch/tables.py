@@ -332,13 +332,14 @@ class RotaryFrequencies:
         ``interleaved``. ``device``: where the table lives (``None``: where ``inv_freq`` is).
         An angle table cannot apply ``attention_factor``: where it is not 1.0 this raises
         (use :meth:`cos_sin_cache`) unless ``without_attention_factor=True`` says the caller
-        multiplies the result's cos and sin by it.
+        applies it, as ``RoPESpec(cos_sin_scale=attention_factor)`` does in every backend but TE.
         """
         if self.attention_factor != 1.0 and not without_attention_factor:
             raise RoPEError(
                 f"this {self.rope_type!r} table has attention_factor={self.attention_factor:.6g}, "
                 "which an angle table cannot carry; use cos_sin_cache(), which includes it, or "
-                "pass without_attention_factor=True to apply it yourself"
+                "pass without_attention_factor=True and give the call's RoPESpec "
+                f"cos_sin_scale={self.attention_factor!r}"
             )
         length = self._checked_length(max_positions)
         if not isinstance(interleaved, bool):

@@ -32,9 +32,9 @@ def main() -> None:
                 continue
             config = (bt, bh, 1, d // 2, 1, warps)
             fwd = bench.bench_ms(lambda: triton_rope.launch(x, out, table, None, None, None, layout,
-                                                            False, 1, 0, False, config=config))
+                                                            False, 1.0, 1, 0, False, config=config))
             bwd = bench.bench_ms(lambda: triton_rope.launch(x, out, table, None, None, None, layout,
-                                                            False, 1, 0, True, config=config))
+                                                            False, 1.0, 1, 0, True, config=config))
             results.append((copy / fwd, copy / bwd, config))
         results.sort(key=lambda r: -(r[0] + r[1]))
         print(f"{layout} s{seq} b{batch} h{heads} d{d}: copy {1e3 * copy:.1f} us; default {default}")

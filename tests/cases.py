@@ -38,6 +38,7 @@ class Case:
     table_margin: int
     seed: int
     per_token: bool = False  # positions given per token (random rows), no start_positions or CP
+    scale: float = 1.0  # the spec's cos_sin_scale
 
 
 _FIXED = Case(
@@ -55,7 +56,7 @@ def fixed_case(**changes) -> Case:
 @st.composite
 def cases(
     draw, layouts=("sbhd", "bshd", "thd"), dtypes=DTYPES, max_seq: int = 12,
-    cp_sizes=(1, 1, 2, 3), starts=(False, True),
+    cp_sizes=(1, 1, 2, 3), starts=(False, True), scales=(1.0, 1.0, 1.0, 1.25, 0.5),
 ) -> Case:
     layout = draw(st.sampled_from(layouts))
     cp_size = draw(st.sampled_from(cp_sizes))
@@ -87,6 +88,7 @@ def cases(
         use_cache=draw(st.booleans()),
         table_margin=draw(st.integers(0, 5)),
         seed=draw(st.integers(0, 2**16)),
+        scale=draw(st.sampled_from(scales)),
     )
 
 
@@ -146,6 +148,7 @@ def build(case: Case, device: str | torch.device = "cpu", requires_grad: bool = 
     spec = rd.RoPESpec(
         layout=case.layout, dtype=case.dtype, rotary_dim=case.rotary_dim, interleaved=case.interleaved,
         cu_seqlens=None if cu is None else cu.to(device), cp_size=cp, cp_rank=case.cp_rank,
+        cos_sin_scale=case.scale,
     )
     table_4d = angles.view(s2, 1, 1, case.rotary_dim).to(device)
     table = rd.cos_sin_cache(table_4d) if case.use_cache else table_4d

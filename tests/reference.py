@@ -62,9 +62,11 @@ def partners(d2: int, interleaved: bool) -> tuple[list[int], list[float]]:
 
 
 def reference_rope(
-    t: torch.Tensor, angles: torch.Tensor, positions: torch.Tensor, interleaved: bool
+    t: torch.Tensor, angles: torch.Tensor, positions: torch.Tensor, interleaved: bool,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """float64 ``out_i = x_i cos(f[p,i]) + sign_i x_partner(i) sin(f[p,i])``, rest copied.
+    """float64 ``out_i = scale (x_i cos(f[p,i]) + sign_i x_partner(i) sin(f[p,i]))``, rest
+    copied.
 
     ``angles`` is ``[s2, d2]`` (any float dtype); differentiable with respect to ``t``.
     """
@@ -75,7 +77,7 @@ def reference_rope(
     sign_t = torch.tensor(sign, dtype=torch.float64, device=x.device)
     idx_t = torch.tensor(idx, device=x.device)
     rot = x[..., :d2]
-    out = rot * torch.cos(f) + sign_t * rot[..., idx_t] * torch.sin(f)
+    out = rot * (scale * torch.cos(f)) + sign_t * rot[..., idx_t] * (scale * torch.sin(f))
     return torch.cat((out, x[..., d2:]), dim=-1)
 
 
@@ -91,7 +93,8 @@ def reference_for(t, angles, spec, start_positions=None, positions=None) -> torc
             cp_size=spec.cp_size, cp_rank=spec.cp_rank,
             start_positions=None if start_positions is None else start_positions.tolist(),
         )
-    return reference_rope(t, angles.reshape(angles.shape[0], angles.shape[-1]), positions, spec.interleaved)
+    return reference_rope(t, angles.reshape(angles.shape[0], angles.shape[-1]), positions,
+                          spec.interleaved, spec.cos_sin_scale)
 
 
 def reference_forward_backward(t, angles, spec, grad_out, start_positions=None, positions=None):

@@ -112,8 +112,8 @@ def test_launch_configurations(config, layout):
     full = (bt, bh, hi, triton_rope._next_pow2(rot // 2), triton_rope._next_pow2(16 - rot), warps)
     out = torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEVICE)
     triton_rope.launch(
-        t, out, table.view(table.shape[0], -1), None, spec.cu_seqlens, starts, layout, False, 1, 0,
-        False, config=full,
+        t, out, table.view(table.shape[0], -1), None, spec.cu_seqlens, starts, layout, False, 1.0,
+        1, 0, False, config=full,
     )
     assert_matches(out, reference_for(t.cpu(), angles, spec, starts), t.dtype)
 
@@ -192,9 +192,9 @@ def test_opcheck_contiguous_and_permuted():
     permuted = torch.randn(2, 6, 3, 16, device=DEVICE).transpose(0, 1).requires_grad_(True)
     packed = torch.randn(6, 3, 16, device=DEVICE, requires_grad=True)  # 12 global tokens, cp 2
     for args in (
-        (contiguous, angles, None, None, None, "sbhd", False, 1, 0, False, None),
-        (permuted, angles.cos(), angles.sin(), None, None, "sbhd", True, 1, 0, False, None),
-        (packed, angles, None, cu, None, "thd", False, 2, 1, False, None),
+        (contiguous, angles, None, None, None, "sbhd", False, 1.0, 1, 0, False, None),
+        (permuted, angles.cos(), angles.sin(), None, None, "sbhd", True, 1.25, 1, 0, False, None),
+        (packed, angles, None, cu, None, "thd", False, 1.0, 2, 1, False, None),
     ):
         opcheck(op, args)
 
