@@ -308,9 +308,9 @@ def _targets(model: object) -> dict[tuple[str, str], Callable]:
     found = set()
     if isinstance(model, torch.nn.Module) and classes:
         for child in model.modules():
-            for cls, family in classes.items():
+            for cls, entry in classes.items():
                 if isinstance(child, cls):
-                    found.add(family)
+                    found.add(entry)
     if not found:
         raise RoPEError(
             f"{type(model).__name__} holds no attention module that rope-dispatch can patch; "
