@@ -1,11 +1,13 @@
-"""``rope_dispatch.integrations.hf``: transformers' ``apply_rotary_pos_emb`` against a float64
-reference written from its formula and against transformers' own function, and ``patch`` on
-tiny random Llama, Mistral, Qwen2, Qwen3 and Gemma models (same logits and gradients, and
-``unpatch`` binds the original objects back)."""
+"""``rope_dispatch.integrations.hf``: transformers' ``apply_rotary_pos_emb`` and
+``apply_multimodal_rotary_pos_emb`` against float64 references written from their formulas and
+against transformers' own functions, and ``patch`` on tiny random Llama, Mistral, Qwen2, Qwen3,
+Gemma, Qwen2-VL and Qwen2.5-VL models (same logits and gradients, and ``unpatch`` binds the
+original objects back)."""
 
 from __future__ import annotations
 
 import importlib
+import types
 
 import pytest
 import torch
@@ -25,18 +27,38 @@ FAMILIES = {
 }
 
 
+VL_FAMILIES = {
+    "Qwen2-VL": (
+        "Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+        dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2),
+    ),
+    "Qwen2.5-VL": (
+        "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+        dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+             fullatt_block_indexes=[0]),
+    ),
+}
+"""Family -> (config class, model class, a tiny vision tower's config: built, never run)."""
+MROPE_NAME = "apply_multimodal_rotary_pos_emb"
+
+
 def modeling(family: str):
-    """The modeling module whose global apply_rotary_pos_emb the family's attention calls."""
+    """The modeling module whose globals the family's attention calls."""
     return importlib.import_module(hf.SUPPORTED_MODELS[family][0])
 
 
 @pytest.fixture(autouse=True)
 def _restore_modeling_modules():
     """Every test leaves transformers' modules as it found them, whatever it patched."""
-    saved = {f: modeling(f).apply_rotary_pos_emb for f in FAMILIES}
+    saved = {
+        (family, name): getattr(modeling(family), name)
+        for family, (_, _, names) in hf.SUPPORTED_MODELS.items()
+        for name in names
+        if hasattr(modeling(family), name)
+    }
     yield
-    for family, original in saved.items():
-        modeling(family).apply_rotary_pos_emb = original
+    for (family, name), original in saved.items():
+        setattr(modeling(family), name, original)
     hf._originals.clear()
 
 
@@ -157,6 +179,143 @@ def test_token_index_cache_stays_small():
     assert len(hf._token_rows) <= hf._MAX_TOKEN_ROWS
 
 
+def stream_of_channels(d2: int, mrope_section) -> list[int]:
+    """The stream (0 temporal, 1 height, 2 width) each of the ``d2`` rotary channels reads: in
+    both halves, the first ``t`` channels temporal, then ``h`` height, then ``w`` width."""
+    per_half = [stream for stream, size in enumerate(mrope_section) for _ in range(size)]
+    assert len(per_half) == d2 // 2
+    return per_half + per_half
+
+
+def multimodal_reference(q, k, cos, sin, mrope_section, unsqueeze_dim):
+    """The float64 reference on per-token cos and sin picked channel by channel from the three
+    streams of ``[3, b, s, d2]`` ones."""
+    streams = stream_of_channels(cos.shape[-1], mrope_section)
+
+    def pick(table):
+        return torch.stack([table[stream, ..., c] for c, stream in enumerate(streams)], dim=-1)
+
+    return reference(q, k, pick(cos), pick(sin), unsqueeze_dim)
+
+
+def transformers_multimodal(q, k, cos, sin, mrope_section, unsqueeze_dim):
+    """transformers 5.23's own path for the same call: its Qwen2-VL rotary embedding picks the
+    streams (``recomposition_frequencies``, which reads only ``mrope_section``, on the first
+    half) and its ``apply_rotary_pos_emb`` rotates."""
+    module = modeling("Qwen2-VL")
+    rotary = types.SimpleNamespace(mrope_section=list(mrope_section))
+    half = cos.shape[-1] // 2
+    recompose = module.Qwen2VLRotaryEmbedding.recomposition_frequencies
+    cos, sin = recompose(rotary, cos[..., :half]), recompose(rotary, sin[..., :half])
+    return module.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+SECTIONS = [(2, 3, 3), (8, 0, 0), (1, 1, 6), (0, 5, 3)]
+
+
+def multimodal_inputs(dtype, unsqueeze_dim, batch_cos=BATCH, seed=0, equal_halves=True):
+    """q and k as :func:`inputs` makes them (head dim 16), and cos and sin ``[3, batch_cos, s,
+    16]`` of three streams of different random angles (the two halves equal, as the models make
+    them, unless ``equal_halves`` is false)."""
+    q, k, _, _ = inputs(dtype, unsqueeze_dim, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    angles = torch.rand(3, batch_cos, TOKENS, 16 if not equal_halves else 8, generator=gen,
+                        dtype=torch.float64) * 40
+    if equal_halves:
+        angles = torch.cat((angles, angles), dim=-1)
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("batch_cos", [BATCH, 1])
+@pytest.mark.parametrize("mrope_section", SECTIONS)
+def test_multimodal_matches_the_formula_and_transformers(dtype, unsqueeze_dim, batch_cos,
+                                                         mrope_section):
+    q, k, cos, sin = multimodal_inputs(dtype, unsqueeze_dim, batch_cos)
+    out_q, out_k = hf.apply_multimodal_rotary_pos_emb(
+        q, k, cos, sin, list(mrope_section), unsqueeze_dim
+    )
+    ref_q, ref_k = multimodal_reference(q, k, cos, sin, mrope_section, unsqueeze_dim)
+    hf_q, hf_k = transformers_multimodal(q, k, cos, sin, mrope_section, unsqueeze_dim)
+    for out, ref, theirs in ((out_q, ref_q, hf_q), (out_k, ref_k, hf_k)):
+        assert out.shape == theirs.shape and out.dtype == theirs.dtype
+        torch.testing.assert_close(out.double(), ref.detach(), **tolerance(dtype))
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, theirs, rtol=1e-6, atol=1e-6)
+        else:
+            torch.testing.assert_close(out, theirs, rtol=2**-7, atol=2**-5)
+            assert (out.double() - ref).abs().max() <= (theirs.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("mrope_section", SECTIONS[:3])
+def test_multimodal_gradients_flow_to_q_and_k_as_in_transformers(dtype, unsqueeze_dim,
+                                                                 mrope_section):
+    q, k, cos, sin = multimodal_inputs(dtype, unsqueeze_dim, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    grad_q, grad_k = (torch.randn(t.shape, generator=gen).to(dtype) for t in (q, k))
+
+    def grads(fn):
+        q.grad = k.grad = None
+        out_q, out_k = fn(q, k, cos, sin, mrope_section, unsqueeze_dim)
+        torch.autograd.backward((out_q, out_k), (grad_q.to(out_q.dtype), grad_k.to(out_k.dtype)))
+        return q.grad.clone(), k.grad.clone()
+
+    ours = grads(hf.apply_multimodal_rotary_pos_emb)
+    exact = grads(multimodal_reference)
+    theirs = grads(transformers_multimodal)
+    for g, ref, their in zip(ours, exact, theirs):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), ref.double(), **tolerance(dtype))
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, their, rtol=1e-6, atol=1e-6)
+
+
+def test_multimodal_sections_apply_to_each_half_of_any_table():
+    """Streams whose two halves differ: each half takes its own channels of the picked stream
+    (transformers' function splits the whole rotary dim by the doubled list)."""
+    q, k, cos, sin = multimodal_inputs(torch.float32, 1, seed=7, equal_halves=False)
+    got = hf.apply_multimodal_rotary_pos_emb(q, k, cos, sin, (3, 1, 4))
+    for out, want in zip(got, multimodal_reference(q, k, cos, sin, (3, 1, 4), 1)):
+        torch.testing.assert_close(out.double(), want.detach(), **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize(
+    "mrope_section, expected",
+    [
+        ([2, 3, 2], r"summing to 8, half of cos's last dim 16; got \[2, 3, 2\] \(sum 7\)"),
+        ([4, 4], r"must be 3 non-negative integers .* got \[4, 4\]$"),
+        ([2, 2, 2, 2], r"must be 3 non-negative integers .* got \[2, 2, 2, 2\]$"),
+        ([10, -1, -1], r"got \[10, -1, -1\]"),
+        ([2.0, 3, 3], r"got \[2.0, 3, 3\]"),
+        (8, r"got 8$"),
+    ],
+)
+def test_bad_mrope_section_is_refused_by_name(mrope_section, expected):
+    q, k, cos, sin = multimodal_inputs(torch.float32, 1)
+    with pytest.raises(rd.RoPEError, match=r"^mrope_section must be ") as err:
+        hf.apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section)
+    assert err.match(expected)
+
+
+def test_bad_multimodal_cos_and_sin_are_refused_by_name():
+    q, k, cos, sin = multimodal_inputs(torch.float32, 1)
+    bad = {
+        "cos": [(cos[0], sin[0]), (cos[:2], sin[:2]), (torch.cat((cos, cos), 1),) * 2],
+        "sin": [(cos, sin[..., :8])],
+    }
+    for name, pairs in bad.items():
+        for bad_cos, bad_sin in pairs:
+            with pytest.raises(rd.RoPEError, match=rf"^{name} must ") as err:
+                hf.apply_multimodal_rotary_pos_emb(q, k, bad_cos, bad_sin, [2, 3, 3])
+            assert str(tuple(bad_sin.shape if name == "sin" else bad_cos.shape)) in str(err.value)
+    expected = r"\[3, batch, seq, rotary_dim\] .* batch 1 or q's batch 2"
+    with pytest.raises(rd.RoPEError, match=expected):
+        hf.apply_multimodal_rotary_pos_emb(q, k, cos[0], sin[0], [2, 3, 3])
+
+
 def tiny_model(family: str, attention: str = "sdpa") -> torch.nn.Module:
     """A two-layer model of ``family`` with random weights (no download), float32."""
     config_name, model_name = FAMILIES[family]
@@ -170,11 +329,13 @@ def tiny_model(family: str, attention: str = "sdpa") -> torch.nn.Module:
 
 
 def step(model, ids, position_ids):
-    """Logits and every parameter's gradient of one language-model loss."""
+    """Logits and the gradient of every parameter the loss reaches, of one language-model loss
+    (a text-only input leaves a multimodal model's vision tower out)."""
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, position_ids=position_ids, labels=ids)
     out.loss.backward()
-    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
 
 
 @pytest.mark.parametrize(
@@ -198,7 +359,7 @@ def test_patched_model_gives_the_same_logits_and_gradients(family, attention, mo
     for p, (logits, grads) in zip((None, position_ids), expected):
         got_logits, got_grads = step(model, ids, p)
         torch.testing.assert_close(got_logits, logits)
-        assert got_grads.keys() == grads.keys()
+        assert got_grads.keys() == grads.keys() == {n for n, _ in model.named_parameters()}
         for name, grad in grads.items():
             torch.testing.assert_close(got_grads[name], grad, msg=name)
     assert len(calls) == 2 * model.config.num_hidden_layers
@@ -261,6 +422,88 @@ def test_unsupported_model_is_refused_by_name():
         assert all(family in message for family in FAMILIES)
 
 
+def tiny_vl_model(family: str, mrope_section=(2, 3, 3)) -> torch.nn.Module:
+    """A Qwen2-VL or Qwen2.5-VL model with a two-layer language model (head dim 16, so
+    ``mrope_section`` sums to 8) and a one-block vision tower, random weights, float32."""
+    config_name, model_name, vision = VL_FAMILIES[family]
+    text = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, bos_token_id=1,
+        eos_token_id=2, rope_parameters=dict(
+            rope_type="default", rope_theta=10000.0, mrope_section=list(mrope_section)
+        ),
+    )
+    config = getattr(transformers, config_name)(
+        text_config=text, vision_config=vision, attn_implementation="sdpa"
+    )
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).float().train()
+
+
+@pytest.mark.parametrize("family", list(VL_FAMILIES))
+def test_patched_multimodal_model_gives_the_same_logits_and_gradients(family, monkeypatch):
+    """``position_ids`` ``[3, b, s]`` with three different streams per row (so the sections
+    matter): the same logits and parameter gradients patched and unpatched."""
+    model = tiny_vl_model(family)
+    module = modeling(family)
+    original = module.apply_rotary_pos_emb
+    ids = torch.randint(0, 128, (BATCH, TOKENS), generator=torch.Generator().manual_seed(9))
+    tokens = torch.arange(TOKENS)[None, :] + torch.tensor([[0], [5]])
+    position_ids = torch.stack((tokens, tokens // 3 + 1, tokens % 4))
+    logits, grads = step(model, ids, position_ids)
+    assert {n for n, _ in model.named_parameters() if ".visual." not in f".{n}"} == grads.keys()
+    same_streams, _ = step(model, ids, position_ids[:1].expand(3, -1, -1))
+    assert not torch.allclose(logits, same_streams)  # the height and width streams count
+
+    calls = []
+    apply_qk = hf.apply_qk
+    monkeypatch.setattr(hf, "apply_qk", lambda *a, **kw: calls.append(1) or apply_qk(*a, **kw))
+    assert hf.patch(model) is model
+    hf.patch(model)
+    assert module.apply_rotary_pos_emb is hf.apply_rotary_pos_emb
+    assert not hasattr(module, MROPE_NAME)  # transformers 5.23 picks the streams before the call
+    got_logits, got_grads = step(model, ids, position_ids)
+    torch.testing.assert_close(got_logits, logits)
+    assert got_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name], grad, msg=name)
+    assert len(calls) == model.config.text_config.num_hidden_layers
+
+    hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is original
+    hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is original
+
+
+def test_multimodal_name_is_rebound_where_the_module_defines_it(monkeypatch):
+    """transformers 4.x's layout: Qwen2-VL's attention called ``apply_multimodal_rotary_pos_emb``.
+    Where the modeling module defines it, ``patch`` rebinds it next to ``apply_rotary_pos_emb``
+    and ``unpatch`` binds both original objects back; where it defines neither, ``patch`` refuses
+    and rebinds nothing."""
+    model = tiny_vl_model("Qwen2-VL")
+    module = modeling("Qwen2-VL")
+    plain = module.apply_rotary_pos_emb
+
+    def legacy(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+        return q, k
+
+    monkeypatch.setattr(module, MROPE_NAME, legacy, raising=False)
+    hf.patch(model)
+    assert getattr(module, MROPE_NAME) is hf.apply_multimodal_rotary_pos_emb
+    assert module.apply_rotary_pos_emb is hf.apply_rotary_pos_emb
+    assert modeling("Qwen2.5-VL").apply_rotary_pos_emb is not hf.apply_rotary_pos_emb
+    hf.unpatch(model)
+    assert getattr(module, MROPE_NAME) is legacy
+    assert module.apply_rotary_pos_emb is plain
+
+    monkeypatch.delattr(module, MROPE_NAME)
+    monkeypatch.delattr(module, "apply_rotary_pos_emb")
+    expected = r"modeling_qwen2_vl defines none of apply_rotary_pos_emb, apply_multimodal_rotary"
+    with pytest.raises(rd.RoPEError, match=expected):
+        hf.patch(model)
+    assert not hasattr(module, "apply_rotary_pos_emb") and not hasattr(module, MROPE_NAME)
+
+
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 @pytest.mark.parametrize("batch_cos", [BATCH, 1])
 def test_triton_backend_serves_the_call(triton_backend, unsqueeze_dim, batch_cos):
@@ -281,6 +524,24 @@ def test_triton_backend_serves_the_call(triton_backend, unsqueeze_dim, batch_cos
     for got, exact in zip((*out, *ours), (*ref, q.grad, k.grad)):
         torch.testing.assert_close(got.double(), exact.detach().double(), rtol=2**-7, atol=1e-5)
 
+
+@pytest.mark.parametrize("batch_cos", [BATCH, 1])
+def test_triton_backend_serves_the_multimodal_call(triton_backend, batch_cos):
+    """As above, for the three-stream call: forward and gradients within one bf16 ulp."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, cos, sin = multimodal_inputs(torch.bfloat16, 1, batch_cos, seed=12)
+    q, k = (t.detach().to(device).requires_grad_() for t in (q, k))
+    cos, sin = cos.to(device), sin.to(device)
+    grad_q, grad_k = (torch.randn(t.shape).bfloat16().to(device) for t in (q, k))
+    with rd.use_backend("triton"):
+        out = hf.apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 3, 3])
+        torch.autograd.backward(out, (grad_q, grad_k))
+    ours = (q.grad.clone(), k.grad.clone())
+    q.grad = k.grad = None
+    ref = multimodal_reference(q, k, cos, sin, (2, 3, 3), 1)
+    torch.autograd.backward(ref, (grad_q.double(), grad_k.double()))
+    for got, exact in zip((*out, *ours), (*ref, q.grad, k.grad)):
+        torch.testing.assert_close(got.double(), exact.detach().double(), rtol=2**-7, atol=1e-5)
 
 @pytest.mark.parametrize("batch_cos", [BATCH, 1])
 def test_layers_sharing_cos_and_sin_reuse_one_plan(monkeypatch, batch_cos):
@@ -304,3 +565,33 @@ def test_layers_sharing_cos_and_sin_reuse_one_plan(monkeypatch, batch_cos):
         got = hf.apply_rotary_pos_emb(q, k, cos, sin)
     for out, want in zip(got, reference(q, k, cos, sin, 1)):
         torch.testing.assert_close(out.double(), want, **tolerance(torch.float32))
+
+
+def test_layers_sharing_multimodal_cos_and_sin_reuse_one_pick(monkeypatch):
+    """The same ``[3, b, s, d2]`` cos and sin for every layer: one pick of the streams and one
+    check of the call; values rewritten in place are seen; inference-mode tensors work."""
+    from rope_dispatch import call as call_module
+    from rope_dispatch import dispatch
+
+    monkeypatch.setattr(call_module, "_reads", lambda index: False)
+    checks = []
+    real = dispatch.check_call
+    monkeypatch.setattr(dispatch, "check_call", lambda *a, **kw: checks.append(1) or real(*a, **kw))
+    q, k, cos, sin = multimodal_inputs(torch.float32, 1, seed=8)
+    section = [2, 3, 3]
+    with torch.no_grad():
+        first = hf._select_streams(cos, sin, section, BATCH)
+        for layer in range(3):
+            got = hf.apply_multimodal_rotary_pos_emb(q, k, cos, sin, section)
+            assert hf._select_streams(cos, sin, section, BATCH)[0] is first[0]
+        assert len(checks) == 1
+        cos[1].mul_(-1)  # a view of the same tensor, new values
+        assert hf._select_streams(cos, sin, section, BATCH)[0] is not first[0]
+        got = hf.apply_multimodal_rotary_pos_emb(q, k, cos, sin, section)
+    for out, want in zip(got, multimodal_reference(q, k, cos, sin, section, 1)):
+        torch.testing.assert_close(out.double(), want, **tolerance(torch.float32))
+    with torch.inference_mode():
+        cos, sin = cos.clone(), sin.clone()
+        got = hf.apply_multimodal_rotary_pos_emb(q.detach(), k.detach(), cos, sin, section)
+    for out, want in zip(got, multimodal_reference(q, k, cos, sin, section, 1)):
+        torch.testing.assert_close(out.double(), want.detach(), **tolerance(torch.float32))

@@ -1,14 +1,28 @@
 """Hugging Face transformers models on rope-dispatch: their RoPE call, mapped onto ours.
 
-One line moves a Llama, Mistral, Qwen2, Qwen3 or Gemma model over (docs/hf.md)::
+One line moves a Llama, Mistral, Qwen2, Qwen3, Gemma, Qwen2-VL or Qwen2.5-VL model over
+(docs/hf.md)::
 
     rope_dispatch.integrations.hf.patch(model)
 
-The attention modules of these families call their modeling module's global
-``apply_rotary_pos_emb`` by name at every forward, so :func:`patch` rebinds that one name to
-:func:`apply_rotary_pos_emb` here, as Liger-Kernel does, and :func:`unpatch` binds the original
-object back. The rebinding is per modeling module: it reaches every model of the family in the
-process, not only the one passed.
+The attention modules of these families call a global of their modeling module by name at every
+forward, so :func:`patch` rebinds that name to our function of the same name and signature, as
+Liger-Kernel does, and :func:`unpatch` binds the original object back. The rebinding is per
+modeling module: it reaches every model of the family in the process, not only the one passed.
+
+The names, per family (:data:`SUPPORTED_MODELS`):
+
+- ``apply_rotary_pos_emb`` -> :func:`apply_rotary_pos_emb`, in every family. Qwen2-VL and
+  Qwen2.5-VL call it too in transformers 5.23: their rotary embedding already picks each
+  channel's position stream (temporal, height, width) and returns per-token ``[b, s, d]``
+  cos/sin.
+- ``apply_multimodal_rotary_pos_emb`` -> :func:`apply_multimodal_rotary_pos_emb`, for Qwen2-VL and
+  Qwen2.5-VL where the modeling module defines it (transformers 4.x: the attention picked the
+  streams from ``[3, b, s, d]`` cos/sin). A name the module lacks is skipped.
+
+The vision towers' ``apply_rotary_pos_emb_vision`` (``[s, heads, d]`` q and k without a batch
+dim, ``[s, d]`` float32 cos/sin, each output in its input's dtype) is a different call and is left
+to transformers: the vision tower runs as before.
 
 An adapter: it maps arguments and checks only what the mapping needs. q and k go to
 :func:`rope_dispatch.apply_qk` as bshd views (no copy), the per-token ``cos``/``sin`` as a
@@ -18,7 +32,9 @@ modules from ``sys.modules`` and never imports transformers itself.
 
 from __future__ import annotations
 
+import operator
 import sys
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -28,20 +44,33 @@ from ..errors import RoPEError
 from ..spec import RoPESpec
 from ..tables import CosSinCache
 
-__all__ = ["SUPPORTED_MODELS", "apply_rotary_pos_emb", "patch", "unpatch"]
+__all__ = [
+    "SUPPORTED_MODELS", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb", "patch",
+    "unpatch",
+]
 
-SUPPORTED_MODELS: dict[str, tuple[str, str]] = {
-    "Llama": ("transformers.models.llama.modeling_llama", "LlamaAttention"),
-    "Mistral": ("transformers.models.mistral.modeling_mistral", "MistralAttention"),
-    "Qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention"),
-    "Qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"),
-    "Gemma": ("transformers.models.gemma.modeling_gemma", "GemmaAttention"),
+_PLAIN = ("apply_rotary_pos_emb",)
+_MULTIMODAL = ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb")
+
+SUPPORTED_MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "Llama": ("transformers.models.llama.modeling_llama", "LlamaAttention", _PLAIN),
+    "Mistral": ("transformers.models.mistral.modeling_mistral", "MistralAttention", _PLAIN),
+    "Qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention", _PLAIN),
+    "Qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention", _PLAIN),
+    "Gemma": ("transformers.models.gemma.modeling_gemma", "GemmaAttention", _PLAIN),
+    "Qwen2-VL": (
+        "transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLAttention", _MULTIMODAL
+    ),
+    "Qwen2.5-VL": (
+        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLAttention", _MULTIMODAL
+    ),
 }
-"""Family -> (its modeling module, its attention class): a model is supported when it holds
-attention modules of these classes, whose forward looks up the module's
-``apply_rotary_pos_emb`` at call time (transformers 5.x)."""
+"""Family -> (its modeling module, its attention class, the module globals that attention looks
+up at call time): a model is supported when it holds attention modules of these classes;
+:func:`patch` rebinds those of the names that the module defines."""
 
-_ROPE_NAME = "apply_rotary_pos_emb"
+_STREAMS = 3
+"""Position streams of multimodal RoPE: temporal, height, width."""
 _HEADS_DIM = {1: 1, -3: 1, 2: 2, -2: 2}
 """``unsqueeze_dim`` -> where q's heads are: 1 for ``[b, heads, s, d]``, 2 for ``[b, s, heads, d]``."""
 
@@ -50,8 +79,10 @@ _last_table: list = [None, None, None]
 """The latest ``[table, cos, sin]`` of :func:`_token_table`."""
 _token_rows: dict[tuple, torch.Tensor] = {}
 _MAX_TOKEN_ROWS = 64
-_originals: dict[str, object] = {}
-"""Modeling module name -> the object its ``apply_rotary_pos_emb`` held before :func:`patch`."""
+_last_streams: list = [None, None, None, None]
+"""The latest ``[cos, sin, key, (cos_out, sin_out)]`` of :func:`_select_streams`."""
+_originals: dict[tuple[str, str], object] = {}
+"""(modeling module name, global name) -> the object that name held before :func:`patch`."""
 
 Model = TypeVar("Model", bound=torch.nn.Module)
 
@@ -88,6 +119,88 @@ def apply_rotary_pos_emb(
     if heads_dim == 1:
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
     return q_out, k_out
+
+
+def apply_multimodal_rotary_pos_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mrope_section: Sequence[int],
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL, Qwen2.5-VL), in one
+    rope-dispatch launch for q and k.
+
+    ``cos`` and ``sin`` are ``[3, b, s, d2]`` (or ``[3, 1, s, d2]``): the temporal, height and
+    width streams of the multimodal rotary embedding. ``mrope_section`` is three channel counts
+    ``(t, h, w)`` with ``t + h + w = d2 / 2``: in each half of the rotary channels the first
+    ``t`` take the temporal stream, the next ``h`` the height stream and the last ``w`` the
+    width stream (transformers repeats the list for the second half). That pick is made on the
+    small cos/sin tensors (one ``[b, s, d2]`` copy each); q and k then go through
+    :func:`apply_rotary_pos_emb`, whose arguments, outputs, rounding and dtype rules apply.
+    transformers' function would also take other list lengths (section ``j`` of the doubled
+    list reading stream ``j % 3``); every Qwen2-VL and Qwen2.5-VL config has three, and other
+    lengths are refused here.
+    """
+    cos, sin = _select_streams(cos, sin, mrope_section, q.shape[0])
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+def _select_streams(
+    cos: torch.Tensor, sin: torch.Tensor, mrope_section: Sequence[int], batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``[b, s, d2]`` cos and sin of ``[3, b, s, d2]`` ones: each channel from the
+    stream its section names.
+
+    A model hands the same cos and sin to every layer, so the latest result is handed out again
+    for the same objects with unchanged values (their version counters), and the layers after
+    the first reuse its table and plan (:func:`_token_table`). Not kept while torch.compile
+    traces, nor for inference-mode tensors, which have no version counter."""
+    sections = _check_streams(cos, sin, mrope_section, batch)
+    cacheable = not (torch.compiler.is_compiling() or cos.is_inference() or sin.is_inference())
+    if cacheable:
+        key = (sections, cos._version, sin._version)
+        if _last_streams[0] is cos and _last_streams[1] is sin and _last_streams[2] == key:
+            return _last_streams[3]
+    runs, start = [], 0
+    for j, size in enumerate(sections * 2):  # both halves: temporal, height, width
+        runs.append((j % _STREAMS, start, start + size))
+        start += size
+    selected = tuple(
+        torch.cat([t[stream, ..., begin:end] for stream, begin, end in runs], dim=-1)
+        for t in (cos, sin)
+    )
+    if cacheable:
+        _last_streams[:] = [cos, sin, key, selected]
+    return selected
+
+
+def _check_streams(
+    cos: torch.Tensor, sin: torch.Tensor, mrope_section: Sequence[int], batch: int
+) -> tuple[int, ...]:
+    """``mrope_section`` as a tuple, after checking it and the cos/sin shapes against each
+    other; :class:`~rope_dispatch.RoPEError` naming the argument otherwise."""
+    if cos.dim() != 4 or cos.shape[0] != _STREAMS or cos.shape[1] not in (1, batch):
+        raise RoPEError(
+            f"cos must be [3, batch, seq, rotary_dim] (temporal, height and width streams) with "
+            f"batch 1 or q's batch {batch}, got {tuple(cos.shape)}"
+        )
+    if sin.shape != cos.shape:
+        raise RoPEError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    try:
+        sections = tuple(operator.index(size) for size in mrope_section)
+    except TypeError:
+        sections = ()
+    half = cos.shape[-1] / 2
+    if len(sections) != _STREAMS or min(sections) < 0 or sum(sections) != half:
+        total = f" (sum {sum(sections)})" if len(sections) == _STREAMS else ""
+        raise RoPEError(
+            f"mrope_section must be 3 non-negative integers (temporal, height, width channels) "
+            f"summing to {half:g}, half of cos's last dim {cos.shape[-1]}; got "
+            f"{mrope_section!r}{total}"
+        )
+    return sections
 
 
 def _token_table(cos: torch.Tensor, sin: torch.Tensor) -> CosSinCache:
@@ -153,51 +266,71 @@ def _spec(dtype: torch.dtype) -> RoPESpec:
 
 
 def patch(model: Model) -> Model:
-    """Route the RoPE of ``model`` (Llama, Mistral, Qwen2, Qwen3 or Gemma attention) through
-    :func:`apply_rotary_pos_emb`; returns ``model``.
+    """Route the RoPE of ``model`` (the attention of any family in :data:`SUPPORTED_MODELS`)
+    through this module's functions; returns ``model``.
 
-    Rebinds ``apply_rotary_pos_emb`` in the modeling module of each supported family found in
-    ``model``, so every model of those families in the process is served. Patching again is
-    harmless. Raises :class:`~rope_dispatch.RoPEError` for a model holding none of them.
+    Rebinds, in the modeling module of each supported family found in ``model``, each of the
+    family's names that the module defines to our function of that name, so every model of
+    those families in the process is served. Patching again is harmless. Raises
+    :class:`~rope_dispatch.RoPEError` for a model holding none of these families, or for a
+    family whose modeling module defines none of its names (another transformers version);
+    nothing is rebound then.
     """
-    for name in _modeling_modules(model):
-        module = sys.modules[name]
-        current = getattr(module, _ROPE_NAME)
-        if current is not apply_rotary_pos_emb:
-            _originals[name] = current
-            setattr(module, _ROPE_NAME, apply_rotary_pos_emb)
+    targets = _targets(model)
+    for (module_name, name), ours in targets.items():
+        module = sys.modules[module_name]
+        current = getattr(module, name)
+        if current is not ours:
+            _originals[module_name, name] = current
+            setattr(module, name, ours)
     return model
 
 
 def unpatch(model: torch.nn.Module) -> None:
-    """Undo :func:`patch` for the families in ``model``: each modeling module gets back the
-    exact object it held before. A module that was not patched, or whose name another library
-    has rebound since, is left as it is."""
-    for name in _modeling_modules(model):
-        original = _originals.pop(name, None)
-        module = sys.modules[name]
-        if original is not None and getattr(module, _ROPE_NAME) is apply_rotary_pos_emb:
-            setattr(module, _ROPE_NAME, original)
+    """Undo :func:`patch` for the families in ``model``: each rebound name of their modeling
+    modules gets back the exact object it held before. A name that was not patched, or that
+    another library has rebound since, is left as it is."""
+    for (module_name, name), ours in _targets(model).items():
+        original = _originals.pop((module_name, name), None)
+        module = sys.modules[module_name]
+        if original is not None and getattr(module, name) is ours:
+            setattr(module, name, original)
 
 
-def _modeling_modules(model: object) -> list[str]:
-    """The modeling modules of the supported attention classes in ``model``; a clear error
-    when there are none."""
+def _targets(model: object) -> dict[tuple[str, str], Callable]:
+    """(modeling module, global name) -> our replacement, for the supported families whose
+    attention classes ``model`` holds; a clear error when there are none."""
     classes = {
-        getattr(sys.modules[name], attention): name
-        for name, attention in SUPPORTED_MODELS.values()
-        if name in sys.modules and hasattr(sys.modules[name], attention)
+        getattr(sys.modules[module_name], attention): (family, module_name, names)
+        for family, (module_name, attention, names) in SUPPORTED_MODELS.items()
+        if module_name in sys.modules and hasattr(sys.modules[module_name], attention)
     }
     found = set()
     if isinstance(model, torch.nn.Module) and classes:
         for child in model.modules():
-            for cls, name in classes.items():
+            for cls, entry in classes.items():
                 if isinstance(child, cls):
-                    found.add(name)
+                    found.add(entry)
     if not found:
         raise RoPEError(
             f"{type(model).__name__} holds no attention module that rope-dispatch can patch; "
             f"supported: {', '.join(SUPPORTED_MODELS)} models "
-            f"({', '.join(a for _, a in SUPPORTED_MODELS.values())})"
+            f"({', '.join(entry[1] for entry in SUPPORTED_MODELS.values())})"
         )
-    return sorted(found)
+    targets = {}
+    for family, module_name, names in sorted(found):
+        present = [name for name in names if hasattr(sys.modules[module_name], name)]
+        if not present:
+            raise RoPEError(
+                f"{module_name} defines none of {', '.join(names)}, which {family} attention "
+                f"called in the transformers versions rope-dispatch knows; cannot patch it"
+            )
+        targets.update({(module_name, name): _REPLACEMENTS[name] for name in present})
+    return targets
+
+
+_REPLACEMENTS: dict[str, Callable] = {
+    "apply_rotary_pos_emb": apply_rotary_pos_emb,
+    "apply_multimodal_rotary_pos_emb": apply_multimodal_rotary_pos_emb,
+}
+"""Each global name :func:`patch` rebinds -> our function of that name."""
