@@ -21,7 +21,9 @@ import torch
 
 from .errors import RoPEError
 from .spec import RoPESpec, dtype_name
-from .tables import CosSinCache, PairCosSinCache, RotaryTable, angles_2d, table_kind, table_shape
+from .tables import (
+    CosSinCache, PairCosSinCache, RotaryTable, angles_2d, multimodal_rows, table_kind, table_shape,
+)
 
 
 TENSOR_KINDS = {
@@ -408,6 +410,11 @@ def check_call(
             f"rotary dim d2={d2} (freqs' last dim) exceeds the head dim d={head_dim} of t "
             f"{tuple(shape)}" + (f" (the k part of split {split})" if split else "")
         )
+    if spec.mrope_section is not None:
+        table, k_table, positions = _lower_multimodal(
+            spec, table, k_table, positions, start_positions, shape, device, table_name
+        )
+        table_len = table_shape(table)[0]
     cp = spec.cp_size
     cu = spec.cu_seqlens
     if rank == 3:
@@ -523,6 +530,59 @@ def _check_positions(
             f"values from {low} to {high}"
         )
     return True
+
+
+def _lower_multimodal(
+    spec: RoPESpec, table: RotaryTable, k_table: RotaryTable | None, positions: object,
+    start_positions: object, shape: torch.Size, device: torch.device, table_name: str,
+) -> tuple[RotaryTable, RotaryTable | None, torch.Tensor]:
+    """A multimodal call (``spec.mrope_section``) as a per-token one: each table becomes one row
+    per token, channel ``c`` read at the position of its section's stream, and the positions
+    become each token's own index. Backends never see the three streams: a row gather on the
+    table (``tokens x d2`` values) is the whole cost, and every backend that takes per-token
+    positions serves the call. A stream position outside the table gives NaN in that channel,
+    never a clamped row; on the CPU (or in strict mode) it is an error naming the values."""
+    if not isinstance(positions, torch.Tensor):
+        raise RoPEError(
+            f"spec.mrope_section={spec.mrope_section} needs positions [3, *t.shape[:-2]] (the "
+            "temporal, height and width position of every token) with every call, got "
+            f"{type(positions).__name__}"
+        )
+    if start_positions is not None:
+        raise RoPEError(
+            "start_positions cannot be combined with spec.mrope_section: the three position "
+            "streams already say every token's rows; add the start to them instead"
+        )
+    tokens = tuple(shape[:-2])
+    if positions.dtype not in (torch.int32, torch.int64) or tuple(positions.shape) != (3, *tokens):
+        raise RoPEError(
+            f"positions must be an int32/int64 tensor [3, {', '.join(map(str, tokens))}] for "
+            f"spec.mrope_section (temporal, height and width streams, one per token), got "
+            f"{dtype_name(positions.dtype)} {tuple(positions.shape)}"
+        )
+    if positions.device != device:
+        raise RoPEError(
+            f"positions is on {positions.device} but t is on {device}; expected the same device"
+        )
+    rows, d2 = table_shape(table)
+    if 2 * sum(spec.mrope_section) != d2:
+        raise RoPEError(
+            f"spec.mrope_section={spec.mrope_section} covers {2 * sum(spec.mrope_section)} "
+            f"rotary channels (each half) but {table_name} has d2={d2}; expected sections "
+            f"summing to d2 / 2 = {d2 // 2}"
+        )
+    if _host_reads_allowed() and _reads(positions) and positions.numel():
+        low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= rows:
+            raise RoPEError(
+                f"positions must lie in [0, {rows}) ({table_name} has {rows} rows), got "
+                f"values from {low} to {high}"
+            )
+    streams = positions.reshape(3, -1)
+    lowered = multimodal_rows(table, streams, spec.mrope_section)
+    k_lowered = None if k_table is None else multimodal_rows(k_table, streams, spec.mrope_section)
+    own = torch.arange(streams.shape[1], device=device, dtype=positions.dtype).view(tokens)
+    return lowered, k_lowered, own
 
 
 def _check_k_table(k_freqs: object, table: RotaryTable, device: torch.device) -> RotaryTable:

@@ -407,7 +407,7 @@ def _run(
     )
     chosen, final = _choose(call, backend)
     out = chosen.apply(call)
-    if key is not None and final and not reads_values(spec):
+    if key is not None and final and not reads_values(spec) and spec.mrope_section is None:
         # planned after the call ran, so a backend can bind what that call compiled
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()

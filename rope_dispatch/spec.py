@@ -50,7 +50,7 @@ def parse_dtype(value: Any) -> torch.dtype:
 # Every field but the cu_seqlens tensor, in the order of RoPESpec.static_key.
 STATIC_FIELDS = (
     "layout", "dtype", "rotary_dim", "interleaved", "max_seqlen", "cp_size", "cp_rank",
-    "cos_sin_scale",
+    "cos_sin_scale", "mrope_section",
 )
 
 
@@ -122,6 +122,11 @@ class RoPESpec(BaseModel):
         description="factor on cos and sin (YaRN's and LongRoPE's attention factor, as Hugging "
         "Face applies it): the rotated channels come out scaled by it, for every table kind",
     )
+    mrope_section: tuple[int, int, int] | None = Field(
+        default=None,
+        description="multimodal RoPE (Qwen2-VL): channels of each half taken from the temporal, "
+        "height and width position streams; calls then pass positions [3, *t.shape[:-2]]",
+    )
 
     def __init__(self, **fields: Any) -> None:
         """Validate ``fields``; a bad one raises :class:`~rope_dispatch.RoPEError` naming it."""
@@ -159,6 +164,22 @@ class RoPESpec(BaseModel):
             )
         if self.max_seqlen is not None and self.max_seqlen < 1:
             raise ValueError(f"max_seqlen must be >= 1, got {self.max_seqlen}")
+        if self.mrope_section is not None:
+            if min(self.mrope_section) < 0 or sum(self.mrope_section) == 0:
+                raise ValueError(
+                    "mrope_section must be 3 non-negative channel counts (temporal, height, "
+                    f"width) with a positive sum, got {self.mrope_section}"
+                )
+            if self.interleaved:
+                raise ValueError(
+                    "mrope_section needs interleaved=False: multimodal RoPE splits each half "
+                    "of the rotate-half layout into sections"
+                )
+            if self.cp_size > 1:
+                raise ValueError(
+                    f"mrope_section cannot be combined with cp_size={self.cp_size}: its calls "
+                    "pass every token's positions; give this rank's tokens with cp_size=1"
+                )
         self._set_static_key()
         return self
 

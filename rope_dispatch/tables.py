@@ -99,6 +99,54 @@ def kernel_tables(table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor | None
     return table, None
 
 
+_channel_streams: dict[tuple, torch.Tensor] = {}
+
+
+def _streams_of_channels(sections: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """Which position stream (0 temporal, 1 height, 2 width) each of the ``d2`` rotary channels
+    reads: the sections in each half (a pair's two channels share a stream); made once per
+    device."""
+    key = (sections, device)
+    streams = _channel_streams.get(key)
+    if streams is None:
+        half = [stream for stream, count in enumerate(sections) for _ in range(count)]
+        streams = torch.tensor(half + half, dtype=torch.long).to(device)
+        _channel_streams[key] = streams
+    return streams
+
+
+def _gather_rows(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out[t, c] = values[rows[c, t], c]`` ``[tokens, d2]``, NaN where the row falls outside
+    ``values`` (never an out-of-bounds read, never a clamped row)."""
+    n = values.shape[0]
+    inside = (rows >= 0) & (rows < n)
+    channels = torch.arange(values.shape[1], device=values.device)[:, None]
+    picked = values[rows.clamp(0, max(n - 1, 0)), channels]
+    return torch.where(inside, picked, float("nan")).t().contiguous()
+
+
+def multimodal_rows(
+    table: RotaryTable, streams: torch.Tensor, sections: tuple[int, int, int]
+) -> RotaryTable:
+    """A table of the same kind with one row per token for multimodal RoPE (Qwen2-VL):
+    channel ``c`` of token ``t``'s row is the table's channel ``c`` at ``streams[s, t]``, where
+    ``s`` is the stream of ``c``'s section (``sections`` = temporal, height, width channel
+    counts of each half, summing to ``d2 / 2``). ``streams`` is ``[3, tokens]``. A pair cache's
+    cosine and sine of pair ``k`` share the stream, as the two channels of the pair do."""
+    if isinstance(table, CosSinCache):
+        device = table.cos.device
+    elif isinstance(table, PairCosSinCache):
+        device = table.table.device
+    else:
+        device = table.device
+    rows = streams.long()[_streams_of_channels(tuple(sections), device)]  # [d2, tokens]
+    if isinstance(table, CosSinCache):
+        return CosSinCache(_gather_rows(table.cos, rows), _gather_rows(table.sin, rows))
+    if isinstance(table, PairCosSinCache):
+        return PairCosSinCache(_gather_rows(table.table, rows))
+    return _gather_rows(table, rows)
+
+
 def table_address(table: object) -> int | tuple[int, int]:
     """Where a table's memory is (a plan checks it was not replaced with ``.data = ...``)."""
     if type(table) is CosSinCache:

@@ -277,6 +277,7 @@ def test_arguments_map_onto_spec_and_dispatch(monkeypatch):
     assert spec.static_fields() == {
         "layout": "bshd", "dtype": "float16", "rotary_dim": None, "interleaved": True,
         "max_seqlen": None, "cp_size": 2, "cp_rank": 1, "cos_sin_scale": 1.0,
+        "mrope_section": None,
     }
     assert spec.cu_seqlens is None
     assert again is spec, "the spec comes from the cache"
