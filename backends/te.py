@@ -37,6 +37,7 @@ import importlib
 import importlib.util
 import inspect
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -117,7 +118,9 @@ def load_te(import_module: Callable[[str], object] = importlib.import_module) ->
     Returns what was found, or the reasons (sentences) it could not be used.
     """
     try:
-        package = import_module("transformer_engine")
+        with warnings.catch_warnings():  # TE warns on import wherever JAX is installed without
+            warnings.filterwarnings("ignore", message=".*Transformer Engine Jax extension")
+            package = import_module("transformer_engine")  # its extension: not ours to report
     except ModuleNotFoundError as exc:
         if _missing(exc, "transformer_engine"):
             return [f"transformer_engine is not installed ({INSTALL_HINT})"]
