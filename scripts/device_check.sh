@@ -12,7 +12,8 @@
 # TE_TESTS: path of TransformerEngine's tests/pytorch/test_fused_rope.py (not in this repository;
 # carried with the call): it runs unchanged, beside our tests, with its fused calls served by
 # rope_dispatch.compat.te on the triton backend (scripts/te_parity.py); TE_WORKERS pytest-xdist
-# workers (default 6), TE_TIMEOUT seconds, TE_K a pytest -k expression.
+# workers (default 6; each gets 0.95/N of the GPU, and past 5 the largest fused-QKV cases run
+# out of memory on an H200), TE_TIMEOUT seconds, TE_K a pytest -k expression.
 # The benchmark runs with --serving (decode q+k with GPU positions, prefill q+k) unless
 # BENCH_ARGS says otherwise.
 # SWEEP (non-empty): after the benchmark, the sweep (python3 -m rope_dispatch.sweep; about
