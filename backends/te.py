@@ -229,12 +229,6 @@ def _unbounded_reason(call: RoPECall) -> str:
 def te_reasons(call: RoPECall, info: TEInfo) -> list[str]:
     """Why this TransformerEngine cannot serve ``call`` (beyond device, layout and dtype)."""
     common = [] if call.positions_bounded else [_unbounded_reason(call)]
-    scale = call.spec.cos_sin_scale
-    if scale != 1.0:
-        common.append(
-            f"cos_sin_scale={scale:g}: TransformerEngine {info.version}'s kernels have no factor "
-            "on cos and sin (1.0 only)"
-        )
     if call.tensors == "qkv":
         return _qkv_reasons(call, info) + _limit_reasons(call) + common
     reasons = []
@@ -391,8 +385,29 @@ class TEBackend(Backend):
             fn, args = self._info.apply, (t, _angles_4d(call.table))
         if t.is_cuda and t.device.index != torch.cuda.current_device():
             with torch.cuda.device(t.device):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+                return _scaled(fn(*args, **kwargs), call)
+        return _scaled(fn(*args, **kwargs), call)
+
+
+def _scaled(out: torch.Tensor | tuple[torch.Tensor, ...], call: RoPECall):
+    """TE's output with the spec's ``cos_sin_scale`` applied: TE's kernels have no factor on cos
+    and sin, and ``x cos s + r sin s = s (x cos + r sin)``, so the rotated channels (q's and
+    k's of a qkv call) are multiplied by it: one more pass and one more rounding to the output
+    dtype (the factor stays a float64 scalar, never rounded to that dtype). Out of place: TE's
+    qkv outputs are views that autograd forbids writing."""
+    scale = call.spec.cos_sin_scale
+    if scale == 1.0:
+        return out
+    d2 = call.rotary_dim
+
+    def rescale(t: torch.Tensor) -> torch.Tensor:
+        if d2 == t.shape[-1]:
+            return t * scale
+        return torch.cat((t[..., :d2] * scale, t[..., d2:]), dim=-1)
+
+    if call.tensors == "qkv":
+        return rescale(out[0]), rescale(out[1]), out[2]
+    return rescale(out)
 
 
 def _angles_4d(table: torch.Tensor) -> torch.Tensor:

@@ -380,7 +380,7 @@ class RotaryFrequencies:
         ``interleaved``. ``device``: where the table lives (``None``: where ``inv_freq`` is).
         An angle table cannot apply ``attention_factor``: where it is not 1.0 this raises
         (use :meth:`cos_sin_cache`) unless ``without_attention_factor=True`` says the caller
-        applies it, as ``RoPESpec(cos_sin_scale=attention_factor)`` does in every backend but TE.
+        applies it, as ``RoPESpec(cos_sin_scale=attention_factor)`` does in every backend.
         """
         if self.attention_factor != 1.0 and not without_attention_factor:
             raise RoPEError(

@@ -1,6 +1,6 @@
 """``RoPESpec.cos_sin_scale``: a factor on cos and sin (YaRN's and LongRoPE's attention factor,
 as Hugging Face applies it), for every table kind and call kind, in every backend that serves
-it; TransformerEngine refuses it with the value in the sentence.
+it; TransformerEngine's backend scales its output's rotated channels instead.
 
 The hypothesis cases of the other modules draw scales too (tests/cases.py); these tests pin the
 meaning: an angle table with the spec's scale equals the cos/sin cache with the factor inside.
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import rope_dispatch as rd
-from cases import build, fixed_case
-from reference import assert_matches, reference_forward_backward
-from rope_dispatch.backends.te import TEInfo, parse_release, te_reasons
+from cases import QKVCase, build, build_qkv, fixed_case
+from reference import assert_matches, reference_forward_backward, reference_qkv_forward_backward
+from rope_dispatch.backends.te import _scaled
 from rope_dispatch.tables import from_hf_config
 
 CUDA = torch.cuda.is_available()
@@ -114,15 +114,49 @@ def test_triton_compiled_kernel_is_keyed_on_the_scale():
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
 
 
-def test_te_refuses_a_scale_with_the_value():
-    t = torch.randn(4, 2, 2, 8)
+def test_te_output_is_scaled_in_its_rotated_channels_only():
+    """TE's kernels have no factor: the backend scales the rotated channels of q and k of its
+    output (v and the pass-through channels untouched)."""
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=1.5)
-    call = rd.check_call(t, torch.rand(4, 1, 1, 8), spec)
-    info = TEInfo("2.20.2", parse_release("2.20.2"), "fake.rope", lambda *a, **k: None, frozenset())
-    reasons = te_reasons(call, info)
-    assert any("cos_sin_scale=1.5" in r and "2.20.2" in r for r in reasons), reasons
-    plain = rd.check_call(t, torch.rand(4, 1, 1, 8), rd.RoPESpec(layout="sbhd", dtype="fp32"))
-    assert not any("cos_sin_scale" in r for r in te_reasons(plain, info))
+    qkv = torch.randn(4, 2, 2, 24)
+    call = rd.check_call(qkv, torch.rand(4, 1, 1, 6), spec, split=(8, 8, 8))
+    outs = tuple(torch.ones(4, 2, n, 8) for n in (2, 2, 2))
+    scaled = _scaled(tuple(o.clone() for o in outs), call)
+    for got, scale in zip(scaled, (1.5, 1.5, 1.0)):
+        assert torch.equal(got[..., :6], torch.full_like(got[..., :6], scale))
+        assert torch.equal(got[..., 6:], torch.ones_like(got[..., 6:]))
+    single = rd.check_call(torch.randn(4, 2, 2, 8), torch.rand(4, 1, 1, 6), spec)
+    assert torch.equal(_scaled(torch.ones(4, 2, 2, 8), single)[..., :6], torch.full((4, 2, 2, 6), 1.5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_te_backend_serves_a_scale(packed):
+    """TransformerEngine (on the GPU machine) with a cos/sin scale: single tensors and packed
+    qkv, forward and backward, against the reference."""
+    if not rd.get_backend("te").available:
+        pytest.skip("TransformerEngine is not installed here")
+    case = fixed_case(dtype=torch.bfloat16, seq=64, heads=4, head_dim=64, rotary_dim=32,
+                      scale=1.3)
+    if packed:
+        qkv_case = QKVCase(case, q_heads=2, v_heads=1, own_k_table=False)
+        qkv, table, _, spec, starts, angles, _ = build_qkv(qkv_case, "cuda")
+        outs = rd.apply_qkv(qkv, table, spec, qkv_case.split, start_positions=starts, backend="te")
+        grads = [torch.randn(o.shape, device="cuda").to(o.dtype) for o in outs]
+        ref_outs, ref_grad = reference_qkv_forward_backward(qkv, angles, angles, spec,
+                                                            qkv_case.split, grads, starts)
+        for name, out, ref in zip("qkv", outs, ref_outs):
+            assert_matches(out, ref, qkv.dtype, name)
+        (grad,) = torch.autograd.grad(outs, qkv, grads)
+        assert_matches(grad, ref_grad, qkv.dtype, "packed gradient")
+        return
+    t, table, spec, starts, angles = build(case, "cuda")
+    out = rd.apply(t, table, spec, start_positions=starts, backend="te")
+    grad_out = torch.randn(out.shape, device="cuda").to(out.dtype)
+    (grad,) = torch.autograd.grad(out, t, grad_out)
+    ref_out, ref_grad = reference_forward_backward(t, angles, spec, grad_out, starts)
+    assert_matches(out, ref_out, t.dtype, "forward")
+    assert_matches(grad, ref_grad, t.dtype, "backward")
 
 
 def test_angle_table_error_points_at_the_spec_scale():

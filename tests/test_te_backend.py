@@ -296,7 +296,7 @@ def check_te(c: Case) -> None:
 
 
 @pytest.mark.gpu
-@given(cases(scales=(1.0,)).map(lambda c: dataclasses.replace(c, use_cache=False)))
+@given(cases().map(lambda c: dataclasses.replace(c, use_cache=False)))
 def test_te_matches_reference(c):
     _te_or_skip()
     check_te(c)
