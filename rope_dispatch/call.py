@@ -517,6 +517,15 @@ def _check_positions(
             f"positions must have shape {names} = {list(expected)} for layout {spec.layout!r} "
             f"(one per token), got {tuple(positions.shape)}"
         )
+    return _positions_in_table(positions, table_len, device, table_name)
+
+
+def _positions_in_table(
+    positions: torch.Tensor, table_len: int, device: torch.device, table_name: str
+) -> bool:
+    """``positions`` on ``t``'s ``device``, and, where their values may be read on the host,
+    each a row of the table; returns whether that was established (an empty tensor needs no
+    read)."""
     if positions.device != device:
         raise RoPEError(
             f"positions is on {positions.device} but t is on {device}; expected the same device"
@@ -560,10 +569,6 @@ def _lower_multimodal(
             f"spec.mrope_section (temporal, height and width streams, one per token), got "
             f"{dtype_name(positions.dtype)} {tuple(positions.shape)}"
         )
-    if positions.device != device:
-        raise RoPEError(
-            f"positions is on {positions.device} but t is on {device}; expected the same device"
-        )
     rows, d2 = table_shape(table)
     if 2 * sum(spec.mrope_section) != d2:
         raise RoPEError(
@@ -571,13 +576,7 @@ def _lower_multimodal(
             f"rotary channels (each half) but {table_name} has d2={d2}; expected sections "
             f"summing to d2 / 2 = {d2 // 2}"
         )
-    if _host_reads_allowed() and _reads(positions) and positions.numel():
-        low, high = int(positions.min()), int(positions.max())
-        if low < 0 or high >= rows:
-            raise RoPEError(
-                f"positions must lie in [0, {rows}) ({table_name} has {rows} rows), got "
-                f"values from {low} to {high}"
-            )
+    _positions_in_table(positions, rows, device, table_name)
     streams = positions.reshape(3, -1)
     lowered = multimodal_rows(table, streams, spec.mrope_section)
     k_lowered = None if k_table is None else multimodal_rows(k_table, streams, spec.mrope_section)

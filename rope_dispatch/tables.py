@@ -133,13 +133,7 @@ def multimodal_rows(
     ``s`` is the stream of ``c``'s section (``sections`` = temporal, height, width channel
     counts of each half, summing to ``d2 / 2``). ``streams`` is ``[3, tokens]``. A pair cache's
     cosine and sine of pair ``k`` share the stream, as the two channels of the pair do."""
-    if isinstance(table, CosSinCache):
-        device = table.cos.device
-    elif isinstance(table, PairCosSinCache):
-        device = table.table.device
-    else:
-        device = table.device
-    rows = streams.long()[_streams_of_channels(tuple(sections), device)]  # [d2, tokens]
+    rows = streams.long()[_streams_of_channels(tuple(sections), table.device)]  # [d2, tokens]
     if isinstance(table, CosSinCache):
         return CosSinCache(_gather_rows(table.cos, rows), _gather_rows(table.sin, rows))
     if isinstance(table, PairCosSinCache):
