@@ -123,33 +123,45 @@ def test_matches_the_formula_and_transformers(dtype, unsqueeze_dim, batch_cos):
     out_q, out_k = hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
     ref_q, ref_k = reference(q, k, cos, sin, unsqueeze_dim)
     hf_q, hf_k = modeling("Llama").apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
-    for out, ref, theirs in ((out_q, ref_q, hf_q), (out_k, ref_k, hf_k)):
-        assert out.shape == theirs.shape and out.dtype == theirs.dtype
-        torch.testing.assert_close(out.double(), ref.detach(), **tolerance(dtype))
-        if dtype == torch.float32:
-            torch.testing.assert_close(out, theirs, rtol=1e-6, atol=1e-6)
-        else:  # theirs rounds three times; ours once, so it is never further from the reference
-            torch.testing.assert_close(out, theirs, rtol=2**-7, atol=2**-5)
-            assert (out.double() - ref).abs().max() <= (theirs.double() - ref).abs().max()
+    check_outputs((out_q, out_k), (ref_q, ref_k), (hf_q, hf_k))
+
+
+def check_outputs(ours, exact, theirs) -> None:
+    """Our q and k against the float64 reference (within the dtype's tolerance) and against
+    transformers' (close in float32; in bf16 theirs rounds three times and ours once, so ours
+    is never further from the reference)."""
+    for out, ref, their in zip(ours, exact, theirs):
+        assert out.shape == their.shape and out.dtype == their.dtype
+        torch.testing.assert_close(out.double(), ref.detach(), **tolerance(out.dtype))
+        if out.dtype == torch.float32:
+            torch.testing.assert_close(out, their, rtol=1e-6, atol=1e-6)
+        else:
+            torch.testing.assert_close(out, their, rtol=2**-7, atol=2**-5)
+            assert (out.double() - ref).abs().max() <= (their.double() - ref).abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 def test_gradients_flow_to_q_and_k_as_in_transformers(dtype, unsqueeze_dim):
     q, k, cos, sin = inputs(dtype, unsqueeze_dim, seed=1)
+    check_gradients(q, k, (cos, sin, unsqueeze_dim), hf.apply_rotary_pos_emb, reference,
+                    modeling("Llama").apply_rotary_pos_emb)
+
+
+def check_gradients(q, k, args: tuple, ours, exact, theirs) -> None:
+    """q's and k's gradients through ``ours(q, k, *args)`` match the float64 ``exact`` within
+    the dtype's tolerance, and transformers' ``theirs`` closely in float32."""
+    dtype = q.dtype
     gen = torch.Generator().manual_seed(2)
     grad_q, grad_k = (torch.randn(t.shape, generator=gen).to(dtype) for t in (q, k))
 
     def grads(fn):
         q.grad = k.grad = None
-        out_q, out_k = fn(q, k, cos, sin, unsqueeze_dim)
+        out_q, out_k = fn(q, k, *args)
         torch.autograd.backward((out_q, out_k), (grad_q.to(out_q.dtype), grad_k.to(out_k.dtype)))
         return q.grad.clone(), k.grad.clone()
 
-    ours = grads(hf.apply_rotary_pos_emb)
-    exact = grads(reference)
-    theirs = grads(modeling("Llama").apply_rotary_pos_emb)
-    for g, ref, their in zip(ours, exact, theirs):
+    for g, ref, their in zip(grads(ours), grads(exact), grads(theirs)):
         assert g.dtype == dtype
         torch.testing.assert_close(g.double(), ref.double(), **tolerance(dtype))
         if dtype == torch.float32:
@@ -243,14 +255,7 @@ def test_multimodal_matches_the_formula_and_transformers(dtype, unsqueeze_dim, b
     )
     ref_q, ref_k = multimodal_reference(q, k, cos, sin, mrope_section, unsqueeze_dim)
     hf_q, hf_k = transformers_multimodal(q, k, cos, sin, mrope_section, unsqueeze_dim)
-    for out, ref, theirs in ((out_q, ref_q, hf_q), (out_k, ref_k, hf_k)):
-        assert out.shape == theirs.shape and out.dtype == theirs.dtype
-        torch.testing.assert_close(out.double(), ref.detach(), **tolerance(dtype))
-        if dtype == torch.float32:
-            torch.testing.assert_close(out, theirs, rtol=1e-6, atol=1e-6)
-        else:
-            torch.testing.assert_close(out, theirs, rtol=2**-7, atol=2**-5)
-            assert (out.double() - ref).abs().max() <= (theirs.double() - ref).abs().max()
+    check_outputs((out_q, out_k), (ref_q, ref_k), (hf_q, hf_k))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -259,23 +264,9 @@ def test_multimodal_matches_the_formula_and_transformers(dtype, unsqueeze_dim, b
 def test_multimodal_gradients_flow_to_q_and_k_as_in_transformers(dtype, unsqueeze_dim,
                                                                  mrope_section):
     q, k, cos, sin = multimodal_inputs(dtype, unsqueeze_dim, seed=1)
-    gen = torch.Generator().manual_seed(2)
-    grad_q, grad_k = (torch.randn(t.shape, generator=gen).to(dtype) for t in (q, k))
-
-    def grads(fn):
-        q.grad = k.grad = None
-        out_q, out_k = fn(q, k, cos, sin, mrope_section, unsqueeze_dim)
-        torch.autograd.backward((out_q, out_k), (grad_q.to(out_q.dtype), grad_k.to(out_k.dtype)))
-        return q.grad.clone(), k.grad.clone()
-
-    ours = grads(hf.apply_multimodal_rotary_pos_emb)
-    exact = grads(multimodal_reference)
-    theirs = grads(transformers_multimodal)
-    for g, ref, their in zip(ours, exact, theirs):
-        assert g.dtype == dtype
-        torch.testing.assert_close(g.double(), ref.double(), **tolerance(dtype))
-        if dtype == torch.float32:
-            torch.testing.assert_close(g, their, rtol=1e-6, atol=1e-6)
+    check_gradients(q, k, (cos, sin, mrope_section, unsqueeze_dim),
+                    hf.apply_multimodal_rotary_pos_emb, multimodal_reference,
+                    transformers_multimodal)
 
 
 def test_multimodal_sections_apply_to_each_half_of_any_table():
