@@ -444,13 +444,13 @@ def rope_kernel(
 
 
 @triton.jit(do_not_specialize=[
-    "n_tokens", "dim1", "seq_len", "q_table_len", "k_table_len", "n_seqs", "q_heads",
-    "q_programs", "k_heads", "k_programs", "v_heads",
+    "n_tokens", "dim1", "seq_len", "q_table_len", "k_table_len", "n_seqs", "q_heads", "k_heads",
+    "v_heads",
 ])
 def rope_qkv_kernel(
     q_x, q_out, k_x, k_out, v_x, v_out, q_tab, q_sin, k_tab, k_sin, cu_ptr, pos_ptr,
     n_tokens, dim1, seq_len, q_table_len, k_table_len, n_seqs, cp_size, cp_rank,
-    q_heads, q_group, q_programs, k_heads, k_group, k_programs, v_heads, v_group,
+    q_heads, q_group, k_heads, k_group, v_heads, v_group,
     qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
     kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
     vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
@@ -468,24 +468,32 @@ def rope_qkv_kernel(
     Each of q, k and v is a ``[n0, n1, groups, group, d]`` view (``[T, groups, group, d]`` for
     thd): head ``g * group + j`` at ``g * s?g + j * s?h``, which addresses the heads of a
     packed qkv row (forward input, backward output) and plain ``[.., h, d]`` tensors alike.
-    Programs ``[0, q_programs)`` serve q, the next ``k_programs`` serve k, the rest copy v (none
-    without ``HAS_V``); v's heads are ``V_WIDTH`` channels wide (``BLOCK_W``, a power of two,
-    covers them). The backward is the same launch with ``BACKWARD`` set: q's and k's gradients
+    The programs of one token block come together: its q head groups, then its k head groups,
+    then its v head groups (none without ``HAS_V``). So k's programs read the table rows q's
+    programs have just brought into L2, and the rows of a packed gradient are written by
+    neighbouring programs. v's heads are ``V_WIDTH`` channels wide (``BLOCK_W``, a power of
+    two, covers them). The backward is the same launch with ``BACKWARD`` set: q's and k's gradients
     transposed, v's copied, into one packed gradient.
     """
+    per_program = HEAD_ITERS * BLOCK_H
+    q_per = (q_heads + per_program - 1) // per_program  # head groups per token block
+    k_per = (k_heads + per_program - 1) // per_program
+    v_per = (v_heads + per_program - 1) // per_program if HAS_V else 0
     pid = tl.program_id(0)
-    if pid < q_programs:
+    block = pid // (q_per + k_per + v_per)
+    r = pid - block * (q_per + k_per + v_per)
+    if r < q_per:
         _rope_program(
-            pid, q_x, q_out, q_tab, q_sin, cu_ptr, pos_ptr,
+            block * q_per + r, q_x, q_out, q_tab, q_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, q_table_len, q_heads, q_group, n_seqs, cp_size, cp_rank,
             qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, POSITIONS, CONTEXT_PARALLEL,
             BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, True,
             SCALE,
         )
-    elif pid < q_programs + k_programs:
+    elif r < q_per + k_per:
         _rope_program(
-            pid - q_programs, k_x, k_out, k_tab, k_sin, cu_ptr, pos_ptr,
+            block * k_per + r - q_per, k_x, k_out, k_tab, k_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, k_table_len, k_heads, k_group, n_seqs, cp_size, cp_rank,
             kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, POSITIONS, CONTEXT_PARALLEL,
@@ -494,7 +502,7 @@ def rope_qkv_kernel(
         )
     elif HAS_V:
         _copy_program(
-            pid - q_programs - k_programs, v_x, v_out, n_tokens, dim1, v_heads, v_group,
+            block * v_per + r - q_per - k_per, v_x, v_out, n_tokens, dim1, v_heads, v_group,
             vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
             LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
         )

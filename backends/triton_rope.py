@@ -565,9 +565,9 @@ def launch_qkv(
     token_blocks = -(-n_tokens // block_t)
     programs = [token_blocks * -(-n // (block_h * head_iters)) for n in heads]
     grid = sum(programs) if has_v else programs[0] + programs[1]
-    # the kernel's order: per-segment heads, group and (for q and k) program counts
-    ints = (*base_ints[:8], heads[0], base_ints[11], programs[0], heads[1], base_ints[12],
-            programs[1], heads[2], base_ints[13], *strides)
+    # the kernel's order: per-segment heads and group
+    ints = (*base_ints[:8], heads[0], base_ints[11], heads[1], base_ints[12], heads[2],
+            base_ints[13], *strides)
     consts = dict(
         LAYOUT=LAYOUT_CODES[layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
         INTERLEAVED=interleaved, USE_CACHE=q_sin is not None, PAIRED=_paired(q_tab, q_sin),
