@@ -41,7 +41,51 @@ def profile(name, fn, calls=2000, top=14):
             print(f"  kernel {e.key[:60]}: {e.device_time_total / max(e.count, 1):.2f} us x {e.count}")
 
 
+def grad_pieces(tokens=128, heads=8):
+    """The gradient path piece by piece, ours against TE's API on one machine: forward with
+    requires_grad, backward alone (retain_graph), both, the autograd.Function without dispatch,
+    and the autograd engine's floor (a multiply)."""
+    from rope_dispatch.backends import triton_rope
+
+    d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
+    freqs, spec = d["freqs"], d["sbhd"]
+    leaf = torch.randn(tokens, 1, heads, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(leaf)
+    table = freqs[:tokens]
+    fns = {
+        "ours": lambda x: rd.apply(x, freqs, spec),
+        "ours autograd.Function (no dispatch)": lambda x: triton_rope._RoPEFunction.apply(
+            x, freqs, None, None, None, "sbhd", False, 1.0, 1, 0, False, None),
+        "multiply (autograd floor)": lambda x: x * 2,
+    }
+    try:
+        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+
+        te_freqs = freqs.view(freqs.shape[0], 1, 1, -1)
+        fns["TE"] = lambda x: apply_rotary_pos_emb(x, te_freqs, tensor_format="sbhd", fused=True)
+    except Exception as exc:  # noqa: BLE001
+        print("TE not importable:", exc)
+    del table
+    print(f"=== gradient path, sbhd s{tokens} b1 h{heads} d128 bf16: host us per call")
+    for name, fn in fns.items():
+        out = fn(leaf)
+        pieces = {
+            "fwd": lambda: fn(leaf),
+            "bwd (retain_graph)": lambda: torch.autograd.grad(out, leaf, grad, retain_graph=True),
+            "fwd+bwd": lambda: torch.autograd.grad(fn(leaf), leaf, grad),
+        }
+        shown = "  ".join(f"{k} {bench.host_us_per_call(p)[0]:7.2f}" for k, p in pieces.items())
+        print(f"  {name:>38}: {shown}")
+    for name in ("ours", "TE"):
+        if name in fns:
+            profile(f"fwd+bwd {name}", lambda fn=fns[name]: torch.autograd.grad(fn(leaf), leaf, grad),
+                    top=22)
+
+
 def main():
+    if sys.argv[1:] == ["grad"]:
+        grad_pieces()
+        return
     d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
     q, k, pos, freqs, cache = d["q"], d["k"], d["positions"], d["freqs"], d["pair_cache"]
     q4, k4 = q.unsqueeze(0), k.unsqueeze(0)
