@@ -34,7 +34,7 @@ from torch.autograd.graph import increment_version
 from rope_dispatch.call import RoPECall, expanded_dim, position_index
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import RoPESpec
-from rope_dispatch.tables import RotaryTable, kernel_tables, table_address
+from rope_dispatch.tables import RotaryTable, angles_2d, kernel_tables, table_address
 
 LAYOUT_CODES = {"sbhd": 0, "bshd": 1, "thd": 2}
 
@@ -1080,6 +1080,118 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     return launch_bound
 
 
+class _GradLaunch:
+    """The launches of a planned call with a gradient (:func:`_bound_grad_launch`): the
+    forward bound as :func:`_bound_launch` binds it, the transposed kernel bound at the first
+    backward that finds it compiled. Holds addresses and compiled kernels, never tensors."""
+
+    __slots__ = ("run", "prefix", "head", "tables", "rest", "device", "back_key", "back",
+                 "settings", "per_token")
+
+    def __init__(self, key: tuple, tail: tuple, entry: tuple, settings: tuple, per_token: bool):
+        self.run, self.prefix, grid, ints, consts = entry
+        self.head = (grid, 1, 1)
+        self.tables = tail[:3]
+        self.rest = ints + consts
+        self.device = key[-2]
+        self.back_key = key[:12] + (True,) + key[13:]  # the transposed launch's _fast key
+        self.back: tuple | None = None
+        self.settings = settings
+        self.per_token = per_token
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty_like(x)
+        ip = self.tables[0] if index is None else index.data_ptr()
+        self.run(*self.head, _current_stream(self.device), *self.prefix, x.data_ptr(),
+                 out.data_ptr(), *self.tables, ip, *self.rest)
+        return out
+
+    def backward(
+        self, grad: torch.Tensor, freqs: RotaryTable, index: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The transpose of the forward on ``grad``: the bound launch when ``grad`` is laid
+        out as the forward's input was (contiguous, aligned) and no graph of the backward is
+        wanted, else the generic launch (any strides) or, for double backward, the
+        differentiable function."""
+        gp = grad.data_ptr()
+        if not torch.is_grad_enabled() and grad.is_contiguous() and not gp & 15:
+            back = self.back
+            if back is None:
+                entry = _fast.get(self.back_key)
+                if entry is not None:
+                    run, prefix, grid, ints, consts = entry
+                    back = self.back = (run, (grid, 1, 1), prefix, ints + consts)
+            if back is not None:
+                run, head, prefix, rest = back
+                grad_x = torch.empty_like(grad)
+                ip = self.tables[0] if index is None else index.data_ptr()
+                run(*head, _current_stream(self.device), *prefix, gp, grad_x.data_ptr(),
+                    *self.tables, ip, *rest)
+                return grad_x
+        table, sin = kernel_tables(angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs)
+        if index is not None and self.per_token and index.dim() == 1:
+            index = index.unsqueeze(-1)  # the kernels' per-token form (position_index)
+        if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
+            return _RoPEFunction.apply(grad, table, sin, None, index, *self.settings, True, None)
+        grad_x = grad.new_empty(grad.shape)
+        with _on_device(grad):
+            return launch(grad, grad_x, table, sin, None, index, *self.settings, True,
+                          fresh_out=True)
+
+
+class _PlannedRoPEFunction(torch.autograd.Function):
+    """Autograd for a planned call with a gradient: both launches are the plan's
+    (:class:`_GradLaunch`); the context keeps the table and index objects they read."""
+
+    @staticmethod
+    def forward(ctx, x, launches, freqs, index):
+        ctx.launches, ctx.freqs, ctx.index = launches, freqs, index
+        return launches.forward(x, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.launches.backward(grad, ctx.freqs, ctx.index), None, None, None
+
+
+def _bound_grad_launch(call: RoPECall, generic: Plan) -> Plan:
+    """:func:`_bound_launch` for a single contiguous tensor that requires grad: the forward
+    is the bound launch inside a lean ``torch.autograd.Function``, and the backward the bound
+    transposed launch, with no call object, table conversion or key built per call (at
+    training sizes below a few MB the host path sets the pace of forward + backward).
+    ``generic`` serves whatever the binding does not cover."""
+    t, spec = call.t, call.spec
+    if call.in_place or not t.is_contiguous():
+        return generic
+    table, sin = kernel_tables(call.table)
+    index = position_index(call)
+    key, tail = _fast_key(
+        t, t.data_ptr(), 0, None, table, table.data_ptr(), sin, None, index, spec.layout,
+        spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False, True,
+    )
+    entry = _fast.get(key)
+    if entry is None or key[-1] != 63 or tail[0] != _user_table_address(call):
+        return generic
+    settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
+    launches = _GradLaunch(key, tail, entry, settings, call.positions is not None)
+    device_index = key[-2]
+    guard = _several_gpus()
+    current_device = torch.cuda.current_device
+    apply = _PlannedRoPEFunction.apply
+
+    def launch_grad(
+        x: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
+        positions: torch.Tensor | None, k: None,
+    ) -> torch.Tensor:
+        given = positions if start_positions is None else start_positions
+        if (x.data_ptr() | (0 if given is None else given.data_ptr())) & 15 or (
+            guard and current_device() != device_index
+        ):
+            return generic(x, freqs, spec, start_positions, positions, k)
+        return apply(x, launches, freqs, given)
+
+    return launch_grad
+
+
 def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
     """:func:`_bound_launch` for a q and k pair: one launch of the compiled two-segment kernel
     from the new q's, k's and index tensor's addresses (two output allocations out of place)."""
@@ -1175,16 +1287,18 @@ class TritonBackend(Backend):
     def plan(self, call: RoPECall) -> Plan:
         """Inference calls (single tensors and q and k pairs, by index, start or per-token
         positions; thd only without cu_seqlens) launch the compiled kernel straight from the
-        plan, with the call's constant arguments bound; anything else goes through
-        :meth:`apply`."""
+        plan, with the call's constant arguments bound; so do single contiguous tensors that
+        require grad, forward and backward (:func:`_bound_grad_launch`); anything else goes
+        through :meth:`apply`."""
         generic = super().plan(call)
         t, k = call.t, call.k
         if (
             call.tensors == "qkv" or call.spec.cu_seqlens is not None
-            or ((t.requires_grad or (k is not None and k.requires_grad)) and torch.is_grad_enabled())
             or _kernels is None or _kernels.INTERPRETED
         ):
             return generic
+        if (t.requires_grad or (k is not None and k.requires_grad)) and torch.is_grad_enabled():
+            return generic if k is not None else _bound_grad_launch(call, generic)
         return _bound_qk_launch(call, generic) if k is not None else _bound_launch(call, generic)
 
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rope_dispatch as rd
-from reference import assert_matches, reference_for
+from reference import assert_matches, reference_for, reference_forward_backward
 from rope_dispatch import call as call_module
 from rope_dispatch import dispatch
 
@@ -168,3 +168,45 @@ def test_strided_positions_rotate_once_per_in_place_call():
             rd.apply_qk_(q, k, freqs, spec, positions=positions, backend=BACKEND)
         for name, out, ref in zip("qk", (q, k), expected):
             assert_matches(out, ref, torch.float32, f"step {step} {name}")
+
+
+@pytest.mark.usefixtures("unread")
+@pytest.mark.parametrize("index", ["none", "start_positions", "positions"])
+def test_gradient_calls_are_planned_and_differentiate_new_data_every_call(counted_checks, index):
+    """Training steps: a leaf that requires grad, new data (and index values) every step; the
+    planned call's forward and backward match the reference each time, for a contiguous
+    upstream gradient, an expanded one (the gradient of a sum), an unaligned input and a
+    double backward. On CUDA the Triton backend binds both launches (_bound_grad_launch)."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    buffer = torch.empty(4 * 6 * 3 * D + 1, device=DEVICE)
+    for step in range(5):
+        kwargs = {}
+        if index == "start_positions":
+            kwargs[index] = torch.randint(0, TABLE_LEN - 4, (6,), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        elif index == "positions":
+            kwargs[index] = torch.randint(0, TABLE_LEN, (4, 6), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        source = _data((4, 6, 3, D), seed=80 + step)
+        offset = 1 if step == 3 else 0  # step 3 reads an input one element off 16-byte alignment
+        leaf = buffer[offset : offset + source.numel()].view(source.shape)
+        with torch.no_grad():
+            leaf.copy_(source)
+        leaf.requires_grad_(True)
+        grad_out = torch.ones_like(source) if step == 2 else _data(source.shape, seed=90 + step)
+        cpu_kwargs = {name: value.cpu() for name, value in kwargs.items()}
+        expected_out, expected_grad = reference_forward_backward(
+            source, freqs, spec, grad_out, **cpu_kwargs)
+        out = rd.apply(leaf, freqs, spec, backend=BACKEND, **kwargs)
+        assert_matches(out, expected_out, torch.float32, f"step {step} output")
+        if step == 2:  # the gradient of a sum: an expanded (stride 0) upstream gradient
+            (grad,) = torch.autograd.grad(out.sum(), leaf)
+        elif step == 4:  # double backward: the gradient of the gradient is the forward again
+            (grad,) = torch.autograd.grad(out, leaf, grad_out.requires_grad_(True), create_graph=True)
+            (again,) = torch.autograd.grad(grad, grad_out, source)
+            assert_matches(again, reference_for(source.cpu(), freqs.cpu(), spec, **cpu_kwargs),
+                           torch.float32, "double backward")
+        else:
+            (grad,) = torch.autograd.grad(out, leaf, grad_out)
+        assert_matches(grad, expected_grad, torch.float32, f"step {step} gradient")
+        leaf.requires_grad_(False)
+    assert len(counted_checks) == 1, "the repeated gradient calls did not reuse the first call's plan"
