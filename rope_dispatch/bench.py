@@ -557,15 +557,14 @@ def run_serving(report: Report) -> None:
     d = serving_inputs(SERVING_TOKENS["decode"])
     q, k, pos, freqs, cache = d["q"], d["k"], d["positions"], d["freqs"], d["pair_cache"]
     q4, k4 = q.unsqueeze(0), k.unsqueeze(0)  # sbhd s=1: b = the decode batch
+    q2, k2 = q.flatten(1), k.flatten(1)  # an engine's query and key: [tokens, heads * head_size]
     calls: dict[str, Callable[[], Any]] = {
         "apply_qk_ positions (angles)": lambda: rd.apply_qk_(q, k, freqs, d["thd"], positions=pos),
         "apply_qk_ positions (pair cache)": lambda: rd.apply_qk_(q, k, cache, d["thd"], positions=pos),
         "apply_qk_ start_positions": lambda: rd.apply_qk_(q4, k4, freqs, d["sbhd"], start_positions=pos),
         "apply_qk_ plain": lambda: rd.apply_qk_(q4, k4, freqs, d["sbhd"]),
         "flashinfer-style entry": lambda: apply_rope_with_cos_sin_cache_inplace(
-            pos, d["qkv"][:, :SERVING_Q_HEADS].flatten(1),
-            d["qkv"][:, SERVING_Q_HEADS : SERVING_Q_HEADS + SERVING_K_HEADS].flatten(1),
-            SERVING_HEAD_DIM, cache.table),
+            pos, q2, k2, SERVING_HEAD_DIM, cache.table),
         "two apply_ calls (q, k)": lambda: (rd.apply_(q4, freqs, d["sbhd"], start_positions=pos),
                                             rd.apply_(k4, freqs, d["sbhd"], start_positions=pos)),
     }

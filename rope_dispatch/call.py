@@ -200,7 +200,7 @@ def _check_table(table: object, device: torch.device, argument: str = "freqs") -
 
 def _reads(index: torch.Tensor) -> bool:
     """Whether an index tensor's values are read on the host: on the CPU, or in strict mode."""
-    return index.device.type == "cpu" or _strict_values()
+    return index.is_cpu or _strict_values()
 
 
 def reads_values(spec: RoPESpec) -> bool:

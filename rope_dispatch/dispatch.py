@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -85,6 +85,16 @@ def _scoped_or_env_backend() -> tuple[str | None, str]:
     if env is not None:
         return env, "the ROPE_BACKEND environment variable"
     return None, "nothing"
+
+
+def _forced_name() -> str | None:
+    """The name :func:`requested_backend` gives for ``backend=None``, without its source (the
+    planned path of eager calls reads only this)."""
+    scoped = _forced.get()
+    return scoped if scoped is not None else (_env_backend() or None)
+
+
+_is_compiling = torch.compiler.is_compiling  # the same function object, which Dynamo knows
 
 
 def stride_class(t: torch.Tensor) -> str:
@@ -222,8 +232,12 @@ class _Plan(NamedTuple):
 
     spec: weakref.ref
     freqs: weakref.ref
+    address: Callable[[object], int | tuple[int, int]]  # table_address, or data_ptr for tensors
     table_address: int | tuple[int, int]
     run: registry.Plan
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -257,7 +271,7 @@ def apply(
     decode size the host path, not the GPU, sets the pace. Calls whose index values are read on
     the host (CPU tensors, strict mode) are checked every time.
     """
-    return _run(t, freqs, spec, start_positions, backend, False, False, positions=positions)
+    return _run(t, freqs, spec, start_positions, backend, False, False, None, None, positions)
 
 
 def apply_(
@@ -280,7 +294,7 @@ def apply_(
     (a query or key whose only consumer is attention): a gradient that autograd shares with
     another branch (``t`` also used in a sum, say) would be changed under it.
     """
-    return _run(t, freqs, spec, start_positions, backend, True, grad_in_place, positions=positions)
+    return _run(t, freqs, spec, start_positions, backend, True, grad_in_place, None, None, positions)
 
 
 def apply_qkv(
@@ -362,7 +376,10 @@ def _inputs_key(
             or call_module._reads(index)
         ):
             return False
-        index_key = (positions is None, index.shape, index.stride(), index.dtype, index.device)
+        index_key = (
+            positions is None, index.shape, index.is_contiguous() or index.stride(), index.dtype,
+            index.device,
+        )
     if k is not None:
         if type(k) is not torch.Tensor or k is t:
             return False
@@ -382,15 +399,17 @@ def _run(
     positions: torch.Tensor | None = None, k: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     key = None
-    if type(t) is torch.Tensor and not torch.compiler.is_compiling():
+    if type(t) is torch.Tensor and not _is_compiling():
         inputs = None  # a single tensor by index, the decode case: no further call
         if start_positions is not None or positions is not None or k is not None or split is not None:
             inputs = _inputs_key(t, freqs, start_positions, positions, k, split, k_freqs, in_place)
         if inputs is not False:
             key = (
-                id(spec), id(freqs), t.shape, t.stride(), t.dtype, t.device,
+                # a contiguous tensor's strides follow from its shape (up to size-1 dims, which
+                # address nothing), and is_contiguous() is cheaper to read than stride()
+                id(spec), id(freqs), t.shape, t.is_contiguous() or t.stride(), t.dtype, t.device,
                 t.requires_grad and torch.is_grad_enabled(),
-                backend if backend is not None else _scoped_or_env_backend()[0],
+                backend if backend is not None else _forced_name(),
                 # what apply_'s writability checks look at, beyond shape and strides
                 in_place and (t.is_leaf, t.is_inference() and not torch.is_inference_mode_enabled()),
                 grad_in_place, inputs,
@@ -398,7 +417,7 @@ def _run(
             plan = _plans.get(key)
             if (
                 plan is not None and plan.spec() is spec and plan.freqs() is freqs
-                and table_address(freqs) == plan.table_address
+                and plan.address(freqs) == plan.table_address
             ):
                 return plan.run(t, freqs, spec, start_positions, positions, k)
     call = check_call(
@@ -411,8 +430,9 @@ def _run(
         # planned after the call ran, so a backend can bind what that call compiled
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
+        address = _data_ptr if type(freqs) is torch.Tensor else table_address
         _plans[key] = _Plan(
-            weakref.ref(spec), weakref.ref(freqs), table_address(freqs), chosen.plan(call)
+            weakref.ref(spec), weakref.ref(freqs), address, address(freqs), chosen.plan(call)
         )
     return out
 

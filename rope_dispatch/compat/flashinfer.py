@@ -88,4 +88,4 @@ def _heads(name: str, x: object, head_size: object) -> torch.Tensor:
             f"{name} must be a 2-D tensor [nnz, heads * head_size] with head_size={head_size} "
             f"dividing its width, got {got}"
         )
-    return x.unflatten(-1, (-1, head_size))
+    return x.view(x.shape[0], x.shape[1] // head_size, head_size)  # Tensor.unflatten costs more
