@@ -44,11 +44,12 @@ import time
 import warnings
 from importlib import metadata
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .call import RoPECall, size_bucket
+from .call import RoPECall, reads_values, size_bucket
 from .registry import Backend
 
 SCHEMA_VERSION = 1
@@ -429,6 +430,19 @@ def _outputs(result: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Ten
     return result if isinstance(result, tuple) else (result,)
 
 
+def _runner(backend: Backend, call: RoPECall) -> Callable[[RoPECall], Any]:
+    """How ``backend`` serves repeated calls like ``call``: through its plan where dispatch
+    would keep one (so a backend is timed on the host path its repeated calls take, a bound
+    launch included), else through :meth:`Backend.apply`."""
+    if (
+        type(call) is not RoPECall or type(call.t) is not torch.Tensor or call.k_table is not None
+        or call.spec.mrope_section is not None or reads_values(call.spec)
+    ):
+        return backend.apply
+    run = backend.plan(call)
+    return lambda c: run(c.t, c.table, c.spec, c.start_positions, c.positions, c.k)
+
+
 def _time_backend(backend: Backend, call: RoPECall, needs_grad: bool) -> float:
     """Median seconds per call of ``backend`` on a private copy of the call's tensor."""
     x = _private_copy(call.t).requires_grad_(needs_grad)
@@ -449,10 +463,11 @@ def _time_backend(backend: Backend, call: RoPECall, needs_grad: bool) -> float:
             {} if call.k is None else {"k": private.k.clone()}
         ))) if call.in_place and needs_grad else (lambda: private)
         out = _outputs(backend.apply(fresh()))
+        run = _runner(backend, private)  # planned after that first call, as dispatch plans
         grad_out = tuple(torch.ones_like(o) for o in out) if needs_grad else None
 
         def once() -> None:
-            result = backend.apply(fresh())
+            result = run(fresh())
             if needs_grad:
                 torch.autograd.grad(_outputs(result), leaves, grad_out)
 

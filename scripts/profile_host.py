@@ -54,6 +54,7 @@ def grad_pieces(tokens=128, heads=8):
     table = freqs[:tokens]
     fns = {
         "ours": lambda x: rd.apply(x, freqs, spec),
+        "ours, triton forced": lambda x: rd.apply(x, freqs, spec, backend="triton"),
         "ours autograd.Function (no dispatch)": lambda x: triton_rope._RoPEFunction.apply(
             x, freqs, None, None, None, "sbhd", False, 1.0, 1, 0, False, None),
         "multiply (autograd floor)": lambda x: x * 2,
@@ -76,7 +77,7 @@ def grad_pieces(tokens=128, heads=8):
         }
         shown = "  ".join(f"{k} {bench.host_us_per_call(p)[0]:7.2f}" for k, p in pieces.items())
         print(f"  {name:>38}: {shown}")
-    for name in ("ours", "TE"):
+    for name in ("ours, triton forced", "TE"):
         if name in fns:
             profile(f"fwd+bwd {name}", lambda fn=fns[name]: torch.autograd.grad(fn(leaf), leaf, grad),
                     top=22)
