@@ -255,7 +255,9 @@ def _rotate_store(
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """out_a = x_a cos_a + x_b coef_a, out_b = x_b cos_b + x_a coef_b in float32, stored;
-    then the pass-through channels as they were read."""
+    then the pass-through channels as they were read. The fused multiply-adds are written
+    out, so every specialisation (in place or not, any tile) rounds alike: left to the
+    compiler, the contraction could differ between kernels and with it the last bit."""
     _, o_h, row_mask = _chunk_rows(
         x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, BLOCK_H, GROUPED
     )
@@ -264,15 +266,15 @@ def _rotate_store(
     o_ptrs = o_h[:, :, None] + (tl.arange(0, BLOCK_R).to(tl.int64) * sod)[None, None, :]
     if INTERLEAVED:
         a, b = tl.split(tl.reshape(x_a.to(tl.float32), [BLOCK_T, BLOCK_H, BLOCK_R // 2, 2]))
-        out_a = a * cos_a + b * coef_a
-        out_b = b * cos_b + a * coef_b
+        out_a = tl.fma(a, cos_a, b * coef_a)
+        out_b = tl.fma(b, cos_b, a * coef_b)
         out = tl.reshape(tl.join(out_a, out_b), [BLOCK_T, BLOCK_H, BLOCK_R])
         tl.store(o_ptrs, out.to(out_ty), mask=mask)
     else:
         a = x_a.to(tl.float32)
         b = x_b.to(tl.float32)
-        tl.store(o_ptrs, (a * cos_a + b * coef_a).to(out_ty), mask=mask)
-        tl.store(o_ptrs + (ROT_DIM // 2) * sod, (b * cos_b + a * coef_b).to(out_ty), mask=mask)
+        tl.store(o_ptrs, tl.fma(a, cos_a, b * coef_a).to(out_ty), mask=mask)
+        tl.store(o_ptrs + (ROT_DIM // 2) * sod, tl.fma(b, cos_b, a * coef_b).to(out_ty), mask=mask)
     if PASS_DIM > 0:
         p = (tl.arange(0, BLOCK_P) + ROT_DIM).to(tl.int64)
         p_full = row_mask[:, :, None] & p_mask[None, None, :]

@@ -44,5 +44,40 @@ def main() -> None:
         del x, out
 
 
+def prefill_qk() -> None:
+    """The serving prefill q+k launch (16,384 tokens, q 32 heads, k 8, per-token positions,
+    angle table and pair cache) at explicit tiles, as % of a copy of the same bytes."""
+    p = bench.serving_inputs(bench.SERVING_TOKENS["prefill"])
+    q, k, positions = p["q"], p["k"], p["positions"]
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    src = torch.cat((q.flatten(), k.flatten()))
+    dst = torch.empty_like(src)
+    copy = bench.bench_ms(lambda: dst.copy_(src))
+    index = positions.unsqueeze(-1)
+    choose = triton_rope.choose_config
+    segments = ((triton_rope.head_segment(q, 1), triton_rope.head_segment(k, 1)),
+                (triton_rope.head_segment(qo, 1), triton_rope.head_segment(ko, 1)))
+    for label, table in (("angles", p["freqs"]), ("pair cache", p["pair_cache"])):
+        tab, sin = triton_rope.kernel_tables(table)
+        default = triton_rope.choose_config(q.shape[0], (32, 8, 8), 128, 128, 2, False,
+                                            triton_rope._sm_count(0))
+        print(f"prefill q+k {label}: copy {1e3 * copy:.1f} us; default {default}")
+        for bt, bh, iters, warps in ((8, 4, 1, 4), (8, 4, 2, 4), (8, 8, 1, 4), (4, 8, 1, 4),
+                                     (16, 4, 1, 4), (8, 4, 1, 8), (4, 8, 2, 4), (16, 2, 1, 4),
+                                     (8, 2, 1, 4), (8, 8, 1, 8)):
+            config = (bt, bh, iters, 64, 1, warps)
+            # the launch's own config choice answers with this tile, so the timed calls take
+            # the C launcher as real calls do
+            triton_rope.choose_config = lambda *args, config=config: config
+            triton_rope._fast_qkv.clear()
+            ms = bench.bench_ms(lambda: triton_rope.launch_qkv(
+                *segments, (tab, sin, tab, sin), None, index, "thd", False, 1.0, 1, 0, False))
+            triton_rope.choose_config = choose
+            print(f"   tile {bt:>2} tok x {bh} heads x {iters} iters, {warps} warps: "
+                  f"{100 * copy / ms:5.1f}%")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    prefill_qk() if sys.argv[1:] == ["prefill"] else main()
