@@ -402,10 +402,40 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 100, rounds: int = 21) 
     return statistics.median(host), statistics.median(total)
 
 
-def _record_host(report: Report, name: str, fn: Callable[[], Any]) -> None:
-    host, total = host_us_per_call(fn)
-    report.host[f"{name}: host us"] = host
-    report.host[f"{name}: end to end us"] = total
+def host_us_interleaved(
+    fns: dict[str, Callable[[], Any]], calls: int = 100, rounds: int = 21
+) -> dict[str, tuple[float, float]]:
+    """:func:`host_us_per_call` of several calls measured in turn within each round (the
+    order rotating from round to round), so drifts of the host's speed during the run reach
+    them all alike and their ratios hold; ``{name: (host, end_to_end)}``."""
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    torch.cuda.synchronize()
+    names = list(fns)
+    host: dict[str, list[float]] = {name: [] for name in names}
+    total: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = fns[name]
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            issued = time.perf_counter()
+            torch.cuda.synchronize()
+            done = time.perf_counter()
+            host[name].append((issued - start) / calls * 1e6)
+            total[name].append((done - start) / calls * 1e6)
+    return {name: (statistics.median(host[name]), statistics.median(total[name])) for name in names}
+
+
+def _record_hosts(report: Report, fns: dict[str, Callable[[], Any]]) -> None:
+    """Host and end-to-end us per call of calls compared with each other (one interleaved
+    measurement)."""
+    for name, (host, total) in host_us_interleaved(fns).items():
+        report.host[f"{name}: host us"] = host
+        report.host[f"{name}: end to end us"] = total
 
 
 @dataclass
@@ -490,27 +520,32 @@ def run_host(report: Report) -> None:
 
     inp = make_inputs(DECODE)
     t, freqs, spec = inp.t, inp.freqs, inp.spec
-    _record_host(report, "apply (auto)", lambda: rd.apply(t, freqs, spec))
     buffer = t.clone()
-    _record_host(report, "apply_ (auto, in place)", lambda: rd.apply_(buffer, freqs, spec))
+    calls: dict[str, Callable[[], Any]] = {
+        "apply (auto)": lambda: rd.apply(t, freqs, spec),
+        "apply_ (auto, in place)": lambda: rd.apply_(buffer, freqs, spec),
+    }
     for info in rd.list_backends():
         if info.available:
             call = rd.check_call(t, freqs, spec)
             if not rd.get_backend(info.name).not_supported_reasons(call):
-                _record_host(report, f"apply backend={info.name}",
-                             lambda n=info.name: rd.apply(t, freqs, spec, backend=n))
+                calls[f"apply backend={info.name}"] = lambda n=info.name: rd.apply(t, freqs, spec, backend=n)
     if rd.get_backend("triton").available:
         table = freqs.view(freqs.shape[0], -1)
         out = torch.empty_like(t)
         call = rd.check_call(t, freqs, spec)
-        _record_host(report, "check_call", lambda: rd.check_call(t, freqs, spec))
-        _record_host(report, "dispatch.choose", lambda: rd.dispatch.choose(call, "triton"))
-        _record_host(report, "triton rope_triton", lambda: triton_rope.rope_triton(t, table, layout="sbhd"))
         bound = rd.get_backend("triton").plan(call)  # what apply keeps for a repeated call
-        _record_host(report, "triton bound launch (plan)", lambda: bound(t, freqs, spec, None, None, None))
-        _record_host(report, "output allocation (empty_like)", lambda: torch.empty_like(t))
-        _record_host(report, "triton launch", lambda: triton_rope.launch(
-            t, out, table, None, None, None, "sbhd", False, 1.0, 1, 0, False))
+        calls.update({
+            "check_call": lambda: rd.check_call(t, freqs, spec),
+            "dispatch.choose": lambda: rd.dispatch.choose(call, "triton"),
+            "triton rope_triton": lambda: triton_rope.rope_triton(t, table, layout="sbhd"),
+            "triton bound launch (plan)": lambda: bound(t, freqs, spec, None, None, None),
+            "output allocation (empty_like)": lambda: torch.empty_like(t),
+            "triton launch": lambda: triton_rope.launch(
+                t, out, table, None, None, None, "sbhd", False, 1.0, 1, 0, False),
+        })
+    _record_hosts(report, calls)
+    if rd.get_backend("triton").available:
         report.host["triton kernel (do_bench) us"] = 1e3 * bench_ms(
             lambda: triton_rope.launch(
                 t, out, table, None, None, None, "sbhd", False, 1.0, 1, 0, False
@@ -576,8 +611,7 @@ def run_serving(report: Report) -> None:
             q4, te_freqs, tensor_format="sbhd", start_positions=te_pos, fused=True)
     except Exception:  # noqa: BLE001 (not installed, or installed but broken)
         pass
-    for name, fn in calls.items():
-        _record_host(report, f"serving decode {name}", fn)
+    _record_hosts(report, {f"serving decode {name}": fn for name, fn in calls.items()})
     report.host["serving decode apply_qk_ kernel (do_bench) us"] = 1e3 * bench_ms(
         calls["apply_qk_ positions (pair cache)"])
     liger = _liger_qk(q, k, freqs, pos)
