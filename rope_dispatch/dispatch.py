@@ -226,15 +226,21 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
 
 
 class _Plan(NamedTuple):
-    """A repeated call's checked and decided path: valid while ``spec`` and ``freqs`` are the
-    same objects and ``freqs`` still holds the same memory (``table_address``). Only weak
-    references: a plan never keeps a table alive."""
+    """A repeated call's checked and decided path, kept under a key holding the ids of its
+    spec and table: valid while ``freqs`` still holds the same memory (``table_address``).
+    Only weak references, whose callbacks drop the plan when the spec or the table dies, so
+    a key's ids always name live objects (never a later object given a freed id) and a
+    planned call need not dereference them. A plan never keeps a table alive."""
 
-    spec: weakref.ref
-    freqs: weakref.ref
+    refs: tuple[weakref.ref, weakref.ref]
     address: Callable[[object], int | tuple[int, int]]  # table_address, or data_ptr for tensors
     table_address: int | tuple[int, int]
     run: registry.Plan
+
+
+def _dropper(key: tuple) -> Callable[[weakref.ref], None]:
+    """A weak reference callback removing the plan under ``key``."""
+    return lambda _ref: _plans.pop(key, None)
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -416,8 +422,7 @@ def _run(
             )
             plan = _plans.get(key)
             if (
-                plan is not None and plan.spec() is spec and plan.freqs() is freqs
-                and plan.address(freqs) == plan.table_address
+                plan is not None and plan.address(freqs) == plan.table_address
             ):
                 return plan.run(t, freqs, spec, start_positions, positions, k)
     call = check_call(
@@ -431,8 +436,10 @@ def _run(
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         address = _data_ptr if type(freqs) is torch.Tensor else table_address
+        drop = _dropper(key)
         _plans[key] = _Plan(
-            weakref.ref(spec), weakref.ref(freqs), address, address(freqs), chosen.plan(call)
+            (weakref.ref(spec, drop), weakref.ref(freqs, drop)), address, address(freqs),
+            chosen.plan(call),
         )
     return out
 

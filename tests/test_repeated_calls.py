@@ -210,3 +210,27 @@ def test_gradient_calls_are_planned_and_differentiate_new_data_every_call(counte
         assert_matches(grad, expected_grad, torch.float32, f"step {step} gradient")
         leaf.requires_grad_(False)
     assert len(counted_checks) == 1, "the repeated gradient calls did not reuse the first call's plan"
+
+
+def test_a_plan_goes_with_its_spec_or_table(counted_checks):
+    """Plans are keyed by the ids of their spec and table; when either dies its plans go, so
+    a later object that gets a freed id never meets a plan made for another."""
+    import gc
+
+    t = _data((3, 2, 2, D), seed=5)
+    for dies in ("spec", "freqs"):
+        dispatch._plans.clear()
+        spec, freqs = rd.RoPESpec(layout="sbhd", dtype="fp32"), _table()
+        rd.apply(t, freqs, spec, backend=BACKEND)
+        assert len(dispatch._plans) == 1
+        if dies == "spec":
+            del spec
+        else:
+            del freqs
+        gc.collect()
+        assert not dispatch._plans, f"the plan outlived its {dies}"
+    # a new spec of another layout, possibly at a freed id, is checked, not served a stale plan
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    freqs = _table()
+    assert_matches(rd.apply(t, freqs, spec, backend=BACKEND), reference_for(t.cpu(), freqs.cpu(), spec),
+                   torch.float32, "bshd after the sbhd plan's spec died")
