@@ -68,15 +68,19 @@ def grad_pieces(tokens=128, heads=8):
         print("TE not importable:", exc)
     del table
     print(f"=== gradient path, sbhd s{tokens} b1 h{heads} d128 bf16: host us per call")
+    pieces = {}
     for name, fn in fns.items():
         out = fn(leaf)
-        pieces = {
-            "fwd": lambda: fn(leaf),
-            "bwd (retain_graph)": lambda: torch.autograd.grad(out, leaf, grad, retain_graph=True),
-            "fwd+bwd": lambda: torch.autograd.grad(fn(leaf), leaf, grad),
-        }
-        shown = "  ".join(f"{k} {bench.host_us_per_call(p)[0]:7.2f}" for k, p in pieces.items())
+        pieces[(name, "fwd")] = lambda fn=fn: fn(leaf)
+        pieces[(name, "bwd (retain_graph)")] = lambda out=out: torch.autograd.grad(
+            out, leaf, grad, retain_graph=True)
+        pieces[(name, "fwd+bwd")] = lambda fn=fn: torch.autograd.grad(fn(leaf), leaf, grad)
+    times = bench.host_us_interleaved(pieces)  # in turn within each round: ratios hold
+    for name in fns:
+        shown = "  ".join(f"{piece} {times[(name, piece)][0]:7.2f}"
+                          for piece in ("fwd", "bwd (retain_graph)", "fwd+bwd"))
         print(f"  {name:>38}: {shown}")
+    print("  dispatch's choice:", str(rd.explain(leaf, freqs, spec)).splitlines()[1])
     for name in ("ours, triton forced", "TE"):
         if name in fns:
             profile(f"fwd+bwd {name}", lambda fn=fns[name]: torch.autograd.grad(fn(leaf), leaf, grad),
