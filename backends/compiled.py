@@ -32,7 +32,7 @@ import torch
 from rope_dispatch.call import RoPECall, position_index
 from rope_dispatch.registry import Backend
 from rope_dispatch.spec import dtype_name
-from rope_dispatch.tables import CosSinCache
+from rope_dispatch.tables import CosSinCache, RateTable
 
 from .eager import rope_eager, rope_tensors
 
@@ -75,7 +75,7 @@ def _key_name(key: CompileKey, transpose: bool = False) -> str:
 def _math(key: CompileKey, transpose: bool) -> Callable:
     """The eager math for ``key`` (forward, or its transpose) as a function of tensors only."""
     _, layout, _, _, interleaved, cp_size, cp_rank, table, scale, _ = key
-    from_angles = table == "angles"  # else cos/sin tables
+    from_angles = table in ("angles", "rates")  # else cos/sin tables
 
     def rope_compiled(t, a, b, cu_seqlens, start_positions):
         cos, sin = (torch.cos(a), torch.sin(a)) if from_angles else (a, b)
@@ -101,7 +101,13 @@ def _build(key: CompileKey, transpose: bool) -> Callable:
 
 def _arguments(call: RoPECall) -> tuple:
     table = call.table
-    a, b = (table.cos, table.sin) if isinstance(table, CosSinCache) else (table, None)
+    if isinstance(table, CosSinCache):
+        a, b = table.cos, table.sin
+    elif isinstance(table, RateTable):  # its angle table, made once and kept on the object
+        angles = table.angle_table(call.spec.interleaved)
+        a, b = angles.view(angles.shape[0], angles.shape[3]), None
+    else:
+        a, b = table, None
     return call.t, a, b, call.spec.cu_seqlens, position_index(call)
 
 
@@ -190,6 +196,7 @@ class CompileBackend(Backend):
     description = "torch.compile of the eager math (Inductor: C++ on CPU, Triton on CUDA)"
     priority = 20
     supports_positions = True
+    tables = frozenset({"angles", "cos_sin_cache", "rates"})
 
     def __init__(self) -> None:
         self._compiled: dict[tuple[CompileKey, bool], Callable] = {}

@@ -134,7 +134,7 @@ class EagerBackend(Backend):
     priority = 0
     supports_in_place = True
     supports_positions = True
-    tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache"})
+    tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"})
     tensors = frozenset({"t", "qk", "qkv"})
 
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:

@@ -9,7 +9,9 @@ apply_rope.cpp``, ``pytorch/attention/rope.py``), and how this backend answers i
 - ``freqs`` must be float32 ``[s2, 1, 1, d2]`` and is read as a contiguous array: we pass a
   view of our contiguous ``[s2, d2]`` angle table. TE reads angles only, so a
   :class:`~rope_dispatch.CosSinCache` is refused (cos/sin cannot be turned back into the
-  exact angles).
+  exact angles). A :class:`~rope_dispatch.RateTable` is served by its angle table
+  (:meth:`~rope_dispatch.RateTable.angle_table` in the spec's layout, made once and kept on
+  the object): the same float32 angles.
 - ``cu_seqlens`` and ``start_positions`` are read as ``int*``: int64 tensors are converted to
   int32 here (an int64 tensor would be misread, not rejected).
 - Offsets and strides are 32-bit ``int``: tensors whose elements or strides reach 2^31 are
@@ -45,6 +47,7 @@ import torch
 
 from rope_dispatch.call import RoPECall
 from rope_dispatch.registry import Backend
+from rope_dispatch.tables import RateTable
 
 # Where apply_rotary_pos_emb lives, newest first.
 MODULE_PATHS = (
@@ -340,7 +343,7 @@ class TEBackend(Backend):
     description = "TransformerEngine apply_rotary_pos_emb(fused=True) (CUDA)"
     priority = 30
     devices = frozenset({"cuda"})
-    tables = frozenset({"angles"})
+    tables = frozenset({"angles", "rates"})
     tensors = frozenset({"t", "qkv"})
 
     def __init__(self, load: Callable[[], TEInfo | list[str]] = _default_load) -> None:
@@ -362,7 +365,7 @@ class TEBackend(Backend):
     def not_supported_reasons(self, call: RoPECall) -> list[str]:
         reasons = super().not_supported_reasons(call)
         kind = call.table_kind
-        if kind != "angles" and self.available:  # say why, in TE's terms
+        if kind not in self.tables and self.available:  # say why, in TE's terms
             generic = f"a {kind} table is not supported"
             reasons = [CACHE_REASON.format(kind=kind) if r.startswith(generic) else r for r in reasons]
         return reasons
@@ -376,13 +379,15 @@ class TEBackend(Backend):
         if self._info is None and self.availability:
             raise RuntimeError(f"the te backend is unavailable: {'; '.join(self.availability)}")
         t, kwargs = call.t, te_arguments(call)
+        interleaved = call.spec.interleaved
         if call.tensors == "qkv":
             k_table = call.table if call.k_table is None else call.k_table
             fn = self._info.apply_qkv
-            args = (t, _angles_4d(call.table), _angles_4d(k_table), list(call.split))
+            args = (t, _angles_4d(call.table, interleaved), _angles_4d(k_table, interleaved),
+                    list(call.split))
             kwargs.pop("fused")
         else:
-            fn, args = self._info.apply, (t, _angles_4d(call.table))
+            fn, args = self._info.apply, (t, _angles_4d(call.table, interleaved))
         if t.is_cuda and t.device.index != torch.cuda.current_device():
             with torch.cuda.device(t.device):
                 return _scaled(fn(*args, **kwargs), call)
@@ -410,8 +415,11 @@ def _scaled(out: torch.Tensor | tuple[torch.Tensor, ...], call: RoPECall):
     return rescale(out)
 
 
-def _angles_4d(table: torch.Tensor) -> torch.Tensor:
-    """TE's ``[s2, 1, 1, d2]`` view of a contiguous ``[s2, d2]`` angle table (no copy)."""
+def _angles_4d(table: torch.Tensor | RateTable, interleaved: bool) -> torch.Tensor:
+    """TE's ``[s2, 1, 1, d2]`` view of a contiguous ``[s2, d2]`` angle table (no copy), or a
+    rate table's kept angle table in the call's layout (made on its first call)."""
+    if type(table) is RateTable:
+        return table.angle_table(interleaved)
     return table.view(table.shape[0], 1, 1, table.shape[1])
 
 

@@ -8,6 +8,10 @@ each ``[BLOCK_T, BLOCK_H, d]`` tile once and writing it once: the rotated channe
 pass-through channels of partial rotary in the same pass. Sin/cos live in the same 2-D layout as
 the data tiles, so they are neither recomputed per head nor per thread.
 
+A rate table (``RATES``) gives the rates instead of a table: pair ``k``'s angle is the float32
+product ``position * rate[k]``, as an angle table's entry is, so no table row is read per
+token.
+
 Positions come from the token index alone: ``s`` (+ ``start_positions[b]``) for sbhd/bshd, the
 context-parallel zigzag map when ``cp_size > 1``, and for thd a binary search of the token in
 ``cu_seqlens`` inside the kernel (no host sync, no ``max_seqlen x batch`` grid). A position
@@ -306,7 +310,7 @@ def _rope_program(
     sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
-    POSITIONS: tl.constexpr,
+    RATES: tl.constexpr, POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -342,7 +346,16 @@ def _rope_program(
     tab_off = pos.to(tl.int64)[:, None] * ROT_DIM + c[None, :]
     inside = tok_mask & (pos >= 0) & (pos < table_len)  # never read outside the table
     tab_mask = inside[:, None] & c_mask[None, :]
-    if PAIRED:  # one cos and one sin per rotated pair, shared by both of its channels
+    if RATES:  # rotation rates: pair k's angle is one float32 product, position x rate k
+        k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
+        k_ok = k < ROT_DIM // 2
+        rate = tl.load(tab_ptr + k, mask=k_ok, other=0.0)  # the same for every row
+        angle = pos.to(tl.float32)[:, None] * rate[None, :]
+        angle = tl.where(inside[:, None] & k_ok[None, :], angle, float("nan"))
+        cos_a, sin_a = _cos_sin(angle, FAST_TRIG)
+        cos_b = cos_a
+        sin_b = sin_a
+    elif PAIRED:  # one cos and one sin per rotated pair, shared by both of its channels
         k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
         k_mask = inside[:, None] & (k < ROT_DIM // 2)[None, :]
         cos_a, sin_a = _table(tab_ptr, sin_ptr, pos.to(tl.int64)[:, None] * ROT_DIM + k[None, :],
@@ -419,7 +432,7 @@ def rope_kernel(
     sx0, sx1, sxh, sxd, so0, so1, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
-    POSITIONS: tl.constexpr,
+    RATES: tl.constexpr, POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -432,15 +445,18 @@ def rope_kernel(
     ``sx*``; ``out`` has strides ``so*``. Tokens are numbered ``i0 * dim1 + i1``.
     ``BLOCK_R`` covers the rotated channels (half of them for rotate-half), ``BLOCK_P`` the
     ``PASS_DIM`` pass-through channels. ``PAIRED``: the cache holds one cos and one sin per pair
-    (a pair cache; ``sin_ptr`` points half a row into it). Its argument list is kept short: at decode size the
-    launch's host time is the call's time.
+    (a pair cache; ``sin_ptr`` points half a row into it). ``RATES``: ``tab_ptr`` holds the
+    rates twice over, ``[ROT_DIM]`` (a rate table), and each angle is ``position * rate``, no
+    table row read. Its argument list is kept short: at decode size the launch's host time is
+    the call's time.
     """
     _rope_program(
         tl.program_id(0), x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
         n_tokens, dim1, seq_len, table_len, heads, 1, n_seqs, cp_size, cp_rank,
         sx0, sx1, sxh, sxh, sxd, so0, so1, soh, soh, sod,
-        LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, POSITIONS, CONTEXT_PARALLEL,
-        BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, False,
+        LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, POSITIONS,
+        CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
+        SEQ_BLOCK, False,
         SCALE,
     )
 
@@ -458,7 +474,7 @@ def rope_qkv_kernel(
     vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
-    POSITIONS: tl.constexpr,
+    RATES: tl.constexpr, POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -489,8 +505,9 @@ def rope_qkv_kernel(
             block * q_per + r, q_x, q_out, q_tab, q_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, q_table_len, q_heads, q_group, n_seqs, cp_size, cp_rank,
             qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
-            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, POSITIONS, CONTEXT_PARALLEL,
-            BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, True,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, POSITIONS,
+            CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
+            SEQ_BLOCK, True,
             SCALE,
         )
     elif r < q_per + k_per:
@@ -498,8 +515,9 @@ def rope_qkv_kernel(
             block * k_per + r - q_per, k_x, k_out, k_tab, k_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, k_table_len, k_heads, k_group, n_seqs, cp_size, cp_rank,
             kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
-            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, POSITIONS, CONTEXT_PARALLEL,
-            BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG, SEQ_BLOCK, True,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, POSITIONS,
+            CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
+            SEQ_BLOCK, True,
             SCALE,
         )
     elif HAS_V:

@@ -158,7 +158,8 @@ def _fast_key(
         cp = tp if cu_seqlens is None else cu_seqlens.data_ptr()
         stp = tp if positions is None else positions.data_ptr()
         extra = (
-            None if sin is None else sin.shape[-1],  # a pair cache's sin is half as wide
+            # a pair cache's sin is half as wide; a rate table's is the table (-1)
+            None if sin is None else (-1 if _is_rates(table, sin, tp, sp) else sin.shape[-1]),
             None if cu_seqlens is None
             else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.stride()),
             None if positions is None
@@ -185,6 +186,32 @@ def _paired(table: torch.Tensor, sin: torch.Tensor | None) -> bool:
     return sin is not None and sin.shape[-1] != table.shape[-1]
 
 
+def _is_rates(
+    table: torch.Tensor, sin: torch.Tensor | None, tp: int | None = None, sp: int | None = None
+) -> bool:
+    """Whether the tables are a rate table's: ``sin`` is the table itself, a ``[rows, d2]`` view
+    of the doubled rates with a row stride of 0 (:func:`rope_dispatch.tables.kernel_tables`).
+    Where a traced graph hands the custom op two views of that one buffer instead of one
+    object, the shared address and the zero row strides still say it; a cos/sin cache's tables
+    are contiguous ``[s2, d2]`` (even one tensor given as both cos and sin). ``tp``/``sp``: the
+    two addresses when already read."""
+    if sin is None:
+        return False
+    if sin is not table and (
+        (table.data_ptr() if tp is None else tp) != (sin.data_ptr() if sp is None else sp)
+    ):
+        return False  # a cos/sin cache (the usual case): no stride read
+    return table.stride(0) == 0 and (sin is table or sin.stride(0) == 0)
+
+
+def _table_flags(table: torch.Tensor, sin: torch.Tensor | None) -> tuple[bool, bool, bool]:
+    """The kernels' ``(USE_CACHE, PAIRED, RATES)`` for the tables of
+    :func:`rope_dispatch.tables.kernel_tables`: angles ``(table, None)``; a cos/sin cache; a
+    pair cache (a sin half as wide); a rate table (``sin`` is the table)."""
+    rates = _is_rates(table, sin)
+    return sin is not None and not rates, _paired(table, sin) and not rates, rates
+
+
 def _position_kind(positions: torch.Tensor | None) -> int:
     """The kernels' ``POSITIONS``: 0 by index, 1 start positions (a 1-D index tensor, one per
     sequence), 2 per-token positions (a 2-D one in token order: ``[s, b]``, ``[b, s]`` or
@@ -200,7 +227,9 @@ def launch(
 ) -> torch.Tensor:
     """Run the kernel: ``out`` = RoPE of ``x`` (its transpose when ``backward``); returns ``out``.
 
-    ``table`` is the float32 ``[s2, d2]`` angle table, or the cos table when ``sin`` is given.
+    ``table`` is the float32 ``[s2, d2]`` angle table, or the cos table when ``sin`` is given,
+    or, with ``sin`` the same tensor, a rate table's ``[rows, d2]`` view of its doubled rates
+    (:func:`rope_dispatch.tables.kernel_tables`; :func:`_table_flags` tells them apart).
     ``x`` may have any strides; ``out`` (same shape) too. ``fresh_out`` promises that ``out``
     was allocated with ``torch.contiguous_format`` from ``x.shape`` (so its strides follow from
     that shape and need not be read). ``copy_pass=False`` leaves the pass-through channels
@@ -268,9 +297,10 @@ def launch(
     grid = -(-n_tokens // block_t) * head_groups
     ints = (n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs, cp_size, cp_rank,
             sx0, sx1, sxh, sxd, so0, so1, soh, sod)
+    use_cache, paired, rates = _table_flags(table, sin)
     consts = dict(
         LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim,
-        INTERLEAVED=interleaved, USE_CACHE=sin is not None, PAIRED=_paired(table, sin),
+        INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates,
         POSITIONS=_position_kind(positions), CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
@@ -568,9 +598,10 @@ def launch_qkv(
     # the kernel's order: per-segment heads and group
     ints = (*base_ints[:8], heads[0], base_ints[11], heads[1], base_ints[12], heads[2],
             base_ints[13], *strides)
+    use_cache, paired, rates = _table_flags(q_tab, q_sin)  # k's table is of q's kind
     consts = dict(
         LAYOUT=LAYOUT_CODES[layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
-        INTERLEAVED=interleaved, USE_CACHE=q_sin is not None, PAIRED=_paired(q_tab, q_sin),
+        INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates,
         POSITIONS=_position_kind(positions), CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
@@ -600,7 +631,8 @@ def _qkv_key(
     to different kernels: one must never run the other's."""
     aligned = tuple(a & 15 == 0 for a in addresses)
     return (base_ints, aligned, x.dtype, layout, interleaved, scale,
-            None if q_sin is None else (q_sin.shape[-1], q_sin.dtype), q_tab.dtype,
+            None if q_sin is None else (q_sin.shape[-1], q_sin.dtype, _is_rates(q_tab, q_sin)),
+            q_tab.dtype,
             None if cu_seqlens is None else cu_seqlens.dtype,
             None if positions is None else positions.dtype, _position_kind(positions), backward,
             has_v, q_tab.shape[1], copy_pass, x.get_device())
@@ -1244,17 +1276,17 @@ def _interpret_requested() -> bool:
 
 
 class TritonBackend(Backend):
-    """Our Triton kernels: every layout and feature, both table kinds, at memory bandwidth."""
+    """Our Triton kernels: every layout and feature, every table kind, at memory bandwidth."""
 
     name = "triton"
     description = (
         "rope-dispatch's own Triton kernels (CUDA; CPU through TRITON_INTERPRET=1): one pass, "
-        "fp32 math, any strides, angles or cos/sin cache"
+        "fp32 math, any strides, angles, cos/sin caches or rates"
     )
     priority = 40
     supports_in_place = True
     supports_positions = True
-    tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache"})
+    tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"})
     tensors = frozenset({"t", "qk", "qkv"})
 
     @property

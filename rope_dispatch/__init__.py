@@ -27,7 +27,7 @@ from .dispatch import (
 from .errors import BackendNotSupportedError, NoBackendError, RoPEError, UnknownBackendError
 from .registry import Backend, BackendInfo, get_backend, list_backends, register
 from .spec import RoPESpec
-from .tables import CosSinCache, PairCosSinCache, cos_sin_cache
+from .tables import CosSinCache, PairCosSinCache, RateTable, cos_sin_cache
 
 try:
     __version__ = version("rope-dispatch")
@@ -38,7 +38,8 @@ from . import backends as _backends  # noqa: E402,F401  (registers the built-in 
 
 __all__ = [
     "Backend", "BackendInfo", "BackendNotSupportedError", "CosSinCache", "Explanation",
-    "NoBackendError", "PairCosSinCache", "RoPECall", "RoPEError", "RoPESpec", "UnknownBackendError", "apply", "apply_",
+    "NoBackendError", "PairCosSinCache", "RateTable", "RoPECall", "RoPEError", "RoPESpec",
+    "UnknownBackendError", "apply", "apply_",
     "apply_qk", "apply_qk_", "apply_qkv",
     "check_call", "cos_sin_cache", "explain", "get_backend", "list_backends", "register",
     "use_backend",

@@ -215,7 +215,7 @@ def _triton_transpose(inp: Inputs, table: Any) -> Callable[[], Any]:
 
     from rope_dispatch.tables import angles_2d, kernel_tables
 
-    tab, sin = kernel_tables(table if isinstance(table, rd.CosSinCache) else angles_2d(table))
+    tab, sin = kernel_tables(angles_2d(table) if isinstance(table, torch.Tensor) else table)
     spec = inp.spec
     settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
     if inp.split is not None:

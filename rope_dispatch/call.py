@@ -22,7 +22,8 @@ import torch
 from .errors import RoPEError
 from .spec import RoPESpec, dtype_name
 from .tables import (
-    CosSinCache, PairCosSinCache, RotaryTable, angles_2d, multimodal_rows, table_kind, table_shape,
+    CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
+    table_shape,
 )
 
 
@@ -38,9 +39,9 @@ class RoPECall(NamedTuple):
     """One checked call: what every backend receives (a tuple: cheap to build per call).
 
     It describes its tensors (``tensors``), its table kind (``table``: ``[s2, d2]`` float32
-    angles, a :class:`CosSinCache` or a :class:`PairCosSinCache`) and its positions: by index
-    (plus ``start_positions``,
-    one per sequence) or given per token (``positions``, shaped like ``t.shape[:-2]``).
+    angles, a :class:`CosSinCache`, a :class:`PairCosSinCache` or a :class:`RateTable`) and its
+    positions: by index (plus ``start_positions``, one per sequence) or given per token
+    (``positions``, shaped like ``t.shape[:-2]``).
     ``seq_len`` is the local sequence length ``s`` (tokens ``T`` for thd), ``batch`` is ``b``
     (the number of sequences for thd). ``in_place``: rotate ``t``'s first ``d2`` channels in
     place and return ``t`` (:func:`~rope_dispatch.apply_`); ``grad_in_place``: its backward may
@@ -83,7 +84,7 @@ class RoPECall(NamedTuple):
 
     @property
     def table_kind(self) -> str:
-        """``"angles"``, ``"cos_sin_cache"`` or ``"pair_cos_sin_cache"``."""
+        """``"angles"``, ``"cos_sin_cache"``, ``"pair_cos_sin_cache"`` or ``"rates"``."""
         return table_kind(self.table)
 
 
@@ -188,6 +189,9 @@ def _check_table(table: object, device: torch.device, argument: str = "freqs") -
             )
         checked = table
         table_device = t.device
+    elif isinstance(table, RateTable):  # checked when it was made (a frozen object)
+        checked = table
+        table_device = table.device
     else:
         checked = angles_2d(table, argument)  # type: ignore[arg-type]
         table_device = checked.device
@@ -589,7 +593,7 @@ def _check_k_table(k_freqs: object, table: RotaryTable, device: torch.device) ->
     k_table = _check_table(k_freqs, device, "k_freqs")
     if table_kind(k_table) != table_kind(table):
         kinds = {"angles": "an angle table", "cos_sin_cache": "a CosSinCache",
-                 "pair_cos_sin_cache": "a PairCosSinCache"}
+                 "pair_cos_sin_cache": "a PairCosSinCache", "rates": "a RateTable"}
         raise RoPEError(
             f"k_freqs is {kinds[table_kind(k_table)]} but freqs is {kinds[table_kind(table)]}; "
             "pass both in the same form"

@@ -262,8 +262,9 @@ def apply(
     """Rotary position embedding of ``t`` (TransformerEngine 2.20.2 ``apply_rotary_pos_emb``).
 
     ``freqs`` is the float32 angle table ``[s2, 1, 1, d2]`` (or ``[s2, d2]``), a
-    :class:`~rope_dispatch.CosSinCache` or a :class:`~rope_dispatch.PairCosSinCache` (an
-    engine's ``cos_sin_cache``). Returns a new tensor, contiguous in ``spec.layout``;
+    :class:`~rope_dispatch.CosSinCache`, a :class:`~rope_dispatch.PairCosSinCache` (an
+    engine's ``cos_sin_cache``) or a :class:`~rope_dispatch.RateTable` (the rates an angle
+    table is made of). Returns a new tensor, contiguous in ``spec.layout``;
     differentiable with respect to ``t``.
 
     A token's table row is its place in its sequence (plus ``start_positions[b]``, one per

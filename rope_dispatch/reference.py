@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .call import RoPECall
-from .tables import CosSinCache, PairCosSinCache
+from .tables import CosSinCache, PairCosSinCache, RateTable
 
 
 def reference_positions(call: RoPECall) -> torch.Tensor:
@@ -45,8 +45,9 @@ def reference_positions(call: RoPECall) -> torch.Tensor:
 
 def reference_cos_sin(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 cos and sin ``[s2, d2]``, one per channel (from the angles, or a cache's float32
-    values: a pair cache's pair value for both channels of the pair), times the spec's
-    ``cos_sin_scale``."""
+    values: a pair cache's pair value for both channels of the pair; a rate table's angles are
+    the float32 products ``position * rate``, the pair's for both of its channels), times the
+    spec's ``cos_sin_scale``."""
     scale = call.spec.cos_sin_scale
     if isinstance(call.table, CosSinCache):
         cos, sin = call.table.cos.double().cpu(), call.table.sin.double().cpu()
@@ -56,6 +57,13 @@ def reference_cos_sin(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
         pair = torch.arange(call.rotary_dim)
         pair = pair // 2 if call.spec.interleaved else pair % half
         cos, sin = cache[:, pair], cache[:, half + pair]
+    elif isinstance(call.table, RateTable):
+        rates = call.table.inv_freq.cpu()
+        products = torch.arange(call.table.rows, dtype=torch.float32)[:, None] * rates[None, :]
+        pair = torch.arange(call.rotary_dim)
+        pair = pair // 2 if call.spec.interleaved else pair % (call.rotary_dim // 2)
+        angles = products.double()[:, pair]
+        cos, sin = torch.cos(angles), torch.sin(angles)
     else:
         angles = call.table.double().cpu()
         cos, sin = torch.cos(angles), torch.sin(angles)

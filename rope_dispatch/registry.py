@@ -48,7 +48,7 @@ class Backend:
     tables: ClassVar[frozenset[str]] = frozenset({"angles", "cos_sin_cache"})
     """The table kinds it reads (:func:`~rope_dispatch.tables.table_kind`): ``"angles"``,
     ``"cos_sin_cache"`` (:class:`~rope_dispatch.CosSinCache`), ``"pair_cos_sin_cache"``
-    (:class:`~rope_dispatch.PairCosSinCache`)."""
+    (:class:`~rope_dispatch.PairCosSinCache`), ``"rates"`` (:class:`~rope_dispatch.RateTable`)."""
     supports_autograd: ClassVar[bool] = True
     supports_in_place: ClassVar[bool] = False
     tensors: ClassVar[frozenset[str]] = frozenset({"t"})
@@ -87,6 +87,7 @@ class Backend:
             t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
             positions: torch.Tensor | None, k: torch.Tensor | None,
         ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+            # an angle table as [s2, d2]; caches and rate tables pass as they are
             table = angles_2d(freqs) if table_kind(freqs) == "angles" else freqs  # type: ignore[arg-type]
             return run(_new_call(RoPECall, (t, table, spec, start_positions, *sizes, positions, k)))
 

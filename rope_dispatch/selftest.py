@@ -46,6 +46,7 @@ class GridCase:
     qkv: bool = False  # a packed [.., h, 2d + d + d] tensor (apply_qkv), k with its own table
     qk: bool = False  # q and a 2-head k sliced out of one projection (apply_qk)
     scale: float = 1.0  # the spec's cos_sin_scale (an attention factor)
+    rates: bool = False  # a RateTable (rates and a row count) instead of an angle table
 
 
 GRID = (
@@ -65,6 +66,8 @@ GRID = (
              strided=True, qk=True),
     GridCase("thd fp16 interleaved cache start x1.2", "thd", torch.float16,
              interleaved=True, cache=True, starts=True, scale=1.2),
+    GridCase("bshd bf16 rate table interleaved partial start", "bshd", torch.bfloat16,
+             rotary_dim=32, interleaved=True, starts=True, rates=True),
 )
 QKV_SPLIT = (128, 64, 64)  # two query heads, one key head and one value head of d 64 a group
 
@@ -141,7 +144,10 @@ def make_inputs(case: GridCase, device: str, gen: torch.Generator):
         cu_seqlens=None if cu is None else cu.to(device), cp_size=cp, cp_rank=case.cp_rank,
         cos_sin_scale=case.scale,
     )
-    table = cos_sin_cache(angles) if case.cache else angles
+    if case.rates:  # rates up to 2 radians per position
+        table = rd.RateTable((torch.rand(case.rotary_dim // 2, generator=gen) * 2).to(device), s2)
+    else:
+        table = cos_sin_cache(angles) if case.cache else angles
     return t, table, spec, None if starts is None else starts.to(device), kwargs
 
 

@@ -1,4 +1,5 @@
-"""Rotary tables: the float32 angle table ``freqs`` and the optional precomputed cos/sin cache."""
+"""Rotary tables: the float32 angle table ``freqs``, the optional precomputed cos/sin caches,
+and rate tables (the rates an angle table is made of, for kernels that multiply them out)."""
 
 from __future__ import annotations
 
@@ -65,18 +66,119 @@ class PairCosSinCache:
         return self.table.device
 
 
-RotaryTable = torch.Tensor | CosSinCache | PairCosSinCache
+def _normal_tensors():
+    """A context in which new tensors are normal ones: inference mode off where it is on (an
+    inference tensor kept for later calls could not be saved for a backward). While tracing
+    (where Dynamo cannot ask) nothing changes."""
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True, eq=False)
+class RateTable:
+    """Rotation rates ``inv_freq`` ``[d2 / 2]`` (float32) and a row count: the angle table
+    ``angle_table(inv_freq, rows)`` without its ``rows x d2`` floats.
+
+    Pair ``k`` turns by ``float32(p) * inv_freq[k]`` at position ``p`` (one float32 multiply,
+    as :func:`angle_table` and :meth:`RotaryFrequencies.angle_table` compute each entry), so a
+    call gives the same results as with that angle table, bit for bit where the backend does the
+    same float32 math on both. The Triton kernels compute the angles from the rates instead of
+    reading a table row per token. Positions ``0 .. rows - 1`` are inside the table; any other
+    position is treated as outside an angle table of ``rows`` rows (an error where the values
+    are read, NaN rows where they are not).
+
+    The rates are copied at construction (``inv_freq`` twice over, ``[d2]``, the form the
+    kernels read); changing ``inv_freq`` in place afterwards changes nothing: build a new
+    RateTable. They are constants, as an angle table's entries are: no gradient flows to
+    ``inv_freq``. Backends that read whole angle tables (eager, compile, TransformerEngine) get
+    :meth:`angle_table`, made on first use and kept on the object: ``rows x d2`` float32
+    values per layout (halves, interleaved) used.
+    """
+
+    inv_freq: torch.Tensor
+    rows: int
+
+    def __post_init__(self) -> None:
+        rates = self.inv_freq
+        if not isinstance(rates, torch.Tensor):
+            raise RoPEError(
+                f"RateTable's inv_freq must be a float32 tensor [d2 / 2], got {type(rates).__name__}"
+            )
+        if rates.dtype != torch.float32:
+            raise RoPEError(
+                f"RateTable's inv_freq must be float32 rates (float32 products with positions "
+                f"are what angle tables hold), got dtype {str(rates.dtype).removeprefix('torch.')}"
+            )
+        if rates.dim() != 1:
+            raise RoPEError(
+                f"RateTable's inv_freq must be 1-D [d2 / 2] (one rate per rotated pair), got "
+                f"shape {tuple(rates.shape)}"
+            )
+        if rates.numel() < 1:
+            raise RoPEError("RateTable's inv_freq must hold at least one rate, got an empty tensor")
+        if not rates.is_contiguous():
+            raise RoPEError(
+                f"RateTable's inv_freq must be contiguous, got stride {rates.stride()}; pass "
+                "inv_freq.contiguous()"
+            )
+        rows = self.rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise RoPEError(
+                f"RateTable's rows must be a positive int (positions 0 .. rows - 1 are inside "
+                f"the table), got {rows!r}"
+            )
+        # What the kernels read: the rates twice over, [d2], and a [rows, d2] view of it with
+        # a row stride of 0 (its shape gives the launcher the table length and the rotary dim).
+        # Constants, like an angle table's entries: no graph back to inv_freq, and a normal
+        # tensor even when made under inference mode (autograd may save it later).
+        with _normal_tensors():
+            doubled = torch.cat((rates.detach(), rates.detach())).contiguous()
+        object.__setattr__(self, "_kernel_rates", doubled)
+        object.__setattr__(
+            self, "_kernel_view", doubled.as_strided((rows, doubled.shape[0]), (0, 1))
+        )
+        object.__setattr__(self, "_angles", {})
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.inv_freq.device
+
+    def angle_table(self, interleaved: bool = False) -> torch.Tensor:
+        """The equivalent float32 angle table ``[rows, 1, 1, d2]`` (halves, or pairs with
+        ``interleaved``), made from the rates copied at construction on first use and kept on
+        the object (``rows x d2`` floats per layout). Do not write to it."""
+        angles = self._angles.get(interleaved)  # type: ignore[attr-defined]
+        if angles is None:
+            n = self.inv_freq.shape[0]
+            rates = self._kernel_rates[:n]  # type: ignore[attr-defined]
+            with _normal_tensors():  # a first call under inference mode keeps no inference tensor
+                angles = angle_table(rates, self.rows, interleaved=bool(interleaved))
+            self._angles[bool(interleaved)] = angles  # type: ignore[attr-defined]
+        return angles
+
+
+RotaryTable = torch.Tensor | CosSinCache | PairCosSinCache | RateTable
 
 TABLE_KINDS = {
     torch.Tensor: "angles",
     CosSinCache: "cos_sin_cache",
     PairCosSinCache: "pair_cos_sin_cache",
+    RateTable: "rates",
 }
 """A checked table's kind by its type (an angle table is a plain ``[s2, d2]`` tensor)."""
 
 
 def table_kind(table: RotaryTable) -> str:
-    """``"angles"``, ``"cos_sin_cache"`` or ``"pair_cos_sin_cache"``."""
+    """``"angles"``, ``"cos_sin_cache"``, ``"pair_cos_sin_cache"`` or ``"rates"``."""
     return TABLE_KINDS.get(type(table), "angles")
 
 
@@ -90,12 +192,18 @@ def table_shape(table: RotaryTable) -> tuple[int, int]:
 def kernel_tables(table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A checked table as the kernels read it: ``(angles, None)``; ``(cos, sin)``; for a pair
     cache ``(table, table[:, d2/2:])``, a sin view half as wide as the table (one value per
-    pair: that width tells the kernels the kind)."""
-    if type(table) is CosSinCache:
+    pair: that width tells the kernels the kind); for a rate table ``(view, view)``, the same
+    ``[rows, d2]`` view of the doubled rates twice, with a row stride of 0 (``sin is table``
+    tells the kernels the kind)."""
+    kind = type(table)
+    if kind is CosSinCache:
         return table.cos, table.sin
-    if type(table) is PairCosSinCache:
+    if kind is PairCosSinCache:
         t = table.table
         return t, t[:, t.shape[1] // 2 :]
+    if kind is RateTable:
+        view = table._kernel_view  # type: ignore[attr-defined]
+        return view, view
     return table, None
 
 
@@ -132,12 +240,17 @@ def multimodal_rows(
     channel ``c`` of token ``t``'s row is the table's channel ``c`` at ``streams[s, t]``, where
     ``s`` is the stream of ``c``'s section (``sections`` = temporal, height, width channel
     counts of each half, summing to ``d2 / 2``). ``streams`` is ``[3, tokens]``. A pair cache's
-    cosine and sine of pair ``k`` share the stream, as the two channels of the pair do."""
+    cosine and sine of pair ``k`` share the stream, as the two channels of the pair do. A rate
+    table gives an angle table (rows gathered from its :meth:`RateTable.angle_table`, halves:
+    multimodal RoPE is never interleaved)."""
     rows = streams.long()[_streams_of_channels(tuple(sections), table.device)]  # [d2, tokens]
     if isinstance(table, CosSinCache):
         return CosSinCache(_gather_rows(table.cos, rows), _gather_rows(table.sin, rows))
     if isinstance(table, PairCosSinCache):
         return PairCosSinCache(_gather_rows(table.table, rows))
+    if isinstance(table, RateTable):
+        angles = table.angle_table()
+        return _gather_rows(angles.view(angles.shape[0], angles.shape[3]), rows)
     return _gather_rows(table, rows)
 
 
@@ -147,6 +260,8 @@ def table_address(table: object) -> int | tuple[int, int]:
         return table.cos.data_ptr(), table.sin.data_ptr()
     if type(table) is PairCosSinCache:
         return table.table.data_ptr()
+    if type(table) is RateTable:  # the doubled rates the kernels read
+        return table._kernel_rates.data_ptr()  # type: ignore[attr-defined]
     return table.data_ptr()  # type: ignore[attr-defined]
 
 
@@ -194,8 +309,8 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
 def _angles_2d(freqs: torch.Tensor, argument: str) -> torch.Tensor:
     if not isinstance(freqs, torch.Tensor):
         raise TypeError(
-            f"{argument} must be a float32 torch.Tensor [s2, 1, 1, d2] or [s2, d2], or a "
-            f"CosSinCache; got {type(freqs).__name__}"
+            f"{argument} must be a float32 torch.Tensor [s2, 1, 1, d2] or [s2, d2], a "
+            f"CosSinCache, a PairCosSinCache or a RateTable; got {type(freqs).__name__}"
         )
     if freqs.dtype != torch.float32:
         raise RoPEError(
@@ -234,7 +349,12 @@ def cos_sin_cache(freqs: torch.Tensor) -> CosSinCache:
 
 def table_cos_sin(table: RotaryTable, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``(cos, sin)`` ``[s2, d2]``, one value per channel, of a checked table of any
-    kind (a pair cache's values repeated for both channels of each pair)."""
+    kind (a pair cache's values repeated for both channels of each pair; a rate table's from
+    its kept :meth:`RateTable.angle_table` in the call's layout)."""
+    if isinstance(table, RateTable):
+        angles = table.angle_table(interleaved)
+        angles = angles.view(angles.shape[0], angles.shape[3])
+        return torch.cos(angles), torch.sin(angles)
     if isinstance(table, CosSinCache):
         return table.cos, table.sin
     if isinstance(table, PairCosSinCache):
@@ -330,8 +450,9 @@ class RotaryFrequencies:
       when the rates do not depend on the length.
 
     An angle table cannot carry ``attention_factor`` (YaRN's and LongRoPE's multiplier of cos
-    and sin): :meth:`cos_sin_cache` includes it, and :meth:`angle_table` refuses a factor other
-    than 1.0 unless told that the caller applies it.
+    and sin): :meth:`cos_sin_cache` includes it, and :meth:`angle_table` (like
+    :meth:`rate_table`, the rates themselves for the Triton kernels to multiply out) refuses a
+    factor other than 1.0 unless told that the caller applies it.
     """
 
     inv_freq: torch.Tensor
@@ -388,6 +509,39 @@ class RotaryFrequencies:
             raise RoPEError(f"interleaved must be a bool, got {interleaved!r}")
         rates = self.inv_freq if device is None else self.inv_freq.to(device)
         return angle_table(rates, length, scale=self.position_scale, interleaved=interleaved)
+
+    def rate_table(
+        self, max_positions: int, *, device: _DeviceLike = None,
+        without_attention_factor: bool = False,
+    ) -> RateTable:
+        """The rates as a :class:`RateTable` of ``max_positions`` rows: the same angles as
+        :meth:`angle_table` (bit for bit: each is the float32 product ``position * inv_freq``),
+        which the Triton kernels compute instead of reading a table row per token.
+
+        Refused where positions are scaled (``position_scale``, TE's interpolation: the angle
+        is then ``(position * scale) * rate``, which one multiply by a rate cannot reproduce;
+        use :meth:`angle_table`), and, as by :meth:`angle_table`, where ``attention_factor``
+        is not 1.0 unless ``without_attention_factor=True`` says the call's
+        ``RoPESpec(cos_sin_scale=attention_factor)`` applies it. ``device``: where the rates
+        live (``None``: where ``inv_freq`` is).
+        """
+        if self.position_scale != 1.0:
+            raise RoPEError(
+                f"these {self.rope_type!r} rates scale positions by "
+                f"position_scale={self.position_scale:.6g} (TransformerEngine's interpolation), "
+                "which a RateTable cannot carry (its angle is one product position * rate); "
+                "use angle_table()"
+            )
+        if self.attention_factor != 1.0 and not without_attention_factor:
+            raise RoPEError(
+                f"this {self.rope_type!r} table has attention_factor={self.attention_factor:.6g}, "
+                "which a RateTable cannot carry; use cos_sin_cache(), which includes it, or "
+                "pass without_attention_factor=True and give the call's RoPESpec "
+                f"cos_sin_scale={self.attention_factor!r}"
+            )
+        length = self._checked_length(max_positions)
+        rates = self.inv_freq if device is None else self.inv_freq.to(device)
+        return RateTable(rates.contiguous(), length)
 
     def cos_sin_cache(
         self, max_positions: int, *, device: _DeviceLike = None, interleaved: bool = False
