@@ -577,6 +577,7 @@ def serving_inputs(tokens: int, device: str = "cuda", max_pos: int = TABLE_LEN) 
         qkv=qkv, q=q, k=k, positions=positions,
         freqs=torch.cat((pair, pair), -1).float().to(device),
         pair_cache=rd.PairCosSinCache(torch.cat((pair.cos(), pair.sin()), -1).float().to(device)),
+        rate_table=rd.RateTable(inv.float().to(device), max_pos),
         thd=rd.RoPESpec(layout="thd", dtype=torch.bfloat16),
         sbhd=rd.RoPESpec(layout="sbhd", dtype=torch.bfloat16),
     )
@@ -627,6 +628,7 @@ def run_serving(report: Report) -> None:
     for label, fn in (
         ("triton apply_qk (one launch)", lambda: rd.apply_qk(q, k, p["freqs"], p["thd"], positions=p["positions"])),
         ("triton apply_qk (pair cache)", lambda: rd.apply_qk(q, k, p["pair_cache"], p["thd"], positions=p["positions"])),
+        ("triton apply_qk (rate table)", lambda: rd.apply_qk(q, k, p["rate_table"], p["thd"], positions=p["positions"])),
     ):
         ms = bench_ms(fn)
         report.rows.append(Row(name, label, "fwd", ms * 1e3, nbytes / ms / 1e6, copy_ms / ms))

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+import rope_dispatch as rd
 from rope_dispatch.bench import (
     Impl, Inputs, Shape, _liger_peer, _ours, _seqlens, _te_peer, _versions, bench_ms, make_inputs,
     pyplot, time_mode,
@@ -44,7 +45,10 @@ MAX_TENSOR_BYTES = 1 << 30  # points whose input tensor is larger are left out
 LARGE_TENSOR_BYTES = 64 << 20  # the "95% of copy" target covers inputs of at least this size
 THD_SEQS_PER_BATCH = 4  # thd packs 4 * batch sequences into the token count
 NOT_KERNELS = ("Memcpy", "Memset", "Context Sync", "Stream Sync", "Event Sync", "Stream Wait")
-IMPLEMENTATIONS = {"triton": "triton", "te": "TE fused (peer)", "liger": "Liger (peer)"}
+IMPLEMENTATIONS = {
+    "triton": "triton", "triton-rates": "triton (rate table)", "te": "TE fused (peer)",
+    "liger": "Liger (peer)",
+}
 MODES = ("fwd", "bwd kernel", "fwd+bwd")
 
 
@@ -177,11 +181,23 @@ def _build(name: str, shape: Shape, inp: Inputs) -> tuple[Impl | None, str]:
     """The implementation ``name`` for this point, or None and why it is absent."""
     if name == "triton":
         return _ours("triton", "triton", inp, inp.freqs), "the triton backend refuses the call"
+    if name == "triton-rates":
+        return (_ours("triton", IMPLEMENTATIONS[name], inp, rate_table(inp.freqs)),
+                "the triton backend refuses the call")
     if name == "te":
         return _te_peer(shape, inp), "TransformerEngine is not importable"
     if shape.layout == "thd":
         return None, "Liger's API takes no packed (thd) batch"
     return _liger_peer(shape, inp), "liger_kernel is not importable"
+
+
+def rate_table(freqs: torch.Tensor) -> rd.RateTable:
+    """The point's table as a :class:`~rope_dispatch.RateTable`: its rates are row 1 of the
+    angle table (position 1 times each rate), its rows the table's. Its angles are the float32
+    products ``position * rate``, the table's up to the last bit (the benchmark builds the table
+    in float64): the same work and bytes, no table row read per token."""
+    rows, d2 = freqs.shape[0], freqs.shape[-1]
+    return rd.RateTable(freqs.reshape(rows, d2)[1, : d2 // 2].contiguous(), rows)
 
 
 def _measure_named(name: str, shape: Shape, inp: Inputs, copy_ms: float) -> dict[str, Any]:
@@ -208,7 +224,7 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
     print(f"  device copy {record['copy_us']:9.1f} us", flush=True)
     results: dict[str, Any] = {}
     for name, label in IMPLEMENTATIONS.items():
-        if name != "triton" and not peers:
+        if name not in ("triton", "triton-rates") and not peers:
             results[name] = {"label": label, "absent": "--no-peers"}
         else:
             results[name] = _measure_named(name, shape, inp, copy_ms)

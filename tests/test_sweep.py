@@ -211,15 +211,17 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     monkeypatch.setattr(sweep, "_liger_peer", lambda shape, inp: None)
     shape = sweep.make_point(layout, torch.float32, sweep.Series(1, 2, 16, 8, (), ""), 32)
     record = sweep.run_point(shape, peers=True, device=DEVICE)
-    assert len(ran) == 4  # the copy, then triton fwd, bwd kernel, fwd+bwd
-    triton = record["implementations"]["triton"]
-    assert triton["fwd_us"] == triton["bwd_kernel_us"] == pytest.approx(2.0)
-    assert triton["fwd_bwd_pct_of_copy"] == pytest.approx(200.0)  # two copies' bytes
-    assert triton["launches_fwd"] == triton["launches_fwd_bwd"] == 1
+    assert len(ran) == 7  # the copy, then fwd, bwd kernel, fwd+bwd of triton and its rate table
+    for name in ("triton", "triton-rates"):
+        triton = record["implementations"][name]
+        assert triton["fwd_us"] == triton["bwd_kernel_us"] == pytest.approx(2.0)
+        assert triton["fwd_bwd_pct_of_copy"] == pytest.approx(200.0)  # two copies' bytes
+        assert triton["launches_fwd"] == triton["launches_fwd_bwd"] == 1
+    assert record["implementations"]["triton-rates"]["label"] == "triton (rate table)"
     assert record["implementations"]["te"]["absent"] == "TransformerEngine is not importable"
     liger = record["implementations"]["liger"]["absent"]
     assert "thd" in liger if layout == "thd" else "not importable" in liger
-    assert sweep.format_table([record]).count("\n") == 2 + 2
+    assert sweep.format_table([record]).count("\n") == 2 + 3
 
 
 def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
@@ -230,3 +232,15 @@ def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
     assert record["implementations"]["te"]["absent"] == "--no-peers"
     assert record["implementations"]["liger"]["absent"] == "--no-peers"
     assert record["implementations"]["triton"]["launches_fwd"] is None
+
+
+def test_rate_table_of_a_point_gives_its_angles():
+    """The sweep's rate table turns each pair by the point's angle at every position (to float32
+    rounding: the benchmark's table is rounded from float64)."""
+    from rope_dispatch.tables import angle_table
+
+    inp = sweep.make_inputs(sweep.make_point("sbhd", torch.float32, sweep.Series(1, 2, 16, 16, (), ""), 32), "cpu")
+    rates = sweep.rate_table(inp.freqs)
+    assert rates.seq_len == inp.freqs.shape[0] and rates.rotary_dim == 16
+    rebuilt = angle_table(rates.inv_freq, rates.seq_len)
+    assert torch.allclose(rebuilt, inp.freqs, rtol=1e-6, atol=1e-6)
