@@ -160,6 +160,8 @@ class RateTable:
         if angles is None:
             n = self.inv_freq.shape[0]
             rates = self._kernel_rates[:n]  # type: ignore[attr-defined]
+            if torch.compiler.is_compiling():  # a traced graph computes it; nothing kept
+                return angle_table(rates, self.rows, interleaved=bool(interleaved))
             with _normal_tensors():  # a first call under inference mode keeps no inference tensor
                 angles = angle_table(rates, self.rows, interleaved=bool(interleaved))
             self._angles[bool(interleaved)] = angles  # type: ignore[attr-defined]
@@ -387,6 +389,9 @@ def inverse_frequencies(
 
 def _autocast_off(device_type: str):
     """A context that turns autocast off for ``device_type`` (where autocast exists for it)."""
+    if torch.compiler.is_compiling() and device_type in ("cpu", "cuda"):
+        # Dynamo traces the autocast context but not the availability check
+        return torch.autocast(device_type=device_type, enabled=False)
     available = getattr(torch.amp, "is_autocast_available", None)
     if available is not None and not available(device_type):
         return contextlib.nullcontext()

@@ -219,6 +219,11 @@ def test_compile_fullgraph(backend, request):
     compiled = torch.compile(attention_input, fullgraph=True, backend="aot_eager")
     q = torch.randn(2, 8, 3, 12, device=DEVICE, requires_grad=True)
     out = compiled(q)
+    # what tracing computed stays in the graph: the table keeps no traced tensor, and eager
+    # calls after the compiled one make (and keep) a real one
+    assert all(type(a) is torch.Tensor for a in table._angles.values())
+    eager = rd.apply(q.detach() * 2, table, spec, backend=backend) + 1
+    assert torch.equal(eager, out.detach())
     grad_out = torch.randn_like(out)
     (grad,) = torch.autograd.grad(out, q, grad_out)
     ref_out, ref_grad = reference_forward_backward(q.detach() * 2, definition_angles(inv_freq, 16, False),
@@ -288,6 +293,9 @@ def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
     class Spy:
         def __init__(self, name, kernel):
             self.name, self.kernel = name, kernel
+
+        def __getattr__(self, attr):  # arg_names and the rest, as the kernel has them
+            return getattr(self.kernel, attr)
 
         def __getitem__(self, grid):
             launch = self.kernel[grid]
