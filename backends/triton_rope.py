@@ -1067,7 +1067,7 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     index = position_index(call)
     key, tail = _fast_key(
         t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
-        table, table.data_ptr(), sin, None, index, spec.layout, spec.interleaved,
+        table, table.data_ptr(), sin, spec.cu_seqlens, index, spec.layout, spec.interleaved,
         spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False, not in_place,
     )
     entry = _fast.get(key)
@@ -1139,7 +1139,8 @@ class _GradLaunch:
         return out
 
     def backward(
-        self, grad: torch.Tensor, freqs: RotaryTable, index: torch.Tensor | None
+        self, grad: torch.Tensor, freqs: RotaryTable, index: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
         """The transpose of the forward on ``grad``: the bound launch when ``grad`` is laid
         out as the forward's input was (contiguous, aligned) and no graph of the backward is
@@ -1164,10 +1165,11 @@ class _GradLaunch:
         if index is not None and self.per_token and index.dim() == 1:
             index = index.unsqueeze(-1)  # the kernels' per-token form (position_index)
         if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
-            return _RoPEFunction.apply(grad, table, sin, None, index, *self.settings, True, None)
+            return _RoPEFunction.apply(grad, table, sin, cu_seqlens, index, *self.settings, True,
+                                       None)
         grad_x = grad.new_empty(grad.shape)
         with _on_device(grad):
-            return launch(grad, grad_x, table, sin, None, index, *self.settings, True,
+            return launch(grad, grad_x, table, sin, cu_seqlens, index, *self.settings, True,
                           fresh_out=True)
 
 
@@ -1176,13 +1178,14 @@ class _PlannedRoPEFunction(torch.autograd.Function):
     (:class:`_GradLaunch`); the context keeps the table and index objects they read."""
 
     @staticmethod
-    def forward(ctx, x, launches, freqs, index):
-        ctx.launches, ctx.freqs, ctx.index = launches, freqs, index
+    def forward(ctx, x, launches, freqs, index, cu_seqlens):
+        ctx.launches, ctx.freqs, ctx.index, ctx.cu_seqlens = launches, freqs, index, cu_seqlens
         return launches.forward(x, index)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.launches.backward(grad, ctx.freqs, ctx.index), None, None, None
+        grad_x = ctx.launches.backward(grad, ctx.freqs, ctx.index, ctx.cu_seqlens)
+        return grad_x, None, None, None, None
 
 
 def _bound_grad_launch(call: RoPECall, generic: Plan) -> Plan:
@@ -1197,8 +1200,9 @@ def _bound_grad_launch(call: RoPECall, generic: Plan) -> Plan:
     table, sin = kernel_tables(call.table)
     index = position_index(call)
     key, tail = _fast_key(
-        t, t.data_ptr(), 0, None, table, table.data_ptr(), sin, None, index, spec.layout,
-        spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False, True,
+        t, t.data_ptr(), 0, None, table, table.data_ptr(), sin, spec.cu_seqlens, index,
+        spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False,
+        True,
     )
     entry = _fast.get(key)
     if entry is None or key[-1] != 63 or tail[0] != _user_table_address(call):
@@ -1219,7 +1223,7 @@ def _bound_grad_launch(call: RoPECall, generic: Plan) -> Plan:
             guard and current_device() != device_index
         ):
             return generic(x, freqs, spec, start_positions, positions, k)
-        return apply(x, launches, freqs, given)
+        return apply(x, launches, freqs, given, spec.cu_seqlens)
 
     return launch_grad
 
@@ -1318,16 +1322,14 @@ class TritonBackend(Backend):
 
     def plan(self, call: RoPECall) -> Plan:
         """Inference calls (single tensors and q and k pairs, by index, start or per-token
-        positions; thd only without cu_seqlens) launch the compiled kernel straight from the
-        plan, with the call's constant arguments bound; so do single contiguous tensors that
-        require grad, forward and backward (:func:`_bound_grad_launch`); anything else goes
-        through :meth:`apply`."""
+        positions, thd with its spec's cu_seqlens read by address) launch the compiled kernel
+        straight from the plan, with the call's constant arguments bound; so do single
+        contiguous tensors that require grad, forward and backward (:func:`_bound_grad_launch`);
+        anything else goes through :meth:`apply`. Dispatch plans no call whose cu_seqlens
+        values it reads (CPU offsets, strict mode)."""
         generic = super().plan(call)
         t, k = call.t, call.k
-        if (
-            call.tensors == "qkv" or call.spec.cu_seqlens is not None
-            or _kernels is None or _kernels.INTERPRETED
-        ):
+        if call.tensors == "qkv" or _kernels is None or _kernels.INTERPRETED:
             return generic
         if (t.requires_grad or (k is not None and k.requires_grad)) and torch.is_grad_enabled():
             return generic if k is not None else _bound_grad_launch(call, generic)

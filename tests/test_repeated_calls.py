@@ -234,3 +234,25 @@ def test_a_plan_goes_with_its_spec_or_table(counted_checks):
     freqs = _table()
     assert_matches(rd.apply(t, freqs, spec, backend=BACKEND), reference_for(t.cpu(), freqs.cpu(), spec),
                    torch.float32, "bshd after the sbhd plan's spec died")
+
+
+@pytest.mark.usefixtures("unread")
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_thd_calls_read_their_offsets_every_call(counted_checks, needs_grad):
+    """thd with cu_seqlens on the device: a planned call reads the offsets by address, so
+    offsets rewritten in place between calls (same spec) move the sequences' boundaries."""
+    freqs = _table()
+    cu = torch.tensor([0, 3, 7, 12], dtype=torch.int32, device=DEVICE)
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu, max_seqlen=12)
+    for step, offsets in enumerate(([0, 3, 7, 12], [0, 5, 6, 12], [0, 1, 2, 12])):
+        cu.copy_(torch.tensor(offsets, dtype=torch.int32))
+        t = _data((12, 2, D), seed=100 + step).requires_grad_(needs_grad)
+        grad_out = _data(t.shape, seed=110 + step)
+        checked = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu.cpu())
+        expected_out, expected_grad = reference_forward_backward(t.detach(), freqs, checked, grad_out)
+        out = rd.apply(t, freqs, spec, backend=BACKEND)
+        assert_matches(out, expected_out, torch.float32, f"step {step} output")
+        if needs_grad:
+            (grad,) = torch.autograd.grad(out, t, grad_out)
+            assert_matches(grad, expected_grad, torch.float32, f"step {step} gradient")
+    assert len(counted_checks) == 1
