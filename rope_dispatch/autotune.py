@@ -42,9 +42,9 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
