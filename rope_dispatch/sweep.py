@@ -32,8 +32,8 @@ import torch
 
 import rope_dispatch as rd
 from rope_dispatch.bench import (
-    Impl, Inputs, Shape, _liger_peer, _ours, _seqlens, _te_peer, _versions, bench_ms, make_inputs,
-    pyplot, time_mode,
+    Impl, Inputs, Shape, _liger_peer, _ours, _seqlens, _te_peer, _versions, bench_ms,
+    host_us_interleaved, make_inputs, pyplot, time_mode,
 )
 
 LAYOUTS = ("sbhd", "bshd", "thd")
@@ -50,6 +50,7 @@ IMPLEMENTATIONS = {
     "liger": "Liger (peer)",
 }
 MODES = ("fwd", "bwd kernel", "fwd+bwd")
+HOST_CALLS, HOST_ROUNDS = 20, 9  # the host-clock fwd+bwd of points below 64 MiB
 
 
 @dataclass(frozen=True)
@@ -200,17 +201,36 @@ def rate_table(freqs: torch.Tensor) -> rd.RateTable:
     return rd.RateTable(freqs.reshape(rows, d2)[1, : d2 // 2].contiguous(), rows)
 
 
-def _measure_named(name: str, shape: Shape, inp: Inputs, copy_ms: float) -> dict[str, Any]:
-    """Build and measure one implementation; what it holds on the GPU goes when this returns."""
+def _measure_named(
+    name: str, shape: Shape, inp: Inputs, copy_ms: float, kept: dict[str, Impl] | None = None
+) -> dict[str, Any]:
+    """Build and measure one implementation; what it holds on the GPU goes when this returns,
+    unless ``kept`` is given: the implementation is then kept there (for the host-clock
+    measurement of small points)."""
     label = IMPLEMENTATIONS[name]
     try:
         impl, reason = _build(name, shape, inp)
         if impl is None:
             return {"label": label, "absent": reason}
-        return measure(impl, copy_ms, shape.rotary_dim / shape.head_dim)
+        result = measure(impl, copy_ms, shape.rotary_dim / shape.head_dim)
+        if kept is not None:
+            kept[name] = impl
+        return result
     except Exception as exc:  # noqa: BLE001 (a peer that fails is reported, not fatal)
         print(f"  {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return {"label": label, "absent": f"failed: {type(exc).__name__}: {exc}"}
+
+
+def host_fwd_bwd_us(impls: dict[str, Impl]) -> dict[str, float]:
+    """Forward + backward through autograd, end to end on the host clock (us per call, the
+    final synchronisation included), the implementations measured in turn within each round
+    (``host_us_interleaved``), so the host's drift reaches them alike. At points below 64 MiB
+    the host path sets the pace, and ``do_bench``'s single figures there swing by tens of us."""
+    fns = {name: impl.fwd_bwd for name, impl in impls.items() if impl.fwd_bwd is not None}
+    if not fns:
+        return {}
+    measured = host_us_interleaved(fns, calls=HOST_CALLS, rounds=HOST_ROUNDS)
+    return {name: total for name, (_, total) in measured.items()}
 
 
 def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]:
@@ -223,12 +243,19 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
     record["copy_us"] = 1e3 * copy_ms
     print(f"  device copy {record['copy_us']:9.1f} us", flush=True)
     results: dict[str, Any] = {}
+    # below 64 MiB the implementations stay built (small), for one host-clock measurement
+    kept: dict[str, Impl] | None = None if record["points_at_least_64MB"] else {}
     for name, label in IMPLEMENTATIONS.items():
         if name not in ("triton", "triton-rates") and not peers:
             results[name] = {"label": label, "absent": "--no-peers"}
         else:
-            results[name] = _measure_named(name, shape, inp, copy_ms)
-        print(f"  {label:>16} {_cells(results[name])}", flush=True)
+            results[name] = _measure_named(name, shape, inp, copy_ms, kept)
+    if kept:
+        for name, us in host_fwd_bwd_us(kept).items():
+            results[name]["fwd_bwd_host_us"] = us
+    for result in results.values():
+        print(f"  {result['label']:>16} {_cells(result)}", flush=True)
+    kept = None
     record["implementations"] = results
     del inp
     if device == "cuda":
@@ -249,7 +276,8 @@ def _cells(result: dict[str, Any]) -> str:
     launches = "/".join("-" if n is None else str(n)
                         for n in (result.get("launches_fwd"), result.get("launches_fwd_bwd")))
     times = " | ".join(_time_cell(result, mode_key(m)) for m in MODES)
-    return f"{times} | {launches}"
+    host = result.get("fwd_bwd_host_us")
+    return f"{times} | {'-' if host is None else f'{host:.1f}'} | {launches}"
 
 
 def format_table(points: Iterable[dict[str, Any]]) -> str:
@@ -258,8 +286,8 @@ def format_table(points: Iterable[dict[str, Any]]) -> str:
         "| layout | dtype | seq (tokens for thd) | batch (sequences for thd) | heads | head dim "
         "| rotary dim | MiB moved | points_at_least_64MB | copy us | implementation "
         "| fwd us (% copy) | bwd kernel us (% copy) | fwd+bwd us (% of 2 copies) "
-        "| launches fwd/fwd+bwd |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fwd+bwd host clock us (in turn) | launches fwd/fwd+bwd |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         lead = (f"| {p['layout']} | {p['dtype']} | {p['seq']} | {p['batch']} | {p['heads']} "
@@ -268,7 +296,7 @@ def format_table(points: Iterable[dict[str, Any]]) -> str:
         for result in p["implementations"].values():
             if "absent" in result:
                 why = " ".join(result["absent"].replace("|", "/").split())  # one table cell
-                lines.append(f"{lead} | {result['label']} | absent: {why} | - | - | - |")
+                lines.append(f"{lead} | {result['label']} | absent: {why} | - | - | - | - |")
             else:
                 lines.append(f"{lead} | {result['label']} | {_cells(result)} |")
     return "\n".join(lines)

@@ -109,7 +109,7 @@ def _synthetic_point(layout: str, seq: int) -> dict:
         "triton": {
             "label": "triton", "fwd_us": 52.5, "fwd_pct_of_copy": 95.238, "bwd_kernel_us": 55.0,
             "bwd_kernel_pct_of_copy": 90.909, "fwd_bwd_us": 120.0, "fwd_bwd_pct_of_copy": 83.333,
-            "launches_fwd": 1, "launches_fwd_bwd": 2,
+            "fwd_bwd_host_us": 97.25, "launches_fwd": 1, "launches_fwd_bwd": 2,
         },
         "te": {
             "label": "TE fused (peer)", "fwd_us": 100.0, "fwd_pct_of_copy": 50.0,
@@ -135,9 +135,11 @@ def test_table_has_one_line_per_point_and_implementation():
     assert row["fwd us (% copy)"] == "52.5 (95%)"
     assert row["bwd kernel us (% copy)"] == "55.0 (91%)"
     assert row["fwd+bwd us (% of 2 copies)"] == "120.0 (83%)"
+    assert row["fwd+bwd host clock us (in turn)"] == "97.2"
     assert row["launches fwd/fwd+bwd"] == "1/2"
     te = dict(zip(header, [c.strip() for c in lines[3].strip("|").split("|")]))
     assert te["bwd kernel us (% copy)"] == "-" and te["launches fwd/fwd+bwd"] == "1/-"
+    assert te["fwd+bwd host clock us (in turn)"] == "-"  # not measured (a point of 64 MiB and up)
     liger = dict(zip(header, [c.strip() for c in lines[-1].strip("|").split("|")]))
     assert liger["points_at_least_64MB"] == "no" and liger["batch (sequences for thd)"] == "4"
     assert liger["fwd us (% copy)"].startswith("absent: Liger's API")
@@ -206,6 +208,15 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
 
     monkeypatch.setattr(sweep, "bench_ms", one_call_ms)
     monkeypatch.setattr(sweep, "count_launches", lambda fn: 1)
+    in_turn = []
+
+    def host_clock(fns, calls, rounds):  # each fwd+bwd runs once; 3 us end to end each
+        for name, fn in fns.items():
+            fn()
+            in_turn.append(name)
+        return {name: (1.0, 3.0) for name in fns}
+
+    monkeypatch.setattr(sweep, "host_us_interleaved", host_clock)
     # the peers as absent (a module already imported by another test cannot be hidden)
     monkeypatch.setattr(sweep, "_te_peer", lambda shape, inp: None)
     monkeypatch.setattr(sweep, "_liger_peer", lambda shape, inp: None)
@@ -218,6 +229,9 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
         assert triton["fwd_bwd_pct_of_copy"] == pytest.approx(200.0)  # two copies' bytes
         assert triton["launches_fwd"] == triton["launches_fwd_bwd"] == 1
     assert record["implementations"]["triton-rates"]["label"] == "triton (rate table)"
+    # a small point: forward + backward on the host clock, both of ours measured in turn
+    assert in_turn == ["triton", "triton-rates"]
+    assert record["implementations"]["triton"]["fwd_bwd_host_us"] == 3.0
     assert record["implementations"]["te"]["absent"] == "TransformerEngine is not importable"
     liger = record["implementations"]["liger"]["absent"]
     assert "thd" in liger if layout == "thd" else "not importable" in liger
@@ -226,6 +240,7 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
 
 def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
     monkeypatch.setattr(sweep, "bench_ms", lambda fn: 0.001)
+    monkeypatch.setattr(sweep, "host_us_interleaved", lambda fns, calls, rounds: {n: (1.0, 2.0) for n in fns})
     monkeypatch.setattr(sweep, "count_launches", lambda fn: None)
     shape = sweep.make_point("bshd", torch.float32, sweep.Series(2, 1, 8, 8, (), ""), 16)
     record = sweep.run_point(shape, peers=False, device=DEVICE)
