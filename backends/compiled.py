@@ -104,8 +104,7 @@ def _arguments(call: RoPECall) -> tuple:
     if isinstance(table, CosSinCache):
         a, b = table.cos, table.sin
     elif isinstance(table, RateTable):  # its angle table, made once and kept on the object
-        angles = table.angle_table(call.spec.interleaved)
-        a, b = angles.view(angles.shape[0], angles.shape[3]), None
+        a, b = table.angle_rows(call.spec.interleaved), None
     else:
         a, b = table, None
     return call.t, a, b, call.spec.cu_seqlens, position_index(call)

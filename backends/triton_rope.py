@@ -1052,6 +1052,20 @@ def _user_table_address(call: RoPECall) -> int:
     return address if isinstance(address, int) else address[0]
 
 
+def _forward_entry(call: RoPECall) -> tuple[tuple, tuple, tuple | None]:
+    """The ``_fast`` key of a single-tensor call's forward launch (in place or into a fresh
+    output), its table, sin, cu_seqlens and index addresses, and the compiled launch stored
+    under that key by the call that just ran (``None`` when there is none)."""
+    t, spec, in_place = call.t, call.spec, call.in_place
+    table, sin = kernel_tables(call.table)
+    key, tail = _fast_key(
+        t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
+        table, table.data_ptr(), sin, spec.cu_seqlens, position_index(call), spec.layout,
+        spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False, not in_place,
+    )
+    return key, tail, _fast.get(key)
+
+
 def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     """A plan launching ``call``'s compiled kernel (compiled by the call that just ran) on new
     inputs of the same shape, strides, dtype and device: an output allocation (none in place),
@@ -1062,15 +1076,9 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     compiled for 16-byte aligned inputs is bound; ``generic`` also serves unaligned inputs and
     calls made while another device is current. The index tensor (start or per-token
     positions), when the call has one, is read by address too."""
-    t, spec, in_place = call.t, call.spec, call.in_place
-    table, sin = kernel_tables(call.table)
+    t, in_place = call.t, call.in_place
     index = position_index(call)
-    key, tail = _fast_key(
-        t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
-        table, table.data_ptr(), sin, spec.cu_seqlens, index, spec.layout, spec.interleaved,
-        spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False, not in_place,
-    )
-    entry = _fast.get(key)
+    key, tail, entry = _forward_entry(call)
     # not compiled, for unaligned inputs, or on a contiguous copy of a strided angle table
     # (dispatch checks each call that ``freqs`` holds the memory it held at plan time; the kernel
     # must read that memory): keep it rare
@@ -1197,14 +1205,7 @@ def _bound_grad_launch(call: RoPECall, generic: Plan) -> Plan:
     t, spec = call.t, call.spec
     if call.in_place or not t.is_contiguous():
         return generic
-    table, sin = kernel_tables(call.table)
-    index = position_index(call)
-    key, tail = _fast_key(
-        t, t.data_ptr(), 0, None, table, table.data_ptr(), sin, spec.cu_seqlens, index,
-        spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False,
-        True,
-    )
-    entry = _fast.get(key)
+    key, tail, entry = _forward_entry(call)
     if entry is None or key[-1] != 63 or tail[0] != _user_table_address(call):
         return generic
     settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)

@@ -385,21 +385,7 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 100, rounds: int = 21) 
     start of each round so its queue never fills; ``end_to_end`` includes that synchronisation,
     so it is the larger of host and GPU time per call.
     """
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    host, total = [], []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        issued = time.perf_counter()
-        torch.cuda.synchronize()
-        done = time.perf_counter()
-        host.append((issued - start) / calls * 1e6)
-        total.append((done - start) / calls * 1e6)
-    return statistics.median(host), statistics.median(total)
+    return host_us_interleaved({"call": fn}, calls, rounds)["call"]
 
 
 def host_us_interleaved(
@@ -407,7 +393,8 @@ def host_us_interleaved(
 ) -> dict[str, tuple[float, float]]:
     """:func:`host_us_per_call` of several calls measured in turn within each round (the
     order rotating from round to round), so drifts of the host's speed during the run reach
-    them all alike and their ratios hold; ``{name: (host, end_to_end)}``."""
+    them all alike and their ratios hold; ``{name: (host, end_to_end)}``. Each call is warmed
+    up 20 times first; every timed run of ``calls`` calls starts with the GPU idle."""
     for fn in fns.values():
         for _ in range(20):
             fn()

@@ -167,6 +167,12 @@ class RateTable:
             self._angles[bool(interleaved)] = angles  # type: ignore[attr-defined]
         return angles
 
+    def angle_rows(self, interleaved: bool = False) -> torch.Tensor:
+        """:meth:`angle_table` as ``[rows, d2]`` (a view): what backends that gather table rows
+        read."""
+        angles = self.angle_table(interleaved)
+        return angles.view(angles.shape[0], angles.shape[3])
+
 
 RotaryTable = torch.Tensor | CosSinCache | PairCosSinCache | RateTable
 
@@ -251,8 +257,7 @@ def multimodal_rows(
     if isinstance(table, PairCosSinCache):
         return PairCosSinCache(_gather_rows(table.table, rows))
     if isinstance(table, RateTable):
-        angles = table.angle_table()
-        return _gather_rows(angles.view(angles.shape[0], angles.shape[3]), rows)
+        return _gather_rows(table.angle_rows(), rows)
     return _gather_rows(table, rows)
 
 
@@ -354,8 +359,7 @@ def table_cos_sin(table: RotaryTable, interleaved: bool) -> tuple[torch.Tensor, 
     kind (a pair cache's values repeated for both channels of each pair; a rate table's from
     its kept :meth:`RateTable.angle_table` in the call's layout)."""
     if isinstance(table, RateTable):
-        angles = table.angle_table(interleaved)
-        angles = angles.view(angles.shape[0], angles.shape[3])
+        angles = table.angle_rows(interleaved)
         return torch.cos(angles), torch.sin(angles)
     if isinstance(table, CosSinCache):
         return table.cos, table.sin
