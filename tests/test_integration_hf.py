@@ -336,6 +336,18 @@ def step(model, ids, position_ids):
     return out.logits.detach(), grads
 
 
+def patch_counting(model, module, monkeypatch) -> list:
+    """Patch ``model`` (twice: a second patch is a no-op) with every call into rope-dispatch's
+    q and k entry counted; the list of counts, filled as the patched model runs."""
+    calls = []
+    apply_qk = hf.apply_qk
+    monkeypatch.setattr(hf, "apply_qk", lambda *a, **kw: calls.append(1) or apply_qk(*a, **kw))
+    assert hf.patch(model) is model
+    hf.patch(model)
+    assert module.apply_rotary_pos_emb is hf.apply_rotary_pos_emb
+    return calls
+
+
 @pytest.mark.parametrize(
     "family, attention", [(f, "sdpa") for f in FAMILIES] + [("Llama", "eager")]
 )
@@ -348,12 +360,7 @@ def test_patched_model_gives_the_same_logits_and_gradients(family, attention, mo
     position_ids = torch.arange(TOKENS)[None, :] + torch.tensor([[0], [5]])
     expected = [step(model, ids, p) for p in (None, position_ids)]
 
-    calls = []
-    apply_qk = hf.apply_qk
-    monkeypatch.setattr(hf, "apply_qk", lambda *a, **kw: calls.append(1) or apply_qk(*a, **kw))
-    assert hf.patch(model) is model
-    hf.patch(model)
-    assert module.apply_rotary_pos_emb is hf.apply_rotary_pos_emb
+    calls = patch_counting(model, module, monkeypatch)
     for p, (logits, grads) in zip((None, position_ids), expected):
         got_logits, got_grads = step(model, ids, p)
         torch.testing.assert_close(got_logits, logits, **SAME)
@@ -454,12 +461,7 @@ def test_patched_multimodal_model_gives_the_same_logits_and_gradients(family, mo
     same_streams, _ = step(model, ids, position_ids[:1].expand(3, -1, -1))
     assert not torch.allclose(logits, same_streams)  # the height and width streams count
 
-    calls = []
-    apply_qk = hf.apply_qk
-    monkeypatch.setattr(hf, "apply_qk", lambda *a, **kw: calls.append(1) or apply_qk(*a, **kw))
-    assert hf.patch(model) is model
-    hf.patch(model)
-    assert module.apply_rotary_pos_emb is hf.apply_rotary_pos_emb
+    calls = patch_counting(model, module, monkeypatch)
     assert not hasattr(module, MROPE_NAME)  # transformers 5.23 picks the streams before the call
     got_logits, got_grads = step(model, ids, position_ids)
     torch.testing.assert_close(got_logits, logits, **SAME)
