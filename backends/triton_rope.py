@@ -72,7 +72,10 @@ Config = tuple[int, int, int, int, int, int]
 # over heads, whose cached sin/cos cost registers (4 programs per SM instead of 8+).
 TILE_BYTES = 8192
 TOKENS_PER_TILE = 8
-# With fewer programs than this per SM (decode), heads are split across programs.
+# With fewer programs than this per SM (decode, short sequences), heads are split across
+# programs, then tokens. Below a few MB a call is latency-bound: with a 32-token tile, 128 to
+# 2,048 tokens of one head ran as 4 to 64 programs, 0.8-1.6 us slower than with one program
+# per one or a few tokens (H200, `scripts/tile_probe.py small`).
 MIN_PROGRAMS_PER_SM = 2
 # thd with fewer sequences than this finds each token's sequence by comparing it with all the
 # cu_seqlens offsets, loaded at once (no chain of dependent loads); more sequences use a binary
@@ -88,7 +91,8 @@ def choose_config(
 
     A tile is ``BLOCK_T`` tokens x ``BLOCK_H`` heads x the head dim, about ``TILE_BYTES``;
     heads go into the tile first (sin/cos are shared by a token's heads), tokens fill the rest.
-    ``heads`` is a tuple for a launch over several tensors (q, k, v): tiles fit the one with the
+    Small calls get smaller tiles, down to one token of one head, until there are
+    ``MIN_PROGRAMS_PER_SM`` programs per SM. ``heads`` is a tuple for a launch over several tensors (q, k, v): tiles fit the one with the
     fewest heads, and programs are counted over all of them.
     """
     counts = heads if isinstance(heads, tuple) else (heads,)
@@ -99,10 +103,13 @@ def choose_config(
     rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``
     block_h = min(_next_pow2(min(counts)), max(1, rows // TOKENS_PER_TILE))
     block_t = min(max(1, rows // block_h), _next_pow2(n_tokens))
-    while block_h > 1 and -(-n_tokens // block_t) * sum(
-        -(-n // block_h) for n in counts
-    ) < MIN_PROGRAMS_PER_SM * sms:
-        block_h //= 2
+    while -(-n_tokens // block_t) * sum(-(-n // block_h) for n in counts) < MIN_PROGRAMS_PER_SM * sms:
+        if block_h > 1:
+            block_h //= 2
+        elif block_t > 1:
+            block_t //= 2
+        else:
+            break
     return block_t, block_h, 1, block_r, block_p, 4
 
 

@@ -77,7 +77,60 @@ def prefill_qk() -> None:
                   f"{100 * copy / ms:5.1f}%")
 
 
+SMALL_SHAPES = [  # (layout, seq, batch, heads, head_dim): launch- and latency-bound sweep points
+    ("sbhd", 128, 1, 1, 128), ("sbhd", 512, 1, 1, 128), ("sbhd", 2048, 1, 1, 128),
+    ("sbhd", 128, 1, 8, 128), ("bshd", 512, 4, 8, 128), ("sbhd", 2048, 4, 8, 128),
+    ("sbhd", 512, 1, 32, 128), ("sbhd", 2048, 1, 32, 128), ("bshd", 2048, 1, 8, 64),
+    ("sbhd", 1, 64, 32, 128),
+]
+
+
+def small() -> None:
+    """Forward kernel time of small shapes at tiles of 1 to 32 tokens and 1 to 8 heads, with 4
+    warps and with warps scaled to the tile, against a copy and Liger's q+k (one k head) in the
+    same run."""
+    choose = triton_rope.choose_config
+    for layout, seq, batch, heads, d in SMALL_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
+        inp = bench.make_inputs(shape)
+        x = inp.t
+        out = torch.empty_like(x)
+        table = inp.freqs.view(inp.freqs.shape[0], -1)
+        src = x.flatten()
+        dst = torch.empty_like(src)
+        copy = bench.bench_ms(lambda: dst.copy_(src))
+        liger = bench._liger_peer(shape, inp)
+        liger_ms = bench.bench_ms(liger.fwd) if liger is not None else float("nan")
+        tokens = seq * batch
+        default = choose(tokens, heads, d, d, 2, False, triton_rope._sm_count(0))
+        results = []
+        for bt in (1, 2, 4, 8, 16, 32):
+            for bh in (1, 2, 4, 8):
+                tile = bt * bh * d * 2
+                if bh > heads or bt > triton_rope._next_pow2(tokens) or tile > 16384:
+                    continue
+                for warps in sorted({4, max(1, min(4, tile // 2048))}):
+                    config = (bt, bh, 1, d // 2, 1, warps)
+                    triton_rope.choose_config = lambda *args, config=config: config
+                    triton_rope._configs.clear()
+                    triton_rope._fast.clear()
+                    ms = bench.bench_ms(lambda: triton_rope.launch(
+                        x, out, table, None, None, None, layout, False, 1.0, 1, 0, False))
+                    results.append((ms, config))
+        triton_rope.choose_config = choose
+        triton_rope._configs.clear()
+        triton_rope._fast.clear()
+        results.sort()
+        print(f"{layout} s{seq} b{batch} h{heads} d{d}: copy {1e3 * copy:.2f} us, Liger "
+              f"{1e3 * liger_ms:.2f} us; default {default}")
+        for ms, c in results[:6] + [r for r in results[6:] if r[1] == default]:
+            mark = " <- default" if c == default else ""
+            print(f"   tile {c[0]:>2} tok x {c[1]} heads, {c[5]} warps: {1e3 * ms:6.2f} us "
+                  f"({100 * copy / ms:5.1f}% of copy){mark}")
+
+
 if __name__ == "__main__":
     import sys
 
-    prefill_qk() if sys.argv[1:] == ["prefill"] else main()
+    modes = {"prefill": prefill_qk, "small": small}
+    modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

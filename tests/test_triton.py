@@ -396,3 +396,20 @@ def test_gpu_compile_inductor_thd_and_cache():
                                                 spec, grad_out.cpu())
     assert_matches(out, ref_out, torch.bfloat16)
     assert_matches(g, 3 * ref_g, torch.bfloat16, "backward")
+
+
+@pytest.mark.parametrize(
+    "tokens, heads", [(128, 1), (512, 1), (2048, 1), (128, 8), (64, 32), (1, 1), ((1 << 17), 8)]
+)
+def test_tiles_give_every_sm_programs_unless_the_call_is_too_small(tokens, heads):
+    """On a 132-SM GPU a call runs as at least two programs per SM, unless it has fewer tokens x
+    heads than that (then one program per token and head); large calls keep the full tile."""
+    from rope_dispatch.backends import triton_rope
+
+    sms = 132
+    bt, bh, iters, _, _, _ = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, sms)
+    programs = -(-tokens // bt) * -(-heads // (bh * iters))
+    assert programs >= min(2 * sms, tokens * heads)
+    assert bt * bh * 128 * 2 <= triton_rope.TILE_BYTES
+    if tokens * heads >= 2 * sms * 32:
+        assert bt * bh * 128 * 2 == triton_rope.TILE_BYTES  # a full tile: 8 KB
