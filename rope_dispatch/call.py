@@ -13,8 +13,10 @@ range. Nothing is read while ``torch.compile`` traces or a CUDA graph is capture
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -120,30 +122,40 @@ def qkv_parts(call: RoPECall) -> tuple[RoPECall, RoPECall, torch.Tensor]:
     return q_call, k_call, v
 
 
-def env_reader(name: str):
-    """A function returning ``os.environ.get(name)``, reading the mapping's raw storage when it
-    has one: ``os.environ.get`` re-encodes the key on every call (about 0.5-1 us, a tenth of a
-    decode-size call)."""
+def env_raw_reader(name: str) -> tuple[Callable[[], object], Callable[[str], object]]:
+    """``(get, encode)``: ``get()`` is environment variable ``name`` as the mapping stores it
+    (``None`` when unset), one C call with no Python frame, and ``encode(value)`` a value in
+    that form, so a check compares without decoding. ``os.environ.get`` re-encodes the key on
+    every call (about 0.5-1 us, a tenth of a decode-size call)."""
     raw = getattr(os.environ, "_data", None)
-    encode = getattr(os.environ, "encodekey", None)
+    encode_key = getattr(os.environ, "encodekey", None)
+    encode_value = getattr(os.environ, "encodevalue", None)
+    if isinstance(raw, dict) and encode_key is not None and encode_value is not None:
+        return functools.partial(raw.get, encode_key(name)), encode_value
+    return functools.partial(os.environ.get, name), str
+
+
+def env_reader(name: str) -> Callable[[], str | None]:
+    """A function returning ``os.environ.get(name)`` from :func:`env_raw_reader`'s read."""
+    get, _ = env_raw_reader(name)
     decode = getattr(os.environ, "decodevalue", None)
-    if not isinstance(raw, dict) or encode is None or decode is None:
-        return lambda: os.environ.get(name)
-    key = encode(name)
+    if get.func is os.environ.get or decode is None:
+        return get
 
     def read() -> str | None:
-        value = raw.get(key)
+        value = get()
         return None if value is None else decode(value)
 
     return read
 
 
-_check_values_env = env_reader("ROPE_DISPATCH_CHECK_VALUES")
+_check_values_raw, _encode_env = env_raw_reader("ROPE_DISPATCH_CHECK_VALUES")
+_CHECK_VALUES_ON = _encode_env("1")
 
 
 def _strict_values() -> bool:
     """``ROPE_DISPATCH_CHECK_VALUES=1``: read and check device index values too (a sync per call)."""
-    return _check_values_env() == "1"
+    return _check_values_raw() == _CHECK_VALUES_ON
 
 
 def _host_reads_allowed() -> bool:
@@ -204,7 +216,7 @@ def _check_table(table: object, device: torch.device, argument: str = "freqs") -
 
 def _reads(index: torch.Tensor) -> bool:
     """Whether an index tensor's values are read on the host: on the CPU, or in strict mode."""
-    return index.is_cpu or _strict_values()
+    return index.is_cpu or _check_values_raw() == _CHECK_VALUES_ON
 
 
 def reads_values(spec: RoPESpec) -> bool:

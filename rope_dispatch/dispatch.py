@@ -23,7 +23,7 @@ import torch
 
 from . import autotune, registry
 from . import call as call_module
-from .call import RoPECall, check_call, env_reader, reads_values, size_bucket
+from .call import RoPECall, check_call, env_raw_reader, env_reader, reads_values, size_bucket
 from .errors import BackendNotSupportedError, NoBackendError
 from .registry import Backend
 from .spec import RoPESpec
@@ -87,11 +87,8 @@ def _scoped_or_env_backend() -> tuple[str | None, str]:
     return None, "nothing"
 
 
-def _forced_name() -> str | None:
-    """The name :func:`requested_backend` gives for ``backend=None``, without its source (the
-    planned path of eager calls reads only this)."""
-    scoped = _forced.get()
-    return scoped if scoped is not None else (_env_backend() or None)
+_forced_get = _forced.get
+_env_backend_raw, _ = env_raw_reader("ROPE_BACKEND")
 
 
 _is_compiling = torch.compiler.is_compiling  # the same function object, which Dynamo knows
@@ -239,8 +236,10 @@ class _Plan(NamedTuple):
 
 
 def _dropper(key: tuple) -> Callable[[weakref.ref], None]:
-    """A weak reference callback removing the plan under ``key``."""
-    return lambda _ref: _plans.pop(key, None)
+    """A weak reference callback removing the plan under ``key`` (the dict's own ``pop``, bound
+    now: at interpreter exit the module's globals may be gone when the callback runs)."""
+    pop = _plans.pop
+    return lambda _ref: pop(key, None)
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -368,25 +367,13 @@ def apply_qk_(
 
 
 def _inputs_key(
-    t: torch.Tensor, freqs: object, start_positions: torch.Tensor | None,
-    positions: torch.Tensor | None, k: torch.Tensor | None, split: tuple[int, int, int] | None,
-    k_freqs: object, in_place: bool,
+    t: torch.Tensor, freqs: object, k: torch.Tensor | None, split: tuple[int, int, int] | None,
+    k_freqs: object, in_place: bool, index_key: tuple | None,
 ) -> tuple | bool:
-    """The part of a plan's key beyond ``t`` for a call with an index tensor, k or a split:
-    their metadata; ``False`` when the call must be checked every time (index values read on
-    the host, tensor subclasses, a separate k table, arguments that check_call refuses)."""
-    index_key = k_key = None
-    if start_positions is not None or positions is not None:
-        index = positions if start_positions is None else start_positions
-        if (
-            (start_positions is not None and positions is not None) or type(index) is not torch.Tensor
-            or call_module._reads(index)
-        ):
-            return False
-        index_key = (
-            positions is None, index.shape, index.is_contiguous() or index.stride(), index.dtype,
-            index.device,
-        )
+    """The part of a plan's key beyond ``t`` for a call with k or a split: their metadata with
+    the index tensor's (``index_key``); ``False`` when the call must be checked every time
+    (tensor subclasses, a separate k table, arguments that check_call refuses)."""
+    k_key = None
     if k is not None:
         if type(k) is not torch.Tensor or k is t:
             return False
@@ -407,16 +394,29 @@ def _run(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     key = None
     if type(t) is torch.Tensor and not _is_compiling():
-        inputs = None  # a single tensor by index, the decode case: no further call
-        if start_positions is not None or positions is not None or k is not None or split is not None:
-            inputs = _inputs_key(t, freqs, start_positions, positions, k, split, k_freqs, in_place)
+        index = positions if start_positions is None else start_positions
+        if index is None:
+            inputs = None  # a single tensor by index, the decode case
+        elif (
+            type(index) is torch.Tensor and (start_positions is None or positions is None)
+            and not call_module._reads(index)
+        ):  # read here, not in _inputs_key: the serving case pays no further call
+            inputs = (
+                positions is None, index.shape, index.is_contiguous() or index.stride(),
+                index.dtype, index.device,
+            )
+        else:
+            inputs = False  # checked every time: values read on the host, or refused
+        if (k is not None or split is not None) and inputs is not False:
+            inputs = _inputs_key(t, freqs, k, split, k_freqs, in_place, inputs)
         if inputs is not False:
             key = (
                 # a contiguous tensor's strides follow from its shape (up to size-1 dims, which
                 # address nothing), and is_contiguous() is cheaper to read than stride()
                 id(spec), id(freqs), t.shape, t.is_contiguous() or t.stride(), t.dtype, t.device,
                 t.requires_grad and torch.is_grad_enabled(),
-                backend if backend is not None else _forced_name(),
+                # the forced name as set (use_backend's, else ROPE_BACKEND's stored value)
+                backend if backend is not None else (_forced_get() or _env_backend_raw()),
                 # what apply_'s writability checks look at, beyond shape and strides
                 in_place and (t.is_leaf, t.is_inference() and not torch.is_inference_mode_enabled()),
                 grad_in_place, inputs,
