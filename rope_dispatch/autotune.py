@@ -57,9 +57,14 @@ SCHEMA_VERSION = 1
 
 _log = logging.getLogger(__name__)
 
-_ROUNDS = 5  # timed rounds per candidate; the median round counts
+_ROUNDS = 5  # timed rounds, each timing every candidate in turn; the median round counts
 _ROUND_SECONDS = 2e-3  # a round repeats the call until it lasts about this long
 _MAX_CALLS_PER_ROUND = 100
+# A candidate must beat the first in priority order by more than this share to be chosen: at
+# host-bound sizes one measurement of forward+backward swings by 10-30% between fresh processes
+# (H200, sbhd s128 h8: triton 82-153 us, TE 94-158 us), and a tie must not hand a call to
+# whichever backend the noise favoured.
+_TIE_MARGIN = 0.05
 _SLOW_CALL_SECONDS = 0.05  # calls slower than this get 3 rounds of one call
 
 _PROVISIONAL = "provisional"
@@ -443,54 +448,81 @@ def _runner(backend: Backend, call: RoPECall) -> Callable[[RoPECall], Any]:
     return lambda c: run(c.t, c.table, c.spec, c.start_positions, c.positions, c.k)
 
 
-def _time_backend(backend: Backend, call: RoPECall, needs_grad: bool) -> float:
-    """Median seconds per call of ``backend`` on a private copy of the call's tensor."""
+def _prepared(backend: Backend, call: RoPECall, needs_grad: bool) -> tuple[Callable[[], None], float]:
+    """``(once, estimate)``: one call of ``backend`` on a private copy of the call's tensor
+    (with its backward when ``needs_grad``), compiled, planned and warm, and the seconds one
+    call took. Run under the grad mode of the measurement."""
     x = _private_copy(call.t).requires_grad_(needs_grad)
     # a q and k pair: k is private too (an in-place call would rotate it at every round), and
     # its gradient is timed with q's, as training computes both
     k = None if call.k is None else _private_copy(call.k).requires_grad_(needs_grad)
     private = _with_tensor(call, x) if k is None else _with_tensor(call, x, k=k)
     leaves = (x,) if k is None else (x, k)
-    device = x.device
-    grad_mode = torch.enable_grad() if needs_grad else torch.no_grad()
-    with grad_mode:
-        warm_up = getattr(backend, "warm_up", None)
-        if warm_up is not None:
-            warm_up(private)  # compilation happens here, never inside a timed round
-        # an in-place call with a gradient needs a non-leaf input: a clone per call, the same
-        # extra copy for every candidate
-        fresh = (lambda: _with_tensor(private, x.clone(), **(
-            {} if call.k is None else {"k": private.k.clone()}
-        ))) if call.in_place and needs_grad else (lambda: private)
-        out = _outputs(backend.apply(fresh()))
-        run = _runner(backend, private)  # planned after that first call, as dispatch plans
-        grad_out = tuple(torch.ones_like(o) for o in out) if needs_grad else None
+    warm_up = getattr(backend, "warm_up", None)
+    if warm_up is not None:
+        warm_up(private)  # compilation happens here, never inside a timed round
+    # an in-place call with a gradient needs a non-leaf input: a clone per call, the same
+    # extra copy for every candidate
+    fresh = (lambda: _with_tensor(private, x.clone(), **(
+        {} if call.k is None else {"k": private.k.clone()}
+    ))) if call.in_place and needs_grad else (lambda: private)
+    out = _outputs(backend.apply(fresh()))
+    run = _runner(backend, private)  # planned after that first call, as dispatch plans
+    grad_out = tuple(torch.ones_like(o) for o in out) if needs_grad else None
 
-        def once() -> None:
-            result = run(fresh())
-            if needs_grad:
-                torch.autograd.grad(_outputs(result), leaves, grad_out)
+    def once() -> None:
+        result = run(fresh())
+        if needs_grad:
+            torch.autograd.grad(_outputs(result), leaves, grad_out)
 
-        once()  # first backward, lazy initialisation
-        _synchronize(device)
-        start = time.perf_counter()
-        once()
-        _synchronize(device)
-        estimate = time.perf_counter() - start
-        if estimate >= _SLOW_CALL_SECONDS:
-            rounds, calls = 3, 1
-        else:
-            rounds = _ROUNDS
-            calls = min(_MAX_CALLS_PER_ROUND, max(1, math.ceil(_ROUND_SECONDS / max(estimate, 1e-7))))
-        samples = []
+    once()  # first backward, lazy initialisation
+    _synchronize(x.device)
+    start = time.perf_counter()
+    once()
+    _synchronize(x.device)
+    return once, time.perf_counter() - start
+
+
+def _time_backends(
+    backends: list[Backend], call: RoPECall, needs_grad: bool
+) -> tuple[dict[str, float], dict[str, Exception]]:
+    """Median seconds per call of each backend, and the exception of each that raised.
+
+    Every candidate is prepared first; then each round times them in turn, so a drift of the
+    host or the GPU (clocks ramping up in a fresh process, another process's load) reaches them
+    alike rather than whichever was timed during it."""
+    device = call.t.device
+    prepared: dict[str, tuple[Callable[[], None], int]] = {}
+    failed: dict[str, Exception] = {}
+    samples: dict[str, list[float]] = {}
+    rounds = _ROUNDS
+    with torch.enable_grad() if needs_grad else torch.no_grad():
+        for backend in backends:
+            try:
+                once, estimate = _prepared(backend, call, needs_grad)
+            except Exception as exc:  # noqa: BLE001 - reported by the caller
+                failed[backend.name] = exc
+                continue
+            if estimate >= _SLOW_CALL_SECONDS:
+                rounds, calls = min(rounds, 3), 1
+            else:
+                calls = min(_MAX_CALLS_PER_ROUND, max(1, math.ceil(_ROUND_SECONDS / max(estimate, 1e-7))))
+            prepared[backend.name] = once, calls
+            samples[backend.name] = []
         for _ in range(rounds):
-            _synchronize(device)
-            start = time.perf_counter()
-            for _ in range(calls):
-                once()
-            _synchronize(device)
-            samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+            for name, (once, calls) in list(prepared.items()):
+                try:
+                    _synchronize(device)
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        once()
+                    _synchronize(device)
+                except Exception as exc:  # noqa: BLE001 - reported by the caller
+                    failed[name] = exc
+                    del prepared[name], samples[name]
+                    continue
+                samples[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(times) for name, times in samples.items()}, failed
 
 
 def _format_time(us: float) -> str:
@@ -520,26 +552,27 @@ def _summary(times: dict[str, float], failed: dict[str, str]) -> str:
 def _measure(call: RoPECall, candidates: list[Backend], key: CacheKey) -> dict[str, Any]:
     """Time every candidate; the entry that records the fastest."""
     needs_grad = _needs_grad(call)
-    times: dict[str, float] = {}
     failed: dict[str, str] = {}
     out_of_memory = False
-    for backend in candidates:
-        try:
-            times[backend.name] = _time_backend(backend, call, needs_grad) * 1e6
-        except Exception as exc:  # a candidate that fails here would fail the real call too
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-            failed[backend.name] = error
-            out_of_memory |= isinstance(exc, torch.OutOfMemoryError)
-            if backend.name not in _failed_backends:
-                _failed_backends.add(backend.name)
-                warnings.warn(
-                    f"rope-dispatch autotune: backend {backend.name!r} raised while being "
-                    f"measured ({error}); it is skipped for this call shape",
-                    RuntimeWarning,
-                    stacklevel=5,
-                )
+    seconds, raised = _time_backends(candidates, call, needs_grad)
+    times = {name: sec * 1e6 for name, sec in seconds.items()}
+    for name, exc in raised.items():  # a candidate that fails here would fail the real call too
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        failed[name] = error
+        out_of_memory |= isinstance(exc, torch.OutOfMemoryError)
+        if name not in _failed_backends:
+            _failed_backends.add(name)
+            warnings.warn(
+                f"rope-dispatch autotune: backend {name!r} raised while being "
+                f"measured ({error}); it is skipped for this call shape",
+                RuntimeWarning,
+                stacklevel=5,
+            )
     _log.info("measured %s: %s", key.digest[:12], {**times, **failed})
     choice = min(times, key=times.__getitem__) if times else None
+    first = next((b.name for b in candidates if b.name in times), None)
+    if choice is not None and times[first] <= times[choice] * (1 + _TIE_MARGIN):
+        choice = first  # within the noise of one measurement: priority decides
     return {
         "schema": SCHEMA_VERSION,
         "key": key.digest,

@@ -59,6 +59,14 @@ def grad_pieces(tokens=128, heads=8):
             x, freqs, None, None, None, "sbhd", False, 1.0, 1, 0, False, None),
         "multiply (autograd floor)": lambda x: x * 2,
     }
+    from rope_dispatch import dispatch
+
+    rd.apply(leaf, freqs, spec, backend="triton")  # plans the call
+    planned = [p for key, p in dispatch._plans.items()
+               if key[1] == id(freqs) and key[2] == leaf.shape and key[6] and key[7] == "triton"]
+    if planned:
+        fns["ours plan (no dispatch front)"] = lambda x, run=planned[0].run: run(
+            x, freqs, spec, None, None, None)
     try:
         from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
 

@@ -451,5 +451,20 @@ def test_pairs_with_gradients_are_timed_with_both_backwards(monkeypatch):
     real_apply = eager.apply
     monkeypatch.setattr(eager, "apply", lambda c: seen.append((c.t.requires_grad, c.k.requires_grad))
                         or real_apply(c))
-    assert autotune._time_backend(eager, call, needs_grad=True) > 0
+    times, failed = autotune._time_backends([eager], call, needs_grad=True)
+    assert not failed and times["eager"] > 0
     assert seen and all(flags == (True, True) for flags in seen)
+
+
+@pytest.mark.parametrize("second_faster_by, chosen", [(0.03, "eager"), (0.10, "compile")])
+def test_a_tie_within_the_margin_goes_to_priority(monkeypatch, cache, second_faster_by, chosen):
+    """A lower-priority candidate must beat the first by more than the tie margin (5%): a
+    measurement's noise alone never moves a call off the first backend."""
+    t, freqs = inputs()
+    call = rd.check_call(t, freqs, rd.RoPESpec(layout="sbhd", dtype="fp32"))
+    candidates = [rd.get_backend("eager"), rd.get_backend("compile")]
+    seconds = {"eager": 1e-4, "compile": 1e-4 / (1 + second_faster_by)}
+    monkeypatch.setattr(autotune, "_time_backends", lambda *args: (seconds, {}))
+    entry = autotune._measure(call, candidates, autotune._call_key(call, candidates))
+    assert entry["choice"] == chosen
+    assert entry["times_us"] == {name: round(s * 1e6, 3) for name, s in seconds.items()}
