@@ -65,6 +65,7 @@ _MAX_CALLS_PER_ROUND = 100
 # (H200, sbhd s128 h8: triton 82-153 us, TE 94-158 us), and a tie must not hand a call to
 # whichever backend the noise favoured.
 _TIE_MARGIN = 0.05
+_TURNS_BYTES = 64 << 20  # candidates of smaller calls are timed in turn (_time_backends)
 _SLOW_CALL_SECONDS = 0.05  # calls slower than this get 3 rounds of one call
 
 _PROVISIONAL = "provisional"
@@ -490,7 +491,17 @@ def _time_backends(
 
     Every candidate is prepared first; then each round times them in turn, so a drift of the
     host or the GPU (clocks ramping up in a fresh process, another process's load) reaches them
-    alike rather than whichever was timed during it."""
+    alike rather than whichever was timed during it. Calls of ``_TURNS_BYTES`` and more (bound
+    by the GPU, whose times hold steady) are measured one candidate after the other, so only
+    one candidate's copies of the tensors are alive at a time."""
+    if len(backends) > 1 and call.t.numel() * call.t.element_size() >= _TURNS_BYTES:
+        times: dict[str, float] = {}
+        failed: dict[str, Exception] = {}
+        for backend in backends:
+            one, raised = _time_backends([backend], call, needs_grad)
+            times.update(one)
+            failed.update(raised)
+        return times, failed
     device = call.t.device
     prepared: dict[str, tuple[Callable[[], None], int]] = {}
     failed: dict[str, Exception] = {}

@@ -468,3 +468,27 @@ def test_a_tie_within_the_margin_goes_to_priority(monkeypatch, cache, second_fas
     entry = autotune._measure(call, candidates, autotune._call_key(call, candidates))
     assert entry["choice"] == chosen
     assert entry["times_us"] == {name: round(s * 1e6, 3) for name, s in seconds.items()}
+
+
+def test_large_calls_are_timed_one_candidate_at_a_time(monkeypatch):
+    """At or above the in-turn limit a candidate is prepared only after the previous one was
+    timed (one candidate's private copies alive at a time); below it all are prepared first."""
+    t, freqs = inputs()
+    call = rd.check_call(t, freqs, rd.RoPESpec(layout="sbhd", dtype="fp32"))
+    candidates = [rd.get_backend("eager"), rd.get_backend("eager")]
+    events = []
+    real = autotune._prepared
+
+    def prepared(backend, c, needs_grad):
+        events.append("prepare")
+        once, estimate = real(backend, c, needs_grad)
+        return (lambda: events.append("call") or once()), estimate
+
+    monkeypatch.setattr(autotune, "_prepared", prepared)
+    autotune._time_backends(candidates, call, needs_grad=False)
+    assert events[:2] == ["prepare", "prepare"]
+    events.clear()
+    monkeypatch.setattr(autotune, "_TURNS_BYTES", t.numel() * t.element_size())
+    autotune._time_backends(candidates, call, needs_grad=False)
+    second = events.index("prepare", 1)
+    assert "call" in events[:second] and events.count("prepare") == 2
