@@ -92,8 +92,9 @@ def choose_config(
     A tile is ``BLOCK_T`` tokens x ``BLOCK_H`` heads x the head dim, about ``TILE_BYTES``;
     heads go into the tile first (sin/cos are shared by a token's heads), tokens fill the rest.
     Small calls get smaller tiles, down to one token of one head, until there are
-    ``MIN_PROGRAMS_PER_SM`` programs per SM. ``heads`` is a tuple for a launch over several tensors (q, k, v): tiles fit the one with the
-    fewest heads, and programs are counted over all of them.
+    ``MIN_PROGRAMS_PER_SM`` programs per SM. ``heads`` is a tuple for a launch over several
+    tensors (q, k, v): tiles fit the one with the fewest heads, and programs are counted over
+    all of them.
     """
     counts = heads if isinstance(heads, tuple) else (heads,)
     block_r = _next_pow2(rotary_dim) if interleaved else _next_pow2(rotary_dim // 2)

@@ -216,7 +216,7 @@ def _check_table(table: object, device: torch.device, argument: str = "freqs") -
 
 def _reads(index: torch.Tensor) -> bool:
     """Whether an index tensor's values are read on the host: on the CPU, or in strict mode."""
-    return index.is_cpu or _check_values_raw() == _CHECK_VALUES_ON
+    return index.is_cpu or _strict_values()
 
 
 def reads_values(spec: RoPESpec) -> bool:
