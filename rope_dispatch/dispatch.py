@@ -25,6 +25,7 @@ from . import autotune, registry
 from . import call as call_module
 from .call import RoPECall, check_call, env_raw_reader, env_reader, reads_values, size_bucket
 from .errors import BackendNotSupportedError, NoBackendError
+from .guards import Guard, tensor_guard
 from .registry import Backend
 from .spec import RoPESpec
 from .tables import RotaryTable, table_address
@@ -89,9 +90,6 @@ def _scoped_or_env_backend() -> tuple[str | None, str]:
 
 _forced_get = _forced.get
 _env_backend_raw, _ = env_raw_reader("ROPE_BACKEND")
-
-
-_is_compiling = torch.compiler.is_compiling  # the same function object, which Dynamo knows
 
 
 def stride_class(t: torch.Tensor) -> str:
@@ -223,30 +221,49 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
 
 
 class _Plan(NamedTuple):
-    """A repeated call's checked and decided path, kept under a key holding the ids of its
-    spec and table: valid while ``freqs`` still holds the same memory (``table_address``).
-    Only weak references, whose callbacks drop the plan when the spec or the table dies, so
-    a key's ids always name live objects (never a later object given a freed id) and a
-    planned call need not dereference them. A plan never keeps a table alive."""
+    """A repeated call's checked and decided path: valid for tensors its ``guard`` accepts
+    (their dtype, device, shape, strides and ``requires_grad``) while ``freqs`` still holds the
+    memory it held at plan time (``table_address``)."""
 
-    refs: tuple[weakref.ref, weakref.ref]
+    guard: Guard
     address: Callable[[object], int | tuple[int, int]]  # table_address, or data_ptr for tensors
     table_address: int | tuple[int, int]
     run: registry.Plan
 
 
+class _PlanSet(NamedTuple):
+    """The plans kept under one key (the ids of a spec and a table, the gradient mode, the
+    forced backend and the call's form), most recent first: one per tensor layout met, as the
+    q and k of a decode step, or the layers of a model that share a spec and table.
+
+    The key holds ids, so ``refs`` are weak references whose callbacks drop the set when the
+    spec or the table dies: a key's ids always name live objects (never a later object given a
+    freed id) and a planned call need not dereference them. A plan never keeps a table alive."""
+
+    refs: tuple[weakref.ref, weakref.ref]
+    plans: tuple[_Plan, ...]
+
+
 def _dropper(key: tuple) -> Callable[[weakref.ref], None]:
-    """A weak reference callback removing the plan under ``key`` (the dict's own ``pop``, bound
-    now: at interpreter exit the module's globals may be gone when the callback runs)."""
+    """A weak reference callback removing the plans under ``key`` (the dict's own ``pop``,
+    bound now: at interpreter exit the module's globals may be gone when the callback runs)."""
     pop = _plans.pop
     return lambda _ref: pop(key, None)
 
 
 _data_ptr = torch.Tensor.data_ptr
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+_inference_mode = torch.is_inference_mode_enabled
+# Dynamo knows this function (True while it traces); at run time it is one frame returning
+# False, where torch.compiler.is_compiling takes two. Other tracers (export, make_fx) trace
+# tensor subclasses, which never take the planned path.
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
-_plans: dict[tuple, _Plan] = {}
-_MAX_PLANS = 256
+_plans: dict[tuple, _PlanSet] = {}
+_MAX_PLANS = 256  # keys
+_MAX_PLANS_PER_KEY = 8
 
 
 def apply(
@@ -277,6 +294,20 @@ def apply(
     decode size the host path, not the GPU, sets the pace. Calls whose index values are read on
     the host (CPU tensors, strict mode) are checked every time.
     """
+    if (
+        start_positions is None and positions is None and type(t) is _Tensor
+        and not _dynamo_compiling()
+    ):
+        # _run's lookup for a plain call, inlined: at decode size a Python frame is a tenth of
+        # the host path
+        entry = _plans.get((
+            id(spec), id(freqs), _grad_enabled(),
+            backend if backend is not None else (_forced_get() or _env_backend_raw()), None,
+        ))
+        if entry is not None:
+            for guard, address, table_address, run in entry[1]:
+                if guard(t) and address(freqs) == table_address:
+                    return run(t, freqs, spec, None, None, None)
     return _run(t, freqs, spec, start_positions, backend, False, False, None, None, positions)
 
 
@@ -366,24 +397,38 @@ def apply_qk_(
                 positions=positions, k=k)
 
 
-def _inputs_key(
-    t: torch.Tensor, freqs: object, k: torch.Tensor | None, split: tuple[int, int, int] | None,
-    k_freqs: object, in_place: bool, index_key: tuple | None,
-) -> tuple | bool:
-    """The part of a plan's key beyond ``t`` for a call with k or a split: their metadata with
-    the index tensor's (``index_key``); ``False`` when the call must be checked every time
-    (tensor subclasses, a separate k table, arguments that check_call refuses)."""
-    k_key = None
+def _planned_form(
+    t: torch.Tensor, freqs: object, start_positions: torch.Tensor | None,
+    positions: torch.Tensor | None, k: torch.Tensor | None, k_freqs: object,
+    split: tuple[int, int, int] | None, in_place: bool, grad_in_place: bool,
+) -> tuple[tuple[torch.Tensor, ...], tuple] | None:
+    """For any call but a plain single tensor's: the tensors a plan's guard checks (``t``, then
+    ``k``, then the index tensor) and the call's form (which arguments it has, and what the
+    in-place checks read beyond the guarded metadata), the last part of a plan's key; ``None``
+    when the call must be checked every time (index values read on the host, tensor
+    subclasses, a separate k table, arguments that check_call refuses)."""
+    tensors = (t,)
+    k_state = None
     if k is not None:
-        if type(k) is not torch.Tensor or k is t:
-            return False
-        k_key = (
-            k.shape, k.stride(), k.dtype, k.device, k.requires_grad,
-            in_place and (k.is_leaf, k.is_inference() and not torch.is_inference_mode_enabled()),
-        )
+        if type(k) is not _Tensor or k is t:
+            return None
+        tensors = (t, k)
+        k_state = in_place and (k.is_leaf, k.is_inference() and not _inference_mode())
     if k_freqs is not None and k_freqs is not freqs:
-        return False
-    return index_key, k_key, split
+        return None
+    index = positions if start_positions is None else start_positions
+    if index is not None:
+        if (
+            type(index) is not _Tensor or (start_positions is not None and positions is not None)
+            or call_module._reads(index)
+        ):
+            return None
+        tensors += (index,)
+    form = (
+        in_place and (t.is_leaf, t.is_inference() and not _inference_mode()), k_state,
+        grad_in_place, start_positions is None, positions is None, k is None, split,
+    )
+    return tensors, form
 
 
 def _run(
@@ -392,40 +437,32 @@ def _run(
     split: tuple[int, int, int] | None = None, k_freqs: object = None,
     positions: torch.Tensor | None = None, k: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Every public call's path: its plan when one matches (see :func:`apply`), else the
+    checks, the choice and the backend, then a plan for the next such call."""
     key = None
-    if type(t) is torch.Tensor and not _is_compiling():
-        index = positions if start_positions is None else start_positions
-        if index is None:
-            inputs = None  # a single tensor by index, the decode case
-        elif (
-            type(index) is torch.Tensor and (start_positions is None or positions is None)
-            and not call_module._reads(index)
-        ):  # read here, not in _inputs_key: the serving case pays no further call
-            inputs = (
-                positions is None, index.shape, index.is_contiguous() or index.stride(),
-                index.dtype, index.device,
-            )
+    if type(t) is _Tensor and not _dynamo_compiling():
+        if (
+            start_positions is None and positions is None and k is None and split is None
+            and not in_place
+        ):
+            inputs = (t,), None  # a plain single tensor: the form apply's own lookup uses
         else:
-            inputs = False  # checked every time: values read on the host, or refused
-        if (k is not None or split is not None) and inputs is not False:
-            inputs = _inputs_key(t, freqs, k, split, k_freqs, in_place, inputs)
-        if inputs is not False:
+            inputs = _planned_form(
+                t, freqs, start_positions, positions, k, k_freqs, split, in_place, grad_in_place
+            )
+        if inputs is not None:
+            tensors, form = inputs
             key = (
-                # a contiguous tensor's strides follow from its shape (up to size-1 dims, which
-                # address nothing), and is_contiguous() is cheaper to read than stride()
-                id(spec), id(freqs), t.shape, t.is_contiguous() or t.stride(), t.dtype, t.device,
-                t.requires_grad and torch.is_grad_enabled(),
+                id(spec), id(freqs), _grad_enabled(),
                 # the forced name as set (use_backend's, else ROPE_BACKEND's stored value)
                 backend if backend is not None else (_forced_get() or _env_backend_raw()),
-                # what apply_'s writability checks look at, beyond shape and strides
-                in_place and (t.is_leaf, t.is_inference() and not torch.is_inference_mode_enabled()),
-                grad_in_place, inputs,
+                form,
             )
-            plan = _plans.get(key)
-            if (
-                plan is not None and plan.address(freqs) == plan.table_address
-            ):
-                return plan.run(t, freqs, spec, start_positions, positions, k)
+            entry = _plans.get(key)
+            if entry is not None:
+                for guard, address, table_address, run in entry[1]:
+                    if guard(*tensors) and address(freqs) == table_address:
+                        return run(t, freqs, spec, start_positions, positions, k)
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place,
         split=split, k_freqs=k_freqs, positions=positions, k=k,
@@ -434,15 +471,27 @@ def _run(
     out = chosen.apply(call)
     if key is not None and final and not reads_values(spec) and spec.mrope_section is None:
         # planned after the call ran, so a backend can bind what that call compiled
+        _keep_plan(key, tensors, spec, freqs, chosen.plan(call))
+    return out
+
+
+def _keep_plan(
+    key: tuple, tensors: tuple[torch.Tensor, ...], spec: RoPESpec, freqs: object,
+    run: registry.Plan,
+) -> None:
+    """Put ``run`` first among ``key``'s plans, guarded by ``tensors``' metadata, in place of
+    any plan those tensors would have met (one whose table has since moved)."""
+    entry = _plans.get(key)
+    if entry is None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        address = _data_ptr if type(freqs) is torch.Tensor else table_address
         drop = _dropper(key)
-        _plans[key] = _Plan(
-            (weakref.ref(spec, drop), weakref.ref(freqs, drop)), address, address(freqs),
-            chosen.plan(call),
-        )
-    return out
+        entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop)), ())
+    address = _data_ptr if type(freqs) is _Tensor else table_address
+    kept = tuple(p for p in entry.plans if not p.guard(*tensors))[: _MAX_PLANS_PER_KEY - 1]
+    _plans[key] = entry._replace(
+        plans=(_Plan(tensor_guard(*tensors), address, address(freqs), run), *kept)
+    )
 
 
 @dataclass

@@ -29,7 +29,8 @@ def profile(name, fn, calls=2000, top=14):
     lines = [l for l in s.getvalue().splitlines() if l.strip()][3:]
     from rope_dispatch import dispatch
 
-    plans = sorted({getattr(p.run, "__qualname__", "?") for p in dispatch._plans.values()})
+    plans = sorted({getattr(p.run, "__qualname__", "?")
+                    for entry in dispatch._plans.values() for p in entry.plans})
     print(f"=== {name}: host {bench.host_us_per_call(fn)[0]:.2f} us/call; plans: {plans}")
     print("\n".join(lines[: top + 2]))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
@@ -62,8 +63,9 @@ def grad_pieces(tokens=128, heads=8):
     from rope_dispatch import dispatch
 
     rd.apply(leaf, freqs, spec, backend="triton")  # plans the call
-    planned = [p for key, p in dispatch._plans.items()
-               if key[1] == id(freqs) and key[2] == leaf.shape and key[6] and key[7] == "triton"]
+    planned = [p for key, entry in dispatch._plans.items()
+               if key[1] == id(freqs) and key[2] and key[3] == "triton" for p in entry.plans
+               if p.guard(leaf)]
     if planned:
         fns["ours plan (no dispatch front)"] = lambda x, run=planned[0].run: run(
             x, freqs, spec, None, None, None)

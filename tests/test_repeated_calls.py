@@ -256,3 +256,76 @@ def test_thd_calls_read_their_offsets_every_call(counted_checks, needs_grad):
             (grad,) = torch.autograd.grad(out, t, grad_out)
             assert_matches(grad, expected_grad, torch.float32, f"step {step} gradient")
     assert len(counted_checks) == 1
+
+
+def test_q_and_k_of_one_spec_and_table_each_keep_their_plan(counted_checks):
+    """A decode step's q (3 heads) and k (1 head) through apply with one spec and table: two
+    plans under one key, each serving its own layout, every call reading its own data."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    for step in range(3):
+        for heads in (3, 1):
+            t = _data((1, 4, heads, D), seed=120 + 2 * step + heads)
+            assert_matches(rd.apply(t, freqs, spec, backend=BACKEND),
+                           reference_for(t.cpu(), freqs.cpu(), spec), torch.float32,
+                           f"step {step}, {heads} heads")
+    assert len(counted_checks) == 2
+    (entry,) = dispatch._plans.values()
+    assert len(entry.plans) == 2
+
+
+def test_a_repeated_plain_call_is_served_by_apply_itself(counted_checks, monkeypatch):
+    """apply's own lookup (the decode path) finds the plan _run made: no second frame."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    t = _data((2, 3, 2, D), seed=130)
+    rd.apply(t, freqs, spec)
+    runs = []
+    real = dispatch._run
+    monkeypatch.setattr(dispatch, "_run", lambda *args, **kwargs: runs.append(1) or real(*args, **kwargs))
+    again = _data((2, 3, 2, D), seed=131)
+    assert_matches(rd.apply(again, freqs, spec), reference_for(again.cpu(), freqs.cpu(), spec),
+                   torch.float32, "planned call")
+    assert not runs, "apply's lookup missed the plan _run kept"
+    other = _data((2, 3, 4, D), seed=132)  # another layout: apply hands it to _run
+    assert_matches(rd.apply(other, freqs, spec), reference_for(other.cpu(), freqs.cpu(), spec),
+                   torch.float32, "new layout")
+    assert runs == [1]
+
+
+def test_more_layouts_than_a_key_keeps_are_all_served_right(counted_checks):
+    """Sequence lengths varying call to call under one spec and table: the key keeps its most
+    recent plans only, and every call, planned or checked again, is right."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    lengths = list(range(1, dispatch._MAX_PLANS_PER_KEY + 4))
+    for step in range(2):
+        for s in lengths:
+            t = _data((s, 2, 1, D), seed=140 + s + 50 * step)
+            assert_matches(rd.apply(t, freqs, spec, backend=BACKEND),
+                           reference_for(t.cpu(), freqs.cpu(), spec), torch.float32, f"s={s}")
+    (entry,) = dispatch._plans.values()
+    assert len(entry.plans) == dispatch._MAX_PLANS_PER_KEY
+    assert len(counted_checks) == 2 * len(lengths)  # cycling through more than it keeps
+    for s in lengths[-3:]:  # the most recent are planned
+        rd.apply(_data((s, 2, 1, D), seed=1), freqs, spec, backend=BACKEND)
+    assert len(counted_checks) == 2 * len(lengths)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_table_given_new_memory_is_read_there(counted_checks, grad):
+    """The same table object set to new memory (``set_``) between calls: the plan, bound to the
+    old address, is not used; the call reads the new values and a new plan replaces the old."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    t = _data((3, 2, 2, D), seed=150).requires_grad_(grad)
+    rd.apply(t, freqs, spec, backend=BACKEND)
+    rd.apply(t, freqs, spec, backend=BACKEND)
+    with torch.no_grad():
+        freqs.set_(_table() * 0.5 + 1.0)
+    out = rd.apply(t, freqs, spec, backend=BACKEND)
+    assert_matches(out, reference_for(t.detach().cpu(), freqs.cpu(), spec), torch.float32,
+                   "after set_")
+    assert len(counted_checks) == 2
+    (entry,) = dispatch._plans.values()
+    assert len(entry.plans) == 1

@@ -1,0 +1,74 @@
+"""The metadata guards that let a repeated call reuse a plan: both kinds (torch's C++ tensor
+guards and the Python fallback) accept tensors laid out as the ones they were made from, whatever
+their data, and refuse every difference a plan depends on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rope_dispatch import guards
+
+KINDS = {"torch": guards._torch_guard, "python": guards.metadata_guard}
+
+
+def test_the_installed_torch_gets_the_c_guards():
+    """The fast kind is the one in use with the torch CI installs; if a torch release changes
+    the private class, this names the fallback instead of hiding it."""
+    assert guards.guard_kind() == "torch"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_guard_accepts_other_data_of_the_same_layout(kind):
+    make = KINDS[kind]
+    q, k, positions = torch.zeros(4, 2, 3, 8), torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, dtype=torch.int64)
+    guard = make(q, k, positions)
+    assert guard(torch.randn(4, 2, 3, 8), torch.randn(4, 2, 1, 8), torch.ones(4, 2, dtype=torch.int64))
+    fused = torch.randn(4, 2, 4, 8)  # slices of one projection: strides of the whole
+    sliced = make(fused[:, :, :3], fused[:, :, 3:])
+    other = torch.randn(4, 2, 4, 8)
+    assert sliced(other[:, :, :3], other[:, :, 3:])
+
+
+def _different(base: torch.Tensor) -> dict[str, torch.Tensor]:
+    with torch.inference_mode():
+        inference = torch.zeros(base.shape)
+    return {
+        "shape": torch.zeros(2, 3, 5),
+        "strides": torch.zeros(4, 3, 2).transpose(0, 2),
+        "dtype": torch.zeros(2, 3, 4, dtype=torch.float16),
+        "requires_grad": torch.zeros(2, 3, 4, requires_grad=True),
+        "device": torch.zeros(2, 3, 4, device="meta"),
+        "inference tensor": inference,
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("difference", list(_different(torch.zeros(2, 3, 4))))
+def test_a_guard_refuses_each_difference(kind, difference):
+    base = torch.zeros(2, 3, 4)
+    guard = KINDS[kind](base)
+    assert guard(torch.ones(2, 3, 4))
+    assert not guard(_different(base)[difference])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_guard_checks_every_tensor_not_only_the_first(kind):
+    t, index = torch.zeros(2, 3, 4), torch.zeros(2, dtype=torch.int64)
+    guard = KINDS[kind](t, index)
+    assert guard(t, index)
+    assert not guard(t, index.to(torch.int32))
+    assert not guard(t, torch.zeros(3, dtype=torch.int64))
+    assert not guard(t, torch.zeros(4, dtype=torch.int64)[::2])
+
+
+def test_the_fallback_is_used_when_the_c_guards_misbehave(monkeypatch):
+    """A torch whose private guard class is missing or accepts what it should refuse gets the
+    Python guards, never a guard that lets a wrong plan through."""
+    guards._guard_maker.cache_clear()
+    monkeypatch.setattr(guards, "_torch_guard", lambda *tensors: (lambda *given: True))
+    try:
+        assert guards.guard_kind() == "python"
+        assert not guards.tensor_guard(torch.zeros(2))(torch.zeros(3))
+    finally:
+        guards._guard_maker.cache_clear()
