@@ -35,7 +35,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --root-user-action=igno
   || { echo "pip install -e . failed:"; tail -20 "$OUT/pip.log"; }
 python3 -c "import rope_dispatch.backends" || { echo "rope_dispatch is not importable; see pip.log"; exit 3; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+python3 -c "import torch, triton; from rope_dispatch import guards; print('torch', torch.__version__, 'triton', triton.__version__, 'plan guards', guards.guard_kind())" | tee -a "$OUT/device.txt"
 
 status=0
 te_pid=
