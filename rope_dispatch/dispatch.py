@@ -298,8 +298,8 @@ def apply(
         start_positions is None and positions is None and type(t) is _Tensor
         and not _dynamo_compiling()
     ):
-        # _run's lookup for a plain call, inlined: at decode size a Python frame is a tenth of
-        # the host path
+        # _run's lookup for a plain call (the same key), inlined: the decode path saves a
+        # Python frame
         entry = _plans.get((
             id(spec), id(freqs), _grad_enabled(),
             backend if backend is not None else (_forced_get() or _env_backend_raw()), None,
