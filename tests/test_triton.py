@@ -413,3 +413,34 @@ def test_tiles_give_every_sm_programs_unless_the_call_is_too_small(tokens, heads
     assert bt * bh * 128 * 2 <= triton_rope.TILE_BYTES
     if tokens * heads >= 2 * sms * 32:
         assert bt * bh * 128 * 2 == triton_rope.TILE_BYTES  # a full tile: 8 KB
+
+
+class _Tripling:
+    """Stands in for a plan's bound launches: forward and its transpose multiply by 3."""
+
+    def forward(self, x, index):
+        return x * 3
+
+    def backward(self, grad, freqs, index, cu_seqlens):
+        return grad * 3
+
+
+def test_the_c_entry_of_the_planned_function_records_the_same_graph():
+    """The planned gradient path enters its autograd.Function through the C entry, not
+    ``Function.apply``: the output, the gradient and a double backward are as through
+    ``apply``, and the node in the graph is the function's own backward."""
+    from rope_dispatch.backends.triton_rope import _PlannedRoPEFunction, c_apply
+
+    x = torch.randn(3, 4, requires_grad=True)
+    grad_out = torch.randn(3, 4, requires_grad=True)
+    results = []
+    for enter in (_PlannedRoPEFunction.apply, c_apply(_PlannedRoPEFunction)):
+        out = enter(x, _Tripling(), None, None, None)
+        assert type(out.grad_fn).__name__ == "_PlannedRoPEFunctionBackward"
+        (grad,) = torch.autograd.grad(out, x, grad_out, create_graph=True)
+        (again,) = torch.autograd.grad(grad, grad_out, torch.ones(3, 4))
+        results.append((out, grad, again))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], 3 * grad_out, rtol=0, atol=0)
+    torch.testing.assert_close(results[1][2], torch.full((3, 4), 3.0), rtol=0, atol=0)
