@@ -72,3 +72,18 @@ def test_the_fallback_is_used_when_the_c_guards_misbehave(monkeypatch):
         assert not guards.tensor_guard(torch.zeros(2))(torch.zeros(3))
     finally:
         guards._guard_maker.cache_clear()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_guard_keeps_no_tensor_alive(kind):
+    """Plans are made from a call's tensors (activations); their guards keep only metadata."""
+    import gc
+    import weakref
+
+    tensors = (torch.randn(4, 2, 3, 8), torch.zeros(4, 2, dtype=torch.int64))
+    refs = [weakref.ref(x) for x in tensors]
+    guard = KINDS[kind](*tensors)
+    del tensors
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    assert guard(torch.randn(4, 2, 3, 8), torch.ones(4, 2, dtype=torch.int64))

@@ -329,3 +329,24 @@ def test_a_table_given_new_memory_is_read_there(counted_checks, grad):
     assert len(counted_checks) == 2
     (entry,) = dispatch._plans.values()
     assert len(entry.plans) == 1
+
+
+@pytest.mark.usefixtures("unread")
+def test_a_plan_keeps_none_of_its_calls_tensors_alive(counted_checks):
+    """q, k and positions of a planned call (activations, a step's positions) are freed with
+    the caller's last reference: a plan keeps their layout, not them."""
+    import gc
+    import weakref
+
+    freqs = _table()
+    spec = rd.RoPESpec(layout="thd", dtype="fp32")
+    refs = []
+    for step in range(2):
+        q, k = _data((6, 4, D), 160 + step), _data((6, 2, D), 170 + step)
+        positions = torch.arange(6, device=DEVICE)
+        outs = rd.apply_qk(q, k, freqs, spec, positions=positions, backend=BACKEND)
+        refs += [weakref.ref(x) for x in (q, k, positions, *outs)]
+        del q, k, positions, outs
+    gc.collect()
+    assert len(counted_checks) == 1
+    assert all(ref() is None for ref in refs), "a plan kept a call's tensor alive"
