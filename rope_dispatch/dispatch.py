@@ -43,6 +43,7 @@ def clear_decisions() -> None:
     _decisions.clear()
     _exact.clear()
     _plans.clear()
+    _met_once.clear()
     _size_limits.cache_clear()
 
 
@@ -262,6 +263,7 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 _plans: dict[tuple, _PlanSet] = {}
+_met_once: set[tuple] = set()  # keys met once and not planned yet (see _keep_plan)
 _MAX_PLANS = 256  # keys
 _MAX_PLANS_PER_KEY = 8
 
@@ -289,10 +291,10 @@ def apply(
     spec then needs no ``cu_seqlens``), as continuous batching, chunked prefill and speculative
     decoding have them.
 
-    A call repeating an earlier one's spec and table objects and its tensors' shapes, strides,
-    dtypes, devices and gradient mode reuses that call's checks and decision (a *plan*): at
-    decode size the host path, not the GPU, sets the pace. Calls whose index values are read on
-    the host (CPU tensors, strict mode) are checked every time.
+    A call repeating earlier ones' spec and table objects and its tensors' shapes, strides,
+    dtypes, devices and gradient mode reuses their checks and decision (a *plan*, kept at the
+    second such call): at decode size the host path, not the GPU, sets the pace. Calls whose
+    index values are read on the host (CPU tensors, strict mode) are checked every time.
     """
     if (
         start_positions is None and positions is None and type(t) is _Tensor
@@ -471,27 +473,35 @@ def _run(
     out = chosen.apply(call)
     if key is not None and final and not reads_values(spec) and spec.mrope_section is None:
         # planned after the call ran, so a backend can bind what that call compiled
-        _keep_plan(key, tensors, spec, freqs, chosen.plan(call))
+        _keep_plan(key, tensors, spec, freqs, chosen, call)
     return out
 
 
 def _keep_plan(
     key: tuple, tensors: tuple[torch.Tensor, ...], spec: RoPESpec, freqs: object,
-    run: registry.Plan,
+    chosen: Backend, call: RoPECall,
 ) -> None:
-    """Put ``run`` first among ``key``'s plans, guarded by ``tensors``' metadata, in place of
-    any plan those tensors would have met (one whose table has since moved)."""
+    """Put ``chosen``'s plan for ``call`` first among ``key``'s plans, guarded by ``tensors``'
+    metadata, in place of any plan those tensors would have met (one whose table has since
+    moved). A key is planned the second time it is met: a spec or table made for one call
+    (a new spec per step, say) would pay for a plan, about 6 us on the development CPU, and
+    never use it."""
     entry = _plans.get(key)
     if entry is None:
+        if key not in _met_once:
+            if len(_met_once) >= _MAX_PLANS:
+                _met_once.clear()
+            _met_once.add(key)  # a reused id only makes a later key planned a call early
+            return
+        _met_once.discard(key)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         drop = _dropper(key)
         entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop)), ())
     address = _data_ptr if type(freqs) is _Tensor else table_address
     kept = tuple(p for p in entry.plans if not p.guard(*tensors))[: _MAX_PLANS_PER_KEY - 1]
-    _plans[key] = entry._replace(
-        plans=(_Plan(tensor_guard(*tensors), address, address(freqs), run), *kept)
-    )
+    run = _Plan(tensor_guard(*tensors), address, address(freqs), chosen.plan(call))
+    _plans[key] = entry._replace(plans=(run, *kept))
 
 
 @dataclass

@@ -18,6 +18,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 BACKEND = "triton" if CUDA else "eager"
 TABLE_LEN, D = 40, 16
+CHECKED = 2  # a key is planned the second time it is met; calls from the third on are planned
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def counted_checks(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(dispatch, "check_call", counting)
-    dispatch._plans.clear()
+    dispatch.clear_decisions()
     return calls
 
 
@@ -72,7 +73,7 @@ def test_pairs_with_per_token_positions_read_new_data_every_call(counted_checks,
             got = rd.apply_qk(q, k, freqs, spec, positions=positions, backend=BACKEND)
         for name, out, ref in zip("qk", got, expected):
             assert_matches(out, ref, torch.float32, f"step {step} {name}")
-    assert len(counted_checks) == 1, "the repeated calls did not reuse the first call's plan"
+    assert len(counted_checks) == CHECKED, "the repeated calls did not reuse the plan"
 
 
 @pytest.mark.usefixtures("unread")
@@ -87,7 +88,7 @@ def test_single_tensors_with_start_positions_read_new_starts_every_call(counted_
         out = rd.apply(t, freqs, spec, start_positions=starts, backend=BACKEND)
         assert_matches(out, reference_for(t.cpu(), freqs.cpu(), spec, starts.cpu()), torch.bfloat16,
                        f"step {step}")
-    assert len(counted_checks) == 1
+    assert len(counted_checks) == CHECKED
 
 
 @pytest.mark.usefixtures("unread")
@@ -131,7 +132,7 @@ def test_pairs_without_positions_are_planned(counted_checks):
         got = rd.apply_qk(q, k, freqs, spec, backend=BACKEND)
         for name, out, x in zip("qk", got, (q, k)):
             assert_matches(out, reference_for(x.cpu(), freqs.cpu(), spec), torch.float32, name)
-    assert len(counted_checks) == 1
+    assert len(counted_checks) == CHECKED
 
 
 @pytest.mark.usefixtures("unread")
@@ -209,7 +210,7 @@ def test_gradient_calls_are_planned_and_differentiate_new_data_every_call(counte
             (grad,) = torch.autograd.grad(out, leaf, grad_out)
         assert_matches(grad, expected_grad, torch.float32, f"step {step} gradient")
         leaf.requires_grad_(False)
-    assert len(counted_checks) == 1, "the repeated gradient calls did not reuse the first call's plan"
+    assert len(counted_checks) == CHECKED, "the repeated gradient calls did not reuse the plan"
 
 
 def test_a_plan_goes_with_its_spec_or_table(counted_checks):
@@ -221,7 +222,8 @@ def test_a_plan_goes_with_its_spec_or_table(counted_checks):
     for dies in ("spec", "freqs"):
         dispatch._plans.clear()
         spec, freqs = rd.RoPESpec(layout="sbhd", dtype="fp32"), _table()
-        rd.apply(t, freqs, spec, backend=BACKEND)
+        for _ in range(CHECKED):
+            rd.apply(t, freqs, spec, backend=BACKEND)
         assert len(dispatch._plans) == 1
         if dies == "spec":
             del spec
@@ -255,12 +257,13 @@ def test_thd_calls_read_their_offsets_every_call(counted_checks, needs_grad):
         if needs_grad:
             (grad,) = torch.autograd.grad(out, t, grad_out)
             assert_matches(grad, expected_grad, torch.float32, f"step {step} gradient")
-    assert len(counted_checks) == 1
+    assert len(counted_checks) == CHECKED
 
 
 def test_q_and_k_of_one_spec_and_table_each_keep_their_plan(counted_checks):
     """A decode step's q (3 heads) and k (1 head) through apply with one spec and table: two
-    plans under one key, each serving its own layout, every call reading its own data."""
+    plans under one key, each serving its own layout, every call reading its own data. The
+    key is met first by q (not planned), then by k (planned); q is planned at its second call."""
     freqs = _table()
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     for step in range(3):
@@ -269,7 +272,7 @@ def test_q_and_k_of_one_spec_and_table_each_keep_their_plan(counted_checks):
             assert_matches(rd.apply(t, freqs, spec, backend=BACKEND),
                            reference_for(t.cpu(), freqs.cpu(), spec), torch.float32,
                            f"step {step}, {heads} heads")
-    assert len(counted_checks) == 2
+    assert len(counted_checks) == 3
     (entry,) = dispatch._plans.values()
     assert len(entry.plans) == 2
 
@@ -279,7 +282,8 @@ def test_a_repeated_plain_call_is_served_by_apply_itself(counted_checks, monkeyp
     freqs = _table()
     spec = rd.RoPESpec(layout="bshd", dtype="fp32")
     t = _data((2, 3, 2, D), seed=130)
-    rd.apply(t, freqs, spec)
+    for _ in range(CHECKED):
+        rd.apply(t, freqs, spec)
     runs = []
     real = dispatch._run
     monkeypatch.setattr(dispatch, "_run", lambda *args, **kwargs: runs.append(1) or real(*args, **kwargs))
@@ -319,14 +323,15 @@ def test_a_table_given_new_memory_is_read_there(counted_checks, grad):
     freqs = _table()
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     t = _data((3, 2, 2, D), seed=150).requires_grad_(grad)
-    rd.apply(t, freqs, spec, backend=BACKEND)
-    rd.apply(t, freqs, spec, backend=BACKEND)
+    for _ in range(CHECKED):
+        rd.apply(t, freqs, spec, backend=BACKEND)
+    assert len(dispatch._plans) == 1
     with torch.no_grad():
         freqs.set_(_table() * 0.5 + 1.0)
     out = rd.apply(t, freqs, spec, backend=BACKEND)
     assert_matches(out, reference_for(t.detach().cpu(), freqs.cpu(), spec), torch.float32,
                    "after set_")
-    assert len(counted_checks) == 2
+    assert len(counted_checks) == CHECKED + 1
     (entry,) = dispatch._plans.values()
     assert len(entry.plans) == 1
 
@@ -341,12 +346,26 @@ def test_a_plan_keeps_none_of_its_calls_tensors_alive(counted_checks):
     freqs = _table()
     spec = rd.RoPESpec(layout="thd", dtype="fp32")
     refs = []
-    for step in range(2):
+    for step in range(CHECKED + 1):
         q, k = _data((6, 4, D), 160 + step), _data((6, 2, D), 170 + step)
         positions = torch.arange(6, device=DEVICE)
         outs = rd.apply_qk(q, k, freqs, spec, positions=positions, backend=BACKEND)
         refs += [weakref.ref(x) for x in (q, k, positions, *outs)]
         del q, k, positions, outs
     gc.collect()
-    assert len(counted_checks) == 1
+    assert len(counted_checks) == CHECKED
     assert all(ref() is None for ref in refs), "a plan kept a call's tensor alive"
+
+
+def test_a_spec_made_for_one_call_is_not_planned(counted_checks):
+    """A new spec per call (new offsets every step, say) would pay for a plan and never use
+    it: keys met once get none."""
+    freqs = _table()
+    specs = []  # kept alive, so no spec is given a freed one's id
+    for step in range(4):
+        specs.append(rd.RoPESpec(layout="sbhd", dtype="fp32"))
+        t = _data((3, 2, 2, D), seed=180 + step)
+        assert_matches(rd.apply(t, freqs, specs[-1], backend=BACKEND),
+                       reference_for(t.cpu(), freqs.cpu(), specs[-1]), torch.float32, f"step {step}")
+    assert len(counted_checks) == 4
+    assert not dispatch._plans
