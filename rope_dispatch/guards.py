@@ -6,9 +6,10 @@ attribute, six or more per tensor) than the GPU spends on it. torch's own C++ te
 (``torch._C._dynamo.guards.TensorGuards``, the check a compiled graph runs on its inputs) do the
 same comparison in one C call, and compare the tensors' dispatch keys too (so a functorch
 wrapper or an inference tensor is never mistaken for the tensor a plan was made for). That
-class is private: :func:`tensor_guard` tries it once against a probe of what it must accept and
-refuse, and falls back to comparing the metadata in Python when it is missing or behaves
-otherwise.
+class is private, and misused it crashes the process (constructed without its size and stride
+lists, torch 2.13 segfaults): :func:`tensor_guard` uses it only on the torch releases it was
+verified with (``VERIFIED_TORCH``), after a probe of what it must accept and refuse, and
+compares the metadata in Python on any other release or when the probe fails.
 """
 
 from __future__ import annotations
@@ -66,10 +67,22 @@ def _accepts_and_refuses_as_expected(make: Callable[..., Guard]) -> bool:
     )
 
 
+VERIFIED_TORCH = ((2, 6), (2, 13))
+"""The torch releases (first, last) whose ``TensorGuards`` our use was checked against: CI's
+2.13 and the GPU machine's 2.11 run the tests; the class and its arguments are unchanged
+since 2.6."""
+
+
+def _verified_torch() -> bool:
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    first, last = VERIFIED_TORCH
+    return first <= release <= last
+
+
 @functools.cache
 def _guard_maker() -> Callable[..., Guard]:
     try:
-        if _accepts_and_refuses_as_expected(_torch_guard):
+        if _verified_torch() and _accepts_and_refuses_as_expected(_torch_guard):
             return _torch_guard
     except Exception:  # noqa: BLE001  (a private class: any change in it means the fallback)
         pass
