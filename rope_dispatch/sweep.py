@@ -4,7 +4,8 @@
 128 to 131,072 (the token count for thd) for several (batch, heads, head dim) series, so a
 reader sees where each implementation reaches the copy's bandwidth and where launch and tail
 effects hold it back. Per point it measures a device-to-device copy of the tensor's bytes (the
-ceiling: RoPE reads the tensor once and writes it once) and, for our triton backend,
+ceiling: RoPE reads the tensor once and writes it once) and, for our triton backend (with
+the point's angle table, its rate table, and its cos and sin in ``t``'s dtype: Liger's inputs),
 TransformerEngine's fused ``apply_rotary_pos_emb`` and Liger-Kernel's ``rope_forward`` /
 ``rope_backward`` (where importable and the layout fits their API): the forward, the
 backward's launch alone, forward+backward through autograd, each as the median of
@@ -46,7 +47,8 @@ LARGE_TENSOR_BYTES = 64 << 20  # the "95% of copy" target covers inputs of at le
 THD_SEQS_PER_BATCH = 4  # thd packs 4 * batch sequences into the token count
 NOT_KERNELS = ("Memcpy", "Memset", "Context Sync", "Stream Sync", "Event Sync", "Stream Wait")
 IMPLEMENTATIONS = {
-    "triton": "triton", "triton-rates": "triton (rate table)", "te": "TE fused (peer)",
+    "triton": "triton", "triton-rates": "triton (rate table)",
+    "triton-cache": "triton (cos/sin cache, t's dtype)", "te": "TE fused (peer)",
     "liger": "Liger (peer)",
 }
 MODES = ("fwd", "bwd kernel", "fwd+bwd")
@@ -185,6 +187,9 @@ def _build(name: str, shape: Shape, inp: Inputs) -> tuple[Impl | None, str]:
     if name == "triton-rates":
         return (_ours("triton", IMPLEMENTATIONS[name], inp, rate_table(inp.freqs)),
                 "the triton backend refuses the call")
+    if name == "triton-cache":
+        return (_ours("triton", IMPLEMENTATIONS[name], inp, model_dtype_cache(inp, shape.dtype)),
+                "the triton backend refuses the call")
     if name == "te":
         return _te_peer(shape, inp), "TransformerEngine is not importable"
     if shape.layout == "thd":
@@ -199,6 +204,13 @@ def rate_table(freqs: torch.Tensor) -> rd.RateTable:
     in float64): the same work and bytes, no table row read per token."""
     rows, d2 = freqs.shape[0], freqs.shape[-1]
     return rd.RateTable(freqs.reshape(rows, d2)[1, : d2 // 2].contiguous(), rows)
+
+
+def model_dtype_cache(inp: Inputs, dtype: torch.dtype) -> rd.CosSinCache:
+    """The point's cos and sin rounded to ``t``'s dtype: the inputs Liger's kernel takes (a
+    model's own cos and sin, as Hugging Face models make them), so the two kernels read the
+    same bytes and neither computes a sine."""
+    return rd.CosSinCache(inp.cache.cos.to(dtype), inp.cache.sin.to(dtype))
 
 
 def _measure_named(
@@ -246,7 +258,7 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
     # below 64 MiB the implementations stay built (small), for one host-clock measurement
     kept: dict[str, Impl] | None = None if record["points_at_least_64MB"] else {}
     for name, label in IMPLEMENTATIONS.items():
-        if name not in ("triton", "triton-rates") and not peers:
+        if not name.startswith("triton") and not peers:
             results[name] = {"label": label, "absent": "--no-peers"}
         else:
             results[name] = _measure_named(name, shape, inp, copy_ms, kept)

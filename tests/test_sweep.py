@@ -222,20 +222,23 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     monkeypatch.setattr(sweep, "_liger_peer", lambda shape, inp: None)
     shape = sweep.make_point(layout, torch.float32, sweep.Series(1, 2, 16, 8, (), ""), 32)
     record = sweep.run_point(shape, peers=True, device=DEVICE)
-    assert len(ran) == 7  # the copy, then fwd, bwd kernel, fwd+bwd of triton and its rate table
-    for name in ("triton", "triton-rates"):
+    # the copy, then fwd, bwd kernel, fwd+bwd of triton with the angle table, the rate table and
+    # the cos/sin cache in t's dtype
+    assert len(ran) == 10
+    for name in ("triton", "triton-rates", "triton-cache"):
         triton = record["implementations"][name]
         assert triton["fwd_us"] == triton["bwd_kernel_us"] == pytest.approx(2.0)
         assert triton["fwd_bwd_pct_of_copy"] == pytest.approx(200.0)  # two copies' bytes
         assert triton["launches_fwd"] == triton["launches_fwd_bwd"] == 1
     assert record["implementations"]["triton-rates"]["label"] == "triton (rate table)"
-    # a small point: forward + backward on the host clock, both of ours measured in turn
-    assert in_turn == ["triton", "triton-rates"]
+    assert record["implementations"]["triton-cache"]["label"] == "triton (cos/sin cache, t's dtype)"
+    # a small point: forward + backward on the host clock, ours measured in turn
+    assert in_turn == ["triton", "triton-rates", "triton-cache"]
     assert record["implementations"]["triton"]["fwd_bwd_host_us"] == 3.0
     assert record["implementations"]["te"]["absent"] == "TransformerEngine is not importable"
     liger = record["implementations"]["liger"]["absent"]
     assert "thd" in liger if layout == "thd" else "not importable" in liger
-    assert sweep.format_table([record]).count("\n") == 2 + 3
+    assert sweep.format_table([record]).count("\n") == 2 + 4
 
 
 def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
