@@ -1,8 +1,9 @@
 """Metadata guards for planned calls: whether a call's tensors are laid out as the ones a plan
 was made for (dtype, device, shape, strides, ``requires_grad``), checked in one call.
 
-A decode-size call spends more time reading tensor metadata in Python (about 0.1 us per
-attribute, six or more per tensor) than the GPU spends on it. torch's own C++ tensor guards
+At decode size the host path sets a call's pace, and reading tensor metadata in Python (about
+0.1 us per attribute, six or more per tensor) was the largest part of a planned call's front
+in dispatch. torch's own C++ tensor guards
 (``torch._C._dynamo.guards.TensorGuards``, the check a compiled graph runs on its inputs) do the
 same comparison in one C call, and compare the tensors' dispatch keys too (so a functorch
 wrapper or an inference tensor is never mistaken for the tensor a plan was made for). That
