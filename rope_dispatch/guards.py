@@ -52,18 +52,20 @@ def _torch_guard(*tensors: torch.Tensor) -> Guard:
 def _accepts_and_refuses_as_expected(make: Callable[..., Guard]) -> bool:
     """Whether guards from ``make`` accept same-metadata tensors with other data and refuse each
     kind of difference a plan depends on."""
-    base = torch.zeros(2, 3, 4)
-    index = torch.zeros(2, dtype=torch.int64)
+    # dtypes and device spelled out: the probe must not follow torch's defaults
+    f32 = {"dtype": torch.float32, "device": "cpu"}
+    i64 = {"dtype": torch.int64, "device": "cpu"}
+    base, index = torch.zeros(2, 3, 4, **f32), torch.zeros(2, **i64)
     guard = make(base, index)
     different = (
-        (torch.zeros(2, 3, 5), index),
-        (torch.zeros(4, 3, 2).transpose(0, 2), index),  # same shape, other strides
-        (torch.zeros(2, 3, 4, dtype=torch.float64), index),
-        (torch.zeros(2, 3, 4, requires_grad=True), index),
+        (torch.zeros(2, 3, 5, **f32), index),
+        (torch.zeros(4, 3, 2, **f32).transpose(0, 2), index),  # same shape, other strides
+        (torch.zeros(2, 3, 4, dtype=torch.float64, device="cpu"), index),
+        (torch.zeros(2, 3, 4, requires_grad=True, **f32), index),
         (base, index.to(torch.int32)),
-        (base, torch.zeros(3, dtype=torch.int64)),
+        (base, torch.zeros(3, **i64)),
     )
-    return guard(torch.ones(2, 3, 4), torch.ones(2, dtype=torch.int64)) and not any(
+    return guard(torch.ones(2, 3, 4, **f32), torch.ones(2, **i64)) and not any(
         guard(*tensors) for tensors in different
     )
 

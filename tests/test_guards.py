@@ -98,3 +98,15 @@ def test_an_unverified_torch_release_gets_the_python_guards(monkeypatch, version
         assert guards.guard_kind() == "python"
     finally:
         guards._guard_maker.cache_clear()
+
+
+def test_the_probe_does_not_follow_torch_defaults(monkeypatch):
+    """A model that sets float64 as torch's default dtype still gets the C++ guards."""
+    guards._guard_maker.cache_clear()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert guards.guard_kind() == "torch"
+    finally:
+        torch.set_default_dtype(previous)
+        guards._guard_maker.cache_clear()
