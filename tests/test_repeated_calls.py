@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import rope_dispatch as rd
 from reference import assert_matches, reference_for, reference_forward_backward
 from rope_dispatch import call as call_module
-from rope_dispatch import dispatch
+from rope_dispatch import dispatch, registry
+from rope_dispatch.backends.eager import EagerBackend
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -369,3 +372,85 @@ def test_a_spec_made_for_one_call_is_not_planned(counted_checks):
                        reference_for(t.cpu(), freqs.cpu(), specs[-1]), torch.float32, f"step {step}")
     assert len(counted_checks) == 4
     assert not dispatch._plans
+
+
+class LayoutBound(EagerBackend):
+    """The eager backend, but a plan serves only calls laid out as the one it was made for: any
+    other raises, so a test sees a plan met by a call its guard should have refused."""
+
+    name = "layout-bound"
+    priority = -1
+
+    @staticmethod
+    def layout(t, start_positions, positions, k):
+        index = positions if start_positions is None else start_positions
+        tensors = (t,) if index is None else (t, index)
+        return tuple((x.shape, x.stride(), x.dtype, x.device, x.requires_grad) for x in tensors), (
+            start_positions is None, positions is None, k is None)
+
+    def plan(self, call):
+        expected = self.layout(call.t, call.start_positions, call.positions, call.k)
+        run = super().plan(call)
+
+        def bound(t, freqs, spec, start_positions, positions, k):
+            got = self.layout(t, start_positions, positions, k)
+            assert got == expected, f"a plan made for {expected} served {got}"
+            return run(t, freqs, spec, start_positions, positions, k)
+
+        return bound
+
+
+@pytest.fixture
+def layout_bound(monkeypatch):
+    monkeypatch.setitem(registry._REGISTRY, LayoutBound.name, LayoutBound())
+    dispatch.clear_decisions()
+    yield LayoutBound.name
+    dispatch.clear_decisions()
+
+
+@pytest.mark.usefixtures("unread")
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(calls=st.lists(
+    st.tuples(
+        st.sampled_from(["fp32", "bf16"]),  # the spec (one object per dtype)
+        st.integers(1, 3), st.integers(1, 4),  # heads, sequence length
+        st.sampled_from(["contiguous", "transposed", "sliced"]),
+        st.sampled_from(["none", "start_positions", "positions"]),
+        st.booleans(),  # requires grad
+    ),
+    min_size=3, max_size=10,
+))
+def test_any_sequence_of_calls_on_shared_objects_is_right(layout_bound, calls):
+    """Calls on one table and two specs, varying layout, strides, index kind, dtype and
+    gradient in any order: whatever plans they make and meet, a plan serves only calls laid out
+    as the one it was made for (the layout-bound backend), and every output and gradient is
+    the reference's (the triton backend too, on CUDA)."""
+    freqs = _table()
+    specs = {name: rd.RoPESpec(layout="sbhd", dtype=name) for name in ("fp32", "bf16")}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    backends = (layout_bound, "triton") if CUDA else (layout_bound,)
+    for step, (name, heads, seq, strides, index, needs_grad) in enumerate(calls):
+        dtype = dtypes[name]
+        if strides == "transposed":
+            t = _data((2, seq, heads, D), seed=300 + step, dtype=dtype).transpose(0, 1)
+        elif strides == "sliced":
+            t = _data((seq, 2, heads + 1, D), seed=200 + step, dtype=dtype)[:, :, :heads]
+        else:
+            t = _data((seq, 2, heads, D), seed=200 + step, dtype=dtype)
+        t = t.requires_grad_(needs_grad)
+        kwargs = {}
+        seeded = torch.Generator().manual_seed(step)
+        if index == "start_positions":
+            kwargs[index] = torch.randint(0, TABLE_LEN - seq, (2,), generator=seeded).to(DEVICE)
+        elif index == "positions":
+            kwargs[index] = torch.randint(0, TABLE_LEN, (seq, 2), generator=seeded).to(DEVICE)
+        grad_out = _data(t.shape, seed=400 + step, dtype=dtype)
+        cpu_kwargs = {key: value.cpu() for key, value in kwargs.items()}
+        expected_out, expected_grad = reference_forward_backward(
+            t, freqs, specs[name], grad_out, **cpu_kwargs)
+        for backend in backends:
+            out = rd.apply(t, freqs, specs[name], backend=backend, **kwargs)
+            assert_matches(out, expected_out, dtype, f"call {step} {backend} output")
+            if needs_grad:
+                (grad,) = torch.autograd.grad(out, t, grad_out)
+                assert_matches(grad, expected_grad, dtype, f"call {step} {backend} gradient")
