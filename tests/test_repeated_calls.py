@@ -384,7 +384,7 @@ class LayoutBound(EagerBackend):
     @staticmethod
     def layout(t, start_positions, positions, k):
         index = positions if start_positions is None else start_positions
-        tensors = (t,) if index is None else (t, index)
+        tensors = tuple(x for x in (t, k, index) if x is not None)
         return tuple((x.shape, x.stride(), x.dtype, x.device, x.requires_grad) for x in tensors), (
             start_positions is None, positions is None, k is None)
 
@@ -417,19 +417,20 @@ def layout_bound(monkeypatch):
         st.sampled_from(["contiguous", "transposed", "sliced"]),
         st.sampled_from(["none", "start_positions", "positions"]),
         st.booleans(),  # requires grad
+        st.booleans(),  # with a one-head k (apply_qk)
     ),
     min_size=3, max_size=10,
 ))
 def test_any_sequence_of_calls_on_shared_objects_is_right(layout_bound, calls):
-    """Calls on one table and two specs, varying layout, strides, index kind, dtype and
-    gradient in any order: whatever plans they make and meet, a plan serves only calls laid out
+    """Calls on one table and two specs, varying layout, strides, index kind, dtype, gradient
+    and q alone or q and k in any order: whatever plans they make and meet, a plan serves only calls laid out
     as the one it was made for (the layout-bound backend), and every output and gradient is
     the reference's (the triton backend too, on CUDA)."""
     freqs = _table()
     specs = {name: rd.RoPESpec(layout="sbhd", dtype=name) for name in ("fp32", "bf16")}
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     backends = (layout_bound, "triton") if CUDA else (layout_bound,)
-    for step, (name, heads, seq, strides, index, needs_grad) in enumerate(calls):
+    for step, (name, heads, seq, strides, index, needs_grad, pair) in enumerate(calls):
         dtype = dtypes[name]
         if strides == "transposed":
             t = _data((2, seq, heads, D), seed=300 + step, dtype=dtype).transpose(0, 1)
@@ -444,13 +445,20 @@ def test_any_sequence_of_calls_on_shared_objects_is_right(layout_bound, calls):
             kwargs[index] = torch.randint(0, TABLE_LEN - seq, (2,), generator=seeded).to(DEVICE)
         elif index == "positions":
             kwargs[index] = torch.randint(0, TABLE_LEN, (seq, 2), generator=seeded).to(DEVICE)
-        grad_out = _data(t.shape, seed=400 + step, dtype=dtype)
+        tensors = (t, _data((seq, 2, 1, D), seed=500 + step, dtype=dtype).requires_grad_(needs_grad)
+                   ) if pair else (t,)
+        grads_out = [_data(x.shape, seed=400 + step + i, dtype=dtype) for i, x in enumerate(tensors)]
         cpu_kwargs = {key: value.cpu() for key, value in kwargs.items()}
-        expected_out, expected_grad = reference_forward_backward(
-            t, freqs, specs[name], grad_out, **cpu_kwargs)
+        expected = [reference_forward_backward(x, freqs, specs[name], g, **cpu_kwargs)
+                    for x, g in zip(tensors, grads_out)]
         for backend in backends:
-            out = rd.apply(t, freqs, specs[name], backend=backend, **kwargs)
-            assert_matches(out, expected_out, dtype, f"call {step} {backend} output")
+            if pair:
+                outs = rd.apply_qk(*tensors, freqs, specs[name], backend=backend, **kwargs)
+            else:
+                outs = (rd.apply(t, freqs, specs[name], backend=backend, **kwargs),)
+            for i, (out, (expected_out, _)) in enumerate(zip(outs, expected)):
+                assert_matches(out, expected_out, dtype, f"call {step} {backend} output {i}")
             if needs_grad:
-                (grad,) = torch.autograd.grad(out, t, grad_out)
-                assert_matches(grad, expected_grad, dtype, f"call {step} {backend} gradient")
+                grads = torch.autograd.grad(outs, tensors, grads_out)
+                for i, (grad, (_, expected_grad)) in enumerate(zip(grads, expected)):
+                    assert_matches(grad, expected_grad, dtype, f"call {step} {backend} gradient {i}")
