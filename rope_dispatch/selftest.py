@@ -22,6 +22,7 @@ import torch
 
 import rope_dispatch as rd
 from rope_dispatch import autotune
+from rope_dispatch.guards import guard_kind
 from rope_dispatch.reference import max_error, reference_apply
 from rope_dispatch.tables import cos_sin_cache
 
@@ -251,6 +252,7 @@ def run(devices: list[str], progress, thorough: bool = False) -> dict:
         "versions": versions(),
         "backends": [asdict(info) for info in infos],
         "override": os.environ.get("ROPE_BACKEND") or None,
+        "plan_guards": guard_kind(),
         "cache": _cache_report(),
         "checks": checks,
         "ok": all(c["status"] != "FAIL" for c in checks) and bool(checks),
@@ -279,6 +281,11 @@ def _print_report(report: dict) -> None:
         state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
         print(f"  {b['name']:10s} {state}")
     print(f"\noverride: ROPE_BACKEND={report['override'] or '(unset)'}")
+    print("repeated calls: plans checked by " + (
+        "torch's C++ tensor guards" if report["plan_guards"] == "torch"
+        else "Python metadata comparisons (this torch release's C++ guards are not verified; "
+             "slower host path at decode size)"
+    ))
     cache = report["cache"]
     print(f"autotune: {'on' if cache['autotune'] else 'off (ROPE_AUTOTUNE=0)'}", end="")
     if "cache_dir" in cache:

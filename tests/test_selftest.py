@@ -43,6 +43,7 @@ def test_selftest_cli_json():
     report = json.loads(proc.stdout)
     assert report["ok"] is True
     assert report["versions"]["torch"] == torch.__version__
+    assert report["plan_guards"] == "torch"  # CI's torch gets the C++ guards (rope_dispatch.guards)
     names = {b["name"] for b in report["backends"]}
     assert {"eager", "triton", "te", "compile"} <= names
     eager = [c for c in report["checks"] if c["backend"] == "eager"]
