@@ -65,8 +65,8 @@ def grad_pieces(tokens=128, heads=8):
     for _ in range(2):  # a key is planned at its second call
         rd.apply(leaf, freqs, spec, backend="triton")
     planned = [p for key, entry in dispatch._plans.items()
-               if key[1] == id(freqs) and key[2] and key[3] == "triton" for p in entry.plans
-               if p.guard(leaf)]
+               if key[1] == id(freqs) and key[2] and key[3] == "triton" and key[4] is None
+               for p in entry.plans if p.guard(leaf)]  # key[4] None: a plain call's form
     if planned:
         fns["ours plan (no dispatch front)"] = lambda x, run=planned[0].run: run(
             x, freqs, spec, None, None, None)
