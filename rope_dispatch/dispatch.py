@@ -500,8 +500,8 @@ def _keep_plan(
         entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop)), ())
     address = _data_ptr if type(freqs) is _Tensor else table_address
     kept = tuple(p for p in entry.plans if not p.guard(*tensors))[: _MAX_PLANS_PER_KEY - 1]
-    run = _Plan(tensor_guard(*tensors), address, address(freqs), chosen.plan(call))
-    _plans[key] = entry._replace(plans=(run, *kept))
+    plan = _Plan(tensor_guard(*tensors), address, address(freqs), chosen.plan(call))
+    _plans[key] = entry._replace(plans=(plan, *kept))
 
 
 @dataclass
