@@ -307,8 +307,8 @@ def apply(
             backend if backend is not None else (_forced_get() or _env_backend_raw()), None,
         ))
         if entry is not None:
-            for guard, address, table_address, run in entry[1]:
-                if guard(t) and address(freqs) == table_address:
+            for guard, address, planned_address, run in entry[1]:
+                if guard(t) and address(freqs) == planned_address:
                     return run(t, freqs, spec, None, None, None)
     return _run(t, freqs, spec, start_positions, backend, False, False, None, None, positions)
 
@@ -462,8 +462,8 @@ def _run(
             )
             entry = _plans.get(key)
             if entry is not None:
-                for guard, address, table_address, run in entry[1]:
-                    if guard(*tensors) and address(freqs) == table_address:
+                for guard, address, planned_address, run in entry[1]:
+                    if guard(*tensors) and address(freqs) == planned_address:
                         return run(t, freqs, spec, start_positions, positions, k)
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place,
