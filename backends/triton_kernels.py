@@ -10,7 +10,9 @@ the data tiles, so they are neither recomputed per head nor per thread.
 
 A rate table (``RATES``) gives the rates instead of a table: pair ``k``'s angle is the float32
 product ``position * rate[k]``, as an angle table's entry is, so no table row is read per
-token.
+token. An angle table whose every row ``p`` is ``float32(p) * row 1`` bit for bit (``LINEAR``:
+what a model's ``outer(arange, inv_freq)`` makes, found by ``linear_table_kernel`` and kept in
+an int32 flag on the device) is read the same way, from row 1, while its flag says so.
 
 Positions come from the token index alone: ``s`` (+ ``start_positions[b]``) for sbhd/bshd, the
 context-parallel zigzag map when ``cp_size > 1``, and for thd a binary search of the token in
@@ -81,6 +83,43 @@ def _table(tab_ptr, sin_ptr, offsets, mask, USE_CACHE: tl.constexpr, FAST_TRIG: 
     else:
         cos, sin = _cos_sin(tl.load(tab_ptr + offsets, mask=mask, other=float("nan")), FAST_TRIG)
     return cos, sin
+
+
+@triton.jit
+def _rate_cos_sin(
+    rate_ptr, STEP: tl.constexpr, pos, inside, c, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, FAST_TRIG: tl.constexpr,
+):
+    """cos and sin of pair ``k``'s angle ``float32(pos) * rate_ptr[k * STEP]`` (one product, as
+    an angle table's entry is), one per pair; NaN for tokens outside the table."""
+    k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
+    k_ok = k < ROT_DIM // 2
+    rate = tl.load(rate_ptr + k * STEP, mask=k_ok, other=0.0)  # the same for every row
+    angle = pos.to(tl.float32)[:, None] * rate[None, :]
+    angle = tl.where(inside[:, None] & k_ok[None, :], angle, float("nan"))
+    return _cos_sin(angle, FAST_TRIG)
+
+
+@triton.jit
+def _row_cos_sin(
+    tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    USE_CACHE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
+):
+    """cos and sin of each channel of the tokens' table rows (angles or a cos/sin cache), as
+    the two channels of each pair see them: ``(cos_a, sin_a, cos_b, sin_b)``."""
+    tab_off = pos.to(tl.int64)[:, None] * ROT_DIM + c[None, :]
+    tab_mask = inside[:, None] & c_mask[None, :]
+    if INTERLEAVED:
+        cos, sin = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
+        cos_a, cos_b = tl.split(tl.reshape(cos, [BLOCK_T, BLOCK_R // 2, 2]))
+        sin_a, sin_b = tl.split(tl.reshape(sin, [BLOCK_T, BLOCK_R // 2, 2]))
+    else:
+        cos_a, sin_a = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
+        cos_b, sin_b = _table(
+            tab_ptr, sin_ptr, tab_off + ROT_DIM // 2, tab_mask, USE_CACHE, FAST_TRIG
+        )
+    return cos_a, sin_a, cos_b, sin_b
 
 
 @triton.jit
@@ -310,7 +349,7 @@ def _rope_program(
     sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
-    RATES: tl.constexpr, POSITIONS: tl.constexpr,
+    RATES: tl.constexpr, LINEAR: tl.constexpr, POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -343,18 +382,24 @@ def _rope_program(
         tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, pos_ptr, n_seqs, cp_size, cp_rank,
         LAYOUT, POSITIONS, CONTEXT_PARALLEL, SEQ_BLOCK,
     )
-    tab_off = pos.to(tl.int64)[:, None] * ROT_DIM + c[None, :]
     inside = tok_mask & (pos >= 0) & (pos < table_len)  # never read outside the table
-    tab_mask = inside[:, None] & c_mask[None, :]
     if RATES:  # rotation rates: pair k's angle is one float32 product, position x rate k
-        k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
-        k_ok = k < ROT_DIM // 2
-        rate = tl.load(tab_ptr + k, mask=k_ok, other=0.0)  # the same for every row
-        angle = pos.to(tl.float32)[:, None] * rate[None, :]
-        angle = tl.where(inside[:, None] & k_ok[None, :], angle, float("nan"))
-        cos_a, sin_a = _cos_sin(angle, FAST_TRIG)
+        cos_a, sin_a = _rate_cos_sin(tab_ptr, 1, pos, inside, c, ROT_DIM, INTERLEAVED, BLOCK_R,
+                                     FAST_TRIG)
         cos_b = cos_a
         sin_b = sin_a
+    elif LINEAR:  # an angle table; while its flag holds this pairing's bit, read as rates
+        if (tl.load(sin_ptr) & (2 if INTERLEAVED else 1)) != 0:
+            # row 1 holds each pair's rate: at k (halves) or 2k (pairs)
+            cos_a, sin_a = _rate_cos_sin(tab_ptr + ROT_DIM, 2 if INTERLEAVED else 1, pos, inside,
+                                         c, ROT_DIM, INTERLEAVED, BLOCK_R, FAST_TRIG)
+            cos_b = cos_a
+            sin_b = sin_a
+        else:
+            cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
+                tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM, INTERLEAVED, False, BLOCK_T,
+                BLOCK_R, FAST_TRIG,
+            )
     elif PAIRED:  # one cos and one sin per rotated pair, shared by both of its channels
         k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
         k_mask = inside[:, None] & (k < ROT_DIM // 2)[None, :]
@@ -362,14 +407,10 @@ def _rope_program(
                               k_mask, USE_CACHE, FAST_TRIG)
         cos_b = cos_a
         sin_b = sin_a
-    elif INTERLEAVED:
-        cos, sin = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
-        cos_a, cos_b = tl.split(tl.reshape(cos, [BLOCK_T, BLOCK_R // 2, 2]))
-        sin_a, sin_b = tl.split(tl.reshape(sin, [BLOCK_T, BLOCK_R // 2, 2]))
     else:
-        cos_a, sin_a = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
-        cos_b, sin_b = _table(
-            tab_ptr, sin_ptr, tab_off + ROT_DIM // 2, tab_mask, USE_CACHE, FAST_TRIG
+        cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
+            tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, BLOCK_T,
+            BLOCK_R, FAST_TRIG,
         )
     if BACKWARD:  # the transpose: each channel takes its partner's sine
         coef_a = sin_b
@@ -432,7 +473,7 @@ def rope_kernel(
     sx0, sx1, sxh, sxd, so0, so1, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
-    RATES: tl.constexpr, POSITIONS: tl.constexpr,
+    RATES: tl.constexpr, LINEAR: tl.constexpr, POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -447,14 +488,16 @@ def rope_kernel(
     ``PASS_DIM`` pass-through channels. ``PAIRED``: the cache holds one cos and one sin per pair
     (a pair cache; ``sin_ptr`` points half a row into it). ``RATES``: ``tab_ptr`` holds the
     rates twice over, ``[ROT_DIM]`` (a rate table), and each angle is ``position * rate``, no
-    table row read. Its argument list is kept short: at decode size the launch's host time is
-    the call's time.
+    table row read. ``LINEAR``: ``tab_ptr`` is an angle table and ``sin_ptr`` its int32 flag
+    (:func:`linear_table_kernel`); while the flag holds the pairing's bit, each angle is
+    ``position * row 1``, no other row read. Its argument list is kept short: at decode size
+    the launch's host time is the call's time.
     """
     _rope_program(
         tl.program_id(0), x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
         n_tokens, dim1, seq_len, table_len, heads, 1, n_seqs, cp_size, cp_rank,
         sx0, sx1, sxh, sxh, sxd, so0, so1, soh, soh, sod,
-        LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, POSITIONS,
+        LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
         CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
         SEQ_BLOCK, False,
         SCALE,
@@ -474,7 +517,7 @@ def rope_qkv_kernel(
     vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
-    RATES: tl.constexpr, POSITIONS: tl.constexpr,
+    RATES: tl.constexpr, LINEAR: tl.constexpr, POSITIONS: tl.constexpr,
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -505,7 +548,7 @@ def rope_qkv_kernel(
             block * q_per + r, q_x, q_out, q_tab, q_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, q_table_len, q_heads, q_group, n_seqs, cp_size, cp_rank,
             qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
-            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, POSITIONS,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
             SEQ_BLOCK, True,
             SCALE,
@@ -515,7 +558,7 @@ def rope_qkv_kernel(
             block * k_per + r - q_per, k_x, k_out, k_tab, k_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, k_table_len, k_heads, k_group, n_seqs, cp_size, cp_rank,
             kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
-            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, POSITIONS,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
             SEQ_BLOCK, True,
             SCALE,
@@ -526,6 +569,46 @@ def rope_qkv_kernel(
             vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
             LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
         )
+
+
+LINEAR_HALVES: int = 1  # flag bit: rows linear, row 1's halves equal (rotate-half pairs)
+LINEAR_PAIRS: int = 2  # flag bit: rows linear, row 1's neighbours equal (interleaved pairs)
+
+
+@triton.jit
+def linear_table_kernel(
+    tab_ptr, flag_ptr, rows, ROT_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Clear the bits of ``flag_ptr`` (int32, set to 3 before the launch) that the contiguous
+    float32 angle table ``[rows, ROT_DIM]`` (``rows >= 2``) does not earn: both bits unless every
+    entry ``[p, c]`` is bit for bit the float32 product ``float32(p) * [1, c]``, bit 1 unless
+    row 1's halves are equal, bit 2 unless its neighbouring channels are. With a bit set, the
+    angle of either channel of a pair at any position inside the table is one product with
+    row 1's entry: what the kernels compute from a rate table. Each program checks
+    ``BLOCK_ROWS`` rows."""
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < ROT_DIM
+    rate = tl.load(tab_ptr + ROT_DIM + c, mask=c_ok, other=0.0)
+    rows_at = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask = (rows_at < rows)[:, None] & c_ok[None, :]
+    got = tl.load(tab_ptr + rows_at.to(tl.int64)[:, None] * ROT_DIM + c[None, :], mask=mask,
+                  other=0.0)
+    want = rows_at.to(tl.float32)[:, None] * rate[None, :]
+    off = (got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)) & mask
+    off_rows = tl.reduce(tl.reduce(off.to(tl.int32), 1, _maximum), 0, _maximum)
+    partner = tl.where(c < ROT_DIM // 2, c + ROT_DIM // 2, c - ROT_DIM // 2)
+    halves = tl.load(tab_ptr + ROT_DIM + partner, mask=c_ok, other=0.0)
+    pairs = tl.load(tab_ptr + ROT_DIM + (c ^ 1), mask=c_ok, other=0.0)
+    rate_bits = rate.to(tl.int32, bitcast=True)
+    off_halves = tl.reduce(
+        ((halves.to(tl.int32, bitcast=True) != rate_bits) & c_ok).to(tl.int32), 0, _maximum
+    )
+    off_pairs = tl.reduce(
+        ((pairs.to(tl.int32, bitcast=True) != rate_bits) & c_ok).to(tl.int32), 0, _maximum
+    )
+    earned = (1 - off_halves) * 1 + (1 - off_pairs) * 2
+    tl.atomic_and(flag_ptr, earned * (1 - off_rows))
 
 
 INTERPRETED: bool = isinstance(rope_kernel, InterpretedFunction)

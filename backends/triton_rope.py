@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
+import weakref
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from rope_dispatch.call import RoPECall, expanded_dim, position_index
+from rope_dispatch.call import RoPECall, env_reader, expanded_dim, position_index
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import RoPESpec
 from rope_dispatch.tables import RotaryTable, angles_2d, kernel_tables, table_address
@@ -166,8 +168,12 @@ def _fast_key(
         cp = tp if cu_seqlens is None else cu_seqlens.data_ptr()
         stp = tp if positions is None else positions.data_ptr()
         extra = (
-            # a pair cache's sin is half as wide; a rate table's is the table (-1)
-            None if sin is None else (-1 if _is_rates(table, sin, tp, sp) else sin.shape[-1]),
+            # a pair cache's sin is half as wide; a rate table's is the table (-1); a linear
+            # angle table's is its int32 flag (-2)
+            None if sin is None else (
+                -1 if _is_rates(table, sin, tp, sp) else -2 if sin.dtype is _FLAG
+                else sin.shape[-1]
+            ),
             None if cu_seqlens is None
             else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.stride()),
             None if positions is None
@@ -191,7 +197,7 @@ def _fast_key(
 def _paired(table: torch.Tensor, sin: torch.Tensor | None) -> bool:
     """Whether the tables are a pair cache's: one value per rotated pair, its sin view half as
     wide as the table (:func:`rope_dispatch.tables.kernel_tables`)."""
-    return sin is not None and sin.shape[-1] != table.shape[-1]
+    return sin is not None and sin.shape[-1] != table.shape[-1] and sin.dtype is not _FLAG
 
 
 def _is_rates(
@@ -212,12 +218,17 @@ def _is_rates(
     return table.stride(0) == 0 and (sin is table or sin.stride(0) == 0)
 
 
-def _table_flags(table: torch.Tensor, sin: torch.Tensor | None) -> tuple[bool, bool, bool]:
-    """The kernels' ``(USE_CACHE, PAIRED, RATES)`` for the tables of
+def _table_flags(
+    table: torch.Tensor, sin: torch.Tensor | None
+) -> tuple[bool, bool, bool, bool]:
+    """The kernels' ``(USE_CACHE, PAIRED, RATES, LINEAR)`` for the tables of
     :func:`rope_dispatch.tables.kernel_tables`: angles ``(table, None)``; a cos/sin cache; a
-    pair cache (a sin half as wide); a rate table (``sin`` is the table)."""
+    pair cache (a sin half as wide); a rate table (``sin`` is the table); and of
+    :func:`_kernel_tables`: angles with their linearity flag (an int32 ``sin``)."""
+    if sin is not None and sin.dtype is _FLAG:
+        return False, False, False, True
     rates = _is_rates(table, sin)
-    return sin is not None and not rates, _paired(table, sin) and not rates, rates
+    return sin is not None and not rates, _paired(table, sin) and not rates, rates, False
 
 
 def _position_kind(positions: torch.Tensor | None) -> int:
@@ -225,6 +236,108 @@ def _position_kind(positions: torch.Tensor | None) -> int:
     sequence), 2 per-token positions (a 2-D one in token order: ``[s, b]``, ``[b, s]`` or
     ``[T, 1]``)."""
     return 0 if positions is None else positions.dim()
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear angle tables: read as rates while their flag on the device says every row is
+# float32(position) x row 1
+
+_FLAG = torch.int32  # the dtype that tells a linear table's flag from a cache's sin
+
+LINEAR_MIN_ROWS_READ = 1 << 18
+"""Tokens x rotary channels from which a call with an angle table looks for its flag (1 MiB of
+float32 rows read without one). Smaller calls read their rows: the saving is small and their
+host path counts."""
+
+_linear_tables_setting = env_reader("ROPE_DISPATCH_LINEAR_TABLES")
+
+# (id of the table's base tensor, address, shape, device index) -> the table's flag: an int32
+# [1] tensor on the table's device with attributes _rope_base (a weak reference to the base,
+# whose death drops the entry) and _rope_version (the table's version counter when checked)
+_flags: dict[tuple, torch.Tensor] = {}
+# tables seen once: a table made for one call (a copy of a strided one) is never checked
+_flags_met: dict[tuple, weakref.ref] = {}
+_MAX_FLAGS = 64
+
+
+def _forget_flag(key: tuple, ref: weakref.ref) -> None:
+    flag = _flags.get(key)
+    if flag is not None and flag._rope_base is ref:  # type: ignore[attr-defined]
+        del _flags[key]
+
+
+def _capturing(table: torch.Tensor) -> bool:
+    """Whether the current CUDA stream is being captured into a graph: a replay would read the
+    flag as it was at capture, whatever was written into the table since."""
+    return table.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def linear_flag(table: torch.Tensor) -> torch.Tensor | None:
+    """The flag of the contiguous float32 angle table ``[s2, d2]``, checked against its current
+    contents (:func:`current_flag`), or ``None`` where the kernels read its rows: at the first
+    sight of a table (a table made for one call never pays for a check), for inference tensors
+    (no version counter tells a later write), fewer than two rows, under ``torch.compile`` or
+    CUDA graph capture, and with ``ROPE_DISPATCH_LINEAR_TABLES=0``."""
+    if (
+        table.shape[0] < 2 or table.is_inference() or _linear_tables_setting() == "0"
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    base = table._base if table._base is not None else table
+    key = (id(base), table.data_ptr(), table.shape, table.get_device())
+    flag = _flags.get(key)
+    if flag is None or flag._rope_base() is not base:  # type: ignore[attr-defined]
+        met = _flags_met.pop(key, None)
+        if met is None or met() is not base or _capturing(table):
+            if len(_flags_met) >= _MAX_FLAGS:
+                _flags_met.clear()
+            _flags_met[key] = weakref.ref(base)
+            return None
+        with torch.inference_mode(False):  # a normal tensor: refilled outside inference mode too
+            flag = torch.zeros(1, dtype=_FLAG, device=table.device)
+        flag._rope_base = weakref.ref(base, functools.partial(_forget_flag, key))  # type: ignore[attr-defined]
+        flag._rope_version = -1  # type: ignore[attr-defined]
+        if len(_flags) >= _MAX_FLAGS:
+            _flags.clear()
+        _flags[key] = flag
+    return current_flag(table, flag)
+
+
+def current_flag(table: torch.Tensor, flag: torch.Tensor) -> torch.Tensor | None:
+    """``flag``, checked again when ``table`` was written since its last check (its version
+    counter moved); ``None`` under CUDA graph capture, where the kernels read the rows."""
+    if _capturing(table):
+        return None
+    version = table._version
+    if flag._rope_version != version:  # type: ignore[attr-defined]
+        kernels = _kernels if _kernels is not None else _load_kernels()
+        d2 = table.shape[1]
+        block_c = _next_pow2(d2)
+        block_rows = max(1, 4096 // block_c)
+        flag.fill_(kernels.LINEAR_HALVES | kernels.LINEAR_PAIRS)
+        with _on_device(table):
+            kernels.linear_table_kernel[(-(-table.shape[0] // block_rows),)](
+                table, flag, table.shape[0], ROT_DIM=d2, BLOCK_ROWS=block_rows, BLOCK_C=block_c,
+            )
+        flag._rope_version = version  # type: ignore[attr-defined]
+    return flag
+
+
+def _kernel_tables(
+    table: RotaryTable, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`rope_dispatch.tables.kernel_tables`, with an angle table's flag as its ``sin``
+    (:func:`linear_flag`) when the call reads at least ``LINEAR_MIN_ROWS_READ`` row entries."""
+    tab, sin = kernel_tables(table)
+    if sin is None and tokens * tab.shape[1] >= LINEAR_MIN_ROWS_READ:
+        flag = linear_flag(tab)
+        if flag is not None:
+            return tab, flag
+    return tab, sin
+
+
+def _tokens(t: torch.Tensor) -> int:
+    return math.prod(t.shape[:-2])
 
 
 def launch(
@@ -244,6 +357,8 @@ def launch(
     alone (neither read nor written): with ``out`` being ``x``, an in-place rotation. No host
     sync, no allocation. The current CUDA device must be ``x``'s.
     """
+    if sin is not None and sin.dtype is _FLAG:
+        sin = current_flag(table, sin)
     if config is None and _kernels is not None and not _kernels.INTERPRETED:
         # Fast path: the same call signature as before -> the same compiled kernel, launched
         # directly.
@@ -305,10 +420,10 @@ def launch(
     grid = -(-n_tokens // block_t) * head_groups
     ints = (n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs, cp_size, cp_rank,
             sx0, sx1, sxh, sxd, so0, so1, soh, sod)
-    use_cache, paired, rates = _table_flags(table, sin)
+    use_cache, paired, rates, linear = _table_flags(table, sin)
     consts = dict(
         LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim,
-        INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates,
+        INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates, LINEAR=linear,
         POSITIONS=_position_kind(positions), CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
@@ -540,6 +655,12 @@ def launch_qkv(
     would not use that cache), for a plan to bind the compiled kernel."""
     kernels = _kernels if _kernels is not None else _load_kernels()
     q_tab, q_sin, k_tab, k_sin = tables
+    if q_sin is not None and q_sin.dtype is _FLAG:  # k's table is of q's kind (a flag too)
+        shared = k_sin is q_sin
+        q_sin = current_flag(q_tab, q_sin)
+        k_sin = q_sin if shared or q_sin is None else current_flag(k_tab, k_sin)
+        if k_sin is None:
+            q_sin = None
     has_v = len(xs) == 3
     pairs = tuple(zip(xs, outs)) if has_v else (*zip(xs, outs), (xs[1], outs[1]))
     shape = xs[0][2]
@@ -606,10 +727,10 @@ def launch_qkv(
     # the kernel's order: per-segment heads and group
     ints = (*base_ints[:8], heads[0], base_ints[11], heads[1], base_ints[12], heads[2],
             base_ints[13], *strides)
-    use_cache, paired, rates = _table_flags(q_tab, q_sin)  # k's table is of q's kind
+    use_cache, paired, rates, linear = _table_flags(q_tab, q_sin)  # k's table is of q's kind
     consts = dict(
         LAYOUT=LAYOUT_CODES[layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
-        INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates,
+        INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates, LINEAR=linear,
         POSITIONS=_position_kind(positions), CONTEXT_PARALLEL=cp_size > 1,
         BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
@@ -818,10 +939,12 @@ triton_rope_qkv_transpose_op.register_autograd(
 def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed qkv RoPE of a checked call: q ``[.., h * q/d, d]``, k ``[.., h, k]``, v
     ``[.., h, v]``, new and contiguous; eager autograd or, while tracing, the custom ops."""
-    spec = call.spec
-    tables = (*kernel_tables(call.table), *kernel_tables(
-        call.table if call.k_table is None else call.k_table
-    ))
+    spec, tokens = call.spec, _tokens(call.t)
+    q_tables = _kernel_tables(call.table, tokens)
+    k_tables = q_tables if call.k_table is None else _kernel_tables(call.k_table, tokens)
+    if (q_tables[1] is None) != (k_tables[1] is None):  # one kernel reads both tables alike
+        q_tables, k_tables = kernel_tables(call.table), kernel_tables(call.k_table)
+    tables = (*q_tables, *k_tables)
     args = (call.t, *tables, spec.cu_seqlens, position_index(call), call.split, spec.layout,
             spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
     if type(call.t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
@@ -966,7 +1089,7 @@ def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     """A q and k pair of a checked call: new ``(q_out, k_out)``, or ``(q, k)`` rotated in place
     (``call.in_place``); eager autograd or, while tracing, the custom op."""
     spec, q, k = call.spec, call.t, call.k
-    table, sin = kernel_tables(call.table)
+    table, sin = _kernel_tables(call.table, _tokens(q))
     args = (table, sin, spec.cu_seqlens, position_index(call), spec.layout, spec.interleaved,
             spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
     if type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
@@ -1016,7 +1139,7 @@ def rope_triton(
     ``rope_dispatch::triton_rope`` op. ``in_place``: rotate ``t``'s rotary channels in place
     and return ``t`` (while tracing: the op's result copied into ``t``).
     """
-    tab, sin = kernel_tables(table)
+    tab, sin = _kernel_tables(table, _tokens(t))
     if type(t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         out = triton_rope_op(
             t, tab, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size, cp_rank,
@@ -1060,18 +1183,31 @@ def _user_table_address(call: RoPECall) -> int:
     return address if isinstance(address, int) else address[0]
 
 
-def _forward_entry(call: RoPECall) -> tuple[tuple, tuple, tuple | None]:
+def _flag_of(sin: torch.Tensor | None) -> torch.Tensor | None:
+    """``sin`` when it is a linear angle table's flag (:func:`_kernel_tables`)."""
+    return sin if sin is not None and sin.dtype is _FLAG else None
+
+
+def _flag_stale(flag: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether a plan must not launch with the address of ``flag``, the flag of ``freqs``'s
+    angle table: the table was written since its check (the generic path checks it again) or
+    a CUDA graph is being captured (a replay must read the rows)."""
+    return flag._rope_version != freqs._version or _capturing(freqs)  # type: ignore[attr-defined]
+
+
+def _forward_entry(call: RoPECall) -> tuple[tuple, tuple, tuple | None, torch.Tensor | None]:
     """The ``_fast`` key of a single-tensor call's forward launch (in place or into a fresh
-    output), its table, sin, cu_seqlens and index addresses, and the compiled launch stored
-    under that key by the call that just ran (``None`` when there is none)."""
+    output), its table, sin, cu_seqlens and index addresses, the compiled launch stored
+    under that key by the call that just ran (``None`` when there is none), and the table's
+    linearity flag when the launch reads one."""
     t, spec, in_place = call.t, call.spec, call.in_place
-    table, sin = kernel_tables(call.table)
+    table, sin = _kernel_tables(call.table, _tokens(t))
     key, tail = _fast_key(
         t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
         table, table.data_ptr(), sin, spec.cu_seqlens, position_index(call), spec.layout,
         spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False, not in_place,
     )
-    return key, tail, _fast.get(key)
+    return key, tail, _fast.get(key), _flag_of(sin)
 
 
 def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
@@ -1080,13 +1216,13 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     address reads and Triton's C launcher. It holds addresses, never tensors: dispatch checks
     with each call that ``freqs`` still holds the memory it held at plan time, and a call that
     ran on a contiguous copy of a strided table is never bound (``generic`` serves it). Only a
-    kernel
-    compiled for 16-byte aligned inputs is bound; ``generic`` also serves unaligned inputs and
-    calls made while another device is current. The index tensor (start or per-token
-    positions), when the call has one, is read by address too."""
+    kernel compiled for 16-byte aligned inputs is bound; ``generic`` also serves unaligned
+    inputs and calls made while another device is current. The index tensor (start or
+    per-token positions), when the call has one, is read by address too, and so is a linear
+    angle table's flag while the table is unchanged since its check (:func:`_flag_stale`)."""
     t, in_place = call.t, call.in_place
     index = position_index(call)
-    key, tail, entry = _forward_entry(call)
+    key, tail, entry, flag = _forward_entry(call)
     # not compiled, for unaligned inputs, or on a contiguous copy of a strided angle table
     # (dispatch checks each call that ``freqs`` holds the memory it held at plan time; the kernel
     # must read that memory): keep it rare
@@ -1115,7 +1251,9 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
         xp = x.data_ptr()
         given = positions if start_positions is None else start_positions
         ip = bound_table if given is None else given.data_ptr()
-        if (xp | ip) & 15 or (guard and current_device() != device_index):
+        if (xp | ip) & 15 or (guard and current_device() != device_index) or (
+            flag is not None and _flag_stale(flag, freqs)
+        ):
             return generic(x, freqs, spec, start_positions, positions, k)
         if in_place:
             run(*head, stream(device_index), *prefix, xp, xp, *bound_tables, ip, *rest)
@@ -1134,9 +1272,12 @@ class _GradLaunch:
     backward that finds it compiled. Holds addresses and compiled kernels, never tensors."""
 
     __slots__ = ("run", "prefix", "head", "tables", "rest", "device", "back_key", "back",
-                 "settings", "per_token")
+                 "settings", "per_token", "flag")
 
-    def __init__(self, key: tuple, tail: tuple, entry: tuple, settings: tuple, per_token: bool):
+    def __init__(
+        self, key: tuple, tail: tuple, entry: tuple, settings: tuple, per_token: bool,
+        flag: torch.Tensor | None,
+    ):
         self.run, self.prefix, grid, ints, consts = entry
         self.head = (grid, 1, 1)
         self.tables = tail[:3]
@@ -1146,6 +1287,7 @@ class _GradLaunch:
         self.back: tuple | None = None
         self.settings = settings
         self.per_token = per_token
+        self.flag = flag  # a linear angle table's flag, read by address
 
     def forward(self, x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty_like(x)
@@ -1163,7 +1305,10 @@ class _GradLaunch:
         wanted, else the generic launch (any strides) or, for double backward, the
         differentiable function."""
         gp = grad.data_ptr()
-        if not torch.is_grad_enabled() and grad.is_contiguous() and not gp & 15:
+        if (
+            not torch.is_grad_enabled() and grad.is_contiguous() and not gp & 15
+            and (self.flag is None or not _flag_stale(self.flag, freqs))
+        ):
             back = self.back
             if back is None:
                 entry = _fast.get(self.back_key)
@@ -1177,7 +1322,9 @@ class _GradLaunch:
                 run(*head, _current_stream(self.device), *prefix, gp, grad_x.data_ptr(),
                     *self.tables, ip, *rest)
                 return grad_x
-        table, sin = kernel_tables(angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs)
+        table, sin = _kernel_tables(
+            angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs, _tokens(grad)
+        )
         if index is not None and self.per_token and index.dim() == 1:
             index = index.unsqueeze(-1)  # the kernels' per-token form (position_index)
         if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
@@ -1223,11 +1370,11 @@ def _bound_grad_launch(call: RoPECall, generic: Plan) -> Plan:
     t, spec = call.t, call.spec
     if call.in_place or not t.is_contiguous():
         return generic
-    key, tail, entry = _forward_entry(call)
+    key, tail, entry, flag = _forward_entry(call)
     if entry is None or key[-1] != 63 or tail[0] != _user_table_address(call):
         return generic
     settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
-    launches = _GradLaunch(key, tail, entry, settings, call.positions is not None)
+    launches = _GradLaunch(key, tail, entry, settings, call.positions is not None, flag)
     device_index = key[-2]
     guard = _several_gpus()
     current_device = torch.cuda.current_device
@@ -1241,7 +1388,7 @@ def _bound_grad_launch(call: RoPECall, generic: Plan) -> Plan:
         given = positions if start_positions is None else start_positions
         if (x.data_ptr() | (0 if given is None else given.data_ptr())) & 15 or (
             guard and current_device() != device_index
-        ) or transforms_active():
+        ) or transforms_active() or (flag is not None and _flag_stale(flag, freqs)):
             return generic(x, freqs, spec, start_positions, positions, k)
         return apply(x, launches, freqs, given, spec.cu_seqlens)
 
@@ -1252,7 +1399,8 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
     """:func:`_bound_launch` for a q and k pair: one launch of the compiled two-segment kernel
     from the new q's, k's and index tensor's addresses (two output allocations out of place)."""
     q, k, spec, in_place = call.t, call.k, call.spec, call.in_place
-    table, sin = kernel_tables(call.table)
+    table, sin = _kernel_tables(call.table, _tokens(q))
+    flag = _flag_of(sin)
     index, cu = position_index(call), spec.cu_seqlens
     outs = (q, k) if in_place else _qk_outputs(q, k, None)
     key = _qk_launch(q, k, *outs, (table, sin), cu, index, spec.layout, spec.interleaved,
@@ -1278,7 +1426,9 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
         qp, kp = x.data_ptr(), k.data_ptr()
         given = positions if start_positions is None else start_positions
         ip = tp if given is None else given.data_ptr()
-        if (qp | kp | ip) & 15 or (guard and current_device() != device_index):
+        if (qp | kp | ip) & 15 or (guard and current_device() != device_index) or (
+            flag is not None and _flag_stale(flag, freqs)
+        ):
             return generic(x, freqs, spec, start_positions, positions, k)
         if in_place:
             run(grid, 1, 1, stream(device_index), *prefix, qp, qp, kp, kp, kp, kp, tp, sp, tp, sp,

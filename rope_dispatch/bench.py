@@ -127,7 +127,7 @@ def make_inputs(shape: Shape, device: str = "cuda", draw_on_device: bool = False
         return torch.randn(dims, generator=gen).to(shape.dtype).to(device)
 
     rot, cp = shape.rotary_dim, shape.cp_size
-    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    inv = rd.tables.inverse_frequencies(rot, 10000.0)  # float32, as models make them
     t = normal(shape.dims())
     # thd under CP: shape.seq is the local token count; global lengths divide by 2 * cp
     lengths = (
@@ -141,8 +141,9 @@ def make_inputs(shape: Shape, device: str = "cuda", draw_on_device: bool = False
     # longest packed sequence, not the token count (TE's thd grid grows with the table length).
     longest = max(lengths) if lengths else shape.seq * cp
     table_len = max(TABLE_LEN, longest + (MAX_START if starts is not None else 0))
-    angles = torch.outer(torch.arange(table_len, dtype=torch.float64), inv)
-    freqs = torch.cat((angles, angles), dim=-1).float().view(table_len, 1, 1, rot).to(device)
+    # each angle the float32 product position x rate, as TransformerEngine's and Hugging
+    # Face's rotary modules compute it (so the triton backend reads it as rates: docs/tables.md)
+    freqs = rd.tables.angle_table(inv, table_len).to(device)
     cu = None
     common = dict(dtype=shape.dtype, cp_size=cp, cp_rank=cp - 1)
     if lengths is not None:
@@ -213,9 +214,12 @@ def _triton_transpose(inp: Inputs, table: Any) -> Callable[[], Any]:
     incoming gradient (one packed gradient for qkv), output allocation included."""
     from rope_dispatch.backends import triton_rope
 
-    from rope_dispatch.tables import angles_2d, kernel_tables
+    from rope_dispatch.tables import angles_2d
 
-    tab, sin = kernel_tables(angles_2d(table) if isinstance(table, torch.Tensor) else table)
+    tab, sin = triton_rope._kernel_tables(  # a linear angle table's flag, as apply finds it
+        angles_2d(table) if isinstance(table, torch.Tensor) else table,
+        math.prod(inp.t.shape[:-2]),
+    )
     spec = inp.spec
     settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
     if inp.split is not None:
@@ -558,7 +562,7 @@ def serving_inputs(tokens: int, device: str = "cuda", max_pos: int = TABLE_LEN) 
     q, k = qkv[:, :SERVING_Q_HEADS], qkv[:, SERVING_Q_HEADS : SERVING_Q_HEADS + SERVING_K_HEADS]
     positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
     rot = SERVING_HEAD_DIM
-    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    inv = rd.tables.inverse_frequencies(rot, 10000.0)  # float32, as models make them
     pair = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
     return dict(
         qkv=qkv, q=q, k=k, positions=positions,

@@ -5,7 +5,8 @@
 reader sees where each implementation reaches the copy's bandwidth and where launch and tail
 effects hold it back. Per point it measures a device-to-device copy of the tensor's bytes (the
 ceiling: RoPE reads the tensor once and writes it once) and, for our triton backend (with
-the point's angle table, its rate table, and its cos and sin in ``t``'s dtype: Liger's inputs),
+the point's angle table, the same table with its rows read, and its cos and sin in ``t``'s
+dtype: Liger's inputs),
 TransformerEngine's fused ``apply_rotary_pos_emb`` and Liger-Kernel's ``rope_forward`` /
 ``rope_backward`` (where importable and the layout fits their API): the forward, the
 backward's launch alone, forward+backward through autograd, each as the median of
@@ -20,6 +21,7 @@ length, one panel per series.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 import rope_dispatch as rd
+from rope_dispatch.backends import triton_rope
 from rope_dispatch.bench import (
     Impl, Inputs, Shape, _liger_peer, _ours, _seqlens, _te_peer, _versions, bench_ms,
     host_us_interleaved, make_inputs, pyplot, time_mode,
@@ -47,7 +50,7 @@ LARGE_TENSOR_BYTES = 64 << 20  # the "95% of copy" target covers inputs of at le
 THD_SEQS_PER_BATCH = 4  # thd packs 4 * batch sequences into the token count
 NOT_KERNELS = ("Memcpy", "Memset", "Context Sync", "Stream Sync", "Event Sync", "Stream Wait")
 IMPLEMENTATIONS = {
-    "triton": "triton", "triton-rates": "triton (rate table)",
+    "triton": "triton", "triton-rows": "triton (table rows read)",
     "triton-cache": "triton (cos/sin cache, t's dtype)", "te": "TE fused (peer)",
     "liger": "Liger (peer)",
 }
@@ -184,9 +187,8 @@ def _build(name: str, shape: Shape, inp: Inputs) -> tuple[Impl | None, str]:
     """The implementation ``name`` for this point, or None and why it is absent."""
     if name == "triton":
         return _ours("triton", "triton", inp, inp.freqs), "the triton backend refuses the call"
-    if name == "triton-rates":
-        return (_ours("triton", IMPLEMENTATIONS[name], inp, rate_table(inp.freqs)),
-                "the triton backend refuses the call")
+    if name == "triton-rows":
+        return rows_read(inp, IMPLEMENTATIONS[name]), "the triton backend refuses the call"
     if name == "triton-cache":
         return (_ours("triton", IMPLEMENTATIONS[name], inp, model_dtype_cache(inp, shape.dtype)),
                 "the triton backend refuses the call")
@@ -197,13 +199,34 @@ def _build(name: str, shape: Shape, inp: Inputs) -> tuple[Impl | None, str]:
     return _liger_peer(shape, inp), "liger_kernel is not importable"
 
 
-def rate_table(freqs: torch.Tensor) -> rd.RateTable:
-    """The point's table as a :class:`~rope_dispatch.RateTable`: its rates are row 1 of the
-    angle table (position 1 times each rate), its rows the table's. Its angles are the float32
-    products ``position * rate``, the table's up to the last bit (the benchmark builds the table
-    in float64): the same work and bytes, no table row read per token."""
-    rows, d2 = freqs.shape[0], freqs.shape[-1]
-    return rd.RateTable(freqs.reshape(rows, d2)[1, : d2 // 2].contiguous(), rows)
+def rows_read(inp: Inputs, label: str) -> Impl | None:
+    """Ours on a copy of the point's angle table whose rows the kernels read: no call of it
+    looks for a linearity flag (``LINEAR_MIN_ROWS_READ`` is raised around each, and the copy is
+    its own object, so no plan or flag of the point's table reaches it). Beside ``triton``,
+    what reading the table as rates saves."""
+    table = inp.freqs.clone()
+    saved = triton_rope.LINEAR_MIN_ROWS_READ
+
+    def rows(fn: Callable[[], Any] | None) -> Callable[[], Any] | None:
+        if fn is None:
+            return None
+
+        def run() -> Any:
+            triton_rope.LINEAR_MIN_ROWS_READ = sys.maxsize
+            try:
+                return fn()
+            finally:
+                triton_rope.LINEAR_MIN_ROWS_READ = saved
+
+        return run
+
+    impl = rows(lambda: _ours("triton", label, inp, table))()  # type: ignore[misc]
+    if impl is None:
+        return None
+    return dataclasses.replace(
+        impl, fwd=rows(impl.fwd), bwd=rows(impl.bwd), fwd_bwd=rows(impl.fwd_bwd),
+        output=rows(impl.output), bwd_kernel=rows(impl.bwd_kernel),
+    )
 
 
 def model_dtype_cache(inp: Inputs, dtype: torch.dtype) -> rd.CosSinCache:

@@ -336,13 +336,13 @@ def test_kernel_tables_and_address():
     assert sin is view and view.shape == (9, 6) and view.stride() == (0, 1)
     assert torch.equal(view[4], torch.tensor([1.0, 0.5, 0.25, 1.0, 0.5, 0.25]))
     assert tables.table_address(table) == view.data_ptr()
-    assert _table_flags(view, sin) == (False, False, True)
+    assert _table_flags(view, sin) == (False, False, True, False)
     # two views of the one buffer (as a traced graph may hand them over) still say rates
-    assert _table_flags(view, table._kernel_rates.as_strided((9, 6), (0, 1))) == (False, False, True)
+    assert _table_flags(view, table._kernel_rates.as_strided((9, 6), (0, 1))) == (False, False, True, False)
     cos = torch.rand(9, 6)
-    assert _table_flags(cos, torch.rand(9, 6)) == (True, False, False)
-    assert _table_flags(cos, cos) == (True, False, False)  # one contiguous tensor as cos and sin
-    assert _table_flags(cos, None) == (False, False, False)
+    assert _table_flags(cos, torch.rand(9, 6)) == (True, False, False, False)
+    assert _table_flags(cos, cos) == (True, False, False, False)  # one contiguous tensor as cos and sin
+    assert _table_flags(cos, None) == (False, False, False, False)
     x = torch.randn(4, 1, 1, 8)
     common = (None, None, "sbhd", False, 1.0, 1, 0, False, True)
     rates_key = _fast_key(x, 0, 0, None, view, view.data_ptr(), sin, *common)[0]

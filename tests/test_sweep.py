@@ -222,18 +222,18 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     monkeypatch.setattr(sweep, "_liger_peer", lambda shape, inp: None)
     shape = sweep.make_point(layout, torch.float32, sweep.Series(1, 2, 16, 8, (), ""), 32)
     record = sweep.run_point(shape, peers=True, device=DEVICE)
-    # the copy, then fwd, bwd kernel, fwd+bwd of triton with the angle table, the rate table and
-    # the cos/sin cache in t's dtype
+    # the copy, then fwd, bwd kernel, fwd+bwd of triton with the angle table, with its rows
+    # read, and with the cos/sin cache in t's dtype
     assert len(ran) == 10
-    for name in ("triton", "triton-rates", "triton-cache"):
+    for name in ("triton", "triton-rows", "triton-cache"):
         triton = record["implementations"][name]
         assert triton["fwd_us"] == triton["bwd_kernel_us"] == pytest.approx(2.0)
         assert triton["fwd_bwd_pct_of_copy"] == pytest.approx(200.0)  # two copies' bytes
         assert triton["launches_fwd"] == triton["launches_fwd_bwd"] == 1
-    assert record["implementations"]["triton-rates"]["label"] == "triton (rate table)"
+    assert record["implementations"]["triton-rows"]["label"] == "triton (table rows read)"
     assert record["implementations"]["triton-cache"]["label"] == "triton (cos/sin cache, t's dtype)"
     # a small point: forward + backward on the host clock, ours measured in turn
-    assert in_turn == ["triton", "triton-rates", "triton-cache"]
+    assert in_turn == ["triton", "triton-rows", "triton-cache"]
     assert record["implementations"]["triton"]["fwd_bwd_host_us"] == 3.0
     assert record["implementations"]["te"]["absent"] == "TransformerEngine is not importable"
     liger = record["implementations"]["liger"]["absent"]
@@ -252,13 +252,26 @@ def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
     assert record["implementations"]["triton"]["launches_fwd"] is None
 
 
-def test_rate_table_of_a_point_gives_its_angles():
-    """The sweep's rate table turns each pair by the point's angle at every position (to float32
-    rounding: the benchmark's table is rounded from float64)."""
-    from rope_dispatch.tables import angle_table
+def test_points_have_model_tables_and_the_rows_series_reads_them(triton_backend, monkeypatch):
+    """A point's angle table is a model's (row p is float32(p) x row 1, bit for bit), so ours
+    reads it as rates (its flag is found); the "rows read" series, the same numbers, never
+    looks for a flag, and leaves the threshold as it found it."""
+    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.bench import _ours
 
-    inp = sweep.make_inputs(sweep.make_point("sbhd", torch.float32, sweep.Series(1, 2, 16, 16, (), ""), 32), "cpu")
-    rates = sweep.rate_table(inp.freqs)
-    assert rates.seq_len == inp.freqs.shape[0] and rates.rotary_dim == 16
-    rebuilt = angle_table(rates.inv_freq, rates.seq_len)
-    assert torch.allclose(rebuilt, inp.freqs, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 0)  # tiny shapes look too
+    monkeypatch.setattr(triton_rope, "_flags", {})
+    monkeypatch.setattr(triton_rope, "_flags_met", {})
+    inp = sweep.make_inputs(sweep.make_point("sbhd", torch.float32, sweep.Series(1, 2, 16, 16, (), ""), 32), DEVICE)
+    angles = inp.freqs.view(inp.freqs.shape[0], -1).cpu()
+    positions = torch.arange(angles.shape[0], dtype=torch.float32)
+    assert torch.equal(angles, positions[:, None] * angles[1][None, :])
+    rows = sweep.rows_read(inp, "rows")
+    rows_out = [rows.fwd() for _ in range(2)][-1]
+    rows.bwd(), rows.fwd_bwd(), rows.bwd_kernel()
+    assert triton_rope._flags == {} and triton_rope.LINEAR_MIN_ROWS_READ == 0
+    ours = _ours("triton", "triton", inp, inp.freqs)
+    ours_out = ours.fwd()
+    ours.bwd_kernel()
+    assert [int(flag.item()) for flag in triton_rope._flags.values()] == [1]
+    assert torch.equal(ours_out, rows_out)
