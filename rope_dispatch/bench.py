@@ -563,11 +563,12 @@ def serving_inputs(tokens: int, device: str = "cuda", max_pos: int = TABLE_LEN) 
     positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
     rot = SERVING_HEAD_DIM
     inv = rd.tables.inverse_frequencies(rot, 10000.0)  # float32, as models make them
-    pair = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
+    angles = rd.tables.angle_table(inv, max_pos).view(max_pos, rot)  # float32 products, as engines
+    pair = angles[:, : rot // 2]
     return dict(
         qkv=qkv, q=q, k=k, positions=positions,
-        freqs=torch.cat((pair, pair), -1).float().to(device),
-        pair_cache=rd.PairCosSinCache(torch.cat((pair.cos(), pair.sin()), -1).float().to(device)),
+        freqs=angles.to(device),
+        pair_cache=rd.PairCosSinCache(torch.cat((pair.cos(), pair.sin()), -1).to(device)),
         rate_table=rd.RateTable(inv.float().to(device), max_pos),
         thd=rd.RoPESpec(layout="thd", dtype=torch.bfloat16),
         sbhd=rd.RoPESpec(layout="sbhd", dtype=torch.bfloat16),
@@ -616,14 +617,34 @@ def run_serving(report: Report) -> None:
     copy_ms = bench_ms(lambda: dst.copy_(src))
     name = f"prefill q+k T{SERVING_TOKENS['prefill']} q32 k8 d128 bf16"
     report.rows.append(Row(name, "device copy", "copy", copy_ms * 1e3, nbytes / copy_ms / 1e6, 1.0))
+    rows_table = p["freqs"].clone()  # its own object: no flag of p["freqs"] reaches it
     for label, fn in (
         ("triton apply_qk (one launch)", lambda: rd.apply_qk(q, k, p["freqs"], p["thd"], positions=p["positions"])),
+        ("triton apply_qk (table rows read)", rows_read(
+            lambda: rd.apply_qk(q, k, rows_table, p["thd"], positions=p["positions"]))),
         ("triton apply_qk (pair cache)", lambda: rd.apply_qk(q, k, p["pair_cache"], p["thd"], positions=p["positions"])),
         ("triton apply_qk (rate table)", lambda: rd.apply_qk(q, k, p["rate_table"], p["thd"], positions=p["positions"])),
     ):
         ms = bench_ms(fn)
         report.rows.append(Row(name, label, "fwd", ms * 1e3, nbytes / ms / 1e6, copy_ms / ms))
         print(f"  {label:>30} {ms * 1e3:9.1f} us {100 * copy_ms / ms:5.0f}% of copy", flush=True)
+
+
+def rows_read(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` with the triton backend reading every row of its angle tables: no call inside
+    looks for a linear table's flag (``LINEAR_MIN_ROWS_READ`` raised around it). Give it a
+    table of its own: a plan or flag made for a table by other calls would still serve it."""
+    from rope_dispatch.backends import triton_rope
+
+    def run() -> Any:
+        saved = triton_rope.LINEAR_MIN_ROWS_READ
+        triton_rope.LINEAR_MIN_ROWS_READ = sys.maxsize
+        try:
+            return fn()
+        finally:
+            triton_rope.LINEAR_MIN_ROWS_READ = saved
+
+    return run
 
 
 def _liger_qk(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, pos: torch.Tensor):

@@ -48,6 +48,9 @@ class GridCase:
     qk: bool = False  # q and a 2-head k sliced out of one projection (apply_qk)
     scale: float = 1.0  # the spec's cos_sin_scale (an attention factor)
     rates: bool = False  # a RateTable (rates and a row count) instead of an angle table
+    # an angle table as models make it (float32 products of positions and rates), on a GPU long
+    # enough that the triton backend reads it as rates (docs/tables.md, "Linear angle tables")
+    model_table: bool = False
 
 
 GRID = (
@@ -69,6 +72,8 @@ GRID = (
              interleaved=True, cache=True, starts=True, scale=1.2),
     GridCase("bshd bf16 rate table interleaved partial start", "bshd", torch.bfloat16,
              rotary_dim=32, interleaved=True, starts=True, rates=True),
+    GridCase("sbhd bf16 a model's angle table", "sbhd", torch.bfloat16,
+             model_table=True),
 )
 QKV_SPLIT = (128, 64, 64)  # two query heads, one key head and one value head of d 64 a group
 
@@ -78,9 +83,11 @@ QUICK = (
     GRID[11],  # thd, interleaved, a cos/sin cache, start positions, a cos/sin scale
     GRID[8],  # packed qkv
     GRID[10],  # q and k, slices of one projection
+    GRID[13],  # a model's angle table (read as rates by triton on a GPU)
 )
 """The default run: every feature once (start positions with context parallelism, partial and
-interleaved rotary, thd, the cos/sin cache and scale, strided views, packed qkv, q and k pairs).
+interleaved rotary, thd, the cos/sin cache and scale, strided views, packed qkv, q and k pairs,
+a model's angle table).
 A backend whose first call of a spec compiles (torch.compile) runs the first case only;
 ``--thorough`` runs the whole grid on every backend."""
 
@@ -112,6 +119,8 @@ def make_inputs(case: GridCase, device: str, gen: torch.Generator):
     """``(t, table, spec, start_positions, call_kwargs)`` for one grid case (table halves
     deliberately unequal; a qkv case's k has a table of its own)."""
     heads, batch, seq = (8, 2, 96) if device == "cuda" else (4, 2, 32)
+    if case.model_table and device == "cuda":
+        seq = 2048  # 4,096 tokens x rotary dim 64: triton's LINEAR_MIN_ROWS_READ
     cp = case.cp_size
     cu = None
     if case.layout == "thd":
@@ -147,6 +156,9 @@ def make_inputs(case: GridCase, device: str, gen: torch.Generator):
     )
     if case.rates:  # rates up to 2 radians per position
         table = rd.RateTable((torch.rand(case.rotary_dim // 2, generator=gen) * 2).to(device), s2)
+    elif case.model_table:
+        rates = rd.tables.inverse_frequencies(case.rotary_dim, 10000.0)
+        table = rd.tables.angle_table(rates, s2, interleaved=case.interleaved).to(device)
     else:
         table = cos_sin_cache(angles) if case.cache else angles
     return t, table, spec, None if starts is None else starts.to(device), kwargs
@@ -174,6 +186,7 @@ def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
         return out if isinstance(out, tuple) else (out,)
 
     try:
+        outputs()  # checked below on a repeated call: what training and serving loops make
         outs = outputs()
     except rd.BackendNotSupportedError as exc:
         return result | {"status": "not supported", "detail": str(exc).split(": ", 1)[-1]}

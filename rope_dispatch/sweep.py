@@ -34,10 +34,9 @@ from typing import Any
 import torch
 
 import rope_dispatch as rd
-from rope_dispatch.backends import triton_rope
 from rope_dispatch.bench import (
     Impl, Inputs, Shape, _liger_peer, _ours, _seqlens, _te_peer, _versions, bench_ms,
-    host_us_interleaved, make_inputs, pyplot, time_mode,
+    host_us_interleaved, make_inputs, pyplot, rows_read, time_mode,
 )
 
 LAYOUTS = ("sbhd", "bshd", "thd")
@@ -188,7 +187,7 @@ def _build(name: str, shape: Shape, inp: Inputs) -> tuple[Impl | None, str]:
     if name == "triton":
         return _ours("triton", "triton", inp, inp.freqs), "the triton backend refuses the call"
     if name == "triton-rows":
-        return rows_read(inp, IMPLEMENTATIONS[name]), "the triton backend refuses the call"
+        return rows_read_impl(inp, IMPLEMENTATIONS[name]), "the triton backend refuses the call"
     if name == "triton-cache":
         return (_ours("triton", IMPLEMENTATIONS[name], inp, model_dtype_cache(inp, shape.dtype)),
                 "the triton backend refuses the call")
@@ -199,30 +198,18 @@ def _build(name: str, shape: Shape, inp: Inputs) -> tuple[Impl | None, str]:
     return _liger_peer(shape, inp), "liger_kernel is not importable"
 
 
-def rows_read(inp: Inputs, label: str) -> Impl | None:
-    """Ours on a copy of the point's angle table whose rows the kernels read: no call of it
-    looks for a linearity flag (``LINEAR_MIN_ROWS_READ`` is raised around each, and the copy is
-    its own object, so no plan or flag of the point's table reaches it). Beside ``triton``,
-    what reading the table as rates saves."""
+def rows_read_impl(inp: Inputs, label: str) -> Impl | None:
+    """Ours on a copy of the point's angle table whose rows the kernels read (``rows_read``
+    around every call, the copy its own object, so no plan or flag of the point's table reaches
+    it). Beside ``triton``, what reading the table as rates saves."""
     table = inp.freqs.clone()
-    saved = triton_rope.LINEAR_MIN_ROWS_READ
-
-    def rows(fn: Callable[[], Any] | None) -> Callable[[], Any] | None:
-        if fn is None:
-            return None
-
-        def run() -> Any:
-            triton_rope.LINEAR_MIN_ROWS_READ = sys.maxsize
-            try:
-                return fn()
-            finally:
-                triton_rope.LINEAR_MIN_ROWS_READ = saved
-
-        return run
-
-    impl = rows(lambda: _ours("triton", label, inp, table))()  # type: ignore[misc]
+    impl = rows_read(lambda: _ours("triton", label, inp, table))()
     if impl is None:
         return None
+
+    def rows(fn: Callable[[], Any] | None) -> Callable[[], Any] | None:
+        return None if fn is None else rows_read(fn)
+
     return dataclasses.replace(
         impl, fwd=rows(impl.fwd), bwd=rows(impl.bwd), fwd_bwd=rows(impl.fwd_bwd),
         output=rows(impl.output), bwd_kernel=rows(impl.bwd_kernel),

@@ -59,6 +59,7 @@ def test_quick_grid_covers_every_feature_and_thorough_runs_the_grid(monkeypatch)
     assert any(c.cp_size > 1 and c.starts for c in quick) and any(c.layout == "thd" for c in quick)
     assert any(c.interleaved for c in quick) and any(c.rotary_dim < c.head_dim for c in quick)
     assert any(c.cache for c in quick) and any(c.qkv for c in quick) and any(c.qk for c in quick)
+    assert any(c.model_table for c in quick)
     assert selftest.cases_for("eager", thorough=True) == selftest.GRID
     assert selftest.cases_for("compile", thorough=False) == quick[:1]
     eager_only = [info for info in rd.list_backends() if info.name == "eager"]

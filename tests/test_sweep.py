@@ -266,7 +266,7 @@ def test_points_have_model_tables_and_the_rows_series_reads_them(triton_backend,
     angles = inp.freqs.view(inp.freqs.shape[0], -1).cpu()
     positions = torch.arange(angles.shape[0], dtype=torch.float32)
     assert torch.equal(angles, positions[:, None] * angles[1][None, :])
-    rows = sweep.rows_read(inp, "rows")
+    rows = sweep.rows_read_impl(inp, "rows")
     rows_out = [rows.fwd() for _ in range(2)][-1]
     rows.bwd(), rows.fwd_bwd(), rows.bwd_kernel()
     assert triton_rope._flags == {} and triton_rope.LINEAR_MIN_ROWS_READ == 0
