@@ -1,0 +1,81 @@
+"""Compile the Triton kernels for an H100/H200 (sm_90) on a machine without a GPU, down to the
+cubin (Triton's bundled ptxas): the front end, the layout passes and ptxas see every family of
+specialisations, so CI catches a kernel that would not compile on the GPU machine.
+
+Run as a script in a process of its own (``tests/test_kernels_compile.py`` does): the kernels
+must be imported with ``TRITON_INTERPRET`` unset. Prints one line per kernel; exit code 1 on
+the first failure, with its error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from rope_dispatch.backends import triton_kernels as K  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+ROPE = dict(
+    LAYOUT=0, ROT_DIM=128, PASS_DIM=0, INTERLEAVED=False, USE_CACHE=False, PAIRED=False,
+    RATES=False, LINEAR=False, POSITIONS=0, CONTEXT_PARALLEL=False, BACKWARD=False, BLOCK_T=8,
+    BLOCK_H=2, HEAD_ITERS=4, BLOCK_R=64, BLOCK_P=1, FAST_TRIG=True, SEQ_BLOCK=0, SCALE=1.0,
+)
+# (name, changes to ROPE, the sin pointer's type)
+VARIANTS = [
+    ("angles", {}, "*fp32"),
+    ("angles interleaved partial", dict(INTERLEAVED=True, BLOCK_R=64, ROT_DIM=64, PASS_DIM=64,
+                                        BLOCK_P=64), "*fp32"),
+    ("linear table, halves", dict(LINEAR=True), "*i32"),
+    ("linear table, pairs, backward", dict(LINEAR=True, INTERLEAVED=True, BLOCK_R=128,
+                                           BACKWARD=True), "*i32"),
+    ("linear table, thd, start positions, cp", dict(LINEAR=True, LAYOUT=2, POSITIONS=1,
+                                                    CONTEXT_PARALLEL=True, SEQ_BLOCK=8), "*i32"),
+    ("cos/sin cache", dict(USE_CACHE=True), "*fp32"),
+    ("pair cache, per-token positions", dict(USE_CACHE=True, PAIRED=True, POSITIONS=2), "*fp32"),
+    ("rate table, scaled", dict(RATES=True, SCALE=1.25), "*fp32"),
+]
+
+
+def compile_kernel(fn, pointers: dict[str, str], consts: dict) -> None:
+    names = fn.arg_names
+    signature = {
+        name: "constexpr" if name in consts else pointers.get(name, "i32") for name in names
+    }
+    constexprs = {(names.index(name),): value for name, value in consts.items()}
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
+                   options={"num_warps": 4})
+
+
+def main() -> int:
+    for name, changes, sin_type in VARIANTS:
+        consts = {**ROPE, **changes}
+        for kernel, pointers, extra in (
+            (K.rope_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "tab_ptr": "*fp32",
+                             "sin_ptr": sin_type, "cu_ptr": "*i32", "pos_ptr": "*i64"}, {}),
+            (K.rope_qkv_kernel, {
+                **{p: "*bf16" for p in ("q_x", "q_out", "k_x", "k_out", "v_x", "v_out")},
+                "q_tab": "*fp32", "k_tab": "*fp32", "q_sin": sin_type, "k_sin": sin_type,
+                "cu_ptr": "*i32", "pos_ptr": "*i64",
+            }, dict(HAS_V=True, V_WIDTH=128, BLOCK_W=128)),
+        ):
+            try:
+                compile_kernel(kernel, pointers, {**consts, **extra})
+            except Exception as exc:  # noqa: BLE001 (reported with its variant)
+                print(f"FAIL {kernel.__name__} {name}: {type(exc).__name__}: {exc}")
+                return 1
+            print(f"ok {kernel.__name__} {name}")
+    compile_kernel(K.linear_table_kernel, {"tab_ptr": "*fp32", "flag_ptr": "*i32"},
+                   dict(ROT_DIM=128, BLOCK_ROWS=32, BLOCK_C=128))
+    print("ok linear_table_kernel")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
