@@ -275,3 +275,56 @@ def test_points_have_model_tables_and_the_rows_series_reads_them(triton_backend,
     ours.bwd_kernel()
     assert [int(flag.item()) for flag in triton_rope._flags.values()] == [1]
     assert torch.equal(ours_out, rows_out)
+
+
+def _point(name, layout, large, **impls):
+    """A measured point for summarize: ``impls`` maps names to (fwd us, fwd %, bwd us, bwd %,
+    fwd+bwd us, host us) or to None (absent)."""
+    implementations = {}
+    for impl, values in impls.items():
+        if values is None:
+            implementations[impl] = {"label": impl, "absent": "not importable"}
+            continue
+        fwd, fwd_pct, bwd, bwd_pct, fwd_bwd, host = values
+        implementations[impl] = {
+            "label": impl, "fwd_us": fwd, "fwd_pct_of_copy": fwd_pct, "bwd_kernel_us": bwd,
+            "bwd_kernel_pct_of_copy": bwd_pct, "fwd_bwd_us": fwd_bwd, "fwd_bwd_host_us": host,
+        }
+    return {"name": name, "layout": layout, "points_at_least_64MB": large,
+            "implementations": implementations}
+
+
+def test_summarize_states_the_targets():
+    points = [
+        _point("big a", "sbhd", True, triton=(40.0, 96.0, 41.0, 94.0, 90.0, None),
+               **{"triton-rows": (44.0, 87.0, 45.0, 86.0, 99.0, None)},
+               te=(80.0, 48.0, 60.0, 60.0, 85.0, None), liger=None),
+        _point("big b", "sbhd", True, triton=(38.0, 97.5, 39.0, 96.0, 80.0, None),
+               **{"triton-rows": (41.8, 88.0, 40.0, 93.0, 82.0, None)},
+               te=(90.0, 40.0, 70.0, 55.0, 95.0, None), liger=(37.0, 99.0, 50.0, 70.0, 70.0, None)),
+        _point("small", "sbhd", False, triton=(4.5, 89.0, 4.4, 90.0, 120.0, 110.0),
+               te=(9.0, 40.0, 6.0, 66.0, 100.0, 100.0), liger=(3.9, 200.0, 3.9, 200.0, 50.0, None)),
+        _point("small thd", "thd", False, triton=(4.0, 95.0, 4.0, 95.0, 90.0, 90.0),
+               te=(9.0, 40.0, 6.0, 66.0, 100.0, 100.0), liger=None),
+    ]
+    lines = sweep.summarize(points).splitlines()
+    assert lines[0] == ("triton fwd at >= 64 MiB: 2 of 2 points at 95% of copy or more; lowest "
+                        "96.0% (big a)")
+    assert lines[1] == ("triton bwd kernel at >= 64 MiB: 1 of 2 points at 95% of copy or more; "
+                        "lowest 94.0% (big a)")
+    # kernel time at every point, forward+backward from 64 MiB only (small: the host line)
+    assert lines[2:8] == [
+        "triton slower than a peer at 5 point-modes",
+        "  big a fwd_bwd: 90.0 us > te 85.0 us",
+        "  big b fwd: 38.0 us > liger 37.0 us",
+        "  big b fwd_bwd: 80.0 us > liger 70.0 us",
+        "  small fwd: 4.5 us > liger 3.9 us",
+        "  small bwd_kernel: 4.4 us > liger 3.9 us",
+    ]
+    assert lines[-3] == ("sbhd fwd+bwd host clock, triton / TE below 64 MiB: median 1.100, "
+                         "highest 1.100, triton faster at 0 of 1 points")
+    assert lines[-2] == ("thd fwd+bwd host clock, triton / TE below 64 MiB: median 0.900, "
+                         "highest 0.900, triton faster at 1 of 1 points")
+    assert lines[-1] == ("triton forward at >= 64 MiB, table rows read / read as rates: 1.10x "
+                         "median, 1.10-1.10x")
+
