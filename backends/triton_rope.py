@@ -266,10 +266,16 @@ def _forget_flag(key: tuple, ref: weakref.ref) -> None:
         del _flags[key]
 
 
+# torch.cuda.is_current_stream_capturing's C function, without its Python frame
+_stream_capturing = getattr(
+    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
+)
+
+
 def _capturing(table: torch.Tensor) -> bool:
     """Whether the current CUDA stream is being captured into a graph: a replay would read the
     flag as it was at capture, whatever was written into the table since."""
-    return table.is_cuda and torch.cuda.is_current_stream_capturing()
+    return table.is_cuda and _stream_capturing()
 
 
 def linear_flag(table: torch.Tensor) -> torch.Tensor | None:
