@@ -359,6 +359,26 @@ gpu = pytest.mark.gpu
 
 
 @gpu
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_transformer_engines_own_tables_earn_the_flag(interleaved):
+    """TE's RotaryPositionEmbedding (no interpolation) makes float32 products on the GPU: its
+    table is read as rates, and gives TE's own fused results."""
+    pytest.importorskip("transformer_engine.pytorch", reason="TransformerEngine is not installed")
+    from transformer_engine.pytorch.attention import rope
+
+    module = rope.RotaryPositionEmbedding(128, interleaved=interleaved).cuda()
+    freqs = module(4096)
+    assert flag_value(freqs) == (PAIRS if interleaved else HALVES)
+    x = torch.randn(4096, 2, 4, 128, device="cuda").bfloat16()
+    spec = rd.RoPESpec(layout="sbhd", dtype="bf16", interleaved=interleaved)
+    ours = rd.apply(x, freqs, spec, backend="triton")
+    theirs = rope.apply_rotary_pos_emb(x, freqs, tensor_format="sbhd", interleaved=interleaved,
+                                       fused=True)
+    assert_matches(ours, theirs.double().cpu(), x.dtype, "against TE")
+    assert_matches(ours, reference_for(x.cpu(), freqs.view(4096, -1).cpu(), spec), x.dtype)
+
+
+@gpu
 def test_planned_calls_see_writes_into_the_table():
     freqs = linear_table(64, 64, False)
     spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
