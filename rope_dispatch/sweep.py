@@ -327,9 +327,7 @@ def format_table(points: Iterable[dict[str, Any]]) -> str:
 
 TARGET_PCT = 95.0  # issue 11: forward and backward kernel each at 95% of copy from 64 MiB on
 PEERS = ("te", "liger")
-
-
-MAX_LISTED = 40
+MAX_LISTED = 40  # point-modes listed where a peer was faster
 
 
 def _pct(point: dict[str, Any], name: str, key: str) -> float | None:
@@ -343,10 +341,9 @@ def _us(point: dict[str, Any], name: str, key: str) -> float | None:
 def summarize(points: Sequence[dict[str, Any]]) -> str:
     """The targets over the measured points, as lines of text: ours (``triton``) at 95% of copy
     forward and backward kernel on every point of 64 MiB and more; the point-modes where a
-    peer's call takes less time (kernel time, and forward+backward from 64 MiB); the
-    host-clock forward+backward against TE's API below 64 MiB; and
-    what reading the table as rates gives over reading its rows. Absent implementations and
-    failed modes are left out."""
+    peer's call takes less time (kernel time, and forward+backward from 64 MiB); the host-clock
+    forward+backward against TE's API below 64 MiB; and what reading the table as rates gives
+    over reading its rows. Absent implementations and failed modes are left out."""
     lines = []
     large = [p for p in points if p["points_at_least_64MB"]]
     for mode in ("fwd", "bwd kernel"):
@@ -374,8 +371,7 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     for layout in dict.fromkeys(p["layout"] for p in points):
         ratios = []
         for p in points:
-            ours = (p["implementations"].get("triton") or {}).get("fwd_bwd_host_us")
-            te = (p["implementations"].get("te") or {}).get("fwd_bwd_host_us")
+            ours, te = _us(p, "triton", "fwd_bwd_host"), _us(p, "te", "fwd_bwd_host")
             if p["layout"] == layout and ours and te:
                 ratios.append(ours / te)
         if ratios:
@@ -385,8 +381,7 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
                 f"{sum(r < 1 for r in ratios)} of {len(ratios)} points"
             )
     gains = [rows / ours for p in large
-             if (ours := (p["implementations"].get("triton") or {}).get("fwd_us"))
-             and (rows := (p["implementations"].get("triton-rows") or {}).get("fwd_us"))]
+             if (ours := _us(p, "triton", "fwd")) and (rows := _us(p, "triton-rows", "fwd"))]
     if gains:
         lines.append(f"triton forward at >= 64 MiB, table rows read / read as rates: "
                      f"{statistics.median(gains):.2f}x median, {min(gains):.2f}-{max(gains):.2f}x")

@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 
 import rope_dispatch as rd
-from cases import build, cases, fixed_case, positions_for
+from cases import build, cases, positions_for
 from reference import assert_matches, reference_for, reference_forward_backward
 from rope_dispatch import call as call_module
 from rope_dispatch import tables

@@ -4,7 +4,6 @@ without a CUDA device (the measurements themselves run on the GPU machine)."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
