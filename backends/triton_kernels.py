@@ -91,13 +91,15 @@ def _rate_cos_sin(
     INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, FAST_TRIG: tl.constexpr,
 ):
     """cos and sin of pair ``k``'s angle ``float32(pos) * rate_ptr[k * STEP]`` (one product, as
-    an angle table's entry is), one per pair; NaN for tokens outside the table."""
+    an angle table's entry is), NaN for tokens outside the table: ``(cos_a, sin_a, cos_b,
+    sin_b)`` as :func:`_row_cos_sin` gives them, both channels of a pair sharing one value."""
     k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
     k_ok = k < ROT_DIM // 2
     rate = tl.load(rate_ptr + k * STEP, mask=k_ok, other=0.0)  # the same for every row
     angle = pos.to(tl.float32)[:, None] * rate[None, :]
     angle = tl.where(inside[:, None] & k_ok[None, :], angle, float("nan"))
-    return _cos_sin(angle, FAST_TRIG)
+    cos, sin = _cos_sin(angle, FAST_TRIG)
+    return cos, sin, cos, sin
 
 
 @triton.jit
@@ -383,23 +385,14 @@ def _rope_program(
         LAYOUT, POSITIONS, CONTEXT_PARALLEL, SEQ_BLOCK,
     )
     inside = tok_mask & (pos >= 0) & (pos < table_len)  # never read outside the table
-    if RATES:  # rotation rates: pair k's angle is one float32 product, position x rate k
-        cos_a, sin_a = _rate_cos_sin(tab_ptr, 1, pos, inside, c, ROT_DIM, INTERLEAVED, BLOCK_R,
-                                     FAST_TRIG)
-        cos_b = cos_a
-        sin_b = sin_a
-    elif LINEAR:  # an angle table; while its flag holds this pairing's bit, read as rates
-        if (tl.load(sin_ptr) & (2 if INTERLEAVED else 1)) != 0:
-            # row 1 holds each pair's rate: at k (halves) or 2k (pairs)
-            cos_a, sin_a = _rate_cos_sin(tab_ptr + ROT_DIM, 2 if INTERLEAVED else 1, pos, inside,
-                                         c, ROT_DIM, INTERLEAVED, BLOCK_R, FAST_TRIG)
-            cos_b = cos_a
-            sin_b = sin_a
-        else:
-            cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
-                tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM, INTERLEAVED, False, BLOCK_T,
-                BLOCK_R, FAST_TRIG,
-            )
+    rated = RATES  # rotation rates: pair k's angle is one float32 product, position x rate k
+    if LINEAR:  # an angle table: rated while its flag holds this pairing's bit
+        rated = (tl.load(sin_ptr) & (2 if INTERLEAVED else 1)) != 0
+    if rated:  # a rate table's rates at k; a linear table's in row 1, at k (halves) or 2k (pairs)
+        cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(
+            tab_ptr + ROT_DIM if LINEAR else tab_ptr, 2 if LINEAR and INTERLEAVED else 1, pos,
+            inside, c, ROT_DIM, INTERLEAVED, BLOCK_R, FAST_TRIG,
+        )
     elif PAIRED:  # one cos and one sin per rotated pair, shared by both of its channels
         k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
         k_mask = inside[:, None] & (k < ROT_DIM // 2)[None, :]
