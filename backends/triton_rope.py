@@ -311,8 +311,9 @@ def linear_flag(table: torch.Tensor) -> torch.Tensor | None:
 
 def current_flag(table: torch.Tensor, flag: torch.Tensor) -> torch.Tensor | None:
     """``flag``, checked again when ``table`` was written since its last check (its version
-    counter moved); ``None`` under CUDA graph capture, where the kernels read the rows."""
-    if _capturing(table):
+    counter moved); ``None`` under CUDA graph capture or with ``ROPE_DISPATCH_LINEAR_TABLES=0``
+    (set since the flag was made: a backward, say), where the kernels read the rows."""
+    if _capturing(table) or _linear_tables_setting() == "0":
         return None
     version = table._version
     if flag._rope_version != version:  # type: ignore[attr-defined]
@@ -1196,9 +1197,13 @@ def _flag_of(sin: torch.Tensor | None) -> torch.Tensor | None:
 
 def _flag_stale(flag: torch.Tensor, freqs: torch.Tensor) -> bool:
     """Whether a plan must not launch with the address of ``flag``, the flag of ``freqs``'s
-    angle table: the table was written since its check (the generic path checks it again) or
-    a CUDA graph is being captured (a replay must read the rows)."""
-    return flag._rope_version != freqs._version or _capturing(freqs)  # type: ignore[attr-defined]
+    angle table: the table was written since its check (the generic path checks it again), a
+    CUDA graph is being captured (a replay must read the rows), or
+    ``ROPE_DISPATCH_LINEAR_TABLES=0`` was set since the plan was made."""
+    return (
+        flag._rope_version != freqs._version  # type: ignore[attr-defined]
+        or _capturing(freqs) or _linear_tables_setting() == "0"
+    )
 
 
 def _forward_entry(call: RoPECall) -> tuple[tuple, tuple, tuple | None, torch.Tensor | None]:

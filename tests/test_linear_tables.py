@@ -280,10 +280,11 @@ def test_a_write_between_forward_and_backward_is_seen_by_the_backward(kind):
 # --- calls that never look for a flag -------------------------------------------------------
 
 def test_calls_that_read_their_rows(monkeypatch):
-    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     x = torch.randn(12, 1, 2, 8).to(DEVICE)
 
     def held_after_two_calls(freqs) -> list[int]:
+        # a spec of its own: on a GPU, plans kept under another phase's spec would answer
+        spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
         triton_rope._flags.clear()
         triton_rope._flags_met.clear()
         rd.apply(x, freqs, spec, backend="triton")
@@ -307,6 +308,33 @@ def test_calls_that_read_their_rows(monkeypatch):
     monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 12 * 8)
     assert held_after_two_calls(freqs) == [HALVES]
     assert triton_rope.linear_flag(tables.angles_2d(linear_table(1, 4, False))) is None
+
+
+def test_the_switch_stops_flags_already_made(monkeypatch):
+    """``ROPE_DISPATCH_LINEAR_TABLES=0`` set after a flag was made: the backward of a forward
+    that used it, and later calls (planned ones on a GPU), read the rows. A flag forced on for a
+    table that is not linear tells which path ran."""
+    rows, d2 = 24, 8
+    gen = torch.Generator().manual_seed(9)
+    freqs = linear_table(rows, d2 // 2, False) + (torch.rand(rows, 1, 1, d2, generator=gen) * 5).to(DEVICE)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    x = torch.randn(rows, 2, 3, d2, generator=gen).to(DEVICE)
+    grad_out = torch.randn(rows, 2, 3, d2, generator=gen).to(DEVICE)
+    assert flag_value(freqs) == 0
+    (flag,) = triton_rope._flags.values()
+    flag.fill_(HALVES)  # as if the check had passed at this version of the table
+    angles = freqs.view(rows, -1).cpu()
+    for _ in range(3):  # planned from the second call on (on a GPU)
+        rd.apply(x, freqs, spec, backend="triton")
+    leaf = x.clone().requires_grad_(True)
+    forced = rd.apply(leaf, freqs, spec, backend="triton")
+    assert not torch.allclose(forced.detach().cpu().double(), reference_for(x.cpu(), angles, spec))
+    monkeypatch.setenv("ROPE_DISPATCH_LINEAR_TABLES", "0")
+    (grad,) = torch.autograd.grad(forced, leaf, grad_out)
+    _, ref_grad = reference_forward_backward(x.cpu(), angles, spec, grad_out.cpu())
+    assert_matches(grad, ref_grad, x.dtype, "backward")
+    assert_matches(rd.apply(x, freqs, spec, backend="triton"), reference_for(x.cpu(), angles, spec),
+                   x.dtype, "next call")
 
 
 def test_a_flag_made_in_inference_mode_serves_outside_it():
