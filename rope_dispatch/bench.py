@@ -25,6 +25,7 @@ import datetime
 import json
 import math
 import platform
+import random
 import statistics
 import sys
 import time
@@ -395,19 +396,22 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 100, rounds: int = 21) 
 def host_us_interleaved(
     fns: dict[str, Callable[[], Any]], calls: int = 100, rounds: int = 21
 ) -> dict[str, tuple[float, float]]:
-    """:func:`host_us_per_call` of several calls measured in turn within each round (the
-    order rotating from round to round), so drifts of the host's speed during the run reach
-    them all alike and their ratios hold; ``{name: (host, end_to_end)}``. Each call is warmed
-    up 20 times first; every timed run of ``calls`` calls starts with the GPU idle."""
+    """:func:`host_us_per_call` of several calls measured in turn within each round (a new
+    order each round, drawn with a fixed seed), so drifts of the host's speed during the run
+    reach them all alike and their ratios hold; ``{name: (host, end_to_end)}``. Each call is
+    warmed up 20 times first; every timed run of ``calls`` calls starts with the GPU idle. A
+    rotating order kept each call behind the same neighbour, whose leftovers (garbage to
+    collect, say) it then paid for on every round: see docs/benchmarks.md, run P."""
     for fn in fns.values():
         for _ in range(20):
             fn()
     torch.cuda.synchronize()
     names = list(fns)
+    order = random.Random(0)
     host: dict[str, list[float]] = {name: [] for name in names}
     total: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+    for _ in range(rounds):
+        for name in order.sample(names, len(names)):
             fn = fns[name]
             torch.cuda.synchronize()
             start = time.perf_counter()
