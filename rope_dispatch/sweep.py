@@ -341,7 +341,8 @@ def _us(point: dict[str, Any], name: str, key: str) -> float | None:
 def summarize(points: Sequence[dict[str, Any]]) -> str:
     """The targets over the measured points, as lines of text: ours (``triton``) at 95% of copy
     forward and backward kernel on every point of 64 MiB and more; the point-modes where a
-    peer's call takes less time (kernel time, and forward+backward from 64 MiB); the host-clock
+    peer's call takes less time and moves a larger share of the copy's bytes per second (kernel
+    time, and forward+backward from 64 MiB); the host-clock
     forward+backward against TE's API below 64 MiB; and what reading the table as rates gives
     over reading its rows. Absent implementations and failed modes are left out."""
     lines = []
@@ -356,14 +357,17 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
                          f"{TARGET_PCT:.0f}% of copy or more; lowest {low:.1f}% ({where})")
     behind = []
     for p in points:
-        # kernel time (a peer's call moves at least our bytes); forward+backward through
+        # faster in time and in share of the copy: a peer moving fewer bytes (Liger in place on
+        # partial rotary) may take less time and still be slower. Forward+backward through
         # autograd on do_bench's clock only from 64 MiB (below, the host-clock line is the one)
         modes = ("fwd", "bwd_kernel") + (("fwd_bwd",) if p["points_at_least_64MB"] else ())
         for mode in modes:
-            ours = _us(p, "triton", mode)
+            ours, ours_pct = _us(p, "triton", mode), _pct(p, "triton", mode)
             for peer in PEERS:
-                theirs = _us(p, peer, mode)
-                if ours is not None and theirs is not None and theirs < ours:
+                theirs, theirs_pct = _us(p, peer, mode), _pct(p, peer, mode)
+                if None not in (ours, theirs, ours_pct, theirs_pct) and (
+                    theirs < ours and theirs_pct > ours_pct
+                ):
                     behind.append(f"{p['name']} {mode}: {ours:.1f} us > {peer} {theirs:.1f} us")
     lines.append(f"triton slower than a peer at {len(behind)} point-modes"
                  + "".join(f"\n  {line}" for line in behind[:MAX_LISTED])

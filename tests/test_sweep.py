@@ -278,7 +278,8 @@ def test_points_have_model_tables_and_the_rows_series_reads_them(triton_backend,
 
 def _point(name, layout, large, **impls):
     """A measured point for summarize: ``impls`` maps names to (fwd us, fwd %, bwd us, bwd %,
-    fwd+bwd us, host us) or to None (absent)."""
+    fwd+bwd us, host us) or to None (absent); the fwd+bwd % of two copies follows from the
+    forward's bytes per us."""
     implementations = {}
     for impl, values in impls.items():
         if values is None:
@@ -288,6 +289,7 @@ def _point(name, layout, large, **impls):
         implementations[impl] = {
             "label": impl, "fwd_us": fwd, "fwd_pct_of_copy": fwd_pct, "bwd_kernel_us": bwd,
             "bwd_kernel_pct_of_copy": bwd_pct, "fwd_bwd_us": fwd_bwd, "fwd_bwd_host_us": host,
+            "fwd_bwd_pct_of_copy": 2 * fwd_pct * fwd / fwd_bwd,
         }
     return {"name": name, "layout": layout, "points_at_least_64MB": large,
             "implementations": implementations}
@@ -305,11 +307,14 @@ def test_summarize_states_the_targets():
                te=(9.0, 40.0, 6.0, 66.0, 100.0, 100.0), liger=(3.9, 200.0, 3.9, 200.0, 50.0, None)),
         _point("small thd", "thd", False, triton=(4.0, 95.0, 4.0, 95.0, 90.0, 90.0),
                te=(9.0, 40.0, 6.0, 66.0, 100.0, 100.0), liger=None),
+        # Liger in place on partial rotary: less time for half the bytes, a lower share
+        _point("big rot64", "sbhd", True, triton=(130.0, 98.0, 131.0, 97.0, 262.0, None),
+               te=(260.0, 48.0, 270.0, 48.0, 520.0, None), liger=(82.0, 80.0, 82.0, 80.0, 163.0, None)),
     ]
     lines = sweep.summarize(points).splitlines()
-    assert lines[0] == ("triton fwd at >= 64 MiB: 2 of 2 points at 95% of copy or more; lowest "
+    assert lines[0] == ("triton fwd at >= 64 MiB: 3 of 3 points at 95% of copy or more; lowest "
                         "96.0% (big a)")
-    assert lines[1] == ("triton bwd kernel at >= 64 MiB: 1 of 2 points at 95% of copy or more; "
+    assert lines[1] == ("triton bwd kernel at >= 64 MiB: 2 of 3 points at 95% of copy or more; "
                         "lowest 94.0% (big a)")
     # kernel time at every point, forward+backward from 64 MiB only (small: the host line)
     assert lines[2:8] == [
