@@ -327,15 +327,23 @@ def _rotate_store(
 
 
 @triton.jit
-def _token_rows(
-    pid, x_ptr, out_ptr, n_tokens, dim1, heads, sx0, sx1, so0, so1, LAYOUT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
-):
-    """Program ``pid``'s tokens (``BLOCK_T`` of them, numbered ``i0 * dim1 + i1``), their row
-    pointers in x and out, and the first of the ``HEAD_ITERS * BLOCK_H`` heads it owns."""
-    head_groups = (heads + HEAD_ITERS * BLOCK_H - 1) // (HEAD_ITERS * BLOCK_H)
+def _split_pid(pid, heads, PER_PROGRAM: tl.constexpr):
+    """``(token_block, head_group)`` of program ``pid`` of a one-tensor launch: a token block's
+    head groups (``PER_PROGRAM`` heads each) are neighbouring programs."""
+    head_groups = (heads + PER_PROGRAM - 1) // PER_PROGRAM
     token_block = pid // head_groups
-    head_lo = (pid - token_block * head_groups) * (HEAD_ITERS * BLOCK_H)
+    return token_block, pid - token_block * head_groups
+
+
+@triton.jit
+def _token_rows(
+    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, sx0, sx1, so0, so1,
+    LAYOUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
+):
+    """The tokens of ``token_block`` (``BLOCK_T`` of them, numbered ``i0 * dim1 + i1``), their
+    row pointers in x and out, and the first of the ``HEAD_ITERS * BLOCK_H`` heads of
+    ``head_group``. The launch works out both from the program id (one integer division)."""
+    head_lo = head_group * (HEAD_ITERS * BLOCK_H)
     tok = token_block * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_mask = tok < n_tokens
     i0, i1 = _token_index(tok, dim1, LAYOUT)
@@ -346,7 +354,7 @@ def _token_rows(
 
 @triton.jit
 def _rope_program(
-    pid, x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
+    token_block, head_group, x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
     n_tokens, dim1, seq_len, table_len, heads, group, n_seqs, cp_size, cp_rank,
     sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
@@ -357,16 +365,16 @@ def _rope_program(
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, GROUPED: tl.constexpr, SCALE: tl.constexpr,
 ):
-    """RoPE (or its transpose) of program ``pid``'s ``BLOCK_T`` tokens x ``HEAD_ITERS *
-    BLOCK_H`` heads: the body of both kernels below.
+    """RoPE (or its transpose) of ``token_block``'s ``BLOCK_T`` tokens x ``head_group``'s
+    ``HEAD_ITERS * BLOCK_H`` heads: the body of both kernels below.
 
     The first head chunk's loads are issued before the positions and the table are worked out
     (a thd binary search and a table row are dependent loads), and each later chunk is loaded
     before the previous one is rotated, so memory requests stay in flight.
     """
     tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
-        pid, x_ptr, out_ptr, n_tokens, dim1, heads, sx0, sx1, so0, so1, LAYOUT, BLOCK_T,
-        BLOCK_H, HEAD_ITERS,
+        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, sx0, sx1, so0, so1, LAYOUT,
+        BLOCK_T, BLOCK_H, HEAD_ITERS,
     )
     c = tl.arange(0, BLOCK_R)
     if INTERLEAVED:
@@ -439,14 +447,15 @@ def _rope_program(
 
 @triton.jit
 def _copy_program(
-    pid, x_ptr, out_ptr, n_tokens, dim1, heads, group, sx0, sx1, sxg, sxh, sxd,
+    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, heads, group, sx0, sx1, sxg, sxh, sxd,
     so0, so1, sog, soh, sod, LAYOUT: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    """Copy program ``pid``'s tokens x heads of ``WIDTH`` channels (v of a packed qkv call)."""
+    """Copy ``token_block``'s tokens x ``head_group``'s heads of ``WIDTH`` channels (v of a
+    packed qkv call)."""
     tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
-        pid, x_ptr, out_ptr, n_tokens, dim1, heads, sx0, sx1, so0, so1, LAYOUT, BLOCK_T,
-        BLOCK_H, HEAD_ITERS,
+        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, sx0, sx1, so0, so1, LAYOUT,
+        BLOCK_T, BLOCK_H, HEAD_ITERS,
     )
     w = tl.arange(0, BLOCK_W).to(tl.int64)
     w_mask = w < WIDTH
@@ -486,8 +495,9 @@ def rope_kernel(
     ``position * row 1``, no other row read. Its argument list is kept short: at decode size
     the launch's host time is the call's time.
     """
+    token_block, head_group = _split_pid(tl.program_id(0), heads, HEAD_ITERS * BLOCK_H)
     _rope_program(
-        tl.program_id(0), x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
+        token_block, head_group, x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
         n_tokens, dim1, seq_len, table_len, heads, 1, n_seqs, cp_size, cp_rank,
         sx0, sx1, sxh, sxh, sxd, so0, so1, soh, soh, sod,
         LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
@@ -538,7 +548,7 @@ def rope_qkv_kernel(
     r = pid - block * (q_per + k_per + v_per)
     if r < q_per:
         _rope_program(
-            block * q_per + r, q_x, q_out, q_tab, q_sin, cu_ptr, pos_ptr,
+            block, r, q_x, q_out, q_tab, q_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, q_table_len, q_heads, q_group, n_seqs, cp_size, cp_rank,
             qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
@@ -548,7 +558,7 @@ def rope_qkv_kernel(
         )
     elif r < q_per + k_per:
         _rope_program(
-            block * k_per + r - q_per, k_x, k_out, k_tab, k_sin, cu_ptr, pos_ptr,
+            block, r - q_per, k_x, k_out, k_tab, k_sin, cu_ptr, pos_ptr,
             n_tokens, dim1, seq_len, k_table_len, k_heads, k_group, n_seqs, cp_size, cp_rank,
             kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
@@ -558,7 +568,7 @@ def rope_qkv_kernel(
         )
     elif HAS_V:
         _copy_program(
-            block * v_per + r - q_per - k_per, v_x, v_out, n_tokens, dim1, v_heads, v_group,
+            block, r - q_per - k_per, v_x, v_out, n_tokens, dim1, v_heads, v_group,
             vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
             LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
         )

@@ -74,6 +74,12 @@ Config = tuple[int, int, int, int, int, int]
 # over heads, whose cached sin/cos cost registers (4 programs per SM instead of 8+).
 TILE_BYTES = 8192
 TOKENS_PER_TILE = 8
+# A table read channel by channel (a cos/sin cache) is loaded as [BLOCK_T, BLOCK_R] tiles, four
+# per program. Its rows need this many bytes per tile for 16-byte loads by each thread of 4
+# warps: in bf16 with 8 tokens a thread loaded 8 bytes, and the 8- and 32-head shapes of 64 MB
+# and more ran at 69-76% of copy (H200, `scripts/tile_probe.py tables`); with 16 tokens (heads
+# halved, the same tile bytes) at 86-95%, as fast as the angle table's rows.
+TABLE_TILE_BYTES = 2048
 # With fewer programs than this per SM (decode, short sequences), heads are split across
 # programs, then tokens. Below a few MB a call is latency-bound: with a 32-token tile, 128 to
 # 2,048 tokens of one head ran as 4 to 64 programs, 0.8-1.6 us slower than with one program
@@ -87,12 +93,13 @@ SEQ_SCAN_LIMIT = 256
 
 def choose_config(
     n_tokens: int, heads: int | tuple[int, ...], head_dim: int, rotary_dim: int,
-    element_size: int, interleaved: bool, sms: int,
+    element_size: int, interleaved: bool, sms: int, tile_tokens: int = TOKENS_PER_TILE,
 ) -> Config:
     """Tile sizes for a call: tokens per program, heads per tile and per program, widths.
 
     A tile is ``BLOCK_T`` tokens x ``BLOCK_H`` heads x the head dim, about ``TILE_BYTES``;
-    heads go into the tile first (sin/cos are shared by a token's heads), tokens fill the rest.
+    heads go into the tile first (sin/cos are shared by a token's heads) as long as the tile
+    keeps ``tile_tokens`` tokens (:func:`tile_tokens`), tokens fill the rest.
     Small calls get smaller tiles, down to one token of one head, until there are
     ``MIN_PROGRAMS_PER_SM`` programs per SM. ``heads`` is a tuple for a launch over several
     tensors (q, k, v): tiles fit the one with the fewest heads, and programs are counted over
@@ -104,7 +111,7 @@ def choose_config(
     block_p = _next_pow2(pass_dim) if pass_dim else 1
     rows = max(1, TILE_BYTES // (head_dim * element_size))
     rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``
-    block_h = min(_next_pow2(min(counts)), max(1, rows // TOKENS_PER_TILE))
+    block_h = min(_next_pow2(min(counts)), max(1, rows // tile_tokens))
     block_t = min(max(1, rows // block_h), _next_pow2(n_tokens))
     while -(-n_tokens // block_t) * sum(-(-n // block_h) for n in counts) < MIN_PROGRAMS_PER_SM * sms:
         if block_h > 1:
@@ -229,6 +236,17 @@ def _table_flags(
         return False, False, False, True
     rates = _is_rates(table, sin)
     return sin is not None and not rates, _paired(table, sin) and not rates, rates, False
+
+
+def tile_tokens(table: torch.Tensor, sin: torch.Tensor | None, rotary_dim: int,
+                interleaved: bool) -> int:
+    """Tokens a tile should hold for its table reads: ``TOKENS_PER_TILE``, or more for a cos/sin
+    cache whose ``[BLOCK_T, BLOCK_R]`` row tiles would be below ``TABLE_TILE_BYTES``."""
+    use_cache, paired, _, _ = _table_flags(table, sin)
+    if not use_cache or paired:
+        return TOKENS_PER_TILE
+    width = _next_pow2(rotary_dim if interleaved else rotary_dim // 2)
+    return max(TOKENS_PER_TILE, TABLE_TILE_BYTES // (width * table.element_size()))
 
 
 def _position_kind(positions: torch.Tensor | None) -> int:
@@ -412,12 +430,15 @@ def launch(
     rotary_dim = table.shape[1]
     width = head_dim if copy_pass else rotary_dim  # the channels a token moves
     if config is None:
-        ckey = (_next_pow2(n_tokens), heads, width, rotary_dim, x.dtype, interleaved, x.device)
+        tokens_per_tile = tile_tokens(table, sin, rotary_dim, interleaved)
+        ckey = (_next_pow2(n_tokens), heads, width, rotary_dim, x.dtype, interleaved, x.device,
+                tokens_per_tile)
         config = _configs.get(ckey)
         if config is None:
             sms = 1 if kernels.INTERPRETED else _sm_count(x.device.index)
             config = choose_config(
-                n_tokens, heads, width, rotary_dim, x.element_size(), interleaved, sms
+                n_tokens, heads, width, rotary_dim, x.element_size(), interleaved, sms,
+                tokens_per_tile,
             )
             if len(_configs) > 1024:
                 _configs.clear()
@@ -726,7 +747,9 @@ def launch_qkv(
     head_dim = shape[-1] if copy_pass else rotary_dim  # the channels a token moves
     if config is None:
         sms = 1 if kernels.INTERPRETED else _sm_count(xs[0][0].device.index)
-        config = choose_config(n_tokens, heads, head_dim, rotary_dim, size, interleaved, sms)
+        config = choose_config(n_tokens, heads if has_v else heads[:2], head_dim, rotary_dim,
+                               size, interleaved, sms,
+                               tile_tokens(q_tab, q_sin, rotary_dim, interleaved))
     block_t, block_h, head_iters, block_r, block_p, num_warps = config
     token_blocks = -(-n_tokens // block_t)
     programs = [token_blocks * -(-n // (block_h * head_iters)) for n in heads]

@@ -37,7 +37,6 @@ import math
 import os
 import platform
 import re
-import statistics
 import tempfile
 import threading
 import time
@@ -57,9 +56,14 @@ SCHEMA_VERSION = 1
 
 _log = logging.getLogger(__name__)
 
-_ROUNDS = 5  # timed rounds, each timing every candidate in turn; the median round counts
-_ROUND_SECONDS = 2e-3  # a round repeats the call until it lasts about this long
-_MAX_CALLS_PER_ROUND = 100
+# Timed rounds, each timing every candidate in turn; a candidate's fastest round counts. Host
+# noise only ever adds time, and in a fresh process the first rounds run on a cold host: with
+# five 2 ms rounds and their median, forward+backward at sbhd s2048 h8 measured triton 154 us
+# and TE 141 us, and TE was chosen, where 21 rounds of 100 calls in the same process gave 98
+# and 101 us (H200).
+_ROUNDS = 9
+_ROUND_SECONDS = 4e-3  # a round repeats the call until it lasts about this long
+_MAX_CALLS_PER_ROUND = 200
 # A candidate must beat the first in priority order by more than this share to be chosen: at
 # host-bound sizes one measurement of forward+backward swings by 10-30% between fresh processes
 # (H200, sbhd s128 h8: triton 82-153 us, TE 94-158 us), and a tie must not hand a call to
@@ -487,7 +491,8 @@ def _prepared(backend: Backend, call: RoPECall, needs_grad: bool) -> tuple[Calla
 def _time_backends(
     backends: list[Backend], call: RoPECall, needs_grad: bool
 ) -> tuple[dict[str, float], dict[str, Exception]]:
-    """Median seconds per call of each backend, and the exception of each that raised.
+    """Seconds per call of each backend (its fastest round), and the exception of each that
+    raised.
 
     Every candidate is prepared first; then each round times them in turn, so a drift of the
     host or the GPU (clocks ramping up in a fresh process, another process's load) reaches them
@@ -533,7 +538,7 @@ def _time_backends(
                     del prepared[name], samples[name]
                     continue
                 samples[name].append((time.perf_counter() - start) / calls)
-    return {name: statistics.median(times) for name, times in samples.items()}, failed
+    return {name: min(times) for name, times in samples.items()}, failed
 
 
 def _format_time(us: float) -> str:

@@ -609,11 +609,21 @@ def run_serving(report: Report) -> None:
     except Exception:  # noqa: BLE001 (not installed, or installed but broken)
         pass
     _record_hosts(report, {f"serving decode {name}": fn for name, fn in calls.items()})
-    report.host["serving decode apply_qk_ kernel (do_bench) us"] = 1e3 * bench_ms(
-        calls["apply_qk_ positions (pair cache)"])
+    rows = rd.PairCosSinCache(cache.table[pos])  # token t's row at t: Liger's inputs
+    kernels = {
+        "apply_qk_ kernel (do_bench) us": calls["apply_qk_ positions (pair cache)"],
+        "apply_qk_ kernel, rows gathered ahead as Liger takes them (do_bench) us": lambda: rd.apply_qk_(
+            q4.transpose(0, 1), k4.transpose(0, 1), rows, d["sbhd"]),
+    }
     liger = _liger_qk(q, k, freqs, pos)
     if liger is not None:
-        report.host["serving decode Liger q+k kernel (do_bench, peer) us"] = 1e3 * bench_ms(liger)
+        kernels["Liger q+k kernel, rows gathered ahead (do_bench, peer) us"] = liger
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for _ in range(5):  # in turn: clocks and the host drift alike for every kernel
+        for name, fn in kernels.items():
+            times[name].append(1e3 * bench_ms(fn))
+    for name, us in times.items():
+        report.host[f"serving decode {name}"] = statistics.median(us)
     p = serving_inputs(SERVING_TOKENS["prefill"])
     q, k = p["q"], p["k"]
     nbytes = 2 * (q.numel() + k.numel()) * q.element_size()

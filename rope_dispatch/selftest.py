@@ -260,9 +260,12 @@ def run(devices: list[str], progress, thorough: bool = False) -> dict:
         for case in cases_for(info.name, thorough)
     ]
     checks = []
+    started = time.perf_counter()
     for i, (name, case, device) in enumerate(jobs, 1):
-        progress(f"[{i}/{len(jobs)}] {name} on {device}: {case.label}")
+        progress(f"[{i}/{len(jobs)}] {name} on {device}: {case.label}", end="")
+        begun = time.perf_counter()
         checks.append(check(name, case, device, seed=i))
+        progress(f" ({time.perf_counter() - begun:.1f} s)")
     return {
         "versions": versions(),
         "backends": [asdict(info) for info in infos],
@@ -270,6 +273,7 @@ def run(devices: list[str], progress, thorough: bool = False) -> dict:
         "plan_guards": guard_kind(),
         "cache": _cache_report(),
         "checks": checks,
+        "checks_s": time.perf_counter() - started,
         "ok": all(c["status"] != "FAIL" for c in checks) and bool(checks),
     }
 
@@ -326,7 +330,8 @@ def _print_report(report: dict) -> None:
         else:
             print(f"{c['backend']:10s} {c['device']:6s} {c['case']:40s} {c['status']:14s} {c['detail']}")
     failed = sum(c["status"] == "FAIL" for c in report["checks"])
-    print(f"\n{'PASS' if report['ok'] else 'FAIL'}: {len(report['checks']) - failed} checks passed, {failed} failed")
+    print(f"\n{'PASS' if report['ok'] else 'FAIL'}: {len(report['checks']) - failed} checks passed, "
+          f"{failed} failed in {report['checks_s']:.1f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
 
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
+    def progress(line: str, end: str = "\n") -> None:
+        print(line, end=end, file=sys.stderr, flush=True)
 
     report = run(devices, progress, args.thorough)
     if args.json:

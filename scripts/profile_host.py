@@ -52,7 +52,6 @@ def grad_pieces(tokens=128, heads=8):
     freqs, spec = d["freqs"], d["sbhd"]
     leaf = torch.randn(tokens, 1, heads, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(leaf)
-    table = freqs[:tokens]
     fns = {
         "ours": lambda x: rd.apply(x, freqs, spec),
         "ours, triton forced": lambda x: rd.apply(x, freqs, spec, backend="triton"),
@@ -60,6 +59,17 @@ def grad_pieces(tokens=128, heads=8):
             x, freqs, None, None, None, "sbhd", False, 1.0, 1, 0, False, None),
         "multiply (autograd floor)": lambda x: x * 2,
     }
+    rows_table = freqs.clone()  # its own object: no flag of freqs serves it
+
+    def rows_read(x):
+        saved = triton_rope.LINEAR_MIN_ROWS_READ
+        triton_rope.LINEAR_MIN_ROWS_READ = sys.maxsize
+        try:
+            return rd.apply(x, rows_table, spec, backend="triton")
+        finally:
+            triton_rope.LINEAR_MIN_ROWS_READ = saved
+
+    fns["ours, triton, table rows read (no flag)"] = rows_read
     from rope_dispatch import dispatch
 
     for _ in range(2):  # a key is planned at its second call
@@ -77,7 +87,6 @@ def grad_pieces(tokens=128, heads=8):
         fns["TE"] = lambda x: apply_rotary_pos_emb(x, te_freqs, tensor_format="sbhd", fused=True)
     except Exception as exc:  # noqa: BLE001
         print("TE not importable:", exc)
-    del table
     print(f"=== gradient path, sbhd s{tokens} b1 h{heads} d128 bf16: host us per call")
     pieces = {}
     for name, fn in fns.items():
@@ -92,15 +101,15 @@ def grad_pieces(tokens=128, heads=8):
                           for piece in ("fwd", "bwd (retain_graph)", "fwd+bwd"))
         print(f"  {name:>38}: {shown}")
     print("  dispatch's choice:", str(rd.explain(leaf, freqs, spec)).splitlines()[1])
-    for name in ("ours, triton forced", "TE"):
+    for name in ("ours, triton forced", "ours, triton, table rows read (no flag)", "TE"):
         if name in fns:
             profile(f"fwd+bwd {name}", lambda fn=fns[name]: torch.autograd.grad(fn(leaf), leaf, grad),
                     top=22)
 
 
 def main():
-    if sys.argv[1:] == ["grad"]:
-        grad_pieces()
+    if sys.argv[1:2] == ["grad"]:  # grad [tokens]
+        grad_pieces(*(int(n) for n in sys.argv[2:3]))
         return
     d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
     q, k, pos, freqs, cache = d["q"], d["k"], d["positions"], d["freqs"], d["pair_cache"]

@@ -2,9 +2,12 @@
 copy (a developer's probe for choose_config; prints one line per shape and tile)."""
 from __future__ import annotations
 
+import statistics
+
 import torch
 
-from rope_dispatch import bench
+import rope_dispatch as rd
+from rope_dispatch import bench, dispatch
 from rope_dispatch.backends import triton_rope
 
 SHAPES = [  # (layout, seq, batch, heads, head_dim)
@@ -129,8 +132,118 @@ def small() -> None:
                   f"({100 * copy / ms:5.1f}% of copy){mark}")
 
 
+TABLE_SHAPES = [  # (layout, seq, batch, heads, head_dim): 64 MB and more
+    ("sbhd", 131072, 1, 1, 128), ("sbhd", 32768, 1, 8, 128), ("sbhd", 32768, 4, 8, 128),
+    ("sbhd", 8192, 1, 32, 128), ("sbhd", 32768, 1, 32, 128),
+]
+TABLE_TILES = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps)
+    (8, 4, 1, 4), (8, 4, 2, 4), (8, 4, 4, 4), (4, 8, 1, 4), (4, 8, 2, 4), (2, 16, 1, 4),
+    (1, 32, 1, 4), (8, 8, 1, 8), (16, 4, 1, 4), (16, 2, 1, 4), (32, 1, 1, 4), (16, 1, 1, 4),
+    (8, 2, 1, 4), (8, 1, 1, 4), (4, 4, 1, 4), (8, 4, 1, 8),
+]
+
+
+def tables() -> None:
+    """Forward kernel time of the tables that are read per token (a model's angle table read
+    row by row, a cos/sin cache in t's dtype, an engine's pair cache) at explicit tiles, as %
+    of a device copy of t's bytes, with Liger on the same cos/sin in the same run."""
+    for layout, seq, batch, heads, d in TABLE_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
+        inp = bench.make_inputs(shape, draw_on_device=True)
+        x = inp.t
+        out = torch.empty_like(x)
+        angles = inp.freqs.view(inp.freqs.shape[0], -1)
+        cos = inp.cache.cos.to(x.dtype).view(angles.shape)
+        sin = inp.cache.sin.to(x.dtype).view(angles.shape)
+        pair = rd.PairCosSinCache(torch.cat((inp.cache.cos.view(angles.shape)[:, : d // 2],
+                                             inp.cache.sin.view(angles.shape)[:, : d // 2]), -1))
+        kinds = {"angle rows": (angles, None), "cos/sin cache": (cos, sin),
+                 "pair cache": rd.tables.kernel_tables(pair)}
+        src = x.flatten()
+        dst = torch.empty_like(src)
+        copy = bench.bench_ms(lambda: dst.copy_(src))
+        liger = bench._liger_peer(shape, inp)
+        liger_pct = 100 * copy / bench.bench_ms(liger.fwd) if liger is not None else float("nan")
+        default = triton_rope.choose_config(seq * batch, heads, d, d, 2, False,
+                                            triton_rope._sm_count(0))
+        print(f"{layout} s{seq} b{batch} h{heads} d{d}: copy {1e3 * copy:.1f} us; Liger "
+              f"{liger_pct:5.1f}%; default {default}")
+        for bt, bh, iters, warps in TABLE_TILES:
+            if bh * iters > max(heads, 1) * 2 or bh > heads:
+                continue
+            config = (bt, bh, iters, d // 2, 1, warps)
+            shown = []
+            for name, (tab, sn) in kinds.items():
+                ms = bench.bench_ms(lambda: triton_rope.launch(
+                    x, out, tab, sn, None, None, layout, False, 1.0, 1, 0, False, config=config))
+                shown.append(f"{name} {100 * copy / ms:5.1f}%")
+            mark = " <- default" if config == default else ""
+            print(f"   tile {bt:>2} tok x {bh:>2} heads x {iters} iters, {warps} warps: "
+                  + "  ".join(shown) + mark)
+        del x, out
+
+
+def decode_qk() -> None:
+    """The serving decode q+k launch (64 tokens, q 32 heads, k 8, in place) at explicit tiles:
+    per-token positions into the pair cache (two dependent loads: position, then row) and the
+    same tokens with their cos/sin rows gathered ahead (Liger's inputs: row = token), against
+    Liger's q+k on those rows and Liger with the gather. Cold L2 (do_bench flushes it) and warm
+    (20 calls in one CUDA graph, as a model's layers run them)."""
+    d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
+    q, k, positions, cache = d["q"], d["k"], d["positions"], d["pair_cache"]
+    rows = rd.PairCosSinCache(cache.table[positions])  # row t: token t's cos | sin
+    q4, k4 = q.unsqueeze(0), k.unsqueeze(0)  # bshd b1: token t is position t
+    bshd = rd.RoPESpec(layout="bshd", dtype=torch.bfloat16)
+    half = cache.table.shape[1] // 2
+    cos_full = torch.cat((cache.table[:, :half],) * 2, -1)  # Liger's [.., d] cos and sin
+    sin_full = torch.cat((cache.table[:, half:],) * 2, -1)
+    qb, kb = q.unsqueeze(2).clone(), k.unsqueeze(2).clone()  # Liger's [b, h, s=1, d]
+    cos_rows, sin_rows = cos_full[positions][:, None], sin_full[positions][:, None]
+    calls = {}
+    try:
+        from liger_kernel.ops.rope import rope_forward
+
+        calls["liger q+k (rows gathered)"] = lambda: rope_forward(qb, kb, cos_rows, sin_rows)
+        calls["liger gather + q+k"] = lambda: rope_forward(
+            qb, kb, cos_full[positions][:, None], sin_full[positions][:, None])
+    except ImportError:
+        print("Liger is not installed")
+    calls |= {
+        "ours positions (pair cache)": lambda: rd.apply_qk_(q, k, cache, d["thd"], positions=positions),
+        "ours positions (rate table)": lambda: rd.apply_qk_(q, k, d["rate_table"], d["thd"],
+                                                            positions=positions),
+        "ours rows gathered (Liger's inputs)": lambda: rd.apply_qk_(q4, k4, rows, bshd),
+    }
+    cold: dict[str, list[float]] = {name: [] for name in calls}
+    warm: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(5):  # in turn, five times: the GPU's clocks ramp alike for all
+        for name, fn in calls.items():
+            cold[name].append(1e3 * bench.bench_ms(fn))
+            warm[name].append(bench._graph_replay_us(fn))
+    for name in calls:
+        print(f"  {name:>38}: cold {statistics.median(cold[name]):5.2f} us  warm "
+              f"{statistics.median(warm[name]):5.2f} us (medians of 5)")
+    choose = triton_rope.choose_config
+    default = choose(64, (32, 8), 128, 128, 2, False, triton_rope._sm_count(0))
+    print(f"decode q+k tiles (default {default}):")
+    for bt, bh, iters, warps in ((8, 1, 1, 4), (2, 4, 1, 4), (1, 8, 1, 4), (1, 8, 1, 2),
+                                 (1, 32, 1, 4), (1, 16, 1, 4)):
+        config = (bt, bh, iters, 64, 1, warps)
+        triton_rope.choose_config = lambda *args, config=config: config
+        triton_rope._fast_qkv.clear()
+        dispatch._plans.clear()
+        shown = []
+        for name in ("ours positions (pair cache)", "ours rows gathered (Liger's inputs)"):
+            fn = calls[name]
+            shown.append(f"{name.split(' (')[0]} cold {1e3 * bench.bench_ms(fn):5.2f} warm "
+                         f"{bench._graph_replay_us(fn):5.2f}")
+        triton_rope.choose_config = choose
+        print(f"   tile {bt} tok x {bh} heads x {iters} iters, {warps} warps: " + "; ".join(shown))
+    triton_rope._fast_qkv.clear()
+
+
 if __name__ == "__main__":
     import sys
 
-    modes = {"prefill": prefill_qk, "small": small}
+    modes = {"prefill": prefill_qk, "small": small, "decode": decode_qk, "tables": tables}
     modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

@@ -64,7 +64,7 @@ def test_quick_grid_covers_every_feature_and_thorough_runs_the_grid(monkeypatch)
     assert selftest.cases_for("compile", thorough=False) == quick[:1]
     eager_only = [info for info in rd.list_backends() if info.name == "eager"]
     monkeypatch.setattr(rd, "list_backends", lambda: eager_only)
-    report = selftest.run(["cpu"], lambda line: None, thorough=True)
+    report = selftest.run(["cpu"], lambda line, end="\n": None, thorough=True)
     assert len(report["checks"]) == len(selftest.GRID) and report["ok"]
 
 

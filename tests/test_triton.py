@@ -417,6 +417,50 @@ def test_tiles_give_every_sm_programs_unless_the_call_is_too_small(tokens, heads
         assert bt * bh * 128 * 2 == triton_rope.TILE_BYTES  # a full tile: 8 KB
 
 
+@pytest.mark.parametrize(
+    "dtype, rotary_dim, interleaved, kind, tokens",
+    [
+        (torch.bfloat16, 128, False, "cos_sin", 16),  # [t, 64] bf16: 8 tokens load 1 KB
+        (torch.float16, 64, False, "cos_sin", 32),
+        (torch.bfloat16, 128, True, "cos_sin", 8),  # whole rows, [t, 128]
+        (torch.float32, 128, False, "cos_sin", 8),
+        (torch.bfloat16, 128, False, "pair", 8),  # always float32
+        (torch.float32, 128, False, "angles", 8),
+    ],
+)
+def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
+    dtype, rotary_dim, interleaved, kind, tokens
+):
+    """A cos/sin cache is read as ``[BLOCK_T, BLOCK_R]`` row tiles: a tile holds enough tokens
+    for ``TABLE_TILE_BYTES`` of each, with its heads halved to keep the tile's bytes; the
+    other tables keep ``TOKENS_PER_TILE``. A launch picks that tile."""
+    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.tables import kernel_tables
+
+    angles = rd.tables.angle_table(rd.tables.inverse_frequencies(rotary_dim, 10000.0), 64)
+    angles = angles.view(64, rotary_dim)
+    cache = rd.tables.cos_sin_cache(angles)
+    half = rotary_dim // 2
+    table = {
+        "cos_sin": rd.CosSinCache(cache.cos.to(dtype), cache.sin.to(dtype)),
+        "pair": rd.PairCosSinCache(torch.cat((cache.cos[:, :half], cache.sin[:, :half]), -1)),
+        "angles": angles,
+    }[kind]
+    tab, sin = kernel_tables(table)
+    assert triton_rope.tile_tokens(tab, sin, rotary_dim, interleaved) == tokens
+    bt, bh, *_ = triton_rope.choose_config(1 << 17, 32, 128, rotary_dim, 2, interleaved, 132,
+                                           tokens)
+    assert (bt, bh) == (tokens, triton_rope.TILE_BYTES // (128 * 2) // tokens)
+
+    spec = rd.RoPESpec(layout="sbhd", dtype=dtype, interleaved=interleaved)
+    x = torch.randn(64, 1, 8, 128, dtype=dtype, device=DEVICE)  # 64 tokens: a full tile
+    triton_rope._configs.clear()
+    out = rd.apply(x, table, spec, backend="triton")
+    (config,) = triton_rope._configs.values()
+    assert config[0] == tokens
+    assert_matches(out, reference_for(x.cpu(), angles, spec), dtype)
+
+
 class _Tripling:
     """Stands in for a plan's bound launches: forward and its transpose multiply by 3."""
 
