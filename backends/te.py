@@ -46,8 +46,9 @@ from dataclasses import dataclass
 import torch
 
 from rope_dispatch.call import RoPECall
-from rope_dispatch.registry import Backend
-from rope_dispatch.tables import RateTable
+from rope_dispatch.registry import Backend, Plan
+from rope_dispatch.spec import RoPESpec
+from rope_dispatch.tables import RateTable, angles_4d
 
 # Where apply_rotary_pos_emb lives, newest first.
 MODULE_PATHS = (
@@ -394,6 +395,46 @@ class TEBackend(Backend):
         return _scaled(fn(*args, **kwargs), call)
 
 
+    def plan(self, call: RoPECall) -> Plan:
+        """TE's function with its keyword arguments made once: a repeated call passes the
+        user's table as TE takes it (:func:`~rope_dispatch.tables.angles_4d`: no view when it
+        is already ``[s2, 1, 1, d2]``) and, when it has them, the start positions and the
+        spec's offsets in int32. Other calls (packed qkv, rate tables, a cos/sin scale) take
+        the generic plan."""
+        generic = super().plan(call)
+        info = self._info
+        if (
+            info is None or call.tensors != "t" or type(call.table) is not torch.Tensor
+            or call.spec.cos_sin_scale != 1.0
+        ):
+            return generic
+        fn = info.apply
+        fixed = te_arguments(call)
+        per_call = ("start_positions" in fixed, "cu_seqlens" in fixed)
+        fixed.pop("start_positions", None)
+        fixed.pop("cu_seqlens", None)
+        device_index = call.t.device.index
+        several = torch.cuda.device_count() > 1
+        current_device = torch.cuda.current_device
+
+        def run_te(
+            t: torch.Tensor, freqs: torch.Tensor, spec: RoPESpec,
+            start_positions: torch.Tensor | None, positions: torch.Tensor | None, k: None,
+        ) -> torch.Tensor:
+            if several and current_device() != device_index:
+                return generic(t, freqs, spec, start_positions, positions, k)
+            if per_call == (False, False):
+                return fn(t, angles_4d(freqs), **fixed)
+            kwargs = dict(fixed)
+            if per_call[0]:
+                kwargs["start_positions"] = _int32(start_positions)
+            if per_call[1]:
+                kwargs["cu_seqlens"] = _int32(spec.cu_seqlens)
+            return fn(t, angles_4d(freqs), **kwargs)
+
+        return run_te
+
+
 def _scaled(out: torch.Tensor | tuple[torch.Tensor, ...], call: RoPECall):
     """TE's output with the spec's ``cos_sin_scale`` applied: TE's kernels have no factor on cos
     and sin, and ``x cos s + r sin s = s (x cos + r sin)``, so the rotated channels (q's and
@@ -416,8 +457,8 @@ def _scaled(out: torch.Tensor | tuple[torch.Tensor, ...], call: RoPECall):
 
 
 def _angles_4d(table: torch.Tensor | RateTable, interleaved: bool) -> torch.Tensor:
-    """TE's ``[s2, 1, 1, d2]`` view of a contiguous ``[s2, d2]`` angle table (no copy), or a
-    rate table's kept angle table in the call's layout (made on its first call)."""
+    """TE's ``[s2, 1, 1, d2]`` view of a checked, contiguous ``[s2, d2]`` angle table (no
+    copy), or a rate table's kept angle table in the call's layout (made on its first call)."""
     if type(table) is RateTable:
         return table.angle_table(interleaved)
     return table.view(table.shape[0], 1, 1, table.shape[1])

@@ -6,7 +6,8 @@
 #
 # Environment: OUT (results folder, default /tmp/rope-out), TE (non-empty: load TransformerEngine),
 # TESTS (pytest targets, default tests), PYTEST_ARGS, BENCH_ARGS (extra benchmark arguments),
-# SKIP_TESTS / SKIP_SELFTEST / SKIP_BENCH (non-empty: skip that part), TEST_TIMEOUT /
+# SKIP_TESTS / SKIP_SELFTEST / SKIP_BENCH (non-empty: skip that part), TEST_WORKERS (pytest-xdist
+# workers for the tests, default 8, 0 for one process), TEST_TIMEOUT /
 # SELFTEST_TIMEOUT / BENCH_TIMEOUT (seconds; the defaults keep one call under the device's
 # 10-minute limit).
 # TE_TESTS: path of TransformerEngine's tests/pytorch/test_fused_rope.py (not in this repository;
@@ -49,8 +50,12 @@ if [[ -n "${TE_TESTS:-}" ]]; then
   te_pid=$!
 fi
 if [[ -z "${SKIP_TESTS:-}" ]]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest ${TESTS:-tests} -q -m "gpu or not slow" -p no:cacheprovider \
-    ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
+  # pytest-xdist workers (TEST_WORKERS, default 8; 0: one process): torch.compile's tests take
+  # 50-80 s each, and one process did not finish the suite in 270 s (8 workers: 214 s, H200)
+  workers=${TEST_WORKERS:-8}
+  python3 -c "import xdist" 2>/dev/null || workers=0
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${TESTS:-tests} -q -m "gpu or not slow" -p no:cacheprovider \
+    $([[ "$workers" != 0 ]] && echo "-n $workers") ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
   status=$?
   grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/pytest.log" | tail -30
   echo "pytest exit code $status (log: pytest.log)"

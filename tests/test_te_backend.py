@@ -256,6 +256,52 @@ def test_apply_hands_te_a_4d_angle_view():
     assert seen["kwargs"]["start_positions"].dtype == torch.int32
 
 
+@pytest.mark.parametrize("layout, starts", [("sbhd", False), ("bshd", True), ("thd", False)])
+def test_a_plan_hands_te_the_users_table_and_this_calls_index_tensors(layout, starts):
+    """A repeated call's plan passes the user's ``[s2, 1, 1, d2]`` table object itself (a
+    ``[s2, d2]`` table as a view of it) and, per call, the call's own start positions and the
+    spec's offsets in int32: a plan made for one call serves the next with that call's values."""
+    seen = []
+
+    def recording(t, freqs, **kwargs):
+        seen.append((freqs, kwargs))
+        return t
+
+    backend = TEBackend(load=lambda: TEInfo("2.20.2", (2, 20, 2), "fake", recording, ALL_PARAMS))
+    assert backend.available
+    call = make_call(layout, starts=starts)
+    table_4d = call.table.view(16, 1, 1, 8)
+    rd.check_call(call.t, table_4d, call.spec, call.start_positions)  # the dispatch's check
+    run = backend.plan(call)
+    new_starts = torch.tensor([5, 0]) if starts else None
+    assert run(call.t, table_4d, call.spec, new_starts, None, None) is call.t
+    freqs, kwargs = seen[-1]
+    assert freqs is table_4d
+    expected = {"tensor_format", "fused"} | ({"start_positions"} if starts else set()) | (
+        {"cu_seqlens"} if layout == "thd" else set())
+    assert kwargs.keys() == expected
+    if starts:
+        assert kwargs["start_positions"].dtype == torch.int32
+        assert kwargs["start_positions"].tolist() == [5, 0]
+    if layout == "thd":
+        assert kwargs["cu_seqlens"].dtype == torch.int32
+        assert kwargs["cu_seqlens"].tolist() == call.spec.cu_seqlens.tolist()
+    run(call.t, call.table, call.spec, new_starts, None, None)  # a [s2, d2] table: a view
+    freqs, _ = seen[-1]
+    assert freqs.shape == (16, 1, 1, 8) and freqs.data_ptr() == call.table.data_ptr()
+
+
+def test_a_plan_with_a_cos_sin_scale_scales_tes_output():
+    """TE has no factor on cos and sin: a scaled spec's plan multiplies TE's output, as the
+    unplanned call does."""
+    backend = TEBackend(load=lambda: TEInfo("2.20.2", (2, 20, 2), "fake", fake_apply, ALL_PARAMS))
+    t = torch.randn(4, 2, 2, 8)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=1.5)
+    call = rd.check_call(t, torch.rand(16, 8), spec)
+    out = backend.plan(call)(t, call.table, spec, None, None, None)
+    torch.testing.assert_close(out, t * 1.5)
+
+
 def test_apply_when_unavailable_raises_with_the_reasons():
     backend = TEBackend(load=lambda: ["transformer_engine is not installed (test)"])
     with pytest.raises(RuntimeError, match="not installed \\(test\\)"):
