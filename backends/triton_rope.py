@@ -238,11 +238,12 @@ def _table_flags(
     return sin is not None and not rates, _paired(table, sin) and not rates, rates, False
 
 
-def tile_tokens(table: torch.Tensor, sin: torch.Tensor | None, rotary_dim: int,
+def tile_tokens(flags: tuple[bool, bool, bool, bool], table: torch.Tensor, rotary_dim: int,
                 interleaved: bool) -> int:
     """Tokens a tile should hold for its table reads: ``TOKENS_PER_TILE``, or more for a cos/sin
-    cache whose ``[BLOCK_T, BLOCK_R]`` row tiles would be below ``TABLE_TILE_BYTES``."""
-    use_cache, paired, _, _ = _table_flags(table, sin)
+    cache (``flags``: :func:`_table_flags`) whose ``[BLOCK_T, BLOCK_R]`` row tiles would be
+    below ``TABLE_TILE_BYTES``."""
+    use_cache, paired, _, _ = flags
     if not use_cache or paired:
         return TOKENS_PER_TILE
     width = _next_pow2(rotary_dim if interleaved else rotary_dim // 2)
@@ -429,8 +430,9 @@ def launch(
         key = None
     rotary_dim = table.shape[1]
     width = head_dim if copy_pass else rotary_dim  # the channels a token moves
+    flags = _table_flags(table, sin)
     if config is None:
-        tokens_per_tile = tile_tokens(table, sin, rotary_dim, interleaved)
+        tokens_per_tile = tile_tokens(flags, table, rotary_dim, interleaved)
         ckey = (_next_pow2(n_tokens), heads, width, rotary_dim, x.dtype, interleaved, x.device,
                 tokens_per_tile)
         config = _configs.get(ckey)
@@ -448,7 +450,7 @@ def launch(
     grid = -(-n_tokens // block_t) * head_groups
     ints = (n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs, cp_size, cp_rank,
             sx0, sx1, sxh, sxd, so0, so1, soh, sod)
-    use_cache, paired, rates, linear = _table_flags(table, sin)
+    use_cache, paired, rates, linear = flags
     consts = dict(
         LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim,
         INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates, LINEAR=linear,
@@ -745,11 +747,12 @@ def launch_qkv(
         return None
     rotary_dim = q_tab.shape[1]
     head_dim = shape[-1] if copy_pass else rotary_dim  # the channels a token moves
+    flags = _table_flags(q_tab, q_sin)  # k's table is of q's kind
     if config is None:
         sms = 1 if kernels.INTERPRETED else _sm_count(xs[0][0].device.index)
         config = choose_config(n_tokens, heads if has_v else heads[:2], head_dim, rotary_dim,
                                size, interleaved, sms,
-                               tile_tokens(q_tab, q_sin, rotary_dim, interleaved))
+                               tile_tokens(flags, q_tab, rotary_dim, interleaved))
     block_t, block_h, head_iters, block_r, block_p, num_warps = config
     token_blocks = -(-n_tokens // block_t)
     programs = [token_blocks * -(-n // (block_h * head_iters)) for n in heads]
@@ -757,7 +760,7 @@ def launch_qkv(
     # the kernel's order: per-segment heads and group
     ints = (*base_ints[:8], heads[0], base_ints[11], heads[1], base_ints[12], heads[2],
             base_ints[13], *strides)
-    use_cache, paired, rates, linear = _table_flags(q_tab, q_sin)  # k's table is of q's kind
+    use_cache, paired, rates, linear = flags
     consts = dict(
         LAYOUT=LAYOUT_CODES[layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
         INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates, LINEAR=linear,

@@ -449,7 +449,8 @@ def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
         "angles": angles,
     }[kind]
     tab, sin = kernel_tables(table)
-    assert triton_rope.tile_tokens(tab, sin, rotary_dim, interleaved) == tokens
+    flags = triton_rope._table_flags(tab, sin)
+    assert triton_rope.tile_tokens(flags, tab, rotary_dim, interleaved) == tokens
     bt, bh, *_ = triton_rope.choose_config(1 << 17, 32, 128, rotary_dim, 2, interleaved, 132,
                                            tokens)
     assert (bt, bh) == (tokens, triton_rope.TILE_BYTES // (128 * 2) // tokens)
