@@ -394,7 +394,6 @@ class TEBackend(Backend):
                 return _scaled(fn(*args, **kwargs), call)
         return _scaled(fn(*args, **kwargs), call)
 
-
     def plan(self, call: RoPECall) -> Plan:
         """TE's function with its keyword arguments made once: a repeated call passes the
         user's table as TE takes it (:func:`~rope_dispatch.tables.angles_4d`: no view when it

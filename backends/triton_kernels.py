@@ -447,9 +447,9 @@ def _rope_program(
 
 @triton.jit
 def _copy_program(
-    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, heads, group, sx0, sx1, sxg, sxh, sxd,
-    so0, so1, sog, soh, sod, LAYOUT: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr, BLOCK_W: tl.constexpr,
+    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, heads, group,
+    sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod, LAYOUT: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Copy ``token_block``'s tokens x ``head_group``'s heads of ``WIDTH`` channels (v of a
     packed qkv call)."""

@@ -546,7 +546,7 @@ def run_host(report: Report) -> None:
                 t, out, table, None, None, None, "sbhd", False, 1.0, 1, 0, False
             )
         )
-        report.host["apply triton CUDA graph replay us"] = _graph_replay_us(
+        report.host["apply triton CUDA graph replay us"] = graph_replay_us(
             lambda: rd.apply(t, freqs, spec, backend="triton")
         )
 
@@ -612,8 +612,8 @@ def run_serving(report: Report) -> None:
     rows = rd.PairCosSinCache(cache.table[pos])  # token t's row at t: Liger's inputs
     kernels = {
         "apply_qk_ kernel (do_bench) us": calls["apply_qk_ positions (pair cache)"],
-        "apply_qk_ kernel, rows gathered ahead as Liger takes them (do_bench) us": lambda: rd.apply_qk_(
-            q4.transpose(0, 1), k4.transpose(0, 1), rows, d["sbhd"]),
+        "apply_qk_ kernel, rows gathered ahead as Liger takes them (do_bench) us": (
+            lambda: rd.apply_qk_(q4.transpose(0, 1), k4.transpose(0, 1), rows, d["sbhd"])),
     }
     liger = _liger_qk(q, k, freqs, pos)
     if liger is not None:
@@ -674,7 +674,10 @@ def _liger_qk(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, pos: torch.
     return lambda: rope_forward(qb, kb, cos, sin)
 
 
-def _graph_replay_us(fn: Callable[[], Any], calls: int = 20) -> float:
+def graph_replay_us(fn: Callable[[], Any], calls: int = 20) -> float:
+    """us per call of ``fn`` replayed from one CUDA graph of ``calls`` calls: no host path, and
+    after the graph's first call the L2 holds what the calls share (the code, the table, the
+    tensors of small calls), as for a model's layers in a captured step."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

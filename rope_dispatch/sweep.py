@@ -37,7 +37,7 @@ import torch
 import rope_dispatch as rd
 from rope_dispatch.bench import (
     Impl, Inputs, Shape, _liger_peer, _ours, _seqlens, _te_peer, _versions, bench_ms,
-    host_us_interleaved, make_inputs, pyplot, rows_read, time_mode,
+    graph_replay_us, host_us_interleaved, make_inputs, pyplot, rows_read, time_mode,
 )
 
 LAYOUTS = ("sbhd", "bshd", "thd")
@@ -276,6 +276,9 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
     if kept:
         for name, us in host_fwd_bwd_us(kept).items():
             results[name]["fwd_bwd_host_us"] = us
+        for name, impl in kept.items():
+            results[name]["fwd_warm_us"] = time_mode(impl.name, "fwd warm", impl.fwd,
+                                                     graph_replay_us)
     for result in results.values():
         print(f"  {result['label']:>16} {_cells(result)}", flush=True)
     kept = None
@@ -299,8 +302,9 @@ def _cells(result: dict[str, Any]) -> str:
     launches = "/".join("-" if n is None else str(n)
                         for n in (result.get("launches_fwd"), result.get("launches_fwd_bwd")))
     times = " | ".join(_time_cell(result, mode_key(m)) for m in MODES)
-    host = result.get("fwd_bwd_host_us")
-    return f"{times} | {'-' if host is None else f'{host:.1f}'} | {launches}"
+    host, warm = (result.get(key) for key in ("fwd_bwd_host_us", "fwd_warm_us"))
+    return (f"{times} | {'-' if host is None else f'{host:.1f}'} "
+            f"| {'-' if warm is None else f'{warm:.2f}'} | {launches}")
 
 
 def format_table(points: Iterable[dict[str, Any]]) -> str:
@@ -309,8 +313,9 @@ def format_table(points: Iterable[dict[str, Any]]) -> str:
         "| layout | dtype | seq (tokens for thd) | batch (sequences for thd) | heads | head dim "
         "| rotary dim | MiB moved | points_at_least_64MB | copy us | implementation "
         "| fwd us (% copy) | bwd kernel us (% copy) | fwd+bwd us (% of 2 copies) "
-        "| fwd+bwd host clock us (in turn) | launches fwd/fwd+bwd |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fwd+bwd host clock us (in turn) | fwd us, L2 warm (CUDA graph) "
+        "| launches fwd/fwd+bwd |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         lead = (f"| {p['layout']} | {p['dtype']} | {p['seq']} | {p['batch']} | {p['heads']} "
@@ -319,7 +324,7 @@ def format_table(points: Iterable[dict[str, Any]]) -> str:
         for result in p["implementations"].values():
             if "absent" in result:
                 why = " ".join(result["absent"].replace("|", "/").split())  # one table cell
-                lines.append(f"{lead} | {result['label']} | absent: {why} | - | - | - | - |")
+                lines.append(f"{lead} | {result['label']} | absent: {why} | - | - | - | - | - |")
             else:
                 lines.append(f"{lead} | {result['label']} | {_cells(result)} |")
     return "\n".join(lines)
@@ -343,8 +348,9 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     forward and backward kernel on every point of 64 MiB and more; the point-modes where a
     peer's call takes less time and moves a larger share of the copy's bytes per second (kernel
     time, and forward+backward from 64 MiB); the host-clock
-    forward+backward against TE's API below 64 MiB; and what reading the table as rates gives
-    over reading its rows. Absent implementations and failed modes are left out."""
+    forward+backward against TE's API below 64 MiB; the forward below 64 MiB with the L2 warm
+    against each peer; and what reading the table as rates gives over reading its rows. Absent
+    implementations and failed modes are left out."""
     lines = []
     large = [p for p in points if p["points_at_least_64MB"]]
     for mode in ("fwd", "bwd kernel"):
@@ -372,6 +378,16 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     lines.append(f"triton slower than a peer at {len(behind)} point-modes"
                  + "".join(f"\n  {line}" for line in behind[:MAX_LISTED])
                  + (f"\n  and {len(behind) - MAX_LISTED} more" if len(behind) > MAX_LISTED else ""))
+    for peer in PEERS:  # below 64 MiB a launch's latency sets the pace; L2 warm as in a model
+        pairs = [(ours, theirs) for p in points
+                 if (ours := _us(p, "triton", "fwd_warm")) and (theirs := _us(p, peer, "fwd_warm"))]
+        if pairs:
+            leads = [ours - theirs for ours, theirs in pairs if theirs < ours]
+            lines.append(
+                f"triton forward below 64 MiB with the L2 warm (a CUDA graph of 20 calls): "
+                f"{peer} faster at {len(leads)} of {len(pairs)} points"
+                + (f", by {max(leads):.2f} us at most" if leads else "")
+            )
     for layout in dict.fromkeys(p["layout"] for p in points):
         ratios = []
         for p in points:

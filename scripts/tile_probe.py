@@ -219,7 +219,7 @@ def decode_qk() -> None:
     for _ in range(5):  # in turn, five times: the GPU's clocks ramp alike for all
         for name, fn in calls.items():
             cold[name].append(1e3 * bench.bench_ms(fn))
-            warm[name].append(bench._graph_replay_us(fn))
+            warm[name].append(bench.graph_replay_us(fn))
     for name in calls:
         print(f"  {name:>38}: cold {statistics.median(cold[name]):5.2f} us  warm "
               f"{statistics.median(warm[name]):5.2f} us (medians of 5)")
@@ -236,7 +236,7 @@ def decode_qk() -> None:
         for name in ("ours positions (pair cache)", "ours rows gathered (Liger's inputs)"):
             fn = calls[name]
             shown.append(f"{name.split(' (')[0]} cold {1e3 * bench.bench_ms(fn):5.2f} warm "
-                         f"{bench._graph_replay_us(fn):5.2f}")
+                         f"{bench.graph_replay_us(fn):5.2f}")
         triton_rope.choose_config = choose
         print(f"   tile {bt} tok x {bh} heads x {iters} iters, {warps} warps: " + "; ".join(shown))
     triton_rope._fast_qkv.clear()

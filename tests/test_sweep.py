@@ -216,6 +216,14 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
         return {name: (1.0, 3.0) for name in fns}
 
     monkeypatch.setattr(sweep, "host_us_interleaved", host_clock)
+    warm = []
+
+    def replayed_us(fn):  # a CUDA graph's replay: each forward runs once here
+        fn()
+        warm.append(fn)
+        return 1.5
+
+    monkeypatch.setattr(sweep, "graph_replay_us", replayed_us)
     # the peers as absent (a module already imported by another test cannot be hidden)
     monkeypatch.setattr(sweep, "_te_peer", lambda shape, inp: None)
     monkeypatch.setattr(sweep, "_liger_peer", lambda shape, inp: None)
@@ -234,6 +242,8 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     # a small point: forward + backward on the host clock, ours measured in turn
     assert in_turn == ["triton", "triton-rows", "triton-cache"]
     assert record["implementations"]["triton"]["fwd_bwd_host_us"] == 3.0
+    assert len(warm) == 3  # and each forward from a graph, the L2 warm
+    assert [record["implementations"][n]["fwd_warm_us"] for n in in_turn] == [1.5] * 3
     assert record["implementations"]["te"]["absent"] == "TransformerEngine is not importable"
     liger = record["implementations"]["liger"]["absent"]
     assert "thd" in liger if layout == "thd" else "not importable" in liger
@@ -244,6 +254,7 @@ def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
     monkeypatch.setattr(sweep, "bench_ms", lambda fn: 0.001)
     monkeypatch.setattr(sweep, "host_us_interleaved", lambda fns, calls, rounds: {n: (1.0, 2.0) for n in fns})
     monkeypatch.setattr(sweep, "count_launches", lambda fn: None)
+    monkeypatch.setattr(sweep, "graph_replay_us", lambda fn: 1.0)
     shape = sweep.make_point("bshd", torch.float32, sweep.Series(2, 1, 8, 8, (), ""), 16)
     record = sweep.run_point(shape, peers=False, device=DEVICE)
     assert record["implementations"]["te"]["absent"] == "--no-peers"
@@ -311,6 +322,11 @@ def test_summarize_states_the_targets():
         _point("big rot64", "sbhd", True, triton=(130.0, 98.0, 131.0, 97.0, 262.0, None),
                te=(260.0, 48.0, 270.0, 48.0, 520.0, None), liger=(82.0, 80.0, 82.0, 80.0, 163.0, None)),
     ]
+    warm = {"small": {"triton": 2.1, "te": 3.0, "liger": 1.9},
+            "small thd": {"triton": 2.0, "te": 2.5}}
+    for p in points:
+        for name, us in warm.get(p["name"], {}).items():
+            p["implementations"][name]["fwd_warm_us"] = us
     lines = sweep.summarize(points).splitlines()
     assert lines[0] == ("triton fwd at >= 64 MiB: 3 of 3 points at 95% of copy or more; lowest "
                         "96.0% (big a)")
@@ -324,6 +340,12 @@ def test_summarize_states_the_targets():
         "  big b fwd_bwd: 80.0 us > liger 70.0 us",
         "  small fwd: 4.5 us > liger 3.9 us",
         "  small bwd_kernel: 4.4 us > liger 3.9 us",
+    ]
+    assert lines[-5:-3] == [
+        "triton forward below 64 MiB with the L2 warm (a CUDA graph of 20 calls): te faster at 0 "
+        "of 2 points",
+        "triton forward below 64 MiB with the L2 warm (a CUDA graph of 20 calls): liger faster "
+        "at 1 of 1 points, by 0.20 us at most",
     ]
     assert lines[-3] == ("sbhd fwd+bwd host clock, triton / TE below 64 MiB: median 1.100, "
                          "highest 1.100, triton faster at 0 of 1 points")
