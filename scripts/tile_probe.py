@@ -1,5 +1,8 @@
-"""Forward and backward kernel time of explicit launch tiles on few-head shapes, as % of a device
-copy (a developer's probe for choose_config; prints one line per shape and tile)."""
+"""Kernel time of explicit launch tiles against a device copy: a developer's probe for
+choose_config, one line per shape and tile. ``python scripts/tile_probe.py [mode]``: no mode,
+forward and backward on few-head shapes; ``small``, launch-bound shapes against Liger;
+``prefill`` and ``decode``, the serving q+k launches (decode also against Liger, cold and
+warm); ``tables``, each table kind read per token (angle rows, cos/sin cache, pair cache)."""
 from __future__ import annotations
 
 import statistics
