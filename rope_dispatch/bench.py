@@ -618,19 +618,10 @@ def run_serving(report: Report) -> None:
     liger = _liger_qk(q, k, freqs, pos)
     if liger is not None:
         kernels["Liger q+k kernel, rows gathered ahead (do_bench, peer) us"] = liger
-    # in turn, 11 rounds: clocks and the host drift alike for every kernel. Cold (do_bench
-    # flushes L2 before each call) and warm (20 calls replayed from one CUDA graph, as a
-    # model's layers run in a captured decode step)
-    cold: dict[str, list[float]] = {name: [] for name in kernels}
-    warm: dict[str, list[float]] = {name: [] for name in kernels}
-    for _ in range(11):
-        for name, fn in kernels.items():
-            cold[name].append(1e3 * bench_ms(fn))
-            warm[name].append(graph_replay_us(fn))
-    for name in kernels:
-        report.host[f"serving decode {name}"] = statistics.median(cold[name])
+    for name, (cold, warm) in cold_warm_us(kernels, rounds=11).items():
+        report.host[f"serving decode {name}"] = cold
         warm_name = name.replace("(do_bench", "(CUDA graph, L2 warm")
-        report.host[f"serving decode {warm_name}"] = statistics.median(warm[name])
+        report.host[f"serving decode {warm_name}"] = warm
     p = serving_inputs(SERVING_TOKENS["prefill"])
     q, k = p["q"], p["k"]
     nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
@@ -651,17 +642,17 @@ def run_serving(report: Report) -> None:
         print(f"  {label:>30} {ms * 1e3:9.1f} us {100 * copy_ms / ms:5.0f}% of copy", flush=True)
 
 
-def rows_read(fn: Callable[[], Any]) -> Callable[[], Any]:
+def rows_read(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with the triton backend reading every row of its angle tables: no call inside
     looks for a linear table's flag (``LINEAR_MIN_ROWS_READ`` raised around it). Give it a
     table of its own: a plan or flag made for a table by other calls would still serve it."""
     from rope_dispatch.backends import triton_rope
 
-    def run() -> Any:
+    def run(*args: Any) -> Any:
         saved = triton_rope.LINEAR_MIN_ROWS_READ
         triton_rope.LINEAR_MIN_ROWS_READ = sys.maxsize
         try:
-            return fn()
+            return fn(*args)
         finally:
             triton_rope.LINEAR_MIN_ROWS_READ = saved
 
@@ -679,6 +670,19 @@ def _liger_qk(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, pos: torch.
     sin = freqs[pos].sin()[:, None, :].to(q.dtype).contiguous()
     qb, kb = q.unsqueeze(2).clone(), k.unsqueeze(2).clone()  # [b, h, s=1, d]
     return lambda: rope_forward(qb, kb, cos, sin)
+
+
+def cold_warm_us(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, tuple[float, float]]:
+    """``(cold, warm)`` us per call of each of ``fns``, medians over ``rounds`` rounds that time
+    them in turn (clocks and the host drift alike for all): cold by ``do_bench``, which flushes
+    L2 before each call; warm from a CUDA graph (:func:`graph_replay_us`)."""
+    cold: dict[str, list[float]] = {name: [] for name in fns}
+    warm: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            cold[name].append(1e3 * bench_ms(fn))
+            warm[name].append(graph_replay_us(fn))
+    return {name: (statistics.median(cold[name]), statistics.median(warm[name])) for name in fns}
 
 
 def graph_replay_us(fn: Callable[[], Any], calls: int = 20) -> float:

@@ -315,9 +315,10 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
 def angles_4d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
     """:func:`angles_2d`'s check, returning TransformerEngine's ``[s2, 1, 1, d2]``: ``freqs``
     itself when it is a remembered contiguous table of that shape (no view made per call)."""
-    if not torch.compiler.is_compiling() and _remembered_dims(freqs) == 4:
+    dims = 0 if torch.compiler.is_compiling() else _remembered_dims(freqs)
+    if dims == 4:
         return freqs
-    table = angles_2d(freqs, argument)
+    table = freqs if dims == 2 else angles_2d(freqs, argument)
     return table.view(table.shape[0], 1, 1, table.shape[1])
 
 

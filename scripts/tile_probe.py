@@ -5,8 +5,6 @@ forward and backward on few-head shapes; ``small``, launch-bound shapes against 
 warm); ``tables``, each table kind read per token (angle rows, cos/sin cache, pair cache)."""
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 import rope_dispatch as rd
@@ -217,15 +215,8 @@ def decode_qk() -> None:
                                                             positions=positions),
         "ours rows gathered (Liger's inputs)": lambda: rd.apply_qk_(q4, k4, rows, bshd),
     }
-    cold: dict[str, list[float]] = {name: [] for name in calls}
-    warm: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(5):  # in turn, five times: the GPU's clocks ramp alike for all
-        for name, fn in calls.items():
-            cold[name].append(1e3 * bench.bench_ms(fn))
-            warm[name].append(bench.graph_replay_us(fn))
-    for name in calls:
-        print(f"  {name:>38}: cold {statistics.median(cold[name]):5.2f} us  warm "
-              f"{statistics.median(warm[name]):5.2f} us (medians of 5)")
+    for name, (cold, warm) in bench.cold_warm_us(calls, rounds=5).items():
+        print(f"  {name:>38}: cold {cold:5.2f} us  warm {warm:5.2f} us (medians of 5)")
     choose = triton_rope.choose_config
     default = choose(64, (32, 8), 128, 128, 2, False, triton_rope._sm_count(0))
     print(f"decode q+k tiles (default {default}):")
