@@ -100,10 +100,13 @@ def choose_config(
     A tile is ``BLOCK_T`` tokens x ``BLOCK_H`` heads x the head dim, about ``TILE_BYTES``;
     heads go into the tile first (sin/cos are shared by a token's heads) as long as the tile
     keeps ``tile_tokens`` tokens (:func:`tile_tokens`), tokens fill the rest.
-    Small calls get smaller tiles, down to one token of one head, until there are
-    ``MIN_PROGRAMS_PER_SM`` programs per SM. ``heads`` is a tuple for a launch over several
-    tensors (q, k, v): tiles fit the one with the fewest heads, and programs are counted over
-    all of them.
+
+    A call too small for ``MIN_PROGRAMS_PER_SM`` programs per SM at that tile is bound by
+    latency, not by load width: its tile starts from as many heads as fit (each program then
+    loads one table row for all of them, where a tile of 8 tokens x 1 head loads 8 rows for
+    one head), then gives up tokens, down to one, and then heads, until every SM has its
+    programs. ``heads`` is a tuple for a launch over several tensors (q, k, v): tiles fit the
+    one with the fewest heads, and programs are counted over all of them.
     """
     counts = heads if isinstance(heads, tuple) else (heads,)
     block_r = _next_pow2(rotary_dim) if interleaved else _next_pow2(rotary_dim // 2)
@@ -111,15 +114,23 @@ def choose_config(
     block_p = _next_pow2(pass_dim) if pass_dim else 1
     rows = max(1, TILE_BYTES // (head_dim * element_size))
     rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``
+    wanted = MIN_PROGRAMS_PER_SM * sms
+
+    def programs(block_t: int, block_h: int) -> int:
+        return -(-n_tokens // block_t) * sum(-(-n // block_h) for n in counts)
+
     block_h = min(_next_pow2(min(counts)), max(1, rows // tile_tokens))
     block_t = min(max(1, rows // block_h), _next_pow2(n_tokens))
-    while -(-n_tokens // block_t) * sum(-(-n // block_h) for n in counts) < MIN_PROGRAMS_PER_SM * sms:
-        if block_h > 1:
-            block_h //= 2
-        elif block_t > 1:
-            block_t //= 2
-        else:
-            break
+    if programs(block_t, block_h) < wanted:
+        block_h = min(_next_pow2(min(counts)), rows)
+        block_t = min(rows // block_h, _next_pow2(n_tokens))
+        while programs(block_t, block_h) < wanted:
+            if block_t > 1:
+                block_t //= 2
+            elif block_h > 1:
+                block_h //= 2
+            else:
+                break
     return block_t, block_h, 1, block_r, block_p, 4
 
 

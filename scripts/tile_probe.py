@@ -188,7 +188,7 @@ def decode_qk() -> None:
     """The serving decode q+k launch (64 tokens, q 32 heads, k 8, in place) at explicit tiles:
     per-token positions into the pair cache (two dependent loads: position, then row) and the
     same tokens with their cos/sin rows gathered ahead (Liger's inputs: row = token), against
-    Liger's q+k on those rows and Liger with the gather. Cold L2 (do_bench flushes it) and warm
+    Liger's q+k on those rows and Liger with the gather. Cold L2 (do_bench flushes it) and warm, medians of 11 rounds in turn,
     (20 calls in one CUDA graph, as a model's layers run them)."""
     d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
     q, k, positions, cache = d["q"], d["k"], d["positions"], d["pair_cache"]
@@ -215,8 +215,8 @@ def decode_qk() -> None:
                                                             positions=positions),
         "ours rows gathered (Liger's inputs)": lambda: rd.apply_qk_(q4, k4, rows, bshd),
     }
-    for name, (cold, warm) in bench.cold_warm_us(calls, rounds=5).items():
-        print(f"  {name:>38}: cold {cold:5.2f} us  warm {warm:5.2f} us (medians of 5)")
+    for name, (cold, warm) in bench.cold_warm_us(calls, rounds=11).items():
+        print(f"  {name:>38}: cold {cold:5.2f} us  warm {warm:5.2f} us (medians of 11)")
     choose = triton_rope.choose_config
     default = choose(64, (32, 8), 128, 128, 2, False, triton_rope._sm_count(0))
     print(f"decode q+k tiles (default {default}):")

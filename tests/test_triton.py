@@ -417,6 +417,20 @@ def test_tiles_give_every_sm_programs_unless_the_call_is_too_small(tokens, heads
         assert bt * bh * 128 * 2 == triton_rope.TILE_BYTES  # a full tile: 8 KB
 
 
+@pytest.mark.parametrize("tokens, heads, tile", [
+    (64, (32, 8), (1, 8)),  # a decode step's q and k: one token of 8 heads per program
+    (128, 8, (1, 2)),
+    (2048, 1, (4, 1)),
+])
+def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(tokens, heads, tile):
+    """A call too small for full tiles on 132 SMs gives up tokens per program before heads: a
+    program's heads share one table row, where 8 tokens of one head load 8 rows."""
+    from rope_dispatch.backends import triton_rope
+
+    bt, bh, *_ = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132)
+    assert (bt, bh) == tile
+
+
 @pytest.mark.parametrize(
     "dtype, rotary_dim, interleaved, kind, tokens",
     [
