@@ -188,8 +188,8 @@ def decode_qk() -> None:
     """The serving decode q+k launch (64 tokens, q 32 heads, k 8, in place) at explicit tiles:
     per-token positions into the pair cache (two dependent loads: position, then row) and the
     same tokens with their cos/sin rows gathered ahead (Liger's inputs: row = token), against
-    Liger's q+k on those rows and Liger with the gather. Cold L2 (do_bench flushes it) and warm, medians of 11 rounds in turn,
-    (20 calls in one CUDA graph, as a model's layers run them)."""
+    Liger's q+k on those rows and Liger with the gather. Cold L2 (do_bench flushes it) and warm
+    (20 calls in one CUDA graph, as a model's layers run them), medians of 11 rounds in turn."""
     d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
     q, k, positions, cache = d["q"], d["k"], d["positions"], d["pair_cache"]
     rows = rd.PairCosSinCache(cache.table[positions])  # row t: token t's cos | sin
