@@ -315,7 +315,7 @@ def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
     if shape.layout == "thd" or shape.cp_size > 1 or shape.qkv is not None:
         return None
     try:
-        from liger_kernel.ops.rope import rope_backward, rope_forward
+        from liger_kernel.ops.rope import LigerRopeFunction, rope_backward, rope_forward
     except Exception:  # noqa: BLE001
         return None
     b, s, h, d, rot = shape.batch, shape.seq, shape.heads, shape.head_dim, shape.rotary_dim
@@ -334,9 +334,15 @@ def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
     def bwd():
         return rope_backward(dq.transpose(1, 2), dk.transpose(1, 2), cos, sin, rotary_dim=rot)
 
+    # forward + backward as its users run it: its autograd.Function on leaves' views (it
+    # rotates them in place, as a model's q and k), then the engine's backward
+    q_leaf, k_leaf = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+    grads = (dq.transpose(1, 2), dk.transpose(1, 2))
+
     def fwd_bwd():
-        fwd()
-        return bwd()
+        outs = LigerRopeFunction.apply(q_leaf.transpose(1, 2), k_leaf.transpose(1, 2), cos, sin,
+                                       None, 1, rot)
+        return torch.autograd.grad(outs, (q_leaf, k_leaf), grads)
 
     def output():
         fresh = inp.t.reshape(-1).view(b, s, h, d).clone()

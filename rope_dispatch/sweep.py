@@ -55,10 +55,12 @@ IMPLEMENTATIONS = {
     "liger": "Liger (peer)",
 }
 MODES = ("fwd", "bwd kernel", "fwd+bwd")
-# The host-clock fwd+bwd of points below 64 MiB, in turn. With 9 rounds of 20 calls, run Q's
-# ratios to TE's API were within 4% at 12 of the 16 points where ours was slower, up to 1.215
-# at one: the host's noise at ~120 us a call. 15 rounds of 40 (about 15 s more per sweep).
+# The host-clock fwd+bwd, in turn. With 9 rounds of 20 calls, run Q's ratios to TE's API were
+# within 4% at 12 of the 16 points where ours was slower, up to 1.215 at one: the host's noise
+# at ~120 us a call. 15 rounds of 40 (about 15 s more per sweep) below 64 MiB; from 64 MiB a
+# call takes 0.15-2 ms of GPU time and 5 rounds of 10 do.
 HOST_CALLS, HOST_ROUNDS = 40, 15
+LARGE_HOST_CALLS, LARGE_HOST_ROUNDS = 10, 5
 
 
 @dataclass(frozen=True)
@@ -247,15 +249,19 @@ def _measure_named(
         return {"label": label, "absent": f"failed: {type(exc).__name__}: {exc}"}
 
 
-def host_fwd_bwd_us(impls: dict[str, Impl]) -> dict[str, float]:
+def host_fwd_bwd_us(impls: dict[str, Impl], large: bool = False) -> dict[str, float]:
     """Forward + backward through autograd, end to end on the host clock (us per call, the
-    final synchronisation included), the implementations measured in turn within each round
-    (``host_us_interleaved``), so the host's drift reaches them alike. At points below 64 MiB
-    the host path sets the pace, and ``do_bench``'s single figures there swing by tens of us."""
+    final synchronisation included: the larger of host and GPU time, as a training step's
+    calls run back to back), the implementations measured in turn within each round
+    (``host_us_interleaved``), so the host's drift reaches them alike. ``do_bench``'s figure
+    flushes L2 between calls and so races the host path (about 100 us through autograd)
+    against the GPU's: below 64 MiB its single figures swing by tens of us, and at 64 MiB, where
+    our two kernels take about 76 us, the same point gave 85-192 us across runs."""
     fns = {name: impl.fwd_bwd for name, impl in impls.items() if impl.fwd_bwd is not None}
     if not fns:
         return {}
-    measured = host_us_interleaved(fns, calls=HOST_CALLS, rounds=HOST_ROUNDS)
+    calls, rounds = (LARGE_HOST_CALLS, LARGE_HOST_ROUNDS) if large else (HOST_CALLS, HOST_ROUNDS)
+    measured = host_us_interleaved(fns, calls=calls, rounds=rounds)
     return {name: total for name, (_, total) in measured.items()}
 
 
@@ -269,22 +275,27 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
     record["copy_us"] = 1e3 * copy_ms
     print(f"  device copy {record['copy_us']:9.1f} us", flush=True)
     results: dict[str, Any] = {}
-    # below 64 MiB the implementations stay built (small), for one host-clock measurement
-    kept: dict[str, Impl] | None = None if record["points_at_least_64MB"] else {}
+    large = record["points_at_least_64MB"]
+    # the implementations stay built for one host-clock measurement in turn
+    kept: dict[str, Impl] = {}
     for name, label in IMPLEMENTATIONS.items():
         if not name.startswith("triton") and not peers:
             results[name] = {"label": label, "absent": "--no-peers"}
         else:
             results[name] = _measure_named(name, shape, inp, copy_ms, kept)
-    if kept:
-        for name, us in host_fwd_bwd_us(kept).items():
-            results[name]["fwd_bwd_host_us"] = us
+    rotary_share = shape.rotary_dim / shape.head_dim
+    for name, us in host_fwd_bwd_us(kept, large).items():
+        results[name]["fwd_bwd_host_us"] = us
+        results[name]["fwd_bwd_host_pct_of_copy"] = (
+            100 * copy_ms * 1e3 * kept[name].copy_share("fwd+bwd", rotary_share) / us
+        )
+    if not large:  # a CUDA graph of 20 calls: L2 warm below 64 MiB
         for name, impl in kept.items():
             results[name]["fwd_warm_us"] = time_mode(impl.name, "fwd warm", impl.fwd,
                                                      graph_replay_us)
     for result in results.values():
         print(f"  {result['label']:>16} {_cells(result)}", flush=True)
-    kept = None
+    kept.clear()
     record["implementations"] = results
     del inp
     if device == "cuda":
@@ -350,10 +361,10 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     """The targets over the measured points, as lines of text: ours (``triton``) at 95% of copy
     forward and backward kernel on every point of 64 MiB and more; the point-modes where a
     peer's call takes less time and moves a larger share of the copy's bytes per second (kernel
-    time, and forward+backward from 64 MiB); the host-clock
-    forward+backward against TE's API below 64 MiB; the forward below 64 MiB with the L2 warm
-    against each peer; and what reading the table as rates gives over reading its rows. Absent
-    implementations and failed modes are left out."""
+    time, and forward+backward end to end on the host clock); the host-clock forward+backward
+    against each peer's; the forward below 64 MiB with the L2 warm against each peer; and what
+    reading the table as rates gives over reading its rows. Absent implementations and failed
+    modes are left out."""
     lines = []
     large = [p for p in points if p["points_at_least_64MB"]]
     for mode in ("fwd", "bwd kernel"):
@@ -368,9 +379,8 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     for p in points:
         # faster in time and in share of the copy: a peer moving fewer bytes (Liger in place on
         # partial rotary) may take less time and still be slower. Forward+backward through
-        # autograd on do_bench's clock only from 64 MiB (below, the host-clock line is the one)
-        modes = ("fwd", "bwd_kernel") + (("fwd_bwd",) if p["points_at_least_64MB"] else ())
-        for mode in modes:
+        # autograd on the host clock, in turn (do_bench's figure races host and GPU)
+        for mode in ("fwd", "bwd_kernel", "fwd_bwd_host"):
             ours, ours_pct = _us(p, "triton", mode), _pct(p, "triton", mode)
             for peer in PEERS:
                 theirs, theirs_pct = _us(p, peer, mode), _pct(p, peer, mode)
@@ -391,18 +401,19 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
                 f"{peer} faster at {len(leads)} of {len(pairs)} points"
                 + (f", by {max(leads):.2f} us at most" if leads else "")
             )
-    for layout in dict.fromkeys(p["layout"] for p in points):
-        ratios = []
-        for p in points:
-            ours, te = _us(p, "triton", "fwd_bwd_host"), _us(p, "te", "fwd_bwd_host")
-            if p["layout"] == layout and ours and te:
-                ratios.append(ours / te)
-        if ratios:
-            lines.append(
-                f"{layout} fwd+bwd host clock, triton / TE below 64 MiB: median "
-                f"{statistics.median(ratios):.3f}, highest {max(ratios):.3f}, triton faster at "
-                f"{sum(r < 1 for r in ratios)} of {len(ratios)} points"
-            )
+    for peer in PEERS:
+        for layout in dict.fromkeys(p["layout"] for p in points):
+            ratios = []
+            for p in points:
+                ours, theirs = _us(p, "triton", "fwd_bwd_host"), _us(p, peer, "fwd_bwd_host")
+                if p["layout"] == layout and ours and theirs:
+                    ratios.append(ours / theirs)
+            if ratios:
+                lines.append(
+                    f"{layout} fwd+bwd end to end (host clock, in turn), triton / {peer}: median "
+                    f"{statistics.median(ratios):.3f}, highest {max(ratios):.3f}, triton faster "
+                    f"at {sum(r < 1 for r in ratios)} of {len(ratios)} points"
+                )
     gains = [rows / ours for p in large
              if (ours := _us(p, "triton", "fwd")) and (rows := _us(p, "triton-rows", "fwd"))]
     if gains:

@@ -194,10 +194,14 @@ def test_unknown_layout_is_a_usage_error(capsys):
     assert "hbsd" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("layout", ["sbhd", "thd"])
-def test_run_point_records_every_implementation(triton_backend, monkeypatch, layout):
+@pytest.mark.parametrize("layout, large", [("sbhd", False), ("thd", False), ("sbhd", True)])
+def test_run_point_records_every_implementation(triton_backend, monkeypatch, layout, large):
     """The measuring path end to end (on Triton's CPU interpreter without CUDA), with the clock and the
-    profiler replaced (each callable still runs once): peers absent here say why."""
+    profiler replaced (each callable still runs once): peers absent here say why. A point of
+    64 MiB and more (here by a lowered threshold) gets fewer host-clock calls and no warm
+    forward."""
+    if large:
+        monkeypatch.setattr(sweep, "LARGE_TENSOR_BYTES", 0)
     ran = []
 
     def one_call_ms(fn):
@@ -210,6 +214,8 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     in_turn = []
 
     def host_clock(fns, calls, rounds):  # each fwd+bwd runs once; 3 us end to end each
+        assert (calls, rounds) == ((sweep.LARGE_HOST_CALLS, sweep.LARGE_HOST_ROUNDS) if large
+                                   else (sweep.HOST_CALLS, sweep.HOST_ROUNDS))
         for name, fn in fns.items():
             fn()
             in_turn.append(name)
@@ -239,11 +245,16 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
         assert triton["launches_fwd"] == triton["launches_fwd_bwd"] == 1
     assert record["implementations"]["triton-rows"]["label"] == "triton (table rows read)"
     assert record["implementations"]["triton-cache"]["label"] == "triton (cos/sin cache, t's dtype)"
-    # a small point: forward + backward on the host clock, ours measured in turn
+    # forward + backward on the host clock, ours measured in turn: 3 us for two copies of 2 us
+    assert record["points_at_least_64MB"] is large
     assert in_turn == ["triton", "triton-rows", "triton-cache"]
     assert record["implementations"]["triton"]["fwd_bwd_host_us"] == 3.0
-    assert len(warm) == 3  # and each forward from a graph, the L2 warm
-    assert [record["implementations"][n]["fwd_warm_us"] for n in in_turn] == [1.5] * 3
+    assert record["implementations"]["triton"]["fwd_bwd_host_pct_of_copy"] == pytest.approx(
+        100 * 2 * 2.0 / 3.0)
+    # below 64 MiB each forward also from a graph, the L2 warm
+    assert len(warm) == (0 if large else 3)
+    assert [record["implementations"][n].get("fwd_warm_us") for n in in_turn] == (
+        [None] * 3 if large else [1.5] * 3)
     assert record["implementations"]["te"]["absent"] == "TransformerEngine is not importable"
     liger = record["implementations"]["liger"]["absent"]
     assert "thd" in liger if layout == "thd" else "not importable" in liger
@@ -289,8 +300,8 @@ def test_points_have_model_tables_and_the_rows_series_reads_them(triton_backend,
 
 def _point(name, layout, large, **impls):
     """A measured point for summarize: ``impls`` maps names to (fwd us, fwd %, bwd us, bwd %,
-    fwd+bwd us, host us) or to None (absent); the fwd+bwd % of two copies follows from the
-    forward's bytes per us."""
+    fwd+bwd us, host us) or to None (absent); the fwd+bwd % of two copies (do_bench's and the
+    host clock's) follows from the forward's bytes per us."""
     implementations = {}
     for impl, values in impls.items():
         if values is None:
@@ -301,6 +312,7 @@ def _point(name, layout, large, **impls):
             "label": impl, "fwd_us": fwd, "fwd_pct_of_copy": fwd_pct, "bwd_kernel_us": bwd,
             "bwd_kernel_pct_of_copy": bwd_pct, "fwd_bwd_us": fwd_bwd, "fwd_bwd_host_us": host,
             "fwd_bwd_pct_of_copy": 2 * fwd_pct * fwd / fwd_bwd,
+            "fwd_bwd_host_pct_of_copy": None if host is None else 2 * fwd_pct * fwd / host,
         }
     return {"name": name, "layout": layout, "points_at_least_64MB": large,
             "implementations": implementations}
@@ -308,19 +320,21 @@ def _point(name, layout, large, **impls):
 
 def test_summarize_states_the_targets():
     points = [
-        _point("big a", "sbhd", True, triton=(40.0, 96.0, 41.0, 94.0, 90.0, None),
-               **{"triton-rows": (44.0, 87.0, 45.0, 86.0, 99.0, None)},
-               te=(80.0, 48.0, 60.0, 60.0, 85.0, None), liger=None),
-        _point("big b", "sbhd", True, triton=(38.0, 97.5, 39.0, 96.0, 80.0, None),
-               **{"triton-rows": (41.8, 88.0, 40.0, 93.0, 82.0, None)},
-               te=(90.0, 40.0, 70.0, 55.0, 95.0, None), liger=(37.0, 99.0, 50.0, 70.0, 70.0, None)),
+        # do_bench's fwd+bwd (here 200.0: a host path racing the GPU) is not compared
+        _point("big a", "sbhd", True, triton=(40.0, 96.0, 41.0, 94.0, 200.0, 90.0),
+               **{"triton-rows": (44.0, 87.0, 45.0, 86.0, 99.0, 99.0)},
+               te=(80.0, 48.0, 60.0, 60.0, 85.0, 85.0), liger=None),
+        _point("big b", "sbhd", True, triton=(38.0, 97.5, 39.0, 96.0, 80.0, 80.0),
+               **{"triton-rows": (41.8, 88.0, 40.0, 93.0, 82.0, 82.0)},
+               te=(90.0, 40.0, 70.0, 55.0, 95.0, 95.0), liger=(37.0, 99.0, 50.0, 70.0, 70.0, 70.0)),
         _point("small", "sbhd", False, triton=(4.5, 89.0, 4.4, 90.0, 120.0, 110.0),
-               te=(9.0, 40.0, 6.0, 66.0, 100.0, 100.0), liger=(3.9, 200.0, 3.9, 200.0, 50.0, None)),
+               te=(9.0, 44.5, 6.0, 66.0, 100.0, 100.0), liger=(3.9, 200.0, 3.9, 200.0, 50.0, None)),
         _point("small thd", "thd", False, triton=(4.0, 95.0, 4.0, 95.0, 90.0, 90.0),
                te=(9.0, 40.0, 6.0, 66.0, 100.0, 100.0), liger=None),
         # Liger in place on partial rotary: less time for half the bytes, a lower share
-        _point("big rot64", "sbhd", True, triton=(130.0, 98.0, 131.0, 97.0, 262.0, None),
-               te=(260.0, 48.0, 270.0, 48.0, 520.0, None), liger=(82.0, 80.0, 82.0, 80.0, 163.0, None)),
+        _point("big rot64", "sbhd", True, triton=(130.0, 98.0, 131.0, 97.0, 262.0, 262.0),
+               te=(260.0, 48.0, 270.0, 48.0, 520.0, 520.0),
+               liger=(82.0, 80.0, 82.0, 80.0, 163.0, 163.0)),
     ]
     warm = {"small": {"triton": 2.1, "te": 3.0, "liger": 1.9},
             "small thd": {"triton": 2.0, "te": 2.5}}
@@ -332,25 +346,31 @@ def test_summarize_states_the_targets():
                         "96.0% (big a)")
     assert lines[1] == ("triton bwd kernel at >= 64 MiB: 2 of 3 points at 95% of copy or more; "
                         "lowest 94.0% (big a)")
-    # kernel time at every point, forward+backward from 64 MiB only (small: the host line)
-    assert lines[2:8] == [
-        "triton slower than a peer at 5 point-modes",
-        "  big a fwd_bwd: 90.0 us > te 85.0 us",
+    # kernel time and forward+backward on the host clock, at every point
+    assert lines[2:9] == [
+        "triton slower than a peer at 6 point-modes",
+        "  big a fwd_bwd_host: 90.0 us > te 85.0 us",
         "  big b fwd: 38.0 us > liger 37.0 us",
-        "  big b fwd_bwd: 80.0 us > liger 70.0 us",
+        "  big b fwd_bwd_host: 80.0 us > liger 70.0 us",
         "  small fwd: 4.5 us > liger 3.9 us",
         "  small bwd_kernel: 4.4 us > liger 3.9 us",
+        "  small fwd_bwd_host: 110.0 us > te 100.0 us",
     ]
-    assert lines[-5:-3] == [
+    assert lines[-6:-4] == [
         "triton forward below 64 MiB with the L2 warm (a CUDA graph of 20 calls): te faster at 0 "
         "of 2 points",
         "triton forward below 64 MiB with the L2 warm (a CUDA graph of 20 calls): liger faster "
         "at 1 of 1 points, by 0.20 us at most",
     ]
-    assert lines[-3] == ("sbhd fwd+bwd host clock, triton / TE below 64 MiB: median 1.100, "
-                         "highest 1.100, triton faster at 0 of 1 points")
-    assert lines[-2] == ("thd fwd+bwd host clock, triton / TE below 64 MiB: median 0.900, "
-                         "highest 0.900, triton faster at 1 of 1 points")
+    # ratios of time at every point (the partial-rotary point's Liger moves half the bytes)
+    assert lines[-4:-1] == [
+        "sbhd fwd+bwd end to end (host clock, in turn), triton / te: median 0.950, highest "
+        "1.100, triton faster at 2 of 4 points",
+        "thd fwd+bwd end to end (host clock, in turn), triton / te: median 0.900, highest "
+        "0.900, triton faster at 1 of 1 points",
+        "sbhd fwd+bwd end to end (host clock, in turn), triton / liger: median 1.375, highest "
+        "1.607, triton faster at 0 of 2 points",
+    ]
     assert lines[-1] == ("triton forward at >= 64 MiB, table rows read / read as rates: 1.10x "
                          "median, 1.10-1.10x")
 
