@@ -48,7 +48,7 @@ import torch
 from rope_dispatch.call import RoPECall
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import RoPESpec
-from rope_dispatch.tables import RateTable, angles_4d
+from rope_dispatch.tables import RateTable
 
 # Where apply_rotary_pos_emb lives, newest first.
 MODULE_PATHS = (
@@ -396,10 +396,14 @@ class TEBackend(Backend):
 
     def plan(self, call: RoPECall) -> Plan:
         """TE's function with its keyword arguments made once: a repeated call passes the
-        user's table as TE takes it (:func:`~rope_dispatch.tables.angles_4d`: no view when it
-        is already ``[s2, 1, 1, d2]``) and, when it has them, the start positions and the
-        spec's offsets in int32. Other calls (packed qkv, rate tables, a cos/sin scale) take
-        the generic plan."""
+        user's table as TE takes it (itself when it is ``[s2, 1, 1, d2]``, else a view of the
+        ``[s2, d2]`` table: dispatch runs a plan only for the table object it was made for,
+        over the memory it held then, so its rank and size are known here; a view refuses a
+        table made non-contiguous in place since) and, when it has them, the start positions
+        and the spec's offsets in int32. Other calls (packed qkv, rate tables, a cos/sin scale)
+        take the generic plan. Run R: checking the table again per call (with the checks
+        ``tables.angles_2d`` remembers) put the plan 6.3 us above TE's function on the H200
+        host (27.2 against 20.9 us)."""
         generic = super().plan(call)
         info = self._info
         if (
@@ -415,6 +419,7 @@ class TEBackend(Backend):
         device_index = call.t.device.index
         several = torch.cuda.device_count() > 1
         current_device = torch.cuda.current_device
+        shape_4d = (call.table.shape[0], 1, 1, call.table.shape[1])
 
         def run_te(
             t: torch.Tensor, freqs: torch.Tensor, spec: RoPESpec,
@@ -422,14 +427,15 @@ class TEBackend(Backend):
         ) -> torch.Tensor:
             if several and current_device() != device_index:
                 return generic(t, freqs, spec, start_positions, positions, k)
+            table = freqs if freqs.dim() == 4 else freqs.view(shape_4d)
             if per_call == (False, False):
-                return fn(t, angles_4d(freqs), **fixed)
+                return fn(t, table, **fixed)
             kwargs = dict(fixed)
             if per_call[0]:
                 kwargs["start_positions"] = _int32(start_positions)
             if per_call[1]:
                 kwargs["cu_seqlens"] = _int32(spec.cu_seqlens)
-            return fn(t, angles_4d(freqs), **kwargs)
+            return fn(t, table, **kwargs)
 
         return run_te
 

@@ -312,16 +312,6 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
     return table
 
 
-def angles_4d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
-    """:func:`angles_2d`'s check, returning TransformerEngine's ``[s2, 1, 1, d2]``: ``freqs``
-    itself when it is a remembered contiguous table of that shape (no view made per call)."""
-    dims = 0 if torch.compiler.is_compiling() else _remembered_dims(freqs)
-    if dims == 4:
-        return freqs
-    table = freqs if dims == 2 else angles_2d(freqs, argument)
-    return table.view(table.shape[0], 1, 1, table.shape[1])
-
-
 def _remembered_dims(freqs: torch.Tensor) -> int:
     """4 or 2: ``freqs`` is a table :func:`angles_2d` checked, still the same object over the
     same memory, contiguous and of its checked rank; 0 otherwise."""

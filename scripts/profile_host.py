@@ -99,9 +99,40 @@ def grad_pieces(tokens=128, heads=8):
                     top=22)
 
 
+def te_pieces():
+    """Decode ``apply(backend="te")`` against TE's own call in turn: TE's function with the
+    arguments our plan passes, our TE plan without the dispatch front, and through ``apply``."""
+    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+
+    from rope_dispatch import dispatch
+
+    d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
+    freqs, spec = d["freqs"], d["sbhd"]
+    x = torch.randn(1, 64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    te_freqs = freqs.view(freqs.shape[0], 1, 1, -1)
+    for _ in range(2):  # a key is planned at its second call
+        rd.apply(x, freqs, spec, backend="te")
+    (run,) = [p.run for key, entry in dispatch._plans.items() if key[3] == "te"
+              for p in entry.plans]
+    calls = {
+        "TE's function": lambda: apply_rotary_pos_emb(x, te_freqs, tensor_format="sbhd", fused=True),
+        "our TE plan (no dispatch front)": lambda: run(x, freqs, spec, None, None, None),
+        "apply backend=te": lambda: rd.apply(x, freqs, spec, backend="te"),
+        "apply (auto)": lambda: rd.apply(x, freqs, spec),
+    }
+    print("=== decode sbhd s1 b64 h32 d128 bf16: host us per call, in turn")
+    for name, (host, total) in bench.host_us_interleaved(calls).items():
+        print(f"  {name:>34}: host {host:6.2f}  end to end {total:6.2f}")
+    profile("apply backend=te", calls["apply backend=te"], top=16)
+    profile("TE's function", calls["TE's function"], top=16)
+
+
 def main():
     if sys.argv[1:2] == ["grad"]:  # grad [tokens]
         grad_pieces(*(int(n) for n in sys.argv[2:3]))
+        return
+    if sys.argv[1:2] == ["te"]:
+        te_pieces()
         return
     d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
     q, k, pos, freqs, cache = d["q"], d["k"], d["positions"], d["freqs"], d["pair_cache"]
