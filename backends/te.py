@@ -398,12 +398,12 @@ class TEBackend(Backend):
         """TE's function with its keyword arguments made once: a repeated call passes the
         user's table as TE takes it (itself when it is ``[s2, 1, 1, d2]``, else a view of the
         ``[s2, d2]`` table: dispatch runs a plan only for the table object it was made for,
-        over the memory it held then, so its rank and size are known here; a view refuses a
-        table made non-contiguous in place since) and, when it has them, the start positions
-        and the spec's offsets in int32. Other calls (packed qkv, rate tables, a cos/sin scale)
-        take the generic plan. Run R: checking the table again per call (with the checks
-        ``tables.angles_2d`` remembers) put the plan 6.3 us above TE's function on the H200
-        host (27.2 against 20.9 us)."""
+        over the memory it held then, so its rank and size are known here; a strided table,
+        which the checks copy, takes the generic plan) and, when it has them, the start
+        positions and the spec's offsets in int32. Other calls (packed qkv, rate tables, a
+        cos/sin scale) take the generic plan. Run R: checking the table again per call (with
+        the checks ``tables.angles_2d`` remembers) put the plan 6.3 us above TE's function on
+        the H200 host (27.2 against 20.9 us)."""
         generic = super().plan(call)
         info = self._info
         if (
@@ -425,7 +425,7 @@ class TEBackend(Backend):
             t: torch.Tensor, freqs: torch.Tensor, spec: RoPESpec,
             start_positions: torch.Tensor | None, positions: torch.Tensor | None, k: None,
         ) -> torch.Tensor:
-            if several and current_device() != device_index:
+            if not freqs.is_contiguous() or (several and current_device() != device_index):
                 return generic(t, freqs, spec, start_positions, positions, k)
             table = freqs if freqs.dim() == 4 else freqs.view(shape_4d)
             if per_call == (False, False):

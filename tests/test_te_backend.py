@@ -291,6 +291,28 @@ def test_a_plan_hands_te_the_users_table_and_this_calls_index_tensors(layout, st
     assert freqs.shape == (16, 1, 1, 8) and freqs.data_ptr() == call.table.data_ptr()
 
 
+def test_a_plan_hands_te_a_strided_table_as_a_contiguous_copy():
+    """A table sliced from a wider one (not contiguous) reaches TE as the checks' contiguous
+    copy, through the plan as through the first call: the same rows, never the wider table's."""
+    seen = []
+
+    def recording(t, freqs, **kwargs):
+        seen.append(freqs)
+        return t
+
+    backend = TEBackend(load=lambda: TEInfo("2.20.2", (2, 20, 2), "fake", recording, ALL_PARAMS))
+    assert backend.available
+    wide = torch.randn(16, 12)
+    table = wide[:, :8]  # [s2, d2] = [16, 8], rows 12 apart
+    call = make_call("sbhd", starts=False)
+    call = rd.check_call(call.t, table, call.spec)
+    run = backend.plan(call)
+    run(call.t, table, call.spec, None, None, None)
+    (given,) = seen
+    assert given.is_contiguous() and given.shape == (16, 1, 1, 8)
+    assert torch.equal(given.view(16, 8), table)
+
+
 def test_a_plan_with_a_cos_sin_scale_scales_tes_output():
     """TE has no factor on cos and sin: a scaled spec's plan multiplies TE's output, as the
     unplanned call does."""
