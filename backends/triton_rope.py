@@ -80,8 +80,8 @@ TOKENS_PER_TILE = 8
 # and more ran at 69-76% of copy (H200, `scripts/tile_probe.py tables`); with 16 tokens (heads
 # halved, the same tile bytes) at 86-95%, as fast as the angle table's rows.
 TABLE_TILE_BYTES = 2048
-# With fewer programs than this per SM (decode, short sequences), heads are split across
-# programs, then tokens. Below a few MB a call is latency-bound: with a 32-token tile, 128 to
+# With fewer programs than this per SM (decode, short sequences), a tile gives up tokens, then
+# heads (choose_config). Below a few MB a call is latency-bound: with a 32-token tile, 128 to
 # 2,048 tokens of one head ran as 4 to 64 programs, 0.8-1.6 us slower than with one program
 # per one or a few tokens (H200, `scripts/tile_probe.py small`).
 MIN_PROGRAMS_PER_SM = 2

@@ -230,19 +230,17 @@ def model_dtype_cache(inp: Inputs, dtype: torch.dtype) -> rd.CosSinCache:
 
 
 def _measure_named(
-    name: str, shape: Shape, inp: Inputs, copy_ms: float, kept: dict[str, Impl] | None = None
+    name: str, shape: Shape, inp: Inputs, copy_ms: float, kept: dict[str, Impl]
 ) -> dict[str, Any]:
-    """Build and measure one implementation; what it holds on the GPU goes when this returns,
-    unless ``kept`` is given: the implementation is then kept there (for the host-clock
-    measurement of small points)."""
+    """Build and measure one implementation and keep it in ``kept`` (for the point's
+    host-clock measurement in turn)."""
     label = IMPLEMENTATIONS[name]
     try:
         impl, reason = _build(name, shape, inp)
         if impl is None:
             return {"label": label, "absent": reason}
         result = measure(impl, copy_ms, shape.rotary_dim / shape.head_dim)
-        if kept is not None:
-            kept[name] = impl
+        kept[name] = impl
         return result
     except Exception as exc:  # noqa: BLE001 (a peer that fails is reported, not fatal)
         print(f"  {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
