@@ -233,8 +233,8 @@ class _Plan(NamedTuple):
 
 
 class _PlanSet(NamedTuple):
-    """The plans kept under one key (the ids of a spec and a table, the gradient mode, the
-    forced backend and the call's form), most recent first: one per tensor layout met, as the
+    """The plans kept under one key (the ids of a spec and a table, the gradient mode where a
+    tensor requires grad, else None, the forced backend and the call's form), most recent first: one per tensor layout met, as the
     q and k of a decode step, or the layers of a model that share a spec and table.
 
     The key holds ids, so ``refs`` are weak references whose callbacks drop the set when the
@@ -300,10 +300,11 @@ def apply(
         start_positions is None and positions is None and type(t) is _Tensor
         and not _dynamo_compiling()
     ):
-        # _run's lookup for a plain call (the same key), inlined: the decode path saves a
-        # Python frame
+        # _run's lookup for a plain call of a tensor that needs no grad (the same key), inlined:
+        # the decode path saves a Python frame and the gradient mode's read; a tensor that
+        # requires grad finds no plan here (the guards compare requires_grad) and goes on
         entry = _plans.get((
-            id(spec), id(freqs), _grad_enabled(),
+            id(spec), id(freqs), None,
             backend if backend is not None else (_forced_get() or _env_backend_raw()), None,
         ))
         if entry is not None:
@@ -455,7 +456,10 @@ def _run(
         if inputs is not None:
             tensors, form = inputs
             key = (
-                id(spec), id(freqs), _grad_enabled(),
+                id(spec), id(freqs),
+                # the gradient mode matters only to tensors that require grad
+                _grad_enabled() if t.requires_grad or (k is not None and k.requires_grad)
+                else None,
                 # the forced name as set (use_backend's, else ROPE_BACKEND's stored value)
                 backend if backend is not None else (_forced_get() or _env_backend_raw()),
                 form,

@@ -36,7 +36,7 @@ import torch
 
 import rope_dispatch as rd
 from rope_dispatch.bench import (
-    Impl, Inputs, Shape, _liger_peer, _ours, _seqlens, _te_peer, _versions, bench_ms,
+    Impl, Inputs, Shape, _liger_peer, _ours, _ours_in_place, _seqlens, _te_peer, _versions, bench_ms,
     graph_replay_us, host_us_interleaved, make_inputs, pyplot, rows_read, time_mode,
 )
 
@@ -247,6 +247,15 @@ def _measure_named(
         return {"label": label, "absent": f"failed: {type(exc).__name__}: {exc}"}
 
 
+def _in_place_warm_us(inp: Inputs) -> float | None:
+    """Our ``apply_`` (in place, on ``d2 / d`` of the bytes) forward with the L2 warm, or None
+    where the triton backend refuses it in place."""
+    if inp.split is not None:
+        return None
+    impl = _ours_in_place("triton", inp)
+    return None if impl is None else time_mode(impl.name, "fwd warm", impl.fwd, graph_replay_us)
+
+
 def host_fwd_bwd_us(impls: dict[str, Impl], large: bool = False) -> dict[str, float]:
     """Forward + backward through autograd, end to end on the host clock (us per call, the
     final synchronisation included: the larger of host and GPU time, as a training step's
@@ -291,6 +300,8 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
         for name, impl in kept.items():
             results[name]["fwd_warm_us"] = time_mode(impl.name, "fwd warm", impl.fwd,
                                                      graph_replay_us)
+        if "triton" in kept:  # like for like with Liger, which rotates in place
+            results["triton"]["fwd_in_place_warm_us"] = _in_place_warm_us(inp)
     for result in results.values():
         print(f"  {result['label']:>16} {_cells(result)}", flush=True)
     kept.clear()
@@ -314,9 +325,12 @@ def _cells(result: dict[str, Any]) -> str:
     launches = "/".join("-" if n is None else str(n)
                         for n in (result.get("launches_fwd"), result.get("launches_fwd_bwd")))
     times = " | ".join(_time_cell(result, mode_key(m)) for m in MODES)
-    host, warm = (result.get(key) for key in ("fwd_bwd_host_us", "fwd_warm_us"))
-    return (f"{times} | {'-' if host is None else f'{host:.1f}'} "
-            f"| {'-' if warm is None else f'{warm:.2f}'} | {launches}")
+    host, warm, in_place = (result.get(key) for key in (
+        "fwd_bwd_host_us", "fwd_warm_us", "fwd_in_place_warm_us"))
+    warm_cell = "-" if warm is None else f"{warm:.2f}"
+    if in_place is not None:
+        warm_cell += f" (in place {in_place:.2f})"
+    return f"{times} | {'-' if host is None else f'{host:.1f}'} | {warm_cell} | {launches}"
 
 
 def format_table(points: Iterable[dict[str, Any]]) -> str:
@@ -325,7 +339,7 @@ def format_table(points: Iterable[dict[str, Any]]) -> str:
         "| layout | dtype | seq (tokens for thd) | batch (sequences for thd) | heads | head dim "
         "| rotary dim | MiB moved | points_at_least_64MB | copy us | implementation "
         "| fwd us (% copy) | bwd kernel us (% copy) | fwd+bwd us (% of 2 copies) "
-        "| fwd+bwd host clock us (in turn) | fwd us, L2 warm (CUDA graph) "
+        "| fwd+bwd host clock us (in turn) | fwd us, L2 warm (CUDA graph; ours in place too) "
         "| launches fwd/fwd+bwd |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -399,6 +413,15 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
                 f"{peer} faster at {len(leads)} of {len(pairs)} points"
                 + (f", by {max(leads):.2f} us at most" if leads else "")
             )
+    pairs = [(ours, theirs) for p in points
+             if (ours := _us(p, "triton", "fwd_in_place_warm")) and (theirs := _us(p, "liger", "fwd_warm"))]
+    if pairs:  # both in place
+        leads = [ours - theirs for ours, theirs in pairs if theirs < ours]
+        lines.append(
+            f"triton in place (apply_) forward below 64 MiB with the L2 warm: liger faster at "
+            f"{len(leads)} of {len(pairs)} points"
+            + (f", by {max(leads):.2f} us at most" if leads else "")
+        )
     for peer in PEERS:
         for layout in dict.fromkeys(p["layout"] for p in points):
             ratios = []

@@ -1,6 +1,7 @@
 """Where a call's host time goes: cProfile of repeated serving and decode calls on the GPU, and
 the device time of their kernels from torch.profiler (a developer's tool, not part of the
-benchmark)."""
+benchmark). Modes: ``grad [tokens]``, ``te``, ``front`` (the dispatch front alone, on the CPU),
+``gap`` (decode ``apply`` against its bound launch), or names of the serving calls below."""
 from __future__ import annotations
 
 import cProfile
@@ -127,7 +128,95 @@ def te_pieces():
     profile("TE's function", calls["TE's function"], top=16)
 
 
+def front(rounds: int = 41, calls: int = 20000) -> None:
+    """The dispatch front of a planned decode-size ``apply`` alone: the plan's run replaced by a
+    no-op, CPU tensors (no launch), timed in turn with a direct call of that no-op. Run on any
+    host, it says how fast that host runs the front's Python, which the GPU benchmark's gap
+    (``apply`` against the bound launch) measures with a launch around it."""
+    import random
+    import statistics
+    import time
+
+    from rope_dispatch import dispatch
+
+    t = torch.randn(1, 64, 32, 128)
+    freqs = torch.randn(4096, 1, 1, 128)
+    spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
+    for _ in range(2):  # a key is planned at its second call
+        rd.apply(t, freqs, spec)
+    (key,) = [key for key in dispatch._plans if key[:2] == (id(spec), id(freqs))]
+    entry = dispatch._plans[key]
+
+    def noop(x, *_):
+        return x
+
+    dispatch._plans[key] = entry._replace(plans=tuple(p._replace(run=noop) for p in entry.plans))
+    fns = {"apply (front + no-op plan)": lambda: rd.apply(t, freqs, spec),
+           "no-op plan called directly": lambda: noop(t, freqs, spec, None, None, None)}
+    assert all(fn() is t for fn in fns.values())
+    times = {name: [] for name in fns}
+    order = random.Random(0)
+    for _ in range(rounds):
+        for name in order.sample(list(fns), len(fns)):
+            fn = fns[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    medians = {name: statistics.median(v) for name, v in times.items()}
+    for name, us in medians.items():
+        print(f"  {name:>28}: {us:.3f} us (median of {rounds} rounds of {calls})")
+    print(f"  dispatch front: {medians['apply (front + no-op plan)'] - medians['no-op plan called directly']:.3f} us")
+
+
+def gap() -> None:
+    """Decode ``apply`` against its bound launch, in turn, with the dispatch front alone (the
+    same call on a second spec whose plan runs a no-op) and the front followed by the bound
+    launch: whether the gap is the front's Python, and what that Python costs between
+    launches rather than in a loop of its own."""
+    from rope_dispatch import dispatch
+
+    d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
+    freqs, spec = d["freqs"], d["sbhd"]
+    noop_spec = spec.model_copy()
+    x = torch.randn(1, 64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # a key is planned at its second call
+        rd.apply(x, freqs, spec)
+        rd.apply(x, freqs, noop_spec)
+    (bound,) = [p.run for key, entry in dispatch._plans.items() if key[0] == id(spec)
+                for p in entry.plans]
+    (key,) = [key for key in dispatch._plans if key[0] == id(noop_spec)]
+    entry = dispatch._plans[key]
+
+    def noop(t, *_):
+        return t
+
+    dispatch._plans[key] = entry._replace(plans=tuple(p._replace(run=noop) for p in entry.plans))
+    calls = {
+        "bound launch": lambda: bound(x, freqs, spec, None, None, None),
+        "apply (auto)": lambda: rd.apply(x, freqs, spec),
+        "front, no-op plan": lambda: rd.apply(x, freqs, noop_spec),
+        "no-op called directly": lambda: noop(x, freqs, spec, None, None, None),
+        "front, no-op plan, then bound launch": lambda: (
+            rd.apply(x, freqs, noop_spec), bound(x, freqs, spec, None, None, None)),
+    }
+    print(f"=== decode sbhd s1 b64 h32 d128 bf16, host us per call, in turn; plan: {bound.__qualname__}")
+    times = bench.host_us_interleaved(calls)
+    for name, (host, total) in times.items():
+        print(f"  {name:>38}: host {host:6.2f}  end to end {total:6.2f}")
+    host = {name: h for name, (h, _) in times.items()}
+    print(f"  apply - bound launch: {host['apply (auto)'] - host['bound launch']:.2f} us; front alone "
+          f"{host['front, no-op plan'] - host['no-op called directly']:.2f} us; front between "
+          f"launches {host['front, no-op plan, then bound launch'] - host['bound launch']:.2f} us")
+
+
 def main():
+    if sys.argv[1:2] == ["front"]:
+        front()
+        return
+    if sys.argv[1:2] == ["gap"]:
+        gap()
+        return
     if sys.argv[1:2] == ["grad"]:  # grad [tokens]
         grad_pieces(*(int(n) for n in sys.argv[2:3]))
         return

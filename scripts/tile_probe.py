@@ -2,7 +2,9 @@
 choose_config, one line per shape and tile. ``python scripts/tile_probe.py [mode]``: no mode,
 forward and backward on few-head shapes; ``small``, launch-bound shapes against Liger;
 ``prefill`` and ``decode``, the serving q+k launches (decode also against Liger, cold and
-warm); ``tables``, each table kind read per token (angle rows, cos/sin cache, pair cache)."""
+warm); ``decode-compare``, that comparison alone; ``decode-processes [n]``, it in n processes
+in a row (default 6); ``tables``, each table kind read per token (angle rows, cos/sin cache,
+pair cache)."""
 from __future__ import annotations
 
 import torch
@@ -184,12 +186,9 @@ def tables() -> None:
         del x, out
 
 
-def decode_qk() -> None:
-    """The serving decode q+k launch (64 tokens, q 32 heads, k 8, in place) at explicit tiles:
-    per-token positions into the pair cache (two dependent loads: position, then row) and the
-    same tokens with their cos/sin rows gathered ahead (Liger's inputs: row = token), against
-    Liger's q+k on those rows and Liger with the gather. Cold L2 (do_bench flushes it) and warm
-    (20 calls in one CUDA graph, as a model's layers run them), medians of 11 rounds in turn."""
+def _decode_calls() -> dict:
+    """The serving decode q+k calls compared: ours with per-token positions (pair cache, rate
+    table), ours on Liger's inputs, and Liger's q+k on rows gathered ahead and with the gather."""
     d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
     q, k, positions, cache = d["q"], d["k"], d["positions"], d["pair_cache"]
     rows = rd.PairCosSinCache(cache.table[positions])  # row t: token t's cos | sin
@@ -209,25 +208,72 @@ def decode_qk() -> None:
             qb, kb, cos_full[positions][:, None], sin_full[positions][:, None])
     except ImportError:
         print("Liger is not installed")
-    calls |= {
+    return calls | {
         "ours positions (pair cache)": lambda: rd.apply_qk_(q, k, cache, d["thd"], positions=positions),
         "ours positions (rate table)": lambda: rd.apply_qk_(q, k, d["rate_table"], d["thd"],
                                                             positions=positions),
         "ours rows gathered (Liger's inputs)": lambda: rd.apply_qk_(q4, k4, rows, bshd),
     }
+
+
+def decode_compare() -> dict:
+    """The decode q+k calls cold and warm, medians of 11 rounds in turn, one line each;
+    returns the calls."""
+    calls = _decode_calls()
     for name, (cold, warm) in bench.cold_warm_us(calls, rounds=11).items():
         print(f"  {name:>38}: cold {cold:5.2f} us  warm {warm:5.2f} us (medians of 11)")
+    return calls
+
+
+def decode_processes(processes: int = 6) -> None:
+    """:func:`decode_compare` in ``processes`` processes one after another: a cold figure of
+    5-6 us moves by up to 0.7 us between processes on the same inputs, so the order of two
+    kernels is read from how many processes it holds in, and from the median over them."""
+    import re
+    import statistics
+    import subprocess
+    import sys
+
+    line = re.compile(r"^\s*(.+?): cold\s+([\d.]+) us\s+warm\s+([\d.]+) us")
+    runs = []
+    for n in range(processes):
+        out = subprocess.run([sys.executable, __file__, "decode-compare"], capture_output=True,
+                             text=True, check=True).stdout
+        runs.append({m[1]: (float(m[2]), float(m[3])) for m in map(line.match, out.splitlines()) if m})
+        print(f"process {n + 1}: " + "; ".join(f"{name} {c:.2f}/{w:.2f}"
+                                                for name, (c, w) in runs[-1].items()), flush=True)
+    print(f"decode q+k, cold / warm us, medians over {processes} processes (each a median of 11):")
+    peer = "liger q+k (rows gathered)"
+    for name in runs[0]:
+        cold = statistics.median(r[name][0] for r in runs)
+        warm = statistics.median(r[name][1] for r in runs)
+        ahead = ""
+        if peer in runs[0] and name != peer:
+            ahead = (f"; faster than Liger's q+k cold in {sum(r[name][0] < r[peer][0] for r in runs)}"
+                     f" of {processes} processes, warm in {sum(r[name][1] < r[peer][1] for r in runs)}")
+        print(f"  {name:>38}: cold {cold:5.2f}  warm {warm:5.2f}{ahead}")
+
+
+def decode_qk() -> None:
+    """The serving decode q+k launch (64 tokens, q 32 heads, k 8, in place) at explicit tiles:
+    per-token positions into the pair cache (two dependent loads: position, then row) and the
+    same tokens with their cos/sin rows gathered ahead (Liger's inputs: row = token), against
+    Liger's q+k on those rows and Liger with the gather. Cold L2 (do_bench flushes it) and warm
+    (20 calls in one CUDA graph, as a model's layers run them), medians of 11 rounds in turn."""
+    calls = decode_compare()
     choose = triton_rope.choose_config
     default = choose(64, (32, 8), 128, 128, 2, False, triton_rope._sm_count(0))
     print(f"decode q+k tiles (default {default}):")
     for bt, bh, iters, warps in ((8, 1, 1, 4), (2, 4, 1, 4), (1, 8, 1, 4), (1, 8, 1, 2),
-                                 (1, 32, 1, 4), (1, 16, 1, 4)):
+                                 (1, 32, 1, 4), (1, 32, 1, 8), (1, 16, 1, 4)):
         config = (bt, bh, iters, 64, 1, warps)
         triton_rope.choose_config = lambda *args, config=config: config
         triton_rope._fast_qkv.clear()
         dispatch._plans.clear()
         shown = []
-        for name in ("ours positions (pair cache)", "ours rows gathered (Liger's inputs)"):
+        names = ("ours positions (pair cache)", "ours rows gathered (Liger's inputs)",
+                 "liger q+k (rows gathered)")  # Liger's again beside each tile: same phase
+        for name in (n for n in names if n in calls):
             fn = calls[name]
             shown.append(f"{name.split(' (')[0]} cold {1e3 * bench.bench_ms(fn):5.2f} warm "
                          f"{bench.graph_replay_us(fn):5.2f}")
@@ -239,5 +285,9 @@ def decode_qk() -> None:
 if __name__ == "__main__":
     import sys
 
-    modes = {"prefill": prefill_qk, "small": small, "decode": decode_qk, "tables": tables}
-    modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()
+    modes = {"prefill": prefill_qk, "small": small, "decode": decode_qk, "tables": tables,
+             "decode-compare": decode_compare}
+    if sys.argv[1:2] == ["decode-processes"]:
+        decode_processes(*(int(n) for n in sys.argv[2:3]))
+    else:
+        modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

@@ -251,10 +251,14 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     assert record["implementations"]["triton"]["fwd_bwd_host_us"] == 3.0
     assert record["implementations"]["triton"]["fwd_bwd_host_pct_of_copy"] == pytest.approx(
         100 * 2 * 2.0 / 3.0)
-    # below 64 MiB each forward also from a graph, the L2 warm
-    assert len(warm) == (0 if large else 3)
+    # below 64 MiB each forward also from a graph, the L2 warm, and ours in place (apply_)
+    assert len(warm) == (0 if large else 4)
     assert [record["implementations"][n].get("fwd_warm_us") for n in in_turn] == (
         [None] * 3 if large else [1.5] * 3)
+    assert record["implementations"]["triton"].get("fwd_in_place_warm_us") == (
+        None if large else 1.5)
+    if not large:
+        assert "1.50 (in place 1.50)" in sweep.format_table([record])
     assert record["implementations"]["te"]["absent"] == "TransformerEngine is not importable"
     liger = record["implementations"]["liger"]["absent"]
     assert "thd" in liger if layout == "thd" else "not importable" in liger
@@ -341,6 +345,7 @@ def test_summarize_states_the_targets():
     for p in points:
         for name, us in warm.get(p["name"], {}).items():
             p["implementations"][name]["fwd_warm_us"] = us
+    points[2]["implementations"]["triton"]["fwd_in_place_warm_us"] = 1.8  # ahead of liger's 1.9
     lines = sweep.summarize(points).splitlines()
     assert lines[0] == ("triton fwd at >= 64 MiB: 3 of 3 points at 95% of copy or more; lowest "
                         "96.0% (big a)")
@@ -356,11 +361,13 @@ def test_summarize_states_the_targets():
         "  small bwd_kernel: 4.4 us > liger 3.9 us",
         "  small fwd_bwd_host: 110.0 us > te 100.0 us",
     ]
-    assert lines[-6:-4] == [
+    assert lines[-7:-4] == [
         "triton forward below 64 MiB with the L2 warm (a CUDA graph of 20 calls): te faster at 0 "
         "of 2 points",
         "triton forward below 64 MiB with the L2 warm (a CUDA graph of 20 calls): liger faster "
         "at 1 of 1 points, by 0.20 us at most",
+        "triton in place (apply_) forward below 64 MiB with the L2 warm: liger faster at 0 of 1 "
+        "points",
     ]
     # ratios of time at every point (the partial-rotary point's Liger moves half the bytes)
     assert lines[-4:-1] == [
