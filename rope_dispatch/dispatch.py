@@ -223,7 +223,8 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
 
 class _Plan(NamedTuple):
     """A repeated call's checked and decided path: valid for tensors its ``guard`` accepts
-    (their dtype, device, shape, strides and ``requires_grad``) while ``freqs`` still holds the
+    (their dtype, device, shape, strides and ``requires_grad``; the gradient mode where one
+    requires grad) while ``freqs`` still holds the
     memory it held at plan time (``table_address``)."""
 
     guard: Guard
@@ -233,8 +234,8 @@ class _Plan(NamedTuple):
 
 
 class _PlanSet(NamedTuple):
-    """The plans kept under one key (the ids of a spec and a table, the gradient mode where a
-    tensor requires grad, else None, the forced backend and the call's form), most recent first: one per tensor layout met, as the
+    """The plans kept under one key (the ids of a spec and a table, the forced backend and the
+    call's form), most recent first: one per tensor layout met, as the
     q and k of a decode step, or the layers of a model that share a spec and table.
 
     The key holds ids, so ``refs`` are weak references whose callbacks drop the set when the
@@ -300,11 +301,10 @@ def apply(
         start_positions is None and positions is None and type(t) is _Tensor
         and not _dynamo_compiling()
     ):
-        # _run's lookup for a plain call of a tensor that needs no grad (the same key), inlined:
-        # the decode path saves a Python frame and the gradient mode's read; a tensor that
-        # requires grad finds no plan here (the guards compare requires_grad) and goes on
+        # _run's lookup for a plain call (the same key), inlined: the decode path saves a
+        # Python frame
         entry = _plans.get((
-            id(spec), id(freqs), None,
+            id(spec), id(freqs),
             backend if backend is not None else (_forced_get() or _env_backend_raw()), None,
         ))
         if entry is not None:
@@ -457,9 +457,6 @@ def _run(
             tensors, form = inputs
             key = (
                 id(spec), id(freqs),
-                # the gradient mode matters only to tensors that require grad
-                _grad_enabled() if t.requires_grad or (k is not None and k.requires_grad)
-                else None,
                 # the forced name as set (use_backend's, else ROPE_BACKEND's stored value)
                 backend if backend is not None else (_forced_get() or _env_backend_raw()),
                 form,
@@ -479,6 +476,17 @@ def _run(
         # planned after the call ran, so a backend can bind what that call compiled
         _keep_plan(key, tensors, spec, freqs, chosen, call)
     return out
+
+
+def _in_grad_mode(guard: Guard, enabled: bool) -> Guard:
+    """``guard``, and the gradient mode the plan was made in: what a plan runs for tensors that
+    require grad depends on it (an autograd node or none). Tensors that need no grad run the
+    same either way, so their plans check no mode and a decode call reads none."""
+
+    def check(*tensors: torch.Tensor) -> bool:
+        return _grad_enabled() == enabled and guard(*tensors)
+
+    return check
 
 
 def _keep_plan(
@@ -504,7 +512,10 @@ def _keep_plan(
         entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop)), ())
     address = _data_ptr if type(freqs) is _Tensor else table_address
     kept = tuple(p for p in entry.plans if not p.guard(*tensors))[: _MAX_PLANS_PER_KEY - 1]
-    plan = _Plan(tensor_guard(*tensors), address, address(freqs), chosen.plan(call))
+    guard = tensor_guard(*tensors)
+    if any(x.requires_grad for x in tensors):
+        guard = _in_grad_mode(guard, _grad_enabled())
+    plan = _Plan(guard, address, address(freqs), chosen.plan(call))
     _plans[key] = entry._replace(plans=(plan, *kept))
 
 

@@ -68,8 +68,8 @@ def grad_pieces(tokens=128, heads=8):
     for _ in range(2):  # a key is planned at its second call
         rd.apply(leaf, freqs, spec, backend="triton")
     planned = [p for key, entry in dispatch._plans.items()
-               if key[1] == id(freqs) and key[2] and key[3] == "triton" and key[4] is None
-               for p in entry.plans if p.guard(leaf)]  # key[4] None: a plain call's form
+               if key[1] == id(freqs) and key[2] == "triton" and key[3] is None
+               for p in entry.plans if p.guard(leaf)]  # key[3] None: a plain call's form
     if planned:
         fns["ours plan (no dispatch front)"] = lambda x, run=planned[0].run: run(
             x, freqs, spec, None, None, None)
@@ -113,7 +113,7 @@ def te_pieces():
     te_freqs = freqs.view(freqs.shape[0], 1, 1, -1)
     for _ in range(2):  # a key is planned at its second call
         rd.apply(x, freqs, spec, backend="te")
-    (run,) = [p.run for key, entry in dispatch._plans.items() if key[3] == "te"
+    (run,) = [p.run for key, entry in dispatch._plans.items() if key[2] == "te"
               for p in entry.plans]
     calls = {
         "TE's function": lambda: apply_rotary_pos_emb(x, te_freqs, tensor_format="sbhd", fused=True),

@@ -462,3 +462,49 @@ def test_any_sequence_of_calls_on_shared_objects_is_right(layout_bound, calls):
                 grads = torch.autograd.grad(outs, tensors, grads_out)
                 for i, (grad, (_, expected_grad)) in enumerate(zip(grads, expected)):
                     assert_matches(grad, expected_grad, dtype, f"call {step} {backend} gradient {i}")
+
+
+def test_plans_of_tensors_that_require_grad_follow_the_gradient_mode(counted_checks, monkeypatch):
+    """A plan made for a tensor that requires grad runs an autograd node, so it serves only the
+    gradient mode it was made in: under no_grad the same tensor gets a plan of its own (no
+    graph), and both serve their mode from then on. A tensor that needs no grad runs the same in
+    either mode, so its plan serves both."""
+    if not CUDA:  # eager's plan decides per call; make it bind the mode, as triton's launch does
+        real_plan = EagerBackend.plan
+
+        def plan_in_its_mode(self, call):
+            run, mode = real_plan(self, call), torch.is_grad_enabled()
+
+            def bound(*args):
+                with torch.set_grad_enabled(mode):
+                    return run(*args)
+
+            return bound
+
+        monkeypatch.setattr(EagerBackend, "plan", plan_in_its_mode)
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    leaf = _data((5, 2, 3, D), 1).requires_grad_(True)
+    grad_out = _data((5, 2, 3, D), 2)
+    ref_out, ref_grad = reference_forward_backward(leaf.detach().cpu(), freqs.cpu(), spec, grad_out.cpu())
+    for mode in ("grad", "no_grad", "grad", "no_grad", "grad", "no_grad"):
+        if mode == "grad":
+            out = rd.apply(leaf, freqs, spec, backend=BACKEND)
+            assert out.requires_grad and out.grad_fn is not None
+            (g,) = torch.autograd.grad(out, leaf, grad_out)
+            assert_matches(g, ref_grad, torch.float32, "backward")
+        else:
+            with torch.no_grad():
+                out = rd.apply(leaf, freqs, spec, backend=BACKEND)
+            assert not out.requires_grad and out.grad_fn is None
+        assert_matches(out, ref_out, torch.float32, mode)
+    # one key for both modes: the first call is checked, the second (no_grad) is checked and
+    # planned, the third (grad: the no_grad plan refuses it) is checked and planned beside it
+    assert len(counted_checks) == 3
+    plain = leaf.detach()
+    for step in range(4):
+        with torch.set_grad_enabled(step % 2 == 0):
+            out = rd.apply(plain, freqs, spec, backend=BACKEND)
+        assert not out.requires_grad
+        assert_matches(out, ref_out, torch.float32, f"no grad needed, step {step}")
+    assert len(counted_checks) == 4  # planned at its first call (its key had plans): both modes
