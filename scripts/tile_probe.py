@@ -1,6 +1,7 @@
 """Kernel time of explicit launch tiles against a device copy: a developer's probe for
 choose_config, one line per shape and tile. ``python scripts/tile_probe.py [mode]``: no mode,
 forward and backward on few-head shapes; ``small``, launch-bound shapes against Liger;
+``small-warm``, the sweep points where Liger led with the L2 warm, timed warm;
 ``prefill`` and ``decode``, the serving q+k launches (decode also against Liger, cold and
 warm); ``decode-compare``, that comparison alone; ``decode-processes [n]``, it in n processes
 in a row (default 6); ``tables``, each table kind read per token (angle rows, cos/sin cache,
@@ -91,12 +92,20 @@ SMALL_SHAPES = [  # (layout, seq, batch, heads, head_dim): launch- and latency-b
 ]
 
 
-def small() -> None:
+WARM_SHAPES = [  # sweep points where Liger's forward led with the L2 warm (runs R and S)
+    ("sbhd", 128, 1, 8, 128), ("sbhd", 512, 1, 32, 128), ("sbhd", 2048, 1, 8, 128),
+    ("sbhd", 2048, 1, 32, 128), ("sbhd", 2048, 1, 8, 256),
+]
+
+
+def small(warm: bool = False) -> None:
     """Forward kernel time of small shapes at tiles of 1 to 32 tokens and 1 to 8 heads, with 4
     warps and with warps scaled to the tile, against a copy and Liger's q+k (one k head) in the
-    same run."""
+    same run; cold (``do_bench`` flushes the L2) or, with ``warm``, replayed from a CUDA graph
+    of 20 calls (the L2 holding what they share, as a model's layers run)."""
     choose = triton_rope.choose_config
-    for layout, seq, batch, heads, d in SMALL_SHAPES:
+    ms_of = (lambda fn: bench.graph_replay_us(fn) / 1e3) if warm else bench.bench_ms
+    for layout, seq, batch, heads, d in WARM_SHAPES if warm else SMALL_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
         inp = bench.make_inputs(shape)
         x = inp.t
@@ -104,9 +113,9 @@ def small() -> None:
         table = inp.freqs.view(inp.freqs.shape[0], -1)
         src = x.flatten()
         dst = torch.empty_like(src)
-        copy = bench.bench_ms(lambda: dst.copy_(src))
+        copy = ms_of(lambda: dst.copy_(src))
         liger = bench._liger_peer(shape, inp)
-        liger_ms = bench.bench_ms(liger.fwd) if liger is not None else float("nan")
+        liger_ms = ms_of(liger.fwd) if liger is not None else float("nan")
         tokens = seq * batch
         default = choose(tokens, heads, d, d, 2, False, triton_rope._sm_count(0))
         results = []
@@ -120,7 +129,7 @@ def small() -> None:
                     triton_rope.choose_config = lambda *args, config=config: config
                     triton_rope._configs.clear()
                     triton_rope._fast.clear()
-                    ms = bench.bench_ms(lambda: triton_rope.launch(
+                    ms = ms_of(lambda: triton_rope.launch(
                         x, out, table, None, None, None, layout, False, 1.0, 1, 0, False))
                     results.append((ms, config))
         triton_rope.choose_config = choose
@@ -254,6 +263,30 @@ def decode_processes(processes: int = 6) -> None:
         print(f"  {name:>38}: cold {cold:5.2f}  warm {warm:5.2f}{ahead}")
 
 
+def compiled_kernels() -> None:
+    """What a cold launch must fetch besides the data: each compiled variant of our kernels and
+    of Liger's (code bytes, registers, spills, warps, shared memory), after the calls that
+    compiled them."""
+    from rope_dispatch.backends import triton_kernels
+
+    fns = {"ours rope_kernel": triton_kernels.rope_kernel,
+           "ours rope_qkv_kernel": triton_kernels.rope_qkv_kernel}
+    try:
+        from liger_kernel.ops import rope as liger_rope
+
+        fns["liger _triton_rope"] = liger_rope._triton_rope
+    except ImportError:
+        pass
+    for name, fn in fns.items():
+        for cache in fn.device_caches.values():
+            for compiled in cache[0].values():
+                compiled._init_handles()
+                meta = compiled.metadata
+                print(f"  {name}: {len(compiled.asm.get('cubin', b''))} cubin bytes, "
+                      f"{compiled.n_regs} registers, {compiled.n_spills} spills, "
+                      f"{meta.num_warps} warps, {meta.shared} B shared")
+
+
 def decode_qk() -> None:
     """The serving decode q+k launch (64 tokens, q 32 heads, k 8, in place) at explicit tiles:
     per-token positions into the pair cache (two dependent loads: position, then row) and the
@@ -280,13 +313,14 @@ def decode_qk() -> None:
         triton_rope.choose_config = choose
         print(f"   tile {bt} tok x {bh} heads x {iters} iters, {warps} warps: " + "; ".join(shown))
     triton_rope._fast_qkv.clear()
+    compiled_kernels()
 
 
 if __name__ == "__main__":
     import sys
 
     modes = {"prefill": prefill_qk, "small": small, "decode": decode_qk, "tables": tables,
-             "decode-compare": decode_compare}
+             "decode-compare": decode_compare, "small-warm": lambda: small(warm=True)}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     else:
