@@ -224,8 +224,8 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
 class _Plan(NamedTuple):
     """A repeated call's checked and decided path: valid for tensors its ``guard`` accepts
     (their dtype, device, shape, strides and ``requires_grad``; the gradient mode where one
-    requires grad) while ``freqs`` still holds the
-    memory it held at plan time (``table_address``)."""
+    requires grad) while ``freqs`` still holds the memory it held at plan time
+    (``table_address``)."""
 
     guard: Guard
     address: Callable[[object], int | tuple[int, int]]  # table_address, or data_ptr for tensors
@@ -235,8 +235,9 @@ class _Plan(NamedTuple):
 
 class _PlanSet(NamedTuple):
     """The plans kept under one key (the ids of a spec and a table, the forced backend and the
-    call's form), most recent first: one per tensor layout met, as the
-    q and k of a decode step, or the layers of a model that share a spec and table.
+    call's form), most recent first: one per tensor layout (and, for tensors that require
+    grad, gradient mode) met, as the q and k of a decode step, or the layers of a model that
+    share a spec and table.
 
     The key holds ids, so ``refs`` are weak references whose callbacks drop the set when the
     spec or the table dies: a key's ids always name live objects (never a later object given a

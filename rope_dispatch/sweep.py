@@ -36,8 +36,8 @@ import torch
 
 import rope_dispatch as rd
 from rope_dispatch.bench import (
-    Impl, Inputs, Shape, _liger_peer, _ours, _ours_in_place, _seqlens, _te_peer, _versions, bench_ms,
-    graph_replay_us, host_us_interleaved, make_inputs, pyplot, rows_read, time_mode,
+    Impl, Inputs, Shape, _liger_peer, _ours, _ours_in_place, _seqlens, _te_peer, _versions,
+    bench_ms, graph_replay_us, host_us_interleaved, make_inputs, pyplot, rows_read, time_mode,
 )
 
 LAYOUTS = ("sbhd", "bshd", "thd")
@@ -369,12 +369,25 @@ def _us(point: dict[str, Any], name: str, key: str) -> float | None:
     return (point["implementations"].get(name) or {}).get(f"{key}_us")
 
 
+def _warm_line(points: Sequence[dict[str, Any]], ours_key: str, peer: str) -> str | None:
+    """Where ``peer``'s forward with the L2 warm beat ours (``ours_key``), or None where no point
+    has both."""
+    pairs = [(ours, theirs) for p in points
+             if (ours := _us(p, "triton", ours_key)) and (theirs := _us(p, peer, "fwd_warm"))]
+    if not pairs:
+        return None
+    leads = [ours - theirs for ours, theirs in pairs if theirs < ours]
+    return (f"{peer} faster at {len(leads)} of {len(pairs)} points"
+            + (f", by {max(leads):.2f} us at most" if leads else ""))
+
+
 def summarize(points: Sequence[dict[str, Any]]) -> str:
     """The targets over the measured points, as lines of text: ours (``triton``) at 95% of copy
     forward and backward kernel on every point of 64 MiB and more; the point-modes where a
     peer's call takes less time and moves a larger share of the copy's bytes per second (kernel
     time, and forward+backward end to end on the host clock); the host-clock forward+backward
-    against each peer's; the forward below 64 MiB with the L2 warm against each peer; and what
+    against each peer's; the forward below 64 MiB with the L2 warm against each peer (and ours
+    in place against Liger's, in place too); and what
     reading the table as rates gives over reading its rows. Absent implementations and failed
     modes are left out."""
     lines = []
@@ -403,25 +416,14 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     lines.append(f"triton slower than a peer at {len(behind)} point-modes"
                  + "".join(f"\n  {line}" for line in behind[:MAX_LISTED])
                  + (f"\n  and {len(behind) - MAX_LISTED} more" if len(behind) > MAX_LISTED else ""))
-    for peer in PEERS:  # below 64 MiB a launch's latency sets the pace; L2 warm as in a model
-        pairs = [(ours, theirs) for p in points
-                 if (ours := _us(p, "triton", "fwd_warm")) and (theirs := _us(p, peer, "fwd_warm"))]
-        if pairs:
-            leads = [ours - theirs for ours, theirs in pairs if theirs < ours]
-            lines.append(
-                f"triton forward below 64 MiB with the L2 warm (a CUDA graph of 20 calls): "
-                f"{peer} faster at {len(leads)} of {len(pairs)} points"
-                + (f", by {max(leads):.2f} us at most" if leads else "")
-            )
-    pairs = [(ours, theirs) for p in points
-             if (ours := _us(p, "triton", "fwd_in_place_warm")) and (theirs := _us(p, "liger", "fwd_warm"))]
-    if pairs:  # both in place
-        leads = [ours - theirs for ours, theirs in pairs if theirs < ours]
-        lines.append(
-            f"triton in place (apply_) forward below 64 MiB with the L2 warm: liger faster at "
-            f"{len(leads)} of {len(pairs)} points"
-            + (f", by {max(leads):.2f} us at most" if leads else "")
-        )
+    # below 64 MiB a launch's latency sets the pace; L2 warm as in a model
+    warm = [("triton forward", "fwd_warm", peer, " (a CUDA graph of 20 calls)") for peer in PEERS]
+    # like for like: ours in place against Liger's, which always works in place
+    warm.append(("triton in place (apply_) forward", "fwd_in_place_warm", "liger", ""))
+    for what, ours_key, peer, how in warm:
+        line = _warm_line(points, ours_key, peer)
+        if line:
+            lines.append(f"{what} below 64 MiB with the L2 warm{how}: {line}")
     for peer in PEERS:
         for layout in dict.fromkeys(p["layout"] for p in points):
             ratios = []
