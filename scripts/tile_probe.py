@@ -99,10 +99,12 @@ WARM_SHAPES = [  # sweep points where Liger's forward led with the L2 warm (runs
 
 
 def small(warm: bool = False) -> None:
-    """Forward kernel time of small shapes at tiles of 1 to 32 tokens and 1 to 8 heads, with 4
+    """Forward kernel time of small shapes at tiles of 1 to 32 tokens and 1 to 32 heads, with 4
     warps and with warps scaled to the tile, against a copy and Liger's q+k (one k head) in the
     same run; cold (``do_bench`` flushes the L2) or, with ``warm``, replayed from a CUDA graph
-    of 20 calls (the L2 holding what they share, as a model's layers run)."""
+    of 20 calls (the L2 holding what they share, as a model's layers run). The kernel reads the
+    angle table's rows, as a captured call does: each program of a token block loads them
+    again, so fewer, wider programs per token load less."""
     choose = triton_rope.choose_config
     ms_of = (lambda fn: bench.graph_replay_us(fn) / 1e3) if warm else bench.bench_ms
     for layout, seq, batch, heads, d in WARM_SHAPES if warm else SMALL_SHAPES:
@@ -120,7 +122,7 @@ def small(warm: bool = False) -> None:
         default = choose(tokens, heads, d, d, 2, False, triton_rope._sm_count(0))
         results = []
         for bt in (1, 2, 4, 8, 16, 32):
-            for bh in (1, 2, 4, 8):
+            for bh in (1, 2, 4, 8, 16, 32):  # 16 and 32: one table row load per token
                 tile = bt * bh * d * 2
                 if bh > heads or bt > triton_rope._next_pow2(tokens) or tile > 16384:
                     continue
