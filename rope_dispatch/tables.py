@@ -295,13 +295,14 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
     """
     if torch.compiler.is_compiling():
         return _angles_2d(freqs, argument)
-    dims = _remembered_dims(freqs)
-    if dims == 4:
-        shape = freqs.shape
-        return freqs.view(shape[0], shape[3])
-    if dims == 2:
-        return freqs
     key = id(freqs)
+    hit = _recent_tables.get(key)
+    if hit is not None and hit[0]() is freqs and hit[1] == freqs.data_ptr():
+        shape = freqs.shape
+        if hit[2] and len(shape) == 4 and freqs.is_contiguous():
+            return freqs.view(shape[0], shape[3])
+        if not hit[2] and len(shape) == 2 and freqs.is_contiguous():
+            return freqs
     table = _angles_2d(freqs, argument)
     if table.data_ptr() == freqs.data_ptr():  # a view, not a copy: worth remembering
         if len(_recent_tables) >= 8:
@@ -310,18 +311,6 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
             weakref.ref(freqs, lambda ref: _forget(key, ref)), freqs.data_ptr(), freqs.dim() == 4
         )
     return table
-
-
-def _remembered_dims(freqs: torch.Tensor) -> int:
-    """4 or 2: ``freqs`` is a table :func:`angles_2d` checked, still the same object over the
-    same memory, contiguous and of its checked rank; 0 otherwise."""
-    hit = _recent_tables.get(id(freqs))
-    if hit is None or hit[0]() is not freqs or hit[1] != freqs.data_ptr():
-        return 0
-    dims = len(freqs.shape)
-    if dims != (4 if hit[2] else 2) or not freqs.is_contiguous():
-        return 0
-    return dims
 
 
 def _angles_2d(freqs: torch.Tensor, argument: str) -> torch.Tensor:

@@ -43,6 +43,29 @@ def profile(name, fn, calls=2000, top=14):
             print(f"  kernel {e.key[:60]}: {e.device_time_total / max(e.count, 1):.2f} us x {e.count}")
 
 
+def plan_keys(spec=None, freqs=None, backend=None, form=...):
+    """The keys of dispatch's kept plans, ``(id(spec), id(freqs), forced backend, call form)``,
+    that match what is given (``form=None``: a plain single tensor's call)."""
+    from rope_dispatch import dispatch
+
+    wanted = (None if spec is None else id(spec), None if freqs is None else id(freqs), backend)
+    return [key for key in dispatch._plans
+            if all(w is None or w == k for w, k in zip(wanted, key)) and form in (..., key[3])]
+
+
+def noop_plans(key):
+    """Replace the runs of the plans under ``key`` by a no-op returning the call's tensor, so a
+    call times dispatch's front alone; returns the no-op."""
+    from rope_dispatch import dispatch
+
+    def noop(t, *_):
+        return t
+
+    entry = dispatch._plans[key]
+    dispatch._plans[key] = entry._replace(plans=tuple(p._replace(run=noop) for p in entry.plans))
+    return noop
+
+
 def grad_pieces(tokens=128, heads=8):
     """The gradient path piece by piece, ours against TE's API on one machine: forward with
     requires_grad, backward alone (retain_graph), both, the autograd.Function without dispatch,
@@ -67,9 +90,8 @@ def grad_pieces(tokens=128, heads=8):
 
     for _ in range(2):  # a key is planned at its second call
         rd.apply(leaf, freqs, spec, backend="triton")
-    planned = [p for key, entry in dispatch._plans.items()
-               if key[1] == id(freqs) and key[2] == "triton" and key[3] is None
-               for p in entry.plans if p.guard(leaf)]  # key[3] None: a plain call's form
+    planned = [p for key in plan_keys(spec, freqs, "triton", form=None)
+               for p in dispatch._plans[key].plans if p.guard(leaf)]
     if planned:
         fns["ours plan (no dispatch front)"] = lambda x, run=planned[0].run: run(
             x, freqs, spec, None, None, None)
@@ -113,8 +135,7 @@ def te_pieces():
     te_freqs = freqs.view(freqs.shape[0], 1, 1, -1)
     for _ in range(2):  # a key is planned at its second call
         rd.apply(x, freqs, spec, backend="te")
-    (run,) = [p.run for key, entry in dispatch._plans.items() if key[2] == "te"
-              for p in entry.plans]
+    (run,) = [p.run for key in plan_keys(spec, freqs, "te") for p in dispatch._plans[key].plans]
     calls = {
         "TE's function": lambda: apply_rotary_pos_emb(x, te_freqs, tensor_format="sbhd", fused=True),
         "our TE plan (no dispatch front)": lambda: run(x, freqs, spec, None, None, None),
@@ -137,20 +158,13 @@ def front(rounds: int = 41, calls: int = 20000) -> None:
     import statistics
     import time
 
-    from rope_dispatch import dispatch
-
     t = torch.randn(1, 64, 32, 128)
     freqs = torch.randn(4096, 1, 1, 128)
     spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
     for _ in range(2):  # a key is planned at its second call
         rd.apply(t, freqs, spec)
-    (key,) = [key for key in dispatch._plans if key[:2] == (id(spec), id(freqs))]
-    entry = dispatch._plans[key]
-
-    def noop(x, *_):
-        return x
-
-    dispatch._plans[key] = entry._replace(plans=tuple(p._replace(run=noop) for p in entry.plans))
+    (key,) = plan_keys(spec, freqs)
+    noop = noop_plans(key)
     fns = {"apply (front + no-op plan)": lambda: rd.apply(t, freqs, spec),
            "no-op plan called directly": lambda: noop(t, freqs, spec, None, None, None)}
     assert all(fn() is t for fn in fns.values())
@@ -183,15 +197,9 @@ def gap() -> None:
     for _ in range(2):  # a key is planned at its second call
         rd.apply(x, freqs, spec)
         rd.apply(x, freqs, noop_spec)
-    (bound,) = [p.run for key, entry in dispatch._plans.items() if key[0] == id(spec)
-                for p in entry.plans]
-    (key,) = [key for key in dispatch._plans if key[0] == id(noop_spec)]
-    entry = dispatch._plans[key]
-
-    def noop(t, *_):
-        return t
-
-    dispatch._plans[key] = entry._replace(plans=tuple(p._replace(run=noop) for p in entry.plans))
+    (bound,) = [p.run for key in plan_keys(spec) for p in dispatch._plans[key].plans]
+    (key,) = plan_keys(noop_spec)
+    noop = noop_plans(key)
     calls = {
         "bound launch": lambda: bound(x, freqs, spec, None, None, None),
         "apply (auto)": lambda: rd.apply(x, freqs, spec),
