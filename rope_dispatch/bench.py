@@ -628,6 +628,8 @@ def run_serving(report: Report) -> None:
         report.host[f"serving decode {name}"] = cold
         warm_name = name.replace("(do_bench", "(CUDA graph, L2 warm")
         report.host[f"serving decode {warm_name}"] = warm
+    for name, us in cold_kernel_us(kernels).items():
+        report.host[f"serving decode {name.replace('(do_bench', '(profiler, L2 flushed')}"] = us
     p = serving_inputs(SERVING_TOKENS["prefill"])
     q, k = p["q"], p["k"]
     nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
@@ -689,6 +691,53 @@ def cold_warm_us(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, tu
             cold[name].append(1e3 * bench_ms(fn))
             warm[name].append(graph_replay_us(fn))
     return {name: (statistics.median(cold[name]), statistics.median(warm[name])) for name in fns}
+
+
+FLUSH_BYTES = 256 << 20  # what do_bench writes to flush the L2 before each call
+
+
+def cold_kernel_us(fns: dict[str, Callable[[], Any]], calls: int = 50) -> dict[str, float]:
+    """Median GPU time of the kernels one call of each of ``fns`` runs, each call after an L2
+    flush, from the profiler's device timestamps: the kernels' own time, without the launch
+    latency and host lag that ``do_bench``'s events around a call include (a call whose host
+    path outlasts the flush, as Liger's ``rope_forward`` on some hosts, leaves the GPU idle
+    between the events). The calls run in turn in one trace, which the flushes' kernels cut
+    into calls; a call must launch no kernel of the flush's name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def kernels(prof: Any) -> list[Any]:
+        return sorted((e for e in prof.events() if e.device_type == cuda
+                       and not e.name.startswith("Memcpy")), key=lambda e: e.time_range.start)
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush.zero_()
+        torch.cuda.synchronize()
+    flush_names = {e.name for e in kernels(prof)}
+    for fn in fns.values():
+        fn()
+    order = [name for _ in range(calls) for name in fns]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for name in order:
+            flush.zero_()
+            fns[name]()
+        torch.cuda.synchronize()
+    segments: list[float] = []
+    for e in kernels(prof):
+        if e.name in flush_names:
+            segments.append(0.0)
+        elif segments:
+            segments[-1] += e.time_range.elapsed_us()
+    if len(segments) != len(order) or not all(segments):
+        raise RuntimeError(f"the trace holds {len(segments)} flushes for {len(order)} calls, or a "
+                           "call without a kernel: a call launched a kernel named as the flush's")
+    per_call: dict[str, list[float]] = {name: [] for name in fns}
+    for name, us in zip(order, segments):
+        per_call[name].append(us)
+    return {name: statistics.median(us) for name, us in per_call.items()}
 
 
 def graph_replay_us(fn: Callable[[], Any], calls: int = 20) -> float:

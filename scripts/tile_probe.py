@@ -146,6 +146,105 @@ def small(warm: bool = False) -> None:
                   f"({100 * copy / ms:5.1f}% of copy){mark}")
 
 
+RESIDENT_BYTES = 24 << 20  # small-rules: calls whose tensor fits in half an H200's L2
+
+
+def _heads_first(choose, tile_bytes: int, warps_by_tile: bool):
+    """A candidate ``choose_config``: for calls of at most ``RESIDENT_BYTES``, a token's heads
+    first (up to ``tile_bytes`` per tile), then tokens, halved as ``choose`` halves them until
+    every SM has two programs; 4 warps, or one per 2 KB of tile with ``warps_by_tile``; larger
+    calls as ``choose``."""
+
+    def rule(n_tokens, heads, head_dim, rotary_dim, element_size, interleaved, sms, *rest):
+        config = choose(n_tokens, heads, head_dim, rotary_dim, element_size, interleaved, sms,
+                        *rest)
+        counts = heads if isinstance(heads, tuple) else (heads,)
+        if n_tokens * sum(counts) * head_dim * element_size > RESIDENT_BYTES:
+            return config
+        rows = triton_rope._next_pow2(max(1, tile_bytes // (head_dim * element_size)) + 1) // 2
+        block_h = min(triton_rope._next_pow2(min(counts)), rows)
+        block_t = min(rows // block_h, triton_rope._next_pow2(n_tokens))
+
+        def programs(bt, bh):
+            return -(-n_tokens // bt) * sum(-(-n // bh) for n in counts)
+
+        while programs(block_t, block_h) < triton_rope.MIN_PROGRAMS_PER_SM * sms:
+            if block_t > 1:
+                block_t //= 2
+            elif block_h > 1:
+                block_h //= 2
+            else:
+                break
+        warps = 4
+        if warps_by_tile:
+            warps = max(1, min(4, block_t * block_h * head_dim * element_size // 2048))
+        return (block_t, block_h, 1, config[3], config[4], warps)
+
+    return rule
+
+
+def small_rules(rounds: int = 3) -> None:
+    """The sweep's points below 64 MiB (sbhd and thd, bf16) through ``apply(backend="triton")``
+    under the current tile rule and candidates that put a token's heads first in calls that fit
+    in the L2: forward cold (``do_bench``) and warm (a CUDA graph of 20 calls), the rules in
+    turn, medians of ``rounds``; then per rule the geometric mean of its times over the
+    current rule's and how many points it leads or trails by more than 2%."""
+    import math
+    import statistics
+
+    from rope_dispatch import sweep
+
+    choose = triton_rope.choose_config
+    rules = {"current": choose, "heads 8K": _heads_first(choose, 8192, False),
+             "heads 16K": _heads_first(choose, 16384, False),
+             "heads 8K, warps by tile": _heads_first(choose, 8192, True),
+             "heads 4K, warps by tile": _heads_first(choose, 4096, True)}
+    ratios = {name: ([], []) for name in rules}
+    points = [p for p in sweep.sweep_points(layouts=("sbhd", "thd"))
+              if p.tensor_bytes() < sweep.LARGE_TENSOR_BYTES]
+    for shape in points:
+        inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
+        dst = torch.empty_like(inp.t)
+        copy = 1e3 * bench.bench_ms(lambda: dst.copy_(inp.t))
+        times = {name: ([], []) for name in rules}
+        configs = {}
+        for _ in range(rounds):
+            for name, rule in rules.items():
+                triton_rope.choose_config = rule
+                triton_rope._configs.clear()
+                triton_rope._fast.clear()
+                dispatch._plans.clear()
+                try:
+                    impl = bench._ours("triton", "triton", inp, inp.freqs)
+                    times[name][0].append(1e3 * bench.bench_ms(impl.fwd))
+                    times[name][1].append(bench.graph_replay_us(impl.fwd))
+                    configs[name] = next(iter(triton_rope._configs.values()), None)
+                finally:
+                    triton_rope.choose_config = choose
+        cells = []
+        for name in rules:
+            cold, warm = (statistics.median(v) for v in times[name])
+            base_cold, base_warm = (statistics.median(v) for v in times["current"])
+            ratios[name][0].append(cold / base_cold)
+            ratios[name][1].append(warm / base_warm)
+            c = configs[name]
+            cells.append(f"{name} {c[0]}x{c[1]}/{c[5]}w {cold:6.2f} {warm:6.2f}")
+        print(f"{shape.name}: copy {copy:.2f} us | " + " | ".join(cells), flush=True)
+        del inp, dst
+    triton_rope._configs.clear()
+    triton_rope._fast.clear()
+    dispatch._plans.clear()
+    print(f"over {len(points)} points, time / current rule's (geometric mean; points ahead / "
+          "behind by more than 2%):")
+    for name, (cold, warm) in ratios.items():
+        def mean(r):
+            return math.exp(statistics.fmean(math.log(x) for x in r))
+
+        print(f"  {name:>24}: cold {mean(cold):.3f} ({sum(r < 0.98 for r in cold)} / "
+              f"{sum(r > 1.02 for r in cold)}), warm {mean(warm):.3f} "
+              f"({sum(r < 0.98 for r in warm)} / {sum(r > 1.02 for r in warm)})")
+
+
 TABLE_SHAPES = [  # (layout, seq, batch, heads, head_dim): 64 MB and more
     ("sbhd", 131072, 1, 1, 128), ("sbhd", 32768, 1, 8, 128), ("sbhd", 32768, 4, 8, 128),
     ("sbhd", 8192, 1, 32, 128), ("sbhd", 32768, 1, 32, 128),
@@ -228,11 +327,14 @@ def _decode_calls() -> dict:
 
 
 def decode_compare() -> dict:
-    """The decode q+k calls cold and warm, medians of 11 rounds in turn, one line each;
-    returns the calls."""
+    """The decode q+k calls cold (``do_bench``: launch included) and warm, medians of 11
+    rounds in turn, and their kernels' own time after an L2 flush, one line each; returns the
+    calls."""
     calls = _decode_calls()
+    kernel = bench.cold_kernel_us(calls)
     for name, (cold, warm) in bench.cold_warm_us(calls, rounds=11).items():
-        print(f"  {name:>38}: cold {cold:5.2f} us  warm {warm:5.2f} us (medians of 11)")
+        print(f"  {name:>38}: cold {cold:5.2f} us  warm {warm:5.2f} us (medians of 11); "
+              f"kernels alone, L2 flushed {kernel[name]:5.2f} us (median of 50)")
     return calls
 
 
@@ -293,8 +395,9 @@ def decode_qk() -> None:
     """The serving decode q+k launch (64 tokens, q 32 heads, k 8, in place) at explicit tiles:
     per-token positions into the pair cache (two dependent loads: position, then row) and the
     same tokens with their cos/sin rows gathered ahead (Liger's inputs: row = token), against
-    Liger's q+k on those rows and Liger with the gather. Cold L2 (do_bench flushes it) and warm
-    (20 calls in one CUDA graph, as a model's layers run them), medians of 11 rounds in turn."""
+    Liger's q+k on those rows and Liger with the gather. The kernels' own time after an L2
+    flush (the profiler's, median of 30) and warm (20 calls in one CUDA graph, as a model's
+    layers run them)."""
     calls = decode_compare()
     choose = triton_rope.choose_config
     default = choose(64, (32, 8), 128, 128, 2, False, triton_rope._sm_count(0))
@@ -305,13 +408,12 @@ def decode_qk() -> None:
         triton_rope.choose_config = lambda *args, config=config: config
         triton_rope._fast_qkv.clear()
         dispatch._plans.clear()
-        shown = []
         names = ("ours positions (pair cache)", "ours rows gathered (Liger's inputs)",
                  "liger q+k (rows gathered)")  # Liger's again beside each tile: same phase
-        for name in (n for n in names if n in calls):
-            fn = calls[name]
-            shown.append(f"{name.split(' (')[0]} cold {1e3 * bench.bench_ms(fn):5.2f} warm "
-                         f"{bench.graph_replay_us(fn):5.2f}")
+        chosen = {name: calls[name] for name in names if name in calls}
+        kernel = bench.cold_kernel_us(chosen, calls=30)
+        shown = [f"{name.split(' (')[0]} kernels, L2 flushed {kernel[name]:5.2f} warm "
+                 f"{bench.graph_replay_us(fn):5.2f}" for name, fn in chosen.items()]
         triton_rope.choose_config = choose
         print(f"   tile {bt} tok x {bh} heads x {iters} iters, {warps} warps: " + "; ".join(shown))
     triton_rope._fast_qkv.clear()
@@ -322,7 +424,8 @@ if __name__ == "__main__":
     import sys
 
     modes = {"prefill": prefill_qk, "small": small, "decode": decode_qk, "tables": tables,
-             "decode-compare": decode_compare, "small-warm": lambda: small(warm=True)}
+             "decode-compare": decode_compare, "small-warm": lambda: small(warm=True),
+             "small-rules": small_rules}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     else:
