@@ -85,6 +85,16 @@ TABLE_TILE_BYTES = 2048
 # 2,048 tokens of one head ran as 4 to 64 programs, 0.8-1.6 us slower than with one program
 # per one or a few tokens (H200, `scripts/tile_probe.py small`).
 MIN_PROGRAMS_PER_SM = 2
+# A call whose tensor is at most this size can run with its data in the L2 (50 MB on an H200),
+# as a model's layers replayed from a CUDA graph run it. There the table's rows and their sines,
+# which every program of a token block works out again, set the pace rather than DRAM: its tile
+# takes a token's heads first, up to RESIDENT_HEADS, then tokens. With the L2 warm (H200,
+# `scripts/tile_probe.py small-warm` and `small-rules`), 2 tokens x 16 heads ran 4-5% faster
+# than 8 x 4 at 512 and 2,048 tokens of 32 heads, and 2 x 8 ran 8-13% faster than 8 x 2 at head
+# dim 256; with the L2 flushed the tiles were level within the noise of those 5-15 us calls.
+# One token of 32 heads ran slower than 16 heads both ways.
+RESIDENT_BYTES = 16 << 20
+RESIDENT_HEADS = 16
 # thd with fewer sequences than this finds each token's sequence by comparing it with all the
 # cu_seqlens offsets, loaded at once (no chain of dependent loads); more sequences use a binary
 # search.
@@ -100,6 +110,9 @@ def choose_config(
     A tile is ``BLOCK_T`` tokens x ``BLOCK_H`` heads x the head dim, about ``TILE_BYTES``;
     heads go into the tile first (sin/cos are shared by a token's heads) as long as the tile
     keeps ``tile_tokens`` tokens (:func:`tile_tokens`), tokens fill the rest.
+
+    A call of at most ``RESIDENT_BYTES`` (one whose data the L2 can hold) puts heads first, up
+    to ``RESIDENT_HEADS``, except with a cos/sin cache that asks for more tokens.
 
     A call too small for ``MIN_PROGRAMS_PER_SM`` programs per SM at that tile is bound by
     latency, not by load width: its tile starts from as many heads as fit (each program then
@@ -119,7 +132,12 @@ def choose_config(
     def programs(block_t: int, block_h: int) -> int:
         return -(-n_tokens // block_t) * sum(-(-n // block_h) for n in counts)
 
-    block_h = min(_next_pow2(min(counts)), max(1, rows // tile_tokens))
+    if n_tokens * sum(counts) * head_dim * element_size <= RESIDENT_BYTES and (
+        tile_tokens == TOKENS_PER_TILE  # a cos/sin cache's row loads want their tokens
+    ):
+        block_h = min(_next_pow2(min(counts)), rows, RESIDENT_HEADS)
+    else:
+        block_h = min(_next_pow2(min(counts)), max(1, rows // tile_tokens))
     block_t = min(max(1, rows // block_h), _next_pow2(n_tokens))
     if programs(block_t, block_h) < wanted:
         block_h = min(_next_pow2(min(counts)), rows)

@@ -434,6 +434,28 @@ def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(tokens, 
     assert (bt, bh) == tile
 
 
+@pytest.mark.parametrize("tokens, heads, head_dim, tile", [
+    (2048, 32, 128, (2, 16)),  # 16 MiB: up to 16 heads of a token, then tokens
+    (2048, 8, 256, (2, 8)),
+    (8192, 8, 128, (4, 8)),
+    (32768, 1, 128, (32, 1)),  # one head: tokens fill the tile as before
+    (8192, 32, 128, (8, 4)),  # 64 MiB: more than the L2 holds, 8 tokens per tile
+    (32768, 8, 128, (8, 4)),
+])
+def test_calls_the_l2_can_hold_put_a_tokens_heads_first(tokens, heads, head_dim, tile):
+    """At most RESIDENT_BYTES a tile takes a token's heads before more tokens (one table row
+    and its sines serve them all), with every SM given its programs; larger calls keep 8
+    tokens per tile for DRAM."""
+    from rope_dispatch.backends import triton_rope
+
+    bt, bh, *_ = triton_rope.choose_config(tokens, heads, head_dim, head_dim, 2, False, 132)
+    assert (bt, bh) == tile
+    resident = tokens * heads * head_dim * 2 <= triton_rope.RESIDENT_BYTES
+    assert bt * bh * head_dim * 2 <= triton_rope.TILE_BYTES
+    assert -(-tokens // bt) * -(-heads // bh) >= 2 * 132
+    assert resident == (bh == min(heads, triton_rope.RESIDENT_HEADS))
+
+
 @pytest.mark.parametrize(
     "dtype, rotary_dim, interleaved, kind, tokens",
     [
@@ -450,7 +472,8 @@ def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
 ):
     """A cos/sin cache is read as ``[BLOCK_T, BLOCK_R]`` row tiles: a tile holds enough tokens
     for ``TABLE_TILE_BYTES`` of each, with its heads halved to keep the tile's bytes; the
-    other tables keep ``TOKENS_PER_TILE``. A launch picks that tile."""
+    other tables keep ``TOKENS_PER_TILE``. A launch picks its kind's tile (a cache's tokens
+    even where the L2 could hold the call)."""
     from rope_dispatch.backends import triton_rope
     from rope_dispatch.tables import kernel_tables
 
@@ -477,7 +500,11 @@ def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
     triton_rope._configs.clear()
     out = rd.apply(x, table, spec, backend="triton")
     (config,) = triton_rope._configs.values()
-    assert config[0] == tokens
+    sms = 1 if DEVICE == "cpu" else triton_rope._sm_count(x.device.index)
+    assert config == triton_rope.choose_config(
+        seq, 8, 128, rotary_dim, x.element_size(), interleaved, sms, tokens)
+    if tokens != triton_rope.TOKENS_PER_TILE:
+        assert config[0] == tokens
     assert_matches(out, reference_for(x.cpu(), angles.cpu(), spec), dtype)
 
 
