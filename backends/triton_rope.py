@@ -92,7 +92,9 @@ MIN_PROGRAMS_PER_SM = 2
 # `scripts/tile_probe.py small-warm` and `small-rules`), 2 tokens x 16 heads ran 4-5% faster
 # than 8 x 4 at 512 and 2,048 tokens of 32 heads, and 2 x 8 ran 8-13% faster than 8 x 2 at head
 # dim 256; with the L2 flushed the tiles were level within the noise of those 5-15 us calls.
-# One token of 32 heads ran slower than 16 heads both ways.
+# One token of 32 heads ran slower than 16 heads both ways. A call that also copies
+# pass-through channels (partial rotary, out of place) keeps 8 x 4: 2 x 16 ran 7% slower warm
+# at 2,048 tokens of 32 heads with rotary dim 64 (run T).
 RESIDENT_BYTES = 16 << 20
 RESIDENT_HEADS = 16
 # thd with fewer sequences than this finds each token's sequence by comparing it with all the
@@ -112,7 +114,8 @@ def choose_config(
     keeps ``tile_tokens`` tokens (:func:`tile_tokens`), tokens fill the rest.
 
     A call of at most ``RESIDENT_BYTES`` (one whose data the L2 can hold) puts heads first, up
-    to ``RESIDENT_HEADS``, except with a cos/sin cache that asks for more tokens.
+    to ``RESIDENT_HEADS``, except with a cos/sin cache that asks for more tokens or with
+    pass-through channels to copy.
 
     A call too small for ``MIN_PROGRAMS_PER_SM`` programs per SM at that tile is bound by
     latency, not by load width: its tile starts from as many heads as fit (each program then
@@ -132,8 +135,10 @@ def choose_config(
     def programs(block_t: int, block_h: int) -> int:
         return -(-n_tokens // block_t) * sum(-(-n // block_h) for n in counts)
 
-    if n_tokens * sum(counts) * head_dim * element_size <= RESIDENT_BYTES and (
-        tile_tokens == TOKENS_PER_TILE  # a cos/sin cache's row loads want their tokens
+    if (
+        n_tokens * sum(counts) * head_dim * element_size <= RESIDENT_BYTES
+        and tile_tokens == TOKENS_PER_TILE  # a cos/sin cache's row loads want their tokens
+        and rotary_dim == head_dim  # pass-through channels copied: 8 x 4 ran faster warm
     ):
         block_h = min(_next_pow2(min(counts)), rows, RESIDENT_HEADS)
     else:

@@ -434,26 +434,28 @@ def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(tokens, 
     assert (bt, bh) == tile
 
 
-@pytest.mark.parametrize("tokens, heads, head_dim, tile", [
-    (2048, 32, 128, (2, 16)),  # 16 MiB: up to 16 heads of a token, then tokens
-    (2048, 8, 256, (2, 8)),
-    (8192, 8, 128, (4, 8)),
-    (32768, 1, 128, (32, 1)),  # one head: tokens fill the tile as before
-    (8192, 32, 128, (8, 4)),  # 64 MiB: more than the L2 holds, 8 tokens per tile
-    (32768, 8, 128, (8, 4)),
+@pytest.mark.parametrize("tokens, heads, head_dim, rotary_dim, tile", [
+    (2048, 32, 128, 128, (2, 16)),  # 16 MiB: up to 16 heads of a token, then tokens
+    (2048, 8, 256, 256, (2, 8)),
+    (8192, 8, 128, 128, (4, 8)),
+    (32768, 1, 128, 128, (32, 1)),  # one head: tokens fill the tile as before
+    (2048, 32, 128, 64, (8, 4)),  # pass-through channels copied too: 8 tokens per tile
+    (8192, 32, 128, 128, (8, 4)),  # 64 MiB: more than the L2 holds, 8 tokens per tile
+    (32768, 8, 128, 128, (8, 4)),
 ])
-def test_calls_the_l2_can_hold_put_a_tokens_heads_first(tokens, heads, head_dim, tile):
-    """At most RESIDENT_BYTES a tile takes a token's heads before more tokens (one table row
-    and its sines serve them all), with every SM given its programs; larger calls keep 8
-    tokens per tile for DRAM."""
+def test_calls_the_l2_can_hold_put_a_tokens_heads_first(tokens, heads, head_dim, rotary_dim, tile):
+    """At most RESIDENT_BYTES, with every channel rotated, a tile takes a token's heads before
+    more tokens (one table row and its sines serve them all), with every SM given its programs;
+    larger calls keep 8 tokens per tile for DRAM."""
     from rope_dispatch.backends import triton_rope
 
-    bt, bh, *_ = triton_rope.choose_config(tokens, heads, head_dim, head_dim, 2, False, 132)
+    bt, bh, *_ = triton_rope.choose_config(tokens, heads, head_dim, rotary_dim, 2, False, 132)
     assert (bt, bh) == tile
-    resident = tokens * heads * head_dim * 2 <= triton_rope.RESIDENT_BYTES
+    heads_first = (tokens * heads * head_dim * 2 <= triton_rope.RESIDENT_BYTES
+                   and rotary_dim == head_dim)
     assert bt * bh * head_dim * 2 <= triton_rope.TILE_BYTES
     assert -(-tokens // bt) * -(-heads // bh) >= 2 * 132
-    assert resident == (bh == min(heads, triton_rope.RESIDENT_HEADS))
+    assert heads_first == (bh == min(heads, triton_rope.RESIDENT_HEADS))
 
 
 @pytest.mark.parametrize(
