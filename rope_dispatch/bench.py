@@ -29,7 +29,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -725,19 +725,30 @@ def cold_kernel_us(fns: dict[str, Callable[[], Any]], calls: int = 50) -> dict[s
             flush.zero_()
             fns[name]()
         torch.cuda.synchronize()
+    kernel_times = [(e.name, e.time_range.elapsed_us()) for e in kernels(prof)]
+    return {name: statistics.median(us)
+            for name, us in kernel_us_per_call(kernel_times, flush_names, order).items()}
+
+
+def kernel_us_per_call(
+    kernel_times: Sequence[tuple[str, float]], flush_names: set[str], order: Sequence[str],
+) -> dict[str, list[float]]:
+    """Cut a trace's kernels (name, us; in start order) into calls at each flush kernel, and
+    sum each call's kernels: ``{call name: [us per call]}`` for calls made in ``order``, each
+    after one flush. Raises where the cut does not give one call with kernels per flush."""
     segments: list[float] = []
-    for e in kernels(prof):
-        if e.name in flush_names:
+    for name, us in kernel_times:
+        if name in flush_names:
             segments.append(0.0)
         elif segments:
-            segments[-1] += e.time_range.elapsed_us()
+            segments[-1] += us
     if len(segments) != len(order) or not all(segments):
         raise RuntimeError(f"the trace holds {len(segments)} flushes for {len(order)} calls, or a "
                            "call without a kernel: a call launched a kernel named as the flush's")
-    per_call: dict[str, list[float]] = {name: [] for name in fns}
+    per_call: dict[str, list[float]] = {name: [] for name in order}
     for name, us in zip(order, segments):
         per_call[name].append(us)
-    return {name: statistics.median(us) for name, us in per_call.items()}
+    return per_call
 
 
 def graph_replay_us(fn: Callable[[], Any], calls: int = 20) -> float:

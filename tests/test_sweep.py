@@ -381,3 +381,27 @@ def test_summarize_states_the_targets():
     assert lines[-1] == ("triton forward at >= 64 MiB, table rows read / read as rates: 1.10x "
                          "median, 1.10-1.10x")
 
+
+
+FLUSH = "fill_kernel"
+
+
+def test_kernel_time_per_call_sums_the_kernels_between_flushes():
+    """bench.cold_kernel_us's cut of a trace: each flush starts a call; kernels before the first
+    flush (a warm-up's) are not counted; a call's kernels add up."""
+    trace = [("warm_up", 9.0),
+             (FLUSH, 60.0), ("rope_q", 1.0), ("rope_k", 0.5),
+             (FLUSH, 61.0), ("liger", 2.0),
+             (FLUSH, 59.0), ("rope_q", 1.5), ("rope_k", 0.25),
+             (FLUSH, 60.0), ("liger", 2.5)]
+    per_call = bench.kernel_us_per_call(trace, {FLUSH}, ["ours", "liger", "ours", "liger"])
+    assert per_call == {"ours": [1.5, 1.75], "liger": [2.0, 2.5]}
+
+
+@pytest.mark.parametrize("trace", [
+    [(FLUSH, 60.0), ("rope", 1.0), (FLUSH, 60.0)],  # the second call ran no kernel
+    [(FLUSH, 60.0), ("rope", 1.0), (FLUSH, 1.0), (FLUSH, 60.0), ("rope", 1.0)],  # a call's fill
+])
+def test_kernel_time_per_call_refuses_a_trace_it_cannot_cut(trace):
+    with pytest.raises(RuntimeError, match="flushes for 2 calls"):
+        bench.kernel_us_per_call(trace, {FLUSH}, ["ours", "ours"])
