@@ -1,7 +1,8 @@
 """Kernel time of explicit launch tiles against a device copy: a developer's probe for
 choose_config, one line per shape and tile. ``python scripts/tile_probe.py [mode]``: no mode,
 forward and backward on few-head shapes; ``small``, launch-bound shapes against Liger;
-``small-warm``, the sweep points where Liger led with the L2 warm, timed warm;
+``small-warm``, the sweep points where Liger led with the L2 warm, timed warm; ``small-rules``,
+candidate tile rules for calls the L2 can hold, at the sweep's points below 64 MiB;
 ``prefill`` and ``decode``, the serving q+k launches (decode also against Liger, cold and
 warm); ``decode-compare``, that comparison alone; ``decode-processes [n]``, it in n processes
 in a row (default 6); ``tables``, each table kind read per token (angle rows, cos/sin cache,
@@ -236,10 +237,11 @@ def small_rules(rounds: int = 3) -> None:
     dispatch._plans.clear()
     print(f"over {len(points)} points, time / current rule's (geometric mean; points ahead / "
           "behind by more than 2%):")
-    for name, (cold, warm) in ratios.items():
-        def mean(r):
-            return math.exp(statistics.fmean(math.log(x) for x in r))
 
+    def mean(r):
+        return math.exp(statistics.fmean(math.log(x) for x in r))
+
+    for name, (cold, warm) in ratios.items():
         print(f"  {name:>24}: cold {mean(cold):.3f} ({sum(r < 0.98 for r in cold)} / "
               f"{sum(r > 1.02 for r in cold)}), warm {mean(warm):.3f} "
               f"({sum(r < 0.98 for r in warm)} / {sum(r > 1.02 for r in warm)})")

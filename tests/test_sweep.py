@@ -382,7 +382,6 @@ def test_summarize_states_the_targets():
                          "median, 1.10-1.10x")
 
 
-
 FLUSH = "fill_kernel"
 
 
