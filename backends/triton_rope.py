@@ -131,10 +131,6 @@ def choose_config(
     rows = max(1, TILE_BYTES // (head_dim * element_size))
     rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``
     wanted = MIN_PROGRAMS_PER_SM * sms
-
-    def programs(block_t: int, block_h: int) -> int:
-        return -(-n_tokens // block_t) * sum(-(-n // block_h) for n in counts)
-
     if (
         n_tokens * sum(counts) * head_dim * element_size <= RESIDENT_BYTES
         and tile_tokens == TOKENS_PER_TILE  # a cos/sin cache's row loads want their tokens
@@ -144,17 +140,31 @@ def choose_config(
     else:
         block_h = min(_next_pow2(min(counts)), max(1, rows // tile_tokens))
     block_t = min(max(1, rows // block_h), _next_pow2(n_tokens))
-    if programs(block_t, block_h) < wanted:
+    if programs(n_tokens, counts, block_t, block_h) < wanted:
         block_h = min(_next_pow2(min(counts)), rows)
         block_t = min(rows // block_h, _next_pow2(n_tokens))
-        while programs(block_t, block_h) < wanted:
-            if block_t > 1:
-                block_t //= 2
-            elif block_h > 1:
-                block_h //= 2
-            else:
-                break
+        block_t, block_h = shrink_to_programs(n_tokens, counts, block_t, block_h, wanted)
     return block_t, block_h, 1, block_r, block_p, 4
+
+
+def programs(n_tokens: int, counts: tuple[int, ...], block_t: int, block_h: int) -> int:
+    """Programs of a launch over tensors of ``counts`` heads at a ``block_t x block_h`` tile."""
+    return -(-n_tokens // block_t) * sum(-(-n // block_h) for n in counts)
+
+
+def shrink_to_programs(
+    n_tokens: int, counts: tuple[int, ...], block_t: int, block_h: int, wanted: int,
+) -> tuple[int, int]:
+    """The tile halved, tokens first and then heads, until the launch has ``wanted`` programs
+    (or the tile is one token of one head)."""
+    while programs(n_tokens, counts, block_t, block_h) < wanted:
+        if block_t > 1:
+            block_t //= 2
+        elif block_h > 1:
+            block_h //= 2
+        else:
+            break
+    return block_t, block_h
 
 
 _configs: dict[tuple, Config] = {}

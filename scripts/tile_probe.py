@@ -147,35 +147,26 @@ def small(warm: bool = False) -> None:
                   f"({100 * copy / ms:5.1f}% of copy){mark}")
 
 
-RESIDENT_BYTES = 24 << 20  # small-rules: calls whose tensor fits in half an H200's L2
+CANDIDATE_RESIDENT_BYTES = 24 << 20  # small-rules: tensors within half an H200's L2
 
 
 def _heads_first(choose, tile_bytes: int, warps_by_tile: bool):
-    """A candidate ``choose_config``: for calls of at most ``RESIDENT_BYTES``, a token's heads
-    first (up to ``tile_bytes`` per tile), then tokens, halved as ``choose`` halves them until
-    every SM has two programs; 4 warps, or one per 2 KB of tile with ``warps_by_tile``; larger
-    calls as ``choose``."""
+    """A candidate ``choose_config``: for calls of at most ``CANDIDATE_RESIDENT_BYTES``, a
+    token's heads first (up to ``tile_bytes`` per tile), then tokens, halved as ``choose``
+    halves them until every SM has two programs; 4 warps, or one per 2 KB of tile with
+    ``warps_by_tile``; larger calls as ``choose``."""
 
     def rule(n_tokens, heads, head_dim, rotary_dim, element_size, interleaved, sms, *rest):
         config = choose(n_tokens, heads, head_dim, rotary_dim, element_size, interleaved, sms,
                         *rest)
         counts = heads if isinstance(heads, tuple) else (heads,)
-        if n_tokens * sum(counts) * head_dim * element_size > RESIDENT_BYTES:
+        if n_tokens * sum(counts) * head_dim * element_size > CANDIDATE_RESIDENT_BYTES:
             return config
         rows = triton_rope._next_pow2(max(1, tile_bytes // (head_dim * element_size)) + 1) // 2
         block_h = min(triton_rope._next_pow2(min(counts)), rows)
         block_t = min(rows // block_h, triton_rope._next_pow2(n_tokens))
-
-        def programs(bt, bh):
-            return -(-n_tokens // bt) * sum(-(-n // bh) for n in counts)
-
-        while programs(block_t, block_h) < triton_rope.MIN_PROGRAMS_PER_SM * sms:
-            if block_t > 1:
-                block_t //= 2
-            elif block_h > 1:
-                block_h //= 2
-            else:
-                break
+        block_t, block_h = triton_rope.shrink_to_programs(
+            n_tokens, counts, block_t, block_h, triton_rope.MIN_PROGRAMS_PER_SM * sms)
         warps = 4
         if warps_by_tile:
             warps = max(1, min(4, block_t * block_h * head_dim * element_size // 2048))
