@@ -1,11 +1,13 @@
 """Triton kernels for RoPE: forward and its exact transpose, any layout, strides and features.
 
 One kernel serves every case; the features are ``tl.constexpr`` so each combination compiles to
-straight-line code. A program owns ``BLOCK_T`` tokens (grid axis 0 only, so no axis limit
-applies) and ``HEAD_ITERS * BLOCK_H`` heads of them. It computes the table rows of its tokens
-once (sin/cos from angles, or loads of a cos/sin cache), then loops over its heads, reading
-each ``[BLOCK_T, BLOCK_H, d]`` tile once and writing it once: the rotated channels and the
-pass-through channels of partial rotary in the same pass. Sin/cos live in the same 2-D layout as
+straight-line code. A program owns ``BLOCK_T`` tokens (its token block, on grid axes 1 and 2, so
+no axis limit applies) and ``HEAD_ITERS * BLOCK_H`` heads of them (its head group, grid axis 0).
+No division by a runtime value comes before a program's first load (see :func:`_token_block`,
+:func:`_token_index`): at decode size a kernel's time is its chain of dependent steps. It
+computes the table rows of its tokens once (sin/cos from angles, or loads of a cos/sin cache),
+then loops over its heads, reading each ``[BLOCK_T, BLOCK_H, d]`` tile once and writing it
+once: the rotated channels and the pass-through channels of partial rotary in the same pass. Sin/cos live in the same 2-D layout as
 the data tiles, so they are neither recomputed per head nor per thread.
 
 A rate table (``RATES``) gives the rates instead of a table: pair ``k``'s angle is the float32
@@ -125,17 +127,22 @@ def _row_cos_sin(
 
 
 @triton.jit
-def _token_index(tok, dim1, LAYOUT: tl.constexpr):
+def _token_index(tok, dim1, dim1_magic, dim1_shift, LAYOUT: tl.constexpr):
     """The two leading indices of int32 tokens numbered ``i0 * dim1 + i1`` (``i1 = 0`` for thd).
 
-    Token counts and positions fit in int32 (the grid's axis 0 caps programs at 2**31 - 1);
-    memory offsets are formed in int64 by the caller.
+    ``tok // dim1`` is a multiply-high by the host's ``(dim1_magic, dim1_shift)``
+    (:func:`~backends.triton_rope.division_magic`): a division by a runtime int32 is a chain of
+    some twenty dependent instructions ahead of the first load, 0.06 us of a 2 us decode kernel
+    on the H200. Token counts and positions fit in int32; memory offsets are formed in int64 by
+    the caller.
     """
     if LAYOUT == 2:
         i0 = tok
         i1 = tok * 0
     else:
-        i0 = tok // dim1
+        u = tok.to(tl.uint32, bitcast=True)  # tok < 2**31, so the sum below stays below 2**32
+        high = tl.umulhi(u, dim1_magic.to(tl.uint32, bitcast=True))
+        i0 = ((high + u) >> dim1_shift.to(tl.uint32)).to(tl.int32, bitcast=True)
         i1 = tok - i0 * dim1
     return i0, i1
 
@@ -163,6 +170,16 @@ PER_TOKEN: tl.constexpr = tl.constexpr(2)  # given per token, pos_ptr [tokens] i
 
 
 @triton.jit
+def _per_rank(offsets, cp_size, CONTEXT_PARALLEL: tl.constexpr):
+    """cu_seqlens offsets divided by ``cp_size`` under context parallelism (this rank's share),
+    unchanged otherwise: a division in the chain of a thd binary search's dependent loads would
+    cost every step."""
+    if CONTEXT_PARALLEL:
+        offsets = offsets // cp_size
+    return offsets
+
+
+@triton.jit
 def _positions(
     tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, pos_ptr, n_seqs, cp_size, cp_rank,
     LAYOUT: tl.constexpr, POSITIONS: tl.constexpr, CONTEXT_PARALLEL: tl.constexpr,
@@ -184,7 +201,8 @@ def _positions(
             if SEQ_BLOCK > 0:
                 j = tl.arange(0, SEQ_BLOCK)
                 j_mask = j <= n_seqs
-                bound = tl.load(cu_ptr + j, mask=j_mask, other=0).to(tl.int32) // cp_size
+                bound = _per_rank(tl.load(cu_ptr + j, mask=j_mask, other=0).to(tl.int32),
+                                  cp_size, CONTEXT_PARALLEL)
                 bound = tl.where(j_mask, bound, 2147483647)
                 before = bound[None, :] <= tok[:, None]
                 first = tl.reduce(tl.where(before, bound[None, :], 0), 1, _maximum)
@@ -203,16 +221,20 @@ def _positions(
                 width = n_seqs
                 while width > 1:  # invariant: cu[lo]/cp <= tok < cu[hi]/cp
                     mid = (lo + hi) // 2
-                    go = tl.load(cu_ptr + mid, mask=tok_mask, other=0).to(tl.int32) // cp_size <= tok
+                    go = _per_rank(tl.load(cu_ptr + mid, mask=tok_mask, other=0).to(tl.int32),
+                                   cp_size, CONTEXT_PARALLEL) <= tok
                     lo = tl.where(go, mid, lo)
                     hi = tl.where(go, hi, mid)
                     width = (width + 1) // 2
                 seq = lo
-                first = tl.load(cu_ptr + seq, mask=tok_mask, other=0).to(tl.int32) // cp_size
-                last = tl.load(cu_ptr + seq + 1, mask=tok_mask, other=0).to(tl.int32) // cp_size
+                first = _per_rank(tl.load(cu_ptr + seq, mask=tok_mask, other=0).to(tl.int32),
+                                  cp_size, CONTEXT_PARALLEL)
+                last = _per_rank(tl.load(cu_ptr + seq + 1, mask=tok_mask, other=0).to(tl.int32),
+                                 cp_size, CONTEXT_PARALLEL)
                 length = last - first
             local = tok - first
-            past = tok >= tl.load(cu_ptr + n_seqs).to(tl.int32) // cp_size  # in no sequence
+            past = tok >= _per_rank(tl.load(cu_ptr + n_seqs).to(tl.int32), cp_size,
+                                    CONTEXT_PARALLEL)  # in no sequence
         else:
             if LAYOUT == 0:
                 local = i0
@@ -327,26 +349,26 @@ def _rotate_store(
 
 
 @triton.jit
-def _split_pid(pid, heads, PER_PROGRAM: tl.constexpr):
-    """``(token_block, head_group)`` of program ``pid`` of a one-tensor launch: a token block's
-    head groups (``PER_PROGRAM`` heads each) are neighbouring programs."""
-    head_groups = (heads + PER_PROGRAM - 1) // PER_PROGRAM
-    token_block = pid // head_groups
-    return token_block, pid - token_block * head_groups
+def _token_block():
+    """This program's token block, from grid axes 1 and 2 (the launcher spreads the blocks over
+    both when they pass axis 1's 65,535). Axis 0 is the token block's head group, so a token
+    block's programs are neighbours and no division by a runtime count precedes the first load."""
+    return tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
 
 
 @triton.jit
 def _token_rows(
-    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, sx0, sx1, so0, so1,
+    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
+    sx0, sx1, so0, so1,
     LAYOUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
 ):
     """The tokens of ``token_block`` (``BLOCK_T`` of them, numbered ``i0 * dim1 + i1``), their
     row pointers in x and out, and the first of the ``HEAD_ITERS * BLOCK_H`` heads of
-    ``head_group``. The launch works out both from the program id (one integer division)."""
+    ``head_group``."""
     head_lo = head_group * (HEAD_ITERS * BLOCK_H)
     tok = token_block * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_mask = tok < n_tokens
-    i0, i1 = _token_index(tok, dim1, LAYOUT)
+    i0, i1 = _token_index(tok, dim1, dim1_magic, dim1_shift, LAYOUT)
     x_row = x_ptr + (i0.to(tl.int64) * sx0 + i1.to(tl.int64) * sx1)
     o_row = out_ptr + (i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1)
     return tok, tok_mask, i0, i1, x_row, o_row, head_lo
@@ -355,8 +377,8 @@ def _token_rows(
 @triton.jit
 def _rope_program(
     token_block, head_group, x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
-    n_tokens, dim1, seq_len, table_len, heads, group, n_seqs, cp_size, cp_rank,
-    sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
+    n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, group, n_seqs, cp_size,
+    cp_rank, sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
     RATES: tl.constexpr, LINEAR: tl.constexpr, POSITIONS: tl.constexpr,
@@ -373,8 +395,8 @@ def _rope_program(
     before the previous one is rotated, so memory requests stay in flight.
     """
     tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
-        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, sx0, sx1, so0, so1, LAYOUT,
-        BLOCK_T, BLOCK_H, HEAD_ITERS,
+        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
+        sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
     )
     c = tl.arange(0, BLOCK_R)
     if INTERLEAVED:
@@ -447,15 +469,15 @@ def _rope_program(
 
 @triton.jit
 def _copy_program(
-    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, heads, group,
-    sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod, LAYOUT: tl.constexpr, WIDTH: tl.constexpr,
+    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift, heads,
+    group, sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod, LAYOUT: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Copy ``token_block``'s tokens x ``head_group``'s heads of ``WIDTH`` channels (v of a
     packed qkv call)."""
     tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
-        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, sx0, sx1, so0, so1, LAYOUT,
-        BLOCK_T, BLOCK_H, HEAD_ITERS,
+        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
+        sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
     )
     w = tl.arange(0, BLOCK_W).to(tl.int64)
     w_mask = w < WIDTH
@@ -468,10 +490,12 @@ def _copy_program(
         tl.store(o_h[:, :, None] + (w * sod)[None, None, :], values, mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_tokens", "dim1", "seq_len", "table_len", "heads", "n_seqs"])
+@triton.jit(do_not_specialize=[
+    "n_tokens", "dim1", "dim1_magic", "dim1_shift", "seq_len", "table_len", "heads", "n_seqs",
+])
 def rope_kernel(
     x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
-    n_tokens, dim1, seq_len, table_len, heads, n_seqs, cp_size, cp_rank,
+    n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, n_seqs, cp_size, cp_rank,
     sx0, sx1, sxh, sxd, so0, so1, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
@@ -482,7 +506,7 @@ def rope_kernel(
     SEQ_BLOCK: tl.constexpr, SCALE: tl.constexpr,
 ):
     """RoPE (or its transpose) of one tensor, ``BLOCK_T`` tokens x ``HEAD_ITERS * BLOCK_H``
-    heads per program.
+    heads per program: grid ``(head groups, token blocks)`` (see :func:`_token_block`).
 
     ``x`` is ``[n0, n1, h, d]`` (``[T, h, d]`` for thd, with ``sx1 = 0``) with strides
     ``sx*``; ``out`` has strides ``so*``. Tokens are numbered ``i0 * dim1 + i1``.
@@ -495,10 +519,9 @@ def rope_kernel(
     ``position * row 1``, no other row read. Its argument list is kept short: at decode size
     the launch's host time is the call's time.
     """
-    token_block, head_group = _split_pid(tl.program_id(0), heads, HEAD_ITERS * BLOCK_H)
     _rope_program(
-        token_block, head_group, x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
-        n_tokens, dim1, seq_len, table_len, heads, 1, n_seqs, cp_size, cp_rank,
+        _token_block(), tl.program_id(0), x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
+        n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, 1, n_seqs, cp_size, cp_rank,
         sx0, sx1, sxh, sxh, sxd, so0, so1, soh, soh, sod,
         LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
         CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
@@ -508,12 +531,12 @@ def rope_kernel(
 
 
 @triton.jit(do_not_specialize=[
-    "n_tokens", "dim1", "seq_len", "q_table_len", "k_table_len", "n_seqs", "q_heads", "k_heads",
-    "v_heads",
+    "n_tokens", "dim1", "dim1_magic", "dim1_shift", "seq_len", "q_table_len", "k_table_len",
+    "n_seqs", "q_heads", "k_heads", "v_heads",
 ])
 def rope_qkv_kernel(
     q_x, q_out, k_x, k_out, v_x, v_out, q_tab, q_sin, k_tab, k_sin, cu_ptr, pos_ptr,
-    n_tokens, dim1, seq_len, q_table_len, k_table_len, n_seqs, cp_size, cp_rank,
+    n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, k_table_len, n_seqs, cp_size, cp_rank,
     q_heads, q_group, k_heads, k_group, v_heads, v_group,
     qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
     kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
@@ -532,8 +555,8 @@ def rope_qkv_kernel(
     Each of q, k and v is a ``[n0, n1, groups, group, d]`` view (``[T, groups, group, d]`` for
     thd): head ``g * group + j`` at ``g * s?g + j * s?h``, which addresses the heads of a
     packed qkv row (forward input, backward output) and plain ``[.., h, d]`` tensors alike.
-    The programs of one token block come together: its q head groups, then its k head groups,
-    then its v head groups (none without ``HAS_V``). So k's programs read the table rows q's
+    The programs of one token block come together (grid axis 0, :func:`_token_block`): its q
+    head groups, then its k head groups, then its v head groups (none without ``HAS_V``). So k's programs read the table rows q's
     programs have just brought into L2, and the rows of a packed gradient are written by
     neighbouring programs. v's heads are ``V_WIDTH`` channels wide (``BLOCK_W``, a power of
     two, covers them). The backward is the same launch with ``BACKWARD`` set: q's and k's gradients
@@ -542,14 +565,12 @@ def rope_qkv_kernel(
     per_program = HEAD_ITERS * BLOCK_H
     q_per = (q_heads + per_program - 1) // per_program  # head groups per token block
     k_per = (k_heads + per_program - 1) // per_program
-    v_per = (v_heads + per_program - 1) // per_program if HAS_V else 0
-    pid = tl.program_id(0)
-    block = pid // (q_per + k_per + v_per)
-    r = pid - block * (q_per + k_per + v_per)
+    block = _token_block()
+    r = tl.program_id(0)
     if r < q_per:
         _rope_program(
             block, r, q_x, q_out, q_tab, q_sin, cu_ptr, pos_ptr,
-            n_tokens, dim1, seq_len, q_table_len, q_heads, q_group, n_seqs, cp_size, cp_rank,
+            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, q_heads, q_group, n_seqs, cp_size, cp_rank,
             qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
@@ -559,7 +580,7 @@ def rope_qkv_kernel(
     elif r < q_per + k_per:
         _rope_program(
             block, r - q_per, k_x, k_out, k_tab, k_sin, cu_ptr, pos_ptr,
-            n_tokens, dim1, seq_len, k_table_len, k_heads, k_group, n_seqs, cp_size, cp_rank,
+            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, k_table_len, k_heads, k_group, n_seqs, cp_size, cp_rank,
             kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
@@ -568,7 +589,8 @@ def rope_qkv_kernel(
         )
     elif HAS_V:
         _copy_program(
-            block, r - q_per - k_per, v_x, v_out, n_tokens, dim1, v_heads, v_group,
+            block, r - q_per - k_per, v_x, v_out, n_tokens, dim1, dim1_magic, dim1_shift,
+            v_heads, v_group,
             vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
             LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
         )

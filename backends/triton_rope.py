@@ -147,6 +147,32 @@ def choose_config(
     return block_t, block_h, 1, block_r, block_p, 4
 
 
+GRID_AXIS_MAX = 65535
+"""The most blocks a CUDA grid's axes 1 and 2 take: a launch's token blocks are spread over
+both past it (:func:`launch_grid`)."""
+
+
+def launch_grid(head_groups: int, token_blocks: int) -> tuple[int, int, int]:
+    """The kernels' grid: a token block's head groups on axis 0 (neighbouring programs), the
+    token blocks on axes 1 and 2 (``triton_kernels._token_block``), each within
+    ``GRID_AXIS_MAX``. Past ``GRID_AXIS_MAX`` token blocks, the last few of axes 1 x 2 (fewer
+    than axis 2's count) lie past the tokens and do nothing."""
+    layers = -(-token_blocks // GRID_AXIS_MAX)
+    return head_groups, -(-token_blocks // layers), layers
+
+
+def division_magic(divisor: int) -> tuple[int, int]:
+    """``(magic, shift)`` such that ``n // divisor == (umulhi(n, magic) + n) >> shift`` in
+    unsigned 32-bit arithmetic for every ``0 <= n < 2**31`` (Granlund and Montgomery's
+    round-up method), ``magic`` given as the int32 with its bits: how the kernels divide token
+    numbers by ``dim1`` without a division instruction sequence."""
+    if not 1 <= divisor < 2**31:
+        raise ValueError(f"divisor must be in [1, 2**31), got {divisor}")
+    shift = (divisor - 1).bit_length()
+    magic = ((1 << 32) * ((1 << shift) - divisor)) // divisor + 1
+    return (magic - (1 << 32) if magic >= 1 << 31 else magic), shift
+
+
 def programs(n_tokens: int, counts: tuple[int, ...], block_t: int, block_h: int) -> int:
     """Programs of a launch over tensors of ``counts`` heads at a ``block_t x block_h`` tile."""
     return -(-n_tokens // block_t) * sum(-(-n // block_h) for n in counts)
@@ -441,7 +467,7 @@ def launch(
         if entry is not None:
             run, prefix, grid, ints, consts = entry
             # raw addresses: the C launcher takes ints as they are, tensors via data_ptr()
-            run(grid, 1, 1, _current_stream(key[-2]), *prefix, xp, op, *tail, *ints, *consts)
+            run(*grid, _current_stream(key[-2]), *prefix, xp, op, *tail, *ints, *consts)
             return out
     else:
         key = None
@@ -490,10 +516,9 @@ def launch(
                 _configs.clear()
             _configs[ckey] = config
     block_t, block_h, head_iters, block_r, block_p, num_warps = config
-    head_groups = -(-heads // (block_h * head_iters))
-    grid = -(-n_tokens // block_t) * head_groups
-    ints = (n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs, cp_size, cp_rank,
-            sx0, sx1, sxh, sxd, so0, so1, soh, sod)
+    grid = launch_grid(-(-heads // (block_h * head_iters)), -(-n_tokens // block_t))
+    ints = (n_tokens, dim1, *division_magic(dim1), seq_len, table.shape[0], heads, n_seqs,
+            cp_size, cp_rank, sx0, sx1, sxh, sxd, so0, so1, soh, sod)
     use_cache, paired, rates, linear = flags
     consts = dict(
         LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim,
@@ -504,7 +529,7 @@ def launch(
         SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
         SCALE=float(scale),
     )
-    compiled = kernels.rope_kernel[(grid,)](
+    compiled = kernels.rope_kernel[grid](
         x, out, table, table if sin is None else sin,
         table if cu_seqlens is None else cu_seqlens,
         table if positions is None else positions, *ints,
@@ -785,7 +810,7 @@ def launch_qkv(
         entry = _fast_qkv.get(key)
         if entry is not None:
             run, prefix, grid, ints, ordered = entry
-            run(grid, 1, 1, _current_stream(key[-1]), *prefix, *addresses, *ints, *ordered)
+            run(*grid, _current_stream(key[-1]), *prefix, *addresses, *ints, *ordered)
             return key
     if key_only:
         return None
@@ -798,12 +823,11 @@ def launch_qkv(
                                size, interleaved, sms,
                                tile_tokens(flags, q_tab, rotary_dim, interleaved))
     block_t, block_h, head_iters, block_r, block_p, num_warps = config
-    token_blocks = -(-n_tokens // block_t)
-    programs = [token_blocks * -(-n // (block_h * head_iters)) for n in heads]
-    grid = sum(programs) if has_v else programs[0] + programs[1]
-    # the kernel's order: per-segment heads and group
-    ints = (*base_ints[:8], heads[0], base_ints[11], heads[1], base_ints[12], heads[2],
-            base_ints[13], *strides)
+    groups = [-(-n // (block_h * head_iters)) for n in heads]
+    grid = launch_grid(sum(groups) if has_v else groups[0] + groups[1], -(-n_tokens // block_t))
+    # the kernel's order: the token numbering's division magic, per-segment heads and group
+    ints = (*base_ints[:2], *division_magic(dim1), *base_ints[2:8], heads[0], base_ints[11],
+            heads[1], base_ints[12], heads[2], base_ints[13], *strides)
     use_cache, paired, rates, linear = flags
     consts = dict(
         LAYOUT=LAYOUT_CODES[layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
@@ -815,7 +839,7 @@ def launch_qkv(
         HAS_V=has_v, V_WIDTH=head_dim, BLOCK_W=_next_pow2(head_dim), SCALE=float(scale),
     )
     views = tuple(_view(seg) for x, out in pairs for seg in (x, out))
-    compiled = kernels.rope_qkv_kernel[(grid,)](*views, *index, *ints, num_warps=num_warps, **consts)
+    compiled = kernels.rope_qkv_kernel[grid](*views, *index, *ints, num_warps=num_warps, **consts)
     if key is not None and compiled is not None and not _hooks_active():
         names = kernels.rope_qkv_kernel.arg_names
         ordered = tuple(consts[name] for name in names[len(views) + len(index) + len(ints):])
@@ -1312,8 +1336,7 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
         or tail[0] != _user_table_address(call)
     ):
         return generic
-    run, prefix, grid, ints, consts = entry
-    head = (grid, 1, 1)
+    run, prefix, head, ints, consts = entry
     bound_table = tail[0]
     bound_tables = tail[:3]
     rest = ints + consts
@@ -1359,8 +1382,7 @@ class _GradLaunch:
         self, key: tuple, tail: tuple, entry: tuple, settings: tuple, per_token: bool,
         flag: torch.Tensor | None,
     ):
-        self.run, self.prefix, grid, ints, consts = entry
-        self.head = (grid, 1, 1)
+        self.run, self.prefix, self.head, ints, consts = entry
         self.tables = tail[:3]
         self.rest = ints + consts
         self.device = key[-2]
@@ -1395,7 +1417,7 @@ class _GradLaunch:
                 entry = _fast.get(self.back_key)
                 if entry is not None:
                     run, prefix, grid, ints, consts = entry
-                    back = self.back = (run, (grid, 1, 1), prefix, ints + consts)
+                    back = self.back = (run, grid, prefix, ints + consts)
             if back is not None:
                 run, head, prefix, rest = back
                 grad_x = torch.empty_like(grad)
@@ -1512,15 +1534,15 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
         ):
             return generic(x, freqs, spec, start_positions, positions, k)
         if in_place:
-            run(grid, 1, 1, stream(device_index), *prefix, qp, qp, kp, kp, kp, kp, tp, sp, tp, sp,
-                cp, ip, *rest)
+            run(*grid, stream(device_index), *prefix, qp, qp, kp, kp, kp, kp, tp, sp, tp, sp, cp,
+                ip, *rest)
             increment_version(x)
             increment_version(k)
             return x, k
         q_out, k_out = _qk_outputs(x, k, None)
         qo, ko = q_out.data_ptr(), k_out.data_ptr()
-        run(grid, 1, 1, stream(device_index), *prefix, qp, qo, kp, ko, kp, ko, tp, sp, tp, sp, cp,
-            ip, *rest)
+        run(*grid, stream(device_index), *prefix, qp, qo, kp, ko, kp, ko, tp, sp, tp, sp, cp, ip,
+            *rest)
         return q_out, k_out
 
     return launch_bound

@@ -14,7 +14,6 @@ import sys
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import rope_dispatch as rd
 from cases import Case, build, cases, fixed_case
@@ -116,6 +115,60 @@ def test_launch_configurations(config, layout):
         1, 0, False, config=full,
     )
     assert_matches(out, reference_for(t.cpu(), angles, spec, starts), t.dtype)
+
+
+@pytest.mark.parametrize("axis_max", [1, 2])
+@pytest.mark.parametrize("layout", ["sbhd", "bshd", "thd"])
+def test_token_blocks_spread_over_two_grid_axes(monkeypatch, axis_max, layout):
+    """Token blocks past grid axis 1's limit go on along axis 2 (here a limit of 1 or 2 blocks
+    instead of 65,535, with one-token tiles: with 2, the last program of an odd count has no
+    token): every token is rotated once, for one tensor and for q and k in one launch."""
+    from rope_dispatch.backends import triton_rope
+    from test_qk import check_qk
+
+    monkeypatch.setattr(triton_rope, "GRID_AXIS_MAX", axis_max)
+    choose = triton_rope.choose_config
+    monkeypatch.setattr(triton_rope, "choose_config", lambda *a, **kw: (1, 1) + choose(*a, **kw)[2:])
+    for cache in ("_configs", "_fast", "_fast_qkv"):
+        monkeypatch.setattr(triton_rope, cache, {})
+    case = fixed_case(layout=layout, heads=2, seq=5, batch=3, seqlens=(4, 0, 3), with_starts=True)
+    check_case(case)
+    check_qk(case, 1, "qkv-slice", "triton")
+
+
+def test_division_magic_divides_every_token_number():
+    """The kernels' multiply-high division of token numbers (``n < 2**31``) by ``dim1``, done
+    here in unsigned 32-bit arithmetic as the kernel does it, against Python's ``//``."""
+    import random
+
+    from rope_dispatch.backends.triton_rope import division_magic
+
+    gen = random.Random(0)
+    divisors = {*range(1, 300), *(1 << i for i in range(31)), *((1 << i) + 1 for i in range(31)),
+                *((1 << i) - 1 for i in range(2, 32)), 65535, 70_000, 131_072, 1_000_003}
+    divisors |= {gen.randrange(1, 2**31) for _ in range(300)}
+    for d in sorted(divisors):
+        magic, shift = division_magic(d)
+        assert -(2**31) <= magic < 2**31 and 0 <= shift <= 31
+        magic &= 0xFFFFFFFF  # the kernel reads the int32's bits as unsigned
+        ns = {0, 1, d - 1, d, d + 1, 2**31 - 1, 2**31 - 2, 2**31 - 1 - (2**31 - 1) % d}
+        ns |= {q * d + r for q in (1, 2, 3, 1000) for r in (-1, 0, 1)}
+        ns |= {gen.randrange(2**31) for _ in range(50)}
+        for n in ns:
+            if 0 <= n < 2**31:
+                assert ((((n * magic) >> 32) + n) & 0xFFFFFFFF) >> shift == n // d, (n, d)
+    for bad in (0, -3, 2**31):
+        with pytest.raises(ValueError, match="divisor"):
+            division_magic(bad)
+
+
+def test_launch_grid_keeps_axes_within_limits():
+    from rope_dispatch.backends.triton_rope import GRID_AXIS_MAX, launch_grid
+
+    for blocks in (1, 7, GRID_AXIS_MAX, GRID_AXIS_MAX + 1, 3 * GRID_AXIS_MAX - 1, 2**31 - 1):
+        groups, y, z = launch_grid(5, blocks)
+        assert groups == 5 and y <= GRID_AXIS_MAX and z <= GRID_AXIS_MAX
+        assert blocks <= y * z < blocks + z, blocks  # every block, and fewer than z spare
 
 
 def test_output_is_written_everywhere_and_input_untouched():
@@ -323,6 +376,22 @@ def test_gpu_past_65535_tokens_and_batch():
     t = torch.randn(70_000, 2, 32, device="cuda", dtype=torch.float16)
     spec = rd.RoPESpec(layout="thd", dtype="fp16", cu_seqlens=cu, cp_size=2, cp_rank=1)
     _rope_check_gpu(t, freqs, spec)
+
+
+@gpu
+def test_gpu_token_blocks_past_65535(monkeypatch):
+    """One-token tiles on 70,000 tokens: 70,000 token blocks, over grid axes 1 and 2."""
+    from rope_dispatch.backends import triton_rope
+
+    choose = triton_rope.choose_config
+    monkeypatch.setattr(triton_rope, "choose_config", lambda *a, **kw: (1, 1) + choose(*a, **kw)[2:])
+    for cache in ("_configs", "_fast", "_fast_qkv"):
+        monkeypatch.setattr(triton_rope, cache, {})
+    freqs = _te_freqs(72_000, 32)
+    t = torch.randn(70_000, 2, 32, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 5, 70_000], dtype=torch.int32, device="cuda")
+    _rope_check_gpu(t, freqs, rd.RoPESpec(layout="thd", dtype="bf16", cu_seqlens=cu))
+    assert triton_rope.launch_grid(1, 70_000) == (1, 35_000, 2)
 
 
 @gpu
