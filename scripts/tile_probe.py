@@ -3,6 +3,7 @@ choose_config, one line per shape and tile. ``python scripts/tile_probe.py [mode
 forward and backward on few-head shapes; ``small``, launch-bound shapes against Liger;
 ``small-warm``, the sweep points where Liger led with the L2 warm, timed warm; ``small-rules``,
 candidate tile rules for calls the L2 can hold, at the sweep's points below 64 MiB;
+``small-programs``, how many programs such calls should have (kernel time and warm);
 ``prefill`` and ``decode``, the serving q+k launches (decode also against Liger, cold and
 warm); ``decode-compare``, that comparison alone; ``decode-processes [n]``, it in n processes
 in a row (default 6); ``tables``, each table kind read per token (angle rows, cos/sin cache,
@@ -238,6 +239,79 @@ def small_rules(rounds: int = 3) -> None:
               f"({sum(r < 0.98 for r in warm)} / {sum(r > 1.02 for r in warm)})")
 
 
+def small_programs() -> None:
+    """How many programs a call the L2 can hold should have: the sweep's points up to
+    ``RESIDENT_BYTES`` (every layout, bf16, full rotary), forward launched with the tiles of
+    ``choose_config`` for 2 programs per SM (the current rule), 1 and 1/2, and one token of all
+    heads per program (Liger's cut), by kernel time after an L2 flush (the profiler) and warm
+    (a CUDA graph), with Liger's forward beside them; then per rule the geometric mean over the
+    current rule's and how many points it leads or trails by more than 2%."""
+    import math
+    import statistics
+
+    from rope_dispatch import sweep
+
+    sms = triton_rope._sm_count(0)
+    choose = triton_rope.choose_config
+    rules = {
+        "2 per SM": lambda *a: choose(*a, sms),
+        "1 per SM": lambda *a: choose(*a, max(1, sms // 2)),
+        "1/2 per SM": lambda *a: choose(*a, max(1, sms // 4)),
+        "token x all heads": lambda n, h, d, r, size, il: (
+            1, triton_rope._next_pow2(h), 1, *choose(n, h, d, r, size, il, sms)[3:]),
+    }
+    ratios = {name: ([], []) for name in rules}
+    peer = {"cold": 0, "warm": 0, "points": 0}
+    points = [p for p in sweep.sweep_points() if p.tensor_bytes() <= triton_rope.RESIDENT_BYTES
+              and p.rotary_dim == p.head_dim]
+    for shape in points:
+        inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
+        table = inp.freqs.view(inp.freqs.shape[0], -1)
+        out = torch.empty_like(inp.t)
+        tokens = shape.seq * (1 if shape.layout == "thd" else shape.batch)
+        fns, configs = {}, {}
+        for name, rule in rules.items():
+            config = rule(tokens, shape.heads, shape.head_dim, shape.rotary_dim,
+                          inp.t.element_size(), False)
+            configs[name] = config
+            fns[name] = lambda config=config: triton_rope.launch(
+                inp.t, out, table, None, inp.cu_seqlens, None, shape.layout, False, 1.0, 1, 0,
+                False, config=config)
+        if len(set(configs.values())) == 1:  # every rule cuts it alike
+            continue
+        liger = bench._liger_peer(shape, inp)
+        if liger is not None:
+            fns["liger"] = liger.fwd
+        cold = bench.cold_kernel_us(fns, calls=30)
+        warm = {name: bench.graph_replay_us(fn) for name, fn in fns.items()}
+        cells = []
+        for name in rules:
+            ratios[name][0].append(cold[name] / cold["2 per SM"])
+            ratios[name][1].append(warm[name] / warm["2 per SM"])
+            c = configs[name]
+            cells.append(f"{name} {c[0]}x{c[1]} {cold[name]:5.2f} {warm[name]:5.2f}")
+        if liger is not None:
+            cells.append(f"liger {cold['liger']:5.2f} {warm['liger']:5.2f}")
+            peer["points"] += 1
+            peer["cold"] += cold["liger"] < cold["2 per SM"]
+            peer["warm"] += warm["liger"] < warm["2 per SM"]
+        print(f"{shape.name}: " + " | ".join(cells), flush=True)
+        del inp, out
+    print(f"over {len(ratios['2 per SM'][0])} points whose tiles differ, kernel time after an "
+          "L2 flush / warm, over the current "
+          "rule's (geometric mean; points ahead / behind by more than 2%):")
+
+    def mean(r):
+        return math.exp(statistics.fmean(math.log(x) for x in r))
+
+    for name, (cold, warm) in ratios.items():
+        print(f"  {name:>18}: cold {mean(cold):.3f} ({sum(r < 0.98 for r in cold)} / "
+              f"{sum(r > 1.02 for r in cold)}), warm {mean(warm):.3f} "
+              f"({sum(r < 0.98 for r in warm)} / {sum(r > 1.02 for r in warm)})")
+    print(f"  Liger faster than the current rule at {peer['cold']} (cold) and {peer['warm']} "
+          f"(warm) of {peer['points']} points")
+
+
 TABLE_SHAPES = [  # (layout, seq, batch, heads, head_dim): 64 MB and more
     ("sbhd", 131072, 1, 1, 128), ("sbhd", 32768, 1, 8, 128), ("sbhd", 32768, 4, 8, 128),
     ("sbhd", 8192, 1, 32, 128), ("sbhd", 32768, 1, 32, 128),
@@ -418,7 +492,7 @@ if __name__ == "__main__":
 
     modes = {"prefill": prefill_qk, "small": small, "decode": decode_qk, "tables": tables,
              "decode-compare": decode_compare, "small-warm": lambda: small(warm=True),
-             "small-rules": small_rules}
+             "small-rules": small_rules, "small-programs": small_programs}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     else:
