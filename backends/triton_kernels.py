@@ -7,8 +7,9 @@ No division by a runtime value comes before a program's first load (see :func:`_
 :func:`_token_index`): at decode size a kernel's time is its chain of dependent steps. It
 computes the table rows of its tokens once (sin/cos from angles, or loads of a cos/sin cache),
 then loops over its heads, reading each ``[BLOCK_T, BLOCK_H, d]`` tile once and writing it
-once: the rotated channels and the pass-through channels of partial rotary in the same pass. Sin/cos live in the same 2-D layout as
-the data tiles, so they are neither recomputed per head nor per thread.
+once: the rotated channels and the pass-through channels of partial rotary in the same pass.
+Sin/cos live in the same 2-D layout as the data tiles, so they are neither recomputed per head
+nor per thread.
 
 A rate table (``RATES``) gives the rates instead of a table: pair ``k``'s angle is the float32
 product ``position * rate[k]``, as an angle table's entry is, so no table row is read per
@@ -470,7 +471,8 @@ def _rope_program(
 @triton.jit
 def _copy_program(
     token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift, heads,
-    group, sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod, LAYOUT: tl.constexpr, WIDTH: tl.constexpr,
+    group, sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
+    LAYOUT: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Copy ``token_block``'s tokens x ``head_group``'s heads of ``WIDTH`` channels (v of a
@@ -521,7 +523,8 @@ def rope_kernel(
     """
     _rope_program(
         _token_block(), tl.program_id(0), x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
-        n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, 1, n_seqs, cp_size, cp_rank,
+        n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, 1, n_seqs, cp_size,
+        cp_rank,
         sx0, sx1, sxh, sxh, sxd, so0, so1, soh, soh, sod,
         LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
         CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
@@ -536,7 +539,8 @@ def rope_kernel(
 ])
 def rope_qkv_kernel(
     q_x, q_out, k_x, k_out, v_x, v_out, q_tab, q_sin, k_tab, k_sin, cu_ptr, pos_ptr,
-    n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, k_table_len, n_seqs, cp_size, cp_rank,
+    n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, k_table_len, n_seqs, cp_size,
+    cp_rank,
     q_heads, q_group, k_heads, k_group, v_heads, v_group,
     qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
     kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
@@ -556,11 +560,11 @@ def rope_qkv_kernel(
     thd): head ``g * group + j`` at ``g * s?g + j * s?h``, which addresses the heads of a
     packed qkv row (forward input, backward output) and plain ``[.., h, d]`` tensors alike.
     The programs of one token block come together (grid axis 0, :func:`_token_block`): its q
-    head groups, then its k head groups, then its v head groups (none without ``HAS_V``). So k's programs read the table rows q's
-    programs have just brought into L2, and the rows of a packed gradient are written by
-    neighbouring programs. v's heads are ``V_WIDTH`` channels wide (``BLOCK_W``, a power of
-    two, covers them). The backward is the same launch with ``BACKWARD`` set: q's and k's gradients
-    transposed, v's copied, into one packed gradient.
+    head groups, then its k head groups, then its v head groups (none without ``HAS_V``). So
+    k's programs read the table rows q's programs have just brought into L2, and the rows of a
+    packed gradient are written by neighbouring programs. v's heads are ``V_WIDTH`` channels
+    wide (``BLOCK_W``, a power of two, covers them). The backward is the same launch with
+    ``BACKWARD`` set: q's and k's gradients transposed, v's copied, into one packed gradient.
     """
     per_program = HEAD_ITERS * BLOCK_H
     q_per = (q_heads + per_program - 1) // per_program  # head groups per token block
@@ -570,7 +574,8 @@ def rope_qkv_kernel(
     if r < q_per:
         _rope_program(
             block, r, q_x, q_out, q_tab, q_sin, cu_ptr, pos_ptr,
-            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, q_heads, q_group, n_seqs, cp_size, cp_rank,
+            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, q_heads, q_group, n_seqs,
+            cp_size, cp_rank,
             qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
@@ -580,7 +585,8 @@ def rope_qkv_kernel(
     elif r < q_per + k_per:
         _rope_program(
             block, r - q_per, k_x, k_out, k_tab, k_sin, cu_ptr, pos_ptr,
-            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, k_table_len, k_heads, k_group, n_seqs, cp_size, cp_rank,
+            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, k_table_len, k_heads, k_group, n_seqs,
+            cp_size, cp_rank,
             kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
