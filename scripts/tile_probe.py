@@ -239,6 +239,13 @@ def small_rules(rounds: int = 3) -> None:
               f"({sum(r < 0.98 for r in warm)} / {sum(r > 1.02 for r in warm)})")
 
 
+def _warps_by_tile(config: tuple, element_size: int) -> tuple:
+    """``config`` with as many warps (1 to 4) as give each thread 16 bytes of a half-tile load."""
+    bt, bh, iters, block_r, block_p, _ = config
+    warps = max(1, min(4, bt * bh * block_r * element_size // (32 * 16)))
+    return bt, bh, iters, block_r, block_p, warps
+
+
 def small_programs() -> None:
     """How many programs a call the L2 can hold should have: the sweep's points up to
     ``RESIDENT_BYTES`` (every layout, bf16, full rotary), forward launched with the tiles of
@@ -259,6 +266,8 @@ def small_programs() -> None:
         "1/2 per SM": lambda *a: choose(*a, max(1, sms // 4)),
         "token x all heads": lambda n, h, d, r, size, il: (
             1, triton_rope._next_pow2(h), 1, *choose(n, h, d, r, size, il, sms)[3:]),
+        "2 per SM, warps by tile": lambda n, h, d, r, size, il: _warps_by_tile(
+            choose(n, h, d, r, size, il, sms), size),
     }
     ratios = {name: ([], []) for name in rules}
     peer = {"cold": 0, "warm": 0, "points": 0}
