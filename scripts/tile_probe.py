@@ -249,8 +249,9 @@ def _warps_by_tile(config: tuple, element_size: int) -> tuple:
 def small_programs() -> None:
     """How many programs a call the L2 can hold should have: the sweep's points up to
     ``RESIDENT_BYTES`` (every layout, bf16, full rotary), forward launched with the tiles of
-    ``choose_config`` for 2 programs per SM (the current rule), 1 and 1/2, and one token of all
-    heads per program (Liger's cut), by kernel time after an L2 flush (the profiler) and warm
+    ``choose_config`` for 2 programs per SM (the current rule), 1 and 1/2, one token of all
+    heads per program (Liger's cut), and the current rule with warps by tile
+    (:func:`_warps_by_tile`), by kernel time after an L2 flush (the profiler) and warm
     (a CUDA graph), with Liger's forward beside them; then per rule the geometric mean over the
     current rule's and how many points it leads or trails by more than 2%."""
     import math
