@@ -182,7 +182,6 @@ def small_rules(rounds: int = 3) -> None:
     in the L2: forward cold (``do_bench``) and warm (a CUDA graph of 20 calls), the rules in
     turn, medians of ``rounds``; then per rule the geometric mean of its times over the
     current rule's and how many points it leads or trails by more than 2%."""
-    import math
     import statistics
 
     from rope_dispatch import sweep
@@ -229,12 +228,21 @@ def small_rules(rounds: int = 3) -> None:
     dispatch._plans.clear()
     print(f"over {len(points)} points, time / current rule's (geometric mean; points ahead / "
           "behind by more than 2%):")
+    _print_rule_ratios(ratios, 24)
+
+
+def _print_rule_ratios(ratios: dict, width: int) -> None:
+    """One line per rule: the geometric means of its cold and warm times over the current
+    rule's (``ratios[name] = (cold ratios, warm ratios)``, a ratio per point), and at how many
+    points it leads or trails by more than 2%."""
+    import math
+    import statistics
 
     def mean(r):
         return math.exp(statistics.fmean(math.log(x) for x in r))
 
     for name, (cold, warm) in ratios.items():
-        print(f"  {name:>24}: cold {mean(cold):.3f} ({sum(r < 0.98 for r in cold)} / "
+        print(f"  {name:>{width}}: cold {mean(cold):.3f} ({sum(r < 0.98 for r in cold)} / "
               f"{sum(r > 1.02 for r in cold)}), warm {mean(warm):.3f} "
               f"({sum(r < 0.98 for r in warm)} / {sum(r > 1.02 for r in warm)})")
 
@@ -254,9 +262,6 @@ def small_programs() -> None:
     (:func:`_warps_by_tile`), by kernel time after an L2 flush (the profiler) and warm
     (a CUDA graph), with Liger's forward beside them; then per rule the geometric mean over the
     current rule's and how many points it leads or trails by more than 2%."""
-    import math
-    import statistics
-
     from rope_dispatch import sweep
 
     sms = triton_rope._sm_count(0)
@@ -310,14 +315,7 @@ def small_programs() -> None:
     print(f"over {len(ratios['2 per SM'][0])} points whose tiles differ, kernel time after an "
           "L2 flush / warm, over the current "
           "rule's (geometric mean; points ahead / behind by more than 2%):")
-
-    def mean(r):
-        return math.exp(statistics.fmean(math.log(x) for x in r))
-
-    for name, (cold, warm) in ratios.items():
-        print(f"  {name:>18}: cold {mean(cold):.3f} ({sum(r < 0.98 for r in cold)} / "
-              f"{sum(r > 1.02 for r in cold)}), warm {mean(warm):.3f} "
-              f"({sum(r < 0.98 for r in warm)} / {sum(r > 1.02 for r in warm)})")
+    _print_rule_ratios(ratios, 18)
     print(f"  Liger faster than the current rule at {peer['cold']} (cold) and {peer['warm']} "
           f"(warm) of {peer['points']} points")
 
