@@ -235,6 +235,20 @@ def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
     }
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (interpreter start-up and imports included), from
+    Linux's ``/proc``; ``None`` elsewhere. On a fresh machine the first import of torch, Triton
+    and TransformerEngine from a cold disk can take longer than the checks themselves."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _cache_report() -> dict:
     report = {"autotune": os.environ.get("ROPE_AUTOTUNE", "1") != "0"}
     for name in ("cache_dir", "cache_entries"):
@@ -260,6 +274,7 @@ def run(devices: list[str], progress, thorough: bool = False) -> dict:
         for case in cases_for(info.name, thorough)
     ]
     checks = []
+    startup = process_age_s()
     started = time.perf_counter()
     for i, (name, case, device) in enumerate(jobs, 1):
         progress(f"[{i}/{len(jobs)}] {name} on {device}: {case.label}", end="")
@@ -273,6 +288,7 @@ def run(devices: list[str], progress, thorough: bool = False) -> dict:
         "plan_guards": guard_kind(),
         "cache": _cache_report(),
         "checks": checks,
+        "startup_s": startup,
         "checks_s": time.perf_counter() - started,
         "ok": all(c["status"] != "FAIL" for c in checks) and bool(checks),
     }
@@ -330,8 +346,12 @@ def _print_report(report: dict) -> None:
         else:
             print(f"{c['backend']:10s} {c['device']:6s} {c['case']:40s} {c['status']:14s} {c['detail']}")
     failed = sum(c["status"] == "FAIL" for c in report["checks"])
+    startup = report["startup_s"]
+    began = "" if startup is None else (
+        f" (begun {startup:.1f} s after the process started: interpreter, imports, backend probes)"
+    )
     print(f"\n{'PASS' if report['ok'] else 'FAIL'}: {len(report['checks']) - failed} checks passed, "
-          f"{failed} failed in {report['checks_s']:.1f} s")
+          f"{failed} failed in {report['checks_s']:.1f} s{began}")
 
 
 def main(argv: list[str] | None = None) -> int:

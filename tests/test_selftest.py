@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import rope_dispatch as rd
@@ -52,6 +53,19 @@ def test_selftest_cli_json():
     assert len(compiled) <= 1  # a backend that compiles each spec checks one case by default
     assert "[1/" in proc.stderr  # progress goes to stderr
     assert "Warning" not in proc.stderr  # no third-party warning on a plain run
+    assert 0 < report["startup_s"] < 600 and report["checks_s"] > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_process_age_counts_from_the_process_start():
+    code = (
+        "import time; time.sleep(0.6); from rope_dispatch.selftest import process_age_s; "
+        "print(process_age_s())"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    age = float(proc.stdout)
+    assert 0.6 <= age < 300  # the sleep and the imports after it, not the machine's uptime
 
 
 def test_quick_grid_covers_every_feature_and_thorough_runs_the_grid(monkeypatch):
