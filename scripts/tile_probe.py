@@ -7,7 +7,8 @@ candidate tile rules for calls the L2 can hold, at the sweep's points below 64 M
 ``prefill`` and ``decode``, the serving q+k launches (decode also against Liger, cold and
 warm); ``decode-compare``, that comparison alone; ``decode-processes [n]``, it in n processes
 in a row (default 6); ``tables``, each table kind read per token (angle rows, cos/sin cache,
-pair cache)."""
+pair cache); ``large-rates``, tiles for the few-head points from 64 MiB with a model's angle
+table read as rates; ``large-rule``, the tile rule for those calls against the previous one, for each table kind."""
 from __future__ import annotations
 
 import torch
@@ -466,6 +467,129 @@ def compiled_kernels() -> None:
                       f"{meta.num_warps} warps, {meta.shared} B shared")
 
 
+LARGE_SHAPES = [  # (layout, seq, batch, heads, head_dim): 8-head sweep points and a 32-head twin
+    ("sbhd", 32768, 1, 8, 128), ("sbhd", 8192, 4, 8, 128), ("bshd", 32768, 1, 8, 128),
+    ("sbhd", 131072, 1, 8, 128), ("sbhd", 8192, 1, 32, 128), ("sbhd", 32768, 1, 8, 256),
+]
+LARGE_TILES = [(8, 4, 1, 4), (4, 8, 1, 4), (8, 8, 1, 4), (8, 8, 1, 8), (16, 4, 1, 4),
+               (16, 4, 1, 8), (16, 8, 1, 8), (4, 4, 1, 4), (2, 8, 1, 4), (32, 2, 1, 8),
+               (8, 4, 2, 4), (16, 2, 1, 4)]
+
+
+def large_rates(rounds: int = 2) -> None:
+    """Forward and backward kernel time at the sweep's 8-head points from 64 MiB (and a 32-head
+    point of the same bytes), with a model's angle table read as rates (its linearity flag, as
+    the sweep's triton series reads it), at explicit tiles, as % of a device copy timed in the
+    same round; ``rounds`` rounds in turn, min-max shown. The tile rule was tuned when such
+    tables were read row by row, where a tile's heads share its rows."""
+    for layout, seq, batch, heads, d in LARGE_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
+        inp = bench.make_inputs(shape, draw_on_device=True)
+        x = inp.t
+        out = torch.empty_like(x)
+        angles = inp.freqs.view(inp.freqs.shape[0], -1)
+        for _ in range(2):  # a table is checked for its flag at its second sight
+            tab, flag = triton_rope._kernel_tables(angles, seq * batch)
+        src = x.flatten()
+        dst = torch.empty_like(src)
+        default = triton_rope.choose_config(seq * batch, heads, d, d, 2, False,
+                                            triton_rope._sm_count(0))
+        tiles = [t for t in LARGE_TILES if t[1] * t[2] <= heads]
+        pct: dict[tuple, list[tuple[float, float]]] = {t: [] for t in tiles}
+        copies = []
+        for _ in range(rounds):
+            copy = bench.bench_ms(lambda: dst.copy_(src))
+            copies.append(copy)
+            for bt, bh, iters, warps in tiles:
+                config = (bt, bh, iters, d // 2, 1, warps)
+                fwd, bwd = (bench.bench_ms(lambda back=back: triton_rope.launch(
+                    x, out, tab, flag, None, None, layout, False, 1.0, 1, 0, back, config=config))
+                    for back in (False, True))
+                pct[(bt, bh, iters, warps)].append((100 * copy / fwd, 100 * copy / bwd))
+        print(f"{layout} s{seq} b{batch} h{heads} d{d}: copy {1e3 * min(copies):.1f}-"
+              f"{1e3 * max(copies):.1f} us; flag {'on' if flag is not None else 'off'}; "
+              f"default {default}")
+        for tile, got in sorted(pct.items(), key=lambda kv: -sum(f + b for f, b in kv[1])):
+            fwd, bwd = [f for f, _ in got], [b for _, b in got]
+            bt, bh, iters, warps = tile
+            mark = " <- default" if (bt, bh, iters, d // 2, 1, warps) == default else ""
+            print(f"   tile {bt:>2} tok x {bh:>2} heads x {iters} iters, {warps} warps: fwd "
+                  f"{min(fwd):5.1f}-{max(fwd):5.1f}%  bwd {min(bwd):5.1f}-{max(bwd):5.1f}%{mark}")
+        del x, out, inp
+
+
+RULE_SHAPES = [  # (layout, seq, batch, heads, head_dim, dtype): sizes above RESIDENT_BYTES
+    ("sbhd", 32768, 1, 8, 128, torch.bfloat16), ("bshd", 32768, 1, 8, 128, torch.bfloat16),
+    ("thd", 32768, 4, 8, 128, torch.bfloat16), ("sbhd", 8192, 4, 8, 128, torch.bfloat16),
+    ("sbhd", 131072, 1, 8, 128, torch.bfloat16), ("sbhd", 65536, 1, 8, 64, torch.bfloat16),
+    ("sbhd", 32768, 1, 8, 256, torch.bfloat16), ("sbhd", 16384, 1, 8, 128, torch.float32),
+    ("sbhd", 131072, 2, 1, 128, torch.bfloat16), ("sbhd", 65536, 1, 4, 128, torch.bfloat16),
+    ("sbhd", 16384, 1, 16, 128, torch.bfloat16), ("sbhd", 8192, 1, 32, 128, torch.bfloat16),
+    ("thd", 8192, 4, 32, 128, torch.bfloat16),
+]
+
+
+def _rule_config(tokens: int, heads: int, d: int, es: int, interleaved: bool, stream: int) -> tuple:
+    """``choose_config``'s tile for a call with ``STREAM_TILE_BYTES`` set to ``stream``."""
+    kept = triton_rope.STREAM_TILE_BYTES
+    triton_rope.STREAM_TILE_BYTES = stream
+    try:
+        return triton_rope.choose_config(tokens, heads, d, d, es, interleaved,
+                                         triton_rope._sm_count(0))
+    finally:
+        triton_rope.STREAM_TILE_BYTES = kept
+
+
+def large_rule(rounds: int = 2) -> None:
+    """The tile rule for calls above ``RESIDENT_BYTES`` (``STREAM_TILE_BYTES``, heads first)
+    against the previous one (8 tokens per 8 KiB tile) for each table kind whose tiles it sets:
+    a model's angle table read as rates (its flag), the same read row by row, an engine's pair
+    cache, and the angle table of interleaved pairs read as rates. Forward and backward as % of
+    a device copy timed in the same round, ``rounds`` rounds in turn (min-max shown)."""
+    kept = triton_rope.STREAM_TILE_BYTES
+    for layout, seq, batch, heads, d, dtype in RULE_SHAPES:
+        name = (f"{layout} {'%d seqs T%d' % (batch, seq) if layout == 'thd' else 's%d b%d' % (seq, batch)}"
+                f" h{heads} d{d} {str(dtype).removeprefix('torch.')}")
+        shape = bench.Shape("probe", layout, dtype, seq, 1 if layout == "thd" else batch, heads,
+                            d, d, batch if layout == "thd" else 0)
+        inp = bench.make_inputs(shape, draw_on_device=True)
+        x = inp.t
+        out = torch.empty_like(x)
+        tokens = x.numel() // (heads * d)
+        angles = inp.freqs.view(inp.freqs.shape[0], -1)
+        pairs = rd.tables.angle_table(rd.tables.inverse_frequencies(d, 10000.0), angles.shape[0],
+                                      interleaved=True).view(angles.shape).to(x.device)
+        for _ in range(2):  # a table is checked for its flag at its second sight
+            tab, flag = triton_rope._kernel_tables(angles, tokens)
+            pair_tab, pair_flag = triton_rope._kernel_tables(pairs, tokens)
+        cache = inp.cache.cos.view(angles.shape)[:, : d // 2], inp.cache.sin.view(angles.shape)[:, : d // 2]
+        kinds = {"rates": (tab, flag, False), "rows": (tab, None, False),
+                 "pair cache": (*rd.tables.kernel_tables(rd.PairCosSinCache(torch.cat(cache, -1))), False),
+                 "interleaved rates": (pair_tab, pair_flag, True)}
+        cu = inp.cu_seqlens
+        src = x.flatten()
+        dst = torch.empty_like(src)
+        es = x.element_size()
+        rules = {"rule in use": kept, "previous rule": 0}
+        pct: dict[tuple, list[tuple[float, float]]] = {}
+        for _ in range(rounds):
+            copy = bench.bench_ms(lambda: dst.copy_(src))
+            for kind, (table, sin, inter) in kinds.items():
+                for rule, stream in rules.items():
+                    config = _rule_config(tokens, heads, d, es, inter, stream)
+                    fwd, bwd = (bench.bench_ms(lambda back=back: triton_rope.launch(
+                        x, out, table, sin, cu, None, layout, inter, 1.0, 1, 0, back,
+                        config=config)) for back in (False, True))
+                    pct.setdefault((kind, rule), []).append((100 * copy / fwd, 100 * copy / bwd))
+        print(f"{name} ({x.numel() * es >> 20} MiB): flags {flag is not None}/{pair_flag is not None}")
+        for (kind, rule), got in pct.items():
+            fwd, bwd = [f for f, _ in got], [b for _, b in got]
+            bt, bh = _rule_config(tokens, heads, d, es, kinds[kind][2], rules[rule])[:2]
+            print(f"   {kind:>17} {rule:>13} ({bt:>2} x {bh:>2}): fwd {min(fwd):5.1f}-{max(fwd):5.1f}%"
+                  f"  bwd {min(bwd):5.1f}-{max(bwd):5.1f}%")
+        del x, out, inp
+
+
 def decode_qk() -> None:
     """The serving decode q+k launch (64 tokens, q 32 heads, k 8, in place) at explicit tiles:
     per-token positions into the pair cache (two dependent loads: position, then row) and the
@@ -500,7 +624,8 @@ if __name__ == "__main__":
 
     modes = {"prefill": prefill_qk, "small": small, "decode": decode_qk, "tables": tables,
              "decode-compare": decode_compare, "small-warm": lambda: small(warm=True),
-             "small-rules": small_rules, "small-programs": small_programs}
+             "small-rules": small_rules, "small-programs": small_programs,
+             "large-rates": large_rates, "large-rule": large_rule}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     else:
