@@ -97,13 +97,16 @@ MIN_PROGRAMS_PER_SM = 2
 # at 2,048 tokens of 32 heads with rotary dim 64 (run T).
 RESIDENT_BYTES = 16 << 20
 RESIDENT_HEADS = 16
-# Above RESIDENT_BYTES a call streams from DRAM, and smaller tiles holding a token's heads first
-# (whole tokens where a token fits) ran closer to the copy than 8 tokens x 4 heads: 2 KiB tiles
-# at 96-101% of copy where the 8 KiB tile ran 91-96% (8 heads of d 64, 128 and 256, bf16 and
-# float32, 64-256 MiB), 98-100% against 81% for one head, and level at 32 heads (H200,
-# `scripts/tile_probe.py large-rule`, a model's angle table read as rates). A call that also
-# copies pass-through channels, or reads a cos/sin cache's row tiles, keeps the 8 KiB tile.
-# 0 turns the rule off (the probe compares both).
+# Above RESIDENT_BYTES a call streams from DRAM. Where a token (all its heads, of every tensor
+# of the launch) is smaller than TILE_BYTES, smaller tiles holding a token's heads first ran
+# closer to the copy than 8 tokens x 4 heads: with a model's angle table read as rates, 2 KiB
+# tiles at 96-100% of copy where the 8 KiB tile ran 91-96% (4-16 heads of d 64, 128 and 256,
+# bf16 and float32, 64-256 MiB), 99-101% against 80-84% for one head; with the table's rows or
+# an engine's pair cache read, 1-5 points faster (H200, `scripts/tile_probe.py large-rule`).
+# Tokens of TILE_BYTES or more (32 heads of d 128, a prefill's q and k) keep the 8 KiB tile:
+# there the 2 KiB tile was level with rates and up to 4 points slower with interleaved pairs,
+# table rows or a pair cache. So does a call that also copies pass-through channels, or reads
+# a cos/sin cache's row tiles. 0 turns the rule off (the probe compares both).
 STREAM_TILE_BYTES = 2048
 # thd with fewer sequences than this finds each token's sequence by comparing it with all the
 # cu_seqlens offsets, loaded at once (no chain of dependent loads); more sequences use a binary
@@ -122,9 +125,9 @@ def choose_config(
     keeps ``tile_tokens`` tokens (:func:`tile_tokens`), tokens fill the rest.
 
     A call of at most ``RESIDENT_BYTES`` (one whose data the L2 can hold) puts heads first, up
-    to ``RESIDENT_HEADS``; a larger one takes tiles of ``STREAM_TILE_BYTES``, heads first;
-    neither with a cos/sin cache that asks for more tokens or with pass-through channels to
-    copy.
+    to ``RESIDENT_HEADS``; a larger one whose tokens are smaller than ``TILE_BYTES`` takes tiles
+    of ``STREAM_TILE_BYTES``, heads first; neither with a cos/sin cache that asks for more
+    tokens or with pass-through channels to copy.
 
     A call too small for ``MIN_PROGRAMS_PER_SM`` programs per SM at that tile is bound by
     latency, not by load width: its tile starts from as many heads as fit (each program then
@@ -146,7 +149,7 @@ def choose_config(
     )
     if heads_first and n_tokens * sum(counts) * head_dim * element_size <= RESIDENT_BYTES:
         block_h = min(_next_pow2(min(counts)), rows, RESIDENT_HEADS)
-    elif heads_first and STREAM_TILE_BYTES:
+    elif heads_first and STREAM_TILE_BYTES and sum(counts) * head_dim * element_size < TILE_BYTES:
         rows = _next_pow2(max(1, STREAM_TILE_BYTES // (head_dim * element_size)) + 1) // 2
         block_h = min(_next_pow2(min(counts)), rows)
     else:

@@ -487,7 +487,7 @@ def test_tiles_give_every_sm_programs_unless_the_call_is_too_small(tokens, heads
     programs = -(-tokens // bt) * -(-heads // (bh * iters))
     assert programs >= min(2 * sms, tokens * heads)
     assert bt * bh * 128 * 2 <= triton_rope.TILE_BYTES
-    if tokens * heads * 128 * 2 > triton_rope.RESIDENT_BYTES:  # streamed: 2 KiB, heads first
+    if tokens * heads * 128 * 2 > triton_rope.RESIDENT_BYTES and heads < 32:  # 2 KiB tiles
         assert bt * bh * 128 * 2 == triton_rope.STREAM_TILE_BYTES and bh == min(heads, 8)
     elif tokens * heads >= 2 * sms * 32:
         assert bt * bh * 128 * 2 == triton_rope.TILE_BYTES  # a full tile: 8 KB
@@ -514,8 +514,9 @@ def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(tokens, 
     (32768, 1, 128, 128, (32, 1)),  # one head: tokens fill the tile as before
     (2048, 32, 128, 64, (8, 4)),  # pass-through channels copied too: 8 tokens per tile
     (8192, 32, 128, 64, (8, 4)),  # 64 MiB, pass-through channels: 8 tokens per tile too
-    (8192, 32, 128, 128, (1, 8)),  # 64 MiB: more than the L2 holds, 2 KiB tiles, heads first
-    (32768, 8, 128, 128, (1, 8)),  # a whole token
+    (8192, 32, 128, 128, (8, 4)),  # 64 MiB, a token of 8 KiB: 8 tokens per tile
+    (32768, 8, 128, 128, (1, 8)),  # 64 MiB, a token of 2 KiB: 2 KiB tiles, heads first
+    (16384, 16, 128, 128, (1, 8)),  # half a token
     (65536, 4, 128, 128, (2, 4)),  # two whole tokens
     (1 << 18, 1, 128, 128, (8, 1)),
     (65536, 8, 64, 64, (2, 8)),
@@ -525,18 +526,22 @@ def test_tiles_put_a_tokens_heads_first(tokens, heads, head_dim, rotary_dim, til
     """With every channel rotated, a tile takes a token's heads before more tokens (one table
     row and its sines serve them all), with every SM given its programs: at most
     RESIDENT_BYTES (the L2 can hold the call) up to RESIDENT_HEADS in an 8 KiB tile, above it in
-    a STREAM_TILE_BYTES tile. Calls that copy pass-through channels keep 8 tokens per tile."""
+    a STREAM_TILE_BYTES tile where a token is smaller than 8 KiB. Larger tokens, and calls that
+    copy pass-through channels, keep 8 tokens per tile."""
     from rope_dispatch.backends import triton_rope
 
     bt, bh, *_ = triton_rope.choose_config(tokens, heads, head_dim, rotary_dim, 2, False, 132)
     assert (bt, bh) == tile
     resident = tokens * heads * head_dim * 2 <= triton_rope.RESIDENT_BYTES
     full = rotary_dim == head_dim
-    tile_bytes = triton_rope.TILE_BYTES if resident or not full else triton_rope.STREAM_TILE_BYTES
+    streamed = not resident and full and heads * head_dim * 2 < triton_rope.TILE_BYTES
+    tile_bytes = triton_rope.STREAM_TILE_BYTES if streamed else triton_rope.TILE_BYTES
     assert bt * bh * head_dim * 2 == tile_bytes
     assert -(-tokens // bt) * -(-heads // bh) >= 2 * 132
-    if full:
-        assert bh == min(heads, triton_rope.RESIDENT_HEADS if resident else tile_bytes // (head_dim * 2))
+    if resident and full:
+        assert bh == min(heads, triton_rope.RESIDENT_HEADS)
+    elif streamed:
+        assert bh == min(heads, tile_bytes // (head_dim * 2))
     else:
         assert bt == triton_rope.TOKENS_PER_TILE
 
@@ -587,10 +592,7 @@ def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
     assert triton_rope.tile_tokens(flags, tab, rotary_dim, interleaved) == tokens
     bt, bh, *_ = triton_rope.choose_config(1 << 17, 32, 128, rotary_dim, 2, interleaved, 132,
                                            tokens)
-    if tokens == triton_rope.TOKENS_PER_TILE and rotary_dim == 128:  # streamed: heads first
-        assert (bt, bh) == (1, triton_rope.STREAM_TILE_BYTES // (128 * 2))
-    else:
-        assert (bt, bh) == (tokens, triton_rope.TILE_BYTES // (128 * 2) // tokens)
+    assert (bt, bh) == (tokens, triton_rope.TILE_BYTES // (128 * 2) // tokens)  # 8 KiB tokens
 
     spec = rd.RoPESpec(layout="sbhd", dtype=dtype, interleaved=interleaved)
     x = torch.randn(seq, 1, 8, 128, dtype=dtype, device=DEVICE)
