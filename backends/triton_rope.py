@@ -106,7 +106,8 @@ RESIDENT_HEADS = 16
 # Tokens of TILE_BYTES or more (32 heads of d 128, a prefill's q and k) keep the 8 KiB tile:
 # there the 2 KiB tile was level with rates and up to 4 points slower with interleaved pairs,
 # table rows or a pair cache. So does a call that also copies pass-through channels, or reads
-# a cos/sin cache's row tiles. 0 turns the rule off (the probe compares both).
+# a cos/sin cache's row tiles (at 8 heads of d 256 in bf16, 68% of copy with 2 KiB tiles
+# against 87% with 8 tokens). 0 turns the rule off (the probe compares both).
 STREAM_TILE_BYTES = 2048
 # thd with fewer sequences than this finds each token's sequence by comparing it with all the
 # cu_seqlens offsets, loaded at once (no chain of dependent loads); more sequences use a binary
@@ -117,6 +118,7 @@ SEQ_SCAN_LIMIT = 256
 def choose_config(
     n_tokens: int, heads: int | tuple[int, ...], head_dim: int, rotary_dim: int,
     element_size: int, interleaved: bool, sms: int, tile_tokens: int = TOKENS_PER_TILE,
+    cache_rows: bool = False,
 ) -> Config:
     """Tile sizes for a call: tokens per program, heads per tile and per program, widths.
 
@@ -127,7 +129,8 @@ def choose_config(
     A call of at most ``RESIDENT_BYTES`` (one whose data the L2 can hold) puts heads first, up
     to ``RESIDENT_HEADS``; a larger one whose tokens are smaller than ``TILE_BYTES`` takes tiles
     of ``STREAM_TILE_BYTES``, heads first; neither with a cos/sin cache that asks for more
-    tokens or with pass-through channels to copy.
+    tokens or with pass-through channels to copy, and the latter never for a cos/sin cache read
+    as ``[BLOCK_T, BLOCK_R]`` row tiles (``cache_rows``; a pair cache's rows are not).
 
     A call too small for ``MIN_PROGRAMS_PER_SM`` programs per SM at that tile is bound by
     latency, not by load width: its tile starts from as many heads as fit (each program then
@@ -149,7 +152,10 @@ def choose_config(
     )
     if heads_first and n_tokens * sum(counts) * head_dim * element_size <= RESIDENT_BYTES:
         block_h = min(_next_pow2(min(counts)), rows, RESIDENT_HEADS)
-    elif heads_first and STREAM_TILE_BYTES and sum(counts) * head_dim * element_size < TILE_BYTES:
+    elif (
+        heads_first and not cache_rows and STREAM_TILE_BYTES
+        and sum(counts) * head_dim * element_size < TILE_BYTES
+    ):
         rows = _next_pow2(max(1, STREAM_TILE_BYTES // (head_dim * element_size)) + 1) // 2
         block_h = min(_next_pow2(min(counts)), rows)
     else:
@@ -518,14 +524,15 @@ def launch(
     flags = _table_flags(table, sin)
     if config is None:
         tokens_per_tile = tile_tokens(flags, table, rotary_dim, interleaved)
+        cache_rows = flags[0] and not flags[1]
         ckey = (_next_pow2(n_tokens), heads, width, rotary_dim, x.dtype, interleaved, x.device,
-                tokens_per_tile)
+                tokens_per_tile, cache_rows)
         config = _configs.get(ckey)
         if config is None:
             sms = 1 if kernels.INTERPRETED else _sm_count(x.device.index)
             config = choose_config(
                 n_tokens, heads, width, rotary_dim, x.element_size(), interleaved, sms,
-                tokens_per_tile,
+                tokens_per_tile, cache_rows,
             )
             if len(_configs) > 1024:
                 _configs.clear()
@@ -836,7 +843,8 @@ def launch_qkv(
         sms = 1 if kernels.INTERPRETED else _sm_count(xs[0][0].device.index)
         config = choose_config(n_tokens, heads if has_v else heads[:2], head_dim, rotary_dim,
                                size, interleaved, sms,
-                               tile_tokens(flags, q_tab, rotary_dim, interleaved))
+                               tile_tokens(flags, q_tab, rotary_dim, interleaved),
+                               flags[0] and not flags[1])
     block_t, block_h, head_iters, block_r, block_p, num_warps = config
     groups = [-(-n // (block_h * head_iters)) for n in heads]
     grid = launch_grid(sum(groups) if has_v else groups[0] + groups[1], -(-n_tokens // block_t))

@@ -555,6 +555,17 @@ def test_streamed_tiles_can_be_turned_off(monkeypatch):
     assert triton_rope.choose_config(32768, 8, 128, 128, 2, False, 132)[:2] == (8, 4)
 
 
+def test_cos_sin_cache_row_tiles_keep_their_tokens_when_streamed():
+    """A cos/sin cache read as row tiles keeps 8 tokens per tile above RESIDENT_BYTES (its row
+    loads want them), where an angle table or a pair cache of the same call streams whole
+    tokens."""
+    from rope_dispatch.backends import triton_rope
+
+    call = (32768, 8, 256, 256, 2, False, 132, triton_rope.TOKENS_PER_TILE)
+    assert triton_rope.choose_config(*call, cache_rows=True)[:2] == (8, 2)
+    assert triton_rope.choose_config(*call)[:2] == (1, 4)
+
+
 @pytest.mark.parametrize(
     "dtype, rotary_dim, interleaved, kind, tokens",
     [
@@ -567,7 +578,7 @@ def test_streamed_tiles_can_be_turned_off(monkeypatch):
     ],
 )
 def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
-    dtype, rotary_dim, interleaved, kind, tokens
+    dtype, rotary_dim, interleaved, kind, tokens, monkeypatch
 ):
     """A cos/sin cache is read as ``[BLOCK_T, BLOCK_R]`` row tiles: a tile holds enough tokens
     for ``TABLE_TILE_BYTES`` of each, with its heads halved to keep the tile's bytes; the
@@ -597,13 +608,16 @@ def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
     spec = rd.RoPESpec(layout="sbhd", dtype=dtype, interleaved=interleaved)
     x = torch.randn(seq, 1, 8, 128, dtype=dtype, device=DEVICE)
     triton_rope._configs.clear()
+    monkeypatch.setattr(triton_rope, "RESIDENT_BYTES", 0)  # streamed, as a call of GBs is
     out = rd.apply(x, table, spec, backend="triton")
     (config,) = triton_rope._configs.values()
     sms = 1 if DEVICE == "cpu" else triton_rope._sm_count(x.device.index)
     assert config == triton_rope.choose_config(
-        seq, 8, 128, rotary_dim, x.element_size(), interleaved, sms, tokens)
-    if tokens != triton_rope.TOKENS_PER_TILE:
+        seq, 8, 128, rotary_dim, x.element_size(), interleaved, sms, tokens, kind == "cos_sin")
+    if kind == "cos_sin" or rotary_dim < 128:  # a cache's row tiles keep their tokens
         assert config[0] == tokens
+    else:  # 8 heads of d 128 are at most 4 KiB a token: 2 KiB tiles, heads first
+        assert config[0] == 1 and config[1] * 128 * x.element_size() == 2048
     assert_matches(out, reference_for(x.cpu(), angles.cpu(), spec), dtype)
 
 
