@@ -128,9 +128,9 @@ def choose_config(
 
     A call of at most ``RESIDENT_BYTES`` (one whose data the L2 can hold) puts heads first, up
     to ``RESIDENT_HEADS``; a larger one whose tokens are smaller than ``TILE_BYTES`` takes tiles
-    of ``STREAM_TILE_BYTES``, heads first; neither with a cos/sin cache that asks for more
-    tokens or with pass-through channels to copy, and the latter never for a cos/sin cache read
-    as ``[BLOCK_T, BLOCK_R]`` row tiles (``cache_rows``; a pair cache's rows are not).
+    of ``STREAM_TILE_BYTES``, heads first. Neither applies with pass-through channels to copy
+    or a cos/sin cache that asks for more tokens, and the streamed tile never to a cos/sin
+    cache read as ``[BLOCK_T, BLOCK_R]`` row tiles (``cache_rows``: :func:`reads_cache_rows`).
 
     A call too small for ``MIN_PROGRAMS_PER_SM`` programs per SM at that tile is bound by
     latency, not by load width: its tile starts from as many heads as fit (each program then
@@ -143,20 +143,22 @@ def choose_config(
     block_r = _next_pow2(rotary_dim) if interleaved else _next_pow2(rotary_dim // 2)
     pass_dim = head_dim - rotary_dim
     block_p = _next_pow2(pass_dim) if pass_dim else 1
-    rows = max(1, TILE_BYTES // (head_dim * element_size))
-    rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``
     wanted = MIN_PROGRAMS_PER_SM * sms
     heads_first = (
         tile_tokens == TOKENS_PER_TILE  # a cos/sin cache's row loads want their tokens
         and rotary_dim == head_dim  # pass-through channels copied: 8 x 4 ran faster warm
     )
-    if heads_first and n_tokens * sum(counts) * head_dim * element_size <= RESIDENT_BYTES:
+    token_bytes = sum(counts) * head_dim * element_size
+    resident = n_tokens * token_bytes <= RESIDENT_BYTES
+    streamed = (
+        heads_first and not resident and not cache_rows and STREAM_TILE_BYTES
+        and token_bytes < TILE_BYTES
+    )
+    rows = max(1, (STREAM_TILE_BYTES if streamed else TILE_BYTES) // (head_dim * element_size))
+    rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``
+    if heads_first and resident:
         block_h = min(_next_pow2(min(counts)), rows, RESIDENT_HEADS)
-    elif (
-        heads_first and not cache_rows and STREAM_TILE_BYTES
-        and sum(counts) * head_dim * element_size < TILE_BYTES
-    ):
-        rows = _next_pow2(max(1, STREAM_TILE_BYTES // (head_dim * element_size)) + 1) // 2
+    elif streamed:
         block_h = min(_next_pow2(min(counts)), rows)
     else:
         block_h = min(_next_pow2(min(counts)), max(1, rows // tile_tokens))
@@ -329,13 +331,19 @@ def _table_flags(
     return sin is not None and not rates, _paired(table, sin) and not rates, rates, False
 
 
+def reads_cache_rows(flags: tuple[bool, bool, bool, bool]) -> bool:
+    """Whether a launch with these :func:`_table_flags` reads a cos/sin cache as
+    ``[BLOCK_T, BLOCK_R]`` row tiles (a pair cache's rows are read per pair, not so)."""
+    use_cache, paired, _, _ = flags
+    return use_cache and not paired
+
+
 def tile_tokens(flags: tuple[bool, bool, bool, bool], table: torch.Tensor, rotary_dim: int,
                 interleaved: bool) -> int:
     """Tokens a tile should hold for its table reads: ``TOKENS_PER_TILE``, or more for a cos/sin
     cache (``flags``: :func:`_table_flags`) whose ``[BLOCK_T, BLOCK_R]`` row tiles would be
     below ``TABLE_TILE_BYTES``."""
-    use_cache, paired, _, _ = flags
-    if not use_cache or paired:
+    if not reads_cache_rows(flags):
         return TOKENS_PER_TILE
     width = _next_pow2(rotary_dim if interleaved else rotary_dim // 2)
     return max(TOKENS_PER_TILE, TABLE_TILE_BYTES // (width * table.element_size()))
@@ -524,7 +532,7 @@ def launch(
     flags = _table_flags(table, sin)
     if config is None:
         tokens_per_tile = tile_tokens(flags, table, rotary_dim, interleaved)
-        cache_rows = flags[0] and not flags[1]
+        cache_rows = reads_cache_rows(flags)
         ckey = (_next_pow2(n_tokens), heads, width, rotary_dim, x.dtype, interleaved, x.device,
                 tokens_per_tile, cache_rows)
         config = _configs.get(ckey)
@@ -844,7 +852,7 @@ def launch_qkv(
         config = choose_config(n_tokens, heads if has_v else heads[:2], head_dim, rotary_dim,
                                size, interleaved, sms,
                                tile_tokens(flags, q_tab, rotary_dim, interleaved),
-                               flags[0] and not flags[1])
+                               reads_cache_rows(flags))
     block_t, block_h, head_iters, block_r, block_p, num_warps = config
     groups = [-(-n // (block_h * head_iters)) for n in heads]
     grid = launch_grid(sum(groups) if has_v else groups[0] + groups[1], -(-n_tokens // block_t))
