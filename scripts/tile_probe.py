@@ -8,7 +8,8 @@ candidate tile rules for calls the L2 can hold, at the sweep's points below 64 M
 warm); ``decode-compare``, that comparison alone; ``decode-processes [n]``, it in n processes
 in a row (default 6); ``tables``, each table kind read per token (angle rows, cos/sin cache,
 pair cache); ``large-rates``, tiles for the few-head points from 64 MiB with a model's angle
-table read as rates; ``large-rule``, the tile rule for those calls against the previous one, for each table kind."""
+table read as rates; ``large-rule``, the tile rule for those calls against the previous one,
+for each table kind."""
 from __future__ import annotations
 
 import torch
@@ -332,25 +333,49 @@ TABLE_TILES = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps)
 ]
 
 
+def _probe_inputs(shape: bench.Shape):
+    """A probe point's inputs, an output buffer, its angle table as ``[s2, d2]`` and a device
+    copy of the tensor's bytes (the ceiling), as the table modes use them."""
+    inp = bench.make_inputs(shape, draw_on_device=True)
+    x = inp.t
+    src = x.flatten()
+    dst = torch.empty_like(src)
+    angles = inp.freqs.view(inp.freqs.shape[0], -1)
+    return inp, x, torch.empty_like(x), angles, lambda: dst.copy_(src)
+
+
+def _pair_cache(inp: bench.Inputs, angles: torch.Tensor) -> rd.PairCosSinCache:
+    """An engine's pair cache (cos and sin once per rotated pair, float32) of ``inp``'s table."""
+    half = angles.shape[1] // 2
+    cos, sin = (part.view(angles.shape)[:, :half] for part in (inp.cache.cos, inp.cache.sin))
+    return rd.PairCosSinCache(torch.cat((cos, sin), -1))
+
+
+def _flagged(table: torch.Tensor, tokens: int) -> tuple:
+    """:func:`triton_rope._kernel_tables` of an angle table at its second sight, where its
+    linearity flag is made (the sweep's calls see a model's table many times)."""
+    triton_rope._kernel_tables(table, tokens)
+    return triton_rope._kernel_tables(table, tokens)
+
+
+def _percent_ranges(got: list[tuple[float, float]]) -> str:
+    """Forward and backward % of copy over a probe's rounds, as min-max ranges."""
+    fwd, bwd = [f for f, _ in got], [b for _, b in got]
+    return f"fwd {min(fwd):5.1f}-{max(fwd):5.1f}%  bwd {min(bwd):5.1f}-{max(bwd):5.1f}%"
+
+
 def tables() -> None:
     """Forward kernel time of the tables that are read per token (a model's angle table read
     row by row, a cos/sin cache in t's dtype, an engine's pair cache) at explicit tiles, as %
     of a device copy of t's bytes, with Liger on the same cos/sin in the same run."""
     for layout, seq, batch, heads, d in TABLE_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
-        inp = bench.make_inputs(shape, draw_on_device=True)
-        x = inp.t
-        out = torch.empty_like(x)
-        angles = inp.freqs.view(inp.freqs.shape[0], -1)
+        inp, x, out, angles, device_copy = _probe_inputs(shape)
         cos = inp.cache.cos.to(x.dtype).view(angles.shape)
         sin = inp.cache.sin.to(x.dtype).view(angles.shape)
-        pair = rd.PairCosSinCache(torch.cat((inp.cache.cos.view(angles.shape)[:, : d // 2],
-                                             inp.cache.sin.view(angles.shape)[:, : d // 2]), -1))
         kinds = {"angle rows": (angles, None), "cos/sin cache": (cos, sin),
-                 "pair cache": rd.tables.kernel_tables(pair)}
-        src = x.flatten()
-        dst = torch.empty_like(src)
-        copy = bench.bench_ms(lambda: dst.copy_(src))
+                 "pair cache": rd.tables.kernel_tables(_pair_cache(inp, angles))}
+        copy = bench.bench_ms(device_copy)
         liger = bench._liger_peer(shape, inp)
         liger_pct = 100 * copy / bench.bench_ms(liger.fwd) if liger is not None else float("nan")
         default = triton_rope.choose_config(seq * batch, heads, d, d, 2, False,
@@ -484,21 +509,15 @@ def large_rates(rounds: int = 2) -> None:
     tables were read row by row, where a tile's heads share its rows."""
     for layout, seq, batch, heads, d in LARGE_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
-        inp = bench.make_inputs(shape, draw_on_device=True)
-        x = inp.t
-        out = torch.empty_like(x)
-        angles = inp.freqs.view(inp.freqs.shape[0], -1)
-        for _ in range(2):  # a table is checked for its flag at its second sight
-            tab, flag = triton_rope._kernel_tables(angles, seq * batch)
-        src = x.flatten()
-        dst = torch.empty_like(src)
+        inp, x, out, angles, device_copy = _probe_inputs(shape)
+        tab, flag = _flagged(angles, seq * batch)
         default = triton_rope.choose_config(seq * batch, heads, d, d, 2, False,
                                             triton_rope._sm_count(0))
         tiles = [t for t in LARGE_TILES if t[1] * t[2] <= heads]
         pct: dict[tuple, list[tuple[float, float]]] = {t: [] for t in tiles}
         copies = []
         for _ in range(rounds):
-            copy = bench.bench_ms(lambda: dst.copy_(src))
+            copy = bench.bench_ms(device_copy)
             copies.append(copy)
             for bt, bh, iters, warps in tiles:
                 config = (bt, bh, iters, d // 2, 1, warps)
@@ -510,11 +529,10 @@ def large_rates(rounds: int = 2) -> None:
               f"{1e3 * max(copies):.1f} us; flag {'on' if flag is not None else 'off'}; "
               f"default {default}")
         for tile, got in sorted(pct.items(), key=lambda kv: -sum(f + b for f, b in kv[1])):
-            fwd, bwd = [f for f, _ in got], [b for _, b in got]
             bt, bh, iters, warps = tile
             mark = " <- default" if (bt, bh, iters, d // 2, 1, warps) == default else ""
-            print(f"   tile {bt:>2} tok x {bh:>2} heads x {iters} iters, {warps} warps: fwd "
-                  f"{min(fwd):5.1f}-{max(fwd):5.1f}%  bwd {min(bwd):5.1f}-{max(bwd):5.1f}%{mark}")
+            print(f"   tile {bt:>2} tok x {bh:>2} heads x {iters} iters, {warps} warps: "
+                  f"{_percent_ranges(got)}{mark}")
         del x, out, inp
 
 
@@ -548,32 +566,25 @@ def large_rule(rounds: int = 2) -> None:
     a device copy timed in the same round, ``rounds`` rounds in turn (min-max shown)."""
     kept = triton_rope.STREAM_TILE_BYTES
     for layout, seq, batch, heads, d, dtype in RULE_SHAPES:
-        name = (f"{layout} {'%d seqs T%d' % (batch, seq) if layout == 'thd' else 's%d b%d' % (seq, batch)}"
-                f" h{heads} d{d} {str(dtype).removeprefix('torch.')}")
+        where = f"{batch} seqs T{seq}" if layout == "thd" else f"s{seq} b{batch}"
+        name = f"{layout} {where} h{heads} d{d} {str(dtype).removeprefix('torch.')}"
         shape = bench.Shape("probe", layout, dtype, seq, 1 if layout == "thd" else batch, heads,
                             d, d, batch if layout == "thd" else 0)
-        inp = bench.make_inputs(shape, draw_on_device=True)
-        x = inp.t
-        out = torch.empty_like(x)
+        inp, x, out, angles, device_copy = _probe_inputs(shape)
         tokens = x.numel() // (heads * d)
-        angles = inp.freqs.view(inp.freqs.shape[0], -1)
         pairs = rd.tables.angle_table(rd.tables.inverse_frequencies(d, 10000.0), angles.shape[0],
                                       interleaved=True).view(angles.shape).to(x.device)
-        for _ in range(2):  # a table is checked for its flag at its second sight
-            tab, flag = triton_rope._kernel_tables(angles, tokens)
-            pair_tab, pair_flag = triton_rope._kernel_tables(pairs, tokens)
-        cache = inp.cache.cos.view(angles.shape)[:, : d // 2], inp.cache.sin.view(angles.shape)[:, : d // 2]
+        tab, flag = _flagged(angles, tokens)
+        pair_tab, pair_flag = _flagged(pairs, tokens)
         kinds = {"rates": (tab, flag, False), "rows": (tab, None, False),
-                 "pair cache": (*rd.tables.kernel_tables(rd.PairCosSinCache(torch.cat(cache, -1))), False),
+                 "pair cache": (*rd.tables.kernel_tables(_pair_cache(inp, angles)), False),
                  "interleaved rates": (pair_tab, pair_flag, True)}
         cu = inp.cu_seqlens
-        src = x.flatten()
-        dst = torch.empty_like(src)
         es = x.element_size()
         rules = {"rule in use": kept, "previous rule": 0}
         pct: dict[tuple, list[tuple[float, float]]] = {}
         for _ in range(rounds):
-            copy = bench.bench_ms(lambda: dst.copy_(src))
+            copy = bench.bench_ms(device_copy)
             for kind, (table, sin, inter) in kinds.items():
                 for rule, stream in rules.items():
                     config = _rule_config(tokens, heads, d, es, inter, stream)
@@ -581,12 +592,11 @@ def large_rule(rounds: int = 2) -> None:
                         x, out, table, sin, cu, None, layout, inter, 1.0, 1, 0, back,
                         config=config)) for back in (False, True))
                     pct.setdefault((kind, rule), []).append((100 * copy / fwd, 100 * copy / bwd))
-        print(f"{name} ({x.numel() * es >> 20} MiB): flags {flag is not None}/{pair_flag is not None}")
+        print(f"{name} ({x.numel() * es >> 20} MiB): "
+              f"flags {flag is not None}/{pair_flag is not None}")
         for (kind, rule), got in pct.items():
-            fwd, bwd = [f for f, _ in got], [b for _, b in got]
             bt, bh = _rule_config(tokens, heads, d, es, kinds[kind][2], rules[rule])[:2]
-            print(f"   {kind:>17} {rule:>13} ({bt:>2} x {bh:>2}): fwd {min(fwd):5.1f}-{max(fwd):5.1f}%"
-                  f"  bwd {min(bwd):5.1f}-{max(bwd):5.1f}%")
+            print(f"   {kind:>17} {rule:>13} ({bt:>2} x {bh:>2}): {_percent_ranges(got)}")
         del x, out, inp
 
 
