@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -370,16 +370,22 @@ def _error(out: Any, ref: torch.Tensor | tuple[torch.Tensor, ...]) -> float | No
     return max(max_error(o, r) for o, r in zip(outs, refs))
 
 
-def bench_ms(fn: Callable[[], Any]) -> float:
+def bench_ms(fn: Callable[[], Any], rep: int = 100) -> float:
+    """Median ms of ``fn`` over about ``rep`` ms of calls, each after an L2 flush
+    (``triton.testing.do_bench``)."""
     from triton.testing import do_bench
 
-    return float(do_bench(fn, return_mode="median"))
+    return float(do_bench(fn, rep=rep, return_mode="median"))
+
+
+Timed = TypeVar("Timed")
 
 
 def time_mode(
-    label: str, mode: str, fn: Callable[[], Any], timer: Callable[[Callable[[], Any]], float] | None = None
-) -> float | None:
-    """``timer(fn)`` (default :func:`bench_ms`) in ms, or ``None`` when the mode fails: one
+    label: str, mode: str, fn: Callable[[], Any],
+    timer: Callable[[Callable[[], Any]], Timed] | None = None,
+) -> Timed | float | None:
+    """``timer(fn)`` (default :func:`bench_ms`, ms), or ``None`` when the mode fails: one
     failing mode is reported on stderr, not fatal to the run."""
     try:
         return (timer or bench_ms)(fn)

@@ -131,7 +131,7 @@ def test_table_has_one_line_per_point_and_implementation():
     row = dict(zip(header, triton))
     assert row["layout"] == "sbhd" and row["seq (tokens for thd)"] == "32768"
     assert row["MiB moved"] == "128.0" and row["points_at_least_64MB"] == "yes"
-    assert row["fwd us (% copy)"] == "52.5 (95%)"
+    assert row["fwd us (% copy; ours in place too)"] == "52.5 (95%)"
     assert row["bwd kernel us (% copy)"] == "55.0 (91%)"
     assert row["fwd+bwd us (% of 2 copies)"] == "120.0 (83%)"
     assert row["fwd+bwd host clock us (in turn)"] == "97.2"
@@ -141,7 +141,7 @@ def test_table_has_one_line_per_point_and_implementation():
     assert te["fwd+bwd host clock us (in turn)"] == "-"  # not measured (a point of 64 MiB and up)
     liger = dict(zip(header, [c.strip() for c in lines[-1].strip("|").split("|")]))
     assert liger["points_at_least_64MB"] == "no" and liger["batch (sequences for thd)"] == "4"
-    assert liger["fwd us (% copy)"].startswith("absent: Liger's API")
+    assert liger["fwd us (% copy; ours in place too)"].startswith("absent: Liger's API")
 
 
 def test_write_produces_json_and_markdown(tmp_path):
@@ -198,15 +198,18 @@ def test_unknown_layout_is_a_usage_error(capsys):
 def test_run_point_records_every_implementation(triton_backend, monkeypatch, layout, large):
     """The measuring path end to end (on Triton's CPU interpreter without CUDA), with the clock and the
     profiler replaced (each callable still runs once): peers absent here say why. A point of
-    64 MiB and more (here by a lowered threshold) gets fewer host-clock calls and no warm
-    forward."""
+    64 MiB and more (here by a lowered threshold) times our forward and backward kernel in turn
+    with the copy, gets fewer host-clock calls and no warm forward."""
     if large:
         monkeypatch.setattr(sweep, "LARGE_TENSOR_BYTES", 0)
-    ran = []
+    ran, copies = [], []
 
-    def one_call_ms(fn):
+    def one_call_ms(fn, rep=100):  # 2 us a call; the copy timed in turn 1.9 us
         fn()
         ran.append(fn)
+        if fn.__name__ == "copy":
+            copies.append(rep)
+            return 0.002 if len(copies) == 1 else 0.0019
         return 0.002
 
     monkeypatch.setattr(sweep, "bench_ms", one_call_ms)
@@ -236,13 +239,21 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     shape = sweep.make_point(layout, torch.float32, sweep.Series(1, 2, 16, 8, (), ""), 32)
     record = sweep.run_point(shape, peers=True, device=DEVICE)
     # the copy, then fwd, bwd kernel, fwd+bwd of triton with the angle table, with its rows
-    # read, and with the cos/sin cache in t's dtype
-    assert len(ran) == 10
+    # read, and with the cos/sin cache in t's dtype, then ours in place; from 64 MiB our fwd
+    # and bwd kernel each in IN_TURN_ROUNDS rounds after a copy, over IN_TURN_REP_MS
+    rounds = sweep.IN_TURN_ROUNDS
+    assert len(ran) == (1 + 4 * rounds + 1 + 6 + 1 if large else 11)
+    assert copies == [100] + ([sweep.IN_TURN_REP_MS] * 2 * rounds if large else [])
     for name in ("triton", "triton-rows", "triton-cache"):
         triton = record["implementations"][name]
         assert triton["fwd_us"] == triton["bwd_kernel_us"] == pytest.approx(2.0)
         assert triton["fwd_bwd_pct_of_copy"] == pytest.approx(200.0)  # two copies' bytes
         assert triton["launches_fwd"] == triton["launches_fwd_bwd"] == 1
+        # ours from 64 MiB as % of the copy timed in turn, the rest of the one at the start
+        in_turn_copy = large and name == "triton"
+        for mode in ("fwd", "bwd_kernel"):
+            assert triton[f"{mode}_pct_of_copy"] == pytest.approx(95.0 if in_turn_copy else 100.0)
+            assert triton.get(f"{mode}_copy_us") == (pytest.approx(1.9) if in_turn_copy else None)
     assert record["implementations"]["triton-rows"]["label"] == "triton (table rows read)"
     assert record["implementations"]["triton-cache"]["label"] == "triton (cos/sin cache, t's dtype)"
     # forward + backward on the host clock, ours measured in turn: 3 us for two copies of 2 us
@@ -251,12 +262,16 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     assert record["implementations"]["triton"]["fwd_bwd_host_us"] == 3.0
     assert record["implementations"]["triton"]["fwd_bwd_host_pct_of_copy"] == pytest.approx(
         100 * 2 * 2.0 / 3.0)
-    # below 64 MiB each forward also from a graph, the L2 warm, and ours in place (apply_)
+    # ours in place (apply_) at every point: 2 us for the rotary half of a 2 us copy's bytes
+    ours = record["implementations"]["triton"]
+    assert ours["fwd_in_place_us"] == pytest.approx(2.0)
+    assert ours["fwd_in_place_pct_of_copy"] == pytest.approx(50.0)
+    assert f"2.0 ({95 if large else 100}%); in place 2.0 (50%)" in sweep.format_table([record])
+    # below 64 MiB each forward also from a graph, the L2 warm, and ours in place
     assert len(warm) == (0 if large else 4)
     assert [record["implementations"][n].get("fwd_warm_us") for n in in_turn] == (
         [None] * 3 if large else [1.5] * 3)
-    assert record["implementations"]["triton"].get("fwd_in_place_warm_us") == (
-        None if large else 1.5)
+    assert ours.get("fwd_in_place_warm_us") == (None if large else 1.5)
     if not large:
         assert "1.50 (in place 1.50)" in sweep.format_table([record])
     assert record["implementations"]["te"]["absent"] == "TransformerEngine is not importable"
@@ -266,7 +281,7 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
 
 
 def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
-    monkeypatch.setattr(sweep, "bench_ms", lambda fn: 0.001)
+    monkeypatch.setattr(sweep, "bench_ms", lambda fn, rep=100: 0.001)
     monkeypatch.setattr(sweep, "host_us_interleaved", lambda fns, calls, rounds: {n: (1.0, 2.0) for n in fns})
     monkeypatch.setattr(sweep, "count_launches", lambda fn: None)
     monkeypatch.setattr(sweep, "graph_replay_us", lambda fn: 1.0)
@@ -346,6 +361,9 @@ def test_summarize_states_the_targets():
         for name, us in warm.get(p["name"], {}).items():
             p["implementations"][name]["fwd_warm_us"] = us
     points[2]["implementations"]["triton"]["fwd_in_place_warm_us"] = 1.8  # ahead of liger's 1.9
+    # cold, ours in place: behind Liger's 3.9 us on the small point, ahead of its 82 us at rot64
+    points[2]["implementations"]["triton"]["fwd_in_place_us"] = 4.0
+    points[4]["implementations"]["triton"]["fwd_in_place_us"] = 66.0
     lines = sweep.summarize(points).splitlines()
     assert lines[0] == ("triton fwd at >= 64 MiB: 3 of 3 points at 95% of copy or more; lowest "
                         "96.0% (big a)")
@@ -361,6 +379,8 @@ def test_summarize_states_the_targets():
         "  small bwd_kernel: 4.4 us > liger 3.9 us",
         "  small fwd_bwd_host: 110.0 us > te 100.0 us",
     ]
+    assert lines[-8] == ("triton in place (apply_) forward, kernel time: liger faster at 1 of 2 "
+                         "points, by 0.10 us at most")
     assert lines[-7:-4] == [
         "triton forward below 64 MiB with the L2 warm (a CUDA graph of 20 calls): te faster at 0 "
         "of 2 points",
