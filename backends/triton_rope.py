@@ -109,6 +109,14 @@ RESIDENT_HEADS = 16
 # a cos/sin cache's row tiles (at 8 heads of d 256 in bf16, 68% of copy with 2 KiB tiles
 # against 87% with 8 tokens). 0 turns the rule off (the probe compares both).
 STREAM_TILE_BYTES = 2048
+# Warps of a streamed tile of STREAM_WARPS_HEADS heads or more. With a model's angle table read
+# as rates, 2 warps ran 0-4 points closer to the copy than 4 at 8 and 16 heads of d 64 and 128
+# (sbhd, bshd, thd; 64 and 256 MiB; level at 256 MiB) and with interleaved pairs, 1-2 points
+# either way with table rows or a pair cache; tiles of fewer heads ran 1-5 points slower with 2
+# warps (one head: 91% against 96%; d 256, float32, 4 heads) and keep 4 (H200,
+# `scripts/tile_probe.py large-rule` and `thd-tiles`).
+STREAM_WARPS = 2
+STREAM_WARPS_HEADS = 8
 # thd with fewer sequences than this finds each token's sequence by comparing it with all the
 # cu_seqlens offsets, loaded at once (no chain of dependent loads); more sequences use a binary
 # search.
@@ -167,7 +175,8 @@ def choose_config(
         block_h = min(_next_pow2(min(counts)), rows)
         block_t = min(rows // block_h, _next_pow2(n_tokens))
         block_t, block_h = shrink_to_programs(n_tokens, counts, block_t, block_h, wanted)
-    return block_t, block_h, 1, block_r, block_p, 4
+    warps = STREAM_WARPS if streamed and block_h >= STREAM_WARPS_HEADS else 4
+    return block_t, block_h, 1, block_r, block_p, warps
 
 
 GRID_AXIS_MAX = 65535

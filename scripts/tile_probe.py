@@ -9,7 +9,7 @@ warm); ``decode-compare``, that comparison alone; ``decode-processes [n]``, it i
 in a row (default 6); ``tables``, each table kind read per token (angle rows, cos/sin cache,
 pair cache); ``large-rates``, tiles for the few-head points from 64 MiB with a model's angle
 table read as rates; ``large-rule``, the tile rule for those calls against the previous one,
-for each table kind."""
+for each table kind; ``thd-tiles``, tiles for thd's 8-head points from 64 MiB."""
 from __future__ import annotations
 
 import torch
@@ -207,7 +207,7 @@ def small_rules(rounds: int = 3) -> None:
                 triton_rope.choose_config = rule
                 triton_rope._configs.clear()
                 triton_rope._fast.clear()
-                dispatch._plans.clear()
+                dispatch.forget_plans()
                 try:
                     impl = bench._ours("triton", "triton", inp, inp.freqs)
                     times[name][0].append(1e3 * bench.bench_ms(impl.fwd))
@@ -547,20 +547,26 @@ RULE_SHAPES = [  # (layout, seq, batch, heads, head_dim, dtype): sizes above RES
 ]
 
 
-def _rule_config(tokens: int, heads: int, d: int, es: int, interleaved: bool, stream: int) -> tuple:
-    """``choose_config``'s tile for a call with ``STREAM_TILE_BYTES`` set to ``stream``."""
-    kept = triton_rope.STREAM_TILE_BYTES
+def _rule_config(
+    tokens: int, heads: int, d: int, es: int, interleaved: bool, rule: tuple[int, int | None],
+) -> tuple:
+    """``choose_config``'s tile for a call with ``STREAM_TILE_BYTES`` and ``STREAM_WARPS`` set
+    to ``rule`` (``None`` leaves the warps as they are)."""
+    kept = triton_rope.STREAM_TILE_BYTES, triton_rope.STREAM_WARPS
+    stream, warps = rule
     triton_rope.STREAM_TILE_BYTES = stream
+    triton_rope.STREAM_WARPS = kept[1] if warps is None else warps
     try:
         return triton_rope.choose_config(tokens, heads, d, d, es, interleaved,
                                          triton_rope._sm_count(0))
     finally:
-        triton_rope.STREAM_TILE_BYTES = kept
+        triton_rope.STREAM_TILE_BYTES, triton_rope.STREAM_WARPS = kept
 
 
 def large_rule(rounds: int = 2) -> None:
-    """The tile rule for calls above ``RESIDENT_BYTES`` (``STREAM_TILE_BYTES``, heads first)
-    against the previous one (8 tokens per 8 KiB tile) for each table kind whose tiles it sets:
+    """The tile rule for calls above ``RESIDENT_BYTES`` (``STREAM_TILE_BYTES``, heads first, with
+    ``STREAM_WARPS``) against it with 4 warps and against the previous rule (8 tokens per 8 KiB
+    tile) for each table kind whose tiles it sets:
     a model's angle table read as rates (its flag), the same read row by row, an engine's pair
     cache, and the angle table of interleaved pairs read as rates. Forward and backward as % of
     a device copy timed in the same round, ``rounds`` rounds in turn (min-max shown)."""
@@ -581,13 +587,13 @@ def large_rule(rounds: int = 2) -> None:
                  "interleaved rates": (pair_tab, pair_flag, True)}
         cu = inp.cu_seqlens
         es = x.element_size()
-        rules = {"rule in use": kept, "previous rule": 0}
+        rules = {"rule in use": (kept, None), "4 warps": (kept, 4), "previous rule": (0, None)}
         pct: dict[tuple, list[tuple[float, float]]] = {}
         for _ in range(rounds):
             copy = bench.bench_ms(device_copy)
             for kind, (table, sin, inter) in kinds.items():
-                for rule, stream in rules.items():
-                    config = _rule_config(tokens, heads, d, es, inter, stream)
+                for rule, values in rules.items():
+                    config = _rule_config(tokens, heads, d, es, inter, values)
                     fwd, bwd = (bench.bench_ms(lambda back=back: triton_rope.launch(
                         x, out, table, sin, cu, None, layout, inter, 1.0, 1, 0, back,
                         config=config)) for back in (False, True))
@@ -595,8 +601,46 @@ def large_rule(rounds: int = 2) -> None:
         print(f"{name} ({x.numel() * es >> 20} MiB): "
               f"flags {flag is not None}/{pair_flag is not None}")
         for (kind, rule), got in pct.items():
-            bt, bh = _rule_config(tokens, heads, d, es, kinds[kind][2], rules[rule])[:2]
-            print(f"   {kind:>17} {rule:>13} ({bt:>2} x {bh:>2}): {_percent_ranges(got)}")
+            config = _rule_config(tokens, heads, d, es, kinds[kind][2], rules[rule])
+            print(f"   {kind:>17} {rule:>13} ({config[0]:>2} x {config[1]:>2}, {config[5]} warps): "
+                  f"{_percent_ranges(got)}")
+        del x, out, inp
+
+
+THD_SHAPES = [  # (layout, tokens, sequences or batch, heads): the sweep's 8-head points from 64 MiB
+    ("thd", 32768, 4, 8), ("thd", 32768, 16, 8), ("thd", 131072, 4, 8), ("thd", 131072, 16, 8),
+    ("sbhd", 32768, 1, 8),  # the same bytes without cu_seqlens
+]
+THD_TILES = [(1, 8, 1, 4), (2, 8, 1, 4), (4, 8, 1, 4), (1, 8, 1, 2), (2, 8, 1, 8), (8, 4, 1, 4)]
+
+
+def thd_tiles(rounds: int = 3) -> None:
+    """Forward and backward of the sweep's thd points of 8 heads from 64 MiB (each program
+    finds its tokens' sequences in cu_seqlens first), beside sbhd of the same bytes, at explicit
+    tiles with a model's angle table read as rates, as % of a device copy timed in the same
+    round; ``rounds`` rounds in turn, min-max shown."""
+    d = 128
+    for layout, tokens, seqs, heads in THD_SHAPES:
+        thd = layout == "thd"
+        shape = bench.Shape("probe", layout, torch.bfloat16, tokens, 1 if thd else seqs, heads,
+                            d, d, seqs if thd else 0)
+        inp, x, out, angles, device_copy = _probe_inputs(shape)
+        tab, flag = _flagged(angles, tokens)
+        default = triton_rope.choose_config(tokens, heads, d, d, 2, False,
+                                            triton_rope._sm_count(0))
+        pct: dict[tuple, list[tuple[float, float]]] = {t: [] for t in THD_TILES}
+        for _ in range(rounds):
+            copy = bench.bench_ms(device_copy)
+            for bt, bh, iters, warps in THD_TILES:
+                config = (bt, bh, iters, d // 2, 1, warps)
+                fwd, bwd = (bench.bench_ms(lambda back=back: triton_rope.launch(
+                    x, out, tab, flag, inp.cu_seqlens, None, layout, False, 1.0, 1, 0, back,
+                    config=config)) for back in (False, True))
+                pct[(bt, bh, iters, warps)].append((100 * copy / fwd, 100 * copy / bwd))
+        where = f"{seqs} seqs T{tokens}" if thd else f"s{tokens} b{seqs}"
+        print(f"{layout} {where} h{heads} d{d}: default {default[:3]}, {default[5]} warps")
+        for (bt, bh, iters, warps), got in pct.items():
+            print(f"   tile {bt:>2} tok x {bh:>2} heads, {warps} warps: {_percent_ranges(got)}")
         del x, out, inp
 
 
@@ -635,7 +679,7 @@ if __name__ == "__main__":
     modes = {"prefill": prefill_qk, "small": small, "decode": decode_qk, "tables": tables,
              "decode-compare": decode_compare, "small-warm": lambda: small(warm=True),
              "small-rules": small_rules, "small-programs": small_programs,
-             "large-rates": large_rates, "large-rule": large_rule}
+             "large-rates": large_rates, "large-rule": large_rule, "thd-tiles": thd_tiles}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     else:

@@ -530,13 +530,17 @@ def test_tiles_put_a_tokens_heads_first(tokens, heads, head_dim, rotary_dim, til
     copy pass-through channels, keep 8 tokens per tile."""
     from rope_dispatch.backends import triton_rope
 
-    bt, bh, *_ = triton_rope.choose_config(tokens, heads, head_dim, rotary_dim, 2, False, 132)
+    config = triton_rope.choose_config(tokens, heads, head_dim, rotary_dim, 2, False, 132)
+    bt, bh = config[:2]
     assert (bt, bh) == tile
     resident = tokens * heads * head_dim * 2 <= triton_rope.RESIDENT_BYTES
     full = rotary_dim == head_dim
     streamed = not resident and full and heads * head_dim * 2 < triton_rope.TILE_BYTES
     tile_bytes = triton_rope.STREAM_TILE_BYTES if streamed else triton_rope.TILE_BYTES
     assert bt * bh * head_dim * 2 == tile_bytes
+    # streamed tiles of 8 heads or more (one or two tokens) run on 2 warps, the rest on 4
+    many_heads = bh >= triton_rope.STREAM_WARPS_HEADS
+    assert config[5] == (triton_rope.STREAM_WARPS if streamed and many_heads else 4)
     assert -(-tokens // bt) * -(-heads // bh) >= 2 * 132
     if resident and full:
         assert bh == min(heads, triton_rope.RESIDENT_HEADS)
@@ -552,7 +556,8 @@ def test_streamed_tiles_can_be_turned_off(monkeypatch):
     from rope_dispatch.backends import triton_rope
 
     monkeypatch.setattr(triton_rope, "STREAM_TILE_BYTES", 0)
-    assert triton_rope.choose_config(32768, 8, 128, 128, 2, False, 132)[:2] == (8, 4)
+    config = triton_rope.choose_config(32768, 8, 128, 128, 2, False, 132)
+    assert config[:2] == (8, 4) and config[5] == 4
 
 
 def test_cos_sin_cache_row_tiles_keep_their_tokens_when_streamed():
@@ -562,8 +567,10 @@ def test_cos_sin_cache_row_tiles_keep_their_tokens_when_streamed():
     from rope_dispatch.backends import triton_rope
 
     call = (32768, 8, 256, 256, 2, False, 132, triton_rope.TOKENS_PER_TILE)
-    assert triton_rope.choose_config(*call, cache_rows=True)[:2] == (8, 2)
-    assert triton_rope.choose_config(*call)[:2] == (1, 4)
+    rows = triton_rope.choose_config(*call, cache_rows=True)
+    assert rows[:2] == (8, 2) and rows[5] == 4
+    streamed = triton_rope.choose_config(*call)
+    assert streamed[:2] == (1, 4) and streamed[5] == 4  # 4 heads of d 256: 4 warps
 
 
 @pytest.mark.parametrize(
