@@ -63,6 +63,7 @@ def noop_plans(key):
 
     entry = dispatch._plans[key]
     dispatch._plans[key] = entry._replace(plans=tuple(p._replace(run=noop) for p in entry.plans))
+    dispatch._recent = None  # apply's last plan set may be the one replaced
     return noop
 
 
@@ -260,7 +261,7 @@ def main():
 def dispatch_plans_clear():
     from rope_dispatch import dispatch
 
-    dispatch._plans.clear()
+    dispatch.forget_plans()
 
 
 if __name__ == "__main__":

@@ -223,7 +223,7 @@ def test_a_plan_goes_with_its_spec_or_table(counted_checks):
 
     t = _data((3, 2, 2, D), seed=5)
     for dies in ("spec", "freqs"):
-        dispatch._plans.clear()
+        dispatch.forget_plans()
         spec, freqs = rd.RoPESpec(layout="sbhd", dtype="fp32"), _table()
         for _ in range(CHECKED):
             rd.apply(t, freqs, spec, backend=BACKEND)
@@ -298,6 +298,64 @@ def test_a_repeated_plain_call_is_served_by_apply_itself(counted_checks, monkeyp
     assert_matches(rd.apply(other, freqs, spec), reference_for(other.cpu(), freqs.cpu(), spec),
                    torch.float32, "new layout")
     assert runs == [1]
+
+
+def test_calls_alternating_between_specs_and_tables_each_get_their_own_plan(counted_checks):
+    """apply keeps its most recent plan set for a repeated call; calls alternating between two
+    specs of one table (sbhd and bshd read the same tensor differently) and two tables are each
+    served by their own plans, never the previous call's."""
+    tables = _table(), _table() * 0.5 + 0.25
+    specs = rd.RoPESpec(layout="sbhd", dtype="fp32"), rd.RoPESpec(layout="bshd", dtype="fp32")
+    pairs = [(spec, freqs) for spec in specs for freqs in tables]
+    for step in range(CHECKED + 2):
+        for i, (spec, freqs) in enumerate(pairs):
+            t = _data((3, 3, 2, D), seed=200 + 4 * step + i)
+            assert_matches(rd.apply(t, freqs, spec, backend=BACKEND),
+                           reference_for(t.cpu(), freqs.cpu(), spec), torch.float32,
+                           f"step {step}, {spec.layout}, table {i % 2}")
+    assert len(counted_checks) == CHECKED * len(pairs)
+    assert dispatch._recent is dispatch._plans[
+        (id(specs[1]), id(tables[1]), BACKEND, None)]
+
+
+def test_a_forced_backend_is_not_served_the_recent_plan_of_another(counted_checks):
+    """The recent plan set answers only calls forcing the backend it was made under: another
+    name is checked (an unknown one refused), no name at all decides anew."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    t = _data((3, 2, 2, D), seed=210)
+    for _ in range(CHECKED + 1):
+        rd.apply(t, freqs, spec, backend=BACKEND)
+    assert len(counted_checks) == CHECKED
+    with pytest.raises(rd.UnknownBackendError, match="no-such-backend"):
+        rd.apply(t, freqs, spec, backend="no-such-backend")
+    assert_matches(rd.apply(t, freqs, spec), reference_for(t.cpu(), freqs.cpu(), spec),
+                   torch.float32, "dispatch choosing")
+    assert len(counted_checks) == CHECKED + 2
+
+
+def test_forgotten_plans_are_not_served(counted_checks):
+    """After ``forget_plans`` (and after a key's plans change) no call is served from the
+    recent plan set that apply kept: calls are checked and planned again."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    t = _data((3, 2, 2, D), seed=220)
+    for _ in range(CHECKED + 1):
+        rd.apply(t, freqs, spec, backend=BACKEND)
+    assert dispatch._recent is not None
+    dispatch.forget_plans()
+    rd.apply(t, freqs, spec, backend=BACKEND)
+    assert len(counted_checks) == CHECKED + 1
+    for _ in range(CHECKED):
+        rd.apply(t, freqs, spec, backend=BACKEND)
+    other = _data((3, 2, 4, D), seed=221)  # another layout: planned at once under the same key
+    rd.apply(other, freqs, spec, backend=BACKEND)
+    assert dispatch._recent is None
+    (entry,) = dispatch._plans.values()
+    assert len(entry.plans) == 2
+    calls = len(counted_checks)
+    rd.apply(t, freqs, spec, backend=BACKEND)
+    assert len(counted_checks) == calls and dispatch._recent is entry
 
 
 def test_more_layouts_than_a_key_keeps_are_all_served_right(counted_checks):
