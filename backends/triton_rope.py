@@ -111,10 +111,10 @@ RESIDENT_HEADS = 16
 STREAM_TILE_BYTES = 2048
 # Warps of a streamed tile of STREAM_WARPS_HEADS heads or more. With a model's angle table read
 # as rates, 2 warps ran 0-4 points closer to the copy than 4 at 8 and 16 heads of d 64 and 128
-# (sbhd, bshd, thd; 64 and 256 MiB; level at 256 MiB) and with interleaved pairs, 1-2 points
-# either way with table rows or a pair cache; tiles of fewer heads ran 1-5 points slower with 2
-# warps (one head: 91% against 96%; d 256, float32, 4 heads) and keep 4 (H200,
-# `scripts/tile_probe.py large-rule` and `thd-tiles`).
+# (sbhd, bshd, thd; 64 and 256 MiB; level at 256 MiB), 1-6 points with interleaved pairs, and
+# within 1-2 points either way with table rows or a pair cache. Tiles of fewer heads ran 1-5
+# points slower on 2 warps (one head: 91% against 96%; d 256, float32, 4 heads) and keep 4
+# (H200, `scripts/tile_probe.py large-rule` and `thd-tiles`).
 STREAM_WARPS = 2
 STREAM_WARPS_HEADS = 8
 # thd with fewer sequences than this finds each token's sequence by comparing it with all the

@@ -439,11 +439,11 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     """The targets over the measured points, as lines of text: ours (``triton``) at 95% of copy
     forward and backward kernel on every point of 64 MiB and more; the point-modes where a
     peer's call takes less time and moves a larger share of the copy's bytes per second (kernel
-    time, and forward+backward end to end on the host clock); the host-clock forward+backward
-    against each peer's; the forward below 64 MiB with the L2 warm against each peer (and ours
-    in place against Liger's, in place too); and what
-    reading the table as rates gives over reading its rows. Absent implementations and failed
-    modes are left out."""
+    time, and forward+backward end to end on the host clock); ours in place against Liger's
+    (in place too) by kernel time; the host-clock forward+backward against each peer's; the
+    forward below 64 MiB with the L2 warm against each peer (and ours in place against
+    Liger's); and what reading the table as rates gives over reading its rows. Absent
+    implementations and failed modes are left out."""
     lines = []
     large = [p for p in points if p["points_at_least_64MB"]]
     for mode in ("fwd", "bwd kernel"):
