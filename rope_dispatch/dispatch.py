@@ -277,7 +277,8 @@ _met_once: set[tuple] = set()  # keys met once and not planned yet (see _keep_pl
 # The plan set of apply's most recent planned call: a repeated call finds it by comparing its
 # spec and table with the set's weak references, without the key's id() calls and tuple hash
 # (id() took 0.18 us a call on the GPU machine's Python 3.12, 0.03 us on the development
-# CPU's 3.11). Replaced by the next set apply finds in _plans, dropped whenever _plans changes.
+# CPU's 3.11). Replaced by the next set apply finds in _plans, dropped when a key's plans
+# change or are forgotten; a set whose spec or table died matches no call.
 _recent: _PlanSet | None = None
 _MAX_PLANS = 256  # keys
 _MAX_PLANS_PER_KEY = 8
