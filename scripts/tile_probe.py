@@ -227,7 +227,7 @@ def small_rules(rounds: int = 3) -> None:
         del inp, dst
     triton_rope._configs.clear()
     triton_rope._fast.clear()
-    dispatch._plans.clear()
+    dispatch.forget_plans()
     print(f"over {len(points)} points, time / current rule's (geometric mean; points ahead / "
           "behind by more than 2%):")
     _print_rule_ratios(ratios, 24)
@@ -362,6 +362,26 @@ def _percent_ranges(got: list[tuple[float, float]]) -> str:
     """Forward and backward % of copy over a probe's rounds, as min-max ranges."""
     fwd, bwd = [f for f, _ in got], [b for _, b in got]
     return f"fwd {min(fwd):5.1f}-{max(fwd):5.1f}%  bwd {min(bwd):5.1f}-{max(bwd):5.1f}%"
+
+
+def _percent_of_copy(
+    x: torch.Tensor, out: torch.Tensor, cu: torch.Tensor | None, layout: str, runs: dict,
+    device_copy, rounds: int,
+) -> tuple[dict, list[float]]:
+    """Forward and backward of each of ``runs`` (``{key: (table, sin, interleaved, config)}``)
+    as % of a device copy timed in the same round, ``rounds`` rounds in turn: ``{key: [(fwd %,
+    bwd %) per round]}`` and the copy's ms per round."""
+    pct: dict = {key: [] for key in runs}
+    copies = []
+    for _ in range(rounds):
+        copy = bench.bench_ms(device_copy)
+        copies.append(copy)
+        for key, (table, sin, interleaved, config) in runs.items():
+            fwd, bwd = (bench.bench_ms(lambda back=back: triton_rope.launch(
+                x, out, table, sin, cu, None, layout, interleaved, 1.0, 1, 0, back,
+                config=config)) for back in (False, True))
+            pct[key].append((100 * copy / fwd, 100 * copy / bwd))
+    return pct, copies
 
 
 def tables() -> None:
@@ -513,18 +533,9 @@ def large_rates(rounds: int = 2) -> None:
         tab, flag = _flagged(angles, seq * batch)
         default = triton_rope.choose_config(seq * batch, heads, d, d, 2, False,
                                             triton_rope._sm_count(0))
-        tiles = [t for t in LARGE_TILES if t[1] * t[2] <= heads]
-        pct: dict[tuple, list[tuple[float, float]]] = {t: [] for t in tiles}
-        copies = []
-        for _ in range(rounds):
-            copy = bench.bench_ms(device_copy)
-            copies.append(copy)
-            for bt, bh, iters, warps in tiles:
-                config = (bt, bh, iters, d // 2, 1, warps)
-                fwd, bwd = (bench.bench_ms(lambda back=back: triton_rope.launch(
-                    x, out, tab, flag, None, None, layout, False, 1.0, 1, 0, back, config=config))
-                    for back in (False, True))
-                pct[(bt, bh, iters, warps)].append((100 * copy / fwd, 100 * copy / bwd))
+        runs = {(bt, bh, iters, warps): (tab, flag, False, (bt, bh, iters, d // 2, 1, warps))
+                for bt, bh, iters, warps in LARGE_TILES if bh * iters <= heads}
+        pct, copies = _percent_of_copy(x, out, None, layout, runs, device_copy, rounds)
         print(f"{layout} s{seq} b{batch} h{heads} d{d}: copy {1e3 * min(copies):.1f}-"
               f"{1e3 * max(copies):.1f} us; flag {'on' if flag is not None else 'off'}; "
               f"default {default}")
@@ -585,23 +596,16 @@ def large_rule(rounds: int = 2) -> None:
         kinds = {"rates": (tab, flag, False), "rows": (tab, None, False),
                  "pair cache": (*rd.tables.kernel_tables(_pair_cache(inp, angles)), False),
                  "interleaved rates": (pair_tab, pair_flag, True)}
-        cu = inp.cu_seqlens
         es = x.element_size()
         rules = {"rule in use": (kept, None), "4 warps": (kept, 4), "previous rule": (0, None)}
-        pct: dict[tuple, list[tuple[float, float]]] = {}
-        for _ in range(rounds):
-            copy = bench.bench_ms(device_copy)
-            for kind, (table, sin, inter) in kinds.items():
-                for rule, values in rules.items():
-                    config = _rule_config(tokens, heads, d, es, inter, values)
-                    fwd, bwd = (bench.bench_ms(lambda back=back: triton_rope.launch(
-                        x, out, table, sin, cu, None, layout, inter, 1.0, 1, 0, back,
-                        config=config)) for back in (False, True))
-                    pct.setdefault((kind, rule), []).append((100 * copy / fwd, 100 * copy / bwd))
+        runs = {(kind, rule): (table, sin, inter,
+                               _rule_config(tokens, heads, d, es, inter, values))
+                for kind, (table, sin, inter) in kinds.items() for rule, values in rules.items()}
+        pct, _ = _percent_of_copy(x, out, inp.cu_seqlens, layout, runs, device_copy, rounds)
         print(f"{name} ({x.numel() * es >> 20} MiB): "
               f"flags {flag is not None}/{pair_flag is not None}")
         for (kind, rule), got in pct.items():
-            config = _rule_config(tokens, heads, d, es, kinds[kind][2], rules[rule])
+            config = runs[kind, rule][3]
             print(f"   {kind:>17} {rule:>13} ({config[0]:>2} x {config[1]:>2}, {config[5]} warps): "
                   f"{_percent_ranges(got)}")
         del x, out, inp
@@ -628,15 +632,9 @@ def thd_tiles(rounds: int = 3) -> None:
         tab, flag = _flagged(angles, tokens)
         default = triton_rope.choose_config(tokens, heads, d, d, 2, False,
                                             triton_rope._sm_count(0))
-        pct: dict[tuple, list[tuple[float, float]]] = {t: [] for t in THD_TILES}
-        for _ in range(rounds):
-            copy = bench.bench_ms(device_copy)
-            for bt, bh, iters, warps in THD_TILES:
-                config = (bt, bh, iters, d // 2, 1, warps)
-                fwd, bwd = (bench.bench_ms(lambda back=back: triton_rope.launch(
-                    x, out, tab, flag, inp.cu_seqlens, None, layout, False, 1.0, 1, 0, back,
-                    config=config)) for back in (False, True))
-                pct[(bt, bh, iters, warps)].append((100 * copy / fwd, 100 * copy / bwd))
+        runs = {(bt, bh, iters, warps): (tab, flag, False, (bt, bh, iters, d // 2, 1, warps))
+                for bt, bh, iters, warps in THD_TILES}
+        pct, _ = _percent_of_copy(x, out, inp.cu_seqlens, layout, runs, device_copy, rounds)
         where = f"{seqs} seqs T{tokens}" if thd else f"s{tokens} b{seqs}"
         print(f"{layout} {where} h{heads} d{d}: default {default[:3]}, {default[5]} warps")
         for (bt, bh, iters, warps), got in pct.items():
@@ -660,7 +658,7 @@ def decode_qk() -> None:
         config = (bt, bh, iters, 64, 1, warps)
         triton_rope.choose_config = lambda *args, config=config: config
         triton_rope._fast_qkv.clear()
-        dispatch._plans.clear()
+        dispatch.forget_plans()
         names = ("ours positions (pair cache)", "ours rows gathered (Liger's inputs)",
                  "liger q+k (rows gathered)")  # Liger's again beside each tile: same phase
         chosen = {name: calls[name] for name in names if name in calls}
