@@ -48,10 +48,10 @@ def clear_decisions() -> None:
 
 def forget_plans() -> None:
     """Forget every plan (the next calls are checked again and planned anew)."""
-    global _recent
+    global _recent, _recent_run
     _plans.clear()
     _met_once.clear()
-    _recent = None
+    _recent = _recent_run = None
 
 
 @functools.cache
@@ -253,6 +253,7 @@ class _PlanSet(NamedTuple):
     refs: tuple[weakref.ref, weakref.ref]
     plans: tuple[_Plan, ...]
     forced: object  # the key's forced backend name, as the key holds it
+    form: object  # the key's call form (None for a plain single tensor's call)
 
 
 def _dropper(key: tuple) -> Callable[[weakref.ref], None]:
@@ -280,6 +281,9 @@ _met_once: set[tuple] = set()  # keys met once and not planned yet (see _keep_pl
 # CPU's 3.11). Replaced by the next set apply finds in _plans, dropped when a key's plans
 # change or are forgotten; a set whose spec or table died matches no call.
 _recent: _PlanSet | None = None
+# The same for _run's calls (in place, q+k, packed qkv, index tensors), compared by their form
+# too: a set of its own, so apply's check, whose calls have no form, compares none.
+_recent_run: _PlanSet | None = None
 _MAX_PLANS = 256  # keys
 _MAX_PLANS_PER_KEY = 8
 
@@ -463,6 +467,7 @@ def _run(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Every public call's path: its plan when one matches (see :func:`apply`), else the
     checks, the choice and the backend, then a plan for the next such call."""
+    global _recent_run
     key = None
     if type(t) is _Tensor and not _dynamo_compiling():
         if (
@@ -476,17 +481,21 @@ def _run(
             )
         if inputs is not None:
             tensors, form = inputs
-            key = (
-                id(spec), id(freqs),
-                # the forced name as set (use_backend's, else ROPE_BACKEND's stored value)
-                backend if backend is not None else (_forced_get() or _env_backend_raw()),
-                form,
-            )
-            entry = _plans.get(key)
+            # the forced name as set (use_backend's, else ROPE_BACKEND's stored value)
+            forced = backend if backend is not None else (_forced_get() or _env_backend_raw())
+            entry = _recent_run
+            if (
+                entry is None or entry.refs[0]() is not spec or entry.refs[1]() is not freqs
+                or entry.forced is not forced or entry.form != form
+            ):
+                entry = _plans.get((id(spec), id(freqs), forced, form))
+                if entry is not None:
+                    _recent_run = entry
             if entry is not None:
-                for guard, address, planned_address, run in entry[1]:
+                for guard, address, planned_address, run in entry.plans:
                     if guard(*tensors) and address(freqs) == planned_address:
                         return run(t, freqs, spec, start_positions, positions, k)
+            key = (id(spec), id(freqs), forced, form)
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place,
         split=split, k_freqs=k_freqs, positions=positions, k=k,
@@ -519,7 +528,7 @@ def _keep_plan(
     moved). A key is planned the second time it is met: a spec or table made for one call
     (a new spec per step, say) would pay for a plan, about 6 us on the development CPU, and
     never use it."""
-    global _recent
+    global _recent, _recent_run
     entry = _plans.get(key)
     if entry is None:
         if key not in _met_once:
@@ -531,7 +540,7 @@ def _keep_plan(
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         drop = _dropper(key)
-        entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop)), (), key[2])
+        entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop)), (), key[2], key[3])
     address = _data_ptr if type(freqs) is _Tensor else table_address
     kept = tuple(p for p in entry.plans if not p.guard(*tensors))[: _MAX_PLANS_PER_KEY - 1]
     guard = tensor_guard(*tensors)
@@ -539,7 +548,7 @@ def _keep_plan(
         guard = _in_grad_mode(guard, _grad_enabled())
     plan = _Plan(guard, address, address(freqs), chosen.plan(call))
     _plans[key] = entry._replace(plans=(plan, *kept))
-    _recent = None
+    _recent = _recent_run = None
 
 
 @dataclass

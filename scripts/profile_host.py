@@ -1,7 +1,8 @@
 """Where a call's host time goes: cProfile of repeated serving and decode calls on the GPU, and
 the device time of their kernels from torch.profiler (a developer's tool, not part of the
 benchmark). Modes: ``grad [tokens]``, ``te``, ``front`` (the dispatch front alone, on the CPU),
-``gap`` (decode ``apply`` against its bound launch), or names of the serving calls below."""
+``gap`` (decode ``apply`` against its bound launch), ``serving-gap`` (the same for
+``apply_qk_`` and ``apply_``), or names of the serving calls below."""
 from __future__ import annotations
 
 import cProfile
@@ -63,7 +64,7 @@ def noop_plans(key):
 
     entry = dispatch._plans[key]
     dispatch._plans[key] = entry._replace(plans=tuple(p._replace(run=noop) for p in entry.plans))
-    dispatch._recent = None  # apply's last plan set may be the one replaced
+    dispatch._recent = dispatch._recent_run = None  # the last plan sets may be the one replaced
     return noop
 
 
@@ -189,32 +190,59 @@ def gap() -> None:
     same call on a second spec whose plan runs a no-op) and the front followed by the bound
     launch: whether the gap is the front's Python, and what that Python costs between
     launches rather than in a loop of its own."""
+    d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
+    x = torch.randn(1, 64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    _front_gap("decode sbhd s1 b64 h32 d128 bf16", "apply (auto)",
+               lambda spec: rd.apply(x, d["freqs"], spec), d["sbhd"], d["freqs"], (x, None, None, None))
+
+
+def serving_gap() -> None:
+    """:func:`gap` for the serving entries, whose calls take ``_run``'s lookup: decode
+    ``apply_qk_`` of q (32 heads) and k (8) with per-token positions and a pair cache, and
+    ``apply_`` of q with start positions."""
+    d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
+    q, k, pos = d["q"], d["k"], d["positions"]
+    q4 = q.unsqueeze(0)
+    _front_gap("decode apply_qk_ thd T64, q h32 + k h8, positions, pair cache", "apply_qk_",
+               lambda spec: rd.apply_qk_(q, k, d["pair_cache"], spec, positions=pos),
+               d["thd"], d["pair_cache"], (q, None, pos, k))
+    _front_gap("decode apply_ sbhd s1 b64 h32, start positions", "apply_",
+               lambda spec: rd.apply_(q4, d["freqs"], spec, start_positions=pos),
+               d["sbhd"], d["freqs"], (q4, pos, None, None))
+
+
+def _front_gap(title: str, label: str, call, spec, freqs, args: tuple) -> None:
+    """``call(spec)`` against the plan it runs called directly (the bound launch), in turn,
+    with the front alone (``call`` on a copy of ``spec`` whose plan runs a no-op) and the front
+    followed by the bound launch. ``freqs`` is the call's table, ``args`` the plan's tensors
+    ``(t, start_positions, positions, k)``."""
     from rope_dispatch import dispatch
 
-    d = bench.serving_inputs(bench.SERVING_TOKENS["decode"])
-    freqs, spec = d["freqs"], d["sbhd"]
+    t, starts, positions, k = args
     noop_spec = spec.model_copy()
-    x = torch.randn(1, 64, 32, 128, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):  # a key is planned at its second call
-        rd.apply(x, freqs, spec)
-        rd.apply(x, freqs, noop_spec)
+        call(spec)
+        call(noop_spec)
     (bound,) = [p.run for key in plan_keys(spec) for p in dispatch._plans[key].plans]
     (key,) = plan_keys(noop_spec)
     noop = noop_plans(key)
+
+    def launch():
+        return bound(t, freqs, spec, starts, positions, k)
+
     calls = {
-        "bound launch": lambda: bound(x, freqs, spec, None, None, None),
-        "apply (auto)": lambda: rd.apply(x, freqs, spec),
-        "front, no-op plan": lambda: rd.apply(x, freqs, noop_spec),
-        "no-op called directly": lambda: noop(x, freqs, spec, None, None, None),
-        "front, no-op plan, then bound launch": lambda: (
-            rd.apply(x, freqs, noop_spec), bound(x, freqs, spec, None, None, None)),
+        "bound launch": launch,
+        label: lambda: call(spec),
+        "front, no-op plan": lambda: call(noop_spec),
+        "no-op called directly": lambda: noop(t, freqs, spec, starts, positions, k),
+        "front, no-op plan, then bound launch": lambda: (call(noop_spec), launch()),
     }
-    print(f"=== decode sbhd s1 b64 h32 d128 bf16, host us per call, in turn; plan: {bound.__qualname__}")
+    print(f"=== {title}, host us per call, in turn; plan: {bound.__qualname__}")
     times = bench.host_us_interleaved(calls)
     for name, (host, total) in times.items():
         print(f"  {name:>38}: host {host:6.2f}  end to end {total:6.2f}")
     host = {name: h for name, (h, _) in times.items()}
-    print(f"  apply - bound launch: {host['apply (auto)'] - host['bound launch']:.2f} us; front alone "
+    print(f"  {label} - bound launch: {host[label] - host['bound launch']:.2f} us; front alone "
           f"{host['front, no-op plan'] - host['no-op called directly']:.2f} us; front between "
           f"launches {host['front, no-op plan, then bound launch'] - host['bound launch']:.2f} us")
 
@@ -225,6 +253,9 @@ def main():
         return
     if sys.argv[1:2] == ["gap"]:
         gap()
+        return
+    if sys.argv[1:2] == ["serving-gap"]:
+        serving_gap()
         return
     if sys.argv[1:2] == ["grad"]:  # grad [tokens]
         grad_pieces(*(int(n) for n in sys.argv[2:3]))

@@ -358,6 +358,69 @@ def test_forgotten_plans_are_not_served(counted_checks):
     assert len(counted_checks) == calls and dispatch._recent is entry
 
 
+@pytest.mark.usefixtures("unread")
+def test_calls_alternating_between_forms_each_get_their_own_plan(counted_checks):
+    """The entries other than apply's plain call keep their most recent plan set too, matched by
+    the call's form as well as its spec, table and forced backend: calls of one spec and table
+    alternating between in place and out of place, q alone and q with k, with and without
+    index tensors are each served by their own plans (an in-place plan serving an out-of-place
+    call would change its input), and another forced backend by none."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    starts = torch.tensor([3, 7], device=DEVICE)
+    positions = torch.randint(0, TABLE_LEN, (3, 2), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+    def expected(x, **index):
+        return reference_for(x.cpu(), freqs.cpu(), spec, **{n: v.cpu() for n, v in index.items()})
+
+    def pair(step, i):
+        return _data((3, 2, 2, D), seed=600 + 10 * step + i), _data((3, 2, 1, D), seed=605 + 10 * step + i)
+
+    def qk(step, backend):
+        q, k = pair(step, 0)
+        before = q.clone(), k.clone()
+        got = rd.apply_qk(q, k, freqs, spec, backend=backend)
+        assert torch.equal(q, before[0]) and torch.equal(k, before[1]), "apply_qk changed its input"
+        return got, (expected(before[0]), expected(before[1]))
+
+    def qk_in_place(step, backend):
+        q, k = pair(step, 1)
+        refs = expected(q), expected(k)
+        got = rd.apply_qk_(q, k, freqs, spec, backend=backend)
+        assert got[0] is q and got[1] is k
+        return got, refs
+
+    def in_place_starts(step, backend):
+        t = _data((3, 2, 2, D), seed=620 + step)
+        ref = expected(t, start_positions=starts)
+        got = rd.apply_(t, freqs, spec, start_positions=starts, backend=backend)
+        assert got is t
+        return (got,), (ref,)
+
+    def qk_positions(step, backend):
+        q, k = pair(step, 2)
+        before = q.clone(), k.clone()
+        got = rd.apply_qk(q, k, freqs, spec, positions=positions, backend=backend)
+        assert torch.equal(q, before[0]), "apply_qk with positions changed its input"
+        return got, (expected(before[0], positions=positions), expected(before[1], positions=positions))
+
+    calls = [qk, qk_in_place, in_place_starts, qk_positions]
+    for step in range(CHECKED + 2):
+        for fn in calls:
+            got, refs = fn(step, BACKEND)
+            for i, (out, ref) in enumerate(zip(got, refs)):
+                assert_matches(out, ref, torch.float32, f"step {step}, {fn.__name__}, {i}")
+    assert len(counted_checks) == CHECKED * len(calls)
+    qk(0, BACKEND)
+    assert dispatch._recent_run.form is not None and len(counted_checks) == CHECKED * len(calls)
+    with pytest.raises(rd.UnknownBackendError, match="no-such-backend"):
+        qk(0, "no-such-backend")
+    dispatch.forget_plans()
+    assert dispatch._recent_run is None
+    qk(0, BACKEND)
+    assert len(counted_checks) == CHECKED * len(calls) + 2, "a forgotten plan set served a call"
+
+
 def test_more_layouts_than_a_key_keeps_are_all_served_right(counted_checks):
     """Sequence lengths varying call to call under one spec and table: the key keeps its most
     recent plans only, and every call, planned or checked again, is right."""
