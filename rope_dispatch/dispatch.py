@@ -28,7 +28,7 @@ from .errors import BackendNotSupportedError, NoBackendError
 from .guards import Guard, tensor_guard
 from .registry import Backend
 from .spec import RoPESpec
-from .tables import RotaryTable, table_address
+from .tables import RotaryTable, address_reader
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rope_backend", default=None)
 _decisions: dict[tuple, tuple[Backend, str]] = {}
@@ -235,7 +235,7 @@ class _Plan(NamedTuple):
     (``table_address``)."""
 
     guard: Guard
-    address: Callable[[object], int | tuple[int, int]]  # table_address, or data_ptr for tensors
+    address: Callable[[object], int | tuple[int, int]]  # address_reader's, or data_ptr for tensors
     table_address: int | tuple[int, int]
     run: registry.Plan
 
@@ -541,7 +541,7 @@ def _keep_plan(
             _plans.clear()
         drop = _dropper(key)
         entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop)), (), key[2], key[3])
-    address = _data_ptr if type(freqs) is _Tensor else table_address
+    address = _data_ptr if type(freqs) is _Tensor else address_reader(freqs)
     kept = tuple(p for p in entry.plans if not p.guard(*tensors))[: _MAX_PLANS_PER_KEY - 1]
     guard = tensor_guard(*tensors)
     if any(x.requires_grad for x in tensors):

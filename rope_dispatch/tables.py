@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -261,15 +262,36 @@ def multimodal_rows(
     return _gather_rows(table, rows)
 
 
+def _cos_sin_address(table: CosSinCache) -> tuple[int, int]:
+    return table.cos.data_ptr(), table.sin.data_ptr()
+
+
+def _pair_address(table: PairCosSinCache) -> int:
+    return table.table.data_ptr()
+
+
+def _rates_address(table: RateTable) -> int:
+    return table._kernel_rates.data_ptr()  # the doubled rates the kernels read
+
+
+def _tensor_address(table: torch.Tensor) -> int:
+    return table.data_ptr()
+
+
+_ADDRESS_READERS: dict[type, Callable[[Any], int | tuple[int, int]]] = {
+    CosSinCache: _cos_sin_address, PairCosSinCache: _pair_address, RateTable: _rates_address,
+}
+
+
+def address_reader(table: object) -> Callable[[Any], int | tuple[int, int]]:
+    """:func:`table_address` for tables of ``table``'s type, with no type tests of its own: what
+    a plan, made for one table object, calls on every call it serves."""
+    return _ADDRESS_READERS.get(type(table), _tensor_address)
+
+
 def table_address(table: object) -> int | tuple[int, int]:
     """Where a table's memory is (a plan checks it was not replaced with ``.data = ...``)."""
-    if type(table) is CosSinCache:
-        return table.cos.data_ptr(), table.sin.data_ptr()
-    if type(table) is PairCosSinCache:
-        return table.table.data_ptr()
-    if type(table) is RateTable:  # the doubled rates the kernels read
-        return table._kernel_rates.data_ptr()  # type: ignore[attr-defined]
-    return table.data_ptr()  # type: ignore[attr-defined]
+    return address_reader(table)(table)
 
 
 # id(freqs) -> (weak reference to freqs, its address, whether it is [s2, 1, 1, d2]): tables

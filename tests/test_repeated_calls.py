@@ -460,6 +460,39 @@ def test_a_table_given_new_memory_is_read_there(counted_checks, grad):
     assert len(entry.plans) == 1
 
 
+@pytest.mark.parametrize("kind", ["cos/sin cache", "pair cache"])
+def test_a_cache_given_new_memory_is_read_there(counted_checks, kind):
+    """A cos/sin cache or an engine's pair cache whose tensors are set to new memory between
+    calls: the plan, bound to the old address (read per table kind), is not used, and the call
+    reads the new values."""
+
+    def angles(seed):  # NeoX pairs share an angle, as a pair cache needs
+        half = torch.rand(TABLE_LEN, D // 2, generator=torch.Generator().manual_seed(seed)) * 6
+        return torch.cat((half, half), -1).view(TABLE_LEN, 1, 1, D).to(DEVICE)
+
+    def cache(table):
+        if kind == "cos/sin cache":
+            return rd.cos_sin_cache(table)
+        half = table.view(TABLE_LEN, D)[:, : D // 2].double()
+        return rd.PairCosSinCache(torch.cat((half.cos(), half.sin()), -1).float())
+
+    first, second = angles(1), angles(2)
+    freqs, replacement = cache(first), cache(second)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    t = _data((3, 2, 2, D), seed=160)
+    for _ in range(CHECKED + 1):
+        assert_matches(rd.apply(t, freqs, spec, backend=BACKEND),
+                       reference_for(t.cpu(), first.cpu(), spec), torch.float32, "before")
+    assert len(counted_checks) == CHECKED
+    names = ("cos", "sin") if kind == "cos/sin cache" else ("table",)
+    with torch.no_grad():
+        for name in names:
+            getattr(freqs, name).set_(getattr(replacement, name))
+    assert_matches(rd.apply(t, freqs, spec, backend=BACKEND),
+                   reference_for(t.cpu(), second.cpu(), spec), torch.float32, "after set_")
+    assert len(counted_checks) == CHECKED + 1
+
+
 @pytest.mark.usefixtures("unread")
 def test_a_plan_keeps_none_of_its_calls_tensors_alive(counted_checks):
     """q, k and positions of a planned call (activations, a step's positions) are freed with
