@@ -271,7 +271,8 @@ def _pair_address(table: PairCosSinCache) -> int:
 
 
 def _rates_address(table: RateTable) -> int:
-    return table._kernel_rates.data_ptr()  # the doubled rates the kernels read
+    """The address of the doubled rates the kernels read."""
+    return table._kernel_rates.data_ptr()  # type: ignore[attr-defined]
 
 
 def _tensor_address(table: torch.Tensor) -> int:
