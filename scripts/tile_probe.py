@@ -9,7 +9,8 @@ warm); ``decode-compare``, that comparison alone; ``decode-processes [n]``, it i
 in a row (default 6); ``tables``, each table kind read per token (angle rows, cos/sin cache,
 pair cache); ``large-rates``, tiles for the few-head points from 64 MiB with a model's angle
 table read as rates; ``large-rule``, the tile rule for those calls against the previous one,
-for each table kind; ``thd-tiles``, tiles for thd's 8-head points from 64 MiB."""
+for each table kind; ``thd-tiles``, tiles for thd's 8-head points from 64 MiB;
+``partial-rotary``, partial rotary in place against contiguous and strided copies."""
 from __future__ import annotations
 
 import torch
@@ -642,6 +643,51 @@ def thd_tiles(rounds: int = 3) -> None:
         del x, out, inp
 
 
+PARTIAL_SHAPES = [  # (layout, seq, batch, heads, head_dim, rotary_dim): 64 MiB and more
+    ("sbhd", 32768, 1, 32, 128, 64), ("bshd", 32768, 1, 32, 128, 64),
+    ("sbhd", 8192, 4, 32, 128, 64), ("sbhd", 131072, 1, 8, 128, 64),
+    ("sbhd", 32768, 1, 8, 256, 128),
+]
+
+
+def partial_rotary(rounds: int = 3) -> None:
+    """Partial rotary in place (``apply_`` on the first d2 of d channels) and Liger's kernel
+    (in place, q and a one-head k) against two ceilings of the bytes they move: a copy of that
+    many contiguous bytes, and a copy of the same strided half rows from one tensor into
+    another (read and write d2 of every d channels, as an in-place rotation does). Median of
+    ``rounds`` rounds in turn, each call timed by ``do_bench``."""
+    import statistics
+
+    for layout, seq, batch, heads, d, rot in PARTIAL_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, rot)
+        inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
+        ours = bench._ours_in_place("triton", inp)
+        liger = bench._liger_peer(shape, inp)
+        src, dst = inp.t, torch.empty_like(inp.t)
+        half = torch.empty(inp.t.numel() * rot // d, dtype=inp.t.dtype, device="cuda")
+        half_dst = torch.empty_like(half)
+        calls = {
+            "contiguous copy": lambda: half_dst.copy_(half),
+            "strided half-row copy": lambda: dst[..., :rot].copy_(src[..., :rot]),
+            "ours in place": ours.fwd,
+        }
+        if liger is not None:
+            calls["Liger in place (+ 1-head k)"] = liger.fwd
+        times = {name: [] for name in calls}
+        for _ in range(rounds):
+            for name, fn in calls.items():
+                times[name].append(1e3 * bench.bench_ms(fn))
+        us = {name: statistics.median(v) for name, v in times.items()}
+        print(f"{layout} s{seq} b{batch} h{heads} d{d} rot{rot}: "
+              f"{inp.t.numel() * rot // d * 2 * inp.t.element_size() / 2**20:.0f} MiB moved")
+        for name, t in us.items():
+            share = (heads + 1) / heads if name.startswith("Liger") else 1.0
+            print(f"  {name:>28}: {t:8.1f} us  {100 * us['contiguous copy'] * share / t:5.1f}% of "
+                  f"the contiguous copy, {100 * us['strided half-row copy'] * share / t:5.1f}% of "
+                  "the strided one")
+        del inp, src, dst, half, half_dst
+
+
 def decode_qk() -> None:
     """The serving decode q+k launch (64 tokens, q 32 heads, k 8, in place) at explicit tiles:
     per-token positions into the pair cache (two dependent loads: position, then row) and the
@@ -677,7 +723,8 @@ if __name__ == "__main__":
     modes = {"prefill": prefill_qk, "small": small, "decode": decode_qk, "tables": tables,
              "decode-compare": decode_compare, "small-warm": lambda: small(warm=True),
              "small-rules": small_rules, "small-programs": small_programs,
-             "large-rates": large_rates, "large-rule": large_rule, "thd-tiles": thd_tiles}
+             "large-rates": large_rates, "large-rule": large_rule, "thd-tiles": thd_tiles,
+             "partial-rotary": partial_rotary}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     else:
