@@ -9,8 +9,9 @@ warm); ``decode-compare``, that comparison alone; ``decode-processes [n]``, it i
 in a row (default 6); ``tables``, each table kind read per token (angle rows, cos/sin cache,
 pair cache); ``large-rates``, tiles for the few-head points from 64 MiB with a model's angle
 table read as rates; ``large-rule``, the tile rule for those calls against the previous one,
-for each table kind; ``thd-tiles``, tiles for thd's 8-head points from 64 MiB;
-``partial-rotary``, partial rotary in place against contiguous and strided copies."""
+for each table kind; ``thd-tiles``, tiles for thd's 8-head points from 64 MiB (``thd-tiles
+32``: its 32-head points); ``partial-rotary``, partial rotary in place against contiguous and
+strided copies."""
 from __future__ import annotations
 
 import torch
@@ -617,15 +618,22 @@ THD_SHAPES = [  # (layout, tokens, sequences or batch, heads): the sweep's 8-hea
     ("sbhd", 32768, 1, 8),  # the same bytes without cu_seqlens
 ]
 THD_TILES = [(1, 8, 1, 4), (2, 8, 1, 4), (4, 8, 1, 4), (1, 8, 1, 2), (2, 8, 1, 8), (8, 4, 1, 4)]
+THD_SHAPES_32 = [  # the sweep's thd point of 32 heads at 64 MiB, a larger one, sbhd alike
+    ("thd", 8192, 4, 32), ("thd", 32768, 4, 32), ("sbhd", 8192, 1, 32),
+]
+THD_TILES_32 = [(8, 4, 1, 4), (4, 8, 1, 4), (2, 16, 1, 4), (16, 2, 1, 4), (8, 4, 1, 2),
+                (4, 8, 1, 2), (8, 4, 1, 8)]
 
 
-def thd_tiles(rounds: int = 3) -> None:
+def thd_tiles(rounds: int = 3, heads_32: bool = False) -> None:
     """Forward and backward of the sweep's thd points of 8 heads from 64 MiB (each program
     finds its tokens' sequences in cu_seqlens first), beside sbhd of the same bytes, at explicit
     tiles with a model's angle table read as rates, as % of a device copy timed in the same
-    round; ``rounds`` rounds in turn, min-max shown."""
+    round; ``rounds`` rounds in turn, min-max shown. ``heads_32``: the points of 32 heads
+    (``thd-tiles 32``)."""
     d = 128
-    for layout, tokens, seqs, heads in THD_SHAPES:
+    shapes, tiles = (THD_SHAPES_32, THD_TILES_32) if heads_32 else (THD_SHAPES, THD_TILES)
+    for layout, tokens, seqs, heads in shapes:
         thd = layout == "thd"
         shape = bench.Shape("probe", layout, torch.bfloat16, tokens, 1 if thd else seqs, heads,
                             d, d, seqs if thd else 0)
@@ -634,7 +642,7 @@ def thd_tiles(rounds: int = 3) -> None:
         default = triton_rope.choose_config(tokens, heads, d, d, 2, False,
                                             triton_rope._sm_count(0))
         runs = {(bt, bh, iters, warps): (tab, flag, False, (bt, bh, iters, d // 2, 1, warps))
-                for bt, bh, iters, warps in THD_TILES}
+                for bt, bh, iters, warps in tiles}
         pct, _ = _percent_of_copy(x, out, inp.cu_seqlens, layout, runs, device_copy, rounds)
         where = f"{seqs} seqs T{tokens}" if thd else f"s{tokens} b{seqs}"
         print(f"{layout} {where} h{heads} d{d}: default {default[:3]}, {default[5]} warps")
@@ -727,5 +735,7 @@ if __name__ == "__main__":
              "partial-rotary": partial_rotary}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
+    elif sys.argv[1:3] == ["thd-tiles", "32"]:
+        thd_tiles(rounds=5, heads_32=True)
     else:
         modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()
