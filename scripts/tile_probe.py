@@ -11,7 +11,7 @@ pair cache); ``large-rates``, tiles for the few-head points from 64 MiB with a m
 table read as rates; ``large-rule``, the tile rule for those calls against the previous one,
 for each table kind; ``thd-tiles``, tiles for thd's 8-head points from 64 MiB (``thd-tiles
 32``: its 32-head points); ``partial-rotary``, partial rotary in place against contiguous and
-strided copies."""
+strided copies; ``wide-tokens``, 8, 16 or 4 tokens per 8 KiB tile for tokens of 8 KiB."""
 from __future__ import annotations
 
 import torch
@@ -613,6 +613,50 @@ def large_rule(rounds: int = 2) -> None:
         del x, out, inp
 
 
+WIDE_SHAPES = [  # (layout, seq, batch or sequences, heads, head_dim, dtype): tokens of 8 KiB
+    ("sbhd", 8192, 1, 32, 128, torch.bfloat16), ("sbhd", 32768, 1, 32, 128, torch.bfloat16),
+    ("bshd", 8192, 1, 32, 128, torch.bfloat16), ("sbhd", 4096, 4, 32, 128, torch.bfloat16),
+    ("thd", 8192, 4, 32, 128, torch.bfloat16), ("thd", 32768, 4, 32, 128, torch.bfloat16),
+    ("sbhd", 16384, 1, 16, 256, torch.bfloat16), ("sbhd", 16384, 1, 16, 128, torch.float32),
+]
+
+
+def wide_tokens(rounds: int = 3) -> None:
+    """Calls above ``RESIDENT_BYTES`` whose tokens are ``TILE_BYTES`` or more (32 heads of d 128
+    in bf16, 16 of d 256, 16 of d 128 in float32), which keep the 8 KiB tile of 8 tokens: that
+    tile against 16 and 4 tokens of the same bytes (``choose_config``'s ``tile_tokens``), for
+    each table kind (rates, rows, pair cache, interleaved rates). Forward and backward as % of
+    a device copy timed in the same round, ``rounds`` rounds in turn (min-max shown)."""
+    for layout, seq, batch, heads, d, dtype in WIDE_SHAPES:
+        thd = layout == "thd"
+        where = f"{batch} seqs T{seq}" if thd else f"s{seq} b{batch}"
+        name = f"{layout} {where} h{heads} d{d} {str(dtype).removeprefix('torch.')}"
+        shape = bench.Shape("probe", layout, dtype, seq, 1 if thd else batch, heads, d, d,
+                            batch if thd else 0)
+        inp, x, out, angles, device_copy = _probe_inputs(shape)
+        tokens = x.numel() // (heads * d)
+        pairs = rd.tables.angle_table(rd.tables.inverse_frequencies(d, 10000.0), angles.shape[0],
+                                      interleaved=True).view(angles.shape).to(x.device)
+        tab, flag = _flagged(angles, tokens)
+        pair_tab, pair_flag = _flagged(pairs, tokens)
+        kinds = {"rates": (tab, flag, False), "rows": (tab, None, False),
+                 "pair cache": (*rd.tables.kernel_tables(_pair_cache(inp, angles)), False),
+                 "interleaved rates": (pair_tab, pair_flag, True)}
+        es, sms = x.element_size(), triton_rope._sm_count(0)
+        runs = {(kind, n): (table, sin, inter, triton_rope.choose_config(
+                    tokens, heads, d, d, es, inter, sms, tile_tokens=n))
+                for kind, (table, sin, inter) in kinds.items() for n in (8, 16, 4)}
+        pct, _ = _percent_of_copy(x, out, inp.cu_seqlens, layout, runs, device_copy, rounds)
+        in_use = triton_rope.choose_config(tokens, heads, d, d, es, False, sms)
+        print(f"{name} ({x.numel() * es >> 20} MiB): flags {flag is not None}/"
+              f"{pair_flag is not None}; in use {in_use}")
+        for (kind, n), got in pct.items():
+            config = runs[kind, n][3]
+            print(f"   {kind:>17} {n:>2} tokens ({config[0]:>2} x {config[1]:>2}, {config[5]} "
+                  f"warps): {_percent_ranges(got)}")
+        del x, out, inp
+
+
 THD_SHAPES = [  # (layout, tokens, sequences or batch, heads): the sweep's 8-head points from 64 MiB
     ("thd", 32768, 4, 8), ("thd", 32768, 16, 8), ("thd", 131072, 4, 8), ("thd", 131072, 16, 8),
     ("sbhd", 32768, 1, 8),  # the same bytes without cu_seqlens
@@ -732,7 +776,7 @@ if __name__ == "__main__":
              "decode-compare": decode_compare, "small-warm": lambda: small(warm=True),
              "small-rules": small_rules, "small-programs": small_programs,
              "large-rates": large_rates, "large-rule": large_rule, "thd-tiles": thd_tiles,
-             "partial-rotary": partial_rotary}
+             "partial-rotary": partial_rotary, "wide-tokens": wide_tokens}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
