@@ -14,6 +14,8 @@ for each table kind; ``thd-tiles``, tiles for thd's 8-head points from 64 MiB (`
 strided copies; ``wide-tokens``, 8, 16 or 4 tokens per 8 KiB tile for tokens of 8 KiB."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import rope_dispatch as rd
@@ -576,6 +578,22 @@ def _rule_config(
         triton_rope.STREAM_TILE_BYTES, triton_rope.STREAM_WARPS = kept
 
 
+def _table_kinds(inp: bench.Inputs, angles: torch.Tensor, tokens: int) -> tuple[dict, Any, Any]:
+    """The table kinds a tile rule is compared on, ``{name: (table, sin or flag, interleaved)}``:
+    a model's angle table read as rates (its flag), the same read row by row, an engine's pair
+    cache, and the angle table of interleaved pairs read as rates; then the two flags (None
+    where a table is not read as rates)."""
+    d = angles.shape[1]
+    pairs = rd.tables.angle_table(rd.tables.inverse_frequencies(d, 10000.0), angles.shape[0],
+                                  interleaved=True).view(angles.shape).to(angles.device)
+    tab, flag = _flagged(angles, tokens)
+    pair_tab, pair_flag = _flagged(pairs, tokens)
+    kinds = {"rates": (tab, flag, False), "rows": (tab, None, False),
+             "pair cache": (*rd.tables.kernel_tables(_pair_cache(inp, angles)), False),
+             "interleaved rates": (pair_tab, pair_flag, True)}
+    return kinds, flag, pair_flag
+
+
 def large_rule(rounds: int = 2) -> None:
     """The tile rule for calls above ``RESIDENT_BYTES`` (``STREAM_TILE_BYTES``, heads first, with
     ``STREAM_WARPS``) against it with 4 warps and against the previous rule (8 tokens per 8 KiB
@@ -591,13 +609,7 @@ def large_rule(rounds: int = 2) -> None:
                             d, d, batch if layout == "thd" else 0)
         inp, x, out, angles, device_copy = _probe_inputs(shape)
         tokens = x.numel() // (heads * d)
-        pairs = rd.tables.angle_table(rd.tables.inverse_frequencies(d, 10000.0), angles.shape[0],
-                                      interleaved=True).view(angles.shape).to(x.device)
-        tab, flag = _flagged(angles, tokens)
-        pair_tab, pair_flag = _flagged(pairs, tokens)
-        kinds = {"rates": (tab, flag, False), "rows": (tab, None, False),
-                 "pair cache": (*rd.tables.kernel_tables(_pair_cache(inp, angles)), False),
-                 "interleaved rates": (pair_tab, pair_flag, True)}
+        kinds, flag, pair_flag = _table_kinds(inp, angles, tokens)
         es = x.element_size()
         rules = {"rule in use": (kept, None), "4 warps": (kept, 4), "previous rule": (0, None)}
         runs = {(kind, rule): (table, sin, inter,
@@ -635,13 +647,7 @@ def wide_tokens(rounds: int = 3) -> None:
                             batch if thd else 0)
         inp, x, out, angles, device_copy = _probe_inputs(shape)
         tokens = x.numel() // (heads * d)
-        pairs = rd.tables.angle_table(rd.tables.inverse_frequencies(d, 10000.0), angles.shape[0],
-                                      interleaved=True).view(angles.shape).to(x.device)
-        tab, flag = _flagged(angles, tokens)
-        pair_tab, pair_flag = _flagged(pairs, tokens)
-        kinds = {"rates": (tab, flag, False), "rows": (tab, None, False),
-                 "pair cache": (*rd.tables.kernel_tables(_pair_cache(inp, angles)), False),
-                 "interleaved rates": (pair_tab, pair_flag, True)}
+        kinds, flag, pair_flag = _table_kinds(inp, angles, tokens)
         es, sms = x.element_size(), triton_rope._sm_count(0)
         runs = {(kind, n): (table, sin, inter, triton_rope.choose_config(
                     tokens, heads, d, d, es, inter, sms, tile_tokens=n))
