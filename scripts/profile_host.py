@@ -1,8 +1,9 @@
 """Where a call's host time goes: cProfile of repeated serving and decode calls on the GPU, and
 the device time of their kernels from torch.profiler (a developer's tool, not part of the
 benchmark). Modes: ``grad [tokens]``, ``te``, ``front`` (the dispatch front alone, on the CPU),
-``gap`` (decode ``apply`` against its bound launch), ``serving-gap`` (the same for
-``apply_qk_`` and ``apply_``), or names of the serving calls below."""
+``gap [processes]`` (decode ``apply`` against its bound launch; with a count, in that many
+processes in turn), ``serving-gap`` (the same for ``apply_qk_`` and ``apply_``), or names of
+the serving calls below."""
 from __future__ import annotations
 
 import cProfile
@@ -196,6 +197,37 @@ def gap() -> None:
                lambda spec: rd.apply(x, d["freqs"], spec), d["sbhd"], d["freqs"], (x, None, None, None))
 
 
+GAP_ASKED_US = 1.5  # issue 11: apply end to end within this of the bound launch
+
+
+def gap_processes(processes: int) -> None:
+    """:func:`gap` in ``processes`` new processes one after another: on one host the same code
+    read 1.04-2.19 us between processes (run X), so the figure to judge is how many processes
+    hold it and the median over them."""
+    import re
+    import statistics
+    import subprocess
+
+    number = r"(-?[\d.]+)"
+    pattern = re.compile(rf"- bound launch: {number} us; front alone {number} us; front between "
+                         rf"launches {number} us")
+    launch = re.compile(rf"^\s*bound launch: host\s+{number}")
+    rows = []
+    for n in range(processes):
+        out = subprocess.run([sys.executable, __file__, "gap"], capture_output=True, text=True,
+                             check=True).stdout
+        found = pattern.search(out)
+        bound = next(m for m in map(launch.match, out.splitlines()) if m)
+        rows.append((float(bound[1]), *(float(x) for x in found.groups())))
+        print(f"  process {n + 1}: bound launch {rows[-1][0]:6.2f} us; apply - bound launch "
+              f"{rows[-1][1]:5.2f} us; front alone {rows[-1][2]:5.2f}; between launches "
+              f"{rows[-1][3]:5.2f}", flush=True)
+    gaps = [row[1] for row in rows]
+    print(f"  apply - bound launch over {processes} processes: median "
+          f"{statistics.median(gaps):.2f} us, {min(gaps):.2f}-{max(gaps):.2f}; within "
+          f"{GAP_ASKED_US} us in {sum(g <= GAP_ASKED_US for g in gaps)} of {processes}")
+
+
 def serving_gap() -> None:
     """:func:`gap` for the serving entries, whose calls take ``_run``'s lookup: decode
     ``apply_qk_`` of q (32 heads) and k (8) with per-token positions and a pair cache, and
@@ -251,8 +283,11 @@ def main():
     if sys.argv[1:2] == ["front"]:
         front()
         return
-    if sys.argv[1:2] == ["gap"]:
-        gap()
+    if sys.argv[1:2] == ["gap"]:  # gap [processes]
+        if sys.argv[2:3]:
+            gap_processes(int(sys.argv[2]))
+        else:
+            gap()
         return
     if sys.argv[1:2] == ["serving-gap"]:
         serving_gap()
