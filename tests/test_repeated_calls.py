@@ -421,6 +421,38 @@ def test_calls_alternating_between_forms_each_get_their_own_plan(counted_checks)
     assert len(counted_checks) == CHECKED * len(calls) + 2, "a forgotten plan set served a call"
 
 
+@pytest.mark.parametrize("pair", [False, True])
+def test_an_in_place_plan_made_in_inference_mode_serves_no_inference_tensor_outside_it(
+    counted_checks, pair,
+):
+    """Inside inference mode a normal tensor's metadata (dispatch keys included) reads as an
+    inference tensor's does outside it, so a guard made there accepts one outside. An in-place
+    plan made inside inference mode must still refuse, outside it, to rotate an inference tensor
+    (torch forbids writing one there): the call is checked, and refused."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+
+    def rotate(q, k):
+        if pair:
+            return rd.apply_qk_(q, k, freqs, spec, backend=BACKEND)
+        return rd.apply_(q, freqs, spec, backend=BACKEND)
+
+    normal = [(_data((3, 2, 2, D), seed=700 + i), _data((3, 2, 1, D), seed=705 + i))
+              for i in range(CHECKED + 1)]
+    with torch.inference_mode():  # normal tensors rotated there: planned at the second call
+        for q, k in normal:
+            rotate(q, k)
+        frozen = _data((3, 2, 2, D), seed=710), _data((3, 2, 1, D), seed=711)
+    assert not normal[0][0].is_inference() and frozen[0].is_inference()
+    assert len(counted_checks) == CHECKED
+    expected = reference_for(frozen[0].cpu(), freqs.cpu(), spec)
+    with pytest.raises(rd.RoPEError, match="inference tensor and inference mode is off"):
+        rotate(*frozen)
+    with torch.inference_mode():
+        got = rotate(*frozen)
+    assert_matches(got[0] if pair else got, expected, torch.float32, "inside inference mode")
+
+
 def test_more_layouts_than_a_key_keeps_are_all_served_right(counted_checks):
     """Sequence lengths varying call to call under one spec and table: the key keeps its most
     recent plans only, and every call, planned or checked again, is right."""
