@@ -578,6 +578,23 @@ def _rule_config(
         triton_rope.STREAM_TILE_BYTES, triton_rope.STREAM_WARPS = kept
 
 
+def _kinds_point(layout: str, seq: int, batch: int, heads: int, d: int, dtype: torch.dtype):
+    """A probe point of ``seq`` tokens (thd: in ``batch`` sequences) for comparing tiles over
+    the table kinds (:func:`_table_kinds`): ``(header, inputs, x, out, device copy, tokens,
+    kinds)``, the header naming the point, its size and whether each table is read as rates."""
+    thd = layout == "thd"
+    where = f"{batch} seqs T{seq}" if thd else f"s{seq} b{batch}"
+    name = f"{layout} {where} h{heads} d{d} {str(dtype).removeprefix('torch.')}"
+    shape = bench.Shape("probe", layout, dtype, seq, 1 if thd else batch, heads, d, d,
+                        batch if thd else 0)
+    inp, x, out, angles, device_copy = _probe_inputs(shape)
+    tokens = x.numel() // (heads * d)
+    kinds, flag, pair_flag = _table_kinds(inp, angles, tokens)
+    header = (f"{name} ({x.numel() * x.element_size() >> 20} MiB): "
+              f"flags {flag is not None}/{pair_flag is not None}")
+    return header, inp, x, out, device_copy, tokens, kinds
+
+
 def _table_kinds(inp: bench.Inputs, angles: torch.Tensor, tokens: int) -> tuple[dict, Any, Any]:
     """The table kinds a tile rule is compared on, ``{name: (table, sin or flag, interleaved)}``:
     a model's angle table read as rates (its flag), the same read row by row, an engine's pair
@@ -603,21 +620,15 @@ def large_rule(rounds: int = 2) -> None:
     a device copy timed in the same round, ``rounds`` rounds in turn (min-max shown)."""
     kept = triton_rope.STREAM_TILE_BYTES
     for layout, seq, batch, heads, d, dtype in RULE_SHAPES:
-        where = f"{batch} seqs T{seq}" if layout == "thd" else f"s{seq} b{batch}"
-        name = f"{layout} {where} h{heads} d{d} {str(dtype).removeprefix('torch.')}"
-        shape = bench.Shape("probe", layout, dtype, seq, 1 if layout == "thd" else batch, heads,
-                            d, d, batch if layout == "thd" else 0)
-        inp, x, out, angles, device_copy = _probe_inputs(shape)
-        tokens = x.numel() // (heads * d)
-        kinds, flag, pair_flag = _table_kinds(inp, angles, tokens)
+        header, inp, x, out, device_copy, tokens, kinds = _kinds_point(
+            layout, seq, batch, heads, d, dtype)
         es = x.element_size()
         rules = {"rule in use": (kept, None), "4 warps": (kept, 4), "previous rule": (0, None)}
         runs = {(kind, rule): (table, sin, inter,
                                _rule_config(tokens, heads, d, es, inter, values))
                 for kind, (table, sin, inter) in kinds.items() for rule, values in rules.items()}
         pct, _ = _percent_of_copy(x, out, inp.cu_seqlens, layout, runs, device_copy, rounds)
-        print(f"{name} ({x.numel() * es >> 20} MiB): "
-              f"flags {flag is not None}/{pair_flag is not None}")
+        print(header)
         for (kind, rule), got in pct.items():
             config = runs[kind, rule][3]
             print(f"   {kind:>17} {rule:>13} ({config[0]:>2} x {config[1]:>2}, {config[5]} warps): "
@@ -640,22 +651,15 @@ def wide_tokens(rounds: int = 3) -> None:
     each table kind (rates, rows, pair cache, interleaved rates). Forward and backward as % of
     a device copy timed in the same round, ``rounds`` rounds in turn (min-max shown)."""
     for layout, seq, batch, heads, d, dtype in WIDE_SHAPES:
-        thd = layout == "thd"
-        where = f"{batch} seqs T{seq}" if thd else f"s{seq} b{batch}"
-        name = f"{layout} {where} h{heads} d{d} {str(dtype).removeprefix('torch.')}"
-        shape = bench.Shape("probe", layout, dtype, seq, 1 if thd else batch, heads, d, d,
-                            batch if thd else 0)
-        inp, x, out, angles, device_copy = _probe_inputs(shape)
-        tokens = x.numel() // (heads * d)
-        kinds, flag, pair_flag = _table_kinds(inp, angles, tokens)
+        header, inp, x, out, device_copy, tokens, kinds = _kinds_point(
+            layout, seq, batch, heads, d, dtype)
         es, sms = x.element_size(), triton_rope._sm_count(0)
         runs = {(kind, n): (table, sin, inter, triton_rope.choose_config(
                     tokens, heads, d, d, es, inter, sms, tile_tokens=n))
                 for kind, (table, sin, inter) in kinds.items() for n in (8, 16, 4)}
         pct, _ = _percent_of_copy(x, out, inp.cu_seqlens, layout, runs, device_copy, rounds)
         in_use = triton_rope.choose_config(tokens, heads, d, d, es, False, sms)
-        print(f"{name} ({x.numel() * es >> 20} MiB): flags {flag is not None}/"
-              f"{pair_flag is not None}; in use {in_use}")
+        print(f"{header}; in use {in_use}")
         for (kind, n), got in pct.items():
             config = runs[kind, n][3]
             print(f"   {kind:>17} {n:>2} tokens ({config[0]:>2} x {config[1]:>2}, {config[5]} "
