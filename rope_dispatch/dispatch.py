@@ -405,7 +405,7 @@ def apply_qk(
     (slices of one fused projection); both are rotated by ``freqs`` at the same positions.
     Returns new ``(q_out, k_out)``, contiguous; differentiable with respect to both.
     """
-    return _run(q, freqs, spec, start_positions, backend, False, False, positions=positions, k=k)
+    return _run(q, freqs, spec, start_positions, backend, False, False, None, None, positions, k)
 
 
 def apply_qk_(
@@ -421,8 +421,8 @@ def apply_qk_(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_qk` in place: rotates the first ``d2`` channels of q and k, in one launch,
     and returns ``(q, k)`` (see :func:`apply_` for the in-place rules and ``grad_in_place``)."""
-    return _run(q, freqs, spec, start_positions, backend, True, grad_in_place,
-                positions=positions, k=k)
+    return _run(q, freqs, spec, start_positions, backend, True, grad_in_place, None, None,
+                positions, k)
 
 
 def _planned_form(
@@ -431,17 +431,21 @@ def _planned_form(
     split: tuple[int, int, int] | None, in_place: bool, grad_in_place: bool,
 ) -> tuple[tuple[torch.Tensor, ...], tuple] | None:
     """For any call but a plain single tensor's: the tensors a plan's guard checks (``t``, then
-    ``k``, then the index tensor) and the call's form (which arguments it has, and what the
-    in-place checks read beyond the guarded metadata), the last part of a plan's key; ``None``
-    when the call must be checked every time (index values read on the host, tensor
-    subclasses, a separate k table, arguments that check_call refuses)."""
+    ``k``, then the index tensor) and the call's form (which arguments it has, and for an
+    in-place call whether inference mode is on), the last part of a plan's key; ``None`` when
+    the call must be checked every time (index values read on the host, tensor subclasses, a
+    separate k table, arguments that check_call refuses).
+
+    The form reads no tensor: what else an in-place call's checks read of its tensors is implied
+    by the guarded metadata (a tensor that needs no grad is a leaf) or checked by the plan's
+    guard (:func:`_in_grad_state`). Inference mode is the exception: inside it a normal
+    tensor's dispatch keys read as an inference tensor's do outside it, so a guard made there
+    would accept, outside, an inference tensor, which torch forbids writing there."""
     tensors = (t,)
-    k_state = None
     if k is not None:
         if type(k) is not _Tensor or k is t:
             return None
         tensors = (t, k)
-        k_state = in_place and (k.is_leaf, k.is_inference() and not _inference_mode())
     if k_freqs is not None and k_freqs is not freqs:
         return None
     index = positions if start_positions is None else start_positions
@@ -453,8 +457,8 @@ def _planned_form(
             return None
         tensors += (index,)
     form = (
-        in_place and (t.is_leaf, t.is_inference() and not _inference_mode()), k_state,
-        grad_in_place, start_positions is None, positions is None, k is None, split,
+        in_place, in_place and _inference_mode(), grad_in_place, start_positions is None,
+        positions is None, k is None, split,
     )
     return tensors, form
 
@@ -508,13 +512,22 @@ def _run(
     return out
 
 
-def _in_grad_mode(guard: Guard, enabled: bool) -> Guard:
+def _in_grad_state(guard: Guard, enabled: bool, leaves: tuple[bool, ...] | None) -> Guard:
     """``guard``, and the gradient mode the plan was made in: what a plan runs for tensors that
     require grad depends on it (an autograd node or none). Tensors that need no grad run the
-    same either way, so their plans check no mode and a decode call reads none."""
-
-    def check(*tensors: torch.Tensor) -> bool:
-        return _grad_enabled() == enabled and guard(*tensors)
+    same either way, so their plans check no mode and a decode call reads none. ``leaves``: for
+    an in-place plan made with grad enabled, which tensors were leaves (none of those that
+    require grad, or the call would have been refused), checked too: a leaf that requires grad
+    must be refused again."""
+    if leaves is None:
+        def check(*tensors: torch.Tensor) -> bool:
+            return _grad_enabled() == enabled and guard(*tensors)
+    else:
+        def check(*tensors: torch.Tensor) -> bool:
+            return (
+                _grad_enabled() == enabled and guard(*tensors)
+                and tuple(x.is_leaf for x in tensors) == leaves
+            )
 
     return check
 
@@ -545,7 +558,9 @@ def _keep_plan(
     kept = tuple(p for p in entry.plans if not p.guard(*tensors))[: _MAX_PLANS_PER_KEY - 1]
     guard = tensor_guard(*tensors)
     if any(x.requires_grad for x in tensors):
-        guard = _in_grad_mode(guard, _grad_enabled())
+        enabled = _grad_enabled()
+        leaves = tuple(x.is_leaf for x in tensors) if enabled and call.in_place else None
+        guard = _in_grad_state(guard, enabled, leaves)
     plan = _Plan(guard, address, address(freqs), chosen.plan(call))
     _plans[key] = entry._replace(plans=(plan, *kept))
     _recent = _recent_run = None

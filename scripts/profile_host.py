@@ -2,14 +2,18 @@
 the device time of their kernels from torch.profiler (a developer's tool, not part of the
 benchmark). Modes: ``grad [tokens]``, ``te``, ``front`` (the dispatch front alone, on the CPU),
 ``gap [processes]`` (decode ``apply`` against its bound launch; with a count, in that many
-processes in turn), ``serving-gap`` (the same for ``apply_qk_`` and ``apply_``), or names of
+processes in turn), ``serving-gap`` (the same for ``apply_qk_`` and ``apply_``), ``serving-pieces [cpu]`` (their
+fronts' pieces timed apart), or names of
 the serving calls below."""
 from __future__ import annotations
 
 import cProfile
 import io
 import pstats
+import random
+import statistics
 import sys
+import time
 
 import torch
 
@@ -205,7 +209,6 @@ def gap_processes(processes: int) -> None:
     read 1.04-2.19 us between processes (run X), so the figure to judge is how many processes
     hold it and the median over them."""
     import re
-    import statistics
     import subprocess
 
     number = r"(-?[\d.]+)"
@@ -241,6 +244,65 @@ def serving_gap() -> None:
     _front_gap("decode apply_ sbhd s1 b64 h32, start positions", "apply_",
                lambda spec: rd.apply_(q4, d["freqs"], spec, start_positions=pos),
                d["sbhd"], d["freqs"], (q4, pos, None, None))
+
+
+def serving_pieces(device: str = "cuda") -> None:
+    """The serving fronts' pieces timed apart, in turn, on the plans of ``serving_gap``'s
+    ``apply_qk_`` (the plans' runs replaced by no-ops): each entry, ``_run`` called directly,
+    the call form, each tensor read the form makes, the guard of three tensors, the table's
+    address, and ``apply``'s front for scale. On the CPU (``cpu``) the index tensor is
+    treated as a device one so that its calls are planned."""
+    from rope_dispatch import call as call_module, dispatch
+
+    if device == "cpu":
+        call_module._reads = lambda index: False
+    d = bench.serving_inputs(bench.SERVING_TOKENS["decode"], device=device)
+    q, k, pos, cache, freqs = d["q"], d["k"], d["positions"], d["pair_cache"], d["freqs"]
+    x = torch.randn(1, 64, 32, 128, device=device, dtype=torch.bfloat16)
+    thd, sbhd = d["thd"], d["sbhd"]
+    for _ in range(2):  # a key is planned at its second call
+        rd.apply_qk_(q, k, cache, thd, positions=pos)
+        rd.apply(x, freqs, sbhd)
+    noop_plans(plan_keys(thd, cache)[0])
+    noop_plans(plan_keys(sbhd, freqs)[0])
+    (entry,) = [dispatch._plans[key] for key in plan_keys(thd, cache)]
+    guard, address = entry.plans[0].guard, entry.plans[0].address
+    form = dispatch._planned_form(q, cache, None, pos, k, None, None, True, False)[1]
+    other = tuple(form)
+    reads, inference = call_module._reads, torch.is_inference_mode_enabled
+    pieces = {
+        "apply (front, no-op plan)": lambda: rd.apply(x, freqs, sbhd),
+        "apply_qk_ (front, no-op plan)": lambda: rd.apply_qk_(q, k, cache, thd, positions=pos),
+        "_run directly": lambda: dispatch._run(q, cache, thd, None, None, True, False,
+                                               positions=pos, k=k),
+        "_planned_form": lambda: dispatch._planned_form(q, cache, None, pos, k, None, None, True,
+                                                        False),
+        "guard(q, k, positions)": lambda: guard(q, k, pos),
+        "table address": lambda: address(cache),
+        "form compare": lambda: other != form,
+        "q.is_leaf": lambda: q.is_leaf,
+        "q.is_inference()": lambda: q.is_inference(),
+        "is_inference_mode_enabled()": lambda: inference(),
+        "_reads(positions)": lambda: reads(pos),
+        "compile check": lambda: dispatch._dynamo_compiling(),
+        "forced reads": lambda: dispatch._forced_get() or dispatch._env_backend_raw(),
+        "weak references": lambda: entry.refs[0]() is thd and entry.refs[1]() is cache,
+        "lambda alone": lambda: None,
+    }
+    times = {name: [] for name in pieces}
+    order = random.Random(0)
+    calls = 2000
+    for _ in range(21):
+        for name in order.sample(list(pieces), len(pieces)):
+            fn = pieces[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    print(f"=== serving front pieces on {device} (python {sys.version.split()[0]}, torch "
+          f"{torch.__version__}), us per call, median of 21 rounds in turn")
+    for name, values in times.items():
+        print(f"  {name:>30}: {statistics.median(values):.3f}")
 
 
 def _front_gap(title: str, label: str, call, spec, freqs, args: tuple) -> None:
@@ -291,6 +353,9 @@ def main():
         return
     if sys.argv[1:2] == ["serving-gap"]:
         serving_gap()
+        return
+    if sys.argv[1:2] == ["serving-pieces"]:  # serving-pieces [cpu]
+        serving_pieces(*sys.argv[2:3])
         return
     if sys.argv[1:2] == ["grad"]:  # grad [tokens]
         grad_pieces(*(int(n) for n in sys.argv[2:3]))

@@ -453,6 +453,68 @@ def test_an_in_place_plan_made_in_inference_mode_serves_no_inference_tensor_outs
     assert_matches(got[0] if pair else got, expected, torch.float32, "inside inference mode")
 
 
+@pytest.mark.parametrize("pair", [False, True])
+def test_an_in_place_plan_made_outside_inference_mode_serves_no_inference_tensor_there(
+    counted_checks, pair,
+):
+    """An in-place plan made outside inference mode on normal tensors is met by an inference
+    tensor of the same shape outside the mode: the guard's dispatch keys tell them apart, and
+    the call is checked and refused (the call form reads no tensor's inference state)."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+
+    def rotate(q, k):
+        if pair:
+            return rd.apply_qk_(q, k, freqs, spec, backend=BACKEND)
+        return rd.apply_(q, freqs, spec, backend=BACKEND)
+
+    for i in range(CHECKED + 1):  # planned at the second call, served by the plan at the third
+        rotate(_data((3, 2, 2, D), seed=720 + i), _data((3, 2, 1, D), seed=725 + i))
+    assert len(counted_checks) == CHECKED
+    with torch.inference_mode():
+        frozen = _data((3, 2, 2, D), seed=730), _data((3, 2, 1, D), seed=731)
+    before = frozen[0].clone()
+    with pytest.raises(rd.RoPEError, match="inference tensor and inference mode is off"):
+        rotate(*frozen)
+    assert torch.equal(frozen[0], before), "the refused call wrote its tensor"
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_an_in_place_plan_made_on_non_leaves_refuses_a_leaf_that_requires_grad(
+    counted_checks, pair,
+):
+    """In place with grad enabled, tensors that require grad must not be leaves. A plan made on
+    non-leaves (``leaf * 1``) meets a leaf of the same metadata, requires_grad included: the
+    call is checked and refused as the first would be, not rotated."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+
+    def rotate(q, k):
+        if pair:
+            return rd.apply_qk_(q, k, freqs, spec, backend=BACKEND)
+        return rd.apply_(q, freqs, spec, backend=BACKEND)
+
+    for i in range(CHECKED + 1):
+        q = _data((3, 2, 2, D), seed=740 + i).requires_grad_(True)
+        k = _data((3, 2, 1, D), seed=745 + i).requires_grad_(True)
+        q_in, k_in = q * 1, k * 1
+        got = rotate(q_in, k_in)
+        expected = reference_for(q.detach().cpu(), freqs.cpu(), spec)
+        assert_matches((got[0] if pair else got).detach(), expected, torch.float32, f"call {i}")
+    assert len(counted_checks) == CHECKED
+    leaves = (_data((3, 2, 2, D), seed=750).requires_grad_(True),
+              _data((3, 2, 1, D), seed=751).requires_grad_(True))
+    before = leaves[0].detach().clone()
+    with pytest.raises(rd.RoPEError, match="leaf tensor that requires grad"):
+        rotate(*leaves)
+    assert torch.equal(leaves[0].detach(), before), "the refused call wrote its leaf"
+    assert len(counted_checks) == CHECKED + 1
+    with torch.no_grad():  # torch allows writing a leaf there, and so do we
+        got = rotate(*leaves)
+    expected = reference_for(before.cpu(), freqs.cpu(), spec)
+    assert_matches((got[0] if pair else got).detach(), expected, torch.float32, "no_grad")
+
+
 def test_more_layouts_than_a_key_keeps_are_all_served_right(counted_checks):
     """Sequence lengths varying call to call under one spec and table: the key keeps its most
     recent plans only, and every call, planned or checked again, is right."""
