@@ -1,14 +1,16 @@
 """Where a call's host time goes: cProfile of repeated serving and decode calls on the GPU, and
 the device time of their kernels from torch.profiler (a developer's tool, not part of the
-benchmark). Modes: ``grad [tokens]``, ``te``, ``front`` (the dispatch front alone, on the CPU),
-``gap [processes]`` (decode ``apply`` against its bound launch; with a count, in that many
-processes in turn), ``serving-gap`` (the same for ``apply_qk_`` and ``apply_``), ``serving-pieces [cpu]`` (their
-fronts' pieces timed apart), or names of
-the serving calls below."""
+benchmark). Modes: ``grad [tokens]``, ``te``, ``front [rounds]`` (the dispatch front alone, on
+the CPU), ``cores`` (``front`` pinned to each core in turn), ``gap [processes [cores]]``
+(decode ``apply`` against its bound launch; with a count, in that many processes in turn,
+pinned to the comma-separated cores if given), ``serving-gap`` (the same for ``apply_qk_`` and
+``apply_``), ``serving-pieces [cpu]`` (their fronts' pieces timed apart), or names of the
+serving calls below."""
 from __future__ import annotations
 
 import cProfile
 import io
+import os
 import pstats
 import random
 import statistics
@@ -204,10 +206,18 @@ def gap() -> None:
 GAP_ASKED_US = 1.5  # issue 11: apply end to end within this of the bound launch
 
 
-def gap_processes(processes: int) -> None:
+def _pinned(core: int | None):
+    """A ``preexec_fn`` running a child process on ``core`` alone (``None``: where the OS puts
+    it)."""
+    if core is None:
+        return None
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+def gap_processes(processes: int, cores: list[int] | None = None) -> None:
     """:func:`gap` in ``processes`` new processes one after another: on one host the same code
     read 1.04-2.19 us between processes (run X), so the figure to judge is how many processes
-    hold it and the median over them."""
+    hold it and the median over them. ``cores``: pin process ``n`` to ``cores[n % len]``."""
     import re
     import subprocess
 
@@ -217,18 +227,39 @@ def gap_processes(processes: int) -> None:
     launch = re.compile(rf"^\s*bound launch: host\s+{number}")
     rows = []
     for n in range(processes):
+        core = cores[n % len(cores)] if cores else None
         out = subprocess.run([sys.executable, __file__, "gap"], capture_output=True, text=True,
-                             check=True).stdout
+                             check=True, preexec_fn=_pinned(core)).stdout
         found = pattern.search(out)
         bound = next(m for m in map(launch.match, out.splitlines()) if m)
         rows.append((float(bound[1]), *(float(x) for x in found.groups())))
-        print(f"  process {n + 1}: bound launch {rows[-1][0]:6.2f} us; apply - bound launch "
-              f"{rows[-1][1]:5.2f} us; front alone {rows[-1][2]:5.2f}; between launches "
+        where = "" if core is None else f" (core {core})"
+        print(f"  process {n + 1}{where}: bound launch {rows[-1][0]:6.2f} us; apply - bound "
+              f"launch {rows[-1][1]:5.2f} us; front alone {rows[-1][2]:5.2f}; between launches "
               f"{rows[-1][3]:5.2f}", flush=True)
     gaps = [row[1] for row in rows]
     print(f"  apply - bound launch over {processes} processes: median "
           f"{statistics.median(gaps):.2f} us, {min(gaps):.2f}-{max(gaps):.2f}; within "
           f"{GAP_ASKED_US} us in {sum(g <= GAP_ASKED_US for g in gaps)} of {processes}")
+
+
+def core_speeds() -> None:
+    """:func:`front` in a new process pinned to each core in turn (11 rounds, the eager backend
+    forced: a CPU call on a GPU machine would otherwise measure backends first): whether the
+    spread of Python's speed between processes on one host (run X: a no-op call 0.10 against
+    0.19 us) follows the core a process runs on."""
+    import re
+    import subprocess
+
+    number = r"(-?[\d.]+)"
+    noop = re.compile(rf"no-op plan called directly: {number} us")
+    front_us = re.compile(rf"dispatch front: {number} us")
+    for core in sorted(os.sched_getaffinity(0)):
+        out = subprocess.run([sys.executable, __file__, "front", "11"], capture_output=True,
+                             text=True, check=True, preexec_fn=_pinned(core),
+                             env={**os.environ, "ROPE_BACKEND": "eager"}, timeout=120).stdout
+        print(f"  core {core:3d}: no-op call {float(noop.search(out)[1]):.3f} us; apply's front "
+              f"{float(front_us.search(out)[1]):.3f} us", flush=True)
 
 
 def serving_gap() -> None:
@@ -342,12 +373,16 @@ def _front_gap(title: str, label: str, call, spec, freqs, args: tuple) -> None:
 
 
 def main():
-    if sys.argv[1:2] == ["front"]:
-        front()
+    if sys.argv[1:2] == ["front"]:  # front [rounds]
+        front(*(int(n) for n in sys.argv[2:3]))
         return
-    if sys.argv[1:2] == ["gap"]:  # gap [processes]
+    if sys.argv[1:2] == ["cores"]:
+        core_speeds()
+        return
+    if sys.argv[1:2] == ["gap"]:  # gap [processes [core,core,...]]
         if sys.argv[2:3]:
-            gap_processes(int(sys.argv[2]))
+            cores = [int(c) for c in sys.argv[3].split(",")] if sys.argv[3:4] else None
+            gap_processes(int(sys.argv[2]), cores)
         else:
             gap()
         return
