@@ -233,6 +233,16 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
         return 1.5
 
     monkeypatch.setattr(sweep, "graph_replay_us", replayed_us)
+    profiled = []
+
+    def kernel_us(fns, calls):  # the profiler's trace: each call runs once here, 1.2 us each
+        assert calls == sweep.PROFILED_CALLS
+        for fn in fns.values():
+            fn()
+        profiled.append(sorted(fns))
+        return {key: 1.2 for key in fns}
+
+    monkeypatch.setattr(sweep, "cold_kernel_us", kernel_us)
     # the peers as absent (a module already imported by another test cannot be hidden)
     monkeypatch.setattr(sweep, "_te_peer", lambda shape, inp: None)
     monkeypatch.setattr(sweep, "_liger_peer", lambda shape, inp: None)
@@ -272,8 +282,14 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     assert [record["implementations"][n].get("fwd_warm_us") for n in in_turn] == (
         [None] * 3 if large else [1.5] * 3)
     assert ours.get("fwd_in_place_warm_us") == (None if large else 1.5)
+    # below 64 MiB every forward and backward kernel by the profiler too, in one trace
+    assert len(profiled) == (0 if large else 1)
+    for name in in_turn:
+        times = record["implementations"][name]
+        assert times.get("fwd_profiled_us") == times.get("bwd_kernel_profiled_us") == (
+            None if large else 1.2)
     if not large:
-        assert "1.50 (in place 1.50)" in sweep.format_table([record])
+        assert "1.50 (in place 1.50) | 1.20 / 1.20 |" in sweep.format_table([record])
     assert record["implementations"]["te"]["absent"] == "TransformerEngine is not importable"
     liger = record["implementations"]["liger"]["absent"]
     assert "thd" in liger if layout == "thd" else "not importable" in liger
@@ -371,7 +387,8 @@ def test_summarize_states_the_targets():
                         "lowest 94.0% (big a)")
     # kernel time and forward+backward on the host clock, at every point
     assert lines[2:9] == [
-        "triton slower than a peer at 6 point-modes",
+        "triton slower than a peer at 6 point-modes (kernel time by do_bench from 64 MiB, by "
+        "the profiler below)",
         "  big a fwd_bwd_host: 90.0 us > te 85.0 us",
         "  big b fwd: 38.0 us > liger 37.0 us",
         "  big b fwd_bwd_host: 80.0 us > liger 70.0 us",
@@ -400,6 +417,49 @@ def test_summarize_states_the_targets():
     ]
     assert lines[-1] == ("triton forward at >= 64 MiB, table rows read / read as rates: 1.10x "
                          "median, 1.10-1.10x")
+
+
+def test_profiled_kernel_times_fall_back_to_one_implementation_at_a_time(monkeypatch, capsys):
+    """A trace that cannot be cut into calls is measured again per implementation: the one that
+    fails is left out and said, the others keep their times; modes an implementation lacks
+    are not timed."""
+    impls = {
+        "ours": bench.Impl("ours", lambda: None, None, None, lambda: None, bwd_kernel=lambda: None),
+        "odd": bench.Impl("odd", lambda: None, None, None, lambda: None),
+    }
+    asked = []
+
+    def kernel_us(fns, calls):
+        asked.append(sorted(key.split("\0")[0] for key in fns))
+        if any(key.startswith("odd") for key in fns):
+            raise RuntimeError("a call launched a kernel named as the flush's")
+        return {key: 2.5 for key in fns}
+
+    monkeypatch.setattr(sweep, "cold_kernel_us", kernel_us)
+    times = sweep.profiled_kernel_times(impls)
+    assert times == {"ours": {"fwd_profiled_us": 2.5, "bwd_kernel_profiled_us": 2.5}}
+    assert asked == [["odd", "ours", "ours"], ["ours", "ours"], ["odd"]]
+    assert "odd profiled: RuntimeError" in capsys.readouterr().err
+
+
+def test_summarize_compares_kernels_by_the_profiler_where_both_have_it():
+    """Below 64 MiB the profiler's kernel time decides who is faster: do_bench's 4.5 against
+    Liger's 3.9 us is not a lead when the kernels took 2.0 and 2.1 us; the backward, 2.0
+    against 1.9 us, is. Its share of the copy scales with the time (the same bytes)."""
+    point = _point("small", "sbhd", False, triton=(4.5, 89.0, 4.4, 90.0, 120.0, 100.0),
+                   te=None, liger=(3.9, 102.7, 3.9, 101.5, 50.0, 100.0))
+    for name, fwd, bwd in (("triton", 2.0, 2.0), ("liger", 2.1, 1.9)):
+        point["implementations"][name].update(fwd_profiled_us=fwd, bwd_kernel_profiled_us=bwd)
+    lines = sweep.summarize([point]).splitlines()
+    assert lines[:2] == [
+        "triton slower than a peer at 1 point-modes (kernel time by do_bench from 64 MiB, by "
+        "the profiler below)",
+        "  small bwd_kernel (profiler): 2.0 us > liger 1.9 us",
+    ]
+    assert ("triton forward below 64 MiB by the profiler (an L2 flush before each call): liger "
+            "faster at 0 of 1 points") in lines
+    assert ("triton backward kernel below 64 MiB by the profiler (an L2 flush before each "
+            "call): liger faster at 1 of 1 points, by 0.10 us at most") in lines
 
 
 FLUSH = "fill_kernel"
