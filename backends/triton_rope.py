@@ -372,9 +372,12 @@ def _position_kind(positions: torch.Tensor | None) -> int:
 _FLAG = torch.int32  # the dtype that tells a linear table's flag from a cache's sin
 
 LINEAR_MIN_ROWS_READ = 1 << 18
-"""Tokens x rotary channels from which a call with an angle table looks for its flag (1 MiB of
-float32 rows read without one). Smaller calls read their rows: the saving is small and their
-host path counts."""
+"""Table rows x rotary channels from which a call with an angle table looks for its flag (1 MiB
+of float32 rows read without one). Smaller calls read their rows: the saving is small, their
+host path counts, and the sines cost more than rows that the L2 serves. The rows are those a
+call can read (:func:`_rows_read`), not its tokens: in run Y6 (H200, the profiler's kernel
+time after an L2 flush) sbhd and bshd s512 b4 h8 d128, 2,048 tokens of 512 rows, took 3.84
+and 3.92 us reading rows against 4.08-4.35 us reading rates, forward and backward."""
 
 _linear_tables_setting = env_reader("ROPE_DISPATCH_LINEAR_TABLES")
 
@@ -458,12 +461,13 @@ def current_flag(table: torch.Tensor, flag: torch.Tensor) -> torch.Tensor | None
 
 
 def _kernel_tables(
-    table: RotaryTable, tokens: int
+    table: RotaryTable, rows: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`rope_dispatch.tables.kernel_tables`, with an angle table's flag as its ``sin``
-    (:func:`linear_flag`) when the call reads at least ``LINEAR_MIN_ROWS_READ`` row entries."""
+    (:func:`linear_flag`) when the call's ``rows`` (:func:`_rows_read`) hold at least
+    ``LINEAR_MIN_ROWS_READ`` entries."""
     tab, sin = kernel_tables(table)
-    if sin is None and tokens * tab.shape[1] >= LINEAR_MIN_ROWS_READ:
+    if sin is None and rows * tab.shape[1] >= LINEAR_MIN_ROWS_READ:
         flag = linear_flag(tab)
         if flag is not None:
             return tab, flag
@@ -472,6 +476,15 @@ def _kernel_tables(
 
 def _tokens(t: torch.Tensor) -> int:
     return math.prod(t.shape[:-2])
+
+
+def _rows_read(t: torch.Tensor, layout: str, index: torch.Tensor | None) -> int:
+    """At most how many table rows a call on ``t`` reads: its sequence length for sbhd and bshd,
+    whose batch entries share rows, and its token count for thd or where an index tensor
+    places the tokens."""
+    if index is not None or layout == "thd":
+        return _tokens(t)
+    return t.shape[0] if layout == "sbhd" else t.shape[1]
 
 
 def launch(
@@ -1080,9 +1093,10 @@ triton_rope_qkv_transpose_op.register_autograd(
 def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed qkv RoPE of a checked call: q ``[.., h * q/d, d]``, k ``[.., h, k]``, v
     ``[.., h, v]``, new and contiguous; eager autograd or, while tracing, the custom ops."""
-    spec, tokens = call.spec, _tokens(call.t)
-    q_tables = _kernel_tables(call.table, tokens)
-    k_tables = q_tables if call.k_table is None else _kernel_tables(call.k_table, tokens)
+    spec = call.spec
+    rows = _rows_read(call.t, spec.layout, position_index(call))
+    q_tables = _kernel_tables(call.table, rows)
+    k_tables = q_tables if call.k_table is None else _kernel_tables(call.k_table, rows)
     if (q_tables[1] is None) != (k_tables[1] is None):  # one kernel reads both tables alike
         q_tables, k_tables = kernel_tables(call.table), kernel_tables(call.k_table)
     tables = (*q_tables, *k_tables)
@@ -1229,9 +1243,9 @@ triton_rope_qk_op.register_autograd(_qk_backward, setup_context=_qk_setup_contex
 def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     """A q and k pair of a checked call: new ``(q_out, k_out)``, or ``(q, k)`` rotated in place
     (``call.in_place``); eager autograd or, while tracing, the custom op."""
-    spec, q, k = call.spec, call.t, call.k
-    table, sin = _kernel_tables(call.table, _tokens(q))
-    args = (table, sin, spec.cu_seqlens, position_index(call), spec.layout, spec.interleaved,
+    spec, q, k, index = call.spec, call.t, call.k, position_index(call)
+    table, sin = _kernel_tables(call.table, _rows_read(q, spec.layout, index))
+    args = (table, sin, spec.cu_seqlens, index, spec.layout, spec.interleaved,
             spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
     if type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         q_out, k_out = triton_rope_qk_op(q, k, *args, False, None, None)
@@ -1280,7 +1294,7 @@ def rope_triton(
     ``rope_dispatch::triton_rope`` op. ``in_place``: rotate ``t``'s rotary channels in place
     and return ``t`` (while tracing: the op's result copied into ``t``).
     """
-    tab, sin = _kernel_tables(table, _tokens(t))
+    tab, sin = _kernel_tables(table, _rows_read(t, layout, positions))
     if type(t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         out = triton_rope_op(
             t, tab, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size, cp_rank,
@@ -1345,11 +1359,11 @@ def _forward_entry(call: RoPECall) -> tuple[tuple, tuple, tuple | None, torch.Te
     output), its table, sin, cu_seqlens and index addresses, the compiled launch stored
     under that key by the call that just ran (``None`` when there is none), and the table's
     linearity flag when the launch reads one."""
-    t, spec, in_place = call.t, call.spec, call.in_place
-    table, sin = _kernel_tables(call.table, _tokens(t))
+    t, spec, in_place, index = call.t, call.spec, call.in_place, position_index(call)
+    table, sin = _kernel_tables(call.table, _rows_read(t, spec.layout, index))
     key, tail = _fast_key(
         t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
-        table, table.data_ptr(), sin, spec.cu_seqlens, position_index(call), spec.layout,
+        table, table.data_ptr(), sin, spec.cu_seqlens, index, spec.layout,
         spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False, not in_place,
     )
     return key, tail, _fast.get(key), _flag_of(sin)
@@ -1466,7 +1480,8 @@ class _GradLaunch:
                     *self.tables, ip, *rest)
                 return grad_x
         table, sin = _kernel_tables(
-            angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs, _tokens(grad)
+            angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs,
+            _rows_read(grad, self.settings[0], index),
         )
         if index is not None and self.per_token and index.dim() == 1:
             index = index.unsqueeze(-1)  # the kernels' per-token form (position_index)
@@ -1542,9 +1557,9 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
     """:func:`_bound_launch` for a q and k pair: one launch of the compiled two-segment kernel
     from the new q's, k's and index tensor's addresses (two output allocations out of place)."""
     q, k, spec, in_place = call.t, call.k, call.spec, call.in_place
-    table, sin = _kernel_tables(call.table, _tokens(q))
-    flag = _flag_of(sin)
     index, cu = position_index(call), spec.cu_seqlens
+    table, sin = _kernel_tables(call.table, _rows_read(q, spec.layout, index))
+    flag = _flag_of(sin)
     outs = (q, k) if in_place else _qk_outputs(q, k, None)
     key = _qk_launch(q, k, *outs, (table, sin), cu, index, spec.layout, spec.interleaved,
                      spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False,

@@ -217,11 +217,11 @@ def _triton_transpose(inp: Inputs, table: Any) -> Callable[[], Any]:
 
     from rope_dispatch.tables import angles_2d
 
+    spec = inp.spec
     tab, sin = triton_rope._kernel_tables(  # a linear angle table's flag, as apply finds it
         angles_2d(table) if isinstance(table, torch.Tensor) else table,
-        math.prod(inp.t.shape[:-2]),
+        triton_rope._rows_read(inp.t, spec.layout, inp.starts),
     )
-    spec = inp.spec
     settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
     if inp.split is not None:
         def transpose_qkv():

@@ -120,9 +120,9 @@ def make_inputs(case: GridCase, device: str, gen: torch.Generator):
     deliberately unequal; a qkv case's k has a table of its own)."""
     heads, batch, seq = (8, 2, 96) if device == "cuda" else (4, 2, 32)
     if case.model_table and device == "cuda":
-        # 4,096 tokens x rotary dim 64: triton's LINEAR_MIN_ROWS_READ; one head keeps the
-        # float64 reference quick
-        heads, seq = 1, 2048
+        # 4,096 rows x rotary dim 64: triton's LINEAR_MIN_ROWS_READ (rows, not tokens: batch
+        # entries share theirs); one head and one sequence keep the float64 reference quick
+        heads, batch, seq = 1, 1, 4096
     cp = case.cp_size
     cu = None
     if case.layout == "thd":

@@ -355,11 +355,13 @@ def _pair_cache(inp: bench.Inputs, angles: torch.Tensor) -> rd.PairCosSinCache:
     return rd.PairCosSinCache(torch.cat((cos, sin), -1))
 
 
-def _flagged(table: torch.Tensor, tokens: int) -> tuple:
+def _flagged(table: torch.Tensor) -> tuple:
     """:func:`triton_rope._kernel_tables` of an angle table at its second sight, where its
-    linearity flag is made (the sweep's calls see a model's table many times)."""
-    triton_rope._kernel_tables(table, tokens)
-    return triton_rope._kernel_tables(table, tokens)
+    linearity flag is made (the sweep's calls see a model's table many times), for a call
+    reading enough rows to look for it (the probes' points all do)."""
+    rows = triton_rope.LINEAR_MIN_ROWS_READ
+    triton_rope._kernel_tables(table, rows)
+    return triton_rope._kernel_tables(table, rows)
 
 
 def _percent_ranges(got: list[tuple[float, float]]) -> str:
@@ -534,7 +536,7 @@ def large_rates(rounds: int = 2) -> None:
     for layout, seq, batch, heads, d in LARGE_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
         inp, x, out, angles, device_copy = _probe_inputs(shape)
-        tab, flag = _flagged(angles, seq * batch)
+        tab, flag = _flagged(angles)
         default = triton_rope.choose_config(seq * batch, heads, d, d, 2, False,
                                             triton_rope._sm_count(0))
         runs = {(bt, bh, iters, warps): (tab, flag, False, (bt, bh, iters, d // 2, 1, warps))
@@ -589,13 +591,13 @@ def _kinds_point(layout: str, seq: int, batch: int, heads: int, d: int, dtype: t
                         batch if thd else 0)
     inp, x, out, angles, device_copy = _probe_inputs(shape)
     tokens = x.numel() // (heads * d)
-    kinds, flag, pair_flag = _table_kinds(inp, angles, tokens)
+    kinds, flag, pair_flag = _table_kinds(inp, angles)
     header = (f"{name} ({x.numel() * x.element_size() >> 20} MiB): "
               f"flags {flag is not None}/{pair_flag is not None}")
     return header, inp, x, out, device_copy, tokens, kinds
 
 
-def _table_kinds(inp: bench.Inputs, angles: torch.Tensor, tokens: int) -> tuple[dict, Any, Any]:
+def _table_kinds(inp: bench.Inputs, angles: torch.Tensor) -> tuple[dict, Any, Any]:
     """The table kinds a tile rule is compared on, ``{name: (table, sin or flag, interleaved)}``:
     a model's angle table read as rates (its flag), the same read row by row, an engine's pair
     cache, and the angle table of interleaved pairs read as rates; then the two flags (None
@@ -603,8 +605,8 @@ def _table_kinds(inp: bench.Inputs, angles: torch.Tensor, tokens: int) -> tuple[
     d = angles.shape[1]
     pairs = rd.tables.angle_table(rd.tables.inverse_frequencies(d, 10000.0), angles.shape[0],
                                   interleaved=True).view(angles.shape).to(angles.device)
-    tab, flag = _flagged(angles, tokens)
-    pair_tab, pair_flag = _flagged(pairs, tokens)
+    tab, flag = _flagged(angles)
+    pair_tab, pair_flag = _flagged(pairs)
     kinds = {"rates": (tab, flag, False), "rows": (tab, None, False),
              "pair cache": (*rd.tables.kernel_tables(_pair_cache(inp, angles)), False),
              "interleaved rates": (pair_tab, pair_flag, True)}
@@ -692,7 +694,7 @@ def thd_tiles(rounds: int = 3, heads_32: bool = False) -> None:
         shape = bench.Shape("probe", layout, torch.bfloat16, tokens, 1 if thd else seqs, heads,
                             d, d, seqs if thd else 0)
         inp, x, out, angles, device_copy = _probe_inputs(shape)
-        tab, flag = _flagged(angles, tokens)
+        tab, flag = _flagged(angles)
         default = triton_rope.choose_config(tokens, heads, d, d, 2, False,
                                             triton_rope._sm_count(0))
         runs = {(bt, bh, iters, warps): (tab, flag, False, (bt, bh, iters, d // 2, 1, warps))

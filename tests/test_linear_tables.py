@@ -381,6 +381,30 @@ def test_the_shipped_threshold_leaves_decode_calls_alone(monkeypatch):
     assert_matches(out, reference_for(prefill.cpu(), freqs.view(2048, -1).cpu(), spec), out.dtype)
 
 
+@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+def test_the_threshold_counts_the_rows_a_call_reads_not_its_tokens(monkeypatch, layout):
+    """Batch entries of sbhd and bshd share their rows: 128 tokens of 32-token sequences read
+    32 rows, under a threshold of 64 rows (of 32 channels), and read them (no flag); the same
+    tensor with start positions places its tokens on up to 128 rows and looks. Every call is
+    right either way."""
+    monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 64 * 32)
+    freqs = linear_table(160, 16, False)
+    spec = rd.RoPESpec(layout=layout, dtype="fp32")
+    batch = torch.randn(32, 4, 2, 32).to(DEVICE)
+    batch = batch if layout == "sbhd" else batch.transpose(0, 1).contiguous()
+    for _ in range(3):
+        out = rd.apply(batch, freqs, spec, backend="triton")
+    assert held_flags() == []
+    assert_matches(out, reference_for(batch.cpu(), freqs.view(160, -1).cpu(), spec), out.dtype)
+    starts = torch.tensor([0, 32, 64, 96]).to(DEVICE)
+    for _ in range(2):
+        out = rd.apply(batch, freqs, spec, start_positions=starts, backend="triton")
+    assert held_flags() == [HALVES]
+    expected = reference_for(batch.cpu(), freqs.view(160, -1).cpu(), spec,
+                             start_positions=starts.cpu())
+    assert_matches(out, expected, out.dtype)
+
+
 # --- on the GPU: plans and CUDA graphs ------------------------------------------------------
 
 gpu = pytest.mark.gpu
