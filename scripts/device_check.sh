@@ -20,9 +20,9 @@
 # The benchmark runs with --serving (decode q+k with GPU positions, prefill q+k) unless
 # BENCH_ARGS says otherwise.
 # SWEEP (non-empty): after the benchmark, the sweep (python3 -m rope_dispatch.sweep; about
-# 5 minutes for its default points, so skip the tests and the benchmark beside it) into
+# 7 minutes for its default points, so skip the tests and the benchmark beside it) into
 # SWEEP_OUT (default OUT), with SWEEP_ARGS (e.g. --quick) and SWEEP_TIMEOUT seconds (default
-# 420; the sweep writes its results after every point, so a cut run keeps what it measured).
+# 540; the sweep writes its results after every point, so a cut run keeps what it measured).
 # Ends with the benchmark's table (then the sweep's summary), so the last lines of the output
 # are the figures.
 set -u
@@ -83,7 +83,7 @@ if [[ -n "${SWEEP:-}" ]]; then
   SWEEP_OUT=${SWEEP_OUT:-$OUT}
   mkdir -p "$SWEEP_OUT"
   started=$SECONDS
-  timeout ${SWEEP_TIMEOUT:-420} python3 -m rope_dispatch.sweep --out "$SWEEP_OUT" ${SWEEP_ARGS:-} >"$SWEEP_OUT/sweep.log" 2>&1
+  timeout ${SWEEP_TIMEOUT:-540} python3 -m rope_dispatch.sweep --out "$SWEEP_OUT" ${SWEEP_ARGS:-} >"$SWEEP_OUT/sweep.log" 2>&1
   echo "sweep exit code $? in $((SECONDS - started)) s (log: sweep.log; table: sweep.md)"
   grep -E "^[0-9]+ points in|^matplotlib|Error" "$SWEEP_OUT/sweep.log" | tail -5
 fi
