@@ -488,8 +488,8 @@ def _compared(
         return None
     if all(profiled for _, _, profiled in figures):
         (ours, ours_pct, ours_k), (theirs, theirs_pct, theirs_k) = figures
-        return ours_k, theirs_k, ours_pct * ours / ours_k, theirs_pct * theirs / theirs_k, \
-            " (profiler)"
+        scaled = ours_pct * ours / ours_k, theirs_pct * theirs / theirs_k
+        return ours_k, theirs_k, *scaled, " (profiler)"
     (ours, ours_pct, _), (theirs, theirs_pct, _) = figures
     return ours, theirs, ours_pct, theirs_pct, ""
 

@@ -280,8 +280,9 @@ def serving_gap() -> None:
 def serving_pieces(device: str = "cuda") -> None:
     """The serving fronts' pieces timed apart, in turn, on the plans of ``serving_gap``'s
     ``apply_qk_`` (the plans' runs replaced by no-ops): each entry, ``_run`` called directly,
-    the call form, each tensor read the form makes, the guard of three tensors, the table's
-    address, and ``apply``'s front for scale. On the CPU (``cpu``) the index tensor is
+    the call form, the guard of three tensors, the table's address, the reads a front makes,
+    the tensor reads the form made before run Y (``is_leaf``, ``is_inference()``), and
+    ``apply``'s front for scale. On the CPU (``cpu``) the index tensor is
     treated as a device one so that its calls are planned."""
     from rope_dispatch import call as call_module, dispatch
 
