@@ -158,15 +158,26 @@ def te_pieces():
     profile("TE's function", calls["TE's function"], top=16)
 
 
+def loop_us_in_turn(fns: dict, rounds: int, calls: int) -> dict[str, float]:
+    """Host us per call of each of ``fns`` in a tight loop of ``calls`` calls, no GPU sync:
+    the median over ``rounds`` rounds, each timing them all in a new order (a fixed seed)."""
+    times = {name: [] for name in fns}
+    order = random.Random(0)
+    for _ in range(rounds):
+        for name in order.sample(list(fns), len(fns)):
+            fn = fns[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def front(rounds: int = 41, calls: int = 20000) -> None:
     """The dispatch front of a planned decode-size ``apply`` alone: the plan's run replaced by a
     no-op, CPU tensors (no launch), timed in turn with a direct call of that no-op. Run on any
     host, it says how fast that host runs the front's Python, which the GPU benchmark's gap
     (``apply`` against the bound launch) measures with a launch around it."""
-    import random
-    import statistics
-    import time
-
     t = torch.randn(1, 64, 32, 128)
     freqs = torch.randn(4096, 1, 1, 128)
     spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
@@ -177,16 +188,7 @@ def front(rounds: int = 41, calls: int = 20000) -> None:
     fns = {"apply (front + no-op plan)": lambda: rd.apply(t, freqs, spec),
            "no-op plan called directly": lambda: noop(t, freqs, spec, None, None, None)}
     assert all(fn() is t for fn in fns.values())
-    times = {name: [] for name in fns}
-    order = random.Random(0)
-    for _ in range(rounds):
-        for name in order.sample(list(fns), len(fns)):
-            fn = fns[name]
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
-    medians = {name: statistics.median(v) for name, v in times.items()}
+    medians = loop_us_in_turn(fns, rounds, calls)
     for name, us in medians.items():
         print(f"  {name:>28}: {us:.3f} us (median of {rounds} rounds of {calls})")
     print(f"  dispatch front: {medians['apply (front + no-op plan)'] - medians['no-op plan called directly']:.3f} us")
@@ -321,20 +323,11 @@ def serving_pieces(device: str = "cuda") -> None:
         "weak references": lambda: entry.refs[0]() is thd and entry.refs[1]() is cache,
         "lambda alone": lambda: None,
     }
-    times = {name: [] for name in pieces}
-    order = random.Random(0)
-    calls = 2000
-    for _ in range(21):
-        for name in order.sample(list(pieces), len(pieces)):
-            fn = pieces[name]
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    medians = loop_us_in_turn(pieces, rounds=21, calls=2000)
     print(f"=== serving front pieces on {device} (python {sys.version.split()[0]}, torch "
           f"{torch.__version__}), us per call, median of 21 rounds in turn")
-    for name, values in times.items():
-        print(f"  {name:>30}: {statistics.median(values):.3f}")
+    for name, us in medians.items():
+        print(f"  {name:>30}: {us:.3f}")
 
 
 def _front_gap(title: str, label: str, call, spec, freqs, args: tuple) -> None:

@@ -421,6 +421,20 @@ def test_calls_alternating_between_forms_each_get_their_own_plan(counted_checks)
     assert len(counted_checks) == CHECKED * len(calls) + 2, "a forgotten plan set served a call"
 
 
+def _in_place_rotation(pair: bool):
+    """``(freqs, spec, rotate)``: ``rotate(q, k)`` rotates q and k in one ``apply_qk_`` call
+    (``pair``) or q alone through ``apply_``, in place, on the test backend."""
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+
+    def rotate(q, k):
+        if pair:
+            return rd.apply_qk_(q, k, freqs, spec, backend=BACKEND)
+        return rd.apply_(q, freqs, spec, backend=BACKEND)
+
+    return freqs, spec, rotate
+
+
 @pytest.mark.parametrize("pair", [False, True])
 def test_an_in_place_plan_made_in_inference_mode_serves_no_inference_tensor_outside_it(
     counted_checks, pair,
@@ -429,13 +443,7 @@ def test_an_in_place_plan_made_in_inference_mode_serves_no_inference_tensor_outs
     inference tensor's does outside it, so a guard made there accepts one outside. An in-place
     plan made inside inference mode must still refuse, outside it, to rotate an inference tensor
     (torch forbids writing one there): the call is checked, and refused."""
-    freqs = _table()
-    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
-
-    def rotate(q, k):
-        if pair:
-            return rd.apply_qk_(q, k, freqs, spec, backend=BACKEND)
-        return rd.apply_(q, freqs, spec, backend=BACKEND)
+    freqs, spec, rotate = _in_place_rotation(pair)
 
     normal = [(_data((3, 2, 2, D), seed=700 + i), _data((3, 2, 1, D), seed=705 + i))
               for i in range(CHECKED + 1)]
@@ -460,13 +468,7 @@ def test_an_in_place_plan_made_outside_inference_mode_serves_no_inference_tensor
     """An in-place plan made outside inference mode on normal tensors is met by an inference
     tensor of the same shape outside the mode: the guard's dispatch keys tell them apart, and
     the call is checked and refused (the call form reads no tensor's inference state)."""
-    freqs = _table()
-    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
-
-    def rotate(q, k):
-        if pair:
-            return rd.apply_qk_(q, k, freqs, spec, backend=BACKEND)
-        return rd.apply_(q, freqs, spec, backend=BACKEND)
+    freqs, spec, rotate = _in_place_rotation(pair)
 
     for i in range(CHECKED + 1):  # planned at the second call, served by the plan at the third
         rotate(_data((3, 2, 2, D), seed=720 + i), _data((3, 2, 1, D), seed=725 + i))
@@ -486,13 +488,7 @@ def test_an_in_place_plan_made_on_non_leaves_refuses_a_leaf_that_requires_grad(
     """In place with grad enabled, tensors that require grad must not be leaves. A plan made on
     non-leaves (``leaf * 1``) meets a leaf of the same metadata, requires_grad included: the
     call is checked and refused as the first would be, not rotated."""
-    freqs = _table()
-    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
-
-    def rotate(q, k):
-        if pair:
-            return rd.apply_qk_(q, k, freqs, spec, backend=BACKEND)
-        return rd.apply_(q, freqs, spec, backend=BACKEND)
+    freqs, spec, rotate = _in_place_rotation(pair)
 
     for i in range(CHECKED + 1):
         q = _data((3, 2, 2, D), seed=740 + i).requires_grad_(True)
