@@ -33,6 +33,7 @@ from rope_dispatch.call import RoPECall, position_index
 from rope_dispatch.registry import Backend
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import CosSinCache, RateTable
+from rope_dispatch.tracing import import_dynamo
 
 from .eager import rope_eager, rope_tensors
 
@@ -114,16 +115,18 @@ def _mark_dynamic(args: tuple) -> None:
     """Ask Dynamo for symbolic sizes where calls vary: every dim of ``t`` but the head dim,
     the table length, the number of sequences."""
     t, a, b, cu, starts = args
+    dynamo = import_dynamo()
     for dim in range(t.dim() - 1):
-        torch._dynamo.maybe_mark_dynamic(t, dim)
+        dynamo.maybe_mark_dynamic(t, dim)
     for x in (a, b, cu, starts):
         if x is not None:
-            torch._dynamo.maybe_mark_dynamic(x, 0)
+            dynamo.maybe_mark_dynamic(x, 0)
 
 
 def dynamo_problem() -> str | None:
-    """Why ``torch.compile`` cannot run in this Python at all, or ``None``."""
-    check = getattr(torch._dynamo.eval_frame, "check_if_dynamo_supported", None)
+    """Why ``torch.compile`` cannot run in this Python at all, or ``None``. Imports Dynamo
+    (:mod:`rope_dispatch.tracing`: ``import rope_dispatch`` does not), quietly."""
+    check = getattr(import_dynamo().eval_frame, "check_if_dynamo_supported", None)
     if check is None:
         return None
     try:
@@ -196,6 +199,7 @@ class CompileBackend(Backend):
     priority = 20
     supports_positions = True
     tables = frozenset({"angles", "cos_sin_cache", "rates"})
+    compiles_per_spec = True
 
     def __init__(self) -> None:
         self._compiled: dict[tuple[CompileKey, bool], Callable] = {}

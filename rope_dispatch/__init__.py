@@ -8,14 +8,8 @@ Semantics are TransformerEngine 2.20.2 ``apply_rotary_pos_emb``; see docs/semant
 
 from __future__ import annotations
 
-import warnings
 from importlib.metadata import PackageNotFoundError, version
 
-with warnings.catch_warnings():
-    # torch's tracing machinery (dispatch marks its helpers for torch.compile) warns at import
-    # when NumPy is absent; rope-dispatch uses no NumPy, so a fresh install stays quiet.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-    import torch._dynamo  # noqa: F401
 
 from . import autotune
 from . import cp

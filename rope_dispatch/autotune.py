@@ -50,6 +50,7 @@ import torch
 
 from .call import RoPECall, reads_values, size_bucket
 from .registry import Backend
+from .tracing import constant_while_tracing
 
 SCHEMA_VERSION = 1
 """Bumped whenever the key or the entry format changes; old entries then stop matching."""
@@ -622,7 +623,7 @@ def _remembered(key: CacheKey) -> tuple[str, str] | None:
     return hit
 
 
-@torch.compiler.assume_constant_result
+@constant_while_tracing
 def _decide_while_tracing(device: str, signature: tuple) -> tuple[str | None, str | None]:
     """Run for real by Dynamo once at trace time (the graph keeps the answer), so reading the
     environment, hashing and file reads never enter traced code.

@@ -29,6 +29,7 @@ from .guards import Guard, tensor_guard
 from .registry import Backend
 from .spec import RoPESpec
 from .tables import RotaryTable, address_reader
+from .tracing import constant_while_tracing
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rope_backend", default=None)
 _decisions: dict[tuple, tuple[Backend, str]] = {}
@@ -83,7 +84,7 @@ def requested_backend(backend: str | None = None) -> tuple[str | None, str]:
 _env_backend = env_reader("ROPE_BACKEND")
 
 
-@torch._dynamo.assume_constant_result
+@constant_while_tracing
 def _scoped_or_env_backend() -> tuple[str | None, str]:
     # Under torch.compile this is evaluated once at trace time and baked into the graph
     # (Dynamo cannot trace ContextVar.get), like the backend choice itself.

@@ -24,6 +24,7 @@ from .call import TENSOR_KINDS, RoPECall
 from .errors import UnknownBackendError
 from .spec import RoPESpec, dtype_name
 from .tables import angles_2d, table_kind
+from .tracing import constant_while_tracing
 
 ALL_LAYOUTS = frozenset({"sbhd", "bshd", "thd"})
 _new_call = tuple.__new__
@@ -55,6 +56,9 @@ class Backend:
     """The call kinds it serves (:data:`~rope_dispatch.call.TENSOR_KINDS`): ``"t"`` single
     tensors, ``"qkv"`` packed qkv tensors."""
     max_numel: ClassVar[int | None] = None
+    compiles_per_spec: ClassVar[bool] = False
+    """Its first call of each spec compiles code for seconds (``torch.compile``): the selftest
+    checks it on one case unless asked to be thorough."""
 
     def unavailable_reasons(self) -> list[str]:
         """Why this backend cannot run in this process at all (missing package, no device)."""
@@ -186,7 +190,7 @@ def unregister(name: str) -> Backend:
     return backend
 
 
-@torch._dynamo.assume_constant_result
+@constant_while_tracing
 def _probe(name: str) -> tuple[str, ...]:
     """Run a backend's availability probe once; opaque to torch.compile, which would otherwise
     trace the optional imports inside it."""

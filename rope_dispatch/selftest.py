@@ -88,15 +88,15 @@ QUICK = (
 """The default run: every feature once (start positions with context parallelism, partial and
 interleaved rotary, thd, the cos/sin cache and scale, strided views, packed qkv, q and k pairs,
 a model's angle table).
-A backend whose first call of a spec compiles (torch.compile) runs the first case only;
-``--thorough`` runs the whole grid on every backend."""
+A backend whose first call of a spec compiles (:attr:`~rope_dispatch.Backend.compiles_per_spec`)
+runs the first case only; ``--thorough`` runs the whole grid on every backend."""
 
 
 def cases_for(backend: str, thorough: bool) -> tuple[GridCase, ...]:
     """The grid cases ``backend`` is checked on."""
     if thorough:
         return GRID
-    return QUICK[:1] if backend == "compile" else QUICK
+    return QUICK[:1] if rd.get_backend(backend).compiles_per_spec else QUICK
 
 
 def versions() -> dict[str, str]:

@@ -3,6 +3,9 @@ the graph (the backends' own kernels are tested in their files)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -68,3 +71,37 @@ def test_overrides_are_read_at_trace_time(monkeypatch):
             m.setenv("ROPE_BACKEND", "nope")
             torch._dynamo.reset()
             compiled(torch.randn(2, 8, 3, 16))
+
+
+def test_constant_while_tracing_marks_as_torch_does():
+    """rope-dispatch marks its trace-time helpers without importing Dynamo; the mark must be the
+    one torch's own decorator makes (the overrides test above shows Dynamo honours it)."""
+    from rope_dispatch.tracing import constant_while_tracing
+
+    def ours():
+        return 1
+
+    def torchs():
+        return 1
+
+    assert constant_while_tracing(ours) is ours
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) != {}
+
+
+def test_import_leaves_dynamo_unimported():
+    """``import rope_dispatch`` (and a call) does not import Dynamo: 1-4.5 s a program that never
+    compiles need not pay. The compile backend's probe imports it, quietly."""
+    code = (
+        "import sys, warnings, torch, rope_dispatch as rd\n"
+        "spec = rd.RoPESpec(layout='sbhd', dtype='fp32')\n"
+        "rd.apply(torch.randn(4, 1, 2, 8), torch.rand(4, 1, 1, 8), spec, backend='eager')\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "warnings.simplefilter('error')\n"
+        "rd.get_backend('compile').availability\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]

@@ -1,0 +1,36 @@
+"""What rope-dispatch tells ``torch.compile``'s tracer (Dynamo), without importing Dynamo first.
+
+Importing ``torch._dynamo`` takes about 1 s on a development CPU and 4.5 s on the GPU
+machine's host (sympy and the tracer's modules), more than ``import torch`` itself there. A
+program that never compiles should not pay it for ``import rope_dispatch``; one that compiles
+imports Dynamo anyway, and the marks below are read when it traces.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+def constant_while_tracing(fn: F) -> F:
+    """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it: Dynamo calls it once
+    at trace time and keeps its result in the graph instead of tracing its body (a ContextVar,
+    environment reads, file reads, optional imports). torch's decorator sets this one
+    attribute, as torch does itself for functions it must not import Dynamo to mark
+    (``justknobs_check``); ``tests/test_traceable.py`` checks that the two agree."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+def import_dynamo() -> ModuleType:
+    """``torch._dynamo``, imported without the warning torch's tracing modules give at import
+    when NumPy is absent: rope-dispatch uses no NumPy, and a fresh install stays quiet."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+        import torch._dynamo
+
+    return torch._dynamo
