@@ -3,25 +3,30 @@
 Prints versions, every backend's availability with reasons, the overrides in force and the
 autotune cache, then checks every available backend against the float64 reference
 (:mod:`rope_dispatch.reference`) over a quick grid of calls covering every feature, forward and
-backward, with timings (``--thorough``: the whole grid). Exit code 1 when any check fails.
-``--json`` prints one JSON document instead.
+backward, with timings (``--thorough``: the whole grid). Where CUDA is checked, backends that
+compile per spec (``torch.compile``) are checked in a process of their own meanwhile
+(:class:`Worker`). Exit code 1 when any check fails. ``--json`` prints one JSON document instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 import rope_dispatch as rd
-from rope_dispatch import autotune
+from rope_dispatch import autotune, registry
 from rope_dispatch.guards import guard_kind
 from rope_dispatch.reference import max_error, reference_apply
 from rope_dispatch.tables import cos_sin_cache
@@ -96,7 +101,32 @@ def cases_for(backend: str, thorough: bool) -> tuple[GridCase, ...]:
     """The grid cases ``backend`` is checked on."""
     if thorough:
         return GRID
-    return QUICK[:1] if rd.get_backend(backend).compiles_per_spec else QUICK
+    return QUICK[:1] if registry.get_backend(backend).compiles_per_spec else QUICK
+
+
+Job = tuple[str, GridCase, str, int]
+"""``(backend, case, device, seed)``; a case's seed is its place in the backend's cases, so
+every backend sees the same inputs for a case."""
+
+
+def jobs_for(names: list[str], devices: list[str], thorough: bool) -> list[Job]:
+    """Every check of the backends ``names`` on ``devices``, device by device."""
+    return [
+        (name, case, device, seed)
+        for device in devices
+        for name in names
+        for seed, case in enumerate(cases_for(name, thorough), 1)
+    ]
+
+
+def check_jobs(jobs: list[Job], finished: Callable[[str], None]) -> list[dict]:
+    """:func:`check` of each job in turn, each reported to ``finished`` as one line."""
+    checks = []
+    for name, case, device, seed in jobs:
+        begun = time.perf_counter()
+        checks.append(check(name, case, device, seed))
+        finished(f"{name} on {device}: {case.label} ({time.perf_counter() - begun:.1f} s)")
+    return checks
 
 
 def versions() -> dict[str, str]:
@@ -262,25 +292,106 @@ def _cache_report() -> dict:
     return report
 
 
-def run(devices: list[str], progress, thorough: bool = False) -> dict:
+WORKER_LINE = "checked: "
+"""How a worker's progress lines start on its stderr (its other lines are passed on as they are)."""
+
+
+class Worker:
+    """``python -m rope_dispatch.selftest --worker NAMES``: the checks of backends that compile
+    per spec, in a process of its own, started before this one probes the backends.
+
+    Their compiles (on the H200 host 9-12 s, after Dynamo's import, 4.5 s) then overlap the
+    other backends' checks (Triton's compiles there, about 10 s), and a compiler that crashes
+    fails its own check rather than the selftest: on a fresh H200 machine 21.8-22.7 s in all,
+    against 26.0-30.4 s in one process, the two taken in turn (docs/benchmarks.md, run Z).
+    Its progress lines go to ``finished``, its other stderr lines to ``passed_on``; its checks
+    come back as one JSON document on its stdout.
+    """
+
+    def __init__(self, names: list[str], devices: list[str], thorough: bool,
+                 finished: Callable[[str], None], passed_on: Callable[[str], None]) -> None:
+        self.names, self.devices = names, devices
+        command = [sys.executable, "-m", "rope_dispatch.selftest", "--worker", ",".join(names),
+                   "--device", "all" if len(devices) > 1 else devices[0]]
+        self.proc = subprocess.Popen(command + ["--thorough"] * thorough, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.tail: collections.deque[str] = collections.deque(maxlen=3)
+        self.relay = threading.Thread(target=self._relay, args=(finished, passed_on), daemon=True)
+        self.relay.start()
+
+    def _relay(self, finished: Callable[[str], None], passed_on: Callable[[str], None]) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            line = line.rstrip("\n")
+            if line.startswith(WORKER_LINE):
+                finished(line[len(WORKER_LINE):])
+            else:
+                self.tail.append(line)
+                passed_on(line)
+
+    def checks(self) -> list[dict]:
+        """The worker's checks once it is done; one failed check per backend and device when it
+        gave no report (it crashed, or was killed)."""
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.read()
+        code = self.proc.wait()
+        self.relay.join()
+        try:
+            return json.loads(out)["checks"]
+        except (ValueError, KeyError, TypeError):
+            said = " | ".join(line.strip() for line in self.tail if line.strip()) or "nothing"
+            detail = (f"its check process exited with code {code} without a report; its last "
+                      f"words: {said}")
+            return [{"backend": name, "case": "(every case)", "device": device, "status": "FAIL",
+                     "detail": detail} for device in self.devices for name in self.names]
+
+    def stop(self) -> None:
+        """End a worker whose checks are not wanted."""
+        self.proc.kill()
+        self.proc.communicate()
+        self.relay.join()
+
+
+def run(devices: list[str], progress: Callable[[str], None], thorough: bool = False,
+        isolate: bool | None = None) -> dict:
     """Every available backend on its cases (:func:`cases_for`) and every device; the whole
-    report as a dict."""
+    report as a dict. With ``isolate``, backends that compile per spec are checked by a
+    :class:`Worker` meanwhile; by default where CUDA is checked, whose other checks compile
+    Triton kernels for seconds too. On the CPU the others take under a second: there a second
+    interpreter's start would only add to the time (2.5 s on a 2-core machine)."""
+    lock = threading.Lock()
+    done, total = 0, 0
+
+    def finished(line: str) -> None:
+        nonlocal done
+        with lock:
+            done += 1
+            progress(f"[{done}/{total or '?'}] {line}")
+
+    def passed_on(line: str) -> None:
+        with lock:
+            progress(line)
+
+    if isolate is None:
+        isolate = "cuda" in devices
+    compiling = [b.name for b in registry.backends() if b.compiles_per_spec] if isolate else []
+    worker = Worker(compiling, devices, thorough, finished, passed_on) if compiling else None
     infos = rd.list_backends()
-    jobs = [
-        (info.name, case, device)
-        for device in devices
-        for info in infos
-        if info.available
-        for case in cases_for(info.name, thorough)
-    ]
-    checks = []
+    available = [info.name for info in infos if info.available]
+    isolated = [name for name in available if name in compiling]
+    own = jobs_for([name for name in available if name not in isolated], devices, thorough)
+    with lock:
+        total = len(own) + len(jobs_for(isolated, devices, thorough))
+    if worker is not None and not isolated:
+        worker.stop()
+        worker = None
     startup = process_age_s()
     started = time.perf_counter()
-    for i, (name, case, device) in enumerate(jobs, 1):
-        progress(f"[{i}/{len(jobs)}] {name} on {device}: {case.label}", end="")
-        begun = time.perf_counter()
-        checks.append(check(name, case, device, seed=i))
-        progress(f" ({time.perf_counter() - begun:.1f} s)")
+    checks = check_jobs(own, finished)
+    if worker is not None:
+        checks += worker.checks()
+    order = {name: i for i, name in enumerate(available)}
+    checks.sort(key=lambda c: (devices.index(c["device"]), order.get(c["backend"], len(order))))
     return {
         "versions": versions(),
         "backends": [asdict(info) for info in infos],
@@ -292,6 +403,18 @@ def run(devices: list[str], progress, thorough: bool = False) -> dict:
         "checks_s": time.perf_counter() - started,
         "ok": all(c["status"] != "FAIL" for c in checks) and bool(checks),
     }
+
+
+def run_worker(names: list[str], devices: list[str], thorough: bool) -> None:
+    """A :class:`Worker`'s side: the checks of those of ``names`` available here, each reported
+    on stderr as it ends, then ``{"checks": [...]}`` on stdout."""
+    available = [name for name in names if registry.get_backend(name).available]
+
+    def finished(line: str) -> None:
+        print(WORKER_LINE + line, file=sys.stderr, flush=True)
+
+    checks = check_jobs(jobs_for(available, devices, thorough), finished)
+    print(json.dumps({"checks": checks}, default=str), flush=True)
 
 
 def _entry_line(entry: dict) -> str:
@@ -363,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "all"), default="auto",
                         help="devices to check (default auto: CUDA when present, else the CPU; "
                         "all: both)")
+    parser.add_argument("--worker", metavar="NAMES", help=argparse.SUPPRESS)  # see Worker
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch")
@@ -370,9 +494,15 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
+    if args.worker:
+        run_worker(args.worker.split(","), devices, args.thorough)
+        # its report is out: the interpreter's teardown (Inductor's compile processes, CUDA)
+        # would only keep the selftest waiting for this process to end
+        sys.stderr.flush()
+        os._exit(0)
 
-    def progress(line: str, end: str = "\n") -> None:
-        print(line, end=end, file=sys.stderr, flush=True)
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
     report = run(devices, progress, args.thorough)
     if args.json:

@@ -30,7 +30,8 @@ def import_dynamo() -> ModuleType:
     """``torch._dynamo``, imported without the warning torch's tracing modules give at import
     when NumPy is absent: rope-dispatch uses no NumPy, and a fresh install stays quiet."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy",
+                                category=UserWarning)
         import torch._dynamo
 
     return torch._dynamo

@@ -78,8 +78,43 @@ def test_quick_grid_covers_every_feature_and_thorough_runs_the_grid(monkeypatch)
     assert selftest.cases_for("compile", thorough=False) == quick[:1]
     eager_only = [info for info in rd.list_backends() if info.name == "eager"]
     monkeypatch.setattr(rd, "list_backends", lambda: eager_only)
-    report = selftest.run(["cpu"], lambda line, end="\n": None, thorough=True)
+    report = selftest.run(["cpu"], lambda line: None, thorough=True)
     assert len(report["checks"]) == len(selftest.GRID) and report["ok"]
+
+
+def test_compiling_backends_are_checked_by_a_worker_process_meanwhile():
+    """With isolation (the default where CUDA is checked) the compile backend's check runs in a
+    worker process: its result joins the report in the backends' order, its progress line is
+    numbered with the others, and this process compiles nothing."""
+    compile_backend = rd.get_backend("compile")
+    if not compile_backend.available:
+        pytest.skip(f"the compile backend is unavailable: {compile_backend.availability}")
+    lines = []
+    report = selftest.run(["cpu"], lines.append, isolate=True)
+    assert report["ok"], report["checks"]
+    backends = [c["backend"] for c in report["checks"]]
+    available = [b["name"] for b in report["backends"] if b["available"]]
+    assert backends == sorted(backends, key=available.index) and backends.count("compile") == 1
+    total = len(report["checks"])
+    assert sorted(int(line[1:line.index("/")]) for line in lines if line.startswith("[")) == list(
+        range(1, total + 1))
+    assert any(f"/{total}] compile on cpu" in line for line in lines)
+    assert not compile_backend._ready  # nothing compiled here
+
+
+def test_a_worker_reports_its_checks_and_its_crash():
+    finished, passed_on = [], []
+    worker = selftest.Worker(["eager"], ["cpu"], False, finished.append, passed_on.append)
+    checks = worker.checks()
+    assert [c["case"] for c in checks] == [case.label for case in selftest.QUICK]
+    assert all(c["status"] == "ok" and c["backend"] == "eager" for c in checks)
+    assert [line.split(":")[0] for line in finished] == ["eager on cpu"] * len(selftest.QUICK)
+    broken = selftest.Worker(["no-such-backend"], ["cpu"], False, finished.append,
+                             passed_on.append)
+    (failed,) = broken.checks()
+    assert failed["status"] == "FAIL" and failed["backend"] == "no-such-backend"
+    assert "exited with code 1" in failed["detail"] and "unknown backend" in failed["detail"]
+    assert any("UnknownBackendError" in line for line in passed_on)  # its stderr shown as well
 
 
 def test_selftest_fails_on_a_wrong_backend(monkeypatch, capsys):
