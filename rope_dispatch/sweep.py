@@ -16,7 +16,10 @@ forward+backward launch (counted with ``torch.profiler``). From 64 MiB, where th
 (:func:`in_turn_ms`); our in-place ``apply_``, Liger's like, is timed at every point. Below
 64 MiB each forward and backward kernel is also timed by the profiler after an L2 flush
 (:func:`profiled_kernel_times`): there a call takes a few microseconds, and ``do_bench``'s
-events around it add the launch's latency and any lag of the host.
+events around it add the launch's latency and any lag of the host. Ours in place, forward and
+backward, is timed so too and compared with Liger's in-place kernels: after the flush, which
+leaves the L2 full of dirty lines, a kernel writing a new output first frees as many lines as
+it writes, one rewriting what it read does not.
 
 Writes ``sweep.json`` and ``sweep.md`` to ``--out`` after every point (a run cut short keeps
 what it measured) and, with matplotlib, ``sweep-<layout>.png``: % of copy against sequence
@@ -284,13 +287,12 @@ def _measure_named(
 
 
 def _in_place_times(
-    inp: Inputs, copy_ms: float, rotary_share: float, large: bool,
+    impl: Impl | None, copy_ms: float, rotary_share: float, large: bool,
 ) -> dict[str, Any]:
     """Our ``apply_`` forward (in place, on ``d2 / d`` of the bytes: like for like with Liger,
     which always rotates in place): its kernel time and % of the copy's share of those bytes,
     and below 64 MiB its time with the L2 warm; nothing where the triton backend refuses it
-    in place."""
-    impl = None if inp.split is not None else _ours_in_place("triton", inp)
+    in place (``impl`` None)."""
     if impl is None:
         return {}
     times: dict[str, Any] = {"fwd_in_place_us": None, "fwd_in_place_pct_of_copy": None}
@@ -344,8 +346,10 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
             results[name] = _measure_named(name, shape, inp, copy_ms, kept, in_turn)
     del dst
     rotary_share = shape.rotary_dim / shape.head_dim
-    if "triton" in kept:
-        results["triton"].update(_in_place_times(inp, copy_ms, rotary_share, large))
+    in_place = None
+    if "triton" in kept and inp.split is None:
+        in_place = _ours_in_place("triton", inp)
+        results["triton"].update(_in_place_times(in_place, copy_ms, rotary_share, large))
     for name, us in host_fwd_bwd_us(kept, large).items():
         results[name]["fwd_bwd_host_us"] = us
         results[name]["fwd_bwd_host_pct_of_copy"] = (
@@ -355,7 +359,14 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
         for name, impl in kept.items():
             results[name]["fwd_warm_us"] = time_mode(impl.name, "fwd warm", impl.fwd,
                                                      graph_replay_us)
-        for name, times in profiled_kernel_times(kept).items():
+        profiled = dict(kept)
+        if in_place is not None:  # its backward: the engine's one in-place transposed launch
+            profiled[IN_PLACE] = dataclasses.replace(in_place, bwd_kernel=in_place.bwd)
+        for name, times in profiled_kernel_times(profiled).items():
+            if name == IN_PLACE:  # fwd_in_place_profiled_us, bwd_in_place_profiled_us
+                times = {key.replace("_kernel", "").replace("_profiled", "_in_place_profiled"): us
+                         for key, us in times.items()}
+                name = "triton"
             results[name].update(times)
     for result in results.values():
         print(f"  {result['label']:>16} {_cells(result)}", flush=True)
@@ -368,6 +379,7 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
 
 
 PROFILED_CALLS = 30  # calls of each mode, in turn, in one profiler trace
+IN_PLACE = "triton in place"  # ours in place among the profiled implementations
 
 
 def profiled_kernel_times(impls: dict[str, Impl]) -> dict[str, dict[str, float]]:
@@ -421,6 +433,10 @@ def _cells(result: dict[str, Any]) -> str:
         warm_cell += f" (in place {in_place:.2f})"
     profiled = " / ".join("-" if us is None else f"{us:.2f}" for us in (
         result.get("fwd_profiled_us"), result.get("bwd_kernel_profiled_us")))
+    in_place_profiled = [result.get(f"{mode}_in_place_profiled_us") for mode in ("fwd", "bwd")]
+    if any(us is not None for us in in_place_profiled):
+        profiled += " (in place " + " / ".join(
+            "-" if us is None else f"{us:.2f}" for us in in_place_profiled) + ")"
     return (f"{times} | {'-' if host is None else f'{host:.1f}'} | {warm_cell} | {profiled} "
             f"| {launches}")
 
@@ -432,7 +448,8 @@ def format_table(points: Iterable[dict[str, Any]]) -> str:
         "| rotary dim | MiB moved | points_at_least_64MB | copy us | implementation "
         "| fwd us (% copy; ours in place too) | bwd kernel us (% copy) | fwd+bwd us (% of 2 copies) "
         "| fwd+bwd host clock us (in turn) | fwd us, L2 warm (CUDA graph; ours in place too) "
-        "| kernel us by the profiler, L2 flushed (fwd / bwd) | launches fwd/fwd+bwd |",
+        "| kernel us by the profiler, L2 flushed (fwd / bwd; ours in place too) "
+        "| launches fwd/fwd+bwd |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
@@ -542,6 +559,15 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
             if line:
                 lines.append(f"triton {what} below 64 MiB by the profiler (an L2 flush before "
                              f"each call): {line}")
+    # an out-of-place kernel writes lines the L2 must first free (after a flush, dirty ones):
+    # Liger rewrites the lines it read, as ours in place does
+    for what, ours_key, theirs_key in (("forward", "fwd_in_place_profiled", "fwd_profiled"),
+                                       ("backward", "bwd_in_place_profiled",
+                                        "bwd_kernel_profiled")):
+        line = _lead_line(points, ours_key, "liger", theirs_key)
+        if line:
+            lines.append(f"triton in place (apply_) {what} below 64 MiB by the profiler, "
+                         f"against Liger's in-place kernel: {line}")
     # below 64 MiB a launch's latency sets the pace; L2 warm as in a model
     warm = [("triton forward", "fwd_warm", peer, " (a CUDA graph of 20 calls)") for peer in PEERS]
     warm.append(("triton in place (apply_) forward", "fwd_in_place_warm", "liger", ""))

@@ -11,7 +11,9 @@ pair cache); ``large-rates``, tiles for the few-head points from 64 MiB with a m
 table read as rates; ``large-rule``, the tile rule for those calls against the previous one,
 for each table kind; ``thd-tiles``, tiles for thd's 8-head points from 64 MiB (``thd-tiles
 32``: its 32-head points); ``partial-rotary``, partial rotary in place against contiguous and
-strided copies; ``wide-tokens``, 8, 16 or 4 tokens per 8 KiB tile for tokens of 8 KiB."""
+strided copies; ``small-kinds``, each table kind, Liger's cut and in place where Liger's
+kernel led; ``in-place-tiles``, ours in place at explicit tiles against Liger's;
+``wide-tokens``, 8, 16 or 4 tokens per 8 KiB tile for tokens of 8 KiB."""
 from __future__ import annotations
 
 from typing import Any
@@ -324,6 +326,99 @@ def small_programs() -> None:
     _print_rule_ratios(ratios, 18)
     print(f"  Liger faster than the current rule at {peer['cold']} (cold) and {peer['warm']} "
           f"(warm) of {peer['points']} points")
+
+
+LIGER_LEAD_SHAPES = [  # (layout, seq, batch, heads, head_dim): where Liger's kernel led (run Y)
+    ("sbhd", 128, 1, 1, 128), ("sbhd", 512, 1, 1, 128), ("sbhd", 128, 1, 8, 128),
+    ("sbhd", 512, 1, 8, 128), ("sbhd", 128, 4, 8, 128), ("sbhd", 2048, 1, 32, 128),
+    ("sbhd", 2048, 1, 8, 64), ("bshd", 128, 1, 8, 128), ("bshd", 512, 1, 8, 128),
+    ("bshd", 128, 4, 8, 128), ("bshd", 512, 4, 8, 128),
+]
+
+
+def small_kinds(rounds: int = 2) -> None:
+    """Where Liger's kernel led by the profiler (run Y): forward and backward kernel time after
+    an L2 flush, in turn in one trace, of each table kind at its default tile (angle rows, a
+    model's angle table read as rates by its flag, a rate table, a pair cache, a cos/sin cache
+    in t's dtype as Liger reads it), angle rows and flagged rates at one token x all heads (Liger's cut), ours in
+    place on angle rows, and Liger's kernels; ``rounds`` traces per point."""
+    for layout, seq, batch, heads, d in LIGER_LEAD_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
+        inp, x, out, angles, _ = _probe_inputs(shape)
+        g, g_out = inp.grad, torch.empty_like(inp.grad)
+        cos = inp.cache.cos.to(x.dtype).view(angles.shape)
+        sin = inp.cache.sin.to(x.dtype).view(angles.shape)
+        rates = rd.RateTable(angles[1, : d // 2].clone(), angles.shape[0])
+        kinds = {"rows": (angles, None), "flag": _flagged(angles),
+                 "rate table": rd.tables.kernel_tables(rates),
+                 "pair cache": rd.tables.kernel_tables(_pair_cache(inp, angles)),
+                 "cache bf16": (cos, sin)}
+        fns: dict = {}
+        for name, (tab, sn) in kinds.items():
+            for mode, src, dst, back in (("fwd", x, out, False), ("bwd", g, g_out, True)):
+                fns[f"{name} {mode}"] = lambda tab=tab, sn=sn, src=src, dst=dst, back=back: (
+                    triton_rope.launch(src, dst, tab, sn, None, None, layout, False, 1.0, 1, 0,
+                                       back))
+        cut = (1, triton_rope._next_pow2(heads), 1, d // 2, 1, 4)
+        fns["rows 1 x all fwd"] = lambda: triton_rope.launch(
+            x, out, angles, None, None, None, layout, False, 1.0, 1, 0, False, config=cut)
+        flag_tab, flag = kinds["flag"]
+        fns["flag 1 x all fwd"] = lambda: triton_rope.launch(
+            x, out, flag_tab, flag, None, None, layout, False, 1.0, 1, 0, False, config=cut)
+        fns["rows in place fwd"] = lambda: triton_rope.launch(
+            x, x, angles, None, None, None, layout, False, 1.0, 1, 0, False, copy_pass=False)
+        liger = bench._liger_peer(shape, inp)
+        fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+        default = triton_rope.choose_config(seq * batch, heads, d, d, 2, False,
+                                            triton_rope._sm_count(0))
+        print(f"{layout} s{seq} b{batch} h{heads} d{d} (default tile {default[0]}x{default[1]}):",
+              flush=True)
+        for _ in range(rounds):
+            us = bench.cold_kernel_us(fns, calls=40)
+            for mode in ("fwd", "bwd"):
+                cells = [f"{name[: -4]} {t:.2f}" for name, t in us.items() if name.endswith(mode)]
+                print(f"   {mode}: " + " | ".join(cells), flush=True)
+        del x, out, g, g_out
+
+
+IN_PLACE_SHAPES = [  # (layout, seq, batch, heads, head_dim, rotary_dim): where Liger led in place
+    ("sbhd", 2048, 1, 32, 128, 64), ("sbhd", 128, 1, 8, 128, 128), ("sbhd", 512, 1, 8, 128, 128),
+    ("bshd", 512, 1, 8, 128, 128),
+]
+IN_PLACE_TILES = [  # (BLOCK_T, BLOCK_H, num_warps)
+    (1, 32, 4), (2, 16, 4), (4, 16, 4), (4, 8, 4), (8, 4, 4), (8, 8, 4), (1, 8, 4), (1, 8, 2),
+    (1, 8, 1), (2, 8, 4), (1, 4, 4), (1, 2, 4), (1, 2, 1), (1, 16, 4),
+]
+
+
+def in_place_tiles(rounds: int = 2) -> None:
+    """Ours in place (the rotary channels only, as ``apply_``) at explicit tiles, forward and
+    backward by the profiler after an L2 flush, in turn with Liger's in-place kernels."""
+    for layout, seq, batch, heads, d, rot in IN_PLACE_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, rot)
+        inp, x, _, angles, _ = _probe_inputs(shape)
+        g = inp.grad
+        default = triton_rope.choose_config(seq * batch, heads, rot, rot, 2, False,
+                                            triton_rope._sm_count(0))
+        fns: dict = {}
+        for bt, bh, warps in IN_PLACE_TILES:
+            if bh > triton_rope._next_pow2(heads):
+                continue
+            config = (bt, bh, 1, rot // 2, 1, warps)
+            for mode, src, back in (("fwd", x, False), ("bwd", g, True)):
+                fns[f"{bt}x{bh}/{warps}w {mode}"] = lambda src=src, back=back, config=config: (
+                    triton_rope.launch(src, src, angles, None, None, None, layout, False, 1.0, 1,
+                                       0, back, config=config, copy_pass=False))
+        liger = bench._liger_peer(shape, inp)
+        fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+        print(f"{layout} s{seq} b{batch} h{heads} d{d} rot{rot} in place (default tile "
+              f"{default[0]}x{default[1]}/{default[5]}w):", flush=True)
+        for _ in range(rounds):
+            us = bench.cold_kernel_us(fns, calls=30)
+            for mode in ("fwd", "bwd"):
+                cells = [f"{name[: -4]} {t:.2f}" for name, t in us.items() if name.endswith(mode)]
+                print(f"   {mode}: " + " | ".join(cells), flush=True)
+        del x, g
 
 
 TABLE_SHAPES = [  # (layout, seq, batch, heads, head_dim): 64 MB and more
@@ -788,7 +883,8 @@ if __name__ == "__main__":
              "decode-compare": decode_compare, "small-warm": lambda: small(warm=True),
              "small-rules": small_rules, "small-programs": small_programs,
              "large-rates": large_rates, "large-rule": large_rule, "thd-tiles": thd_tiles,
-             "partial-rotary": partial_rotary, "wide-tokens": wide_tokens}
+             "partial-rotary": partial_rotary, "wide-tokens": wide_tokens,
+             "small-kinds": small_kinds, "in-place-tiles": in_place_tiles}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
