@@ -550,6 +550,37 @@ def test_tiles_put_a_tokens_heads_first(tokens, heads, head_dim, rotary_dim, til
         assert bt == triton_rope.TOKENS_PER_TILE
 
 
+def test_in_place_partial_rotary_tiles_count_heads_by_their_span():
+    """In place on partial rotary a head moves its rotary channels but spans its head dim in
+    memory: a tile the L2 holds counts heads by the span (2 tokens x 16 heads of d 128 at rotary
+    dim 64, where the moved bytes alone gave 4 x 16). Streamed calls keep the moved bytes' tile,
+    and out of place (the head moved whole) nothing changes. ``apply_`` passes the span, and
+    its rotation still matches the reference."""
+    from rope_dispatch.backends import triton_rope
+
+    choose = triton_rope.choose_config
+    assert choose(2048, 32, 64, 64, 2, False, 132, span_dim=128)[:2] == (2, 16)
+    assert choose(2048, 32, 64, 64, 2, False, 132)[:2] == (4, 16)
+    assert (choose(32768, 32, 64, 64, 2, False, 132, span_dim=128)
+            == choose(32768, 32, 64, 64, 2, False, 132))
+    assert (choose(2048, 32, 128, 64, 2, False, 132, span_dim=128)
+            == choose(2048, 32, 128, 64, 2, False, 132))
+
+    tokens = 64 if DEVICE == "cpu" else 2048
+    x = torch.randn(tokens, 1, 32, 128, device=DEVICE)
+    angles = rd.tables.angle_table(rd.tables.inverse_frequencies(64, 10000.0), tokens)
+    spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
+    expected = reference_for(x.cpu(), angles, spec)
+    triton_rope._configs.clear()
+    out = rd.apply_(x, angles.to(DEVICE), spec, backend="triton")
+    (config,) = triton_rope._configs.values()
+    sms = 1 if DEVICE == "cpu" else triton_rope._sm_count(x.device.index)
+    assert config == choose(tokens, 32, 64, 64, 4, False, sms, span_dim=128)
+    assert config != choose(tokens, 32, 64, 64, 4, False, sms)
+    assert out is x
+    assert_matches(out, expected, torch.float32)
+
+
 def test_streamed_tiles_can_be_turned_off(monkeypatch):
     """``STREAM_TILE_BYTES = 0`` gives a call above RESIDENT_BYTES the 8-token tile it had
     before (the probe compares both rules)."""
