@@ -89,22 +89,16 @@ def _table(tab_ptr, sin_ptr, offsets, mask, USE_CACHE: tl.constexpr, FAST_TRIG: 
 
 
 @triton.jit
-def _rates(
-    rate_ptr, STEP: tl.constexpr, c, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+def _rate_cos_sin(
+    rate_ptr, STEP: tl.constexpr, pos, inside, c, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, FAST_TRIG: tl.constexpr,
 ):
-    """Pair ``k``'s rate ``rate_ptr[k * STEP]`` for each pair a row holds, and which ``k`` are
-    pairs: the same for every token, so loaded with the data, ahead of any position."""
+    """cos and sin of pair ``k``'s angle ``float32(pos) * rate_ptr[k * STEP]`` (one product, as
+    an angle table's entry is), NaN for tokens outside the table: ``(cos_a, sin_a, cos_b,
+    sin_b)`` as :func:`_row_cos_sin` gives them, both channels of a pair sharing one value."""
     k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
     k_ok = k < ROT_DIM // 2
-    return tl.load(rate_ptr + k * STEP, mask=k_ok, other=0.0), k_ok
-
-
-@triton.jit
-def _rate_cos_sin(rate, k_ok, pos, inside, FAST_TRIG: tl.constexpr):
-    """cos and sin of pair ``k``'s angle ``float32(pos) * rate[k]`` (one product, as an angle
-    table's entry is), NaN for tokens outside the table: ``(cos_a, sin_a, cos_b, sin_b)`` as
-    :func:`_row_cos_sin` gives them, both channels of a pair sharing one value."""
+    rate = tl.load(rate_ptr + k * STEP, mask=k_ok, other=0.0)  # the same for every row
     angle = pos.to(tl.float32)[:, None] * rate[None, :]
     angle = tl.where(inside[:, None] & k_ok[None, :], angle, float("nan"))
     cos, sin = _cos_sin(angle, FAST_TRIG)
@@ -114,18 +108,11 @@ def _rate_cos_sin(rate, k_ok, pos, inside, FAST_TRIG: tl.constexpr):
 @triton.jit
 def _row_cos_sin(
     tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-    USE_CACHE: tl.constexpr, PAIRED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    USE_CACHE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
     FAST_TRIG: tl.constexpr,
 ):
-    """cos and sin of each channel of the tokens' table rows (angles, a cos/sin cache, or with
-    ``PAIRED`` a pair cache's one cos and one sin per pair), as the two channels of each pair
-    see them: ``(cos_a, sin_a, cos_b, sin_b)``."""
-    if PAIRED:  # one cos and one sin per rotated pair, shared by both of its channels
-        k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
-        k_mask = inside[:, None] & (k < ROT_DIM // 2)[None, :]
-        cos_a, sin_a = _table(tab_ptr, sin_ptr, pos.to(tl.int64)[:, None] * ROT_DIM + k[None, :],
-                              k_mask, USE_CACHE, FAST_TRIG)
-        return cos_a, sin_a, cos_a, sin_a
+    """cos and sin of each channel of the tokens' table rows (angles or a cos/sin cache), as
+    the two channels of each pair see them: ``(cos_a, sin_a, cos_b, sin_b)``."""
     tab_off = pos.to(tl.int64)[:, None] * ROT_DIM + c[None, :]
     tab_mask = inside[:, None] & c_mask[None, :]
     if INTERLEAVED:
@@ -424,31 +411,30 @@ def _rope_program(
         p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
     )
 
-    if RATES or LINEAR:  # a rate table's rates at k; a linear table's in row 1, at k or 2k
-        rate, k_ok = _rates(tab_ptr + ROT_DIM if LINEAR else tab_ptr,
-                            2 if LINEAR and INTERLEAVED else 1, c, ROT_DIM, INTERLEAVED, BLOCK_R)
-    if LINEAR:  # an angle table: rated while its flag holds this pairing's bit (its rates are
-        # loaded beside the flag, not after it: a dependent load costs a memory latency more)
-        rated = (tl.load(sin_ptr) & (2 if INTERLEAVED else 1)) != 0
     pos = _positions(
         tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, pos_ptr, n_seqs, cp_size, cp_rank,
         LAYOUT, POSITIONS, CONTEXT_PARALLEL, SEQ_BLOCK,
     )
     inside = tok_mask & (pos >= 0) & (pos < table_len)  # never read outside the table
-    if RATES:  # rotation rates: pair k's angle is one float32 product, position x rate k
-        cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(rate, k_ok, pos, inside, FAST_TRIG)
-    elif LINEAR:
-        if rated:
-            cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(rate, k_ok, pos, inside, FAST_TRIG)
-        else:
-            cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
-                tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE,
-                False, BLOCK_T, BLOCK_R, FAST_TRIG,
-            )
+    rated = RATES  # rotation rates: pair k's angle is one float32 product, position x rate k
+    if LINEAR:  # an angle table: rated while its flag holds this pairing's bit
+        rated = (tl.load(sin_ptr) & (2 if INTERLEAVED else 1)) != 0
+    if rated:  # a rate table's rates at k; a linear table's in row 1, at k (halves) or 2k (pairs)
+        cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(
+            tab_ptr + ROT_DIM if LINEAR else tab_ptr, 2 if LINEAR and INTERLEAVED else 1, pos,
+            inside, c, ROT_DIM, INTERLEAVED, BLOCK_R, FAST_TRIG,
+        )
+    elif PAIRED:  # one cos and one sin per rotated pair, shared by both of its channels
+        k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
+        k_mask = inside[:, None] & (k < ROT_DIM // 2)[None, :]
+        cos_a, sin_a = _table(tab_ptr, sin_ptr, pos.to(tl.int64)[:, None] * ROT_DIM + k[None, :],
+                              k_mask, USE_CACHE, FAST_TRIG)
+        cos_b = cos_a
+        sin_b = sin_a
     else:
         cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
-            tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, PAIRED,
-            BLOCK_T, BLOCK_R, FAST_TRIG,
+            tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, BLOCK_T,
+            BLOCK_R, FAST_TRIG,
         )
     if BACKWARD:  # the transpose: each channel takes its partner's sine
         coef_a = sin_b
