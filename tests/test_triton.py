@@ -566,7 +566,7 @@ def test_in_place_partial_rotary_tiles_count_heads_by_their_span():
     assert (choose(2048, 32, 128, 64, 2, False, 132, span_dim=128)
             == choose(2048, 32, 128, 64, 2, False, 132))
 
-    tokens = 64 if DEVICE == "cpu" else 2048
+    tokens = 64 if DEVICE == "cpu" else 512  # 4 MiB of rotary channels: the L2 holds them
     x = torch.randn(tokens, 1, 32, 128, device=DEVICE)
     angles = rd.tables.angle_table(rd.tables.inverse_frequencies(64, 10000.0), tokens)
     spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
