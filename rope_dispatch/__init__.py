@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-
 from . import autotune
 from . import cp
 from .autotune import cache_dir, cache_entries, clear_cache

@@ -363,9 +363,8 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
         if in_place is not None:  # its backward: the engine's one in-place transposed launch
             profiled[IN_PLACE] = dataclasses.replace(in_place, bwd_kernel=in_place.bwd)
         for name, times in profiled_kernel_times(profiled).items():
-            if name == IN_PLACE:  # fwd_in_place_profiled_us, bwd_in_place_profiled_us
-                times = {key.replace("_kernel", "").replace("_profiled", "_in_place_profiled"): us
-                         for key, us in times.items()}
+            if name == IN_PLACE:
+                times = {IN_PLACE_KEYS[key]: us for key, us in times.items()}
                 name = "triton"
             results[name].update(times)
     for result in results.values():
@@ -380,6 +379,9 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
 
 PROFILED_CALLS = 30  # calls of each mode, in turn, in one profiler trace
 IN_PLACE = "triton in place"  # ours in place among the profiled implementations
+IN_PLACE_KEYS = {"fwd_profiled_us": "fwd_in_place_profiled_us",
+                 "bwd_kernel_profiled_us": "bwd_in_place_profiled_us"}
+"""Where ours in place's profiled times go in ``triton``'s results."""
 
 
 def profiled_kernel_times(impls: dict[str, Impl]) -> dict[str, dict[str, float]]:
@@ -416,6 +418,12 @@ def _time_cell(result: dict[str, Any], key: str) -> str:
     return "-" if us is None else f"{us:.1f} ({pct:.0f}%)"
 
 
+def _fwd_bwd_cell(result: dict[str, Any], fwd_key: str, bwd_key: str) -> str:
+    """``fwd / bwd`` us of two of ``result``'s keys, ``-`` for one not measured."""
+    return " / ".join("-" if (us := result.get(key)) is None else f"{us:.2f}"
+                      for key in (fwd_key, bwd_key))
+
+
 def _cells(result: dict[str, Any]) -> str:
     """An implementation's table cells: its modes, then its launch counts."""
     if "absent" in result:
@@ -431,12 +439,9 @@ def _cells(result: dict[str, Any]) -> str:
     warm_cell = "-" if warm is None else f"{warm:.2f}"
     if in_place is not None:
         warm_cell += f" (in place {in_place:.2f})"
-    profiled = " / ".join("-" if us is None else f"{us:.2f}" for us in (
-        result.get("fwd_profiled_us"), result.get("bwd_kernel_profiled_us")))
-    in_place_profiled = [result.get(f"{mode}_in_place_profiled_us") for mode in ("fwd", "bwd")]
-    if any(us is not None for us in in_place_profiled):
-        profiled += " (in place " + " / ".join(
-            "-" if us is None else f"{us:.2f}" for us in in_place_profiled) + ")"
+    profiled = _fwd_bwd_cell(result, "fwd_profiled_us", "bwd_kernel_profiled_us")
+    if any(result.get(key) is not None for key in IN_PLACE_KEYS.values()):
+        profiled += f" (in place {_fwd_bwd_cell(result, *IN_PLACE_KEYS.values())})"
     return (f"{times} | {'-' if host is None else f'{host:.1f}'} | {warm_cell} | {profiled} "
             f"| {launches}")
 

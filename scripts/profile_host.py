@@ -13,7 +13,9 @@ import io
 import os
 import pstats
 import random
+import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -206,6 +208,7 @@ def gap() -> None:
 
 
 GAP_ASKED_US = 1.5  # issue 11: apply end to end within this of the bound launch
+NUMBER = r"(-?[\d.]+)"  # a figure in a child process's printed lines
 
 
 def _pinned(core: int | None):
@@ -220,13 +223,9 @@ def gap_processes(processes: int, cores: list[int] | None = None) -> None:
     """:func:`gap` in ``processes`` new processes one after another: on one host the same code
     read 1.04-2.19 us between processes (run X), so the figure to judge is how many processes
     hold it and the median over them. ``cores``: pin process ``n`` to ``cores[n % len]``."""
-    import re
-    import subprocess
-
-    number = r"(-?[\d.]+)"
-    pattern = re.compile(rf"- bound launch: {number} us; front alone {number} us; front between "
-                         rf"launches {number} us")
-    launch = re.compile(rf"^\s*bound launch: host\s+{number}")
+    pattern = re.compile(rf"- bound launch: {NUMBER} us; front alone {NUMBER} us; front between "
+                         rf"launches {NUMBER} us")
+    launch = re.compile(rf"^\s*bound launch: host\s+{NUMBER}")
     rows = []
     for n in range(processes):
         core = cores[n % len(cores)] if cores else None
@@ -250,12 +249,8 @@ def core_speeds() -> None:
     forced: a CPU call on a GPU machine would otherwise measure backends first): whether the
     spread of Python's speed between processes on one host (run X: a no-op call 0.10 against
     0.19 us) follows the core a process runs on."""
-    import re
-    import subprocess
-
-    number = r"(-?[\d.]+)"
-    noop = re.compile(rf"no-op plan called directly: {number} us")
-    front_us = re.compile(rf"dispatch front: {number} us")
+    noop = re.compile(rf"no-op plan called directly: {NUMBER} us")
+    front_us = re.compile(rf"dispatch front: {NUMBER} us")
     for core in sorted(os.sched_getaffinity(0)):
         out = subprocess.run([sys.executable, __file__, "front", "11"], capture_output=True,
                              text=True, check=True, preexec_fn=_pinned(core),

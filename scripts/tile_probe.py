@@ -336,12 +336,24 @@ LIGER_LEAD_SHAPES = [  # (layout, seq, batch, heads, head_dim): where Liger's ke
 ]
 
 
+def _print_cold_traces(fns: dict, rounds: int, calls: int) -> None:
+    """``rounds`` profiler traces of ``fns`` (named ``"<what> fwd"`` or ``"<what> bwd"``), each
+    call after an L2 flush (:func:`~rope_dispatch.bench.cold_kernel_us`): per trace a forward
+    line and a backward line of kernel us."""
+    for _ in range(rounds):
+        us = bench.cold_kernel_us(fns, calls=calls)
+        for mode in ("fwd", "bwd"):
+            cells = [f"{name[: -4]} {t:.2f}" for name, t in us.items() if name.endswith(mode)]
+            print(f"   {mode}: " + " | ".join(cells), flush=True)
+
+
 def small_kinds(rounds: int = 2) -> None:
     """Where Liger's kernel led by the profiler (run Y): forward and backward kernel time after
     an L2 flush, in turn in one trace, of each table kind at its default tile (angle rows, a
     model's angle table read as rates by its flag, a rate table, a pair cache, a cos/sin cache
-    in t's dtype as Liger reads it), angle rows and flagged rates at one token x all heads (Liger's cut), ours in
-    place on angle rows, and Liger's kernels; ``rounds`` traces per point."""
+    in t's dtype as Liger reads it), angle rows and flagged rates at one token x all heads
+    (Liger's cut), ours in place on angle rows, and Liger's kernels; ``rounds`` traces per
+    point."""
     for layout, seq, batch, heads, d in LIGER_LEAD_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
         inp, x, out, angles, _ = _probe_inputs(shape)
@@ -373,11 +385,7 @@ def small_kinds(rounds: int = 2) -> None:
                                             triton_rope._sm_count(0))
         print(f"{layout} s{seq} b{batch} h{heads} d{d} (default tile {default[0]}x{default[1]}):",
               flush=True)
-        for _ in range(rounds):
-            us = bench.cold_kernel_us(fns, calls=40)
-            for mode in ("fwd", "bwd"):
-                cells = [f"{name[: -4]} {t:.2f}" for name, t in us.items() if name.endswith(mode)]
-                print(f"   {mode}: " + " | ".join(cells), flush=True)
+        _print_cold_traces(fns, rounds, calls=40)
         del x, out, g, g_out
 
 
@@ -413,11 +421,7 @@ def in_place_tiles(rounds: int = 2) -> None:
         fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
         print(f"{layout} s{seq} b{batch} h{heads} d{d} rot{rot} in place (default tile "
               f"{default[0]}x{default[1]}/{default[5]}w):", flush=True)
-        for _ in range(rounds):
-            us = bench.cold_kernel_us(fns, calls=30)
-            for mode in ("fwd", "bwd"):
-                cells = [f"{name[: -4]} {t:.2f}" for name, t in us.items() if name.endswith(mode)]
-                print(f"   {mode}: " + " | ".join(cells), flush=True)
+        _print_cold_traces(fns, rounds, calls=30)
         del x, g
 
 
