@@ -337,6 +337,36 @@ def test_the_switch_stops_flags_already_made(monkeypatch):
                    x.dtype, "next call")
 
 
+def test_plans_ask_about_capture_only_off_the_legacy_default_stream(monkeypatch):
+    """A plan's check of its flag asks the driver whether a graph is being captured only where
+    one can be: never on the legacy default stream (raw address 0), which CUDA and
+    ``torch.cuda.graph`` refuse to capture and where most training runs. Elsewhere a capture
+    stops the flag; a write into the table and the switch stop it on every stream."""
+    freqs = torch.zeros(8, 4)
+    flag = torch.zeros(1, dtype=torch.int32)
+    flag._rope_version = freqs._version
+    asked: list[bool] = []
+    answer = {"capturing": False}
+
+    def stream_capturing() -> bool:
+        asked.append(answer["capturing"])
+        return answer["capturing"]
+
+    monkeypatch.setattr(triton_rope, "_stream_capturing", stream_capturing)
+    monkeypatch.setattr(triton_rope, "_current_stream", {0: 0, 1: 0x7F00}.__getitem__)
+    stale = triton_rope._flag_stale
+    assert not stale(flag, freqs, 0) and asked == []
+    assert not stale(flag, freqs, 1) and asked == [False]
+    answer["capturing"] = True
+    assert stale(flag, freqs, 1) and asked == [False, True]
+    assert not stale(flag, freqs, 0) and len(asked) == 2
+    monkeypatch.setenv("ROPE_DISPATCH_LINEAR_TABLES", "0")
+    assert stale(flag, freqs, 0)
+    monkeypatch.delenv("ROPE_DISPATCH_LINEAR_TABLES")
+    freqs[3, 1] = 1.0
+    assert stale(flag, freqs, 0)
+
+
 def test_a_flag_made_in_inference_mode_serves_outside_it():
     """Serving code finds a table's flag under inference mode; a training-style call after a
     write into the table checks it again outside inference mode."""
@@ -472,3 +502,35 @@ def test_a_graph_replay_reads_the_rows_of_the_table_as_it_is():
     graph.replay()
     torch.cuda.synchronize()
     assert_matches(out, reference_for(x.cpu(), freqs.view(64, -1).cpu(), spec), x.dtype, "replay")
+
+
+@gpu
+@pytest.mark.parametrize("warm_on", ["default stream", "side stream"])
+def test_a_step_captured_whole_reads_the_rows_of_the_table_as_it_is(warm_on):
+    """Forward and backward captured in one graph (as whole-step capture and
+    ``make_graphed_callables`` do) after planned eager steps that read the flag, on the default
+    stream (no capture query) or a side stream: the graph reads the rows, so a table written
+    between replays is seen by both."""
+    freqs = linear_table(64, 64, False)
+    spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
+    x = torch.randn(64, 2, 4, 128, device="cuda").bfloat16()
+    grad_out = torch.randn_like(x)
+    leaf = x.clone().requires_grad_(True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side if warm_on == "side stream" else None):
+        for _ in range(3):  # planned from the second call on
+            torch.autograd.grad(rd.apply(leaf, freqs, spec, backend="triton"), leaf, grad_out)
+    torch.cuda.current_stream().wait_stream(side)
+    assert held_flags() == [HALVES]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rd.apply(leaf, freqs, spec, backend="triton")
+        (grad,) = torch.autograd.grad(out, leaf, grad_out)
+    freqs[20, 0, 0, 7] += 1.0
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_grad = reference_forward_backward(x.cpu(), freqs.view(64, -1).cpu(), spec,
+                                                   grad_out.cpu())
+    assert_matches(out, ref_out, x.dtype, "replayed forward")
+    assert_matches(grad, ref_grad, x.dtype, "replayed backward")
