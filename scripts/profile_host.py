@@ -1,10 +1,11 @@
 """Where a call's host time goes: cProfile of repeated serving and decode calls on the GPU, and
 the device time of their kernels from torch.profiler (a developer's tool, not part of the
-benchmark). Modes: ``grad [tokens]``, ``te``, ``front [rounds]`` (the dispatch front alone, on
+benchmark). Modes: ``grad [tokens [heads]]``, ``te``, ``front [rounds]`` (the dispatch front alone, on
 the CPU), ``cores`` (``front`` pinned to each core in turn), ``gap [processes [cores]]``
 (decode ``apply`` against its bound launch; with a count, in that many processes in turn,
 pinned to the comma-separated cores if given), ``serving-gap`` (the same for ``apply_qk_`` and
-``apply_``), ``serving-pieces [cpu]`` (their fronts' pieces timed apart), or names of the
+``apply_``), ``serving-pieces [cpu]`` (their fronts' pieces timed apart), ``flag-host`` (forward +
+backward reading a linear table as rates against reading its rows), or names of the
 serving calls below."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -77,6 +79,31 @@ def noop_plans(key):
     return noop
 
 
+def taken_plans(x, fn) -> list[str]:
+    """The qualified names of the plans whose guards pass ``x`` (what ``fn(x)`` runs), found
+    by calling ``fn`` with each kept plan's run wrapped."""
+    from rope_dispatch import dispatch
+
+    seen: list[str] = []
+    saved = dict(dispatch._plans)
+    for key, entry in saved.items():
+        def wrap(run):
+            def recording(*args):
+                seen.append(getattr(run, "__qualname__", "?"))
+                return run(*args)
+            return recording
+        dispatch._plans[key] = entry._replace(
+            plans=tuple(p._replace(run=wrap(p.run)) for p in entry.plans))
+    dispatch._recent = dispatch._recent_run = None
+    try:
+        fn(x)
+    finally:
+        dispatch._plans.clear()
+        dispatch._plans.update(saved)
+        dispatch._recent = dispatch._recent_run = None
+    return seen or ["none (the unplanned path)"]
+
+
 def grad_pieces(tokens=128, heads=8):
     """The gradient path piece by piece, ours against TE's API on one machine: forward with
     requires_grad, backward alone (retain_graph), both, the autograd.Function without dispatch,
@@ -117,11 +144,19 @@ def grad_pieces(tokens=128, heads=8):
     pieces = {}
     for name, fn in fns.items():
         out = fn(leaf)
+        fn(leaf)  # planned at the second call
+        print(f"  {name}: plans taken {taken_plans(leaf, fn)}")
         pieces[(name, "fwd")] = lambda fn=fn: fn(leaf)
         pieces[(name, "bwd (retain_graph)")] = lambda out=out: torch.autograd.grad(
             out, leaf, grad, retain_graph=True)
         pieces[(name, "fwd+bwd")] = lambda fn=fn: torch.autograd.grad(fn(leaf), leaf, grad)
+    flag = triton_rope._flag_of(triton_rope._kernel_tables(freqs, tokens)[1])
+    if flag is not None:  # the planned calls' check of a linear table's flag, alone
+        pieces[("flag check", "alone")] = lambda: triton_rope._flag_stale(
+            flag, freqs, freqs.get_device())
     times = bench.host_us_interleaved(pieces)  # in turn within each round: ratios hold
+    if flag is not None:
+        print(f"  flag check alone: {times[('flag check', 'alone')][0]:.2f} us")
     for name in fns:
         shown = "  ".join(f"{piece} {times[(name, piece)][0]:7.2f}"
                           for piece in ("fwd", "bwd (retain_graph)", "fwd+bwd"))
@@ -131,6 +166,74 @@ def grad_pieces(tokens=128, heads=8):
         if name in fns:
             profile(f"fwd+bwd {name}", lambda fn=fns[name]: torch.autograd.grad(fn(leaf), leaf, grad),
                     top=22)
+
+
+def flag_host() -> None:
+    """Forward + backward on the host clock at sweep points whose calls read a linear table as
+    rates (the flag), in turn with the same calls reading rows (a table that is not linear,
+    and the sweep's ``rows_read`` wrapper) and TE's API; then the flag check's parts alone."""
+    from rope_dispatch import sweep
+    from rope_dispatch.backends import triton_rope
+
+    points = [("sbhd", 8192, 1, 1), ("sbhd", 2048, 4, 8)]
+    for layout, seq, batch, heads in points:
+        series = sweep.Series(batch, heads, 128, 128, (seq,), "probe")
+        shape = sweep.make_point(layout, torch.bfloat16, series, seq)
+        inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
+        impls = {name: sweep._build(name, shape, inp)[0] for name in ("triton", "triton-rows", "te")}
+        bent = inp.freqs.clone()
+        bent.view(-1)[1] += 0.5  # no longer position x rate: its rows are read, no wrapper
+        impls["triton, table not linear"] = bench._ours("triton", "bent", inp, bent)
+        fns = {name: impl.fwd_bwd for name, impl in impls.items() if impl is not None}
+        # the planned flag path does not read LINEAR_MIN_ROWS_READ: the wrapper's cost alone
+        fns["triton in rows_read's wrapper"] = bench.rows_read(fns["triton"])
+        for fn in fns.values():
+            fn()
+            fn()
+        leaf = inp.t.detach().requires_grad_(True)
+        flagged = triton_rope._flag_of(triton_rope._kernel_tables(
+            triton_rope.angles_2d(inp.freqs), triton_rope._rows_read(leaf, layout, None))[1])
+        print(f"=== {shape.name}: flag {'set' if flagged is not None else 'none'}; "
+              f"plans {taken_plans(leaf, lambda x: rd.apply(x, inp.freqs, inp.spec, backend='triton'))}")
+        if flagged is not None:
+            flag, freqs = flagged, inp.freqs
+        shipped = triton_rope._flag_stale
+
+        def querying(flag, freqs, device_index):  # the check before run AB: a query every call
+            return (flag._rope_version != freqs._version or triton_rope._capturing(freqs)
+                    or triton_rope._linear_tables_setting() == "0")
+
+        side = torch.cuda.Stream()  # where the capture query stays
+        phases = {
+            "as shipped": (shipped, None),
+            "capture query on every call": (querying, None),
+            "flag check skipped": (lambda flag, freqs, device_index: False, None),
+            "as shipped, on a side stream": (shipped, side),
+            "as shipped, again": (shipped, None),
+        }
+        for phase, (stale, stream) in phases.items():
+            triton_rope._flag_stale = stale
+            torch.cuda.synchronize()
+            try:
+                with torch.cuda.stream(stream):
+                    times = bench.host_us_interleaved(fns, calls=40, rounds=31)
+            finally:
+                triton_rope._flag_stale = shipped
+            print(f"  {phase:>34}: " + "  ".join(
+                f"{n}: {h:6.1f}/{t:6.1f}" for n, (h, t) in times.items()))
+    print("=== the flag check's parts, host us per call")
+    parts = {
+        "_flag_stale": lambda: triton_rope._flag_stale(flag, freqs, freqs.get_device()),
+        "_capturing": lambda: triton_rope._capturing(freqs),
+        "_stream_capturing": lambda: triton_rope._stream_capturing(),
+        "_linear_tables_setting": lambda: triton_rope._linear_tables_setting(),
+        "flag._rope_version": lambda: flag._rope_version,
+        "freqs._version": lambda: freqs._version,
+        "freqs.is_cuda": lambda: freqs.is_cuda,
+        "nothing": lambda: None,
+    }
+    for name, us in loop_us_in_turn(parts, rounds=21, calls=20000).items():
+        print(f"  {name:>24}: {us:.3f}")
 
 
 def te_pieces():
@@ -382,7 +485,10 @@ def main():
         serving_pieces(*sys.argv[2:3])
         return
     if sys.argv[1:2] == ["grad"]:  # grad [tokens]
-        grad_pieces(*(int(n) for n in sys.argv[2:3]))
+        grad_pieces(*(int(n) for n in sys.argv[2:4]))
+        return
+    if sys.argv[1:2] == ["flag-host"]:
+        flag_host()
         return
     if sys.argv[1:2] == ["te"]:
         te_pieces()
