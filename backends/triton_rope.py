@@ -412,8 +412,10 @@ _stream_capturing = getattr(
 
 def _capturing(table: torch.Tensor) -> bool:
     """Whether the current CUDA stream is being captured into a graph: a replay would read the
-    flag as it was at capture, whatever was written into the table since."""
-    return table.is_cuda and _stream_capturing()
+    flag as it was at capture, whatever was written into the table since. Asked of the driver
+    only off the legacy default stream of the table's device, which is never captured
+    (:func:`_flag_stale`)."""
+    return table.is_cuda and _current_stream(table.get_device()) != 0 and _stream_capturing()
 
 
 def linear_flag(table: torch.Tensor) -> torch.Tensor | None:

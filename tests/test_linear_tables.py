@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -337,11 +338,12 @@ def test_the_switch_stops_flags_already_made(monkeypatch):
                    x.dtype, "next call")
 
 
-def test_plans_ask_about_capture_only_off_the_legacy_default_stream(monkeypatch):
-    """A plan's check of its flag asks the driver whether a graph is being captured only where
-    one can be: never on the legacy default stream (raw address 0), which CUDA and
-    ``torch.cuda.graph`` refuse to capture and where most training runs. Elsewhere a capture
-    stops the flag; a write into the table and the switch stop it on every stream."""
+def test_capture_is_asked_about_only_off_the_legacy_default_stream(monkeypatch):
+    """A plan's check of its flag, and the generic path's, ask the driver whether a graph is
+    being captured only where one can be: never on the legacy default stream (raw address 0),
+    which CUDA and ``torch.cuda.graph`` refuse to capture and where most training runs.
+    Elsewhere a capture stops the flag; a write into the table and the switch stop it on every
+    stream."""
     freqs = torch.zeros(8, 4)
     flag = torch.zeros(1, dtype=torch.int32)
     flag._rope_version = freqs._version
@@ -365,6 +367,11 @@ def test_plans_ask_about_capture_only_off_the_legacy_default_stream(monkeypatch)
     monkeypatch.delenv("ROPE_DISPATCH_LINEAR_TABLES")
     freqs[3, 1] = 1.0
     assert stale(flag, freqs, 0)
+    asked.clear()
+    on_device = {index: SimpleNamespace(is_cuda=True, get_device=lambda index=index: index)
+                 for index in (0, 1)}  # what the generic path reads of a CUDA table
+    assert not triton_rope._capturing(on_device[0]) and asked == []
+    assert triton_rope._capturing(on_device[1]) and asked == [True]
 
 
 def test_a_flag_made_in_inference_mode_serves_outside_it():
