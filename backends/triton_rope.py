@@ -410,12 +410,21 @@ _stream_capturing = getattr(
 )
 
 
+def _capturing_on(device_index: int) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of device ``device_index``
+    (the driver is asked about the current device's). No graph is ever captured on the legacy
+    default stream (raw address 0: CUDA refuses it, and so does ``torch.cuda.graph``), where
+    most training runs, and a backward runs on its forward's stream: there the driver is not
+    asked. Asked on every call, the question made planned forward + backward calls on a linear
+    table 3-10 us slower than the same calls reading rows on the H200 host, where it took
+    0.3-0.7 us alone (run AB)."""
+    return _current_stream(device_index) != 0 and _stream_capturing()
+
+
 def _capturing(table: torch.Tensor) -> bool:
-    """Whether the current CUDA stream is being captured into a graph: a replay would read the
-    flag as it was at capture, whatever was written into the table since. Asked of the driver
-    only off the legacy default stream of the table's device, which is never captured
-    (:func:`_flag_stale`)."""
-    return table.is_cuda and _current_stream(table.get_device()) != 0 and _stream_capturing()
+    """Whether a CUDA graph is being captured where ``table`` is read: a replay would read the
+    flag as it was at capture, whatever was written into the table since."""
+    return table.is_cuda and _capturing_on(table.get_device())
 
 
 def linear_flag(table: torch.Tensor) -> torch.Tensor | None:
@@ -1357,17 +1366,11 @@ def _flag_stale(flag: torch.Tensor, freqs: torch.Tensor, device_index: int) -> b
     """Whether a plan must not launch with the address of ``flag``, the flag of ``freqs``'s
     angle table on the current device ``device_index``: the table was written since its check
     (the generic path checks it again), a CUDA graph is being captured (a replay must read the
-    rows), or ``ROPE_DISPATCH_LINEAR_TABLES=0`` was set since the plan was made.
-
-    No graph is ever captured on the legacy default stream (raw address 0: CUDA refuses it,
-    and so does ``torch.cuda.graph``), where most training runs, and a backward runs on its
-    forward's stream; there the capture query, a driver call, is skipped. Asked on every call,
-    it made planned forward + backward calls 3-10 us slower than the same calls reading rows
-    on the H200 host (0.3-0.7 us alone): the lead over TE's API at 2-16 MiB (run AB)."""
+    rows; :func:`_capturing_on`), or ``ROPE_DISPATCH_LINEAR_TABLES=0`` was set since the plan
+    was made."""
     return (
         flag._rope_version != freqs._version  # type: ignore[attr-defined]
-        or (_current_stream(device_index) != 0 and _stream_capturing())
-        or _linear_tables_setting() == "0"
+        or _capturing_on(device_index) or _linear_tables_setting() == "0"
     )
 
 

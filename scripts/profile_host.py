@@ -200,7 +200,8 @@ def flag_host() -> None:
         shipped = triton_rope._flag_stale
 
         def querying(flag, freqs, device_index):  # the check before run AB: a query every call
-            return (flag._rope_version != freqs._version or triton_rope._capturing(freqs)
+            return (flag._rope_version != freqs._version
+                    or (freqs.is_cuda and triton_rope._stream_capturing())
                     or triton_rope._linear_tables_setting() == "0")
 
         side = torch.cuda.Stream()  # where the capture query stays
@@ -224,7 +225,7 @@ def flag_host() -> None:
     print("=== the flag check's parts, host us per call")
     parts = {
         "_flag_stale": lambda: triton_rope._flag_stale(flag, freqs, freqs.get_device()),
-        "_capturing": lambda: triton_rope._capturing(freqs),
+        "_capturing_on": lambda: triton_rope._capturing_on(freqs.get_device()),
         "_stream_capturing": lambda: triton_rope._stream_capturing(),
         "_linear_tables_setting": lambda: triton_rope._linear_tables_setting(),
         "flag._rope_version": lambda: flag._rope_version,
