@@ -410,21 +410,21 @@ _stream_capturing = getattr(
 )
 
 
-def _capturing_on(device_index: int) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of device ``device_index``
-    (the driver is asked about the current device's). No graph is ever captured on the legacy
-    default stream (raw address 0: CUDA refuses it, and so does ``torch.cuda.graph``), where
-    most training runs, and a backward runs on its forward's stream: there the driver is not
-    asked. Asked on every call, the question made planned forward + backward calls on a linear
-    table 3-10 us slower than the same calls reading rows on the H200 host, where it took
-    0.3-0.7 us alone (run AB)."""
-    return _current_stream(device_index) != 0 and _stream_capturing()
+def _capturing_on(stream: int) -> bool:
+    """Whether a CUDA graph is being captured on ``stream``, the raw address of the current
+    stream a launch reads (the driver is asked about the current device's). No graph is ever
+    captured on the legacy default stream (address 0: CUDA refuses it, and so does
+    ``torch.cuda.graph``), where most training runs, and a backward runs on its forward's
+    stream: there the driver is not asked. Asked on every call, the question made planned
+    forward + backward calls on a linear table 3-10 us slower than the same calls reading rows
+    on the H200 host, where it took 0.3-0.7 us alone (run AB)."""
+    return stream != 0 and _stream_capturing()
 
 
 def _capturing(table: torch.Tensor) -> bool:
     """Whether a CUDA graph is being captured where ``table`` is read: a replay would read the
     flag as it was at capture, whatever was written into the table since."""
-    return table.is_cuda and _capturing_on(table.get_device())
+    return table.is_cuda and _capturing_on(_current_stream(table.get_device()))
 
 
 def linear_flag(table: torch.Tensor) -> torch.Tensor | None:
@@ -1362,15 +1362,15 @@ def _flag_of(sin: torch.Tensor | None) -> torch.Tensor | None:
     return sin if sin is not None and sin.dtype is _FLAG else None
 
 
-def _flag_stale(flag: torch.Tensor, freqs: torch.Tensor, device_index: int) -> bool:
-    """Whether a plan must not launch with the address of ``flag``, the flag of ``freqs``'s
-    angle table on the current device ``device_index``: the table was written since its check
-    (the generic path checks it again), a CUDA graph is being captured (a replay must read the
-    rows; :func:`_capturing_on`), or ``ROPE_DISPATCH_LINEAR_TABLES=0`` was set since the plan
-    was made."""
+def _flag_stale(flag: torch.Tensor, freqs: torch.Tensor, stream: int) -> bool:
+    """Whether a plan must not launch on ``stream`` (the raw current stream of the current
+    device) with the address of ``flag``, the flag of ``freqs``'s angle table: the table was
+    written since its check (the generic path checks it again), a CUDA graph is being captured
+    (a replay must read the rows; :func:`_capturing_on`), or ``ROPE_DISPATCH_LINEAR_TABLES=0``
+    was set since the plan was made."""
     return (
         flag._rope_version != freqs._version  # type: ignore[attr-defined]
-        or _capturing_on(device_index) or _linear_tables_setting() == "0"
+        or _capturing_on(stream) or _linear_tables_setting() == "0"
     )
 
 
@@ -1429,16 +1429,17 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
         xp = x.data_ptr()
         given = positions if start_positions is None else start_positions
         ip = bound_table if given is None else given.data_ptr()
+        s = stream(device_index)
         if (xp | ip) & 15 or (guard and current_device() != device_index) or (
-            flag is not None and _flag_stale(flag, freqs, device_index)
+            flag is not None and _flag_stale(flag, freqs, s)
         ):
             return generic(x, freqs, spec, start_positions, positions, k)
         if in_place:
-            run(*head, stream(device_index), *prefix, xp, xp, *bound_tables, ip, *rest)
+            run(*head, s, *prefix, xp, xp, *bound_tables, ip, *rest)
             increment_version(x)
             return x
         out = empty_like(x) if contiguous else empty_like(x, memory_format=dense)
-        run(*head, stream(device_index), *prefix, xp, out.data_ptr(), *bound_tables, ip, *rest)
+        run(*head, s, *prefix, xp, out.data_ptr(), *bound_tables, ip, *rest)
         return out
 
     return launch_bound
@@ -1466,10 +1467,10 @@ class _GradLaunch:
         self.per_token = per_token
         self.flag = flag  # a linear angle table's flag, read by address
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, index: torch.Tensor | None, stream: int) -> torch.Tensor:
         out = torch.empty_like(x)
         ip = self.tables[0] if index is None else index.data_ptr()
-        self.run(*self.head, _current_stream(self.device), *self.prefix, x.data_ptr(),
+        self.run(*self.head, stream, *self.prefix, x.data_ptr(),
                  out.data_ptr(), *self.tables, ip, *self.rest)
         return out
 
@@ -1482,9 +1483,10 @@ class _GradLaunch:
         wanted, else the generic launch (any strides) or, for double backward, the
         differentiable function."""
         gp = grad.data_ptr()
+        stream = _current_stream(self.device)
         if (
             not torch.is_grad_enabled() and grad.is_contiguous() and not gp & 15
-            and (self.flag is None or not _flag_stale(self.flag, freqs, self.device))
+            and (self.flag is None or not _flag_stale(self.flag, freqs, stream))
         ):
             back = self.back
             if back is None:
@@ -1496,7 +1498,7 @@ class _GradLaunch:
                 run, head, prefix, rest = back
                 grad_x = torch.empty_like(grad)
                 ip = self.tables[0] if index is None else index.data_ptr()
-                run(*head, _current_stream(self.device), *prefix, gp, grad_x.data_ptr(),
+                run(*head, stream, *prefix, gp, grad_x.data_ptr(),
                     *self.tables, ip, *rest)
                 return grad_x
         table, sin = _kernel_tables(
@@ -1516,17 +1518,18 @@ class _GradLaunch:
 
 class _PlannedRoPEFunction(torch.autograd.Function):
     """Autograd for a planned call with a gradient: both launches are the plan's
-    (:class:`_GradLaunch`); the context keeps the table and index objects they read."""
+    (:class:`_GradLaunch`), the forward on the stream its flag check read; the context keeps
+    the table and index objects they read."""
 
     @staticmethod
-    def forward(ctx, x, launches, freqs, index, cu_seqlens):
+    def forward(ctx, x, launches, freqs, index, cu_seqlens, stream):
         ctx.launches, ctx.freqs, ctx.index, ctx.cu_seqlens = launches, freqs, index, cu_seqlens
-        return launches.forward(x, index)
+        return launches.forward(x, index, stream)
 
     @staticmethod
     def backward(ctx, grad):
         grad_x = ctx.launches.backward(grad, ctx.freqs, ctx.index, ctx.cu_seqlens)
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 def c_apply(function: type[torch.autograd.Function]) -> Any:
@@ -1558,17 +1561,19 @@ def _bound_grad_launch(call: RoPECall, generic: Plan) -> Plan:
     current_device = torch.cuda.current_device
     apply = c_apply(_PlannedRoPEFunction)
     transforms_active = torch._C._are_functorch_transforms_active
+    stream = _current_stream
 
     def launch_grad(
         x: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
         positions: torch.Tensor | None, k: None,
     ) -> torch.Tensor:
         given = positions if start_positions is None else start_positions
+        s = stream(device_index)
         if (x.data_ptr() | (0 if given is None else given.data_ptr())) & 15 or (
             guard and current_device() != device_index
-        ) or transforms_active() or (flag is not None and _flag_stale(flag, freqs, device_index)):
+        ) or transforms_active() or (flag is not None and _flag_stale(flag, freqs, s)):
             return generic(x, freqs, spec, start_positions, positions, k)
-        return apply(x, launches, freqs, given, spec.cu_seqlens)
+        return apply(x, launches, freqs, given, spec.cu_seqlens, s)
 
     return launch_grad
 
@@ -1604,20 +1609,19 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
         qp, kp = x.data_ptr(), k.data_ptr()
         given = positions if start_positions is None else start_positions
         ip = tp if given is None else given.data_ptr()
+        s = stream(device_index)
         if (qp | kp | ip) & 15 or (guard and current_device() != device_index) or (
-            flag is not None and _flag_stale(flag, freqs, device_index)
+            flag is not None and _flag_stale(flag, freqs, s)
         ):
             return generic(x, freqs, spec, start_positions, positions, k)
         if in_place:
-            run(*grid, stream(device_index), *prefix, qp, qp, kp, kp, kp, kp, tp, sp, tp, sp, cp,
-                ip, *rest)
+            run(*grid, s, *prefix, qp, qp, kp, kp, kp, kp, tp, sp, tp, sp, cp, ip, *rest)
             increment_version(x)
             increment_version(k)
             return x, k
         q_out, k_out = _qk_outputs(x, k, None)
         qo, ko = q_out.data_ptr(), k_out.data_ptr()
-        run(*grid, stream(device_index), *prefix, qp, qo, kp, ko, kp, ko, tp, sp, tp, sp, cp, ip,
-            *rest)
+        run(*grid, s, *prefix, qp, qo, kp, ko, kp, ko, tp, sp, tp, sp, cp, ip, *rest)
         return q_out, k_out
 
     return launch_bound

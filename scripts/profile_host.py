@@ -85,13 +85,15 @@ def taken_plans(x, fn) -> list[str]:
     from rope_dispatch import dispatch
 
     seen: list[str] = []
+
+    def wrap(run):
+        def recording(*args):
+            seen.append(getattr(run, "__qualname__", "?"))
+            return run(*args)
+        return recording
+
     saved = dict(dispatch._plans)
     for key, entry in saved.items():
-        def wrap(run):
-            def recording(*args):
-                seen.append(getattr(run, "__qualname__", "?"))
-                return run(*args)
-            return recording
         dispatch._plans[key] = entry._replace(
             plans=tuple(p._replace(run=wrap(p.run)) for p in entry.plans))
     dispatch._recent = dispatch._recent_run = None
@@ -152,8 +154,8 @@ def grad_pieces(tokens=128, heads=8):
         pieces[(name, "fwd+bwd")] = lambda fn=fn: torch.autograd.grad(fn(leaf), leaf, grad)
     flag = triton_rope._flag_of(triton_rope._kernel_tables(freqs, tokens)[1])
     if flag is not None:  # the planned calls' check of a linear table's flag, alone
-        pieces[("flag check", "alone")] = lambda: triton_rope._flag_stale(
-            flag, freqs, freqs.get_device())
+        stream = triton_rope._current_stream(freqs.get_device())
+        pieces[("flag check", "alone")] = lambda: triton_rope._flag_stale(flag, freqs, stream)
     times = bench.host_us_interleaved(pieces)  # in turn within each round: ratios hold
     if flag is not None:
         print(f"  flag check alone: {times[('flag check', 'alone')][0]:.2f} us")
@@ -171,12 +173,27 @@ def grad_pieces(tokens=128, heads=8):
 def flag_host() -> None:
     """Forward + backward on the host clock at sweep points whose calls read a linear table as
     rates (the flag), in turn with the same calls reading rows (a table that is not linear,
-    and the sweep's ``rows_read`` wrapper) and TE's API; then the flag check's parts alone."""
+    and the sweep's ``rows_read`` wrapper) and TE's API, with parts of the flag check left out
+    in turn; then the check's parts alone, on the last point's table."""
     from rope_dispatch import sweep
     from rope_dispatch.backends import triton_rope
 
-    points = [("sbhd", 8192, 1, 1), ("sbhd", 2048, 4, 8)]
-    for layout, seq, batch, heads in points:
+    shipped = triton_rope._flag_stale
+
+    def querying(flag, freqs, stream):  # the check before run AB: a query every call
+        return (flag._rope_version != freqs._version
+                or (freqs.is_cuda and triton_rope._stream_capturing())
+                or triton_rope._linear_tables_setting() == "0")
+
+    phases = {  # (the check, the stream the calls run on: None for the default stream)
+        "as shipped": (shipped, None),
+        "capture query on every call": (querying, None),
+        "flag check skipped": (lambda flag, freqs, stream: False, None),
+        "as shipped, on a side stream": (shipped, torch.cuda.Stream()),
+        "as shipped, again": (shipped, None),
+    }
+    flag = freqs = None
+    for layout, seq, batch, heads in [("sbhd", 8192, 1, 1), ("sbhd", 2048, 4, 8)]:
         series = sweep.Series(batch, heads, 128, 128, (seq,), "probe")
         shape = sweep.make_point(layout, torch.bfloat16, series, seq)
         inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
@@ -197,21 +214,6 @@ def flag_host() -> None:
               f"plans {taken_plans(leaf, lambda x: rd.apply(x, inp.freqs, inp.spec, backend='triton'))}")
         if flagged is not None:
             flag, freqs = flagged, inp.freqs
-        shipped = triton_rope._flag_stale
-
-        def querying(flag, freqs, device_index):  # the check before run AB: a query every call
-            return (flag._rope_version != freqs._version
-                    or (freqs.is_cuda and triton_rope._stream_capturing())
-                    or triton_rope._linear_tables_setting() == "0")
-
-        side = torch.cuda.Stream()  # where the capture query stays
-        phases = {
-            "as shipped": (shipped, None),
-            "capture query on every call": (querying, None),
-            "flag check skipped": (lambda flag, freqs, device_index: False, None),
-            "as shipped, on a side stream": (shipped, side),
-            "as shipped, again": (shipped, None),
-        }
         for phase, (stale, stream) in phases.items():
             triton_rope._flag_stale = stale
             torch.cuda.synchronize()
@@ -222,10 +224,15 @@ def flag_host() -> None:
                 triton_rope._flag_stale = shipped
             print(f"  {phase:>34}: " + "  ".join(
                 f"{n}: {h:6.1f}/{t:6.1f}" for n, (h, t) in times.items()))
+    if flag is None:
+        return
+    device_index = freqs.get_device()
+    stream = triton_rope._current_stream(device_index)
     print("=== the flag check's parts, host us per call")
     parts = {
-        "_flag_stale": lambda: triton_rope._flag_stale(flag, freqs, freqs.get_device()),
-        "_capturing_on": lambda: triton_rope._capturing_on(freqs.get_device()),
+        "_flag_stale": lambda: triton_rope._flag_stale(flag, freqs, stream),
+        "_capturing_on": lambda: triton_rope._capturing_on(stream),
+        "_current_stream": lambda: triton_rope._current_stream(device_index),
         "_stream_capturing": lambda: triton_rope._stream_capturing(),
         "_linear_tables_setting": lambda: triton_rope._linear_tables_setting(),
         "flag._rope_version": lambda: flag._rope_version,
@@ -485,7 +492,7 @@ def main():
     if sys.argv[1:2] == ["serving-pieces"]:  # serving-pieces [cpu]
         serving_pieces(*sys.argv[2:3])
         return
-    if sys.argv[1:2] == ["grad"]:  # grad [tokens]
+    if sys.argv[1:2] == ["grad"]:  # grad [tokens [heads]]
         grad_pieces(*(int(n) for n in sys.argv[2:4]))
         return
     if sys.argv[1:2] == ["flag-host"]:

@@ -355,18 +355,19 @@ def test_capture_is_asked_about_only_off_the_legacy_default_stream(monkeypatch):
         return answer["capturing"]
 
     monkeypatch.setattr(triton_rope, "_stream_capturing", stream_capturing)
-    monkeypatch.setattr(triton_rope, "_current_stream", {0: 0, 1: 0x7F00}.__getitem__)
+    default, side = 0, 0x7F00  # raw stream addresses
+    monkeypatch.setattr(triton_rope, "_current_stream", {0: default, 1: side}.__getitem__)
     stale = triton_rope._flag_stale
-    assert not stale(flag, freqs, 0) and asked == []
-    assert not stale(flag, freqs, 1) and asked == [False]
+    assert not stale(flag, freqs, default) and asked == []
+    assert not stale(flag, freqs, side) and asked == [False]
     answer["capturing"] = True
-    assert stale(flag, freqs, 1) and asked == [False, True]
-    assert not stale(flag, freqs, 0) and len(asked) == 2
+    assert stale(flag, freqs, side) and asked == [False, True]
+    assert not stale(flag, freqs, default) and len(asked) == 2
     monkeypatch.setenv("ROPE_DISPATCH_LINEAR_TABLES", "0")
-    assert stale(flag, freqs, 0)
+    assert stale(flag, freqs, default)
     monkeypatch.delenv("ROPE_DISPATCH_LINEAR_TABLES")
     freqs[3, 1] = 1.0
-    assert stale(flag, freqs, 0)
+    assert stale(flag, freqs, default)
     asked.clear()
     on_device = {index: SimpleNamespace(is_cuda=True, get_device=lambda index=index: index)
                  for index in (0, 1)}  # what the generic path reads of a CUDA table

@@ -662,7 +662,7 @@ def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
 class _Tripling:
     """Stands in for a plan's bound launches: forward and its transpose multiply by 3."""
 
-    def forward(self, x, index):
+    def forward(self, x, index, stream):
         return x * 3
 
     def backward(self, grad, freqs, index, cu_seqlens):
@@ -679,7 +679,7 @@ def test_the_c_entry_of_the_planned_function_records_the_same_graph():
     grad_out = torch.randn(3, 4, requires_grad=True)
     results = []
     for enter in (_PlannedRoPEFunction.apply, c_apply(_PlannedRoPEFunction)):
-        out = enter(x, _Tripling(), None, None, None)
+        out = enter(x, _Tripling(), None, None, None, 0)
         assert type(out.grad_fn).__name__ == "_PlannedRoPEFunctionBackward"
         (grad,) = torch.autograd.grad(out, x, grad_out, create_graph=True)
         (again,) = torch.autograd.grad(grad, grad_out, torch.ones(3, 4))
