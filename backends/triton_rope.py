@@ -117,6 +117,15 @@ STREAM_TILE_BYTES = 2048
 # (H200, `scripts/tile_probe.py large-rule` and `thd-tiles`).
 STREAM_WARPS = 2
 STREAM_WARPS_HEADS = 8
+# In place on partial rotary, a call the L2 can hold takes tokens first: a chunk of
+# STREAM_TILE_BYTES' worth of one head's rotary channels, and SPAN_HEAD_ITERS heads in turn per
+# program, each thread working out its tokens' sines once for all of them. At 2,048 tokens of
+# 32 heads, rotary dim 64 of 128 (bf16, H200, `scripts/tile_probe.py in-place-tiles` and
+# `in-place-warm`), 16 tokens x 1 head x 4 took 6.37 / 6.26 us forward / backward after an L2
+# flush and 4.24 / 4.20 us with the L2 warm, where 2 tokens x 16 heads took 6.42 / 6.38 and
+# 5.35 / 5.48 us and Liger's in-place kernel 6.64 / 6.48 and 4.28 / 4.21 us. Full rotary keeps
+# heads first: there 16 x 1 x 4 ran 10% slower warm than 2 x 16.
+SPAN_HEAD_ITERS = 4
 # thd with fewer sequences than this finds each token's sequence by comparing it with all the
 # cu_seqlens offsets, loaded at once (no chain of dependent loads); more sequences use a binary
 # search.
@@ -148,11 +157,12 @@ def choose_config(
     one with the fewest heads, and programs are counted over all of them.
 
     ``head_dim`` is the channels a head moves; ``span_dim``, where larger, the channels it
-    spans in memory (in place on partial rotary: the rotary channels of a wider head). A tile
-    the L2 holds then counts its heads by the span: in place at rotary dim 64 of head dim 128
-    (2,048 tokens of 32 heads, bf16), 2 tokens x 16 heads ran 6.40 / 6.37 us forward / backward
-    where the 4 x 16 tile of 8 KiB moved took 6.96 / 6.88 us and Liger's in-place kernel 6.64 /
-    6.42 us (H200, the profiler after an L2 flush: ``scripts/tile_probe.py in-place-tiles``).
+    spans in memory (in place on partial rotary: the rotary channels of a wider head). A call
+    the L2 holds then takes tokens first, one head at a time and ``SPAN_HEAD_ITERS`` heads a
+    program, while that leaves every SM its programs; otherwise its heads-first tile counts
+    heads by the span (at rotary dim 64 of head dim 128, 2 tokens x 16 heads ran 6.40 / 6.37 us
+    where the 4 x 16 tile of 8 KiB moved took 6.96 / 6.88 us: H200, the profiler after an L2
+    flush, ``scripts/tile_probe.py in-place-tiles``).
     """
     counts = heads if isinstance(heads, tuple) else (heads,)
     block_r = _next_pow2(rotary_dim) if interleaved else _next_pow2(rotary_dim // 2)
@@ -169,6 +179,12 @@ def choose_config(
         heads_first and not resident and not cache_rows and STREAM_TILE_BYTES
         and token_bytes < TILE_BYTES
     )
+    if heads_first and resident and (span_dim or 0) > head_dim:  # in place on part of a head
+        block_t = max(1, STREAM_TILE_BYTES // (head_dim * element_size))
+        block_t = min(_next_pow2(block_t + 1) // 2, _next_pow2(n_tokens))  # a power of two
+        head_iters = min(SPAN_HEAD_ITERS, _next_pow2(min(counts)))
+        if programs(n_tokens, counts, block_t, head_iters) >= wanted:
+            return block_t, 1, head_iters, block_r, block_p, 4
     counted = max(head_dim, span_dim or 0) if heads_first and resident else head_dim
     rows = max(1, (STREAM_TILE_BYTES if streamed else TILE_BYTES) // (counted * element_size))
     rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``

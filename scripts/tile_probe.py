@@ -13,6 +13,7 @@ for each table kind; ``thd-tiles``, tiles for thd's 8-head points from 64 MiB (`
 32``: its 32-head points); ``partial-rotary``, partial rotary in place against contiguous and
 strided copies; ``small-kinds``, each table kind, Liger's cut and in place where Liger's
 kernel led; ``in-place-tiles``, ours in place at explicit tiles against Liger's;
+``in-place-warm``, the same with the L2 warm where Liger's kernel led warm;
 ``wide-tokens``, 8, 16 or 4 tokens per 8 KiB tile for tokens of 8 KiB."""
 from __future__ import annotations
 
@@ -391,11 +392,12 @@ def small_kinds(rounds: int = 2) -> None:
 
 IN_PLACE_SHAPES = [  # (layout, seq, batch, heads, head_dim, rotary_dim): where Liger led in place
     ("sbhd", 2048, 1, 32, 128, 64), ("sbhd", 128, 1, 8, 128, 128), ("sbhd", 512, 1, 8, 128, 128),
-    ("bshd", 512, 1, 8, 128, 128),
+    ("bshd", 512, 1, 8, 128, 128), ("sbhd", 2048, 1, 8, 256, 256),
 ]
-IN_PLACE_TILES = [  # (BLOCK_T, BLOCK_H, num_warps)
-    (1, 32, 4), (2, 16, 4), (4, 16, 4), (4, 8, 4), (8, 4, 4), (8, 8, 4), (1, 8, 4), (1, 8, 2),
-    (1, 8, 1), (2, 8, 4), (1, 4, 4), (1, 2, 4), (1, 2, 1), (1, 16, 4),
+IN_PLACE_TILES = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps)
+    (1, 32, 1, 4), (2, 16, 1, 4), (4, 16, 1, 4), (4, 8, 1, 4), (8, 4, 1, 4), (8, 8, 1, 4),
+    (1, 8, 1, 4), (1, 8, 1, 2), (1, 8, 1, 1), (2, 8, 1, 4), (1, 4, 1, 4), (1, 2, 1, 4),
+    (1, 2, 1, 1), (1, 16, 1, 4), (16, 1, 4, 4), (8, 1, 4, 2),
 ]
 
 
@@ -407,22 +409,77 @@ def in_place_tiles(rounds: int = 2) -> None:
         inp, x, _, angles, _ = _probe_inputs(shape)
         g = inp.grad
         default = triton_rope.choose_config(seq * batch, heads, rot, rot, 2, False,
-                                            triton_rope._sm_count(0))
+                                            triton_rope._sm_count(0), span_dim=d)
         fns: dict = {}
-        for bt, bh, warps in IN_PLACE_TILES:
-            if bh > triton_rope._next_pow2(heads):
+        for bt, bh, iters, warps in IN_PLACE_TILES:
+            if bh * iters > triton_rope._next_pow2(heads):
                 continue
-            config = (bt, bh, 1, rot // 2, 1, warps)
+            config = (bt, bh, iters, rot // 2, 1, warps)
             for mode, src, back in (("fwd", x, False), ("bwd", g, True)):
-                fns[f"{bt}x{bh}/{warps}w {mode}"] = lambda src=src, back=back, config=config: (
-                    triton_rope.launch(src, src, angles, None, None, None, layout, False, 1.0, 1,
-                                       0, back, config=config, copy_pass=False))
+                fns[f"{bt}x{bh}x{iters}/{warps}w {mode}"] = (
+                    lambda src=src, back=back, config=config: triton_rope.launch(
+                        src, src, angles, None, None, None, layout, False, 1.0, 1, 0, back,
+                        config=config, copy_pass=False))
         liger = bench._liger_peer(shape, inp)
         fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
         print(f"{layout} s{seq} b{batch} h{heads} d{d} rot{rot} in place (default tile "
               f"{default[0]}x{default[1]}/{default[5]}w):", flush=True)
         _print_cold_traces(fns, rounds, calls=30)
         del x, g
+
+
+WARM_IN_PLACE_SHAPES = [  # (layout, seq, batch, heads, head_dim, rotary_dim): Liger led warm
+    ("sbhd", 2048, 1, 32, 128, 128), ("sbhd", 2048, 1, 32, 128, 64), ("sbhd", 2048, 4, 8, 128, 128),
+    ("sbhd", 2048, 1, 8, 256, 256), ("sbhd", 128, 1, 8, 128, 128), ("sbhd", 512, 1, 8, 128, 128),
+    ("sbhd", 128, 4, 8, 128, 128),
+]
+WARM_IN_PLACE_TILES = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps)
+    (1, 32, 1, 4), (2, 16, 1, 4), (4, 8, 1, 4), (8, 4, 1, 4), (8, 8, 1, 8), (2, 8, 1, 4),
+    (1, 8, 1, 4), (1, 4, 1, 4), (1, 2, 1, 4), (8, 2, 2, 4), (16, 1, 4, 4), (8, 1, 4, 2),
+]
+
+
+def in_place_warm(rounds: int = 2) -> None:
+    """Ours in place at explicit tiles with the L2 warm (replayed from a CUDA graph of 20 calls,
+    the table's rows read as a captured call reads them), forward and backward, against our
+    default tile on a table whose halves differ (both halves' sines worked out), our default
+    tile out of place and Liger's in-place kernels: us per call, ``rounds`` times."""
+    for layout, seq, batch, heads, d, rot in WARM_IN_PLACE_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, rot)
+        inp, x, out, angles, _ = _probe_inputs(shape)
+        g = inp.grad
+        span = d if rot < d else None
+        default = triton_rope.choose_config(seq * batch, heads, rot, rot, 2, False,
+                                            triton_rope._sm_count(0), span_dim=span)
+        fns: dict = {}
+        for bt, bh, iters, warps in WARM_IN_PLACE_TILES:
+            if bh * iters > triton_rope._next_pow2(heads) or bt > seq * batch:
+                continue
+            config = (bt, bh, iters, rot // 2, 1, warps)
+            for mode, src, back in (("fwd", x, False), ("bwd", g, True)):
+                fns[f"{bt}x{bh}x{iters}/{warps}w {mode}"] = (
+                    lambda src=src, back=back, config=config: triton_rope.launch(
+                        src, src, angles, None, None, None, layout, False, 1.0, 1, 0, back,
+                        config=config, copy_pass=False))
+        # the same angles but for the last bit of the second halves: their sines worked out too
+        apart = angles.clone()
+        apart[:, rot // 2:] = torch.nextafter(apart[:, rot // 2:], torch.tensor(1e9).cuda())
+        for mode, src, back in (("fwd", x, False), ("bwd", g, True)):
+            fns[f"halves apart {mode}"] = lambda src=src, back=back: triton_rope.launch(
+                src, src, apart, None, None, None, layout, False, 1.0, 1, 0, back,
+                copy_pass=False)
+        fns["out of place fwd"] = lambda: triton_rope.launch(
+            x, out, angles, None, None, None, layout, False, 1.0, 1, 0, False)
+        liger = bench._liger_peer(shape, inp)
+        fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+        print(f"{layout} s{seq} b{batch} h{heads} d{d} rot{rot} in place, warm (default tile "
+              f"{default[0]}x{default[1]}/{default[5]}w):", flush=True)
+        for _ in range(rounds):
+            us = {name: bench.graph_replay_us(fn) for name, fn in fns.items()}
+            for mode in ("fwd", "bwd"):
+                cells = [f"{name[: -4]} {t:.2f}" for name, t in us.items() if name.endswith(mode)]
+                print(f"   {mode}: " + " | ".join(cells), flush=True)
+        del x, g, out
 
 
 TABLE_SHAPES = [  # (layout, seq, batch, heads, head_dim): 64 MB and more
@@ -888,7 +945,8 @@ if __name__ == "__main__":
              "small-rules": small_rules, "small-programs": small_programs,
              "large-rates": large_rates, "large-rule": large_rule, "thd-tiles": thd_tiles,
              "partial-rotary": partial_rotary, "wide-tokens": wide_tokens,
-             "small-kinds": small_kinds, "in-place-tiles": in_place_tiles}
+             "small-kinds": small_kinds, "in-place-tiles": in_place_tiles,
+             "in-place-warm": in_place_warm}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:

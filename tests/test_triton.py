@@ -236,6 +236,25 @@ def test_large_angles_keep_float32_accuracy():
     assert_matches(out, reference_for(x.cpu(), freqs.cpu(), spec), torch.float32)
 
 
+@pytest.mark.parametrize("apart", [None, (5, 3), (0, 7)])
+def test_each_half_of_a_row_gets_its_own_angles(apart):
+    """A model's table repeats its angles in both halves; an entry of the second half that
+    differs (``apart``: row, channel) still rotates by its own angle, forward and backward (a
+    kernel sharing the first half's sines across a tile would fail here)."""
+    freqs = torch.rand(8, 8) * 50
+    table = torch.cat((freqs, freqs), dim=-1)
+    if apart is not None:
+        table[apart[0], 8 + apart[1]] += 1.0
+    x = torch.randn(8, 1, 2, 16, device=DEVICE, requires_grad=True)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    out = rd.apply(x, table.to(DEVICE), spec, backend="triton")
+    grad_out = torch.randn(out.shape).to(DEVICE)
+    (grad,) = torch.autograd.grad(out, x, grad_out)
+    ref_out, ref_grad = reference_forward_backward(x.cpu(), table, spec, grad_out.cpu())
+    assert_matches(out, ref_out, torch.float32, "forward")
+    assert_matches(grad, ref_grad, torch.float32, "backward")
+
+
 def test_opcheck_contiguous_and_permuted():
     from torch.library import opcheck
 
@@ -552,15 +571,21 @@ def test_tiles_put_a_tokens_heads_first(tokens, heads, head_dim, rotary_dim, til
 
 def test_in_place_partial_rotary_tiles_count_heads_by_their_span():
     """In place on partial rotary a head moves its rotary channels but spans its head dim in
-    memory: a tile the L2 holds counts heads by the span (2 tokens x 16 heads of d 128 at rotary
-    dim 64, where the moved bytes alone gave 4 x 16). Streamed calls keep the moved bytes' tile,
-    and out of place (the head moved whole) nothing changes. ``apply_`` passes the span, and
-    its rotation still matches the reference."""
+    memory: a call the L2 holds takes 2 KiB chunks of one head's channels, tokens first, and
+    loops over 4 heads (16 tokens of d 128 at rotary dim 64 in bf16, 8 in float32), where the
+    moved bytes alone gave 4 x 16; with too few programs for that, heads-first tiles counting
+    heads by the span (2 x 16 of 8 KiB spanned, shrunk). Streamed calls keep the moved bytes'
+    tile, and out of place (the head moved whole) nothing changes. ``apply_`` passes the
+    span, and its rotation still matches the reference."""
     from rope_dispatch.backends import triton_rope
 
     choose = triton_rope.choose_config
-    assert choose(2048, 32, 64, 64, 2, False, 132, span_dim=128)[:2] == (2, 16)
-    assert choose(2048, 32, 64, 64, 2, False, 132)[:2] == (4, 16)
+    assert choose(2048, 32, 64, 64, 2, False, 132, span_dim=128)[:3] == (16, 1, 4)
+    assert choose(2048, 32, 64, 64, 4, False, 132, span_dim=128)[:3] == (8, 1, 4)
+    assert choose(8192, 2, 64, 64, 2, False, 132, span_dim=128)[:3] == (16, 1, 2)
+    assert choose(256, 32, 64, 64, 2, False, 132, span_dim=128)[:3] == (1, 16, 1)
+    assert choose(2048, 32, 48, 48, 2, False, 132, span_dim=128)[:3] == (16, 1, 4)  # 2,048 // 96
+    assert choose(2048, 32, 64, 64, 2, False, 132)[:3] == (4, 16, 1)
     assert (choose(32768, 32, 64, 64, 2, False, 132, span_dim=128)
             == choose(32768, 32, 64, 64, 2, False, 132))
     assert (choose(2048, 32, 128, 64, 2, False, 132, span_dim=128)
