@@ -423,15 +423,15 @@ def in_place_tiles(rounds: int = 2) -> None:
         liger = bench._liger_peer(shape, inp)
         fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
         print(f"{layout} s{seq} b{batch} h{heads} d{d} rot{rot} in place (default tile "
-              f"{default[0]}x{default[1]}/{default[5]}w):", flush=True)
+              f"{default[0]}x{default[1]}x{default[2]}/{default[5]}w):", flush=True)
         _print_cold_traces(fns, rounds, calls=30)
         del x, g
 
 
 WARM_IN_PLACE_SHAPES = [  # (layout, seq, batch, heads, head_dim, rotary_dim): Liger led warm
-    ("sbhd", 2048, 1, 32, 128, 128), ("sbhd", 2048, 1, 32, 128, 64), ("sbhd", 2048, 4, 8, 128, 128),
-    ("sbhd", 2048, 1, 8, 256, 256), ("sbhd", 128, 1, 8, 128, 128), ("sbhd", 512, 1, 8, 128, 128),
-    ("sbhd", 128, 4, 8, 128, 128),
+    ("sbhd", 2048, 1, 32, 128, 128), ("sbhd", 2048, 1, 32, 128, 64),
+    ("sbhd", 2048, 4, 8, 128, 128), ("sbhd", 2048, 1, 8, 256, 256), ("sbhd", 128, 1, 8, 128, 128),
+    ("sbhd", 512, 1, 8, 128, 128), ("sbhd", 128, 4, 8, 128, 128),
 ]
 WARM_IN_PLACE_TILES = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps)
     (1, 32, 1, 4), (2, 16, 1, 4), (4, 8, 1, 4), (8, 4, 1, 4), (8, 8, 1, 8), (2, 8, 1, 4),
@@ -442,8 +442,10 @@ WARM_IN_PLACE_TILES = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps)
 def in_place_warm(rounds: int = 2) -> None:
     """Ours in place at explicit tiles with the L2 warm (replayed from a CUDA graph of 20 calls,
     the table's rows read as a captured call reads them), forward and backward, against our
-    default tile on a table whose halves differ (both halves' sines worked out), our default
-    tile out of place and Liger's in-place kernels: us per call, ``rounds`` times."""
+    default tile on a table whose halves differ in their last bit (the same work for a kernel
+    that works out both halves' sines; one sharing them where the halves repeat would tell the
+    two apart: run AC), our default tile out of place and Liger's in-place kernels: us per
+    call, ``rounds`` times."""
     for layout, seq, batch, heads, d, rot in WARM_IN_PLACE_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, rot)
         inp, x, out, angles, _ = _probe_inputs(shape)
@@ -473,7 +475,7 @@ def in_place_warm(rounds: int = 2) -> None:
         liger = bench._liger_peer(shape, inp)
         fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
         print(f"{layout} s{seq} b{batch} h{heads} d{d} rot{rot} in place, warm (default tile "
-              f"{default[0]}x{default[1]}/{default[5]}w):", flush=True)
+              f"{default[0]}x{default[1]}x{default[2]}/{default[5]}w):", flush=True)
         for _ in range(rounds):
             us = {name: bench.graph_replay_us(fn) for name, fn in fns.items()}
             for mode in ("fwd", "bwd"):
