@@ -57,6 +57,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def tile_rows(tile_bytes: int, row_bytes: int) -> int:
+    """How many rows of ``row_bytes`` a tile of about ``tile_bytes`` takes: the most that fit,
+    rounded down to a power of two (a block size), and at least one."""
+    return _next_pow2(max(1, tile_bytes // row_bytes) + 1) // 2
+
+
 @functools.lru_cache(maxsize=16)
 def _sm_count(device_index: int | None) -> int:
     if device_index is None or not torch.cuda.is_available():
@@ -180,14 +186,13 @@ def choose_config(
         and token_bytes < TILE_BYTES
     )
     if heads_first and resident and (span_dim or 0) > head_dim:  # in place on part of a head
-        block_t = max(1, STREAM_TILE_BYTES // (head_dim * element_size))
-        block_t = min(_next_pow2(block_t + 1) // 2, _next_pow2(n_tokens))  # a power of two
+        block_t = min(tile_rows(STREAM_TILE_BYTES, head_dim * element_size),
+                      _next_pow2(n_tokens))
         head_iters = min(SPAN_HEAD_ITERS, _next_pow2(min(counts)))
         if programs(n_tokens, counts, block_t, head_iters) >= wanted:
             return block_t, 1, head_iters, block_r, block_p, 4
     counted = max(head_dim, span_dim or 0) if heads_first and resident else head_dim
-    rows = max(1, (STREAM_TILE_BYTES if streamed else TILE_BYTES) // (counted * element_size))
-    rows = _next_pow2(rows + 1) // 2  # a power of two, at most ``rows``
+    rows = tile_rows(STREAM_TILE_BYTES if streamed else TILE_BYTES, counted * element_size)
     if heads_first and resident:
         block_h = min(_next_pow2(min(counts)), rows, RESIDENT_HEADS)
     elif streamed:

@@ -172,7 +172,7 @@ def _heads_first(choose, tile_bytes: int, warps_by_tile: bool):
         counts = heads if isinstance(heads, tuple) else (heads,)
         if n_tokens * sum(counts) * head_dim * element_size > CANDIDATE_RESIDENT_BYTES:
             return config
-        rows = triton_rope._next_pow2(max(1, tile_bytes // (head_dim * element_size)) + 1) // 2
+        rows = triton_rope.tile_rows(tile_bytes, head_dim * element_size)
         block_h = min(triton_rope._next_pow2(min(counts)), rows)
         block_t = min(rows // block_h, triton_rope._next_pow2(n_tokens))
         block_t, block_h = triton_rope.shrink_to_programs(
@@ -401,6 +401,30 @@ IN_PLACE_TILES = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps)
 ]
 
 
+def _in_place_tile_calls(
+    tiles: list, x: torch.Tensor, g: torch.Tensor, angles: torch.Tensor, layout: str,
+    head_dim: int,
+) -> tuple[tuple, dict]:
+    """The tile ``apply_`` takes in place on ``x`` (its heads spanning ``head_dim``, the
+    ``angles``' rotary channels moved) and, for each of ``tiles`` (BLOCK_T, BLOCK_H,
+    HEAD_ITERS, num_warps) that fits the call, a forward on ``x`` and a backward on ``g``, both
+    in place, named ``"<tile> fwd"`` and ``"<tile> bwd"``."""
+    tokens, heads, rot = x.numel() // (x.shape[-2] * head_dim), x.shape[-2], angles.shape[1]
+    default = triton_rope.choose_config(tokens, heads, rot, rot, x.element_size(), False,
+                                        triton_rope._sm_count(0), span_dim=head_dim)
+    fns: dict = {}
+    for bt, bh, iters, warps in tiles:
+        if bh * iters > triton_rope._next_pow2(heads) or bt > tokens:
+            continue
+        config = (bt, bh, iters, rot // 2, 1, warps)
+        for mode, src, back in (("fwd", x, False), ("bwd", g, True)):
+            fns[f"{bt}x{bh}x{iters}/{warps}w {mode}"] = (
+                lambda src=src, back=back, config=config: triton_rope.launch(
+                    src, src, angles, None, None, None, layout, False, 1.0, 1, 0, back,
+                    config=config, copy_pass=False))
+    return default, fns
+
+
 def in_place_tiles(rounds: int = 2) -> None:
     """Ours in place (the rotary channels only, as ``apply_``) at explicit tiles, forward and
     backward by the profiler after an L2 flush, in turn with Liger's in-place kernels."""
@@ -408,18 +432,7 @@ def in_place_tiles(rounds: int = 2) -> None:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, rot)
         inp, x, _, angles, _ = _probe_inputs(shape)
         g = inp.grad
-        default = triton_rope.choose_config(seq * batch, heads, rot, rot, 2, False,
-                                            triton_rope._sm_count(0), span_dim=d)
-        fns: dict = {}
-        for bt, bh, iters, warps in IN_PLACE_TILES:
-            if bh * iters > triton_rope._next_pow2(heads):
-                continue
-            config = (bt, bh, iters, rot // 2, 1, warps)
-            for mode, src, back in (("fwd", x, False), ("bwd", g, True)):
-                fns[f"{bt}x{bh}x{iters}/{warps}w {mode}"] = (
-                    lambda src=src, back=back, config=config: triton_rope.launch(
-                        src, src, angles, None, None, None, layout, False, 1.0, 1, 0, back,
-                        config=config, copy_pass=False))
+        default, fns = _in_place_tile_calls(IN_PLACE_TILES, x, g, angles, layout, d)
         liger = bench._liger_peer(shape, inp)
         fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
         print(f"{layout} s{seq} b{batch} h{heads} d{d} rot{rot} in place (default tile "
@@ -450,19 +463,7 @@ def in_place_warm(rounds: int = 2) -> None:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, rot)
         inp, x, out, angles, _ = _probe_inputs(shape)
         g = inp.grad
-        span = d if rot < d else None
-        default = triton_rope.choose_config(seq * batch, heads, rot, rot, 2, False,
-                                            triton_rope._sm_count(0), span_dim=span)
-        fns: dict = {}
-        for bt, bh, iters, warps in WARM_IN_PLACE_TILES:
-            if bh * iters > triton_rope._next_pow2(heads) or bt > seq * batch:
-                continue
-            config = (bt, bh, iters, rot // 2, 1, warps)
-            for mode, src, back in (("fwd", x, False), ("bwd", g, True)):
-                fns[f"{bt}x{bh}x{iters}/{warps}w {mode}"] = (
-                    lambda src=src, back=back, config=config: triton_rope.launch(
-                        src, src, angles, None, None, None, layout, False, 1.0, 1, 0, back,
-                        config=config, copy_pass=False))
+        default, fns = _in_place_tile_calls(WARM_IN_PLACE_TILES, x, g, angles, layout, d)
         # the same angles but for the last bit of the second halves: their sines worked out too
         apart = angles.clone()
         apart[:, rot // 2:] = torch.nextafter(apart[:, rot // 2:], torch.tensor(1e9).cuda())
