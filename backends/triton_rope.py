@@ -103,6 +103,16 @@ MIN_PROGRAMS_PER_SM = 2
 # at 2,048 tokens of 32 heads with rotary dim 64 (run T).
 RESIDENT_BYTES = 16 << 20
 RESIDENT_HEADS = 16
+# Such a tile holds at least RESIDENT_ROWS (token, head) rows of 16-bit data, half as many of
+# float32, where they fit in twice TILE_BYTES: head dim 256 then gets 4 tokens x 8 heads in
+# bf16 and 2 x 8 in float32, where the 8 KiB tile has 2 x 8 and 1 x 8. At 2,048 tokens of 8
+# heads (H200, run AD), in bf16 4 x 8 took 4.25-4.30 us forward and backward, in place and out
+# of place, with the L2 warm where 2 x 8 took 4.45-4.56 and Liger's in-place kernel 4.40-4.45,
+# and level after an L2 flush (5.78-5.87 against 5.68-6.03 us; Liger 6.43-6.58); in float32
+# 2 x 8 took 9.74-10.08 us after a flush where 1 x 8 took 10.48-11.41, level warm (7.32-7.37
+# against 7.28-7.45). Smaller rows already number that many; float32 at head dim 128 keeps
+# 2 x 8, 2% faster warm than 4 x 8.
+RESIDENT_ROWS = 32
 # Above RESIDENT_BYTES a call streams from DRAM. Where a token (all its heads, of every tensor
 # of the launch) is smaller than TILE_BYTES, smaller tiles holding a token's heads first ran
 # closer to the copy than 8 tokens x 4 heads: with a model's angle table read as rates, 2 KiB
@@ -150,7 +160,8 @@ def choose_config(
     keeps ``tile_tokens`` tokens (:func:`tile_tokens`), tokens fill the rest.
 
     A call of at most ``RESIDENT_BYTES`` (one whose data the L2 can hold) puts heads first, up
-    to ``RESIDENT_HEADS``; a larger one whose tokens are smaller than ``TILE_BYTES`` takes tiles
+    to ``RESIDENT_HEADS``, in a tile of at least ``RESIDENT_ROWS`` rows (half as many in
+    float32) where they fit in twice ``TILE_BYTES``; a larger one whose tokens are smaller than ``TILE_BYTES`` takes tiles
     of ``STREAM_TILE_BYTES``, heads first. Neither applies with pass-through channels to copy
     or a cos/sin cache that asks for more tokens, and the streamed tile never to a cos/sin
     cache read as ``[BLOCK_T, BLOCK_R]`` row tiles (``cache_rows``: :func:`reads_cache_rows`).
@@ -194,6 +205,8 @@ def choose_config(
     counted = max(head_dim, span_dim or 0) if heads_first and resident else head_dim
     rows = tile_rows(STREAM_TILE_BYTES if streamed else TILE_BYTES, counted * element_size)
     if heads_first and resident:
+        fits = tile_rows(2 * TILE_BYTES, counted * element_size)
+        rows = max(rows, min(RESIDENT_ROWS * 2 // element_size, fits))
         block_h = min(_next_pow2(min(counts)), rows, RESIDENT_HEADS)
     elif streamed:
         block_h = min(_next_pow2(min(counts)), rows)
