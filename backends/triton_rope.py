@@ -106,12 +106,12 @@ RESIDENT_HEADS = 16
 # Such a tile holds at least RESIDENT_ROWS (token, head) rows of 16-bit data, half as many of
 # float32, where they fit in twice TILE_BYTES: head dim 256 then gets 4 tokens x 8 heads in
 # bf16 and 2 x 8 in float32, where the 8 KiB tile has 2 x 8 and 1 x 8. At 2,048 tokens of 8
-# heads (H200, run AD), in bf16 4 x 8 took 4.25-4.30 us forward and backward, in place and out
-# of place, with the L2 warm where 2 x 8 took 4.45-4.56 and Liger's in-place kernel 4.40-4.45,
-# and level after an L2 flush (5.78-5.87 against 5.68-6.03 us; Liger 6.43-6.58); in float32
-# 2 x 8 took 9.74-10.08 us after a flush where 1 x 8 took 10.48-11.41, level warm (7.32-7.37
-# against 7.28-7.45). Smaller rows already number that many; float32 at head dim 128 keeps
-# 2 x 8, 2% faster warm than 4 x 8.
+# heads (H200, run AD, `scripts/tile_probe.py resident-rows`), in bf16 4 x 8 took 3.80-4.30 us
+# forward and backward, in place and out of place, with the L2 warm where 2 x 8 took 4.34-4.60
+# and Liger's in-place kernel 4.34-4.45; after an L2 flush it gave back up to 0.2 us
+# (5.78-6.05 against 5.68-6.03 us; Liger 6.43-6.70). In float32 2 x 8 took 9.74-10.08 us after
+# a flush where 1 x 8 took 10.48-11.41, level warm (7.01-7.37 against 6.95-7.45). Smaller rows
+# already number that many; float32 at head dim 128 keeps 2 x 8, 2% faster warm than 4 x 8.
 RESIDENT_ROWS = 32
 # Above RESIDENT_BYTES a call streams from DRAM. Where a token (all its heads, of every tensor
 # of the launch) is smaller than TILE_BYTES, smaller tiles holding a token's heads first ran

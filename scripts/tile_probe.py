@@ -14,7 +14,8 @@ for each table kind; ``thd-tiles``, tiles for thd's 8-head points from 64 MiB (`
 strided copies; ``small-kinds``, each table kind, Liger's cut and in place where Liger's
 kernel led; ``in-place-tiles``, ours in place at explicit tiles against Liger's;
 ``in-place-warm``, the same with the L2 warm where Liger's kernel led warm;
-``wide-tokens``, 8, 16 or 4 tokens per 8 KiB tile for tokens of 8 KiB."""
+``wide-tokens``, 8, 16 or 4 tokens per 8 KiB tile for tokens of 8 KiB; ``resident-rows``, wide
+heads the L2 holds with and without ``RESIDENT_ROWS``, warm and flushed."""
 from __future__ import annotations
 
 from typing import Any
@@ -485,6 +486,47 @@ def in_place_warm(rounds: int = 2) -> None:
         del x, g, out
 
 
+RESIDENT_ROW_SHAPES = [(torch.bfloat16, 256), (torch.float32, 256), (torch.float32, 128)]
+
+
+def resident_rows(rounds: int = 2) -> None:
+    """Calls the L2 holds with rows of 512 bytes or more, 2,048 tokens of 8 heads (sbhd, a
+    model's angle table read as rates): the tile ``choose_config`` takes and the one it took
+    without ``RESIDENT_ROWS``, in place forward and backward and out of place forward, with the
+    L2 warm (a CUDA graph of 20 calls) and after an L2 flush (the profiler), against Liger's
+    in-place kernels: us per call, ``rounds`` times (run AD)."""
+    sms = triton_rope._sm_count(0)
+    for dtype, d in RESIDENT_ROW_SHAPES:
+        shape = bench.Shape("probe", "sbhd", dtype, 2048, 1, 8, d, d)
+        inp, x, out, angles, _ = _probe_inputs(shape)
+        g = inp.grad
+        table, flag = _flagged(angles)
+        now = triton_rope.choose_config(2048, 8, d, d, x.element_size(), False, sms)
+        rows = triton_rope.RESIDENT_ROWS
+        triton_rope.RESIDENT_ROWS = 0
+        before = triton_rope.choose_config(2048, 8, d, d, x.element_size(), False, sms)
+        triton_rope.RESIDENT_ROWS = rows
+        fns: dict = {}
+        for label, config in (("now", now), ("before", before)):
+            name = f"{label} {config[0]}x{config[1]}"
+            for mode, src, dst, back in (("in place fwd", x, x, False),
+                                         ("in place bwd", g, g, True),
+                                         ("out of place fwd", x, out, False)):
+                fns[f"{name} {mode}"] = lambda src=src, dst=dst, back=back, config=config: (
+                    triton_rope.launch(src, dst, table, flag, None, None, "sbhd", False, 1.0, 1, 0,
+                                       back, config=config, copy_pass=dst is not src))
+        liger = bench._liger_peer(shape, inp)
+        fns["liger in place fwd"], fns["liger in place bwd"] = liger.fwd, liger.bwd
+        print(f"sbhd s2048 b1 h8 d{d} {dtype}:", flush=True)
+        for _ in range(rounds):
+            warm = {name: bench.graph_replay_us(fn) for name, fn in fns.items()}
+            flushed = bench.cold_kernel_us(fns, calls=20)
+            for what, us in (("warm", warm), ("flushed", flushed)):
+                print(f"   {what}: " + " | ".join(f"{n} {t:.2f}" for n, t in us.items()),
+                      flush=True)
+        del x, g, out
+
+
 TABLE_SHAPES = [  # (layout, seq, batch, heads, head_dim): 64 MB and more
     ("sbhd", 131072, 1, 1, 128), ("sbhd", 32768, 1, 8, 128), ("sbhd", 32768, 4, 8, 128),
     ("sbhd", 8192, 1, 32, 128), ("sbhd", 32768, 1, 32, 128),
@@ -949,7 +991,7 @@ if __name__ == "__main__":
              "large-rates": large_rates, "large-rule": large_rule, "thd-tiles": thd_tiles,
              "partial-rotary": partial_rotary, "wide-tokens": wide_tokens,
              "small-kinds": small_kinds, "in-place-tiles": in_place_tiles,
-             "in-place-warm": in_place_warm}
+             "in-place-warm": in_place_warm, "resident-rows": resident_rows}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
