@@ -316,11 +316,32 @@ def test_cpu_tensor_refused_without_interpreter(triton_backend):
     assert reasons and "tensor is on cpu" in reasons[0]
 
 
+@pytest.mark.parametrize("dtype, tile", [(torch.bfloat16, (4, 8)), (torch.float32, (2, 8))])
+def test_wide_heads_the_l2_holds_match_the_reference(dtype, tile):
+    """Head dim 256 in a call the L2 holds takes RESIDENT_ROWS rows a tile (16 KiB), and
+    rotates forward and backward, out of place and in place, as the reference does: on the GPU
+    the sweep's 2,048 tokens of 8 heads, on the interpreter 16 tokens."""
+    from rope_dispatch.backends import triton_rope
+
+    tokens = 2048 if CUDA else 16
+    sms = triton_rope._sm_count(0) if CUDA else 1
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    assert triton_rope.choose_config(tokens, 8, 256, 256, element_size, False, sms)[:2] == tile
+    t = torch.randn(tokens, 1, 8, 256).to(dtype).to(DEVICE)
+    freqs = _te_freqs(tokens, 256, DEVICE)
+    spec = rd.RoPESpec(layout="sbhd", dtype="bf16" if dtype == torch.bfloat16 else "fp32")
+    _rope_check_gpu(t, freqs, spec)
+    positions = reference_positions("sbhd", tuple(t.shape))
+    in_place = t.clone()
+    assert rd.apply_(in_place, freqs, spec, backend="triton") is in_place
+    assert_matches(in_place, reference_rope(t, freqs.view(tokens, 256), positions, False), dtype)
+
+
 # ---------------------------------------------------------------- GPU: compiled kernels, big sizes
 
 
 def _rope_check_gpu(t, freqs, spec, starts=None, grad=True):
-    """Forward (and backward) against the float64 reference computed on the GPU."""
+    """Forward (and backward) against the float64 reference computed on t's device."""
     angles = freqs.reshape(freqs.shape[0], freqs.shape[-1])
     leaf = t.detach().requires_grad_(grad)
     out = rd.apply(leaf, freqs, spec, start_positions=starts, backend="triton")
