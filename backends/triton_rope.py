@@ -161,10 +161,11 @@ def choose_config(
 
     A call of at most ``RESIDENT_BYTES`` (one whose data the L2 can hold) puts heads first, up
     to ``RESIDENT_HEADS``, in a tile of at least ``RESIDENT_ROWS`` rows (half as many in
-    float32) where they fit in twice ``TILE_BYTES``; a larger one whose tokens are smaller than ``TILE_BYTES`` takes tiles
-    of ``STREAM_TILE_BYTES``, heads first. Neither applies with pass-through channels to copy
-    or a cos/sin cache that asks for more tokens, and the streamed tile never to a cos/sin
-    cache read as ``[BLOCK_T, BLOCK_R]`` row tiles (``cache_rows``: :func:`reads_cache_rows`).
+    float32) where they fit in twice ``TILE_BYTES``; a larger one whose tokens are smaller than
+    ``TILE_BYTES`` takes tiles of ``STREAM_TILE_BYTES``, heads first. Neither applies with
+    pass-through channels to copy or a cos/sin cache that asks for more tokens, and the
+    streamed tile never to a cos/sin cache read as ``[BLOCK_T, BLOCK_R]`` row tiles
+    (``cache_rows``: :func:`reads_cache_rows`).
 
     A call too small for ``MIN_PROGRAMS_PER_SM`` programs per SM at that tile is bound by
     latency, not by load width: its tile starts from as many heads as fit (each program then

@@ -504,8 +504,10 @@ def resident_rows(rounds: int = 2) -> None:
         now = triton_rope.choose_config(2048, 8, d, d, x.element_size(), False, sms)
         rows = triton_rope.RESIDENT_ROWS
         triton_rope.RESIDENT_ROWS = 0
-        before = triton_rope.choose_config(2048, 8, d, d, x.element_size(), False, sms)
-        triton_rope.RESIDENT_ROWS = rows
+        try:
+            before = triton_rope.choose_config(2048, 8, d, d, x.element_size(), False, sms)
+        finally:
+            triton_rope.RESIDENT_ROWS = rows
         fns: dict = {}
         for label, config in (("now", now), ("before", before)):
             name = f"{label} {config[0]}x{config[1]}"
