@@ -46,6 +46,7 @@ import rope_dispatch as rd
 from rope_dispatch.bench import (
     Impl, Inputs, Shape, _liger_peer, _ours, _ours_in_place, _seqlens, _te_peer, _versions,
     bench_ms, cold_kernel_us, graph_replay_us, host_us_interleaved, make_inputs, pyplot,
+    written_replay_us,
     rows_read, time_mode,
 )
 
@@ -303,7 +304,18 @@ def _in_place_times(
         times.update(fwd_in_place_us=1e3 * ms, fwd_in_place_pct_of_copy=100 * copy_ms * share / ms)
     if not large:
         times["fwd_in_place_warm_us"] = time_mode(impl.name, "fwd warm", impl.fwd, graph_replay_us)
+        times["fwd_in_place_written_warm_us"] = _written_warm(impl)
     return times
+
+
+def _written_warm(impl: Impl) -> float | None:
+    """An in-place forward's us with the L2 warm, its input written by a copy just before each
+    call (:func:`~rope_dispatch.bench.written_replay_us`), or None where it has no rewrite."""
+    rewrite = impl.rewrite
+    if rewrite is None:
+        return None
+    return time_mode(impl.name, "fwd warm after a write", impl.fwd,
+                     lambda fn: written_replay_us(fn, rewrite))
 
 
 def host_fwd_bwd_us(impls: dict[str, Impl], large: bool = False) -> dict[str, float]:
@@ -360,6 +372,8 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
         for name, impl in kept.items():
             results[name]["fwd_warm_us"] = time_mode(impl.name, "fwd warm", impl.fwd,
                                                      graph_replay_us)
+            if impl.rewrite is not None:
+                results[name]["fwd_written_warm_us"] = _written_warm(impl)
         profiled = dict(kept)
         if in_place is not None:  # its backward: the engine's one in-place transposed launch
             profiled[IN_PLACE] = dataclasses.replace(in_place, bwd_kernel=in_place.bwd)
@@ -435,11 +449,15 @@ def _cells(result: dict[str, Any]) -> str:
     if result.get("fwd_in_place_us") is not None:
         cells[0] += f"; in place {_time_cell(result, 'fwd_in_place')}"
     times = " | ".join(cells)
-    host, warm, in_place = (result.get(key) for key in (
-        "fwd_bwd_host_us", "fwd_warm_us", "fwd_in_place_warm_us"))
+    host, warm, in_place, written, in_place_written = (result.get(key) for key in (
+        "fwd_bwd_host_us", "fwd_warm_us", "fwd_in_place_warm_us", "fwd_written_warm_us",
+        "fwd_in_place_written_warm_us"))
     warm_cell = "-" if warm is None else f"{warm:.2f}"
+    if written is not None:
+        warm_cell += f" (written before: {written:.2f})"
     if in_place is not None:
-        warm_cell += f" (in place {in_place:.2f})"
+        after = "" if in_place_written is None else f"; written before: {in_place_written:.2f}"
+        warm_cell += f" (in place {in_place:.2f}{after})"
     profiled = _fwd_bwd_cell(result, "fwd_profiled_us", "bwd_kernel_profiled_us")
     if any(result.get(key) is not None for key in IN_PLACE_KEYS.values()):
         profiled += f" (in place {_fwd_bwd_cell(result, *IN_PLACE_KEYS.values())})"
@@ -453,7 +471,8 @@ def format_table(points: Iterable[dict[str, Any]]) -> str:
         "| layout | dtype | seq (tokens for thd) | batch (sequences for thd) | heads | head dim "
         "| rotary dim | MiB moved | points_at_least_64MB | copy us | implementation "
         "| fwd us (% copy; ours in place too) | bwd kernel us (% copy) | fwd+bwd us (% of 2 copies) "
-        "| fwd+bwd host clock us (in turn) | fwd us, L2 warm (CUDA graph; ours in place too) "
+        "| fwd+bwd host clock us (in turn) | fwd us, L2 warm (CUDA graph; ours in place too; "
+        "in place with the input written by a copy before each call) "
         "| kernel us by the profiler, L2 flushed (fwd / bwd; ours in place too) "
         "| launches fwd/fwd+bwd |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -524,7 +543,8 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     time, below 64 MiB the profiler's where the points have it; and forward+backward end to end
     on the host clock); ours in place against Liger's (in place too) by kernel time; the
     profiler's kernel times below 64 MiB against each peer's; the forward below 64 MiB with the
-    L2 warm against each peer (and ours in place against Liger's); the host-clock
+    L2 warm against each peer (and ours in place against Liger's, replayed on their own output
+    and with their input written by a copy before each call, as in a model); the host-clock
     forward+backward against each peer's; and what reading the table as rates gives over
     reading its rows. Absent implementations and failed modes are left out."""
     lines = []
@@ -581,6 +601,11 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
         line = _lead_line(points, ours_key, peer, "fwd_warm")
         if line:
             lines.append(f"{what} below 64 MiB with the L2 warm{how}: {line}")
+    # as in a model: the input just written by another kernel (written_replay_us)
+    line = _lead_line(points, "fwd_in_place_written_warm", "liger", "fwd_written_warm")
+    if line:
+        lines.append("triton in place (apply_) forward below 64 MiB with the L2 warm, its input "
+                     f"written by a copy before each call: {line}")
     for peer in PEERS:
         for layout in dict.fromkeys(p["layout"] for p in points):
             ratios = []

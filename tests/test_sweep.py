@@ -233,6 +233,15 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
         return 1.5
 
     monkeypatch.setattr(sweep, "graph_replay_us", replayed_us)
+    written = []
+
+    def written_us(fn, write):  # the graph of a copy into fn's input, then fn, less the copy's
+        write()
+        fn()
+        written.append(fn)
+        return 0.5
+
+    monkeypatch.setattr(sweep, "written_replay_us", written_us)
     profiled = []
 
     def kernel_us(fns, calls):  # the profiler's trace: each call runs once here, 1.2 us each
@@ -282,6 +291,9 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     assert [record["implementations"][n].get("fwd_warm_us") for n in in_turn] == (
         [None] * 3 if large else [1.5] * 3)
     assert ours.get("fwd_in_place_warm_us") == (None if large else 1.5)
+    # and ours in place with its input written by a copy before each call, as in a model
+    assert len(written) == (0 if large else 1)
+    assert ours.get("fwd_in_place_written_warm_us") == (None if large else 0.5)
     # below 64 MiB every forward and backward kernel by the profiler too, in one trace, ours
     # in place among them (its backward through the engine, in place on the gradient)
     assert profiled == ([] if large else [sorted(
@@ -296,12 +308,25 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     assert sweep.IN_PLACE not in record["implementations"]
     if not large:
         table = sweep.format_table([record])
-        assert "1.50 (in place 1.50) | 1.20 / 1.20 (in place 1.20 / 1.20) |" in table
+        assert ("1.50 (in place 1.50; written before: 0.50) | 1.20 / 1.20 (in place 1.20 / 1.20) |"
+                in table)
         assert "| 1.20 / 1.20 | 1/1 |" in table  # the rows-read series: no in-place figures
     assert record["implementations"]["te"]["absent"] == "TransformerEngine is not importable"
     liger = record["implementations"]["liger"]["absent"]
     assert "thd" in liger if layout == "thd" else "not importable" in liger
     assert sweep.format_table([record]).count("\n") == 2 + 4
+
+
+def test_ours_in_place_rewrites_the_tensor_its_forward_reads(triton_backend):
+    """The warm figure after a write (``written_replay_us``) copies the input back into the
+    buffer that ours in place rotates, so each forward reads freshly written input."""
+    shape = bench.Shape("w", "sbhd", torch.float32, 8, 1, 2, 16, 16)
+    inp = bench.make_inputs(shape, DEVICE)
+    impl = bench._ours_in_place("triton", inp)
+    rotated = impl.fwd()
+    assert not torch.equal(rotated, inp.t)
+    impl.rewrite()
+    assert torch.equal(rotated, inp.t)
 
 
 def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
@@ -484,6 +509,23 @@ def test_summarize_compares_ours_in_place_with_liger_by_the_profiler():
               "in-place kernel: ")
     assert prefix.format("forward") + "liger faster at 0 of 1 points" in lines
     assert prefix.format("backward") + "liger faster at 1 of 1 points, by 0.20 us at most" in lines
+
+
+def test_summarize_compares_in_place_calls_on_freshly_written_input():
+    """With the L2 warm, ours in place and Liger's are also set against each other with their
+    input written by a copy before each call, as the projection writes q and k in a model (a
+    lead of 0.3 us there; replayed on their own output alone, Liger's 1.8 us leads ours' 2.1)."""
+    points = [_point(name, "sbhd", False, triton=(4.5, 89.0, 4.4, 90.0, 120.0, 100.0), te=None,
+                     liger=(3.9, 102.7, 3.9, 101.5, 50.0, 100.0)) for name in ("a", "b")]
+    for point, (ours, theirs) in zip(points, ((1.9, 2.2), (2.4, 2.1))):
+        point["implementations"]["triton"].update(fwd_in_place_warm_us=2.1,
+                                                  fwd_in_place_written_warm_us=ours)
+        point["implementations"]["liger"].update(fwd_warm_us=1.8, fwd_written_warm_us=theirs)
+    lines = sweep.summarize(points).splitlines()
+    assert ("triton in place (apply_) forward below 64 MiB with the L2 warm: liger faster at 2 "
+            "of 2 points, by 0.30 us at most") in lines
+    assert ("triton in place (apply_) forward below 64 MiB with the L2 warm, its input written "
+            "by a copy before each call: liger faster at 1 of 2 points, by 0.30 us at most") in lines
 
 
 FLUSH = "fill_kernel"
