@@ -784,9 +784,9 @@ def written_replay_us(
     """us per call of the in-place ``fn`` when ``write`` (a copy into the tensor ``fn`` reads)
     runs before each call, from CUDA graphs: the graph of ``write`` then ``fn``, less the graph
     of ``write`` alone. In a model the q and k that RoPE reads were just written by another
-    kernel (the projection), from other SMs than the ones that read them. :func:`graph_replay_us`
-    of an in-place call instead has each call read what the previous one wrote, which favours
-    a kernel whose programs land on the same SMs at every replay: at 2,048 tokens of 32 heads
+    kernel (the projection). :func:`graph_replay_us` of an in-place call instead has each call
+    read what the previous one wrote, which favours, by our reading, a kernel whose programs
+    land on the same SMs at every replay (one wave): at 2,048 tokens of 32 heads
     Liger's one-wave kernel took 6.51-6.53 us that way against ours' 7.24-7.25, and 7.28-7.32
     against ours' 7.00-7.01 after a copy (run AD)."""
     return graph_replay_us(lambda: (write(), fn()), calls) - graph_replay_us(write, calls)
