@@ -355,7 +355,7 @@ def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
     note = "in place; k with 1 head included in its bytes"
     if rot < d:
         note += "; in place it skips the pass-through channels"
-    source = inp.t.reshape(-1).view(b, s, h, d)
+    source = inp.t.reshape(-1).view(b, s, h, d)  # rewrite q (its one-head k: 1/h of the bytes)
     return Impl("Liger (peer)", fwd, bwd, fwd_bwd, output, note, bytes_factor=(h + 1) / h,
                 rotary_only=rot < d, bwd_kernel=bwd, rewrite=lambda: q.copy_(source))
 

@@ -46,8 +46,7 @@ import rope_dispatch as rd
 from rope_dispatch.bench import (
     Impl, Inputs, Shape, _liger_peer, _ours, _ours_in_place, _seqlens, _te_peer, _versions,
     bench_ms, cold_kernel_us, graph_replay_us, host_us_interleaved, make_inputs, pyplot,
-    written_replay_us,
-    rows_read, time_mode,
+    rows_read, time_mode, written_replay_us,
 )
 
 LAYOUTS = ("sbhd", "bshd", "thd")
