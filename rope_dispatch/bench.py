@@ -324,7 +324,8 @@ def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
     b, s, h, d, rot = shape.batch, shape.seq, shape.heads, shape.head_dim, shape.rotary_dim
     dev = inp.t.device
     # same bytes as ours, in Liger's physical layout [b, s, h, d]
-    q = inp.t.reshape(-1).view(b, s, h, d).clone()
+    source = inp.t.reshape(-1).view(b, s, h, d)  # a view: q, output's copy and rewrite's
+    q = source.clone()
     k = torch.randn(b, s, 1, d, device=dev).to(shape.dtype)
     dq = inp.grad.reshape(-1).view(b, s, h, d).clone()
     dk = torch.randn(b, s, 1, d, device=dev).to(shape.dtype)
@@ -348,14 +349,14 @@ def _liger_peer(shape: Shape, inp: Inputs) -> Impl | None:
         return torch.autograd.grad(outs, (q_leaf, k_leaf), grads)
 
     def output():
-        fresh = inp.t.reshape(-1).view(b, s, h, d).clone()
+        fresh = source.clone()
         rope_forward(fresh.transpose(1, 2), k.clone().transpose(1, 2), cos, sin, rotary_dim=rot)
         return fresh.reshape(inp.t.shape) if shape.layout == "bshd" else None
 
     note = "in place; k with 1 head included in its bytes"
     if rot < d:
         note += "; in place it skips the pass-through channels"
-    source = inp.t.reshape(-1).view(b, s, h, d)  # rewrite q (its one-head k: 1/h of the bytes)
+    # rewrite writes q afresh (its one-head k, 1/h of the bytes, is left as the last call wrote)
     return Impl("Liger (peer)", fwd, bwd, fwd_bwd, output, note, bytes_factor=(h + 1) / h,
                 rotary_only=rot < d, bwd_kernel=bwd, rewrite=lambda: q.copy_(source))
 
