@@ -151,7 +151,7 @@ SEQ_SCAN_LIMIT = 256
 def choose_config(
     n_tokens: int, heads: int | tuple[int, ...], head_dim: int, rotary_dim: int,
     element_size: int, interleaved: bool, sms: int, tile_tokens: int = TOKENS_PER_TILE,
-    cache_rows: bool = False, span_dim: int | None = None,
+    cache_rows: bool = False, span_dim: int | None = None, sines: bool = True,
 ) -> Config:
     """Tile sizes for a call: tokens per program, heads per tile and per program, widths.
 
@@ -172,7 +172,14 @@ def choose_config(
     loads one table row for all of them, where a tile of 8 tokens x 1 head loads 8 rows for
     one head), then gives up tokens, down to one, and then heads, until every SM has its
     programs. ``heads`` is a tuple for a launch over several tensors (q, k, v): tiles fit the
-    one with the fewest heads, and programs are counted over all of them.
+    one with the fewest heads, and programs are counted over all of them. Where that leaves one
+    token of several heads and the kernel computes the sines (``sines``: no cos/sin cache), the
+    tile is two tokens of half the heads, as many rows and programs: a one-token tile's table row
+    is laid out as a slice of the data tile, so each head's threads compute the token's sines
+    again (16 sine and cosine instructions a thread at 1 x 8, 4 at 2 x 4). At 512 tokens of 8
+    heads, 2.43 / 2.41 us against 2.56 / 2.42 forward / backward (H200, the profiler after an L2
+    flush, ``scripts/tile_probe.py sine-tiles``). A cache's rows are loads: the decode q+k
+    launch keeps 1 x 8 (2.37 us against 2.43 at 2 x 4).
 
     ``head_dim`` is the channels a head moves; ``span_dim``, where larger, the channels it
     spans in memory (in place on partial rotary: the rotary channels of a wider head). A call
@@ -218,6 +225,9 @@ def choose_config(
         block_h = min(_next_pow2(min(counts)), rows)
         block_t = min(rows // block_h, _next_pow2(n_tokens))
         block_t, block_h = shrink_to_programs(n_tokens, counts, block_t, block_h, wanted)
+        if (sines and block_t == 1 and block_h > 1 and n_tokens > 1 and programs(
+                n_tokens, counts, 2, block_h // 2) >= programs(n_tokens, counts, 1, block_h)):
+            block_t, block_h = 2, block_h // 2
     warps = STREAM_WARPS if streamed and block_h >= STREAM_WARPS_HEADS else 4
     return block_t, block_h, 1, block_r, block_p, warps
 
@@ -609,14 +619,15 @@ def launch(
     if config is None:
         tokens_per_tile = tile_tokens(flags, table, rotary_dim, interleaved)
         cache_rows = reads_cache_rows(flags)
+        sines = not flags[0]  # no cos/sin cache: the kernel computes sines
         ckey = (_next_pow2(n_tokens), heads, width, head_dim, rotary_dim, x.dtype, interleaved,
-                x.device, tokens_per_tile, cache_rows)
+                x.device, tokens_per_tile, cache_rows, sines)
         config = _configs.get(ckey)
         if config is None:
             sms = 1 if kernels.INTERPRETED else _sm_count(x.device.index)
             config = choose_config(
                 n_tokens, heads, width, rotary_dim, x.element_size(), interleaved, sms,
-                tokens_per_tile, cache_rows, span_dim=head_dim,
+                tokens_per_tile, cache_rows, span_dim=head_dim, sines=sines,
             )
             if len(_configs) > 1024:
                 _configs.clear()
@@ -928,7 +939,8 @@ def launch_qkv(
         config = choose_config(n_tokens, heads if has_v else heads[:2], head_dim, rotary_dim,
                                size, interleaved, sms,
                                tile_tokens(flags, q_tab, rotary_dim, interleaved),
-                               reads_cache_rows(flags), span_dim=shape[-1])
+                               reads_cache_rows(flags), span_dim=shape[-1],
+                               sines=not flags[0])
     block_t, block_h, head_iters, block_r, block_p, num_warps = config
     groups = [-(-n // (block_h * head_iters)) for n in heads]
     grid = launch_grid(sum(groups) if has_v else groups[0] + groups[1], -(-n_tokens // block_t))

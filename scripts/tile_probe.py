@@ -15,7 +15,8 @@ strided copies; ``small-kinds``, each table kind, Liger's cut and in place where
 kernel led; ``in-place-tiles``, ours in place at explicit tiles against Liger's;
 ``in-place-warm``, the same with the L2 warm where Liger's kernel led warm;
 ``wide-tokens``, 8, 16 or 4 tokens per 8 KiB tile for tokens of 8 KiB; ``resident-rows``, wide
-heads the L2 holds with and without ``RESIDENT_ROWS``, warm and flushed."""
+heads the L2 holds with and without ``RESIDENT_ROWS``, warm and flushed; ``sine-tiles``, two-token
+tiles and 1 program per SM for calls the L2 holds."""
 from __future__ import annotations
 
 from typing import Any
@@ -87,7 +88,7 @@ def prefill_qk() -> None:
             config = (bt, bh, iters, 64, 1, warps)
             # the launch's own config choice answers with this tile, so the timed calls take
             # the C launcher as real calls do
-            triton_rope.choose_config = lambda *args, config=config: config
+            triton_rope.choose_config = lambda *args, config=config, **kwargs: config
             triton_rope._fast_qkv.clear()
             ms = bench.bench_ms(lambda: triton_rope.launch_qkv(
                 *segments, (tab, sin, tab, sin), None, index, "thd", False, 1.0, 1, 0, False))
@@ -140,7 +141,7 @@ def small(warm: bool = False) -> None:
                     continue
                 for warps in sorted({4, max(1, min(4, tile // 2048))}):
                     config = (bt, bh, 1, d // 2, 1, warps)
-                    triton_rope.choose_config = lambda *args, config=config: config
+                    triton_rope.choose_config = lambda *args, config=config, **kwargs: config
                     triton_rope._configs.clear()
                     triton_rope._fast.clear()
                     ms = ms_of(lambda: triton_rope.launch(
@@ -328,6 +329,90 @@ def small_programs() -> None:
     _print_rule_ratios(ratios, 18)
     print(f"  Liger faster than the current rule at {peer['cold']} (cold) and {peer['warm']} "
           f"(warm) of {peer['points']} points")
+
+
+def _two_tokens(config: tuple, n_tokens: int) -> tuple:
+    """``config`` with a tile of one token and several heads cut as two tokens and half the
+    heads (as many rows and programs): a tile of one token computes its token's sines once per
+    head (the table row's layout is a slice of the data tile's, replicated over its heads), a
+    tile of two tokens once per tile."""
+    bt, bh, *rest = config
+    return (2, bh // 2, *rest) if bt == 1 and bh > 1 and n_tokens > 1 else config
+
+
+def sine_tiles(rounds: int = 2) -> None:
+    """Tiles for calls the L2 holds (the sweep's points up to ``RESIDENT_BYTES``, every layout,
+    bf16, full rotary) under the current rule, with two-token tiles for one-token ones
+    (:func:`_two_tokens`), and each at 1 program per SM: forward and backward
+    kernel time out of place and in place by the profiler after an L2 flush (``rounds``
+    traces), and forward warm (a CUDA graph), with Liger's in-place kernels beside them."""
+    import statistics
+
+    from rope_dispatch import sweep
+
+    sms = triton_rope._sm_count(0)
+    choose = triton_rope.choose_config
+    rules = {
+        "2/SM": lambda *a: choose(*a, sms),
+        "two tokens": lambda *a: _two_tokens(choose(*a, sms), a[0]),
+        "1/SM": lambda *a: choose(*a, max(1, sms // 2)),
+        "two tokens 1/SM": lambda *a: _two_tokens(choose(*a, max(1, sms // 2)), a[0]),
+    }
+    modes = ("fwd", "bwd", "ip fwd", "ip bwd")
+    ratios = {(name, mode): [] for name in rules for mode in modes + ("warm",)}
+    behind = {(name, mode): 0 for name in rules for mode in ("ip fwd", "ip bwd")}
+    points = [p for p in sweep.sweep_points() if p.tensor_bytes() <= triton_rope.RESIDENT_BYTES
+              and p.rotary_dim == p.head_dim]
+    for shape in points:
+        inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
+        table = inp.freqs.view(inp.freqs.shape[0], -1)
+        x, g = inp.t.clone(), inp.grad.clone()
+        out = torch.empty_like(inp.t)
+        tokens = shape.seq * (1 if shape.layout == "thd" else shape.batch)
+        configs = {name: rule(tokens, shape.heads, shape.head_dim, shape.rotary_dim,
+                              inp.t.element_size(), False) for name, rule in rules.items()}
+        if len(set(configs.values())) == 1:
+            continue
+        fns = {}
+        for name, config in configs.items():
+            for mode, src, dst, back in (("fwd", inp.t, out, False), ("bwd", inp.grad, out, True),
+                                         ("ip fwd", x, x, False), ("ip bwd", g, g, True)):
+                fns[f"{name} {mode}"] = (
+                    lambda src=src, dst=dst, back=back, config=config: triton_rope.launch(
+                        src, dst, table, None, inp.cu_seqlens, None, shape.layout, False, 1.0,
+                        1, 0, back, config=config, copy_pass=False))
+        liger = bench._liger_peer(shape, inp)
+        if liger is not None:
+            fns["liger ip fwd"], fns["liger ip bwd"] = liger.fwd, liger.bwd
+        traces = [bench.cold_kernel_us(fns, calls=30) for _ in range(rounds)]
+        cold = {key: statistics.median(t[key] for t in traces) for key in fns}
+        warm = {name: bench.graph_replay_us(fns[f"{name} fwd"]) for name in rules}
+        cells = []
+        for name, c in configs.items():
+            for mode in modes:
+                ratios[name, mode].append(cold[f"{name} {mode}"] / cold[f"2/SM {mode}"])
+            ratios[name, "warm"].append(warm[name] / warm["2/SM"])
+            if liger is not None:
+                for mode in ("ip fwd", "ip bwd"):
+                    behind[name, mode] += cold[f"liger {mode}"] < cold[f"{name} {mode}"]
+            cells.append(f"{name} {c[0]}x{c[1]} " + "/".join(
+                f"{cold[f'{name} {m}']:.2f}" for m in modes) + f" w{warm[name]:.2f}")
+        if liger is not None:
+            cells.append(f"liger {cold['liger ip fwd']:.2f}/{cold['liger ip bwd']:.2f}")
+        spread = "/".join(f"{min(t['2/SM ' + m] for t in traces):.2f}-"
+                          f"{max(t['2/SM ' + m] for t in traces):.2f}" for m in modes)
+        print(f"{shape.name}: " + " | ".join(cells) + f" | 2/SM traces {spread}", flush=True)
+        del inp, x, g, out
+    import math
+
+    print("kernel us: fwd/bwd/in-place fwd/in-place bwd after an L2 flush, w: fwd warm. Over the "
+          "current rule's (geometric mean over the points whose tiles differ):")
+    for name in rules:
+        means = [math.exp(statistics.fmean(math.log(r) for r in ratios[name, m]))
+                 for m in modes + ("warm",)]
+        print(f"  {name:>16}: " + ", ".join(f"{m} {v:.3f}" for m, v in zip(modes + ("warm",), means))
+              + f"; Liger faster in place at {behind[name, 'ip fwd']} fwd, "
+              f"{behind[name, 'ip bwd']} bwd")
 
 
 LIGER_LEAD_SHAPES = [  # (layout, seq, batch, heads, head_dim): where Liger's kernel led (run Y)
@@ -969,11 +1054,11 @@ def decode_qk() -> None:
     for bt, bh, iters, warps in ((8, 1, 1, 4), (2, 4, 1, 4), (1, 8, 1, 4), (1, 8, 1, 2),
                                  (1, 32, 1, 4), (1, 32, 1, 8), (1, 16, 1, 4)):
         config = (bt, bh, iters, 64, 1, warps)
-        triton_rope.choose_config = lambda *args, config=config: config
+        triton_rope.choose_config = lambda *args, config=config, **kwargs: config
         triton_rope._fast_qkv.clear()
         dispatch.forget_plans()
-        names = ("ours positions (pair cache)", "ours rows gathered (Liger's inputs)",
-                 "liger q+k (rows gathered)")  # Liger's again beside each tile: same phase
+        names = ("ours positions (pair cache)", "ours positions (rate table)",
+                 "ours rows gathered (Liger's inputs)", "liger q+k (rows gathered)")  # Liger's again beside each tile: same phase
         chosen = {name: calls[name] for name in names if name in calls}
         kernel = bench.cold_kernel_us(chosen, calls=30)
         shown = [f"{name.split(' (')[0]} kernels, L2 flushed {kernel[name]:5.2f} warm "
@@ -993,7 +1078,8 @@ if __name__ == "__main__":
              "large-rates": large_rates, "large-rule": large_rule, "thd-tiles": thd_tiles,
              "partial-rotary": partial_rotary, "wide-tokens": wide_tokens,
              "small-kinds": small_kinds, "in-place-tiles": in_place_tiles,
-             "in-place-warm": in_place_warm, "resident-rows": resident_rows}
+             "in-place-warm": in_place_warm, "resident-rows": resident_rows,
+             "sine-tiles": sine_tiles}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:

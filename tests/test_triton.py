@@ -533,18 +533,94 @@ def test_tiles_give_every_sm_programs_unless_the_call_is_too_small(tokens, heads
         assert bt * bh * 128 * 2 == triton_rope.TILE_BYTES  # a full tile: 8 KB
 
 
-@pytest.mark.parametrize("tokens, heads, tile", [
-    (64, (32, 8), (1, 8)),  # a decode step's q and k: one token of 8 heads per program
-    (128, 8, (1, 2)),
-    (2048, 1, (4, 1)),
+@pytest.mark.parametrize("tokens, heads, sines, tile", [
+    (64, (32, 8), False, (1, 8)),  # a decode step's q and k on a cache: one token of 8 heads
+    (128, 8, False, (1, 2)),
+    (64, (32, 8), True, (2, 4)),  # sines computed: two tokens of half the heads
+    (128, 8, True, (2, 1)),
+    (512, 8, True, (2, 4)),
+    (129, 8, True, (2, 1)),  # an odd count: as many programs or more
+    (1, 32, True, (1, 1)),  # one token: nothing to pair
+    (2048, 1, True, (4, 1)),
 ])
-def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(tokens, heads, tile):
+def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(
+    tokens, heads, sines, tile,
+):
     """A call too small for full tiles on 132 SMs gives up tokens per program before heads: a
-    program's heads share one table row, where 8 tokens of one head load 8 rows."""
+    program's heads share one table row, where 8 tokens of one head load 8 rows. Where that
+    leaves one token of several heads and the kernel computes sines, the tile is two tokens of
+    half the heads (each head's threads of a one-token tile compute its sines again), with no
+    fewer programs."""
     from rope_dispatch.backends import triton_rope
 
-    bt, bh, *_ = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132)
+    counts = heads if isinstance(heads, tuple) else (heads,)
+    bt, bh, *_ = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132, sines=sines)
     assert (bt, bh) == tile
+    cache_tile = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132, sines=False)
+    assert triton_rope.programs(tokens, counts, bt, bh) >= triton_rope.programs(
+        tokens, counts, *cache_tile[:2])
+
+
+def test_launches_say_whether_they_compute_sines(monkeypatch):
+    """The tile rule hears whether a launch computes sines: an angle table does, a cos/sin cache
+    and a pair cache are read; for one tensor and for q and k in one launch."""
+    from rope_dispatch.backends import triton_rope
+
+    seen = []
+    choose = triton_rope.choose_config
+
+    def record(*args, **kwargs):
+        seen.append(kwargs["sines"])
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(triton_rope, "choose_config", record)
+    for cache in ("_configs", "_fast", "_fast_qkv"):
+        monkeypatch.setattr(triton_rope, cache, {})
+    freqs = _te_freqs(6, 8, DEVICE)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    q, k = torch.randn(6, 1, 4, 8, device=DEVICE), torch.randn(6, 1, 2, 8, device=DEVICE)
+    angles = freqs.view(6, 8).double()
+    pair = rd.PairCosSinCache(torch.cat((angles[:, :4].cos(), angles[:, :4].sin()), -1).float())
+    for table, computes in ((freqs, True), (rd.cos_sin_cache(freqs), False), (pair, False)):
+        seen.clear()
+        rd.apply(q, table, spec, backend="triton")
+        rd.apply_qk_(q.clone(), k.clone(), table, spec, backend="triton")
+        assert seen == [computes, computes]
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_two_token_tiles_of_small_calls_match_the_reference(monkeypatch, layout):
+    """A small call that computes sines takes two tokens of half the heads per program and
+    rotates forward and backward, out of place and in place, as the reference does: on the GPU
+    the sweep's 512 tokens of 8 heads (2 x 4), on the interpreter 16 tokens counted against 8
+    SMs (the same cut)."""
+    from rope_dispatch.backends import triton_rope
+
+    tokens = 512 if CUDA else 16
+    sms = triton_rope._sm_count(0) if CUDA else 8
+    if not CUDA:  # the interpreter's launches count one SM
+        choose = triton_rope.choose_config
+        monkeypatch.setattr(triton_rope, "choose_config",
+                            lambda *a, **kw: choose(*a[:6], sms, *a[7:], **kw))
+    for cache in ("_configs", "_fast", "_fast_qkv"):
+        monkeypatch.setattr(triton_rope, cache, {})
+    assert triton_rope.choose_config(tokens, 8, 128, 128, 2, False, sms)[:2] == (2, 4)
+    freqs = _te_freqs(tokens, 128, DEVICE)
+    if layout == "thd":
+        t = torch.randn(tokens, 8, 128).to(torch.bfloat16).to(DEVICE)
+        cu = torch.tensor([0, tokens // 4, tokens // 2 + 1, tokens], dtype=torch.int32,
+                          device=DEVICE)
+        spec = rd.RoPESpec(layout="thd", dtype="bf16", cu_seqlens=cu)
+    else:
+        t = torch.randn(tokens, 1, 8, 128).to(torch.bfloat16).to(DEVICE)
+        spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
+    _rope_check_gpu(t, freqs, spec)
+    positions = reference_positions(layout, tuple(t.shape),
+                                    cu_seqlens=None if layout != "thd" else cu.tolist())
+    in_place = t.clone()
+    assert rd.apply_(in_place, freqs, spec, backend="triton") is in_place
+    assert_matches(in_place, reference_rope(t, freqs.view(tokens, 128), positions, False),
+                   t.dtype)
 
 
 @pytest.mark.parametrize("tokens, heads, head_dim, rotary_dim, tile", [
@@ -617,7 +693,8 @@ def test_in_place_partial_rotary_tiles_count_heads_by_their_span():
     memory: a call the L2 holds takes 2 KiB chunks of one head's channels, tokens first, and
     loops over 4 heads (16 tokens of d 128 at rotary dim 64 in bf16, 8 in float32), where the
     moved bytes alone gave 4 x 16; with too few programs for that, heads-first tiles counting
-    heads by the span (2 x 16 of 8 KiB spanned, shrunk). Streamed calls keep the moved bytes'
+    heads by the span (2 x 16 of 8 KiB spanned, shrunk, then two tokens of half the heads where
+    the kernel computes sines). Streamed calls keep the moved bytes'
     tile, and out of place (the head moved whole) nothing changes. ``apply_`` passes the
     span, and its rotation still matches the reference."""
     from rope_dispatch.backends import triton_rope
@@ -626,7 +703,9 @@ def test_in_place_partial_rotary_tiles_count_heads_by_their_span():
     assert choose(2048, 32, 64, 64, 2, False, 132, span_dim=128)[:3] == (16, 1, 4)
     assert choose(2048, 32, 64, 64, 4, False, 132, span_dim=128)[:3] == (8, 1, 4)
     assert choose(8192, 2, 64, 64, 2, False, 132, span_dim=128)[:3] == (16, 1, 2)
-    assert choose(256, 32, 64, 64, 2, False, 132, span_dim=128)[:3] == (1, 16, 1)
+    # too few programs: 1 x 16 by the span, cut as two tokens of 8 heads (sines once a tile)
+    assert choose(256, 32, 64, 64, 2, False, 132, span_dim=128)[:3] == (2, 8, 1)
+    assert choose(256, 32, 64, 64, 2, False, 132, span_dim=128, sines=False)[:3] == (1, 16, 1)
     assert choose(2048, 32, 48, 48, 2, False, 132, span_dim=128)[:3] == (16, 1, 4)  # 2,048 // 96
     assert choose(2048, 32, 64, 64, 2, False, 132)[:3] == (4, 16, 1)
     assert (choose(32768, 32, 64, 64, 2, False, 132, span_dim=128)
