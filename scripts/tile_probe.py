@@ -16,7 +16,7 @@ kernel led; ``in-place-tiles``, ours in place at explicit tiles against Liger's;
 ``in-place-warm``, the same with the L2 warm where Liger's kernel led warm;
 ``wide-tokens``, 8, 16 or 4 tokens per 8 KiB tile for tokens of 8 KiB; ``resident-rows``, wide
 heads the L2 holds with and without ``RESIDENT_ROWS``, warm and flushed; ``sine-tiles``, two-token
-tiles and 1 program per SM for calls the L2 holds."""
+tiles against one-token tiles, and 1 program per SM, for calls the L2 holds."""
 from __future__ import annotations
 
 from typing import Any
@@ -331,21 +331,15 @@ def small_programs() -> None:
           f"(warm) of {peer['points']} points")
 
 
-def _two_tokens(config: tuple, n_tokens: int) -> tuple:
-    """``config`` with a tile of one token and several heads cut as two tokens and half the
-    heads (as many rows and programs): a tile of one token computes its token's sines once per
-    head (the table row's layout is a slice of the data tile's, replicated over its heads), a
-    tile of two tokens once per tile."""
-    bt, bh, *rest = config
-    return (2, bh // 2, *rest) if bt == 1 and bh > 1 and n_tokens > 1 else config
-
-
 def sine_tiles(rounds: int = 2) -> None:
     """Tiles for calls the L2 holds (the sweep's points up to ``RESIDENT_BYTES``, every layout,
-    bf16, full rotary) under the current rule, with two-token tiles for one-token ones
-    (:func:`_two_tokens`), and each at 1 program per SM: forward and backward
-    kernel time out of place and in place by the profiler after an L2 flush (``rounds``
-    traces), and forward warm (a CUDA graph), with Liger's in-place kernels beside them."""
+    bf16, full rotary): the rule in use (a one-token tile of several heads cut as two tokens,
+    where sines are computed), the one-token tiles it replaced (``sines=False``), and each at
+    1 program per SM; forward and backward kernel time out of place and in place by the
+    profiler after an L2 flush (``rounds`` traces), and forward warm (a CUDA graph), with
+    Liger's in-place kernels beside them. Run E (H200) had the rule in use, against one-token
+    tiles, at 0.985 / 0.995 / 0.996 / 0.995 / 0.993 of their times."""
+    import math
     import statistics
 
     from rope_dispatch import sweep
@@ -353,10 +347,10 @@ def sine_tiles(rounds: int = 2) -> None:
     sms = triton_rope._sm_count(0)
     choose = triton_rope.choose_config
     rules = {
-        "2/SM": lambda *a: choose(*a, sms),
-        "two tokens": lambda *a: _two_tokens(choose(*a, sms), a[0]),
+        "in use": lambda *a: choose(*a, sms),
+        "one token": lambda *a: choose(*a, sms, sines=False),
         "1/SM": lambda *a: choose(*a, max(1, sms // 2)),
-        "two tokens 1/SM": lambda *a: _two_tokens(choose(*a, max(1, sms // 2)), a[0]),
+        "one token 1/SM": lambda *a: choose(*a, max(1, sms // 2), sines=False),
     }
     modes = ("fwd", "bwd", "ip fwd", "ip bwd")
     ratios = {(name, mode): [] for name in rules for mode in modes + ("warm",)}
@@ -390,8 +384,8 @@ def sine_tiles(rounds: int = 2) -> None:
         cells = []
         for name, c in configs.items():
             for mode in modes:
-                ratios[name, mode].append(cold[f"{name} {mode}"] / cold[f"2/SM {mode}"])
-            ratios[name, "warm"].append(warm[name] / warm["2/SM"])
+                ratios[name, mode].append(cold[f"{name} {mode}"] / cold[f"in use {mode}"])
+            ratios[name, "warm"].append(warm[name] / warm["in use"])
             if liger is not None:
                 for mode in ("ip fwd", "ip bwd"):
                     behind[name, mode] += cold[f"liger {mode}"] < cold[f"{name} {mode}"]
@@ -399,19 +393,17 @@ def sine_tiles(rounds: int = 2) -> None:
                 f"{cold[f'{name} {m}']:.2f}" for m in modes) + f" w{warm[name]:.2f}")
         if liger is not None:
             cells.append(f"liger {cold['liger ip fwd']:.2f}/{cold['liger ip bwd']:.2f}")
-        spread = "/".join(f"{min(t['2/SM ' + m] for t in traces):.2f}-"
-                          f"{max(t['2/SM ' + m] for t in traces):.2f}" for m in modes)
-        print(f"{shape.name}: " + " | ".join(cells) + f" | 2/SM traces {spread}", flush=True)
+        spread = "/".join(f"{min(t['in use ' + m] for t in traces):.2f}-"
+                          f"{max(t['in use ' + m] for t in traces):.2f}" for m in modes)
+        print(f"{shape.name}: " + " | ".join(cells) + f" | in use, traces {spread}", flush=True)
         del inp, x, g, out
-    import math
-
     print("kernel us: fwd/bwd/in-place fwd/in-place bwd after an L2 flush, w: fwd warm. Over the "
-          "current rule's (geometric mean over the points whose tiles differ):")
+          "rule in use (geometric mean over the points whose tiles differ):")
     for name in rules:
-        means = [math.exp(statistics.fmean(math.log(r) for r in ratios[name, m]))
-                 for m in modes + ("warm",)]
-        print(f"  {name:>16}: " + ", ".join(f"{m} {v:.3f}" for m, v in zip(modes + ("warm",), means))
-              + f"; Liger faster in place at {behind[name, 'ip fwd']} fwd, "
+        means = ", ".join(
+            f"{m} {math.exp(statistics.fmean(math.log(r) for r in ratios[name, m])):.3f}"
+            for m in modes + ("warm",))
+        print(f"  {name:>16}: {means}; Liger faster in place at {behind[name, 'ip fwd']} fwd, "
               f"{behind[name, 'ip bwd']} bwd")
 
 
@@ -1042,26 +1034,29 @@ def partial_rotary(rounds: int = 3) -> None:
 
 def decode_qk() -> None:
     """The serving decode q+k launch (64 tokens, q 32 heads, k 8, in place) at explicit tiles:
-    per-token positions into the pair cache (two dependent loads: position, then row) and the
-    same tokens with their cos/sin rows gathered ahead (Liger's inputs: row = token), against
-    Liger's q+k on those rows and Liger with the gather. The kernels' own time after an L2
-    flush (the profiler's, median of 30) and warm (20 calls in one CUDA graph, as a model's
-    layers run them)."""
+    per-token positions into the pair cache (two dependent loads: position, then row) and into
+    a rate table (sines computed), and the same tokens with their cos/sin rows gathered ahead
+    (Liger's inputs: row = token), against Liger's q+k on those rows and Liger with the gather.
+    The kernels' own time after an L2 flush (the profiler's, median of 30) and warm (20 calls
+    in one CUDA graph, as a model's layers run them)."""
     calls = decode_compare()
     choose = triton_rope.choose_config
-    default = choose(64, (32, 8), 128, 128, 2, False, triton_rope._sm_count(0))
-    print(f"decode q+k tiles (default {default}):")
+    sms = triton_rope._sm_count(0)
+    cache, rates = (choose(64, (32, 8), 128, 128, 2, False, sms, sines=sines)[:2]
+                    for sines in (False, True))
+    print(f"decode q+k tiles (default: pair cache {cache[0]} x {cache[1]}, rate table "
+          f"{rates[0]} x {rates[1]}):")
     for bt, bh, iters, warps in ((8, 1, 1, 4), (2, 4, 1, 4), (1, 8, 1, 4), (1, 8, 1, 2),
                                  (1, 32, 1, 4), (1, 32, 1, 8), (1, 16, 1, 4)):
         config = (bt, bh, iters, 64, 1, warps)
         triton_rope.choose_config = lambda *args, config=config, **kwargs: config
         triton_rope._fast_qkv.clear()
         dispatch.forget_plans()
-        names = ("ours positions (pair cache)", "ours positions (rate table)",
-                 "ours rows gathered (Liger's inputs)", "liger q+k (rows gathered)")  # Liger's again beside each tile: same phase
+        names = ("ours positions (pair cache)", "ours positions (rate table)",  # Liger's again
+                 "ours rows gathered (Liger's inputs)", "liger q+k (rows gathered)")  # each tile
         chosen = {name: calls[name] for name in names if name in calls}
         kernel = bench.cold_kernel_us(chosen, calls=30)
-        shown = [f"{name.split(' (')[0]} kernels, L2 flushed {kernel[name]:5.2f} warm "
+        shown = [f"{name} kernels, L2 flushed {kernel[name]:5.2f} warm "
                  f"{bench.graph_replay_us(fn):5.2f}" for name, fn in chosen.items()]
         triton_rope.choose_config = choose
         print(f"   tile {bt} tok x {bh} heads x {iters} iters, {warps} warps: " + "; ".join(shown))
