@@ -707,13 +707,17 @@ def cold_warm_us(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, tu
 FLUSH_BYTES = 256 << 20  # what do_bench writes to flush the L2 before each call
 
 
-def cold_kernel_us(fns: dict[str, Callable[[], Any]], calls: int = 50) -> dict[str, float]:
+def cold_kernel_us(
+    fns: dict[str, Callable[[], Any]], calls: int = 50, copies: bool = False,
+) -> dict[str, float]:
     """Median GPU time of the kernels one call of each of ``fns`` runs, each call after an L2
     flush, from the profiler's device timestamps: the kernels' own time, without the launch
     latency and host lag that ``do_bench``'s events around a call include (a call whose host
     path outlasts the flush, as Liger's ``rope_forward`` on some hosts, leaves the GPU idle
     between the events). The calls run in turn in one trace, which the flushes' kernels cut
-    into calls; a call must launch no kernel of the flush's name."""
+    into calls; a call must launch no kernel of the flush's name. Device copies (the
+    profiler's ``Memcpy`` rows) count only with ``copies``: a device-to-device ``copy_`` timed
+    the same way as the kernels it is the ceiling of."""
     from torch.profiler import ProfilerActivity, profile
 
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
@@ -721,7 +725,8 @@ def cold_kernel_us(fns: dict[str, Callable[[], Any]], calls: int = 50) -> dict[s
 
     def kernels(prof: Any) -> list[Any]:
         return sorted((e for e in prof.events() if e.device_type == cuda
-                       and not e.name.startswith("Memcpy")), key=lambda e: e.time_range.start)
+                       and (copies or not e.name.startswith("Memcpy"))),
+                      key=lambda e: e.time_range.start)
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         flush.zero_()

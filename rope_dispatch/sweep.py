@@ -344,9 +344,11 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
 
     copy_ms = bench_ms(copy)
     record["copy_us"] = 1e3 * copy_ms
+    large = record["points_at_least_64MB"]
+    if not large:
+        record["copy_profiled_us"] = profiled_copy_us(copy)
     print(f"  device copy {record['copy_us']:9.1f} us", flush=True)
     results: dict[str, Any] = {}
-    large = record["points_at_least_64MB"]
     # the implementations stay built for one host-clock measurement in turn
     kept: dict[str, Impl] = {}
     for name, label in IMPLEMENTATIONS.items():
@@ -380,6 +382,13 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
             if name == IN_PLACE:
                 times = {IN_PLACE_KEYS[key]: us for key, us in times.items()}
                 name = "triton"
+            elif record["copy_profiled_us"]:  # % of copy by the profiler: the plots' figure
+                share = kept[name].copy_share
+                for mode in IN_TURN_MODES:
+                    key = mode_key(mode)
+                    if us := times.get(f"{key}_profiled_us"):
+                        times[f"{key}_profiled_pct_of_copy"] = (
+                            100 * record["copy_profiled_us"] * share(mode, rotary_share) / us)
             results[name].update(times)
     for result in results.values():
         print(f"  {result['label']:>16} {_cells(result)}", flush=True)
@@ -396,6 +405,16 @@ IN_PLACE = "triton in place"  # ours in place among the profiled implementations
 IN_PLACE_KEYS = {"fwd_profiled_us": "fwd_in_place_profiled_us",
                  "bwd_kernel_profiled_us": "bwd_in_place_profiled_us"}
 """Where ours in place's profiled times go in ``triton``'s results."""
+
+
+def profiled_copy_us(copy: Callable[[], Any]) -> float | None:
+    """The device copy's time by the profiler, each call after an L2 flush: the ceiling of
+    :func:`profiled_kernel_times`, timed as they are; None (said on stderr) where it fails."""
+    try:
+        return cold_kernel_us({"copy": copy}, calls=PROFILED_CALLS, copies=True)["copy"]
+    except Exception as exc:  # noqa: BLE001 (reported, not fatal to the sweep)
+        print(f"  copy profiled: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
 
 
 def profiled_kernel_times(impls: dict[str, Impl]) -> dict[str, dict[str, float]]:
@@ -650,9 +669,19 @@ def series_key(point: dict[str, Any]) -> tuple[str, int, int, int, int]:
     return (point["dtype"], point["batch"], point["heads"], point["head_dim"], point["rotary_dim"])
 
 
+def plotted_pct(result: dict[str, Any], mode: str) -> float | None:
+    """The % of copy a plot shows for one implementation and mode: by the profiler's kernel
+    times after an L2 flush against the copy's where the point has them (below 64 MiB, where
+    ``do_bench``'s events add launch latency and host lag: run AE's sweep had ours at 53 us by
+    them for a 3 us kernel), else by ``do_bench`` (from 64 MiB, timed in turn with a copy)."""
+    key = mode_key(mode)
+    return result.get(f"{key}_profiled_pct_of_copy") or result.get(f"{key}_pct_of_copy")
+
+
 def plot_layout(report: SweepReport, layout: str, path: Path) -> bool:
     """% of copy against sequence length for one layout: a panel per series, a line per
-    implementation and mode (fwd solid, backward kernel dashed); False without matplotlib."""
+    implementation and mode (fwd solid, backward kernel dashed; :func:`plotted_pct`); False
+    without matplotlib."""
     plt = pyplot()
     points = [p for p in report.points if p["layout"] == layout]
     if plt is None or not points:
@@ -668,9 +697,8 @@ def plot_layout(report: SweepReport, layout: str, path: Path) -> bool:
         dtype, batch, heads, head_dim, rot = key
         for name, label in IMPLEMENTATIONS.items():
             for mode, style in (("fwd", "-"), ("bwd kernel", "--")):
-                pct = f"{mode_key(mode)}_pct_of_copy"
-                xy = [(p["seq"], p["implementations"][name][pct])
-                      for p in group if p["implementations"][name].get(pct)]
+                xy = [(p["seq"], pct) for p in group
+                      if (pct := plotted_pct(p["implementations"][name], mode))]
                 if xy:
                     ax.plot(*zip(*xy), style, marker="o", markersize=3, color=colors[name],
                             label=f"{label} {mode}")
@@ -696,7 +724,8 @@ def plot_layout(report: SweepReport, layout: str, path: Path) -> bool:
     (spare[0] if spare else axes.flat[0]).legend(legend.values(), legend.keys(), fontsize=7,
                                                  loc="center" if spare else "best")
     fig.suptitle(f"RoPE {layout}: % of a device copy (dotted: 95%; inputs of 64 MiB and up "
-                 f"right of the vertical line) - {report.device}, {report.date}", fontsize=9)
+                 f"right of the vertical line, below it kernel times by the profiler after an "
+                 f"L2 flush) - {report.device}, {report.date}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

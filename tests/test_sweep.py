@@ -244,12 +244,13 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     monkeypatch.setattr(sweep, "written_replay_us", written_us)
     profiled = []
 
-    def kernel_us(fns, calls):  # the profiler's trace: each call runs once here, 1.2 us each
-        assert calls == sweep.PROFILED_CALLS
+    def kernel_us(fns, calls, copies=False):  # a profiler's trace: each call runs once here,
+        assert calls == sweep.PROFILED_CALLS  # 1.2 us each, the copy (memcpy rows kept) 0.9 us
         for fn in fns.values():
             fn()
+        assert copies == (list(fns) == ["copy"])
         profiled.append(sorted(fns))
-        return {key: 1.2 for key in fns}
+        return {key: 0.9 if copies else 1.2 for key in fns}
 
     monkeypatch.setattr(sweep, "cold_kernel_us", kernel_us)
     # the peers as absent (a module already imported by another test cannot be hidden)
@@ -296,13 +297,20 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     assert ours.get("fwd_in_place_written_warm_us") == (None if large else 0.5)
     # below 64 MiB every forward and backward kernel by the profiler too, in one trace, ours
     # in place among them (its backward through the engine, in place on the gradient)
-    assert profiled == ([] if large else [sorted(
+    # (after the copy's own trace: their ceiling, timed as they are)
+    assert profiled == ([] if large else [["copy"], sorted(
         f"{name}\0{mode}" for name in (*in_turn, sweep.IN_PLACE) for mode in ("fwd", "bwd_kernel")
     )])
+    assert record.get("copy_profiled_us") == (None if large else 0.9)
     for name in in_turn:
         times = record["implementations"][name]
         assert times.get("fwd_profiled_us") == times.get("bwd_kernel_profiled_us") == (
             None if large else 1.2)
+        for mode in ("fwd", "bwd_kernel"):  # what the plots show below 64 MiB: 0.9 / 1.2 us
+            assert times.get(f"{mode}_profiled_pct_of_copy") == (
+                None if large else pytest.approx(75.0))
+            assert sweep.plotted_pct(times, mode.replace("_", " ")) == pytest.approx(
+                times[f"{mode}_pct_of_copy"] if large else 75.0)
     assert ours.get("fwd_in_place_profiled_us") == ours.get("bwd_in_place_profiled_us") == (
         None if large else 1.2)
     assert sweep.IN_PLACE not in record["implementations"]
@@ -336,6 +344,9 @@ def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
     monkeypatch.setattr(sweep, "graph_replay_us", lambda fn: 1.0)
     shape = sweep.make_point("bshd", torch.float32, sweep.Series(2, 1, 8, 8, (), ""), 16)
     record = sweep.run_point(shape, peers=False, device=DEVICE)
+    if not torch.cuda.is_available():  # no profiler's copy here: no plotted % by it either
+        assert record["copy_profiled_us"] is None
+        assert "fwd_profiled_pct_of_copy" not in record["implementations"]["triton"]
     assert record["implementations"]["te"]["absent"] == "--no-peers"
     assert record["implementations"]["liger"]["absent"] == "--no-peers"
     assert record["implementations"]["triton"]["launches_fwd"] is None
