@@ -179,7 +179,11 @@ def choose_config(
     again (16 sine and cosine instructions a thread at 1 x 8, 4 at 2 x 4). At 512 tokens of 8
     heads, 2.43 / 2.41 us against 2.56 / 2.42 forward / backward (H200, the profiler after an L2
     flush, ``scripts/tile_probe.py sine-tiles``). A cache's rows are loads: the decode q+k
-    launch keeps 1 x 8 (2.37 us against 2.43 at 2 x 4).
+    launch keeps 1 x 8 (2.37 us against 2.43 at 2 x 4). A tile of one token of one head whose
+    half (``BLOCK_R``) is narrower than the program's 128 threads computes its sines, and
+    loads its channels, on twice as many threads as they have: it takes two tokens, at half
+    the programs (in place at 128 tokens of one head of d 128, 1.47-1.50 us against 1.57-1.63
+    at 1 x 1, 16 tokens of 32 heads 1.78-1.84 against 1.87-1.89: ``one-head-tiles``).
 
     ``head_dim`` is the channels a head moves; ``span_dim``, where larger, the channels it
     spans in memory (in place on partial rotary: the rotary channels of a wider head). A call
@@ -225,9 +229,12 @@ def choose_config(
         block_h = min(_next_pow2(min(counts)), rows)
         block_t = min(rows // block_h, _next_pow2(n_tokens))
         block_t, block_h = shrink_to_programs(n_tokens, counts, block_t, block_h, wanted)
-        if (sines and block_t == 1 and block_h > 1 and n_tokens > 1 and programs(
-                n_tokens, counts, 2, block_h // 2) >= programs(n_tokens, counts, 1, block_h)):
-            block_t, block_h = 2, block_h // 2
+        if sines and block_t == 1 and n_tokens > 1:
+            if block_h > 1 and programs(n_tokens, counts, 2, block_h // 2) >= programs(
+                    n_tokens, counts, 1, block_h):
+                block_t, block_h = 2, block_h // 2
+            elif block_h == 1 and block_r < 32 * 4:  # a half head narrower than the threads
+                block_t = 2
     warps = STREAM_WARPS if streamed and block_h >= STREAM_WARPS_HEADS else 4
     return block_t, block_h, 1, block_r, block_p, warps
 

@@ -16,7 +16,8 @@ kernel led; ``in-place-tiles``, ours in place at explicit tiles against Liger's;
 ``in-place-warm``, the same with the L2 warm where Liger's kernel led warm;
 ``wide-tokens``, 8, 16 or 4 tokens per 8 KiB tile for tokens of 8 KiB; ``resident-rows``, wide
 heads the L2 holds with and without ``RESIDENT_ROWS``, warm and flushed; ``sine-tiles``, two-token
-tiles against one-token tiles, and 1 program per SM, for calls the L2 holds."""
+tiles against one-token tiles, and 1 program per SM, for calls the L2 holds; ``one-head-tiles``,
+``in-place-tiles`` at one-head calls and a decode-sized one."""
 from __future__ import annotations
 
 from typing import Any
@@ -503,20 +504,31 @@ def _in_place_tile_calls(
     return default, fns
 
 
-def in_place_tiles(rounds: int = 2) -> None:
+def in_place_tiles(rounds: int = 2, shapes: list = IN_PLACE_SHAPES,
+                   tiles: list = IN_PLACE_TILES) -> None:
     """Ours in place (the rotary channels only, as ``apply_``) at explicit tiles, forward and
     backward by the profiler after an L2 flush, in turn with Liger's in-place kernels."""
-    for layout, seq, batch, heads, d, rot in IN_PLACE_SHAPES:
+    for layout, seq, batch, heads, d, rot in shapes:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, rot)
         inp, x, _, angles, _ = _probe_inputs(shape)
         g = inp.grad
-        default, fns = _in_place_tile_calls(IN_PLACE_TILES, x, g, angles, layout, d)
+        default, fns = _in_place_tile_calls(tiles, x, g, angles, layout, d)
         liger = bench._liger_peer(shape, inp)
         fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
         print(f"{layout} s{seq} b{batch} h{heads} d{d} rot{rot} in place (default tile "
               f"{default[0]}x{default[1]}x{default[2]}/{default[5]}w):", flush=True)
         _print_cold_traces(fns, rounds, calls=30)
         del x, g
+
+
+ONE_HEAD_SHAPES = [  # (layout, seq, batch, heads, head_dim, rotary_dim): Liger led in run AE
+    ("sbhd", 128, 1, 1, 128, 128), ("sbhd", 512, 1, 1, 128, 128), ("bshd", 128, 1, 1, 128, 128),
+    ("bshd", 512, 1, 1, 128, 128), ("sbhd", 2048, 1, 1, 128, 128), ("sbhd", 16, 1, 32, 128, 128),
+]
+ONE_HEAD_TILES = [  # one-token tiles of d128 give each half of a head 64 threads' work of 128
+    (1, 1, 1, 4), (1, 1, 1, 2), (1, 1, 1, 1), (2, 1, 1, 4), (2, 1, 1, 2), (4, 1, 1, 4),
+    (8, 1, 1, 4), (1, 2, 1, 4), (2, 2, 1, 4),
+]
 
 
 WARM_IN_PLACE_SHAPES = [  # (layout, seq, batch, heads, head_dim, rotary_dim): Liger led warm
@@ -1074,7 +1086,8 @@ if __name__ == "__main__":
              "partial-rotary": partial_rotary, "wide-tokens": wide_tokens,
              "small-kinds": small_kinds, "in-place-tiles": in_place_tiles,
              "in-place-warm": in_place_warm, "resident-rows": resident_rows,
-             "sine-tiles": sine_tiles}
+             "sine-tiles": sine_tiles,
+             "one-head-tiles": lambda: in_place_tiles(3, ONE_HEAD_SHAPES, ONE_HEAD_TILES)}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:

@@ -519,13 +519,15 @@ def test_gpu_compile_inductor_thd_and_cache():
 )
 def test_tiles_give_every_sm_programs_unless_the_call_is_too_small(tokens, heads):
     """On a 132-SM GPU a call runs as at least two programs per SM, unless it has fewer tokens x
-    heads than that (then one program per token and head); large calls keep the full tile."""
+    heads than that (then one program per token and head, or, where it computes sines, per two
+    tokens of one head of d 128: see the next test); large calls keep the full tile."""
     from rope_dispatch.backends import triton_rope
 
     sms = 132
     bt, bh, iters, _, _, _ = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, sms)
     programs = -(-tokens // bt) * -(-heads // (bh * iters))
-    assert programs >= min(2 * sms, tokens * heads)
+    two_tokens = (bt, bh) == (2, 1) and tokens > 1
+    assert programs * (2 if two_tokens else 1) >= min(2 * sms, tokens * heads)
     assert bt * bh * 128 * 2 <= triton_rope.TILE_BYTES
     if tokens * heads * 128 * 2 > triton_rope.RESIDENT_BYTES and heads < 32:  # 2 KiB tiles
         assert bt * bh * 128 * 2 == triton_rope.STREAM_TILE_BYTES and bh == min(heads, 8)
@@ -542,6 +544,9 @@ def test_tiles_give_every_sm_programs_unless_the_call_is_too_small(tokens, heads
     (129, 8, True, (2, 1)),  # an odd count: as many programs or more
     (1, 32, True, (1, 1)),  # one token: nothing to pair
     (2048, 1, True, (4, 1)),
+    (512, 1, True, (2, 1)),  # one head of 64 channels a half on 128 threads: two tokens
+    (512, 1, False, (1, 1)),
+    (16, 32, True, (2, 1)),
 ])
 def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(
     tokens, heads, sines, tile,
@@ -550,15 +555,17 @@ def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(
     program's heads share one table row, where 8 tokens of one head load 8 rows. Where that
     leaves one token of several heads and the kernel computes sines, the tile is two tokens of
     half the heads (each head's threads of a one-token tile compute its sines again), with no
-    fewer programs."""
+    fewer programs; one token of one head of d 128 (64 channels a half for 128 threads) takes
+    two tokens at half the programs."""
     from rope_dispatch.backends import triton_rope
 
     counts = heads if isinstance(heads, tuple) else (heads,)
     bt, bh, *_ = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132, sines=sines)
     assert (bt, bh) == tile
     cache_tile = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132, sines=False)
-    assert triton_rope.programs(tokens, counts, bt, bh) >= triton_rope.programs(
-        tokens, counts, *cache_tile[:2])
+    halved = cache_tile[:2] == (1, 1) and tile == (2, 1)  # one head: two tokens, half the programs
+    assert triton_rope.programs(tokens, counts, bt, bh) * (2 if halved else 1) >= (
+        triton_rope.programs(tokens, counts, *cache_tile[:2]))
 
 
 def test_launches_say_whether_they_compute_sines(monkeypatch):
@@ -588,12 +595,13 @@ def test_launches_say_whether_they_compute_sines(monkeypatch):
         assert seen == [computes, computes]
 
 
+@pytest.mark.parametrize("heads, tile", [(8, (2, 4)), (1, (2, 1))])
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
-def test_two_token_tiles_of_small_calls_match_the_reference(monkeypatch, layout):
-    """A small call that computes sines takes two tokens of half the heads per program and
-    rotates forward and backward, out of place and in place, as the reference does: on the GPU
-    the sweep's 512 tokens of 8 heads (2 x 4), on the interpreter 16 tokens counted against 8
-    SMs (the same cut)."""
+def test_two_token_tiles_of_small_calls_match_the_reference(monkeypatch, layout, heads, tile):
+    """A small call that computes sines takes two tokens of half the heads per program (of one
+    head, two tokens) and rotates forward and backward, out of place and in place, as the
+    reference does: on the GPU the sweep's 512 tokens of 8 heads (2 x 4) or one (2 x 1), on the
+    interpreter 16 tokens counted against 8 SMs (the same cuts)."""
     from rope_dispatch.backends import triton_rope
 
     tokens = 512 if CUDA else 16
@@ -604,15 +612,15 @@ def test_two_token_tiles_of_small_calls_match_the_reference(monkeypatch, layout)
                             lambda *a, **kw: choose(*a[:6], sms, *a[7:], **kw))
     for cache in ("_configs", "_fast", "_fast_qkv"):
         monkeypatch.setattr(triton_rope, cache, {})
-    assert triton_rope.choose_config(tokens, 8, 128, 128, 2, False, sms)[:2] == (2, 4)
+    assert triton_rope.choose_config(tokens, heads, 128, 128, 2, False, sms)[:2] == tile
     freqs = _te_freqs(tokens, 128, DEVICE)
     if layout == "thd":
-        t = torch.randn(tokens, 8, 128).to(torch.bfloat16).to(DEVICE)
+        t = torch.randn(tokens, heads, 128).to(torch.bfloat16).to(DEVICE)
         cu = torch.tensor([0, tokens // 4, tokens // 2 + 1, tokens], dtype=torch.int32,
                           device=DEVICE)
         spec = rd.RoPESpec(layout="thd", dtype="bf16", cu_seqlens=cu)
     else:
-        t = torch.randn(tokens, 1, 8, 128).to(torch.bfloat16).to(DEVICE)
+        t = torch.randn(tokens, 1, heads, 128).to(torch.bfloat16).to(DEVICE)
         spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
     _rope_check_gpu(t, freqs, spec)
     positions = reference_positions(layout, tuple(t.shape),
