@@ -334,12 +334,13 @@ def small_programs() -> None:
 
 def sine_tiles(rounds: int = 2) -> None:
     """Tiles for calls the L2 holds (the sweep's points up to ``RESIDENT_BYTES``, every layout,
-    bf16, full rotary): the rule in use (a one-token tile of several heads cut as two tokens,
-    where sines are computed), the one-token tiles it replaced (``sines=False``), and each at
-    1 program per SM; forward and backward kernel time out of place and in place by the
-    profiler after an L2 flush (``rounds`` traces), and forward warm (a CUDA graph), with
-    Liger's in-place kernels beside them. Run E (H200) had the rule in use, against one-token
-    tiles, at 0.985 / 0.995 / 0.996 / 0.995 / 0.993 of their times."""
+    bf16, full rotary): the rule in use (a one-token tile of several heads, or of one narrow
+    head, cut as two tokens where sines are computed), the one-token tiles it replaced
+    (``sines=False``), and each at 1 program per SM; forward and backward kernel time out of
+    place and in place by the profiler after an L2 flush (``rounds`` traces), and forward warm
+    (a CUDA graph), with Liger's in-place kernels beside them. In run AE (AE1, H200, before the
+    one-head cut) the two-token tiles took 0.985 / 0.995 / 0.996 / 0.995 / 0.993 of the
+    one-token tiles' times."""
     import math
     import statistics
 
