@@ -80,6 +80,7 @@ Config = tuple[int, int, int, int, int, int]
 # over heads, whose cached sin/cos cost registers (4 programs per SM instead of 8+).
 TILE_BYTES = 8192
 TOKENS_PER_TILE = 8
+WARPS = 4  # a program's warps, but for streamed tiles of many heads (STREAM_WARPS)
 # A table read channel by channel (a cos/sin cache) is loaded as [BLOCK_T, BLOCK_R] tiles, four
 # per program. Its rows need this many bytes per tile for 16-byte loads by each thread of 4
 # warps: in bf16 with 8 tokens a thread loaded 8 bytes, and the 8- and 32-head shapes of 64 MB
@@ -213,7 +214,7 @@ def choose_config(
                       _next_pow2(n_tokens))
         head_iters = min(SPAN_HEAD_ITERS, _next_pow2(min(counts)))
         if programs(n_tokens, counts, block_t, head_iters) >= wanted:
-            return block_t, 1, head_iters, block_r, block_p, 4
+            return block_t, 1, head_iters, block_r, block_p, WARPS
     counted = max(head_dim, span_dim or 0) if heads_first and resident else head_dim
     rows = tile_rows(STREAM_TILE_BYTES if streamed else TILE_BYTES, counted * element_size)
     if heads_first and resident:
@@ -233,9 +234,9 @@ def choose_config(
             if block_h > 1 and programs(n_tokens, counts, 2, block_h // 2) >= programs(
                     n_tokens, counts, 1, block_h):
                 block_t, block_h = 2, block_h // 2
-            elif block_h == 1 and block_r < 32 * 4:  # a half head narrower than the threads
+            elif block_h == 1 and block_r < 32 * WARPS:  # a half head narrower than the threads
                 block_t = 2
-    warps = STREAM_WARPS if streamed and block_h >= STREAM_WARPS_HEADS else 4
+    warps = STREAM_WARPS if streamed and block_h >= STREAM_WARPS_HEADS else WARPS
     return block_t, block_h, 1, block_r, block_p, warps
 
 

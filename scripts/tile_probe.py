@@ -247,11 +247,7 @@ def _print_rule_ratios(ratios: dict, width: int) -> None:
     """One line per rule: the geometric means of its cold and warm times over the current
     rule's (``ratios[name] = (cold ratios, warm ratios)``, a ratio per point), and at how many
     points it leads or trails by more than 2%."""
-    import math
-    import statistics
-
-    def mean(r):
-        return math.exp(statistics.fmean(math.log(x) for x in r))
+    from statistics import geometric_mean as mean
 
     for name, (cold, warm) in ratios.items():
         print(f"  {name:>{width}}: cold {mean(cold):.3f} ({sum(r < 0.98 for r in cold)} / "
@@ -341,7 +337,6 @@ def sine_tiles(rounds: int = 2) -> None:
     (a CUDA graph), with Liger's in-place kernels beside them. In run AE (AE1, H200, before the
     one-head cut) the two-token tiles took 0.985 / 0.995 / 0.996 / 0.995 / 0.993 of the
     one-token tiles' times."""
-    import math
     import statistics
 
     from rope_dispatch import sweep
@@ -403,7 +398,7 @@ def sine_tiles(rounds: int = 2) -> None:
           "rule in use (geometric mean over the points whose tiles differ):")
     for name in rules:
         means = ", ".join(
-            f"{m} {math.exp(statistics.fmean(math.log(r) for r in ratios[name, m])):.3f}"
+            f"{m} {statistics.geometric_mean(ratios[name, m]):.3f}"
             for m in modes + ("warm",))
         print(f"  {name:>16}: {means}; Liger faster in place at {behind[name, 'ip fwd']} fwd, "
               f"{behind[name, 'ip bwd']} bwd")
