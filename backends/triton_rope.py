@@ -92,6 +92,11 @@ TABLE_TILE_BYTES = 2048
 # 2,048 tokens of one head ran as 4 to 64 programs, 0.8-1.6 us slower than with one program
 # per one or a few tokens (H200, `scripts/tile_probe.py small`).
 MIN_PROGRAMS_PER_SM = 2
+# The fewest rows (a token's head each) the shrink leaves a program (choose_config). Keeping
+# 4, 8 or 16 (fewer programs of more rows) took 0.997-1.004, 0.997-1.000 and 1.06-1.07 of the
+# times of 1 after an L2 flush, and 1.012, 1.016 and 1.081 warm, over the 24 sweep and decode
+# points below 16 MiB whose tiles change (H200, `scripts/tile_probe.py row-tiles`, run AF).
+MIN_TILE_ROWS = 1
 # A call whose tensor is at most this size can run with its data in the L2 (50 MB on an H200),
 # as a model's layers replayed from a CUDA graph run it. There the table's rows and their sines,
 # which every program of a token block works out again, set the pace rather than DRAM: its tile
@@ -153,6 +158,7 @@ def choose_config(
     n_tokens: int, heads: int | tuple[int, ...], head_dim: int, rotary_dim: int,
     element_size: int, interleaved: bool, sms: int, tile_tokens: int = TOKENS_PER_TILE,
     cache_rows: bool = False, span_dim: int | None = None, sines: bool = True,
+    min_rows: int = MIN_TILE_ROWS,
 ) -> Config:
     """Tile sizes for a call: tokens per program, heads per tile and per program, widths.
 
@@ -229,7 +235,8 @@ def choose_config(
     if programs(n_tokens, counts, block_t, block_h) < wanted:
         block_h = min(_next_pow2(min(counts)), rows)
         block_t = min(rows // block_h, _next_pow2(n_tokens))
-        block_t, block_h = shrink_to_programs(n_tokens, counts, block_t, block_h, wanted)
+        block_t, block_h = shrink_to_programs(n_tokens, counts, block_t, block_h, wanted,
+                                              min_rows)
         if sines and block_t == 1 and n_tokens > 1:
             if block_h > 1 and programs(n_tokens, counts, 2, block_h // 2) >= programs(
                     n_tokens, counts, 1, block_h):
@@ -273,10 +280,12 @@ def programs(n_tokens: int, counts: tuple[int, ...], block_t: int, block_h: int)
 
 def shrink_to_programs(
     n_tokens: int, counts: tuple[int, ...], block_t: int, block_h: int, wanted: int,
+    min_rows: int = 1,
 ) -> tuple[int, int]:
     """The tile halved, tokens first and then heads, until the launch has ``wanted`` programs
-    (or the tile is one token of one head)."""
-    while programs(n_tokens, counts, block_t, block_h) < wanted:
+    or another halving would leave fewer than ``min_rows`` rows (a token's head each)."""
+    while programs(n_tokens, counts, block_t, block_h) < wanted and (
+            block_t * block_h >= 2 * min_rows):
         if block_t > 1:
             block_t //= 2
         elif block_h > 1:

@@ -415,10 +415,20 @@ def host_us_interleaved(
 ) -> dict[str, tuple[float, float]]:
     """:func:`host_us_per_call` of several calls measured in turn within each round (a new
     order each round, drawn with a fixed seed), so drifts of the host's speed during the run
-    reach them all alike and their ratios hold; ``{name: (host, end_to_end)}``. Each call is
-    warmed up 20 times first; every timed run of ``calls`` calls starts with the GPU idle. A
-    rotating order kept each call behind the same neighbour, whose leftovers (garbage to
-    collect, say) it then paid for on every round: see docs/benchmarks.md, run P."""
+    reach them all alike and their ratios hold; ``{name: (host, end_to_end)}``, medians over
+    the rounds (:func:`host_rounds`). A rotating order kept each call behind the same
+    neighbour, whose leftovers (garbage to collect, say) it then paid for on every round: see
+    docs/benchmarks.md, run P."""
+    host, total = host_rounds(fns, calls, rounds)
+    return {name: (statistics.median(host[name]), statistics.median(total[name])) for name in fns}
+
+
+def host_rounds(
+    fns: dict[str, Callable[[], Any]], calls: int, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each round's host and end-to-end us per call of ``fns``, timed in turn in a new order
+    each round (a fixed seed). Each call is warmed up 20 times first; every timed run of
+    ``calls`` calls starts with the GPU idle."""
     for fn in fns.values():
         for _ in range(20):
             fn()
@@ -439,7 +449,7 @@ def host_us_interleaved(
             done = time.perf_counter()
             host[name].append((issued - start) / calls * 1e6)
             total[name].append((done - start) / calls * 1e6)
-    return {name: (statistics.median(host[name]), statistics.median(total[name])) for name in names}
+    return host, total
 
 
 def _record_hosts(report: Report, fns: dict[str, Callable[[], Any]]) -> None:

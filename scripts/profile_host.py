@@ -5,8 +5,9 @@ the CPU), ``cores`` (``front`` pinned to each core in turn), ``gap [processes [c
 (decode ``apply`` against its bound launch; with a count, in that many processes in turn,
 pinned to the comma-separated cores if given), ``serving-gap`` (the same for ``apply_qk_`` and
 ``apply_``), ``serving-pieces [cpu]`` (their fronts' pieces timed apart), ``flag-host`` (forward +
-backward reading a linear table as rates against reading its rows), or names of the
-serving calls below."""
+backward reading a linear table as rates against reading its rows), ``grad-noise [rounds]``
+(the sweep's forward + backward on the host clock, round by round, at the points where ours
+trailed TE's API in a run), or names of the serving calls below."""
 from __future__ import annotations
 
 import cProfile
@@ -472,6 +473,50 @@ def _front_gap(title: str, label: str, call, spec, freqs, args: tuple) -> None:
           f"launches {host['front, no-op plan, then bound launch'] - host['bound launch']:.2f} us")
 
 
+GRAD_NOISE_POINTS = (  # points where ours trailed TE's API end to end in one sweep of five
+    "bshd s512 b1 h32 d128 bf16", "sbhd s32768 b1 h8 d128 bf16", "sbhd s8192 b1 h32 d128 bf16",
+    "bshd s2048 b1 h8 d128 bf16", "sbhd s128 b1 h8 d128 bf16",
+)
+
+
+def grad_noise(rounds: int = 75) -> None:
+    """How far one sweep's host-clock forward + backward figure moves: the sweep's
+    implementations of each point in :data:`GRAD_NOISE_POINTS`, timed in turn for ``rounds``
+    rounds of the sweep's calls; per implementation the 10th, 50th and 90th percentile of its
+    round times, ours over TE's API per round, and the medians of disjoint runs of the sweep's
+    rounds (what one sweep would have reported)."""
+    from rope_dispatch import sweep
+
+    points = {p.name: p for p in sweep.sweep_points()}
+    for name in GRAD_NOISE_POINTS:
+        shape = points[name]
+        inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
+        impls = {}
+        for impl_name in sweep.IMPLEMENTATIONS:
+            impl, reason = sweep._build(impl_name, shape, inp)
+            if impl is not None and impl.fwd_bwd is not None:
+                impls[impl_name] = impl.fwd_bwd
+        large = shape.tensor_bytes() >= sweep.LARGE_TENSOR_BYTES
+        calls = sweep.LARGE_HOST_CALLS if large else sweep.HOST_CALLS
+        chunk = sweep.LARGE_HOST_ROUNDS if large else sweep.HOST_ROUNDS
+        _, total = bench.host_rounds(impls, calls, rounds)
+        print(f"{name}: {rounds} rounds of {calls} calls, end-to-end us per call", flush=True)
+        for impl_name, times in total.items():
+            deciles = statistics.quantiles(times, n=10)
+            print(f"  {impl_name:>14}: p10 {deciles[0]:7.1f}  p50 {statistics.median(times):7.1f}"
+                  f"  p90 {deciles[-1]:7.1f}")
+        if "te" in total:
+            ratio = [a / b for a, b in zip(total["triton"], total["te"])]
+            deciles = statistics.quantiles(ratio, n=10)
+            runs = [statistics.median(total["triton"][i:i + chunk])
+                    / statistics.median(total["te"][i:i + chunk])
+                    for i in range(0, rounds - chunk + 1, chunk)]
+            print(f"  ours / TE per round: p10 {deciles[0]:.3f}  p50 {statistics.median(ratio):.3f}"
+                  f"  p90 {deciles[-1]:.3f}; medians of {chunk} rounds: "
+                  + " ".join(f"{r:.3f}" for r in runs), flush=True)
+        del inp, impls
+
+
 def main():
     if sys.argv[1:2] == ["front"]:  # front [rounds]
         front(*(int(n) for n in sys.argv[2:3]))
@@ -494,6 +539,9 @@ def main():
         return
     if sys.argv[1:2] == ["grad"]:  # grad [tokens [heads]]
         grad_pieces(*(int(n) for n in sys.argv[2:4]))
+        return
+    if sys.argv[1:2] == ["grad-noise"]:  # grad-noise [rounds]
+        grad_noise(*(int(n) for n in sys.argv[2:3]))
         return
     if sys.argv[1:2] == ["flag-host"]:
         flag_host()

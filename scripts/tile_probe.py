@@ -17,7 +17,8 @@ kernel led; ``in-place-tiles``, ours in place at explicit tiles against Liger's;
 ``wide-tokens``, 8, 16 or 4 tokens per 8 KiB tile for tokens of 8 KiB; ``resident-rows``, wide
 heads the L2 holds with and without ``RESIDENT_ROWS``, warm and flushed; ``sine-tiles``, two-token
 tiles against one-token tiles, and 1 program per SM, for calls the L2 holds; ``one-head-tiles``,
-``in-place-tiles`` at one-head calls and a decode-sized one."""
+``in-place-tiles`` at one-head calls and a decode-sized one; ``row-tiles``, the fewest rows a
+small call's program keeps."""
 from __future__ import annotations
 
 from typing import Any
@@ -329,31 +330,56 @@ def small_programs() -> None:
 
 
 def sine_tiles(rounds: int = 2) -> None:
-    """Tiles for calls the L2 holds (the sweep's points up to ``RESIDENT_BYTES``, every layout,
-    bf16, full rotary): the rule in use (a one-token tile of several heads, or of one narrow
-    head, cut as two tokens where sines are computed), the one-token tiles it replaced
-    (``sines=False``), and each at 1 program per SM; forward and backward kernel time out of
-    place and in place by the profiler after an L2 flush (``rounds`` traces), and forward warm
-    (a CUDA graph), with Liger's in-place kernels beside them. In run AE (AE1, H200, before the
-    one-head cut) the two-token tiles took 0.985 / 0.995 / 0.996 / 0.995 / 0.993 of the
-    one-token tiles' times."""
-    import statistics
-
-    from rope_dispatch import sweep
-
+    """Tiles for calls the L2 holds: the rule in use (a one-token tile of several heads, or of
+    one narrow head, cut as two tokens where sines are computed), the one-token tiles it
+    replaced (``sines=False``), and each at 1 program per SM (:func:`compare_rules`). In run AE
+    (AE1, H200, before the one-head cut) the two-token tiles took 0.985 / 0.995 / 0.996 / 0.995
+    / 0.993 of the one-token tiles' times."""
     sms = triton_rope._sm_count(0)
     choose = triton_rope.choose_config
-    rules = {
+    compare_rules({
         "in use": lambda *a: choose(*a, sms),
         "one token": lambda *a: choose(*a, sms, sines=False),
         "1/SM": lambda *a: choose(*a, max(1, sms // 2)),
         "one token 1/SM": lambda *a: choose(*a, max(1, sms // 2), sines=False),
-    }
+    }, rounds)
+
+
+ROW_TILE_SHAPES = [  # decode-sized single tensors beside the sweep's points
+    bench.Shape("decode q sbhd s1 b64 h32", "sbhd", torch.bfloat16, 1, 64, 32, 128, 128),
+    bench.Shape("one token sbhd s1 b1 h40", "sbhd", torch.bfloat16, 1, 1, 40, 128, 128),
+]
+
+
+def row_tiles(rounds: int = 3) -> None:
+    """The fewest rows a small call's program keeps (``choose_config``'s ``min_rows``: 1, the
+    rule in use, against 4, 8 and 16) at the sweep's points the L2 holds and two decode-sized
+    tensors (:func:`compare_rules`). Run AE6 saw 8 x 1 ahead of 2 x 1 at 512 tokens of one
+    head and run AD9 2 x 4 ahead of 1 x 2 at 128 tokens of 8 heads."""
+    sms = triton_rope._sm_count(0)
+    choose = triton_rope.choose_config
+    compare_rules({"in use": lambda *a: choose(*a, sms)} | {
+        f"min {rows}": lambda *a, rows=rows: choose(*a, sms, min_rows=rows) for rows in (4, 8, 16)
+    }, rounds, ROW_TILE_SHAPES)
+
+
+def compare_rules(rules: dict, rounds: int = 2, extra: list | None = None) -> None:
+    """Tile rules (``name: rule(n_tokens, heads, head_dim, rotary_dim, element_size,
+    interleaved)``, the first the one in use) at the sweep's points up to ``RESIDENT_BYTES``
+    (every layout, bf16, full rotary) and ``extra`` shapes, where their tiles differ: forward
+    and backward kernel time out of place and in place by the profiler after an L2 flush
+    (``rounds`` traces), and forward warm (a CUDA graph), with Liger's in-place kernels beside
+    them; then each rule's geometric mean over the first's, and where Liger was faster."""
+    import statistics
+
+    from rope_dispatch import sweep
+
+    first = next(iter(rules))
     modes = ("fwd", "bwd", "ip fwd", "ip bwd")
     ratios = {(name, mode): [] for name in rules for mode in modes + ("warm",)}
     behind = {(name, mode): 0 for name in rules for mode in ("ip fwd", "ip bwd")}
     points = [p for p in sweep.sweep_points() if p.tensor_bytes() <= triton_rope.RESIDENT_BYTES
-              and p.rotary_dim == p.head_dim]
+              and p.rotary_dim == p.head_dim] + (extra or [])
     for shape in points:
         inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
         table = inp.freqs.view(inp.freqs.shape[0], -1)
@@ -381,8 +407,8 @@ def sine_tiles(rounds: int = 2) -> None:
         cells = []
         for name, c in configs.items():
             for mode in modes:
-                ratios[name, mode].append(cold[f"{name} {mode}"] / cold[f"in use {mode}"])
-            ratios[name, "warm"].append(warm[name] / warm["in use"])
+                ratios[name, mode].append(cold[f"{name} {mode}"] / cold[f"{first} {mode}"])
+            ratios[name, "warm"].append(warm[name] / warm[first])
             if liger is not None:
                 for mode in ("ip fwd", "ip bwd"):
                     behind[name, mode] += cold[f"liger {mode}"] < cold[f"{name} {mode}"]
@@ -390,12 +416,12 @@ def sine_tiles(rounds: int = 2) -> None:
                 f"{cold[f'{name} {m}']:.2f}" for m in modes) + f" w{warm[name]:.2f}")
         if liger is not None:
             cells.append(f"liger {cold['liger ip fwd']:.2f}/{cold['liger ip bwd']:.2f}")
-        spread = "/".join(f"{min(t['in use ' + m] for t in traces):.2f}-"
-                          f"{max(t['in use ' + m] for t in traces):.2f}" for m in modes)
-        print(f"{shape.name}: " + " | ".join(cells) + f" | in use, traces {spread}", flush=True)
+        spread = "/".join(f"{min(t[f'{first} {m}'] for t in traces):.2f}-"
+                          f"{max(t[f'{first} {m}'] for t in traces):.2f}" for m in modes)
+        print(f"{shape.name}: " + " | ".join(cells) + f" | {first}, traces {spread}", flush=True)
         del inp, x, g, out
-    print("kernel us: fwd/bwd/in-place fwd/in-place bwd after an L2 flush, w: fwd warm. Over the "
-          "rule in use (geometric mean over the points whose tiles differ):")
+    print(f"kernel us: fwd/bwd/in-place fwd/in-place bwd after an L2 flush, w: fwd warm. Over "
+          f"'{first}' (geometric mean over the points whose tiles differ):")
     for name in rules:
         means = ", ".join(
             f"{m} {statistics.geometric_mean(ratios[name, m]):.3f}"
@@ -428,8 +454,8 @@ def small_kinds(rounds: int = 2) -> None:
     an L2 flush, in turn in one trace, of each table kind at its default tile (angle rows, a
     model's angle table read as rates by its flag, a rate table, a pair cache, a cos/sin cache
     in t's dtype as Liger reads it), angle rows and flagged rates at one token x all heads
-    (Liger's cut), ours in place on angle rows, and Liger's kernels; ``rounds`` traces per
-    point."""
+    (Liger's cut), ours in place with angle rows, the flag, a cos/sin cache in t's dtype and a
+    pair cache, and Liger's kernels; ``rounds`` traces per point."""
     for layout, seq, batch, heads, d in LIGER_LEAD_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
         inp, x, out, angles, _ = _probe_inputs(shape)
@@ -453,8 +479,13 @@ def small_kinds(rounds: int = 2) -> None:
         flag_tab, flag = kinds["flag"]
         fns["flag 1 x all fwd"] = lambda: triton_rope.launch(
             x, out, flag_tab, flag, None, None, layout, False, 1.0, 1, 0, False, config=cut)
-        fns["rows in place fwd"] = lambda: triton_rope.launch(
-            x, x, angles, None, None, None, layout, False, 1.0, 1, 0, False, copy_pass=False)
+        x_ip, g_ip = x.clone(), g.clone()
+        for name in ("rows", "flag", "cache bf16", "pair cache"):  # in place, as Liger runs
+            tab, sn = kinds[name]
+            for mode, src, back in (("fwd", x_ip, False), ("bwd", g_ip, True)):
+                fns[f"{name} in place {mode}"] = lambda tab=tab, sn=sn, src=src, back=back: (
+                    triton_rope.launch(src, src, tab, sn, None, None, layout, False, 1.0, 1, 0,
+                                       back, copy_pass=False))
         liger = bench._liger_peer(shape, inp)
         fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
         default = triton_rope.choose_config(seq * batch, heads, d, d, 2, False,
@@ -462,7 +493,7 @@ def small_kinds(rounds: int = 2) -> None:
         print(f"{layout} s{seq} b{batch} h{heads} d{d} (default tile {default[0]}x{default[1]}):",
               flush=True)
         _print_cold_traces(fns, rounds, calls=40)
-        del x, out, g, g_out
+        del x, out, g, g_out, x_ip, g_ip
 
 
 IN_PLACE_SHAPES = [  # (layout, seq, batch, heads, head_dim, rotary_dim): where Liger led in place
@@ -1082,7 +1113,7 @@ if __name__ == "__main__":
              "partial-rotary": partial_rotary, "wide-tokens": wide_tokens,
              "small-kinds": small_kinds, "in-place-tiles": in_place_tiles,
              "in-place-warm": in_place_warm, "resident-rows": resident_rows,
-             "sine-tiles": sine_tiles,
+             "sine-tiles": sine_tiles, "row-tiles": row_tiles,
              "one-head-tiles": lambda: in_place_tiles(3, ONE_HEAD_SHAPES, ONE_HEAD_TILES)}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
