@@ -416,13 +416,22 @@ def _rope_program(
         LAYOUT, POSITIONS, CONTEXT_PARALLEL, SEQ_BLOCK,
     )
     inside = tok_mask & (pos >= 0) & (pos < table_len)  # never read outside the table
-    rated = RATES  # rotation rates: pair k's angle is one float32 product, position x rate k
     if LINEAR:  # an angle table: rated while its flag holds this pairing's bit
-        rated = (tl.load(sin_ptr) & (2 if INTERLEAVED else 1)) != 0
-    if rated:  # a rate table's rates at k; a linear table's in row 1, at k (halves) or 2k (pairs)
+        # row 1 is read with the flag, not after it: two DRAM round trips in a row were
+        # 0.2-0.4 us of a 2-4 us call after an L2 flush (run AF)
+        flag = tl.load(sin_ptr)
         cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(
-            tab_ptr + ROT_DIM if LINEAR else tab_ptr, 2 if LINEAR and INTERLEAVED else 1, pos,
-            inside, c, ROT_DIM, INTERLEAVED, BLOCK_R, FAST_TRIG,
+            tab_ptr + ROT_DIM, 2 if INTERLEAVED else 1, pos, inside, c, ROT_DIM, INTERLEAVED,
+            BLOCK_R, FAST_TRIG,
+        )
+        if (flag & (2 if INTERLEAVED else 1)) == 0:  # not linear: the rows
+            cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
+                tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE,
+                BLOCK_T, BLOCK_R, FAST_TRIG,
+            )
+    elif RATES:  # a rate table's rates: pair k's angle is one float32 product, position x rate k
+        cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(
+            tab_ptr, 1, pos, inside, c, ROT_DIM, INTERLEAVED, BLOCK_R, FAST_TRIG,
         )
     elif PAIRED:  # one cos and one sin per rotated pair, shared by both of its channels
         k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
