@@ -71,7 +71,7 @@ MODES = ("fwd", "bwd kernel", "fwd+bwd")
 # the next (run AB). Each round's ratio of ours to TE's API spread over 0.87-1.05 (10th-90th
 # percentile) at the points below 64 MiB, where medians of 15 rounds moved by up to 0.08 within
 # one run, and those of 9 rounds at 64 MiB by up to 0.18 (run AF, `scripts/profile_host.py
-# grad-noise`): 31 rounds of 40 below 64 MiB (about 25 s more per sweep), 15 of 20 from there.
+# grad-noise`): 31 rounds of 40 below 64 MiB and 15 of 20 from there (68 s more per sweep).
 HOST_CALLS, HOST_ROUNDS = 40, 31
 LARGE_HOST_CALLS, LARGE_HOST_ROUNDS = 20, 15
 
