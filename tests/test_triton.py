@@ -568,6 +568,26 @@ def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(
         triton_rope.programs(tokens, counts, *cache_tile[:2]))
 
 
+@pytest.mark.parametrize("tokens, heads, min_rows, tile", [
+    (128, 8, 1, (2, 1)),  # the rule in use: down to 2 rows for 2 programs an SM
+    (128, 8, 8, (2, 4)),  # stops at 8 rows (1 x 8), then two tokens of half the heads
+    (512, 1, 8, (8, 1)),
+    (1, 40, 4, (1, 4)),
+    (8192, 8, 16, (4, 8)),  # large enough for full tiles: no shrink to stop
+])
+def test_the_shrink_keeps_min_rows_a_program(tokens, heads, min_rows, tile):
+    """``min_rows`` (the probe's knob, ``MIN_TILE_ROWS`` = 1 as shipped) stops the shrink for
+    small calls before a program would hold fewer rows (a token's head each) than it asks."""
+    from rope_dispatch.backends import triton_rope
+
+    bt, bh, *_ = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132,
+                                           min_rows=min_rows)
+    assert (bt, bh) == tile
+    assert bt * bh >= min(min_rows, tokens * heads)
+    assert triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132) == (
+        triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132, min_rows=1))
+
+
 def test_launches_say_whether_they_compute_sines(monkeypatch):
     """The tile rule hears whether a launch computes sines: an angle table does, a cos/sin cache
     and a pair cache are read; for one tensor and for q and k in one launch."""
