@@ -320,6 +320,12 @@ def _written_warm(impl: Impl) -> float | None:
                      lambda fn: written_replay_us(fn, rewrite))
 
 
+def host_clock_rounds(large: bool) -> tuple[int, int]:
+    """Calls per round and rounds of the host-clock forward + backward at a point below 64 MiB
+    or (``large``) from there."""
+    return (LARGE_HOST_CALLS, LARGE_HOST_ROUNDS) if large else (HOST_CALLS, HOST_ROUNDS)
+
+
 def host_fwd_bwd_us(impls: dict[str, Impl], large: bool = False) -> dict[str, float]:
     """Forward + backward through autograd, end to end on the host clock (us per call, the
     final synchronisation included: the larger of host and GPU time, as a training step's
@@ -331,7 +337,7 @@ def host_fwd_bwd_us(impls: dict[str, Impl], large: bool = False) -> dict[str, fl
     fns = {name: impl.fwd_bwd for name, impl in impls.items() if impl.fwd_bwd is not None}
     if not fns:
         return {}
-    calls, rounds = (LARGE_HOST_CALLS, LARGE_HOST_ROUNDS) if large else (HOST_CALLS, HOST_ROUNDS)
+    calls, rounds = host_clock_rounds(large)
     measured = host_us_interleaved(fns, calls=calls, rounds=rounds)
     return {name: total for name, (_, total) in measured.items()}
 

@@ -493,12 +493,10 @@ def grad_noise(rounds: int = 75) -> None:
         inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
         impls = {}
         for impl_name in sweep.IMPLEMENTATIONS:
-            impl, reason = sweep._build(impl_name, shape, inp)
+            impl, _ = sweep._build(impl_name, shape, inp)
             if impl is not None and impl.fwd_bwd is not None:
                 impls[impl_name] = impl.fwd_bwd
-        large = shape.tensor_bytes() >= sweep.LARGE_TENSOR_BYTES
-        calls = sweep.LARGE_HOST_CALLS if large else sweep.HOST_CALLS
-        chunk = sweep.LARGE_HOST_ROUNDS if large else sweep.HOST_ROUNDS
+        calls, chunk = sweep.host_clock_rounds(sweep.describe(shape)["points_at_least_64MB"])
         _, total = bench.host_rounds(impls, calls, rounds)
         print(f"{name}: {rounds} rounds of {calls} calls, end-to-end us per call", flush=True)
         for impl_name, times in total.items():
