@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from rope_dispatch.call import RoPECall, env_reader, expanded_dim, position_index
+from rope_dispatch.call import RoPECall, env_raw_reader, expanded_dim, position_index
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import RoPESpec
 from rope_dispatch.tables import RotaryTable, angles_2d, kernel_tables, table_address
@@ -449,7 +449,10 @@ call can read (:func:`_rows_read`), not its tokens: in run Y6 (H200, the profile
 time after an L2 flush) sbhd and bshd s512 b4 h8 d128, 2,048 tokens of 512 rows, took 3.84
 and 3.92 us reading rows against 4.08-4.35 us reading rates, forward and backward."""
 
-_linear_tables_setting = env_reader("ROPE_DISPATCH_LINEAR_TABLES")
+# ROPE_DISPATCH_LINEAR_TABLES as the environment stores it (one C call, no Python frame), and
+# its "0" in that form
+_linear_tables_raw, _encode_env = env_raw_reader("ROPE_DISPATCH_LINEAR_TABLES")
+_LINEAR_TABLES_OFF = _encode_env("0")
 
 # (id of the table's base tensor, address, shape, device index) -> the table's flag: an int32
 # [1] tensor on the table's device with attributes _rope_base (a weak reference to the base,
@@ -496,7 +499,7 @@ def linear_flag(table: torch.Tensor) -> torch.Tensor | None:
     (no version counter tells a later write), fewer than two rows, under ``torch.compile`` or
     CUDA graph capture, and with ``ROPE_DISPATCH_LINEAR_TABLES=0``."""
     if (
-        table.shape[0] < 2 or table.is_inference() or _linear_tables_setting() == "0"
+        table.shape[0] < 2 or table.is_inference() or _linear_tables_raw() == _LINEAR_TABLES_OFF
         or torch.compiler.is_compiling()
     ):
         return None
@@ -524,7 +527,7 @@ def current_flag(table: torch.Tensor, flag: torch.Tensor) -> torch.Tensor | None
     """``flag``, checked again when ``table`` was written since its last check (its version
     counter moved); ``None`` under CUDA graph capture or with ``ROPE_DISPATCH_LINEAR_TABLES=0``
     (set since the flag was made: a backward, say), where the kernels read the rows."""
-    if _capturing(table) or _linear_tables_setting() == "0":
+    if _capturing(table) or _linear_tables_raw() == _LINEAR_TABLES_OFF:
         return None
     version = table._version
     if flag._rope_version != version:  # type: ignore[attr-defined]
@@ -1431,10 +1434,13 @@ def _flag_stale(flag: torch.Tensor, freqs: torch.Tensor, stream: int) -> bool:
     device) with the address of ``flag``, the flag of ``freqs``'s angle table: the table was
     written since its check (the generic path checks it again), a CUDA graph is being captured
     (a replay must read the rows; :func:`_capturing_on`), or ``ROPE_DISPATCH_LINEAR_TABLES=0``
-    was set since the plan was made."""
+    was set since the plan was made. One Python frame (``_capturing_on``'s test written out, the
+    switch read raw): it runs twice in each planned forward + backward, once on the autograd
+    engine's thread."""
     return (
         flag._rope_version != freqs._version  # type: ignore[attr-defined]
-        or _capturing_on(stream) or _linear_tables_setting() == "0"
+        or (stream != 0 and _stream_capturing())
+        or _linear_tables_raw() == _LINEAR_TABLES_OFF
     )
 
 

@@ -7,9 +7,11 @@ pinned to the comma-separated cores if given), ``serving-gap`` (the same for ``a
 ``apply_``), ``serving-pieces [cpu]`` (their fronts' pieces timed apart), ``flag-host`` (forward +
 backward reading a linear table as rates against reading its rows), ``grad-noise [rounds]``
 (the sweep's forward + backward on the host clock, round by round, at the points where ours
-trailed TE's API in a run), or names of the serving calls below."""
+trailed TE's API in a run), ``flag-paths [rounds]`` (what the sweep's flagged forward +
+backward runs that the same calls reading rows do not), or names of the serving calls below."""
 from __future__ import annotations
 
+import collections
 import cProfile
 import io
 import os
@@ -184,7 +186,7 @@ def flag_host() -> None:
     def querying(flag, freqs, stream):  # the check before run AB: a query every call
         return (flag._rope_version != freqs._version
                 or (freqs.is_cuda and triton_rope._stream_capturing())
-                or triton_rope._linear_tables_setting() == "0")
+                or triton_rope._linear_tables_raw() == triton_rope._LINEAR_TABLES_OFF)
 
     phases = {  # (the check, the stream the calls run on: None for the default stream)
         "as shipped": (shipped, None),
@@ -235,7 +237,7 @@ def flag_host() -> None:
         "_capturing_on": lambda: triton_rope._capturing_on(stream),
         "_current_stream": lambda: triton_rope._current_stream(device_index),
         "_stream_capturing": lambda: triton_rope._stream_capturing(),
-        "_linear_tables_setting": lambda: triton_rope._linear_tables_setting(),
+        "_linear_tables_raw": lambda: triton_rope._linear_tables_raw(),
         "flag._rope_version": lambda: flag._rope_version,
         "freqs._version": lambda: freqs._version,
         "freqs.is_cuda": lambda: freqs.is_cuda,
@@ -515,6 +517,130 @@ def grad_noise(rounds: int = 75) -> None:
         del inp, impls
 
 
+FLAG_PATH_POINTS = (  # F1's and F2's misses against TE's API (flagged), and a point reading rows
+    "sbhd s8192 b1 h1 d128 bf16", "bshd s2048 b4 h8 d128 bf16", "sbhd s2048 b1 h1 d128 bf16",
+    "sbhd s2048 b4 h8 d128 bf16", "thd 4 seqs T8192 h1 d128 bf16", "sbhd s512 b1 h8 d128 bf16",
+)
+
+
+def _call_counts(fn, calls: int = 200) -> tuple[dict[str, float], float]:
+    """Calls per ``fn()`` of each Python function it runs (cProfile), and its profiled us per
+    call."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    counts = {}
+    for (file, line, func), (_, ncalls, *_rest) in pstats.Stats(prof).stats.items():
+        where = "~" if file == "~" else f"{os.path.basename(file)}:{line}"
+        counts[f"{func} ({where})"] = ncalls / calls
+    return counts, us
+
+
+def _padded(check, us: float):
+    """``check`` followed by ``us`` of busy host time: what a slower check would cost."""
+    def padded(flag, freqs, stream):
+        stale = check(flag, freqs, stream)
+        end = time.perf_counter() + us * 1e-6
+        while time.perf_counter() < end:
+            pass
+        return stale
+    return padded
+
+
+def flag_paths(rounds: int = 31, profiled: bool = True) -> None:
+    """Why the sweep's flagged points took more on the host clock than the same calls reading
+    rows: each point of :data:`FLAG_PATH_POINTS` run as the sweep runs it (``run_point``, peers
+    included), and at its host-clock step, besides the sweep's own figure, the Python
+    functions each forward + backward of ours runs (cProfile, where ``triton`` and
+    ``triton-rows`` differ; with ``profiled``), where each check of the flag runs (thread,
+    stream) and what it answers, all of them in turn in the reverse order of names, and ours on
+    a table object of its own (read as rates, like ``triton``'s, which TE's API and our in-place
+    calls share) in turn with the two and TE's API, with the flag's check as shipped, left
+    out, cut to one of its parts, and followed by 0.5 or 2 us of busy host time."""
+    from rope_dispatch import sweep
+    from rope_dispatch.backends import triton_rope
+
+    points = {p.name: p for p in sweep.sweep_points()}
+    measured, build = sweep.host_fwd_bwd_us, sweep._build
+    built = {}
+
+    def keeping(name, shape, inp):
+        built["inp"] = inp
+        return build(name, shape, inp)
+
+    def diagnosing(impls, large=False):
+        figures = measured(impls, large)
+        fns = {name: impl.fwd_bwd for name, impl in impls.items() if impl.fwd_bwd is not None}
+        print("  sweep figure: " + "  ".join(f"{n} {us:.1f}" for n, us in figures.items()))
+        if profiled:
+            counts = {name: _call_counts(fns[name]) for name in ("triton", "triton-rows")}
+            ours, rows = counts["triton"][0], counts["triton-rows"][0]
+            print(f"  profiled us per call: triton {counts['triton'][1]:.1f}, "
+                  f"triton-rows {counts['triton-rows'][1]:.1f}; calls per call that differ:")
+            for func in sorted(set(ours) | set(rows)):
+                if abs(ours.get(func, 0) - rows.get(func, 0)) > 0.01:
+                    print(f"    {func}: {ours.get(func, 0):.2f} / {rows.get(func, 0):.2f}")
+        calls, _ = sweep.host_clock_rounds(large)
+        inp = built["inp"]
+        own = bench._ours("triton", "own table", inp, inp.freqs.clone())
+        trio = {"triton": fns["triton"], "triton-rows": fns["triton-rows"],
+                "triton, own table": own.fwd_bwd, "te": fns.get("te")}
+        trio = {n: fn for n, fn in trio.items() if fn is not None}
+        shipped = triton_rope._flag_stale
+        seen = collections.Counter()
+
+        def recording(flag, freqs, stream):
+            stale = shipped(flag, freqs, stream)
+            main = threading.current_thread() is threading.main_thread()
+            seen[("main" if main else "other") + " thread", f"stream {stream:#x}",
+                 "stale" if stale else "fresh"] += 1
+            return stale
+
+        triton_rope._flag_stale = recording
+        try:
+            for _ in range(10):
+                trio["triton"]()
+            torch.cuda.synchronize()
+        finally:
+            triton_rope._flag_stale = shipped
+        print("  the check over 10 calls: " + "; ".join(
+            f"{' '.join(k)}: {n}" for k, n in sorted(seen.items())))
+        for phase, stale in (("as shipped", shipped),
+                             ("check left out", lambda flag, freqs, stream: False),
+                             ("version only", lambda flag, freqs, stream:
+                                 flag._rope_version != freqs._version),
+                             ("capture only", lambda flag, freqs, stream:
+                                 triton_rope._capturing_on(stream)),
+                             ("as shipped + 0.5 us", _padded(shipped, 0.5)),
+                             ("as shipped + 2 us", _padded(shipped, 2.0)),
+                             ("as shipped, again", shipped)):
+            triton_rope._flag_stale = stale
+            try:
+                times = bench.host_us_interleaved(trio, calls=calls, rounds=rounds)
+            finally:
+                triton_rope._flag_stale = shipped
+            print(f"  {phase:>18}: " + "  ".join(f"{n} {t:.1f}" for n, (_, t) in times.items()))
+        reverse = bench.host_us_interleaved(dict(reversed(fns.items())), calls=calls, rounds=rounds)
+        print("  names reversed: " + "  ".join(f"{n} {t:.1f}" for n, (_, t) in reverse.items()),
+              flush=True)
+        return figures
+
+    sweep.host_fwd_bwd_us, sweep._build = diagnosing, keeping
+    try:
+        for name in FLAG_PATH_POINTS:
+            print(f"=== {name}", flush=True)
+            sweep.run_point(points[name], peers=True)
+    finally:
+        sweep.host_fwd_bwd_us, sweep._build = measured, build
+
 def main():
     if sys.argv[1:2] == ["front"]:  # front [rounds]
         front(*(int(n) for n in sys.argv[2:3]))
@@ -540,6 +666,9 @@ def main():
         return
     if sys.argv[1:2] == ["grad-noise"]:  # grad-noise [rounds]
         grad_noise(*(int(n) for n in sys.argv[2:3]))
+        return
+    if sys.argv[1:2] == ["flag-paths"]:  # flag-paths [rounds]
+        flag_paths(*(int(n) for n in sys.argv[2:3]), profiled="quiet" not in sys.argv)
         return
     if sys.argv[1:2] == ["flag-host"]:
         flag_host()
