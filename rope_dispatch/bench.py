@@ -25,7 +25,6 @@ import datetime
 import json
 import math
 import platform
-import random
 import statistics
 import sys
 import time
@@ -413,32 +412,51 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 100, rounds: int = 21) 
 def host_us_interleaved(
     fns: dict[str, Callable[[], Any]], calls: int = 100, rounds: int = 21
 ) -> dict[str, tuple[float, float]]:
-    """:func:`host_us_per_call` of several calls measured in turn within each round (a new
-    order each round, drawn with a fixed seed), so drifts of the host's speed during the run
-    reach them all alike and their ratios hold; ``{name: (host, end_to_end)}``, medians over
-    the rounds (:func:`host_rounds`). A rotating order kept each call behind the same
-    neighbour, whose leftovers (garbage to collect, say) it then paid for on every round: see
+    """:func:`host_us_per_call` of several calls measured in turn within each round (the orders
+    of :func:`balanced_orders`), so drifts of the host's speed during the run reach them all
+    alike and their ratios hold; ``{name: (host, end_to_end)}``, medians over the rounds
+    (:func:`host_rounds`). A rotating order kept each call behind the same neighbour, whose
+    leftovers (garbage to collect, say) it then paid for on every round: see
     docs/benchmarks.md, run P."""
     host, total = host_rounds(fns, calls, rounds)
     return {name: (statistics.median(host[name]), statistics.median(total[name])) for name in fns}
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` calls in which each takes every place equally often and follows every
+    other equally often (a Williams design: ``n`` orders for even ``n``, ``2n`` for odd), so
+    neither a place in the round nor a neighbour's leftovers favour one call over the rounds.
+    The seeded random orders used before were the same at every point of a sweep, and in them
+    one call came first in 8 of 31 rounds, another in 5."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    first = [0]
+    for i in range(1, n):
+        first.append((i + 1) // 2 if i % 2 else n - i // 2)
+    orders = [[(x + shift) % n for x in first] for shift in range(n)]
+    if n % 2 and n > 1:
+        orders += [order[::-1] for order in orders]
+    return orders
+
+
 def host_rounds(
     fns: dict[str, Callable[[], Any]], calls: int, rounds: int
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Each round's host and end-to-end us per call of ``fns``, timed in turn in a new order
-    each round (a fixed seed). Each call is warmed up 20 times first; every timed run of
-    ``calls`` calls starts with the GPU idle."""
+    """Each round's host and end-to-end us per call of ``fns``, timed in turn in the next of
+    :func:`balanced_orders` each round (a whole number of its cycles balances them fully). Each
+    call is warmed up 20 times first; every timed run of ``calls`` calls starts with the GPU
+    idle."""
     for fn in fns.values():
         for _ in range(20):
             fn()
     torch.cuda.synchronize()
     names = list(fns)
-    order = random.Random(0)
+    orders = balanced_orders(len(names))
     host: dict[str, list[float]] = {name: [] for name in names}
     total: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(rounds):
-        for name in order.sample(names, len(names)):
+    for round_ in range(rounds):
+        for index in orders[round_ % len(orders)]:
+            name = names[index]
             fn = fns[name]
             torch.cuda.synchronize()
             start = time.perf_counter()

@@ -71,9 +71,10 @@ MODES = ("fwd", "bwd kernel", "fwd+bwd")
 # the next (run AB). Each round's ratio of ours to TE's API spread over 0.87-1.05 (10th-90th
 # percentile) at the points below 64 MiB, where medians of 15 rounds moved by up to 0.08 within
 # one run, and those of 9 rounds at 64 MiB by up to 0.18 (run AF, `scripts/profile_host.py
-# grad-noise`): 31 rounds of 40 below 64 MiB and 15 of 20 from there (68 s more per sweep).
-HOST_CALLS, HOST_ROUNDS = 40, 31
-LARGE_HOST_CALLS, LARGE_HOST_ROUNDS = 20, 15
+# grad-noise`): 40 rounds of 40 below 64 MiB and 20 of 20 from there, whole cycles of the
+# balanced orders of five implementations and of thd's four (bench.balanced_orders: 10 and 4).
+HOST_CALLS, HOST_ROUNDS = 40, 40
+LARGE_HOST_CALLS, LARGE_HOST_ROUNDS = 20, 20
 
 
 @dataclass(frozen=True)

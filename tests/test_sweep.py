@@ -561,3 +561,37 @@ def test_kernel_time_per_call_sums_the_kernels_between_flushes():
 def test_kernel_time_per_call_refuses_a_trace_it_cannot_cut(trace):
     with pytest.raises(RuntimeError, match="flushes for 2 calls"):
         bench.kernel_us_per_call(trace, {FLUSH}, ["ours", "ours"])
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_balanced_orders_give_each_call_every_place_and_every_neighbour_alike(n):
+    orders = bench.balanced_orders(n)
+    assert len(orders) == (n if n % 2 == 0 or n == 1 else 2 * n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    places = {(place, call) for order in orders for place, call in enumerate(order)}
+    assert places == {(place, call) for place in range(n) for call in range(n)}
+    per_place = len(orders) // n
+    for place in range(n):
+        assert sorted(order[place] for order in orders) == sorted(list(range(n)) * per_place)
+    followed = [(order[i], order[i + 1]) for order in orders for i in range(n - 1)]
+    pairs = [(a, b) for a in range(n) for b in range(n) if a != b]
+    assert sorted(followed) == sorted(pairs * (len(followed) // max(len(pairs), 1)))
+
+
+def test_host_rounds_run_the_calls_in_the_balanced_orders(monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    ran: list[str] = []
+    fns = {name: (lambda name=name: ran.append(name)) for name in "abcde"}
+    host, total = bench.host_rounds(fns, calls=2, rounds=12)
+    timed = ran[20 * len(fns):]  # after 20 warm-up calls of each
+    orders = bench.balanced_orders(len(fns))
+    expected = [name for r in range(12) for i in orders[r % len(orders)]
+                for name in (list(fns)[i],) * 2]
+    assert timed == expected
+    assert all(len(times) == 12 for times in (*host.values(), *total.values()))
+
+
+def test_the_sweeps_host_rounds_are_whole_cycles_of_the_orders():
+    for implementations in (len(sweep.IMPLEMENTATIONS), len(sweep.IMPLEMENTATIONS) - 1):
+        cycle = len(bench.balanced_orders(implementations))
+        assert sweep.HOST_ROUNDS % cycle == 0 and sweep.LARGE_HOST_ROUNDS % cycle == 0
