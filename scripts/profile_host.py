@@ -481,7 +481,7 @@ GRAD_NOISE_POINTS = (  # points where ours trailed TE's API end to end in one sw
 )
 
 
-def grad_noise(rounds: int = 75) -> None:
+def grad_noise(rounds: int = 120) -> None:
     """How far one sweep's host-clock forward + backward figure moves: the sweep's
     implementations of each point in :data:`GRAD_NOISE_POINTS`, timed in turn for ``rounds``
     rounds of the sweep's calls; per implementation the 10th, 50th and 90th percentile of its
