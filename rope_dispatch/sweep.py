@@ -201,6 +201,12 @@ def in_turn_ms(fn: Callable[[], Any], copy: Callable[[], Any]) -> tuple[float, f
     return statistics.median(times), statistics.median(copies)
 
 
+def pct_of_copy(copy_time: float, share: float, time: float) -> float:
+    """A call's % of a device copy's bandwidth: the copy's time over the call's (one unit),
+    times ``share``, the bytes the call moves over one copy's (:meth:`Impl.copy_share`)."""
+    return 100 * copy_time * share / time
+
+
 def measure(
     impl: Impl, copy_ms: float, rotary_share: float, copy: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
@@ -224,7 +230,7 @@ def measure(
         if ms is None:
             continue
         result[f"{key}_us"] = 1e3 * ms
-        result[f"{key}_pct_of_copy"] = 100 * ceiling * impl.copy_share(mode, rotary_share) / ms
+        result[f"{key}_pct_of_copy"] = pct_of_copy(ceiling, impl.copy_share(mode, rotary_share), ms)
     result["launches_fwd"] = count_launches(impl.fwd)
     result["launches_fwd_bwd"] = None if impl.fwd_bwd is None else count_launches(impl.fwd_bwd)
     return result
@@ -304,7 +310,8 @@ def _in_place_times(
     ms = time_mode(impl.name, "fwd", impl.fwd, bench_ms)
     if ms is not None:
         share = impl.copy_share("fwd", rotary_share)
-        times.update(fwd_in_place_us=1e3 * ms, fwd_in_place_pct_of_copy=100 * copy_ms * share / ms)
+        times.update(fwd_in_place_us=1e3 * ms,
+                     fwd_in_place_pct_of_copy=pct_of_copy(copy_ms, share, ms))
     if not large:
         times["fwd_in_place_warm_us"] = time_mode(impl.name, "fwd warm", impl.fwd, graph_replay_us)
         times["fwd_in_place_written_warm_us"] = _written_warm(impl)
@@ -376,9 +383,8 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
         results["triton"].update(_in_place_times(in_place, copy_ms, rotary_share, large))
     for name, us in host_fwd_bwd_us(kept, large).items():
         results[name]["fwd_bwd_host_us"] = us
-        results[name]["fwd_bwd_host_pct_of_copy"] = (
-            100 * copy_ms * 1e3 * kept[name].copy_share("fwd+bwd", rotary_share) / us
-        )
+        results[name]["fwd_bwd_host_pct_of_copy"] = pct_of_copy(
+            1e3 * copy_ms, kept[name].copy_share("fwd+bwd", rotary_share), us)
     if not large:  # a CUDA graph of 20 calls: L2 warm below 64 MiB
         for name, impl in kept.items():
             results[name]["fwd_warm_us"] = time_mode(impl.name, "fwd warm", impl.fwd,
@@ -397,8 +403,8 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
                 for mode in IN_TURN_MODES:
                     key = mode_key(mode)
                     if us := times.get(f"{key}_profiled_us"):
-                        times[f"{key}_profiled_pct_of_copy"] = (
-                            100 * record["copy_profiled_us"] * share(mode, rotary_share) / us)
+                        times[f"{key}_profiled_pct_of_copy"] = pct_of_copy(
+                            record["copy_profiled_us"], share(mode, rotary_share), us)
             results[name].update(times)
     for result in results.values():
         print(f"  {result['label']:>16} {_cells(result)}", flush=True)
