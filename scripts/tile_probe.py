@@ -18,7 +18,9 @@ kernel led; ``in-place-tiles``, ours in place at explicit tiles against Liger's;
 heads the L2 holds with and without ``RESIDENT_ROWS``, warm and flushed; ``sine-tiles``, two-token
 tiles against one-token tiles, and 1 program per SM, for calls the L2 holds; ``one-head-tiles``,
 ``in-place-tiles`` at one-head calls and a decode-sized one; ``row-tiles``, the fewest rows a
-small call's program keeps."""
+small call's program keeps; ``lean-kernel``, an instruction-lean prototype kernel against ours
+and Liger's where Liger's led in place; ``kernel-copies`` and ``input-copies``, whether where a
+kernel's code or its data lies moves a small call's time after an L2 flush."""
 from __future__ import annotations
 
 from typing import Any
@@ -1103,6 +1105,130 @@ def decode_qk() -> None:
     compiled_kernels()
 
 
+LEAN_SHAPES = [  # (layout, seq, batch, heads), d 128: where Liger's in-place kernel led (G1, G2)
+    ("sbhd", 128, 1, 8), ("sbhd", 512, 1, 8), ("sbhd", 128, 4, 8), ("bshd", 128, 1, 8),
+    ("bshd", 512, 1, 8), ("sbhd", 128, 1, 1), ("sbhd", 512, 1, 1), ("bshd", 128, 1, 1),
+]
+LEAN_TILES = [(2, 1), (4, 1), (1, 8), (2, 4), (2, 8)]  # (BLOCK_T, BLOCK_H)
+COPY_SHAPES = [("sbhd", 128, 1, 1), ("sbhd", 128, 1, 8), ("bshd", 512, 1, 8)]
+
+
+def _flagged_point(layout: str, seq: int, batch: int, heads: int) -> tuple:
+    """A bf16 d 128 point's inputs, its flagged angle table (as the sweep's calls read it) and
+    the tile ours takes there."""
+    shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
+    inp, x, _, angles, _ = _probe_inputs(shape)
+    table, flag = _flagged(angles)
+    if flag is None:
+        raise RuntimeError("the point's table got no linearity flag")
+    default = triton_rope.choose_config(seq * batch, heads, 128, 128, 2, False,
+                                        triton_rope._sm_count(0))
+    return shape, inp, x, table, flag, default
+
+
+def _in_place(src: torch.Tensor, table: torch.Tensor, flag: torch.Tensor, layout: str,
+              backward: bool = False):
+    return lambda: triton_rope.launch(src, src, table, flag, None, None, layout, False, 1.0, 1,
+                                      0, backward, copy_pass=False)
+
+
+def lean_kernel(rounds: int = 3) -> None:
+    """Ours in place, the instruction-lean prototype (``scripts/lean_rope_probe.py``) at
+    ``LEAN_TILES`` and, at ours' tile, with each of the shipped kernel's ways put back
+    (``SWITCHES``, forward) and all of them, and Liger's in-place kernels, forward and backward
+    by the profiler after an L2 flush, in turn in one trace; then the forwards with the L2 warm (a CUDA graph, where ours
+    reads the table's rows: a captured call takes no flag). The prototype's results are first
+    checked against ours, bit for bit."""
+    from lean_rope_probe import SWITCHES, lean_rope_
+
+    for layout, seq, batch, heads in LEAN_SHAPES:
+        shape, inp, x, table, flag, default = _flagged_point(layout, seq, batch, heads)
+        tiles = [tile for tile in LEAN_TILES if tile[1] <= heads]
+        fns: dict = {}
+        fns_src = x.clone()
+        for mode, src, back in (("fwd", fns_src, False), ("bwd", inp.grad.clone(), True)):
+            want = src.clone()
+            _in_place(want, table, flag, layout, back)()
+            for tile, switches in [(tile, ()) for tile in tiles] + [(default[:2], SWITCHES)]:
+                got = src.clone()
+                lean_rope_(got, table, flag, layout, tile, back, switches=switches)
+                if not torch.equal(got, want):
+                    raise RuntimeError(f"lean {tile} {switches} {mode} differs from ours at "
+                                       f"{shape}")
+            fns[f"ours {mode}"] = _in_place(src, table, flag, layout, back)
+            for tile in tiles:
+                fns[f"lean {tile[0]}x{tile[1]} {mode}"] = (
+                    lambda src=src, tile=tile, back=back: lean_rope_(src, table, flag, layout,
+                                                                     tile, back))
+        for switch in SWITCHES:  # ours' tile, one of the shipped kernel's ways put back
+            fns[f"lean {default[0]}x{default[1]} +{switch} fwd"] = (
+                lambda src=fns_src, switch=switch: lean_rope_(src, table, flag, layout,
+                                                              default[:2], switches=(switch,)))
+        fns[f"lean {default[0]}x{default[1]} +all fwd"] = (
+            lambda src=fns_src: lean_rope_(src, table, flag, layout, default[:2],
+                                           switches=SWITCHES))
+        liger = bench._liger_peer(shape, inp)
+        fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+        print(f"{layout} s{seq} b{batch} h{heads} d128 in place (ours {default[0]}x{default[1]}):",
+              flush=True)
+        _print_cold_traces(fns, rounds, calls=40)
+        warm = {name[:-4]: bench.graph_replay_us(fn) for name, fn in fns.items()
+                if name.endswith("fwd")}
+        print("   warm fwd: " + " | ".join(f"{name} {us:.2f}" for name, us in warm.items()),
+              flush=True)
+
+
+def kernel_copies(rounds: int = 3, copies: int = 6) -> None:
+    """Ours in place, forward, compiled ``copies`` times over (``num_stages`` 1, 2, ... change
+    nothing in a kernel without loops: the PTX's hash and the cubin's size are printed), each
+    copy timed after an L2 flush, in turn: whether where a copy's code lies moves its time."""
+    import hashlib
+
+    kernels = triton_rope._load_kernels()
+    for layout, seq, batch, heads in COPY_SHAPES:
+        _, _, x, table, flag, default = _flagged_point(layout, seq, batch, heads)
+        triton_rope._fast.clear()
+        _in_place(x, table, flag, layout)()  # the shipped launch's arguments, from its entry
+        ((_, _, grid, ints, ordered),) = triton_rope._fast.values()
+        consts = dict(zip(triton_rope._PARAM_ORDER[6 + len(ints):], ordered))
+        fns, builds = {}, []
+        for stages in range(1, copies + 1):
+            def run(stages=stages):
+                return kernels.rope_kernel[grid](x, x, table, flag, table, table, *ints,
+                                                 num_warps=default[5], num_stages=stages,
+                                                 **consts)
+            compiled = run()
+            builds.append(f"{hashlib.sha1(compiled.asm['ptx'].encode()).hexdigest()[:8]}/"
+                          f"{len(compiled.asm['cubin'])}")
+            fns[f"copy {stages} fwd"] = run
+        print(f"{layout} s{seq} b{batch} h{heads} d128 (tile {default[0]}x{default[1]}), "
+              f"PTX hash / cubin bytes: {', '.join(builds)}", flush=True)
+        _print_cold_traces(fns, rounds, calls=40)
+
+
+def input_copies(rounds: int = 3, copies: int = 6) -> None:
+    """Ours in place, forward, on ``copies`` copies of the input at different addresses (64 KiB
+    to 4 MiB apart), and Liger's on four sets of its own inputs, each timed after an L2 flush,
+    in turn: whether where the data lies moves the time."""
+    gaps = torch.Generator().manual_seed(0)
+    for layout, seq, batch, heads in COPY_SHAPES:
+        shape, inp, x, table, flag, default = _flagged_point(layout, seq, batch, heads)
+        held, fns = [], {}
+        for i in range(copies + 4):
+            held.append(torch.empty(int(torch.randint(1, 64, (), generator=gaps)) << 16,
+                                    dtype=torch.int8, device="cuda"))
+            if i < copies:
+                held.append(x.clone())
+                fns[f"ours @{held[-1].data_ptr() >> 10 & 0x3FFF:5d}K fwd"] = _in_place(
+                    held[-1], table, flag, layout)
+            else:
+                held.append(bench._liger_peer(shape, inp))
+                fns[f"liger {i - copies} fwd"] = held[-1].fwd
+        print(f"{layout} s{seq} b{batch} h{heads} d128 (ours {default[0]}x{default[1]}; address "
+              "mod 16 MiB):", flush=True)
+        _print_cold_traces(fns, rounds, calls=40)
+
+
 if __name__ == "__main__":
     import sys
 
@@ -1114,7 +1240,9 @@ if __name__ == "__main__":
              "small-kinds": small_kinds, "in-place-tiles": in_place_tiles,
              "in-place-warm": in_place_warm, "resident-rows": resident_rows,
              "sine-tiles": sine_tiles, "row-tiles": row_tiles,
-             "one-head-tiles": lambda: in_place_tiles(3, ONE_HEAD_SHAPES, ONE_HEAD_TILES)}
+             "one-head-tiles": lambda: in_place_tiles(3, ONE_HEAD_SHAPES, ONE_HEAD_TILES),
+             "lean-kernel": lean_kernel, "kernel-copies": kernel_copies,
+             "input-copies": input_copies}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
