@@ -4,8 +4,7 @@ RoPE in place of a contiguous sbhd or bshd tensor, full rotary, rotate-half, wit
 angle table read through its linearity flag (rates from row 1, the rows where the flag is
 clear), as the shipped kernel does at the sweep's flagged points. Everything else is left out:
 heads and head dim are compile-time, offsets int32, the grid one axis, no position range check
-(each can be put back: ``SWITCHES``).
-It asks how far an instruction-lean kernel gets against Liger's at the small calls where
+(each can be put back: ``SWITCHES``). It asks how far an instruction-lean kernel gets against Liger's at the small calls where
 Liger's kernel leads ours (run AH).
 """
 

@@ -1114,8 +1114,9 @@ COPY_SHAPES = [("sbhd", 128, 1, 1), ("sbhd", 128, 1, 8), ("bshd", 512, 1, 8)]
 
 
 def _flagged_point(layout: str, seq: int, batch: int, heads: int) -> tuple:
-    """A bf16 d 128 point's inputs, its flagged angle table (as the sweep's calls read it) and
-    the tile ours takes there."""
+    """A bf16 d 128 point's inputs, its angle table with a linearity flag (forced, as
+    :func:`_flagged` forces it: the sweep reads the rows of calls this small) and the tile ours
+    takes there."""
     shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
     inp, x, _, angles, _ = _probe_inputs(shape)
     table, flag = _flagged(angles)
@@ -1128,6 +1129,7 @@ def _flagged_point(layout: str, seq: int, batch: int, heads: int) -> tuple:
 
 def _in_place(src: torch.Tensor, table: torch.Tensor, flag: torch.Tensor, layout: str,
               backward: bool = False):
+    """Ours in place on ``src`` (as ``apply_``) at its default tile, as a call of no argument."""
     return lambda: triton_rope.launch(src, src, table, flag, None, None, layout, False, 1.0, 1,
                                       0, backward, copy_pass=False)
 
@@ -1136,9 +1138,9 @@ def lean_kernel(rounds: int = 3) -> None:
     """Ours in place, the instruction-lean prototype (``scripts/lean_rope_probe.py``) at
     ``LEAN_TILES`` and, at ours' tile, with each of the shipped kernel's ways put back
     (``SWITCHES``, forward) and all of them, and Liger's in-place kernels, forward and backward
-    by the profiler after an L2 flush, in turn in one trace; then the forwards with the L2 warm (a CUDA graph, where ours
-    reads the table's rows: a captured call takes no flag). The prototype's results are first
-    checked against ours, bit for bit."""
+    by the profiler after an L2 flush, in turn in one trace; then the forwards with the L2 warm
+    (a CUDA graph, where ours reads the table's rows: a captured call takes no flag). The
+    prototype's results are first checked against ours, bit for bit."""
     from lean_rope_probe import SWITCHES, lean_rope_
 
     for layout, seq, batch, heads in LEAN_SHAPES:
