@@ -451,6 +451,14 @@ def _print_cold_traces(fns: dict, rounds: int, calls: int) -> None:
             print(f"   {mode}: " + " | ".join(cells), flush=True)
 
 
+def _in_place(src: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None, layout: str,
+              backward: bool = False):
+    """Ours in place on ``src`` (as ``apply_``) at its default tile, as a call of no argument;
+    ``table`` and ``sin`` as the kernels take them (a flag, a cache's sin, or None)."""
+    return lambda: triton_rope.launch(src, src, table, sin, None, None, layout, False, 1.0, 1,
+                                      0, backward, copy_pass=False)
+
+
 def small_kinds(rounds: int = 2) -> None:
     """Where Liger's kernel led by the profiler (run Y): forward and backward kernel time after
     an L2 flush, in turn in one trace, of each table kind at its default tile (angle rows, a
@@ -485,9 +493,7 @@ def small_kinds(rounds: int = 2) -> None:
         for name in ("rows", "flag", "cache bf16", "pair cache"):  # in place, as Liger runs
             tab, sn = kinds[name]
             for mode, src, back in (("fwd", x_ip, False), ("bwd", g_ip, True)):
-                fns[f"{name} in place {mode}"] = lambda tab=tab, sn=sn, src=src, back=back: (
-                    triton_rope.launch(src, src, tab, sn, None, None, layout, False, 1.0, 1, 0,
-                                       back, copy_pass=False))
+                fns[f"{name} in place {mode}"] = _in_place(src, tab, sn, layout, back)
         liger = bench._liger_peer(shape, inp)
         fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
         default = triton_rope.choose_config(seq * batch, heads, d, d, 2, False,
@@ -1125,13 +1131,6 @@ def _flagged_point(layout: str, seq: int, batch: int, heads: int) -> tuple:
     default = triton_rope.choose_config(seq * batch, heads, 128, 128, 2, False,
                                         triton_rope._sm_count(0))
     return shape, inp, x, table, flag, default
-
-
-def _in_place(src: torch.Tensor, table: torch.Tensor, flag: torch.Tensor, layout: str,
-              backward: bool = False):
-    """Ours in place on ``src`` (as ``apply_``) at its default tile, as a call of no argument."""
-    return lambda: triton_rope.launch(src, src, table, flag, None, None, layout, False, 1.0, 1,
-                                      0, backward, copy_pass=False)
 
 
 def lean_kernel(rounds: int = 3) -> None:
