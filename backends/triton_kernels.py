@@ -1,8 +1,11 @@
 """Triton kernels for RoPE: forward and its exact transpose, any layout, strides and features.
 
-One kernel serves every case; the features are ``tl.constexpr`` so each combination compiles to
-straight-line code. A program owns ``BLOCK_T`` tokens (its token block, on grid axes 1 and 2, so
-no axis limit applies) and ``HEAD_ITERS * BLOCK_H`` heads of them (its head group, grid axis 0).
+One kernel (``rope_kernel``) serves every case; the features are ``tl.constexpr`` so each
+combination compiles to straight-line code. Small calls on contiguous sbhd/bshd tensors take
+``rope_lean_kernel``, the same arithmetic with fewer instructions ahead of its loads (see
+there); packed qkv takes ``rope_qkv_kernel``. A program owns ``BLOCK_T`` tokens (its token
+block, on grid axes 1 and 2, so no axis limit applies) and ``HEAD_ITERS * BLOCK_H`` heads of
+them (its head group, grid axis 0).
 No division by a runtime value comes before a program's first load (see :func:`_token_block`,
 :func:`_token_index`): at decode size a kernel's time is its chain of dependent steps. It
 computes the table rows of its tokens once (sin/cos from angles, or loads of a cos/sin cache),
@@ -107,13 +110,13 @@ def _rate_cos_sin(
 
 @triton.jit
 def _row_cos_sin(
-    tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     USE_CACHE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
     FAST_TRIG: tl.constexpr,
 ):
-    """cos and sin of each channel of the tokens' table rows (angles or a cos/sin cache), as
-    the two channels of each pair see them: ``(cos_a, sin_a, cos_b, sin_b)``."""
-    tab_off = pos.to(tl.int64)[:, None] * ROT_DIM + c[None, :]
+    """cos and sin of each channel of the tokens' table rows ``row`` (angles or a cos/sin
+    cache), as the two channels of each pair see them: ``(cos_a, sin_a, cos_b, sin_b)``."""
+    tab_off = row[:, None] * ROT_DIM + c[None, :]
     tab_mask = inside[:, None] & c_mask[None, :]
     if INTERLEAVED:
         cos, sin = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
@@ -322,27 +325,19 @@ def _rotate_store(
     INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, GROUPED: tl.constexpr,
 ):
-    """out_a = x_a cos_a + x_b coef_a, out_b = x_b cos_b + x_a coef_b in float32, stored;
-    then the pass-through channels as they were read. The fused multiply-adds are written
-    out, so every specialisation (in place or not, any tile) rounds alike: left to the
-    compiler, the contraction could differ between kernels and with it the last bit."""
+    """Store the chunk rotated (:func:`_rotated`), then its pass-through channels as they
+    were read."""
     _, o_h, row_mask = _chunk_rows(
         x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, BLOCK_H, GROUPED
     )
     mask = row_mask[:, :, None] & c_mask[None, None, :]
     out_ty = o_row.dtype.element_ty
     o_ptrs = o_h[:, :, None] + (tl.arange(0, BLOCK_R).to(tl.int64) * sod)[None, None, :]
-    if INTERLEAVED:
-        a, b = tl.split(tl.reshape(x_a.to(tl.float32), [BLOCK_T, BLOCK_H, BLOCK_R // 2, 2]))
-        out_a = tl.fma(a, cos_a, b * coef_a)
-        out_b = tl.fma(b, cos_b, a * coef_b)
-        out = tl.reshape(tl.join(out_a, out_b), [BLOCK_T, BLOCK_H, BLOCK_R])
-        tl.store(o_ptrs, out.to(out_ty), mask=mask)
-    else:
-        a = x_a.to(tl.float32)
-        b = x_b.to(tl.float32)
-        tl.store(o_ptrs, tl.fma(a, cos_a, b * coef_a).to(out_ty), mask=mask)
-        tl.store(o_ptrs + (ROT_DIM // 2) * sod, tl.fma(b, cos_b, a * coef_b).to(out_ty), mask=mask)
+    out_a, out_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED, BLOCK_T,
+                            BLOCK_H, BLOCK_R)
+    tl.store(o_ptrs, out_a.to(out_ty), mask=mask)
+    if not INTERLEAVED:
+        tl.store(o_ptrs + (ROT_DIM // 2) * sod, out_b.to(out_ty), mask=mask)
     if PASS_DIM > 0:
         p = (tl.arange(0, BLOCK_P) + ROT_DIM).to(tl.int64)
         p_full = row_mask[:, :, None] & p_mask[None, None, :]
@@ -373,6 +368,84 @@ def _token_rows(
     x_row = x_ptr + (i0.to(tl.int64) * sx0 + i1.to(tl.int64) * sx1)
     o_row = out_ptr + (i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1)
     return tok, tok_mask, i0, i1, x_row, o_row, head_lo
+
+
+@triton.jit
+def _coefficients(
+    tab_ptr, sin_ptr, pos, row, inside, c, c_mask, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
+    RATES: tl.constexpr, LINEAR: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr, FAST_TRIG: tl.constexpr, SCALE: tl.constexpr,
+):
+    """The rotation's ``(cos_a, cos_b, coef_a, coef_b)`` at the tokens' positions ``pos``
+    (``row``: the same, in the type the table's offsets are formed in), ``[BLOCK_T, 1,
+    BLOCK_R]``, for :func:`_rotated`: from the table kind's cos and sin, each channel's sine
+    its own (forward) or its partner's (``BACKWARD``), all times ``SCALE``. Tokens off
+    ``inside`` read no table memory and get NaN."""
+    if LINEAR:  # an angle table: rated while its flag holds this pairing's bit
+        # row 1 is read with the flag, not after it: two DRAM round trips in a row were
+        # 0.2-0.4 us of a 2-4 us call after an L2 flush (run AF)
+        flag = tl.load(sin_ptr)
+        cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(
+            tab_ptr + ROT_DIM, 2 if INTERLEAVED else 1, pos, inside, c, ROT_DIM, INTERLEAVED,
+            BLOCK_R, FAST_TRIG,
+        )
+        if (flag & (2 if INTERLEAVED else 1)) == 0:  # not linear: the rows
+            cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
+                tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE,
+                BLOCK_T, BLOCK_R, FAST_TRIG,
+            )
+    elif RATES:  # a rate table's rates: pair k's angle is one float32 product, position x rate k
+        cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(
+            tab_ptr, 1, pos, inside, c, ROT_DIM, INTERLEAVED, BLOCK_R, FAST_TRIG,
+        )
+    elif PAIRED:  # one cos and one sin per rotated pair, shared by both of its channels
+        k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
+        k_mask = inside[:, None] & (k < ROT_DIM // 2)[None, :]
+        cos_a, sin_a = _table(tab_ptr, sin_ptr, row[:, None] * ROT_DIM + k[None, :], k_mask,
+                              USE_CACHE, FAST_TRIG)
+        cos_b = cos_a
+        sin_b = sin_a
+    else:
+        cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
+            tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, BLOCK_T,
+            BLOCK_R, FAST_TRIG,
+        )
+    if BACKWARD:  # the transpose: each channel takes its partner's sine
+        coef_a = sin_b
+        coef_b = -sin_a
+    else:
+        coef_a = -sin_a
+        coef_b = sin_b
+    if SCALE != 1.0:  # the spec's cos_sin_scale (an attention factor) on cos and sin alike
+        cos_a = cos_a * SCALE
+        cos_b = cos_b * SCALE
+        coef_a = coef_a * SCALE
+        coef_b = coef_b * SCALE
+    return cos_a[:, None, :], cos_b[:, None, :], coef_a[:, None, :], coef_b[:, None, :]
+
+
+@triton.jit
+def _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED: tl.constexpr,
+             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``(out_a, out_b)``: ``x_a cos_a + x_b coef_a`` and ``x_b cos_b + x_a coef_b`` in
+    float32, or for interleaved pairs (``x_a`` the whole tile) the tile rotated, as
+    ``out_a``. The fused multiply-adds are written out, so every kernel and specialisation
+    (in place or not, any tile) rounds alike: left to the compiler, the contraction could
+    differ between them and with it the last bit."""
+    if INTERLEAVED:
+        a, b = tl.split(tl.reshape(x_a.to(tl.float32), [BLOCK_T, BLOCK_H, BLOCK_R // 2, 2]))
+        out_a = tl.reshape(
+            tl.join(tl.fma(a, cos_a, b * coef_a), tl.fma(b, cos_b, a * coef_b)),
+            [BLOCK_T, BLOCK_H, BLOCK_R],
+        )
+        out_b = out_a
+    else:
+        a = x_a.to(tl.float32)
+        b = x_b.to(tl.float32)
+        out_a = tl.fma(a, cos_a, b * coef_a)
+        out_b = tl.fma(b, cos_b, a * coef_b)
+    return out_a, out_b
 
 
 @triton.jit
@@ -416,50 +489,10 @@ def _rope_program(
         LAYOUT, POSITIONS, CONTEXT_PARALLEL, SEQ_BLOCK,
     )
     inside = tok_mask & (pos >= 0) & (pos < table_len)  # never read outside the table
-    if LINEAR:  # an angle table: rated while its flag holds this pairing's bit
-        # row 1 is read with the flag, not after it: two DRAM round trips in a row were
-        # 0.2-0.4 us of a 2-4 us call after an L2 flush (run AF)
-        flag = tl.load(sin_ptr)
-        cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(
-            tab_ptr + ROT_DIM, 2 if INTERLEAVED else 1, pos, inside, c, ROT_DIM, INTERLEAVED,
-            BLOCK_R, FAST_TRIG,
-        )
-        if (flag & (2 if INTERLEAVED else 1)) == 0:  # not linear: the rows
-            cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
-                tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE,
-                BLOCK_T, BLOCK_R, FAST_TRIG,
-            )
-    elif RATES:  # a rate table's rates: pair k's angle is one float32 product, position x rate k
-        cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(
-            tab_ptr, 1, pos, inside, c, ROT_DIM, INTERLEAVED, BLOCK_R, FAST_TRIG,
-        )
-    elif PAIRED:  # one cos and one sin per rotated pair, shared by both of its channels
-        k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
-        k_mask = inside[:, None] & (k < ROT_DIM // 2)[None, :]
-        cos_a, sin_a = _table(tab_ptr, sin_ptr, pos.to(tl.int64)[:, None] * ROT_DIM + k[None, :],
-                              k_mask, USE_CACHE, FAST_TRIG)
-        cos_b = cos_a
-        sin_b = sin_a
-    else:
-        cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
-            tab_ptr, sin_ptr, pos, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, BLOCK_T,
-            BLOCK_R, FAST_TRIG,
-        )
-    if BACKWARD:  # the transpose: each channel takes its partner's sine
-        coef_a = sin_b
-        coef_b = -sin_a
-    else:
-        coef_a = -sin_a
-        coef_b = sin_b
-    if SCALE != 1.0:  # the spec's cos_sin_scale (an attention factor) on cos and sin alike
-        cos_a = cos_a * SCALE
-        cos_b = cos_b * SCALE
-        coef_a = coef_a * SCALE
-        coef_b = coef_b * SCALE
-    cos_a = cos_a[:, None, :]
-    cos_b = cos_b[:, None, :]
-    coef_a = coef_a[:, None, :]
-    coef_b = coef_b[:, None, :]
+    cos_a, cos_b, coef_a, coef_b = _coefficients(
+        tab_ptr, sin_ptr, pos, pos.to(tl.int64), inside, c, c_mask, ROT_DIM, INTERLEAVED,
+        USE_CACHE, PAIRED, RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE,
+    )
 
     for it in range(HEAD_ITERS - 1):
         a_next, b_next, kept_next = _load_chunk(
@@ -540,6 +573,69 @@ def rope_kernel(
         SEQ_BLOCK, False,
         SCALE,
     )
+
+
+@triton.jit(do_not_specialize=["n_tokens", "dim1", "dim1_magic", "dim1_shift"])
+def rope_lean_kernel(
+    x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
+    LAYOUT: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+    PASS_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr,
+    PAIRED: tl.constexpr, RATES: tl.constexpr, LINEAR: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    FAST_TRIG: tl.constexpr, SCALE: tl.constexpr,
+):
+    """:func:`rope_kernel` for a small call on contiguous sbhd or bshd tensors: ``x`` and
+    ``out`` both ``[n0, n1, HEADS, HEAD_DIM]`` and contiguous (or ``out`` is ``x``), fewer
+    than ``2**31`` elements, positions by index with no context parallelism, every position
+    inside the table (the launcher checks its rows). ``PASS_DIM`` pass-through channels are
+    copied (0 in place: left alone). ``cu_ptr`` and ``pos_ptr`` are unused: the argument list
+    is :func:`rope_kernel`'s up to the integers, so both share one launch path.
+
+    At these sizes a call's time is its chain of dependent steps after an L2 flush, and the
+    instructions before the first load count: offsets are int32 multiples of compile-time
+    sizes, one grid axis numbers the programs heads first (``BLOCK_H`` of a token block's
+    heads each), and no position is checked against the table. That put an in-place call at
+    128 tokens of 8 heads (d 128, bf16) at 1.57-1.63 us where the general kernel took
+    1.86-1.92 us (H200, the profiler after an L2 flush, run AH). The table kinds, pairings and
+    the arithmetic are :func:`rope_kernel`'s own (:func:`_coefficients`, :func:`_rotated`), so
+    both give the same bits."""
+    GROUPS: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
+    HALF: tl.constexpr = ROT_DIM // 2
+    program = tl.program_id(0)
+    block = program // GROUPS
+    tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    hh = (program - block * GROUPS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    tok_mask = tok < n_tokens
+    c = tl.arange(0, BLOCK_R)
+    c_mask = c < (ROT_DIM if INTERLEAVED else HALF)
+    rows = (tok * (HEADS * HEAD_DIM))[:, None] + (hh * HEAD_DIM)[None, :]
+    row_mask = tok_mask[:, None] & (hh < HEADS)[None, :]
+    mask = row_mask[:, :, None] & c_mask[None, None, :]
+    offsets = rows[:, :, None] + c[None, None, :]
+    x_a = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    if INTERLEAVED:
+        x_b = x_a
+    else:
+        x_b = tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0)
+    if PASS_DIM > 0:
+        p = tl.arange(0, BLOCK_P)
+        p_offsets = rows[:, :, None] + ROT_DIM + p[None, None, :]
+        p_full = row_mask[:, :, None] & (p < PASS_DIM)[None, None, :]
+        kept = tl.load(x_ptr + p_offsets, mask=p_full)
+    i0, i1 = _token_index(tok, dim1, dim1_magic, dim1_shift, LAYOUT)
+    pos = i0 if LAYOUT == 0 else i1
+    cos_a, cos_b, coef_a, coef_b = _coefficients(
+        tab_ptr, sin_ptr, pos, pos, tok_mask, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, PAIRED,
+        RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE,
+    )
+    out_a, out_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED, BLOCK_T, BLOCK_H,
+                            BLOCK_R)
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + offsets, out_a.to(out_ty), mask=mask)
+    if not INTERLEAVED:
+        tl.store(out_ptr + offsets + HALF, out_b.to(out_ty), mask=mask)
+    if PASS_DIM > 0:
+        tl.store(out_ptr + p_offsets, kept.to(out_ty), mask=p_full)
 
 
 @triton.jit(do_not_specialize=[

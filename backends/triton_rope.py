@@ -152,6 +152,19 @@ SPAN_HEAD_ITERS = 4
 # cu_seqlens offsets, loaded at once (no chain of dependent loads); more sequences use a binary
 # search.
 SEQ_SCAN_LIMIT = 256
+# A call on contiguous sbhd or bshd tensors of at most LEAN_MAX_BYTES, positions by index and
+# no context parallelism, runs the lean kernel (triton_kernels.rope_lean_kernel: compile-time
+# heads and head dim, int32 offsets, one grid axis). There a call's time is its chain of
+# dependent steps after an L2 flush: at 128 tokens of 8 heads (d 128, bf16, in place) its
+# prototype took 1.57-1.63 us where the general kernel took 1.86-1.92 and Liger's 1.79-1.87
+# (H200, the profiler after an L2 flush, run AH, `scripts/tile_probe.py lean-kernel`). Its
+# tile takes a token's heads first, up to LEAN_HEADS, then tokens while it moves at most
+# LEAN_TILE_BYTES: 1 x 8 at 8 heads of d 128 in bf16 (2.11-2.16 us at 512 tokens, 2 x 8
+# 2.18-2.21), 4 x 1 for one head (1.34-1.46 us at 128 tokens, 2 x 1 1.38-1.44). 0, set before
+# the first call (compiled launches are kept by call), turns the lean kernel off.
+LEAN_MAX_BYTES = 1 << 20
+LEAN_HEADS = 8
+LEAN_TILE_BYTES = 1024
 
 
 def choose_config(
@@ -299,7 +312,6 @@ _configs: dict[tuple, Config] = {}
 # Compiled kernels by everything their specialisation depends on (see _fast_key), so a repeated
 # call skips Triton's per-launch argument binding (about 15 us of host time per call).
 _fast: dict[tuple, tuple] = {}
-_PARAM_ORDER: tuple[str, ...] = ()
 
 
 def _raw_stream_getter():
@@ -571,6 +583,51 @@ def _rows_read(t: torch.Tensor, layout: str, index: torch.Tensor | None) -> int:
     return t.shape[0] if layout == "sbhd" else t.shape[1]
 
 
+def lean_tile(n_tokens: int, heads: int, width: int, element_size: int) -> tuple[int, int]:
+    """The lean kernel's ``(BLOCK_T, BLOCK_H)`` for tokens of ``heads`` heads moving ``width``
+    channels each: a token's heads first, up to ``LEAN_HEADS``, then tokens (a power of two,
+    at most the call's) while the tile moves at most ``LEAN_TILE_BYTES``."""
+    block_h = min(_next_pow2(heads), LEAN_HEADS)
+    fit = max(1, LEAN_TILE_BYTES // (block_h * width * element_size))
+    return min(1 << (fit.bit_length() - 1), _next_pow2(n_tokens)), block_h
+
+
+def _lean_fits(
+    code: int, x: torch.Tensor, out: torch.Tensor, fresh_out: bool,
+    positions: torch.Tensor | None, cp_size: int, seq_len: int, table_len: int,
+) -> bool:
+    """Whether a call runs the lean kernel (``LEAN_MAX_BYTES``): sbhd or bshd, positions by
+    index, every one inside the table, no context parallelism, ``x`` contiguous and ``out``
+    too (or ``x`` itself), at most ``LEAN_MAX_BYTES``. All of it is in the launch's ``_fast``
+    key, so the key's compiled launch is the one this chose."""
+    return (
+        code != 2 and positions is None and cp_size == 1 and seq_len <= table_len
+        and x.numel() * x.element_size() <= LEAN_MAX_BYTES
+        and x.is_contiguous() and (fresh_out or out is x or out.is_contiguous())
+    )
+
+
+def _lean_arguments(
+    n_tokens: int, dim1: int, heads: int, head_dim: int, width: int, rotary_dim: int,
+    element_size: int, code: int, interleaved: bool, flags: tuple[bool, bool, bool, bool],
+    backward: bool, scale: float, interpreted: bool,
+) -> tuple[tuple[int, int, int], tuple[int, ...], dict[str, Any]]:
+    """The lean kernel's grid, integer arguments and compile-time arguments for a call that
+    :func:`_lean_fits`, at the tile :func:`lean_tile` gives (``width``: the channels a head
+    moves, ``head_dim`` its stride)."""
+    block_t, block_h = lean_tile(n_tokens, heads, width, element_size)
+    use_cache, paired, rates, linear = flags
+    grid = (-(-n_tokens // block_t) * -(-heads // block_h), 1, 1)
+    consts = dict(
+        LAYOUT=code, HEADS=heads, HEAD_DIM=head_dim, ROT_DIM=rotary_dim,
+        PASS_DIM=width - rotary_dim, INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired,
+        RATES=rates, LINEAR=linear, BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_R=_next_pow2(rotary_dim if interleaved else rotary_dim // 2),
+        BLOCK_P=_next_pow2(width - rotary_dim), FAST_TRIG=not interpreted, SCALE=float(scale),
+    )
+    return grid, (n_tokens, dim1, *division_magic(dim1)), consts
+
+
 def launch(
     x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None, layout: str,
@@ -636,47 +693,54 @@ def launch(
     rotary_dim = table.shape[1]
     width = head_dim if copy_pass else rotary_dim  # the channels a token moves
     flags = _table_flags(table, sin)
-    if config is None:
-        tokens_per_tile = tile_tokens(flags, table, rotary_dim, interleaved)
-        cache_rows = reads_cache_rows(flags)
-        sines = not flags[0]  # no cos/sin cache: the kernel computes sines
-        ckey = (_next_pow2(n_tokens), heads, width, head_dim, rotary_dim, x.dtype, interleaved,
-                x.device, tokens_per_tile, cache_rows, sines)
-        config = _configs.get(ckey)
+    if config is None and _lean_fits(code, x, out, fresh_out, positions, cp_size, seq_len,
+                                     table.shape[0]):
+        kernel = kernels.rope_lean_kernel
+        grid, ints, consts = _lean_arguments(
+            n_tokens, dim1, heads, head_dim, width, rotary_dim, x.element_size(), code,
+            interleaved, flags, backward, scale, kernels.INTERPRETED,
+        )
+        num_warps = WARPS
+    else:
+        kernel = kernels.rope_kernel
         if config is None:
-            sms = 1 if kernels.INTERPRETED else _sm_count(x.device.index)
-            config = choose_config(
-                n_tokens, heads, width, rotary_dim, x.element_size(), interleaved, sms,
-                tokens_per_tile, cache_rows, span_dim=head_dim, sines=sines,
-            )
-            if len(_configs) > 1024:
-                _configs.clear()
-            _configs[ckey] = config
-    block_t, block_h, head_iters, block_r, block_p, num_warps = config
-    grid = launch_grid(-(-heads // (block_h * head_iters)), -(-n_tokens // block_t))
-    ints = (n_tokens, dim1, *division_magic(dim1), seq_len, table.shape[0], heads, n_seqs,
-            cp_size, cp_rank, sx0, sx1, sxh, sxd, so0, so1, soh, sod)
-    use_cache, paired, rates, linear = flags
-    consts = dict(
-        LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim,
-        INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates, LINEAR=linear,
-        POSITIONS=_position_kind(positions), CONTEXT_PARALLEL=cp_size > 1,
-        BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
-        BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
-        SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
-        SCALE=float(scale),
-    )
-    compiled = kernels.rope_kernel[grid](
+            tokens_per_tile = tile_tokens(flags, table, rotary_dim, interleaved)
+            cache_rows = reads_cache_rows(flags)
+            sines = not flags[0]  # no cos/sin cache: the kernel computes sines
+            ckey = (_next_pow2(n_tokens), heads, width, head_dim, rotary_dim, x.dtype, interleaved,
+                    x.device, tokens_per_tile, cache_rows, sines)
+            config = _configs.get(ckey)
+            if config is None:
+                sms = 1 if kernels.INTERPRETED else _sm_count(x.device.index)
+                config = choose_config(
+                    n_tokens, heads, width, rotary_dim, x.element_size(), interleaved, sms,
+                    tokens_per_tile, cache_rows, span_dim=head_dim, sines=sines,
+                )
+                if len(_configs) > 1024:
+                    _configs.clear()
+                _configs[ckey] = config
+        block_t, block_h, head_iters, block_r, block_p, num_warps = config
+        grid = launch_grid(-(-heads // (block_h * head_iters)), -(-n_tokens // block_t))
+        ints = (n_tokens, dim1, *division_magic(dim1), seq_len, table.shape[0], heads, n_seqs,
+                cp_size, cp_rank, sx0, sx1, sxh, sxd, so0, so1, soh, sod)
+        use_cache, paired, rates, linear = flags
+        consts = dict(
+            LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim,
+            INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates, LINEAR=linear,
+            POSITIONS=_position_kind(positions), CONTEXT_PARALLEL=cp_size > 1,
+            BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
+            BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
+            SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
+            SCALE=float(scale),
+        )
+    compiled = kernel[grid](
         x, out, table, table if sin is None else sin,
         table if cu_seqlens is None else cu_seqlens,
         table if positions is None else positions, *ints,
         num_warps=num_warps, **consts,
     )
     if key is not None and compiled is not None and not _hooks_active():
-        global _PARAM_ORDER
-        if not _PARAM_ORDER:
-            _PARAM_ORDER = tuple(kernels.rope_kernel.arg_names)
-        ordered = tuple(consts[name] for name in _PARAM_ORDER[6 + len(ints):])
+        ordered = tuple(consts[name] for name in kernel.arg_names[6 + len(ints):])
         if len(_fast) > 4096:
             _fast.clear()
         _fast[key] = _direct_launcher(compiled) + (grid, ints, ordered)

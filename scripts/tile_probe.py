@@ -20,7 +20,8 @@ tiles against one-token tiles, and 1 program per SM, for calls the L2 holds; ``o
 ``in-place-tiles`` at one-head calls and a decode-sized one; ``row-tiles``, the fewest rows a
 small call's program keeps; ``lean-kernel``, an instruction-lean prototype kernel against ours
 and Liger's where Liger's led in place; ``kernel-copies`` and ``input-copies``, whether where a
-kernel's code or its data lies moves a small call's time after an L2 flush."""
+kernel's code or its data lies moves a small call's time after an L2 flush; ``lean-shipped``,
+the shipped lean kernel against the general one and Liger's at small calls, and its tiles."""
 from __future__ import annotations
 
 from typing import Any
@@ -1191,13 +1192,15 @@ def kernel_copies(rounds: int = 3, copies: int = 6) -> None:
         triton_rope._fast.clear()
         _in_place(x, table, flag, layout)()  # the shipped launch's arguments, from its entry
         ((_, _, grid, ints, ordered),) = triton_rope._fast.values()
-        consts = dict(zip(triton_rope._PARAM_ORDER[6 + len(ints):], ordered))
+        lean = len(ints) == 4  # the lean kernel's integers: tokens, dim1 and its magic
+        kernel = kernels.rope_lean_kernel if lean else kernels.rope_kernel
+        warps = triton_rope.WARPS if lean else default[5]
+        consts = dict(zip(kernel.arg_names[6 + len(ints):], ordered))
         fns, builds = {}, []
         for stages in range(1, copies + 1):
             def run(stages=stages):
-                return kernels.rope_kernel[grid](x, x, table, flag, table, table, *ints,
-                                                 num_warps=default[5], num_stages=stages,
-                                                 **consts)
+                return kernel[grid](x, x, table, flag, table, table, *ints, num_warps=warps,
+                                    num_stages=stages, **consts)
             compiled = run()
             builds.append(f"{hashlib.sha1(compiled.asm['ptx'].encode()).hexdigest()[:8]}/"
                           f"{len(compiled.asm['cubin'])}")
@@ -1230,6 +1233,90 @@ def input_copies(rounds: int = 3, copies: int = 6) -> None:
         _print_cold_traces(fns, rounds, calls=40)
 
 
+LEAN_SHIPPED_SHAPES = [  # (layout, seq, batch, heads, head_dim, dtype)
+    ("sbhd", 128, 1, 8, 128, torch.bfloat16), ("sbhd", 512, 1, 8, 128, torch.bfloat16),
+    ("sbhd", 128, 4, 8, 128, torch.bfloat16), ("bshd", 128, 1, 8, 128, torch.bfloat16),
+    ("bshd", 512, 1, 8, 128, torch.bfloat16), ("sbhd", 128, 1, 1, 128, torch.bfloat16),
+    ("sbhd", 512, 1, 1, 128, torch.bfloat16), ("bshd", 128, 1, 2, 128, torch.bfloat16),
+    ("bshd", 512, 1, 4, 128, torch.bfloat16), ("sbhd", 128, 1, 32, 128, torch.bfloat16),
+    ("sbhd", 512, 1, 8, 64, torch.bfloat16), ("sbhd", 128, 1, 8, 256, torch.bfloat16),
+    ("sbhd", 128, 1, 8, 128, torch.float32), ("sbhd", 2048, 1, 8, 128, torch.bfloat16),
+]
+LEAN_SHIPPED_TILES = [(1, 8), (2, 8), (1, 4), (2, 4), (2, 2), (4, 1), (2, 1), (8, 1)]
+
+
+def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: str,
+             backward: bool, tile: tuple[int, int]):
+    """The lean kernel at ``tile`` on ``src`` into ``dst`` (``src`` itself: in place), the
+    table's rows read, as a call of no argument (Triton's own launch: the profiler times the
+    kernel alone)."""
+    n0, dim1, heads, d = src.shape
+    grid, ints, consts = triton_rope._lean_arguments(
+        n0 * dim1, dim1, heads, d, d, d, src.element_size(), 0 if layout == "sbhd" else 1, False,
+        (False, False, False, False), backward, 1.0, False,
+    )
+    consts.update(BLOCK_T=tile[0], BLOCK_H=tile[1])
+    grid = (-(-n0 * dim1 // tile[0]) * -(-heads // tile[1]), 1, 1)
+    kernel = triton_rope._load_kernels().rope_lean_kernel
+    return lambda: kernel[grid](src, dst, table, table, table, table, *ints,
+                                num_warps=triton_rope.WARPS, **consts)
+
+
+def lean_shipped(rounds: int = 3) -> None:
+    """The shipped lean kernel against the general kernel (at choose_config's tile), at the
+    sweep's small points and a few more (``LEAN_SHIPPED_SHAPES``, table rows read as the sweep
+    reads them): in place and into a fresh output, forward and backward, by the profiler after
+    an L2 flush, in turn in one trace with Liger's in-place kernels and the lean kernel at the
+    other tiles of ``LEAN_SHIPPED_TILES``; then the forwards with the L2 warm. Each lean launch
+    is first checked bit for bit against the general kernel."""
+    for layout, seq, batch, heads, d, dtype in LEAN_SHIPPED_SHAPES:
+        shape = bench.Shape("probe", layout, dtype, seq, batch, heads, d, d)
+        inp, x, out, angles, _ = _probe_inputs(shape)
+        g, g_out = inp.grad, torch.empty_like(inp.grad)
+        default = triton_rope.choose_config(seq * batch, heads, d, d, x.element_size(), False,
+                                            triton_rope._sm_count(0))
+        shipped = triton_rope.lean_tile(seq * batch, heads, d, x.element_size())
+        fits = x.numel() * x.element_size() <= triton_rope.LEAN_MAX_BYTES
+
+        def general(src, dst, back, copy_pass=True):
+            return lambda: triton_rope.launch(src, dst, angles, None, None, None, layout, False,
+                                              1.0, 1, 0, back, config=default,
+                                              copy_pass=copy_pass)
+
+        others = [tile for tile in LEAN_SHIPPED_TILES
+                  if fits and tile != shipped and tile[1] <= heads]
+        fns: dict = {}
+        x_ip, g_ip = x.clone(), g.clone()
+        for mode, src, dst, ip, back in (("fwd", x, out, x_ip, False),
+                                         ("bwd", g, g_out, g_ip, True)):
+            want, got = torch.empty_like(dst), torch.empty_like(dst)
+            general(src, want, back)()
+            for tile in [shipped, *others]:
+                _lean_at(src, got, angles, layout, back, tile)()
+                if not torch.equal(got, want):
+                    raise RuntimeError(f"lean {tile} {mode} differs at {shape}")
+            name = f"lean {shipped[0]}x{shipped[1]}"
+            fns[f"general out {mode}"] = general(src, dst, back)
+            fns[f"{name} out {mode}"] = _lean_at(src, dst, angles, layout, back, shipped)
+            fns[f"general in place {mode}"] = general(ip, ip, back, copy_pass=False)
+            fns[f"{name} in place {mode}"] = _lean_at(ip, ip, angles, layout, back, shipped)
+            for tile in others:
+                fns[f"lean {tile[0]}x{tile[1]} in place {mode}"] = _lean_at(
+                    ip, ip, angles, layout, back, tile)
+        if dtype is not torch.float32:
+            liger = bench._liger_peer(shape, inp)
+            fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+        print(f"{layout} s{seq} b{batch} h{heads} d{d} {str(dtype)[6:]} (general "
+              f"{default[0]}x{default[1]}, lean {shipped[0]}x{shipped[1]}"
+              f"{'' if fits else ', above LEAN_MAX_BYTES'}):", flush=True)
+        _print_cold_traces(fns, rounds, calls=40)
+        warm = {name[:-4]: bench.graph_replay_us(fn) for name, fn in fns.items()
+                if name.endswith("fwd")}
+        print("   warm fwd: " + " | ".join(f"{name} {us:.2f}" for name, us in warm.items()),
+              flush=True)
+        del x, out, g, g_out, x_ip, g_ip
+
+
 if __name__ == "__main__":
     import sys
 
@@ -1243,7 +1330,7 @@ if __name__ == "__main__":
              "sine-tiles": sine_tiles, "row-tiles": row_tiles,
              "one-head-tiles": lambda: in_place_tiles(3, ONE_HEAD_SHAPES, ONE_HEAD_TILES),
              "lean-kernel": lean_kernel, "kernel-copies": kernel_copies,
-             "input-copies": input_copies}
+             "input-copies": input_copies, "lean-shipped": lean_shipped}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:

@@ -42,6 +42,14 @@ VARIANTS = [
     ("rate table, scaled", dict(RATES=True, SCALE=1.25), "*fp32"),
 ]
 
+# the lean kernel (small contiguous sbhd/bshd calls): its own tile and sizes, the same changes
+LEAN = dict(
+    LAYOUT=0, HEADS=8, HEAD_DIM=128, ROT_DIM=128, PASS_DIM=0, INTERLEAVED=False, USE_CACHE=False,
+    PAIRED=False, RATES=False, LINEAR=False, BACKWARD=False, BLOCK_T=1, BLOCK_H=8, BLOCK_R=64,
+    BLOCK_P=1, FAST_TRIG=True, SCALE=1.0,
+)
+LEAN_DROPPED = ("POSITIONS", "CONTEXT_PARALLEL", "SEQ_BLOCK", "HEAD_ITERS")
+
 
 def compile_kernel(fn, pointers: dict[str, str], consts: dict) -> None:
     names = fn.arg_names
@@ -71,6 +79,19 @@ def main() -> int:
                 print(f"FAIL {kernel.__name__} {name}: {type(exc).__name__}: {exc}")
                 return 1
             print(f"ok {kernel.__name__} {name}")
+        if "CONTEXT_PARALLEL" in changes or changes.get("LAYOUT") == 2:
+            continue  # calls the lean kernel never takes
+        lean = {**LEAN, **{k: v for k, v in changes.items() if k not in LEAN_DROPPED}}
+        if lean["PASS_DIM"]:
+            lean["HEAD_DIM"] = lean["ROT_DIM"] + lean["PASS_DIM"]
+        try:
+            compile_kernel(K.rope_lean_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16",
+                                                "tab_ptr": "*fp32", "sin_ptr": sin_type,
+                                                "cu_ptr": "*fp32", "pos_ptr": "*fp32"}, lean)
+        except Exception as exc:  # noqa: BLE001 (reported with its variant)
+            print(f"FAIL rope_lean_kernel {name}: {type(exc).__name__}: {exc}")
+            return 1
+        print(f"ok rope_lean_kernel {name}")
     compile_kernel(K.linear_table_kernel, {"tab_ptr": "*fp32", "flag_ptr": "*i32"},
                    dict(ROT_DIM=128, BLOCK_ROWS=32, BLOCK_C=128))
     print("ok linear_table_kernel")

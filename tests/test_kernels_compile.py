@@ -1,9 +1,10 @@
 """The Triton kernels compile for the GPU machine's architecture (sm_90), down to the cubin,
 on this machine without a GPU: every table kind (the linear-table flag's branch included),
-thd, context parallelism, backward, packed qkv, and the linear-table check. The interpreter
-runs the kernels' logic on the CPU elsewhere in the suite; this catches what only the GPU
-compiler would reject. Runs ``tests/compile_for_gpu.py`` in a process of its own (the kernels
-must be imported with ``TRITON_INTERPRET`` unset)."""
+thd, context parallelism, backward, packed qkv, the lean kernel of small contiguous calls,
+and the linear-table check. The interpreter runs the kernels' logic on the CPU elsewhere in
+the suite; this catches what only the GPU compiler would reject. Runs
+``tests/compile_for_gpu.py`` in a process of its own (the kernels must be imported with
+``TRITON_INTERPRET`` unset)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def test_every_kernel_family_compiles_for_sm_90():
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 17 and all(line.startswith("ok ") for line in lines), proc.stdout
+    # 8 variants of rope_kernel and rope_qkv_kernel, 7 of rope_lean_kernel (no thd or cp)
+    assert len(lines) == 24 and all(line.startswith("ok ") for line in lines), proc.stdout
     assert "ok rope_kernel linear table, pairs, backward" in lines
+    assert "ok rope_lean_kernel linear table, pairs, backward" in lines
     assert lines[-1] == "ok linear_table_kernel"

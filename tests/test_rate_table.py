@@ -284,8 +284,9 @@ def test_bit_identical_to_the_angle_table(backend, interleaved, kind, request):
 
 @pytest.mark.usefixtures("triton_backend")
 def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
-    """The launcher hands both kernels ``RATES=True`` (and no cache flag) for a rate table, and
-    ``RATES=False`` for the angle table and a cos/sin cache of the same shape."""
+    """The launcher hands the kernels ``RATES=True`` (and no cache flag) for a rate table, and
+    ``RATES=False`` for the angle table and a cos/sin cache of the same shape: the lean kernel
+    for these small contiguous calls, the general one with the lean kernel turned off."""
     from rope_dispatch.backends import triton_kernels, triton_rope
 
     seen: list[tuple[str, bool, bool, bool]] = []
@@ -306,7 +307,7 @@ def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
 
             return run
 
-    for name in ("rope_kernel", "rope_qkv_kernel"):
+    for name in ("rope_kernel", "rope_lean_kernel", "rope_qkv_kernel"):
         monkeypatch.setattr(triton_kernels, name, Spy(name, getattr(triton_kernels, name)))
     monkeypatch.setattr(triton_rope, "_fast", {})
     monkeypatch.setattr(triton_rope, "_fast_qkv", {})
@@ -315,14 +316,21 @@ def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
     angles = tables.angle_table(inv_freq, 12)
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     x = torch.randn(6, 2, 2, 8, device=DEVICE)
-    rd.apply(x, rate_table, spec, backend="triton")
-    rd.apply_qk(x, x[..., :1, :], rate_table, spec, backend="triton")
-    rd.apply(x, angles, spec, backend="triton")
-    rd.apply(x, rd.cos_sin_cache(angles), spec, backend="triton")
-    assert seen == [
-        ("rope_kernel", True, False, False), ("rope_qkv_kernel", True, False, False),
-        ("rope_kernel", False, False, False), ("rope_kernel", False, True, False),
-    ]
+    for lean_max_bytes, name in ((triton_rope.LEAN_MAX_BYTES, "rope_lean_kernel"),
+                                 (0, "rope_kernel")):
+        monkeypatch.setattr(triton_rope, "LEAN_MAX_BYTES", lean_max_bytes)
+        for cache in ("_fast", "_fast_qkv"):  # compiled launches are kept by call key
+            monkeypatch.setattr(triton_rope, cache, {})
+        rd.dispatch.forget_plans()  # and plans bind them
+        seen.clear()
+        rd.apply(x, rate_table, spec, backend="triton")
+        rd.apply_qk(x, x[..., :1, :], rate_table, spec, backend="triton")
+        rd.apply(x, angles, spec, backend="triton")
+        rd.apply(x, rd.cos_sin_cache(angles), spec, backend="triton")
+        assert seen == [
+            (name, True, False, False), ("rope_qkv_kernel", True, False, False),
+            (name, False, False, False), (name, False, True, False),
+        ]
 
 
 def test_kernel_tables_and_address():

@@ -33,6 +33,16 @@ gpu = pytest.mark.gpu
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
+@pytest.fixture
+def general_kernel(monkeypatch):
+    """Every call runs the general kernel, whose tile rule (``choose_config``) a test checks:
+    small contiguous calls would otherwise take the lean kernel (``LEAN_MAX_BYTES``)."""
+    from rope_dispatch.backends import triton_rope
+
+    monkeypatch.setattr(triton_rope, "LEAN_MAX_BYTES", 0)
+    monkeypatch.setattr(triton_rope, "_fast", {})
+
+
 def check_case(case: Case, device: str = DEVICE) -> None:
     """triton's forward and backward of ``case`` match the float64 reference."""
     t, table, spec, starts, angles = build(case, device)
@@ -588,7 +598,7 @@ def test_the_shrink_keeps_min_rows_a_program(tokens, heads, min_rows, tile):
         triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132, min_rows=1))
 
 
-def test_launches_say_whether_they_compute_sines(monkeypatch):
+def test_launches_say_whether_they_compute_sines(monkeypatch, general_kernel):
     """The tile rule hears whether a launch computes sines: an angle table does, a cos/sin cache
     and a pair cache are read; for one tensor and for q and k in one launch."""
     from rope_dispatch.backends import triton_rope
@@ -716,7 +726,7 @@ def test_tiles_the_l2_holds_keep_their_rows_up_to_16_kib(heads, head_dim, elemen
     assert config[:3] == (*tile, 1)
 
 
-def test_in_place_partial_rotary_tiles_count_heads_by_their_span():
+def test_in_place_partial_rotary_tiles_count_heads_by_their_span(general_kernel):
     """In place on partial rotary a head moves its rotary channels but spans its head dim in
     memory: a call the L2 holds takes 2 KiB chunks of one head's channels, tokens first, and
     loops over 4 heads (16 tokens of d 128 at rotary dim 64 in bf16, 8 in float32), where the
@@ -791,7 +801,7 @@ def test_cos_sin_cache_row_tiles_keep_their_tokens_when_streamed():
     ],
 )
 def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
-    dtype, rotary_dim, interleaved, kind, tokens, monkeypatch
+    dtype, rotary_dim, interleaved, kind, tokens, monkeypatch, general_kernel
 ):
     """A cos/sin cache is read as ``[BLOCK_T, BLOCK_R]`` row tiles: a tile holds enough tokens
     for ``TABLE_TILE_BYTES`` of each, with its heads halved to keep the tile's bytes; the

@@ -1,0 +1,217 @@
+"""The lean kernel (``triton_kernels.rope_lean_kernel``), which serves small calls on contiguous
+sbhd and bshd tensors: which calls it takes, its tiles, and its results against the float64
+reference and bit for bit against the general kernel, for every table kind, both pairings,
+partial rotary, in place and out of place, forward and backward.
+
+Without CUDA the kernels run on the CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rope_dispatch as rd
+from cases import build, fixed_case
+from reference import assert_matches, reference_forward_backward
+from rope_dispatch import tables
+from rope_dispatch.backends import triton_rope
+from test_rate_table import definition_angles, random_rates
+
+pytest.importorskip("triton", reason="triton is not installed; the triton backend is unavailable")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TABLE_KINDS = ("angles", "linear angles", "cos/sin cache", "pair cache", "rates")
+
+pytestmark = pytest.mark.usefixtures("triton_backend")
+
+
+@pytest.fixture
+def launched(monkeypatch) -> list[str]:
+    """The names of the kernels each launch ran, in order, with " linear" where it read its
+    table through the linearity flag (compiled launches forgotten first, so every call goes
+    through the launcher's choice)."""
+    names: list[str] = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getattr__(self, attr):
+            return getattr(self.kernel, attr)
+
+        def __getitem__(self, grid):
+            run = self.kernel[grid]
+
+            def record(*args, **kwargs):
+                names.append(self.name + (" linear" if kwargs["LINEAR"] else ""))
+                return run(*args, **kwargs)
+
+            return record
+
+    from rope_dispatch.backends import triton_kernels  # after the fixture's TRITON_INTERPRET
+
+    for name in ("rope_kernel", "rope_lean_kernel"):
+        monkeypatch.setattr(triton_kernels, name, Spy(name, getattr(triton_kernels, name)))
+    monkeypatch.setattr(triton_rope, "_fast", {})
+    rd.dispatch.forget_plans()
+    monkeypatch.setattr(triton_rope, "_flags", {})
+    monkeypatch.setattr(triton_rope, "_flags_met", {})
+    return names
+
+
+def table_of(kind: str, angles: torch.Tensor, interleaved: bool, seed: int):
+    """``(freqs, angles)``: a table of ``kind`` and the float32 angles ``[s2, d2]`` it stands
+    for (random, with unequal halves, where the kind allows)."""
+    rows, d2 = angles.shape
+    if kind in ("angles", "cos/sin cache"):
+        table = angles.view(rows, 1, 1, d2).to(DEVICE)
+        return (table if kind == "angles" else rd.cos_sin_cache(table)), angles
+    if kind == "pair cache":
+        gen = torch.Generator().manual_seed(seed)
+        pair = torch.rand(rows, d2 // 2, generator=gen, dtype=torch.float64) * 40
+        full = pair.repeat_interleave(2, -1) if interleaved else torch.cat((pair, pair), -1)
+        cache = torch.cat((pair.cos(), pair.sin()), dim=-1).float()
+        return rd.PairCosSinCache(cache.to(DEVICE)), full
+    inv_freq = random_rates(seed, d2 // 2, DEVICE)
+    exact = definition_angles(inv_freq, rows, interleaved)
+    if kind == "rates":
+        return rd.RateTable(inv_freq, rows), exact
+    # a model's angle table: every row float32(p) x row 1, read through its linearity flag
+    return tables.angle_table(inv_freq, rows, interleaved=interleaved).to(DEVICE), exact
+
+
+def run_both_ways(t, freqs, spec, grad_out, monkeypatch, launched, in_place: bool, suffix: str):
+    """``(out, grad, kernels)`` of the lean launch, checked bit for bit against the general
+    kernel's (the lean kernel turned off), which reads the table alike (``suffix``)."""
+    results = []
+    for lean_max_bytes in (triton_rope.LEAN_MAX_BYTES, 0):
+        monkeypatch.setattr(triton_rope, "LEAN_MAX_BYTES", lean_max_bytes)
+        launched.clear()
+        # twice: a linear angle table gets its flag at its second sight
+        for _ in range(2):
+            monkeypatch.setattr(triton_rope, "_fast", {})  # each call through the launcher,
+            rd.dispatch.forget_plans()  # none from a plan bound to an earlier launch
+            leaf = t.detach().clone().requires_grad_(True)
+            if in_place:
+                x = leaf * 1
+                out = rd.apply_(x, freqs, spec, backend="triton")
+                assert out is x
+            else:
+                out = rd.apply(leaf, freqs, spec, backend="triton")
+            (grad,) = torch.autograd.grad(out, leaf, grad_out)
+        results.append((out.detach(), grad, list(launched[-2:])))
+    (out, grad, kernels), (general_out, general_grad, general_kernels) = results
+    assert general_kernels == ["rope_kernel" + suffix] * 2
+    assert torch.equal(out, general_out) and torch.equal(grad, general_grad)
+    return out, grad, kernels
+
+
+@pytest.mark.parametrize("kind", TABLE_KINDS)
+@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim, in_place", [(16, False), (10, False), (10, True)])
+def test_matches_the_reference_and_the_general_kernel(monkeypatch, launched, kind, layout,
+                                                      interleaved, rotary_dim, in_place):
+    case = fixed_case(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim, heads=3,
+                      dtype=torch.bfloat16, seed=5, scale=1.25 if kind == "pair cache" else 1.0)
+    t, _, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    freqs, exact = table_of(kind, angles, interleaved, case.seed)
+    suffix = ""
+    if kind == "linear angles":  # small calls read rows unless told to look for the flag
+        monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 0)
+        suffix = " linear"
+    gen = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(t.shape, generator=gen).to(t.dtype).to(DEVICE)
+    out, grad, kernels = run_both_ways(t, freqs, spec, grad_out, monkeypatch, launched, in_place,
+                                       suffix)
+    assert kernels == ["rope_lean_kernel" + suffix] * 2  # the forward and its transpose
+    ref_out, ref_grad = reference_forward_backward(t.cpu(), exact, spec, grad_out.cpu())
+    assert_matches(out, ref_out, t.dtype, "forward")
+    assert_matches(grad, ref_grad, t.dtype, "backward")
+
+
+def test_reads_its_linear_table_through_the_flag(monkeypatch, launched):
+    """The lean kernel takes the flag's branch: a flag forced on for a table that is not linear
+    turns every token by its position times row 1."""
+    monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 0)
+    rows, d2 = 12, 8
+    inv_freq = random_rates(2, d2 // 2, DEVICE)
+    linear = tables.angle_table(inv_freq, rows).to(DEVICE)
+    freqs = linear + 0.5
+    freqs[1] = linear[1]
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    x = torch.randn(2, rows, 3, d2).to(DEVICE)
+    triton_rope.linear_flag(tables.angles_2d(freqs))
+    flag = triton_rope.linear_flag(tables.angles_2d(freqs))
+    assert int(flag.item()) == 0
+    flag.fill_(1)  # as if the check had passed at this version of the table
+    out = rd.apply(x, freqs, spec, backend="triton")
+    assert launched == ["rope_lean_kernel linear"]
+    expected, _ = reference_forward_backward(x.cpu(), definition_angles(inv_freq, rows, False),
+                                             spec, torch.zeros(x.shape))
+    assert_matches(out, expected, x.dtype, "forced flag")
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(layout="thd"), "thd"),
+    (dict(with_starts=True), "start positions"),
+    (dict(cp_size=2, cp_rank=1, seq=4), "context parallelism"),
+    (dict(strides="qkv-slice"), "a strided input"),
+    (dict(strides="permuted"), "a permuted input"),
+])
+def test_other_calls_take_the_general_kernel(launched, change, why):
+    t, freqs, spec, starts, _ = build(fixed_case(**change), DEVICE, requires_grad=False)
+    rd.apply(t, freqs, spec, start_positions=starts, backend="triton")
+    assert launched == ["rope_kernel"], why
+
+
+def test_per_token_positions_take_the_general_kernel(launched):
+    t, freqs, spec, _, _ = build(fixed_case(), DEVICE, requires_grad=False)
+    rd.apply(t, freqs, spec, positions=torch.zeros(t.shape[:2], dtype=torch.int64, device=DEVICE),
+             backend="triton")
+    assert launched == ["rope_kernel"]
+
+
+def test_calls_past_lean_max_bytes_take_the_general_kernel(monkeypatch, launched):
+    t, freqs, spec, _, _ = build(fixed_case(), DEVICE, requires_grad=False)
+    nbytes = t.numel() * t.element_size()
+    monkeypatch.setattr(triton_rope, "LEAN_MAX_BYTES", nbytes)
+    rd.apply(t, freqs, spec, backend="triton")
+    monkeypatch.setattr(triton_rope, "LEAN_MAX_BYTES", nbytes - 1)
+    monkeypatch.setattr(triton_rope, "_fast", {})  # compiled launches are kept by call key
+    rd.dispatch.forget_plans()  # and plans bind them
+    rd.apply(t, freqs, spec, backend="triton")
+    assert launched == ["rope_lean_kernel", "rope_kernel"]
+
+
+def test_a_strided_output_takes_the_general_kernel(launched):
+    """``launch`` into an output of other strides (a transposed buffer) from a contiguous
+    input: the lean kernel addresses both alike, so the general one runs."""
+    t, freqs, spec, _, angles = build(fixed_case(), DEVICE, requires_grad=False)
+    out = torch.empty(t.shape[1], t.shape[0], *t.shape[2:], device=DEVICE).transpose(0, 1)
+    triton_rope.launch(t, out, tables.angles_2d(freqs), None, None, None, "sbhd", False, 1.0, 1, 0,
+                       False)
+    assert launched == ["rope_kernel"]
+    expected, _ = reference_forward_backward(t.cpu(), angles, spec, torch.zeros(t.shape))
+    assert_matches(out, expected, t.dtype, "strided output")
+
+
+@pytest.mark.parametrize("tokens, heads, width, element_size, tile", [
+    (128, 8, 128, 2, (1, 8)),  # heads first: 2 KiB already
+    (512, 32, 128, 2, (1, 8)),  # at most LEAN_HEADS heads a tile
+    (128, 1, 128, 2, (4, 1)),  # one head: tokens up to 1 KiB
+    (128, 2, 128, 2, (2, 2)),
+    (128, 4, 64, 2, (2, 4)),
+    (128, 1, 96, 4, (2, 1)),  # 384-byte rows: two fit, a power of two
+    (128, 1, 64, 2, (8, 1)),
+    (3, 1, 16, 2, (4, 1)),  # no more tokens than the call's, to a power of two
+    (1, 3, 256, 4, (1, 4)),
+])
+def test_tiles_take_heads_first_then_tokens(tokens, heads, width, element_size, tile):
+    assert triton_rope.lean_tile(tokens, heads, width, element_size) == tile
+
+
+def test_int32_offsets_hold_every_call_it_takes():
+    assert triton_rope.LEAN_MAX_BYTES < 2**31
