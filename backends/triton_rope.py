@@ -155,13 +155,16 @@ SEQ_SCAN_LIMIT = 256
 # A call on contiguous sbhd or bshd tensors of at most LEAN_MAX_BYTES, positions by index and
 # no context parallelism, runs the lean kernel (triton_kernels.rope_lean_kernel: compile-time
 # heads and head dim, int32 offsets, one grid axis). There a call's time is its chain of
-# dependent steps after an L2 flush: at 128 tokens of 8 heads (d 128, bf16, in place) its
-# prototype took 1.57-1.63 us where the general kernel took 1.86-1.92 and Liger's 1.79-1.87
-# (H200, the profiler after an L2 flush, run AH, `scripts/tile_probe.py lean-kernel`). Its
-# tile takes a token's heads first, up to LEAN_HEADS, then tokens while it moves at most
-# LEAN_TILE_BYTES: 1 x 8 at 8 heads of d 128 in bf16 (2.11-2.16 us at 512 tokens, 2 x 8
-# 2.18-2.21), 4 x 1 for one head (1.34-1.46 us at 128 tokens, 2 x 1 1.38-1.44). 0, set before
-# the first call (compiled launches are kept by call), turns the lean kernel off.
+# dependent steps after an L2 flush, and the general kernel trailed Liger's in place at 128-512
+# tokens of 1-8 heads. In place with the table's rows read (H200, the profiler after an L2
+# flush, run AI1, `scripts/tile_probe.py lean-shipped`, forward), the lean kernel took
+# 1.74-1.82 us at 128 tokens of 8 heads of d 128 in bf16 (general 1.79-1.92, Liger's
+# 1.79-1.86) and 1.89-1.92 us at 512 tokens of 4 heads (2.02-2.08, 2.08-2.14); at 2,048 tokens
+# of 8 heads (4 MiB) it took 4.02 against the general kernel's 3.94-4.00. Its tile takes a
+# token's heads first, up to LEAN_HEADS, then tokens while it moves at most LEAN_TILE_BYTES:
+# 1 x 8 at 512 tokens of 8 heads (2.21 us, 2 x 8 2.27-2.34), 1 x 4 at 4 heads (2 x 4
+# 1.99-2.05), 4 x 1 for one head (level with 2 x 1). 0, set before the first call (compiled
+# launches are kept by call), turns the lean kernel off.
 LEAN_MAX_BYTES = 1 << 20
 LEAN_HEADS = 8
 LEAN_TILE_BYTES = 1024
