@@ -21,7 +21,8 @@ tiles against one-token tiles, and 1 program per SM, for calls the L2 holds; ``o
 small call's program keeps; ``lean-kernel``, an instruction-lean prototype kernel against ours
 and Liger's where Liger's led in place; ``kernel-copies`` and ``input-copies``, whether where a
 kernel's code or its data lies moves a small call's time after an L2 flush; ``lean-shipped``,
-the shipped lean kernel against the general one and Liger's at small calls, and its tiles."""
+the shipped lean kernel against the general one and Liger's at small calls, and its tiles;
+``lean-warps``, the lean kernel on fewer warps and through a linearity flag, against Liger's."""
 from __future__ import annotations
 
 from typing import Any
@@ -1246,20 +1247,23 @@ LEAN_SHIPPED_TILES = [(1, 8), (2, 8), (1, 4), (2, 4), (2, 2), (4, 1), (2, 1), (8
 
 
 def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: str,
-             backward: bool, tile: tuple[int, int]):
-    """The lean kernel at ``tile`` on ``src`` into ``dst`` (``src`` itself: in place), the
-    table's rows read, as a call of no argument (Triton's own launch: the profiler times the
-    kernel alone)."""
+             backward: bool, tile: tuple[int, int], warps: int = triton_rope.WARPS,
+             flag: torch.Tensor | None = None):
+    """The lean kernel at ``tile`` on ``warps`` warps on ``src`` into ``dst`` (``src``
+    itself: in place), the table's rows read (through its linearity ``flag`` where given), as
+    a call of no argument (Triton's own launch: the profiler times the kernel alone)."""
     n0, dim1, heads, d = src.shape
+    kernels = triton_rope._load_kernels()
     grid, ints, consts = triton_rope._lean_arguments(
         n0 * dim1, dim1, heads, d, d, d, src.element_size(), 0 if layout == "sbhd" else 1, False,
-        (False, False, False, False), backward, 1.0, False,
+        (False, False, False, flag is not None), backward, 1.0, kernels.INTERPRETED,
     )
     consts.update(BLOCK_T=tile[0], BLOCK_H=tile[1])
     grid = (-(-n0 * dim1 // tile[0]) * -(-heads // tile[1]), 1, 1)
-    kernel = triton_rope._load_kernels().rope_lean_kernel
-    return lambda: kernel[grid](src, dst, table, table, table, table, *ints,
-                                num_warps=triton_rope.WARPS, **consts)
+    kernel = kernels.rope_lean_kernel
+    sin = table if flag is None else flag
+    return lambda: kernel[grid](src, dst, table, sin, table, table, *ints, num_warps=warps,
+                                **consts)
 
 
 def lean_shipped(rounds: int = 3) -> None:
@@ -1317,6 +1321,56 @@ def lean_shipped(rounds: int = 3) -> None:
         del x, out, g, g_out, x_ip, g_ip
 
 
+LEAN_WARPS_SHAPES = [  # (layout, seq, batch, heads): the sweep's points of d 128 at most 1 MiB
+    ("sbhd", 128, 1, 8), ("sbhd", 512, 1, 8), ("sbhd", 128, 4, 8), ("bshd", 128, 1, 8),
+    ("bshd", 512, 1, 8), ("bshd", 128, 4, 8), ("sbhd", 128, 1, 1), ("sbhd", 512, 1, 1),
+    ("bshd", 128, 1, 1), ("sbhd", 128, 1, 32),
+]
+
+
+def lean_warps(rounds: int = 3) -> None:
+    """The shipped lean kernel in place at its tile on 4, 2 and 1 warps, and through a forced
+    linearity flag (rates from row 1: two sine and cosine instructions a pair where the rows'
+    two halves take four), against Liger's in-place kernels, forward and backward by the
+    profiler after an L2 flush, in turn in one trace, at the sweep's small bf16 points; then
+    the forwards with the L2 warm. Each variant is first checked bit for bit against the
+    shipped launch (the flag's against the shipped launch through the flag)."""
+    for layout, seq, batch, heads in LEAN_WARPS_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
+        inp, x, _, angles, _ = _probe_inputs(shape)
+        flag_table, flag = _flagged(angles.clone())
+        if flag is None:
+            raise RuntimeError("the point's table got no linearity flag")
+        tile = triton_rope.lean_tile(seq * batch, heads, 128, x.element_size())
+        fns: dict = {}
+        for mode, src, back in (("fwd", x.clone(), False), ("bwd", inp.grad.clone(), True)):
+            variants = {f"w{w}": dict(warps=w) for w in (4, 2, 1)}
+            for name, kwargs in variants.items():
+                got, want = src.clone(), src.clone()
+                _lean_at(got, got, angles, layout, back, tile, **kwargs)()
+                _in_place(want, angles, None, layout, back)()
+                if not torch.equal(got, want):
+                    raise RuntimeError(f"lean {name} {mode} differs at {shape}")
+                fns[f"lean {name} {mode}"] = _lean_at(src, src, angles, layout, back, tile,
+                                                      **kwargs)
+            got, want = src.clone(), src.clone()
+            _lean_at(got, got, flag_table, layout, back, tile, flag=flag)()
+            _in_place(want, flag_table, flag, layout, back)()
+            if not torch.equal(got, want):
+                raise RuntimeError(f"lean flag {mode} differs at {shape}")
+            fns[f"lean flag {mode}"] = _lean_at(src, src, flag_table, layout, back, tile,
+                                                flag=flag)
+        liger = bench._liger_peer(shape, inp)
+        fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+        print(f"{layout} s{seq} b{batch} h{heads} d128 in place (lean {tile[0]}x{tile[1]}):",
+              flush=True)
+        _print_cold_traces(fns, rounds, calls=40)
+        warm = {name[:-4]: bench.graph_replay_us(fn) for name, fn in fns.items()
+                if name.endswith("fwd") and "flag" not in name}
+        print("   warm fwd: " + " | ".join(f"{name} {us:.2f}" for name, us in warm.items()),
+              flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
@@ -1330,7 +1384,8 @@ if __name__ == "__main__":
              "sine-tiles": sine_tiles, "row-tiles": row_tiles,
              "one-head-tiles": lambda: in_place_tiles(3, ONE_HEAD_SHAPES, ONE_HEAD_TILES),
              "lean-kernel": lean_kernel, "kernel-copies": kernel_copies,
-             "input-copies": input_copies, "lean-shipped": lean_shipped}
+             "input-copies": input_copies, "lean-shipped": lean_shipped,
+             "lean-warps": lean_warps}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
