@@ -132,6 +132,27 @@ def test_matches_the_reference_and_the_general_kernel(monkeypatch, launched, kin
     assert_matches(grad, ref_grad, t.dtype, "backward")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, seq, batch, heads, interleaved", [
+    ("sbhd", 512, 1, 8, False),  # 1 x 8 tiles, 1 MiB: the largest call it takes
+    ("bshd", 128, 2, 12, True),  # two head groups, the second masked (768 KiB)
+    ("sbhd", 128, 1, 1, False),  # 4 x 1 tiles
+])
+def test_gpu_sweep_sizes(monkeypatch, launched, layout, seq, batch, heads, interleaved):
+    """At the sizes the lean kernel was built for (head dim 128, bf16), its compiled tiles
+    against the reference and the general kernel, forward and backward, out of place."""
+    case = fixed_case(layout=layout, seq=seq, batch=batch, heads=heads, head_dim=128,
+                      rotary_dim=128, interleaved=interleaved, dtype=torch.bfloat16, seed=3)
+    t, freqs, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    gen = torch.Generator().manual_seed(2)
+    grad_out = torch.randn(t.shape, generator=gen).to(t.dtype).to(DEVICE)
+    out, grad, kernels = run_both_ways(t, freqs, spec, grad_out, monkeypatch, launched, False, "")
+    assert kernels == ["rope_lean_kernel"] * 2
+    ref_out, ref_grad = reference_forward_backward(t.cpu(), angles, spec, grad_out.cpu())
+    assert_matches(out, ref_out, t.dtype, "forward")
+    assert_matches(grad, ref_grad, t.dtype, "backward")
+
+
 def test_reads_its_linear_table_through_the_flag(monkeypatch, launched):
     """The lean kernel takes the flag's branch: a flag forced on for a table that is not linear
     turns every token by its position times row 1."""
