@@ -1123,8 +1123,9 @@ COPY_SHAPES = [("sbhd", 128, 1, 1), ("sbhd", 128, 1, 8), ("bshd", 512, 1, 8)]
 
 def _flagged_point(layout: str, seq: int, batch: int, heads: int) -> tuple:
     """A bf16 d 128 point's inputs, its angle table with a linearity flag (forced, as
-    :func:`_flagged` forces it: the sweep reads the rows of calls this small) and the tile ours
-    takes there."""
+    :func:`_flagged` forces it: the sweep reads the rows of calls this small) and the tile the
+    general kernel takes there (``choose_config``; since run AI these calls run the lean
+    kernel, at ``lean_tile``'s)."""
     shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
     inp, x, _, angles, _ = _probe_inputs(shape)
     table, flag = _flagged(angles)
@@ -1136,12 +1137,13 @@ def _flagged_point(layout: str, seq: int, batch: int, heads: int) -> tuple:
 
 
 def lean_kernel(rounds: int = 3) -> None:
-    """Ours in place, the instruction-lean prototype (``scripts/lean_rope_probe.py``) at
-    ``LEAN_TILES`` and, at ours' tile, with each of the shipped kernel's ways put back
-    (``SWITCHES``, forward) and all of them, and Liger's in-place kernels, forward and backward
-    by the profiler after an L2 flush, in turn in one trace; then the forwards with the L2 warm
-    (a CUDA graph, where ours reads the table's rows: a captured call takes no flag). The
-    prototype's results are first checked against ours, bit for bit."""
+    """Ours in place (the shipped launch: the lean kernel since run AI), the instruction-lean
+    prototype (``scripts/lean_rope_probe.py``) at ``LEAN_TILES`` and, at the general kernel's
+    tile, with each of the general kernel's ways put back (``SWITCHES``, forward) and all of
+    them, and Liger's in-place kernels, forward and backward by the profiler after an L2
+    flush, in turn in one trace; then the forwards with the L2 warm (a CUDA graph, where ours
+    reads the table's rows: a captured call takes no flag). The prototype's results are first
+    checked against ours, bit for bit."""
     from lean_rope_probe import SWITCHES, lean_rope_
 
     for layout, seq, batch, heads in LEAN_SHAPES:
@@ -1172,8 +1174,8 @@ def lean_kernel(rounds: int = 3) -> None:
                                            switches=SWITCHES))
         liger = bench._liger_peer(shape, inp)
         fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
-        print(f"{layout} s{seq} b{batch} h{heads} d128 in place (ours {default[0]}x{default[1]}):",
-              flush=True)
+        print(f"{layout} s{seq} b{batch} h{heads} d128 in place "
+              f"(general {default[0]}x{default[1]}):", flush=True)
         _print_cold_traces(fns, rounds, calls=40)
         warm = {name[:-4]: bench.graph_replay_us(fn) for name, fn in fns.items()
                 if name.endswith("fwd")}
@@ -1229,7 +1231,7 @@ def input_copies(rounds: int = 3, copies: int = 6) -> None:
             else:
                 held.append(bench._liger_peer(shape, inp))
                 fns[f"liger {i - copies} fwd"] = held[-1].fwd
-        print(f"{layout} s{seq} b{batch} h{heads} d128 (ours {default[0]}x{default[1]}; address "
+        print(f"{layout} s{seq} b{batch} h{heads} d128 (general {default[0]}x{default[1]}; address "
               "mod 16 MiB):", flush=True)
         _print_cold_traces(fns, rounds, calls=40)
 
