@@ -22,7 +22,8 @@ small call's program keeps; ``lean-kernel``, an instruction-lean prototype kerne
 and Liger's where Liger's led in place; ``kernel-copies`` and ``input-copies``, whether where a
 kernel's code or its data lies moves a small call's time after an L2 flush; ``lean-shipped``,
 the shipped lean kernel against the general one and Liger's at small calls, and its tiles;
-``lean-warps``, the lean kernel on fewer warps and through a linearity flag, against Liger's."""
+``lean-warps``, the lean kernel on fewer warps and through a linearity flag, against Liger's;
+``sweep-orders``, the sweep's kernel timing at 128 tokens of 8 heads in four call orders."""
 from __future__ import annotations
 
 from typing import Any
@@ -1373,6 +1374,41 @@ def lean_warps(rounds: int = 3) -> None:
               flush=True)
 
 
+def sweep_orders(rounds: int = 3) -> None:
+    """The sweep's own kernel timing (``sweep.profiled_kernel_times``) at 128 tokens of 8 heads
+    (d 128, bf16), ``rounds`` traces in each of four orders: the sweep's (its implementations,
+    then ours in place), ours in place first, ours in place and Liger's alone, and those two
+    reversed: whether the order of the calls in the trace moves ours in place against Liger's
+    (run AI)."""
+    import dataclasses
+
+    from rope_dispatch import sweep
+
+    for layout in ("bshd", "sbhd"):
+        shape = bench.Shape("probe", layout, torch.bfloat16, 128, 1, 8, 128, 128)
+        inp = bench.make_inputs(shape, draw_on_device=True)
+        impls = {}
+        for name in sweep.IMPLEMENTATIONS:
+            impl, _ = sweep._build(name, shape, inp)
+            if impl is not None:
+                impls[name] = impl
+        ours = bench._ours_in_place("triton", inp)
+        ours = dataclasses.replace(ours, bwd_kernel=ours.bwd)
+        orders = {
+            "sweep order": {**impls, "in place": ours},
+            "in place first": {"in place": ours, **impls},
+            "pair": {"in place": ours, "liger": impls["liger"]},
+            "pair reversed": {"liger": impls["liger"], "in place": ours},
+        }
+        for label, fns in orders.items():
+            for _ in range(rounds):
+                got = sweep.profiled_kernel_times(fns)
+                cells = [f"{name} {us.get('fwd_profiled_us', 0):.2f}/"
+                         f"{us.get('bwd_kernel_profiled_us', 0):.2f}"
+                         for name, us in got.items() if name in ("in place", "liger", "triton")]
+                print(f"{layout} {label}: " + " | ".join(cells), flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
@@ -1387,7 +1423,7 @@ if __name__ == "__main__":
              "one-head-tiles": lambda: in_place_tiles(3, ONE_HEAD_SHAPES, ONE_HEAD_TILES),
              "lean-kernel": lean_kernel, "kernel-copies": kernel_copies,
              "input-copies": input_copies, "lean-shipped": lean_shipped,
-             "lean-warps": lean_warps}
+             "lean-warps": lean_warps, "sweep-orders": sweep_orders}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
