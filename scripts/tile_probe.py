@@ -454,6 +454,16 @@ def _print_cold_traces(fns: dict, rounds: int, calls: int) -> None:
             print(f"   {mode}: " + " | ".join(cells), flush=True)
 
 
+def _print_warm_forwards(fns: dict, skip: str | None = None) -> None:
+    """One line of the forwards of ``fns`` (named as :func:`_print_cold_traces` takes them;
+    none whose name holds ``skip``) with the L2 warm: us per call replayed from a CUDA graph
+    (:func:`~rope_dispatch.bench.graph_replay_us`)."""
+    warm = {name[:-4]: bench.graph_replay_us(fn) for name, fn in fns.items()
+            if name.endswith("fwd") and (skip is None or skip not in name)}
+    print("   warm fwd: " + " | ".join(f"{name} {us:.2f}" for name, us in warm.items()),
+          flush=True)
+
+
 def _in_place(src: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None, layout: str,
               backward: bool = False):
     """Ours in place on ``src`` (as ``apply_``) at its default tile, as a call of no argument;
@@ -1178,10 +1188,7 @@ def lean_kernel(rounds: int = 3) -> None:
         print(f"{layout} s{seq} b{batch} h{heads} d128 in place "
               f"(general {default[0]}x{default[1]}):", flush=True)
         _print_cold_traces(fns, rounds, calls=40)
-        warm = {name[:-4]: bench.graph_replay_us(fn) for name, fn in fns.items()
-                if name.endswith("fwd")}
-        print("   warm fwd: " + " | ".join(f"{name} {us:.2f}" for name, us in warm.items()),
-              flush=True)
+        _print_warm_forwards(fns)
 
 
 def kernel_copies(rounds: int = 3, copies: int = 6) -> None:
@@ -1317,10 +1324,7 @@ def lean_shipped(rounds: int = 3) -> None:
               f"{default[0]}x{default[1]}, lean {shipped[0]}x{shipped[1]}"
               f"{'' if fits else ', above LEAN_MAX_BYTES'}):", flush=True)
         _print_cold_traces(fns, rounds, calls=40)
-        warm = {name[:-4]: bench.graph_replay_us(fn) for name, fn in fns.items()
-                if name.endswith("fwd")}
-        print("   warm fwd: " + " | ".join(f"{name} {us:.2f}" for name, us in warm.items()),
-              flush=True)
+        _print_warm_forwards(fns)
         del x, out, g, g_out, x_ip, g_ip
 
 
@@ -1347,15 +1351,15 @@ def lean_warps(rounds: int = 3) -> None:
         tile = triton_rope.lean_tile(seq * batch, heads, 128, x.element_size())
         fns: dict = {}
         for mode, src, back in (("fwd", x.clone(), False), ("bwd", inp.grad.clone(), True)):
-            variants = {f"w{w}": dict(warps=w) for w in (4, 2, 1)}
-            for name, kwargs in variants.items():
-                got, want = src.clone(), src.clone()
-                _lean_at(got, got, angles, layout, back, tile, **kwargs)()
-                _in_place(want, angles, None, layout, back)()
+            want = src.clone()
+            _in_place(want, angles, None, layout, back)()
+            for warps in (4, 2, 1):
+                got = src.clone()
+                _lean_at(got, got, angles, layout, back, tile, warps)()
                 if not torch.equal(got, want):
-                    raise RuntimeError(f"lean {name} {mode} differs at {shape}")
-                fns[f"lean {name} {mode}"] = _lean_at(src, src, angles, layout, back, tile,
-                                                      **kwargs)
+                    raise RuntimeError(f"lean w{warps} {mode} differs at {shape}")
+                fns[f"lean w{warps} {mode}"] = _lean_at(src, src, angles, layout, back, tile,
+                                                        warps)
             got, want = src.clone(), src.clone()
             _lean_at(got, got, flag_table, layout, back, tile, flag=flag)()
             _in_place(want, flag_table, flag, layout, back)()
@@ -1368,10 +1372,7 @@ def lean_warps(rounds: int = 3) -> None:
         print(f"{layout} s{seq} b{batch} h{heads} d128 in place (lean {tile[0]}x{tile[1]}):",
               flush=True)
         _print_cold_traces(fns, rounds, calls=40)
-        warm = {name[:-4]: bench.graph_replay_us(fn) for name, fn in fns.items()
-                if name.endswith("fwd") and "flag" not in name}
-        print("   warm fwd: " + " | ".join(f"{name} {us:.2f}" for name, us in warm.items()),
-              flush=True)
+        _print_warm_forwards(fns, skip="flag")  # a captured call takes no flag
 
 
 def sweep_orders(rounds: int = 3) -> None:
