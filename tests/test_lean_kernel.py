@@ -13,6 +13,7 @@ import torch
 
 import rope_dispatch as rd
 from cases import build, fixed_case
+from kernel_spy import spy_kernels
 from reference import assert_matches, reference_forward_backward
 from rope_dispatch import tables
 from rope_dispatch.backends import triton_rope
@@ -33,27 +34,8 @@ def launched(monkeypatch) -> list[str]:
     table through the linearity flag (compiled launches forgotten first, so every call goes
     through the launcher's choice)."""
     names: list[str] = []
-
-    class Spy:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getattr__(self, attr):
-            return getattr(self.kernel, attr)
-
-        def __getitem__(self, grid):
-            run = self.kernel[grid]
-
-            def record(*args, **kwargs):
-                names.append(self.name + (" linear" if kwargs["LINEAR"] else ""))
-                return run(*args, **kwargs)
-
-            return record
-
-    from rope_dispatch.backends import triton_kernels  # after the fixture's TRITON_INTERPRET
-
-    for name in ("rope_kernel", "rope_lean_kernel"):
-        monkeypatch.setattr(triton_kernels, name, Spy(name, getattr(triton_kernels, name)))
+    spy_kernels(monkeypatch, ("rope_kernel", "rope_lean_kernel"),
+                lambda name, kw: names.append(name + (" linear" if kw["LINEAR"] else "")))
     monkeypatch.setattr(triton_rope, "_fast", {})
     rd.dispatch.forget_plans()
     monkeypatch.setattr(triton_rope, "_flags", {})

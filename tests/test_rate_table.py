@@ -19,6 +19,7 @@ from hypothesis import given, settings
 
 import rope_dispatch as rd
 from cases import QKVCase, build, build_qkv, cases, fixed_case, positions_for
+from kernel_spy import spy_kernels
 from reference import (
     assert_matches, reference_for, reference_forward_backward, reference_qkv_forward_backward,
 )
@@ -287,28 +288,11 @@ def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
     """The launcher hands the kernels ``RATES=True`` (and no cache flag) for a rate table, and
     ``RATES=False`` for the angle table and a cos/sin cache of the same shape: the lean kernel
     for these small contiguous calls, the general one with the lean kernel turned off."""
-    from rope_dispatch.backends import triton_kernels, triton_rope
+    from rope_dispatch.backends import triton_rope
 
     seen: list[tuple[str, bool, bool, bool]] = []
-
-    class Spy:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getattr__(self, attr):  # arg_names and the rest, as the kernel has them
-            return getattr(self.kernel, attr)
-
-        def __getitem__(self, grid):
-            launch = self.kernel[grid]
-
-            def run(*args, **kwargs):
-                seen.append((self.name, kwargs["RATES"], kwargs["USE_CACHE"], kwargs["PAIRED"]))
-                return launch(*args, **kwargs)
-
-            return run
-
-    for name in ("rope_kernel", "rope_lean_kernel", "rope_qkv_kernel"):
-        monkeypatch.setattr(triton_kernels, name, Spy(name, getattr(triton_kernels, name)))
+    spy_kernels(monkeypatch, ("rope_kernel", "rope_lean_kernel", "rope_qkv_kernel"),
+                lambda name, kw: seen.append((name, kw["RATES"], kw["USE_CACHE"], kw["PAIRED"])))
     monkeypatch.setattr(triton_rope, "_fast", {})
     monkeypatch.setattr(triton_rope, "_fast_qkv", {})
     inv_freq = random_rates(3, 4, DEVICE)
