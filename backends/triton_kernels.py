@@ -112,13 +112,27 @@ def _rate_cos_sin(
 def _row_cos_sin(
     tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     USE_CACHE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-    FAST_TRIG: tl.constexpr,
+    FAST_TRIG: tl.constexpr, SHARED: tl.constexpr,
 ):
     """cos and sin of each channel of the tokens' table rows ``row`` (angles or a cos/sin
-    cache), as the two channels of each pair see them: ``(cos_a, sin_a, cos_b, sin_b)``."""
+    cache), as the two channels of each pair see them: ``(cos_a, sin_a, cos_b, sin_b)``.
+
+    ``SHARED`` (rotate-half): both halves of a row are one tensor of ``BLOCK_T x 2 BLOCK_R``
+    while their sines are computed, so each of the program's threads computes a few of them
+    and the halves reach the heads' threads through shared memory. Taken half by half, each
+    thread computes the sines of its own channels, once per head of the tile (16 MUFU a thread
+    at 8 heads of d 128 on four warps, against 2 this way). Interleaved rows take this form
+    anyway (their pairs are split after the sines)."""
     tab_off = row[:, None] * ROT_DIM + c[None, :]
     tab_mask = inside[:, None] & c_mask[None, :]
-    if INTERLEAVED:
+    if SHARED and not INTERLEAVED:
+        w = tl.arange(0, 2 * BLOCK_R)  # channel w % BLOCK_R of half w // BLOCK_R
+        w_off = row[:, None] * ROT_DIM + (w // BLOCK_R * (ROT_DIM // 2) + w % BLOCK_R)[None, :]
+        w_mask = inside[:, None] & ((w % BLOCK_R) < ROT_DIM // 2)[None, :]
+        cos, sin = _table(tab_ptr, sin_ptr, w_off, w_mask, USE_CACHE, FAST_TRIG)
+        cos_a, cos_b = tl.split(tl.permute(tl.reshape(cos, [BLOCK_T, 2, BLOCK_R]), [0, 2, 1]))
+        sin_a, sin_b = tl.split(tl.permute(tl.reshape(sin, [BLOCK_T, 2, BLOCK_R]), [0, 2, 1]))
+    elif INTERLEAVED:
         cos, sin = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
         cos_a, cos_b = tl.split(tl.reshape(cos, [BLOCK_T, BLOCK_R // 2, 2]))
         sin_a, sin_b = tl.split(tl.reshape(sin, [BLOCK_T, BLOCK_R // 2, 2]))
@@ -375,13 +389,14 @@ def _coefficients(
     tab_ptr, sin_ptr, pos, row, inside, c, c_mask, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
     RATES: tl.constexpr, LINEAR: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr, FAST_TRIG: tl.constexpr, SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr, FAST_TRIG: tl.constexpr, SCALE: tl.constexpr, SHARED: tl.constexpr,
 ):
     """The rotation's ``(cos_a, cos_b, coef_a, coef_b)`` at the tokens' positions ``pos``
     (``row``: the same, in the type the table's offsets are formed in), ``[BLOCK_T, 1,
     BLOCK_R]``, for :func:`_rotated`: from the table kind's cos and sin, each channel's sine
     its own (forward) or its partner's (``BACKWARD``), all times ``SCALE``. Tokens off
-    ``inside`` read no table memory and get NaN."""
+    ``inside`` read no table memory and get NaN. ``SHARED``: table rows as
+    :func:`_row_cos_sin` shares them."""
     if LINEAR:  # an angle table: rated while its flag holds this pairing's bit
         # row 1 is read with the flag, not after it: two DRAM round trips in a row were
         # 0.2-0.4 us of a 2-4 us call after an L2 flush (run AF)
@@ -393,7 +408,7 @@ def _coefficients(
         if (flag & (2 if INTERLEAVED else 1)) == 0:  # not linear: the rows
             cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
                 tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE,
-                BLOCK_T, BLOCK_R, FAST_TRIG,
+                BLOCK_T, BLOCK_R, FAST_TRIG, SHARED,
             )
     elif RATES:  # a rate table's rates: pair k's angle is one float32 product, position x rate k
         cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(
@@ -409,7 +424,7 @@ def _coefficients(
     else:
         cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
             tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, BLOCK_T,
-            BLOCK_R, FAST_TRIG,
+            BLOCK_R, FAST_TRIG, SHARED,
         )
     if BACKWARD:  # the transpose: each channel takes its partner's sine
         coef_a = sin_b
@@ -491,7 +506,7 @@ def _rope_program(
     inside = tok_mask & (pos >= 0) & (pos < table_len)  # never read outside the table
     cos_a, cos_b, coef_a, coef_b = _coefficients(
         tab_ptr, sin_ptr, pos, pos.to(tl.int64), inside, c, c_mask, ROT_DIM, INTERLEAVED,
-        USE_CACHE, PAIRED, RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE,
+        USE_CACHE, PAIRED, RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE, False,
     )
 
     for it in range(HEAD_ITERS - 1):
@@ -582,7 +597,7 @@ def rope_lean_kernel(
     PASS_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr,
     PAIRED: tl.constexpr, RATES: tl.constexpr, LINEAR: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    FAST_TRIG: tl.constexpr, SCALE: tl.constexpr,
+    FAST_TRIG: tl.constexpr, SCALE: tl.constexpr, SHARED_SINES: tl.constexpr,
 ):
     """:func:`rope_kernel` for a small call on contiguous sbhd or bshd tensors: ``x`` and
     ``out`` both ``[n0, n1, HEADS, HEAD_DIM]`` and contiguous (or ``out`` is ``x``), fewer
@@ -598,7 +613,8 @@ def rope_lean_kernel(
     tokens x 1 head reading angle rows, where :func:`rope_kernel` has 104 (89 and 137 through
     a linear table's flag). Timings: ``backends.triton_rope.LEAN_MAX_BYTES``. The table kinds,
     pairings and arithmetic are :func:`rope_kernel`'s own (:func:`_coefficients`,
-    :func:`_rotated`), so both give the same bits."""
+    :func:`_rotated`), so both give the same bits. ``SHARED_SINES``: a rotate-half row's
+    sines computed once for all the tile's heads (:func:`_row_cos_sin`'s ``SHARED``)."""
     GROUPS: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
     HALF: tl.constexpr = ROT_DIM // 2
     program = tl.program_id(0)
@@ -626,7 +642,7 @@ def rope_lean_kernel(
     pos = i0 if LAYOUT == 0 else i1
     cos_a, cos_b, coef_a, coef_b = _coefficients(
         tab_ptr, sin_ptr, pos, pos, tok_mask, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, PAIRED,
-        RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE,
+        RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE, SHARED_SINES,
     )
     out_a, out_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED, BLOCK_T, BLOCK_H,
                             BLOCK_R)

@@ -168,6 +168,15 @@ SEQ_SCAN_LIMIT = 256
 LEAN_MAX_BYTES = 1 << 20
 LEAN_HEADS = 8
 LEAN_TILE_BYTES = 1024
+# A lean tile of at least this many heads computes each angle row's sines once for all of them
+# (rope_lean_kernel's SHARED_SINES), not once per head: at 1 x 8 (d 128, four warps) 2 MUFU a
+# thread instead of 16, 100 SASS instructions instead of 147. Out of place that saved 0.05-0.17
+# us at 512 tokens of 8 heads and at 4 x 128 tokens (H200, after an L2 flush, run AJ1,
+# `scripts/tile_probe.py shared-sines`: bshd s128 b4 h8 2.14-2.16 against 2.30-2.34 us, sbhd
+# s512 h8 2.27-2.32 against 2.37-2.40); in place, and at 128 tokens, the two were level within
+# 0.04 us. At 1 x 4 it was 0.04-0.06 us slower in place (the exchange through shared memory
+# against 8 MUFU a thread), and at 2 x 2 or one head there is nothing to save.
+SHARED_SINES_HEADS = 8
 
 
 def choose_config(
@@ -627,6 +636,7 @@ def _lean_arguments(
         RATES=rates, LINEAR=linear, BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_R=_next_pow2(rotary_dim if interleaved else rotary_dim // 2),
         BLOCK_P=_next_pow2(width - rotary_dim), FAST_TRIG=not interpreted, SCALE=float(scale),
+        SHARED_SINES=not use_cache and block_h >= SHARED_SINES_HEADS,
     )
     return grid, (n_tokens, dim1, *division_magic(dim1)), consts
 

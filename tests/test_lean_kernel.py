@@ -114,6 +114,29 @@ def test_matches_the_reference_and_the_general_kernel(monkeypatch, launched, kin
     assert_matches(grad, ref_grad, t.dtype, "backward")
 
 
+@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim, in_place", [(16, False), (10, False), (10, True)])
+def test_sines_shared_across_a_tiles_heads(monkeypatch, launched, layout, interleaved, rotary_dim,
+                                           in_place):
+    """Six heads take a tile of 8 (two masked), which computes each angle row's sines once for
+    all its heads (``SHARED_SINES``): the same bits as the general kernel, which computes them
+    per head, and the reference's values."""
+    case = fixed_case(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim, heads=6,
+                      dtype=torch.bfloat16, seed=7)
+    t, freqs, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    assert triton_rope.lean_tile(case.seq * case.batch, 6, t.shape[-1], 2)[1] >= \
+        triton_rope.SHARED_SINES_HEADS
+    gen = torch.Generator().manual_seed(4)
+    grad_out = torch.randn(t.shape, generator=gen).to(t.dtype).to(DEVICE)
+    out, grad, kernels = run_both_ways(t, freqs, spec, grad_out, monkeypatch, launched, in_place,
+                                       "")
+    assert kernels == ["rope_lean_kernel"] * 2
+    ref_out, ref_grad = reference_forward_backward(t.cpu(), angles, spec, grad_out.cpu())
+    assert_matches(out, ref_out, t.dtype, "forward")
+    assert_matches(grad, ref_grad, t.dtype, "backward")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout, seq, batch, heads, interleaved", [
     ("sbhd", 512, 1, 8, False),  # 1 x 8 tiles, 1 MiB: the largest call it takes
@@ -218,3 +241,18 @@ def test_tiles_take_heads_first_then_tokens(tokens, heads, width, element_size, 
 
 def test_int32_offsets_hold_every_call_it_takes():
     assert triton_rope.LEAN_MAX_BYTES < 2**31
+
+
+@pytest.mark.parametrize("heads, use_cache, shared", [
+    (8, False, True),  # 1 x 8: a row's sines once for the tile's heads
+    (32, False, True),
+    (4, False, False),  # 1 x 4: the exchange costs about what the sines it saves do
+    (1, False, False),
+    (8, True, False),  # a cos/sin cache: no sines to share
+])
+def test_tiles_of_several_heads_share_a_rows_sines(heads, use_cache, shared):
+    _, _, consts = triton_rope._lean_arguments(
+        128, 1, heads, 128, 128, 128, 2, 0, False, (use_cache, False, False, False), False, 1.0,
+        False,
+    )
+    assert consts["SHARED_SINES"] is shared
