@@ -23,7 +23,10 @@ and Liger's where Liger's led in place; ``kernel-copies`` and ``input-copies``, 
 kernel's code or its data lies moves a small call's time after an L2 flush; ``lean-shipped``,
 the shipped lean kernel against the general one and Liger's at small calls, and its tiles;
 ``lean-warps``, the lean kernel on fewer warps and through a linearity flag, against Liger's;
-``sweep-orders``, the sweep's kernel timing at 128 tokens of 8 heads in four call orders."""
+``sweep-orders``, the sweep's kernel timing at 128 tokens of 8 heads in four call orders;
+``shared-sines``, the lean kernel with a row's sines computed once for a tile's heads or once
+per head, against Liger's; ``table-bytes``, ours in place on tables of 256 or 512 bytes a token
+against Liger's."""
 from __future__ import annotations
 
 from typing import Any
@@ -1258,10 +1261,11 @@ LEAN_SHIPPED_TILES = [(1, 8), (2, 8), (1, 4), (2, 4), (2, 2), (4, 1), (2, 1), (8
 
 def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: str,
              backward: bool, tile: tuple[int, int], warps: int = triton_rope.WARPS,
-             flag: torch.Tensor | None = None):
+             flag: torch.Tensor | None = None, shared: bool | None = None):
     """The lean kernel at ``tile`` on ``warps`` warps on ``src`` into ``dst`` (``src``
     itself: in place), the table's rows read (through its linearity ``flag`` where given), as
-    a call of no argument (Triton's own launch: the profiler times the kernel alone)."""
+    a call of no argument (Triton's own launch: the profiler times the kernel alone); a row's
+    sines ``shared`` across the tile's heads or not (None: as the launcher decides)."""
     n0, dim1, heads, d = src.shape
     kernels = triton_rope._load_kernels()
     grid, ints, consts = triton_rope._lean_arguments(
@@ -1269,6 +1273,8 @@ def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: 
         (False, False, False, flag is not None), backward, 1.0, kernels.INTERPRETED,
     )
     consts.update(BLOCK_T=tile[0], BLOCK_H=tile[1])
+    if shared is not None:
+        consts.update(SHARED_SINES=shared)
     grid = (-(-n0 * dim1 // tile[0]) * -(-heads // tile[1]), 1, 1)
     kernel = kernels.rope_lean_kernel
     sin = table if flag is None else flag
@@ -1375,6 +1381,89 @@ def lean_warps(rounds: int = 3) -> None:
         _print_warm_forwards(fns, skip="flag")  # a captured call takes no flag
 
 
+SHARED_SINES_SHAPES = [  # (layout, seq, batch, heads, head_dim, dtype)
+    *((layout, seq, batch, heads, 128, torch.bfloat16) for layout, seq, batch, heads in
+      LEAN_WARPS_SHAPES),
+    ("bshd", 512, 1, 4, 128, torch.bfloat16), ("sbhd", 512, 1, 8, 64, torch.bfloat16),
+    ("sbhd", 128, 1, 8, 256, torch.bfloat16), ("sbhd", 128, 1, 8, 128, torch.float32),
+]
+
+
+def shared_sines(rounds: int = 3) -> None:
+    """The lean kernel at its tile with a row's sines computed once for the tile's heads
+    (``SHARED_SINES``) and once per head, in place and into a fresh output, forward and
+    backward, against Liger's in-place kernels, by the profiler after an L2 flush, in turn in
+    one trace; then the forwards with the L2 warm. The two forms are first checked bit for
+    bit against each other."""
+    for layout, seq, batch, heads, d, dtype in SHARED_SINES_SHAPES:
+        shape = bench.Shape("probe", layout, dtype, seq, batch, heads, d, d)
+        inp, x, out, angles, _ = _probe_inputs(shape)
+        g, g_out = inp.grad, torch.empty_like(inp.grad)
+        tile = triton_rope.lean_tile(seq * batch, heads, d, x.element_size())
+        fns: dict = {}
+        for mode, src, dst, back in (("fwd", x, out, False), ("bwd", g, g_out, True)):
+            once, per_head = torch.empty_like(dst), torch.empty_like(dst)
+            _lean_at(src, once, angles, layout, back, tile, shared=True)()
+            _lean_at(src, per_head, angles, layout, back, tile, shared=False)()
+            if not torch.equal(once, per_head):
+                raise RuntimeError(f"shared sines {mode} differ at {shape}")
+            ip = src.clone()
+            for label, shared in (("once", True), ("per head", False)):
+                fns[f"{label} in place {mode}"] = _lean_at(ip, ip, angles, layout, back, tile,
+                                                           shared=shared)
+                fns[f"{label} out {mode}"] = _lean_at(src, dst, angles, layout, back, tile,
+                                                      shared=shared)
+        if dtype is not torch.float32:
+            liger = bench._liger_peer(shape, inp)
+            fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+        print(f"{layout} s{seq} b{batch} h{heads} d{d} {str(dtype)[6:]} (lean "
+              f"{tile[0]}x{tile[1]}, shipped sines "
+              f"{'once' if tile[1] >= triton_rope.SHARED_SINES_HEADS else 'per head'}):",
+              flush=True)
+        _print_cold_traces(fns, rounds, calls=40)
+        _print_warm_forwards(fns)
+
+
+TABLE_BYTES_SHAPES = [  # (layout, seq, batch, heads): where Liger's in-place kernel led ours
+    ("sbhd", 128, 1, 8), ("bshd", 128, 1, 8), ("sbhd", 512, 1, 8), ("sbhd", 128, 1, 1),
+]
+
+
+def table_bytes(rounds: int = 3) -> None:
+    """Ours in place (the shipped launch) on tables of different bytes a token: the angle rows
+    (float32, both halves: 512 bytes a token at d 128), a pair cache in float32 (512) and in
+    bf16 (256, the bytes and lines Liger's kernel reads: the first half of its cos and sin
+    rows), a cos/sin cache in bf16 (512), against Liger's in-place kernels, by the profiler
+    after an L2 flush, in turn in one trace: whether the table's bytes a token account for
+    Liger's lead at 128 tokens of 8 heads. Each kind is first checked against the angle rows'
+    result (within bf16 rounding of the table)."""
+    for layout, seq, batch, heads in TABLE_BYTES_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
+        inp, x, _, angles, _ = _probe_inputs(shape)
+        pair = _pair_cache(inp, angles).table
+        pair16 = pair.to(torch.bfloat16)
+        cos16, sin16 = (part.view(angles.shape).to(torch.bfloat16)
+                        for part in (inp.cache.cos, inp.cache.sin))
+        kinds = {"angles f32": (angles, None), "pair f32": (pair, pair[:, 64:]),
+                 "pair bf16": (pair16, pair16[:, 64:]), "cos/sin bf16": (cos16, sin16)}
+        fns: dict = {}
+        for mode, src, back in (("fwd", x, False), ("bwd", inp.grad, True)):
+            want = src.clone()
+            _in_place(want, angles, None, layout, back)()
+            for name, (table, sin) in kinds.items():
+                got = src.clone()
+                _in_place(got, table, sin, layout, back)()
+                err = (got.float() - want.float()).abs().max().item()
+                if not err < 0.05:
+                    raise RuntimeError(f"{name} {mode} off by {err} at {shape}")
+                ip = src.clone()
+                fns[f"{name} {mode}"] = _in_place(ip, table, sin, layout, back)
+        liger = bench._liger_peer(shape, inp)
+        fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+        print(f"{layout} s{seq} b{batch} h{heads} d128 bf16 in place:", flush=True)
+        _print_cold_traces(fns, rounds, calls=40)
+
+
 def sweep_orders(rounds: int = 3) -> None:
     """The sweep's own kernel timing (``sweep.profiled_kernel_times``) at 128 tokens of 8 heads
     (d 128, bf16), ``rounds`` traces in each of four orders: the sweep's (its implementations,
@@ -1424,7 +1513,8 @@ if __name__ == "__main__":
              "one-head-tiles": lambda: in_place_tiles(3, ONE_HEAD_SHAPES, ONE_HEAD_TILES),
              "lean-kernel": lean_kernel, "kernel-copies": kernel_copies,
              "input-copies": input_copies, "lean-shipped": lean_shipped,
-             "lean-warps": lean_warps, "sweep-orders": sweep_orders}
+             "lean-warps": lean_warps, "sweep-orders": sweep_orders,
+             "shared-sines": shared_sines, "table-bytes": table_bytes}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
