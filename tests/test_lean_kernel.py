@@ -90,6 +90,21 @@ def run_both_ways(t, freqs, spec, grad_out, monkeypatch, launched, in_place: boo
     return out, grad, kernels
 
 
+def check_lean_launch(t, freqs, exact, spec, monkeypatch, launched, in_place: bool, suffix: str,
+                      grad_seed: int) -> None:
+    """The lean kernel's forward and transpose of ``t`` (a gradient drawn from ``grad_seed``):
+    bit for bit the general kernel's (:func:`run_both_ways`), and the float64 reference's
+    values for the angles ``exact``."""
+    gen = torch.Generator().manual_seed(grad_seed)
+    grad_out = torch.randn(t.shape, generator=gen).to(t.dtype).to(DEVICE)
+    out, grad, kernels = run_both_ways(t, freqs, spec, grad_out, monkeypatch, launched, in_place,
+                                       suffix)
+    assert kernels == ["rope_lean_kernel" + suffix] * 2  # the forward and its transpose
+    ref_out, ref_grad = reference_forward_backward(t.cpu(), exact, spec, grad_out.cpu())
+    assert_matches(out, ref_out, t.dtype, "forward")
+    assert_matches(grad, ref_grad, t.dtype, "backward")
+
+
 @pytest.mark.parametrize("kind", TABLE_KINDS)
 @pytest.mark.parametrize("layout", ["sbhd", "bshd"])
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -104,14 +119,7 @@ def test_matches_the_reference_and_the_general_kernel(monkeypatch, launched, kin
     if kind == "linear angles":  # small calls read rows unless told to look for the flag
         monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 0)
         suffix = " linear"
-    gen = torch.Generator().manual_seed(1)
-    grad_out = torch.randn(t.shape, generator=gen).to(t.dtype).to(DEVICE)
-    out, grad, kernels = run_both_ways(t, freqs, spec, grad_out, monkeypatch, launched, in_place,
-                                       suffix)
-    assert kernels == ["rope_lean_kernel" + suffix] * 2  # the forward and its transpose
-    ref_out, ref_grad = reference_forward_backward(t.cpu(), exact, spec, grad_out.cpu())
-    assert_matches(out, ref_out, t.dtype, "forward")
-    assert_matches(grad, ref_grad, t.dtype, "backward")
+    check_lean_launch(t, freqs, exact, spec, monkeypatch, launched, in_place, suffix, grad_seed=1)
 
 
 @pytest.mark.parametrize("layout", ["sbhd", "bshd"])
@@ -127,14 +135,7 @@ def test_sines_shared_across_a_tiles_heads(monkeypatch, launched, layout, interl
     t, freqs, spec, _, angles = build(case, DEVICE, requires_grad=False)
     assert triton_rope.lean_tile(case.seq * case.batch, 6, t.shape[-1], 2)[1] >= \
         triton_rope.SHARED_SINES_HEADS
-    gen = torch.Generator().manual_seed(4)
-    grad_out = torch.randn(t.shape, generator=gen).to(t.dtype).to(DEVICE)
-    out, grad, kernels = run_both_ways(t, freqs, spec, grad_out, monkeypatch, launched, in_place,
-                                       "")
-    assert kernels == ["rope_lean_kernel"] * 2
-    ref_out, ref_grad = reference_forward_backward(t.cpu(), angles, spec, grad_out.cpu())
-    assert_matches(out, ref_out, t.dtype, "forward")
-    assert_matches(grad, ref_grad, t.dtype, "backward")
+    check_lean_launch(t, freqs, angles, spec, monkeypatch, launched, in_place, "", grad_seed=4)
 
 
 @pytest.mark.gpu
@@ -149,13 +150,7 @@ def test_gpu_sweep_sizes(monkeypatch, launched, layout, seq, batch, heads, inter
     case = fixed_case(layout=layout, seq=seq, batch=batch, heads=heads, head_dim=128,
                       rotary_dim=128, interleaved=interleaved, dtype=torch.bfloat16, seed=3)
     t, freqs, spec, _, angles = build(case, DEVICE, requires_grad=False)
-    gen = torch.Generator().manual_seed(2)
-    grad_out = torch.randn(t.shape, generator=gen).to(t.dtype).to(DEVICE)
-    out, grad, kernels = run_both_ways(t, freqs, spec, grad_out, monkeypatch, launched, False, "")
-    assert kernels == ["rope_lean_kernel"] * 2
-    ref_out, ref_grad = reference_forward_backward(t.cpu(), angles, spec, grad_out.cpu())
-    assert_matches(out, ref_out, t.dtype, "forward")
-    assert_matches(grad, ref_grad, t.dtype, "backward")
+    check_lean_launch(t, freqs, angles, spec, monkeypatch, launched, False, "", grad_seed=2)
 
 
 def test_reads_its_linear_table_through_the_flag(monkeypatch, launched):
