@@ -109,6 +109,22 @@ def _rate_cos_sin(
 
 
 @triton.jit
+def _packed(cos, sin):
+    """``cos`` and ``sin`` (float32) as one uint64 tensor, cos in the high word: moved between
+    layouts as one, a row's sines cross shared memory in one store, one barrier and one load.
+    Converted apart, each took its own round (three barriers in all at 8 heads of d 128)."""
+    high = cos.to(tl.uint32, bitcast=True).to(tl.uint64) << 32
+    return high | sin.to(tl.uint32, bitcast=True).to(tl.uint64)
+
+
+@triton.jit
+def _unpacked(both):
+    """:func:`_packed`'s ``(cos, sin)``, the same bits."""
+    cos = (both >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    return cos, both.to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _row_cos_sin(
     tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     USE_CACHE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -118,24 +134,28 @@ def _row_cos_sin(
     cache), as the two channels of each pair see them: ``(cos_a, sin_a, cos_b, sin_b)``.
 
     ``SHARED`` (rotate-half): both halves of a row are one tensor of ``BLOCK_T x 2 BLOCK_R``
-    while their sines are computed, so each of the program's threads computes a few of them
-    and the halves reach the heads' threads through shared memory. Taken half by half, each
+    while they are read (and their sines computed), so each of the program's threads takes a
+    few of them and the halves reach the heads' threads through shared memory, cos and sin
+    packed (:func:`_packed`): one store, one barrier, one load. Taken half by half, each
     thread computes the sines of its own channels, once per head of the tile (16 MUFU a thread
-    at 8 heads of d 128 on four warps, against 2 this way). Interleaved rows take this form
-    anyway (their pairs are split after the sines)."""
+    at 8 heads of d 128 on four warps, against 2 this way), and a tile of several tokens and
+    heads moves cos and sin of both halves between layouts apart (seven barriers). Interleaved
+    rows take the shared form anyway (their pairs are split after the sines)."""
     tab_off = row[:, None] * ROT_DIM + c[None, :]
     tab_mask = inside[:, None] & c_mask[None, :]
     if SHARED and not INTERLEAVED:
         w = tl.arange(0, 2 * BLOCK_R)  # channel w % BLOCK_R of half w // BLOCK_R
         w_off = row[:, None] * ROT_DIM + (w // BLOCK_R * (ROT_DIM // 2) + w % BLOCK_R)[None, :]
         w_mask = inside[:, None] & ((w % BLOCK_R) < ROT_DIM // 2)[None, :]
-        cos, sin = _table(tab_ptr, sin_ptr, w_off, w_mask, USE_CACHE, FAST_TRIG)
-        cos_a, cos_b = tl.split(tl.permute(tl.reshape(cos, [BLOCK_T, 2, BLOCK_R]), [0, 2, 1]))
-        sin_a, sin_b = tl.split(tl.permute(tl.reshape(sin, [BLOCK_T, 2, BLOCK_R]), [0, 2, 1]))
+        both = _packed(*_table(tab_ptr, sin_ptr, w_off, w_mask, USE_CACHE, FAST_TRIG))
+        half_a, half_b = tl.split(tl.permute(tl.reshape(both, [BLOCK_T, 2, BLOCK_R]), [0, 2, 1]))
+        cos_a, sin_a = _unpacked(half_a)
+        cos_b, sin_b = _unpacked(half_b)
     elif INTERLEAVED:
-        cos, sin = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
-        cos_a, cos_b = tl.split(tl.reshape(cos, [BLOCK_T, BLOCK_R // 2, 2]))
-        sin_a, sin_b = tl.split(tl.reshape(sin, [BLOCK_T, BLOCK_R // 2, 2]))
+        both = _packed(*_table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG))
+        pair_a, pair_b = tl.split(tl.reshape(both, [BLOCK_T, BLOCK_R // 2, 2]))
+        cos_a, sin_a = _unpacked(pair_a)
+        cos_b, sin_b = _unpacked(pair_b)
     else:
         cos_a, sin_a = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
         cos_b, sin_b = _table(
@@ -597,7 +617,7 @@ def rope_lean_kernel(
     PASS_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr,
     PAIRED: tl.constexpr, RATES: tl.constexpr, LINEAR: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    FAST_TRIG: tl.constexpr, SCALE: tl.constexpr, SHARED_SINES: tl.constexpr,
+    FAST_TRIG: tl.constexpr, SCALE: tl.constexpr, SHARED_ROWS: tl.constexpr,
 ):
     """:func:`rope_kernel` for a small call on contiguous sbhd or bshd tensors: ``x`` and
     ``out`` both ``[n0, n1, HEADS, HEAD_DIM]`` and contiguous (or ``out`` is ``x``), fewer
@@ -613,8 +633,9 @@ def rope_lean_kernel(
     tokens x 1 head reading angle rows, where :func:`rope_kernel` has 104 (89 and 137 through
     a linear table's flag). Timings: ``backends.triton_rope.LEAN_MAX_BYTES``. The table kinds,
     pairings and arithmetic are :func:`rope_kernel`'s own (:func:`_coefficients`,
-    :func:`_rotated`), so both give the same bits. ``SHARED_SINES``: a rotate-half row's
-    sines computed once for all the tile's heads (:func:`_row_cos_sin`'s ``SHARED``)."""
+    :func:`_rotated`), so both give the same bits. ``SHARED_ROWS``: a rotate-half row read
+    (and its sines computed) once for all the tile's heads (:func:`_row_cos_sin`'s
+    ``SHARED``; ``backends.triton_rope.shared_rows`` says when)."""
     GROUPS: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
     HALF: tl.constexpr = ROT_DIM // 2
     program = tl.program_id(0)
@@ -642,7 +663,7 @@ def rope_lean_kernel(
     pos = i0 if LAYOUT == 0 else i1
     cos_a, cos_b, coef_a, coef_b = _coefficients(
         tab_ptr, sin_ptr, pos, pos, tok_mask, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, PAIRED,
-        RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE, SHARED_SINES,
+        RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE, SHARED_ROWS,
     )
     out_a, out_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED, BLOCK_T, BLOCK_H,
                             BLOCK_R)

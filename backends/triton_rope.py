@@ -168,15 +168,29 @@ SEQ_SCAN_LIMIT = 256
 LEAN_MAX_BYTES = 1 << 20
 LEAN_HEADS = 8
 LEAN_TILE_BYTES = 1024
-# A lean tile of at least this many heads computes each angle row's sines once for all of them
-# (rope_lean_kernel's SHARED_SINES), not once per head: at 1 x 8 (d 128, four warps) 2 MUFU a
-# thread instead of 16, 100 SASS instructions instead of 147. Out of place that saved 0.05-0.17
-# us at 512 tokens of 8 heads and at 4 x 128 tokens (H200, after an L2 flush, run AJ1,
-# `scripts/tile_probe.py shared-sines`: bshd s128 b4 h8 2.14-2.16 against 2.30-2.34 us, sbhd
-# s512 h8 2.27-2.32 against 2.37-2.40); in place, and at 128 tokens, the two were level within
-# 0.04 us. At 1 x 4 it was 0.04-0.06 us slower in place (the exchange through shared memory
-# against 8 MUFU a thread), and at 2 x 2 or one head there is nothing to save.
+# A lean tile of at least this many heads reads each angle row and computes its sines once for
+# all of them (rope_lean_kernel's SHARED_ROWS), not once per head: at 1 x 8 (d 128, four warps)
+# 2 MUFU a thread instead of 16. With cos and sin crossing shared memory packed in one round
+# (one barrier instead of three), that took 0.03-0.07 us off 128 tokens of 8 heads in place
+# (H200, after an L2 flush, run AK1: sbhd s128 h8 1.82 against 1.86-1.89 us). At 1 x 4 the
+# per-head sines stayed 0.03 us ahead (1.92-1.95 against 1.95-1.98 us), and a cos/sin cache at
+# 1 x 8 reads its rows per head with no exchange (1.73-1.76 against 1.79-1.82 us).
 SHARED_SINES_HEADS = 8
+
+
+def shared_rows(block_t: int, block_h: int, use_cache: bool) -> bool:
+    """Whether a lean tile of ``block_t`` tokens x ``block_h`` heads reads each table row once
+    for all its heads (``SHARED_ROWS``). A tile of several tokens and several heads always
+    moves the rows' values from the layout they are read in to the heads', and the shared
+    form moves cos and sin together in one round where read half by half they take four: at
+    2 x 2 (512 tokens of 2 heads, d 128, bf16) 1.81-1.86 us against 2.98-3.07 us on a bf16
+    cos/sin cache, 1.87-1.90 against 1.92-1.95 on angles (H200, after an L2 flush, in place,
+    run AK1). A tile of one token, or of one head, reads its rows where its heads use them;
+    there only angle rows under at least ``SHARED_SINES_HEADS`` heads gain, from computing
+    fewer sines."""
+    if block_t > 1 and block_h > 1:
+        return True
+    return not use_cache and block_h >= SHARED_SINES_HEADS
 
 
 def choose_config(
@@ -636,7 +650,7 @@ def _lean_arguments(
         RATES=rates, LINEAR=linear, BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_R=_next_pow2(rotary_dim if interleaved else rotary_dim // 2),
         BLOCK_P=_next_pow2(width - rotary_dim), FAST_TRIG=not interpreted, SCALE=float(scale),
-        SHARED_SINES=not use_cache and block_h >= SHARED_SINES_HEADS,
+        SHARED_ROWS=shared_rows(block_t, block_h, use_cache),
     )
     return grid, (n_tokens, dim1, *division_magic(dim1)), consts
 

@@ -1274,7 +1274,7 @@ def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: 
     )
     consts.update(BLOCK_T=tile[0], BLOCK_H=tile[1])
     if shared is not None:
-        consts.update(SHARED_SINES=shared)
+        consts.update(SHARED_ROWS=shared)
     grid = (-(-n0 * dim1 // tile[0]) * -(-heads // tile[1]), 1, 1)
     kernel = kernels.rope_lean_kernel
     sin = table if flag is None else flag
@@ -1391,7 +1391,7 @@ SHARED_SINES_SHAPES = [  # (layout, seq, batch, heads, head_dim, dtype)
 
 def shared_sines(rounds: int = 3) -> None:
     """The lean kernel at its tile with a row's sines computed once for the tile's heads
-    (``SHARED_SINES``) and once per head, in place and into a fresh output, forward and
+    (``SHARED_ROWS``) and once per head, in place and into a fresh output, forward and
     backward, against Liger's in-place kernels, by the profiler after an L2 flush, in turn in
     one trace; then the forwards with the L2 warm. The two forms are first checked bit for
     bit against each other."""
@@ -1418,7 +1418,7 @@ def shared_sines(rounds: int = 3) -> None:
             fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
         print(f"{layout} s{seq} b{batch} h{heads} d{d} {str(dtype)[6:]} (lean "
               f"{tile[0]}x{tile[1]}, shipped sines "
-              f"{'once' if tile[1] >= triton_rope.SHARED_SINES_HEADS else 'per head'}):",
+              f"{'once' if triton_rope.shared_rows(*tile, False) else 'per head'}):",
               flush=True)
         _print_cold_traces(fns, rounds, calls=40)
         _print_warm_forwards(fns)

@@ -128,7 +128,7 @@ def test_matches_the_reference_and_the_general_kernel(monkeypatch, launched, kin
 def test_sines_shared_across_a_tiles_heads(monkeypatch, launched, layout, interleaved, rotary_dim,
                                            in_place):
     """Six heads take a tile of 8 (two masked), which computes each angle row's sines once for
-    all its heads (``SHARED_SINES``): the same bits as the general kernel, which computes them
+    all its heads (``SHARED_ROWS``): the same bits as the general kernel, which computes them
     per head, and the reference's values."""
     case = fixed_case(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim, heads=6,
                       dtype=torch.bfloat16, seed=7)
@@ -136,6 +136,26 @@ def test_sines_shared_across_a_tiles_heads(monkeypatch, launched, layout, interl
     assert triton_rope.lean_tile(case.seq * case.batch, 6, t.shape[-1], 2)[1] >= \
         triton_rope.SHARED_SINES_HEADS
     check_lean_launch(t, freqs, angles, spec, monkeypatch, launched, in_place, "", grad_seed=4)
+
+
+@pytest.mark.parametrize("kind", ["angles", "cos/sin cache"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("heads, head_dim, tile, shared", [
+    (3, 16, (8, 4), True),  # tokens x heads: one exchange of the rows, packed
+    (4, 128, (1, 4), False),  # one token of 4 heads: rows read where the heads use them
+    (1, 16, (16, 1), False),  # tokens of one head: likewise
+])
+def test_rows_read_once_or_per_head(monkeypatch, launched, kind, interleaved, heads, head_dim,
+                                    tile, shared):
+    """Both forms of reading a tile's table rows (``triton_rope.shared_rows``), for angle rows
+    and a cos/sin cache: the same bits as the general kernel and the reference's values."""
+    case = fixed_case(heads=heads, head_dim=head_dim, rotary_dim=head_dim,
+                      interleaved=interleaved, dtype=torch.bfloat16, seed=5)
+    t, _, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    freqs, exact = table_of(kind, angles, interleaved, seed=5)
+    assert triton_rope.lean_tile(case.seq * case.batch, heads, head_dim, 2) == tile
+    assert triton_rope.shared_rows(*tile, kind != "angles") is shared
+    check_lean_launch(t, freqs, exact, spec, monkeypatch, launched, False, "", grad_seed=6)
 
 
 @pytest.mark.gpu
@@ -242,12 +262,14 @@ def test_int32_offsets_hold_every_call_it_takes():
     (8, False, True),  # 1 x 8: a row's sines once for the tile's heads
     (32, False, True),
     (4, False, False),  # 1 x 4: the exchange costs about what the sines it saves do
-    (1, False, False),
-    (8, True, False),  # a cos/sin cache: no sines to share
+    (1, False, False),  # 4 x 1: nothing to share
+    (8, True, False),  # 1 x 8 on a cos/sin cache: no sines to share, rows read per head
+    (2, False, True),  # 2 x 2: the rows change layout either way; packed, in one round
+    (2, True, True),
 ])
 def test_tiles_of_several_heads_share_a_rows_sines(heads, use_cache, shared):
     _, _, consts = triton_rope._lean_arguments(
         128, 1, heads, 128, 128, 128, 2, 0, False, (use_cache, False, False, False), False, 1.0,
         False,
     )
-    assert consts["SHARED_SINES"] is shared
+    assert consts["SHARED_ROWS"] is shared
