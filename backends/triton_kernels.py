@@ -495,9 +495,11 @@ def _rope_program(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, GROUPED: tl.constexpr, SCALE: tl.constexpr,
+    SHARED_ROWS: tl.constexpr,
 ):
     """RoPE (or its transpose) of ``token_block``'s ``BLOCK_T`` tokens x ``head_group``'s
-    ``HEAD_ITERS * BLOCK_H`` heads: the body of both kernels below.
+    ``HEAD_ITERS * BLOCK_H`` heads: the body of both kernels below. ``SHARED_ROWS``: table
+    rows read once for the tile's heads (:func:`_row_cos_sin`'s ``SHARED``).
 
     The first head chunk's loads are issued before the positions and the table are worked out
     (a thd binary search and a table row are dependent loads), and each later chunk is loaded
@@ -526,7 +528,8 @@ def _rope_program(
     inside = tok_mask & (pos >= 0) & (pos < table_len)  # never read outside the table
     cos_a, cos_b, coef_a, coef_b = _coefficients(
         tab_ptr, sin_ptr, pos, pos.to(tl.int64), inside, c, c_mask, ROT_DIM, INTERLEAVED,
-        USE_CACHE, PAIRED, RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE, False,
+        USE_CACHE, PAIRED, RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE,
+        SHARED_ROWS,
     )
 
     for it in range(HEAD_ITERS - 1):
@@ -582,7 +585,7 @@ def rope_kernel(
     CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
-    SEQ_BLOCK: tl.constexpr, SCALE: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr, SCALE: tl.constexpr, SHARED_ROWS: tl.constexpr,
 ):
     """RoPE (or its transpose) of one tensor, ``BLOCK_T`` tokens x ``HEAD_ITERS * BLOCK_H``
     heads per program: grid ``(head groups, token blocks)`` (see :func:`_token_block`).
@@ -606,7 +609,7 @@ def rope_kernel(
         LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
         CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
         SEQ_BLOCK, False,
-        SCALE,
+        SCALE, SHARED_ROWS,
     )
 
 
@@ -722,7 +725,7 @@ def rope_qkv_kernel(
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
             SEQ_BLOCK, True,
-            SCALE,
+            SCALE, False,
         )
     elif r < q_per + k_per:
         _rope_program(
@@ -733,7 +736,7 @@ def rope_qkv_kernel(
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
             SEQ_BLOCK, True,
-            SCALE,
+            SCALE, False,
         )
     elif HAS_V:
         _copy_program(

@@ -178,19 +178,24 @@ LEAN_TILE_BYTES = 1024
 SHARED_SINES_HEADS = 8
 
 
-def shared_rows(block_t: int, block_h: int, use_cache: bool) -> bool:
-    """Whether a lean tile of ``block_t`` tokens x ``block_h`` heads reads each table row once
-    for all its heads (``SHARED_ROWS``). A tile of several tokens and several heads always
-    moves the rows' values from the layout they are read in to the heads', and the shared
-    form moves cos and sin together in one round where read half by half they take four: at
-    2 x 2 (512 tokens of 2 heads, d 128, bf16) 1.81-1.86 us against 2.98-3.07 us on a bf16
-    cos/sin cache, 1.87-1.90 against 1.92-1.95 on angles (H200, after an L2 flush, in place,
-    run AK1). A tile of one token, or of one head, reads its rows where its heads use them;
-    there only angle rows under at least ``SHARED_SINES_HEADS`` heads gain, from computing
-    fewer sines."""
+def shared_rows(block_t: int, block_h: int, use_cache: bool, lean: bool = True) -> bool:
+    """Whether a tile of ``block_t`` tokens x ``block_h`` heads reads each table row once for
+    all its heads (``SHARED_ROWS``), in the lean kernel or (``lean=False``) the general one.
+
+    A tile of several tokens and several heads always moves the rows' values from the layout
+    they are read in to the heads', and the shared form moves cos and sin together in one round
+    where read half by half they take four. Lean tiles (H200, after an L2 flush, in place, run
+    AK1): at 2 x 2 (512 tokens of 2 heads, d 128, bf16) 1.81-1.86 us against 2.98-3.07 us on a
+    bf16 cos/sin cache, 1.87-1.90 against 1.92-1.95 on angles. In the general kernel only a
+    cos/sin cache's rows are read so: over nine sbhd points of 4-128 MiB in bf16 (run AK3,
+    the profiler after an L2 flush) its forward moved from 0.2 us more to 0.85 us less (2,048
+    tokens of 8 heads of d 256: 6.53 against 7.38 us) and its backward took 0.01-0.8 us less,
+    while angle rows at 4 x 8 of d 256 took 0.4-0.5 us more. A tile of one token, or of one
+    head, reads its rows where its heads use them; there only lean tiles of angle rows under at
+    least ``SHARED_SINES_HEADS`` heads gain, from computing fewer sines."""
     if block_t > 1 and block_h > 1:
-        return True
-    return not use_cache and block_h >= SHARED_SINES_HEADS
+        return lean or use_cache
+    return lean and not use_cache and block_h >= SHARED_SINES_HEADS
 
 
 def choose_config(
@@ -759,6 +764,7 @@ def launch(
             BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
             SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
             SCALE=float(scale),
+            SHARED_ROWS=shared_rows(block_t, block_h, use_cache, lean=False),
         )
     compiled = kernel[grid](
         x, out, table, table if sin is None else sin,

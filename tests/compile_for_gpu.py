@@ -66,7 +66,8 @@ def main() -> int:
         consts = {**ROPE, **changes}
         for kernel, pointers, extra in (
             (K.rope_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "tab_ptr": "*fp32",
-                             "sin_ptr": sin_type, "cu_ptr": "*i32", "pos_ptr": "*i64"}, {}),
+                             "sin_ptr": sin_type, "cu_ptr": "*i32", "pos_ptr": "*i64"},
+             dict(SHARED_ROWS=True)),
             (K.rope_qkv_kernel, {
                 **{p: "*bf16" for p in ("q_x", "q_out", "k_x", "k_out", "v_x", "v_out")},
                 "q_tab": "*fp32", "k_tab": "*fp32", "q_sin": sin_type, "k_sin": sin_type,

@@ -273,3 +273,13 @@ def test_tiles_of_several_heads_share_a_rows_sines(heads, use_cache, shared):
         False,
     )
     assert consts["SHARED_ROWS"] is shared
+
+
+@pytest.mark.parametrize("tile, use_cache, shared", [
+    ((16, 2), True, True),  # a cache's rows: one exchange, packed
+    ((4, 8), False, False),  # angle rows keep their sines per head in the general kernel
+    ((1, 8), False, False),
+    ((32, 1), True, False),
+])
+def test_general_tiles_share_only_a_caches_rows(tile, use_cache, shared):
+    assert triton_rope.shared_rows(*tile, use_cache, lean=False) is shared
