@@ -129,7 +129,15 @@ RESIDENT_ROWS = 32
 # there the 2 KiB tile was level with rates and up to 4 points slower with interleaved pairs,
 # table rows or a pair cache. So does a call that also copies pass-through channels, or reads
 # a cos/sin cache's row tiles (at 8 heads of d 256 in bf16, 68% of copy with 2 KiB tiles
-# against 87% with 8 tokens). 0 turns the rule off (the probe compares both).
+# against 87% with 8 tokens). A tensor of one head takes these tiles at every size, not the
+# resident rule's RESIDENT_ROWS tokens (a one-head tile's rows are its tokens, each with its
+# own sines): with a model's table read as rates (H200, the profiler after an L2 flush, run
+# AL1, `scripts/tile_probe.py one-head-rule`), 8 tokens a program took 6.19-6.40 us forward
+# and backward at 32,768 tokens of d 128 in bf16 (sbhd, bshd, thd; copy 5.9) where 32 took
+# 7.98-8.48; at 8,192 tokens, against 16 a program, from 0.13 us more to 0.36 us less, and
+# 0.09-0.41 us less warm. Over the six points, 0.85 of the times in place and warm, 0.89 out
+# of place; with the table's rows read, 0.93-0.95 flushed and 0.84 warm. Caps of 4 and 16
+# tokens gained less. 0 turns both rules off (the probe compares both).
 STREAM_TILE_BYTES = 2048
 # Warps of a streamed tile of STREAM_WARPS_HEADS heads or more. With a model's angle table read
 # as rates, 2 warps ran 0-4 points closer to the copy than 4 at 8 and 16 heads of d 64 and 128
@@ -213,10 +221,10 @@ def choose_config(
     A call of at most ``RESIDENT_BYTES`` (one whose data the L2 can hold) puts heads first, up
     to ``RESIDENT_HEADS``, in a tile of at least ``RESIDENT_ROWS`` rows (half as many in
     float32) where they fit in twice ``TILE_BYTES``; a larger one whose tokens are smaller than
-    ``TILE_BYTES`` takes tiles of ``STREAM_TILE_BYTES``, heads first. Neither applies with
-    pass-through channels to copy or a cos/sin cache that asks for more tokens, and the
-    streamed tile never to a cos/sin cache read as ``[BLOCK_T, BLOCK_R]`` row tiles
-    (``cache_rows``: :func:`reads_cache_rows`).
+    ``TILE_BYTES`` takes tiles of ``STREAM_TILE_BYTES``, heads first, and so does a tensor of
+    one head whatever its size. Neither applies with pass-through channels to copy or a cos/sin
+    cache that asks for more tokens, and the streamed tile never to a cos/sin cache read as
+    ``[BLOCK_T, BLOCK_R]`` row tiles (``cache_rows``: :func:`reads_cache_rows`).
 
     A call too small for ``MIN_PROGRAMS_PER_SM`` programs per SM at that tile is bound by
     latency, not by load width: its tile starts from as many heads as fit (each program then
@@ -256,8 +264,8 @@ def choose_config(
     token_bytes = sum(counts) * head_dim * element_size
     resident = n_tokens * token_bytes <= RESIDENT_BYTES
     streamed = (
-        heads_first and not resident and not cache_rows and STREAM_TILE_BYTES
-        and token_bytes < TILE_BYTES
+        heads_first and (not resident or counts == (1,)) and not cache_rows
+        and STREAM_TILE_BYTES and token_bytes < TILE_BYTES
     )
     if heads_first and resident and (span_dim or 0) > head_dim:  # in place on part of a head
         block_t = min(tile_rows(STREAM_TILE_BYTES, head_dim * element_size),
@@ -267,7 +275,7 @@ def choose_config(
             return block_t, 1, head_iters, block_r, block_p, WARPS
     counted = max(head_dim, span_dim or 0) if heads_first and resident else head_dim
     rows = tile_rows(STREAM_TILE_BYTES if streamed else TILE_BYTES, counted * element_size)
-    if heads_first and resident:
+    if heads_first and resident and not streamed:
         fits = tile_rows(2 * TILE_BYTES, counted * element_size)
         rows = max(rows, min(RESIDENT_ROWS * 2 // element_size, fits))
         block_h = min(_next_pow2(min(counts)), rows, RESIDENT_HEADS)

@@ -665,7 +665,9 @@ def test_two_token_tiles_of_small_calls_match_the_reference(monkeypatch, layout,
     (2048, 32, 128, 128, (2, 16)),  # 16 MiB: up to 16 heads of a token, then tokens
     (2048, 8, 256, 256, (4, 8)),  # rows of 512 bytes: RESIDENT_ROWS of them, 16 KiB
     (8192, 8, 128, 128, (4, 8)),
-    (32768, 1, 128, 128, (32, 1)),  # one head: tokens fill the tile as before
+    (32768, 1, 128, 128, (8, 1)),  # one head: a 2 KiB tile at every size (rows are tokens)
+    (8192, 1, 128, 128, (8, 1)),
+    (32768, 1, 64, 64, (16, 1)),
     (2048, 32, 128, 64, (8, 4)),  # pass-through channels copied too: 8 tokens per tile
     (8192, 32, 128, 64, (8, 4)),  # 64 MiB, pass-through channels: 8 tokens per tile too
     (8192, 32, 128, 128, (8, 4)),  # 64 MiB, a token of 8 KiB: 8 tokens per tile
@@ -681,8 +683,8 @@ def test_tiles_put_a_tokens_heads_first(tokens, heads, head_dim, rotary_dim, til
     row and its sines serve them all), with every SM given its programs: at most
     RESIDENT_BYTES (the L2 can hold the call) up to RESIDENT_HEADS in an 8 KiB tile (or
     RESIDENT_ROWS rows, up to 16 KiB), above it in a STREAM_TILE_BYTES tile where a token is
-    smaller than 8 KiB. Larger tokens, and calls that copy pass-through channels, keep 8 tokens
-    per tile."""
+    smaller than 8 KiB, as a tensor of one head at every size. Larger tokens, and calls that
+    copy pass-through channels, keep 8 tokens per tile."""
     from rope_dispatch.backends import triton_rope
 
     config = triton_rope.choose_config(tokens, heads, head_dim, rotary_dim, 2, False, 132)
@@ -690,16 +692,16 @@ def test_tiles_put_a_tokens_heads_first(tokens, heads, head_dim, rotary_dim, til
     assert (bt, bh) == tile
     resident = tokens * heads * head_dim * 2 <= triton_rope.RESIDENT_BYTES
     full = rotary_dim == head_dim
-    streamed = not resident and full and heads * head_dim * 2 < triton_rope.TILE_BYTES
+    streamed = (not resident or heads == 1) and full and heads * head_dim * 2 < 8192
     tile_bytes = triton_rope.STREAM_TILE_BYTES if streamed else triton_rope.TILE_BYTES
-    if resident and full:
+    if resident and full and not streamed:
         tile_bytes = max(tile_bytes, min(triton_rope.RESIDENT_ROWS * head_dim * 2, 2 * tile_bytes))
     assert bt * bh * head_dim * 2 == tile_bytes
     # streamed tiles of 8 heads or more (one or two tokens) run on 2 warps, the rest on 4
     many_heads = bh >= triton_rope.STREAM_WARPS_HEADS
     assert config[5] == (triton_rope.STREAM_WARPS if streamed and many_heads else 4)
     assert -(-tokens // bt) * -(-heads // bh) >= 2 * 132
-    if resident and full:
+    if resident and full and not streamed:
         assert bh == min(heads, triton_rope.RESIDENT_HEADS)
     elif streamed:
         assert bh == min(heads, tile_bytes // (head_dim * 2))
