@@ -739,7 +739,17 @@ def cold_kernel_us(
     fns: dict[str, Callable[[], Any]], calls: int = 50, copies: bool = False,
 ) -> dict[str, float]:
     """Median GPU time of the kernels one call of each of ``fns`` runs, each call after an L2
-    flush, from the profiler's device timestamps: the kernels' own time, without the launch
+    flush (:func:`cold_kernel_samples`)."""
+    return {name: statistics.median(us)
+            for name, us in cold_kernel_samples(fns, calls, copies).items()}
+
+
+def cold_kernel_samples(
+    fns: dict[str, Callable[[], Any]], calls: int = 50, copies: bool = False,
+) -> dict[str, list[float]]:
+    """GPU time of the kernels of each call of each of ``fns`` (``calls`` calls each, in turn:
+    the i-th samples of two names come from neighbouring calls), each call after an L2 flush,
+    from the profiler's device timestamps: the kernels' own time, without the launch
     latency and host lag that ``do_bench``'s events around a call include (a call whose host
     path outlasts the flush, as Liger's ``rope_forward`` on some hosts, leaves the GPU idle
     between the events). The calls run in turn in one trace, which the flushes' kernels cut
@@ -770,8 +780,30 @@ def cold_kernel_us(
             fns[name]()
         torch.cuda.synchronize()
     kernel_times = [(e.name, e.time_range.elapsed_us()) for e in kernels(prof)]
-    return {name: statistics.median(us)
-            for name, us in kernel_us_per_call(kernel_times, flush_names, order).items()}
+    return kernel_us_per_call(kernel_times, flush_names, order)
+
+
+def paired_difference(
+    ours: Sequence[float], theirs: Sequence[float], level: float = 0.95,
+) -> tuple[float, float, float]:
+    """``(low, median, high)`` of the differences ``ours[i] - theirs[i]`` of paired samples
+    (neighbouring calls of :func:`cold_kernel_samples`): their median, and the interval that
+    holds the median difference with probability at least ``level`` whatever their
+    distribution (the sign test's order statistics). An interval holding 0 says the two are
+    level within what the samples can tell apart."""
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"paired_difference: got {len(ours)} and {len(theirs)} samples, "
+                         "expected as many of each and at least one")
+    diffs = sorted(a - b for a, b in zip(ours, theirs))
+    n = len(diffs)
+    # the largest k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2: [d_k, d_{n+1-k}]
+    tail, k, below = (1 - level) / 2, 0, 0.0
+    while k < n // 2 and below + math.comb(n, k) / 2 ** n <= tail:
+        below += math.comb(n, k) / 2 ** n
+        k += 1
+    if k == 0:
+        return diffs[0], statistics.median(diffs), diffs[-1]
+    return diffs[k - 1], statistics.median(diffs), diffs[n - k]
 
 
 def kernel_us_per_call(

@@ -26,9 +26,12 @@ the shipped lean kernel against the general one and Liger's at small calls, and 
 ``sweep-orders``, the sweep's kernel timing at 128 tokens of 8 heads in four call orders;
 ``shared-sines``, the lean kernel with a row's sines computed once for a tile's heads or once
 per head, against Liger's; ``table-bytes``, ours in place on tables of 256 or 512 bytes a token
-against Liger's."""
+against Liger's; ``one-head-rule``, tokens a program for one-head calls the L2 holds;
+``ties``, ours in place against Liger's where it led by a tenth of a microsecond, with the
+paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps."""
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import torch
@@ -203,7 +206,6 @@ def small_rules(rounds: int = 3) -> None:
     in the L2: forward cold (``do_bench``) and warm (a CUDA graph of 20 calls), the rules in
     turn, medians of ``rounds``; then per rule the geometric mean of its times over the
     current rule's and how many points it leads or trails by more than 2%."""
-    import statistics
 
     from rope_dispatch import sweep
 
@@ -371,14 +373,16 @@ def row_tiles(rounds: int = 3) -> None:
     }, rounds, ROW_TILE_SHAPES)
 
 
-def compare_rules(rules: dict, rounds: int = 2, extra: list | None = None) -> None:
+def compare_rules(rules: dict, rounds: int = 2, extra: list | None = None,
+                  rates: bool = False) -> None:
     """Tile rules (``name: rule(n_tokens, heads, head_dim, rotary_dim, element_size,
     interleaved)``, the first the one in use) at the sweep's points up to ``RESIDENT_BYTES``
-    (every layout, bf16, full rotary) and ``extra`` shapes, where their tiles differ: forward
+    (every layout, bf16, full rotary) and ``extra`` shapes, where their tiles differ, the
+    table's rows read (``rates``: read as rates through its linearity flag, as a model's
+    table is once seen twice): forward
     and backward kernel time out of place and in place by the profiler after an L2 flush
     (``rounds`` traces), and forward warm (a CUDA graph), with Liger's in-place kernels beside
     them; then each rule's geometric mean over the first's, and where Liger was faster."""
-    import statistics
 
     from rope_dispatch import sweep
 
@@ -390,7 +394,9 @@ def compare_rules(rules: dict, rounds: int = 2, extra: list | None = None) -> No
               and p.rotary_dim == p.head_dim] + (extra or [])
     for shape in points:
         inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
-        table = inp.freqs.view(inp.freqs.shape[0], -1)
+        table, sin = inp.freqs.view(inp.freqs.shape[0], -1), None
+        if rates:
+            table, sin = _flagged(table)
         x, g = inp.t.clone(), inp.grad.clone()
         out = torch.empty_like(inp.t)
         tokens = shape.seq * (1 if shape.layout == "thd" else shape.batch)
@@ -404,7 +410,7 @@ def compare_rules(rules: dict, rounds: int = 2, extra: list | None = None) -> No
                                          ("ip fwd", x, x, False), ("ip bwd", g, g, True)):
                 fns[f"{name} {mode}"] = (
                     lambda src=src, dst=dst, back=back, config=config: triton_rope.launch(
-                        src, dst, table, None, inp.cu_seqlens, None, shape.layout, False, 1.0,
+                        src, dst, table, sin, inp.cu_seqlens, None, shape.layout, False, 1.0,
                         1, 0, back, config=config, copy_pass=False))
         liger = bench._liger_peer(shape, inp)
         if liger is not None:
@@ -813,7 +819,6 @@ def decode_processes(processes: int = 6) -> None:
     5-6 us moves by up to 0.7 us between processes on the same inputs, so the order of two
     kernels is read from how many processes it holds in, and from the median over them."""
     import re
-    import statistics
     import subprocess
     import sys
 
@@ -1063,7 +1068,6 @@ def partial_rotary(rounds: int = 3) -> None:
     many contiguous bytes, and a copy of the same strided half rows from one tensor into
     another (read and write d2 of every d channels, as an in-place rotation does). Median of
     ``rounds`` rounds in turn, each call timed by ``do_bench``."""
-    import statistics
 
     for layout, seq, batch, heads, d, rot in PARTIAL_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, rot)
@@ -1499,6 +1503,106 @@ def sweep_orders(rounds: int = 3) -> None:
                 print(f"{layout} {label}: " + " | ".join(cells), flush=True)
 
 
+def _capped_tokens(cap: int):
+    """``choose_config`` in use, but a one-head tile of a one-head call takes at most ``cap``
+    tokens."""
+    sms = triton_rope._sm_count(0)
+
+    def rule(n_tokens, heads, *rest):
+        config = triton_rope.choose_config(n_tokens, heads, *rest, sms)
+        if heads == 1 and config[1] == 1 and config[0] > cap:
+            return (cap, *config[1:])
+        return config
+    return rule
+
+
+def one_head_rule(rounds: int = 3) -> None:
+    """Tiles of one-head calls the L2 can hold (2-16 MiB: 8,192 and 32,768 tokens, where the
+    resident rule gives 16 and 32 tokens a program and run AK2 had 71-77% of copy after an L2
+    flush), capped at 4, 8 and 16 tokens, with the table's rows and read as rates
+    (:func:`compare_rules`)."""
+    sms = triton_rope._sm_count(0)
+    rules = {"in use": lambda *a: triton_rope.choose_config(*a, sms)} | {
+        f"cap {cap}": _capped_tokens(cap) for cap in (4, 8, 16)}
+    for rates in (True, False):
+        print(f"table read {'as rates' if rates else 'as rows'}:", flush=True)
+        compare_rules(rules, rounds, rates=rates)
+
+
+TIE_SHAPES = [  # (layout, seq, batch, heads): where Liger's in-place kernel led by <= 0.11 us
+    ("sbhd", 128, 1, 8), ("bshd", 128, 1, 8), ("sbhd", 512, 1, 8), ("bshd", 512, 1, 8),
+    ("sbhd", 128, 4, 8),
+]
+
+
+def _print_paired(fns: dict, rounds: int, calls: int) -> dict:
+    """``rounds`` profiler traces of ``fns`` (named ``"<what> fwd"`` / ``"<what> bwd"``, Liger's
+    as ``"liger fwd"`` / ``"liger bwd"``), ``calls`` calls each, in turn, after an L2 flush
+    (:func:`~rope_dispatch.bench.cold_kernel_samples`). Per variant and mode a line: the pooled
+    median and the median of its paired differences to Liger's (neighbouring calls) with its
+    95% interval (:func:`~rope_dispatch.bench.paired_difference`); returns the pooled samples."""
+    samples: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, us in bench.cold_kernel_samples(fns, calls=calls).items():
+            samples[name] += us
+    for mode in ("fwd", "bwd"):
+        theirs = samples[f"liger {mode}"]
+        cells = [f"liger {statistics.median(theirs):.3f}"]
+        for name, ours in samples.items():
+            if name.endswith(mode) and not name.startswith("liger"):
+                low, mid, high = bench.paired_difference(ours, theirs)
+                cells.append(f"{name[:-4]} {statistics.median(ours):.3f} ({1e3 * mid:+.0f} ns, "
+                             f"95% {1e3 * low:+.0f} to {1e3 * high:+.0f})")
+        print(f"   {mode}: " + " | ".join(cells), flush=True)
+    return samples
+
+
+def ties(rounds: int = 6, calls: int = 50) -> None:
+    """Ours in place (``apply_`` and its backward, as the sweep times them) against Liger's
+    in-place kernels where run AK2 had Liger's ahead by at most 0.11 us
+    (:func:`_print_paired`: medians, and ours minus Liger's with its 95% interval)."""
+    for layout, seq, batch, heads in TIE_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
+        inp = bench.make_inputs(shape, draw_on_device=True)
+        ours, liger = bench._ours_in_place("triton", inp), bench._liger_peer(shape, inp)
+        print(f"{layout} s{seq} b{batch} h{heads} d128 bf16:", flush=True)
+        _print_paired({"ours fwd": ours.fwd, "ours bwd": ours.bwd, "liger fwd": liger.fwd,
+                       "liger bwd": liger.bwd}, rounds, calls)
+
+
+LEAN_WARP_VARIANTS = [(4, True), (2, True), (2, False), (1, False), (1, True)]
+"""(warps, rows shared) of :func:`lean_one_warp`, the shipped one first."""
+
+
+def lean_one_warp(rounds: int = 4, calls: int = 50) -> None:
+    """The lean kernel in place at its tile on 4, 2 and 1 warps, a row's sines shared through
+    shared memory or computed where its heads use them (on one warp a thread holds all eight
+    heads of its channels: no exchange, no barrier, 8 sine and cosine instructions a thread),
+    against Liger's in-place kernels where it led (:func:`_print_paired`); then the forwards
+    warm. Each variant is first checked bit for bit against the shipped launch."""
+    for layout, seq, batch, heads in TIE_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
+        inp, x, _, angles, _ = _probe_inputs(shape)
+        tile = triton_rope.lean_tile(seq * batch, heads, 128, x.element_size())
+        fns: dict = {}
+        for mode, src, back in (("fwd", x.clone(), False), ("bwd", inp.grad.clone(), True)):
+            want = src.clone()
+            _in_place(want, angles, None, layout, back)()
+            for warps, shared in LEAN_WARP_VARIANTS:
+                got = src.clone()
+                _lean_at(got, got, angles, layout, back, tile, warps, shared=shared)()
+                if not torch.equal(got, want):
+                    raise RuntimeError(f"lean w{warps} shared={shared} {mode} differs at {shape}")
+                fns[f"w{warps} {'shared' if shared else 'own'} {mode}"] = _lean_at(
+                    src, src, angles, layout, back, tile, warps, shared=shared)
+        liger = bench._liger_peer(shape, inp)
+        fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+        print(f"{layout} s{seq} b{batch} h{heads} d128 in place (lean {tile[0]}x{tile[1]}):",
+              flush=True)
+        _print_paired(fns, rounds, calls)
+        _print_warm_forwards(fns)
+
+
 if __name__ == "__main__":
     import sys
 
@@ -1514,7 +1618,8 @@ if __name__ == "__main__":
              "lean-kernel": lean_kernel, "kernel-copies": kernel_copies,
              "input-copies": input_copies, "lean-shipped": lean_shipped,
              "lean-warps": lean_warps, "sweep-orders": sweep_orders,
-             "shared-sines": shared_sines, "table-bytes": table_bytes}
+             "shared-sines": shared_sines, "table-bytes": table_bytes,
+             "one-head-rule": one_head_rule, "ties": ties, "lean-one-warp": lean_one_warp}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:

@@ -4,6 +4,7 @@ without a CUDA device (the measurements themselves run on the GPU machine)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -561,6 +562,33 @@ def test_kernel_time_per_call_sums_the_kernels_between_flushes():
 def test_kernel_time_per_call_refuses_a_trace_it_cannot_cut(trace):
     with pytest.raises(RuntimeError, match="flushes for 2 calls"):
         bench.kernel_us_per_call(trace, {FLUSH}, ["ours", "ours"])
+
+
+def test_paired_difference_gives_the_sign_tests_interval():
+    """The median of paired differences and its distribution-free 95% interval: for 20 pairs
+    the 6th and 15th smallest differences (P(Binomial(20, 1/2) <= 5) = 0.0207 <= 0.025 and
+    P(<= 6) = 0.0577 > 0.025, worked out here from the binomial law), whatever the pairs' order."""
+    tail = sum(math.comb(20, i) for i in range(6)) / 2 ** 20
+    assert 0.0206 < tail < 0.0208 and tail + math.comb(20, 6) / 2 ** 20 > 0.025
+    theirs = [10.0 + 0.5 * i for i in range(20)]
+    diffs = [float(d) for d in (7, 3, 20, 1, 12, 5, 18, 9, 14, 2, 16, 11, 6, 19, 4, 13, 8, 17,
+                                10, 15)]
+    ours = [t + d for t, d in zip(theirs, diffs)]
+    low, median, high = bench.paired_difference(ours, theirs)
+    assert (low, high) == pytest.approx((6.0, 15.0)) and median == pytest.approx(10.5)
+    # level samples: an interval of zero; a constant lead: exactly it
+    assert bench.paired_difference(theirs, theirs) == (0.0, 0.0, 0.0)
+    assert bench.paired_difference([t - 0.25 for t in theirs], theirs) == pytest.approx(
+        (-0.25, -0.25, -0.25))
+    # too few pairs for a 95% interval: it spans them all
+    assert bench.paired_difference([3.0, 1.0], [0.0, 0.0]) == (1.0, 2.0, 3.0)
+
+
+def test_paired_difference_refuses_unpaired_samples():
+    with pytest.raises(ValueError, match="got 3 and 2 samples"):
+        bench.paired_difference([1.0, 2.0, 3.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="at least one"):
+        bench.paired_difference([], [])
 
 
 @pytest.mark.parametrize("n", range(1, 8))
