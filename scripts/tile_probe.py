@@ -206,7 +206,6 @@ def small_rules(rounds: int = 3) -> None:
     in the L2: forward cold (``do_bench``) and warm (a CUDA graph of 20 calls), the rules in
     turn, medians of ``rounds``; then per rule the geometric mean of its times over the
     current rule's and how many points it leads or trails by more than 2%."""
-
     from rope_dispatch import sweep
 
     choose = triton_rope.choose_config
@@ -383,7 +382,6 @@ def compare_rules(rules: dict, rounds: int = 2, extra: list | None = None,
     and backward kernel time out of place and in place by the profiler after an L2 flush
     (``rounds`` traces), and forward warm (a CUDA graph), with Liger's in-place kernels beside
     them; then each rule's geometric mean over the first's, and where Liger was faster."""
-
     from rope_dispatch import sweep
 
     first = next(iter(rules))
@@ -1068,7 +1066,6 @@ def partial_rotary(rounds: int = 3) -> None:
     many contiguous bytes, and a copy of the same strided half rows from one tensor into
     another (read and write d2 of every d channels, as an in-place rotation does). Median of
     ``rounds`` rounds in turn, each call timed by ``do_bench``."""
-
     for layout, seq, batch, heads, d, rot in PARTIAL_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, rot)
         inp = bench.make_inputs(shape, "cuda", draw_on_device=True)

@@ -692,7 +692,8 @@ def test_tiles_put_a_tokens_heads_first(tokens, heads, head_dim, rotary_dim, til
     assert (bt, bh) == tile
     resident = tokens * heads * head_dim * 2 <= triton_rope.RESIDENT_BYTES
     full = rotary_dim == head_dim
-    streamed = (not resident or heads == 1) and full and heads * head_dim * 2 < 8192
+    streamed = ((not resident or heads == 1) and full
+                and heads * head_dim * 2 < triton_rope.TILE_BYTES)
     tile_bytes = triton_rope.STREAM_TILE_BYTES if streamed else triton_rope.TILE_BYTES
     if resident and full and not streamed:
         tile_bytes = max(tile_bytes, min(triton_rope.RESIDENT_ROWS * head_dim * 2, 2 * tile_bytes))
