@@ -796,13 +796,13 @@ def paired_difference(
                          "expected as many of each and at least one")
     diffs = sorted(a - b for a, b in zip(ours, theirs))
     n = len(diffs)
-    # the largest k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2: [d_k, d_{n+1-k}]
+    # the largest k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2: [d_k, d_{n+1-k}]; with
+    # too few pairs for any, k = 1: the whole range
     tail, k, below = (1 - level) / 2, 0, 0.0
-    while k < n // 2 and below + math.comb(n, k) / 2 ** n <= tail:
-        below += math.comb(n, k) / 2 ** n
+    while k < n // 2 and below + (p := math.comb(n, k) / 2 ** n) <= tail:
+        below += p
         k += 1
-    if k == 0:
-        return diffs[0], statistics.median(diffs), diffs[-1]
+    k = max(k, 1)
     return diffs[k - 1], statistics.median(diffs), diffs[n - k]
 
 

@@ -1532,12 +1532,12 @@ TIE_SHAPES = [  # (layout, seq, batch, heads): where Liger's in-place kernel led
 ]
 
 
-def _print_paired(fns: dict, rounds: int, calls: int) -> dict:
+def _print_paired(fns: dict, rounds: int, calls: int) -> None:
     """``rounds`` profiler traces of ``fns`` (named ``"<what> fwd"`` / ``"<what> bwd"``, Liger's
     as ``"liger fwd"`` / ``"liger bwd"``), ``calls`` calls each, in turn, after an L2 flush
     (:func:`~rope_dispatch.bench.cold_kernel_samples`). Per variant and mode a line: the pooled
     median and the median of its paired differences to Liger's (neighbouring calls) with its
-    95% interval (:func:`~rope_dispatch.bench.paired_difference`); returns the pooled samples."""
+    95% interval (:func:`~rope_dispatch.bench.paired_difference`)."""
     samples: dict = {name: [] for name in fns}
     for _ in range(rounds):
         for name, us in bench.cold_kernel_samples(fns, calls=calls).items():
@@ -1551,7 +1551,6 @@ def _print_paired(fns: dict, rounds: int, calls: int) -> dict:
                 cells.append(f"{name[:-4]} {statistics.median(ours):.3f} ({1e3 * mid:+.0f} ns, "
                              f"95% {1e3 * low:+.0f} to {1e3 * high:+.0f})")
         print(f"   {mode}: " + " | ".join(cells), flush=True)
-    return samples
 
 
 def ties(rounds: int = 6, calls: int = 50) -> None:
