@@ -620,7 +620,7 @@ def rope_lean_kernel(
     PASS_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr,
     PAIRED: tl.constexpr, RATES: tl.constexpr, LINEAR: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    FAST_TRIG: tl.constexpr, SCALE: tl.constexpr, SHARED_ROWS: tl.constexpr,
+    FAST_TRIG: tl.constexpr, SCALE: tl.constexpr, SHARED_ROWS: tl.constexpr, VECTOR: tl.constexpr,
 ):
     """:func:`rope_kernel` for a small call on contiguous sbhd or bshd tensors: ``x`` and
     ``out`` both ``[n0, n1, HEADS, HEAD_DIM]`` and contiguous (or ``out`` is ``x``), fewer
@@ -638,7 +638,9 @@ def rope_lean_kernel(
     pairings and arithmetic are :func:`rope_kernel`'s own (:func:`_coefficients`,
     :func:`_rotated`), so both give the same bits. ``SHARED_ROWS``: a rotate-half row read
     (and its sines computed) once for all the tile's heads (:func:`_row_cos_sin`'s
-    ``SHARED``; ``backends.triton_rope.shared_rows`` says when)."""
+    ``SHARED``; ``backends.triton_rope.shared_rows`` says when). ``VECTOR``: at most this many
+    adjacent channels a thread (the compiler's layout follows the contiguity it is told), so a
+    thread holding fewer channels of more heads computes fewer sines."""
     GROUPS: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
     HALF: tl.constexpr = ROT_DIM // 2
     program = tl.program_id(0)
@@ -646,7 +648,7 @@ def rope_lean_kernel(
     tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
     hh = (program - block * GROUPS) * BLOCK_H + tl.arange(0, BLOCK_H)
     tok_mask = tok < n_tokens
-    c = tl.arange(0, BLOCK_R)
+    c = tl.max_contiguous(tl.arange(0, BLOCK_R), VECTOR)
     c_mask = c < (ROT_DIM if INTERLEAVED else HALF)
     rows = (tok * (HEADS * HEAD_DIM))[:, None] + (hh * HEAD_DIM)[None, :]
     row_mask = tok_mask[:, None] & (hh < HEADS)[None, :]

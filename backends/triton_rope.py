@@ -184,6 +184,15 @@ LEAN_TILE_BYTES = 1024
 # per-head sines stayed 0.03 us ahead (1.92-1.95 against 1.95-1.98 us), and a cos/sin cache at
 # 1 x 8 reads its rows per head with no exchange (1.73-1.76 against 1.79-1.82 us).
 SHARED_SINES_HEADS = 8
+# ... except where a warp can lay itself over one head's half row at LEAN_VECTOR adjacent
+# channels a thread (rotate-half d 128: 64 channels a half, 32 threads): at 1 x 8 on four warps
+# a thread then holds two channels of two heads and computes their 8 sines and cosines itself,
+# with no exchange and no barrier. In place after an L2 flush (H200, run AM1,
+# `scripts/tile_probe.py lean-vector`), at 128-512 tokens of 8 heads of d 128 in bf16, that
+# took 0-64 ns off the shared rows forward and 32-64 ns backward, and led Liger's in-place
+# kernels at every point (sbhd s128 forward 1.760 against 1.792 us; 95% interval of the
+# paired difference -65 to -33 ns), on angle rows and through a linear table's flag alike.
+LEAN_VECTOR = 2
 
 
 def shared_rows(block_t: int, block_h: int, use_cache: bool, lean: bool = True) -> bool:
@@ -204,6 +213,18 @@ def shared_rows(block_t: int, block_h: int, use_cache: bool, lean: bool = True) 
     if block_t > 1 and block_h > 1:
         return lean or use_cache
     return lean and not use_cache and block_h >= SHARED_SINES_HEADS
+
+
+def lean_vector(block_t: int, block_h: int, block_r: int, interleaved: bool,
+                use_cache: bool) -> int:
+    """At most how many adjacent channels a thread of a lean tile holds (``VECTOR``): a warp
+    over one head's half row, ``LEAN_VECTOR`` channels a thread, where a tile of one token and
+    ``SHARED_SINES_HEADS`` heads computes rotate-half sines and the half row is that wide;
+    elsewhere ``block_r`` (the compiler's own layout)."""
+    if (block_t == 1 and block_h >= SHARED_SINES_HEADS and not interleaved and not use_cache
+            and block_r == LEAN_VECTOR * 32):
+        return LEAN_VECTOR
+    return block_r
 
 
 def choose_config(
@@ -656,14 +677,18 @@ def _lean_arguments(
     moves, ``head_dim`` its stride)."""
     block_t, block_h = lean_tile(n_tokens, heads, width, element_size)
     use_cache, paired, rates, linear = flags
+    block_r = _next_pow2(rotary_dim if interleaved else rotary_dim // 2)
+    vector = lean_vector(block_t, block_h, block_r, interleaved, use_cache)
     grid = (-(-n_tokens // block_t) * -(-heads // block_h), 1, 1)
     consts = dict(
         LAYOUT=code, HEADS=heads, HEAD_DIM=head_dim, ROT_DIM=rotary_dim,
         PASS_DIM=width - rotary_dim, INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired,
         RATES=rates, LINEAR=linear, BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_R=_next_pow2(rotary_dim if interleaved else rotary_dim // 2),
-        BLOCK_P=_next_pow2(width - rotary_dim), FAST_TRIG=not interpreted, SCALE=float(scale),
-        SHARED_ROWS=shared_rows(block_t, block_h, use_cache),
+        BLOCK_R=block_r, BLOCK_P=_next_pow2(width - rotary_dim), FAST_TRIG=not interpreted,
+        SCALE=float(scale),
+        # a thread's own channels' sines need no exchange
+        SHARED_ROWS=shared_rows(block_t, block_h, use_cache) and vector == block_r,
+        VECTOR=vector,
     )
     return grid, (n_tokens, dim1, *division_magic(dim1)), consts
 

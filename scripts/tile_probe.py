@@ -31,7 +31,9 @@ against Liger's; ``one-head-rule``, tokens a program for one-head calls the L2 h
 paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps."""
 from __future__ import annotations
 
+import random
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -1262,11 +1264,13 @@ LEAN_SHIPPED_TILES = [(1, 8), (2, 8), (1, 4), (2, 4), (2, 2), (4, 1), (2, 1), (8
 
 def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: str,
              backward: bool, tile: tuple[int, int], warps: int = triton_rope.WARPS,
-             flag: torch.Tensor | None = None, shared: bool | None = None):
+             flag: torch.Tensor | None = None, shared: bool | None = None,
+             vector: int | None = None):
     """The lean kernel at ``tile`` on ``warps`` warps on ``src`` into ``dst`` (``src``
     itself: in place), the table's rows read (through its linearity ``flag`` where given), as
     a call of no argument (Triton's own launch: the profiler times the kernel alone); a row's
-    sines ``shared`` across the tile's heads or not (None: as the launcher decides)."""
+    sines ``shared`` across the tile's heads or not, at most ``vector`` adjacent channels a
+    thread (None: as the launcher decides)."""
     n0, dim1, heads, d = src.shape
     kernels = triton_rope._load_kernels()
     grid, ints, consts = triton_rope._lean_arguments(
@@ -1276,6 +1280,8 @@ def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: 
     consts.update(BLOCK_T=tile[0], BLOCK_H=tile[1])
     if shared is not None:
         consts.update(SHARED_ROWS=shared)
+    if vector is not None:
+        consts.update(VECTOR=vector)
     grid = (-(-n0 * dim1 // tile[0]) * -(-heads // tile[1]), 1, 1)
     kernel = kernels.rope_lean_kernel
     sin = table if flag is None else flag
@@ -1532,16 +1538,19 @@ TIE_SHAPES = [  # (layout, seq, batch, heads): where Liger's in-place kernel led
 ]
 
 
-def _print_paired(fns: dict, rounds: int, calls: int) -> None:
+def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int) -> None:
     """``rounds`` profiler traces of ``fns`` (named ``"<what> fwd"`` / ``"<what> bwd"``, Liger's
-    as ``"liger fwd"`` / ``"liger bwd"``), ``calls`` calls each, in turn, after an L2 flush
+    as ``"liger fwd"`` / ``"liger bwd"``; or a function making them anew for each trace),
+    ``calls`` calls each, in turn, after an L2 flush
     (:func:`~rope_dispatch.bench.cold_kernel_samples`). Per variant and mode a line: the pooled
     median and the median of its paired differences to Liger's (neighbouring calls) with its
     95% interval (:func:`~rope_dispatch.bench.paired_difference`)."""
-    samples: dict = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, us in bench.cold_kernel_samples(fns, calls=calls).items():
-            samples[name] += us
+    samples: dict = {}
+    for round_ in range(rounds):  # every other round in reverse order: no name always first
+        made = fns() if callable(fns) else fns
+        order = dict(reversed(made.items())) if round_ % 2 else made
+        for name, us in bench.cold_kernel_samples(order, calls=calls).items():
+            samples.setdefault(name, []).extend(us)
     for mode in ("fwd", "bwd"):
         theirs = samples[f"liger {mode}"]
         cells = [f"liger {statistics.median(theirs):.3f}"]
@@ -1553,17 +1562,37 @@ def _print_paired(fns: dict, rounds: int, calls: int) -> None:
         print(f"   {mode}: " + " | ".join(cells), flush=True)
 
 
-def ties(rounds: int = 6, calls: int = 50) -> None:
-    """Ours in place (``apply_`` and its backward, as the sweep times them) against Liger's
-    in-place kernels where run AK2 had Liger's ahead by at most 0.11 us
-    (:func:`_print_paired`: medians, and ours minus Liger's with its 95% interval)."""
+def ties(rounds: int = 12, calls: int = 40) -> None:
+    """Ours in place (``apply_`` and its backward, as the sweep times them) and the lean tile
+    with its rows' sines shared (before run AM) against Liger's in-place kernels where run AK2
+    had Liger's ahead by at most 0.11 us (:func:`_print_paired`: medians, and ours minus
+    Liger's with its 95% interval), every implementation's buffers placed anew for each
+    trace: in run AM3, where they kept one placement, Liger's forward and backward, the same
+    kernel, differed by 32 ns at 128 tokens of 8 heads."""
+    gen = random.Random(0)
     for layout, seq, batch, heads in TIE_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
-        inp = bench.make_inputs(shape, draw_on_device=True)
-        ours, liger = bench._ours_in_place("triton", inp), bench._liger_peer(shape, inp)
+        kept: list = []
+
+        def fresh() -> dict:
+            """Every implementation's buffers anew, after a spacer of 0-1 MiB (in 512-byte
+            steps), so that no one of them keeps one placement in memory for all traces."""
+            kept[:] = [torch.empty(512 * gen.randrange(2048), dtype=torch.int8, device="cuda")]
+            inp = bench.make_inputs(shape, draw_on_device=True)
+            ours, liger = bench._ours_in_place("triton", inp), bench._liger_peer(shape, inp)
+            fns = {"ours fwd": ours.fwd, "ours bwd": ours.bwd}
+            # the lean tile's shared rows at the compiler's own layout, as before run AM
+            x, angles = inp.t.clone(), inp.freqs.view(inp.freqs.shape[0], -1)
+            tile = triton_rope.lean_tile(seq * batch, heads, 128, x.element_size())
+            for mode, src, back in (("fwd", x, False), ("bwd", inp.grad.clone(), True)):
+                fns[f"shared rows {mode}"] = _lean_at(src, src, angles, layout, back, tile,
+                                                      shared=True, vector=64)
+            fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+            kept.append(fns)
+            return fns
+
         print(f"{layout} s{seq} b{batch} h{heads} d128 bf16:", flush=True)
-        _print_paired({"ours fwd": ours.fwd, "ours bwd": ours.bwd, "liger fwd": liger.fwd,
-                       "liger bwd": liger.bwd}, rounds, calls)
+        _print_paired(fresh, rounds, calls)
 
 
 LEAN_WARP_VARIANTS = [(4, True), (2, True), (2, False), (1, False), (1, True)]
@@ -1599,6 +1628,46 @@ def lean_one_warp(rounds: int = 4, calls: int = 50) -> None:
         _print_warm_forwards(fns)
 
 
+VECTOR_VARIANTS = [("rows", False, None, None), ("rows v2", False, False, 2),
+                   ("flag", True, None, None), ("flag v2", True, False, 2)]
+"""(name, flag, rows shared, vector) of :func:`lean_vector`, the shipped one first."""
+
+
+def lean_vector(rounds: int = 6, calls: int = 50) -> None:
+    """The lean kernel in place at its tile with at most two adjacent channels a thread (a
+    thread holds two channels of two heads at 1 x 8 of d 128, and computes their sines itself:
+    8 sine and cosine instructions, no exchange through shared memory) against its shipped
+    layout (four channels of one head, a row's sines computed once and exchanged), on angle
+    rows and through the table's linearity flag, against Liger's in-place kernels
+    (:func:`_print_paired`); then the forwards warm. Each variant is first checked bit for bit
+    against the shipped launch."""
+    for layout, seq, batch, heads in TIE_SHAPES:
+        d = 128
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
+        inp, x, _, angles, _ = _probe_inputs(shape)
+        tile = triton_rope.lean_tile(seq * batch, heads, d, x.element_size())
+        table, flag = _flagged(angles)
+        fns: dict = {}
+        for mode, src, back in (("fwd", x.clone(), False), ("bwd", inp.grad.clone(), True)):
+            want = src.clone()
+            _in_place(want, angles, None, layout, back)()
+            for name, flagged, shared, vector in VECTOR_VARIANTS:
+                tab, sin = (table, flag) if flagged else (angles, None)
+                got = src.clone()
+                _lean_at(got, got, tab, layout, back, tile, flag=sin, shared=shared,
+                         vector=vector)()
+                if not torch.equal(got, want):
+                    raise RuntimeError(f"lean {name} {mode} differs at {shape}")
+                fns[f"{name} {mode}"] = _lean_at(src, src, tab, layout, back, tile, flag=sin,
+                                                 shared=shared, vector=vector)
+        liger = bench._liger_peer(shape, inp)
+        fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+        print(f"{layout} s{seq} b{batch} h{heads} d{d} in place (lean {tile[0]}x{tile[1]}):",
+              flush=True)
+        _print_paired(fns, rounds, calls)
+        _print_warm_forwards(fns)
+
+
 if __name__ == "__main__":
     import sys
 
@@ -1615,7 +1684,8 @@ if __name__ == "__main__":
              "input-copies": input_copies, "lean-shipped": lean_shipped,
              "lean-warps": lean_warps, "sweep-orders": sweep_orders,
              "shared-sines": shared_sines, "table-bytes": table_bytes,
-             "one-head-rule": one_head_rule, "ties": ties, "lean-one-warp": lean_one_warp}
+             "one-head-rule": one_head_rule, "ties": ties, "lean-one-warp": lean_one_warp,
+             "lean-vector": lean_vector}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:

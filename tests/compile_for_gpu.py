@@ -46,8 +46,14 @@ VARIANTS = [
 LEAN = dict(
     LAYOUT=0, HEADS=8, HEAD_DIM=128, ROT_DIM=128, PASS_DIM=0, INTERLEAVED=False, USE_CACHE=False,
     PAIRED=False, RATES=False, LINEAR=False, BACKWARD=False, BLOCK_T=1, BLOCK_H=8, BLOCK_R=64,
-    BLOCK_P=1, FAST_TRIG=True, SCALE=1.0, SHARED_ROWS=True,
+    BLOCK_P=1, FAST_TRIG=True, SCALE=1.0, SHARED_ROWS=True, VECTOR=64,
 )
+# two channels a thread (triton_rope.lean_vector), on angle rows and through a linear flag
+LEAN_VECTOR_VARIANTS = [
+    ("two channels a thread", dict(SHARED_ROWS=False, VECTOR=2), "*fp32"),
+    ("two channels a thread, linear flag", dict(SHARED_ROWS=False, VECTOR=2, LINEAR=True),
+     "*i32"),
+]
 LEAN_DROPPED = ("POSITIONS", "CONTEXT_PARALLEL", "SEQ_BLOCK", "HEAD_ITERS")
 
 
@@ -92,6 +98,12 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 (reported with its variant)
             print(f"FAIL rope_lean_kernel {name}: {type(exc).__name__}: {exc}")
             return 1
+        print(f"ok rope_lean_kernel {name}")
+    for name, changes, sin_type in LEAN_VECTOR_VARIANTS:
+        compile_kernel(K.rope_lean_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16",
+                                            "tab_ptr": "*fp32", "sin_ptr": sin_type,
+                                            "cu_ptr": "*fp32", "pos_ptr": "*fp32"},
+                       {**LEAN, **changes})
         print(f"ok rope_lean_kernel {name}")
     compile_kernel(K.linear_table_kernel, {"tab_ptr": "*fp32", "flag_ptr": "*i32"},
                    dict(ROT_DIM=128, BLOCK_ROWS=32, BLOCK_C=128))

@@ -159,18 +159,20 @@ def test_rows_read_once_or_per_head(monkeypatch, launched, kind, interleaved, he
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout, seq, batch, heads, interleaved", [
-    ("sbhd", 512, 1, 8, False),  # 1 x 8 tiles, 1 MiB: the largest call it takes
-    ("bshd", 128, 2, 12, True),  # two head groups, the second masked (768 KiB)
-    ("sbhd", 128, 1, 1, False),  # 4 x 1 tiles
+@pytest.mark.parametrize("layout, seq, batch, heads, interleaved, in_place", [
+    ("sbhd", 512, 1, 8, False, False),  # 1 x 8 tiles, two channels a thread, 1 MiB: the largest
+    ("bshd", 128, 1, 8, False, True),  # likewise, in place
+    ("bshd", 128, 2, 12, True, False),  # two head groups, the second masked (768 KiB)
+    ("sbhd", 128, 1, 1, False, False),  # 4 x 1 tiles
 ])
-def test_gpu_sweep_sizes(monkeypatch, launched, layout, seq, batch, heads, interleaved):
+def test_gpu_sweep_sizes(monkeypatch, launched, layout, seq, batch, heads, interleaved,
+                         in_place):
     """At the sizes the lean kernel was built for (head dim 128, bf16), its compiled tiles
-    against the reference and the general kernel, forward and backward, out of place."""
+    against the reference and the general kernel, forward and backward."""
     case = fixed_case(layout=layout, seq=seq, batch=batch, heads=heads, head_dim=128,
                       rotary_dim=128, interleaved=interleaved, dtype=torch.bfloat16, seed=3)
     t, freqs, spec, _, angles = build(case, DEVICE, requires_grad=False)
-    check_lean_launch(t, freqs, angles, spec, monkeypatch, launched, False, "", grad_seed=2)
+    check_lean_launch(t, freqs, angles, spec, monkeypatch, launched, in_place, "", grad_seed=2)
 
 
 def test_reads_its_linear_table_through_the_flag(monkeypatch, launched):
@@ -258,21 +260,23 @@ def test_int32_offsets_hold_every_call_it_takes():
     assert triton_rope.LEAN_MAX_BYTES < 2**31
 
 
-@pytest.mark.parametrize("heads, use_cache, shared", [
-    (8, False, True),  # 1 x 8: a row's sines once for the tile's heads
-    (32, False, True),
-    (4, False, False),  # 1 x 4: the exchange costs about what the sines it saves do
-    (1, False, False),  # 4 x 1: nothing to share
-    (8, True, False),  # 1 x 8 on a cos/sin cache: no sines to share, rows read per head
-    (2, False, True),  # 2 x 2: the rows change layout either way; packed, in one round
-    (2, True, True),
+@pytest.mark.parametrize("heads, head_dim, interleaved, use_cache, shared, vector", [
+    (8, 128, False, False, False, 2),  # 1 x 8, a warp over a half row: each thread its sines
+    (32, 128, False, True, False, 64),  # on a cos/sin cache: no sines, rows read per head
+    (8, 256, False, False, True, 128),  # 1 x 8 of d 256: a row's sines once for the heads
+    (8, 128, True, False, True, 128),  # interleaved pairs: likewise
+    (4, 128, False, False, False, 64),  # 1 x 4: the exchange costs about what it saves
+    (1, 128, False, False, False, 64),  # 4 x 1: nothing to share
+    (2, 128, False, False, True, 64),  # 2 x 2: the rows change layout either way; packed
+    (2, 128, False, True, True, 64),
 ])
-def test_tiles_of_several_heads_share_a_rows_sines(heads, use_cache, shared):
+def test_how_a_lean_tile_gets_its_rows_sines(heads, head_dim, interleaved, use_cache, shared,
+                                             vector):
     _, _, consts = triton_rope._lean_arguments(
-        128, 1, heads, 128, 128, 128, 2, 0, False, (use_cache, False, False, False), False, 1.0,
-        False,
+        128, 1, heads, head_dim, head_dim, head_dim, 2, 0, interleaved,
+        (use_cache, False, False, False), False, 1.0, False,
     )
-    assert consts["SHARED_ROWS"] is shared
+    assert (consts["SHARED_ROWS"], consts["VECTOR"]) == (shared, vector)
 
 
 @pytest.mark.parametrize("tile, use_cache, shared", [
