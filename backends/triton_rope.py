@@ -189,9 +189,10 @@ SHARED_SINES_HEADS = 8
 # a thread then holds two channels of two heads and computes their 8 sines and cosines itself,
 # with no exchange and no barrier. In place after an L2 flush (H200, run AM1,
 # `scripts/tile_probe.py lean-vector`), at 128-512 tokens of 8 heads of d 128 in bf16, that
-# took 0-64 ns off the shared rows forward and 32-64 ns backward, and led Liger's in-place
-# kernels at every point (sbhd s128 forward 1.760 against 1.792 us; 95% interval of the
-# paired difference -65 to -33 ns), on angle rows and through a linear table's flag alike.
+# took 0-64 ns off the shared rows forward and 32-64 ns backward, on angle rows and through a
+# linear table's flag alike. With every buffer placed anew for each trace (run AM4, `ties`)
+# Liger's in-place forward stayed one 32 ns step ahead at 128 tokens of 8 heads (two to three
+# with the shared rows), and ours was level or ahead at 512 tokens and at batch 4.
 LEAN_VECTOR = 2
 
 

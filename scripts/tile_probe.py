@@ -1638,8 +1638,7 @@ def lean_vector(rounds: int = 6, calls: int = 50) -> None:
     8 sine and cosine instructions, no exchange through shared memory; shipped in run AM) and
     the layout before it (four channels of one head, a row's sines computed once and
     exchanged), on angle rows and through the table's linearity flag, against Liger's
-    in-place kernels
-    (:func:`_print_paired`); then the forwards warm. Each variant is first checked bit for bit
+    in-place kernels (:func:`_print_paired`); then the forwards warm. Each variant is first checked bit for bit
     against the shipped launch."""
     for layout, seq, batch, heads in TIE_SHAPES:
         d = 128
