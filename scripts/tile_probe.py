@@ -1594,37 +1594,50 @@ def ties(rounds: int = 12, calls: int = 40) -> None:
         _print_paired(fresh, rounds, calls)
 
 
-LEAN_WARP_VARIANTS = [(4, True), (2, True), (2, False), (1, False), (1, True)]
-"""(warps, rows shared) of :func:`lean_one_warp`, the shipped one first."""
-
-
-def lean_one_warp(rounds: int = 4, calls: int = 50) -> None:
-    """The lean kernel in place at its tile on 4, 2 and 1 warps, a row's sines shared through
-    shared memory or computed where its heads use them (on one warp a thread holds all eight
-    heads of its channels: no exchange, no barrier, 8 sine and cosine instructions a thread),
-    against Liger's in-place kernels where it led (:func:`_print_paired`); then the forwards
-    warm. Each variant is first checked bit for bit against the shipped launch."""
+def _lean_variants_in_place(variants: dict[str, dict], rounds: int, calls: int) -> None:
+    """Each of ``variants`` (a name: :func:`_lean_at`'s keyword arguments, ``flag=True`` for
+    the table read through its linearity flag) in place at the lean tile of each of
+    ``TIE_SHAPES``, first checked bit for bit against the shipped launch, then against Liger's
+    in-place kernels (:func:`_print_paired`) and the forwards warm."""
     for layout, seq, batch, heads in TIE_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
         inp, x, _, angles, _ = _probe_inputs(shape)
         tile = triton_rope.lean_tile(seq * batch, heads, 128, x.element_size())
+        flagged = any(kwargs.get("flag") for kwargs in variants.values())
+        table, flag = _flagged(angles) if flagged else (angles, None)
         fns: dict = {}
         for mode, src, back in (("fwd", x.clone(), False), ("bwd", inp.grad.clone(), True)):
             want = src.clone()
             _in_place(want, angles, None, layout, back)()
-            for warps, shared in LEAN_WARP_VARIANTS:
+            for name, kwargs in variants.items():
+                tab, sin = (table, flag) if kwargs.get("flag") else (angles, None)
+                at = {**kwargs, "flag": sin}
                 got = src.clone()
-                _lean_at(got, got, angles, layout, back, tile, warps, shared=shared)()
+                _lean_at(got, got, tab, layout, back, tile, **at)()
                 if not torch.equal(got, want):
-                    raise RuntimeError(f"lean w{warps} shared={shared} {mode} differs at {shape}")
-                fns[f"w{warps} {'shared' if shared else 'own'} {mode}"] = _lean_at(
-                    src, src, angles, layout, back, tile, warps, shared=shared)
+                    raise RuntimeError(f"lean {name} {mode} differs at {shape}")
+                fns[f"{name} {mode}"] = _lean_at(src, src, tab, layout, back, tile, **at)
         liger = bench._liger_peer(shape, inp)
         fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
         print(f"{layout} s{seq} b{batch} h{heads} d128 in place (lean {tile[0]}x{tile[1]}):",
               flush=True)
         _print_paired(fns, rounds, calls)
         _print_warm_forwards(fns)
+
+
+LEAN_WARP_VARIANTS = [(4, True), (2, True), (2, False), (1, False), (1, True)]
+"""(warps, rows shared) of :func:`lean_one_warp`, the one shipped before run AM first."""
+
+
+def lean_one_warp(rounds: int = 4, calls: int = 50) -> None:
+    """The lean kernel in place at its tile on 4, 2 and 1 warps, a row's sines shared through
+    shared memory or computed where its heads use them (on one warp a thread holds all eight
+    heads of its channels: no exchange, no barrier, 8 sine and cosine instructions a thread),
+    against Liger's in-place kernels where it led (:func:`_lean_variants_in_place`), all at
+    the compiler's own layout (four channels a thread at 1 x 8, as run AL3 timed them)."""
+    _lean_variants_in_place(
+        {f"w{warps} {'shared' if shared else 'own'}": dict(warps=warps, shared=shared, vector=64)
+         for warps, shared in LEAN_WARP_VARIANTS}, rounds, calls)
 
 
 VECTOR_VARIANTS = [("rows v2", False, False, 2), ("rows", False, True, 64),
@@ -1638,33 +1651,10 @@ def lean_vector(rounds: int = 6, calls: int = 50) -> None:
     8 sine and cosine instructions, no exchange through shared memory; shipped in run AM) and
     the layout before it (four channels of one head, a row's sines computed once and
     exchanged), on angle rows and through the table's linearity flag, against Liger's
-    in-place kernels (:func:`_print_paired`); then the forwards warm. Each variant is first checked bit for bit
-    against the shipped launch."""
-    for layout, seq, batch, heads in TIE_SHAPES:
-        d = 128
-        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, d, d)
-        inp, x, _, angles, _ = _probe_inputs(shape)
-        tile = triton_rope.lean_tile(seq * batch, heads, d, x.element_size())
-        table, flag = _flagged(angles)
-        fns: dict = {}
-        for mode, src, back in (("fwd", x.clone(), False), ("bwd", inp.grad.clone(), True)):
-            want = src.clone()
-            _in_place(want, angles, None, layout, back)()
-            for name, flagged, shared, vector in VECTOR_VARIANTS:
-                tab, sin = (table, flag) if flagged else (angles, None)
-                got = src.clone()
-                _lean_at(got, got, tab, layout, back, tile, flag=sin, shared=shared,
-                         vector=vector)()
-                if not torch.equal(got, want):
-                    raise RuntimeError(f"lean {name} {mode} differs at {shape}")
-                fns[f"{name} {mode}"] = _lean_at(src, src, tab, layout, back, tile, flag=sin,
-                                                 shared=shared, vector=vector)
-        liger = bench._liger_peer(shape, inp)
-        fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
-        print(f"{layout} s{seq} b{batch} h{heads} d{d} in place (lean {tile[0]}x{tile[1]}):",
-              flush=True)
-        _print_paired(fns, rounds, calls)
-        _print_warm_forwards(fns)
+    in-place kernels (:func:`_lean_variants_in_place`)."""
+    _lean_variants_in_place(
+        {name: dict(flag=flagged, shared=shared, vector=vector)
+         for name, flagged, shared, vector in VECTOR_VARIANTS}, rounds, calls)
 
 
 if __name__ == "__main__":
