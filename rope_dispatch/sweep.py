@@ -50,7 +50,7 @@ from rope_dispatch.bench import (
 )
 
 LAYOUTS = ("sbhd", "bshd", "thd")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SEQ_LENS = (128, 512, 2048, 8192, 32768, 131072)
 SIDE_SEQ_LENS = (2048, 32768)  # the head-dim and partial-rotary series: a short and a long point
 QUICK_SEQ_LENS = (512, 8192)
@@ -106,7 +106,7 @@ QUICK_SERIES = (
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The command line's name for ``dtype`` (bf16, fp32)."""
+    """The command line's name for ``dtype`` (bf16, fp16, fp32)."""
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
@@ -780,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated layouts (default: sbhd,bshd,thd)")
     parser.add_argument("--dtypes", default="bf16",
                         type=lambda s: _choices(s, DTYPES, "unknown dtype"),
-                        help="comma-separated dtypes from bf16, fp32 (default: bf16)")
+                        help="comma-separated dtypes from bf16, fp16, fp32 (default: bf16)")
     parser.add_argument("--quick", action="store_true", help="a handful of points: a smoke run")
     parser.add_argument("--no-peers", action="store_true", help="skip TransformerEngine and Liger")
     args = parser.parse_args(argv)

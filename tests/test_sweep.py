@@ -13,13 +13,13 @@ from rope_dispatch import bench, sweep
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the triton backend: CUDA, else its interpreter
 
-BOTH_DTYPES = [torch.bfloat16, torch.float32]
+EVERY_DTYPE = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def test_points_cover_every_layout_and_dtype():
-    points = sweep.sweep_points(sweep.LAYOUTS, BOTH_DTYPES)
+    points = sweep.sweep_points(sweep.LAYOUTS, EVERY_DTYPE)
     assert {(p.layout, p.dtype) for p in points} == {
-        (layout, dtype) for layout in sweep.LAYOUTS for dtype in BOTH_DTYPES
+        (layout, dtype) for layout in sweep.LAYOUTS for dtype in EVERY_DTYPE
     }
 
 
@@ -44,11 +44,11 @@ def test_partial_rotary_point_is_present():
 
 
 def test_size_cap_is_respected_and_leaves_out_the_largest_fp32_points():
-    kept = sweep.sweep_points(sweep.LAYOUTS, BOTH_DTYPES)
+    kept = sweep.sweep_points(sweep.LAYOUTS, EVERY_DTYPE)
     assert all(p.tensor_bytes() <= sweep.MAX_TENSOR_BYTES for p in kept)
     every = [
         sweep.make_point(layout, dtype, series, seq)
-        for layout in sweep.LAYOUTS for dtype in BOTH_DTYPES
+        for layout in sweep.LAYOUTS for dtype in EVERY_DTYPE
         for series in sweep.SERIES for seq in series.seq_lens
     ]
     dropped = [p for p in every if p.name not in {k.name for k in kept}]
@@ -56,7 +56,7 @@ def test_size_cap_is_respected_and_leaves_out_the_largest_fp32_points():
 
 
 def test_point_names_are_unique():
-    names = [p.name for p in sweep.sweep_points(sweep.LAYOUTS, BOTH_DTYPES)]
+    names = [p.name for p in sweep.sweep_points(sweep.LAYOUTS, EVERY_DTYPE)]
     assert len(names) == len(set(names))
 
 
