@@ -28,7 +28,9 @@ the shipped lean kernel against the general one and Liger's at small calls, and 
 per head, against Liger's; ``table-bytes``, ours in place on tables of 256 or 512 bytes a token
 against Liger's; ``one-head-rule``, tokens a program for one-head calls the L2 holds;
 ``ties``, ours in place against Liger's where it led by a tenth of a microsecond, with the
-paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps."""
+paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps; ``lean-vector``, two channels a
+thread at 1 x 8 tiles; ``float32-resident``, tiles for float32 calls of 32 MiB, warm and
+flushed."""
 from __future__ import annotations
 
 import random
@@ -1640,6 +1642,43 @@ def lean_one_warp(rounds: int = 4, calls: int = 50) -> None:
          for warps, shared in LEAN_WARP_VARIANTS}, rounds, calls)
 
 
+FLOAT32_RESIDENT_SHAPES = [  # (layout, seq, batch, heads): float32 d 128, 32 MiB (run AN)
+    ("sbhd", 2048, 1, 32), ("sbhd", 8192, 1, 8), ("sbhd", 2048, 4, 8),
+]
+FLOAT32_RESIDENT_TILES = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps)
+    (8, 2, 1, 4), (8, 4, 1, 4), (4, 4, 1, 4), (1, 4, 1, 4), (1, 8, 1, 4), (2, 8, 1, 4),
+    (4, 8, 1, 4), (1, 16, 1, 4), (2, 16, 1, 4), (1, 32, 1, 4),
+]
+
+
+def float32_resident(rounds: int = 2) -> None:
+    """float32 calls of 32 MiB, which the L2 holds in place but ``choose_config`` tiles as
+    streamed from DRAM (above ``RESIDENT_BYTES``): ours in place at explicit tiles (the table's
+    rows read, as a captured call reads them) against Liger's in-place kernels, warm (replayed
+    from a CUDA graph, on its own output and with the input written by a copy before each
+    call) and after an L2 flush (the profiler), forward and backward, ``rounds`` times."""
+    for layout, seq, batch, heads in FLOAT32_RESIDENT_SHAPES:
+        shape = bench.Shape("probe", layout, torch.float32, seq, batch, heads, 128, 128)
+        inp, x, _, angles, _ = _probe_inputs(shape)
+        g, source = inp.grad, x.clone()
+        default, fns = _in_place_tile_calls(FLOAT32_RESIDENT_TILES, x, g, angles, layout, 128)
+        liger = bench._liger_peer(shape, inp)
+        fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+        print(f"{layout} s{seq} b{batch} h{heads} d128 fp32 in place (default tile "
+              f"{default[0]}x{default[1]}x{default[2]}/{default[5]}w):", flush=True)
+        for _ in range(rounds):
+            forwards = {name[:-4]: fn for name, fn in fns.items() if name.endswith("fwd")}
+            warm = {name: bench.graph_replay_us(fn) for name, fn in forwards.items()}
+            written = {name: bench.written_replay_us(
+                fn, liger.rewrite if name == "liger" else lambda: x.copy_(source))
+                for name, fn in forwards.items()}
+            for what, us in (("warm fwd", warm), ("written fwd", written)):
+                print(f"   {what}: " + " | ".join(f"{n} {t:.2f}" for n, t in us.items()),
+                      flush=True)
+        _print_cold_traces(fns, rounds, calls=30)
+        del x, g, source
+
+
 VECTOR_VARIANTS = [("rows v2", False, False, 2), ("rows", False, True, 64),
                    ("flag v2", True, False, 2), ("flag", True, True, 64)]
 """(name, flag, rows shared, vector) of :func:`lean_vector`, the shipped one first."""
@@ -1674,7 +1713,7 @@ if __name__ == "__main__":
              "lean-warps": lean_warps, "sweep-orders": sweep_orders,
              "shared-sines": shared_sines, "table-bytes": table_bytes,
              "one-head-rule": one_head_rule, "ties": ties, "lean-one-warp": lean_one_warp,
-             "lean-vector": lean_vector}
+             "lean-vector": lean_vector, "float32-resident": float32_resident}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
