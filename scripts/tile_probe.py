@@ -28,9 +28,9 @@ the shipped lean kernel against the general one and Liger's at small calls, and 
 per head, against Liger's; ``table-bytes``, ours in place on tables of 256 or 512 bytes a token
 against Liger's; ``one-head-rule``, tokens a program for one-head calls the L2 holds;
 ``ties``, ours in place against Liger's where it led by a tenth of a microsecond, with the
-paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps; ``lean-vector``, two channels a
-thread at 1 x 8 tiles; ``float32-resident``, tiles for float32 calls of 32 MiB, warm and
-flushed."""
+paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps;
+``lean-vector``, two channels a thread at 1 x 8 tiles; ``float32-resident``, tiles for float32
+calls of 32 MiB, warm and flushed."""
 from __future__ import annotations
 
 import random
@@ -1642,6 +1642,23 @@ def lean_one_warp(rounds: int = 4, calls: int = 50) -> None:
          for warps, shared in LEAN_WARP_VARIANTS}, rounds, calls)
 
 
+VECTOR_VARIANTS = [("rows v2", False, False, 2), ("rows", False, True, 64),
+                   ("flag v2", True, False, 2), ("flag", True, True, 64)]
+"""(name, flag, rows shared, vector) of :func:`lean_vector`, the shipped one first."""
+
+
+def lean_vector(rounds: int = 6, calls: int = 50) -> None:
+    """The lean kernel in place at its tile with at most two adjacent channels a thread (a
+    thread holds two channels of two heads at 1 x 8 of d 128, and computes their sines itself:
+    8 sine and cosine instructions, no exchange through shared memory; shipped in run AM) and
+    the layout before it (four channels of one head, a row's sines computed once and
+    exchanged), on angle rows and through the table's linearity flag, against Liger's
+    in-place kernels (:func:`_lean_variants_in_place`)."""
+    _lean_variants_in_place(
+        {name: dict(flag=flagged, shared=shared, vector=vector)
+         for name, flagged, shared, vector in VECTOR_VARIANTS}, rounds, calls)
+
+
 FLOAT32_RESIDENT_SHAPES = [  # (layout, seq, batch, heads): float32 d 128, 32 MiB (run AN)
     ("sbhd", 2048, 1, 32), ("sbhd", 8192, 1, 8), ("sbhd", 2048, 4, 8),
 ]
@@ -1677,24 +1694,6 @@ def float32_resident(rounds: int = 2) -> None:
                       flush=True)
         _print_cold_traces(fns, rounds, calls=30)
         del x, g, source
-
-
-VECTOR_VARIANTS = [("rows v2", False, False, 2), ("rows", False, True, 64),
-                   ("flag v2", True, False, 2), ("flag", True, True, 64)]
-"""(name, flag, rows shared, vector) of :func:`lean_vector`, the shipped one first."""
-
-
-def lean_vector(rounds: int = 6, calls: int = 50) -> None:
-    """The lean kernel in place at its tile with at most two adjacent channels a thread (a
-    thread holds two channels of two heads at 1 x 8 of d 128, and computes their sines itself:
-    8 sine and cosine instructions, no exchange through shared memory; shipped in run AM) and
-    the layout before it (four channels of one head, a row's sines computed once and
-    exchanged), on angle rows and through the table's linearity flag, against Liger's
-    in-place kernels (:func:`_lean_variants_in_place`)."""
-    _lean_variants_in_place(
-        {name: dict(flag=flagged, shared=shared, vector=vector)
-         for name, flagged, shared, vector in VECTOR_VARIANTS}, rounds, calls)
-
 
 if __name__ == "__main__":
     import sys
