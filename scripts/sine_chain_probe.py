@@ -97,13 +97,10 @@ def _variant_modules() -> dict[str, ModuleType]:
 def _lean(module: ModuleType, x: torch.Tensor, table: torch.Tensor, layout: str,
           backward: bool) -> Callable[[], object]:
     """``module``'s lean kernel in place on ``x`` at the launcher's tile, reading ``table``'s
-    rows, as a call of no argument."""
+    rows, as a call of no argument (:func:`tile_probe._lean_at`)."""
     n0, dim1, heads, d = x.shape
-    grid, ints, consts = triton_rope._lean_arguments(
-        n0 * dim1, dim1, heads, d, d, d, x.element_size(), 0 if layout == "sbhd" else 1, False,
-        (False, False, False, False), backward, 1.0, False)
-    kernel = module.rope_lean_kernel
-    return lambda: kernel[grid](x, x, table, table, table, table, *ints, **consts)
+    tile = triton_rope.lean_tile(n0 * dim1, heads, d, x.element_size())
+    return tile_probe._lean_at(x, x, table, layout, backward, tile, kernels=module)
 
 
 def accuracy(modules: dict[str, ModuleType]) -> None:

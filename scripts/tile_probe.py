@@ -36,6 +36,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -1267,14 +1268,15 @@ LEAN_SHIPPED_TILES = [(1, 8), (2, 8), (1, 4), (2, 4), (2, 2), (4, 1), (2, 1), (8
 def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: str,
              backward: bool, tile: tuple[int, int], warps: int = triton_rope.WARPS,
              flag: torch.Tensor | None = None, shared: bool | None = None,
-             vector: int | None = None):
+             vector: int | None = None, kernels: ModuleType | None = None):
     """The lean kernel at ``tile`` on ``warps`` warps on ``src`` into ``dst`` (``src``
     itself: in place), the table's rows read (through its linearity ``flag`` where given), as
     a call of no argument (Triton's own launch: the profiler times the kernel alone); a row's
     sines ``shared`` across the tile's heads or not, at most ``vector`` adjacent channels a
-    thread (None: as the launcher decides)."""
+    thread (None: as the launcher decides); from the kernel module ``kernels`` (None: the
+    shipped one)."""
     n0, dim1, heads, d = src.shape
-    kernels = triton_rope._load_kernels()
+    kernels = kernels or triton_rope._load_kernels()
     grid, ints, consts = triton_rope._lean_arguments(
         n0 * dim1, dim1, heads, d, d, d, src.element_size(), 0 if layout == "sbhd" else 1, False,
         (False, False, False, flag is not None), backward, 1.0, kernels.INTERPRETED,
