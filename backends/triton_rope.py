@@ -106,7 +106,10 @@ MIN_TILE_ROWS = 1
 # dim 256; with the L2 flushed the tiles were level within the noise of those 5-15 us calls.
 # One token of 32 heads ran slower than 16 heads both ways. A call that also copies
 # pass-through channels (partial rotary, out of place) keeps 8 x 4: 2 x 16 ran 7% slower warm
-# at 2,048 tokens of 32 heads with rotary dim 64 (run T).
+# at 2,048 tokens of 32 heads with rotary dim 64 (run T). The bound counts an out-of-place
+# call's input and output; a call in place of up to twice it also fits, but counting those
+# resident took 1.6-2% off their time with the input written before each call and put 1.4-2%
+# on it after a flush (run AO2, `scripts/tile_probe.py resident-rules`), so it is not done.
 RESIDENT_BYTES = 16 << 20
 RESIDENT_HEADS = 16
 # Such a tile holds at least RESIDENT_ROWS (token, head) rows of 16-bit data, half as many of

@@ -30,7 +30,9 @@ against Liger's; ``one-head-rule``, tokens a program for one-head calls the L2 h
 ``ties``, ours in place against Liger's where it led by a tenth of a microsecond, with the
 paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps;
 ``lean-vector``, two channels a thread at 1 x 8 tiles; ``float32-resident``, tiles for float32
-calls of 32 MiB, warm and flushed."""
+calls of 32 MiB, warm and flushed; ``in-place-resident``, the same for calls of 16-32 MiB in
+place, float32 and bf16; ``resident-rules``, candidate rules for them at the
+sweep's points of 1-32 MiB."""
 from __future__ import annotations
 
 import random
@@ -377,6 +379,31 @@ def row_tiles(rounds: int = 3) -> None:
     }, rounds, ROW_TILE_SHAPES)
 
 
+def _rule_calls(
+    configs: dict[str, tuple[tuple, tuple]], shape: bench.Shape, inp: bench.Inputs,
+    table: torch.Tensor, sin: torch.Tensor | None, out: torch.Tensor, x: torch.Tensor,
+    g: torch.Tensor,
+) -> tuple[dict, Any]:
+    """For each rule (``name: (tile out of place, tile in place)``) a forward and a backward
+    out of place (``inp``'s tensors into ``out``) and in place (on ``x`` and ``g``), named
+    ``"<rule> fwd"``, ``"bwd"``, ``"ip fwd"`` and ``"ip bwd"``; with Liger's in-place kernels
+    as ``"liger ip fwd"`` and ``"liger ip bwd"`` where it takes the point. Returns them and
+    Liger's peer (or None)."""
+    fns = {}
+    for name, (config, ip_config) in configs.items():
+        for mode, src, dst, back, c in (
+                ("fwd", inp.t, out, False, config), ("bwd", inp.grad, out, True, config),
+                ("ip fwd", x, x, False, ip_config), ("ip bwd", g, g, True, ip_config)):
+            fns[f"{name} {mode}"] = (
+                lambda src=src, dst=dst, back=back, c=c: triton_rope.launch(
+                    src, dst, table, sin, inp.cu_seqlens, None, shape.layout, False, 1.0, 1, 0,
+                    back, config=c, copy_pass=False))
+    liger = bench._liger_peer(shape, inp)
+    if liger is not None:
+        fns["liger ip fwd"], fns["liger ip bwd"] = liger.fwd, liger.bwd
+    return fns, liger
+
+
 def compare_rules(rules: dict, rounds: int = 2, extra: list | None = None,
                   rates: bool = False) -> None:
     """Tile rules (``name: rule(n_tokens, heads, head_dim, rotary_dim, element_size,
@@ -407,17 +434,8 @@ def compare_rules(rules: dict, rounds: int = 2, extra: list | None = None,
                               inp.t.element_size(), False) for name, rule in rules.items()}
         if len(set(configs.values())) == 1:
             continue
-        fns = {}
-        for name, config in configs.items():
-            for mode, src, dst, back in (("fwd", inp.t, out, False), ("bwd", inp.grad, out, True),
-                                         ("ip fwd", x, x, False), ("ip bwd", g, g, True)):
-                fns[f"{name} {mode}"] = (
-                    lambda src=src, dst=dst, back=back, config=config: triton_rope.launch(
-                        src, dst, table, sin, inp.cu_seqlens, None, shape.layout, False, 1.0,
-                        1, 0, back, config=config, copy_pass=False))
-        liger = bench._liger_peer(shape, inp)
-        if liger is not None:
-            fns["liger ip fwd"], fns["liger ip bwd"] = liger.fwd, liger.bwd
+        fns, liger = _rule_calls({name: (c, c) for name, c in configs.items()}, shape, inp,
+                                 table, sin, out, x, g)
         traces = [bench.cold_kernel_us(fns, calls=30) for _ in range(rounds)]
         cold = {key: statistics.median(t[key] for t in traces) for key in fns}
         warm = {name: bench.graph_replay_us(fns[f"{name} fwd"]) for name in rules}
@@ -1661,29 +1679,41 @@ def lean_vector(rounds: int = 6, calls: int = 50) -> None:
          for name, flagged, shared, vector in VECTOR_VARIANTS}, rounds, calls)
 
 
-FLOAT32_RESIDENT_SHAPES = [  # (layout, seq, batch, heads): float32 d 128, 32 MiB (run AN)
-    ("sbhd", 2048, 1, 32), ("sbhd", 8192, 1, 8), ("sbhd", 2048, 4, 8),
+FLOAT32_RESIDENT_SHAPES = [  # (layout, seq, batch, heads, head_dim, dtype): 32 MiB (run AN)
+    ("sbhd", 2048, 1, 32, 128, torch.float32), ("sbhd", 8192, 1, 8, 128, torch.float32),
+    ("sbhd", 2048, 4, 8, 128, torch.float32),
 ]
-FLOAT32_RESIDENT_TILES = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps)
+IN_PLACE_RESIDENT_SHAPES = [  # 16-32 MiB in place, float32 and bf16 (run AO)
+    *FLOAT32_RESIDENT_SHAPES,
+    ("bshd", 1536, 1, 32, 128, torch.float32), ("sbhd", 4096, 1, 16, 128, torch.float32),
+    ("sbhd", 1024, 1, 32, 128, torch.float32), ("sbhd", 4096, 1, 8, 256, torch.float32),
+    ("sbhd", 4096, 1, 32, 128, torch.bfloat16), ("sbhd", 16384, 1, 8, 128, torch.bfloat16),
+    ("bshd", 3072, 1, 32, 128, torch.bfloat16), ("sbhd", 4096, 2, 16, 128, torch.bfloat16),
+    ("sbhd", 4096, 1, 16, 256, torch.bfloat16),
+]
+RESIDENT_TILES = [  # (BLOCK_T, BLOCK_H, HEAD_ITERS, num_warps)
     (8, 2, 1, 4), (8, 4, 1, 4), (4, 4, 1, 4), (1, 4, 1, 4), (1, 8, 1, 4), (2, 8, 1, 4),
-    (4, 8, 1, 4), (1, 16, 1, 4), (2, 16, 1, 4), (1, 32, 1, 4),
+    (4, 8, 1, 4), (8, 8, 1, 4), (1, 16, 1, 4), (2, 16, 1, 4), (4, 16, 1, 4), (1, 32, 1, 4),
 ]
 
 
-def float32_resident(rounds: int = 2) -> None:
-    """float32 calls of 32 MiB, which the L2 holds in place but ``choose_config`` tiles as
-    streamed from DRAM (above ``RESIDENT_BYTES``): ours in place at explicit tiles (the table's
-    rows read, as a captured call reads them) against Liger's in-place kernels, warm (replayed
-    from a CUDA graph, on its own output and with the input written by a copy before each
-    call) and after an L2 flush (the profiler), forward and backward, ``rounds`` times."""
-    for layout, seq, batch, heads in FLOAT32_RESIDENT_SHAPES:
-        shape = bench.Shape("probe", layout, torch.float32, seq, batch, heads, 128, 128)
+def in_place_resident(shapes: list, rounds: int = 2) -> None:
+    """Calls the L2 holds in place but ``choose_config`` tiles as streamed from DRAM (above
+    ``RESIDENT_BYTES``), with smaller ones as controls: ours in place at explicit tiles (the
+    table's rows read, as a captured call reads them) against Liger's in-place kernels, warm
+    (replayed from a CUDA graph, on its own output and with the input written by a copy before
+    each call) and after an L2 flush (the profiler), forward and backward, ``rounds`` times.
+    Tiles of more than 16 KiB are left out."""
+    for layout, seq, batch, heads, d, dtype in shapes:
+        shape = bench.Shape("probe", layout, dtype, seq, batch, heads, d, d)
         inp, x, _, angles, _ = _probe_inputs(shape)
         g, source = inp.grad, x.clone()
-        default, fns = _in_place_tile_calls(FLOAT32_RESIDENT_TILES, x, g, angles, layout, 128)
+        tiles = [t for t in RESIDENT_TILES if t[0] * t[1] * d * x.element_size() <= 16384]
+        default, fns = _in_place_tile_calls(tiles, x, g, angles, layout, d)
         liger = bench._liger_peer(shape, inp)
         fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
-        print(f"{layout} s{seq} b{batch} h{heads} d128 fp32 in place (default tile "
+        print(f"{layout} s{seq} b{batch} h{heads} d{d} {str(dtype)[6:]} in place, "
+              f"{x.numel() * x.element_size() >> 20} MiB (default tile "
               f"{default[0]}x{default[1]}x{default[2]}/{default[5]}w):", flush=True)
         for _ in range(rounds):
             forwards = {name[:-4]: fn for name, fn in fns.items() if name.endswith("fwd")}
@@ -1696,6 +1726,107 @@ def float32_resident(rounds: int = 2) -> None:
                       flush=True)
         _print_cold_traces(fns, rounds, calls=30)
         del x, g, source
+
+
+RESIDENT_RULE_EXTRA = [  # in place, 24-32 MiB of 16-32 heads (run AO1)
+    ("bshd", 3072, 1, 32, 128), ("sbhd", 4096, 1, 32, 128), ("sbhd", 4096, 2, 16, 128),
+    ("sbhd", 4096, 1, 16, 256),
+]
+
+
+def _patched_rule(rows_f32: int | None = None, heads_f32: int | None = None,
+                  in_place_bytes: int | None = None):
+    """A candidate ``choose_config(..., in_place)``: the rule in use with, for float32 tiles of
+    the resident rule, at least ``rows_f32`` rows and at most ``heads_f32`` heads, and calls
+    in place counted resident up to ``in_place_bytes``; None keeps what is in use."""
+
+    def rule(n_tokens, heads, head_dim, rotary_dim, element_size, interleaved, in_place):
+        saved = (triton_rope.RESIDENT_ROWS, triton_rope.RESIDENT_HEADS,
+                 triton_rope.RESIDENT_BYTES)
+        try:
+            if element_size == 4 and rows_f32:
+                triton_rope.RESIDENT_ROWS = rows_f32 * element_size // 2
+            if element_size == 4 and heads_f32:
+                triton_rope.RESIDENT_HEADS = heads_f32
+            if in_place and in_place_bytes:
+                triton_rope.RESIDENT_BYTES = in_place_bytes
+            return triton_rope.choose_config(n_tokens, heads, head_dim, rotary_dim,
+                                             element_size, interleaved,
+                                             triton_rope._sm_count(0))
+        finally:
+            (triton_rope.RESIDENT_ROWS, triton_rope.RESIDENT_HEADS,
+             triton_rope.RESIDENT_BYTES) = saved
+
+    return rule
+
+
+def resident_rules(rounds: int = 2) -> None:
+    """Candidate rules for calls the L2 holds, at the sweep's full-rotary points of 1-32 MiB
+    (sbhd and thd, bf16 and float32) and ``RESIDENT_RULE_EXTRA``, the table's rows read, where
+    the rules' tiles differ: kernel us after an L2 flush (profiler, ``rounds`` traces, median)
+    out of place and in place, forward and backward; forward warm out of place (a CUDA graph)
+    and in place with the input written before each call; Liger's in-place kernels beside
+    them. Then each rule's geometric means over the first's, and where Liger was faster in
+    place (flushed forward, and written)."""
+    from rope_dispatch import sweep
+
+    rules = {"current": _patched_rule(),
+             "f32 4x8": _patched_rule(rows_f32=32, heads_f32=8),
+             "ip 32M": _patched_rule(in_place_bytes=32 << 20),
+             "f32 4x8 + ip 32M": _patched_rule(rows_f32=32, heads_f32=8,
+                                               in_place_bytes=32 << 20)}
+    first = next(iter(rules))
+    modes = ("fwd", "bwd", "ip fwd", "ip bwd", "warm", "written")
+    ratios = {(name, mode): [] for name in rules for mode in modes}
+    behind = {(name, mode): 0 for name in rules for mode in ("ip fwd", "written")}
+    points = [p for p in sweep.sweep_points(("sbhd", "thd"), (torch.bfloat16, torch.float32))
+              if 1 << 20 < p.tensor_bytes() <= 32 << 20 and p.rotary_dim == p.head_dim]
+    points += [bench.Shape(f"{lay} s{s} b{b} h{h} d{d} bf16 (extra)", lay, torch.bfloat16,
+                           s, b, h, d, d) for lay, s, b, h, d in RESIDENT_RULE_EXTRA]
+    for shape in points:
+        inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
+        table = inp.freqs.view(inp.freqs.shape[0], -1)
+        x, g, source = inp.t.clone(), inp.grad.clone(), inp.t.clone()
+        out = torch.empty_like(inp.t)
+        tokens = shape.seq * (1 if shape.layout == "thd" else shape.batch)
+        size = inp.t.element_size()
+        configs = {name: tuple(rule(tokens, shape.heads, shape.head_dim, shape.rotary_dim,
+                                    size, False, in_place) for in_place in (False, True))
+                   for name, rule in rules.items()}
+        if len(set(configs.values())) == 1:
+            continue
+        fns, liger = _rule_calls(configs, shape, inp, table, None, out, x, g)
+        traces = [bench.cold_kernel_us(fns, calls=30) for _ in range(rounds)]
+        us = {key: statistics.median(t[key] for t in traces) for key in fns}
+        for name in rules:
+            us[f"{name} warm"] = bench.graph_replay_us(fns[f"{name} fwd"])
+            us[f"{name} written"] = bench.written_replay_us(fns[f"{name} ip fwd"],
+                                                            lambda: x.copy_(source))
+        if liger is not None:
+            us["liger written"] = bench.written_replay_us(liger.fwd, liger.rewrite)
+        cells = []
+        for name, (config, ip_config) in configs.items():
+            for mode in modes:
+                ratios[name, mode].append(us[f"{name} {mode}"] / us[f"{first} {mode}"])
+            if liger is not None:
+                for mode in ("ip fwd", "written"):
+                    behind[name, mode] += us[f"liger {mode}"] < us[f"{name} {mode}"]
+            cells.append(f"{name} {config[0]}x{config[1]}/{ip_config[0]}x{ip_config[1]} "
+                         + "/".join(f"{us[f'{name} {m}']:.2f}" for m in modes))
+        if liger is not None:
+            cells.append(f"liger {us['liger ip fwd']:.2f}/{us['liger ip bwd']:.2f}/"
+                         f"{us['liger written']:.2f}")
+        print(f"{shape.name}: " + " | ".join(cells), flush=True)
+        del inp, x, g, out, source
+    print("us: fwd/bwd out of place, fwd/bwd in place after an L2 flush; fwd warm out of "
+          f"place; fwd in place written before. Over '{first}' (geometric mean over the "
+          "points whose tiles differ):")
+    for name in rules:
+        means = ", ".join(f"{m} {statistics.geometric_mean(ratios[name, m]):.3f}"
+                          for m in modes)
+        print(f"  {name:>16}: {means}; Liger faster in place at {behind[name, 'ip fwd']} "
+              f"flushed, {behind[name, 'written']} written")
+
 
 if __name__ == "__main__":
     import sys
@@ -1714,7 +1845,10 @@ if __name__ == "__main__":
              "lean-warps": lean_warps, "sweep-orders": sweep_orders,
              "shared-sines": shared_sines, "table-bytes": table_bytes,
              "one-head-rule": one_head_rule, "ties": ties, "lean-one-warp": lean_one_warp,
-             "lean-vector": lean_vector, "float32-resident": float32_resident}
+             "lean-vector": lean_vector,
+             "float32-resident": lambda: in_place_resident(FLOAT32_RESIDENT_SHAPES),
+             "in-place-resident": lambda: in_place_resident(IN_PLACE_RESIDENT_SHAPES),
+             "resident-rules": resident_rules}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
