@@ -197,6 +197,17 @@ SHARED_SINES_HEADS = 8
 # Liger's in-place forward stayed one 32 ns step ahead at 128 tokens of 8 heads (two to three
 # with the shared rows), and ours was level or ahead at 512 tokens and at batch 4.
 LEAN_VECTOR = 2
+# A launch over tensors of different head counts (q and k of MQA, one key head) fits its tile
+# to the one with the fewest, but outside streamed tiles gives it at least this many bytes of
+# one token's heads of the widest tensor (the others mask the heads they lack): at 32 tokens x
+# 1 head, q's rows are 256-byte pieces 8 KiB apart at 32 heads of d 128 in bf16. The q+k
+# forward there (bshd, one key head, out of place; H200, the profiler after an L2 flush,
+# `scripts/tile_probe.py mqa-tiles`, runs AO5 and AO6), with a model's table read as rates:
+# 32 query heads at 2,048-32,768 tokens, 32 x 1 at 73-78% of a copy's time, 16 x 2 at 97-99%
+# (66-67% and 94-96% with the table's rows read); 8 query heads at 2,048 tokens, 32 x 1 at
+# 65-68%, 16 x 2 at 92-93%. Streamed 2 KiB tiles keep one head: 8 x 1 ran at 92-98% at 8,192
+# and 32,768 tokens of 8 query heads, where 4 x 2 ran at 85-89%.
+MIN_HEAD_BYTES = 512
 
 
 def shared_rows(block_t: int, block_h: int, use_cache: bool, lean: bool = True) -> bool:
@@ -231,6 +242,14 @@ def lean_vector(block_t: int, block_h: int, block_r: int, interleaved: bool,
     return block_r
 
 
+def tile_heads(counts: tuple[int, ...], head_dim: int, element_size: int) -> int:
+    """The most heads a tile of a launch over tensors of ``counts`` heads takes: a power of two
+    covering the tensor with the fewest, raised to cover ``MIN_HEAD_BYTES`` of one token's heads
+    where the widest tensor has them."""
+    floor = -(-MIN_HEAD_BYTES // (head_dim * element_size))
+    return _next_pow2(max(min(counts), min(max(counts), floor)))
+
+
 def choose_config(
     n_tokens: int, heads: int | tuple[int, ...], head_dim: int, rotary_dim: int,
     element_size: int, interleaved: bool, sms: int, tile_tokens: int = TOKENS_PER_TILE,
@@ -256,7 +275,8 @@ def choose_config(
     loads one table row for all of them, where a tile of 8 tokens x 1 head loads 8 rows for
     one head), then gives up tokens, down to one, and then heads, until every SM has its
     programs. ``heads`` is a tuple for a launch over several tensors (q, k, v): tiles fit the
-    one with the fewest heads, and programs are counted over all of them. Where that leaves one
+    one with the fewest heads, but outside streamed tiles take at least ``MIN_HEAD_BYTES`` of
+    the widest one's (:func:`tile_heads`), and programs are counted over all of them. Where that leaves one
     token of several heads and the kernel computes the sines (``sines``: no cos/sin cache), the
     tile is two tokens of half the heads, as many rows and programs: a one-token tile's table row
     is laid out as a slice of the data tile, so each head's threads compute the token's sines
@@ -278,6 +298,7 @@ def choose_config(
     flush, ``scripts/tile_probe.py in-place-tiles``).
     """
     counts = heads if isinstance(heads, tuple) else (heads,)
+    fit = tile_heads(counts, head_dim, element_size)
     block_r = _next_pow2(rotary_dim) if interleaved else _next_pow2(rotary_dim // 2)
     pass_dim = head_dim - rotary_dim
     block_p = _next_pow2(pass_dim) if pass_dim else 1
@@ -295,7 +316,7 @@ def choose_config(
     if heads_first and resident and (span_dim or 0) > head_dim:  # in place on part of a head
         block_t = min(tile_rows(STREAM_TILE_BYTES, head_dim * element_size),
                       _next_pow2(n_tokens))
-        head_iters = min(SPAN_HEAD_ITERS, _next_pow2(min(counts)))
+        head_iters = min(SPAN_HEAD_ITERS, fit)
         if programs(n_tokens, counts, block_t, head_iters) >= wanted:
             return block_t, 1, head_iters, block_r, block_p, WARPS
     counted = max(head_dim, span_dim or 0) if heads_first and resident else head_dim
@@ -303,14 +324,14 @@ def choose_config(
     if heads_first and resident and not streamed:
         fits = tile_rows(2 * TILE_BYTES, counted * element_size)
         rows = max(rows, min(RESIDENT_ROWS * 2 // element_size, fits))
-        block_h = min(_next_pow2(min(counts)), rows, RESIDENT_HEADS)
+        block_h = min(fit, rows, RESIDENT_HEADS)
     elif streamed:
         block_h = min(_next_pow2(min(counts)), rows)
     else:
-        block_h = min(_next_pow2(min(counts)), max(1, rows // tile_tokens))
+        block_h = min(fit, max(1, rows // tile_tokens))
     block_t = min(max(1, rows // block_h), _next_pow2(n_tokens))
     if programs(n_tokens, counts, block_t, block_h) < wanted:
-        block_h = min(_next_pow2(min(counts)), rows)
+        block_h = min(fit, rows)
         block_t = min(rows // block_h, _next_pow2(n_tokens))
         block_t, block_h = shrink_to_programs(n_tokens, counts, block_t, block_h, wanted,
                                               min_rows)

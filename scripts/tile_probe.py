@@ -32,7 +32,7 @@ paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 a
 ``lean-vector``, two channels a thread at 1 x 8 tiles; ``float32-resident``, tiles for float32
 calls of 32 MiB, warm and flushed; ``in-place-resident``, the same for calls of 16-32 MiB in
 place, float32 and bf16; ``resident-rules``, candidate rules for them at the
-sweep's points of 1-32 MiB."""
+sweep's points of 1-32 MiB; ``mqa-tiles``, the q+k launch's tiles where k has one head."""
 from __future__ import annotations
 
 import random
@@ -1828,6 +1828,62 @@ def resident_rules(rounds: int = 2) -> None:
               f"flushed, {behind[name, 'written']} written")
 
 
+MQA_SHAPES = [  # (seq, q heads, k heads): bshd, batch 1, d 128, bf16; the last GQA for scale
+    (512, 32, 1), (2048, 32, 1), (8192, 32, 1), (32768, 32, 1), (2048, 8, 1), (8192, 8, 1),
+    (32768, 8, 1), (8192, 32, 8),
+]
+MQA_TILES = [(32, 1), (16, 2), (8, 4), (4, 8), (2, 16), (8, 1), (4, 2)]  # 4 warps
+
+
+def mqa_tiles(rounds: int = 2) -> None:
+    """The q+k launch where k has fewer heads than q (MQA: one): ``choose_config`` fits its
+    tile to the tensor with the fewest heads, so q's heads run one a program. Forward out of
+    place at explicit tiles (k's programs mask the heads it lacks) with the table's rows read
+    and read as rates (its linearity flag), kernel us after an L2 flush (profiler, ``rounds``
+    traces) and warm (a CUDA graph), as % of a device copy of q's and k's bytes timed in the
+    same traces; Liger's in-place q+k kernel beside them."""
+    from liger_kernel.ops.rope import rope_forward
+
+    for seq, hq, hk in MQA_SHAPES:
+        shape = bench.Shape("probe", "bshd", torch.bfloat16, seq, 1, hq, 128, 128)
+        inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
+        q = inp.t
+        k = torch.randn(1, seq, hk, 128, device=q.device, dtype=q.dtype)
+        qo, ko = torch.empty_like(q), torch.empty_like(k)
+        src = torch.cat((q.flatten(), k.flatten()))
+        dst = torch.empty_like(src)
+        segments = ((triton_rope.head_segment(q, 1), triton_rope.head_segment(k, 1)),
+                    (triton_rope.head_segment(qo, 1), triton_rope.head_segment(ko, 1)))
+        angles = inp.freqs.view(inp.freqs.shape[0], -1)
+        default = triton_rope.choose_config(seq, (hq, hk, hk), 128, 128, 2, False,
+                                            triton_rope._sm_count(0))
+        tiles = {f"in use {default[0]}x{default[1]}": default}
+        for bt, bh in MQA_TILES:
+            if bh <= triton_rope._next_pow2(hq) and (bt, bh) != default[:2]:
+                tiles[f"{bt}x{bh}"] = (bt, bh, 1, 64, 1, 4)
+        lq, lk = q.clone(), k.clone()
+        cos = inp.cache.cos[:seq, :64].repeat(1, 2)[None].to(q.dtype).contiguous()
+        sin = inp.cache.sin[:seq, :64].repeat(1, 2)[None].to(q.dtype).contiguous()
+        print(f"bshd s{seq} q {hq} heads, k {hk}, d128 bf16, {src.numel() * 2 >> 20} MiB:",
+              flush=True)
+        for kind, (tab, tsin) in (("rows", (angles, None)), ("rates", _flagged(angles))):
+            fns = {name: (lambda c=c: triton_rope.launch_qkv(
+                *segments, (tab, tsin, tab, tsin), None, None, "bshd", False, 1.0, 1, 0,
+                False, config=c)) for name, c in tiles.items()}
+            fns["liger (in place)"] = lambda: rope_forward(lq.transpose(1, 2), lk.transpose(1, 2),
+                                                           cos, sin, rotary_dim=128)
+            fns["copy"] = lambda: dst.copy_(src)
+            for _ in range(rounds):
+                us = bench.cold_kernel_us(fns, calls=30, copies=True)
+                print(f"   {kind} flushed: " + " | ".join(
+                    f"{n} {t:.2f} ({100 * us['copy'] / t:.0f}%)" for n, t in us.items()
+                    if n != "copy") + f" | copy {us['copy']:.2f}", flush=True)
+            warm = {n: bench.graph_replay_us(fn) for n, fn in fns.items()}
+            print(f"   {kind} warm: " + " | ".join(f"{n} {t:.2f}" for n, t in warm.items()),
+                  flush=True)
+        del inp, q, k, qo, ko, src, dst, lq, lk
+
+
 if __name__ == "__main__":
     import sys
 
@@ -1848,7 +1904,7 @@ if __name__ == "__main__":
              "lean-vector": lean_vector,
              "float32-resident": lambda: in_place_resident(FLOAT32_RESIDENT_SHAPES),
              "in-place-resident": lambda: in_place_resident(IN_PLACE_RESIDENT_SHAPES),
-             "resident-rules": resident_rules}
+             "resident-rules": resident_rules, "mqa-tiles": mqa_tiles}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:

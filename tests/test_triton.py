@@ -598,6 +598,47 @@ def test_the_shrink_keeps_min_rows_a_program(tokens, heads, min_rows, tile):
         triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132, min_rows=1))
 
 
+@pytest.mark.parametrize("tokens, heads, element_size, head_dim", [
+    *((n, h, 2, 128) for n in (512, 2048, 32768) for h in ((32, 1), (32, 1, 1))),
+    (512, (8, 1), 2, 128), (2048, (8, 1), 2, 128), (2048, (16, 1), 2, 64),
+    (32768, (32, 1), 4, 128),
+])
+def test_a_one_head_key_leaves_the_query_tiles_of_several_heads(
+        tokens, heads, element_size, head_dim):
+    """In a launch over q and an MQA k (one head), q's tile holds at least ``MIN_HEAD_BYTES``
+    of a token's heads (256-byte pieces of one head ran at two thirds of a copy's speed), k's
+    programs masking the heads it lacks; every head of every tensor is covered."""
+    from rope_dispatch.backends import triton_rope
+
+    bt, bh, iters, *_ = triton_rope.choose_config(tokens, heads, head_dim, head_dim,
+                                                  element_size, False, 132)
+    per_head = head_dim * element_size
+    assert bh * iters * per_head >= min(triton_rope.MIN_HEAD_BYTES, max(heads) * per_head)
+    assert bt * bh * per_head <= 2 * triton_rope.TILE_BYTES
+    groups = [-(-n // (bh * iters)) for n in heads]
+    assert all(g * bh * iters >= n for g, n in zip(groups, heads))
+
+
+@pytest.mark.parametrize("tokens", [8192, 32768])
+def test_streamed_tiles_of_a_one_head_key_keep_one_head(tokens):
+    """Streamed from DRAM (tokens smaller than a tile, more than the L2 holds), a launch over 8
+    query heads and one key head keeps 2 KiB tiles of one head (8 x 1 ran at 92-98% of a copy,
+    2 heads a tile at 85-89%)."""
+    from rope_dispatch.backends import triton_rope
+
+    bt, bh, *_ = triton_rope.choose_config(tokens, (8, 1), 128, 128, 2, False, 132)
+    assert (bt, bh) == (triton_rope.STREAM_TILE_BYTES // 256, 1)
+
+
+@pytest.mark.parametrize("heads", [1, 3, 8, 32])
+def test_one_tensor_takes_its_own_heads(heads):
+    """A launch over one tensor (or tensors of one head count) fits its tile to its heads."""
+    from rope_dispatch.backends import triton_rope
+
+    for counts in ((heads,), (heads, heads)):
+        assert triton_rope.tile_heads(counts, 128, 2) == 1 << (heads - 1).bit_length()
+
+
 def test_launches_say_whether_they_compute_sines(monkeypatch, general_kernel):
     """The tile rule hears whether a launch computes sines: an angle table does, a cos/sin cache
     and a pair cache are read; for one tensor and for q and k in one launch."""
