@@ -197,16 +197,16 @@ SHARED_SINES_HEADS = 8
 # Liger's in-place forward stayed one 32 ns step ahead at 128 tokens of 8 heads (two to three
 # with the shared rows), and ours was level or ahead at 512 tokens and at batch 4.
 LEAN_VECTOR = 2
-# A launch over tensors of different head counts (q and k of MQA, one key head) fits its tile
-# to the one with the fewest, but outside streamed tiles gives it at least this many bytes of
-# one token's heads of the widest tensor (the others mask the heads they lack): at 32 tokens x
-# 1 head, q's rows are 256-byte pieces 8 KiB apart at 32 heads of d 128 in bf16. The q+k
-# forward there (bshd, one key head, out of place; H200, the profiler after an L2 flush,
-# `scripts/tile_probe.py mqa-tiles`, runs AO5 and AO6), with a model's table read as rates:
-# 32 query heads at 2,048-32,768 tokens, 32 x 1 at 73-78% of a copy's time, 16 x 2 at 97-99%
-# (66-67% and 94-96% with the table's rows read); 8 query heads at 2,048 tokens, 32 x 1 at
-# 65-68%, 16 x 2 at 92-93%. Streamed 2 KiB tiles keep one head: 8 x 1 ran at 92-98% at 8,192
-# and 32,768 tokens of 8 query heads, where 4 x 2 ran at 85-89%.
+# A launch over tensors of different head counts (q and k of MQA, one key head) fits its tile to
+# the one with the fewest, but outside streamed tiles (and partial rotary's head loops, not
+# measured) gives it at least this many bytes of one token's heads of the widest tensor (the
+# others mask the heads they lack): at 32 tokens x 1 head, q's rows are 256-byte pieces 8 KiB
+# apart at 32 heads of d 128 in bf16. The q+k forward there (bshd, one key head, out of place;
+# H200, the profiler after an L2 flush, `scripts/tile_probe.py mqa-tiles`, runs AO5 and AO6), with
+# a model's table read as rates: 32 query heads at 2,048-32,768 tokens, 32 x 1 at 73-78% of a
+# copy's time, 16 x 2 at 97-99% (66-67% and 94-96% with the table's rows read); 8 query heads at
+# 2,048 tokens, 32 x 1 at 65-68%, 16 x 2 at 92-93%. Streamed 2 KiB tiles keep one head: 8 x 1 ran
+# at 92-98% at 8,192 and 32,768 tokens of 8 query heads, where 4 x 2 ran at 85-89%.
 MIN_HEAD_BYTES = 512
 
 
@@ -272,22 +272,22 @@ def choose_config(
 
     A call too small for ``MIN_PROGRAMS_PER_SM`` programs per SM at that tile is bound by
     latency, not by load width: its tile starts from as many heads as fit (each program then
-    loads one table row for all of them, where a tile of 8 tokens x 1 head loads 8 rows for
-    one head), then gives up tokens, down to one, and then heads, until every SM has its
-    programs. ``heads`` is a tuple for a launch over several tensors (q, k, v): tiles fit the
-    one with the fewest heads, but outside streamed tiles take at least ``MIN_HEAD_BYTES`` of
-    the widest one's (:func:`tile_heads`), and programs are counted over all of them. Where that leaves one
-    token of several heads and the kernel computes the sines (``sines``: no cos/sin cache), the
-    tile is two tokens of half the heads, as many rows and programs: a one-token tile's table row
-    is laid out as a slice of the data tile, so each head's threads compute the token's sines
-    again (16 sine and cosine instructions a thread at 1 x 8, 4 at 2 x 4). At 512 tokens of 8
-    heads, 2.43 / 2.41 us against 2.56 / 2.42 forward / backward (H200, the profiler after an L2
-    flush, ``scripts/tile_probe.py sine-tiles``). A cache's rows are loads: the decode q+k
-    launch keeps 1 x 8 (2.37 us against 2.43 at 2 x 4). A tile of one token of one head whose
-    half (``BLOCK_R``) is narrower than the program's 128 threads computes its sines, and
-    loads its channels, on twice as many threads as they have: it takes two tokens, at half
-    the programs (in place at 128 tokens of one head of d 128, 1.47-1.50 us against 1.57-1.63
-    at 1 x 1, 16 tokens of 32 heads 1.78-1.84 against 1.87-1.89: ``one-head-tiles``).
+    loads one table row for all of them, where a tile of 8 tokens x 1 head loads 8 rows for one
+    head), then gives up tokens, down to one, and then heads, until every SM has its programs.
+    ``heads`` is a tuple for a launch over several tensors (q, k, v): tiles fit the one with the
+    fewest heads, but heads-first and general tiles take at least ``MIN_HEAD_BYTES`` of the
+    widest one's (:func:`tile_heads`), and programs are counted over all of them. Where that
+    leaves one token of several heads and the kernel computes the sines (``sines``: no cos/sin
+    cache), the tile is two tokens of half the heads, as many rows and programs: a one-token
+    tile's table row is laid out as a slice of the data tile, so each head's threads compute the
+    token's sines again (16 sine and cosine instructions a thread at 1 x 8, 4 at 2 x 4). At 512
+    tokens of 8 heads, 2.43 / 2.41 us against 2.56 / 2.42 forward / backward (H200, the profiler
+    after an L2 flush, ``scripts/tile_probe.py sine-tiles``). A cache's rows are loads: the
+    decode q+k launch keeps 1 x 8 (2.37 us against 2.43 at 2 x 4). A tile of one token of one
+    head whose half (``BLOCK_R``) is narrower than the program's 128 threads computes its sines,
+    and loads its channels, on twice as many threads as they have: it takes two tokens, at half
+    the programs (in place at 128 tokens of one head of d 128, 1.47-1.50 us against 1.57-1.63 at
+    1 x 1, 16 tokens of 32 heads 1.78-1.84 against 1.87-1.89: ``one-head-tiles``).
 
     ``head_dim`` is the channels a head moves; ``span_dim``, where larger, the channels it
     spans in memory (in place on partial rotary: the rotary channels of a wider head). A call
@@ -316,7 +316,7 @@ def choose_config(
     if heads_first and resident and (span_dim or 0) > head_dim:  # in place on part of a head
         block_t = min(tile_rows(STREAM_TILE_BYTES, head_dim * element_size),
                       _next_pow2(n_tokens))
-        head_iters = min(SPAN_HEAD_ITERS, fit)
+        head_iters = min(SPAN_HEAD_ITERS, _next_pow2(min(counts)))
         if programs(n_tokens, counts, block_t, head_iters) >= wanted:
             return block_t, 1, head_iters, block_r, block_p, WARPS
     counted = max(head_dim, span_dim or 0) if heads_first and resident else head_dim
