@@ -67,6 +67,23 @@ def compile_kernel(fn, pointers: dict[str, str], consts: dict) -> None:
                    options={"num_warps": 4})
 
 
+def compiles(label: str, fn, pointers: dict[str, str], consts: dict) -> bool:
+    """Compile one variant and print ``ok <label>`` or ``FAIL <label>: <error>``."""
+    try:
+        compile_kernel(fn, pointers, consts)
+    except Exception as exc:  # noqa: BLE001 (reported with its variant)
+        print(f"FAIL {label}: {type(exc).__name__}: {exc}")
+        return False
+    print(f"ok {label}")
+    return True
+
+
+def lean_pointers(sin_type: str) -> dict[str, str]:
+    """rope_lean_kernel's pointer types (cu_ptr and pos_ptr unused: any type)."""
+    return {"x_ptr": "*bf16", "out_ptr": "*bf16", "tab_ptr": "*fp32", "sin_ptr": sin_type,
+            "cu_ptr": "*fp32", "pos_ptr": "*fp32"}
+
+
 def main() -> int:
     for name, changes, sin_type in VARIANTS:
         consts = {**ROPE, **changes}
@@ -80,34 +97,24 @@ def main() -> int:
                 "cu_ptr": "*i32", "pos_ptr": "*i64",
             }, dict(HAS_V=True, V_WIDTH=128, BLOCK_W=128)),
         ):
-            try:
-                compile_kernel(kernel, pointers, {**consts, **extra})
-            except Exception as exc:  # noqa: BLE001 (reported with its variant)
-                print(f"FAIL {kernel.__name__} {name}: {type(exc).__name__}: {exc}")
+            if not compiles(f"{kernel.__name__} {name}", kernel, pointers, {**consts, **extra}):
                 return 1
-            print(f"ok {kernel.__name__} {name}")
         if "CONTEXT_PARALLEL" in changes or changes.get("LAYOUT") == 2:
             continue  # calls the lean kernel never takes
         lean = {**LEAN, **{k: v for k, v in changes.items() if k not in LEAN_DROPPED}}
         if lean["PASS_DIM"]:
             lean["HEAD_DIM"] = lean["ROT_DIM"] + lean["PASS_DIM"]
-        try:
-            compile_kernel(K.rope_lean_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16",
-                                                "tab_ptr": "*fp32", "sin_ptr": sin_type,
-                                                "cu_ptr": "*fp32", "pos_ptr": "*fp32"}, lean)
-        except Exception as exc:  # noqa: BLE001 (reported with its variant)
-            print(f"FAIL rope_lean_kernel {name}: {type(exc).__name__}: {exc}")
+        if not compiles(f"rope_lean_kernel {name}", K.rope_lean_kernel, lean_pointers(sin_type),
+                        lean):
             return 1
-        print(f"ok rope_lean_kernel {name}")
     for name, changes, sin_type in LEAN_VECTOR_VARIANTS:
-        compile_kernel(K.rope_lean_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16",
-                                            "tab_ptr": "*fp32", "sin_ptr": sin_type,
-                                            "cu_ptr": "*fp32", "pos_ptr": "*fp32"},
-                       {**LEAN, **changes})
-        print(f"ok rope_lean_kernel {name}")
-    compile_kernel(K.linear_table_kernel, {"tab_ptr": "*fp32", "flag_ptr": "*i32"},
-                   dict(ROT_DIM=128, BLOCK_ROWS=32, BLOCK_C=128))
-    print("ok linear_table_kernel")
+        if not compiles(f"rope_lean_kernel {name}", K.rope_lean_kernel, lean_pointers(sin_type),
+                        {**LEAN, **changes}):
+            return 1
+    if not compiles("linear_table_kernel", K.linear_table_kernel,
+                    {"tab_ptr": "*fp32", "flag_ptr": "*i32"},
+                    dict(ROT_DIM=128, BLOCK_ROWS=32, BLOCK_C=128)):
+        return 1
     return 0
 
 
