@@ -1837,12 +1837,12 @@ MQA_TILES = [(32, 1), (16, 2), (8, 4), (4, 8), (2, 16), (8, 1), (4, 2)]  # 4 war
 
 def mqa_tiles(rounds: int = 2) -> None:
     """The q+k launch where k has fewer heads than q (MQA: one): ``choose_config`` fits its
-    tile to the tensor with the fewest heads, so q's heads run one a program. Forward out of
-    place at explicit tiles (k's programs mask the heads it lacks) with the table's rows read
-    and read as rates (its linearity flag), kernel us after an L2 flush (profiler, ``rounds``
-    traces) and warm (a CUDA graph), as % of a device copy of q's and k's bytes timed in the
-    same traces; Liger's in-place q+k kernel beside them."""
-    from liger_kernel.ops.rope import rope_forward
+    tile to the tensor with the fewest heads, so q's heads run one a program. Forward and
+    backward out of place at explicit tiles (k's programs mask the heads it lacks) with the
+    table's rows read and read as rates (its linearity flag), kernel us after an L2 flush
+    (profiler, ``rounds`` traces) as % of a device copy of q's and k's bytes timed in the same
+    traces, and the forward warm (a CUDA graph); Liger's in-place q+k kernels beside them."""
+    from liger_kernel.ops.rope import rope_backward, rope_forward
 
     for seq, hq, hk in MQA_SHAPES:
         shape = bench.Shape("probe", "bshd", torch.bfloat16, seq, 1, hq, 128, 128)
@@ -1864,22 +1864,25 @@ def mqa_tiles(rounds: int = 2) -> None:
         lq, lk = q.clone(), k.clone()
         cos = inp.cache.cos[:seq, :64].repeat(1, 2)[None].to(q.dtype).contiguous()
         sin = inp.cache.sin[:seq, :64].repeat(1, 2)[None].to(q.dtype).contiguous()
+        liger = {False: rope_forward, True: rope_backward}
         print(f"bshd s{seq} q {hq} heads, k {hk}, d128 bf16, {src.numel() * 2 >> 20} MiB:",
               flush=True)
         for kind, (tab, tsin) in (("rows", (angles, None)), ("rates", _flagged(angles))):
-            fns = {name: (lambda c=c: triton_rope.launch_qkv(
-                *segments, (tab, tsin, tab, tsin), None, None, "bshd", False, 1.0, 1, 0,
-                False, config=c)) for name, c in tiles.items()}
-            fns["liger (in place)"] = lambda: rope_forward(lq.transpose(1, 2), lk.transpose(1, 2),
-                                                           cos, sin, rotary_dim=128)
-            fns["copy"] = lambda: dst.copy_(src)
-            for _ in range(rounds):
-                us = bench.cold_kernel_us(fns, calls=30, copies=True)
-                print(f"   {kind} flushed: " + " | ".join(
-                    f"{n} {t:.2f} ({100 * us['copy'] / t:.0f}%)" for n, t in us.items()
-                    if n != "copy") + f" | copy {us['copy']:.2f}", flush=True)
+            for backward in (False, True):
+                fns = {name: (lambda c=c: triton_rope.launch_qkv(
+                    *segments, (tab, tsin, tab, tsin), None, None, "bshd", False, 1.0, 1, 0,
+                    backward, config=c)) for name, c in tiles.items()}
+                fns["liger (in place)"] = lambda: liger[backward](
+                    lq.transpose(1, 2), lk.transpose(1, 2), cos, sin, rotary_dim=128)
+                fns["copy"] = lambda: dst.copy_(src)
+                mode = "bwd" if backward else "fwd"
+                for _ in range(rounds):
+                    us = bench.cold_kernel_us(fns, calls=30, copies=True)
+                    print(f"   {kind} {mode} flushed: " + " | ".join(
+                        f"{n} {t:.2f} ({100 * us['copy'] / t:.0f}%)" for n, t in us.items()
+                        if n != "copy") + f" | copy {us['copy']:.2f}", flush=True)
             warm = {n: bench.graph_replay_us(fn) for n, fn in fns.items()}
-            print(f"   {kind} warm: " + " | ".join(f"{n} {t:.2f}" for n, t in warm.items()),
+            print(f"   {kind} bwd warm: " + " | ".join(f"{n} {t:.2f}" for n, t in warm.items()),
                   flush=True)
         del inp, q, k, qo, ko, src, dst, lq, lk
 
