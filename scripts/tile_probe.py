@@ -32,7 +32,9 @@ paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 a
 ``lean-vector``, two channels a thread at 1 x 8 tiles; ``float32-resident``, tiles for float32
 calls of 32 MiB, warm and flushed; ``in-place-resident``, the same for calls of 16-32 MiB in
 place, float32 and bf16; ``resident-rules``, candidate rules for them at the
-sweep's points of 1-32 MiB; ``mqa-tiles``, the q+k launch's tiles where k has one head."""
+sweep's points of 1-32 MiB; ``mqa-tiles``, the q+k launch's tiles where k has one head;
+``hf-tiles``, the Hugging Face integration's q+k launch (a bf16 cos/sin cache) at explicit
+tiles against Liger's."""
 from __future__ import annotations
 
 import random
@@ -1887,6 +1889,71 @@ def mqa_tiles(rounds: int = 2) -> None:
         del inp, q, k, qo, ko, src, dst, lq, lk
 
 
+HF_SHAPES = [  # (batch, seq, q heads, k heads, head dim): the HF path's q+k launch, bshd bf16
+    (1, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (4, 2048, 32, 8, 128), (4, 4096, 28, 4, 128),
+    (1, 2048, 8, 1, 256), (4, 8192, 8, 1, 256), (1, 2048, 71, 1, 64), (4, 2048, 71, 1, 64),
+    (4, 4096, 32, 32, 96),
+]
+HF_TILES = [(16, 2, 4), (32, 1, 4), (8, 4, 4), (1, 8, 4), (2, 8, 4), (4, 8, 4), (4, 8, 8),
+            (2, 16, 4), (1, 16, 4), (1, 32, 4), (2, 32, 8)]  # (BLOCK_T, BLOCK_H, warps)
+
+
+def hf_tiles(rounds: int = 2) -> None:
+    """The Hugging Face integration's q+k launch (``integrations.hf``: a cos/sin cache of the
+    model's bf16 ``[s, d]`` rows, shared by the batch) at explicit tiles, forward out of place,
+    kernel us after an L2 flush (profiler, ``rounds`` traces) as % of a device copy of q's and
+    k's bytes timed in the same traces; Liger's in-place q+k kernel (which reads half of each
+    cos and sin row) beside them. ``choose_config`` gives a cos/sin cache tiles of many tokens
+    and few heads (run Q, single tensors), each program reading its tokens' rows again. "half"
+    reads the same cos and sin as a pair cache (the first half of each row, as Liger does: right
+    where the halves are equal, as transformers' rotary embeddings make them)."""
+    from liger_kernel.ops.rope import rope_forward
+
+    sms = triton_rope._sm_count(0)
+    for batch, seq, hq, hk, d in HF_SHAPES:
+        dev, dt = "cuda", torch.bfloat16
+        q = torch.randn(batch, seq, hq, d, device=dev, dtype=dt)
+        k = torch.randn(batch, seq, hk, d, device=dev, dtype=dt)
+        qo, ko = torch.empty_like(q), torch.empty_like(k)
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev) / d))
+        freqs = torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+        src = torch.cat((q.flatten(), k.flatten()))
+        dst = torch.empty_like(src)
+        segments = ((triton_rope.head_segment(q, 1), triton_rope.head_segment(k, 1)),
+                    (triton_rope.head_segment(qo, 1), triton_rope.head_segment(ko, 1)))
+        block_r = triton_rope._next_pow2(d // 2)
+        fns = {}
+        for kind, tables in (("full", (cos, sin)), ("half", (cos, sin[:, : d // 2]))):
+            flags = triton_rope._table_flags(*tables)
+            default = triton_rope.choose_config(
+                batch * seq, (hq, hk), d, d, 2, False, sms,
+                triton_rope.tile_tokens(flags, tables[0], d, False),
+                triton_rope.reads_cache_rows(flags), span_dim=d, sines=False)
+            tiles = {f"in use {default[0]}x{default[1]}": default}
+            for bt, bh, warps in HF_TILES:
+                if bh <= triton_rope._next_pow2(hq) and (bt, bh, warps) != (
+                        default[0], default[1], default[5]):
+                    tiles[f"{bt}x{bh}" + (f"w{warps}" if warps != 4 else "")] = (
+                        bt, bh, 1, block_r, 1, warps)
+            for name, c in tiles.items():
+                fns[f"{kind} {name}"] = lambda c=c, tables=tables: triton_rope.launch_qkv(
+                    *segments, (*tables, *tables), None, None, "bshd", False, 1.0, 1, 0, False,
+                    config=c)
+        lq, lk = q.clone(), k.clone()
+        fns["liger (in place)"] = lambda: rope_forward(
+            lq.transpose(1, 2), lk.transpose(1, 2), cos[None], sin[None])
+        fns["copy"] = lambda: dst.copy_(src)
+        print(f"bshd b{batch} s{seq} q {hq} heads, k {hk}, d{d} bf16, "
+              f"{src.numel() * 2 / 2**20:.0f} MiB:", flush=True)
+        for _ in range(rounds):
+            us = bench.cold_kernel_us(fns, calls=30, copies=True)
+            print("   fwd flushed: " + " | ".join(
+                f"{n} {t:.2f} ({100 * us['copy'] / t:.0f}%)" for n, t in us.items()
+                if n != "copy") + f" | copy {us['copy']:.2f}", flush=True)
+        del q, k, qo, ko, src, dst, lq, lk
+
 if __name__ == "__main__":
     import sys
 
@@ -1907,7 +1974,8 @@ if __name__ == "__main__":
              "lean-vector": lean_vector,
              "float32-resident": lambda: in_place_resident(FLOAT32_RESIDENT_SHAPES),
              "in-place-resident": lambda: in_place_resident(IN_PLACE_RESIDENT_SHAPES),
-             "resident-rules": resident_rules, "mqa-tiles": mqa_tiles}
+             "resident-rules": resident_rules, "mqa-tiles": mqa_tiles,
+             "hf-tiles": hf_tiles}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
