@@ -1852,6 +1852,138 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
     return launch_bound
 
 
+class _QKGradLaunch:
+    """The launches of a planned q and k pair with a gradient (:func:`_bound_qk_grad_launch`):
+    the forward bound as :func:`_bound_qk_launch` binds it, the transposed launch bound at the
+    first backward that finds it compiled. Gradients laid out otherwise than the forward's
+    contiguous q and k (or unaligned), a table written since its flag's check, and double
+    backward take the generic launch. Holds addresses and compiled kernels, never tensors."""
+
+    __slots__ = ("run", "prefix", "grid", "rest", "tables", "device", "back_key", "back",
+                 "settings", "rows", "per_token", "flag")
+
+    def __init__(self, key: tuple, entry: tuple, tables: tuple[int, int, int], settings: tuple,
+                 rows: int, per_token: bool, flag: torch.Tensor | None):
+        self.run, self.prefix, self.grid, ints, ordered = entry
+        self.rest = ints + ordered
+        self.tables = tables  # the addresses of the table, its sin (or flag) and cu_seqlens
+        self.device = key[-1]
+        self.back_key = key[:11] + (True,) + key[12:]  # the transposed launch's _fast_qkv key
+        self.back: tuple | None = None
+        self.settings = settings
+        self.rows = rows  # the table rows the call can read (_rows_read)
+        self.per_token = per_token  # the index holds per-token positions, not start positions
+        self.flag = flag  # a linear angle table's flag, read by address
+
+    def _launch(self, bound: tuple, q: torch.Tensor, k: torch.Tensor, index: torch.Tensor | None,
+                stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+        run, prefix, grid, rest = bound
+        tp, sp, cp = self.tables
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        kp, ko = k.data_ptr(), k_out.data_ptr()
+        run(*grid, stream, *prefix, q.data_ptr(), q_out.data_ptr(), kp, ko, kp, ko, tp, sp, tp,
+            sp, cp, tp if index is None else index.data_ptr(), *rest)
+        return q_out, k_out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, index: torch.Tensor | None,
+                stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._launch((self.run, self.prefix, self.grid, self.rest), q, k, index, stream)
+
+    def backward(
+        self, gq: torch.Tensor, gk: torch.Tensor, freqs: object, index: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transpose of the forward on ``(gq, gk)``: the bound launch when both are
+        contiguous and aligned, as the forward's q and k were, else the generic launch (any
+        strides) or, for double backward, the differentiable function."""
+        stream = _current_stream(self.device)
+        if (
+            not torch.is_grad_enabled() and gq.is_contiguous() and gk.is_contiguous()
+            and not (gq.data_ptr() | gk.data_ptr()) & 15
+            and (self.flag is None or not _flag_stale(self.flag, freqs, stream))
+        ):
+            back = self.back
+            if back is None:
+                entry = _fast_qkv.get(self.back_key)
+                if entry is not None:
+                    run, prefix, grid, ints, ordered = entry
+                    back = self.back = (run, prefix, grid, ints + ordered)
+            if back is not None:
+                return self._launch(back, gq, gk, index, stream)
+        table = angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs
+        tables = _kernel_tables(table, self.rows)
+        if index is not None and self.per_token and index.dim() == 1:
+            index = index.unsqueeze(-1)  # the kernels' per-token form (position_index)
+        args = (*tables, cu_seqlens, index, *self.settings, True)
+        if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
+            return _QKFunction.apply(gq, gk, *args, None)
+        with _on_device(gq):
+            return _qk_rope(gq, gk, *args, None)
+
+
+class _PlannedQKFunction(torch.autograd.Function):
+    """Autograd for a planned q and k pair with a gradient: both launches are the plan's
+    (:class:`_QKGradLaunch`); the context keeps the table and index objects they read."""
+
+    @staticmethod
+    def forward(ctx, q, k, launches, freqs, index, cu_seqlens, stream):
+        ctx.launches, ctx.freqs, ctx.index, ctx.cu_seqlens = launches, freqs, index, cu_seqlens
+        return launches.forward(q, k, index, stream)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        grads = ctx.launches.backward(gq, gk, ctx.freqs, ctx.index, ctx.cu_seqlens)
+        return (*grads, None, None, None, None, None)
+
+
+def _bound_qk_grad_launch(call: RoPECall, generic: Plan) -> Plan:
+    """:func:`_bound_qk_launch` for contiguous q and k out of place where either requires grad,
+    as a model's training step calls them (the Hugging Face integration's path): the forward
+    is the bound launch inside a lean ``torch.autograd.Function`` and the backward the bound
+    transposed launch, with no call object, table conversion or key built per call. The
+    generic plan ran ``_QKFunction`` and the generic launch each way. ``generic`` serves
+    whatever the binding does not cover (start positions by a per-sequence index tensor as
+    well as per-token ones are bound; their index is read by address)."""
+    q, k, spec = call.t, call.k, call.spec
+    if call.in_place or not (q.is_contiguous() and k.is_contiguous()):
+        return generic
+    index, cu = position_index(call), spec.cu_seqlens
+    rows = _rows_read(q, spec.layout, index)
+    table, sin = _kernel_tables(call.table, rows)
+    key = _qk_launch(q, k, *_qk_outputs(q, k, None), (table, sin), cu, index, spec.layout,
+                     spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False,
+                     key_only=True)
+    entry = None if key is None else _fast_qkv.get(key)
+    tp = table.data_ptr()
+    if entry is None or not all(key[1]) or tp != _user_table_address(call):
+        return generic
+    flag = _flag_of(sin)
+    settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
+    addresses = (tp, tp if sin is None else sin.data_ptr(), tp if cu is None else cu.data_ptr())
+    launches = _QKGradLaunch(key, entry, addresses, settings, rows, call.positions is not None,
+                             flag)
+    device_index = key[-1]
+    guard = _several_gpus()
+    current_device = torch.cuda.current_device
+    apply = c_apply(_PlannedQKFunction)
+    transforms_active = torch._C._are_functorch_transforms_active
+    stream = _current_stream
+
+    def launch_grad(
+        x: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
+        positions: torch.Tensor | None, k: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        given = positions if start_positions is None else start_positions
+        s = stream(device_index)
+        if (x.data_ptr() | k.data_ptr() | (0 if given is None else given.data_ptr())) & 15 or (
+            guard and current_device() != device_index
+        ) or transforms_active() or (flag is not None and _flag_stale(flag, freqs, s)):
+            return generic(x, freqs, spec, start_positions, positions, k)
+        return apply(x, k, launches, freqs, given, spec.cu_seqlens, s)
+
+    return launch_grad
+
+
 def _interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -1901,7 +2033,8 @@ class TritonBackend(Backend):
         """Inference calls (single tensors and q and k pairs, by index, start or per-token
         positions, thd with its spec's cu_seqlens read by address) launch the compiled kernel
         straight from the plan, with the call's constant arguments bound; so do single
-        contiguous tensors that require grad, forward and backward (:func:`_bound_grad_launch`);
+        contiguous tensors and contiguous q and k pairs that require grad, forward and backward
+        (:func:`_bound_grad_launch`, :func:`_bound_qk_grad_launch`);
         anything else goes through :meth:`apply`. Dispatch plans no call whose cu_seqlens
         values it reads (CPU offsets, strict mode)."""
         generic = super().plan(call)
@@ -1909,7 +2042,9 @@ class TritonBackend(Backend):
         if call.tensors == "qkv" or _kernels is None or _kernels.INTERPRETED:
             return generic
         if (t.requires_grad or (k is not None and k.requires_grad)) and torch.is_grad_enabled():
-            return generic if k is not None else _bound_grad_launch(call, generic)
+            if k is not None:
+                return _bound_qk_grad_launch(call, generic)
+            return _bound_grad_launch(call, generic)
         return _bound_qk_launch(call, generic) if k is not None else _bound_launch(call, generic)
 
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:

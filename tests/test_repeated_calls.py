@@ -216,6 +216,72 @@ def test_gradient_calls_are_planned_and_differentiate_new_data_every_call(counte
     assert len(counted_checks) == CHECKED, "the repeated gradient calls did not reuse the plan"
 
 
+@pytest.mark.usefixtures("unread")
+@pytest.mark.parametrize("table_kind", ["angles", "cos_sin_cache"])
+@pytest.mark.parametrize("index", ["none", "start_positions", "positions"])
+def test_pair_gradient_calls_are_planned_and_differentiate_new_data_every_call(
+    counted_checks, monkeypatch, index, table_kind
+):
+    """Training steps of a q and k pair (4 query heads, one key head, bshd as the Hugging Face
+    integration passes them): new leaves every step, matched against the reference for a
+    contiguous upstream gradient, an expanded one, transposed ones (not the forward's layout),
+    an unaligned q and a double backward. On CUDA the Triton backend binds both launches
+    (_bound_qk_grad_launch): the last step runs neither generic launch."""
+    from rope_dispatch.backends import triton_rope
+
+    angles = _table()
+    freqs = angles if table_kind == "angles" else rd.CosSinCache(
+        angles.view(TABLE_LEN, D).cos(), angles.view(TABLE_LEN, D).sin())
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    b, s = 3, 6
+    buffer = torch.empty(b * s * 4 * D + 1, device=DEVICE)
+    generic_launches = []
+    for step in range(7):
+        kwargs = {}
+        if index == "start_positions":
+            kwargs[index] = torch.randint(0, TABLE_LEN - s, (b,), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        elif index == "positions":
+            kwargs[index] = torch.randint(0, TABLE_LEN, (b, s), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        cpu_kwargs = {name: value.cpu() for name, value in kwargs.items()}
+        sources = (_data((b, s, 4, D), seed=120 + step), _data((b, s, 1, D), seed=130 + step))
+        offset = 1 if step == 3 else 0  # step 3 reads q one element off 16-byte alignment
+        q = buffer[offset : offset + sources[0].numel()].view(sources[0].shape)
+        with torch.no_grad():
+            q.copy_(sources[0])
+        leaves = (q.requires_grad_(True), sources[1].clone().requires_grad_(True))
+        if step == 4:  # laid out as attention's [b, h, s, d] gradients come back: transposed
+            grads = tuple(_data((b, x.shape[2], s, D), seed=140 + i).transpose(1, 2)
+                          for i, x in enumerate(sources))
+        else:
+            grads = tuple(torch.ones_like(x) if step == 2 else _data(x.shape, seed=150 + 10 * i + step)
+                          for i, x in enumerate(sources))
+        expected = [reference_forward_backward(x, angles, spec, g, **cpu_kwargs)
+                    for x, g in zip(sources, grads)]
+        if step == 6 and CUDA:
+            real = triton_rope.launch_qkv
+            monkeypatch.setattr(triton_rope, "launch_qkv",
+                                lambda *a, **kw: generic_launches.append(1) or real(*a, **kw))
+        outs = rd.apply_qk(*leaves, freqs, spec, backend=BACKEND, **kwargs)
+        for name, out, (ref, _) in zip("qk", outs, expected):
+            assert_matches(out, ref, torch.float32, f"step {step} {name}")
+        if step == 2:  # the gradient of a sum: expanded (stride 0) upstream gradients
+            got = torch.autograd.grad(outs[0].sum() + outs[1].sum(), leaves)
+        elif step == 5:  # double backward: the gradient of the gradient is the forward again
+            grads = tuple(g.requires_grad_(True) for g in grads)
+            got = torch.autograd.grad(outs, leaves, grads, create_graph=True)
+            again = torch.autograd.grad(got, grads, sources)
+            for name, x, twice in zip("qk", sources, again):
+                assert_matches(twice, reference_for(x.cpu(), angles.cpu(), spec, **cpu_kwargs),
+                               torch.float32, f"double backward {name}")
+        else:
+            got = torch.autograd.grad(outs, leaves, grads)
+        for name, grad, (_, ref) in zip("qk", got, expected):
+            assert_matches(grad, ref, torch.float32, f"step {step} {name} gradient")
+        q.requires_grad_(False)
+    assert len(counted_checks) == CHECKED, "the repeated gradient calls did not reuse the plan"
+    assert not generic_launches, "a planned pair's forward or backward took the generic launch"
+
+
 def test_a_plan_goes_with_its_spec_or_table(counted_checks):
     """Plans are keyed by the ids of their spec and table; when either dies its plans go, so
     a later object that gets a freed id never meets a plan made for another."""
