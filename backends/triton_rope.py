@@ -209,6 +209,15 @@ LEAN_VECTOR = 2
 # at 92-98% at 8,192 and 32,768 tokens of 8 query heads, where 4 x 2 ran at 85-89%.
 MIN_HEAD_BYTES = 512
 
+# A launch reading a cos/sin cache's rows as [BLOCK_T, BLOCK_R] tiles (``reads_cache_rows``)
+# gives the widest tensor at least this many heads a tile: each program reads its tokens' whole
+# cos and sin rows, twice a head's bytes at one head a tile, again for every head group. Gemma's
+# MQA shape (8 query heads, one key head, d 256, bf16; the Hugging Face integration's q+k
+# launch on the model's bf16 cos and sin; H200, the profiler after an L2 flush,
+# `scripts/tile_probe.py hf-tiles`): 2,048 tokens at 32 x 1 8.74-8.83 us, at 16 x 2
+# 7.42-7.62 (a copy of the bytes 6.43-6.50).
+CACHE_ROW_MIN_HEADS = 2
+
 
 def shared_rows(block_t: int, block_h: int, use_cache: bool, lean: bool = True) -> bool:
     """Whether a tile of ``block_t`` tokens x ``block_h`` heads reads each table row once for
@@ -299,6 +308,8 @@ def choose_config(
     """
     counts = heads if isinstance(heads, tuple) else (heads,)
     fit = tile_heads(counts, head_dim, element_size)
+    if cache_rows:
+        fit = max(fit, min(CACHE_ROW_MIN_HEADS, _next_pow2(max(counts))))
     block_r = _next_pow2(rotary_dim) if interleaved else _next_pow2(rotary_dim // 2)
     pass_dim = head_dim - rotary_dim
     block_p = _next_pow2(pass_dim) if pass_dim else 1

@@ -630,6 +630,23 @@ def test_streamed_tiles_of_a_one_head_key_keep_one_head(tokens):
     assert (bt, bh) == (triton_rope.STREAM_TILE_BYTES // 256, 1)
 
 
+@pytest.mark.parametrize("tokens", [2048, 32768])
+@pytest.mark.parametrize("counts", [(8, 1), (4, 1), (1,)])
+def test_cache_row_tiles_take_two_heads_of_the_widest_tensor(tokens, counts):
+    """A launch reading a cos/sin cache's rows reads each token's whole cos and sin rows per
+    program: with a one-head key beside several query heads of d 256 (Gemma's MQA), q's tile
+    takes two heads (one head a tile read twice its bytes in rows); a lone one-head tensor
+    keeps one."""
+    from rope_dispatch.backends import triton_rope
+
+    tile_tokens = triton_rope.TABLE_TILE_BYTES // (128 * 2)
+    _, bh, iters, *_ = triton_rope.choose_config(tokens, counts, 256, 256, 2, False, 132,
+                                                 tile_tokens, True, sines=False)
+    assert bh * iters == (1 if max(counts) == 1 else triton_rope.CACHE_ROW_MIN_HEADS)
+    _, bh_angles, *_ = triton_rope.choose_config(tokens, counts, 256, 256, 2, False, 132)
+    assert bh_angles == 1, "an angle table's tiles keep the MIN_HEAD_BYTES rule"
+
+
 @pytest.mark.parametrize("heads", [1, 3, 8, 32])
 def test_one_tensor_takes_its_own_heads(heads):
     """A launch over one tensor (or tensors of one head count) fits its tile to its heads."""
