@@ -1952,9 +1952,9 @@ def _bound_qk_grad_launch(call: RoPECall, generic: Plan) -> Plan:
     as a model's training step calls them (the Hugging Face integration's path): the forward
     is the bound launch inside a lean ``torch.autograd.Function`` and the backward the bound
     transposed launch, with no call object, table conversion or key built per call. The
-    generic plan ran ``_QKFunction`` and the generic launch each way. ``generic`` serves
-    whatever the binding does not cover (start positions by a per-sequence index tensor as
-    well as per-token ones are bound; their index is read by address)."""
+    generic plan ran ``_QKFunction`` and the generic launch each way. Calls with start or
+    per-token positions are bound too (their index tensor read by address); ``generic`` serves
+    whatever the binding does not cover."""
     q, k, spec = call.t, call.k, call.spec
     if call.in_place or not (q.is_contiguous() and k.is_contiguous()):
         return generic
