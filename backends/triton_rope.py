@@ -1995,6 +1995,167 @@ def _bound_qk_grad_launch(call: RoPECall, generic: Plan) -> Plan:
     return launch_grad
 
 
+class _QKVLaunches:
+    """The launches of a planned packed-qkv call (:func:`_bound_qkv_launch`): the forward
+    (q, k and v out of one packed tensor) bound from the plan's call, the transposed launch
+    (q's, k's and v's gradients into one packed gradient) bound at the first backward that
+    finds it compiled. Gradients that are not contiguous (or unaligned), a table written since
+    its flag's check, and double backward take the generic launch. Holds addresses and compiled
+    kernels, never tensors."""
+
+    __slots__ = ("run", "prefix", "grid", "rest", "offsets", "split", "tables", "device",
+                 "back_key", "back", "settings", "rows", "per_token", "flag")
+
+    def __init__(self, key: tuple, back_key: tuple | None, entry: tuple, offsets: tuple,
+                 split: tuple[int, int, int], tables: tuple[int, int, int], settings: tuple,
+                 rows: int, per_token: bool, flag: torch.Tensor | None):
+        self.run, self.prefix, self.grid, ints, ordered = entry
+        self.rest = ints + ordered
+        self.offsets = offsets  # byte offsets of q, k and v in a packed row
+        self.split = split
+        self.tables = tables  # the addresses of the table, its sin (or flag) and cu_seqlens
+        self.device = key[-1]
+        self.back_key = back_key  # the transposed launch's _fast_qkv key
+        self.back: tuple | None = None
+        self.settings = settings
+        self.rows = rows  # the table rows the call can read (_rows_read)
+        self.per_token = per_token  # the index holds per-token positions, not start positions
+        self.flag = flag  # a linear angle table's flag, read by address
+
+    def _indices(self, index: torch.Tensor | None) -> tuple[int, ...]:
+        tp, sp, cp = self.tables
+        return tp, sp, tp, sp, cp, tp if index is None else index.data_ptr()
+
+    def forward(self, qkv: torch.Tensor, index: torch.Tensor | None,
+                stream: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = _qkv_outputs(qkv, self.split)
+        xp = qkv.data_ptr()
+        oq, ok, ov = self.offsets
+        self.run(*self.grid, stream, *self.prefix, xp + oq, q.data_ptr(), xp + ok, k.data_ptr(),
+                 xp + ov, v.data_ptr(), *self._indices(index), *self.rest)
+        return q, k, v
+
+    def backward(
+        self, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], freqs: object,
+        index: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The packed gradient of ``grads`` (q's, k's and v's): the bound launch when all three
+        are contiguous and aligned, as the forward's outputs were, else the generic launch (any
+        strides) or, for double backward, the differentiable function."""
+        stream = _current_stream(self.device)
+        gq, gk, gv = grads
+        if (
+            not torch.is_grad_enabled() and self.back_key is not None
+            and gq.is_contiguous() and gk.is_contiguous() and gv.is_contiguous()
+            and not (gq.data_ptr() | gk.data_ptr() | gv.data_ptr()) & 15
+            and (self.flag is None or not _flag_stale(self.flag, freqs, stream))
+        ):
+            back = self.back
+            if back is None:
+                entry = _fast_qkv.get(self.back_key)
+                if entry is not None:
+                    run, prefix, grid, ints, ordered = entry
+                    back = self.back = (run, prefix, grid, ints + ordered)
+            if back is not None:
+                run, prefix, grid, rest = back
+                grad = gk.new_empty(*gk.shape[:-1], sum(self.split))
+                gp = grad.data_ptr()
+                oq, ok, ov = self.offsets
+                run(*grid, stream, *prefix, gq.data_ptr(), gp + oq, gk.data_ptr(), gp + ok,
+                    gv.data_ptr(), gp + ov, *self._indices(index), *rest)
+                return grad
+        table = angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs
+        tab, sin = _kernel_tables(table, self.rows)
+        if index is not None and self.per_token and index.dim() == 1:
+            index = index.unsqueeze(-1)  # the kernels' per-token form (position_index)
+        inputs = (tab, sin, tab, sin, cu_seqlens, index, self.split, *self.settings)
+        if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
+            return _QKVTransposeFunction.apply(gq, gk, gv, *inputs, None)
+        with _on_device(gq):
+            return _qkv_transpose(gq, gk, gv, self.split, inputs[:4], *inputs[4:6],
+                                  *self.settings, None)
+
+
+class _PlannedQKVFunction(torch.autograd.Function):
+    """Autograd for a planned packed-qkv call with a gradient: both launches are the plan's
+    (:class:`_QKVLaunches`); the context keeps the table and index objects they read."""
+
+    @staticmethod
+    def forward(ctx, qkv, launches, freqs, index, cu_seqlens, stream):
+        ctx.launches, ctx.freqs, ctx.index, ctx.cu_seqlens = launches, freqs, index, cu_seqlens
+        return launches.forward(qkv, index, stream)
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        grad = ctx.launches.backward((gq, gk, gv), ctx.freqs, ctx.index, ctx.cu_seqlens)
+        return grad, None, None, None, None, None
+
+
+def _bound_qkv_launch(call: RoPECall, generic: Plan) -> Plan:
+    """The plan of a packed-qkv call on a contiguous tensor (TransformerEngine's
+    ``apply_fused_qkv_rotary_pos_emb`` through ``compat.te``, or ``apply_qkv``): the forward
+    launch bound as :func:`_bound_qk_launch` binds a pair's, inside a lean autograd Function
+    with the transposed launch bound too where the tensor requires grad. The generic plan ran
+    the call's checks-free path but built each launch's key and, with a gradient,
+    ``_QKVFunction`` through torch's Python wrapper. Calls with start or per-token positions are
+    bound too (their index tensor read by address); ``generic`` serves whatever the binding
+    does not cover."""
+    qkv, spec, split = call.t, call.spec, call.split
+    if call.k_table is not None or not qkv.is_contiguous():
+        return generic
+    index, cu = position_index(call), spec.cu_seqlens
+    rows = _rows_read(qkv, spec.layout, index)
+    table, sin = _kernel_tables(call.table, rows)
+    d = split[1]
+    settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
+    outs = _qkv_outputs(qkv, split)
+    tables = (table, sin, table, sin)
+    key = launch_qkv(packed_segments(qkv, split),
+                     (head_segment(outs[0], split[0] // d), width_segment(outs[1], d),
+                      width_segment(outs[2], d)),
+                     tables, cu, index, *settings, False, key_only=True)
+    entry = None if key is None else _fast_qkv.get(key)
+    tp = table.data_ptr()
+    if entry is None or not all(key[1]) or tp != _user_table_address(call):
+        return generic
+    grad = qkv.new_empty(qkv.shape)
+    back_key = launch_qkv((head_segment(outs[0], split[0] // d), width_segment(outs[1], d),
+                           width_segment(outs[2], d)),
+                          packed_segments(grad, split), tables, cu, index, *settings, True,
+                          key_only=True)
+    size = qkv.element_size()
+    offsets = tuple(segment[1] * size for segment in packed_segments(qkv, split))
+    flag = _flag_of(sin)
+    addresses = (tp, tp if sin is None else sin.data_ptr(), tp if cu is None else cu.data_ptr())
+    launches = _QKVLaunches(key, back_key, entry, offsets, split, addresses, settings, rows,
+                            call.positions is not None, flag)
+    device_index = key[-1]
+    guard = _several_gpus()
+    current_device = torch.cuda.current_device
+    apply = c_apply(_PlannedQKVFunction)
+    transforms_active = torch._C._are_functorch_transforms_active
+    stream = _current_stream
+    grad_plan = qkv.requires_grad and torch.is_grad_enabled()
+
+    def launch_bound(
+        x: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
+        positions: torch.Tensor | None, k: None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        given = positions if start_positions is None else start_positions
+        s = stream(device_index)
+        if (x.data_ptr() | (0 if given is None else given.data_ptr())) & 15 or (
+            guard and current_device() != device_index
+        ) or (flag is not None and _flag_stale(flag, freqs, s)):
+            return generic(x, freqs, spec, start_positions, positions, k)
+        if grad_plan:
+            if transforms_active():
+                return generic(x, freqs, spec, start_positions, positions, k)
+            return apply(x, launches, freqs, given, spec.cu_seqlens, s)
+        return launches.forward(x, given, s)
+
+    return launch_bound
+
+
 def _interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -2041,17 +2202,20 @@ class TritonBackend(Backend):
         return []
 
     def plan(self, call: RoPECall) -> Plan:
-        """Inference calls (single tensors and q and k pairs, by index, start or per-token
-        positions, thd with its spec's cu_seqlens read by address) launch the compiled kernel
-        straight from the plan, with the call's constant arguments bound; so do single
-        contiguous tensors and contiguous q and k pairs that require grad, forward and backward
-        (:func:`_bound_grad_launch`, :func:`_bound_qk_grad_launch`);
+        """Inference calls (single tensors, q and k pairs and packed qkv, by index, start or
+        per-token positions, thd with its spec's cu_seqlens read by address) launch the compiled
+        kernel straight from the plan, with the call's constant arguments bound; so do single
+        contiguous tensors, contiguous q and k pairs and contiguous packed qkv that require
+        grad, forward and backward (:func:`_bound_grad_launch`, :func:`_bound_qk_grad_launch`,
+        :func:`_bound_qkv_launch`);
         anything else goes through :meth:`apply`. Dispatch plans no call whose cu_seqlens
         values it reads (CPU offsets, strict mode)."""
         generic = super().plan(call)
         t, k = call.t, call.k
-        if call.tensors == "qkv" or _kernels is None or _kernels.INTERPRETED:
+        if _kernels is None or _kernels.INTERPRETED:
             return generic
+        if call.tensors == "qkv":
+            return _bound_qkv_launch(call, generic)
         if (t.requires_grad or (k is not None and k.requires_grad)) and torch.is_grad_enabled():
             if k is not None:
                 return _bound_qk_grad_launch(call, generic)

@@ -12,7 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rope_dispatch as rd
-from reference import assert_matches, reference_for, reference_forward_backward
+from reference import (
+    assert_matches,
+    reference_for,
+    reference_forward_backward,
+    reference_qkv_forward_backward,
+)
 from rope_dispatch import call as call_module
 from rope_dispatch import dispatch, registry
 from rope_dispatch.backends.eager import EagerBackend
@@ -280,6 +285,71 @@ def test_pair_gradient_calls_are_planned_and_differentiate_new_data_every_call(
         q.requires_grad_(False)
     assert len(counted_checks) == CHECKED, "the repeated gradient calls did not reuse the plan"
     assert not generic_launches, "a planned pair's forward or backward took the generic launch"
+
+
+@pytest.mark.usefixtures("unread")
+@pytest.mark.parametrize("needs_grad", [False, True])
+@pytest.mark.parametrize("index", ["none", "start_positions", "positions"])
+def test_packed_qkv_calls_are_planned_and_read_new_data_every_call(
+    counted_checks, monkeypatch, index, needs_grad
+):
+    """Steps of a packed qkv call (two head groups of 2 query heads, one key and one value
+    head, sbhd as TransformerEngine's fused QKV takes them): new data every step, matched
+    against the reference; with gradients also for an expanded upstream gradient, transposed
+    ones, an unaligned input and a double backward. On CUDA the Triton backend binds both
+    launches (_bound_qkv_launch): the last step runs no generic launch."""
+    from rope_dispatch.backends import triton_rope
+
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    s, b, g, split = 6, 3, 2, (2 * D, D, D)
+    shape = (s, b, g, sum(split))
+    buffer = torch.empty(s * b * g * sum(split) + 1, device=DEVICE)
+    generic_launches = []
+    for step in range(7):
+        kwargs = {}
+        if index == "start_positions":
+            kwargs[index] = torch.randint(0, TABLE_LEN - s, (b,), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        elif index == "positions":
+            kwargs[index] = torch.randint(0, TABLE_LEN, (s, b), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        source = _data(shape, seed=160 + step)
+        offset = 1 if step == 3 else 0  # step 3 reads the input one element off 16-byte alignment
+        qkv = buffer[offset : offset + source.numel()].view(shape)
+        with torch.no_grad():
+            qkv.copy_(source)
+        out_shapes = ((s, b, 2 * g, D), (s, b, g, D), (s, b, g, D))
+        if step == 4:  # transposed upstream gradients: not the outputs' layout
+            grads = tuple(_data((x[1], x[0], *x[2:]), seed=170 + i).transpose(0, 1)
+                          for i, x in enumerate(out_shapes))
+        else:
+            grads = tuple(torch.ones(x, device=DEVICE) if step == 2 else _data(x, seed=180 + 10 * i + step)
+                          for i, x in enumerate(out_shapes))
+        cpu_kwargs = {name: value.cpu() for name, value in kwargs.items()}
+        expected, expected_grad = reference_qkv_forward_backward(
+            source, freqs, freqs, spec, split, grads, **cpu_kwargs)
+        if step == 6 and CUDA:
+            real = triton_rope.launch_qkv
+            monkeypatch.setattr(triton_rope, "launch_qkv",
+                                lambda *a, **kw: generic_launches.append(1) or real(*a, **kw))
+        qkv.requires_grad_(needs_grad)
+        outs = rd.apply_qkv(qkv, freqs, spec, split, backend=BACKEND, **kwargs)
+        for name, out, ref in zip("qkv", outs, expected):
+            assert_matches(out, ref, torch.float32, f"step {step} {name}")
+        if needs_grad:
+            if step == 2:  # the gradient of a sum: expanded (stride 0) upstream gradients
+                (got,) = torch.autograd.grad(sum(out.sum() for out in outs), qkv)
+            elif step == 5:  # double backward: the gradient of the gradient is the forward again
+                grads = tuple(x.requires_grad_(True) for x in grads)
+                (got,) = torch.autograd.grad(outs, qkv, grads, create_graph=True)
+                again = torch.autograd.grad(got, grads, source)
+                for name, twice, ref in zip("qkv", again, expected):
+                    assert_matches(twice, ref, torch.float32, f"double backward {name}")
+            else:
+                (got,) = torch.autograd.grad(outs, qkv, grads)
+            assert_matches(got, expected_grad, torch.float32, f"step {step} gradient")
+        qkv.requires_grad_(False)
+    assert len(counted_checks) == CHECKED, "the repeated packed calls did not reuse the plan"
+    assert not generic_launches, "a planned packed call's forward or backward took the generic launch"
 
 
 def test_a_plan_goes_with_its_spec_or_table(counted_checks):
