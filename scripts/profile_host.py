@@ -8,7 +8,10 @@ pinned to the comma-separated cores if given), ``serving-gap`` (the same for ``a
 backward reading a linear table as rates against reading its rows), ``grad-noise [rounds]``
 (the sweep's forward + backward on the host clock, round by round, at the points where ours
 trailed TE's API in a run), ``flag-paths [rounds]`` (what the sweep's flagged forward +
-backward runs that the same calls reading rows do not), or names of the serving calls below."""
+backward runs that the same calls reading rows do not), ``qkv`` (packed qkv through
+``apply_qkv`` against TransformerEngine's ``apply_fused_qkv_rotary_pos_emb``, forward and
+forward + backward on the host clock, from 1.5 to 192 MiB), or names of the serving calls
+below."""
 from __future__ import annotations
 
 import collections
@@ -641,7 +644,35 @@ def flag_paths(rounds: int = 31, profiled: bool = True) -> None:
     finally:
         sweep.host_fwd_bwd_us, sweep._build = measured, build
 
+def qkv_host() -> None:
+    """Packed qkv (8 head groups of 4 query heads, one key and one value head, d 128, bf16) in
+    sbhd and bshd: ``apply_qkv`` on the triton backend against TE's fused-QKV API, forward
+    without grad and forward + backward through autograd, end to end on the host clock, the two
+    in turn (``bench.host_us_interleaved``)."""
+    from rope_dispatch import sweep
+
+    for layout in ("sbhd", "bshd"):
+        for seq, batch in ((128, 1), (512, 1), (2048, 1), (8192, 1), (4096, 4)):
+            shape = bench.Shape(f"qkv {layout} s{seq} b{batch} g8 q4x128", layout, torch.bfloat16,
+                                seq, batch, 8, 128, 128, qkv=(512, 128, 128))
+            inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
+            impls = {"triton": bench._ours("triton", "triton", inp, inp.freqs),
+                     "te": bench._te_peer(shape, inp)}
+            if impls["te"] is None:
+                print("TransformerEngine's fused-QKV API is not importable: nothing to compare")
+                return
+            fwd_bwd = sweep.host_fwd_bwd_us(impls, shape.tensor_bytes() >= 64 << 20)
+            fwd = bench.host_us_interleaved({n: i.fwd for n, i in impls.items()}, 40, 15)
+            print(f"{shape.name} ({shape.tensor_bytes() / 2**20:.1f} MiB): fwd+bwd triton "
+                  f"{fwd_bwd['triton']:.1f} te {fwd_bwd['te']:.1f} us (ratio "
+                  f"{fwd_bwd['triton'] / fwd_bwd['te']:.3f}); forward without grad triton "
+                  f"{fwd['triton'][1]:.1f} te {fwd['te'][1]:.1f} us", flush=True)
+
+
 def main():
+    if sys.argv[1:2] == ["qkv"]:
+        qkv_host()
+        return
     if sys.argv[1:2] == ["front"]:  # front [rounds]
         front(*(int(n) for n in sys.argv[2:3]))
         return
