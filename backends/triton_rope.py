@@ -2003,16 +2003,18 @@ class _QKVLaunches:
     its flag's check, and double backward take the generic launch. Holds addresses and compiled
     kernels, never tensors."""
 
-    __slots__ = ("run", "prefix", "grid", "rest", "offsets", "split", "tables", "device",
-                 "back_key", "back", "settings", "rows", "per_token", "flag")
+    __slots__ = ("run", "prefix", "grid", "rest", "offsets", "split", "shape", "tables",
+                 "device", "back_key", "back", "settings", "rows", "per_token", "flag")
 
-    def __init__(self, key: tuple, back_key: tuple | None, entry: tuple, offsets: tuple,
+    def __init__(self, key: tuple, back_key: tuple | None, entry: tuple, qkv: torch.Tensor,
                  split: tuple[int, int, int], tables: tuple[int, int, int], settings: tuple,
                  rows: int, per_token: bool, flag: torch.Tensor | None):
         self.run, self.prefix, self.grid, ints, ordered = entry
         self.rest = ints + ordered
-        self.offsets = offsets  # byte offsets of q, k and v in a packed row
+        size = qkv.element_size()  # byte offsets of q, k and v in a packed row
+        self.offsets = tuple(segment[1] * size for segment in packed_segments(qkv, split))
         self.split = split
+        self.shape = qkv.shape  # the packed gradient's
         self.tables = tables  # the addresses of the table, its sin (or flag) and cu_seqlens
         self.device = key[-1]
         self.back_key = back_key  # the transposed launch's _fast_qkv key
@@ -2022,48 +2024,48 @@ class _QKVLaunches:
         self.per_token = per_token  # the index holds per-token positions, not start positions
         self.flag = flag  # a linear angle table's flag, read by address
 
-    def _indices(self, index: torch.Tensor | None) -> tuple[int, ...]:
-        tp, sp, cp = self.tables
-        return tp, sp, tp, sp, cp, tp if index is None else index.data_ptr()
-
     def forward(self, qkv: torch.Tensor, index: torch.Tensor | None,
                 stream: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = _qkv_outputs(qkv, self.split)
         xp = qkv.data_ptr()
         oq, ok, ov = self.offsets
+        tp, sp, cp = self.tables
         self.run(*self.grid, stream, *self.prefix, xp + oq, q.data_ptr(), xp + ok, k.data_ptr(),
-                 xp + ov, v.data_ptr(), *self._indices(index), *self.rest)
+                 xp + ov, v.data_ptr(), tp, sp, tp, sp, cp,
+                 tp if index is None else index.data_ptr(), *self.rest)
         return q, k, v
 
+    def _bound_back(self) -> tuple | None:
+        entry = None if self.back_key is None else _fast_qkv.get(self.back_key)
+        if entry is not None:
+            run, prefix, grid, ints, ordered = entry
+            self.back = (run, prefix, grid, ints + ordered)
+        return self.back
+
     def backward(
-        self, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], freqs: object,
+        self, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, freqs: object,
         index: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The packed gradient of ``grads`` (q's, k's and v's): the bound launch when all three
-        are contiguous and aligned, as the forward's outputs were, else the generic launch (any
+        """The packed gradient of q's, k's and v's: the bound launch when all three are
+        contiguous and aligned, as the forward's outputs were, else the generic launch (any
         strides) or, for double backward, the differentiable function."""
+        back = self.back or self._bound_back()
         stream = _current_stream(self.device)
-        gq, gk, gv = grads
         if (
-            not torch.is_grad_enabled() and self.back_key is not None
+            back is not None and not torch.is_grad_enabled()
             and gq.is_contiguous() and gk.is_contiguous() and gv.is_contiguous()
             and not (gq.data_ptr() | gk.data_ptr() | gv.data_ptr()) & 15
             and (self.flag is None or not _flag_stale(self.flag, freqs, stream))
         ):
-            back = self.back
-            if back is None:
-                entry = _fast_qkv.get(self.back_key)
-                if entry is not None:
-                    run, prefix, grid, ints, ordered = entry
-                    back = self.back = (run, prefix, grid, ints + ordered)
-            if back is not None:
-                run, prefix, grid, rest = back
-                grad = gk.new_empty(*gk.shape[:-1], sum(self.split))
-                gp = grad.data_ptr()
-                oq, ok, ov = self.offsets
-                run(*grid, stream, *prefix, gq.data_ptr(), gp + oq, gk.data_ptr(), gp + ok,
-                    gv.data_ptr(), gp + ov, *self._indices(index), *rest)
-                return grad
+            run, prefix, grid, rest = back
+            grad = gk.new_empty(self.shape)
+            gp = grad.data_ptr()
+            oq, ok, ov = self.offsets
+            tp, sp, cp = self.tables
+            run(*grid, stream, *prefix, gq.data_ptr(), gp + oq, gk.data_ptr(), gp + ok,
+                gv.data_ptr(), gp + ov, tp, sp, tp, sp, cp,
+                tp if index is None else index.data_ptr(), *rest)
+            return grad
         table = angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs
         tab, sin = _kernel_tables(table, self.rows)
         if index is not None and self.per_token and index.dim() == 1:
@@ -2087,8 +2089,8 @@ class _PlannedQKVFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
-        grad = ctx.launches.backward((gq, gk, gv), ctx.freqs, ctx.index, ctx.cu_seqlens)
-        return grad, None, None, None, None, None
+        return (ctx.launches.backward(gq, gk, gv, ctx.freqs, ctx.index, ctx.cu_seqlens),
+                None, None, None, None, None)
 
 
 def _bound_qkv_launch(call: RoPECall, generic: Plan) -> Plan:
@@ -2123,11 +2125,9 @@ def _bound_qkv_launch(call: RoPECall, generic: Plan) -> Plan:
                            width_segment(outs[2], d)),
                           packed_segments(grad, split), tables, cu, index, *settings, True,
                           key_only=True)
-    size = qkv.element_size()
-    offsets = tuple(segment[1] * size for segment in packed_segments(qkv, split))
     flag = _flag_of(sin)
     addresses = (tp, tp if sin is None else sin.data_ptr(), tp if cu is None else cu.data_ptr())
-    launches = _QKVLaunches(key, back_key, entry, offsets, split, addresses, settings, rows,
+    launches = _QKVLaunches(key, back_key, entry, qkv, split, addresses, settings, rows,
                             call.positions is not None, flag)
     device_index = key[-1]
     guard = _several_gpus()
