@@ -2120,10 +2120,11 @@ def _bound_qkv_launch(call: RoPECall, generic: Plan) -> Plan:
     tp = table.data_ptr()
     if entry is None or not all(key[1]) or tp != _user_table_address(call):
         return generic
-    grad = qkv.new_empty(qkv.shape)
+    # the transposed launch's key, with qkv standing for its packed gradient (the same shape,
+    # strides and alignment as a new one; a key-only launch writes nothing)
     back_key = launch_qkv((head_segment(outs[0], split[0] // d), width_segment(outs[1], d),
                            width_segment(outs[2], d)),
-                          packed_segments(grad, split), tables, cu, index, *settings, True,
+                          packed_segments(qkv, split), tables, cu, index, *settings, True,
                           key_only=True)
     flag = _flag_of(sin)
     addresses = (tp, tp if sin is None else sin.data_ptr(), tp if cu is None else cu.data_ptr())
