@@ -87,6 +87,7 @@ class Series:
     rotary_dim: int
     seq_lens: tuple[int, ...]
     why: str
+    qkv: tuple[int, int, int] | None = None  # a packed qkv split; heads are then head groups
 
 
 SERIES = (
@@ -98,6 +99,11 @@ SERIES = (
     Series(1, 8, 256, 256, SIDE_SEQ_LENS, "head dim 256"),
     Series(1, 32, 128, 64, SIDE_SEQ_LENS, "partial rotary: rotary dim half the head dim"),
 )
+QKV_SERIES = (
+    Series(1, 8, 128, 128, SEQ_LENS, "packed qkv, 8 head groups of 4 query heads, a key and a "
+           "value head (Llama-3 8B's 32 / 8 heads): TE's fused-QKV call", qkv=(512, 128, 128)),
+)
+QKV_LAYOUTS = ("sbhd", "bshd")  # TransformerEngine's fused-QKV API takes no packed (thd) batch
 QUICK_SERIES = (
     Series(1, 8, 128, 128, QUICK_SEQ_LENS, "8 heads"),
     Series(1, 1, 128, 128, (2048,), "one head"),
@@ -115,6 +121,14 @@ def make_point(layout: str, dtype: torch.dtype, series: Series, seq: int) -> Sha
     sequences of fixed pseudo-random lengths."""
     rot = f" rot{series.rotary_dim}" if series.rotary_dim < series.head_dim else ""
     dims = f"h{series.heads} d{series.head_dim}{rot} {dtype_name(dtype)}"
+    if series.qkv is not None:
+        q_len, d, v_len = series.qkv
+        dims = (f"g{series.heads} q{q_len // d}x{d} k{d} v{v_len}{rot} {dtype_name(dtype)}")
+        if layout not in QKV_LAYOUTS:
+            raise ValueError(f"a packed qkv point takes a layout of {QKV_LAYOUTS}, got {layout!r}")
+        return Shape(f"qkv {layout} s{seq} b{series.batch} {dims}", layout, dtype, seq,
+                     series.batch, series.heads, series.head_dim, series.rotary_dim,
+                     qkv=series.qkv)
     if layout != "thd":
         return Shape(f"{layout} s{seq} b{series.batch} {dims}", layout, dtype, seq, series.batch,
                      series.heads, series.head_dim, series.rotary_dim)
@@ -126,13 +140,16 @@ def make_point(layout: str, dtype: torch.dtype, series: Series, seq: int) -> Sha
 
 def sweep_points(
     layouts: Sequence[str] = LAYOUTS, dtypes: Sequence[torch.dtype] = (torch.bfloat16,),
-    quick: bool = False,
+    quick: bool = False, qkv: bool = False,
 ) -> list[Shape]:
-    """Every (layout, dtype, series, sequence length) whose input tensor fits the size cap."""
+    """Every (layout, dtype, series, sequence length) whose input tensor fits the size cap;
+    with ``qkv`` the packed-qkv series instead, in the layouts of ``QKV_LAYOUTS``."""
     points = []
+    if qkv:
+        layouts = [layout for layout in layouts if layout in QKV_LAYOUTS]
     for layout in layouts:
         for dtype in dtypes:
-            for series in QUICK_SERIES if quick else SERIES:
+            for series in QKV_SERIES if qkv else QUICK_SERIES if quick else SERIES:
                 for seq in series.seq_lens:
                     shape = make_point(layout, dtype, series, seq)
                     if shape.tensor_bytes() <= MAX_TENSOR_BYTES:
@@ -151,6 +168,7 @@ def describe(shape: Shape) -> dict[str, Any]:
         "name": shape.name, "layout": shape.layout, "dtype": dtype_name(shape.dtype),
         "seq": shape.seq, "batch": shape.batch, "heads": shape.heads,
         "head_dim": shape.head_dim, "rotary_dim": shape.rotary_dim,
+        "qkv": None if shape.qkv is None else list(shape.qkv),
         "seqlens": None if shape.seqlens is None else list(shape.seqlens),
         "tensor_bytes": shape.tensor_bytes(), "bytes_moved": bytes_moved(shape),
         "points_at_least_64MB": shape.tensor_bytes() >= LARGE_TENSOR_BYTES,
@@ -249,6 +267,8 @@ def _build(name: str, shape: Shape, inp: Inputs) -> tuple[Impl | None, str]:
         return _te_peer(shape, inp), "TransformerEngine is not importable"
     if shape.layout == "thd":
         return None, "Liger's API takes no packed (thd) batch"
+    if shape.qkv is not None:
+        return None, "Liger's API takes q and k apart, not a packed qkv"
     return _liger_peer(shape, inp), "liger_kernel is not importable"
 
 
@@ -680,9 +700,11 @@ def write(report: SweepReport, out: Path) -> None:
     )
 
 
-def series_key(point: dict[str, Any]) -> tuple[str, int, int, int, int]:
+def series_key(point: dict[str, Any]) -> tuple:
     """What a plotted line holds fixed: everything but the sequence length."""
-    return (point["dtype"], point["batch"], point["heads"], point["head_dim"], point["rotary_dim"])
+    qkv = point.get("qkv")
+    return (point["dtype"], point["batch"], point["heads"], point["head_dim"], point["rotary_dim"],
+            None if qkv is None else tuple(qkv))
 
 
 def plotted_pct(result: dict[str, Any], mode: str) -> float | None:
@@ -710,7 +732,7 @@ def plot_layout(report: SweepReport, layout: str, path: Path) -> bool:
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     colors = {name: plt.cm.tab10(i) for i, name in enumerate(IMPLEMENTATIONS)}
     for ax, (key, group) in zip(axes.flat, groups.items()):
-        dtype, batch, heads, head_dim, rot = key
+        dtype, batch, heads, head_dim, rot, qkv = key
         for name, label in IMPLEMENTATIONS.items():
             for mode, style in (("fwd", "-"), ("bwd kernel", "--")):
                 xy = [(p["seq"], pct) for p in group
@@ -726,7 +748,8 @@ def plot_layout(report: SweepReport, layout: str, path: Path) -> bool:
         ax.set_xscale("log", base=2)
         who = f"{batch} seqs" if layout == "thd" else f"b{batch}"
         rot_text = f" rot{rot}" if rot < head_dim else ""
-        ax.set_title(f"{who} h{heads} d{head_dim}{rot_text} {dtype}", fontsize=9)
+        what = f"h{heads}" if qkv is None else f"qkv g{heads} q{qkv[0] // qkv[1]}x"
+        ax.set_title(f"{who} {what} d{head_dim}{rot_text} {dtype}", fontsize=9)
         ax.set_xlabel("tokens" if layout == "thd" else "sequence length", fontsize=8)
         ax.set_ylabel("% of copy", fontsize=8)
         ax.grid(True, alpha=0.3)
@@ -782,13 +805,16 @@ def main(argv: list[str] | None = None) -> int:
                         type=lambda s: _choices(s, DTYPES, "unknown dtype"),
                         help="comma-separated dtypes from bf16, fp16, fp32 (default: bf16)")
     parser.add_argument("--quick", action="store_true", help="a handful of points: a smoke run")
+    parser.add_argument("--qkv", action="store_true",
+                        help="the packed-qkv series instead (apply_qkv against TE's fused-QKV "
+                             "API; sbhd and bshd)")
     parser.add_argument("--no-peers", action="store_true", help="skip TransformerEngine and Liger")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("rope_dispatch.sweep needs a CUDA device (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
-    points = sweep_points(args.layouts, [DTYPES[d] for d in args.dtypes], args.quick)
+    points = sweep_points(args.layouts, [DTYPES[d] for d in args.dtypes], args.quick, args.qkv)
     report = SweepReport(torch.cuda.get_device_name(), datetime.date.today().isoformat(),
                          _versions(), [])
     args.out.mkdir(parents=True, exist_ok=True)

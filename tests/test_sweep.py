@@ -60,6 +60,49 @@ def test_point_names_are_unique():
     assert len(names) == len(set(names))
 
 
+def test_qkv_points_are_packed_calls_in_sbhd_and_bshd_within_the_cap():
+    points = sweep.sweep_points(sweep.LAYOUTS, EVERY_DTYPE, qkv=True)
+    assert {p.layout for p in points} == set(sweep.QKV_LAYOUTS)
+    assert all(p.qkv == (512, 128, 128) and p.name.startswith("qkv ") for p in points)
+    assert all(p.tensor_bytes() <= sweep.MAX_TENSOR_BYTES for p in points)
+    assert min(p.seq for p in points) == 128
+    # 12 KiB a token in bf16: 32,768 tokens are 384 MiB, 131,072 over the cap
+    assert max(p.seq for p in points if p.dtype == torch.bfloat16) == 32768
+    assert len({p.name for p in points}) == len(points)
+    assert not any(p.qkv for p in sweep.sweep_points(sweep.LAYOUTS, EVERY_DTYPE))
+    with pytest.raises(ValueError, match="thd"):
+        sweep.make_point("thd", torch.bfloat16, sweep.QKV_SERIES[0], 512)
+
+
+def test_qkv_point_measures_ours_and_says_why_liger_is_absent(triton_backend, monkeypatch):
+    """A packed qkv point on the measuring path (the clock and profiler replaced, each callable
+    run once): ours with every table kind, no in-place figures (a packed call has no in-place
+    form), Liger absent with the reason, its own line in the plots' grouping."""
+    def once(fn, *args, **kwargs):
+        fn()
+        return 0.002
+
+    monkeypatch.setattr(sweep, "bench_ms", once)
+    monkeypatch.setattr(sweep, "count_launches", lambda fn: 1)
+    monkeypatch.setattr(sweep, "host_us_interleaved",
+                        lambda fns, calls, rounds: {n: (fn(), (1.0, 3.0))[1] for n, fn in fns.items()})
+    monkeypatch.setattr(sweep, "graph_replay_us", lambda fn: (fn(), 1.5)[1])
+    monkeypatch.setattr(sweep, "cold_kernel_us",
+                        lambda fns, calls, copies=False: {n: (fn(), 1.2)[1] for n, fn in fns.items()})
+    monkeypatch.setattr(sweep, "_te_peer", lambda shape, inp: None)
+    series = sweep.Series(1, 2, 16, 16, (), "", qkv=(32, 16, 16))
+    shape = sweep.make_point("sbhd", torch.float32, series, 8)
+    record = sweep.run_point(shape, peers=True, device=DEVICE)
+    for name in ("triton", "triton-rows", "triton-cache"):
+        ours = record["implementations"][name]
+        assert ours["fwd_us"] == ours["bwd_kernel_us"] == pytest.approx(2.0)
+        assert "fwd_in_place_us" not in ours
+    assert "packed qkv" in record["implementations"]["liger"]["absent"]
+    assert record["qkv"] == [32, 16, 16]
+    plain = sweep.describe(sweep.make_point("sbhd", torch.float32, sweep.Series(1, 2, 16, 16, (), ""), 8))
+    assert sweep.series_key(record) != sweep.series_key(plain)
+
+
 def test_thd_points_pack_several_sequences_summing_to_the_token_count():
     thd = [p for p in sweep.sweep_points() if p.layout == "thd"]
     assert thd
@@ -184,7 +227,7 @@ def test_help_lists_the_options(capsys):
         sweep.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--out", "--layouts", "--dtypes", "--quick", "--no-peers"):
+    for option in ("--out", "--layouts", "--dtypes", "--quick", "--qkv", "--no-peers"):
         assert option in text
 
 
