@@ -34,7 +34,8 @@ calls of 32 MiB, warm and flushed; ``in-place-resident``, the same for calls of 
 place, float32 and bf16; ``resident-rules``, candidate rules for them at the
 sweep's points of 1-32 MiB; ``mqa-tiles``, the q+k launch's tiles where k has one head;
 ``hf-tiles``, the Hugging Face integration's q+k launch (a bf16 cos/sin cache) at explicit
-tiles against Liger's."""
+tiles against Liger's; ``qkv-bwd-tiles``, the packed-qkv transposed launch at the sweep's
+``--qkv`` points from 64 MiB, at explicit tiles against a copy (profiler)."""
 from __future__ import annotations
 
 import random
@@ -1954,6 +1955,49 @@ def hf_tiles(rounds: int = 2) -> None:
                 if n != "copy") + f" | copy {us['copy']:.2f}", flush=True)
         del q, k, qo, ko, src, dst, lq, lk
 
+QKV_BWD_TILES = [(8, 4, 4), (4, 8, 4), (16, 2, 4), (2, 16, 4), (1, 32, 4), (8, 8, 4), (8, 8, 8),
+                 (16, 4, 8), (4, 4, 4), (8, 2, 4)]  # (BLOCK_T, BLOCK_H, warps)
+
+
+def qkv_bwd_tiles(rounds: int = 3) -> None:
+    """The packed-qkv transposed launch (q's, k's and v's gradients into one packed gradient)
+    of the sweep's ``--qkv`` points from 64 MiB at explicit tiles: kernel us by the profiler
+    after an L2 flush, in turn with a device copy of the packed tensor timed the same way
+    (``rounds`` traces), as % of copy. A launch with an explicit tile takes the generic host
+    path (tens of us), which ``do_bench`` would time at 96 MiB."""
+    from rope_dispatch import sweep
+
+    sms = triton_rope._sm_count(0)
+    for layout, seq in (("sbhd", 8192), ("bshd", 8192), ("sbhd", 32768)):
+        shape = sweep.make_point(layout, torch.bfloat16, sweep.QKV_SERIES[0], seq)
+        inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
+        split = inp.split
+        d = split[1]
+        gq, gk, gv = inp.grad
+        grad = torch.empty_like(inp.t)
+        dst = torch.empty_like(inp.t)
+        angles = inp.freqs.view(inp.freqs.shape[0], -1)
+        tables = (*_flagged(angles), *_flagged(angles))
+        xs = (triton_rope.head_segment(gq, split[0] // d), triton_rope.width_segment(gk, d),
+              triton_rope.width_segment(gv, d))
+        heads = tuple(x[2][-3] * x[2][-2] for x in xs)
+        default = triton_rope.choose_config(gq.shape[0] * gq.shape[1], heads, d, d, 2, False, sms)
+        tiles = {f"in use {default[0]}x{default[1]}w{default[5]}": default}
+        for bt, bh, warps in QKV_BWD_TILES:
+            if (bt, bh, warps) != (default[0], default[1], default[5]):
+                tiles[f"{bt}x{bh}w{warps}"] = (bt, bh, 1, default[3], 1, warps)
+        fns = {name: (lambda c=config: triton_rope.launch_qkv(
+            xs, triton_rope.packed_segments(grad, split), tables, None, None, layout, False, 1.0,
+            1, 0, True, config=c)) for name, config in tiles.items()}
+        fns["copy"] = lambda: dst.copy_(inp.t)
+        print(f"{shape.name}, {inp.t.numel() * 2 >> 20} MiB:", flush=True)
+        for _ in range(rounds):
+            us = bench.cold_kernel_us(fns, calls=20, copies=True)
+            print("   " + " | ".join(f"{n} {t:.1f} ({100 * us['copy'] / t:.1f}%)"
+                                     for n, t in us.items() if n != "copy")
+                  + f" | copy {us['copy']:.1f}", flush=True)
+        del inp, grad, dst
+
 if __name__ == "__main__":
     import sys
 
@@ -1975,7 +2019,7 @@ if __name__ == "__main__":
              "float32-resident": lambda: in_place_resident(FLOAT32_RESIDENT_SHAPES),
              "in-place-resident": lambda: in_place_resident(IN_PLACE_RESIDENT_SHAPES),
              "resident-rules": resident_rules, "mqa-tiles": mqa_tiles,
-             "hf-tiles": hf_tiles}
+             "hf-tiles": hf_tiles, "qkv-bwd-tiles": qkv_bwd_tiles}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
