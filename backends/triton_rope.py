@@ -1681,6 +1681,36 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     return launch_bound
 
 
+def _bound_entry(entry: tuple) -> tuple:
+    """A ``_fast`` or ``_fast_qkv`` entry as a plan launches it: ``(run, prefix, grid, rest)``,
+    the integer and constant arguments joined once."""
+    run, prefix, grid, ints, consts = entry
+    return run, prefix, grid, ints + consts
+
+
+def _back_launch(launches: Any, cache: dict) -> tuple | None:
+    """The transposed launch of a planned call with a gradient (``launches.back_key`` in
+    ``cache``), bound the first time a backward finds it compiled and kept from then on."""
+    if launches.back is None:
+        entry = cache.get(launches.back_key)
+        if entry is not None:
+            launches.back = _bound_entry(entry)
+    return launches.back
+
+
+def _generic_tables(
+    freqs: object, rows: int, index: torch.Tensor | None, per_token: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """What a planned backward's generic launch reads: the table in its kernel form (a linear
+    angle table's flag checked again) and the index tensor in the kernels' per-token form
+    (:func:`position_index`)."""
+    table = angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs
+    tab, sin = _kernel_tables(table, rows)
+    if index is not None and per_token and index.dim() == 1:
+        index = index.unsqueeze(-1)
+    return tab, sin, index
+
+
 class _GradLaunch:
     """The launches of a planned call with a gradient (:func:`_bound_grad_launch`): the
     forward bound as :func:`_bound_launch` binds it, the transposed kernel bound at the first
@@ -1724,25 +1754,16 @@ class _GradLaunch:
             not torch.is_grad_enabled() and grad.is_contiguous() and not gp & 15
             and (self.flag is None or not _flag_stale(self.flag, freqs, stream))
         ):
-            back = self.back
-            if back is None:
-                entry = _fast.get(self.back_key)
-                if entry is not None:
-                    run, prefix, grid, ints, consts = entry
-                    back = self.back = (run, grid, prefix, ints + consts)
+            back = _back_launch(self, _fast)
             if back is not None:
-                run, head, prefix, rest = back
+                run, prefix, head, rest = back
                 grad_x = torch.empty_like(grad)
                 ip = self.tables[0] if index is None else index.data_ptr()
                 run(*head, stream, *prefix, gp, grad_x.data_ptr(),
                     *self.tables, ip, *rest)
                 return grad_x
-        table, sin = _kernel_tables(
-            angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs,
-            _rows_read(grad, self.settings[0], index),
-        )
-        if index is not None and self.per_token and index.dim() == 1:
-            index = index.unsqueeze(-1)  # the kernels' per-token form (position_index)
+        table, sin, index = _generic_tables(
+            freqs, _rows_read(grad, self.settings[0], index), index, self.per_token)
         if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
             return _RoPEFunction.apply(grad, table, sin, cu_seqlens, index, *self.settings, True,
                                        None)
@@ -1870,13 +1891,12 @@ class _QKGradLaunch:
     contiguous q and k (or unaligned), a table written since its flag's check, and double
     backward take the generic launch. Holds addresses and compiled kernels, never tensors."""
 
-    __slots__ = ("run", "prefix", "grid", "rest", "tables", "device", "back_key", "back",
-                 "settings", "rows", "per_token", "flag")
+    __slots__ = ("bound", "tables", "device", "back_key", "back", "settings", "rows", "per_token",
+                 "flag")
 
     def __init__(self, key: tuple, entry: tuple, tables: tuple[int, int, int], settings: tuple,
                  rows: int, per_token: bool, flag: torch.Tensor | None):
-        self.run, self.prefix, self.grid, ints, ordered = entry
-        self.rest = ints + ordered
+        self.bound = _bound_entry(entry)  # the forward launch
         self.tables = tables  # the addresses of the table, its sin (or flag) and cu_seqlens
         self.device = key[-1]
         self.back_key = key[:11] + (True,) + key[12:]  # the transposed launch's _fast_qkv key
@@ -1898,7 +1918,7 @@ class _QKGradLaunch:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, index: torch.Tensor | None,
                 stream: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._launch((self.run, self.prefix, self.grid, self.rest), q, k, index, stream)
+        return self._launch(self.bound, q, k, index, stream)
 
     def backward(
         self, gq: torch.Tensor, gk: torch.Tensor, freqs: object, index: torch.Tensor | None,
@@ -1913,19 +1933,11 @@ class _QKGradLaunch:
             and not (gq.data_ptr() | gk.data_ptr()) & 15
             and (self.flag is None or not _flag_stale(self.flag, freqs, stream))
         ):
-            back = self.back
-            if back is None:
-                entry = _fast_qkv.get(self.back_key)
-                if entry is not None:
-                    run, prefix, grid, ints, ordered = entry
-                    back = self.back = (run, prefix, grid, ints + ordered)
+            back = _back_launch(self, _fast_qkv)
             if back is not None:
                 return self._launch(back, gq, gk, index, stream)
-        table = angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs
-        tables = _kernel_tables(table, self.rows)
-        if index is not None and self.per_token and index.dim() == 1:
-            index = index.unsqueeze(-1)  # the kernels' per-token form (position_index)
-        args = (*tables, cu_seqlens, index, *self.settings, True)
+        table, sin, index = _generic_tables(freqs, self.rows, index, self.per_token)
+        args = (table, sin, cu_seqlens, index, *self.settings, True)
         if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
             return _QKFunction.apply(gq, gk, *args, None)
         with _on_device(gq):
@@ -2003,14 +2015,13 @@ class _QKVLaunches:
     its flag's check, and double backward take the generic launch. Holds addresses and compiled
     kernels, never tensors."""
 
-    __slots__ = ("run", "prefix", "grid", "rest", "offsets", "split", "shape", "tables",
-                 "device", "back_key", "back", "settings", "rows", "per_token", "flag")
+    __slots__ = ("bound", "offsets", "split", "shape", "tables", "device", "back_key", "back",
+                 "settings", "rows", "per_token", "flag")
 
     def __init__(self, key: tuple, back_key: tuple | None, entry: tuple, qkv: torch.Tensor,
                  split: tuple[int, int, int], tables: tuple[int, int, int], settings: tuple,
                  rows: int, per_token: bool, flag: torch.Tensor | None):
-        self.run, self.prefix, self.grid, ints, ordered = entry
-        self.rest = ints + ordered
+        self.bound = _bound_entry(entry)  # the forward launch
         size = qkv.element_size()  # byte offsets of q, k and v in a packed row
         self.offsets = tuple(segment[1] * size for segment in packed_segments(qkv, split))
         self.split = split
@@ -2030,17 +2041,10 @@ class _QKVLaunches:
         xp = qkv.data_ptr()
         oq, ok, ov = self.offsets
         tp, sp, cp = self.tables
-        self.run(*self.grid, stream, *self.prefix, xp + oq, q.data_ptr(), xp + ok, k.data_ptr(),
-                 xp + ov, v.data_ptr(), tp, sp, tp, sp, cp,
-                 tp if index is None else index.data_ptr(), *self.rest)
+        run, prefix, grid, rest = self.bound
+        run(*grid, stream, *prefix, xp + oq, q.data_ptr(), xp + ok, k.data_ptr(), xp + ov,
+            v.data_ptr(), tp, sp, tp, sp, cp, tp if index is None else index.data_ptr(), *rest)
         return q, k, v
-
-    def _bound_back(self) -> tuple | None:
-        entry = None if self.back_key is None else _fast_qkv.get(self.back_key)
-        if entry is not None:
-            run, prefix, grid, ints, ordered = entry
-            self.back = (run, prefix, grid, ints + ordered)
-        return self.back
 
     def backward(
         self, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, freqs: object,
@@ -2049,7 +2053,7 @@ class _QKVLaunches:
         """The packed gradient of q's, k's and v's: the bound launch when all three are
         contiguous and aligned, as the forward's outputs were, else the generic launch (any
         strides) or, for double backward, the differentiable function."""
-        back = self.back or self._bound_back()
+        back = _back_launch(self, _fast_qkv)
         stream = _current_stream(self.device)
         if (
             back is not None and not torch.is_grad_enabled()
@@ -2066,10 +2070,7 @@ class _QKVLaunches:
                 gv.data_ptr(), gp + ov, tp, sp, tp, sp, cp,
                 tp if index is None else index.data_ptr(), *rest)
             return grad
-        table = angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs
-        tab, sin = _kernel_tables(table, self.rows)
-        if index is not None and self.per_token and index.dim() == 1:
-            index = index.unsqueeze(-1)  # the kernels' per-token form (position_index)
+        tab, sin, index = _generic_tables(freqs, self.rows, index, self.per_token)
         inputs = (tab, sin, tab, sin, cu_seqlens, index, self.split, *self.settings)
         if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
             return _QKVTransposeFunction.apply(gq, gk, gv, *inputs, None)

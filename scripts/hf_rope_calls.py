@@ -155,9 +155,9 @@ def measure(shape: tuple, rounds: int) -> None:
 def host_profile(shape: tuple, repeats: int = 300) -> None:
     """Where the host time of a forward + backward goes, ours and Liger's: the pieces on the
     host clock in turn (forward without and with gradients, the backward alone), then
-    ``cProfile``'s functions by own time over ``repeats`` forward + backward calls."""
-    import cProfile
-    import pstats
+    ``cProfile``'s functions by own time over ``repeats`` forward + backward calls
+    (``profile_host.profile``)."""
+    from profile_host import profile  # this script's folder: cProfile, host time, kernels
 
     _, batch, seq, hq, hk, d = shape
     t = inputs(batch, seq, hq, hk, d)
@@ -187,17 +187,7 @@ def host_profile(shape: tuple, repeats: int = 300) -> None:
     print(f"host us per call ({shape[0]} b{batch} s{seq}): " + " | ".join(
         f"{n} {h:.1f}" for n, (h, _) in host.items()), flush=True)
     for name, fn in whole.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(repeats):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
-        print(f"--- {name}: cProfile of {repeats} forward + backward calls, by own time")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        profile(f"{name}, forward + backward", fn, calls=repeats, top=22)
 
 
 def main() -> None:

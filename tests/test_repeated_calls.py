@@ -54,6 +54,19 @@ def _table():
     return (torch.rand(TABLE_LEN, 1, 1, D, generator=torch.Generator().manual_seed(0)) * 6).to(DEVICE)
 
 
+def _index_kwargs(index: str, step: int, sequences: int, tokens: tuple[int, int],
+                  seq_len: int) -> dict:
+    """A step's index tensor as the call's keyword: ``start_positions`` (one per sequence, each
+    leaving room for ``seq_len`` tokens) or per-token ``positions`` of shape ``tokens``; none
+    for ``"none"``. Seeded by the step."""
+    gen = torch.Generator().manual_seed(step)
+    if index == "start_positions":
+        return {index: torch.randint(0, TABLE_LEN - seq_len, (sequences,), generator=gen).to(DEVICE)}
+    if index == "positions":
+        return {index: torch.randint(0, TABLE_LEN, tokens, generator=gen).to(DEVICE)}
+    return {}
+
+
 def _data(shape, seed, dtype=torch.float32):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
 
@@ -190,11 +203,7 @@ def test_gradient_calls_are_planned_and_differentiate_new_data_every_call(counte
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     buffer = torch.empty(4 * 6 * 3 * D + 1, device=DEVICE)
     for step in range(5):
-        kwargs = {}
-        if index == "start_positions":
-            kwargs[index] = torch.randint(0, TABLE_LEN - 4, (6,), generator=torch.Generator().manual_seed(step)).to(DEVICE)
-        elif index == "positions":
-            kwargs[index] = torch.randint(0, TABLE_LEN, (4, 6), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        kwargs = _index_kwargs(index, step, 6, (4, 6), 4)
         source = _data((4, 6, 3, D), seed=80 + step)
         offset = 1 if step == 3 else 0  # step 3 reads an input one element off 16-byte alignment
         leaf = buffer[offset : offset + source.numel()].view(source.shape)
@@ -242,11 +251,7 @@ def test_pair_gradient_calls_are_planned_and_differentiate_new_data_every_call(
     buffer = torch.empty(b * s * 4 * D + 1, device=DEVICE)
     generic_launches = []
     for step in range(7):
-        kwargs = {}
-        if index == "start_positions":
-            kwargs[index] = torch.randint(0, TABLE_LEN - s, (b,), generator=torch.Generator().manual_seed(step)).to(DEVICE)
-        elif index == "positions":
-            kwargs[index] = torch.randint(0, TABLE_LEN, (b, s), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        kwargs = _index_kwargs(index, step, b, (b, s), s)
         cpu_kwargs = {name: value.cpu() for name, value in kwargs.items()}
         sources = (_data((b, s, 4, D), seed=120 + step), _data((b, s, 1, D), seed=130 + step))
         offset = 1 if step == 3 else 0  # step 3 reads q one element off 16-byte alignment
@@ -307,11 +312,7 @@ def test_packed_qkv_calls_are_planned_and_read_new_data_every_call(
     buffer = torch.empty(s * b * g * sum(split) + 1, device=DEVICE)
     generic_launches = []
     for step in range(7):
-        kwargs = {}
-        if index == "start_positions":
-            kwargs[index] = torch.randint(0, TABLE_LEN - s, (b,), generator=torch.Generator().manual_seed(step)).to(DEVICE)
-        elif index == "positions":
-            kwargs[index] = torch.randint(0, TABLE_LEN, (s, b), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        kwargs = _index_kwargs(index, step, b, (s, b), s)
         source = _data(shape, seed=160 + step)
         offset = 1 if step == 3 else 0  # step 3 reads the input one element off 16-byte alignment
         qkv = buffer[offset : offset + source.numel()].view(shape)
