@@ -10,7 +10,8 @@ backward reading a linear table as rates against reading its rows), ``grad-noise
 trailed TE's API in a run), ``flag-paths [rounds]`` (what the sweep's flagged forward +
 backward runs that the same calls reading rows do not), ``qkv`` (packed qkv through
 ``apply_qkv`` against TransformerEngine's ``apply_fused_qkv_rotary_pos_emb``, forward and
-forward + backward on the host clock, from 1.5 to 192 MiB), or names of the serving calls
+forward + backward on the host clock, from 1.5 to 192 MiB), ``qkv-pieces [tokens [layout]]``
+(the same calls' backward piece by piece), or names of the serving calls
 below."""
 from __future__ import annotations
 
@@ -669,9 +670,183 @@ def qkv_host() -> None:
                   f"{fwd['triton'][1]:.1f} te {fwd['te'][1]:.1f} us", flush=True)
 
 
+def _closure_value(fn, kind: type):
+    """The value of type ``kind`` among ``fn``'s closure cells (a plan's bound launches)."""
+    for cell in fn.__closure__ or ():
+        if isinstance(cell.cell_contents, kind):
+            return cell.cell_contents
+    return None
+
+
+def _timed_backward(function: type, spent: list[float]):
+    """Wrap ``function.backward`` so each call adds its own host seconds (on the autograd
+    engine's thread) to ``spent``; returns the original to put back."""
+    original = function.backward
+
+    def backward(ctx, *grads):
+        start = time.perf_counter()
+        result = original(ctx, *grads)
+        spent.append(time.perf_counter() - start)
+        return result
+
+    function.backward = staticmethod(backward)
+    return original
+
+
+def qkv_pieces(seq: int = 512, layout: str = "sbhd") -> None:
+    """Packed qkv's backward piece by piece, ours against TE's fused-QKV API on one machine:
+    the backward through autograd (retain_graph), each Function's backward body on the main
+    thread (ours: the plan's bound transposed launch; TE's: three ``contiguous`` and its C++
+    call), their parts (the packed gradient's allocation, the launch alone), an engine floor (a
+    Python Function of three outputs whose backward returns a kept tensor), and the host time
+    each Function's backward spends on the engine's thread; and our forward's Function with three
+other backward bodies (a kept tensor, the allocation and launch without checks, TE's C++
+call, the allocation alone, the launch alone, a clone), which tells the body's share of the difference from the rest of the graph's."""
+    from transformer_engine.pytorch.attention import rope
+
+    from rope_dispatch import dispatch
+    from rope_dispatch.backends import triton_rope
+
+    shape = bench.Shape(f"qkv {layout} s{seq} b1 g8 q4x128", layout, torch.bfloat16, seq, 1, 8,
+                        128, 128, qkv=(512, 128, 128))
+    inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
+    split, freqs, spec = inp.split, inp.freqs, inp.spec
+    gq, gk, gv = inp.grad
+    leaf = inp.t.detach().requires_grad_(True)
+    for _ in range(3):  # planned at the second call, its transposed launch bound at a backward
+        torch.autograd.grad(rd.apply_qkv(leaf, freqs, spec, split=split, backend="triton"),
+                            leaf, inp.grad)
+    runs = [p.run for key in plan_keys(spec, freqs, "triton")
+            for p in dispatch._plans[key].plans if p.guard(leaf)]
+    launches = next((v for v in (_closure_value(r, triton_rope._QKVLaunches) for r in runs)
+                     if v is not None), None)
+    if launches is None or launches.back is None:
+        print("no planned packed-qkv launch with a bound backward was found")
+        return
+    ours_out = rd.apply_qkv(leaf, freqs, spec, split=split, backend="triton")
+    fmt = rope.QKVFormat[layout]
+    te_out = rope.apply_fused_qkv_rotary_pos_emb(leaf, freqs, freqs, list(split), tensor_format=layout)
+    stream = triton_rope._current_stream(leaf.get_device())
+    run, prefix, grid, rest = launches.back
+    kept = leaf.new_empty(leaf.shape)
+    gp = kept.data_ptr()
+    oq, ok, ov = launches.offsets
+    tp, sp, cp = launches.tables
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return gq.clone(), gk.clone(), gv.clone()
+
+        @staticmethod
+        def backward(ctx, a, b, c):
+            return kept
+
+    floor_out = Floor.apply(leaf)
+
+    class KeptBody(triton_rope._PlannedQKVFunction):
+        @staticmethod
+        def backward(ctx, a, b, c):
+            return kept, None, None, None, None, None
+
+    class BareBody(triton_rope._PlannedQKVFunction):
+        @staticmethod
+        def backward(ctx, a, b, c):
+            grad = a.new_empty(launches.shape)
+            g = grad.data_ptr()
+            run(*grid, stream, *prefix, a.data_ptr(), g + oq, b.data_ptr(), g + ok,
+                c.data_ptr(), g + ov, tp, sp, tp, sp, cp, tp, *rest)
+            return grad, None, None, None, None, None
+
+    class TEBody(triton_rope._PlannedQKVFunction):
+        @staticmethod
+        def backward(ctx, a, b, c):
+            return (rope.tex.fused_qkv_rope_backward(a, b, c, freqs, freqs, list(split), fmt,
+                                                     False, 1, 0), None, None, None, None, None)
+
+    class AllocBody(triton_rope._PlannedQKVFunction):
+        @staticmethod
+        def backward(ctx, a, b, c):
+            return a.new_empty(launches.shape), None, None, None, None, None
+
+    class LaunchBody(triton_rope._PlannedQKVFunction):
+        @staticmethod
+        def backward(ctx, a, b, c):
+            run(*grid, stream, *prefix, a.data_ptr(), gp + oq, b.data_ptr(), gp + ok,
+                c.data_ptr(), gp + ov, tp, sp, tp, sp, cp, tp, *rest)
+            return kept, None, None, None, None, None
+
+    class CloneBody(triton_rope._PlannedQKVFunction):
+        @staticmethod
+        def backward(ctx, a, b, c):
+            return kept.clone(), None, None, None, None, None
+
+    variants = {name: triton_rope.c_apply(cls)(leaf, launches, freqs, None, None, stream)
+                for name, cls in (("kept tensor", KeptBody), ("alloc + launch, no checks",
+                                  BareBody), ("TE's C++ call", TEBody), ("alloc only", AllocBody),
+                                  ("launch only, kept tensor", LaunchBody),
+                                  ("a clone of the kept tensor", CloneBody))}
+
+    def ours_body():
+        with torch.no_grad():
+            return launches.backward(gq, gk, gv, freqs, None, None)
+
+    def te_body():
+        return rope.tex.fused_qkv_rope_backward(gq.contiguous(), gk.contiguous(), gv.contiguous(),
+                                                freqs, freqs, list(split), fmt, False, 1, 0)
+
+    pieces = {
+        "ours bwd (autograd, retain_graph)": lambda: torch.autograd.grad(
+            ours_out, leaf, inp.grad, retain_graph=True),
+        "TE bwd (autograd, retain_graph)": lambda: torch.autograd.grad(
+            te_out, leaf, inp.grad, retain_graph=True),
+        "floor bwd (autograd, 3 outputs)": lambda: torch.autograd.grad(
+            floor_out, leaf, inp.grad, retain_graph=True),
+        **{f"ours, body: {name} (autograd)": lambda out=out: torch.autograd.grad(
+            out, leaf, inp.grad, retain_graph=True) for name, out in variants.items()},
+        "ours backward body (main thread)": ours_body,
+        "TE backward body (main thread)": te_body,
+        "TE C++ call alone": lambda: rope.tex.fused_qkv_rope_backward(
+            gq, gk, gv, freqs, freqs, list(split), fmt, False, 1, 0),
+        "ours: packed gradient allocation": lambda: gk.new_empty(launches.shape),
+        "ours: launch alone (kept output)": lambda: run(
+            *grid, stream, *prefix, gq.data_ptr(), gp + oq, gk.data_ptr(), gp + ok,
+            gv.data_ptr(), gp + ov, tp, sp, tp, sp, cp, tp, *rest),
+        "ours fwd (grad)": lambda: rd.apply_qkv(leaf, freqs, spec, split=split, backend="triton"),
+        "TE fwd (grad)": lambda: rope.apply_fused_qkv_rotary_pos_emb(
+            leaf, freqs, freqs, list(split), tensor_format=layout),
+        "ours fwd+bwd": lambda: torch.autograd.grad(
+            rd.apply_qkv(leaf, freqs, spec, split=split, backend="triton"), leaf, inp.grad),
+        "TE fwd+bwd": lambda: torch.autograd.grad(rope.apply_fused_qkv_rotary_pos_emb(
+            leaf, freqs, freqs, list(split), tensor_format=layout), leaf, inp.grad),
+    }
+    times = bench.host_us_interleaved(pieces, calls=100, rounds=21)
+    print(f"=== {shape.name}: host / end-to-end us per call, in turn")
+    for name, (host, total) in times.items():
+        print(f"  {name:>36}: host {host:7.2f}  end to end {total:7.2f}")
+    spent: dict[str, list[float]] = {"ours": [], "TE": []}
+    originals = (_timed_backward(triton_rope._PlannedQKVFunction, spent["ours"]),
+                 _timed_backward(rope.FusedQKVRoPEFunc, spent["TE"]))
+    try:
+        for _ in range(5):
+            for name in ("ours bwd (autograd, retain_graph)", "TE bwd (autograd, retain_graph)"):
+                for _ in range(200):
+                    pieces[name]()
+                torch.cuda.synchronize()
+    finally:
+        triton_rope._PlannedQKVFunction.backward = staticmethod(originals[0])
+        rope.FusedQKVRoPEFunc.backward = staticmethod(originals[1])
+    for name, values in spent.items():
+        print(f"  {name} Function.backward on the engine's thread: median "
+              f"{1e6 * statistics.median(values):.2f} us over {len(values)} calls")
+
+
 def main():
     if sys.argv[1:2] == ["qkv"]:
         qkv_host()
+        return
+    if sys.argv[1:2] == ["qkv-pieces"]:  # qkv-pieces [tokens [layout]]
+        qkv_pieces(*[int(a) if a.isdigit() else a for a in sys.argv[2:4]])
         return
     if sys.argv[1:2] == ["front"]:  # front [rounds]
         front(*(int(n) for n in sys.argv[2:3]))
