@@ -699,9 +699,12 @@ def qkv_pieces(seq: int = 512, layout: str = "sbhd") -> None:
     thread (ours: the plan's bound transposed launch; TE's: three ``contiguous`` and its C++
     call), their parts (the packed gradient's allocation, the launch alone), an engine floor (a
     Python Function of three outputs whose backward returns a kept tensor), and the host time
-    each Function's backward spends on the engine's thread; and our forward's Function with three
-other backward bodies (a kept tensor, the allocation and launch without checks, TE's C++
-call, the allocation alone, the launch alone, a clone), which tells the body's share of the difference from the rest of the graph's."""
+    each Function's backward spends on the engine's thread; and our forward's Function with six
+    other backward bodies (a kept tensor, the allocation and launch without checks, TE's C++
+    call, the allocation alone, the launch alone, a clone), which tell the body's share of the
+    difference from the rest of the graph's (docs/benchmarks.md, run AQ). The bound launch's
+    arguments are written out at each use, as the plan writes them: a helper's frame would be
+    timed too."""
     from transformer_engine.pytorch.attention import rope
 
     from rope_dispatch import dispatch
