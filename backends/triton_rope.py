@@ -670,6 +670,12 @@ def _tokens(t: torch.Tensor) -> int:
     return math.prod(t.shape[:-2])
 
 
+def kernel_settings(spec: RoPESpec) -> tuple[str, bool, float, int, int]:
+    """The spec's arguments every launch takes, in the launchers' order: ``(layout,
+    interleaved, cos_sin_scale, cp_size, cp_rank)``."""
+    return spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank
+
+
 def _rows_read(t: torch.Tensor, layout: str, index: torch.Tensor | None) -> int:
     """At most how many table rows a call on ``t`` reads: its sequence length for sbhd and bshd,
     whose batch entries share rows, and its token count for thd or where an index tensor
@@ -1352,8 +1358,8 @@ def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.T
     if (q_tables[1] is None) != (k_tables[1] is None):  # one kernel reads both tables alike
         q_tables, k_tables = kernel_tables(call.table), kernel_tables(call.k_table)
     tables = (*q_tables, *k_tables)
-    args = (call.t, *tables, spec.cu_seqlens, position_index(call), call.split, spec.layout,
-            spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
+    args = (call.t, *tables, spec.cu_seqlens, position_index(call), call.split,
+            *kernel_settings(spec))
     if type(call.t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         return triton_rope_qkv_op(*args)
     if call.t.requires_grad and torch.is_grad_enabled():
@@ -1497,8 +1503,7 @@ def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     (``call.in_place``); eager autograd or, while tracing, the custom op."""
     spec, q, k, index = call.spec, call.t, call.k, position_index(call)
     table, sin = _kernel_tables(call.table, _rows_read(q, spec.layout, index))
-    args = (table, sin, spec.cu_seqlens, index, spec.layout, spec.interleaved,
-            spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
+    args = (table, sin, spec.cu_seqlens, index, *kernel_settings(spec))
     if type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         q_out, k_out = triton_rope_qk_op(q, k, *args, False, None, None)
         return (q.copy_(q_out), k.copy_(k_out)) if call.in_place else (q_out, k_out)
@@ -1619,8 +1624,8 @@ def _forward_entry(call: RoPECall) -> tuple[tuple, tuple, tuple | None, torch.Te
     table, sin = _kernel_tables(call.table, _rows_read(t, spec.layout, index))
     key, tail = _fast_key(
         t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
-        table, table.data_ptr(), sin, spec.cu_seqlens, index, spec.layout,
-        spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False, not in_place,
+        table, table.data_ptr(), sin, spec.cu_seqlens, index, *kernel_settings(spec), False,
+        not in_place,
     )
     return key, tail, _fast.get(key), _flag_of(sin)
 
@@ -1811,7 +1816,7 @@ def _bound_grad_launch(call: RoPECall, generic: Plan) -> Plan:
     key, tail, entry, flag = _forward_entry(call)
     if entry is None or key[-1] != 63 or tail[0] != _user_table_address(call):
         return generic
-    settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
+    settings = kernel_settings(spec)
     launches = _GradLaunch(key, tail, entry, settings, call.positions is not None, flag)
     device_index = key[-2]
     guard = _several_gpus()
@@ -1843,8 +1848,7 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
     table, sin = _kernel_tables(call.table, _rows_read(q, spec.layout, index))
     flag = _flag_of(sin)
     outs = (q, k) if in_place else _qk_outputs(q, k, None)
-    key = _qk_launch(q, k, *outs, (table, sin), cu, index, spec.layout, spec.interleaved,
-                     spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False,
+    key = _qk_launch(q, k, *outs, (table, sin), cu, index, *kernel_settings(spec), False,
                      copy_pass=not in_place, key_only=True)
     entry = None if key is None else _fast_qkv.get(key)
     tp = table.data_ptr()
@@ -1973,15 +1977,14 @@ def _bound_qk_grad_launch(call: RoPECall, generic: Plan) -> Plan:
     index, cu = position_index(call), spec.cu_seqlens
     rows = _rows_read(q, spec.layout, index)
     table, sin = _kernel_tables(call.table, rows)
-    key = _qk_launch(q, k, *_qk_outputs(q, k, None), (table, sin), cu, index, spec.layout,
-                     spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank, False,
-                     key_only=True)
+    key = _qk_launch(q, k, *_qk_outputs(q, k, None), (table, sin), cu, index,
+                     *kernel_settings(spec), False, key_only=True)
     entry = None if key is None else _fast_qkv.get(key)
     tp = table.data_ptr()
     if entry is None or not all(key[1]) or tp != _user_table_address(call):
         return generic
     flag = _flag_of(sin)
-    settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
+    settings = kernel_settings(spec)
     addresses = (tp, tp if sin is None else sin.data_ptr(), tp if cu is None else cu.data_ptr())
     launches = _QKGradLaunch(key, entry, addresses, settings, rows, call.positions is not None,
                              flag)
@@ -2110,7 +2113,7 @@ def _bound_qkv_launch(call: RoPECall, generic: Plan) -> Plan:
     rows = _rows_read(qkv, spec.layout, index)
     table, sin = _kernel_tables(call.table, rows)
     d = split[1]
-    settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
+    settings = kernel_settings(spec)
     outs = _qkv_outputs(qkv, split)
     tables = (table, sin, table, sin)
     key = launch_qkv(packed_segments(qkv, split),

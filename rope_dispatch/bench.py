@@ -224,7 +224,7 @@ def _triton_transpose(inp: Inputs, table: Any) -> Callable[[], Any]:
         angles_2d(table) if isinstance(table, torch.Tensor) else table,
         triton_rope._rows_read(inp.t, spec.layout, inp.starts),
     )
-    settings = (spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank)
+    settings = triton_rope.kernel_settings(spec)
     if inp.split is not None:
         def transpose_qkv():
             return triton_rope._qkv_transpose(
