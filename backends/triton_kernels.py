@@ -128,7 +128,7 @@ def _unpacked(both):
 def _row_cos_sin(
     tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     USE_CACHE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-    FAST_TRIG: tl.constexpr, SHARED: tl.constexpr,
+    FAST_TRIG: tl.constexpr, SHARED: tl.constexpr, flag_ptr, HALVES: tl.constexpr,
 ):
     """cos and sin of each channel of the tokens' table rows ``row`` (angles or a cos/sin
     cache), as the two channels of each pair see them: ``(cos_a, sin_a, cos_b, sin_b)``.
@@ -140,7 +140,11 @@ def _row_cos_sin(
     thread computes the sines of its own channels, once per head of the tile (16 MUFU a thread
     at 8 heads of d 128 on four warps, against 2 this way), and a tile of several tokens and
     heads moves cos and sin of both halves between layouts apart (seven barriers). Interleaved
-    rows take the shared form anyway (their pairs are split after the sines)."""
+    rows take the shared form anyway (their pairs are split after the sines).
+
+    ``HALVES`` (a rotate-half cos/sin cache, not ``SHARED``): ``flag_ptr`` is the cache's int32
+    halves flag (:func:`halves_table_kernel`); while it is set each row's second halves equal its
+    first, which alone are read."""
     tab_off = row[:, None] * ROT_DIM + c[None, :]
     tab_mask = inside[:, None] & c_mask[None, :]
     if SHARED and not INTERLEAVED:
@@ -156,6 +160,15 @@ def _row_cos_sin(
         pair_a, pair_b = tl.split(tl.reshape(both, [BLOCK_T, BLOCK_R // 2, 2]))
         cos_a, sin_a = _unpacked(pair_a)
         cos_b, sin_b = _unpacked(pair_b)
+    elif HALVES:
+        flag = tl.load(flag_ptr)
+        cos_a, sin_a = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
+        cos_b = cos_a
+        sin_b = sin_a
+        if flag == 0:  # the halves differ somewhere: the second halves too
+            cos_b, sin_b = _table(
+                tab_ptr, sin_ptr, tab_off + ROT_DIM // 2, tab_mask, USE_CACHE, FAST_TRIG
+            )
     else:
         cos_a, sin_a = _table(tab_ptr, sin_ptr, tab_off, tab_mask, USE_CACHE, FAST_TRIG)
         cos_b, sin_b = _table(
@@ -410,13 +423,15 @@ def _coefficients(
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
     RATES: tl.constexpr, LINEAR: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr, FAST_TRIG: tl.constexpr, SCALE: tl.constexpr, SHARED: tl.constexpr,
+    flag_ptr, HALVES: tl.constexpr,
 ):
     """The rotation's ``(cos_a, cos_b, coef_a, coef_b)`` at the tokens' positions ``pos``
     (``row``: the same, in the type the table's offsets are formed in), ``[BLOCK_T, 1,
     BLOCK_R]``, for :func:`_rotated`: from the table kind's cos and sin, each channel's sine
     its own (forward) or its partner's (``BACKWARD``), all times ``SCALE``. Tokens off
     ``inside`` read no table memory and get NaN. ``SHARED``: table rows as
-    :func:`_row_cos_sin` shares them."""
+    :func:`_row_cos_sin` shares them; ``HALVES``: a cos/sin cache's halves flag at ``flag_ptr``
+    (the same)."""
     if LINEAR:  # an angle table: rated while its flag holds this pairing's bit
         # row 1 is read with the flag, not after it: two DRAM round trips in a row were
         # 0.2-0.4 us of a 2-4 us call after an L2 flush (run AF)
@@ -428,7 +443,7 @@ def _coefficients(
         if (flag & (2 if INTERLEAVED else 1)) == 0:  # not linear: the rows
             cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
                 tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE,
-                BLOCK_T, BLOCK_R, FAST_TRIG, SHARED,
+                BLOCK_T, BLOCK_R, FAST_TRIG, SHARED, sin_ptr, False,
             )
     elif RATES:  # a rate table's rates: pair k's angle is one float32 product, position x rate k
         cos_a, sin_a, cos_b, sin_b = _rate_cos_sin(
@@ -444,7 +459,7 @@ def _coefficients(
     else:
         cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
             tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, BLOCK_T,
-            BLOCK_R, FAST_TRIG, SHARED,
+            BLOCK_R, FAST_TRIG, SHARED, flag_ptr, HALVES,
         )
     if BACKWARD:  # the transpose: each channel takes its partner's sine
         coef_a = sin_b
@@ -495,11 +510,13 @@ def _rope_program(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, GROUPED: tl.constexpr, SCALE: tl.constexpr,
-    SHARED_ROWS: tl.constexpr,
+    SHARED_ROWS: tl.constexpr, HALVES: tl.constexpr,
 ):
     """RoPE (or its transpose) of ``token_block``'s ``BLOCK_T`` tokens x ``head_group``'s
     ``HEAD_ITERS * BLOCK_H`` heads: the body of both kernels below. ``SHARED_ROWS``: table
-    rows read once for the tile's heads (:func:`_row_cos_sin`'s ``SHARED``).
+    rows read once for the tile's heads (:func:`_row_cos_sin`'s ``SHARED``). ``HALVES``: on
+    sbhd and bshd, ``cu_ptr`` is a rotate-half cos/sin cache's halves flag
+    (:func:`_row_cos_sin`).
 
     The first head chunk's loads are issued before the positions and the table are worked out
     (a thd binary search and a table row are dependent loads), and each later chunk is loaded
@@ -529,7 +546,7 @@ def _rope_program(
     cos_a, cos_b, coef_a, coef_b = _coefficients(
         tab_ptr, sin_ptr, pos, pos.to(tl.int64), inside, c, c_mask, ROT_DIM, INTERLEAVED,
         USE_CACHE, PAIRED, RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE,
-        SHARED_ROWS,
+        SHARED_ROWS, cu_ptr, HALVES,
     )
 
     for it in range(HEAD_ITERS - 1):
@@ -586,6 +603,7 @@ def rope_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, SCALE: tl.constexpr, SHARED_ROWS: tl.constexpr,
+    HALVES: tl.constexpr = False,
 ):
     """RoPE (or its transpose) of one tensor, ``BLOCK_T`` tokens x ``HEAD_ITERS * BLOCK_H``
     heads per program: grid ``(head groups, token blocks)`` (see :func:`_token_block`).
@@ -598,8 +616,10 @@ def rope_kernel(
     rates twice over, ``[ROT_DIM]`` (a rate table), and each angle is ``position * rate``, no
     table row read. ``LINEAR``: ``tab_ptr`` is an angle table and ``sin_ptr`` its int32 flag
     (:func:`linear_table_kernel`); while the flag holds the pairing's bit, each angle is
-    ``position * row 1``, no other row read. Its argument list is kept short: at decode size
-    the launch's host time is the call's time.
+    ``position * row 1``, no other row read. ``HALVES`` (sbhd and bshd, a rotate-half cos/sin
+    cache): ``cu_ptr`` is the cache's int32 halves flag (:func:`halves_table_kernel`), and while
+    it is set only each row's first halves are read. Its argument list is kept short: at decode
+    size the launch's host time is the call's time.
     """
     _rope_program(
         _token_block(), tl.program_id(0), x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
@@ -609,7 +629,7 @@ def rope_kernel(
         LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
         CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
         SEQ_BLOCK, False,
-        SCALE, SHARED_ROWS,
+        SCALE, SHARED_ROWS, HALVES,
     )
 
 
@@ -626,7 +646,8 @@ def rope_lean_kernel(
     ``out`` both ``[n0, n1, HEADS, HEAD_DIM]`` and contiguous (or ``out`` is ``x``), fewer
     than ``2**31`` elements, positions by index with no context parallelism, every position
     inside the table (the launcher checks its rows). ``PASS_DIM`` pass-through channels are
-    copied (0 in place: left alone). ``cu_ptr`` and ``pos_ptr`` are unused: the argument list
+    copied (0 in place: left alone). ``cu_ptr`` and ``pos_ptr`` are unused (a cos/sin cache's
+    rows are read whole): the argument list
     is :func:`rope_kernel`'s up to the integers, so both share one launch path.
 
     At these sizes a call's time is its chain of dependent steps after an L2 flush, and the
@@ -668,7 +689,7 @@ def rope_lean_kernel(
     pos = i0 if LAYOUT == 0 else i1
     cos_a, cos_b, coef_a, coef_b = _coefficients(
         tab_ptr, sin_ptr, pos, pos, tok_mask, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, PAIRED,
-        RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE, SHARED_ROWS,
+        RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE, SHARED_ROWS, sin_ptr, False,
     )
     out_a, out_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED, BLOCK_T, BLOCK_H,
                             BLOCK_R)
@@ -699,7 +720,7 @@ def rope_qkv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, HAS_V: tl.constexpr, V_WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
-    SCALE: tl.constexpr,
+    SCALE: tl.constexpr, HALVES: tl.constexpr = False,
 ):
     """q and k rotated (each by its own table) and v copied, in one launch.
 
@@ -712,6 +733,8 @@ def rope_qkv_kernel(
     packed gradient are written by neighbouring programs. v's heads are ``V_WIDTH`` channels
     wide (``BLOCK_W``, a power of two, covers them). The backward is the same launch with
     ``BACKWARD`` set: q's and k's gradients transposed, v's copied, into one packed gradient.
+    ``HALVES``: q and k share one rotate-half cos/sin cache whose halves flag is ``cu_ptr``
+    (sbhd and bshd; :func:`rope_kernel`).
     """
     per_program = HEAD_ITERS * BLOCK_H
     q_per = (q_heads + per_program - 1) // per_program  # head groups per token block
@@ -727,7 +750,7 @@ def rope_qkv_kernel(
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
             SEQ_BLOCK, True,
-            SCALE, False,
+            SCALE, False, HALVES,
         )
     elif r < q_per + k_per:
         _rope_program(
@@ -738,7 +761,7 @@ def rope_qkv_kernel(
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
             SEQ_BLOCK, True,
-            SCALE, False,
+            SCALE, False, HALVES,
         )
     elif HAS_V:
         _copy_program(
@@ -787,6 +810,29 @@ def linear_table_kernel(
     )
     earned = (1 - off_halves) * 1 + (1 - off_pairs) * 2
     tl.atomic_and(flag_ptr, earned * (1 - off_rows))
+
+
+@triton.jit
+def halves_table_kernel(
+    cos_ptr, sin_ptr, flag_ptr, rows, ROT_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Clear ``flag_ptr`` (int32, set to 1 before the launch) unless, in every row of the
+    contiguous cos and sin caches ``[rows, ROT_DIM]`` (given as integer views of the same
+    width, so the test is bit for bit), the second half repeats the first: the form
+    rotate-half models build them in (``cat((angles, angles))``), where reading the first
+    halves gives the same result bits. Each program checks ``BLOCK_ROWS`` rows."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    c = tl.arange(0, BLOCK_C)
+    rows_at = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask = (rows_at < rows)[:, None] & (c < HALF)[None, :]
+    first = rows_at.to(tl.int64)[:, None] * ROT_DIM + c[None, :]
+    off = (tl.load(cos_ptr + first, mask=mask) != tl.load(cos_ptr + first + HALF, mask=mask)) | (
+        tl.load(sin_ptr + first, mask=mask) != tl.load(sin_ptr + first + HALF, mask=mask)
+    )
+    differs = tl.reduce(tl.reduce((off & mask).to(tl.int32), 1, _maximum), 0, _maximum)
+    if differs != 0:
+        tl.store(flag_ptr, 0)
 
 
 INTERPRETED: bool = isinstance(rope_kernel, InterpretedFunction)

@@ -36,7 +36,9 @@ from torch.autograd.graph import increment_version
 from rope_dispatch.call import RoPECall, env_raw_reader, expanded_dim, position_index
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import RoPESpec
-from rope_dispatch.tables import RotaryTable, angles_2d, kernel_tables, table_address
+from rope_dispatch.tables import (
+    CosSinCache, RotaryTable, angles_2d, kernel_tables, table_address,
+)
 
 LAYOUT_CODES = {"sbhd": 0, "bshd": 1, "thd": 2}
 
@@ -666,6 +668,98 @@ def _kernel_tables(
     return tab, sin
 
 
+# ---------------------------------------------------------------------------------------------
+# Rotate-half cos/sin caches: only each row's first halves read while a flag on the device says
+# every row's second halves repeat them (as transformers' rotary embeddings build them)
+
+HALVES_MIN_ROWS_READ = 1 << 16
+"""Table rows x rotary channels from which a rotate-half call on a cos/sin cache looks for its
+halves flag: half the rows' bytes saved on each call against one check of the cache (a launch,
+about 5 us of host time) at its second call."""
+
+# cos/sin cache -> its halves flag: an int32 [1] tensor on the cache's device with attribute
+# _rope_version (the cache's version, CosSinCache._version, when checked)
+_halves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# caches seen once: one made for a single call is never checked
+_halves_met: weakref.WeakSet = weakref.WeakSet()
+_BITS = {2: torch.int16, 4: torch.int32}  # element size -> the integer view the check compares
+
+
+def halves_flag(table: CosSinCache) -> torch.Tensor | None:
+    """The halves flag of a cos/sin cache, checked against its current contents
+    (:func:`current_halves`), or ``None`` where the kernels read whole rows: at the first
+    sight of a cache, for inference tensors (no version counter tells a later write), under
+    ``torch.compile`` or CUDA graph capture, and with ``ROPE_DISPATCH_LINEAR_TABLES=0``."""
+    cos, sin = table.cos, table.sin
+    if (
+        cos.is_inference() or sin.is_inference() or torch.compiler.is_compiling()
+        or _linear_tables_raw() == _LINEAR_TABLES_OFF
+    ):
+        return None
+    flag = _halves.get(table)
+    if flag is None:
+        if table not in _halves_met or _capturing(cos):
+            _halves_met.add(table)
+            return None
+        _halves_met.discard(table)
+        with torch.inference_mode(False):  # a normal tensor: refilled outside inference mode too
+            flag = torch.zeros(1, dtype=_FLAG, device=cos.device)
+        flag._rope_version = -1  # type: ignore[attr-defined]
+        _halves[table] = flag
+    return current_halves(cos, sin, flag)
+
+
+def current_halves(cos: torch.Tensor, sin: torch.Tensor, flag: torch.Tensor) -> torch.Tensor | None:
+    """``flag``, checked again when ``cos`` or ``sin`` was written since its last check (the
+    sum of their version counters moved: each only grows); ``None`` under CUDA graph capture or
+    with ``ROPE_DISPATCH_LINEAR_TABLES=0``, where the kernels read whole rows."""
+    if _capturing(cos) or _linear_tables_raw() == _LINEAR_TABLES_OFF:
+        return None
+    version = cos._version + sin._version
+    if flag._rope_version != version:  # type: ignore[attr-defined]
+        kernels = _kernels if _kernels is not None else _load_kernels()
+        rows, d2 = cos.shape
+        bits = _BITS[cos.element_size()]
+        block_c = _next_pow2(d2 // 2)
+        block_rows = max(1, 4096 // block_c)
+        flag.fill_(1)
+        with _on_device(cos):
+            kernels.halves_table_kernel[(-(-rows // block_rows),)](
+                cos.view(bits), sin.view(bits), flag, rows, ROT_DIM=d2, BLOCK_ROWS=block_rows,
+                BLOCK_C=block_c,
+            )
+        flag._rope_version = version  # type: ignore[attr-defined]
+    return flag
+
+
+def _launch_tables(
+    table: RotaryTable, rows: int, cu_seqlens: torch.Tensor | None, layout: str,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`_kernel_tables`, and what the launch's ``cu_seqlens`` argument carries: the
+    call's own on thd; on sbhd and bshd, where the kernels read no ``cu_seqlens``, a rotate-half
+    cos/sin cache's halves flag (:func:`halves_flag`) when the call's ``rows``
+    (:func:`_rows_read`) hold at least ``HALVES_MIN_ROWS_READ`` entries, else ``None``."""
+    tab, sin = _kernel_tables(table, rows)
+    if (
+        cu_seqlens is None and type(table) is CosSinCache and not interleaved
+        and layout != "thd" and rows * tab.shape[1] >= HALVES_MIN_ROWS_READ
+    ):
+        cu_seqlens = halves_flag(table)
+    return tab, sin, cu_seqlens
+
+
+def _plan_flag(
+    sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None, layout: str
+) -> torch.Tensor | None:
+    """The flag a plan's launches read by address (:func:`_flag_stale` keeps it fresh): a
+    linear angle table's (its ``sin``) or a cos/sin cache's halves flag (its ``cu_seqlens`` on
+    sbhd and bshd, :func:`_launch_tables`)."""
+    if sin is not None and sin.dtype is _FLAG:
+        return sin
+    return cu_seqlens if layout != "thd" else None
+
+
 def _tokens(t: torch.Tensor) -> int:
     return math.prod(t.shape[:-2])
 
@@ -749,11 +843,15 @@ def launch(
     ``x`` may have any strides; ``out`` (same shape) too. ``fresh_out`` promises that ``out``
     was allocated with ``torch.contiguous_format`` from ``x.shape`` (so its strides follow from
     that shape and need not be read). ``copy_pass=False`` leaves the pass-through channels
-    alone (neither read nor written): with ``out`` being ``x``, an in-place rotation. No host
-    sync, no allocation. The current CUDA device must be ``x``'s.
+    alone (neither read nor written): with ``out`` being ``x``, an in-place rotation. On sbhd
+    and bshd ``cu_seqlens`` is a cos/sin cache's halves flag or ``None``
+    (:func:`_launch_tables`). No host sync, no allocation. The current CUDA device must be
+    ``x``'s.
     """
     if sin is not None and sin.dtype is _FLAG:
         sin = current_flag(table, sin)
+    if cu_seqlens is not None and layout != "thd":  # a cos/sin cache's halves flag
+        cu_seqlens = current_halves(table, sin, cu_seqlens)
     if config is None and _kernels is not None and not _kernels.INTERPRETED:
         # Fast path: the same call signature as before -> the same compiled kernel, launched
         # directly.
@@ -800,6 +898,7 @@ def launch(
     rotary_dim = table.shape[1]
     width = head_dim if copy_pass else rotary_dim  # the channels a token moves
     flags = _table_flags(table, sin)
+    halves = None if code == 2 else cu_seqlens  # the halves flag (the lean kernel reads rows)
     if config is None and _lean_fits(code, x, out, fresh_out, positions, cp_size, seq_len,
                                      table.shape[0]):
         kernel = kernels.rope_lean_kernel
@@ -839,7 +938,8 @@ def launch(
             BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
             SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
             SCALE=float(scale),
-            SHARED_ROWS=shared_rows(block_t, block_h, use_cache, lean=False),
+            SHARED_ROWS=shared_rows(block_t, block_h, use_cache, lean=False) and halves is None,
+            HALVES=halves is not None,
         )
     compiled = kernel[grid](
         x, out, table, table if sin is None else sin,
@@ -1056,7 +1156,8 @@ def launch_qkv(
     """One launch of ``rope_qkv_kernel``: ``outs[i]`` = RoPE of ``xs[i]`` for q (i = 0) and k
     (i = 1), each by its own table, and a copy for v (i = 2, when given); the transpose when
     ``backward``. ``tables`` are ``(q_table, q_sin, k_table, k_sin)`` (sin ``None`` for angle
-    tables). ``copy_pass=False`` leaves the pass-through channels alone: with ``outs`` being
+    tables); on sbhd and bshd ``cu_seqlens`` is their one cos/sin cache's halves flag or
+    ``None`` (:func:`_launch_tables`). ``copy_pass=False`` leaves the pass-through channels alone: with ``outs`` being
     ``xs``, q and k rotated in place. No host sync, no allocation; a repeated call signature
     launches the compiled kernel through Triton's C launcher from addresses and integers alone.
     ``key_only``: launch nothing, return the launch's key in ``_fast_qkv`` (``None`` when it
@@ -1069,6 +1170,8 @@ def launch_qkv(
         k_sin = q_sin if shared or q_sin is None else current_flag(k_tab, k_sin)
         if k_sin is None:
             q_sin = None
+    if cu_seqlens is not None and layout != "thd":  # their cos/sin cache's halves flag
+        cu_seqlens = current_halves(q_tab, q_sin, cu_seqlens)
     has_v = len(xs) == 3
     pairs = tuple(zip(xs, outs)) if has_v else (*zip(xs, outs), (xs[1], outs[1]))
     shape = xs[0][2]
@@ -1148,6 +1251,7 @@ def launch_qkv(
         BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
         SEQ_BLOCK=_next_pow2(n_seqs + 1) if 0 < n_seqs < SEQ_SCAN_LIMIT else 0,
         HAS_V=has_v, V_WIDTH=head_dim, BLOCK_W=_next_pow2(head_dim), SCALE=float(scale),
+        HALVES=not thd and cu_seqlens is not None,
     )
     views = tuple(_view(seg) for x, out in pairs for seg in (x, out))
     compiled = kernels.rope_qkv_kernel[grid](*views, *index, *ints, num_warps=num_warps, **consts)
@@ -1353,13 +1457,17 @@ def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.T
     ``[.., h, v]``, new and contiguous; eager autograd or, while tracing, the custom ops."""
     spec = call.spec
     rows = _rows_read(call.t, spec.layout, position_index(call))
-    q_tables = _kernel_tables(call.table, rows)
-    k_tables = q_tables if call.k_table is None else _kernel_tables(call.k_table, rows)
-    if (q_tables[1] is None) != (k_tables[1] is None):  # one kernel reads both tables alike
-        q_tables, k_tables = kernel_tables(call.table), kernel_tables(call.k_table)
+    cu = spec.cu_seqlens
+    if call.k_table is None:  # one table: its halves flag, if any, serves q and k
+        tab, sin, cu = _launch_tables(call.table, rows, cu, spec.layout, spec.interleaved)
+        q_tables = k_tables = (tab, sin)
+    else:
+        q_tables = _kernel_tables(call.table, rows)
+        k_tables = _kernel_tables(call.k_table, rows)
+        if (q_tables[1] is None) != (k_tables[1] is None):  # one kernel reads both tables alike
+            q_tables, k_tables = kernel_tables(call.table), kernel_tables(call.k_table)
     tables = (*q_tables, *k_tables)
-    args = (call.t, *tables, spec.cu_seqlens, position_index(call), call.split,
-            *kernel_settings(spec))
+    args = (call.t, *tables, cu, position_index(call), call.split, *kernel_settings(spec))
     if type(call.t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         return triton_rope_qkv_op(*args)
     if call.t.requires_grad and torch.is_grad_enabled():
@@ -1502,8 +1610,9 @@ def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     """A q and k pair of a checked call: new ``(q_out, k_out)``, or ``(q, k)`` rotated in place
     (``call.in_place``); eager autograd or, while tracing, the custom op."""
     spec, q, k, index = call.spec, call.t, call.k, position_index(call)
-    table, sin = _kernel_tables(call.table, _rows_read(q, spec.layout, index))
-    args = (table, sin, spec.cu_seqlens, index, *kernel_settings(spec))
+    table, sin, cu = _launch_tables(call.table, _rows_read(q, spec.layout, index),
+                                    spec.cu_seqlens, spec.layout, spec.interleaved)
+    args = (table, sin, cu, index, *kernel_settings(spec))
     if type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         q_out, k_out = triton_rope_qk_op(q, k, *args, False, None, None)
         return (q.copy_(q_out), k.copy_(k_out)) if call.in_place else (q_out, k_out)
@@ -1551,7 +1660,9 @@ def rope_triton(
     ``rope_dispatch::triton_rope`` op. ``in_place``: rotate ``t``'s rotary channels in place
     and return ``t`` (while tracing: the op's result copied into ``t``).
     """
-    tab, sin = _kernel_tables(table, _rows_read(t, layout, positions))
+    tab, sin, cu_seqlens = _launch_tables(
+        table, _rows_read(t, layout, positions), cu_seqlens, layout, interleaved
+    )
     if type(t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         out = triton_rope_op(
             t, tab, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size, cp_rank,
@@ -1619,15 +1730,16 @@ def _forward_entry(call: RoPECall) -> tuple[tuple, tuple, tuple | None, torch.Te
     """The ``_fast`` key of a single-tensor call's forward launch (in place or into a fresh
     output), its table, sin, cu_seqlens and index addresses, the compiled launch stored
     under that key by the call that just ran (``None`` when there is none), and the table's
-    linearity flag when the launch reads one."""
+    linearity flag or its cos/sin cache's halves flag when the launch reads one."""
     t, spec, in_place, index = call.t, call.spec, call.in_place, position_index(call)
-    table, sin = _kernel_tables(call.table, _rows_read(t, spec.layout, index))
+    table, sin, cu = _launch_tables(call.table, _rows_read(t, spec.layout, index),
+                                    spec.cu_seqlens, spec.layout, spec.interleaved)
     key, tail = _fast_key(
         t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
-        table, table.data_ptr(), sin, spec.cu_seqlens, index, *kernel_settings(spec), False,
+        table, table.data_ptr(), sin, cu, index, *kernel_settings(spec), False,
         not in_place,
     )
-    return key, tail, _fast.get(key), _flag_of(sin)
+    return key, tail, _fast.get(key), _plan_flag(sin, cu, spec.layout)
 
 
 def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
@@ -1705,15 +1817,17 @@ def _back_launch(launches: Any, cache: dict) -> tuple | None:
 
 def _generic_tables(
     freqs: object, rows: int, index: torch.Tensor | None, per_token: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """What a planned backward's generic launch reads: the table in its kernel form (a linear
-    angle table's flag checked again) and the index tensor in the kernels' per-token form
-    (:func:`position_index`)."""
+    cu_seqlens: torch.Tensor | None, settings: tuple,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """What a planned backward's generic launch reads: the table in its kernel form and the
+    launch's ``cu_seqlens`` argument (a linear angle table's or a cos/sin cache's flag checked
+    again, :func:`_launch_tables`; ``settings``: :func:`kernel_settings`'s) and the index tensor
+    in the kernels' per-token form (:func:`position_index`)."""
     table = angles_2d(freqs) if isinstance(freqs, torch.Tensor) else freqs
-    tab, sin = _kernel_tables(table, rows)
+    tab, sin, cu_seqlens = _launch_tables(table, rows, cu_seqlens, *settings[:2])
     if index is not None and per_token and index.dim() == 1:
         index = index.unsqueeze(-1)
-    return tab, sin, index
+    return tab, sin, cu_seqlens, index
 
 
 class _GradLaunch:
@@ -1767,8 +1881,9 @@ class _GradLaunch:
                 run(*head, stream, *prefix, gp, grad_x.data_ptr(),
                     *self.tables, ip, *rest)
                 return grad_x
-        table, sin, index = _generic_tables(
-            freqs, _rows_read(grad, self.settings[0], index), index, self.per_token)
+        table, sin, cu_seqlens, index = _generic_tables(
+            freqs, _rows_read(grad, self.settings[0], index), index, self.per_token, cu_seqlens,
+            self.settings)
         if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
             return _RoPEFunction.apply(grad, table, sin, cu_seqlens, index, *self.settings, True,
                                        None)
@@ -1844,9 +1959,10 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
     """:func:`_bound_launch` for a q and k pair: one launch of the compiled two-segment kernel
     from the new q's, k's and index tensor's addresses (two output allocations out of place)."""
     q, k, spec, in_place = call.t, call.k, call.spec, call.in_place
-    index, cu = position_index(call), spec.cu_seqlens
-    table, sin = _kernel_tables(call.table, _rows_read(q, spec.layout, index))
-    flag = _flag_of(sin)
+    index = position_index(call)
+    table, sin, cu = _launch_tables(call.table, _rows_read(q, spec.layout, index),
+                                    spec.cu_seqlens, spec.layout, spec.interleaved)
+    flag = _plan_flag(sin, cu, spec.layout)
     outs = (q, k) if in_place else _qk_outputs(q, k, None)
     key = _qk_launch(q, k, *outs, (table, sin), cu, index, *kernel_settings(spec), False,
                      copy_pass=not in_place, key_only=True)
@@ -1940,7 +2056,8 @@ class _QKGradLaunch:
             back = _back_launch(self, _fast_qkv)
             if back is not None:
                 return self._launch(back, gq, gk, index, stream)
-        table, sin, index = _generic_tables(freqs, self.rows, index, self.per_token)
+        table, sin, cu_seqlens, index = _generic_tables(
+            freqs, self.rows, index, self.per_token, cu_seqlens, self.settings)
         args = (table, sin, cu_seqlens, index, *self.settings, True)
         if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
             return _QKFunction.apply(gq, gk, *args, None)
@@ -1974,16 +2091,17 @@ def _bound_qk_grad_launch(call: RoPECall, generic: Plan) -> Plan:
     q, k, spec = call.t, call.k, call.spec
     if call.in_place or not (q.is_contiguous() and k.is_contiguous()):
         return generic
-    index, cu = position_index(call), spec.cu_seqlens
+    index = position_index(call)
     rows = _rows_read(q, spec.layout, index)
-    table, sin = _kernel_tables(call.table, rows)
+    table, sin, cu = _launch_tables(call.table, rows, spec.cu_seqlens, spec.layout,
+                                    spec.interleaved)
     key = _qk_launch(q, k, *_qk_outputs(q, k, None), (table, sin), cu, index,
                      *kernel_settings(spec), False, key_only=True)
     entry = None if key is None else _fast_qkv.get(key)
     tp = table.data_ptr()
     if entry is None or not all(key[1]) or tp != _user_table_address(call):
         return generic
-    flag = _flag_of(sin)
+    flag = _plan_flag(sin, cu, spec.layout)
     settings = kernel_settings(spec)
     addresses = (tp, tp if sin is None else sin.data_ptr(), tp if cu is None else cu.data_ptr())
     launches = _QKGradLaunch(key, entry, addresses, settings, rows, call.positions is not None,
@@ -2073,7 +2191,8 @@ class _QKVLaunches:
                 gv.data_ptr(), gp + ov, tp, sp, tp, sp, cp,
                 tp if index is None else index.data_ptr(), *rest)
             return grad
-        tab, sin, index = _generic_tables(freqs, self.rows, index, self.per_token)
+        tab, sin, cu_seqlens, index = _generic_tables(
+            freqs, self.rows, index, self.per_token, cu_seqlens, self.settings)
         inputs = (tab, sin, tab, sin, cu_seqlens, index, self.split, *self.settings)
         if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
             return _QKVTransposeFunction.apply(gq, gk, gv, *inputs, None)
@@ -2109,9 +2228,10 @@ def _bound_qkv_launch(call: RoPECall, generic: Plan) -> Plan:
     qkv, spec, split = call.t, call.spec, call.split
     if call.k_table is not None or not qkv.is_contiguous():
         return generic
-    index, cu = position_index(call), spec.cu_seqlens
+    index = position_index(call)
     rows = _rows_read(qkv, spec.layout, index)
-    table, sin = _kernel_tables(call.table, rows)
+    table, sin, cu = _launch_tables(call.table, rows, spec.cu_seqlens, spec.layout,
+                                    spec.interleaved)
     d = split[1]
     settings = kernel_settings(spec)
     outs = _qkv_outputs(qkv, split)
@@ -2130,7 +2250,7 @@ def _bound_qkv_launch(call: RoPECall, generic: Plan) -> Plan:
                            width_segment(outs[2], d)),
                           packed_segments(qkv, split), tables, cu, index, *settings, True,
                           key_only=True)
-    flag = _flag_of(sin)
+    flag = _plan_flag(sin, cu, spec.layout)
     addresses = (tp, tp if sin is None else sin.data_ptr(), tp if cu is None else cu.data_ptr())
     launches = _QKVLaunches(key, back_key, entry, qkv, split, addresses, settings, rows,
                             call.positions is not None, flag)

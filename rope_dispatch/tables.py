@@ -42,6 +42,13 @@ class CosSinCache:
     def to(self, device: torch.device | str) -> CosSinCache:
         return CosSinCache(self.cos.to(device), self.sin.to(device))
 
+    @property
+    def _version(self) -> int:
+        """cos's and sin's version counters summed, a tensor's ``_version`` for the pair: it
+        moves whenever either is written (each only grows). The Triton backend checks its
+        halves flag against it."""
+        return self.cos._version + self.sin._version
+
 
 @dataclass(frozen=True, eq=False)
 class PairCosSinCache:

@@ -13,7 +13,9 @@ embedding returns (``cat(freqs, freqs)``, rounded to bf16). For each call:
   (``bench.host_us_interleaved``);
 - each forward's largest error against a float64 rotation written from the formula.
 
-Liger's call is ``liger_rotary_pos_emb`` (in place on q and k; it reads the first half of cos
+"ours, whole rows" is our call with the kernels reading each cos and sin row whole (the
+cache's halves flag switched off): what reading the first halves alone saves. Liger's call is
+``liger_rotary_pos_emb`` (in place on q and k; it reads the first half of cos
 and sin only, as transformers' halves are equal). "eager" is transformers' formula
 ``q * cos + rotate_half(q) * sin`` in torch ops. Needs a CUDA device; Liger is optional.
 
@@ -23,6 +25,7 @@ and sin only, as transformers' halves are equal). "eager" is transformers' formu
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +47,7 @@ SHAPES = [  # (model, batch, seq, q heads, kv heads, head dim)
     ("Phi-3 mini", 4, 4096, 32, 32, 96),
 ]
 SMALL = [s for s in SHAPES if s[1] * s[2] <= 2048]
+SWITCH = "ROPE_DISPATCH_LINEAR_TABLES"
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -81,9 +85,21 @@ def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
                       x2 * c[..., half:] + x1 * s[..., half:]), dim=-1)
 
 
+def whole_rows(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Our call with the kernels reading each cos and sin row whole (no halves flag: the switch
+    ``ROPE_DISPATCH_LINEAR_TABLES=0`` set for the forward, so its backward reads rows too):
+    what reading only the first halves saves, in the same run."""
+    os.environ[SWITCH] = "0"
+    try:
+        return hf.apply_rotary_pos_emb(q, k, cos, sin)
+    finally:
+        del os.environ[SWITCH]
+
+
 def calls() -> dict[str, Callable]:
     """name -> ``fn(q, k, cos, sin)`` taking and returning HF's ``[b, h, s, d]`` views."""
-    found: dict[str, Callable] = {"ours (hf.patch)": hf.apply_rotary_pos_emb}
+    found: dict[str, Callable] = {"ours (hf.patch)": hf.apply_rotary_pos_emb,
+                                  "ours, whole rows": whole_rows}
     try:
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
     except Exception as exc:  # noqa: BLE001

@@ -38,6 +38,7 @@ VARIANTS = [
     ("linear table, thd, start positions, cp", dict(LINEAR=True, LAYOUT=2, POSITIONS=1,
                                                     CONTEXT_PARALLEL=True, SEQ_BLOCK=8), "*i32"),
     ("cos/sin cache", dict(USE_CACHE=True), "*fp32"),
+    ("cos/sin cache, halves flag", dict(USE_CACHE=True, HALVES=True), "*fp32"),
     ("pair cache, per-token positions", dict(USE_CACHE=True, PAIRED=True, POSITIONS=2), "*fp32"),
     ("rate table, scaled", dict(RATES=True, SCALE=1.25), "*fp32"),
 ]
@@ -54,7 +55,7 @@ LEAN_VECTOR_VARIANTS = [
     ("two channels a thread, linear flag", dict(SHARED_ROWS=False, VECTOR=2, LINEAR=True),
      "*i32"),
 ]
-LEAN_DROPPED = ("POSITIONS", "CONTEXT_PARALLEL", "SEQ_BLOCK", "HEAD_ITERS")
+LEAN_DROPPED = ("POSITIONS", "CONTEXT_PARALLEL", "SEQ_BLOCK", "HEAD_ITERS", "HALVES")
 
 
 def compile_kernel(fn, pointers: dict[str, str], consts: dict) -> None:
@@ -90,7 +91,7 @@ def main() -> int:
         for kernel, pointers, extra in (
             (K.rope_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "tab_ptr": "*fp32",
                              "sin_ptr": sin_type, "cu_ptr": "*i32", "pos_ptr": "*i64"},
-             dict(SHARED_ROWS=True)),
+             dict(SHARED_ROWS=not changes.get("HALVES", False))),
             (K.rope_qkv_kernel, {
                 **{p: "*bf16" for p in ("q_x", "q_out", "k_x", "k_out", "v_x", "v_out")},
                 "q_tab": "*fp32", "k_tab": "*fp32", "q_sin": sin_type, "k_sin": sin_type,
@@ -114,6 +115,10 @@ def main() -> int:
     if not compiles("linear_table_kernel", K.linear_table_kernel,
                     {"tab_ptr": "*fp32", "flag_ptr": "*i32"},
                     dict(ROT_DIM=128, BLOCK_ROWS=32, BLOCK_C=128)):
+        return 1
+    if not compiles("halves_table_kernel", K.halves_table_kernel,
+                    {"cos_ptr": "*i16", "sin_ptr": "*i16", "flag_ptr": "*i32"},
+                    dict(ROT_DIM=128, BLOCK_ROWS=64, BLOCK_C=64)):
         return 1
     return 0
 

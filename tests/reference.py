@@ -81,6 +81,25 @@ def reference_rope(
     return torch.cat((out, x[..., d2:]), dim=-1)
 
 
+def reference_cache_rope(
+    t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """float64 ``out_i = x_i cos[p, i] + sign_i x_partner(i) sin[p, i]`` for the rows of a
+    cos/sin cache ``[s2, d2]`` of any values, rest copied; differentiable with respect to ``t``.
+    ``positions``: each token's row, shaped like ``t.shape[:-2]``."""
+    d2 = cos.shape[-1]
+    x = t.double()
+    rows = positions.cpu()
+    c = cos.double().cpu()[rows].to(x.device).unsqueeze(-2)
+    s = sin.double().cpu()[rows].to(x.device).unsqueeze(-2)
+    idx, sign = partners(d2, interleaved)
+    sign_t = torch.tensor(sign, dtype=torch.float64, device=x.device)
+    rot = x[..., :d2]
+    out = rot * c + sign_t * rot[..., torch.tensor(idx, device=x.device)] * s
+    return torch.cat((out, x[..., d2:]), dim=-1)
+
+
 def reference_for(t, angles, spec, start_positions=None, positions=None) -> torch.Tensor:
     """The reference output for a call described by a ``RoPESpec`` (read field by field);
     ``positions``, when given, are every token's table row (``t.shape[:-2]``)."""

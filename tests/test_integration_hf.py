@@ -545,6 +545,45 @@ def test_triton_backend_serves_the_multimodal_call(triton_backend, batch_cos):
         torch.testing.assert_close(got.double(), exact.detach().double(), rtol=2**-7, atol=1e-5)
 
 @pytest.mark.parametrize("batch_cos", [BATCH, 1])
+def test_layers_read_half_of_each_cos_and_sin_row_while_the_halves_are_equal(
+    triton_backend, monkeypatch, batch_cos
+):
+    """transformers' cos and sin repeat each row's first half: from the second layer on, the
+    Triton kernels read the first halves alone (the cache's halves flag holds), with forward and
+    gradients still the formula's; a write that makes the halves differ is seen by the next
+    layer's call."""
+    import weakref
+
+    from rope_dispatch.backends import triton_rope
+
+    monkeypatch.setattr(triton_rope, "HALVES_MIN_ROWS_READ", 0)
+    monkeypatch.setattr(triton_rope, "_halves", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(triton_rope, "_halves_met", weakref.WeakSet())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, cos, sin = inputs(torch.bfloat16, 1, batch_cos=batch_cos, seed=13, device=device)
+    grads = (torch.randn(q.shape).bfloat16().to(device), torch.randn(k.shape).bfloat16().to(device))
+
+    def layer():
+        q.grad = k.grad = None
+        with rd.use_backend("triton"):
+            out = hf.apply_rotary_pos_emb(q, k, cos, sin)
+            torch.autograd.backward(out, grads)
+        ours = (*out, q.grad.clone(), k.grad.clone())
+        q.grad = k.grad = None
+        ref = reference(q, k, cos, sin, 1)
+        torch.autograd.backward(ref, tuple(g.double() for g in grads))
+        for got, exact in zip(ours, (*ref, q.grad, k.grad)):
+            torch.testing.assert_close(got.double(), exact.detach().double(), rtol=2**-7, atol=1e-5)
+
+    for _ in range(3):
+        layer()
+    assert [int(flag.item()) for flag in triton_rope._halves.values()] == [1]
+    cos[0, 3, -1] += 0.5
+    layer()
+    assert [int(flag.item()) for flag in triton_rope._halves.values()] == [0]
+
+
+@pytest.mark.parametrize("batch_cos", [BATCH, 1])
 def test_layers_sharing_cos_and_sin_reuse_one_plan(monkeypatch, batch_cos):
     """A model hands the same cos and sin to every layer: after the first two layers' calls
     (a key is planned at its second call) the others skip the checks, and values rewritten in
