@@ -1157,9 +1157,10 @@ def launch_qkv(
     (i = 1), each by its own table, and a copy for v (i = 2, when given); the transpose when
     ``backward``. ``tables`` are ``(q_table, q_sin, k_table, k_sin)`` (sin ``None`` for angle
     tables); on sbhd and bshd ``cu_seqlens`` is their one cos/sin cache's halves flag or
-    ``None`` (:func:`_launch_tables`). ``copy_pass=False`` leaves the pass-through channels alone: with ``outs`` being
-    ``xs``, q and k rotated in place. No host sync, no allocation; a repeated call signature
-    launches the compiled kernel through Triton's C launcher from addresses and integers alone.
+    ``None`` (:func:`_launch_tables`). ``copy_pass=False`` leaves the pass-through channels
+    alone: with ``outs`` being ``xs``, q and k rotated in place. No host sync, no allocation;
+    a repeated call signature launches the compiled kernel through Triton's C launcher from
+    addresses and integers alone.
     ``key_only``: launch nothing, return the launch's key in ``_fast_qkv`` (``None`` when it
     would not use that cache), for a plan to bind the compiled kernel."""
     kernels = _kernels if _kernels is not None else _load_kernels()

@@ -41,7 +41,9 @@ def every_call_looks(monkeypatch):
     monkeypatch.delenv("ROPE_DISPATCH_LINEAR_TABLES", raising=False)
 
 
-def halves_cache(rows: int = ROWS, d2: int = D, dtype=torch.bfloat16, seed: int = 3) -> rd.CosSinCache:
+def halves_cache(
+    rows: int = ROWS, d2: int = D, dtype=torch.bfloat16, seed: int = 3
+) -> rd.CosSinCache:
     """cos and sin ``[rows, d2]`` of random angles laid out twice (``cat((a, a))``)."""
     gen = torch.Generator().manual_seed(seed)
     angles = torch.rand(rows, d2 // 2, generator=gen, dtype=torch.float64) * 40
@@ -141,8 +143,9 @@ def test_results_are_the_formulas(layout, entry):
             assert_matches(k_out, expected(k, cache, spec), torch.bfloat16, "k")
             assert torch.equal(v_out, k)
             (grad,) = torch.autograd.grad(q_out, leaf, grad_out)
-            assert_matches(grad[..., : 2 * D].reshape(x.shape), grad_expected(x, cache, spec, grad_out),
-                           torch.bfloat16, "q's gradient")
+            q_grad = grad[..., : 2 * D].reshape(x.shape)
+            assert_matches(q_grad, grad_expected(x, cache, spec, grad_out), torch.bfloat16,
+                           "q's gradient")
             continue
         leaf = x.clone().requires_grad_(True)
         source = leaf.clone() if entry.endswith("_") else leaf  # in place: not on a leaf
@@ -211,7 +214,8 @@ def test_a_write_between_forward_and_backward_is_seen_by_the_backward(entry):
         if step == 2:
             cache.cos[3, D // 2] += 0.5
         (grad,) = torch.autograd.grad(out, leaf, grad_out)
-        assert_matches(grad, grad_expected(x, cache, spec, grad_out), torch.bfloat16, f"step {step}")
+        assert_matches(grad, grad_expected(x, cache, spec, grad_out), torch.bfloat16,
+                       f"step {step}")
 
 
 # --- calls that read whole rows ---------------------------------------------------------------
@@ -224,8 +228,8 @@ def test_calls_that_never_look_for_a_flag(kind, monkeypatch):
     cache = halves_cache()
     if kind == "thd":
         x = x.reshape(ROWS * 2, 2, D)
-        spec = rd.RoPESpec(layout="thd", dtype="bf16",
-                           cu_seqlens=torch.tensor([0, ROWS, 2 * ROWS], dtype=torch.int32, device=DEVICE))
+        cu_seqlens = torch.tensor([0, ROWS, 2 * ROWS], dtype=torch.int32, device=DEVICE)
+        spec = rd.RoPESpec(layout="thd", dtype="bf16", cu_seqlens=cu_seqlens)
     if kind == "inference":
         with torch.inference_mode():
             cache = halves_cache()
