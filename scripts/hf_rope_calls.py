@@ -33,6 +33,7 @@ import torch
 
 import rope_dispatch as rd
 from rope_dispatch import bench
+from rope_dispatch.backends import triton_rope
 from rope_dispatch.integrations import hf
 
 SHAPES = [  # (model, batch, seq, q heads, kv heads, head dim)
@@ -162,7 +163,6 @@ def measure(shape: tuple, rounds: int) -> None:
         fwd_bwd[name] = lambda fn=fn, ql=ql, kl=kl: torch.autograd.grad(
             fn(ql.transpose(1, 2), kl.transpose(1, 2), cos, sin), (ql, kl), grads)
     fwd["copy"] = bwd["copy"] = lambda: dst.copy_(src)
-    from rope_dispatch.backends import triton_rope
     flags = [int(flag.item()) for flag in triton_rope._halves.values()]
     print(f"{model}: b{batch} s{seq} q {hq} heads, k {hk}, d{d} bf16, q+k {moved / 2**21:.1f} "
           f"MiB (moved {moved / 2**20:.1f} MiB); largest error against float64: "

@@ -275,15 +275,22 @@ def test_the_shipped_threshold_takes_prefills_and_leaves_decode_alone(monkeypatc
 
 # --- the GPU: planned calls and graph capture ---------------------------------------------------
 
-@gpu
-def test_planned_calls_see_writes_into_the_cache():
+def planned_pair() -> tuple[rd.CosSinCache, rd.RoPESpec, torch.Tensor, torch.Tensor]:
+    """A q and k pair of model-like shapes on a cache of doubled angles, called until planned
+    (from the second call on) with the flag held."""
     cache = halves_cache(rows=64, d2=128)
     spec = rd.RoPESpec(layout="bshd", dtype="bf16")
     q = torch.randn(2, 64, 4, 128, device="cuda").bfloat16()
     k = torch.randn(2, 64, 1, 128, device="cuda").bfloat16()
-    for _ in range(4):  # planned from the second call on
-        q_out, _ = rd.apply_qk(q, k, cache, spec, backend="triton")
+    for _ in range(4):
+        rd.apply_qk(q, k, cache, spec, backend="triton")
     assert held_flags() == [1]
+    return cache, spec, q, k
+
+
+@gpu
+def test_planned_calls_see_writes_into_the_cache():
+    cache, spec, q, k = planned_pair()
     cache.sin[10, 100] += 1.0
     q_out, _ = rd.apply_qk(q, k, cache, spec, backend="triton")
     assert_matches(q_out, expected(q, cache, spec), q.dtype, "no grad")
@@ -299,13 +306,7 @@ def test_planned_calls_see_writes_into_the_cache():
 @gpu
 def test_a_graph_replay_reads_the_rows_of_the_cache_as_it_is():
     """Captured calls never use the flag: a cache written between replays is read anew."""
-    cache = halves_cache(rows=64, d2=128)
-    spec = rd.RoPESpec(layout="bshd", dtype="bf16")
-    q = torch.randn(2, 64, 4, 128, device="cuda").bfloat16()
-    k = torch.randn(2, 64, 1, 128, device="cuda").bfloat16()
-    for _ in range(3):
-        rd.apply_qk(q, k, cache, spec, backend="triton")
-    assert held_flags() == [1]
+    cache, spec, q, k = planned_pair()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
