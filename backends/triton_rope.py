@@ -220,6 +220,25 @@ MIN_HEAD_BYTES = 512
 # 7.42-7.62 (a copy of the bytes 6.43-6.50).
 CACHE_ROW_MIN_HEADS = 2
 
+# A q and k launch reading a cos/sin cache's rows (the Hugging Face door's, ``apply_qk``'s with
+# a ``CosSinCache``) at model shapes, half rows read through the halves flag (H200, bshd bf16,
+# the profiler after an L2 flush, forward and backward alike; `scripts/tile_probe.py hf-halves`
+# and `hf-halves-wide`, run AS) takes one of these tiles (:func:`qk_cache_row_tile`).
+QK_TOKEN_TILE_BYTES = 6144
+"""q and k of one head count, streamed from DRAM, whose token's heads (counted to a power of
+two) take at most this many bytes, take a tile of one token x all its heads: each program reads
+its token's cos and sin rows once, where 16 x 2 reads them again for every two heads. Phi-3
+mini (32 heads of d 96) at 4 x 4,096 tokens: 1 x 32 97.3-97.6 us against 100.0-100.1 at 16 x 2
+(Liger's kernel 101.1-103.2), at 4,096 tokens 27.3-27.5 against 28.3-28.4; 16 heads of d 128
+at 4 x 4,096 tokens 67.7-68.0 against 69.6-70.7. At 32 heads of d 128 (8 KiB) 1 x 32 took 3-5%
+longer than 16 x 2, and 1 x 16 the same time."""
+
+WIDE_HEAD_CACHE_TILE = (8, 4)
+"""The tile (tokens, heads) of a q and k launch reading a 16-bit cos/sin cache's rows with heads
+of 256 channels or more, where the two-head rule gives 16 x 2 or 8 x 2: Gemma 2B (8 query
+heads, one key head, d 256) at 2,048 tokens 7.38-7.49 us against 7.55-7.60, at 4 x 8,192
+tokens 78.2-78.6 against 78.6-79.3; 4 x 8 took 8.3-8.6 and 100-102."""
+
 
 def shared_rows(block_t: int, block_h: int, use_cache: bool, lean: bool = True) -> bool:
     """Whether a tile of ``block_t`` tokens x ``block_h`` heads reads each table row once for
@@ -261,6 +280,23 @@ def tile_heads(counts: tuple[int, ...], head_dim: int, element_size: int) -> int
     return _next_pow2(max(min(counts), min(max(counts), floor)))
 
 
+def qk_cache_row_tile(n_tokens: int, counts: tuple[int, ...], head_dim: int,
+                      element_size: int, resident: bool) -> tuple[int, int] | None:
+    """The tile (tokens, heads) of a rotate-half launch over q and k (``counts``, full rotary)
+    reading a cos/sin cache's rows, where a rule for such launches applies, else ``None``: one
+    token x all the heads for q and k of one head count that stream from DRAM with at most
+    ``QK_TOKEN_TILE_BYTES`` a token, ``WIDE_HEAD_CACHE_TILE`` for 16-bit heads of 256 channels
+    or more."""
+    heads = _next_pow2(max(counts))
+    if (len(counts) == 2 and counts[0] == counts[1] and not resident
+            and heads * head_dim * element_size <= QK_TOKEN_TILE_BYTES):
+        return 1, heads
+    if len(counts) == 2 and head_dim >= 256 and element_size == 2:
+        block_t, block_h = WIDE_HEAD_CACHE_TILE
+        return min(block_t, _next_pow2(n_tokens)), min(block_h, heads)
+    return None
+
+
 def choose_config(
     n_tokens: int, heads: int | tuple[int, ...], head_dim: int, rotary_dim: int,
     element_size: int, interleaved: bool, sms: int, tile_tokens: int = TOKENS_PER_TILE,
@@ -279,7 +315,9 @@ def choose_config(
     ``TILE_BYTES`` takes tiles of ``STREAM_TILE_BYTES``, heads first, and so does a tensor of
     one head whatever its size. Neither applies with pass-through channels to copy or a cos/sin
     cache that asks for more tokens, and the streamed tile never to a cos/sin cache read as
-    ``[BLOCK_T, BLOCK_R]`` row tiles (``cache_rows``: :func:`reads_cache_rows`).
+    ``[BLOCK_T, BLOCK_R]`` row tiles (``cache_rows``: :func:`reads_cache_rows`). A rotate-half
+    q and k launch reading such rows takes :func:`qk_cache_row_tile`'s tile where one applies
+    and leaves every SM its programs.
 
     A call too small for ``MIN_PROGRAMS_PER_SM`` programs per SM at that tile is bound by
     latency, not by load width: its tile starts from as many heads as fit (each program then
@@ -322,6 +360,10 @@ def choose_config(
     )
     token_bytes = sum(counts) * head_dim * element_size
     resident = n_tokens * token_bytes <= RESIDENT_BYTES
+    if cache_rows and not interleaved and rotary_dim == head_dim:
+        tile = qk_cache_row_tile(n_tokens, counts, head_dim, element_size, resident)
+        if tile is not None and programs(n_tokens, counts, *tile) >= wanted:
+            return (*tile, 1, block_r, block_p, WARPS)
     streamed = (
         heads_first and (not resident or counts == (1,)) and not cache_rows
         and STREAM_TILE_BYTES and token_bytes < TILE_BYTES

@@ -46,7 +46,9 @@ SHAPES = [  # (model, batch, seq, q heads, kv heads, head dim)
     ("Gemma 2B (MQA)", 4, 8192, 8, 1, 256),
     ("Falcon 7B (MQA)", 1, 2048, 71, 1, 64),
     ("Falcon 7B (MQA)", 4, 2048, 71, 1, 64),
+    ("Phi-3 mini", 1, 4096, 32, 32, 96),
     ("Phi-3 mini", 4, 4096, 32, 32, 96),
+    ("OLMo 1B", 4, 4096, 16, 16, 128),
 ]
 SMALL = [s for s in SHAPES if s[1] * s[2] <= 2048]
 SWITCH = "ROPE_DISPATCH_LINEAR_TABLES"

@@ -34,7 +34,9 @@ calls of 32 MiB, warm and flushed; ``in-place-resident``, the same for calls of 
 place, float32 and bf16; ``resident-rules``, candidate rules for them at the
 sweep's points of 1-32 MiB; ``mqa-tiles``, the q+k launch's tiles where k has one head;
 ``hf-tiles``, the Hugging Face integration's q+k launch (a bf16 cos/sin cache) at explicit
-tiles against Liger's; ``qkv-bwd-tiles``, the packed-qkv transposed launch at the sweep's
+tiles against Liger's; ``hf-halves``, that launch reading half rows (a halves flag) at
+explicit tiles, forward and backward, and the flag's branch as a masked load;
+``hf-halves-wide``, the same at MHA shapes and more tiles; ``qkv-bwd-tiles``, the packed-qkv transposed launch at the sweep's
 ``--qkv`` points from 64 MiB, at explicit tiles against a copy (profiler)."""
 from __future__ import annotations
 
@@ -1955,6 +1957,128 @@ def hf_tiles(rounds: int = 2) -> None:
                 if n != "copy") + f" | copy {us['copy']:.2f}", flush=True)
         del q, k, qo, ko, src, dst, lq, lk
 
+HALVES_TILES = [(1, 16, 4), (1, 8, 4), (2, 8, 4), (4, 8, 4), (8, 4, 4), (4, 4, 4), (2, 16, 4),
+                (1, 32, 4), (1, 16, 8)]  # (BLOCK_T, BLOCK_H, warps)
+
+
+def _masked_halves_kernels() -> ModuleType:
+    """The kernel module with ``_row_cos_sin``'s halves branch made a masked second-half load
+    and a select, from a copy of its source (Triton reads a kernel's source from its file)."""
+    import importlib.util
+    import pathlib
+    import tempfile
+
+    from rope_dispatch.backends import triton_kernels
+
+    source = pathlib.Path(triton_kernels.__file__).read_text()
+    branch = """        if flag == 0:  # the halves differ somewhere: the second halves too
+            cos_b, sin_b = _table(
+                tab_ptr, sin_ptr, tab_off + ROT_DIM // 2, tab_mask, USE_CACHE, FAST_TRIG
+            )
+"""
+    masked = """        cos_m, sin_m = _table(
+            tab_ptr, sin_ptr, tab_off + ROT_DIM // 2, tab_mask & (flag == 0), USE_CACHE,
+            FAST_TRIG,
+        )
+        cos_b = tl.where(flag == 0, cos_m, cos_a)
+        sin_b = tl.where(flag == 0, sin_m, sin_a)
+"""
+    assert source.count(branch) == 1, "the halves branch moved"
+    path = pathlib.Path(tempfile.mkdtemp()) / "masked_halves_kernels.py"
+    path.write_text(source.replace(branch, masked))
+    spec = importlib.util.spec_from_file_location("masked_halves_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HALVES_WIDE_SHAPES = [  # MHA shapes (Llama-2 7B, Phi-3 mini, 16 heads), Gemma's and Falcon's
+    (1, 1024, 32, 32, 128), (1, 4096, 32, 32, 128), (4, 4096, 32, 32, 128),
+    (1, 4096, 32, 32, 96), (4, 4096, 32, 32, 96), (4, 4096, 16, 16, 128), (4, 4096, 16, 16, 64),
+    (1, 2048, 8, 1, 256), (4, 8192, 8, 1, 256), (1, 2048, 71, 1, 64), (4, 2048, 71, 1, 64),
+]
+HALVES_WIDE_TILES = [(8, 4, 4), (4, 8, 4), (2, 16, 4), (1, 32, 4), (1, 16, 4), (1, 32, 8),
+                     (2, 32, 8), (16, 4, 8), (8, 4, 8), (2, 8, 4), (1, 64, 8)]
+
+
+def hf_halves(rounds: int = 2, shapes: list | None = None, extra: list | None = None,
+              variants: bool = True) -> None:
+    """The Hugging Face integration's q+k launch reading half rows (a halves flag set,
+    ``HALVES``) at explicit tiles, forward and backward (the transposed launch), kernel us
+    after an L2 flush (profiler, ``rounds`` traces) as % of a device copy of q's and k's bytes;
+    at the tile in use also whole rows (no flag) and the halves read as a masked load instead
+    of a branch on the flag (``variants``); Liger's in-place q+k kernels beside them.
+    ``shapes`` and ``extra`` (tiles) default to ``HF_SHAPES`` and ``HALVES_TILES``."""
+    from liger_kernel.ops.rope import rope_backward, rope_forward
+
+    sms = triton_rope._sm_count(0)
+    masked = _masked_halves_kernels()
+    shipped = triton_rope._load_kernels()
+
+    def with_kernels(module: ModuleType, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            triton_rope._kernels = module
+            try:
+                return fn()
+            finally:
+                triton_rope._kernels = shipped
+        return call
+
+    for batch, seq, hq, hk, d in shapes or HF_SHAPES:
+        dev, dt = "cuda", torch.bfloat16
+        q = torch.randn(batch, seq, hq, d, device=dev, dtype=dt)
+        k = torch.randn(batch, seq, hk, d, device=dev, dtype=dt)
+        outs = (torch.empty_like(q), torch.empty_like(k))
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev) / d))
+        freqs = torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+        flag = torch.zeros(1, dtype=torch.int32, device=dev)
+        flag._rope_version = -1
+        assert triton_rope.current_halves(cos, sin, flag).item() == 1
+        src = torch.cat((q.flatten(), k.flatten()))
+        dst = torch.empty_like(src)
+        xs = (triton_rope.head_segment(q, 1), triton_rope.head_segment(k, 1))
+        ys = (triton_rope.head_segment(outs[0], 1), triton_rope.head_segment(outs[1], 1))
+        flags = triton_rope._table_flags(cos, sin)
+        default = triton_rope.choose_config(
+            batch * seq, (hq, hk), d, d, 2, False, sms,
+            triton_rope.tile_tokens(flags, cos, d, False), triton_rope.reads_cache_rows(flags),
+            span_dim=d, sines=False)
+        block_r = triton_rope._next_pow2(d // 2)
+        tiles = {f"{default[0]}x{default[1]}": default}
+        for bt, bh, warps in extra or HALVES_TILES:
+            if bh <= triton_rope._next_pow2(hq) and (bt, bh, warps) != (
+                    default[0], default[1], default[5]):
+                tiles[f"{bt}x{bh}" + (f"w{warps}" if warps != 4 else "")] = (
+                    bt, bh, 1, block_r, 1, warps)
+        fns: dict[str, Callable[[], Any]] = {}
+        for mode, backward in (("fwd", False), ("bwd", True)):
+            def launch(c: tuple, cu: torch.Tensor | None, backward: bool = backward) -> Any:
+                return triton_rope.launch_qkv(xs, ys, (cos, sin, cos, sin), cu, None, "bshd",
+                                              False, 1.0, 1, 0, backward, config=c)
+            if variants:
+                fns[f"{mode} whole {default[0]}x{default[1]}"] = lambda l=launch: l(default, None)
+                fns[f"{mode} masked {default[0]}x{default[1]}"] = with_kernels(
+                    masked, lambda l=launch: l(default, flag))
+            for name, c in tiles.items():
+                fns[f"{mode} halves {name}"] = lambda l=launch, c=c: l(c, flag)
+        lq, lk = q.clone(), k.clone()
+        fns["fwd liger"] = lambda: rope_forward(
+            lq.transpose(1, 2), lk.transpose(1, 2), cos[None], sin[None])
+        fns["bwd liger"] = lambda: rope_backward(
+            lq.transpose(1, 2), lk.transpose(1, 2), cos[None], sin[None])
+        fns["copy"] = lambda: dst.copy_(src)
+        print(f"bshd b{batch} s{seq} q {hq} heads, k {hk}, d{d} bf16, "
+              f"{src.numel() * 2 / 2**20:.0f} MiB:", flush=True)
+        for _ in range(rounds):
+            us = bench.cold_kernel_us(fns, calls=30, copies=True)
+            for mode in ("fwd", "bwd"):
+                print(f"   {mode}: " + " | ".join(
+                    f"{n[4:]} {t:.2f} ({100 * us['copy'] / t:.1f}%)" for n, t in us.items()
+                    if n.startswith(mode)) + f" | copy {us['copy']:.2f}", flush=True)
+        del q, k, outs, src, dst, lq, lk
+
 QKV_BWD_TILES = [(8, 4, 4), (4, 8, 4), (16, 2, 4), (2, 16, 4), (1, 32, 4), (8, 8, 4), (8, 8, 8),
                  (16, 4, 8), (4, 4, 4), (8, 2, 4)]  # (BLOCK_T, BLOCK_H, warps)
 
@@ -2019,7 +2143,9 @@ if __name__ == "__main__":
              "float32-resident": lambda: in_place_resident(FLOAT32_RESIDENT_SHAPES),
              "in-place-resident": lambda: in_place_resident(IN_PLACE_RESIDENT_SHAPES),
              "resident-rules": resident_rules, "mqa-tiles": mqa_tiles,
-             "hf-tiles": hf_tiles, "qkv-bwd-tiles": qkv_bwd_tiles}
+             "hf-tiles": hf_tiles, "hf-halves": hf_halves,
+             "hf-halves-wide": lambda: hf_halves(2, HALVES_WIDE_SHAPES, HALVES_WIDE_TILES, False),
+             "qkv-bwd-tiles": qkv_bwd_tiles}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:

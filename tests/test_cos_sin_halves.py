@@ -162,6 +162,32 @@ def test_results_are_the_formulas(layout, entry):
     assert held_flags() == [1]
 
 
+@pytest.mark.parametrize("heads, head_dim, tile", [((4, 4), D, (1, 4)), ((3, 1), 256, (8, 4))])
+def test_q_and_k_at_the_cache_row_tiles_of_model_shapes(monkeypatch, heads, head_dim, tile):
+    """q and k at ``qk_cache_row_tile``'s tiles (one token x all heads for one head count, as
+    if streamed; ``WIDE_HEAD_CACHE_TILE`` for heads of d 256), rows read whole at the first
+    call and by halves from the second, forward and backward."""
+    monkeypatch.setattr(triton_rope, "RESIDENT_BYTES", 0)
+    tiles = []
+    choose = triton_rope.choose_config
+    monkeypatch.setattr(triton_rope, "choose_config",
+                        lambda *a, **kw: tiles.append(choose(*a, **kw)[:2]) or choose(*a, **kw))
+    cache = halves_cache(d2=head_dim)
+    spec = rd.RoPESpec(layout="bshd", dtype="bf16")
+    gen = torch.Generator().manual_seed(9)
+    q, k, grad_q = (torch.randn(2, ROWS, h, head_dim, generator=gen).bfloat16().to(DEVICE)
+                    for h in (*heads, heads[0]))
+    for _ in range(3):
+        leaf = q.clone().requires_grad_(True)
+        q_out, k_out = rd.apply_qk(leaf, k, cache, spec, backend="triton")
+        assert_matches(q_out, expected(q, cache, spec), torch.bfloat16, "q")
+        assert_matches(k_out, expected(k, cache, spec), torch.bfloat16, "k")
+        (grad,) = torch.autograd.grad(q_out, leaf, grad_q)
+        assert_matches(grad, grad_expected(q, cache, spec, grad_q), torch.bfloat16, "q's grad")
+    assert held_flags() == [1]
+    assert tiles and set(tiles) == {tile}
+
+
 def test_per_token_rows_as_the_hugging_face_door_reads_them():
     """``[b, s]`` rows of a ``[b * s, d2]`` cache (a model's batched cos and sin), q and k."""
     cache = halves_cache(rows=2 * ROWS)

@@ -634,17 +634,81 @@ def test_streamed_tiles_of_a_one_head_key_keep_one_head(tokens):
 @pytest.mark.parametrize("counts", [(8, 1), (4, 1), (1,)])
 def test_cache_row_tiles_take_two_heads_of_the_widest_tensor(tokens, counts):
     """A launch reading a cos/sin cache's rows reads each token's whole cos and sin rows per
-    program: with a one-head key beside several query heads of d 256 (Gemma's MQA), q's tile
-    takes two heads (one head a tile read twice its bytes in rows); a lone one-head tensor
-    keeps one."""
+    program: beside a one-head key, q's tile takes two heads where ``MIN_HEAD_BYTES`` alone
+    would give it one (float32 heads of d 128); a lone one-head tensor keeps one."""
     from rope_dispatch.backends import triton_rope
 
-    tile_tokens = triton_rope.TABLE_TILE_BYTES // (128 * 2)
-    _, bh, iters, *_ = triton_rope.choose_config(tokens, counts, 256, 256, 2, False, 132,
+    tile_tokens = triton_rope.TABLE_TILE_BYTES // (64 * 4)
+    _, bh, iters, *_ = triton_rope.choose_config(tokens, counts, 128, 128, 4, False, 132,
                                                  tile_tokens, True, sines=False)
     assert bh * iters == (1 if max(counts) == 1 else triton_rope.CACHE_ROW_MIN_HEADS)
-    _, bh_angles, *_ = triton_rope.choose_config(tokens, counts, 256, 256, 2, False, 132)
+    _, bh_angles, *_ = triton_rope.choose_config(tokens, counts, 128, 128, 4, False, 132)
     assert bh_angles == 1, "an angle table's tiles keep the MIN_HEAD_BYTES rule"
+
+
+def _qk_cache_tile(tokens: int, counts: tuple[int, ...], head_dim: int, size: int = 2,
+                   rotary_dim: int | None = None, interleaved: bool = False) -> tuple[int, int]:
+    """(tokens, heads) of the tile of a launch over ``counts`` heads reading a cos/sin cache
+    of ``size``-byte entries as row tiles, as launch_qkv asks for it."""
+    from rope_dispatch.backends import triton_rope
+
+    rotary_dim = rotary_dim or head_dim
+    width = rotary_dim if interleaved else rotary_dim // 2
+    tile_tokens = max(triton_rope.TOKENS_PER_TILE,
+                      triton_rope.TABLE_TILE_BYTES // (triton_rope._next_pow2(width) * size))
+    bt, bh, iters, *_ = triton_rope.choose_config(
+        tokens, counts, head_dim, rotary_dim, size, interleaved, 132, tile_tokens, True,
+        span_dim=head_dim, sines=False)
+    return bt, bh * iters
+
+
+@pytest.mark.parametrize("tokens, heads, head_dim, tile", [
+    (16384, 32, 96, (1, 32)),  # Phi-3 mini, b4 s4096: 6 KiB a token
+    (4096, 32, 96, (1, 32)),  # b1 s4096: 48 MiB, streamed
+    (16384, 16, 128, (1, 16)),
+    (16384, 16, 64, (1, 16)),
+])
+def test_streamed_qk_cache_rows_of_one_head_count_take_one_token_of_all_heads(
+        tokens, heads, head_dim, tile):
+    """q and k of one head count reading a cos/sin cache's rows from DRAM take one token x all
+    their heads (their rows read once a token, not once every two heads) while a token's heads
+    take at most ``QK_TOKEN_TILE_BYTES``; the rule leaves alone what it was not measured on."""
+    from rope_dispatch.backends import triton_rope
+
+    assert _qk_cache_tile(tokens, (heads, heads), head_dim) == tile
+    two_heads = (16 if head_dim > 64 else 32, triton_rope.CACHE_ROW_MIN_HEADS)
+    assert _qk_cache_tile(tokens, (heads, heads // 4), head_dim) == two_heads, "GQA"
+    assert _qk_cache_tile(tokens, (heads,), head_dim)[0] > 1, "one tensor"
+    assert _qk_cache_tile(tokens, (heads, heads), head_dim, rotary_dim=head_dim // 2)[0] > 1
+    assert _qk_cache_tile(tokens, (heads, heads), head_dim, interleaved=True)[0] > 1
+    resident = triton_rope.RESIDENT_BYTES // (2 * heads * head_dim * 2)
+    assert _qk_cache_tile(resident, (heads, heads), head_dim)[0] > 1, "the L2 holds it"
+
+
+def test_qk_cache_rows_of_wide_tokens_keep_two_heads():
+    """At 32 heads of d 128 (8 KiB a token) one token x 32 heads ran slower than 16 x 2."""
+    from rope_dispatch.backends import triton_rope
+
+    assert _qk_cache_tile(16384, (32, 32), 128) == (16, triton_rope.CACHE_ROW_MIN_HEADS)
+
+
+@pytest.mark.parametrize("tokens", [2048, 32768])
+@pytest.mark.parametrize("counts", [(8, 1), (16, 16), (2, 1)])
+def test_qk_cache_rows_of_heads_of_256_channels_take_wide_head_tiles(tokens, counts):
+    """A q and k launch of 16-bit heads of d 256 reading a cos/sin cache's rows (Gemma's)
+    takes ``WIDE_HEAD_CACHE_TILE``, its heads capped by the widest tensor's; float32 heads
+    and a lone tensor keep the earlier rules, and a call too small for every SM's programs
+    shrinks as any other."""
+    from rope_dispatch.backends import triton_rope
+
+    block_t, block_h = triton_rope.WIDE_HEAD_CACHE_TILE
+    wide = (block_t, min(block_h, max(counts)))
+    assert _qk_cache_tile(tokens, counts, 256) == wide
+    if wide[1] == block_h:
+        assert _qk_cache_tile(tokens, counts, 256, size=4) != wide
+        assert _qk_cache_tile(tokens, (max(counts),), 256) != wide
+    small = _qk_cache_tile(16, counts, 256)
+    assert small[0] * small[1] < block_t * block_h
 
 
 @pytest.mark.parametrize("heads", [1, 3, 8, 32])
