@@ -19,7 +19,10 @@ whole (no halves flag): what reading the first halves alone saves. Liger's call 
 and sin only, as transformers' halves are equal). "eager" is transformers' formula
 ``q * cos + rotate_half(q) * sin`` in torch ops. Needs a CUDA device; Liger is optional.
 
-    python scripts/hf_rope_calls.py [--rounds 2] [--shapes all|small]
+With ``--per-token-cos`` cos and sin are ``[b, s, d]``, as a model given ``[b, s]`` position
+ids makes them: one row per token, which the door reads through start positions.
+
+    python scripts/hf_rope_calls.py [--rounds 2] [--shapes all|small] [--per-token-cos]
 """
 
 from __future__ import annotations
@@ -66,12 +69,20 @@ def eager(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+PER_TOKEN_COS = False
+"""``--per-token-cos``: cos and sin ``[b, s, d]``, as a model given ``[b, s]`` position ids
+makes them (the door then reads one row per token through start positions)."""
+
+
 def inputs(batch: int, seq: int, hq: int, hk: int, d: int) -> dict[str, torch.Tensor]:
-    """q, k (``[b, s, h, d]`` storage), their gradients and bf16 cos/sin ``[1, s, d]``."""
+    """q, k (``[b, s, h, d]`` storage), their gradients and bf16 cos/sin ``[1, s, d]``
+    (``[b, s, d]`` with ``PER_TOKEN_COS``)."""
     dev, dt = "cuda", torch.bfloat16
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
     freqs = torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[None]
+    if PER_TOKEN_COS:
+        emb = emb.repeat(batch, 1, 1)
     return {
         "q": torch.randn(batch, seq, hq, d, device=dev, dtype=dt),
         "k": torch.randn(batch, seq, hk, d, device=dev, dtype=dt),
@@ -103,9 +114,13 @@ def whole_rows(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         d = cos.shape[-1]
         table = rd.CosSinCache(cos.reshape(-1, d).clone(), sin.reshape(-1, d).clone())
         entry = _copies[id(cos)] = (cos, table)
+    starts = None
+    if cos.shape[0] > 1:  # a row per token: sequence i's rows start at i * s
+        starts = torch.arange(cos.shape[0], device=cos.device) * cos.shape[1]
     os.environ[SWITCH] = "0"
     try:
-        q_out, k_out = rd.apply_qk(q.transpose(1, 2), k.transpose(1, 2), entry[1], BSHD)
+        q_out, k_out = rd.apply_qk(q.transpose(1, 2), k.transpose(1, 2), entry[1], BSHD,
+                                   start_positions=starts)
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
     finally:
         del os.environ[SWITCH]
@@ -229,7 +244,11 @@ def main() -> None:
     p.add_argument("--shapes", choices=("all", "small"), default="all")
     p.add_argument("--host-profile", action="store_true",
                    help="only where the host time of a forward + backward goes")
+    p.add_argument("--per-token-cos", action="store_true",
+                   help="cos and sin [b, s, d] (a row per token), as with [b, s] position ids")
     args = p.parse_args()
+    global PER_TOKEN_COS
+    PER_TOKEN_COS = args.per_token_cos
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     print(torch.cuda.get_device_name(), torch.__version__)

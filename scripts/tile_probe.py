@@ -36,7 +36,10 @@ sweep's points of 1-32 MiB; ``mqa-tiles``, the q+k launch's tiles where k has on
 ``hf-tiles``, the Hugging Face integration's q+k launch (a bf16 cos/sin cache) at explicit
 tiles against Liger's; ``hf-halves``, that launch reading half rows (a halves flag) at
 explicit tiles, forward and backward, and the flag's branch as a masked load;
-``hf-halves-wide``, the same at MHA shapes and more tiles; ``qkv-bwd-tiles``, the packed-qkv transposed launch at the sweep's
+``hf-halves-wide``, the same at MHA shapes and more tiles; ``hf-halves-door``, at the
+integration's own call form (one cos and sin row per token, read by position);
+``door-rows``, that launch with rows shared by the batch, a row per token by per-token
+positions, and by start positions; ``qkv-bwd-tiles``, the packed-qkv transposed launch at the sweep's
 ``--qkv`` points from 64 MiB, at explicit tiles against a copy (profiler)."""
 from __future__ import annotations
 
@@ -2001,14 +2004,26 @@ HALVES_WIDE_TILES = [(8, 4, 4), (4, 8, 4), (2, 16, 4), (1, 32, 4), (1, 16, 4), (
                      (2, 32, 8), (16, 4, 8), (8, 4, 8), (2, 8, 4), (1, 64, 8)]
 
 
+HALVES_DOOR_SHAPES = [
+    (1, 8192, 32, 8, 128), (4, 8192, 32, 8, 128), (4, 4096, 28, 4, 128), (1, 2048, 8, 1, 256),
+    (4, 8192, 8, 1, 256), (1, 2048, 71, 1, 64), (4, 2048, 71, 1, 64), (1, 4096, 32, 32, 96),
+    (4, 4096, 32, 32, 96), (4, 4096, 16, 16, 128), (4, 4096, 32, 32, 128), (4, 4096, 16, 16, 64),
+]
+HALVES_DOOR_TILES = [(16, 2, 4), (1, 16, 4), (1, 32, 4), (8, 4, 4), (4, 8, 4), (2, 16, 4),
+                     (32, 2, 4), (2, 8, 4), (8, 2, 4)]
+
+
 def hf_halves(rounds: int = 2, shapes: list | None = None, extra: list | None = None,
-              variants: bool = True) -> None:
+              variants: bool = True, per_token: bool = False) -> None:
     """The Hugging Face integration's q+k launch reading half rows (a halves flag set,
     ``HALVES``) at explicit tiles, forward and backward (the transposed launch), kernel us
     after an L2 flush (profiler, ``rounds`` traces) as % of a device copy of q's and k's bytes;
     at the tile in use also whole rows (no flag) and the halves read as a masked load instead
     of a branch on the flag (``variants``); Liger's in-place q+k kernels beside them.
-    ``shapes`` and ``extra`` (tiles) default to ``HF_SHAPES`` and ``HALVES_TILES``."""
+    ``shapes`` and ``extra`` (tiles) default to ``HF_SHAPES`` and ``HALVES_TILES``.
+    ``per_token``: as the integration calls it, cos and sin ``[b * s, d]`` (a model's
+    ``[b, s, d]``, one row per token) read through ``[b, s]`` positions; else ``[s, d]``
+    shared by the batch."""
     from liger_kernel.ops.rope import rope_backward, rope_forward
 
     sms = triton_rope._sm_count(0)
@@ -2033,6 +2048,10 @@ def hf_halves(rounds: int = 2, shapes: list | None = None, extra: list | None = 
         freqs = torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+        rows = None
+        if per_token:
+            cos, sin = cos.repeat(batch, 1), sin.repeat(batch, 1)
+            rows = torch.arange(batch * seq, device=dev).view(batch, seq)
         flag = torch.zeros(1, dtype=torch.int32, device=dev)
         flag._rope_version = -1
         assert triton_rope.current_halves(cos, sin, flag).item() == 1
@@ -2055,8 +2074,12 @@ def hf_halves(rounds: int = 2, shapes: list | None = None, extra: list | None = 
         fns: dict[str, Callable[[], Any]] = {}
         for mode, backward in (("fwd", False), ("bwd", True)):
             def launch(c: tuple, cu: torch.Tensor | None, backward: bool = backward) -> Any:
-                return triton_rope.launch_qkv(xs, ys, (cos, sin, cos, sin), cu, None, "bshd",
+                return triton_rope.launch_qkv(xs, ys, (cos, sin, cos, sin), cu, rows, "bshd",
                                               False, 1.0, 1, 0, backward, config=c)
+            if per_token:
+                for bt, bh in ((default[0], default[1]), (16, 2)):
+                    fns[f"{mode} whole {bt}x{bh}"] = lambda l=launch, c=(
+                        bt, bh, 1, block_r, 1, 4): l(c, None)
             if variants:
                 fns[f"{mode} whole {default[0]}x{default[1]}"] = lambda l=launch: l(default, None)
                 fns[f"{mode} masked {default[0]}x{default[1]}"] = with_kernels(
@@ -2064,13 +2087,82 @@ def hf_halves(rounds: int = 2, shapes: list | None = None, extra: list | None = 
             for name, c in tiles.items():
                 fns[f"{mode} halves {name}"] = lambda l=launch, c=c: l(c, flag)
         lq, lk = q.clone(), k.clone()
+        lcos, lsin = cos.view(-1, seq, d), sin.view(-1, seq, d)
         fns["fwd liger"] = lambda: rope_forward(
-            lq.transpose(1, 2), lk.transpose(1, 2), cos[None], sin[None])
+            lq.transpose(1, 2), lk.transpose(1, 2), lcos, lsin)
         fns["bwd liger"] = lambda: rope_backward(
-            lq.transpose(1, 2), lk.transpose(1, 2), cos[None], sin[None])
+            lq.transpose(1, 2), lk.transpose(1, 2), lcos, lsin)
         fns["copy"] = lambda: dst.copy_(src)
         print(f"bshd b{batch} s{seq} q {hq} heads, k {hk}, d{d} bf16, "
               f"{src.numel() * 2 / 2**20:.0f} MiB:", flush=True)
+        for _ in range(rounds):
+            us = bench.cold_kernel_us(fns, calls=30, copies=True)
+            for mode in ("fwd", "bwd"):
+                print(f"   {mode}: " + " | ".join(
+                    f"{n[4:]} {t:.2f} ({100 * us['copy'] / t:.1f}%)" for n, t in us.items()
+                    if n.startswith(mode)) + f" | copy {us['copy']:.2f}", flush=True)
+        del q, k, outs, src, dst, lq, lk
+
+DOOR_ROWS_SHAPES = [
+    (4, 8192, 32, 8, 128), (4, 4096, 28, 4, 128), (1, 2048, 8, 1, 256), (4, 8192, 8, 1, 256),
+    (4, 2048, 71, 1, 64), (1, 4096, 32, 32, 96), (4, 4096, 32, 32, 96), (4, 4096, 16, 16, 128),
+]
+
+
+def door_rows(rounds: int = 2) -> None:
+    """How the integration's q+k launch finds a token's cos and sin row: ``[s, d]`` rows shared
+    by the batch (cos ``[1, s, d]``: by index), or a row per token (cos ``[b, s, d]`` as
+    ``[b * s, d]``) read through ``[b, s]`` per-token positions or through ``[b]`` start
+    positions ``i * s`` (row ``i * s + j``, the same rows, one index value per sequence); each
+    with half rows (a halves flag) and whole rows, at the tile in use, forward and backward,
+    kernel us after an L2 flush (profiler) as % of a device copy; Liger's kernels on the
+    per-token cos and sin beside them."""
+    from liger_kernel.ops.rope import rope_backward, rope_forward
+
+    sms = triton_rope._sm_count(0)
+    for batch, seq, hq, hk, d in DOOR_ROWS_SHAPES:
+        dev, dt = "cuda", torch.bfloat16
+        q = torch.randn(batch, seq, hq, d, device=dev, dtype=dt)
+        k = torch.randn(batch, seq, hk, d, device=dev, dtype=dt)
+        outs = (torch.empty_like(q), torch.empty_like(k))
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev) / d))
+        freqs = torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        shared = (emb.cos().to(dt), emb.sin().to(dt))
+        token = (shared[0].repeat(batch, 1), shared[1].repeat(batch, 1))
+        kinds = {"shared": (shared, None),
+                 "per-token": (token, torch.arange(batch * seq, device=dev).view(batch, seq)),
+                 "starts": (token, torch.arange(batch, device=dev) * seq)}
+        flags = {}
+        for name, (tables, _) in kinds.items():
+            flag = torch.zeros(1, dtype=torch.int32, device=dev)
+            flag._rope_version = -1
+            assert triton_rope.current_halves(*tables, flag).item() == 1
+            flags[name] = flag
+        xs = (triton_rope.head_segment(q, 1), triton_rope.head_segment(k, 1))
+        ys = (triton_rope.head_segment(outs[0], 1), triton_rope.head_segment(outs[1], 1))
+        cache_flags = triton_rope._table_flags(*shared)
+        config = triton_rope.choose_config(
+            batch * seq, (hq, hk), d, d, 2, False, sms,
+            triton_rope.tile_tokens(cache_flags, shared[0], d, False),
+            triton_rope.reads_cache_rows(cache_flags), span_dim=d, sines=False)
+        fns: dict[str, Callable[[], Any]] = {}
+        for mode, backward in (("fwd", False), ("bwd", True)):
+            for name, (tables, index) in kinds.items():
+                for rows, cu in (("halves", flags[name]), ("whole", None)):
+                    fns[f"{mode} {name} {rows}"] = lambda t=tables, i=index, cu=cu, b=backward: (
+                        triton_rope.launch_qkv(xs, ys, (*t, *t), cu, i, "bshd", False, 1.0, 1,
+                                               0, b, config=config))
+        lq, lk = q.clone(), k.clone()
+        lcos, lsin = token[0].view(batch, seq, d), token[1].view(batch, seq, d)
+        fns["fwd liger"] = lambda: rope_forward(lq.transpose(1, 2), lk.transpose(1, 2), lcos, lsin)
+        fns["bwd liger"] = lambda: rope_backward(lq.transpose(1, 2), lk.transpose(1, 2), lcos,
+                                                 lsin)
+        src = torch.cat((q.flatten(), k.flatten()))
+        dst = torch.empty_like(src)
+        fns["copy"] = lambda: dst.copy_(src)
+        print(f"bshd b{batch} s{seq} q {hq} heads, k {hk}, d{d} bf16, tile "
+              f"{config[0]}x{config[1]}, {src.numel() * 2 / 2**20:.0f} MiB:", flush=True)
         for _ in range(rounds):
             us = bench.cold_kernel_us(fns, calls=30, copies=True)
             for mode in ("fwd", "bwd"):
@@ -2145,7 +2237,9 @@ if __name__ == "__main__":
              "resident-rules": resident_rules, "mqa-tiles": mqa_tiles,
              "hf-tiles": hf_tiles, "hf-halves": hf_halves,
              "hf-halves-wide": lambda: hf_halves(2, HALVES_WIDE_SHAPES, HALVES_WIDE_TILES, False),
-             "qkv-bwd-tiles": qkv_bwd_tiles}
+             "hf-halves-door": lambda: hf_halves(2, HALVES_DOOR_SHAPES, HALVES_DOOR_TILES, False,
+                                                 per_token=True),
+             "door-rows": door_rows, "qkv-bwd-tiles": qkv_bwd_tiles}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:

@@ -166,8 +166,10 @@ def test_results_are_the_formulas(layout, entry):
 def test_q_and_k_at_the_cache_row_tiles_of_model_shapes(monkeypatch, heads, head_dim, tile):
     """q and k at ``qk_cache_row_tile``'s tiles (one token x all heads for one head count, as
     if streamed; ``WIDE_HEAD_CACHE_TILE`` for heads of d 256), rows read whole at the first
-    call and by halves from the second, forward and backward."""
+    call and by halves from the second, forward and backward. One SM, so that these few tokens
+    give every SM its programs at those tiles."""
     monkeypatch.setattr(triton_rope, "RESIDENT_BYTES", 0)
+    monkeypatch.setattr(triton_rope, "_sm_count", lambda device_index: 1)  # programs enough
     tiles = []
     choose = triton_rope.choose_config
     monkeypatch.setattr(triton_rope, "choose_config",

@@ -185,15 +185,38 @@ def test_other_unsqueeze_dims_are_refused():
         hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)
 
 
-def test_token_index_cache_stays_small():
+def test_start_positions_cache_stays_small():
     q, k, cos, sin = inputs(torch.float32, 2)
-    hf._token_rows.clear()
+    hf._starts.clear()
     for _ in range(3):
         hf.apply_rotary_pos_emb(q, k, cos, sin, 2)
-    assert len(hf._token_rows) == 1
-    for tokens in range(1, hf._MAX_TOKEN_ROWS + 10):
-        hf._token_positions(cos[:, :tokens], q[:, :tokens])
-    assert len(hf._token_rows) <= hf._MAX_TOKEN_ROWS
+    assert len(hf._starts) == 1
+    for tokens in range(1, hf._MAX_STARTS + 10):
+        hf._sequence_starts(cos[:, :tokens], q[:, :tokens])
+    assert len(hf._starts) <= hf._MAX_STARTS
+
+
+def test_per_token_cos_reaches_the_kernels_as_start_positions(monkeypatch):
+    """``[b, s, d2]`` cos and sin reach apply_qk as a ``[b * s, d2]`` table and start
+    positions ``i * s`` (one per sequence), ``[1, s, d2]`` ones by index."""
+    seen = []
+    real = hf.apply_qk
+    monkeypatch.setattr(hf, "apply_qk", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    q, k, cos, sin = inputs(torch.float32, 2)
+    hf.apply_rotary_pos_emb(q, k, cos, sin, 2)
+    hf.apply_rotary_pos_emb(q, k, cos[:1], sin[:1], 2)
+    assert seen[0]["start_positions"].tolist() == [i * TOKENS for i in range(BATCH)]
+    assert seen[1]["start_positions"] is None
+
+
+@pytest.mark.parametrize("shape", [(BATCH, TOKENS - 1, 16), (1, TOKENS + 1, 16), (BATCH, 16)])
+def test_cos_of_another_sequence_length_is_refused(shape):
+    """transformers' formula would not broadcast these against q's tokens; a table
+    whose rows run on past q's tokens would put one sequence's rows on the next one's tokens."""
+    q, k, cos, sin = inputs(torch.float32, 2)
+    bad = torch.zeros(shape)
+    with pytest.raises(rd.RoPEError, match="cos must be"):
+        hf.apply_rotary_pos_emb(q, k, bad, bad, 2)
 
 
 def stream_of_channels(d2: int, mrope_section) -> list[int]:
