@@ -1904,6 +1904,62 @@ HF_TILES = [(16, 2, 4), (32, 1, 4), (8, 4, 4), (1, 8, 4), (2, 8, 4), (4, 8, 4), 
             (2, 16, 4), (1, 16, 4), (1, 32, 4), (2, 32, 8)]  # (BLOCK_T, BLOCK_H, warps)
 
 
+def _door_inputs(batch: int, seq: int, hq: int, hk: int,
+                 d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q and k ``[b, s, heads, d]`` in bf16 on the GPU and bf16 cos and sin ``[s, d]`` of
+    doubled angles: the integration's q+k launch as a model's layer hands it over."""
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(batch, seq, hq, d, device=dev, dtype=dt)
+    k = torch.randn(batch, seq, hk, d, device=dev, dtype=dt)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev) / d))
+    freqs = torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return q, k, emb.cos().to(dt), emb.sin().to(dt)
+
+
+def _door_config(q: torch.Tensor, hk: int, cos: torch.Tensor, sin: torch.Tensor,
+                 sms: int) -> tuple:
+    """``choose_config``'s tile for the q+k launch of ``q`` (bshd) and ``hk`` key heads on
+    this cos and sin, as ``launch_qkv`` asks for it."""
+    batch, seq, hq, d = q.shape
+    flags = triton_rope._table_flags(cos, sin)
+    return triton_rope.choose_config(
+        batch * seq, (hq, hk), d, d, 2, False, sms, triton_rope.tile_tokens(flags, cos, d, False),
+        triton_rope.reads_cache_rows(flags), span_dim=d, sines=False)
+
+
+def _explicit_tiles(default: tuple, tiles: list, hq: int, d: int, in_use: str) -> dict:
+    """The tile in use (named ``in_use`` and its size) and each of ``tiles`` (``(BLOCK_T,
+    BLOCK_H, warps)``) that differs from it and takes no more heads than q has, by name."""
+    block_r = triton_rope._next_pow2(d // 2)
+    found = {f"{in_use}{default[0]}x{default[1]}": default}
+    for bt, bh, warps in tiles:
+        if bh <= triton_rope._next_pow2(hq) and (bt, bh, warps) != (
+                default[0], default[1], default[5]):
+            found[f"{bt}x{bh}" + (f"w{warps}" if warps != 4 else "")] = (
+                bt, bh, 1, block_r, 1, warps)
+    return found
+
+
+def _checked_halves_flag(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A halves flag checked against ``cos`` and ``sin`` (whose halves must be equal)."""
+    flag = torch.zeros(1, dtype=torch.int32, device=cos.device)
+    flag._rope_version = -1
+    assert triton_rope.current_halves(cos, sin, flag).item() == 1
+    return flag
+
+
+def _print_fwd_bwd(fns: dict[str, Callable[[], Any]], rounds: int) -> None:
+    """``rounds`` traces of ``fns`` (names ``"fwd ..."``, ``"bwd ..."`` and ``"copy"``), each
+    call after an L2 flush: a line per mode of kernel us and % of the copy's time."""
+    for _ in range(rounds):
+        us = bench.cold_kernel_us(fns, calls=30, copies=True)
+        for mode in ("fwd", "bwd"):
+            print(f"   {mode}: " + " | ".join(
+                f"{n[4:]} {t:.2f} ({100 * us['copy'] / t:.1f}%)" for n, t in us.items()
+                if n.startswith(mode)) + f" | copy {us['copy']:.2f}", flush=True)
+
+
 def hf_tiles(rounds: int = 2) -> None:
     """The Hugging Face integration's q+k launch (``integrations.hf``: a cos/sin cache of the
     model's bf16 ``[s, d]`` rows, shared by the batch) at explicit tiles, forward out of place,
@@ -1917,33 +1973,16 @@ def hf_tiles(rounds: int = 2) -> None:
 
     sms = triton_rope._sm_count(0)
     for batch, seq, hq, hk, d in HF_SHAPES:
-        dev, dt = "cuda", torch.bfloat16
-        q = torch.randn(batch, seq, hq, d, device=dev, dtype=dt)
-        k = torch.randn(batch, seq, hk, d, device=dev, dtype=dt)
+        q, k, cos, sin = _door_inputs(batch, seq, hq, hk, d)
         qo, ko = torch.empty_like(q), torch.empty_like(k)
-        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev) / d))
-        freqs = torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
         src = torch.cat((q.flatten(), k.flatten()))
         dst = torch.empty_like(src)
         segments = ((triton_rope.head_segment(q, 1), triton_rope.head_segment(k, 1)),
                     (triton_rope.head_segment(qo, 1), triton_rope.head_segment(ko, 1)))
-        block_r = triton_rope._next_pow2(d // 2)
         fns = {}
         for kind, tables in (("full", (cos, sin)), ("half", (cos, sin[:, : d // 2]))):
-            flags = triton_rope._table_flags(*tables)
-            default = triton_rope.choose_config(
-                batch * seq, (hq, hk), d, d, 2, False, sms,
-                triton_rope.tile_tokens(flags, tables[0], d, False),
-                triton_rope.reads_cache_rows(flags), span_dim=d, sines=False)
-            tiles = {f"in use {default[0]}x{default[1]}": default}
-            for bt, bh, warps in HF_TILES:
-                if bh <= triton_rope._next_pow2(hq) and (bt, bh, warps) != (
-                        default[0], default[1], default[5]):
-                    tiles[f"{bt}x{bh}" + (f"w{warps}" if warps != 4 else "")] = (
-                        bt, bh, 1, block_r, 1, warps)
-            for name, c in tiles.items():
+            default = _door_config(q, hk, *tables, sms)
+            for name, c in _explicit_tiles(default, HF_TILES, hq, d, "in use ").items():
                 fns[f"{kind} {name}"] = lambda c=c, tables=tables: triton_rope.launch_qkv(
                     *segments, (*tables, *tables), None, None, "bshd", False, 1.0, 1, 0, False,
                     config=c)
@@ -2040,37 +2079,20 @@ def hf_halves(rounds: int = 2, shapes: list | None = None, extra: list | None = 
         return call
 
     for batch, seq, hq, hk, d in shapes or HF_SHAPES:
-        dev, dt = "cuda", torch.bfloat16
-        q = torch.randn(batch, seq, hq, d, device=dev, dtype=dt)
-        k = torch.randn(batch, seq, hk, d, device=dev, dtype=dt)
+        q, k, cos, sin = _door_inputs(batch, seq, hq, hk, d)
         outs = (torch.empty_like(q), torch.empty_like(k))
-        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev) / d))
-        freqs = torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
         rows = None
         if per_token:
             cos, sin = cos.repeat(batch, 1), sin.repeat(batch, 1)
-            rows = torch.arange(batch * seq, device=dev).view(batch, seq)
-        flag = torch.zeros(1, dtype=torch.int32, device=dev)
-        flag._rope_version = -1
-        assert triton_rope.current_halves(cos, sin, flag).item() == 1
+            rows = torch.arange(batch * seq, device=q.device).view(batch, seq)
+        flag = _checked_halves_flag(cos, sin)
         src = torch.cat((q.flatten(), k.flatten()))
         dst = torch.empty_like(src)
         xs = (triton_rope.head_segment(q, 1), triton_rope.head_segment(k, 1))
         ys = (triton_rope.head_segment(outs[0], 1), triton_rope.head_segment(outs[1], 1))
-        flags = triton_rope._table_flags(cos, sin)
-        default = triton_rope.choose_config(
-            batch * seq, (hq, hk), d, d, 2, False, sms,
-            triton_rope.tile_tokens(flags, cos, d, False), triton_rope.reads_cache_rows(flags),
-            span_dim=d, sines=False)
+        default = _door_config(q, hk, cos, sin, sms)
         block_r = triton_rope._next_pow2(d // 2)
-        tiles = {f"{default[0]}x{default[1]}": default}
-        for bt, bh, warps in extra or HALVES_TILES:
-            if bh <= triton_rope._next_pow2(hq) and (bt, bh, warps) != (
-                    default[0], default[1], default[5]):
-                tiles[f"{bt}x{bh}" + (f"w{warps}" if warps != 4 else "")] = (
-                    bt, bh, 1, block_r, 1, warps)
+        tiles = _explicit_tiles(default, extra or HALVES_TILES, hq, d, "")
         fns: dict[str, Callable[[], Any]] = {}
         for mode, backward in (("fwd", False), ("bwd", True)):
             def launch(c: tuple, cu: torch.Tensor | None, backward: bool = backward) -> Any:
@@ -2095,12 +2117,7 @@ def hf_halves(rounds: int = 2, shapes: list | None = None, extra: list | None = 
         fns["copy"] = lambda: dst.copy_(src)
         print(f"bshd b{batch} s{seq} q {hq} heads, k {hk}, d{d} bf16, "
               f"{src.numel() * 2 / 2**20:.0f} MiB:", flush=True)
-        for _ in range(rounds):
-            us = bench.cold_kernel_us(fns, calls=30, copies=True)
-            for mode in ("fwd", "bwd"):
-                print(f"   {mode}: " + " | ".join(
-                    f"{n[4:]} {t:.2f} ({100 * us['copy'] / t:.1f}%)" for n, t in us.items()
-                    if n.startswith(mode)) + f" | copy {us['copy']:.2f}", flush=True)
+        _print_fwd_bwd(fns, rounds)
         del q, k, outs, src, dst, lq, lk
 
 DOOR_ROWS_SHAPES = [
@@ -2121,31 +2138,17 @@ def door_rows(rounds: int = 2) -> None:
 
     sms = triton_rope._sm_count(0)
     for batch, seq, hq, hk, d in DOOR_ROWS_SHAPES:
-        dev, dt = "cuda", torch.bfloat16
-        q = torch.randn(batch, seq, hq, d, device=dev, dtype=dt)
-        k = torch.randn(batch, seq, hk, d, device=dev, dtype=dt)
+        q, k, *shared = _door_inputs(batch, seq, hq, hk, d)
+        dev = q.device
         outs = (torch.empty_like(q), torch.empty_like(k))
-        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev) / d))
-        freqs = torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        shared = (emb.cos().to(dt), emb.sin().to(dt))
         token = (shared[0].repeat(batch, 1), shared[1].repeat(batch, 1))
         kinds = {"shared": (shared, None),
                  "per-token": (token, torch.arange(batch * seq, device=dev).view(batch, seq)),
                  "starts": (token, torch.arange(batch, device=dev) * seq)}
-        flags = {}
-        for name, (tables, _) in kinds.items():
-            flag = torch.zeros(1, dtype=torch.int32, device=dev)
-            flag._rope_version = -1
-            assert triton_rope.current_halves(*tables, flag).item() == 1
-            flags[name] = flag
+        flags = {name: _checked_halves_flag(*tables) for name, (tables, _) in kinds.items()}
         xs = (triton_rope.head_segment(q, 1), triton_rope.head_segment(k, 1))
         ys = (triton_rope.head_segment(outs[0], 1), triton_rope.head_segment(outs[1], 1))
-        cache_flags = triton_rope._table_flags(*shared)
-        config = triton_rope.choose_config(
-            batch * seq, (hq, hk), d, d, 2, False, sms,
-            triton_rope.tile_tokens(cache_flags, shared[0], d, False),
-            triton_rope.reads_cache_rows(cache_flags), span_dim=d, sines=False)
+        config = _door_config(q, hk, *shared, sms)
         fns: dict[str, Callable[[], Any]] = {}
         for mode, backward in (("fwd", False), ("bwd", True)):
             for name, (tables, index) in kinds.items():
@@ -2163,12 +2166,7 @@ def door_rows(rounds: int = 2) -> None:
         fns["copy"] = lambda: dst.copy_(src)
         print(f"bshd b{batch} s{seq} q {hq} heads, k {hk}, d{d} bf16, tile "
               f"{config[0]}x{config[1]}, {src.numel() * 2 / 2**20:.0f} MiB:", flush=True)
-        for _ in range(rounds):
-            us = bench.cold_kernel_us(fns, calls=30, copies=True)
-            for mode in ("fwd", "bwd"):
-                print(f"   {mode}: " + " | ".join(
-                    f"{n[4:]} {t:.2f} ({100 * us['copy'] / t:.1f}%)" for n, t in us.items()
-                    if n.startswith(mode)) + f" | copy {us['copy']:.2f}", flush=True)
+        _print_fwd_bwd(fns, rounds)
         del q, k, outs, src, dst, lq, lk
 
 QKV_BWD_TILES = [(8, 4, 4), (4, 8, 4), (16, 2, 4), (2, 16, 4), (1, 32, 4), (8, 8, 4), (8, 8, 8),
