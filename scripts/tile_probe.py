@@ -39,8 +39,11 @@ explicit tiles, forward and backward, and the flag's branch as a masked load;
 ``hf-halves-wide``, the same at MHA shapes and more tiles; ``hf-halves-door``, at the
 integration's own call form (one cos and sin row per token, read by position);
 ``door-rows``, that launch with rows shared by the batch, a row per token by per-token
-positions, and by start positions; ``qkv-bwd-tiles``, the packed-qkv transposed launch at the sweep's
-``--qkv`` points from 64 MiB, at explicit tiles against a copy (profiler)."""
+positions, and by start positions; ``door-placement``, the integration's forward against the
+same launch writing into outputs placed at several offsets past a 2 MiB boundary;
+``qwen-warps`` and ``gqa-warps``, the integration's GQA q+k launches at tiles of 1-8 warps;
+``qkv-bwd-tiles``, the packed-qkv transposed launch at the sweep's ``--qkv`` points from 64
+MiB, at explicit tiles against a copy (profiler)."""
 from __future__ import annotations
 
 import random
@@ -2043,6 +2046,14 @@ HALVES_WIDE_TILES = [(8, 4, 4), (4, 8, 4), (2, 16, 4), (1, 32, 4), (1, 16, 4), (
                      (2, 32, 8), (16, 4, 8), (8, 4, 8), (2, 8, 4), (1, 64, 8)]
 
 
+QWEN_TILES = [(16, 2, 2), (8, 2, 2), (32, 2, 2), (16, 2, 8), (32, 2, 4), (8, 4, 2), (32, 1, 4),
+              (16, 1, 4), (64, 1, 4)]  # (BLOCK_T, BLOCK_H, warps): Qwen2.5's 28 / 4 heads
+
+GQA_SHAPES = [(1, 8192, 32, 8, 128), (4, 2048, 32, 8, 128), (4, 8192, 32, 8, 128),
+              (4, 4096, 28, 4, 128), (1, 4096, 28, 4, 128), (4, 4096, 32, 4, 128)]
+GQA_TILES = [(8, 2, 2), (4, 2, 2), (4, 2, 1), (8, 1, 2), (4, 4, 2), (8, 4, 2), (16, 2, 2)]
+
+
 HALVES_DOOR_SHAPES = [
     (1, 8192, 32, 8, 128), (4, 8192, 32, 8, 128), (4, 4096, 28, 4, 128), (1, 2048, 8, 1, 256),
     (4, 8192, 8, 1, 256), (1, 2048, 71, 1, 64), (4, 2048, 71, 1, 64), (1, 4096, 32, 32, 96),
@@ -2169,6 +2180,63 @@ def door_rows(rounds: int = 2) -> None:
         _print_fwd_bwd(fns, rounds)
         del q, k, outs, src, dst, lq, lk
 
+PLACEMENT_SHAPES = [(4, 4096, 16, 16, 128), (4, 4096, 32, 32, 96), (4, 8192, 32, 8, 128)]
+PLACEMENT_OFFSETS = [0, 512, 1024, 2048, 4096, 1 << 16, (1 << 20) + 512, (2 << 20) - 512]
+
+
+def door_placement(rounds: int = 2) -> None:
+    """Whether where q+k's outputs lie moves the integration's forward launch: the door's own
+    call (``hf.apply_rotary_pos_emb``, outputs allocated per call) against the same launch at
+    the tile in use writing into fixed outputs placed at ``PLACEMENT_OFFSETS`` bytes past a 2
+    MiB boundary, forward kernel us after an L2 flush (profiler) as % of a device copy; the
+    door's planned launch (grid, constants) and its outputs' offsets printed beside."""
+    from rope_dispatch.integrations import hf
+
+    sms = triton_rope._sm_count(0)
+    for batch, seq, hq, hk, d in PLACEMENT_SHAPES:
+        q, k, cos, sin = _door_inputs(batch, seq, hq, hk, d)
+        cos3, sin3 = cos[None], sin[None]
+        qv, kv = q.transpose(1, 2), k.transpose(1, 2)
+        triton_rope._fast_qkv.clear()
+        for _ in range(4):
+            outs = hf.apply_rotary_pos_emb(qv, kv, cos3, sin3)
+        torch.cuda.synchronize()
+        for key, entry in triton_rope._fast_qkv.items():
+            print(f"   door's launch: grid {entry[2]}, constants {entry[4]}, aligned {key[1]}")
+        print("   door's outputs at " + ", ".join(
+            f"{o.data_ptr() % (2 << 20)} B past 2 MiB" for o in outs)
+            + "; inputs at " + ", ".join(f"{t.data_ptr() % (2 << 20)}" for t in (q, k)))
+        del outs
+        flag = _checked_halves_flag(cos, sin)
+        xs = (triton_rope.head_segment(q, 1), triton_rope.head_segment(k, 1))
+        config = _door_config(q, hk, cos, sin, sms)
+        n_q, n_k = q.numel(), k.numel()
+        pool = torch.empty(n_q + n_k + (8 << 20), dtype=q.dtype, device=q.device)
+        base = (-pool.data_ptr()) % (2 << 20) // 2
+        fns: dict[str, Callable[[], Any]] = {
+            "fwd door": lambda: hf.apply_rotary_pos_emb(qv, kv, cos3, sin3)}
+        for offset in PLACEMENT_OFFSETS:
+            start = base + offset // 2
+            qo = pool[start:start + n_q].view_as(q)
+            ko = pool[start + n_q:start + n_q + n_k].view_as(k)
+            ys = (triton_rope.head_segment(qo, 1), triton_rope.head_segment(ko, 1))
+            fns[f"fwd +{offset}"] = lambda ys=ys: triton_rope.launch_qkv(
+                xs, ys, (cos, sin, cos, sin), flag, None, "bshd", False, 1.0, 1, 0, False,
+                config=config)
+        src = torch.cat((q.flatten(), k.flatten()))
+        dst = torch.empty_like(src)
+        fns["copy"] = lambda: dst.copy_(src)
+        print(f"bshd b{batch} s{seq} q {hq} heads, k {hk}, d{d} bf16, tile "
+              f"{config[0]}x{config[1]}w{config[5]}, {src.numel() * 2 / 2**20:.0f} MiB:",
+              flush=True)
+        for _ in range(rounds):
+            us = bench.cold_kernel_us(fns, calls=30, copies=True)
+            print("   fwd: " + " | ".join(f"{n[4:]} {t:.2f} ({100 * us['copy'] / t:.1f}%)"
+                                         for n, t in us.items() if n != "copy")
+                  + f" | copy {us['copy']:.2f}", flush=True)
+        del q, k, qv, kv, pool, src, dst
+
+
 QKV_BWD_TILES = [(8, 4, 4), (4, 8, 4), (16, 2, 4), (2, 16, 4), (1, 32, 4), (8, 8, 4), (8, 8, 8),
                  (16, 4, 8), (4, 4, 4), (8, 2, 4)]  # (BLOCK_T, BLOCK_H, warps)
 
@@ -2237,7 +2305,10 @@ if __name__ == "__main__":
              "hf-halves-wide": lambda: hf_halves(2, HALVES_WIDE_SHAPES, HALVES_WIDE_TILES, False),
              "hf-halves-door": lambda: hf_halves(2, HALVES_DOOR_SHAPES, HALVES_DOOR_TILES, False,
                                                  per_token=True),
-             "door-rows": door_rows, "qkv-bwd-tiles": qkv_bwd_tiles}
+             "door-rows": door_rows, "qkv-bwd-tiles": qkv_bwd_tiles,
+             "door-placement": door_placement,
+             "qwen-warps": lambda: hf_halves(2, [(4, 4096, 28, 4, 128)], QWEN_TILES, False),
+             "gqa-warps": lambda: hf_halves(2, GQA_SHAPES, GQA_TILES, False)}
     if sys.argv[1:2] == ["decode-processes"]:
         decode_processes(*(int(n) for n in sys.argv[2:3]))
     elif sys.argv[1:3] == ["thd-tiles", "32"]:
