@@ -172,15 +172,23 @@ their per-token cos and sin); kernels widen the values to float32 before the mat
 def _check_table(table: object, device: torch.device, argument: str = "freqs") -> RotaryTable:
     if isinstance(table, CosSinCache):
         cos, sin = table.cos, table.sin
+        if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+            raise RoPEError(
+                f"{argument} is a CosSinCache of {type(cos).__name__} cos and "
+                f"{type(sin).__name__} sin; expected two [s2, d2] tensors: build it with "
+                "rope_dispatch.cos_sin_cache(freqs)"
+            )
         if (
             cos.dtype not in CACHE_DTYPES or sin.dtype != cos.dtype or cos.dim() != 2
             or cos.shape != sin.shape or not cos.is_contiguous() or not sin.is_contiguous()
+            or cos.shape[0] < 1 or cos.shape[1] < 2 or cos.shape[1] % 2
         ):
             raise RoPEError(
                 f"{argument} is a CosSinCache whose tables are not a contiguous [s2, d2] pair of "
-                f"one dtype among float32, bfloat16 and float16 (cos {tuple(cos.shape)} "
-                f"{dtype_name(cos.dtype)}, sin {tuple(sin.shape)} {dtype_name(sin.dtype)}); "
-                "build it with rope_dispatch.cos_sin_cache(freqs)"
+                f"one dtype among float32, bfloat16 and float16, with at least one position and "
+                f"an even d2 >= 2 (cos {tuple(cos.shape)} {dtype_name(cos.dtype)}, sin "
+                f"{tuple(sin.shape)} {dtype_name(sin.dtype)}); build it with "
+                "rope_dispatch.cos_sin_cache(freqs)"
             )
         checked: RotaryTable = table
         table_device = cos.device

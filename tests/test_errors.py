@@ -169,10 +169,24 @@ def test_thd_start_positions_past_table_with_trusted_offsets(monkeypatch):
     rd.apply(THD_T, torch.rand(17, 8), spec, start_positions=torch.tensor([0, 11]))
 
 
-def test_bad_cache_object():
-    bad = rd.CosSinCache(torch.rand(8, 16).double(), torch.rand(8, 16))
-    with pytest.raises(rd.RoPEError, match="CosSinCache"):
-        call(freqs=bad)
+@pytest.mark.parametrize(
+    "cos, sin, words",
+    [
+        (torch.rand(8, 16).double(), torch.rand(8, 16), ["float64"]),
+        (torch.rand(8, 5), torch.rand(8, 5), ["even d2 >= 2", "cos (8, 5) float32"]),
+        (torch.rand(8, 0), torch.rand(8, 0), ["even d2 >= 2", "cos (8, 0)"]),
+        (torch.rand(0, 16), torch.rand(0, 16), ["at least one position", "cos (0, 16)"]),
+        ([1.0], [2.0], ["CosSinCache of list cos and list sin", "two [s2, d2] tensors"]),
+        (torch.rand(8, 16), None, ["CosSinCache of Tensor cos and NoneType sin"]),
+    ],
+)
+def test_bad_cache_object(cos, sin, words):
+    """A cos/sin cache the kernels cannot read as pairs is refused with what it holds, never
+    run (an odd d2 used to rotate channel pairs across its end on the Triton backend)."""
+    with pytest.raises(rd.RoPEError, match="CosSinCache") as info:
+        call(freqs=rd.CosSinCache(cos, sin))
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
 
 
 def test_with_cu_seqlens_checks_tensor():

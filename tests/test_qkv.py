@@ -67,6 +67,29 @@ def test_triton_gqa_start_positions_context_parallel(layout):
     check_qkv(QKVCase(base, q_heads=4, v_heads=2, own_k_table=True), "triton", DEVICE)
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_split_as_a_list(backend, request):
+    """``split`` as a list, the form of TE's ``qkv_split_arg_list``: the checked call, the
+    call that plans and the planned call all match the reference (a list cannot key a plan
+    as it is)."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    case = QKVCase(fixed_case(heads=2, head_dim=8, rotary_dim=8), 2, 1, False)
+    qkv, table, _, spec, _, angles, _ = build_qkv(case, DEVICE)
+    grad_outs = None
+    for _ in range(3):
+        outs = rd.apply_qkv(qkv, table, spec, list(case.split), backend=backend)
+        if grad_outs is None:
+            grad_outs = [torch.randn_like(o) for o in outs]
+            ref_outs, ref_grad = reference_qkv_forward_backward(
+                qkv, angles, angles, spec, case.split, grad_outs
+            )
+        for name, out, ref in zip("qkv", outs, ref_outs):
+            assert_matches(out, ref, qkv.dtype, name)
+        (grad,) = torch.autograd.grad(outs, qkv, grad_outs)
+        assert_matches(grad, ref_grad, qkv.dtype, "packed gradient")
+
+
 @pytest.mark.usefixtures("triton_backend")
 def test_triton_double_backward_is_the_forward():
     """The packed gradient's own gradient (with respect to q's, k's and v's gradients) is the
@@ -118,6 +141,8 @@ def test_explain_and_capabilities():
     [
         ((32, 16), None, ["split must be three ints", "(32, 16)"]),
         ((32, 16, 8.0), None, ["split must be three ints"]),
+        ([32, 16, 8.0], None, ["split must be three ints", "[32, 16, 8.0]"]),
+        ([32, [16], 16], None, ["split must be three ints", "[32, [16], 16]"]),
         ((32, 16, 0), None, ["split must be positive", "(32, 16, 0)"]),
         ((32, 16, 8), None, ["sums to 56", "qkv's last dim is 64"]),
         ((24, 16, 24), None, ["k=16 is the head dim", "q=24", "v=24"]),
