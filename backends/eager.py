@@ -100,7 +100,8 @@ def rope_tensors(
         rotated = (x * cos + rotate(x, interleaved) * sin).to(t.dtype)
     if d2 == t.shape[-1]:
         return rotated.contiguous()
-    return torch.cat((rotated, t[..., d2:]), dim=-1)
+    # cat keeps a permuted input's memory format: the output is contiguous in the layout
+    return torch.cat((rotated, t[..., d2:]), dim=-1).contiguous()
 
 
 def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

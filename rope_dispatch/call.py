@@ -629,7 +629,9 @@ def _check_k_table(k_freqs: object, table: RotaryTable, device: torch.device) ->
 
 def expanded_dim(t: torch.Tensor) -> int | None:
     """The first dimension of ``t`` whose elements share memory (stride 0, size > 1), if any:
-    such a tensor cannot be written in place."""
+    such a tensor cannot be written in place. An empty tensor has none to share."""
+    if t.numel() == 0:
+        return None
     return next((i for i, (n, s) in enumerate(zip(t.shape, t.stride())) if s == 0 and n > 1), None)
 
 

@@ -40,6 +40,22 @@ def test_eager_matches_reference_on_cuda(case):
     check_backend(case, "eager", "cuda")
 
 
+def test_partial_rotary_of_a_permuted_input_is_contiguous():
+    """Partial rotary on a bshd view stored as [b, h, d, s]: the output is contiguous in the
+    layout (torch.cat alone would keep the input's memory format) and right."""
+    t = torch.randn(2, 3, 8, 4).permute(0, 3, 1, 2)  # bshd [2, 4, 3, 8]
+    angles = torch.rand(4, 4) * 10
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    grad = torch.randn(2, 4, 3, 8)
+    leaf = t.clone().requires_grad_(True)
+    out = rd.apply(leaf, angles, spec, backend="eager")
+    assert out.is_contiguous()
+    (got,) = torch.autograd.grad(out, leaf, grad)
+    ref_out, ref_grad = reference_forward_backward(t, angles, spec, grad)
+    assert_matches(out, ref_out, torch.float32, "output")
+    assert_matches(got, ref_grad, torch.float32, "gradient")
+
+
 def test_input_is_not_modified():
     t = torch.randn(6, 2, 3, 8)
     before = t.clone()

@@ -123,6 +123,15 @@ def test_double_backward_through_apply_(backend):
     assert_matches(dv, rd.apply(w, table, spec, backend="eager"), torch.float32, "double backward")
 
 
+def test_empty_tensor_is_not_expanded(backend):
+    """An empty tensor with a stride-0 dim (as torch makes some empty results) shares no
+    memory: rotated in place like torch's own in-place ops, not refused as expanded."""
+    q = torch.randn(2, 16, 0, device=DEVICE).permute(2, 0, 1) * 1.0  # [T=0, h=2, d=16]
+    assert 0 in q.stride()
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 0], device=DEVICE))
+    assert rd.apply_(q, torch.rand(4, 16, device=DEVICE), spec, backend=backend) is q
+
+
 def test_refusals_name_the_problem(backend):
     t, table, spec, _, _ = build(_case(strides="contiguous", dtype=torch.float32), DEVICE)
     with pytest.raises(rd.RoPEError, match="t is a leaf tensor that requires grad"):
