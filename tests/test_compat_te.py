@@ -472,6 +472,17 @@ def test_bf16_freqs_converted_before_contiguity_assert():
                                        .transpose(0, 3), k, list(split))
 
 
+def test_a_non_tensor_input_is_named():
+    """A list where a tensor belongs gets apply's TypeError naming the argument, not an
+    AttributeError from inside the adapter."""
+    freqs = random_angles(SEQ, 8)
+    with pytest.raises(TypeError, match="t must be a torch.Tensor, got list"):
+        apply_rotary_pos_emb([1.0, 2.0], freqs)
+    _, q, k, split, _ = _qkv_inputs()
+    with pytest.raises(TypeError, match="qkv must be a torch.Tensor, got list"):
+        apply_fused_qkv_rotary_pos_emb([1.0, 2.0], q, k, list(split))
+
+
 def test_core_errors_are_rope_errors():
     t, cu, rows = make_input("thd", torch.float32, 1, requires_grad=False)
     freqs = random_angles(rows, 8)

@@ -87,6 +87,14 @@ def _spec(
     return spec
 
 
+def _dtype(argument: str, t: Any) -> torch.dtype:
+    """``t``'s dtype, which the spec takes; anything but a tensor is refused as ``apply``
+    refuses it, naming the argument."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{argument} must be a torch.Tensor, got {type(t).__name__}")
+    return t.dtype
+
+
 def _float(freqs: Any) -> Any:
     """``freqs`` as float32, as TE's fused path converts it (other objects go to the checks)."""
     if isinstance(freqs, torch.Tensor) and freqs.dtype != torch.float32:
@@ -118,7 +126,7 @@ def apply_rotary_pos_emb(
     math, one rounding to ``t``'s dtype). Returns a new tensor, contiguous, of ``t``'s dtype,
     differentiable with respect to ``t``.
     """
-    spec = _spec(tensor_format, t.dtype, interleaved, cp_size, cp_rank, cu_seqlens)
+    spec = _spec(tensor_format, _dtype("t", t), interleaved, cp_size, cp_rank, cu_seqlens)
     return apply(t, _float(freqs), spec, start_positions=start_positions)
 
 
@@ -165,6 +173,7 @@ def apply_fused_qkv_rotary_pos_emb(
         raise _te_refuses(f"start_positions given with cp_size={cp_size} (> 1)")
     if tensor_format == "thd":
         raise _te_refuses("tensor_format='thd' (TE takes 'sbhd' and 'bshd' only)")
+    dtype = _dtype("qkv", qkv)
     q_freqs, k_freqs = _float(q_freqs), _float(k_freqs)  # TE converts before its checks too
     if not qkv.is_contiguous():
         raise _not_contiguous("qkv", qkv)
@@ -173,7 +182,7 @@ def apply_fused_qkv_rotary_pos_emb(
     if isinstance(k_freqs, torch.Tensor) and not k_freqs.is_contiguous():
         raise _not_contiguous("k_freqs", k_freqs)
 
-    spec = _spec(tensor_format, qkv.dtype, interleaved, cp_size, cp_rank, None)
+    spec = _spec(tensor_format, dtype, interleaved, cp_size, cp_rank, None)
     split = qkv_split_arg_list
     if isinstance(split, (list, tuple)):
         split = tuple(split)  # anything else goes to apply_qkv's checks as it is
