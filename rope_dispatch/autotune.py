@@ -299,6 +299,11 @@ def _warn_once(what: str, message: str) -> None:
     warnings.warn(f"rope-dispatch autotune: {message}", RuntimeWarning, stacklevel=3)
 
 
+_MAX_TIME_US = 1e15
+"""Above any real time of one call, in microseconds (and no NaN is below it): a stored time
+past it marks a corrupt entry."""
+
+
 def _entry_problem(entry: Any, digest: str | None) -> str | None:
     """Why ``entry`` is not a valid cache entry (``None`` when it is)."""
     if not isinstance(entry, dict):
@@ -310,11 +315,16 @@ def _entry_problem(entry: Any, digest: str | None) -> str | None:
     times = entry.get("times_us")
     choice = entry.get("choice")
     if not isinstance(times, dict) or not all(
-        isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in times.values()
+        type(v) in (int, float) and 0 <= v < _MAX_TIME_US for v in times.values()
     ):
         return "its times_us is not a mapping of backend names to times"
     if not isinstance(choice, str) or choice not in times:
         return f"its choice {choice!r} has no measured time"
+    failed = entry.get("failed")
+    if failed is not None and not (
+        isinstance(failed, dict) and all(type(v) is str for v in failed.values())
+    ):
+        return "its failed is not a mapping of backend names to errors"
     if not isinstance(entry.get("fields"), dict):
         return "it has no key fields"
     return None
@@ -330,7 +340,7 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"it cannot be read ({exc})") from exc
     try:
         return json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # nesting past the parser's depth: RecursionError
         raise ValueError(f"it is not valid JSON ({exc}); truncated or corrupt") from exc
 
 
@@ -384,9 +394,26 @@ def _write_json_atomic(path: Path, value: Any) -> bool:
         return False
 
 
+def _exists(path: Path) -> bool:
+    """``path.exists()``, False where a directory on the way cannot be searched (another
+    user's cache): the write that follows then fails and warns once."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    """``path.is_dir()``, False where a directory on the way cannot be searched."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def _store(key: CacheKey, entry: dict[str, Any], device: torch.device) -> None:
     env_file = key.path.parent / _ENVIRONMENT_FILE
-    if not env_file.exists():
+    if not _exists(env_file):
         _write_json_atomic(env_file, _environment(device))
     _write_json_atomic(key.path, entry)
 
@@ -762,7 +789,7 @@ def cache_entries() -> list[dict[str, Any]]:
     """
     root = cache_dir()
     entries: list[dict[str, Any]] = []
-    if not root.is_dir():
+    if not _is_dir(root):
         return entries
     for folder in _environment_dirs(root):
         try:
@@ -803,7 +830,7 @@ def clear_cache(memory_only: bool = False) -> int:
             return 0
         removed = 0
         root = cache_dir()
-        if not root.is_dir():
+        if not _is_dir(root):
             return 0
         for folder in _environment_dirs(root):
             for path in _listing(folder):

@@ -171,16 +171,25 @@ def test_key_separates_grad_and_shape_buckets(fakes, measurements):
     assert measurements() == 4
 
 
-@pytest.mark.parametrize(
-    "content",
-    [b'{"schema": 1, "key": "', b"\x00\xff garbage", b"[1, 2, 3]", b'{"schema": 999}'],
-    ids=["truncated", "binary", "foreign-json", "other-schema"],
-)
-def test_corrupt_cache_file_warns_once_and_is_rewritten(fakes, measurements, content):
+CORRUPT = {  # name -> the bad file's bytes, made from the good entry
+    "truncated": lambda entry: b'{"schema": 1, "key": "',
+    "binary": lambda entry: b"\x00\xff garbage",
+    "foreign-json": lambda entry: b"[1, 2, 3]",
+    "other-schema": lambda entry: b'{"schema": 999}',
+    "failed-not-a-mapping": lambda entry: json.dumps({**entry, "failed": "boom"}).encode(),
+    "time-past-float": lambda entry: json.dumps(
+        {**entry, "times_us": {name: 10**400 for name in entry["times_us"]}}).encode(),
+    "nested-past-the-parser": lambda entry: b"[" * 100_000,
+}
+
+
+@pytest.mark.parametrize("corrupt", CORRUPT.values(), ids=CORRUPT.keys())
+def test_corrupt_cache_file_warns_once_and_is_rewritten(fakes, measurements, corrupt):
     t, freqs = inputs()
     rd.apply(t, freqs, SPEC)
     (path,) = entry_files(Path(os.environ["ROPE_DISPATCH_CACHE_DIR"]))
-    path.write_bytes(content)
+    path.write_bytes(corrupt(json.loads(path.read_text())))
+    assert rd.cache_entries() == []  # listed entries skip it too
     autotune.clear_cache(memory_only=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -214,6 +223,35 @@ def test_unwritable_cache_directory_keeps_choices_in_memory(fakes, tmp_path, mon
     assert measurements() == 2
     assert rd.explain(t, freqs, SPEC).chosen == "fast"
     assert rd.cache_entries() == []
+
+
+def test_unsearchable_cache_directory_keeps_choices_in_memory(fakes, cache, monkeypatch,
+                                                              measurements):
+    """A cache directory below one this user cannot search (another user's, mode 0700):
+    torch's calls run and choose as without a cache, with warnings; listing and clearing find
+    nothing. (Permissions do not bind root, so the OS's refusal is raised for them.)"""
+    root = Path(os.environ["ROPE_DISPATCH_CACHE_DIR"])
+
+    def refused(method):
+        def check(path, *args, **kwargs):
+            if Path(path).is_relative_to(root):
+                raise PermissionError(13, "Permission denied", str(path))
+            return method(path, *args, **kwargs)
+        return check
+
+    for name in ("exists", "is_dir", "read_text", "iterdir", "mkdir"):
+        monkeypatch.setattr(Path, name, refused(getattr(Path, name)))
+    t, freqs = inputs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = rd.apply(t, freqs, SPEC)
+        rd.apply(t, freqs, SPEC)
+    assert any("cannot write the cache" in str(w.message) for w in caught)
+    assert_matches(out, reference_for(t, freqs, SPEC), torch.float32)
+    assert measurements() == 1  # once, then remembered in memory
+    assert rd.explain(t, freqs, SPEC).chosen == "fast"
+    assert rd.cache_entries() == []
+    assert rd.clear_cache() == 0
 
 
 CONCURRENT_WORKER = textwrap.dedent(
