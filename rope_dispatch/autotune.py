@@ -325,7 +325,11 @@ def _entry_problem(entry: Any, digest: str | None) -> str | None:
         isinstance(failed, dict) and all(type(v) is str for v in failed.values())
     ):
         return "its failed is not a mapping of backend names to errors"
-    if not isinstance(entry.get("fields"), dict):
+    fields = entry.get("fields")
+    if not isinstance(fields, dict) or not (
+        isinstance(fields.get("spec"), dict) and isinstance(fields.get("shape_bucket"), list)
+        and isinstance(fields.get("candidates"), list)
+    ):
         return "it has no key fields"
     return None
 
@@ -364,9 +368,11 @@ def _read_entry(key: CacheKey) -> dict[str, Any] | None:
     return entry
 
 
-def _write_json_atomic(path: Path, value: Any) -> bool:
+def _write_json_atomic(path: Path, value: Any, attempts: int = 2) -> bool:
     """Write ``value`` to ``path`` through a temporary file and ``os.replace``; False on failure
-    (one warning per directory, after which that directory is left alone)."""
+    (one warning per directory, after which that directory is left alone). A temporary or
+    folder removed under the write (another process's :func:`clear_cache`) is written again,
+    up to ``attempts`` times in all."""
     folder = path.parent
     if str(folder) in _unwritable:
         return False
@@ -386,6 +392,8 @@ def _write_json_atomic(path: Path, value: Any) -> bool:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        if isinstance(exc, FileNotFoundError) and attempts > 1:
+            return _write_json_atomic(path, value, attempts - 1)
         _unwritable.add(str(folder))
         _warn_once(
             str(folder),
@@ -812,11 +820,24 @@ def cache_entries() -> list[dict[str, Any]]:
     return entries
 
 
+_STALE_SECONDS = 60.0
+"""Age past which a temporary file is a dead writer's: a live one is renamed within a write."""
+
+
+def _stale(path: Path) -> bool:
+    """Whether the temporary ``path`` was last written over ``_STALE_SECONDS`` ago."""
+    try:
+        return time.time() - path.stat().st_mtime > _STALE_SECONDS
+    except OSError:
+        return False
+
+
 def clear_cache(memory_only: bool = False) -> int:
     """Forget every measurement (and dispatch's cached decisions); returns the files removed.
 
     With ``memory_only`` the files stay and the next call of each key reads its file again.
-    Only this module's files are removed: entries, environment files and stale temporaries.
+    Only this module's files are removed: entries, environment files and stale temporaries
+    (written over ``_STALE_SECONDS`` ago; a younger one may be another process's write).
     """
     from . import dispatch
 
@@ -836,7 +857,7 @@ def clear_cache(memory_only: bool = False) -> int:
             for path in _listing(folder):
                 name = path.name
                 if _ENTRY_NAME.match(name) or name == _ENVIRONMENT_FILE or (
-                    name.startswith(".tmp-") and name.endswith(".json")
+                    name.startswith(".tmp-") and name.endswith(".json") and _stale(path)
                 ):
                     with contextlib.suppress(OSError):
                         path.unlink()

@@ -280,7 +280,7 @@ def process_age_s() -> float | None:
 
 
 def _cache_report() -> dict:
-    report = {"autotune": os.environ.get("ROPE_AUTOTUNE", "1") != "0"}
+    report = {"autotune": autotune.autotune_enabled()}
     for name in ("cache_dir", "cache_entries"):
         fn = getattr(autotune, name, None)
         if fn is not None:
@@ -445,7 +445,8 @@ def _print_report(report: dict) -> None:
              "slower host path at decode size)"
     ))
     cache = report["cache"]
-    print(f"autotune: {'on' if cache['autotune'] else 'off (ROPE_AUTOTUNE=0)'}", end="")
+    off = f"off (ROPE_AUTOTUNE={os.environ.get('ROPE_AUTOTUNE', '')})"
+    print(f"autotune: {'on' if cache['autotune'] else off}", end="")
     if "cache_dir" in cache:
         entries = cache.get("cache_entries", [])
         count = len(entries) if isinstance(entries, list) else entries

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -180,6 +181,8 @@ CORRUPT = {  # name -> the bad file's bytes, made from the good entry
     "time-past-float": lambda entry: json.dumps(
         {**entry, "times_us": {name: 10**400 for name in entry["times_us"]}}).encode(),
     "nested-past-the-parser": lambda entry: b"[" * 100_000,
+    "spec-not-a-mapping": lambda entry: json.dumps(
+        {**entry, "fields": {**entry["fields"], "spec": "sbhd"}}).encode(),
 }
 
 
@@ -223,6 +226,36 @@ def test_unwritable_cache_directory_keeps_choices_in_memory(fakes, tmp_path, mon
     assert measurements() == 2
     assert rd.explain(t, freqs, SPEC).chosen == "fast"
     assert rd.cache_entries() == []
+
+
+def test_clear_cache_spares_a_write_in_flight_and_the_writer_writes_on(fakes, cache, monkeypatch):
+    """Another process's clear_cache during a write: a fresh temporary is left alone, and a
+    write whose temporary went anyway is made again, not taken for an unwritable directory."""
+    t, freqs = inputs()
+    rd.apply(t, freqs, SPEC)
+    (path,) = entry_files(Path(os.environ["ROPE_DISPATCH_CACHE_DIR"]))
+    live = path.parent / ".tmp-live.json"
+    live.write_text("{}")
+    stale = path.parent / ".tmp-dead.json"
+    stale.write_text("{}")
+    os.utime(stale, (time.time() - 3600,) * 2)
+    assert rd.clear_cache() == 3  # the entry, the environment file, the dead temporary
+    assert live.exists() and not stale.exists()
+    real_replace = os.replace
+    removed = []
+
+    def replace_after_a_clear(src, dst):
+        if not removed:  # the first write loses its temporary to a clear
+            removed.append(src)
+            os.unlink(src)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_after_a_clear)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rd.apply(t, freqs, SPEC)
+        rd.apply(*inputs(seq=16), SPEC)
+    assert removed and len(rd.cache_entries()) == 2
 
 
 def test_unsearchable_cache_directory_keeps_choices_in_memory(fakes, cache, monkeypatch,

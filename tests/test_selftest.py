@@ -57,6 +57,13 @@ def test_selftest_cli_json():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+@pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("off", False), ("No", False)])
+def test_the_report_says_whether_autotune_is_on(monkeypatch, value, on):
+    """Every spelling ``ROPE_AUTOTUNE`` takes for off reads as off, as the library reads it."""
+    monkeypatch.setenv("ROPE_AUTOTUNE", value)
+    assert selftest._cache_report()["autotune"] is on
+
+
 def test_process_age_counts_from_the_process_start():
     code = (
         "import time; time.sleep(0.6); from rope_dispatch.selftest import process_age_s; "
