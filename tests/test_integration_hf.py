@@ -185,6 +185,33 @@ def test_other_unsqueeze_dims_are_refused():
         hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)
 
 
+COMPILED_FIRST = """
+import sys, torch
+from rope_dispatch.integrations import hf
+q, k, cos, sin = torch.load(sys.argv[1])
+compiled = torch.compile(hf.apply_rotary_pos_emb, fullgraph=True, backend="aot_eager")
+torch.save(compiled(q, k, cos, sin), sys.argv[2])
+"""
+
+
+def test_first_call_of_a_process_compiles_with_fullgraph(tmp_path):
+    """A model's first RoPE call inside ``torch.compile(fullgraph=True)``, in a new process:
+    nothing the door makes on first use (its spec) breaks the graph."""
+    import subprocess
+    import sys
+
+    q, k, cos, sin = inputs(torch.float32, 1)
+    torch.save([t.detach() for t in (q, k, cos, sin)], tmp_path / "inputs.pt")
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILED_FIRST, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out_q, out_k = torch.load(tmp_path / "out.pt")
+    for out, ref in zip((out_q, out_k), reference(q, k, cos, sin, 1)):
+        torch.testing.assert_close(out.double(), ref.detach(), **tolerance(torch.float32))
+
+
 def test_start_positions_cache_stays_small():
     q, k, cos, sin = inputs(torch.float32, 2)
     hf._starts.clear()

@@ -74,7 +74,12 @@ _STREAMS = 3
 _HEADS_DIM = {1: 1, -3: 1, 2: 2, -2: 2}
 """``unsqueeze_dim`` -> where q's heads are: 1 for ``[b, heads, s, d]``, 2 for ``[b, s, heads, d]``."""
 
-_specs: dict[torch.dtype, RoPESpec] = {}
+_specs: dict[torch.dtype, RoPESpec] = {
+    dtype: RoPESpec(layout="bshd", dtype=dtype)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16)
+}
+"""The bshd spec of each dtype a model runs in, made at import: pydantic's validation cannot
+be traced, so a first call inside ``torch.compile(fullgraph=True)`` must find its spec made."""
 _last_table: list = [None, None, None]
 """The latest ``[table, cos, sin]`` of :func:`_token_table`."""
 _starts: dict[tuple, torch.Tensor] = {}
@@ -256,8 +261,8 @@ def _sequence_starts(cos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
 
 
 def _spec(dtype: torch.dtype) -> RoPESpec:
-    """The bshd spec of a dtype, from a small cache (pydantic validation costs microseconds,
-    and a model calls this once per layer)."""
+    """The bshd spec of a dtype, from :data:`_specs` (pydantic validation costs microseconds,
+    and a model calls this once per layer; other dtypes get the spec's error)."""
     spec = _specs.get(dtype)
     if spec is None:
         spec = _specs[dtype] = RoPESpec(layout="bshd", dtype=dtype)
