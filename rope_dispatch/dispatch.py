@@ -203,6 +203,8 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
         # Traced code decides from metadata, once per trace, and leaves the memo dicts alone:
         # mutating them or calling C helpers such as bisect would break the graph.
         return _decide(call, forced, source)[0], False
+    if forced is not None and type(forced) is not str:
+        registry.get_backend(forced)  # refused by name, before it keys a memo
     t = call.t
     exact = (
         call.spec.static_key, call.rotary_dim, t.shape, call.batch, t.device,
@@ -330,7 +332,10 @@ def apply(
             entry is None or entry.refs[0]() is not spec or entry.refs[1]() is not freqs
             or entry.forced is not forced
         ):
-            entry = _plans.get((id(spec), id(freqs), forced, None))
+            try:
+                entry = _plans.get((id(spec), id(freqs), forced, None))
+            except TypeError:  # an unhashable backend=: the checks name it
+                entry = None
             if entry is not None:
                 _recent = entry
         if entry is not None:
@@ -498,7 +503,10 @@ def _run(
                 entry is None or entry.refs[0]() is not spec or entry.refs[1]() is not freqs
                 or entry.forced is not forced or entry.form != form
             ):
-                entry = _plans.get((id(spec), id(freqs), forced, form))
+                try:
+                    entry = _plans.get((id(spec), id(freqs), forced, form))
+                except TypeError:  # an unhashable backend=: the checks name it
+                    entry = None
                 if entry is not None:
                     _recent_run = entry
             if entry is not None:

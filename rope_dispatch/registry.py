@@ -213,7 +213,7 @@ def backends() -> list[Backend]:
 
 def get_backend(name: str) -> Backend:
     """The backend registered as ``name``; an unknown name lists the known ones."""
-    backend = _REGISTRY.get(name)
+    backend = _REGISTRY.get(name) if isinstance(name, str) else None
     if backend is None:  # no try/except: `raise ... from None` breaks torch.compile tracing
         known = ", ".join(sorted(_REGISTRY))
         raise UnknownBackendError(f"unknown backend {name!r}; known backends: {known}")

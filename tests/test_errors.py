@@ -80,6 +80,7 @@ def test_spec_is_frozen_and_hashable():
         (dict(spec=rd.RoPESpec(**SBHD, cp_size=2), freqs=torch.rand(16, 16), start_positions=torch.tensor([0, 1])),
          ["16 positions", "start_positions max 1", "sequence length 8 x cp_size=2", "needs 17"]),
         (dict(backend="nope"), ["unknown backend 'nope'", "eager"]),
+        (dict(backend=["eager"]), ["unknown backend ['eager']", "known backends"]),
         (dict(t=[1.0]), ["t must be a torch.Tensor", "list"]),
         (dict(freqs="angles"), ["freqs", "str"]),
         (dict(spec={"layout": "sbhd"}), ["spec must be", "dict"]),
