@@ -448,11 +448,10 @@ def _planned_form(
     tensor's dispatch keys read as an inference tensor's do outside it, so a guard made there
     would accept, outside, an inference tensor, which torch forbids writing there."""
     tensors = (t,)
-    if split is not None:
-        if type(split) is list:  # TE's qkv_split_arg_list form; the key needs a tuple
-            split = tuple(split)
-        if type(split) is not tuple or not all(type(n) is int for n in split):
-            return None  # check_call names what is wrong with it
+    # TE's qkv_split_arg_list is a list and a plan's key needs a tuple; a split that cannot be
+    # hashed misses the lookup (_run), and check_call names what is wrong with it
+    if type(split) is list:
+        split = tuple(split)
     if k is not None:
         if type(k) is not _Tensor or k is t:
             return None
