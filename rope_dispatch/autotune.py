@@ -402,26 +402,18 @@ def _write_json_atomic(path: Path, value: Any, attempts: int = 2) -> bool:
         return False
 
 
-def _exists(path: Path) -> bool:
-    """``path.exists()``, False where a directory on the way cannot be searched (another
-    user's cache): the write that follows then fails and warns once."""
+def _found(test: Callable[[], bool]) -> bool:
+    """A path test (``path.exists``, ``path.is_dir``), False where a directory on the way
+    cannot be searched (another user's cache): a write that follows then fails and warns once."""
     try:
-        return path.exists()
-    except OSError:
-        return False
-
-
-def _is_dir(path: Path) -> bool:
-    """``path.is_dir()``, False where a directory on the way cannot be searched."""
-    try:
-        return path.is_dir()
+        return test()
     except OSError:
         return False
 
 
 def _store(key: CacheKey, entry: dict[str, Any], device: torch.device) -> None:
     env_file = key.path.parent / _ENVIRONMENT_FILE
-    if not _exists(env_file):
+    if not _found(env_file.exists):
         _write_json_atomic(env_file, _environment(device))
     _write_json_atomic(key.path, entry)
 
@@ -797,7 +789,7 @@ def cache_entries() -> list[dict[str, Any]]:
     """
     root = cache_dir()
     entries: list[dict[str, Any]] = []
-    if not _is_dir(root):
+    if not _found(root.is_dir):
         return entries
     for folder in _environment_dirs(root):
         try:
@@ -851,7 +843,7 @@ def clear_cache(memory_only: bool = False) -> int:
             return 0
         removed = 0
         root = cache_dir()
-        if not _is_dir(root):
+        if not _found(root.is_dir):
             return 0
         for folder in _environment_dirs(root):
             for path in _listing(folder):
