@@ -791,6 +791,15 @@ def _launch_tables(
     return tab, sin, cu_seqlens
 
 
+def _call_tables(
+    call: RoPECall, rows: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`_launch_tables` of a checked call's table, for its spec's ``cu_seqlens``,
+    layout and pairing."""
+    spec = call.spec
+    return _launch_tables(call.table, rows, spec.cu_seqlens, spec.layout, spec.interleaved)
+
+
 def _plan_flag(
     sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None, layout: str
 ) -> torch.Tensor | None:
@@ -1502,7 +1511,7 @@ def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.T
     rows = _rows_read(call.t, spec.layout, position_index(call))
     cu = spec.cu_seqlens
     if call.k_table is None:  # one table: its halves flag, if any, serves q and k
-        tab, sin, cu = _launch_tables(call.table, rows, cu, spec.layout, spec.interleaved)
+        tab, sin, cu = _call_tables(call, rows)
         q_tables = k_tables = (tab, sin)
     else:
         q_tables = _kernel_tables(call.table, rows)
@@ -1653,8 +1662,7 @@ def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     """A q and k pair of a checked call: new ``(q_out, k_out)``, or ``(q, k)`` rotated in place
     (``call.in_place``); eager autograd or, while tracing, the custom op."""
     spec, q, k, index = call.spec, call.t, call.k, position_index(call)
-    table, sin, cu = _launch_tables(call.table, _rows_read(q, spec.layout, index),
-                                    spec.cu_seqlens, spec.layout, spec.interleaved)
+    table, sin, cu = _call_tables(call, _rows_read(q, spec.layout, index))
     args = (table, sin, cu, index, *kernel_settings(spec))
     if type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         q_out, k_out = triton_rope_qk_op(q, k, *args, False, None, None)
@@ -1775,8 +1783,7 @@ def _forward_entry(call: RoPECall) -> tuple[tuple, tuple, tuple | None, torch.Te
     under that key by the call that just ran (``None`` when there is none), and the table's
     linearity flag or its cos/sin cache's halves flag when the launch reads one."""
     t, spec, in_place, index = call.t, call.spec, call.in_place, position_index(call)
-    table, sin, cu = _launch_tables(call.table, _rows_read(t, spec.layout, index),
-                                    spec.cu_seqlens, spec.layout, spec.interleaved)
+    table, sin, cu = _call_tables(call, _rows_read(t, spec.layout, index))
     key, tail = _fast_key(
         t, t.data_ptr(), t.data_ptr() if in_place else 0, t.stride() if in_place else None,
         table, table.data_ptr(), sin, cu, index, *kernel_settings(spec), False,
@@ -2003,8 +2010,7 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
     from the new q's, k's and index tensor's addresses (two output allocations out of place)."""
     q, k, spec, in_place = call.t, call.k, call.spec, call.in_place
     index = position_index(call)
-    table, sin, cu = _launch_tables(call.table, _rows_read(q, spec.layout, index),
-                                    spec.cu_seqlens, spec.layout, spec.interleaved)
+    table, sin, cu = _call_tables(call, _rows_read(q, spec.layout, index))
     flag = _plan_flag(sin, cu, spec.layout)
     outs = (q, k) if in_place else _qk_outputs(q, k, None)
     key = _qk_launch(q, k, *outs, (table, sin), cu, index, *kernel_settings(spec), False,
@@ -2136,8 +2142,7 @@ def _bound_qk_grad_launch(call: RoPECall, generic: Plan) -> Plan:
         return generic
     index = position_index(call)
     rows = _rows_read(q, spec.layout, index)
-    table, sin, cu = _launch_tables(call.table, rows, spec.cu_seqlens, spec.layout,
-                                    spec.interleaved)
+    table, sin, cu = _call_tables(call, rows)
     key = _qk_launch(q, k, *_qk_outputs(q, k, None), (table, sin), cu, index,
                      *kernel_settings(spec), False, key_only=True)
     entry = None if key is None else _fast_qkv.get(key)
@@ -2273,8 +2278,7 @@ def _bound_qkv_launch(call: RoPECall, generic: Plan) -> Plan:
         return generic
     index = position_index(call)
     rows = _rows_read(qkv, spec.layout, index)
-    table, sin, cu = _launch_tables(call.table, rows, spec.cu_seqlens, spec.layout,
-                                    spec.interleaved)
+    table, sin, cu = _call_tables(call, rows)
     d = split[1]
     settings = kernel_settings(spec)
     outs = _qkv_outputs(qkv, split)
