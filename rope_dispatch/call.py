@@ -485,6 +485,7 @@ def check_call(
         _check_writable(t)
         if k is not None:
             _check_writable(k)
+            _check_apart(t, k, d2)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,
@@ -633,6 +634,71 @@ def expanded_dim(t: torch.Tensor) -> int | None:
     if t.numel() == 0:
         return None
     return next((i for i, (n, s) in enumerate(zip(t.shape, t.stride())) if s == 0 and n > 1), None)
+
+
+_OVERLAP_SEARCH_LIMIT = 10_000
+
+
+def shared_element(a: torch.Tensor, b: torch.Tensor, width: int) -> bool | None:
+    """Whether ``a[..., :width]`` and ``b[..., :width]`` (same dtype) address a common element:
+    True or False, or None where the search for one gives up (strides that do not nest), which
+    torch's own in-place checks call too hard to tell. Exact for any strides: it looks for
+    index offsets, within both tensors' bounds, whose strided sum is the distance between the
+    two starts, from the largest stride down, keeping only offsets the smaller strides can
+    still complete."""
+    if a.numel() == 0 or b.numel() == 0 or width == 0:
+        return False
+    distance, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
+    if rest:
+        return None
+    ranges: dict[int, list[int]] = {}  # stride -> [lowest, highest] summed index offset
+    for shape, strides, sign in ((a.shape, a.stride(), 1), (b.shape, b.stride(), -1)):
+        sizes = (*shape[:-1], width)
+        for n, s in zip(sizes, strides):
+            if n > 1:
+                span = ranges.setdefault(s, [0, 0])
+                span[0 if sign < 0 else 1] += sign * (n - 1)
+    dims = sorted(ranges.items(), reverse=True)
+    lows = [0] * (len(dims) + 1)  # the least and greatest sum the dims from i on can make
+    highs = [0] * (len(dims) + 1)
+    for i in range(len(dims) - 1, -1, -1):
+        s, (lo, hi) = dims[i]
+        lows[i], highs[i] = lows[i + 1] + lo * s, highs[i + 1] + hi * s
+    budget = [_OVERLAP_SEARCH_LIMIT]
+
+    def reach(i: int, target: int) -> bool | None:
+        if not lows[i] <= target <= highs[i]:
+            return False
+        if i == len(dims):
+            return True  # lows == highs == 0 there, so target is 0
+        s, (lo, hi) = dims[i]
+        first = max(lo, -((highs[i + 1] - target) // s))
+        last = min(hi, (target - lows[i + 1]) // s)
+        unknown = False
+        for c in range(first, last + 1):
+            budget[0] -= 1
+            if budget[0] < 0:
+                return None
+            found = reach(i + 1, target - c * s)
+            if found:
+                return True
+            unknown = unknown or found is None
+        return None if unknown else False
+
+    return reach(0, distance)
+
+
+def _check_apart(q: torch.Tensor, k: torch.Tensor, d2: int) -> None:
+    """q and k rotated in place must not share a rotary element: each would be rotated twice,
+    or read after the other's write."""
+    if shared_element(q, k, d2):
+        raise RoPEError(
+            f"apply_qk_ cannot rotate q and k in place: they share memory (q {tuple(q.shape)} "
+            f"strides {q.stride()} and k {tuple(k.shape)} strides {k.stride()}, k starting "
+            f"{(k.data_ptr() - q.data_ptr()) // q.element_size()} elements after q, overlap in "
+            f"their first {d2} channels), so some elements would be rotated twice; pass views "
+            "of disjoint channels, or use rope_dispatch.apply_qk"
+        )
 
 
 def _check_writable(t: torch.Tensor) -> None:

@@ -545,6 +545,24 @@ def _in_grad_state(guard: Guard, enabled: bool, leaves: tuple[bool, ...] | None)
     return check
 
 
+def _apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor) -> Guard:
+    """``guard`` for an in-place q and k pair, and k placed as far from q as in the planned
+    call (its checks found them apart) or so far that their bytes cannot meet: with the same
+    shapes and strides, that settles that they share no element. Elsewhere the call is checked
+    again (check_call refuses q and k that share one)."""
+    planned = k.data_ptr() - q.data_ptr()
+    q_end = (sum((n - 1) * s for n, s in zip(q.shape, q.stride())) + 1) * q.element_size()
+    k_end = (sum((n - 1) * s for n, s in zip(k.shape, k.stride())) + 1) * k.element_size()
+
+    def check(q: torch.Tensor, k: torch.Tensor, *index: torch.Tensor) -> bool:
+        if not guard(q, k, *index):
+            return False
+        distance = k.data_ptr() - q.data_ptr()
+        return distance == planned or distance >= q_end or distance <= -k_end
+
+    return check
+
+
 def _keep_plan(
     key: tuple, tensors: tuple[torch.Tensor, ...], spec: RoPESpec, freqs: object,
     chosen: Backend, call: RoPECall,
@@ -574,6 +592,8 @@ def _keep_plan(
         enabled = _grad_enabled()
         leaves = tuple(x.is_leaf for x in tensors) if enabled and call.in_place else None
         guard = _in_grad_state(guard, enabled, leaves)
+    if call.in_place and call.k is not None:
+        guard = _apart_as_planned(guard, call.t, call.k)
     plan = _Plan(guard, address, address(freqs), chosen.plan(call))
     _plans[key] = entry._replace(plans=(plan, *kept))
     _recent = _recent_run = None

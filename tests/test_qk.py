@@ -154,6 +154,73 @@ def test_in_place_pair_refusals():
         rd.apply_qk_(q, leaf, torch.rand(8, 16), spec)
 
 
+def _elements(t: torch.Tensor, width: int) -> set[int]:
+    """The storage offsets of ``t[..., :width]``'s elements, one by one."""
+    index = torch.zeros((), dtype=torch.int64) + t.storage_offset()
+    for n, s in zip((*t.shape[:-1], width), t.stride()):
+        index = index.unsqueeze(-1) + torch.arange(n) * s
+    return set(index.flatten().tolist())
+
+
+view_args = st.tuples(
+    st.lists(st.integers(1, 4), min_size=2, max_size=4),
+    st.lists(st.sampled_from([1, 2, 3, 5, 8, 16, 24, 40]), min_size=4, max_size=4),
+    st.integers(0, 200),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(view_args, view_args, st.integers(0, 4))
+def test_shared_element_matches_enumeration(a_args, b_args, width):
+    """The in-place pair check against the two views' elements listed one by one."""
+    from rope_dispatch.call import shared_element
+
+    buf = torch.zeros(1000)
+    (a_shape, a_strides, a_offset), (b_shape, b_strides, b_offset) = a_args, b_args
+    width = min(width, a_shape[-1])
+    b_shape = [*b_shape[:-1], a_shape[-1]]
+    a = buf.as_strided(a_shape, a_strides[: len(a_shape)], a_offset)
+    b = buf.as_strided(b_shape, b_strides[: len(b_shape)], b_offset)
+    want = bool(_elements(a, width) & _elements(b, width))
+    assert shared_element(a, b, width) is want
+    assert shared_element(b, a, width) is want
+    assert shared_element(a, b.clone(), width) is False
+
+
+def test_in_place_pair_sharing_memory_is_refused():
+    """q and k whose rotary channels share elements would be rotated twice: refused with the
+    layouts named, on the first call and on a planned one (same shapes and strides, k moved
+    onto q's last head); views of disjoint heads, or meeting only in pass-through channels,
+    are rotated."""
+    import rope_dispatch.dispatch as dispatch
+
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32", rotary_dim=8)
+    table = torch.rand(8, 8)
+    fused = torch.randn(5, 2, 12, 16)
+    with pytest.raises(rd.RoPEError, match=r"share memory .* overlap in their first 8 channels"):
+        rd.apply_qk_(fused[..., :8, :], fused[..., 7:9, :], table, spec, backend="eager")
+    for _ in range(3):  # planned from the second call on
+        x = fused.clone()
+        rd.apply_qk_(x[..., :8, :], x[..., 8:10, :], table, spec, backend="eager")
+    checked = []
+    real_check = dispatch.check_call
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dispatch, "check_call", lambda *a, **kw: checked.append(1) or real_check(*a, **kw))
+        x = fused.clone()
+        q, k = rd.apply_qk_(x[..., :8, :], x[..., 8:10, :], table, spec, backend="eager")
+        assert not checked, "a pair placed as the planned one takes the plan"
+        want_q = rd.apply(fused[..., :8, :], table, spec, backend="eager")
+        assert torch.equal(q, want_q)
+        with pytest.raises(rd.RoPEError, match="share memory"):
+            rd.apply_qk_(x[..., :8, :], x[..., 7:9, :], table, spec, backend="eager")
+        assert checked, "k moved onto q is checked again"
+    flat = fused.flatten(-2)  # k's rotary channels are q's last pass-through ones
+    q, k = flat[..., :16].unflatten(-1, (1, 16)), flat[..., 8:24].unflatten(-1, (1, 16))
+    want_k = rd.apply(k, table, spec, backend="eager")
+    rd.apply_qk_(q, k, table, spec, backend="eager")
+    assert torch.equal(k, want_k)
+
+
 def test_capabilities_explain_and_autotune_key():
     from rope_dispatch import autotune
 
