@@ -418,16 +418,38 @@ def run_worker(names: list[str], devices: list[str], thorough: bool) -> None:
 
 
 def _entry_line(entry: dict) -> str:
-    """One autotune cache entry as a line: the call it covers, the choice and the timings."""
+    """One autotune cache entry as a line: the call it covers (every key field that differs
+    from a plain call's, so two lines differ where their keys do), the choice and the timings."""
     fields = entry.get("fields", {})
     spec = fields.get("spec", {})
-    shape = "x".join(str(n) for n in fields.get("shape_bucket", []))
+
+    def bucket(name: str) -> str:
+        return "x".join(str(n) for n in fields.get(name, []))
+
+    parts = [f"{spec.get('layout')} {spec.get('dtype')} <= {bucket('shape_bucket')}"]
+    if "k_shape_bucket" in fields:
+        parts.append(f"k <= {bucket('k_shape_bucket')}")
+    if "qkv_split" in fields:
+        parts.append("qkv " + "+".join(str(n) for n in fields["qkv_split"]))
+    parts.append(str(fields.get("stride", "")))
+    parts.append(f"rotary {spec.get('rotary_dim')}")
+    if fields.get("table", "angles") != "angles":
+        parts.append(str(fields["table"]))
+    parts += [name for name, on in (
+        ("interleaved", spec.get("interleaved")), ("start positions", fields.get("start_positions")),
+        ("positions", fields.get("positions")), ("in place", fields.get("in_place")),
+        ("grad", fields.get("requires_grad")),
+    ) if on]
+    if spec.get("cp_size", 1) != 1:
+        parts.append(f"cp {spec.get('cp_rank')}/{spec.get('cp_size')}")
+    if spec.get("cos_sin_scale", 1.0) != 1.0:
+        parts.append(f"scale {spec.get('cos_sin_scale')}")
+    if spec.get("mrope_section"):
+        parts.append(f"mrope {spec.get('mrope_section')}")
+    if spec.get("layout") == "thd":
+        parts.append(f"<= {fields.get('sequences_bucket')} sequences")
     times = ", ".join(f"{name} {us:.0f} us" for name, us in sorted(entry.get("times_us", {}).items()))
-    what = (
-        f"{spec.get('layout')} {spec.get('dtype')} <= {shape} {fields.get('stride', '')}"
-        f"{' grad' if fields.get('requires_grad') else ''}"
-    )
-    return f"{what}: {entry.get('choice')} ({times})"
+    return f"{' '.join(parts)}: {entry.get('choice')} ({times})"
 
 
 def _print_report(report: dict) -> None:

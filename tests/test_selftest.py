@@ -142,3 +142,34 @@ def test_selftest_checks_apply_in_place(monkeypatch, capsys):
     assert selftest.main(["--device", "cpu"]) == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("in-place-no-op")]
     assert lines and all("FAIL" in line for line in lines)
+
+
+def test_autotune_entry_lines_name_what_tells_entries_apart():
+    """The report's cache listing: entries whose keys differ only in a spec flag, the table
+    kind, the positions or the tensors read as different lines naming that difference."""
+    spec = {"layout": "sbhd", "dtype": "bfloat16", "rotary_dim": 128, "interleaved": False,
+            "cp_size": 1, "cp_rank": 0, "cos_sin_scale": 1.0, "mrope_section": None,
+            "max_seqlen": None}
+    base = {"spec": spec, "shape_bucket": [512, 1, 8, 128], "sequences_bucket": 1,
+            "stride": "contiguous", "table": "angles", "start_positions": False,
+            "requires_grad": False, "candidates": ["triton", "te"]}
+    variants = {
+        "plain": {},
+        "interleaved": {"spec": {**spec, "interleaved": True}},
+        "cp 1/2": {"spec": {**spec, "cp_size": 2, "cp_rank": 1}},
+        "cos_sin_cache": {"table": "cos_sin_cache"},
+        "start positions": {"start_positions": True},
+        "positions": {"positions": True},
+        "in place": {"in_place": True},
+        "grad": {"requires_grad": True},
+        "k <= 512x1x2x128": {"k_shape_bucket": [512, 1, 2, 128]},
+        "qkv 512+128+128": {"qkv_split": [512, 128, 128]},
+    }
+    lines = {}
+    for name, change in variants.items():
+        entry = {"fields": {**base, **change}, "choice": "triton", "times_us": {"triton": 4.0}}
+        lines[name] = selftest._entry_line(entry)
+    assert lines["plain"] == "sbhd bfloat16 <= 512x1x8x128 contiguous rotary 128: triton (triton 4 us)"
+    for name, line in lines.items():
+        assert name == "plain" or name in line, (name, line)
+    assert len(set(lines.values())) == len(lines), lines
