@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -417,6 +418,8 @@ def inverse_frequencies(
     where the result lives (``None``: torch's default device). The exponent ``2k / dim`` and
     the power are float32, as in TransformerEngine.
     """
+    dim = _rotary_dim(dim)
+    base = _positive("base", base)
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
     return 1.0 / (base ** exponents)
 
@@ -444,6 +447,18 @@ def angle_table(
     interpolation: ``1 / factor``); ``1.0`` leaves them unscaled. The result has ``inv_freq``'s
     dtype and device, is contiguous, and is computed with autocast off.
     """
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1 or not (
+        inv_freq.is_floating_point()
+    ):
+        raise RoPEError(
+            "inv_freq must be a 1-D floating-point tensor of rates, got "
+            + (f"{inv_freq.dtype} {tuple(inv_freq.shape)}" if isinstance(inv_freq, torch.Tensor)
+               else type(inv_freq).__name__)
+        )
+    if isinstance(length, bool) or not isinstance(length, (numbers.Integral, torch.SymInt)) or (
+        length < 0
+    ):
+        raise RoPEError(f"length must be an int >= 0 (the table's rows), got {length!r}")
     with _autocast_off(inv_freq.device.type):
         positions = torch.arange(length, device=inv_freq.device, dtype=inv_freq.dtype) + offset
         if scale != 1.0:
@@ -612,24 +627,25 @@ class RotaryFrequencies:
 
 def _count(argument: str, value: object) -> int:
     """``value`` as a positive int, or a RoPEError naming ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise RoPEError(f"{argument} must be a positive int, got {value!r}")
     return int(value)
 
 
 def _positive(argument: str, value: object) -> float:
-    """``value`` as a finite float > 0, or a RoPEError naming ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+    """``value`` as a finite float > 0 (a Python or NumPy number), or a RoPEError naming
+    ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
         0 < float(value) < float("inf")
     ):
         raise RoPEError(f"{argument} must be a finite number > 0, got {value!r}")
     return float(value)
 
 
-def _rotary_dim(dim: object) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
-        raise RoPEError(f"dim (the rotary dim) must be an int >= 2, got {dim!r}")
-    return dim
+def _rotary_dim(dim: object, argument: str = "dim (the rotary dim)") -> int:
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 2:
+        raise RoPEError(f"{argument} must be an int >= 2, got {dim!r}")
+    return int(dim)
 
 
 def _cpu_rates(dim: int, base: float) -> torch.Tensor:
@@ -859,7 +875,9 @@ def from_te_options(
     if percent > 1.0:
         raise RoPEError(f"rotary_percent must be in (0, 1], got {rotary_percent!r}")
     if percent < 1.0:
-        dim = _rotary_dim(int(dim * percent))
+        dim = _rotary_dim(
+            int(dim * percent), f"the rotary dim int(dim * rotary_percent) = int({dim} * {percent})"
+        )
     if seq_len_interpolation_factor is not None:
         seq_len_interpolation_factor = _positive(
             "seq_len_interpolation_factor", seq_len_interpolation_factor
@@ -917,12 +935,42 @@ def _hf_rope_parameters(config: object, layer_type: str | None) -> tuple[dict, s
     return dict(parameters[layer_type]), f"{where}[{layer_type!r}]"
 
 
+def _hf_attribute(config: object, name: str) -> object:
+    """``config.<name>``, ``None`` when unset; a RoPEError where the config holds it per layer
+    (transformers raises a RuntimeError when the global value of a per-layer attribute is read)."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError as error:
+        raise RoPEError(
+            f"config.{name} differs between layers ({error}); pass layer_type= or the layer's own "
+            "config (config.per_layer_config[i])"
+        ) from error
+
+
+def _hf_layer_config(config: object, layer_type: str | None) -> object:
+    """The config transformers reads a model's rotary embedding from: the text model's of a
+    composite (vision-language) config, and of a heterogeneous config the one of
+    ``layer_type``'s layers (``config.per_layer_config[layer_type]``), where head dims may
+    differ between layer types."""
+    text_config = getattr(config, "get_text_config", None)
+    if callable(text_config):
+        config = text_config() or config
+    if layer_type is not None:
+        per_layer = getattr(config, "per_layer_config", None)
+        if per_layer is not None:
+            try:
+                return per_layer[layer_type]
+            except (KeyError, IndexError, TypeError, ValueError):
+                pass  # not a per-layer-type config: transformers reads the config itself
+    return config
+
+
 def _hf_head_dim(config: object) -> int:
     """``config.head_dim``, or ``hidden_size // num_attention_heads`` when it is unset."""
-    head_dim = getattr(config, "head_dim", None)
+    head_dim = _hf_attribute(config, "head_dim")
     if head_dim is None:
-        hidden = getattr(config, "hidden_size", None)
-        heads = getattr(config, "num_attention_heads", None)
+        hidden = _hf_attribute(config, "hidden_size")
+        heads = _hf_attribute(config, "num_attention_heads")
         if hidden is None or heads is None:
             raise RoPEError(
                 "config must have head_dim, or hidden_size and num_attention_heads; got "
@@ -943,7 +991,13 @@ def from_hf_config(
     defaults. The rotary dim is ``int(head_dim * partial_rotary_factor)``; every family honours
     ``partial_rotary_factor`` (as GPT-NeoX, Phi or GLM do; Llama's own default ignores it).
     ``layer_type`` picks one entry of per-layer-type parameters (Gemma 3's
-    ``"sliding_attention"`` and ``"full_attention"``).
+    ``"sliding_attention"`` and ``"full_attention"``), and of a heterogeneous config (Gemma 4's,
+    EmbeddingGemma 2's) that layer type's own config, with its own head dim. A composite
+    (vision-language) config is read through its ``get_text_config()``. A config with a
+    ``rotary_dim`` field (GPT-J, CodeGen) rotates that many channels; those models rotate
+    interleaved pairs (``RoPESpec(interleaved=True)``). LongRoPE's ``short_mscale`` and
+    ``long_mscale`` (Phi-3.5-MoE) are its attention factor up to and beyond
+    ``original_max_position_embeddings``, as that model's rotary embedding applies them.
 
     ``max_positions`` is the length of the sequence the table serves. Dynamic NTK and LongRoPE
     choose their rates by it, as transformers does for a sequence of that length: dynamic NTK
@@ -959,6 +1013,9 @@ def from_hf_config(
     supported ones: :data:`HF_ROPE_TYPES`), a missing field, or a value out of range.
     """
     length = _count("max_positions", max_positions)
+    if layer_type is not None and not isinstance(layer_type, str):
+        raise RoPEError(f"layer_type must be a layer type's name (a str) or None, got {layer_type!r}")
+    config = _hf_layer_config(config, layer_type)
     parameters, where = _hf_rope_parameters(config, layer_type)
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type not in HF_ROPE_TYPES:
@@ -977,7 +1034,7 @@ def from_hf_config(
         return parameters[key]
 
     def max_position_embeddings() -> int:
-        found = getattr(config, "max_position_embeddings", None)
+        found = _hf_attribute(config, "max_position_embeddings")
         if found is None:
             raise RoPEError(
                 f"config has no max_position_embeddings, which rope_type {rope_type!r} needs"
@@ -988,20 +1045,27 @@ def from_hf_config(
         # transformers gives a config attribute of this name priority (Phi-3 keeps it there).
         found = None
         if layer_type is None:
-            found = getattr(config, "original_max_position_embeddings", None)
+            found = _hf_attribute(config, "original_max_position_embeddings")
         if found is None:
             found = parameters.get("original_max_position_embeddings")
         return max_position_embeddings() if found is None else found
 
-    theta = value("rope_theta", getattr(config, "rope_theta", None))
+    theta = value("rope_theta", _hf_attribute(config, "rope_theta"))
     if theta is None:
-        theta = getattr(config, "default_theta", 10000.0)
-    partial = value("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+        theta = _hf_attribute(config, "default_theta") or 10000.0
+    partial = value("partial_rotary_factor", _hf_attribute(config, "partial_rotary_factor"))
     partial = 1.0 if partial is None else _positive(f"{where}['partial_rotary_factor']", partial)
     if partial > 1.0:
         raise RoPEError(f"{where}['partial_rotary_factor'] must be in (0, 1], got {partial!r}")
     head_dim = _hf_head_dim(config)
     dim = int(head_dim * partial)
+    rotary_dim = _hf_attribute(config, "rotary_dim")
+    if rotary_dim is not None:  # GPT-J, CodeGen: the rotated channels, given outright
+        dim = _count("config.rotary_dim", rotary_dim)
+        if dim > head_dim:
+            raise RoPEError(
+                f"config.rotary_dim={dim} is more than the head dim {head_dim}; expected at most that"
+            )
     if dim < 2:
         raise RoPEError(
             f"the rotary dim int(head_dim * partial_rotary_factor) = int({head_dim} * {partial}) "
@@ -1040,10 +1104,14 @@ def from_hf_config(
                 attention_factor=value("attention_factor"),
                 truncate=False if truncate is None else truncate,
             )
+        # Phi-3.5-MoE gives its attention factor for each regime; its rotary embedding applies
+        # the one of the running length (transformers 5.23 then keeps short_factor's rates at
+        # any length, which its Phi-3 models and this function switch by that length).
+        mscale = value("long_mscale" if length > original else "short_mscale")
         return longrope_frequencies(
             dim, short_factor=required("short_factor"), long_factor=required("long_factor"),
             original_max_position_embeddings=original, seq_len=length, factor=factor,
-            rope_theta=theta, attention_factor=value("attention_factor"),
+            rope_theta=theta, attention_factor=value("attention_factor") if mscale is None else mscale,
         )
     except RoPEError as error:
         if str(error).startswith("config"):  # already names the config field

@@ -465,3 +465,96 @@ def test_builders_and_result_check_their_arguments():
         f.angle_table(4, interleaved=1)
     with pytest.raises(RoPEError, match=r"rotary_percent must be in \(0, 1\], got 2.0"):
         from_te_options(64, 16, rotary_percent=2.0)
+
+
+def test_heterogeneous_config_reads_each_layer_types_own_head_dim():
+    """EmbeddingGemma 2 keeps head_dim per layer (512 on full-attention layers, 256 on sliding
+    ones): each layer type's rates are transformers' for that type, and without a layer type
+    the per-layer attribute is a RoPEError, not transformers' RuntimeError."""
+    from transformers import EmbeddingGemma2Config
+    from transformers.models.embedding_gemma2.modeling_embedding_gemma2 import (
+        EmbeddingGemma2RotaryEmbedding,
+    )
+
+    config = EmbeddingGemma2Config().get_text_config()
+    for layer_type, head_dim in (("full_attention", 512), ("sliding_attention", 256)):
+        # the model builds each layer type's rotary embedding from that type's config
+        expected, _ = EmbeddingGemma2RotaryEmbedding.compute_default_rope_parameters(
+            config.per_layer_config[layer_type], layer_type=layer_type)
+        f = from_hf_config(config, 32, layer_type=layer_type)
+        assert f.rotary_dim == head_dim == 2 * expected.numel()
+        torch.testing.assert_close(f.inv_freq, expected, rtol=RATES_RTOL, atol=0)
+    per_layer = type("PerLayer", (), {  # a flat rope, a head dim that differs between layers
+        "rope_parameters": {"rope_type": "default"},
+        "head_dim": property(lambda self: (_ for _ in ()).throw(RuntimeError("per layer"))),
+    })()
+    with pytest.raises(RoPEError, match=r"config.head_dim differs between layers .*per layer.*layer_type="):
+        from_hf_config(per_layer, 32)
+
+
+def test_composite_config_is_read_through_its_text_config():
+    from transformers import Gemma3Config
+
+    config = Gemma3Config()
+    text = config.get_text_config()
+    for layer_type in ("sliding_attention", "full_attention"):
+        want = from_hf_config(text, 64, layer_type=layer_type)
+        got = from_hf_config(config, 64, layer_type=layer_type)
+        assert torch.equal(got.inv_freq, want.inv_freq) and got.rotary_dim == text.head_dim
+
+
+def test_rotary_dim_field_gives_the_rotated_channels():
+    """GPT-J and CodeGen name their rotated channels in config.rotary_dim (64 of 256)."""
+    from transformers import GPTJConfig
+
+    config = GPTJConfig()
+    f = from_hf_config(config, 16)
+    assert f.rotary_dim == config.rotary_dim == 64
+    torch.testing.assert_close(
+        f.inv_freq.double(), torch.tensor([10000.0 ** (-2 * k / 64) for k in range(32)],
+                                          dtype=torch.float64), rtol=RATES_RTOL, atol=0)
+    wide = SimpleNamespace(head_dim=32, rotary_dim=64, rope_parameters={"rope_type": "default"})
+    with pytest.raises(RoPEError, match=r"config.rotary_dim=64 is more than the head dim 32"):
+        from_hf_config(wide, 16)
+
+
+@pytest.mark.parametrize("length, mscale", [(64, 1.2432), (4096, 1.2432), (4097, 1.3)])
+def test_longrope_short_and_long_mscale_are_the_attention_factor(length, mscale):
+    """Phi-3.5-MoE's rotary embedding multiplies cos and sin by short_mscale up to the original
+    length and by long_mscale beyond (the derived factor would be 1.19 for this checkpoint)."""
+    config = SimpleNamespace(
+        hidden_size=256, num_attention_heads=4, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
+                         "short_mscale": 1.2432, "long_mscale": 1.3,
+                         "original_max_position_embeddings": 4096},
+    )
+    f = from_hf_config(config, length)
+    assert f.attention_factor == mscale
+    cache = f.cos_sin_cache(length)
+    rates = [(2.0 if length > 4096 else 1.0) ** -1 * 10000.0 ** (-2 * k / 64) for k in range(32)]
+    angle = (length - 1) * torch.tensor(rates, dtype=torch.float64)
+    torch.testing.assert_close(cache.cos[-1, :32].double(), mscale * torch.cos(angle), rtol=0, atol=2e-4)
+
+
+def test_numpy_numbers_and_bad_helper_arguments():
+    np = pytest.importorskip("numpy")
+    config = SimpleNamespace(head_dim=np.int64(64), max_position_embeddings=np.int64(4096),
+                             rope_parameters={"rope_type": "linear", "factor": np.float32(2.0),
+                                              "rope_theta": np.float64(10000.0)})
+    f = from_hf_config(config, 16)
+    assert f.rotary_dim == 64
+    torch.testing.assert_close(f.inv_freq, tables.linear_frequencies(64, factor=2.0).inv_freq)
+    with pytest.raises(RoPEError, match=r"layer_type must be a layer type's name \(a str\) or None, got \['x'\]"):
+        from_hf_config(config, 16, layer_type=["x"])
+    with pytest.raises(RoPEError, match=r"int\(dim \* rotary_percent\) = int\(4 \* 0.25\) must be an int >= 2, got 1"):
+        from_te_options(4, 16, rotary_percent=0.25)
+    with pytest.raises(RoPEError, match=r"dim \(the rotary dim\) must be an int >= 2, got 3.5"):
+        tables.inverse_frequencies(3.5)
+    with pytest.raises(RoPEError, match=r"base must be a finite number > 0, got -1"):
+        tables.inverse_frequencies(8, -1)
+    with pytest.raises(RoPEError, match=r"length must be an int >= 0 .* got 2.5"):
+        tables.angle_table(tables.inverse_frequencies(8), 2.5)
+    with pytest.raises(RoPEError, match=r"inv_freq must be a 1-D floating-point tensor of rates, got torch.float32 \(2, 4\)"):
+        tables.angle_table(torch.ones(2, 4), 3)
+    assert tables.angle_table(tables.inverse_frequencies(8), 0).shape == (0, 1, 1, 8)
