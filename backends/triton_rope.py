@@ -1662,12 +1662,16 @@ def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     """A q and k pair of a checked call: new ``(q_out, k_out)``, or ``(q, k)`` rotated in place
     (``call.in_place``); eager autograd or, while tracing, the custom op."""
     spec, q, k, index = call.spec, call.t, call.k, position_index(call)
+    grad = (q.requires_grad or k.requires_grad) and torch.is_grad_enabled()
+    if not (q.shape[-2] and k.shape[-2]) or (
+        call.in_place and grad and (q._is_view() or k._is_view())
+    ):
+        return _qk_one_by_one(call, index)
     table, sin, cu = _call_tables(call, _rows_read(q, spec.layout, index))
     args = (table, sin, cu, index, *kernel_settings(spec))
     if type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
         q_out, k_out = triton_rope_qk_op(q, k, *args, False, None, None)
         return (q.copy_(q_out), k.copy_(k_out)) if call.in_place else (q_out, k_out)
-    grad = (q.requires_grad or k.requires_grad) and torch.is_grad_enabled()
     if call.in_place:
         if grad:
             return _QKInPlaceFunction.apply(q, k, *args, call.grad_in_place)
@@ -1679,6 +1683,22 @@ def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     if grad:
         return _QKFunction.apply(q, k, *args, False, None)
     return _qk_rope(q, k, *args, False, None)
+
+
+def _qk_one_by_one(call: RoPECall, index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as two single-tensor calls, where one launch cannot serve the pair: a side with
+    no heads (the pair's launch tiles both), or an in-place pair with a gradient where either
+    is a view (torch lets a Function that rotates a view in place return only that tensor)."""
+    spec = call.spec
+    return tuple(  # type: ignore[return-value]
+        rope_triton(
+            x, call.table, layout=spec.layout, interleaved=spec.interleaved,
+            scale=spec.cos_sin_scale, cu_seqlens=spec.cu_seqlens, positions=index,
+            cp_size=spec.cp_size, cp_rank=spec.cp_rank, in_place=call.in_place,
+            grad_in_place=call.grad_in_place,
+        )
+        for x in (call.t, call.k)
+    )
 
 
 _NO_GUARD = contextlib.nullcontext()

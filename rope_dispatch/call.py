@@ -482,9 +482,9 @@ def check_call(
         if rank == 3:
             bounded = _check_cu_seqlens(spec, seq_len, table_len, starts, table_name) and bounded
     if in_place:
-        _check_writable(t)
+        _check_writable(t, "t" if k is None else "q")
         if k is not None:
-            _check_writable(k)
+            _check_writable(k, "k")
             _check_apart(t, k, d2)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
@@ -701,24 +701,35 @@ def _check_apart(q: torch.Tensor, k: torch.Tensor, d2: int) -> None:
         )
 
 
-def _check_writable(t: torch.Tensor) -> None:
-    """What an in-place rotation of ``t`` needs, as torch's own in-place ops require it."""
-    if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+def grad_leaf(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a leaf, or a view of one, as far as torch's in-place rule goes: with
+    grad enabled torch refuses to write either in place when it requires grad."""
+    base = t._base
+    return t.is_leaf or (base is not None and base.is_leaf)
+
+
+def _check_writable(t: torch.Tensor, name: str) -> None:
+    """What an in-place rotation of ``t`` (the argument ``name``) needs, as torch's own
+    in-place ops require it."""
+    entry, out_of_place = ("apply_", "apply") if name == "t" else ("apply_qk_", "apply_qk")
+    if t.requires_grad and torch.is_grad_enabled() and grad_leaf(t):
+        what = "a leaf tensor" if t.is_leaf else "a view of a leaf tensor"
         raise RoPEError(
-            "apply_ rotates t in place, but t is a leaf tensor that requires grad (autograd "
-            "needs its value); use rope_dispatch.apply, or pass a non-leaf such as t.clone()"
+            f"{entry} rotates {name} in place, but {name} is {what} that requires grad "
+            f"(autograd needs its value); use rope_dispatch.{out_of_place}, or pass a non-leaf "
+            f"such as {name}.clone()"
         )
     dim = expanded_dim(t)
     if dim is not None:
         raise RoPEError(
-            f"apply_ cannot rotate t in place: dim {dim} (size {t.shape[dim]}) has stride 0, so "
-            "its elements share memory (an expanded tensor); use rope_dispatch.apply"
+            f"{entry} cannot rotate {name} in place: dim {dim} (size {t.shape[dim]}) has stride "
+            f"0, so its elements share memory (an expanded tensor); use rope_dispatch.{out_of_place}"
         )
     if torch.compiler.is_compiling():
         return  # inference tensors never reach a traced graph
     if t.is_inference() and not torch.is_inference_mode_enabled():
         raise RoPEError(
-            "apply_ cannot rotate t in place: t is an inference tensor and inference mode is "
-            "off (torch forbids updating it there); use rope_dispatch.apply"
+            f"{entry} cannot rotate {name} in place: {name} is an inference tensor and inference "
+            f"mode is off (torch forbids updating it there); use rope_dispatch.{out_of_place}"
         )
 

@@ -23,7 +23,9 @@ import torch
 
 from . import autotune, registry
 from . import call as call_module
-from .call import RoPECall, check_call, env_raw_reader, env_reader, reads_values, size_bucket
+from .call import (
+    RoPECall, check_call, env_raw_reader, env_reader, grad_leaf, reads_values, size_bucket,
+)
 from .errors import BackendNotSupportedError, NoBackendError
 from .guards import Guard, tensor_guard
 from .registry import Backend
@@ -411,6 +413,8 @@ def apply_qk(
     (slices of one fused projection); both are rotated by ``freqs`` at the same positions.
     Returns new ``(q_out, k_out)``, contiguous; differentiable with respect to both.
     """
+    if k is None:
+        raise TypeError("k must be a torch.Tensor, got None; use rope_dispatch.apply for q alone")
     return _run(q, freqs, spec, start_positions, backend, False, False, None, None, positions, k)
 
 
@@ -427,6 +431,8 @@ def apply_qk_(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_qk` in place: rotates the first ``d2`` channels of q and k, in one launch,
     and returns ``(q, k)`` (see :func:`apply_` for the in-place rules and ``grad_in_place``)."""
+    if k is None:
+        raise TypeError("k must be a torch.Tensor, got None; use rope_dispatch.apply_ for q alone")
     return _run(q, freqs, spec, start_positions, backend, True, grad_in_place, None, None,
                 positions, k)
 
@@ -529,9 +535,9 @@ def _in_grad_state(guard: Guard, enabled: bool, leaves: tuple[bool, ...] | None)
     """``guard``, and the gradient mode the plan was made in: what a plan runs for tensors that
     require grad depends on it (an autograd node or none). Tensors that need no grad run the
     same either way, so their plans check no mode and a decode call reads none. ``leaves``: for
-    an in-place plan made with grad enabled, which tensors were leaves (none of those that
-    require grad, or the call would have been refused), checked too: a leaf that requires grad
-    must be refused again."""
+    an in-place plan made with grad enabled, which tensors were leaves or views of one
+    (:func:`~rope_dispatch.call.grad_leaf`; none of those that require grad, or the call would
+    have been refused), checked too: such a tensor that requires grad must be refused again."""
     if leaves is None:
         def check(*tensors: torch.Tensor) -> bool:
             return _grad_enabled() == enabled and guard(*tensors)
@@ -539,7 +545,7 @@ def _in_grad_state(guard: Guard, enabled: bool, leaves: tuple[bool, ...] | None)
         def check(*tensors: torch.Tensor) -> bool:
             return (
                 _grad_enabled() == enabled and guard(*tensors)
-                and tuple(x.is_leaf for x in tensors) == leaves
+                and tuple(grad_leaf(x) for x in tensors) == leaves
             )
 
     return check
@@ -590,7 +596,7 @@ def _keep_plan(
     guard = tensor_guard(*tensors)
     if any(x.requires_grad for x in tensors):
         enabled = _grad_enabled()
-        leaves = tuple(x.is_leaf for x in tensors) if enabled and call.in_place else None
+        leaves = tuple(grad_leaf(x) for x in tensors) if enabled and call.in_place else None
         guard = _in_grad_state(guard, enabled, leaves)
     if call.in_place and call.k is not None:
         guard = _apart_as_planned(guard, call.t, call.k)

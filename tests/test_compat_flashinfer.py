@@ -91,9 +91,13 @@ def test_signature_is_flashinfers():
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        (dict(head_size=12), ["query must be a 2-D tensor", "head_size=12", "(4, 32)"]),
+        (dict(head_size=12), ["query must be [nnz, heads * head_size] or [nnz, heads, head_size]",
+                              "head_size=12", "(4, 32)"]),
         (dict(head_size=0), ["head_size must be a positive int", "0"]),
-        (dict(query=torch.randn(4, 2, 16)), ["query must be a 2-D tensor", "(4, 2, 16)"]),
+        (dict(query=torch.randn(4, 2, 8)), ["query must be [nnz, heads * head_size]", "(4, 2, 8)"]),
+        (dict(is_neox=None), ["is_neox must be a bool, got None"]),
+        (dict(query=torch.randn(4, 32, requires_grad=True)),
+         ["apply_qk_ rotates q in place, but q is a view of a leaf tensor that requires grad"]),
         (dict(cos_sin_cache=torch.rand(8, 16).double()), ["PairCosSinCache", "float64"]),
         (dict(cos_sin_cache=torch.rand(8, 15)), ["PairCosSinCache", "even d2", "(8, 15)"]),
         (dict(cos_sin_cache=torch.rand(16, 8).t()), ["PairCosSinCache", "strides"]),
@@ -110,6 +114,20 @@ def test_bad_arguments(kwargs, words):
         apply_rope_with_cos_sin_cache_inplace(**args)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+def test_three_dim_query_and_key_as_flashinfer_views_them():
+    """[nnz, heads, head_size] query and key (SGLang passes some so) are rotated like their
+    2-D form: FlashInfer views both as [nnz, -1, head_size]."""
+    gen = torch.Generator().manual_seed(5)
+    cache = engine_cache(16, 8, gen)
+    positions = torch.tensor([3, 0, 15])
+    query, key = torch.randn(3, 4, 8, generator=gen), torch.randn(3, 1, 8, generator=gen)
+    want_q = flashinfer_reference(positions, query.flatten(1), 8, cache, True)
+    want_k = flashinfer_reference(positions, key.flatten(1), 8, cache, True)
+    apply_rope_with_cos_sin_cache_inplace(positions, query, key, 8, cache)
+    torch.testing.assert_close(query.flatten(1).double(), want_q, rtol=0, atol=2e-6)
+    torch.testing.assert_close(key.flatten(1).double(), want_k, rtol=0, atol=2e-6)
 
 
 def test_repeated_calls_reuse_one_plan_and_caches_are_not_hoarded(monkeypatch):

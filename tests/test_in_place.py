@@ -134,8 +134,12 @@ def test_empty_tensor_is_not_expanded(backend):
 
 def test_refusals_name_the_problem(backend):
     t, table, spec, _, _ = build(_case(strides="contiguous", dtype=torch.float32), DEVICE)
-    with pytest.raises(rd.RoPEError, match="t is a leaf tensor that requires grad"):
+    with pytest.raises(rd.RoPEError, match="apply_ rotates t in place, but t is a leaf tensor that requires grad"):
         rd.apply_(t, table, spec, backend=backend)
+    for _ in range(3):  # views of non-leaves, planned from the second call on
+        rd.apply_((t * 1).view(t.shape), table, spec, backend=backend)
+    with pytest.raises(rd.RoPEError, match="t is a view of a leaf tensor that requires grad"):
+        rd.apply_(t.view(t.shape), table, spec, backend=backend)  # torch would refuse it after the write
     expanded = torch.randn(1, 2, 3, 16, device=DEVICE).expand(6, 2, 3, 16)
     with pytest.raises(rd.RoPEError, match=r"dim 0 \(size 6\) has stride 0"):
         rd.apply_(expanded, table, spec, backend=backend)

@@ -144,6 +144,57 @@ def test_bad_pairs(k, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("empty", ["q", "k"])
+def test_a_side_without_heads_leaves_the_other_rotated(request, backend, empty):
+    """q or k with no heads: the other is still rotated (the pair's launch had skipped both)."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    case = fixed_case(heads=3, head_dim=8, rotary_dim=8, with_starts=True)
+    full, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
+    none = full[..., :0, :]
+    q, k = (none, full) if empty == "q" else (full, none)
+    want, _ = reference_forward_backward(full, angles, spec, torch.zeros(full.shape), starts)
+    outs = rd.apply_qk(q, k, table, spec, start_positions=starts, backend=backend)
+    assert_matches(outs[1 if empty == "q" else 0], want, full.dtype, "out of place")
+    assert outs[0 if empty == "q" else 1].shape == none.shape
+    x = full.clone()
+    pair = (none, x) if empty == "q" else (x, none)
+    rd.apply_qk_(*pair, table, spec, start_positions=starts, backend=backend)
+    assert_matches(x, want, full.dtype, "in place")
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_in_place_pair_of_views_with_a_gradient(request, backend):
+    """q and k as views of projections (``proj(x).view(...)``), rotated in place with grad on:
+    forward and gradients as the reference's (torch refuses a Function that rotates views in
+    place and returns both, so the pair goes one tensor at a time there)."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    case = fixed_case(heads=2, head_dim=8, rotary_dim=8, layout="bshd")
+    x, table, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    a = x.flatten(-2).clone().requires_grad_(True)
+    b = x[..., :1, :].flatten(-2).clone().requires_grad_(True)
+    q, k = (a * 1).unflatten(-1, (2, 8)), (b * 1).unflatten(-1, (1, 8))
+    assert q._is_view() and k._is_view()
+    gq, gk = torch.randn(q.shape).to(DEVICE), torch.randn(k.shape).to(DEVICE)
+    qo, ko = rd.apply_qk_(q, k, table, spec, backend=backend)
+    assert qo is q and ko is k
+    grad_a, grad_b = torch.autograd.grad((qo, ko), (a, b), (gq, gk))
+    for name, src, out, g, grad in (("q", x, qo, gq, grad_a), ("k", x[..., :1, :], ko, gk, grad_b)):
+        ref_out, ref_grad = reference_forward_backward(src, angles, spec, g)
+        assert_matches(out, ref_out, x.dtype, f"{name} forward")
+        assert_matches(grad.unflatten(-1, src.shape[-2:]), ref_grad, x.dtype, f"{name} backward")
+
+
+def test_a_pair_without_k_is_refused():
+    q = torch.randn(5, 2, 3, 16)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    for entry in (rd.apply_qk, rd.apply_qk_):
+        with pytest.raises(TypeError, match="k must be a torch.Tensor, got None"):
+            entry(q, None, torch.rand(8, 16), spec)
+
+
 def test_in_place_pair_refusals():
     q = torch.randn(5, 2, 3, 16)
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")

@@ -5,8 +5,9 @@ One changed import moves such code over::
 
     from rope_dispatch.compat.flashinfer import apply_rope_with_cos_sin_cache_inplace
 
-An adapter: it maps arguments and checks only that they can be mapped (2-D ``query`` and
-``key`` whose width ``head_size`` divides); the core checks the rest. ``query``
+An adapter: it maps arguments and checks only that they can be mapped (``query`` and ``key``
+2-D with ``head_size`` dividing their width, or already 3-D with ``head_size`` last, as
+FlashInfer's own view accepts them); the core checks the rest. ``query``
 ``[nnz, heads * head_size]``
 and ``key`` ``[nnz, kv_heads * head_size]`` become ``[nnz, heads, head_size]`` views (no copy,
 any row stride: slices of a fused qkv projection work), ``positions`` the per-token
@@ -73,19 +74,24 @@ def apply_rope_with_cos_sin_cache_inplace(
     Positions outside the cache give NaN rows on a GPU, and a clear error on the CPU (values
     on a GPU are not read: no host sync, CUDA-graph safe; see docs/semantics.md).
     """
+    if type(is_neox) is not bool:
+        raise RoPEError(f"is_neox must be a bool, got {is_neox!r}")
     q, k = _heads("query", query, head_size), _heads("key", key, head_size)
     apply_qk_(q, k, _pair_cache(cos_sin_cache), _spec(query.dtype, not is_neox),
               positions=positions)
 
 
 def _heads(name: str, x: object, head_size: object) -> torch.Tensor:
-    """``x`` ``[nnz, heads * head_size]`` as a ``[nnz, heads, head_size]`` view."""
+    """``x`` ``[nnz, heads * head_size]`` as a ``[nnz, heads, head_size]`` view, or ``x``
+    itself when it is already ``[nnz, heads, head_size]`` (SGLang passes some so)."""
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size <= 0:
         raise RoPEError(f"head_size must be a positive int, got {head_size!r}")
+    if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[2] == head_size:
+        return x
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] % head_size:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise RoPEError(
-            f"{name} must be a 2-D tensor [nnz, heads * head_size] with head_size={head_size} "
-            f"dividing its width, got {got}"
+            f"{name} must be [nnz, heads * head_size] or [nnz, heads, head_size] with "
+            f"head_size={head_size}, got {got}"
         )
     return x.view(x.shape[0], x.shape[1] // head_size, head_size)  # Tensor.unflatten costs more
