@@ -131,6 +131,7 @@ class EagerBackend(Backend):
     """Plain PyTorch: always available, every feature; slow but obviously right."""
 
     name = "eager"
+    differentiates_table = True  # torch's autograd through cos and sin of the table
     description = "plain PyTorch ops (reference semantics, CPU and CUDA)"
     priority = 0
     supports_in_place = True

@@ -25,7 +25,7 @@ from .errors import RoPEError
 from .spec import RoPESpec, dtype_name
 from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
-    table_shape,
+    table_requires_grad, table_shape,
 )
 
 
@@ -284,8 +284,8 @@ def _check_cu_seqlens(
         raise RoPEError(
             f"max_seqlen={spec.max_seqlen} but cu_seqlens holds a sequence of length {longest}"
         )
-    if starts is not None:
-        longest = max(n + s for n, s in zip(lengths, starts))
+    if starts is not None:  # an empty sequence reads no row, wherever it would start (as TE)
+        longest = max((n + s for n, s in zip(lengths, starts) if n), default=0)
     if longest > table_len:
         raise RoPEError(
             f"{table_name} has {table_len} positions but a sequence needs positions up to "
@@ -482,6 +482,15 @@ def check_call(
         if rank == 3:
             bounded = _check_cu_seqlens(spec, seq_len, table_len, starts, table_name) and bounded
     if in_place:
+        if torch.is_grad_enabled() and (
+            table_requires_grad(table) or (k_table is not None and table_requires_grad(k_table))
+        ):
+            raise RoPEError(
+                f"{'apply_' if k is None else 'apply_qk_'} cannot rotate in place with a table "
+                "that requires grad (the table's gradient needs the input the rotation "
+                f"overwrites); use rope_dispatch.{'apply' if k is None else 'apply_qk'}, or pass "
+                "freqs.detach() for a constant table"
+            )
         _check_writable(t, "t" if k is None else "q")
         if k is not None:
             _check_writable(k, "k")
@@ -699,6 +708,15 @@ def _check_apart(q: torch.Tensor, k: torch.Tensor, d2: int) -> None:
             f"their first {d2} channels), so some elements would be rotated twice; pass views "
             "of disjoint channels, or use rope_dispatch.apply_qk"
         )
+
+
+def table_grad_wanted(call: RoPECall) -> bool:
+    """Whether ``call`` asks a gradient of its table (q's or k's): one requires grad, with grad
+    enabled. Only backends that differentiate the table serve it."""
+    return torch.is_grad_enabled() and (
+        table_requires_grad(call.table)
+        or (call.k_table is not None and table_requires_grad(call.k_table))
+    )
 
 
 def grad_leaf(t: torch.Tensor) -> bool:

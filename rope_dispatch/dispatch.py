@@ -25,12 +25,13 @@ from . import autotune, registry
 from . import call as call_module
 from .call import (
     RoPECall, check_call, env_raw_reader, env_reader, grad_leaf, reads_values, size_bucket,
+    table_grad_wanted,
 )
 from .errors import BackendNotSupportedError, NoBackendError
 from .guards import Guard, tensor_guard
 from .registry import Backend
 from .spec import RoPESpec
-from .tables import RotaryTable, address_reader
+from .tables import RotaryTable, address_reader, table_requires_grad
 from .tracing import constant_while_tracing
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rope_backend", default=None)
@@ -136,6 +137,7 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
         call.split,
         None if call.k is None else tuple(size_bucket(n) for n in call.k.shape),
         call.positions_bounded,  # a backend that cannot guard its reads serves bounded calls only
+        table_grad_wanted(call),
         forced,
     )
 
@@ -213,7 +215,7 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
         type(call.table), call.start_positions is None, call.positions is None,
         t.requires_grad and torch.is_grad_enabled(), t.is_contiguous() or stride_class(t),
         call.in_place, call.split, None if call.k is None else call.k.shape,
-        call.positions_bounded, forced,
+        call.positions_bounded, forced, table_grad_wanted(call),
     )
     hit = _exact.get(exact)
     if hit is not None:
@@ -240,7 +242,7 @@ class _Plan(NamedTuple):
     (``table_address``)."""
 
     guard: Guard
-    address: Callable[[object], int | tuple[int, int]]  # address_reader's, or data_ptr for tensors
+    address: Callable[[object], int | tuple[int, int]]  # address_reader's
     table_address: int | tuple[int, int]
     run: registry.Plan
 
@@ -268,7 +270,6 @@ def _dropper(key: tuple) -> Callable[[weakref.ref], None]:
     return lambda _ref: pop(key, None)
 
 
-_data_ptr = torch.Tensor.data_ptr
 _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
@@ -591,7 +592,9 @@ def _keep_plan(
             _plans.clear()
         drop = _dropper(key)
         entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop)), (), key[2], key[3])
-    address = _data_ptr if type(freqs) is _Tensor else address_reader(freqs)
+    if table_requires_grad(freqs):
+        return  # needs a backend that differentiates the table while grad is on: never planned
+    address = address_reader(freqs)
     kept = tuple(p for p in entry.plans if not p.guard(*tensors))[: _MAX_PLANS_PER_KEY - 1]
     guard = tensor_guard(*tensors)
     if any(x.requires_grad for x in tensors):

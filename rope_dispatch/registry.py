@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from .call import TENSOR_KINDS, RoPECall
+from .call import TENSOR_KINDS, RoPECall, table_grad_wanted
 from .errors import UnknownBackendError
 from .spec import RoPESpec, dtype_name
 from .tables import angles_2d, table_kind
@@ -51,6 +51,7 @@ class Backend:
     ``"cos_sin_cache"`` (:class:`~rope_dispatch.CosSinCache`), ``"pair_cos_sin_cache"``
     (:class:`~rope_dispatch.PairCosSinCache`), ``"rates"`` (:class:`~rope_dispatch.RateTable`)."""
     supports_autograd: ClassVar[bool] = True
+    differentiates_table: ClassVar[bool] = False  # a gradient for a table that requires grad
     supports_in_place: ClassVar[bool] = False
     tensors: ClassVar[frozenset[str]] = frozenset({"t"})
     """The call kinds it serves (:data:`~rope_dispatch.call.TENSOR_KINDS`): ``"t"`` single
@@ -146,6 +147,12 @@ class Backend:
             reasons.append("in-place rotation (apply_) is not supported; it writes a new tensor")
         if t.requires_grad and torch.is_grad_enabled() and not self.supports_autograd:
             reasons.append("t requires grad but this backend has no backward")
+        if not self.differentiates_table and table_grad_wanted(call):
+            reasons.append(
+                "the table requires grad, and this backend computes no gradient for it (it "
+                "treats the table as a constant, as TransformerEngine's fused kernel does); "
+                "pass freqs.detach() for a constant table"
+            )
         if self.max_numel is not None and t.numel() > self.max_numel:
             reasons.append(f"t has {t.numel():,} elements; at most {self.max_numel:,} supported")
         if not reasons:

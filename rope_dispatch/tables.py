@@ -270,12 +270,13 @@ def multimodal_rows(
     return _gather_rows(table, rows)
 
 
-def _cos_sin_address(table: CosSinCache) -> tuple[int, int]:
-    return table.cos.data_ptr(), table.sin.data_ptr()
+def _cos_sin_address(table: CosSinCache) -> tuple[int, int] | int:
+    cos, sin = table.cos, table.sin
+    return -1 if cos.requires_grad or sin.requires_grad else (cos.data_ptr(), sin.data_ptr())
 
 
 def _pair_address(table: PairCosSinCache) -> int:
-    return table.table.data_ptr()
+    return -1 if table.table.requires_grad else table.table.data_ptr()
 
 
 def _rates_address(table: RateTable) -> int:
@@ -284,7 +285,7 @@ def _rates_address(table: RateTable) -> int:
 
 
 def _tensor_address(table: torch.Tensor) -> int:
-    return table.data_ptr()
+    return -1 if table.requires_grad else table.data_ptr()
 
 
 _ADDRESS_READERS: dict[type, Callable[[Any], int | tuple[int, int]]] = {
@@ -298,8 +299,22 @@ def address_reader(table: object) -> Callable[[Any], int | tuple[int, int]]:
     return _ADDRESS_READERS.get(type(table), _tensor_address)
 
 
+def table_requires_grad(table: object) -> bool:
+    """Whether a gradient is asked of the table: an angle table, or a cos/sin cache member, that
+    requires grad (a RateTable's rates are copied constants)."""
+    if isinstance(table, torch.Tensor):
+        return table.requires_grad
+    if isinstance(table, CosSinCache):
+        return table.cos.requires_grad or table.sin.requires_grad
+    if isinstance(table, PairCosSinCache):
+        return table.table.requires_grad
+    return False
+
+
 def table_address(table: object) -> int | tuple[int, int]:
-    """Where a table's memory is (a plan checks it was not replaced with ``.data = ...``)."""
+    """Where a table's memory is (a plan checks it was not replaced with ``.data = ...``);
+    -1 for a table that requires grad, which no plan serves (its calls need a backend that
+    differentiates the table)."""
     return address_reader(table)(table)
 
 

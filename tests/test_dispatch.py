@@ -248,3 +248,40 @@ def test_plans_and_remembered_tables_keep_no_table_alive(picky):
         del f
         gc.collect()
         assert ref() is None, "a plan or the table memo kept the table alive"
+
+
+def test_a_table_that_requires_grad_gets_its_gradient():
+    """A learnable table (freqs.requires_grad): the call goes to a backend that differentiates
+    the table (eager), with t's and the table's gradients as the float64 reference's; a backend
+    that treats the table as a constant says so when forced; in place is refused before any
+    write; a table made learnable after its calls were planned gets its gradient too."""
+    from reference import reference_for
+
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    angles = torch.rand(6, 1, 1, 8) * 4
+    t = torch.randn(6, 2, 3, 8, requires_grad=True)
+    g = torch.randn(6, 2, 3, 8)
+    x, a = t.detach().double().requires_grad_(), angles.double().requires_grad_()
+    want_t, want_a = torch.autograd.grad(reference_for(x, a.view(6, 8), spec, None, None), (x, a), g.double())
+
+    def grads(freqs, **kw):
+        return torch.autograd.grad(rd.apply(t, freqs, spec, **kw), (t, freqs), g)
+
+    constant = angles.clone()
+    for _ in range(3):  # planned while the table is a constant
+        rd.apply(t, constant, spec)
+    freqs = constant.requires_grad_()
+    assert rd.explain(t, freqs, spec).chosen == "eager"
+    for got_t, got_a in (grads(freqs), grads(freqs), grads(freqs, backend="eager")):
+        assert_matches(got_t, want_t, torch.float32, "t's gradient")
+        assert_matches(got_a, want_a, torch.float32, "the table's gradient")
+    with pytest.raises(rd.BackendNotSupportedError, match="the table requires grad, and this backend computes no gradient for it"):
+        rd.apply(t, freqs, spec, backend="compile")
+    with pytest.raises(rd.RoPEError, match="apply_ cannot rotate in place with a table that requires grad"):
+        rd.apply_(t.detach().clone(), freqs, spec)
+    with torch.no_grad():  # no gradient asked: any backend, in place too
+        out = rd.apply(t, freqs, spec, backend="compile")
+        assert_matches(out, want_out := reference_for(t.detach().double(), angles.view(6, 8).double(), spec, None, None), torch.float32, "no grad")
+        y = t.detach().clone()
+        rd.apply_(y, freqs, spec)
+        assert_matches(y, want_out, torch.float32, "in place, no grad")

@@ -158,6 +158,23 @@ def test_thd_start_positions_past_table():
     rd.apply(THD_T, torch.rand(17, 8), spec, start_positions=torch.tensor([0, 11]))
 
 
+def test_thd_empty_sequence_may_start_past_the_table():
+    """An empty sequence reads no row, so its start may lie past the table (TE takes it; a
+    finished slot of a packed serving batch keeps its large start)."""
+    from reference import reference_forward_backward
+
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 4, 4, 10]))
+    table = torch.rand(16, 8)
+    starts = torch.tensor([0, 100, 5])
+    got = rd.apply(THD_T, table, spec, start_positions=starts, backend="eager")
+    want, _ = reference_forward_backward(THD_T, table, spec, torch.zeros(THD_T.shape), starts)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+    with pytest.raises(rd.RoPEError, match="up to 16"):
+        rd.apply(THD_T, table, spec, start_positions=torch.tensor([0, 100, 11]))
+    none = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 0, 0]))
+    assert rd.apply(THD_T[:0], table, none, start_positions=torch.tensor([3, 90])).shape == (0, 2, 8)
+
+
 def test_thd_start_positions_past_table_with_trusted_offsets(monkeypatch):
     """With max_seqlen given (device offsets are then not read), a table too short for
     max_seqlen plus the largest start position is still refused."""
