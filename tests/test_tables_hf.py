@@ -467,29 +467,58 @@ def test_builders_and_result_check_their_arguments():
         from_te_options(64, 16, rotary_percent=2.0)
 
 
+class _PerLayerConfig:
+    """A heterogeneous config as transformers 5.23 lays one out: rope parameters per layer
+    type, each layer type's own config in ``per_layer_config``, and a global ``head_dim`` that
+    raises (transformers' AmbiguousGlobalPerLayerAttributeError is a RuntimeError)."""
+
+    rope_parameters = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+
+    def __init__(self):
+        self.per_layer_config = {
+            kind: SimpleNamespace(head_dim=dim, rope_parameters=self.rope_parameters)
+            for kind, dim in (("full_attention", 512), ("sliding_attention", 256))
+        }
+
+    @property
+    def head_dim(self):
+        raise RuntimeError("'head_dim' is a per-layer attribute")
+
+
 def test_heterogeneous_config_reads_each_layer_types_own_head_dim():
-    """EmbeddingGemma 2 keeps head_dim per layer (512 on full-attention layers, 256 on sliding
-    ones): each layer type's rates are transformers' for that type, and without a layer type
-    the per-layer attribute is a RoPEError, not transformers' RuntimeError."""
-    from transformers import EmbeddingGemma2Config
+    """Each layer type's rates come from that type's config (head dim 512 on full-attention
+    layers, 256 on sliding ones), as the model builds its rotary embedding; without a layer
+    type the per-layer attribute is a RoPEError, not the config's RuntimeError."""
+    config = _PerLayerConfig()
+    for layer_type, head_dim, theta in (("full_attention", 512, 1e6), ("sliding_attention", 256, 1e4)):
+        f = from_hf_config(config, 32, layer_type=layer_type)
+        assert f.rotary_dim == head_dim
+        want = torch.tensor([theta ** (-2 * k / head_dim) for k in range(head_dim // 2)],
+                            dtype=torch.float64)
+        torch.testing.assert_close(f.inv_freq.double(), want, rtol=RATES_RTOL, atol=0)
+    flat = _PerLayerConfig()
+    flat.rope_parameters = {"rope_type": "default"}
+    with pytest.raises(RoPEError, match=r"config.head_dim differs between layers .*per-layer.*layer_type="):
+        from_hf_config(flat, 32)
+
+
+def test_heterogeneous_transformers_config_equals_its_rotary_embedding():
+    """EmbeddingGemma 2 (transformers 5.23) against its own rotary embedding's rates."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "EmbeddingGemma2Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no EmbeddingGemma 2 (5.23 has)")
     from transformers.models.embedding_gemma2.modeling_embedding_gemma2 import (
         EmbeddingGemma2RotaryEmbedding,
     )
 
-    config = EmbeddingGemma2Config().get_text_config()
-    for layer_type, head_dim in (("full_attention", 512), ("sliding_attention", 256)):
+    config = transformers.EmbeddingGemma2Config().get_text_config()
+    for layer_type in ("full_attention", "sliding_attention"):
         # the model builds each layer type's rotary embedding from that type's config
         expected, _ = EmbeddingGemma2RotaryEmbedding.compute_default_rope_parameters(
             config.per_layer_config[layer_type], layer_type=layer_type)
         f = from_hf_config(config, 32, layer_type=layer_type)
-        assert f.rotary_dim == head_dim == 2 * expected.numel()
         torch.testing.assert_close(f.inv_freq, expected, rtol=RATES_RTOL, atol=0)
-    per_layer = type("PerLayer", (), {  # a flat rope, a head dim that differs between layers
-        "rope_parameters": {"rope_type": "default"},
-        "head_dim": property(lambda self: (_ for _ in ()).throw(RuntimeError("per layer"))),
-    })()
-    with pytest.raises(RoPEError, match=r"config.head_dim differs between layers .*per layer.*layer_type="):
-        from_hf_config(per_layer, 32)
 
 
 def test_composite_config_is_read_through_its_text_config():
