@@ -271,6 +271,7 @@ def _dropper(key: tuple) -> Callable[[weakref.ref], None]:
 
 
 _Tensor = torch.Tensor
+_data_ptr = torch.Tensor.data_ptr
 _grad_enabled = torch.is_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
 # Dynamo knows this function (True while it traces); at run time it is one frame returning
@@ -532,20 +533,28 @@ def _run(
     return out
 
 
-def _in_grad_state(guard: Guard, enabled: bool, leaves: tuple[bool, ...] | None) -> Guard:
+def _in_grad_state(
+    guard: Guard, enabled: bool, leaves: tuple[bool, ...] | None, table: weakref.ref
+) -> Guard:
     """``guard``, and the gradient mode the plan was made in: what a plan runs for tensors that
     require grad depends on it (an autograd node or none). Tensors that need no grad run the
-    same either way, so their plans check no mode and a decode call reads none. ``leaves``: for
-    an in-place plan made with grad enabled, which tensors were leaves or views of one
+    same either way, so their plans check no mode and a decode call reads none. With grad
+    enabled, the plan's table (by weak reference) must still not require grad: such calls need
+    a backend that differentiates it, and are never planned. ``leaves``: for an in-place plan
+    made with grad enabled, which tensors were leaves or views of one
     (:func:`~rope_dispatch.call.grad_leaf`; none of those that require grad, or the call would
     have been refused), checked too: such a tensor that requires grad must be refused again."""
+
+    def constant_table() -> bool:
+        return not enabled or not table_requires_grad(table())
+
     if leaves is None:
         def check(*tensors: torch.Tensor) -> bool:
-            return _grad_enabled() == enabled and guard(*tensors)
+            return _grad_enabled() == enabled and guard(*tensors) and constant_table()
     else:
         def check(*tensors: torch.Tensor) -> bool:
             return (
-                _grad_enabled() == enabled and guard(*tensors)
+                _grad_enabled() == enabled and guard(*tensors) and constant_table()
                 and tuple(grad_leaf(x) for x in tensors) == leaves
             )
 
@@ -594,13 +603,13 @@ def _keep_plan(
         entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop)), (), key[2], key[3])
     if table_requires_grad(freqs):
         return  # needs a backend that differentiates the table while grad is on: never planned
-    address = address_reader(freqs)
+    address = _data_ptr if type(freqs) is _Tensor else address_reader(freqs)
     kept = tuple(p for p in entry.plans if not p.guard(*tensors))[: _MAX_PLANS_PER_KEY - 1]
     guard = tensor_guard(*tensors)
     if any(x.requires_grad for x in tensors):
         enabled = _grad_enabled()
         leaves = tuple(grad_leaf(x) for x in tensors) if enabled and call.in_place else None
-        guard = _in_grad_state(guard, enabled, leaves)
+        guard = _in_grad_state(guard, enabled, leaves, weakref.ref(freqs))
     if call.in_place and call.k is not None:
         guard = _apart_as_planned(guard, call.t, call.k)
     plan = _Plan(guard, address, address(freqs), chosen.plan(call))

@@ -270,13 +270,12 @@ def multimodal_rows(
     return _gather_rows(table, rows)
 
 
-def _cos_sin_address(table: CosSinCache) -> tuple[int, int] | int:
-    cos, sin = table.cos, table.sin
-    return -1 if cos.requires_grad or sin.requires_grad else (cos.data_ptr(), sin.data_ptr())
+def _cos_sin_address(table: CosSinCache) -> tuple[int, int]:
+    return table.cos.data_ptr(), table.sin.data_ptr()
 
 
 def _pair_address(table: PairCosSinCache) -> int:
-    return -1 if table.table.requires_grad else table.table.data_ptr()
+    return table.table.data_ptr()
 
 
 def _rates_address(table: RateTable) -> int:
@@ -285,7 +284,7 @@ def _rates_address(table: RateTable) -> int:
 
 
 def _tensor_address(table: torch.Tensor) -> int:
-    return -1 if table.requires_grad else table.data_ptr()
+    return table.data_ptr()
 
 
 _ADDRESS_READERS: dict[type, Callable[[Any], int | tuple[int, int]]] = {
@@ -312,9 +311,7 @@ def table_requires_grad(table: object) -> bool:
 
 
 def table_address(table: object) -> int | tuple[int, int]:
-    """Where a table's memory is (a plan checks it was not replaced with ``.data = ...``);
-    -1 for a table that requires grad, which no plan serves (its calls need a backend that
-    differentiates the table)."""
+    """Where a table's memory is (a plan checks it was not replaced with ``.data = ...``)."""
     return address_reader(table)(table)
 
 
