@@ -482,9 +482,7 @@ def check_call(
         if rank == 3:
             bounded = _check_cu_seqlens(spec, seq_len, table_len, starts, table_name) and bounded
     if in_place:
-        if torch.is_grad_enabled() and (
-            table_requires_grad(table) or (k_table is not None and table_requires_grad(k_table))
-        ):
+        if table_grad_wanted(table, k_table):
             raise RoPEError(
                 f"{'apply_' if k is None else 'apply_qk_'} cannot rotate in place with a table "
                 "that requires grad (the table's gradient needs the input the rotation "
@@ -710,12 +708,11 @@ def _check_apart(q: torch.Tensor, k: torch.Tensor, d2: int) -> None:
         )
 
 
-def table_grad_wanted(call: RoPECall) -> bool:
-    """Whether ``call`` asks a gradient of its table (q's or k's): one requires grad, with grad
-    enabled. Only backends that differentiate the table serve it."""
+def table_grad_wanted(table: RotaryTable, k_table: RotaryTable | None) -> bool:
+    """Whether a call asks a gradient of its table (q's, or k's own): one requires grad, with
+    grad enabled. Only backends that differentiate the table serve it."""
     return torch.is_grad_enabled() and (
-        table_requires_grad(call.table)
-        or (call.k_table is not None and table_requires_grad(call.k_table))
+        table_requires_grad(table) or (k_table is not None and table_requires_grad(k_table))
     )
 
 

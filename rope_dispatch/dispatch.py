@@ -137,7 +137,7 @@ def decision_key(call: RoPECall, forced: str | None) -> tuple:
         call.split,
         None if call.k is None else tuple(size_bucket(n) for n in call.k.shape),
         call.positions_bounded,  # a backend that cannot guard its reads serves bounded calls only
-        table_grad_wanted(call),
+        table_grad_wanted(call.table, call.k_table),
         forced,
     )
 
@@ -215,7 +215,7 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
         type(call.table), call.start_positions is None, call.positions is None,
         t.requires_grad and torch.is_grad_enabled(), t.is_contiguous() or stride_class(t),
         call.in_place, call.split, None if call.k is None else call.k.shape,
-        call.positions_bounded, forced, table_grad_wanted(call),
+        call.positions_bounded, forced, table_grad_wanted(call.table, call.k_table),
     )
     hit = _exact.get(exact)
     if hit is not None:
@@ -270,8 +270,8 @@ def _dropper(key: tuple) -> Callable[[weakref.ref], None]:
     return lambda _ref: pop(key, None)
 
 
-_Tensor = torch.Tensor
 _data_ptr = torch.Tensor.data_ptr
+_Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
 # Dynamo knows this function (True while it traces); at run time it is one frame returning
@@ -589,6 +589,8 @@ def _keep_plan(
     (a new spec per step, say) would pay for a plan, about 6 us on the development CPU, and
     never use it."""
     global _recent, _recent_run
+    if table_requires_grad(freqs):
+        return  # needs a backend that differentiates the table while grad is on: never planned
     entry = _plans.get(key)
     if entry is None:
         if key not in _met_once:
@@ -601,8 +603,6 @@ def _keep_plan(
             _plans.clear()
         drop = _dropper(key)
         entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop)), (), key[2], key[3])
-    if table_requires_grad(freqs):
-        return  # needs a backend that differentiates the table while grad is on: never planned
     address = _data_ptr if type(freqs) is _Tensor else address_reader(freqs)
     kept = tuple(p for p in entry.plans if not p.guard(*tensors))[: _MAX_PLANS_PER_KEY - 1]
     guard = tensor_guard(*tensors)

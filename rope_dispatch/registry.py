@@ -147,7 +147,7 @@ class Backend:
             reasons.append("in-place rotation (apply_) is not supported; it writes a new tensor")
         if t.requires_grad and torch.is_grad_enabled() and not self.supports_autograd:
             reasons.append("t requires grad but this backend has no backward")
-        if not self.differentiates_table and table_grad_wanted(call):
+        if not self.differentiates_table and table_grad_wanted(call.table, call.k_table):
             reasons.append(
                 "the table requires grad, and this backend computes no gradient for it (it "
                 "treats the table as a constant, as TransformerEngine's fused kernel does); "
