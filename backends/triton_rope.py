@@ -1685,20 +1685,23 @@ def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     return _qk_rope(q, k, *args, False, None)
 
 
+def _rope_triton_of(call: RoPECall, x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """:func:`rope_triton` of ``x`` (the call's ``t``, or its ``k``) with the checked call's
+    table, spec and in-place settings."""
+    spec = call.spec
+    return rope_triton(
+        x, call.table, layout=spec.layout, interleaved=spec.interleaved,
+        scale=spec.cos_sin_scale, cu_seqlens=spec.cu_seqlens, positions=index,
+        cp_size=spec.cp_size, cp_rank=spec.cp_rank, in_place=call.in_place,
+        grad_in_place=call.grad_in_place,
+    )
+
+
 def _qk_one_by_one(call: RoPECall, index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k as two single-tensor calls, where one launch cannot serve the pair: a side with
     no heads (the pair's launch tiles both), or an in-place pair with a gradient where either
     is a view (torch lets a Function that rotates a view in place return only that tensor)."""
-    spec = call.spec
-    return tuple(  # type: ignore[return-value]
-        rope_triton(
-            x, call.table, layout=spec.layout, interleaved=spec.interleaved,
-            scale=spec.cos_sin_scale, cu_seqlens=spec.cu_seqlens, positions=index,
-            cp_size=spec.cp_size, cp_rank=spec.cp_rank, in_place=call.in_place,
-            grad_in_place=call.grad_in_place,
-        )
-        for x in (call.t, call.k)
-    )
+    return _rope_triton_of(call, call.t, index), _rope_triton_of(call, call.k, index)
 
 
 _NO_GUARD = contextlib.nullcontext()
@@ -2419,10 +2422,4 @@ class TritonBackend(Backend):
             return rope_triton_qkv(call)
         if call.tensors == "qk":
             return rope_triton_qk(call)
-        spec = call.spec
-        return rope_triton(
-            call.t, call.table, layout=spec.layout, interleaved=spec.interleaved,
-            scale=spec.cos_sin_scale, cu_seqlens=spec.cu_seqlens, positions=position_index(call),
-            cp_size=spec.cp_size, cp_rank=spec.cp_rank, in_place=call.in_place,
-            grad_in_place=call.grad_in_place,
-        )
+        return _rope_triton_of(call, call.t, position_index(call))

@@ -544,17 +544,16 @@ def _in_grad_state(
     made with grad enabled, which tensors were leaves or views of one
     (:func:`~rope_dispatch.call.grad_leaf`; none of those that require grad, or the call would
     have been refused), checked too: such a tensor that requires grad must be refused again."""
-
-    def constant_table() -> bool:
-        return not enabled or not table_requires_grad(table())
-
-    if leaves is None:
+    if not enabled:  # no gradient is asked of anything, the table's neither
         def check(*tensors: torch.Tensor) -> bool:
-            return _grad_enabled() == enabled and guard(*tensors) and constant_table()
+            return not _grad_enabled() and guard(*tensors)
+    elif leaves is None:
+        def check(*tensors: torch.Tensor) -> bool:
+            return _grad_enabled() and guard(*tensors) and not table_requires_grad(table())
     else:
         def check(*tensors: torch.Tensor) -> bool:
             return (
-                _grad_enabled() == enabled and guard(*tensors) and constant_table()
+                _grad_enabled() and guard(*tensors) and not table_requires_grad(table())
                 and tuple(grad_leaf(x) for x in tensors) == leaves
             )
 
@@ -566,9 +565,10 @@ def _apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor) -> Guard:
     call (its checks found them apart) or so far that their bytes cannot meet: with the same
     shapes and strides, that settles that they share no element. Elsewhere the call is checked
     again (check_call refuses q and k that share one)."""
-    planned = k.data_ptr() - q.data_ptr()
-    q_end = (sum((n - 1) * s for n, s in zip(q.shape, q.stride())) + 1) * q.element_size()
-    k_end = (sum((n - 1) * s for n, s in zip(k.shape, k.stride())) + 1) * k.element_size()
+    def end(x: torch.Tensor) -> int:  # bytes from x's first element to past its last
+        return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+    planned, q_end, k_end = k.data_ptr() - q.data_ptr(), end(q), end(k)
 
     def check(q: torch.Tensor, k: torch.Tensor, *index: torch.Tensor) -> bool:
         if not guard(q, k, *index):
