@@ -18,10 +18,7 @@ A rate table (``RATES``) gives the rates instead of a table: pair ``k``'s angle 
 product ``position * rate[k]``, as an angle table's entry is, so no table row is read per
 token. An angle table whose every row ``p`` is ``float32(p) * row 1`` bit for bit (``LINEAR``:
 what a model's ``outer(arange, inv_freq)`` makes, found by ``linear_table_kernel`` and kept in
-an int32 flag on the device) is read the same way, from row 1, while its flag says so. A small
-call's angle table (``LINEAR`` and ``PAIRED`` together) is read as a sines cache the backend
-derived from it once (``sines_table_kernel``): each pair's cos and sin, computed as the kernels
-compute them from the angle, while the cache's flag says the pair's two angles are equal.
+an int32 flag on the device) is read the same way, from row 1, while its flag says so.
 
 Positions come from the token index alone: ``s`` (+ ``start_positions[b]``) for sbhd/bshd, the
 context-parallel zigzag map when ``cp_size > 1``, and for thd a binary search of the token in
@@ -53,11 +50,6 @@ _TWO_PI_A: tl.constexpr = tl.constexpr(6.28125)
 _TWO_PI_B: tl.constexpr = tl.constexpr(0.0019353071693331003)
 _TWO_PI_C: tl.constexpr = tl.constexpr(1.0253376273028358e-11)
 _INV_TWO_PI: tl.constexpr = tl.constexpr(0.15915494309189535)
-
-SINES_OFFSET: tl.constexpr = tl.constexpr(4)
-"""Where a sines cache's pairs start in its int32 buffer, in words: the flag is word 0, and
-the pairs keep the buffer's 16-byte alignment."""
-_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)  # a float32 NaN, as an int32 word
 
 
 @triton.jit
@@ -440,24 +432,7 @@ def _coefficients(
     ``inside`` read no table memory and get NaN. ``SHARED``: table rows as
     :func:`_row_cos_sin` shares them; ``HALVES``: a cos/sin cache's halves flag at ``flag_ptr``
     (the same)."""
-    if LINEAR and PAIRED:  # an angle table's sines cache (sines_table_kernel), with its flag
-        k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
-        k_mask = inside[:, None] & (k < ROT_DIM // 2)[None, :]
-        words = sin_ptr + SINES_OFFSET + row[:, None] * ROT_DIM + k[None, :]
-        # loaded with the flag, not after it: no second DRAM round trip (as below)
-        flag = tl.load(sin_ptr)
-        cos_a = tl.load(words, mask=k_mask, other=_NAN_BITS).to(tl.float32, bitcast=True)
-        sin_a = tl.load(words + ROT_DIM // 2, mask=k_mask, other=_NAN_BITS).to(
-            tl.float32, bitcast=True
-        )
-        cos_b = cos_a
-        sin_b = sin_a
-        if flag == 0:  # a pair's two angles differ somewhere: the rows' own sines
-            cos_a, sin_a, cos_b, sin_b = _row_cos_sin(
-                tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM, INTERLEAVED, False, BLOCK_T,
-                BLOCK_R, FAST_TRIG, SHARED, sin_ptr, False,
-            )
-    elif LINEAR:  # an angle table: rated while its flag holds this pairing's bit
+    if LINEAR:  # an angle table: rated while its flag holds this pairing's bit
         # row 1 is read with the flag, not after it: two DRAM round trips in a row were
         # 0.2-0.4 us of a 2-4 us call after an L2 flush (run AF)
         flag = tl.load(sin_ptr)
@@ -835,36 +810,6 @@ def linear_table_kernel(
     )
     earned = (1 - off_halves) * 1 + (1 - off_pairs) * 2
     tl.atomic_and(flag_ptr, earned * (1 - off_rows))
-
-
-@triton.jit
-def sines_table_kernel(
-    tab_ptr, out_ptr, rows, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, FAST_TRIG: tl.constexpr,
-):
-    """The sines cache of the contiguous float32 angle table ``[rows, ROT_DIM]`` for one
-    pairing: into the int32 buffer ``out_ptr``, from word ``SINES_OFFSET``, each row as a pair
-    cache's (the cos of each pair's first angle, then its sin, as float32 bits), computed by
-    :func:`_cos_sin` as the kernels compute them; and clear word 0 (set to 1 before the launch)
-    unless, in every row, each pair's second angle is bit for bit its first (rotate-half: the
-    halves; interleaved: the neighbours), where the kernels reading the cache give the bits
-    of the rows. Each program takes ``BLOCK_ROWS`` rows."""
-    HALF: tl.constexpr = ROT_DIM // 2
-    k = tl.arange(0, BLOCK_C)
-    rows_at = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    mask = (rows_at < rows)[:, None] & (k < HALF)[None, :]
-    row_off = rows_at.to(tl.int64)[:, None] * ROT_DIM
-    first = row_off + (2 * k if INTERLEAVED else k)[None, :]
-    second = row_off + (2 * k + 1 if INTERLEAVED else k + HALF)[None, :]
-    angle = tl.load(tab_ptr + first, mask=mask, other=0.0)
-    partner = tl.load(tab_ptr + second, mask=mask, other=0.0)
-    cos, sin = _cos_sin(angle, FAST_TRIG)
-    words = out_ptr + SINES_OFFSET + row_off + k[None, :]
-    tl.store(words, cos.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(words + HALF, sin.to(tl.int32, bitcast=True), mask=mask)
-    off = (angle.to(tl.int32, bitcast=True) != partner.to(tl.int32, bitcast=True)) & mask
-    if tl.reduce(tl.reduce(off.to(tl.int32), 1, _maximum), 0, _maximum) != 0:
-        tl.store(out_ptr, 0)
 
 
 @triton.jit

@@ -500,10 +500,9 @@ def _fast_key(
         stp = tp if positions is None else positions.data_ptr()
         extra = (
             # a pair cache's sin is half as wide; a rate table's is the table (-1); a linear
-            # angle table's is its int32 flag (-2), a sines cache's an int32 buffer (-3)
+            # angle table's is its int32 flag (-2)
             None if sin is None else (
-                -1 if _is_rates(table, sin, tp, sp)
-                else (-2 if sin.shape[0] == 1 else -3) if sin.dtype is _FLAG
+                -1 if _is_rates(table, sin, tp, sp) else -2 if sin.dtype is _FLAG
                 else sin.shape[-1]
             ),
             None if cu_seqlens is None
@@ -558,8 +557,7 @@ def _table_flags(
     pair cache (a sin half as wide); a rate table (``sin`` is the table); and of
     :func:`_kernel_tables`: angles with their linearity flag (an int32 ``sin``)."""
     if sin is not None and sin.dtype is _FLAG:
-        sines = sin.shape[0] != 1  # a sines cache (sines_table), not a linearity flag
-        return sines, sines, False, True
+        return False, False, False, True
     rates = _is_rates(table, sin)
     return sin is not None and not rates, _paired(table, sin) and not rates, rates, False
 
@@ -614,43 +612,13 @@ _LINEAR_TABLES_OFF = _encode_env("0")
 _flags: dict[tuple, torch.Tensor] = {}
 # tables seen once: a table made for one call (a copy of a strided one) is never checked
 _flags_met: dict[tuple, weakref.ref] = {}
-# the same for sines caches (sines_table), keyed by the pairing too
-_sines: dict[tuple, torch.Tensor] = {}
-_sines_met: dict[tuple, weakref.ref] = {}
 _MAX_FLAGS = 64
 
 
-def _forget(held: dict[tuple, torch.Tensor], key: tuple, ref: weakref.ref) -> None:
-    entry = held.get(key)
-    if entry is not None and entry._rope_base is ref:  # type: ignore[attr-defined]
-        del held[key]
-
-
-def _derived(
-    table: torch.Tensor, key: tuple, held: dict[tuple, torch.Tensor],
-    met: dict[tuple, weakref.ref], size: int,
-) -> torch.Tensor | None:
-    """The int32 ``[size]`` tensor ``held`` keeps for ``table`` under ``key`` (a flag or a
-    sines cache derived from the table), made at the table's second sight with
-    ``_rope_version`` -1 (not yet derived): ``None`` at its first sight and under CUDA graph
-    capture. Entries go with their table's base tensor."""
-    base = table._base if table._base is not None else table
-    entry = held.get(key)
-    if entry is None or entry._rope_base() is not base:  # type: ignore[attr-defined]
-        seen = met.pop(key, None)
-        if seen is None or seen() is not base or _capturing(table):
-            if len(met) >= _MAX_FLAGS:
-                met.clear()
-            met[key] = weakref.ref(base)
-            return None
-        with torch.inference_mode(False):  # a normal tensor: refilled outside inference mode too
-            entry = torch.zeros(size, dtype=_FLAG, device=table.device)
-        entry._rope_base = weakref.ref(base, functools.partial(_forget, held, key))  # type: ignore[attr-defined]
-        entry._rope_version = -1  # type: ignore[attr-defined]
-        if len(held) >= _MAX_FLAGS:
-            held.clear()
-        held[key] = entry
-    return entry
+def _forget_flag(key: tuple, ref: weakref.ref) -> None:
+    flag = _flags.get(key)
+    if flag is not None and flag._rope_base is ref:  # type: ignore[attr-defined]
+        del _flags[key]
 
 
 # torch.cuda.is_current_stream_capturing's C function, without its Python frame
@@ -689,8 +657,22 @@ def linear_flag(table: torch.Tensor) -> torch.Tensor | None:
         return None
     base = table._base if table._base is not None else table
     key = (id(base), table.data_ptr(), table.shape, table.get_device())
-    flag = _derived(table, key, _flags, _flags_met, 1)
-    return None if flag is None else current_flag(table, flag)
+    flag = _flags.get(key)
+    if flag is None or flag._rope_base() is not base:  # type: ignore[attr-defined]
+        met = _flags_met.pop(key, None)
+        if met is None or met() is not base or _capturing(table):
+            if len(_flags_met) >= _MAX_FLAGS:
+                _flags_met.clear()
+            _flags_met[key] = weakref.ref(base)
+            return None
+        with torch.inference_mode(False):  # a normal tensor: refilled outside inference mode too
+            flag = torch.zeros(1, dtype=_FLAG, device=table.device)
+        flag._rope_base = weakref.ref(base, functools.partial(_forget_flag, key))  # type: ignore[attr-defined]
+        flag._rope_version = -1  # type: ignore[attr-defined]
+        if len(_flags) >= _MAX_FLAGS:
+            _flags.clear()
+        _flags[key] = flag
+    return current_flag(table, flag)
 
 
 def current_flag(table: torch.Tensor, flag: torch.Tensor) -> torch.Tensor | None:
@@ -714,91 +696,17 @@ def current_flag(table: torch.Tensor, flag: torch.Tensor) -> torch.Tensor | None
     return flag
 
 
-# ---------------------------------------------------------------------------------------------
-# Sines caches: a small call's angle table read as each pair's cos and sin, computed once
-
-SINES_MIN_ROWS_READ = 1 << 14
-"""Table rows x rotary channels from which a call with an angle table, too few for its flag
-(``LINEAR_MIN_ROWS_READ``), reads the table's sines cache (:func:`sines_table`) instead of
-computing the sines of its rows: 128 rows of d 128. Below it (decode steps) the host path sets
-the pace, and a planned call would pay the cache's version test for nothing."""
-
-SINES_MAX_TABLE_BYTES = 1 << 24
-"""The largest angle table (16 MiB: 32,768 rows of d 128 in float32) given a sines cache, which
-takes as much memory again."""
-
-
-def sines_table(table: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
-    """The sines cache of the contiguous float32 angle table ``[s2, d2]`` for one pairing,
-    derived from its current contents (:func:`current_sines`): an int32 tensor of the flag
-    word, padding, then each row's pairs as a pair cache's (their cos, then their sin, in
-    float32 bits; :func:`~backends.triton_kernels.sines_table_kernel`). ``None`` where the
-    kernels compute the rows' sines: as for :func:`linear_flag`, and for tables over
-    ``SINES_MAX_TABLE_BYTES``."""
-    if (
-        table.is_inference() or _linear_tables_raw() == _LINEAR_TABLES_OFF
-        or torch.compiler.is_compiling() or table.numel() * 4 > SINES_MAX_TABLE_BYTES
-    ):
-        return None
-    base = table._base if table._base is not None else table
-    key = (id(base), table.data_ptr(), table.shape, table.get_device(), interleaved)
-    kernels = _kernels if _kernels is not None else _load_kernels()
-    cache = _derived(table, key, _sines, _sines_met, kernels.SINES_OFFSET + table.numel())
-    return None if cache is None else current_sines(table, cache, interleaved)
-
-
-def current_sines(
-    table: torch.Tensor, cache: torch.Tensor, interleaved: bool
-) -> torch.Tensor | None:
-    """``cache``, derived again when ``table`` was written since (its version counter moved);
-    ``None`` under CUDA graph capture or with ``ROPE_DISPATCH_LINEAR_TABLES=0``, as
-    :func:`current_flag`."""
-    if _capturing(table) or _linear_tables_raw() == _LINEAR_TABLES_OFF:
-        return None
-    version = table._version
-    if cache._rope_version != version:  # type: ignore[attr-defined]
-        kernels = _kernels if _kernels is not None else _load_kernels()
-        rows, d2 = table.shape
-        block_c = _next_pow2(d2 // 2)
-        block_rows = max(1, 4096 // block_c)
-        cache[:1].fill_(1)
-        with _on_device(table):
-            kernels.sines_table_kernel[(-(-rows // block_rows),)](
-                table, cache, rows, ROT_DIM=d2, INTERLEAVED=interleaved, BLOCK_ROWS=block_rows,
-                BLOCK_C=block_c, FAST_TRIG=not kernels.INTERPRETED,
-            )
-        cache._rope_version = version  # type: ignore[attr-defined]
-    return cache
-
-
-def _current_derived(
-    table: torch.Tensor, derived: torch.Tensor, interleaved: bool
-) -> torch.Tensor | None:
-    """A table's flag or sines cache (an int32 ``sin``, :func:`_kernel_tables`) checked
-    against the table's current contents: :func:`current_flag` or :func:`current_sines`."""
-    if derived.shape[0] == 1:
-        return current_flag(table, derived)
-    return current_sines(table, derived, interleaved)
-
-
 def _kernel_tables(
-    table: RotaryTable, rows: int, interleaved: bool
+    table: RotaryTable, rows: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`rope_dispatch.tables.kernel_tables`, with an angle table's flag as its ``sin``
     (:func:`linear_flag`) when the call's ``rows`` (:func:`_rows_read`) hold at least
-    ``LINEAR_MIN_ROWS_READ`` entries, or its sines cache for the call's pairing
-    (:func:`sines_table`) when they hold fewer, but at least ``SINES_MIN_ROWS_READ``."""
+    ``LINEAR_MIN_ROWS_READ`` entries."""
     tab, sin = kernel_tables(table)
-    if sin is None:
-        entries = rows * tab.shape[1]
-        if entries >= LINEAR_MIN_ROWS_READ:
-            derived = linear_flag(tab)
-        elif entries >= SINES_MIN_ROWS_READ:
-            derived = sines_table(tab, interleaved)
-        else:
-            return tab, sin
-        if derived is not None:
-            return tab, derived
+    if sin is None and rows * tab.shape[1] >= LINEAR_MIN_ROWS_READ:
+        flag = linear_flag(tab)
+        if flag is not None:
+            return tab, flag
     return tab, sin
 
 
@@ -874,7 +782,7 @@ def _launch_tables(
     call's own on thd; on sbhd and bshd, where the kernels read no ``cu_seqlens``, a rotate-half
     cos/sin cache's halves flag (:func:`halves_flag`) when the call's ``rows``
     (:func:`_rows_read`) hold at least ``HALVES_MIN_ROWS_READ`` entries, else ``None``."""
-    tab, sin = _kernel_tables(table, rows, interleaved)
+    tab, sin = _kernel_tables(table, rows)
     if (
         cu_seqlens is None and type(table) is CosSinCache and not interleaved
         and layout != "thd" and rows * tab.shape[1] >= HALVES_MIN_ROWS_READ
@@ -992,7 +900,7 @@ def launch(
     ``x``'s.
     """
     if sin is not None and sin.dtype is _FLAG:
-        sin = _current_derived(table, sin, interleaved)
+        sin = current_flag(table, sin)
     if cu_seqlens is not None and layout != "thd":  # a cos/sin cache's halves flag
         cu_seqlens = current_halves(table, sin, cu_seqlens)
     if config is None and _kernels is not None and not _kernels.INTERPRETED:
@@ -1308,10 +1216,10 @@ def launch_qkv(
     would not use that cache), for a plan to bind the compiled kernel."""
     kernels = _kernels if _kernels is not None else _load_kernels()
     q_tab, q_sin, k_tab, k_sin = tables
-    if q_sin is not None and q_sin.dtype is _FLAG:  # k's table is of q's kind (derived too)
+    if q_sin is not None and q_sin.dtype is _FLAG:  # k's table is of q's kind (a flag too)
         shared = k_sin is q_sin
-        q_sin = _current_derived(q_tab, q_sin, interleaved)
-        k_sin = q_sin if shared or q_sin is None else _current_derived(k_tab, k_sin, interleaved)
+        q_sin = current_flag(q_tab, q_sin)
+        k_sin = q_sin if shared or q_sin is None else current_flag(k_tab, k_sin)
         if k_sin is None:
             q_sin = None
     if cu_seqlens is not None and layout != "thd":  # their cos/sin cache's halves flag
@@ -1606,9 +1514,9 @@ def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.T
         tab, sin, cu = _call_tables(call, rows)
         q_tables = k_tables = (tab, sin)
     else:
-        q_tables = _kernel_tables(call.table, rows, spec.interleaved)
-        k_tables = _kernel_tables(call.k_table, rows, spec.interleaved)
-        if _table_flags(*q_tables) != _table_flags(*k_tables):  # one kernel reads both alike
+        q_tables = _kernel_tables(call.table, rows)
+        k_tables = _kernel_tables(call.k_table, rows)
+        if (q_tables[1] is None) != (k_tables[1] is None):  # one kernel reads both tables alike
             q_tables, k_tables = kernel_tables(call.table), kernel_tables(call.k_table)
     tables = (*q_tables, *k_tables)
     args = (call.t, *tables, cu, position_index(call), call.split, *kernel_settings(spec))

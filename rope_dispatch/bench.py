@@ -220,9 +220,9 @@ def _triton_transpose(inp: Inputs, table: Any) -> Callable[[], Any]:
     from rope_dispatch.tables import angles_2d
 
     spec = inp.spec
-    tab, sin = triton_rope._kernel_tables(  # a table's flag or sines cache, as apply finds it
+    tab, sin = triton_rope._kernel_tables(  # a linear angle table's flag, as apply finds it
         angles_2d(table) if isinstance(table, torch.Tensor) else table,
-        triton_rope._rows_read(inp.t, spec.layout, inp.starts), spec.interleaved,
+        triton_rope._rows_read(inp.t, spec.layout, inp.starts),
     )
     settings = triton_rope.kernel_settings(spec)
     if inp.split is not None:

@@ -159,7 +159,7 @@ def grad_pieces(tokens=128, heads=8):
         pieces[(name, "bwd (retain_graph)")] = lambda out=out: torch.autograd.grad(
             out, leaf, grad, retain_graph=True)
         pieces[(name, "fwd+bwd")] = lambda fn=fn: torch.autograd.grad(fn(leaf), leaf, grad)
-    flag = triton_rope._flag_of(triton_rope._kernel_tables(freqs, tokens, False)[1])
+    flag = triton_rope._flag_of(triton_rope._kernel_tables(freqs, tokens)[1])
     if flag is not None:  # the planned calls' check of a linear table's flag, alone
         stream = triton_rope._current_stream(freqs.get_device())
         pieces[("flag check", "alone")] = lambda: triton_rope._flag_stale(flag, freqs, stream)
@@ -216,7 +216,7 @@ def flag_host() -> None:
             fn()
         leaf = inp.t.detach().requires_grad_(True)
         flagged = triton_rope._flag_of(triton_rope._kernel_tables(
-            triton_rope.angles_2d(inp.freqs), triton_rope._rows_read(leaf, layout, None), False)[1])
+            triton_rope.angles_2d(inp.freqs), triton_rope._rows_read(leaf, layout, None))[1])
         print(f"=== {shape.name}: flag {'set' if flagged is not None else 'none'}; "
               f"plans {taken_plans(leaf, lambda x: rd.apply(x, inp.freqs, inp.spec, backend='triton'))}")
         if flagged is not None:

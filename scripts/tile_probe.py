@@ -27,8 +27,8 @@ the shipped lean kernel against the general one and Liger's at small calls, and 
 ``shared-sines``, the lean kernel with a row's sines computed once for a tile's heads or once
 per head, against Liger's; ``table-bytes``, ours in place on tables of 256 to 1,024 bytes a
 token against Liger's; ``one-head-rule``, tokens a program for one-head calls the L2 holds;
-``ties``, ours in place (reading the table's sines cache, and computing the sines) against
-Liger's where it led by a tenth of a microsecond, with the paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps;
+``ties``, ours in place against Liger's where it led by a tenth of a microsecond, with the
+paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps;
 ``lean-vector``, two channels a thread at 1 x 8 tiles; ``float32-resident``, tiles for float32
 calls of 32 MiB, warm and flushed; ``in-place-resident``, the same for calls of 16-32 MiB in
 place, float32 and bf16; ``resident-rules``, candidate rules for them at the
@@ -46,7 +46,6 @@ same launch writing into outputs placed at several offsets past a 2 MiB boundary
 MiB, at explicit tiles against a copy (profiler)."""
 from __future__ import annotations
 
-import os
 import random
 import statistics
 from collections.abc import Callable
@@ -742,8 +741,8 @@ def _flagged(table: torch.Tensor) -> tuple:
     linearity flag is made (the sweep's calls see a model's table many times), for a call
     reading enough rows to look for it (the probes' points all do)."""
     rows = triton_rope.LINEAR_MIN_ROWS_READ
-    triton_rope._kernel_tables(table, rows, False)
-    return triton_rope._kernel_tables(table, rows, False)
+    triton_rope._kernel_tables(table, rows)
+    return triton_rope._kernel_tables(table, rows)
 
 
 def _percent_ranges(got: list[tuple[float, float]]) -> str:
@@ -1475,9 +1474,9 @@ def table_bytes(rounds: int = 3) -> None:
     """Ours in place (the shipped launch) on tables of different bytes a token: the angle rows
     (float32, both halves: 512 bytes a token at d 128), a pair cache in float32 (512) and in
     bf16 (256, the bytes and lines Liger's kernel reads: the first half of its cos and sin
-    rows), a cos/sin cache in bf16 (512) and in float32 (1,024), against Liger's in-place kernels, by the profiler
-    after an L2 flush, in turn in one trace: whether the table's bytes a token account for
-    Liger's lead at 128 tokens of 8 heads. Each kind is first checked against the angle rows'
+    rows), a cos/sin cache in bf16 (512) and in float32 (1,024), against Liger's in-place
+    kernels, by the profiler after an L2 flush, in turn in one trace: whether the table's bytes
+    a token account for Liger's lead at 128 tokens of 8 heads. Each kind is first checked against the angle rows'
     result (within bf16 rounding of the table)."""
     for layout, seq, batch, heads in TABLE_BYTES_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
@@ -1486,7 +1485,8 @@ def table_bytes(rounds: int = 3) -> None:
         pair16 = pair.to(torch.bfloat16)
         cos16, sin16 = (part.view(angles.shape).to(torch.bfloat16)
                         for part in (inp.cache.cos, inp.cache.sin))
-        cos32, sin32 = (part.view(angles.shape).contiguous() for part in (inp.cache.cos, inp.cache.sin))
+        cos32, sin32 = (part.view(angles.shape).contiguous()
+                        for part in (inp.cache.cos, inp.cache.sin))
         kinds = {"angles f32": (angles, None), "pair f32": (pair, pair[:, 64:]),
                  "pair bf16": (pair16, pair16[:, 64:]), "cos/sin bf16": (cos16, sin16),
                  "cos/sin f32": (cos32, sin32)}
@@ -1600,12 +1600,11 @@ def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int) -> No
 
 
 def ties(rounds: int = 12, calls: int = 40) -> None:
-    """Ours in place (``apply_`` and its backward, as the sweep times them), reading the
-    table's sines cache, and the same calls computing the rows' sines (the derived tables
-    switched off around each call), against Liger's in-place kernels where run AK2 had Liger's
-    ahead by at most 0.11 us (:func:`_print_paired`: medians, and ours minus Liger's with its
-    95% interval), every implementation's buffers placed anew for each trace, so that no one
-    placement in memory weighs on all its samples."""
+    """Ours in place (``apply_`` and its backward, as the sweep times them) and the lean tile
+    with its rows' sines shared (before run AM) against Liger's in-place kernels where run AK2
+    had Liger's ahead by at most 0.11 us (:func:`_print_paired`: medians, and ours minus
+    Liger's with its 95% interval), every implementation's buffers placed anew for each
+    trace, so that no one placement in memory weighs on all its samples."""
     gen = random.Random(0)
     for layout, seq, batch, heads in TIE_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
@@ -1617,28 +1616,19 @@ def ties(rounds: int = 12, calls: int = 40) -> None:
             kept[:] = [torch.empty(512 * gen.randrange(2048), dtype=torch.int8, device="cuda")]
             inp = bench.make_inputs(shape, draw_on_device=True)
             ours, liger = bench._ours_in_place("triton", inp), bench._liger_peer(shape, inp)
-            computing = bench._ours_in_place("triton", inp)
-            fns = {"ours fwd": ours.fwd, "ours bwd": ours.bwd,
-                   "computed sines fwd": _sines_computed(computing.fwd),
-                   "computed sines bwd": _sines_computed(computing.bwd),
-                   "liger fwd": liger.fwd, "liger bwd": liger.bwd}
+            fns = {"ours fwd": ours.fwd, "ours bwd": ours.bwd}
+            # the lean tile's shared rows at the compiler's own layout, as before run AM
+            x, angles = inp.t.clone(), inp.freqs.view(inp.freqs.shape[0], -1)
+            tile = triton_rope.lean_tile(seq * batch, heads, 128, x.element_size())
+            for mode, src, back in (("fwd", x, False), ("bwd", inp.grad.clone(), True)):
+                fns[f"shared rows {mode}"] = _lean_at(src, src, angles, layout, back, tile,
+                                                      shared=True, vector=64)
+            fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
             kept.append(fns)
             return fns
 
         print(f"{layout} s{seq} b{batch} h{heads} d128 bf16:", flush=True)
         _print_paired(fresh, rounds, calls)
-
-
-def _sines_computed(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` called with ``ROPE_DISPATCH_LINEAR_TABLES=0``: no sines cache (or flag) is read."""
-    def call() -> Any:
-        os.environ["ROPE_DISPATCH_LINEAR_TABLES"] = "0"
-        try:
-            return fn()
-        finally:
-            del os.environ["ROPE_DISPATCH_LINEAR_TABLES"]
-
-    return call
 
 
 def _lean_variants_in_place(variants: dict[str, dict], rounds: int, calls: int) -> None:

@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed; the triton backen
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-TABLE_KINDS = ("angles", "linear angles", "sines cache", "cos/sin cache", "pair cache", "rates")
+TABLE_KINDS = ("angles", "linear angles", "cos/sin cache", "pair cache", "rates")
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
@@ -31,15 +31,15 @@ pytestmark = pytest.mark.usefixtures("triton_backend")
 @pytest.fixture
 def launched(monkeypatch) -> list[str]:
     """The names of the kernels each launch ran, in order, with " linear" where it read its
-    table through the linearity flag and " sines" where through its sines cache (compiled
-    launches forgotten first, so every call goes through the launcher's choice)."""
+    table through the linearity flag (compiled launches forgotten first, so every call goes
+    through the launcher's choice)."""
     names: list[str] = []
-    spy_kernels(monkeypatch, ("rope_kernel", "rope_lean_kernel"), lambda name, kw: names.append(
-        name + ((" sines" if kw["PAIRED"] else " linear") if kw["LINEAR"] else "")))
+    spy_kernels(monkeypatch, ("rope_kernel", "rope_lean_kernel"),
+                lambda name, kw: names.append(name + (" linear" if kw["LINEAR"] else "")))
     monkeypatch.setattr(triton_rope, "_fast", {})
     rd.dispatch.forget_plans()
-    for held in ("_flags", "_flags_met", "_sines", "_sines_met"):
-        monkeypatch.setattr(triton_rope, held, {})
+    monkeypatch.setattr(triton_rope, "_flags", {})
+    monkeypatch.setattr(triton_rope, "_flags_met", {})
     return names
 
 
@@ -50,13 +50,10 @@ def table_of(kind: str, angles: torch.Tensor, interleaved: bool, seed: int):
     if kind in ("angles", "cos/sin cache"):
         table = angles.view(rows, 1, 1, d2).to(DEVICE)
         return (table if kind == "angles" else rd.cos_sin_cache(table)), angles
-    if kind in ("pair cache", "sines cache"):
+    if kind == "pair cache":
         gen = torch.Generator().manual_seed(seed)
         pair = torch.rand(rows, d2 // 2, generator=gen, dtype=torch.float64) * 40
         full = pair.repeat_interleave(2, -1) if interleaved else torch.cat((pair, pair), -1)
-        if kind == "sines cache":  # an angle table whose pairs' two angles are equal
-            full = full.float()
-            return full.view(rows, 1, 1, d2).to(DEVICE), full.double()
         cache = torch.cat((pair.cos(), pair.sin()), dim=-1).float()
         return rd.PairCosSinCache(cache.to(DEVICE)), full
     inv_freq = random_rates(seed, d2 // 2, DEVICE)
@@ -122,9 +119,6 @@ def test_matches_the_reference_and_the_general_kernel(monkeypatch, launched, kin
     if kind == "linear angles":  # small calls read rows unless told to look for the flag
         monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 0)
         suffix = " linear"
-    elif kind == "sines cache":  # or, smaller still, to read their table's sines cache
-        monkeypatch.setattr(triton_rope, "SINES_MIN_ROWS_READ", 0)
-        suffix = " sines"
     check_lean_launch(t, freqs, exact, spec, monkeypatch, launched, in_place, suffix, grad_seed=1)
 
 
@@ -165,29 +159,20 @@ def test_rows_read_once_or_per_head(monkeypatch, launched, kind, interleaved, he
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["angles", "sines cache"])
 @pytest.mark.parametrize("layout, seq, batch, heads, interleaved, in_place", [
     ("sbhd", 512, 1, 8, False, False),  # 1 x 8 tiles, two channels a thread, 1 MiB: the largest
     ("bshd", 128, 1, 8, False, True),  # likewise, in place
     ("bshd", 128, 2, 12, True, False),  # two head groups, the second masked (768 KiB)
     ("sbhd", 128, 1, 1, False, False),  # 4 x 1 tiles
 ])
-def test_gpu_sweep_sizes(monkeypatch, launched, kind, layout, seq, batch, heads, interleaved,
+def test_gpu_sweep_sizes(monkeypatch, launched, layout, seq, batch, heads, interleaved,
                          in_place):
     """At the sizes the lean kernel was built for (head dim 128, bf16), its compiled tiles
-    against the reference and the general kernel, forward and backward: computing the sines
-    of angle rows, and reading them from the table's sines cache, as these calls do."""
+    against the reference and the general kernel, forward and backward."""
     case = fixed_case(layout=layout, seq=seq, batch=batch, heads=heads, head_dim=128,
                       rotary_dim=128, interleaved=interleaved, dtype=torch.bfloat16, seed=3)
-    t, _, spec, _, angles = build(case, DEVICE, requires_grad=False)
-    freqs, exact = table_of(kind, angles, interleaved, case.seed)
-    suffix = " sines"
-    if kind == "angles":
-        monkeypatch.setattr(triton_rope, "SINES_MIN_ROWS_READ", 1 << 40)
-        suffix = ""
-    assert triton_rope.SINES_MIN_ROWS_READ <= seq * 128 < triton_rope.LINEAR_MIN_ROWS_READ \
-        or kind == "angles"
-    check_lean_launch(t, freqs, exact, spec, monkeypatch, launched, in_place, suffix, grad_seed=2)
+    t, freqs, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    check_lean_launch(t, freqs, angles, spec, monkeypatch, launched, in_place, "", grad_seed=2)
 
 
 def test_reads_its_linear_table_through_the_flag(monkeypatch, launched):
