@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
@@ -46,6 +47,49 @@ def parse_dtype(value: Any) -> torch.dtype:
         )
     return dtype
 
+
+def _integer(value: Any) -> Any:
+    """An integer field's value: a Python or NumPy integer (not a bool), or ``None`` for an
+    optional field (pydantic refuses it where ``None`` is not allowed). pydantic alone would
+    take ``2.0``, ``"2"`` and ``True`` as 2, 2 and 1."""
+    if value is None:
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise ValueError(f"expected an integer, got {value!r} ({type(value).__name__})")
+
+
+def _real(value: Any) -> float:
+    """A float field's value: a Python or NumPy number that is not a bool (``"1.5"`` and
+    ``True`` are refused)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"expected a number, got {value!r} ({type(value).__name__})")
+
+
+def _boolean(value: Any) -> bool:
+    """A bool field's value: ``True`` or ``False`` (or a NumPy bool); pydantic alone would take
+    ``1``, ``"yes"`` and ``"off"``."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise ValueError(f"expected True or False, got {value!r} ({type(value).__name__})")
+
+
+def _three_integers(value: Any) -> Any:
+    """``mrope_section``: ``None`` or three integers (a tuple or a list)."""
+    if value is None:
+        return value
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        raise ValueError(f"expected three integers (temporal, height, width), got {value!r}")
+    try:
+        return tuple(_integer(part) for part in value)
+    except ValueError:
+        raise ValueError(f"expected three integers (temporal, height, width), got {value!r}") from None
+
+
+Integer = Annotated[int, BeforeValidator(_integer)]
+Real = Annotated[float, BeforeValidator(_real)]
+Boolean = Annotated[bool, BeforeValidator(_boolean)]
 
 # Every field but the cu_seqlens tensor, in the order of RoPESpec.static_key.
 STATIC_FIELDS = (
@@ -103,26 +147,28 @@ class RoPESpec(BaseModel):
     dtype: Annotated[torch.dtype, BeforeValidator(parse_dtype)] = Field(
         description="dtype of the input tensor: float32, float16 or bfloat16"
     )
-    rotary_dim: int | None = Field(
+    rotary_dim: Integer | None = Field(
         default=None, description="channels rotated; must equal the table's last dim when given"
     )
-    interleaved: bool = Field(default=False, description="rotate pairs (2k, 2k+1), not halves")
+    interleaved: Boolean = Field(default=False, description="rotate pairs (2k, 2k+1), not halves")
     cu_seqlens: torch.Tensor | None = Field(
         default=None,
         description="int32/int64 [n+1] global sequence offsets, thd only (optional when every "
         "call passes per-token positions)",
     )
-    max_seqlen: int | None = Field(
+    max_seqlen: Integer | None = Field(
         default=None, description="longest global sequence (thd): lets calls skip any host sync"
     )
-    cp_size: int = Field(default=1, description="context-parallel world size")
-    cp_rank: int = Field(default=0, description="this rank in the context-parallel group")
-    cos_sin_scale: float = Field(
+    cp_size: Integer = Field(default=1, description="context-parallel world size")
+    cp_rank: Integer = Field(default=0, description="this rank in the context-parallel group")
+    cos_sin_scale: Real = Field(
         default=1.0,
         description="factor on cos and sin (YaRN's and LongRoPE's attention factor, as Hugging "
         "Face applies it): the rotated channels come out scaled by it, for every table kind",
     )
-    mrope_section: tuple[int, int, int] | None = Field(
+    mrope_section: Annotated[
+        tuple[int, int, int] | None, BeforeValidator(_three_integers)
+    ] = Field(
         default=None,
         description="multimodal RoPE (Qwen2-VL): channels of each half taken from the temporal, "
         "height and width position streams; calls then pass positions [3, *t.shape[:-2]]",

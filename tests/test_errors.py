@@ -36,6 +36,17 @@ def call(t=None, freqs=None, spec=None, **kw):
         (dict(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([[0, 4]])), ["cu_seqlens", "1-D", "(1, 2)"]),
         (dict(layout="thd", dtype="fp32", cu_seqlens=[0, 4]), ["cu_seqlens"]),
         (dict(layout="sbhd", dtype="fp32", colour="red"), ["colour"]),
+        # what pydantic alone would convert: numbers in strings, floats and bools for integers
+        (dict(layout="sbhd", dtype="fp32", cp_size=2.0, cp_rank=0), ["cp_size", "2.0", "integer"]),
+        (dict(layout="sbhd", dtype="fp32", rotary_dim="16"), ["rotary_dim", "'16'", "integer"]),
+        (dict(layout="sbhd", dtype="fp32", cp_rank=True), ["cp_rank", "True", "integer"]),
+        (dict(layout="thd", dtype="fp32", max_seqlen=8.0), ["max_seqlen", "8.0", "integer"]),
+        (dict(layout="sbhd", dtype="fp32", cos_sin_scale="1.5"), ["cos_sin_scale", "'1.5'", "number"]),
+        (dict(layout="sbhd", dtype="fp32", cos_sin_scale=True), ["cos_sin_scale", "True"]),
+        (dict(layout="sbhd", dtype="fp32", interleaved="yes"), ["interleaved", "'yes'", "True or False"]),
+        (dict(layout="sbhd", dtype="fp32", interleaved=1), ["interleaved", "1", "True or False"]),
+        (dict(layout="sbhd", dtype="fp32", mrope_section=(16, 24.0, 24)), ["mrope_section", "24.0"]),
+        (dict(layout="sbhd", dtype="fp32", mrope_section=(16, 24)), ["mrope_section", "three"]),
     ],
 )
 def test_bad_spec(fields, words):
@@ -45,6 +56,23 @@ def test_bad_spec(fields, words):
     assert str(info.value).startswith("invalid RoPESpec: ")
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+def test_spec_takes_numpy_numbers():
+    """Sizes read from NumPy arrays or configs are NumPy scalars: taken as the numbers they are."""
+    np = pytest.importorskip("numpy")
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", rotary_dim=np.int64(16), max_seqlen=np.int32(8),
+                       cp_size=np.int64(2), cp_rank=np.int64(1), cos_sin_scale=np.float32(1.5),
+                       interleaved=np.bool_(True))
+    assert spec.static_key == rd.RoPESpec(
+        layout="thd", dtype="fp32", rotary_dim=16, max_seqlen=8, cp_size=2, cp_rank=1,
+        cos_sin_scale=1.5, interleaved=True,
+    ).static_key
+    assert type(spec.rotary_dim) is int and type(spec.cos_sin_scale) is float
+    assert type(spec.interleaved) is bool
+    multimodal = rd.RoPESpec(layout="sbhd", dtype="bf16", mrope_section=[np.int64(2), 3, 3])
+    assert multimodal.mrope_section == (2, 3, 3)
+    assert all(type(n) is int for n in multimodal.mrope_section)
 
 
 def test_spec_is_frozen_and_hashable():

@@ -32,6 +32,7 @@ modules from ``sys.modules`` and never imports transformers itself.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -248,15 +249,18 @@ def _sequence_starts(cos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
         )
     if cos.shape[0] == 1:
         return None
-    if torch.compiler.is_compiling():
-        return torch.arange(batch, device=q.device).mul_(seq_len)
+    tracing = torch.compiler.is_compiling()
     key = (batch, seq_len, q.device)
-    starts = _starts.get(key)
+    starts = None if tracing else _starts.get(key)
     if starts is None:
-        if len(_starts) >= _MAX_STARTS:
-            _starts.clear()
-        with torch.inference_mode(False):
-            starts = _starts[key] = torch.arange(batch, device=q.device).mul_(seq_len)
+        # a traced graph makes its own; a cached tensor is a normal one, served in and out of
+        # inference mode
+        with contextlib.nullcontext() if tracing else torch.inference_mode(False):
+            starts = torch.arange(batch, device=q.device).mul_(seq_len)
+        if not tracing:
+            if len(_starts) >= _MAX_STARTS:
+                _starts.clear()
+            _starts[key] = starts
     return starts
 
 
