@@ -1476,8 +1476,8 @@ def table_bytes(rounds: int = 3) -> None:
     bf16 (256, the bytes and lines Liger's kernel reads: the first half of its cos and sin
     rows), a cos/sin cache in bf16 (512) and in float32 (1,024), against Liger's in-place
     kernels, by the profiler after an L2 flush, in turn in one trace: whether the table's bytes
-    a token account for Liger's lead at 128 tokens of 8 heads. Each kind is first checked against the angle rows'
-    result (within bf16 rounding of the table)."""
+    a token account for Liger's lead at 128 tokens of 8 heads. Each kind is first checked
+    against the angle rows' result (within bf16 rounding of the table)."""
     for layout, seq, batch, heads in TABLE_BYTES_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
         inp, x, _, angles, _ = _probe_inputs(shape)
@@ -1485,8 +1485,7 @@ def table_bytes(rounds: int = 3) -> None:
         pair16 = pair.to(torch.bfloat16)
         cos16, sin16 = (part.view(angles.shape).to(torch.bfloat16)
                         for part in (inp.cache.cos, inp.cache.sin))
-        cos32, sin32 = (part.view(angles.shape).contiguous()
-                        for part in (inp.cache.cos, inp.cache.sin))
+        cos32, sin32 = (part.view(angles.shape) for part in (inp.cache.cos, inp.cache.sin))
         kinds = {"angles f32": (angles, None), "pair f32": (pair, pair[:, 64:]),
                  "pair bf16": (pair16, pair16[:, 64:]), "cos/sin bf16": (cos16, sin16),
                  "cos/sin f32": (cos32, sin32)}

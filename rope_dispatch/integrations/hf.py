@@ -32,7 +32,6 @@ modules from ``sys.modules`` and never imports transformers itself.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -249,18 +248,15 @@ def _sequence_starts(cos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
         )
     if cos.shape[0] == 1:
         return None
-    tracing = torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():  # a traced graph makes its own
+        return torch.arange(batch, device=q.device).mul_(seq_len)
     key = (batch, seq_len, q.device)
-    starts = None if tracing else _starts.get(key)
+    starts = _starts.get(key)
     if starts is None:
-        # a traced graph makes its own; a cached tensor is a normal one, served in and out of
-        # inference mode
-        with contextlib.nullcontext() if tracing else torch.inference_mode(False):
-            starts = torch.arange(batch, device=q.device).mul_(seq_len)
-        if not tracing:
-            if len(_starts) >= _MAX_STARTS:
-                _starts.clear()
-            _starts[key] = starts
+        if len(_starts) >= _MAX_STARTS:
+            _starts.clear()
+        with torch.inference_mode(False):  # a normal tensor, served in and out of inference mode
+            starts = _starts[key] = torch.arange(batch, device=q.device).mul_(seq_len)
     return starts
 
 
