@@ -641,6 +641,7 @@ def rope_lean_kernel(
     PAIRED: tl.constexpr, RATES: tl.constexpr, LINEAR: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     FAST_TRIG: tl.constexpr, SCALE: tl.constexpr, SHARED_ROWS: tl.constexpr, VECTOR: tl.constexpr,
+    ONE_SEQUENCE: tl.constexpr = False,
 ):
     """:func:`rope_kernel` for a small call on contiguous sbhd or bshd tensors: ``x`` and
     ``out`` both ``[n0, n1, HEADS, HEAD_DIM]`` and contiguous (or ``out`` is ``x``), fewer
@@ -661,7 +662,9 @@ def rope_lean_kernel(
     (and its sines computed) once for all the tile's heads (:func:`_row_cos_sin`'s
     ``SHARED``; ``backends.triton_rope.shared_rows`` says when). ``VECTOR``: at most this many
     adjacent channels a thread (the compiler's layout follows the contiguity it is told), so a
-    thread holding fewer channels of more heads computes fewer sines."""
+    thread holding fewer channels of more heads computes fewer sines. ``ONE_SEQUENCE``: the
+    batch is 1 (``dim1`` is 1 on sbhd, ``n_tokens`` on bshd), so a token's index is its
+    position and no division stands between the program's number and the table row's load."""
     GROUPS: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
     HALF: tl.constexpr = ROT_DIM // 2
     program = tl.program_id(0)
@@ -685,8 +688,11 @@ def rope_lean_kernel(
         p_offsets = rows[:, :, None] + ROT_DIM + p[None, None, :]
         p_full = row_mask[:, :, None] & (p < PASS_DIM)[None, None, :]
         kept = tl.load(x_ptr + p_offsets, mask=p_full)
-    i0, i1 = _token_index(tok, dim1, dim1_magic, dim1_shift, LAYOUT)
-    pos = i0 if LAYOUT == 0 else i1
+    if ONE_SEQUENCE:
+        pos = tok
+    else:
+        i0, i1 = _token_index(tok, dim1, dim1_magic, dim1_shift, LAYOUT)
+        pos = i0 if LAYOUT == 0 else i1
     cos_a, cos_b, coef_a, coef_b = _coefficients(
         tab_ptr, sin_ptr, pos, pos, tok_mask, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, PAIRED,
         RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE, SHARED_ROWS, sin_ptr, False,

@@ -875,7 +875,7 @@ def _lean_arguments(
         SCALE=float(scale),
         # a thread's own channels' sines need no exchange
         SHARED_ROWS=shared_rows(block_t, block_h, use_cache) and vector == block_r,
-        VECTOR=vector,
+        VECTOR=vector, ONE_SEQUENCE=dim1 == (1 if code == 0 else n_tokens),
     )
     return grid, (n_tokens, dim1, *division_magic(dim1)), consts
 

@@ -1297,12 +1297,14 @@ LEAN_SHIPPED_TILES = [(1, 8), (2, 8), (1, 4), (2, 4), (2, 2), (4, 1), (2, 1), (8
 def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: str,
              backward: bool, tile: tuple[int, int], warps: int = triton_rope.WARPS,
              flag: torch.Tensor | None = None, shared: bool | None = None,
-             vector: int | None = None, kernels: ModuleType | None = None):
+             vector: int | None = None, kernels: ModuleType | None = None,
+             one_sequence: bool | None = None):
     """The lean kernel at ``tile`` on ``warps`` warps on ``src`` into ``dst`` (``src``
     itself: in place), the table's rows read (through its linearity ``flag`` where given), as
     a call of no argument (Triton's own launch: the profiler times the kernel alone); a row's
     sines ``shared`` across the tile's heads or not, at most ``vector`` adjacent channels a
-    thread (None: as the launcher decides); from the kernel module ``kernels`` (None: the
+    thread, a batch of one's positions taken as the token's index or not (``one_sequence``;
+    None for each: as the launcher decides); from the kernel module ``kernels`` (None: the
     shipped one)."""
     n0, dim1, heads, d = src.shape
     kernels = kernels or triton_rope._load_kernels()
@@ -1315,6 +1317,8 @@ def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: 
         consts.update(SHARED_ROWS=shared)
     if vector is not None:
         consts.update(VECTOR=vector)
+    if one_sequence is not None:
+        consts.update(ONE_SEQUENCE=one_sequence)
     grid = (-(-n0 * dim1 // tile[0]) * -(-heads // tile[1]), 1, 1)
     kernel = kernels.rope_lean_kernel
     sin = table if flag is None else flag
@@ -1570,7 +1574,7 @@ def one_head_rule(rounds: int = 3) -> None:
 
 TIE_SHAPES = [  # (layout, seq, batch, heads): where Liger's in-place kernel led by <= 0.11 us
     ("sbhd", 128, 1, 8), ("bshd", 128, 1, 8), ("sbhd", 512, 1, 8), ("bshd", 512, 1, 8),
-    ("sbhd", 128, 4, 8),
+    ("sbhd", 128, 4, 8), ("bshd", 128, 1, 1), ("sbhd", 512, 1, 1),
 ]
 
 
@@ -1599,11 +1603,12 @@ def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int) -> No
 
 
 def ties(rounds: int = 12, calls: int = 40) -> None:
-    """Ours in place (``apply_`` and its backward, as the sweep times them) and the lean tile
-    with its rows' sines shared (before run AM) against Liger's in-place kernels where run AK2
-    had Liger's ahead by at most 0.11 us (:func:`_print_paired`: medians, and ours minus
-    Liger's with its 95% interval), every implementation's buffers placed anew for each
-    trace, so that no one placement in memory weighs on all its samples."""
+    """Ours in place (``apply_`` and its backward, as the sweep times them) and the lean kernel
+    at its shipped tile with a batch of one's positions divided out of the token index (before
+    run AW; ``ONE_SEQUENCE`` off) against Liger's in-place kernels where they led by at most
+    0.11 us (:func:`_print_paired`: medians, and ours minus Liger's with its 95% interval),
+    every implementation's buffers placed anew for each trace, so that no one placement in
+    memory weighs on all its samples."""
     gen = random.Random(0)
     for layout, seq, batch, heads in TIE_SHAPES:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
@@ -1616,12 +1621,11 @@ def ties(rounds: int = 12, calls: int = 40) -> None:
             inp = bench.make_inputs(shape, draw_on_device=True)
             ours, liger = bench._ours_in_place("triton", inp), bench._liger_peer(shape, inp)
             fns = {"ours fwd": ours.fwd, "ours bwd": ours.bwd}
-            # the lean tile's shared rows at the compiler's own layout, as before run AM
             x, angles = inp.t.clone(), inp.freqs.view(inp.freqs.shape[0], -1)
             tile = triton_rope.lean_tile(seq * batch, heads, 128, x.element_size())
             for mode, src, back in (("fwd", x, False), ("bwd", inp.grad.clone(), True)):
-                fns[f"shared rows {mode}"] = _lean_at(src, src, angles, layout, back, tile,
-                                                      shared=True, vector=64)
+                fns[f"divided index {mode}"] = _lean_at(src, src, angles, layout, back, tile,
+                                                        one_sequence=False)
             fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
             kept.append(fns)
             return fns

@@ -49,11 +49,13 @@ LEAN = dict(
     PAIRED=False, RATES=False, LINEAR=False, BACKWARD=False, BLOCK_T=1, BLOCK_H=8, BLOCK_R=64,
     BLOCK_P=1, FAST_TRIG=True, SCALE=1.0, SHARED_ROWS=True, VECTOR=64,
 )
-# two channels a thread (triton_rope.lean_vector), on angle rows and through a linear flag
+# two channels a thread (triton_rope.lean_vector), on angle rows and through a linear flag; a
+# bshd batch of one, whose token index is its position
 LEAN_VECTOR_VARIANTS = [
     ("two channels a thread", dict(SHARED_ROWS=False, VECTOR=2), "*fp32"),
     ("two channels a thread, linear flag", dict(SHARED_ROWS=False, VECTOR=2, LINEAR=True),
      "*i32"),
+    ("one sequence, bshd", dict(LAYOUT=1, ONE_SEQUENCE=True), "*fp32"),
 ]
 LEAN_DROPPED = ("POSITIONS", "CONTEXT_PARALLEL", "SEQ_BLOCK", "HEAD_ITERS", "HALVES")
 

@@ -25,11 +25,12 @@ def test_every_kernel_family_compiles_for_sm_90():
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    # 9 variants of rope_kernel and rope_qkv_kernel, 8 of rope_lean_kernel (no thd or cp) and
-    # its two layouts of two channels a thread, and the two table-check kernels
-    assert len(lines) == 30 and all(line.startswith("ok ") for line in lines), proc.stdout
+    # 9 variants of rope_kernel and rope_qkv_kernel, 8 of rope_lean_kernel (no thd or cp), its
+    # two layouts of two channels a thread and a batch of one, and the two table-check kernels
+    assert len(lines) == 31 and all(line.startswith("ok ") for line in lines), proc.stdout
     assert "ok rope_kernel linear table, pairs, backward" in lines
     assert "ok rope_lean_kernel linear table, pairs, backward" in lines
     assert "ok rope_lean_kernel two channels a thread, linear flag" in lines
+    assert "ok rope_lean_kernel one sequence, bshd" in lines
     assert "ok rope_qkv_kernel cos/sin cache, halves flag" in lines
     assert lines[-2:] == ["ok linear_table_kernel", "ok halves_table_kernel"]

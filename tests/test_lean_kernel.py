@@ -158,6 +158,27 @@ def test_rows_read_once_or_per_head(monkeypatch, launched, kind, interleaved, he
     check_lean_launch(t, freqs, exact, spec, monkeypatch, launched, False, "", grad_seed=6)
 
 
+@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+@pytest.mark.parametrize("batch, one_sequence", [(1, True), (3, False)])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_batch_of_one_reads_its_positions_from_the_token_index(monkeypatch, launched, layout,
+                                                                 batch, one_sequence, in_place):
+    """A batch of one (sbhd ``[s, 1, h, d]``, bshd ``[1, s, h, d]``) numbers its tokens by
+    position, so the launch skips the index division (``ONE_SEQUENCE``); larger batches keep
+    it. Both: the reference's values and the general kernel's bits, with a sequence of 7 and
+    random angle rows, so a token read at another position's row would show."""
+    case = fixed_case(layout=layout, seq=7, batch=batch, heads=3, dtype=torch.bfloat16, seed=9)
+    t, freqs, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    code = 0 if layout == "sbhd" else 1
+    dim1 = t.shape[1]
+    _, _, consts = triton_rope._lean_arguments(
+        7 * batch, dim1, 3, 16, 16, 16, 2, code, False, (False, False, False, False), False, 1.0,
+        False,
+    )
+    assert consts["ONE_SEQUENCE"] is one_sequence
+    check_lean_launch(t, freqs, angles, spec, monkeypatch, launched, in_place, "", grad_seed=8)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout, seq, batch, heads, interleaved, in_place", [
     ("sbhd", 512, 1, 8, False, False),  # 1 x 8 tiles, two channels a thread, 1 MiB: the largest
