@@ -176,8 +176,10 @@ SEQ_SCAN_LIMIT = 256
 # of 8 heads (4 MiB) it took 4.02 against the general kernel's 3.94-4.00. Its tile takes a
 # token's heads first, up to LEAN_HEADS, then tokens while it moves at most LEAN_TILE_BYTES:
 # 1 x 8 at 512 tokens of 8 heads (2.21 us, 2 x 8 2.27-2.34), 1 x 4 at 4 heads (2 x 4
-# 1.99-2.05), 4 x 1 for one head (level with 2 x 1). 0, set before the first call (compiled
-# launches are kept by call), turns the lean kernel off.
+# 1.99-2.05), 4 x 1 for one head (level with 2 x 1). A batch of one takes each token's index as
+# its position (rope_lean_kernel's ONE_SEQUENCE: no index division before the row's load): one
+# 32 ns step off at 10 of 12 batch-one point-modes in paired traces (run AW1, `ties`). 0, set
+# before the first call (compiled launches are kept by call), turns the lean kernel off.
 LEAN_MAX_BYTES = 1 << 20
 LEAN_HEADS = 8
 LEAN_TILE_BYTES = 1024
