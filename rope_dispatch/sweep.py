@@ -414,9 +414,11 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
         profiled = dict(kept)
         if in_place is not None:  # its backward: the engine's one in-place transposed launch
             profiled[IN_PLACE] = dataclasses.replace(in_place, bwd_kernel=in_place.bwd)
+            # the same calls under a second name: what two samples of one kernel differ by
+            profiled[IN_PLACE_AGAIN] = profiled[IN_PLACE]
         for name, times in profiled_kernel_times(profiled).items():
-            if name == IN_PLACE:
-                times = {IN_PLACE_KEYS[key]: us for key, us in times.items()}
+            if name in SELF_KEYS:
+                times = {SELF_KEYS[name][key]: us for key, us in times.items()}
                 name = "triton"
             elif record["copy_profiled_us"]:  # % of copy by the profiler: the plots' figure
                 share = kept[name].copy_share
@@ -438,9 +440,19 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
 
 PROFILED_CALLS = 30  # calls of each mode, in turn, in one profiler trace
 IN_PLACE = "triton in place"  # ours in place among the profiled implementations
+IN_PLACE_AGAIN = "triton in place, again"  # the same calls again, in the same trace
 IN_PLACE_KEYS = {"fwd_profiled_us": "fwd_in_place_profiled_us",
                  "bwd_kernel_profiled_us": "bwd_in_place_profiled_us"}
 """Where ours in place's profiled times go in ``triton``'s results."""
+SELF_KEYS = {
+    IN_PLACE: IN_PLACE_KEYS,
+    IN_PLACE_AGAIN: {"fwd_profiled_us": "fwd_in_place_again_profiled_us",
+                     "bwd_kernel_profiled_us": "bwd_in_place_again_profiled_us"},
+}
+"""Where each of ours in place's two profiled series goes in ``triton``'s results. The second
+times the same calls under another name (their i-th samples neighbours in one trace), so the
+summary can say how far apart two medians of one kernel land: at 2 us a call the profiler's
+clock steps by 32 ns on the H200, and a peer's lead of a step or less is within that."""
 
 
 def profiled_copy_us(copy: Callable[[], Any]) -> float | None:
@@ -596,7 +608,8 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     peer's call takes less time and moves a larger share of the copy's bytes per second (kernel
     time, below 64 MiB the profiler's where the points have it; and forward+backward end to end
     on the host clock); ours in place against Liger's (in place too) by kernel time; the
-    profiler's kernel times below 64 MiB against each peer's; the forward below 64 MiB with the
+    profiler's kernel times below 64 MiB against each peer's, and ours in place against itself
+    (the same calls twice in each trace: how far apart two medians of one kernel land); the forward below 64 MiB with the
     L2 warm against each peer (and ours in place against Liger's, replayed on their own output
     and with their input written by a copy before each call, as in a model); the host-clock
     forward+backward against each peer's; and what reading the table as rates gives over
@@ -648,6 +661,15 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
         if line:
             lines.append(f"triton in place (apply_) {what} below 64 MiB by the profiler, "
                          f"against Liger's in-place kernel: {line}")
+        gaps = [abs(first - again) for p in points
+                if (first := _us(p, "triton", ours_key))
+                and (again := _us(p, "triton", ours_key.replace("_profiled", "_again_profiled")))]
+        if gaps:  # medians of whole nanoseconds: apart by at least one
+            apart = sum(gap >= 1e-3 for gap in gaps)
+            by = f", by {max(gaps):.2f} us at most" if apart else ""
+            lines.append(f"triton in place (apply_) {what} below 64 MiB by the profiler, against "
+                         f"itself (the same calls twice in each trace): apart at {apart} of "
+                         f"{len(gaps)} points{by}")
     # below 64 MiB a launch's latency sets the pace; L2 warm as in a model
     warm = [("triton forward", "fwd_warm", peer, " (a CUDA graph of 20 calls)") for peer in PEERS]
     warm.append(("triton in place (apply_) forward", "fwd_in_place_warm", "liger", ""))

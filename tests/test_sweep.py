@@ -343,7 +343,8 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     # in place among them (its backward through the engine, in place on the gradient)
     # (after the copy's own trace: their ceiling, timed as they are)
     assert profiled == ([] if large else [["copy"], sorted(
-        f"{name}\0{mode}" for name in (*in_turn, sweep.IN_PLACE) for mode in ("fwd", "bwd_kernel")
+        f"{name}\0{mode}" for name in (*in_turn, sweep.IN_PLACE, sweep.IN_PLACE_AGAIN)
+        for mode in ("fwd", "bwd_kernel")
     )])
     assert record.get("copy_profiled_us") == (None if large else 0.9)
     for name in in_turn:
@@ -357,7 +358,11 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
                 times[f"{mode}_pct_of_copy"] if large else 75.0)
     assert ours.get("fwd_in_place_profiled_us") == ours.get("bwd_in_place_profiled_us") == (
         None if large else 1.2)
+    # and again under a second name in the same trace: how far two medians of one kernel land
+    assert ours.get("fwd_in_place_again_profiled_us") == ours.get(
+        "bwd_in_place_again_profiled_us") == (None if large else 1.2)
     assert sweep.IN_PLACE not in record["implementations"]
+    assert sweep.IN_PLACE_AGAIN not in record["implementations"]
     if not large:
         table = sweep.format_table([record])
         assert ("1.50 (in place 1.50; written before: 0.50) | 1.20 / 1.20 (in place 1.20 / 1.20) |"
@@ -564,6 +569,25 @@ def test_summarize_compares_ours_in_place_with_liger_by_the_profiler():
               "in-place kernel: ")
     assert prefix.format("forward") + "liger faster at 0 of 1 points" in lines
     assert prefix.format("backward") + "liger faster at 1 of 1 points, by 0.20 us at most" in lines
+
+
+def test_summarize_sets_ours_in_place_against_itself():
+    """The same in-place calls timed twice in each trace: the summary says at how many points
+    their medians differ and by how much (forward 1.9 against 1.9: level; backward 2.0 against
+    2.032 at one point and level at the other: one 32 ns step)."""
+    points = []
+    for name, again in (("a", (1.9, 2.032)), ("b", (1.9, 2.0))):
+        point = _point(name, "sbhd", False, triton=(4.5, 89.0, 4.4, 90.0, 120.0, 100.0),
+                       te=None, liger=(3.9, 102.7, 3.9, 101.5, 50.0, 100.0))
+        point["implementations"]["triton"].update(
+            fwd_in_place_profiled_us=1.9, bwd_in_place_profiled_us=2.0,
+            fwd_in_place_again_profiled_us=again[0], bwd_in_place_again_profiled_us=again[1])
+        points.append(point)
+    lines = sweep.summarize(points).splitlines()
+    prefix = ("triton in place (apply_) {} below 64 MiB by the profiler, against itself (the "
+              "same calls twice in each trace): ")
+    assert prefix.format("forward") + "apart at 0 of 2 points" in lines
+    assert prefix.format("backward") + "apart at 1 of 2 points, by 0.03 us at most" in lines
 
 
 def test_summarize_compares_in_place_calls_on_freshly_written_input():
