@@ -673,6 +673,29 @@ def test_balanced_orders_give_each_call_every_place_and_every_neighbour_alike(n)
     assert sorted(followed) == sorted(pairs * (len(followed) // max(len(pairs), 1)))
 
 
+@pytest.mark.parametrize("names, calls, rounds", [
+    ("abcd", 30, 32),  # 4 orders: 8 whole cycles
+    ("abc", 30, 30),  # 6 orders (odd: each reversed too)
+    ("abcdefghijklmn", 30, 42),  # the sweep's 14 profiled series: 3 cycles of 14
+    ("a", 5, 5),
+])
+def test_a_profiler_trace_runs_whole_cycles_of_the_balanced_orders(names, calls, rounds):
+    """Each round holds one call of each name; each name takes every place and follows every
+    other name equally often over the trace (in one fixed order a name always ran after the
+    same neighbour, which moved its time: run AW4)."""
+    order = bench.trace_order(list(names), calls)
+    n = len(names)
+    assert len(order) == rounds * n
+    trace_rounds = [order[r * n:(r + 1) * n] for r in range(rounds)]
+    assert all(sorted(r) == sorted(names) for r in trace_rounds)
+    places = [(i, name) for r in trace_rounds for i, name in enumerate(r)]
+    assert all(places.count((i, name)) == rounds // n for i in range(n) for name in names)
+    followed = [(r[i], r[i + 1]) for r in trace_rounds for i in range(n - 1)]
+    if n > 1:
+        each = len(followed) // (n * (n - 1))
+        assert all(followed.count((a, b)) == each for a in names for b in names if a != b)
+
+
 def test_host_rounds_run_the_calls_in_the_balanced_orders(monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     ran: list[str] = []
