@@ -438,7 +438,7 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
     return record
 
 
-PROFILED_CALLS = 30  # calls of each mode, in turn, in one profiler trace
+PROFILED_CALLS = 30  # at least this many calls of each mode in one trace (bench.trace_order)
 IN_PLACE = "triton in place"  # ours in place among the profiled implementations
 IN_PLACE_AGAIN = "triton in place, again"  # the same calls again, in the same trace
 IN_PLACE_KEYS = {"fwd_profiled_us": "fwd_in_place_profiled_us",
@@ -609,8 +609,8 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     time, below 64 MiB the profiler's where the points have it; and forward+backward end to end
     on the host clock); ours in place against Liger's (in place too) by kernel time; the
     profiler's kernel times below 64 MiB against each peer's, and ours in place against itself
-    (the same calls twice in each trace: how far apart two medians of one kernel land); the forward below 64 MiB with the
-    L2 warm against each peer (and ours in place against Liger's, replayed on their own output
+    (the same calls twice in each trace: how far apart two medians of one kernel land); the
+    forward below 64 MiB with the L2 warm against each peer (and ours in place against Liger's, replayed on their own output
     and with their input written by a copy before each call, as in a model); the host-clock
     forward+backward against each peer's; and what reading the table as rates gives over
     reading its rows. Absent implementations and failed modes are left out."""
@@ -654,16 +654,18 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
                              f"each call): {line}")
     # an out-of-place kernel writes lines the L2 must first free (after a flush, dirty ones):
     # Liger rewrites the lines it read, as ours in place does
-    for what, ours_key, theirs_key in (("forward", "fwd_in_place_profiled", "fwd_profiled"),
-                                       ("backward", "bwd_in_place_profiled",
-                                        "bwd_kernel_profiled")):
+    for what, ours_key, theirs_key, again_key in (
+        ("forward", "fwd_in_place_profiled", "fwd_profiled", "fwd_in_place_again_profiled"),
+        ("backward", "bwd_in_place_profiled", "bwd_kernel_profiled",
+         "bwd_in_place_again_profiled"),
+    ):
         line = _lead_line(points, ours_key, "liger", theirs_key)
         if line:
             lines.append(f"triton in place (apply_) {what} below 64 MiB by the profiler, "
                          f"against Liger's in-place kernel: {line}")
         gaps = [abs(first - again) for p in points
                 if (first := _us(p, "triton", ours_key))
-                and (again := _us(p, "triton", ours_key.replace("_profiled", "_again_profiled")))]
+                and (again := _us(p, "triton", again_key))]
         if gaps:  # medians of whole nanoseconds: apart by at least one
             apart = sum(gap >= 1e-3 for gap in gaps)
             by = f", by {max(gaps):.2f} us at most" if apart else ""
