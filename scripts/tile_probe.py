@@ -1581,7 +1581,7 @@ TIE_SHAPES = [  # (layout, seq, batch, heads): where Liger's in-place kernel led
 def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int) -> None:
     """``rounds`` profiler traces of ``fns`` (named ``"<what> fwd"`` / ``"<what> bwd"``, Liger's
     as ``"liger fwd"`` / ``"liger bwd"``; or a function making them anew for each trace),
-    ``calls`` calls each, in turn, after an L2 flush
+    at least ``calls`` calls each, in rounds of balanced orders, each after an L2 flush
     (:func:`~rope_dispatch.bench.cold_kernel_samples`). Per variant and mode a line: the pooled
     median and the median of its paired differences to Liger's (neighbouring calls) with its
     95% interval (:func:`~rope_dispatch.bench.paired_difference`)."""
