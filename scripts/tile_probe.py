@@ -1586,10 +1586,9 @@ def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int) -> No
     median and the median of its paired differences to Liger's (neighbouring calls) with its
     95% interval (:func:`~rope_dispatch.bench.paired_difference`)."""
     samples: dict = {}
-    for round_ in range(rounds):  # every other round in reverse order: no name always first
+    for _ in range(rounds):  # each trace balances the names' places itself (trace_order)
         made = fns() if callable(fns) else fns
-        order = dict(reversed(made.items())) if round_ % 2 else made
-        for name, us in bench.cold_kernel_samples(order, calls=calls).items():
+        for name, us in bench.cold_kernel_samples(made, calls=calls).items():
             samples.setdefault(name, []).extend(us)
     for mode in ("fwd", "bwd"):
         theirs = samples[f"liger {mode}"]
