@@ -40,6 +40,8 @@ from rope_dispatch.tables import (
     CosSinCache, RotaryTable, angles_2d, kernel_tables, table_address,
 )
 
+from . import direct_launch
+
 LAYOUT_CODES = {"sbhd": 0, "bshd": 1, "thd": 2}
 
 _kernels: ModuleType | None = None
@@ -1008,6 +1010,11 @@ def launch(
     return out
 
 
+# each compiled kernel's argument types (Triton's signature) by its CUfunction handle, for
+# direct_launch.bind
+kernel_types: dict[int, tuple[str, ...]] = {}
+
+
 def _direct_launcher(compiled: Any) -> tuple[Any, tuple]:
     """``(fn, prefix)`` such that ``fn(gx, gy, gz, stream, *prefix, *kernel_args)`` launches
     ``compiled`` as Triton's own launch does, minus its per-call Python bookkeeping.
@@ -1017,6 +1024,9 @@ def _direct_launcher(compiled: Any) -> tuple[Any, tuple]:
     never does); where that layout is not found, the launcher object itself is used.
     """
     runner = compiled.run
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if isinstance(signature, dict):
+        kernel_types[compiled.function] = tuple(signature.values())
     launch_c = getattr(runner, "launch", None)
     if (
         launch_c is not None
@@ -2210,7 +2220,7 @@ class _QKVLaunches:
     kernels, never tensors."""
 
     __slots__ = ("bound", "offsets", "split", "shape", "tables", "device", "back_key", "back",
-                 "settings", "rows", "per_token", "flag")
+                 "settings", "rows", "per_token", "flag", "direct", "back_direct")
 
     def __init__(self, key: tuple, back_key: tuple | None, entry: tuple, qkv: torch.Tensor,
                  split: tuple[int, int, int], tables: tuple[int, int, int], settings: tuple,
@@ -2228,9 +2238,28 @@ class _QKVLaunches:
         self.rows = rows  # the table rows the call can read (_rows_read)
         self.per_token = per_token  # the index holds per-token positions, not start positions
         self.flag = flag  # a linear angle table's flag, read by address
+        # the forward, q, k and v allocated in its call (direct_launch), or None
+        outs = _qkv_outputs(qkv, self.split)
+        self.direct = self._direct(self.bound, 2, ((0, 0, self.offsets[0]), (0, 2, self.offsets[1]),
+                                                  (0, 4, self.offsets[2]), (1, 11, 0)),
+                                   tuple((0, tuple(o.shape)) for o in outs),
+                                   ((0, 1, 0), (1, 3, 0), (2, 5, 0)))
+        self.back_direct: Any = None  # bound with ``back``; False when it cannot be
+
+    def _direct(self, bound: tuple, inputs: int, takes: tuple, makes: tuple,
+                fills: tuple) -> Any:
+        """One of the launches as a ``direct_launch`` call that allocates its outputs too:
+        arguments 0-5 are the three inputs' and outputs' addresses, 11 the index's."""
+        run, prefix, grid, rest = bound
+        tp, sp, cp = self.tables
+        return direct_launch.bind(prefix, grid, kernel_types.get(prefix[0]),
+                                  (0,) * 6 + (tp, sp, tp, sp, cp, 0) + rest, inputs, takes,
+                                  makes, fills)
 
     def forward(self, qkv: torch.Tensor, index: torch.Tensor | None,
                 stream: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.direct is not None:
+            return self.direct(stream, qkv, self.tables[0] if index is None else index)
         q, k, v = _qkv_outputs(qkv, self.split)
         xp = qkv.data_ptr()
         oq, ok, ov = self.offsets
@@ -2255,11 +2284,19 @@ class _QKVLaunches:
             and not (gq.data_ptr() | gk.data_ptr() | gv.data_ptr()) & 15
             and (self.flag is None or not _flag_stale(self.flag, freqs, stream))
         ):
+            direct = self.back_direct
+            if direct is None:
+                oq, ok, ov = self.offsets
+                direct = self.back_direct = self._direct(
+                    back, 4, ((0, 0, 0), (1, 2, 0), (2, 4, 0), (3, 11, 0)),
+                    ((1, tuple(self.shape)),), ((0, 1, oq), (0, 3, ok), (0, 5, ov))) or False
+            tp, sp, cp = self.tables
+            if direct:
+                return direct(stream, gq, gk, gv, tp if index is None else index)
             run, prefix, grid, rest = back
             grad = gk.new_empty(self.shape)
             gp = grad.data_ptr()
             oq, ok, ov = self.offsets
-            tp, sp, cp = self.tables
             run(*grid, stream, *prefix, gq.data_ptr(), gp + oq, gk.data_ptr(), gp + ok,
                 gv.data_ptr(), gp + ov, tp, sp, tp, sp, cp,
                 tp if index is None else index.data_ptr(), *rest)

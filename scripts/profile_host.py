@@ -723,8 +723,8 @@ def qkv_pieces(seq: int = 512, layout: str = "sbhd") -> None:
             for p in dispatch._plans[key].plans if p.guard(leaf)]
     launches = next((v for v in (_closure_value(r, triton_rope._QKVLaunches) for r in runs)
                      if v is not None), None)
-    if launches is None or launches.back is None:
-        print("no planned packed-qkv launch with a bound backward was found")
+    if launches is None or launches.back is None or not launches.back_direct:
+        print("no planned packed-qkv launch with a bound backward (and its direct call) was found")
         return
     ours_out = rd.apply_qkv(leaf, freqs, spec, split=split, backend="triton")
     fmt = rope.QKVFormat[layout]
@@ -761,6 +761,13 @@ def qkv_pieces(seq: int = 512, layout: str = "sbhd") -> None:
                 c.data_ptr(), g + ov, tp, sp, tp, sp, cp, tp, *rest)
             return grad, None, None, None, None, None
 
+    direct = launches.back_direct
+
+    class DirectBody(triton_rope._PlannedQKVFunction):
+        @staticmethod
+        def backward(ctx, a, b, c):
+            return direct(stream, a, b, c, tp), None, None, None, None, None
+
     class TEBody(triton_rope._PlannedQKVFunction):
         @staticmethod
         def backward(ctx, a, b, c):
@@ -786,7 +793,8 @@ def qkv_pieces(seq: int = 512, layout: str = "sbhd") -> None:
 
     variants = {name: triton_rope.c_apply(cls)(leaf, launches, freqs, None, None, stream)
                 for name, cls in (("kept tensor", KeptBody), ("alloc + launch, no checks",
-                                  BareBody), ("TE's C++ call", TEBody), ("alloc only", AllocBody),
+                                  BareBody), ("one direct call, no checks", DirectBody),
+                                  ("TE's C++ call", TEBody), ("alloc only", AllocBody),
                                   ("launch only, kept tensor", LaunchBody),
                                   ("a clone of the kept tensor", CloneBody))}
 
@@ -812,6 +820,7 @@ def qkv_pieces(seq: int = 512, layout: str = "sbhd") -> None:
         "TE C++ call alone": lambda: rope.tex.fused_qkv_rope_backward(
             gq, gk, gv, freqs, freqs, list(split), fmt, False, 1, 0),
         "ours: packed gradient allocation": lambda: gk.new_empty(launches.shape),
+        "ours: the direct call (allocates)": lambda: direct(stream, gq, gk, gv, tp),
         "ours: launch alone (kept output)": lambda: run(
             *grid, stream, *prefix, gq.data_ptr(), gp + oq, gk.data_ptr(), gp + ok,
             gv.data_ptr(), gp + ov, tp, sp, tp, sp, cp, tp, *rest),
