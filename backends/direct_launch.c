@@ -112,7 +112,8 @@ static int driver_error(CUresult code, const char *what) {
     return -1;
 }
 
-/* The device address of `obj`: an int as it is, else obj.data_ptr(). */
+/* The device address of `obj`: an int as it is, else obj.data_ptr(), 1 when that is not
+   16-byte aligned. */
 static int address_of(PyObject *obj, uint64_t *address) {
     if (PyLong_Check(obj)) {
         *address = PyLong_AsUnsignedLongLong(obj);
@@ -126,10 +127,12 @@ static int address_of(PyObject *obj, uint64_t *address) {
     }
     *address = PyLong_AsUnsignedLongLong(value);
     Py_DECREF(value);
-    return PyErr_Occurred() ? -1 : 0;
+    return PyErr_Occurred() ? -1 : (*address & 15) != 0;
 }
 
-/* launch(stream, *inputs): the outputs (one, a tuple of several, or None when none). */
+/* launch(stream, *inputs): the outputs (one, a tuple of several, or None when none), or
+   NotImplemented, launching nothing, when an input tensor's address is not 16-byte aligned:
+   the kernels bound here were compiled for aligned tensors. */
 static PyObject *launch_call(PyObject *callable, PyObject *const *args, size_t nargsf,
                              PyObject *kwnames) {
     Launch *self = (Launch *)callable;
@@ -150,12 +153,18 @@ static PyObject *launch_call(PyObject *callable, PyObject *const *args, size_t n
     uint64_t values[MAX_SLOTS];
     void *params[MAX_SLOTS];
     memcpy(values, self->slots, sizeof(uint64_t) * self->n_slots);
+    int unaligned = 0;
     for (Py_ssize_t i = 0; i < self->n_takes; ++i) {
         uint64_t address;
-        if (address_of(args[1 + self->takes[i].source], &address) < 0) {
+        int status = address_of(args[1 + self->takes[i].source], &address);
+        if (status < 0) {
             return NULL;
         }
+        unaligned |= status;
         values[self->takes[i].slot] = address + (uint64_t)self->takes[i].offset;
+    }
+    if (unaligned) {
+        Py_RETURN_NOTIMPLEMENTED;
     }
     PyObject *outputs[MAX_MAKES];
     uint64_t addresses[MAX_MAKES];

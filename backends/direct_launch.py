@@ -90,13 +90,15 @@ def bind(
     each ``(i, shape)`` of ``makes``, writes the addresses that vary per call and launches the
     kernel that ``run(*grid, stream, *prefix, *args)`` launches (``prefix`` as
     ``_direct_launcher`` makes it for Triton's C launch ``run``, ``types`` the kernel's signature);
-    it returns the one output, a tuple of several, or ``None``.
+    it returns the one output, a tuple of several, or ``None``; or ``NotImplemented``, launching
+    nothing, when an input tensor is not 16-byte aligned (ints are taken as given).
 
     ``takes``: ``(input, argument, offset)``, argument ``argument`` is input ``input``'s address
     plus ``offset`` bytes; ``fills``: ``(output, argument, offset)`` likewise for an output.
     ``args`` holds placeholders at those arguments. ``None`` where the launch is not one this
-    launcher reproduces exactly (another launcher's prefix, a cooperative, PDL or cluster launch, scratch memory, an argument type it does not pack) or the module is not
-    built. Call it with the kernel's CUDA device current."""
+    launcher reproduces exactly (not Triton's C launch without scratch memory, a cooperative,
+    PDL or cluster launch, an argument type it does not pack) or the module is not built. Call
+    it with the kernel's CUDA device current."""
     if types is None or len(prefix) != 9 or prefix[1] or prefix[2] or min(grid) < 1:
         return None  # not Triton's C launch (its layout), a cooperative or PDL launch, no grid
     function, metadata = prefix[0], prefix[5]

@@ -1859,6 +1859,10 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
     contiguous = t.is_contiguous()
     empty_like = torch.empty_like
     dense = torch.contiguous_format
+    # out of place on a contiguous tensor: the allocation and launch as one call
+    direct = None if in_place or not contiguous else _direct_call(
+        (run, prefix, head, rest), (0, 0, *bound_tables, 0), 2, ((0, 0, 0), (1, 5, 0)),
+        ((0, tuple(t.shape)),), ((0, 1, 0),))
 
     def launch_bound(
         x: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
@@ -1876,11 +1880,34 @@ def _bound_launch(call: RoPECall, generic: Plan) -> Plan:
             run(*head, s, *prefix, xp, xp, *bound_tables, ip, *rest)
             increment_version(x)
             return x
+        if direct is not None:
+            return direct(s, x, ip)
         out = empty_like(x) if contiguous else empty_like(x, memory_format=dense)
         run(*head, s, *prefix, xp, out.data_ptr(), *bound_tables, ip, *rest)
         return out
 
     return launch_bound
+
+
+def _direct_call(bound: tuple, leading: tuple, inputs: int, takes: tuple, makes: tuple,
+                 fills: tuple) -> Any:
+    """A bound launch (``(run, prefix, grid, rest)``) as one ``direct_launch`` call that
+    allocates its outputs too, or ``None``: ``leading`` are the kernel's arguments before
+    ``rest``, with placeholders where ``takes`` and ``fills`` write addresses."""
+    _, prefix, grid, rest = bound
+    return direct_launch.bind(prefix, grid, kernel_types.get(prefix[0]), leading + rest, inputs,
+                              takes, makes, fills)
+
+
+def _pair_direct_call(bound: tuple, tables: tuple[int, int, int], q_shape: tuple[int, ...],
+                      k_shape: tuple[int, ...]) -> Any:
+    """A bound launch of a q and k pair, out of place into new contiguous q and k, as one
+    ``direct_launch`` call on ``(q, k, index)`` (k fills the kernel's v segment too)."""
+    tp, sp, cp = tables
+    return _direct_call(bound, (0,) * 6 + (tp, sp, tp, sp, cp, 0), 3,
+                        ((0, 0, 0), (1, 2, 0), (1, 4, 0), (2, 11, 0)),
+                        ((0, tuple(q_shape)), (1, tuple(k_shape))),
+                        ((0, 1, 0), (1, 3, 0), (1, 5, 0)))
 
 
 def _bound_entry(entry: tuple) -> tuple:
@@ -1921,11 +1948,11 @@ class _GradLaunch:
     backward that finds it compiled. Holds addresses and compiled kernels, never tensors."""
 
     __slots__ = ("run", "prefix", "head", "tables", "rest", "device", "back_key", "back",
-                 "settings", "per_token", "flag")
+                 "settings", "per_token", "flag", "shape", "direct", "back_direct")
 
     def __init__(
         self, key: tuple, tail: tuple, entry: tuple, settings: tuple, per_token: bool,
-        flag: torch.Tensor | None,
+        flag: torch.Tensor | None, shape: tuple[int, ...],
     ):
         self.run, self.prefix, self.head, ints, consts = entry
         self.tables = tail[:3]
@@ -1936,8 +1963,20 @@ class _GradLaunch:
         self.settings = settings
         self.per_token = per_token
         self.flag = flag  # a linear angle table's flag, read by address
+        self.shape = shape
+        # either launch as one call that allocates its output too (direct_launch), or None
+        self.direct = self._direct((self.run, self.prefix, self.head, self.rest))
+        self.back_direct: Any = None  # bound with ``back``; False when it cannot be
+
+    def _direct(self, bound: tuple) -> Any:
+        """``bound`` (the forward or the transposed launch) as one ``direct_launch`` call on
+        the tensor and the index (or the table's address standing for none)."""
+        return _direct_call(bound, (0, 0, *self.tables, 0), 2, ((0, 0, 0), (1, 5, 0)),
+                            ((0, self.shape),), ((0, 1, 0),))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor | None, stream: int) -> torch.Tensor:
+        if self.direct is not None:  # the plan checked x's and the index's alignment
+            return self.direct(stream, x, self.tables[0] if index is None else index)
         out = torch.empty_like(x)
         ip = self.tables[0] if index is None else index.data_ptr()
         self.run(*self.head, stream, *self.prefix, x.data_ptr(),
@@ -1952,14 +1991,24 @@ class _GradLaunch:
         out as the forward's input was (contiguous, aligned) and no graph of the backward is
         wanted, else the generic launch (any strides) or, for double backward, the
         differentiable function."""
-        gp = grad.data_ptr()
         stream = _current_stream(self.device)
         if (
-            not torch.is_grad_enabled() and grad.is_contiguous() and not gp & 15
+            not torch.is_grad_enabled() and grad.is_contiguous()
             and (self.flag is None or not _flag_stale(self.flag, freqs, stream))
         ):
-            back = _back_launch(self, _fast)
-            if back is not None:
+            direct = self.back_direct
+            if direct is None:
+                back = _back_launch(self, _fast)
+                if back is not None:
+                    direct = self.back_direct = self._direct(back) or False
+            if direct:
+                ip = self.tables[0] if index is None else index
+                grad_x = direct(stream, grad, ip)
+                if grad_x is not NotImplemented:  # else unaligned: the generic launch
+                    return grad_x
+            back = self.back
+            gp = grad.data_ptr()
+            if back is not None and not gp & 15:
                 run, prefix, head, rest = back
                 grad_x = torch.empty_like(grad)
                 ip = self.tables[0] if index is None else index.data_ptr()
@@ -2017,7 +2066,8 @@ def _bound_grad_launch(call: RoPECall, generic: Plan) -> Plan:
     if entry is None or key[-1] != 63 or tail[0] != _user_table_address(call):
         return generic
     settings = kernel_settings(spec)
-    launches = _GradLaunch(key, tail, entry, settings, call.positions is not None, flag)
+    launches = _GradLaunch(key, tail, entry, settings, call.positions is not None, flag,
+                           tuple(t.shape))
     device_index = key[-2]
     guard = _several_gpus()
     current_device = torch.cuda.current_device
@@ -2062,6 +2112,8 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
     guard = _several_gpus()
     stream = _current_stream
     current_device = torch.cuda.current_device
+    direct = None if in_place else _pair_direct_call((run, prefix, grid, rest), (tp, sp, cp),
+                                                     q.shape, k.shape)
 
     def launch_bound(
         x: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
@@ -2080,6 +2132,8 @@ def _bound_qk_launch(call: RoPECall, generic: Plan) -> Plan:
             increment_version(x)
             increment_version(k)
             return x, k
+        if direct is not None:
+            return direct(s, x, k, ip)
         q_out, k_out = _qk_outputs(x, k, None)
         qo, ko = q_out.data_ptr(), k_out.data_ptr()
         run(*grid, s, *prefix, qp, qo, kp, ko, kp, ko, tp, sp, tp, sp, cp, ip, *rest)
@@ -2096,10 +2150,11 @@ class _QKGradLaunch:
     backward take the generic launch. Holds addresses and compiled kernels, never tensors."""
 
     __slots__ = ("bound", "tables", "device", "back_key", "back", "settings", "rows", "per_token",
-                 "flag")
+                 "flag", "shapes", "direct", "back_direct")
 
     def __init__(self, key: tuple, entry: tuple, tables: tuple[int, int, int], settings: tuple,
-                 rows: int, per_token: bool, flag: torch.Tensor | None):
+                 rows: int, per_token: bool, flag: torch.Tensor | None,
+                 shapes: tuple[tuple[int, ...], tuple[int, ...]]):
         self.bound = _bound_entry(entry)  # the forward launch
         self.tables = tables  # the addresses of the table, its sin (or flag) and cu_seqlens
         self.device = key[-1]
@@ -2109,6 +2164,10 @@ class _QKGradLaunch:
         self.rows = rows  # the table rows the call can read (_rows_read)
         self.per_token = per_token  # the index holds per-token positions, not start positions
         self.flag = flag  # a linear angle table's flag, read by address
+        self.shapes = shapes  # q's and k's
+        # either launch as one call that allocates its outputs too (direct_launch), or None
+        self.direct = _pair_direct_call(self.bound, tables, *shapes)
+        self.back_direct: Any = None  # bound with ``back``; False when it cannot be
 
     def _launch(self, bound: tuple, q: torch.Tensor, k: torch.Tensor, index: torch.Tensor | None,
                 stream: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2122,6 +2181,8 @@ class _QKGradLaunch:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, index: torch.Tensor | None,
                 stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.direct is not None:  # the plan checked the addresses' alignment
+            return self.direct(stream, q, k, self.tables[0] if index is None else index)
         return self._launch(self.bound, q, k, index, stream)
 
     def backward(
@@ -2134,11 +2195,20 @@ class _QKGradLaunch:
         stream = _current_stream(self.device)
         if (
             not torch.is_grad_enabled() and gq.is_contiguous() and gk.is_contiguous()
-            and not (gq.data_ptr() | gk.data_ptr()) & 15
             and (self.flag is None or not _flag_stale(self.flag, freqs, stream))
         ):
-            back = _back_launch(self, _fast_qkv)
-            if back is not None:
+            direct = self.back_direct
+            if direct is None:
+                back = _back_launch(self, _fast_qkv)
+                if back is not None:
+                    direct = self.back_direct = _pair_direct_call(
+                        back, self.tables, *self.shapes) or False
+            if direct:
+                grads = direct(stream, gq, gk, self.tables[0] if index is None else index)
+                if grads is not NotImplemented:  # else unaligned: the generic launch
+                    return grads
+            back = self.back
+            if back is not None and not (gq.data_ptr() | gk.data_ptr()) & 15:
                 return self._launch(back, gq, gk, index, stream)
         table, sin, cu_seqlens, index = _generic_tables(
             freqs, self.rows, index, self.per_token, cu_seqlens, self.settings)
@@ -2188,7 +2258,7 @@ def _bound_qk_grad_launch(call: RoPECall, generic: Plan) -> Plan:
     settings = kernel_settings(spec)
     addresses = (tp, tp if sin is None else sin.data_ptr(), tp if cu is None else cu.data_ptr())
     launches = _QKGradLaunch(key, entry, addresses, settings, rows, call.positions is not None,
-                             flag)
+                             flag, (tuple(q.shape), tuple(k.shape)))
     device_index = key[-1]
     guard = _several_gpus()
     current_device = torch.cuda.current_device
@@ -2220,7 +2290,7 @@ class _QKVLaunches:
     kernels, never tensors."""
 
     __slots__ = ("bound", "offsets", "split", "shape", "tables", "device", "back_key", "back",
-                 "settings", "rows", "per_token", "flag", "direct", "back_direct")
+                 "settings", "rows", "per_token", "flag", "leading", "direct", "back_direct")
 
     def __init__(self, key: tuple, back_key: tuple | None, entry: tuple, qkv: torch.Tensor,
                  split: tuple[int, int, int], tables: tuple[int, int, int], settings: tuple,
@@ -2238,23 +2308,16 @@ class _QKVLaunches:
         self.rows = rows  # the table rows the call can read (_rows_read)
         self.per_token = per_token  # the index holds per-token positions, not start positions
         self.flag = flag  # a linear angle table's flag, read by address
-        # the forward, q, k and v allocated in its call (direct_launch), or None
-        outs = _qkv_outputs(qkv, self.split)
-        self.direct = self._direct(self.bound, 2, ((0, 0, self.offsets[0]), (0, 2, self.offsets[1]),
-                                                  (0, 4, self.offsets[2]), (1, 11, 0)),
-                                   tuple((0, tuple(o.shape)) for o in outs),
-                                   ((0, 1, 0), (1, 3, 0), (2, 5, 0)))
+        # the forward as one call that allocates q, k and v too (direct_launch), or None;
+        # arguments 0-5 are the inputs' and outputs' addresses, 11 the index's
+        tp, sp, cp = tables
+        self.leading = (0,) * 6 + (tp, sp, tp, sp, cp, 0)
+        oq, ok, ov = self.offsets
+        self.direct = _direct_call(
+            self.bound, self.leading, 2, ((0, 0, oq), (0, 2, ok), (0, 4, ov), (1, 11, 0)),
+            tuple((0, tuple(o.shape)) for o in _qkv_outputs(qkv, split)),
+            ((0, 1, 0), (1, 3, 0), (2, 5, 0)))
         self.back_direct: Any = None  # bound with ``back``; False when it cannot be
-
-    def _direct(self, bound: tuple, inputs: int, takes: tuple, makes: tuple,
-                fills: tuple) -> Any:
-        """One of the launches as a ``direct_launch`` call that allocates its outputs too:
-        arguments 0-5 are the three inputs' and outputs' addresses, 11 the index's."""
-        run, prefix, grid, rest = bound
-        tp, sp, cp = self.tables
-        return direct_launch.bind(prefix, grid, kernel_types.get(prefix[0]),
-                                  (0,) * 6 + (tp, sp, tp, sp, cp, 0) + rest, inputs, takes,
-                                  makes, fills)
 
     def forward(self, qkv: torch.Tensor, index: torch.Tensor | None,
                 stream: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -2276,23 +2339,29 @@ class _QKVLaunches:
         """The packed gradient of q's, k's and v's: the bound launch when all three are
         contiguous and aligned, as the forward's outputs were, else the generic launch (any
         strides) or, for double backward, the differentiable function."""
-        back = _back_launch(self, _fast_qkv)
-        stream = _current_stream(self.device)
-        if (
-            back is not None and not torch.is_grad_enabled()
-            and gq.is_contiguous() and gk.is_contiguous() and gv.is_contiguous()
-            and not (gq.data_ptr() | gk.data_ptr() | gv.data_ptr()) & 15
-            and (self.flag is None or not _flag_stale(self.flag, freqs, stream))
-        ):
-            direct = self.back_direct
-            if direct is None:
+        direct = self.back_direct
+        if direct is None:
+            back = _back_launch(self, _fast_qkv)
+            if back is not None:
                 oq, ok, ov = self.offsets
-                direct = self.back_direct = self._direct(
-                    back, 4, ((0, 0, 0), (1, 2, 0), (2, 4, 0), (3, 11, 0)),
+                direct = self.back_direct = _direct_call(
+                    back, self.leading, 4, ((0, 0, 0), (1, 2, 0), (2, 4, 0), (3, 11, 0)),
                     ((1, tuple(self.shape)),), ((0, 1, oq), (0, 3, ok), (0, 5, ov))) or False
-            tp, sp, cp = self.tables
-            if direct:
-                return direct(stream, gq, gk, gv, tp if index is None else index)
+        stream = _current_stream(self.device)
+        tp, sp, cp = self.tables
+        plain = (  # laid out as the forward's outputs, outside double backward
+            not torch.is_grad_enabled()
+            and gq.is_contiguous() and gk.is_contiguous() and gv.is_contiguous()
+            and (self.flag is None or not _flag_stale(self.flag, freqs, stream))
+        )
+        if plain and direct:
+            grad = direct(stream, gq, gk, gv, tp if index is None else index)
+            if grad is not NotImplemented:  # else an unaligned gradient: the generic launch
+                return grad
+        back = self.back
+        if plain and back is not None and not (
+            gq.data_ptr() | gk.data_ptr() | gv.data_ptr()
+        ) & 15:
             run, prefix, grid, rest = back
             grad = gk.new_empty(self.shape)
             gp = grad.data_ptr()

@@ -6,7 +6,8 @@ small shared library compiled here) that records what each launch was given: the
 values must be the inputs' and outputs' addresses plus their offsets and the constants packed
 as the kernel's types say, the geometry the compiled kernel's. The stand-in replaces the
 driver for the whole process, so those checks run in a child process. On a GPU the planned
-packed-qkv calls launch through it, matched against the float64 reference."""
+calls (single tensors, q and k pairs, packed qkv; forward and backward) launch through it,
+matched against the float64 reference."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import textwrap
 
 import pytest
 import torch
-from reference import reference_qkv_forward_backward
+from reference import reference_forward_backward, reference_qkv_forward_backward
 
 from rope_dispatch.backends import direct_launch
 
@@ -86,6 +87,8 @@ report["pushed"] = ctypes.c_void_p.in_dll(driver, "pushed_context").value
 two = direct_launch.bind(prefix, (1, 1, 1), types, args, 2, (), ((0, (2,)), (1, (3, 4))),
                          ((1, 0, 0), (0, 1, 0)))
 made = two(0, x, index)
+unaligned = torch.randn(16).to(torch.bfloat16)[1:].view(5, 3)  # 2 bytes past an aligned one
+report["unaligned"] = launch(0, unaligned, index) is NotImplemented
 report["two"] = [type(made).__name__, [list(t.shape) for t in made], [str(t.dtype) for t in made],
                  seen()[:2] == [made[1].data_ptr(), made[0].data_ptr()]]
 errors = {}
@@ -144,6 +147,7 @@ def test_a_launch_passes_addresses_constants_and_geometry_to_the_driver(stand_in
     assert report["int_index"] == 12345
     assert report["pushed"] is not None and report["pushed"] == 0x1000, (
         "with another context current the launch must push the one it was bound in")
+    assert report["unaligned"], "an unaligned input tensor must be refused, not launched"
     assert report["two"] == ["tuple", [[2], [3, 4]], ["torch.bfloat16", "torch.int64"], True]
     errors = report["errors"]
     assert errors["arguments"].startswith("TypeError") and "2 inputs, got 2" in errors["arguments"]
@@ -152,7 +156,7 @@ def test_a_launch_passes_addresses_constants_and_geometry_to_the_driver(stand_in
     assert "data_ptr" in errors["address"]
     assert "cuLaunchKernel" in errors["launch"] and "700" in errors["launch"]
     assert "stand-in failure" in errors["launch"]
-    assert report["launches"] == 4  # the failed calls launched nothing
+    assert report["launches"] == 4  # the refused and failed calls launched nothing
 
 
 @pytest.mark.parametrize("change, words", [
@@ -197,7 +201,8 @@ def test_the_module_builds_and_checks_its_bind_arguments():
     module = direct_launch.build()
     bad = {
         "slots": ((1, (1, 1, 1), 32, 0, bytes(12), 1, (), (), ()), "8-byte"),
-        "makes": ((1, (1, 1, 1), 32, 0, bytes(8), 1, (), ((3, (2,)),), ()), "makes[0] names input 3"),
+        "makes": ((1, (1, 1, 1), 32, 0, bytes(8), 1, (), ((3, (2,)),), ()),
+                  "makes[0] names input 3"),
         "takes": ((1, (1, 1, 1), 32, 0, bytes(8), 1, ((0, 4, 0),), (), ()), "takes[0]"),
         "fills": ((1, (1, 1, 1), 32, 0, bytes(8), 1, (), (), ((0, 0, 0),)), "fills[0]"),
     }
@@ -210,45 +215,70 @@ def test_the_module_builds_and_checks_its_bind_arguments():
                         ((0, 1, 0),))
 
 
+def _check(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got.float().cpu(), expected.float(), atol=2e-2, rtol=2e-2, msg=what)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["sbhd", "bshd"])
-def test_planned_packed_qkv_launches_through_one_call_forward_and_backward(layout):
-    """On a GPU a planned packed-qkv call with a gradient binds both of its launches as direct
-    calls, and what they compute matches the float64 reference, call after call."""
+@pytest.mark.parametrize("tensors", ["t", "qk", "qkv"])
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_planned_calls_launch_through_one_direct_call(layout, tensors, needs_grad, monkeypatch):
+    """On a GPU the planned calls of a single tensor, a q and k pair and packed qkv, with and
+    without a gradient, launch through direct calls (each forward and each backward one call),
+    and what they compute matches the float64 reference, call after call on new data."""
     import rope_dispatch as rd
-    from rope_dispatch.backends import triton_rope
 
-    seq, batch, groups, d = 16, 2, 2, 64
-    split = (2 * d, d, d)
-    shape = (seq, batch, groups, sum(split)) if layout == "sbhd" else (batch, seq, groups, sum(split))
+    calls = []
+    real_bind = direct_launch.bind
+
+    def counting_bind(*args, **kwargs):
+        launch = real_bind(*args, **kwargs)
+        if launch is None:
+            return None
+        return lambda *a: calls.append(1) or launch(*a)
+
+    monkeypatch.setattr(direct_launch, "bind", counting_bind)
+    seq, batch, heads, d = 16, 2, 4, 64
+    lead = (seq, batch) if layout == "sbhd" else (batch, seq)
     freqs = torch.randn(seq, 1, 1, d, dtype=torch.float32, device="cuda")
     spec = rd.RoPESpec(layout=layout, dtype="bf16")
-    bound = []
-    real = triton_rope._QKVLaunches.backward
+    split = (2 * d, d, d)
 
-    def spying(self, *args):
-        bound.append((self.direct, self.back_direct))
-        return real(self, *args)
+    def data(shape, seed):
+        torch.manual_seed(seed)
+        return torch.randn(shape, device="cuda").to(torch.bfloat16)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_rope._QKVLaunches, "backward", spying)
-        for step in range(4):
-            torch.manual_seed(step)
-            source = torch.randn(shape, device="cuda").to(torch.bfloat16)
-            qkv = source.clone().requires_grad_(True)
-            outs = rd.apply_qkv(qkv, freqs, spec, split, backend="triton")
-            grads = tuple(torch.randn_like(o) for o in outs)
-            (got,) = torch.autograd.grad(outs, qkv, grads)
+    for step in range(4):
+        calls.clear()
+        if tensors == "qkv":
+            source = data((*lead, 2, sum(split)), step)
+            leaves = (source.clone().requires_grad_(needs_grad),)
+            outs = rd.apply_qkv(leaves[0], freqs, spec, split, backend="triton")
+        else:
+            sources = (data((*lead, heads, d), step),) + (
+                (data((*lead, 1, d), 10 + step),) if tensors == "qk" else ())
+            leaves = tuple(x.clone().requires_grad_(needs_grad) for x in sources)
+            if tensors == "qk":
+                outs = rd.apply_qk(*leaves, freqs, spec, backend="triton")
+            else:
+                outs = (rd.apply(leaves[0], freqs, spec, backend="triton"),)
+        grads = tuple(data(o.shape, 20 + i) for i, o in enumerate(outs))
+        if tensors == "qkv":
             expected, expected_grad = reference_qkv_forward_backward(
-                source.cpu().float(), freqs.cpu(), freqs.cpu(), spec, split,
-                tuple(g.cpu().float() for g in grads))
-            for name, out, ref in zip("qkv", outs, expected):
-                torch.testing.assert_close(out.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2,
-                                           msg=f"step {step} {name}")
-            torch.testing.assert_close(got.float().cpu(), expected_grad.float(), atol=2e-2,
-                                       rtol=2e-2, msg=f"step {step} gradient")
-    assert bound, "no planned packed-qkv backward ran"
-    direct, back_direct = bound[-1]
-    assert type(direct).__name__ == "Launch" and type(back_direct).__name__ == "Launch", (
-        f"the planned launches were not bound as direct calls: {direct!r}, {back_direct!r}; "
-        f"{direct_launch.unavailable_reason()}")
+                source.float(), freqs, freqs, spec, split, tuple(g.float() for g in grads))
+            expected_grads = (expected_grad,)
+        else:
+            pairs = [reference_forward_backward(x.float(), freqs, spec, g.float())
+                     for x, g in zip(sources, grads)]
+            expected = [out for out, _ in pairs]
+            expected_grads = [grad for _, grad in pairs]
+        for name, out, ref in zip("qkv", outs, expected):
+            _check(out, ref, f"step {step} output {name}")
+        if needs_grad:
+            got = torch.autograd.grad(outs, leaves, grads)
+            for name, grad, ref in zip("qkv", got, expected_grads):
+                _check(grad, ref, f"step {step} gradient {name}")
+    # by the last step the plan binds both launches: one direct call each way
+    assert len(calls) == (2 if needs_grad else 1), (
+        f"{len(calls)} direct calls in the last step; {direct_launch.unavailable_reason()}")
