@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -485,16 +486,16 @@ GRAD_NOISE_POINTS = (  # points where ours trailed TE's API end to end in run AW
 )
 
 
-def grad_noise(rounds: int = 120) -> None:
+def grad_noise(rounds: int = 120, names: Sequence[str] = GRAD_NOISE_POINTS) -> None:
     """How far one sweep's host-clock forward + backward figure moves: the sweep's
-    implementations of each point in :data:`GRAD_NOISE_POINTS`, timed in turn for ``rounds``
-    rounds of the sweep's calls; per implementation the 10th, 50th and 90th percentile of its
+    implementations of each point in ``names`` (by default :data:`GRAD_NOISE_POINTS`), timed
+    in turn for ``rounds`` rounds of the sweep's calls; per implementation the 10th, 50th and 90th percentile of its
     round times, ours over TE's API per round, and the medians of disjoint runs of the sweep's
     rounds (what one sweep would have reported)."""
     from rope_dispatch import sweep
 
     points = {p.name: p for p in sweep.sweep_points()}
-    for name in GRAD_NOISE_POINTS:
+    for name in names:
         shape = points[name]
         inp = bench.make_inputs(shape, "cuda", draw_on_device=True)
         impls = {}
@@ -882,8 +883,8 @@ def main():
     if sys.argv[1:2] == ["grad"]:  # grad [tokens [heads]]
         grad_pieces(*(int(n) for n in sys.argv[2:4]))
         return
-    if sys.argv[1:2] == ["grad-noise"]:  # grad-noise [rounds]
-        grad_noise(*(int(n) for n in sys.argv[2:3]))
+    if sys.argv[1:2] == ["grad-noise"]:  # grad-noise [rounds [point name ...]]
+        grad_noise(*(int(n) for n in sys.argv[2:3]), *([sys.argv[3:]] if sys.argv[3:] else []))
         return
     if sys.argv[1:2] == ["flag-paths"]:  # flag-paths [rounds]
         flag_paths(*(int(n) for n in sys.argv[2:3]), profiled="quiet" not in sys.argv)
