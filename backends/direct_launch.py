@@ -97,8 +97,8 @@ def bind(
     plus ``offset`` bytes; ``fills``: ``(output, argument, offset)`` likewise for an output.
     ``args`` holds placeholders at those arguments. ``None`` where the launch is not one this
     launcher reproduces exactly (not Triton's C launch without scratch memory, a cooperative,
-    PDL or cluster launch, an argument type it does not pack) or the module is not built. Call
-    it with the kernel's CUDA device current."""
+    PDL or cluster launch, an argument type it does not pack), the module is not built or no
+    CUDA context is current. Call it with the kernel's CUDA device current."""
     if types is None or len(prefix) != 9 or prefix[1] or prefix[2] or min(grid) < 1:
         return None  # not Triton's C launch (its layout), a cooperative or PDL launch, no grid
     function, metadata = prefix[0], prefix[5]
@@ -112,8 +112,11 @@ def bind(
     slots, where = packed
     if any(where[a] < 0 for _, a, _ in (*takes, *fills)):
         return None
-    return built.bind(
-        function, tuple(grid), 32 * num_warps, shared, slots, inputs,
-        tuple((i, where[a], o) for i, a, o in takes), tuple((i, tuple(s)) for i, s in makes),
-        tuple((i, where[a], o) for i, a, o in fills),
-    )
+    try:
+        return built.bind(
+            function, tuple(grid), 32 * num_warps, shared, slots, inputs,
+            tuple((i, where[a], o) for i, a, o in takes), tuple((i, tuple(s)) for i, s in makes),
+            tuple((i, where[a], o) for i, a, o in fills),
+        )
+    except RuntimeError:  # no CUDA context current on this thread: Triton's launcher serves
+        return None

@@ -106,6 +106,10 @@ except RuntimeError as exc:
     errors["launch"] = str(exc)
 report["errors"] = errors
 report["launches"] = ctypes.c_int.in_dll(driver, "launches").value
+ctypes.c_void_p.in_dll(driver, "current_context").value = None  # no context on this thread
+report["bound_without_context"] = direct_launch.bind(
+    prefix, (3, 2, 1), types, args, 2, ((0, 0, 16), (1, 6, 0)), ((0, (5, 3)),), ((0, 1, 8),))
+report["bound_without_context"] = repr(report["bound_without_context"])
 print(json.dumps(report))
 """
 
@@ -157,6 +161,8 @@ def test_a_launch_passes_addresses_constants_and_geometry_to_the_driver(stand_in
     assert "cuLaunchKernel" in errors["launch"] and "700" in errors["launch"]
     assert "stand-in failure" in errors["launch"]
     assert report["launches"] == 4  # the refused and failed calls launched nothing
+    assert report["bound_without_context"] == "None", (
+        "with no CUDA context current, bind must leave the launch to Triton's launcher")
 
 
 @pytest.mark.parametrize("change, words", [
