@@ -1,7 +1,8 @@
 """``python -m rope_dispatch.selftest``: what this machine can run, and proof that it is right.
 
-Prints versions, every backend's availability with reasons, the overrides in force and the
-autotune cache, then checks every available backend against the float64 reference
+Prints versions, every backend's availability with reasons, the overrides in force, how
+planned launches reach a GPU (one call into C, or Triton's launcher and why) and the autotune
+cache, then checks every available backend against the float64 reference
 (:mod:`rope_dispatch.reference`) over a quick grid of calls covering every feature, forward and
 backward, with timings (``--thorough``: the whole grid). Where CUDA is checked, backends that
 compile per spec (``torch.compile``) are checked in a process of their own meanwhile
@@ -279,6 +280,20 @@ def process_age_s() -> float | None:
         return None
 
 
+def direct_launch_state(devices: list[str], available: list[str]) -> str | None:
+    """How the triton backend's planned launches reach a GPU: ``"one call into C"`` where the
+    direct launcher (``backends/direct_launch.c``) is built and bound to the driver, else
+    Triton's launcher with the reason; ``None`` where CUDA is not checked or triton is not
+    available. After the checks, whose repeated calls have built it already."""
+    if "cuda" not in devices or "triton" not in available:
+        return None
+    from rope_dispatch.backends import direct_launch
+
+    if direct_launch.module() is not None:
+        return "one call into C"
+    return f"Triton's launcher ({direct_launch.unavailable_reason()})"
+
+
 def _cache_report() -> dict:
     report = {"autotune": autotune.autotune_enabled()}
     for name in ("cache_dir", "cache_entries"):
@@ -397,6 +412,7 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         "backends": [asdict(info) for info in infos],
         "override": os.environ.get("ROPE_BACKEND") or None,
         "plan_guards": guard_kind(),
+        "planned_launches": direct_launch_state(devices, available),
         "cache": _cache_report(),
         "checks": checks,
         "startup_s": startup,
@@ -466,6 +482,8 @@ def _print_report(report: dict) -> None:
         else "Python metadata comparisons (this torch release's C++ guards are not verified; "
              "slower host path at decode size)"
     ))
+    if report["planned_launches"] is not None:
+        print(f"planned launches on the GPU (allocation and launch): {report['planned_launches']}")
     cache = report["cache"]
     off = f"off (ROPE_AUTOTUNE={os.environ.get('ROPE_AUTOTUNE', '')})"
     print(f"autotune: {'on' if cache['autotune'] else off}", end="")

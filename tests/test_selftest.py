@@ -173,3 +173,33 @@ def test_autotune_entry_lines_name_what_tells_entries_apart():
     for name, line in lines.items():
         assert name == "plain" or name in line, (name, line)
     assert len(set(lines.values())) == len(lines), lines
+
+
+def test_the_report_says_how_planned_launches_reach_the_gpu(monkeypatch):
+    """Where CUDA is checked with the triton backend, the report says whether planned launches
+    allocate and launch in one call into C, or why they go through Triton's launcher; elsewhere
+    it says nothing of them."""
+    from rope_dispatch.backends import direct_launch
+
+    assert selftest.direct_launch_state(["cpu"], ["triton", "eager"]) is None
+    assert selftest.direct_launch_state(["cuda"], ["eager"]) is None
+    monkeypatch.setattr(direct_launch, "module", lambda: object())
+    assert selftest.direct_launch_state(["cpu", "cuda"], ["triton"]) == "one call into C"
+    monkeypatch.setattr(direct_launch, "module", lambda: None)
+    monkeypatch.setattr(direct_launch, "_unavailable", "the direct launcher is unavailable: "
+                        "RuntimeError: no C compiler")
+    state = selftest.direct_launch_state(["cuda"], ["triton"])
+    assert state == ("Triton's launcher (the direct launcher is unavailable: RuntimeError: "
+                     "no C compiler)")
+
+
+def test_the_printed_report_names_the_planned_launch_path(monkeypatch, capsys):
+    monkeypatch.setattr(selftest, "QUICK", selftest.QUICK[:1])
+    monkeypatch.setattr(selftest, "direct_launch_state",
+                        lambda devices, available: "Triton's launcher (no C compiler)")
+    assert selftest.main(["--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "planned launches on the GPU (allocation and launch): Triton's launcher (no C compiler)" in out
+    monkeypatch.setattr(selftest, "direct_launch_state", lambda devices, available: None)
+    assert selftest.main(["--device", "cpu"]) == 0
+    assert "planned launches" not in capsys.readouterr().out
