@@ -107,9 +107,8 @@ except RuntimeError as exc:
 report["errors"] = errors
 report["launches"] = ctypes.c_int.in_dll(driver, "launches").value
 ctypes.c_void_p.in_dll(driver, "current_context").value = None  # no context on this thread
-report["bound_without_context"] = direct_launch.bind(
-    prefix, (3, 2, 1), types, args, 2, ((0, 0, 16), (1, 6, 0)), ((0, (5, 3)),), ((0, 1, 8),))
-report["bound_without_context"] = repr(report["bound_without_context"])
+report["bound_without_context"] = repr(direct_launch.bind(
+    prefix, (3, 2, 1), types, args, 2, ((0, 0, 16), (1, 6, 0)), ((0, (5, 3)),), ((0, 1, 8),)))
 print(json.dumps(report))
 """
 
