@@ -200,6 +200,7 @@ class CompileBackend(Backend):
     supports_positions = True
     tables = frozenset({"angles", "cos_sin_cache", "rates"})
     compiles_per_spec = True
+    heavy_import = True  # Dynamo and Inductor: seconds on a fresh machine
 
     def __init__(self) -> None:
         self._compiled: dict[tuple[CompileKey, bool], Callable] = {}

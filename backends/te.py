@@ -346,6 +346,7 @@ class TEBackend(Backend):
     devices = frozenset({"cuda"})
     tables = frozenset({"angles", "rates"})
     tensors = frozenset({"t", "qkv"})
+    heavy_import = True  # TransformerEngine imports Dynamo and its own extensions
 
     def __init__(self, load: Callable[[], TEInfo | list[str]] = _default_load) -> None:
         self._load = load

@@ -14,7 +14,7 @@ A check returns a list of sentences with the actual values; an empty list means 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -60,6 +60,9 @@ class Backend:
     compiles_per_spec: ClassVar[bool] = False
     """Its first call of each spec compiles code for seconds (``torch.compile``): the selftest
     checks it on one case unless asked to be thorough."""
+    heavy_import: ClassVar[bool] = False
+    """Probing it imports packages that take seconds to load (TransformerEngine, Dynamo): where
+    the selftest checks CUDA, it probes and checks such a backend in a process of its own."""
 
     def unavailable_reasons(self) -> list[str]:
         """Why this backend cannot run in this process at all (missing package, no device)."""
@@ -227,9 +230,10 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
-def list_backends() -> list[BackendInfo]:
-    """Every registered backend, whether it is available here, and why not."""
+def list_backends(names: Collection[str] | None = None) -> list[BackendInfo]:
+    """Every registered backend (or those of ``names``), whether it is available here, and why
+    not; only the backends listed are probed."""
     return [
         BackendInfo(b.name, b.available, b.availability, b.priority, b.description)
-        for b in backends()
+        for b in backends() if names is None or b.name in names
     ]

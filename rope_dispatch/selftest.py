@@ -5,8 +5,8 @@ planned launches reach a GPU (one call into C, or Triton's launcher and why) and
 cache, then checks every available backend against the float64 reference
 (:mod:`rope_dispatch.reference`) over a quick grid of calls covering every feature, forward and
 backward, with timings (``--thorough``: the whole grid). Where CUDA is checked, backends that
-compile per spec (``torch.compile``) are checked in a process of their own meanwhile
-(:class:`Worker`). Exit code 1 when any check fails. ``--json`` prints one JSON document instead.
+compile per spec (``torch.compile``) or import packages for seconds (TransformerEngine) are
+probed and checked in processes of their own meanwhile (:class:`Worker`). Exit code 1 when any check fails. ``--json`` prints one JSON document instead.
 """
 
 from __future__ import annotations
@@ -309,71 +309,90 @@ def _cache_report() -> dict:
 
 WORKER_LINE = "checked: "
 """How a worker's progress lines start on its stderr (its other lines are passed on as they are)."""
+PROBED_LINE = "probed: "
+"""How a worker says on its stderr, before its checks, whether its backends are available."""
 
 
 class Worker:
-    """``python -m rope_dispatch.selftest --worker NAMES``: the checks of backends that compile
-    per spec, in a process of its own, started before this one probes the backends.
+    """``python -m rope_dispatch.selftest --worker NAMES``: the backends ``names`` probed and
+    checked in a process of their own, started before this one probes the others.
 
-    Their compiles (on the H200 host 9-12 s, after Dynamo's import, 4.5 s) then overlap the
-    other backends' checks (Triton's compiles there, about 10 s), and a compiler that crashes
-    fails its own check rather than the selftest: on a fresh H200 machine 21.8-22.7 s in all,
-    against 26.0-30.4 s in one process, the two taken in turn (docs/benchmarks.md, run Z).
-    Its progress lines go to ``finished``, its other stderr lines to ``passed_on``; its checks
-    come back as one JSON document on its stdout.
+    Backends that compile per spec or whose probe imports packages for seconds
+    (:attr:`~rope_dispatch.Backend.heavy_import`: TransformerEngine and Dynamo, 4-7 s on a
+    fresh GPU machine) then load and compile while this process checks the others (Triton's
+    compiles, about 10 s there), and a compiler or import that crashes fails its own check
+    rather than the selftest (docs/benchmarks.md, runs Z and AZ). Its progress lines go to
+    ``finished``, each backend's availability to ``probed`` as ``(name, available)``, its other
+    stderr lines to ``passed_on``; its report comes back as one JSON document on its stdout.
     """
 
     def __init__(self, names: list[str], devices: list[str], thorough: bool,
-                 finished: Callable[[str], None], passed_on: Callable[[str], None]) -> None:
+                 finished: Callable[[str], None], passed_on: Callable[[str], None],
+                 probed: Callable[[str, bool], None] = lambda name, available: None) -> None:
         self.names, self.devices = names, devices
         command = [sys.executable, "-m", "rope_dispatch.selftest", "--worker", ",".join(names),
                    "--device", "all" if len(devices) > 1 else devices[0]]
         self.proc = subprocess.Popen(command + ["--thorough"] * thorough, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.tail: collections.deque[str] = collections.deque(maxlen=3)
-        self.relay = threading.Thread(target=self._relay, args=(finished, passed_on), daemon=True)
+        self.relay = threading.Thread(target=self._relay, args=(finished, passed_on, probed),
+                                      daemon=True)
         self.relay.start()
 
-    def _relay(self, finished: Callable[[str], None], passed_on: Callable[[str], None]) -> None:
+    def _relay(self, finished: Callable[[str], None], passed_on: Callable[[str], None],
+               probed: Callable[[str, bool], None]) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             line = line.rstrip("\n")
             if line.startswith(WORKER_LINE):
                 finished(line[len(WORKER_LINE):])
+            elif line.startswith(PROBED_LINE):
+                name, state = line[len(PROBED_LINE):].rsplit(" ", 1)
+                probed(name, state == "available")
             else:
                 self.tail.append(line)
                 passed_on(line)
 
-    def checks(self) -> list[dict]:
-        """The worker's checks once it is done; one failed check per backend and device when it
-        gave no report (it crashed, or was killed)."""
+    def report(self) -> dict:
+        """The worker's report once it is done: ``backends`` (as :func:`run` reports them),
+        ``checks``, ``startup_s`` and ``checks_s``. Where it gave none (it crashed, or was
+        killed), each of its backends is reported unavailable with the worker's last words, and
+        failed on each device."""
         assert self.proc.stdout is not None
         out = self.proc.stdout.read()
         code = self.proc.wait()
         self.relay.join()
         try:
-            return json.loads(out)["checks"]
+            report = json.loads(out)
+            return {key: report[key] for key in ("backends", "checks", "startup_s", "checks_s")}
         except (ValueError, KeyError, TypeError):
             said = " | ".join(line.strip() for line in self.tail if line.strip()) or "nothing"
             detail = (f"its check process exited with code {code} without a report; its last "
                       f"words: {said}")
-            return [{"backend": name, "case": "(every case)", "device": device, "status": "FAIL",
-                     "detail": detail} for device in self.devices for name in self.names]
+            known = {b.name: b for b in registry.backends()}
+            backends = [{"name": name, "available": False, "reasons": [detail],
+                         "priority": getattr(known.get(name), "priority", 0),
+                         "description": getattr(known.get(name), "description", "")}
+                        for name in self.names]
+            checks = [{"backend": name, "case": "(every case)", "device": device, "status": "FAIL",
+                       "detail": detail} for device in self.devices for name in self.names]
+            return {"backends": backends, "checks": checks, "startup_s": None, "checks_s": None}
 
-    def stop(self) -> None:
-        """End a worker whose checks are not wanted."""
-        self.proc.kill()
-        self.proc.communicate()
-        self.relay.join()
+
+def checked_apart(backend: rd.Backend) -> bool:
+    """Whether the selftest, where it isolates, probes and checks ``backend`` in a
+    :class:`Worker` of its own: it compiles per spec or imports packages for seconds."""
+    return backend.compiles_per_spec or backend.heavy_import
 
 
 def run(devices: list[str], progress: Callable[[str], None], thorough: bool = False,
         isolate: bool | None = None) -> dict:
     """Every available backend on its cases (:func:`cases_for`) and every device; the whole
-    report as a dict. With ``isolate``, backends that compile per spec are checked by a
-    :class:`Worker` meanwhile; by default where CUDA is checked, whose other checks compile
-    Triton kernels for seconds too. On the CPU the others take under a second: there a second
-    interpreter's start would only add to the time (2.5 s on a 2-core machine)."""
+    report as a dict. With ``isolate``, each backend :func:`checked_apart` is probed and checked
+    by a :class:`Worker` of its own meanwhile, so this process never imports its packages; by
+    default where CUDA is checked, whose other checks compile Triton kernels for seconds too.
+    On the CPU the others take under a second: there a second interpreter's start would only
+    add to the time (2.5 s on a 2-core machine)."""
     lock = threading.Lock()
     done, total = 0, 0
 
@@ -387,29 +406,38 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         with lock:
             progress(line)
 
+    def probed(name: str, available: bool) -> None:
+        nonlocal total
+        if not available:  # counted as available until its worker said otherwise
+            with lock:
+                total -= len(jobs_for([name], devices, thorough))
+
     if isolate is None:
         isolate = "cuda" in devices
-    compiling = [b.name for b in registry.backends() if b.compiles_per_spec] if isolate else []
-    worker = Worker(compiling, devices, thorough, finished, passed_on) if compiling else None
-    infos = rd.list_backends()
-    available = [info.name for info in infos if info.available]
-    isolated = [name for name in available if name in compiling]
-    own = jobs_for([name for name in available if name not in isolated], devices, thorough)
+    isolated = [b.name for b in registry.backends() if checked_apart(b)] if isolate else []
+    workers = [Worker([name], devices, thorough, finished, passed_on, probed) for name in isolated]
+    infos = {info.name: asdict(info) for info in rd.list_backends(
+        [b.name for b in registry.backends() if b.name not in isolated])}
+    own = jobs_for([name for name, info in infos.items() if info["available"]], devices, thorough)
     with lock:
-        total = len(own) + len(jobs_for(isolated, devices, thorough))
-    if worker is not None and not isolated:
-        worker.stop()
-        worker = None
+        total += len(own) + len(jobs_for(isolated, devices, thorough))
     startup = process_age_s()
     started = time.perf_counter()
     checks = check_jobs(own, finished)
-    if worker is not None:
-        checks += worker.checks()
+    processes = []
+    for worker in workers:
+        report = worker.report()
+        infos.update((info["name"], info) for info in report["backends"])
+        checks += report["checks"]
+        processes.append({"backends": worker.names, "startup_s": report["startup_s"],
+                          "checks_s": report["checks_s"]})
+    backends = [infos[b.name] for b in registry.backends() if b.name in infos]
+    available = [info["name"] for info in backends if info["available"]]
     order = {name: i for i, name in enumerate(available)}
     checks.sort(key=lambda c: (devices.index(c["device"]), order.get(c["backend"], len(order))))
     return {
         "versions": versions(),
-        "backends": [asdict(info) for info in infos],
+        "backends": backends,
         "override": os.environ.get("ROPE_BACKEND") or None,
         "plan_guards": guard_kind(),
         "planned_launches": direct_launch_state(devices, available),
@@ -417,20 +445,31 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         "checks": checks,
         "startup_s": startup,
         "checks_s": time.perf_counter() - started,
+        "workers": processes,
         "ok": all(c["status"] != "FAIL" for c in checks) and bool(checks),
     }
 
 
 def run_worker(names: list[str], devices: list[str], thorough: bool) -> None:
-    """A :class:`Worker`'s side: the checks of those of ``names`` available here, each reported
-    on stderr as it ends, then ``{"checks": [...]}`` on stdout."""
-    available = [name for name in names if registry.get_backend(name).available]
+    """A :class:`Worker`'s side: ``names`` probed (each said on stderr), the checks of those
+    available here (each reported on stderr as it ends), then its report on stdout."""
+    for name in names:
+        registry.get_backend(name)  # an unknown name ends the worker with its error
+    infos = rd.list_backends(names)
+    for info in infos:
+        state = "available" if info.available else "unavailable"
+        print(f"{PROBED_LINE}{info.name} {state}", file=sys.stderr, flush=True)
 
     def finished(line: str) -> None:
         print(WORKER_LINE + line, file=sys.stderr, flush=True)
 
-    checks = check_jobs(jobs_for(available, devices, thorough), finished)
-    print(json.dumps({"checks": checks}, default=str), flush=True)
+    startup = process_age_s()
+    started = time.perf_counter()
+    checks = check_jobs(jobs_for([i.name for i in infos if i.available], devices, thorough),
+                        finished)
+    report = {"backends": [asdict(info) for info in infos], "checks": checks,
+              "startup_s": startup, "checks_s": time.perf_counter() - started}
+    print(json.dumps(report, default=str), flush=True)
 
 
 def _entry_line(entry: dict) -> str:
@@ -516,6 +555,12 @@ def _print_report(report: dict) -> None:
     )
     print(f"\n{'PASS' if report['ok'] else 'FAIL'}: {len(report['checks']) - failed} checks passed, "
           f"{failed} failed in {report['checks_s']:.1f} s{began}")
+    for worker in report["workers"]:
+        if worker["checks_s"] is not None and any(c["backend"] in worker["backends"]
+                                                  for c in report["checks"]):
+            began = "" if worker["startup_s"] is None else f", begun {worker['startup_s']:.1f} s after it started"
+            print(f"  {', '.join(worker['backends'])} in a process of its own: checks "
+                  f"{worker['checks_s']:.1f} s{began}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,15 +84,16 @@ def test_quick_grid_covers_every_feature_and_thorough_runs_the_grid(monkeypatch)
     assert selftest.cases_for("eager", thorough=True) == selftest.GRID
     assert selftest.cases_for("compile", thorough=False) == quick[:1]
     eager_only = [info for info in rd.list_backends() if info.name == "eager"]
-    monkeypatch.setattr(rd, "list_backends", lambda: eager_only)
+    monkeypatch.setattr(rd, "list_backends", lambda names=None: eager_only)
     report = selftest.run(["cpu"], lambda line: None, thorough=True)
     assert len(report["checks"]) == len(selftest.GRID) and report["ok"]
 
 
 def test_compiling_backends_are_checked_by_a_worker_process_meanwhile(monkeypatch):
-    """With isolation (the default where CUDA is checked) the compile backend's check runs in a
-    worker process: its result joins the report in the backends' order, its progress line is
-    numbered with the others, and this process checks only the other backends."""
+    """With isolation (the default where CUDA is checked) the compile and te backends are probed
+    and checked in worker processes: their results join the report in the backends' order,
+    their progress lines are numbered with the others, and this process neither probes nor
+    checks them."""
     compile_backend = rd.get_backend("compile")
     if not compile_backend.available:
         pytest.skip(f"the compile backend is unavailable: {compile_backend.availability}")
@@ -100,31 +101,53 @@ def test_compiling_backends_are_checked_by_a_worker_process_meanwhile(monkeypatc
     check = selftest.check
     monkeypatch.setattr(selftest, "check",
                         lambda name, *args: checked_here.append(name) or check(name, *args))
+    probed_here = []
+    list_backends = rd.list_backends
+    monkeypatch.setattr(rd, "list_backends",
+                        lambda names=None: probed_here.append(names) or list_backends(names))
     lines = []
     report = selftest.run(["cpu"], lines.append, isolate=True)
     assert report["ok"], report["checks"]
+    assert [b["name"] for b in report["backends"]] == [b.name for b in registry.backends()]
+    assert [(b["name"], b["available"]) for b in report["backends"]] == [
+        (b.name, b.available) for b in registry.backends()]  # the workers probe as this one
     backends = [c["backend"] for c in report["checks"]]
     available = [b["name"] for b in report["backends"] if b["available"]]
     assert backends == sorted(backends, key=available.index) and backends.count("compile") == 1
     total = len(report["checks"])
     assert sorted(int(line[1:line.index("/")]) for line in lines if line.startswith("[")) == list(
         range(1, total + 1))
-    assert any(f"/{total}] compile on cpu" in line for line in lines)
-    assert "compile" not in checked_here and "eager" in checked_here
+    assert any("] compile on cpu" in line for line in lines)
+    assert "compile" not in checked_here and "te" not in checked_here and "eager" in checked_here
+    (names,) = probed_here
+    assert "eager" in names and "compile" not in names and "te" not in names
+    assert [w["backends"] for w in report["workers"]] == [["te"], ["compile"]]
+    assert all(w["startup_s"] > 0 for w in report["workers"])
 
 
-def test_a_worker_reports_its_checks_and_its_crash():
-    finished, passed_on = [], []
-    worker = selftest.Worker(["eager"], ["cpu"], False, finished.append, passed_on.append)
-    checks = worker.checks()
+def test_a_worker_reports_its_probes_its_checks_and_its_crash():
+    finished, passed_on, probed = [], [], []
+    worker = selftest.Worker(["eager", "te"], ["cpu"], False, finished.append, passed_on.append,
+                             lambda name, available: probed.append((name, available)))
+    report = worker.report()
+    here = [(b.name, b.available) for b in registry.backends() if b.name in ("eager", "te")]
+    assert probed == here == [("te", here[0][1]), ("eager", True)]  # the registry's order
+    assert [(b["name"], b["available"]) for b in report["backends"]] == probed
+    assert report["backends"][0]["reasons"] == list(rd.get_backend("te").availability)
+    checks = report["checks"]
     assert [c["case"] for c in checks] == [case.label for case in selftest.QUICK]
     assert all(c["status"] == "ok" and c["backend"] == "eager" for c in checks)
     assert [line.split(":")[0] for line in finished] == ["eager on cpu"] * len(selftest.QUICK)
-    broken = selftest.Worker(["no-such-backend"], ["cpu"], False, finished.append,
+    assert 0 < report["startup_s"] < 600 and report["checks_s"] > 0
+    broken = selftest.Worker(["eager", "no-such-backend"], ["cpu"], False, finished.append,
                              passed_on.append)
-    (failed,) = broken.checks()
-    assert failed["status"] == "FAIL" and failed["backend"] == "no-such-backend"
-    assert "exited with code 1" in failed["detail"] and "unknown backend" in failed["detail"]
+    failed = broken.report()
+    assert [c["backend"] for c in failed["checks"]] == ["eager", "no-such-backend"]
+    assert all(c["status"] == "FAIL" for c in failed["checks"])
+    detail = failed["checks"][1]["detail"]
+    assert "exited with code 1" in detail and "unknown backend" in detail
+    assert [(b["name"], b["available"], b["reasons"]) for b in failed["backends"]] == [
+        ("eager", False, [detail]), ("no-such-backend", False, [detail])]
     assert any("UnknownBackendError" in line for line in passed_on)  # its stderr shown as well
 
 
