@@ -332,8 +332,11 @@ class Worker:
         self.names, self.devices = names, devices
         command = [sys.executable, "-m", "rope_dispatch.selftest", "--worker", ",".join(names),
                    "--device", "all" if len(devices) > 1 else devices[0]]
+        # Inductor compiles in this process rather than through a pool of one process a core:
+        # for the one case's two graphs the pool's start cost more than it saved (run AZ2)
+        env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **os.environ}
         self.proc = subprocess.Popen(command + ["--thorough"] * thorough, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True, env=env)
         self.tail: collections.deque[str] = collections.deque(maxlen=3)
         self.relay = threading.Thread(target=self._relay, args=(finished, passed_on, probed),
                                       daemon=True)
@@ -599,4 +602,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # the report is out: the interpreter's teardown (CUDA, Triton, Inductor's compile processes)
+    # would only keep the caller waiting, about 1 s (run AZ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -149,6 +152,53 @@ def test_a_worker_reports_its_probes_its_checks_and_its_crash():
     assert [(b["name"], b["available"], b["reasons"]) for b in failed["backends"]] == [
         ("eager", False, [detail]), ("no-such-backend", False, [detail])]
     assert any("UnknownBackendError" in line for line in passed_on)  # its stderr shown as well
+
+
+def test_a_worker_compiles_without_inductors_process_pool_unless_told(monkeypatch):
+    """Inductor's pool of one process a core cost the selftest's one compile more than it saved
+    (run AZ2); a worker compiles in its own process, unless the user chose otherwise."""
+    envs = []
+
+    class NoProcess:
+        def __init__(self, command, **kwargs):
+            envs.append(kwargs["env"])
+            self.stdout, self.stderr = io.StringIO(""), io.StringIO("")
+
+    monkeypatch.setattr(selftest.subprocess, "Popen", NoProcess)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setenv("ROPE_DISPATCH_SELFTEST_PROBE", "kept")
+    selftest.Worker(["eager"], ["cpu"], False, print, print).relay.join()
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "4")
+    selftest.Worker(["eager"], ["cpu"], False, print, print).relay.join()
+    assert [env["TORCHINDUCTOR_COMPILE_THREADS"] for env in envs] == ["1", "4"]
+    assert all(env["ROPE_DISPATCH_SELFTEST_PROBE"] == "kept" for env in envs)
+
+
+def test_the_command_line_exits_with_the_reports_code_and_prints_it_whole():
+    """``python -m rope_dispatch.selftest`` ends without the interpreter's teardown: its exit
+    code and its whole report must still come out."""
+    code = textwrap.dedent("""
+        import runpy, sys
+        import rope_dispatch as rd
+        from rope_dispatch import registry, selftest
+        from rope_dispatch.backends.eager import rope_eager
+
+        class WrongSign(rd.Backend):
+            name = "wrong-sign"
+            devices = frozenset({"cpu"})
+
+            def apply(self, call):
+                return -rope_eager(call)
+
+        registry.register(WrongSign())
+        sys.argv[1:] = ["--device", "cpu"]
+        runpy.run_module("rope_dispatch.selftest", run_name="__main__", alter_sys=True)
+    """)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env=env)  # stdout a pipe, so buffered
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "wrong-sign" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].startswith("FAIL:")
 
 
 def test_selftest_fails_on_a_wrong_backend(monkeypatch, capsys):
