@@ -6,7 +6,8 @@ cache, then checks every available backend against the float64 reference
 (:mod:`rope_dispatch.reference`) over a quick grid of calls covering every feature, forward and
 backward, with timings (``--thorough``: the whole grid). Where CUDA is checked, backends that
 compile per spec (``torch.compile``) or import packages for seconds (TransformerEngine) are
-probed and checked in processes of their own meanwhile (:class:`Worker`). Exit code 1 when any check fails. ``--json`` prints one JSON document instead.
+probed and checked in processes of their own meanwhile (:class:`Worker`). Exit code 1 when any
+check fails. ``--json`` prints one JSON document instead.
 """
 
 from __future__ import annotations
@@ -318,8 +319,8 @@ class Worker:
     checked in a process of their own, started before this one probes the others.
 
     Backends that compile per spec or whose probe imports packages for seconds
-    (:attr:`~rope_dispatch.Backend.heavy_import`: TransformerEngine and Dynamo, 4-7 s on a
-    fresh GPU machine) then load and compile while this process checks the others (Triton's
+    (:attr:`~rope_dispatch.Backend.heavy_import`: TransformerEngine and Dynamo, seconds on a
+    GPU machine's host) then load and compile while this process checks the others (Triton's
     compiles, about 10 s there), and a compiler or import that crashes fails its own check
     rather than the selftest (docs/benchmarks.md, runs Z and AZ). Its progress lines go to
     ``finished``, each backend's availability to ``probed`` as ``(name, available)``, its other
@@ -561,7 +562,8 @@ def _print_report(report: dict) -> None:
     for worker in report["workers"]:
         if worker["checks_s"] is not None and any(c["backend"] in worker["backends"]
                                                   for c in report["checks"]):
-            began = "" if worker["startup_s"] is None else f", begun {worker['startup_s']:.1f} s after it started"
+            began = "" if worker["startup_s"] is None else (
+                f", begun {worker['startup_s']:.1f} s after it started")
             print(f"  {', '.join(worker['backends'])} in a process of its own: checks "
                   f"{worker['checks_s']:.1f} s{began}")
 
