@@ -333,9 +333,10 @@ class Worker:
         self.names, self.devices = names, devices
         command = [sys.executable, "-m", "rope_dispatch.selftest", "--worker", ",".join(names),
                    "--device", "all" if len(devices) > 1 else devices[0]]
-        # Inductor compiles in this process rather than through a pool of one process a core:
-        # for the one case's two graphs the pool's start cost more than it saved (run AZ2)
-        env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **os.environ}
+        # the quick run's one case compiles in this process rather than through Inductor's pool
+        # of one process a core, whose start cost more than it saved there (run AZ2); a
+        # thorough run's many compiles keep the pool
+        env = {**({} if thorough else {"TORCHINDUCTOR_COMPILE_THREADS": "1"}), **os.environ}
         self.proc = subprocess.Popen(command + ["--thorough"] * thorough, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env)
         self.tail: collections.deque[str] = collections.deque(maxlen=3)

@@ -158,8 +158,9 @@ def test_a_worker_reports_its_probes_its_checks_and_its_crash():
 
 
 def test_a_worker_compiles_without_inductors_process_pool_unless_told(monkeypatch):
-    """Inductor's pool of one process a core cost the selftest's one compile more than it saved
-    (run AZ2); a worker compiles in its own process, unless the user chose otherwise."""
+    """Inductor's pool of one process a core cost the quick selftest's one compile more than it
+    saved (run AZ2); there a worker compiles in its own process, unless the user chose
+    otherwise."""
     envs = []
 
     class NoProcess:
@@ -171,9 +172,10 @@ def test_a_worker_compiles_without_inductors_process_pool_unless_told(monkeypatc
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setenv("ROPE_DISPATCH_SELFTEST_PROBE", "kept")
     selftest.Worker(["eager"], ["cpu"], False, print, print).relay.join()
+    selftest.Worker(["eager"], ["cpu"], True, print, print).relay.join()  # thorough: the pool
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "4")
     selftest.Worker(["eager"], ["cpu"], False, print, print).relay.join()
-    assert [env["TORCHINDUCTOR_COMPILE_THREADS"] for env in envs] == ["1", "4"]
+    assert [env.get("TORCHINDUCTOR_COMPILE_THREADS") for env in envs] == ["1", None, "4"]
     assert all(env["ROPE_DISPATCH_SELFTEST_PROBE"] == "kept" for env in envs)
 
 
