@@ -58,6 +58,30 @@ def test_list_backends_reports_every_backend():
         assert info.available or info.reasons, info  # unavailable always says why
 
 
+class ProbeCounted(rd.Backend):
+    """Counts its availability probes."""
+
+    name = "probe-counted"
+    probes = 0
+
+    def unavailable_reasons(self):
+        type(self).probes += 1
+        return ["never available: a test backend"]
+
+
+def test_list_backends_of_some_names_probes_only_those(monkeypatch):
+    """The selftest lists the backends it checks itself, and leaves the others (TE's import,
+    Dynamo's) to the processes that check them."""
+    monkeypatch.setitem(registry._REGISTRY, "probe-counted", ProbeCounted())
+    monkeypatch.setattr(ProbeCounted, "probes", 0)
+    assert [info.name for info in rd.list_backends(["eager", "no-such-name"])] == ["eager"]
+    assert ProbeCounted.probes == 0
+    (info,) = rd.list_backends({"probe-counted"})
+    assert not info.available and info.reasons == ("never available: a test backend",)
+    assert ProbeCounted.probes == 1
+    assert [b.name for b in registry.backends()] == [i.name for i in rd.list_backends()]
+
+
 def test_priority_then_capability(picky):
     t, f, spec = inputs("bshd")
     rd.apply(t, f, spec)
