@@ -336,7 +336,9 @@ class Worker:
         # the quick run's one case compiles in this process rather than through Inductor's pool
         # of one process a core, whose start cost more than it saved there (run AZ2); a
         # thorough run's many compiles keep the pool
-        env = {**({} if thorough else {"TORCHINDUCTOR_COMPILE_THREADS": "1"}), **os.environ}
+        env = dict(os.environ)
+        if not thorough:
+            env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         self.proc = subprocess.Popen(command + ["--thorough"] * thorough, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env)
         self.tail: collections.deque[str] = collections.deque(maxlen=3)
@@ -419,10 +421,11 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
 
     if isolate is None:
         isolate = "cuda" in devices
+    registered = [b.name for b in registry.backends()]
     isolated = [b.name for b in registry.backends() if checked_apart(b)] if isolate else []
     workers = [Worker([name], devices, thorough, finished, passed_on, probed) for name in isolated]
     infos = {info.name: asdict(info) for info in rd.list_backends(
-        [b.name for b in registry.backends() if b.name not in isolated])}
+        [name for name in registered if name not in isolated])}
     own = jobs_for([name for name, info in infos.items() if info["available"]], devices, thorough)
     with lock:
         total += len(own) + len(jobs_for(isolated, devices, thorough))
@@ -436,7 +439,7 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         checks += report["checks"]
         processes.append({"backends": worker.names, "startup_s": report["startup_s"],
                           "checks_s": report["checks_s"]})
-    backends = [infos[b.name] for b in registry.backends() if b.name in infos]
+    backends = [infos[name] for name in registered if name in infos]
     available = [info["name"] for info in backends if info["available"]]
     order = {name: i for i, name in enumerate(available)}
     checks.sort(key=lambda c: (devices.index(c["device"]), order.get(c["backend"], len(order))))
@@ -588,10 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
     if args.worker:
         run_worker(args.worker.split(","), devices, args.thorough)
-        # its report is out: the interpreter's teardown (Inductor's compile processes, CUDA)
-        # would only keep the selftest waiting for this process to end
-        sys.stderr.flush()
-        os._exit(0)
+        return 0
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -606,8 +606,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    # the report is out: the interpreter's teardown (CUDA, Triton, Inductor's compile processes)
-    # would only keep the caller waiting, about 1 s (run AZ)
+    # the report is out (a worker's too): the interpreter's teardown (CUDA, Triton, Inductor's
+    # compile processes) would only keep the caller waiting, about 1 s (run AZ)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
