@@ -19,7 +19,9 @@ forward+backward launch (counted with ``torch.profiler``). From 64 MiB, where th
 events around it add the launch's latency and any lag of the host. Ours in place, forward and
 backward, is timed so too and compared with Liger's in-place kernels: after the flush, which
 leaves the L2 full of dirty lines, a kernel writing a new output first frees as many lines as
-it writes, one rewriting what it read does not.
+it writes, one rewriting what it read does not. Where the calls of two implementations are
+neighbours (one trace, one host-clock round), ours minus theirs is kept as a paired interval
+(:func:`paired_intervals`), so a lead of a few nanoseconds can be told from the clock's steps.
 
 Writes ``sweep.json`` and ``sweep.md`` to ``--out`` after every point (a run cut short keeps
 what it measured) and, with matplotlib, ``sweep-<layout>.png``: % of copy against sequence
@@ -45,8 +47,8 @@ import torch
 import rope_dispatch as rd
 from rope_dispatch.bench import (
     Impl, Inputs, Shape, _liger_peer, _ours, _ours_in_place, _seqlens, _te_peer, _versions,
-    bench_ms, cold_kernel_us, graph_replay_us, host_us_interleaved, make_inputs, pyplot,
-    rows_read, time_mode, written_replay_us,
+    bench_ms, cold_kernel_samples, cold_kernel_us, graph_replay_us, host_rounds, make_inputs,
+    paired_difference, pyplot, rows_read, time_mode, written_replay_us,
 )
 
 LAYOUTS = ("sbhd", "bshd", "thd")
@@ -354,20 +356,41 @@ def host_clock_rounds(large: bool) -> tuple[int, int]:
     return (LARGE_HOST_CALLS, LARGE_HOST_ROUNDS) if large else (HOST_CALLS, HOST_ROUNDS)
 
 
-def host_fwd_bwd_us(impls: dict[str, Impl], large: bool = False) -> dict[str, float]:
-    """Forward + backward through autograd, end to end on the host clock (us per call, the
-    final synchronisation included: the larger of host and GPU time, as a training step's
-    calls run back to back), the implementations measured in turn within each round
-    (``host_us_interleaved``), so the host's drift reaches them alike. ``do_bench``'s figure
-    flushes L2 between calls and so races the host path (about 100 us through autograd)
-    against the GPU's: below 64 MiB its single figures swing by tens of us, and at 64 MiB, where
-    our two kernels take about 76 us, the same point gave 85-192 us across runs."""
+def host_fwd_bwd_rounds(impls: dict[str, Impl], large: bool = False) -> dict[str, list[float]]:
+    """Forward + backward through autograd, end to end on the host clock: each round's us per
+    call (the final synchronisation included: the larger of host and GPU time, as a training
+    step's calls run back to back), the implementations measured in turn within each round
+    (:func:`~rope_dispatch.bench.host_rounds`), so the host's drift reaches them alike and the
+    i-th rounds of two implementations are a pair. ``do_bench``'s figure flushes L2 between
+    calls and so races the host path (about 100 us through autograd) against the GPU's: below
+    64 MiB its single figures swing by tens of us, and at 64 MiB, where our two kernels take
+    about 76 us, the same point gave 85-192 us across runs."""
     fns = {name: impl.fwd_bwd for name, impl in impls.items() if impl.fwd_bwd is not None}
     if not fns:
         return {}
     calls, rounds = host_clock_rounds(large)
-    measured = host_us_interleaved(fns, calls=calls, rounds=rounds)
-    return {name: total for name, (_, total) in measured.items()}
+    _, total = host_rounds(fns, calls, rounds)
+    return total
+
+
+def paired_intervals(
+    samples: dict[str, list[float]], key: str, ours: str = "triton",
+    others: dict[str, str] | None = None,
+) -> dict[str, list[float]]:
+    """Ours minus each other implementation's paired samples (neighbouring calls of one trace,
+    or one round of the host clock) as ``[low, median, high]``, the sign test's 95% interval
+    of the median difference (:func:`~rope_dispatch.bench.paired_difference`), keyed
+    ``{key}_minus_{suffix}_us`` for each of ``others`` (sample name: key suffix; the peers by
+    default). A positive low end is a lead of theirs that the samples tell apart from a tie;
+    the medians alone moved by one or two 32 ns clock steps between two names of one kernel
+    (run AW) and by up to 0.2 us between the same call at two twin points (run AY2)."""
+    if others is None:
+        others = {peer: peer for peer in PEERS}
+    mine = samples.get(ours)
+    if not mine:
+        return {}
+    return {f"{key}_minus_{suffix}_us": list(paired_difference(mine, samples[name]))
+            for name, suffix in others.items() if len(samples.get(name, ())) == len(mine)}
 
 
 def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]:
@@ -401,10 +424,13 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
     if "triton" in kept and inp.split is None:
         in_place = _ours_in_place("triton", inp)
         results["triton"].update(_in_place_times(in_place, copy_ms, rotary_share, large))
-    for name, us in host_fwd_bwd_us(kept, large).items():
+    host = host_fwd_bwd_rounds(kept, large)
+    for name, rounds in host.items():
+        us = statistics.median(rounds)
         results[name]["fwd_bwd_host_us"] = us
         results[name]["fwd_bwd_host_pct_of_copy"] = pct_of_copy(
             1e3 * copy_ms, kept[name].copy_share("fwd+bwd", rotary_share), us)
+    results["triton"].update(paired_intervals(host, "fwd_bwd_host"))
     if not large:  # a CUDA graph of 20 calls: L2 warm below 64 MiB
         for name, impl in kept.items():
             results[name]["fwd_warm_us"] = time_mode(impl.name, "fwd warm", impl.fwd,
@@ -416,7 +442,13 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
             profiled[IN_PLACE] = dataclasses.replace(in_place, bwd_kernel=in_place.bwd)
             # the same calls under a second name: what two samples of one kernel differ by
             profiled[IN_PLACE_AGAIN] = profiled[IN_PLACE]
-        for name, times in profiled_kernel_times(profiled).items():
+        measured, samples = profiled_kernel_times(profiled)
+        for mode, by_name in samples.items():
+            results["triton"].update(paired_intervals(by_name, f"{mode}_profiled"))
+            in_place_key = IN_PLACE_KEYS[f"{mode}_profiled_us"].removesuffix("_us")
+            results["triton"].update(paired_intervals(
+                by_name, in_place_key, IN_PLACE, {"liger": "liger", IN_PLACE_AGAIN: "again"}))
+        for name, times in measured.items():
             if name in SELF_KEYS:
                 times = {SELF_KEYS[name][key]: us for key, us in times.items()}
                 name = "triton"
@@ -465,19 +497,29 @@ def profiled_copy_us(copy: Callable[[], Any]) -> float | None:
         return None
 
 
-def profiled_kernel_times(impls: dict[str, Impl]) -> dict[str, dict[str, float]]:
+def profiled_kernel_times(
+    impls: dict[str, Impl],
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list[float]]]]:
     """Each implementation's forward and backward kernel by the profiler, each call after an L2
-    flush (:func:`~rope_dispatch.bench.cold_kernel_us`: the kernels' own time, every mode in
-    turn in one trace), as ``{name: {"fwd_profiled_us": us, "bwd_kernel_profiled_us": us}}``.
+    flush (:func:`~rope_dispatch.bench.cold_kernel_samples`: the kernels' own time, every mode
+    in turn in one trace): the medians, ``{name: {"fwd_profiled_us": us,
+    "bwd_kernel_profiled_us": us}}``, and the samples, ``{"fwd" or "bwd_kernel": {name: [us per
+    call]}}``, whose i-th entries come from neighbouring calls (:func:`paired_intervals`).
     Run Y5's ``do_bench`` figures below 64 MiB put identical kernels (ours with the table read
     as rates and as rows) up to 1 us apart, and Liger's forward at 4.5 us on one point and
     64.7 us on a like one, where its host path outlasted the flush. A trace that cannot be cut
     into calls (an implementation launching a kernel named as the flush's) is measured again
-    one implementation at a time; one that fails there is left out and said on stderr."""
+    one implementation at a time, and gives no samples (their calls are no longer
+    neighbours); one that fails there is left out and said on stderr."""
     modes = {f"{name}\0{mode}": fn for name, impl in impls.items()
              for mode, fn in (("fwd", impl.fwd), ("bwd_kernel", impl.bwd_kernel)) if fn is not None}
+    samples: dict[str, dict[str, list[float]]] = {}
     try:
-        measured = cold_kernel_us(modes, calls=PROFILED_CALLS)
+        per_call = cold_kernel_samples(modes, calls=PROFILED_CALLS)
+        measured = {key: statistics.median(us) for key, us in per_call.items()}
+        for key, us in per_call.items():
+            name, mode = key.split("\0")
+            samples.setdefault(mode, {})[name] = us
     except Exception:  # noqa: BLE001 (one implementation's kernels: measured alone below)
         measured = {}
         for name in impls:
@@ -490,7 +532,7 @@ def profiled_kernel_times(impls: dict[str, Impl]) -> dict[str, dict[str, float]]
     for key, us in measured.items():
         name, mode = key.split("\0")
         times.setdefault(name, {})[f"{mode}_profiled_us"] = us
-    return times
+    return times, samples
 
 
 def _time_cell(result: dict[str, Any], key: str) -> str:
@@ -570,26 +612,48 @@ def _us(point: dict[str, Any], name: str, key: str) -> float | None:
     return (point["implementations"].get(name) or {}).get(f"{key}_us")
 
 
+def _interval(point: dict[str, Any], key: str, other: str) -> list[float] | None:
+    """Ours minus ``other``'s paired samples of ``key`` (:func:`paired_intervals`), or None."""
+    return (point["implementations"].get("triton") or {}).get(f"{key}_minus_{other}_us")
+
+
+def _apart(interval: Sequence[float]) -> bool:
+    """Whether a paired interval of ours minus theirs lies wholly above zero: a lead of theirs
+    the samples tell apart from a tie."""
+    return interval[0] > 0
+
+
 def _lead_line(
     points: Sequence[dict[str, Any]], ours_key: str, peer: str, theirs_key: str,
+    other: str | None = None,
 ) -> str | None:
     """Where ``peer``'s time (``theirs_key``) beat ours (``ours_key``), or None where no point
-    has both."""
-    pairs = [(ours, theirs) for p in points
+    has both; with ``other`` (the key suffix of :func:`paired_intervals`), also at how many of
+    those points the paired samples tell the lead apart from a tie."""
+    pairs = [(p, ours, theirs) for p in points
              if (ours := _us(p, "triton", ours_key)) and (theirs := _us(p, peer, theirs_key))]
     if not pairs:
         return None
-    leads = [ours - theirs for ours, theirs in pairs if theirs < ours]
-    return (f"{peer} faster at {len(leads)} of {len(pairs)} points"
-            + (f", by {max(leads):.2f} us at most" if leads else ""))
+    leads = [(ours - theirs, _interval(p, ours_key, other) if other else None)
+             for p, ours, theirs in pairs if theirs < ours]
+    line = f"{peer} faster at {len(leads)} of {len(pairs)} points"
+    if leads:
+        line += f", by {max(lead for lead, _ in leads):.2f} us at most"
+    intervals = [interval for _, interval in leads if interval]
+    if intervals:
+        line += (f"; a lead the paired samples tell apart (95% interval of ours minus theirs "
+                 f"above 0) at {sum(map(_apart, intervals))} of them")
+    return line
 
 
 def _compared(
     point: dict[str, Any], peer: str, mode: str,
-) -> tuple[float, float, float, float, str] | None:
-    """``(ours us, peer's us, ours %, peer's %, how)`` of one point-mode, or None where either
-    lacks it: the profiler's kernel time where both have one (below 64 MiB), its % of copy
-    scaled from ``do_bench``'s (the same bytes in another time), else ``do_bench``'s."""
+) -> tuple[float, float, float, float, str, list[float] | None] | None:
+    """``(ours us, peer's us, ours %, peer's %, how, interval)`` of one point-mode, or None
+    where either lacks it: the profiler's kernel time where both have one (below 64 MiB), its
+    % of copy scaled from ``do_bench``'s (the same bytes in another time), else
+    ``do_bench``'s; ``interval`` is ours minus the peer's paired samples where the run kept
+    them (the profiler's trace, the host clock's rounds)."""
     figures = [(_us(point, name, mode), _pct(point, name, mode),
                 _us(point, name, f"{mode}_profiled")) for name in ("triton", peer)]
     if any(us is None or pct is None for us, pct, _ in figures):
@@ -597,9 +661,9 @@ def _compared(
     if all(profiled for _, _, profiled in figures):
         (ours, ours_pct, ours_k), (theirs, theirs_pct, theirs_k) = figures
         scaled = ours_pct * ours / ours_k, theirs_pct * theirs / theirs_k
-        return ours_k, theirs_k, *scaled, " (profiler)"
+        return ours_k, theirs_k, *scaled, " (profiler)", _interval(point, f"{mode}_profiled", peer)
     (ours, ours_pct, _), (theirs, theirs_pct, _) = figures
-    return ours, theirs, ours_pct, theirs_pct, ""
+    return ours, theirs, ours_pct, theirs_pct, "", _interval(point, mode, peer)
 
 
 def summarize(points: Sequence[dict[str, Any]]) -> str:
@@ -624,7 +688,7 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
             low, where = min(shares)
             lines.append(f"triton {mode} at >= 64 MiB: {met} of {len(shares)} points at "
                          f"{TARGET_PCT:.0f}% of copy or more; lowest {low:.1f}% ({where})")
-    behind = []
+    behind, apart = [], 0
     for p in points:
         # faster in time and in share of the copy: a peer moving fewer bytes (Liger in place on
         # partial rotary) may take less time and still be slower. Forward+backward through
@@ -634,12 +698,18 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
                 compared = _compared(p, peer, mode)
                 if compared is None:
                     continue
-                ours, theirs, ours_pct, theirs_pct, how = compared
+                ours, theirs, ours_pct, theirs_pct, how, interval = compared
                 if theirs < ours and theirs_pct > ours_pct:
-                    behind.append(f"{p['name']} {mode}{how}: {ours:.1f} us > {peer} "
-                                  f"{theirs:.1f} us")
+                    line = f"{p['name']} {mode}{how}: {ours:.1f} us > {peer} {theirs:.1f} us"
+                    if interval:
+                        low, _, high = interval
+                        line += (f"; ours - {peer} {low:+.3f} to {high:+.3f} us (95%): "
+                                 + ("a lead" if _apart(interval) else "level within the samples"))
+                    apart += interval is None or _apart(interval)
+                    behind.append(line)
     lines.append(f"triton slower than a peer at {len(behind)} point-modes (kernel time by "
-                 "do_bench from 64 MiB, by the profiler below)"
+                 "do_bench from 64 MiB, by the profiler below); a lead the paired samples tell "
+                 f"apart, or with none kept, at {apart}"
                  + "".join(f"\n  {line}" for line in behind[:MAX_LISTED])
                  + (f"\n  and {len(behind) - MAX_LISTED} more" if len(behind) > MAX_LISTED else ""))
     # like for like: ours in place against Liger's, which always works in place
@@ -648,7 +718,7 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
         lines.append(f"triton in place (apply_) forward, kernel time: {line}")
     for peer in PEERS:
         for what, key in (("forward", "fwd_profiled"), ("backward kernel", "bwd_kernel_profiled")):
-            line = _lead_line(points, key, peer, key)
+            line = _lead_line(points, key, peer, key, peer)
             if line:
                 lines.append(f"triton {what} below 64 MiB by the profiler (an L2 flush before "
                              f"each call): {line}")
@@ -659,7 +729,7 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
         ("backward", "bwd_in_place_profiled", "bwd_kernel_profiled",
          "bwd_in_place_again_profiled"),
     ):
-        line = _lead_line(points, ours_key, "liger", theirs_key)
+        line = _lead_line(points, ours_key, "liger", theirs_key, "liger")
         if line:
             lines.append(f"triton in place (apply_) {what} below 64 MiB by the profiler, "
                          f"against Liger's in-place kernel: {line}")
@@ -669,9 +739,14 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
         if gaps:  # medians of whole nanoseconds: apart by at least one
             apart = sum(gap >= 1e-3 for gap in gaps)
             by = f", by {max(gaps):.2f} us at most" if apart else ""
+            # how often the paired test parts one kernel from itself: its false alarms
+            selves = [interval for p in points if (interval := _interval(p, ours_key, "again"))]
+            told = (f"; the paired samples tell the two apart (95% interval of the difference "
+                    f"without 0) at {sum(low > 0 or high < 0 for low, _, high in selves)} of "
+                    f"{len(selves)}") if selves else ""
             lines.append(f"triton in place (apply_) {what} below 64 MiB by the profiler, against "
                          f"itself (the same calls twice in each trace): apart at {apart} of "
-                         f"{len(gaps)} points{by}")
+                         f"{len(gaps)} points{by}{told}")
     # below 64 MiB a launch's latency sets the pace; L2 warm as in a model
     warm = [("triton forward", "fwd_warm", peer, " (a CUDA graph of 20 calls)") for peer in PEERS]
     warm.append(("triton in place (apply_) forward", "fwd_in_place_warm", "liger", ""))

@@ -84,11 +84,13 @@ def test_qkv_point_measures_ours_and_says_why_liger_is_absent(triton_backend, mo
 
     monkeypatch.setattr(sweep, "bench_ms", once)
     monkeypatch.setattr(sweep, "count_launches", lambda fn: 1)
-    monkeypatch.setattr(sweep, "host_us_interleaved",
-                        lambda fns, calls, rounds: {n: (fn(), (1.0, 3.0))[1] for n, fn in fns.items()})
+    monkeypatch.setattr(sweep, "host_rounds", lambda fns, calls, rounds: (
+        {n: [1.0] for n in fns}, {n: (fn(), [3.0])[1] for n, fn in fns.items()}))
     monkeypatch.setattr(sweep, "graph_replay_us", lambda fn: (fn(), 1.5)[1])
     monkeypatch.setattr(sweep, "cold_kernel_us",
                         lambda fns, calls, copies=False: {n: (fn(), 1.2)[1] for n, fn in fns.items()})
+    monkeypatch.setattr(sweep, "cold_kernel_samples",
+                        lambda fns, calls: {n: (fn(), [1.2])[1] for n, fn in fns.items()})
     monkeypatch.setattr(sweep, "_te_peer", lambda shape, inp: None)
     series = sweep.Series(1, 2, 16, 16, (), "", qkv=(32, 16, 16))
     shape = sweep.make_point("sbhd", torch.float32, series, 8)
@@ -266,9 +268,9 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
         for name, fn in fns.items():
             fn()
             in_turn.append(name)
-        return {name: (1.0, 3.0) for name in fns}
+        return {name: [1.0] * rounds for name in fns}, {name: [3.0] * rounds for name in fns}
 
-    monkeypatch.setattr(sweep, "host_us_interleaved", host_clock)
+    monkeypatch.setattr(sweep, "host_rounds", host_clock)
     warm = []
 
     def replayed_us(fn):  # a CUDA graph's replay: each forward runs once here
@@ -288,15 +290,22 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     monkeypatch.setattr(sweep, "written_replay_us", written_us)
     profiled = []
 
-    def kernel_us(fns, calls, copies=False):  # a profiler's trace: each call runs once here,
-        assert calls == sweep.PROFILED_CALLS  # 1.2 us each, the copy (memcpy rows kept) 0.9 us
+    def kernel_us(fns, calls, copies=False):  # a profiler's trace of the copy (memcpy rows
+        assert calls == sweep.PROFILED_CALLS  # kept): it runs once here, 0.9 us
+        assert copies and list(fns) == ["copy"]
+        fns["copy"]()
+        profiled.append(sorted(fns))
+        return {"copy": 0.9}
+
+    def kernel_samples(fns, calls):  # the kernels' trace: each call runs once here, 1.2 us
+        assert calls == sweep.PROFILED_CALLS  # in each of `calls` rounds
         for fn in fns.values():
             fn()
-        assert copies == (list(fns) == ["copy"])
         profiled.append(sorted(fns))
-        return {key: 0.9 if copies else 1.2 for key in fns}
+        return {key: [1.2] * calls for key in fns}
 
     monkeypatch.setattr(sweep, "cold_kernel_us", kernel_us)
+    monkeypatch.setattr(sweep, "cold_kernel_samples", kernel_samples)
     # the peers as absent (a module already imported by another test cannot be hidden)
     monkeypatch.setattr(sweep, "_te_peer", lambda shape, inp: None)
     monkeypatch.setattr(sweep, "_liger_peer", lambda shape, inp: None)
@@ -363,6 +372,12 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
         "bwd_in_place_again_profiled_us") == (None if large else 1.2)
     assert sweep.IN_PLACE not in record["implementations"]
     assert sweep.IN_PLACE_AGAIN not in record["implementations"]
+    # the paired samples' intervals: ours in place against itself (no peer here to pair with)
+    for mode in ("fwd", "bwd"):
+        assert ours.get(f"{mode}_in_place_profiled_minus_again_us") == (
+            None if large else [0.0, 0.0, 0.0])
+        assert f"{mode}_in_place_profiled_minus_liger_us" not in ours
+    assert not any("_minus_te_" in key for key in ours)
     if not large:
         table = sweep.format_table([record])
         assert ("1.50 (in place 1.50; written before: 0.50) | 1.20 / 1.20 (in place 1.20 / 1.20) |"
@@ -388,7 +403,8 @@ def test_ours_in_place_rewrites_the_tensor_its_forward_reads(triton_backend):
 
 def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
     monkeypatch.setattr(sweep, "bench_ms", lambda fn, rep=100: 0.001)
-    monkeypatch.setattr(sweep, "host_us_interleaved", lambda fns, calls, rounds: {n: (1.0, 2.0) for n in fns})
+    monkeypatch.setattr(sweep, "host_rounds", lambda fns, calls, rounds: (
+        {n: [1.0] for n in fns}, {n: [2.0] for n in fns}))
     monkeypatch.setattr(sweep, "count_launches", lambda fn: None)
     monkeypatch.setattr(sweep, "graph_replay_us", lambda fn: 1.0)
     shape = sweep.make_point("bshd", torch.float32, sweep.Series(2, 1, 8, 8, (), ""), 16)
@@ -473,6 +489,9 @@ def test_summarize_states_the_targets():
     # cold, ours in place: behind Liger's 3.9 us on the small point, ahead of its 82 us at rot64
     points[2]["implementations"]["triton"]["fwd_in_place_us"] = 4.0
     points[4]["implementations"]["triton"]["fwd_in_place_us"] = 66.0
+    # the host clock's paired rounds: TE's lead at "big a" told apart, at "small" not
+    points[0]["implementations"]["triton"]["fwd_bwd_host_minus_te_us"] = [3.0, 5.0, 7.0]
+    points[2]["implementations"]["triton"]["fwd_bwd_host_minus_te_us"] = [-2.0, 10.0, 20.0]
     lines = sweep.summarize(points).splitlines()
     assert lines[0] == ("triton fwd at >= 64 MiB: 3 of 3 points at 95% of copy or more; lowest "
                         "96.0% (big a)")
@@ -481,13 +500,14 @@ def test_summarize_states_the_targets():
     # kernel time and forward+backward on the host clock, at every point
     assert lines[2:9] == [
         "triton slower than a peer at 6 point-modes (kernel time by do_bench from 64 MiB, by "
-        "the profiler below)",
-        "  big a fwd_bwd_host: 90.0 us > te 85.0 us",
+        "the profiler below); a lead the paired samples tell apart, or with none kept, at 5",
+        "  big a fwd_bwd_host: 90.0 us > te 85.0 us; ours - te +3.000 to +7.000 us (95%): a lead",
         "  big b fwd: 38.0 us > liger 37.0 us",
         "  big b fwd_bwd_host: 80.0 us > liger 70.0 us",
         "  small fwd: 4.5 us > liger 3.9 us",
         "  small bwd_kernel: 4.4 us > liger 3.9 us",
-        "  small fwd_bwd_host: 110.0 us > te 100.0 us",
+        "  small fwd_bwd_host: 110.0 us > te 100.0 us; ours - te -2.000 to +20.000 us (95%): "
+        "level within the samples",
     ]
     assert lines[-8] == ("triton in place (apply_) forward, kernel time: liger faster at 1 of 2 "
                          "points, by 0.10 us at most")
@@ -528,9 +548,15 @@ def test_profiled_kernel_times_fall_back_to_one_implementation_at_a_time(monkeyp
             raise RuntimeError("a call launched a kernel named as the flush's")
         return {key: 2.5 for key in fns}
 
+    def kernel_samples(fns, calls):
+        kernel_us(fns, calls)
+        raise AssertionError("not reached")
+
     monkeypatch.setattr(sweep, "cold_kernel_us", kernel_us)
-    times = sweep.profiled_kernel_times(impls)
+    monkeypatch.setattr(sweep, "cold_kernel_samples", kernel_samples)
+    times, samples = sweep.profiled_kernel_times(impls)
     assert times == {"ours": {"fwd_profiled_us": 2.5, "bwd_kernel_profiled_us": 2.5}}
+    assert samples == {}  # traces of one implementation each: no neighbouring calls to pair
     assert asked == [["odd", "ours", "ours"], ["ours", "ours"], ["odd"]]
     assert "odd profiled: RuntimeError" in capsys.readouterr().err
 
@@ -546,7 +572,7 @@ def test_summarize_compares_kernels_by_the_profiler_where_both_have_it():
     lines = sweep.summarize([point]).splitlines()
     assert lines[:2] == [
         "triton slower than a peer at 1 point-modes (kernel time by do_bench from 64 MiB, by "
-        "the profiler below)",
+        "the profiler below); a lead the paired samples tell apart, or with none kept, at 1",
         "  small bwd_kernel (profiler): 2.0 us > liger 1.9 us",
     ]
     assert ("triton forward below 64 MiB by the profiler (an L2 flush before each call): liger "
@@ -564,11 +590,20 @@ def test_summarize_compares_ours_in_place_with_liger_by_the_profiler():
         fwd_profiled_us=2.2, bwd_kernel_profiled_us=2.2, fwd_in_place_profiled_us=1.9,
         bwd_in_place_profiled_us=2.0)
     point["implementations"]["liger"].update(fwd_profiled_us=2.1, bwd_kernel_profiled_us=1.8)
+    point["implementations"]["triton"]["bwd_in_place_profiled_minus_liger_us"] = [0.1, 0.2, 0.3]
     lines = sweep.summarize([point]).splitlines()
     prefix = ("triton in place (apply_) {} below 64 MiB by the profiler, against Liger's "
               "in-place kernel: ")
     assert prefix.format("forward") + "liger faster at 0 of 1 points" in lines
-    assert prefix.format("backward") + "liger faster at 1 of 1 points, by 0.20 us at most" in lines
+    assert prefix.format("backward") + (
+        "liger faster at 1 of 1 points, by 0.20 us at most; a lead the paired samples tell apart "
+        "(95% interval of ours minus theirs above 0) at 1 of them") in lines
+    # a paired interval holding 0: the lead is counted, and said to be within the samples
+    point["implementations"]["triton"]["bwd_in_place_profiled_minus_liger_us"] = [-0.1, 0.2, 0.3]
+    assert prefix.format("backward") + (
+        "liger faster at 1 of 1 points, by 0.20 us at most; a lead the paired samples tell apart "
+        "(95% interval of ours minus theirs above 0) at 0 of them") in sweep.summarize(
+            [point]).splitlines()
 
 
 def test_summarize_sets_ours_in_place_against_itself():
@@ -583,11 +618,18 @@ def test_summarize_sets_ours_in_place_against_itself():
             fwd_in_place_profiled_us=1.9, bwd_in_place_profiled_us=2.0,
             fwd_in_place_again_profiled_us=again[0], bwd_in_place_again_profiled_us=again[1])
         points.append(point)
+    # the paired test's verdict on the backward: a false alarm at "a" (either sign counts)
+    points[0]["implementations"]["triton"]["bwd_in_place_profiled_minus_again_us"] = [
+        -0.064, -0.032, -0.001]
+    points[1]["implementations"]["triton"]["bwd_in_place_profiled_minus_again_us"] = [
+        -0.032, 0.0, 0.032]
     lines = sweep.summarize(points).splitlines()
     prefix = ("triton in place (apply_) {} below 64 MiB by the profiler, against itself (the "
               "same calls twice in each trace): ")
     assert prefix.format("forward") + "apart at 0 of 2 points" in lines
-    assert prefix.format("backward") + "apart at 1 of 2 points, by 0.03 us at most" in lines
+    assert prefix.format("backward") + (
+        "apart at 1 of 2 points, by 0.03 us at most; the paired samples tell the two apart (95% "
+        "interval of the difference without 0) at 1 of 2") in lines
 
 
 def test_summarize_compares_in_place_calls_on_freshly_written_input():
@@ -656,6 +698,69 @@ def test_paired_difference_refuses_unpaired_samples():
         bench.paired_difference([1.0, 2.0, 3.0], [1.0, 2.0])
     with pytest.raises(ValueError, match="at least one"):
         bench.paired_difference([], [])
+
+
+def test_paired_intervals_set_ours_against_each_other_implementation():
+    """Ours minus each implementation's paired samples, as the sign test's 95% interval: a
+    steady 0.2 us lead of Liger's lies above 0; TE's differences straddle it; a series of
+    another length (not paired with ours) and an absent one are left out."""
+    n = 20
+    ours = [2.0 + 0.01 * (i % 5) for i in range(n)]
+    samples = {"triton": ours, "liger": [x - 0.2 for x in ours],
+               "te": [x + (0.05 if i % 2 else -0.05) for i, x in enumerate(ours)],
+               "other": ours[:-1]}
+    intervals = sweep.paired_intervals(samples, "fwd_profiled")
+    assert set(intervals) == {"fwd_profiled_minus_te_us", "fwd_profiled_minus_liger_us"}
+    assert intervals["fwd_profiled_minus_liger_us"] == pytest.approx([0.2, 0.2, 0.2])
+    low, median, high = intervals["fwd_profiled_minus_te_us"]
+    assert low == pytest.approx(-0.05) and high == pytest.approx(0.05) and low < median < high
+    assert sweep.paired_intervals(samples, "k", others={"other": "o"}) == {}
+    assert sweep.paired_intervals(samples, "k", ours="ghost") == {}
+    assert sweep.paired_intervals(samples, "k", ours="liger", others={"triton": "t"}) == {
+        "k_minus_t_us": pytest.approx([-0.2, -0.2, -0.2])}
+
+
+def test_run_point_keeps_paired_intervals_against_a_peer(triton_backend, monkeypatch):
+    """With a peer present (our eager backend standing in for TE), the point keeps ours minus
+    the peer's paired samples: of the profiler's trace (0.1 us a call here, forward and
+    backward kernel) and of the host clock's rounds (a lead of 0.2 us in every round)."""
+    monkeypatch.setattr(sweep, "bench_ms", lambda fn, rep=100: (fn(), 0.002)[1])
+    monkeypatch.setattr(sweep, "count_launches", lambda fn: 1)
+    monkeypatch.setattr(sweep, "graph_replay_us", lambda fn: (fn(), 1.5)[1])
+    monkeypatch.setattr(sweep, "written_replay_us", lambda fn, write: (write(), fn(), 0.5)[2])
+    monkeypatch.setattr(sweep, "cold_kernel_us", lambda fns, calls, copies=False: {"copy": 0.9})
+    kernel = {"triton": 1.3, "te": 1.2}
+
+    def kernel_samples(fns, calls):
+        for fn in fns.values():
+            fn()
+        return {key: [kernel.get(key.split("\0")[0], 1.25) + 0.001 * (i % 3)
+                      for i in range(calls)] for key in fns}
+
+    monkeypatch.setattr(sweep, "cold_kernel_samples", kernel_samples)
+    monkeypatch.setattr(sweep, "host_rounds", lambda fns, calls, rounds: (
+        {n: [1.0] * rounds for n in fns},
+        {n: [(2.8 if n == "te" else 3.0) + 0.01 * (i % 4) for i in range(rounds)]
+         for n in fns}))
+    monkeypatch.setattr(sweep, "_te_peer",
+                        lambda shape, inp: bench._ours("eager", "TE stand-in", inp, inp.freqs))
+    monkeypatch.setattr(sweep, "_liger_peer", lambda shape, inp: None)
+    shape = sweep.make_point("sbhd", torch.float32, sweep.Series(1, 2, 16, 8, (), ""), 32)
+    record = sweep.run_point(shape, peers=True, device=DEVICE)
+    ours = record["implementations"]["triton"]
+    assert record["implementations"]["te"]["fwd_profiled_us"] == pytest.approx(1.201)
+    assert ours["fwd_profiled_minus_te_us"] == pytest.approx([0.1, 0.1, 0.1])
+    assert "bwd_kernel_profiled_minus_te_us" not in ours  # the stand-in has no backward launch
+    assert ours["fwd_bwd_host_minus_te_us"] == pytest.approx([0.2, 0.2, 0.2])
+    assert ours["fwd_in_place_profiled_minus_again_us"] == pytest.approx([0.0, 0.0, 0.0])
+    # and the summary says it: a lead of TE's the samples tell apart, at both
+    lines = sweep.summarize([record]).splitlines()
+    assert lines[0].startswith("triton slower than a peer at 2 point-modes")
+    assert lines[0].endswith("a lead the paired samples tell apart, or with none kept, at 2")
+    assert lines[1].endswith("fwd (profiler): 1.3 us > te 1.2 us; ours - te +0.100 to +0.100 us "
+                             "(95%): a lead")
+    assert lines[2].endswith("fwd_bwd_host: 3.0 us > te 2.8 us; ours - te +0.200 to +0.200 us "
+                             "(95%): a lead")
 
 
 @pytest.mark.parametrize("n", range(1, 8))
