@@ -633,29 +633,6 @@ def rope_kernel(
     )
 
 
-@triton.jit
-def _prefetch_rows(out_ptr, rows, row_mask, HEAD_DIM: tl.constexpr, KIND: tl.constexpr):
-    """Ask the L2 for the output rows' lines before the input's load (``KIND`` 1: one
-    ``prefetch.global.L2`` a 128-byte line; 2: one ``cp.async.bulk.prefetch.L2`` a row), so
-    the lines an out-of-place store needs are allocated while the load is in flight rather
-    than after it. A hint: the data is neither read by the kernel nor changed. Masked rows
-    ask for row 0's lines."""
-    ROW_BYTES: tl.constexpr = HEAD_DIM * out_ptr.dtype.element_ty.primitive_bitwidth // 8
-    safe = tl.where(row_mask, rows, 0)
-    if KIND == 1:
-        LINES: tl.constexpr = (ROW_BYTES + 127) // 128
-        STEP: tl.constexpr = HEAD_DIM // LINES
-        line = tl.arange(0, LINES)
-        ptrs = out_ptr + safe[:, :, None] + (line * STEP)[None, None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        size = tl.full(rows.shape, ROW_BYTES, tl.int32)
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
-                                  "=r,l,r", [out_ptr + safe, size], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["n_tokens", "dim1", "dim1_magic", "dim1_shift"])
 def rope_lean_kernel(
     x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
@@ -664,7 +641,7 @@ def rope_lean_kernel(
     PAIRED: tl.constexpr, RATES: tl.constexpr, LINEAR: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     FAST_TRIG: tl.constexpr, SCALE: tl.constexpr, SHARED_ROWS: tl.constexpr, VECTOR: tl.constexpr,
-    ONE_SEQUENCE: tl.constexpr = False, PREFETCH_OUT: tl.constexpr = 0,
+    ONE_SEQUENCE: tl.constexpr = False,
 ):
     """:func:`rope_kernel` for a small call on contiguous sbhd or bshd tensors: ``x`` and
     ``out`` both ``[n0, n1, HEADS, HEAD_DIM]`` and contiguous (or ``out`` is ``x``), fewer
@@ -699,8 +676,6 @@ def rope_lean_kernel(
     c_mask = c < (ROT_DIM if INTERLEAVED else HALF)
     rows = (tok * (HEADS * HEAD_DIM))[:, None] + (hh * HEAD_DIM)[None, :]
     row_mask = tok_mask[:, None] & (hh < HEADS)[None, :]
-    if PREFETCH_OUT > 0:
-        _prefetch_rows(out_ptr, rows, row_mask, HEAD_DIM, PREFETCH_OUT)
     mask = row_mask[:, :, None] & c_mask[None, None, :]
     offsets = rows[:, :, None] + c[None, None, :]
     x_a = tl.load(x_ptr + offsets, mask=mask, other=0.0)

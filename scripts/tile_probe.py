@@ -29,8 +29,7 @@ per head, against Liger's; ``table-bytes``, ours in place on tables of 256 to 1,
 token against Liger's; ``one-head-rule``, tokens a program for one-head calls the L2 holds;
 ``ties``, ours in place against Liger's where it led by a tenth of a microsecond, with the
 paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps;
-``lean-vector``, two channels a thread at 1 x 8 tiles; ``out-prefetch``, the lean kernel out of
-place with its output's lines asked of the L2 before its load; ``float32-resident``, tiles for float32
+``lean-vector``, two channels a thread at 1 x 8 tiles; ``float32-resident``, tiles for float32
 calls of 32 MiB, warm and flushed; ``in-place-resident``, the same for calls of 16-32 MiB in
 place, float32 and bf16; ``resident-rules``, candidate rules for them at the
 sweep's points of 1-32 MiB; ``mqa-tiles``, the q+k launch's tiles where k has one head;
@@ -1299,15 +1298,14 @@ def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: 
              backward: bool, tile: tuple[int, int], warps: int = triton_rope.WARPS,
              flag: torch.Tensor | None = None, shared: bool | None = None,
              vector: int | None = None, kernels: ModuleType | None = None,
-             one_sequence: bool | None = None, prefetch: int = 0):
+             one_sequence: bool | None = None):
     """The lean kernel at ``tile`` on ``warps`` warps on ``src`` into ``dst`` (``src``
     itself: in place), the table's rows read (through its linearity ``flag`` where given), as
     a call of no argument (Triton's own launch: the profiler times the kernel alone); a row's
     sines ``shared`` across the tile's heads or not, at most ``vector`` adjacent channels a
     thread, a batch of one's positions taken as the token's index or not (``one_sequence``;
-    None for each: as the launcher decides), the output's lines asked of the L2 before the
-    load (``prefetch``: ``rope_lean_kernel``'s ``PREFETCH_OUT``); from the kernel module
-    ``kernels`` (None: the shipped one)."""
+    None for each: as the launcher decides); from the kernel module ``kernels`` (None: the
+    shipped one)."""
     n0, dim1, heads, d = src.shape
     kernels = kernels or triton_rope._load_kernels()
     grid, ints, consts = triton_rope._lean_arguments(
@@ -1321,8 +1319,6 @@ def _lean_at(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, layout: 
         consts.update(VECTOR=vector)
     if one_sequence is not None:
         consts.update(ONE_SEQUENCE=one_sequence)
-    if prefetch:
-        consts.update(PREFETCH_OUT=prefetch)
     grid = (-(-n0 * dim1 // tile[0]) * -(-heads // tile[1]), 1, 1)
     kernel = kernels.rope_lean_kernel
     sin = table if flag is None else flag
@@ -1582,14 +1578,13 @@ TIE_SHAPES = [  # (layout, seq, batch, heads): where Liger's in-place kernel led
 ]
 
 
-def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int) -> dict:
+def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int) -> None:
     """``rounds`` profiler traces of ``fns`` (named ``"<what> fwd"`` / ``"<what> bwd"``, Liger's
     as ``"liger fwd"`` / ``"liger bwd"``; or a function making them anew for each trace),
     at least ``calls`` calls each, in rounds of balanced orders, each after an L2 flush
     (:func:`~rope_dispatch.bench.cold_kernel_samples`). Per variant and mode a line: the pooled
     median and the median of its paired differences to Liger's (neighbouring calls) with its
-    95% interval (:func:`~rope_dispatch.bench.paired_difference`). Returns the pooled samples
-    by name."""
+    95% interval (:func:`~rope_dispatch.bench.paired_difference`)."""
     samples: dict = {}
     for _ in range(rounds):  # each trace balances the names' places itself (trace_order)
         made = fns() if callable(fns) else fns
@@ -1604,7 +1599,6 @@ def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int) -> di
                 cells.append(f"{name[:-4]} {statistics.median(ours):.3f} ({1e3 * mid:+.0f} ns, "
                              f"95% {1e3 * low:+.0f} to {1e3 * high:+.0f})")
         print(f"   {mode}: " + " | ".join(cells), flush=True)
-    return samples
 
 
 def ties(rounds: int = 12, calls: int = 40) -> None:
@@ -1668,66 +1662,6 @@ def _lean_variants_in_place(variants: dict[str, dict], rounds: int, calls: int) 
               flush=True)
         _print_paired(fns, rounds, calls)
         _print_warm_forwards(fns)
-
-
-OUT_PREFETCH_SHAPES = [  # (layout, seq, batch, heads): Liger's in-place kernel ahead of ours
-    ("sbhd", 128, 1, 8), ("sbhd", 512, 1, 8), ("bshd", 512, 1, 8), ("sbhd", 128, 4, 8),
-]  # out of place, told apart by the paired samples (run BA)
-OUT_PREFETCH_KINDS = {"none": 0, "lines": 1, "bulk rows": 2}
-
-
-def out_prefetch(rounds: int = 8, calls: int = 40) -> None:
-    """The lean kernel out of place at its tile, the table read through its linearity flag
-    (as the sweep's calls read a model's table), with the output's lines asked of the L2
-    before the input's load or not (``OUT_PREFETCH_KINDS``: ``rope_lean_kernel``'s
-    ``PREFETCH_OUT``), and in place, against Liger's in-place kernels
-    (:func:`_print_paired`), every buffer placed anew for each trace after a spacer of 0-1
-    MiB; the out-of-place variants share one output. Each variant is first checked bit for bit
-    against the shipped launch."""
-    gen = random.Random(0)
-    for layout, seq, batch, heads in OUT_PREFETCH_SHAPES:
-        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
-        kept: list = []
-
-        def fresh() -> dict:
-            kept[:] = [torch.empty(512 * gen.randrange(2048), dtype=torch.int8, device="cuda")]
-            inp = bench.make_inputs(shape, draw_on_device=True)
-            angles = inp.freqs.view(inp.freqs.shape[0], -1)
-            table, flag = _flagged(angles)
-            tile = triton_rope.lean_tile(seq * batch, heads, 128, inp.t.element_size())
-            fns: dict = {}
-            for mode, src, back in (("fwd", inp.t, False), ("bwd", inp.grad, True)):
-                dst, want, ip = torch.empty_like(src), torch.empty_like(src), src.clone()
-                _lean_at(src, want, table, layout, back, tile, flag=flag)()
-                for name, kind in OUT_PREFETCH_KINDS.items():
-                    launch = _lean_at(src, dst, table, layout, back, tile, flag=flag,
-                                      prefetch=kind)
-                    try:
-                        launch()
-                    except Exception as exc:  # noqa: BLE001 (a kind the compiler refuses)
-                        print(f"   {name} {mode}: {type(exc).__name__}: {exc}"[:300], flush=True)
-                        continue
-                    if not torch.equal(dst, want):
-                        raise RuntimeError(f"prefetch {name} {mode} differs at {shape}")
-                    fns[f"out {name} {mode}"] = launch
-                fns[f"in place {mode}"] = _lean_at(ip, ip, table, layout, back, tile, flag=flag)
-                kept.append((dst, want, ip))
-            liger = bench._liger_peer(shape, inp)
-            fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
-            kept.append((inp, fns))
-            return fns
-
-        print(f"{layout} s{seq} b{batch} h{heads} d128 bf16:", flush=True)
-        samples = _print_paired(fresh, rounds, calls)
-        for mode in ("fwd", "bwd"):
-            none = samples[f"out none {mode}"]
-            cells = []
-            for name in OUT_PREFETCH_KINDS:
-                if name != "none" and f"out {name} {mode}" in samples:
-                    low, mid, high = bench.paired_difference(samples[f"out {name} {mode}"], none)
-                    cells.append(f"{name} - none {1e3 * mid:+.0f} ns (95% {1e3 * low:+.0f} to "
-                                 f"{1e3 * high:+.0f})")
-            print(f"   {mode}: " + " | ".join(cells), flush=True)
 
 
 LEAN_WARP_VARIANTS = [(4, True), (2, True), (2, False), (1, False), (1, True)]
@@ -2369,7 +2303,7 @@ if __name__ == "__main__":
              "lean-warps": lean_warps, "sweep-orders": sweep_orders,
              "shared-sines": shared_sines, "table-bytes": table_bytes,
              "one-head-rule": one_head_rule, "ties": ties, "lean-one-warp": lean_one_warp,
-             "lean-vector": lean_vector, "out-prefetch": out_prefetch,
+             "lean-vector": lean_vector,
              "float32-resident": lambda: in_place_resident(FLOAT32_RESIDENT_SHAPES),
              "in-place-resident": lambda: in_place_resident(IN_PLACE_RESIDENT_SHAPES),
              "resident-rules": resident_rules, "mqa-tiles": mqa_tiles,
