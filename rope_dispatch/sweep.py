@@ -677,7 +677,9 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     forward below 64 MiB with the L2 warm against each peer (and ours in place against Liger's, replayed on their own output
     and with their input written by a copy before each call, as in a model); the host-clock
     forward+backward against each peer's; and what reading the table as rates gives over
-    reading its rows. Absent implementations and failed modes are left out."""
+    reading its rows. Where the point kept ours minus a peer's paired samples
+    (:func:`paired_intervals`), each lead says whether their 95% interval lies above 0.
+    Absent implementations and failed modes are left out."""
     lines = []
     large = [p for p in points if p["points_at_least_64MB"]]
     for mode in ("fwd", "bwd kernel"):
@@ -688,7 +690,7 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
             low, where = min(shares)
             lines.append(f"triton {mode} at >= 64 MiB: {met} of {len(shares)} points at "
                          f"{TARGET_PCT:.0f}% of copy or more; lowest {low:.1f}% ({where})")
-    behind, apart = [], 0
+    behind, told_apart = [], 0
     for p in points:
         # faster in time and in share of the copy: a peer moving fewer bytes (Liger in place on
         # partial rotary) may take less time and still be slower. Forward+backward through
@@ -705,11 +707,11 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
                         low, _, high = interval
                         line += (f"; ours - {peer} {low:+.3f} to {high:+.3f} us (95%): "
                                  + ("a lead" if _apart(interval) else "level within the samples"))
-                    apart += interval is None or _apart(interval)
+                    told_apart += interval is None or _apart(interval)
                     behind.append(line)
     lines.append(f"triton slower than a peer at {len(behind)} point-modes (kernel time by "
                  "do_bench from 64 MiB, by the profiler below); a lead the paired samples tell "
-                 f"apart, or with none kept, at {apart}"
+                 f"apart, or with none kept, at {told_apart}"
                  + "".join(f"\n  {line}" for line in behind[:MAX_LISTED])
                  + (f"\n  and {len(behind) - MAX_LISTED} more" if len(behind) > MAX_LISTED else ""))
     # like for like: ours in place against Liger's, which always works in place
