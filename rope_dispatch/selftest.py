@@ -421,8 +421,9 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
 
     if isolate is None:
         isolate = "cuda" in devices
-    registered = [b.name for b in registry.backends()]
-    isolated = [b.name for b in registry.backends() if checked_apart(b)] if isolate else []
+    known = registry.backends()
+    registered = [b.name for b in known]
+    isolated = [b.name for b in known if checked_apart(b)] if isolate else []
     workers = [Worker([name], devices, thorough, finished, passed_on, probed) for name in isolated]
     infos = {info.name: asdict(info) for info in rd.list_backends(
         [name for name in registered if name not in isolated])}

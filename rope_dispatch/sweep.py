@@ -513,13 +513,10 @@ def profiled_kernel_times(
     neighbours); one that fails there is left out and said on stderr."""
     modes = {f"{name}\0{mode}": fn for name, impl in impls.items()
              for mode, fn in (("fwd", impl.fwd), ("bwd_kernel", impl.bwd_kernel)) if fn is not None}
-    samples: dict[str, dict[str, list[float]]] = {}
+    per_call: dict[str, list[float]] = {}  # the joint trace's samples: none from the fallback
     try:
         per_call = cold_kernel_samples(modes, calls=PROFILED_CALLS)
         measured = {key: statistics.median(us) for key, us in per_call.items()}
-        for key, us in per_call.items():
-            name, mode = key.split("\0")
-            samples.setdefault(mode, {})[name] = us
     except Exception:  # noqa: BLE001 (one implementation's kernels: measured alone below)
         measured = {}
         for name in impls:
@@ -529,9 +526,12 @@ def profiled_kernel_times(
             except Exception as exc:  # noqa: BLE001 (reported, not fatal to the sweep)
                 print(f"  {name} profiled: {type(exc).__name__}: {exc}", file=sys.stderr)
     times: dict[str, dict[str, float]] = {}
+    samples: dict[str, dict[str, list[float]]] = {}
     for key, us in measured.items():
         name, mode = key.split("\0")
         times.setdefault(name, {})[f"{mode}_profiled_us"] = us
+        if key in per_call:
+            samples.setdefault(mode, {})[name] = per_call[key]
     return times, samples
 
 
