@@ -14,6 +14,7 @@ A check returns a list of sentences with the actual values; an empty list means 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import ClassVar
@@ -179,10 +180,31 @@ class BackendInfo:
 
 
 _REGISTRY: dict[str, Backend] = {}
+_BUILT_INS_LOADED = False
+
+
+@constant_while_tracing
+def _load_built_ins() -> bool:
+    """Register the built-in backends (importing :mod:`rope_dispatch.backends` does) before the
+    registry's first use. ``import rope_dispatch`` loads nothing by itself, so a program that
+    imports a submodule directly (``from rope_dispatch.compat.te import ...``) still finds them.
+    Opaque to torch.compile, where a process's first call may be traced: the import would break
+    the graph."""
+    global _BUILT_INS_LOADED
+    if not _BUILT_INS_LOADED:
+        _BUILT_INS_LOADED = True  # their own register() calls come back here
+        try:
+            importlib.import_module("rope_dispatch.backends")
+        except BaseException:
+            _BUILT_INS_LOADED = False
+            raise
+    return True
 
 
 def register(backend: Backend) -> Backend:
-    """Add a backend instance under its ``name`` (a later registration replaces an earlier one)."""
+    """Add a backend instance under its ``name`` (a later registration replaces an earlier one,
+    a built-in one included)."""
+    _load_built_ins()
     _REGISTRY[backend.name] = backend
     from . import dispatch  # a new backend invalidates cached decisions
 
@@ -218,12 +240,16 @@ def _run_probe(backend: Backend) -> tuple[str, ...]:
 
 def backends() -> list[Backend]:
     """Registered backends, highest priority first."""
+    _load_built_ins()
     return sorted(_REGISTRY.values(), key=lambda b: -b.priority)
 
 
 def get_backend(name: str) -> Backend:
     """The backend registered as ``name``; an unknown name lists the known ones."""
     backend = _REGISTRY.get(name) if isinstance(name, str) else None
+    if backend is None:
+        _load_built_ins()
+        backend = _REGISTRY.get(name) if isinstance(name, str) else None
     if backend is None:  # no try/except: `raise ... from None` breaks torch.compile tracing
         known = ", ".join(sorted(_REGISTRY))
         raise UnknownBackendError(f"unknown backend {name!r}; known backends: {known}")
