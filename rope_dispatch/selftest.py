@@ -25,13 +25,74 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import torch
 
-import rope_dispatch as rd
-from rope_dispatch import autotune, registry
-from rope_dispatch.guards import guard_kind
-from rope_dispatch.reference import max_error, reference_apply
-from rope_dispatch.tables import cos_sin_cache
+def command_line() -> argparse.ArgumentParser:
+    """The command line; it needs no torch, so ``__main__`` reads it before importing torch."""
+    parser = argparse.ArgumentParser(prog="python -m rope_dispatch.selftest",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--thorough", action="store_true",
+                        help="every backend on every case of the grid (slower: torch.compile "
+                        "compiles each)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "all"), default="auto",
+                        help="devices to check (default auto: CUDA when present, else the CPU; "
+                        "all: both)")
+    parser.add_argument("--worker", metavar="NAMES", help=argparse.SUPPRESS)  # see Worker
+    return parser
+
+
+PRESTARTED = ("te", "compile")
+"""The built-in backends :func:`checked_apart`, in the registry's order: ``python -m
+rope_dispatch.selftest`` starts their :class:`Worker` processes before it imports torch
+(:func:`prestart`). A test keeps this in step with the registry."""
+
+
+def cuda_likely() -> bool:
+    """Whether torch will probably see a GPU, judged without importing it: a GPU driver's device
+    node (NVIDIA's, or ROCm's), and ``CUDA_VISIBLE_DEVICES`` not hiding every device. A wrong
+    guess costs time only: :func:`run` kills workers it does not use, and starts those it
+    needs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/kfd"))
+
+
+def start_worker(names: list[str], device: str, thorough: bool) -> subprocess.Popen:
+    """The process of a :class:`Worker` checking ``names`` on ``device`` (a ``--device``
+    value: the worker resolves ``auto`` as this process does)."""
+    command = [sys.executable, "-m", "rope_dispatch.selftest", "--worker", ",".join(names),
+               "--device", device]
+    # the quick run's one case compiles in this process rather than through Inductor's pool
+    # of one process a core, whose start cost more than it saved there (run AZ2); a
+    # thorough run's many compiles keep the pool
+    env = dict(os.environ)
+    if not thorough:
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    return subprocess.Popen(command + ["--thorough"] * thorough, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def prestart(args: argparse.Namespace) -> dict[str, subprocess.Popen]:
+    """The workers of :data:`PRESTARTED` started now, by name, where CUDA is likely checked
+    (:func:`run` isolates only there); else none. Started before this process imports torch,
+    their imports and compiles (the selftest's critical path) no longer wait for its own,
+    seconds on a fresh GPU machine (docs/benchmarks.md, run BB)."""
+    if args.worker or args.device == "cpu" or not cuda_likely():
+        return {}
+    return {name: start_worker([name], args.device, args.thorough) for name in PRESTARTED}
+
+
+if __name__ == "__main__":
+    PRESTARTED_WORKERS = prestart(command_line().parse_args())
+
+import torch  # noqa: E402
+
+import rope_dispatch as rd  # noqa: E402
+from rope_dispatch import autotune, registry  # noqa: E402
+from rope_dispatch.guards import guard_kind  # noqa: E402
+from rope_dispatch.reference import max_error, reference_apply  # noqa: E402
+from rope_dispatch.tables import cos_sin_cache  # noqa: E402
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -316,7 +377,8 @@ PROBED_LINE = "probed: "
 
 class Worker:
     """``python -m rope_dispatch.selftest --worker NAMES``: the backends ``names`` probed and
-    checked in a process of their own, started before this one probes the others.
+    checked in a process of their own, started before this one probes the others, or, under
+    ``python -m``, before this one imports torch (:func:`prestart`: ``process``).
 
     Backends that compile per spec or whose probe imports packages for seconds
     (:attr:`~rope_dispatch.Backend.heavy_import`: TransformerEngine and Dynamo, seconds on a
@@ -329,18 +391,12 @@ class Worker:
 
     def __init__(self, names: list[str], devices: list[str], thorough: bool,
                  finished: Callable[[str], None], passed_on: Callable[[str], None],
-                 probed: Callable[[str, bool], None] = lambda name, available: None) -> None:
+                 probed: Callable[[str, bool], None] = lambda name, available: None,
+                 process: subprocess.Popen | None = None) -> None:
         self.names, self.devices = names, devices
-        command = [sys.executable, "-m", "rope_dispatch.selftest", "--worker", ",".join(names),
-                   "--device", "all" if len(devices) > 1 else devices[0]]
-        # the quick run's one case compiles in this process rather than through Inductor's pool
-        # of one process a core, whose start cost more than it saved there (run AZ2); a
-        # thorough run's many compiles keep the pool
-        env = dict(os.environ)
-        if not thorough:
-            env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-        self.proc = subprocess.Popen(command + ["--thorough"] * thorough, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)
+        self.prestarted = process is not None  # by :func:`prestart`, for the same devices
+        self.proc = process or start_worker(names, "all" if len(devices) > 1 else devices[0],
+                                            thorough)
         self.tail: collections.deque[str] = collections.deque(maxlen=3)
         self.relay = threading.Thread(target=self._relay, args=(finished, passed_on, probed),
                                       daemon=True)
@@ -393,13 +449,14 @@ def checked_apart(backend: rd.Backend) -> bool:
 
 
 def run(devices: list[str], progress: Callable[[str], None], thorough: bool = False,
-        isolate: bool | None = None) -> dict:
+        isolate: bool | None = None, started: dict[str, subprocess.Popen] | None = None) -> dict:
     """Every available backend on its cases (:func:`cases_for`) and every device; the whole
     report as a dict. With ``isolate``, each backend :func:`checked_apart` is probed and checked
     by a :class:`Worker` of its own meanwhile, so this process never imports its packages; by
     default where CUDA is checked, whose other checks compile Triton kernels for seconds too.
     On the CPU the others take under a second: there a second interpreter's start would only
-    add to the time (2.5 s on a 2-core machine)."""
+    add to the time (2.5 s on a 2-core machine). A worker's process in ``started``
+    (:func:`prestart`, for these devices) serves its backend; those not needed are killed."""
     lock = threading.Lock()
     done, total = 0, 0
 
@@ -424,7 +481,12 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
     known = registry.backends()
     registered = [b.name for b in known]
     isolated = [b.name for b in known if checked_apart(b)] if isolate else []
-    workers = [Worker([name], devices, thorough, finished, passed_on, probed) for name in isolated]
+    started = dict(started or {})
+    workers = [Worker([name], devices, thorough, finished, passed_on, probed, started.pop(name, None))
+               for name in isolated]
+    for process in started.values():
+        process.kill()
+        process.wait()
     infos = {info.name: asdict(info) for info in rd.list_backends(
         [name for name in registered if name not in isolated])}
     own = jobs_for([name for name, info in infos.items() if info["available"]], devices, thorough)
@@ -438,8 +500,8 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         report = worker.report()
         infos.update((info["name"], info) for info in report["backends"])
         checks += report["checks"]
-        processes.append({"backends": worker.names, "startup_s": report["startup_s"],
-                          "checks_s": report["checks_s"]})
+        processes.append({"backends": worker.names, "prestarted": worker.prestarted,
+                          "startup_s": report["startup_s"], "checks_s": report["checks_s"]})
     backends = [infos[name] for name in registered if name in infos]
     available = [info["name"] for info in backends if info["available"]]
     order = {name: i for i, name in enumerate(available)}
@@ -569,20 +631,15 @@ def _print_report(report: dict) -> None:
                                                   for c in report["checks"]):
             began = "" if worker["startup_s"] is None else (
                 f", begun {worker['startup_s']:.1f} s after it started")
-            print(f"  {', '.join(worker['backends'])} in a process of its own: checks "
+            first = " (started before this process imported torch)" if worker["prestarted"] else ""
+            print(f"  {', '.join(worker['backends'])} in a process of its own{first}: checks "
                   f"{worker['checks_s']:.1f} s{began}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rope_dispatch.selftest", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument("--thorough", action="store_true",
-                        help=f"every backend on all {len(GRID)} grid cases (slower: torch.compile "
-                        "compiles each)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "all"), default="auto",
-                        help="devices to check (default auto: CUDA when present, else the CPU; "
-                        "all: both)")
-    parser.add_argument("--worker", metavar="NAMES", help=argparse.SUPPRESS)  # see Worker
+def main(argv: list[str] | None = None, started: dict[str, subprocess.Popen] | None = None) -> int:
+    """The selftest's command line (:func:`command_line`); ``started``: workers :func:`prestart`
+    started for the same arguments."""
+    parser = command_line()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch")
@@ -597,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    report = run(devices, progress, args.thorough)
+    report = run(devices, progress, args.thorough, started=started)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -606,7 +663,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main(started=PRESTARTED_WORKERS)
+    finally:  # a worker not reaped (an error before its report) must not outlive the selftest
+        for leftover in PRESTARTED_WORKERS.values():
+            if leftover.poll() is None:
+                leftover.kill()
     # the report is out (a worker's too): the interpreter's teardown (CUDA, Triton, Inductor's
     # compile processes) would only keep the caller waiting, about 1 s (run AZ)
     sys.stdout.flush()

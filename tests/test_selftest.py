@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -109,8 +110,10 @@ def test_compiling_backends_are_checked_by_a_worker_process_meanwhile(monkeypatc
     monkeypatch.setattr(rd, "list_backends",
                         lambda names=None: probed_here.append(names) or list_backends(names))
     lines = []
-    report = selftest.run(["cpu"], lines.append, isolate=True)
+    started = {name: selftest.start_worker([name], "cpu", False) for name in ("compile", "eager")}
+    report = selftest.run(["cpu"], lines.append, isolate=True, started=started)
     assert report["ok"], report["checks"]
+    assert started["eager"].returncode == -signal.SIGKILL  # started, not isolated: killed
     assert [b["name"] for b in report["backends"]] == [b.name for b in registry.backends()]
     assert [(b["name"], b["available"]) for b in report["backends"]] == [
         (b.name, b.available) for b in registry.backends()]  # the workers probe as this one
@@ -125,7 +128,82 @@ def test_compiling_backends_are_checked_by_a_worker_process_meanwhile(monkeypatc
     (names,) = probed_here
     assert "eager" in names and "compile" not in names and "te" not in names
     assert [w["backends"] for w in report["workers"]] == [["te"], ["compile"]]
+    assert [w["prestarted"] for w in report["workers"]] == [False, True]
     assert all(w["startup_s"] > 0 for w in report["workers"])
+
+
+def test_the_prestarted_backends_are_those_checked_apart():
+    assert selftest.PRESTARTED == tuple(b.name for b in registry.backends()
+                                        if selftest.checked_apart(b))
+
+
+@pytest.mark.parametrize("nodes, visible, likely", [
+    ((), None, False), (("/dev/nvidiactl",), None, True), (("/dev/kfd",), "0,1", True),
+    (("/dev/nvidiactl",), "", False), (("/dev/nvidiactl",), "-1", False),
+])
+def test_cuda_is_likely_where_a_driver_is_and_a_device_is_visible(monkeypatch, nodes, visible,
+                                                                   likely):
+    exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda path: path in nodes or (
+        exists(path) and not path.startswith("/dev/")))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert selftest.cuda_likely() is likely
+
+
+@pytest.mark.parametrize("argv, likely, started", [
+    ([], True, ["te", "compile"]), (["--device", "all", "--thorough"], True, ["te", "compile"]),
+    ([], False, []), (["--device", "cpu"], True, []), (["--worker", "te"], True, []),
+])
+def test_prestart_starts_the_workers_where_cuda_is_likely_checked(monkeypatch, argv, likely,
+                                                                  started):
+    calls = []
+    monkeypatch.setattr(selftest, "cuda_likely", lambda: likely)
+    monkeypatch.setattr(selftest, "start_worker",
+                        lambda names, device, thorough: calls.append((names, device, thorough)))
+    args = selftest.command_line().parse_args(argv)
+    assert list(selftest.prestart(args)) == started
+    assert calls == [([name], args.device, args.thorough) for name in started]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="needs a machine where --device cuda fails after the workers start")
+def test_the_command_line_starts_workers_before_torch_and_kills_them_on_an_error():
+    """Under ``python -m`` the workers start before this process imports torch; when the
+    selftest then ends early (here: no CUDA after all), none outlives it."""
+    code = textwrap.dedent("""
+        import os, runpy, subprocess, sys
+
+        exists = os.path.exists
+        os.path.exists = lambda path: path == "/dev/nvidiactl" or exists(path)
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        events = []
+
+        class Recorded:
+            def __init__(self, command, **kwargs):
+                self.name = command[command.index("--worker") + 1]
+                events.append(f"{self.name}:torch={'torch' in sys.modules}")
+
+            def poll(self):
+                return None
+
+            def kill(self):
+                events.append(f"{self.name}:killed")
+
+        subprocess.Popen = Recorded
+        sys.argv[1:] = ["--device", "cuda"]
+        try:
+            runpy.run_module("rope_dispatch.selftest", run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            print(exc.code, *events)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.stdout.split() == ["2", "te:torch=False", "compile:torch=False", "te:killed",
+                                   "compile:killed"], proc.stderr
+    assert "no CUDA device" in proc.stderr
 
 
 def test_a_worker_reports_its_probes_its_checks_and_its_crash():
