@@ -444,8 +444,11 @@ class Worker:
 
 def checked_apart(backend: rd.Backend) -> bool:
     """Whether the selftest, where it isolates, probes and checks ``backend`` in a
-    :class:`Worker` of its own: it compiles per spec or imports packages for seconds."""
-    return backend.compiles_per_spec or backend.heavy_import
+    :class:`Worker` of its own: it compiles per spec or imports packages for seconds, and is
+    built in. A worker is a new interpreter, which registers only the built-in backends: one
+    registered by the program running the selftest is checked in that program's process."""
+    built_in = type(backend).__module__.startswith("rope_dispatch.backends.")
+    return built_in and (backend.compiles_per_spec or backend.heavy_import)
 
 
 def run(devices: list[str], progress: Callable[[str], None], thorough: bool = False,

@@ -132,9 +132,39 @@ def test_compiling_backends_are_checked_by_a_worker_process_meanwhile(monkeypatc
     assert all(w["startup_s"] > 0 for w in report["workers"])
 
 
-def test_the_prestarted_backends_are_those_checked_apart():
+class CompilesPerSpec(rd.Backend):
+    """A third-party backend that compiles per spec: a worker process would not know it."""
+
+    name = "compiles-per-spec"
+    devices = frozenset({"cpu"})
+    compiles_per_spec = True
+
+    def apply(self, call):
+        return rope_eager(call)
+
+
+def test_the_prestarted_backends_are_those_checked_apart(monkeypatch):
+    """Only built-in backends get a worker: a new interpreter registers no other. A program's
+    own backend that compiles per spec is checked in the program's process."""
     assert selftest.PRESTARTED == tuple(b.name for b in registry.backends()
                                         if selftest.checked_apart(b))
+    assert not selftest.checked_apart(CompilesPerSpec())
+    monkeypatch.setitem(registry._REGISTRY, CompilesPerSpec.name, CompilesPerSpec())
+    workers = []
+
+    class NoWorker:
+        def __init__(self, names, *args):
+            workers.append(names)
+            self.names, self.prestarted = names, False
+
+        def report(self):
+            return {"backends": [], "checks": [], "startup_s": None, "checks_s": None}
+
+    monkeypatch.setattr(selftest, "Worker", NoWorker)
+    report = selftest.run(["cpu"], lambda line: None, isolate=True)
+    assert workers == [[name] for name in selftest.PRESTARTED]
+    checks = [c for c in report["checks"] if c["backend"] == CompilesPerSpec.name]
+    assert [c["status"] for c in checks] == ["ok"]
 
 
 @pytest.mark.parametrize("nodes, visible, likely", [
