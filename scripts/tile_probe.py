@@ -29,8 +29,9 @@ per head, against Liger's; ``table-bytes``, ours in place on tables of 256 to 1,
 token against Liger's; ``one-head-rule``, tokens a program for one-head calls the L2 holds;
 ``ties``, ours in place against Liger's where it led by a tenth of a microsecond, with the
 paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps;
-``lean-vector``, two channels a thread at 1 x 8 tiles; ``float32-resident``, tiles for float32
-calls of 32 MiB, warm and flushed; ``in-place-resident``, the same for calls of 16-32 MiB in
+``lean-vector``, two channels a thread at 1 x 8 tiles; ``lean-out-tiles``, the lean kernel
+out of place at tiles of fewer heads and warps, against Liger's in place;
+``float32-resident``, tiles for float32 calls of 32 MiB, warm and flushed; ``in-place-resident``, the same for calls of 16-32 MiB in
 place, float32 and bf16; ``resident-rules``, candidate rules for them at the
 sweep's points of 1-32 MiB; ``mqa-tiles``, the q+k launch's tiles where k has one head;
 ``hf-tiles``, the Hugging Face integration's q+k launch (a bf16 cos/sin cache) at explicit
@@ -1633,6 +1634,51 @@ def ties(rounds: int = 12, calls: int = 40) -> None:
         _print_paired(fresh, rounds, calls)
 
 
+LEAN_OUT_TILES = [(1, 8, 4), (1, 8, 2), (1, 4, 4), (1, 4, 2), (1, 2, 2), (1, 2, 1), (1, 1, 1)]
+"""(tokens, heads, warps) of :func:`lean_out_tiles`, the shipped tile first."""
+
+
+def lean_out_tiles(rounds: int = 8, calls: int = 40) -> None:
+    """The lean kernel out of place (into a buffer of its own, as ``apply`` writes) at tiles of
+    fewer heads and warps, so more programs free at once the L2 lines its stores need after a
+    flush, and ``apply`` itself, against Liger's in-place kernels at the 8-head points where
+    those led ours out of place (run BA); every buffer placed anew for each trace
+    (:func:`_print_paired`), each tile first checked bit for bit against the shipped in-place
+    launch."""
+    gen = random.Random(0)
+    for layout, seq, batch, heads in TIE_SHAPES[:5]:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
+        kept: list = []
+
+        def fresh() -> dict:
+            """Every buffer anew, after a spacer of 0-1 MiB (in 512-byte steps)."""
+            kept[:] = [torch.empty(512 * gen.randrange(2048), dtype=torch.int8, device="cuda")]
+            inp = bench.make_inputs(shape, draw_on_device=True)
+            angles = inp.freqs.view(inp.freqs.shape[0], -1)
+            fns: dict = {}
+            for mode, src, back in (("fwd", inp.t, False), ("bwd", inp.grad, True)):
+                want = src.clone()
+                _in_place(want, angles, None, layout, back)()
+                for tokens, tile_heads, warps in LEAN_OUT_TILES:
+                    dst = torch.empty_like(src)
+                    call = _lean_at(src, dst, angles, layout, back, (tokens, tile_heads), warps)
+                    call()
+                    if not torch.equal(dst, want):
+                        raise RuntimeError(f"{tokens}x{tile_heads} w{warps} {mode} differs")
+                    fns[f"{tokens}x{tile_heads} w{warps} {mode}"] = call
+                    kept.append(dst)
+            ours = bench._ours("triton", "apply", inp, inp.freqs)
+            liger = bench._liger_peer(shape, inp)
+            fns["apply fwd"], fns["apply bwd"] = ours.fwd, ours.bwd
+            fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+            kept.append(inp)
+            return fns
+
+        print(f"{layout} s{seq} b{batch} h{heads} d128 bf16, out of place against Liger's in "
+              f"place:", flush=True)
+        _print_paired(fresh, rounds, calls)
+
+
 def _lean_variants_in_place(variants: dict[str, dict], rounds: int, calls: int) -> None:
     """Each of ``variants`` (a name: :func:`_lean_at`'s keyword arguments, ``flag=True`` for
     the table read through its linearity flag) in place at the lean tile of each of
@@ -2303,7 +2349,7 @@ if __name__ == "__main__":
              "lean-warps": lean_warps, "sweep-orders": sweep_orders,
              "shared-sines": shared_sines, "table-bytes": table_bytes,
              "one-head-rule": one_head_rule, "ties": ties, "lean-one-warp": lean_one_warp,
-             "lean-vector": lean_vector,
+             "lean-vector": lean_vector, "lean-out-tiles": lean_out_tiles,
              "float32-resident": lambda: in_place_resident(FLOAT32_RESIDENT_SHAPES),
              "in-place-resident": lambda: in_place_resident(IN_PLACE_RESIDENT_SHAPES),
              "resident-rules": resident_rules, "mqa-tiles": mqa_tiles,
