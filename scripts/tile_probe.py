@@ -31,6 +31,7 @@ token against Liger's; ``one-head-rule``, tokens a program for one-head calls th
 paired differences' interval; ``lean-one-warp``, the lean kernel there on 4, 2 and 1 warps;
 ``lean-vector``, two channels a thread at 1 x 8 tiles; ``lean-out-tiles``, the lean kernel
 out of place at tiles of fewer heads and warps, against Liger's in place;
+``lean-warps-paired``, the lean kernel on 4 warps against 2, in place and out of place;
 ``float32-resident``, tiles for float32 calls of 32 MiB, warm and flushed; ``in-place-resident``, the same for calls of 16-32 MiB in
 place, float32 and bf16; ``resident-rules``, candidate rules for them at the
 sweep's points of 1-32 MiB; ``mqa-tiles``, the q+k launch's tiles where k has one head;
@@ -1579,27 +1580,30 @@ TIE_SHAPES = [  # (layout, seq, batch, heads): where Liger's in-place kernel led
 ]
 
 
-def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int) -> None:
+def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int,
+                  peers: tuple[str, ...] = ("liger",)) -> None:
     """``rounds`` profiler traces of ``fns`` (named ``"<what> fwd"`` / ``"<what> bwd"``, Liger's
     as ``"liger fwd"`` / ``"liger bwd"``; or a function making them anew for each trace),
     at least ``calls`` calls each, in rounds of balanced orders, each after an L2 flush
-    (:func:`~rope_dispatch.bench.cold_kernel_samples`). Per variant and mode a line: the pooled
-    median and the median of its paired differences to Liger's (neighbouring calls) with its
-    95% interval (:func:`~rope_dispatch.bench.paired_difference`)."""
+    (:func:`~rope_dispatch.bench.cold_kernel_samples`). Per peer (a ``<what>`` of ``fns``) and
+    mode a line: the pooled medians, and each other's median of its paired differences to the
+    peer's (neighbouring calls) with its 95% interval
+    (:func:`~rope_dispatch.bench.paired_difference`)."""
     samples: dict = {}
     for _ in range(rounds):  # each trace balances the names' places itself (trace_order)
         made = fns() if callable(fns) else fns
         for name, us in bench.cold_kernel_samples(made, calls=calls).items():
             samples.setdefault(name, []).extend(us)
-    for mode in ("fwd", "bwd"):
-        theirs = samples[f"liger {mode}"]
-        cells = [f"liger {statistics.median(theirs):.3f}"]
-        for name, ours in samples.items():
-            if name.endswith(mode) and not name.startswith("liger"):
-                low, mid, high = bench.paired_difference(ours, theirs)
-                cells.append(f"{name[:-4]} {statistics.median(ours):.3f} ({1e3 * mid:+.0f} ns, "
-                             f"95% {1e3 * low:+.0f} to {1e3 * high:+.0f})")
-        print(f"   {mode}: " + " | ".join(cells), flush=True)
+    for peer in peers:
+        for mode in ("fwd", "bwd"):
+            theirs = samples[f"{peer} {mode}"]
+            cells = [f"{peer} {statistics.median(theirs):.3f}"]
+            for name, ours in samples.items():
+                if name.endswith(mode) and name != f"{peer} {mode}":
+                    low, mid, high = bench.paired_difference(ours, theirs)
+                    cells.append(f"{name[:-4]} {statistics.median(ours):.3f} ({1e3 * mid:+.0f} "
+                                 f"ns, 95% {1e3 * low:+.0f} to {1e3 * high:+.0f})")
+            print(f"   {mode}: " + " | ".join(cells), flush=True)
 
 
 def ties(rounds: int = 12, calls: int = 40) -> None:
@@ -1677,6 +1681,48 @@ def lean_out_tiles(rounds: int = 8, calls: int = 40) -> None:
         print(f"{layout} s{seq} b{batch} h{heads} d128 bf16, out of place against Liger's in "
               f"place:", flush=True)
         _print_paired(fresh, rounds, calls)
+
+
+def lean_warps_paired(rounds: int = 8, calls: int = 40) -> None:
+    """The shipped lean kernel on 4 warps against 2, out of place (into a buffer of its own, as
+    ``apply`` writes) and in place (as ``apply_``), each pair told apart by its paired samples
+    (:func:`_print_paired` against the 4-warp launch, and against Liger's in-place kernels), at
+    the points of ``TIE_SHAPES``, every buffer placed anew for each trace; each launch first
+    checked bit for bit against the shipped in-place one. Run BB3 read 2 warps level or ahead
+    out of place against Liger's; run AL3 read it 32 ns behind in place at bshd 512 tokens."""
+    gen = random.Random(0)
+    for layout, seq, batch, heads in TIE_SHAPES:
+        shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
+        tile = triton_rope.lean_tile(seq * batch, heads, 128, 2)
+        kept: list = []
+
+        def fresh() -> dict:
+            """Every buffer anew, after a spacer of 0-1 MiB (in 512-byte steps)."""
+            kept[:] = [torch.empty(512 * gen.randrange(2048), dtype=torch.int8, device="cuda")]
+            inp = bench.make_inputs(shape, draw_on_device=True)
+            angles = inp.freqs.view(inp.freqs.shape[0], -1)
+            fns: dict = {}
+            for mode, src, back in (("fwd", inp.t, False), ("bwd", inp.grad, True)):
+                want = src.clone()
+                _in_place(want, angles, None, layout, back)()
+                for warps in (4, 2):
+                    dst, buffer = torch.empty_like(src), src.clone()
+                    out_of_place = _lean_at(src, dst, angles, layout, back, tile, warps)
+                    out_of_place()
+                    if not torch.equal(dst, want):
+                        raise RuntimeError(f"w{warps} out of place {mode} differs")
+                    fns[f"out w{warps} {mode}"] = out_of_place
+                    fns[f"in w{warps} {mode}"] = _lean_at(buffer, buffer, angles, layout, back,
+                                                          tile, warps)
+                    kept.extend((dst, buffer))
+            liger = bench._liger_peer(shape, inp)
+            fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+            kept.append(inp)
+            return fns
+
+        print(f"{layout} s{seq} b{batch} h{heads} d128 bf16, lean tile {tile[0]}x{tile[1]}:",
+              flush=True)
+        _print_paired(fresh, rounds, calls, peers=("out w4", "in w4", "liger"))
 
 
 def _lean_variants_in_place(variants: dict[str, dict], rounds: int, calls: int) -> None:
@@ -2350,6 +2396,7 @@ if __name__ == "__main__":
              "shared-sines": shared_sines, "table-bytes": table_bytes,
              "one-head-rule": one_head_rule, "ties": ties, "lean-one-warp": lean_one_warp,
              "lean-vector": lean_vector, "lean-out-tiles": lean_out_tiles,
+             "lean-warps-paired": lean_warps_paired,
              "float32-resident": lambda: in_place_resident(FLOAT32_RESIDENT_SHAPES),
              "in-place-resident": lambda: in_place_resident(IN_PLACE_RESIDENT_SHAPES),
              "resident-rules": resident_rules, "mqa-tiles": mqa_tiles,
