@@ -485,8 +485,8 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
     registered = [b.name for b in known]
     isolated = [b.name for b in known if checked_apart(b)] if isolate else []
     started = dict(started or {})
-    workers = [Worker([name], devices, thorough, finished, passed_on, probed, started.pop(name, None))
-               for name in isolated]
+    workers = [Worker([name], devices, thorough, finished, passed_on, probed,
+                      started.pop(name, None)) for name in isolated]
     for process in started.values():
         process.kill()
         process.wait()
@@ -634,8 +634,8 @@ def _print_report(report: dict) -> None:
                                                   for c in report["checks"]):
             began = "" if worker["startup_s"] is None else (
                 f", begun {worker['startup_s']:.1f} s after it started")
-            first = " (started before this process imported torch)" if worker["prestarted"] else ""
-            print(f"  {', '.join(worker['backends'])} in a process of its own{first}: checks "
+            early = " (started before this process imported torch)" if worker["prestarted"] else ""
+            print(f"  {', '.join(worker['backends'])} in a process of its own{early}: checks "
                   f"{worker['checks_s']:.1f} s{began}")
 
 
