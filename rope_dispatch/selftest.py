@@ -13,6 +13,7 @@ check fails. ``--json`` prints one JSON document instead.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import json
 import os
@@ -80,7 +81,19 @@ def prestart(args: argparse.Namespace) -> dict[str, subprocess.Popen]:
     seconds on a fresh GPU machine (docs/benchmarks.md, run BB)."""
     if args.worker or args.device == "cpu" or not cuda_likely():
         return {}
-    return {name: start_worker([name], args.device, args.thorough) for name in PRESTARTED}
+    started = {name: start_worker([name], args.device, args.thorough) for name in PRESTARTED}
+    atexit.register(kill_unreaped, started)
+    return started
+
+
+def kill_unreaped(processes: dict[str, subprocess.Popen]) -> None:
+    """Kill those of ``processes`` still running. At the interpreter's exit it ends the
+    :func:`prestart` workers of a selftest that ended before their reports (its own ``import
+    torch`` failed, a bad argument, an exception), so that none outlives it; the usual end
+    (``os._exit``) comes after every worker's report or kill."""
+    for process in processes.values():
+        if process.poll() is None:
+            process.kill()
 
 
 if __name__ == "__main__":
@@ -666,12 +679,7 @@ def main(argv: list[str] | None = None, started: dict[str, subprocess.Popen] | N
 
 
 if __name__ == "__main__":
-    try:
-        code = main(started=PRESTARTED_WORKERS)
-    finally:  # a worker not reaped (an error before its report) must not outlive the selftest
-        for leftover in PRESTARTED_WORKERS.values():
-            if leftover.poll() is None:
-                leftover.kill()
+    code = main(started=PRESTARTED_WORKERS)
     # the report is out (a worker's too): the interpreter's teardown (CUDA, Triton, Inductor's
     # compile processes) would only keep the caller waiting, about 1 s (run AZ)
     sys.stdout.flush()

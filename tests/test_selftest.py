@@ -189,32 +189,42 @@ def test_cuda_is_likely_where_a_driver_is_and_a_device_is_visible(monkeypatch, n
 ])
 def test_prestart_starts_the_workers_where_cuda_is_likely_checked(monkeypatch, argv, likely,
                                                                   started):
-    calls = []
+    """They start where CUDA is likely checked, and are killed at the interpreter's exit if
+    still running then."""
+    calls, at_exit = [], []
     monkeypatch.setattr(selftest, "cuda_likely", lambda: likely)
     monkeypatch.setattr(selftest, "start_worker",
                         lambda names, device, thorough: calls.append((names, device, thorough)))
+    monkeypatch.setattr(selftest.atexit, "register", lambda fn, *args: at_exit.append((fn, args)))
     args = selftest.command_line().parse_args(argv)
-    assert list(selftest.prestart(args)) == started
+    workers = selftest.prestart(args)
+    assert list(workers) == started
     assert calls == [([name], args.device, args.thorough) for name in started]
+    assert at_exit == ([(selftest.kill_unreaped, (workers,))] if started else [])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="needs a machine where --device cuda fails after the workers start")
-def test_the_command_line_starts_workers_before_torch_and_kills_them_on_an_error():
+@pytest.mark.parametrize("ending", [
+    pytest.param("no CUDA", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="needs a machine where --device cuda fails")),
+    "torch not importable",
+])
+def test_the_command_line_starts_workers_before_torch_and_kills_them_on_an_error(ending):
     """Under ``python -m`` the workers start before this process imports torch; when the
-    selftest then ends early (here: no CUDA after all), none outlives it."""
+    selftest then ends early (``--device cuda`` without CUDA, or its own ``import torch``
+    failing), none outlives it."""
     code = textwrap.dedent("""
-        import os, runpy, subprocess, sys
+        import atexit, os, runpy, subprocess, sys
 
         exists = os.path.exists
         os.path.exists = lambda path: path == "/dev/nvidiactl" or exists(path)
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         events = []
+        atexit.register(lambda: print(*events))  # runs last: after the selftest's own
 
         class Recorded:
             def __init__(self, command, **kwargs):
                 self.name = command[command.index("--worker") + 1]
-                events.append(f"{self.name}:torch={'torch' in sys.modules}")
+                events.append(f"{self.name}:torch={sys.modules.get('torch') is not None}")
 
             def poll(self):
                 return None
@@ -223,17 +233,21 @@ def test_the_command_line_starts_workers_before_torch_and_kills_them_on_an_error
                 events.append(f"{self.name}:killed")
 
         subprocess.Popen = Recorded
-        sys.argv[1:] = ["--device", "cuda"]
+        if ENDING == "no CUDA":
+            sys.argv[1:] = ["--device", "cuda"]
+        else:
+            sys.argv[1:] = []
+            sys.modules["torch"] = None  # makes "import torch" raise ImportError
         try:
             runpy.run_module("rope_dispatch.selftest", run_name="__main__", alter_sys=True)
-        except SystemExit as exc:
-            print(exc.code, *events)
-    """)
+        except (SystemExit, ImportError) as exc:
+            events.insert(0, "SystemExit" if isinstance(exc, SystemExit) else "ImportError")
+    """).replace("ENDING", repr(ending))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
-    assert proc.stdout.split() == ["2", "te:torch=False", "compile:torch=False", "te:killed",
+    ended = "SystemExit" if ending == "no CUDA" else "ImportError"
+    assert proc.stdout.split() == [ended, "te:torch=False", "compile:torch=False", "te:killed",
                                    "compile:killed"], proc.stderr
-    assert "no CUDA device" in proc.stderr
 
 
 def test_a_worker_reports_its_probes_its_checks_and_its_crash():
