@@ -1606,6 +1606,33 @@ def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int,
             print(f"   {mode}: " + " | ".join(cells), flush=True)
 
 
+def _spacer(gen: random.Random) -> torch.Tensor:
+    """A GPU buffer of 0-1 MiB (in 512-byte steps) allocated before a trace's buffers, so that
+    no one placement in memory weighs on every trace."""
+    return torch.empty(512 * gen.randrange(2048), dtype=torch.int8, device="cuda")
+
+
+def _placed_anew(shape: bench.Shape, gen: random.Random, kept: list,
+                 launches: Callable[..., dict]) -> tuple[dict, bench.Inputs]:
+    """Inputs of ``shape`` made anew after a :func:`_spacer`, and per mode (``"fwd"`` on the
+    input, ``"bwd"`` on its gradient) the calls ``launches(src, angles, backward, mode, want)``
+    names, ``want`` the shipped in-place launch's result on ``src``; with Liger's in-place
+    kernels as ``"liger fwd"`` and ``"liger bwd"``. Everything is held in ``kept`` (the
+    buffers ``launches`` appends too) until the next call; returns the calls and the inputs."""
+    kept[:] = [_spacer(gen)]
+    inp = bench.make_inputs(shape, draw_on_device=True)
+    angles = inp.freqs.view(inp.freqs.shape[0], -1)
+    fns: dict = {}
+    for mode, src, back in (("fwd", inp.t, False), ("bwd", inp.grad, True)):
+        want = src.clone()
+        _in_place(want, angles, None, shape.layout, back)()
+        fns.update(launches(src, angles, back, mode, want))
+    liger = bench._liger_peer(shape, inp)
+    fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
+    kept.append(inp)
+    return fns, inp
+
+
 def ties(rounds: int = 12, calls: int = 40) -> None:
     """Ours in place (``apply_`` and its backward, as the sweep times them) and the lean kernel
     at its shipped tile with a batch of one's positions divided out of the token index (before
@@ -1621,7 +1648,7 @@ def ties(rounds: int = 12, calls: int = 40) -> None:
         def fresh() -> dict:
             """Every implementation's buffers anew, after a spacer of 0-1 MiB (in 512-byte
             steps), so that no one of them keeps one placement in memory for all traces."""
-            kept[:] = [torch.empty(512 * gen.randrange(2048), dtype=torch.int8, device="cuda")]
+            kept[:] = [_spacer(gen)]
             inp = bench.make_inputs(shape, draw_on_device=True)
             ours, liger = bench._ours_in_place("triton", inp), bench._liger_peer(shape, inp)
             fns = {"ours fwd": ours.fwd, "ours bwd": ours.bwd}
@@ -1654,28 +1681,23 @@ def lean_out_tiles(rounds: int = 8, calls: int = 40) -> None:
         shape = bench.Shape("probe", layout, torch.bfloat16, seq, batch, heads, 128, 128)
         kept: list = []
 
+        def tiles(src, angles, back, mode, want) -> dict:
+            """Each of ``LEAN_OUT_TILES`` out of place, checked against ``want``."""
+            launched = {}
+            for tokens, tile_heads, warps in LEAN_OUT_TILES:
+                dst = torch.empty_like(src)
+                call = _lean_at(src, dst, angles, layout, back, (tokens, tile_heads), warps)
+                call()
+                if not torch.equal(dst, want):
+                    raise RuntimeError(f"{tokens}x{tile_heads} w{warps} {mode} differs")
+                launched[f"{tokens}x{tile_heads} w{warps} {mode}"] = call
+                kept.append(dst)
+            return launched
+
         def fresh() -> dict:
-            """Every buffer anew, after a spacer of 0-1 MiB (in 512-byte steps)."""
-            kept[:] = [torch.empty(512 * gen.randrange(2048), dtype=torch.int8, device="cuda")]
-            inp = bench.make_inputs(shape, draw_on_device=True)
-            angles = inp.freqs.view(inp.freqs.shape[0], -1)
-            fns: dict = {}
-            for mode, src, back in (("fwd", inp.t, False), ("bwd", inp.grad, True)):
-                want = src.clone()
-                _in_place(want, angles, None, layout, back)()
-                for tokens, tile_heads, warps in LEAN_OUT_TILES:
-                    dst = torch.empty_like(src)
-                    call = _lean_at(src, dst, angles, layout, back, (tokens, tile_heads), warps)
-                    call()
-                    if not torch.equal(dst, want):
-                        raise RuntimeError(f"{tokens}x{tile_heads} w{warps} {mode} differs")
-                    fns[f"{tokens}x{tile_heads} w{warps} {mode}"] = call
-                    kept.append(dst)
+            fns, inp = _placed_anew(shape, gen, kept, tiles)
             ours = bench._ours("triton", "apply", inp, inp.freqs)
-            liger = bench._liger_peer(shape, inp)
             fns["apply fwd"], fns["apply bwd"] = ours.fwd, ours.bwd
-            fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
-            kept.append(inp)
             return fns
 
         print(f"{layout} s{seq} b{batch} h{heads} d128 bf16, out of place against Liger's in "
@@ -1696,29 +1718,23 @@ def lean_warps_paired(rounds: int = 8, calls: int = 40) -> None:
         tile = triton_rope.lean_tile(seq * batch, heads, 128, 2)
         kept: list = []
 
+        def warp_counts(src, angles, back, mode, want) -> dict:
+            """4 and 2 warps, out of place (checked against ``want``) and in place."""
+            launched = {}
+            for warps in (4, 2):
+                dst, buffer = torch.empty_like(src), src.clone()
+                out_of_place = _lean_at(src, dst, angles, layout, back, tile, warps)
+                out_of_place()
+                if not torch.equal(dst, want):
+                    raise RuntimeError(f"w{warps} out of place {mode} differs")
+                launched[f"out w{warps} {mode}"] = out_of_place
+                launched[f"in w{warps} {mode}"] = _lean_at(buffer, buffer, angles, layout, back,
+                                                           tile, warps)
+                kept.extend((dst, buffer))
+            return launched
+
         def fresh() -> dict:
-            """Every buffer anew, after a spacer of 0-1 MiB (in 512-byte steps)."""
-            kept[:] = [torch.empty(512 * gen.randrange(2048), dtype=torch.int8, device="cuda")]
-            inp = bench.make_inputs(shape, draw_on_device=True)
-            angles = inp.freqs.view(inp.freqs.shape[0], -1)
-            fns: dict = {}
-            for mode, src, back in (("fwd", inp.t, False), ("bwd", inp.grad, True)):
-                want = src.clone()
-                _in_place(want, angles, None, layout, back)()
-                for warps in (4, 2):
-                    dst, buffer = torch.empty_like(src), src.clone()
-                    out_of_place = _lean_at(src, dst, angles, layout, back, tile, warps)
-                    out_of_place()
-                    if not torch.equal(dst, want):
-                        raise RuntimeError(f"w{warps} out of place {mode} differs")
-                    fns[f"out w{warps} {mode}"] = out_of_place
-                    fns[f"in w{warps} {mode}"] = _lean_at(buffer, buffer, angles, layout, back,
-                                                          tile, warps)
-                    kept.extend((dst, buffer))
-            liger = bench._liger_peer(shape, inp)
-            fns["liger fwd"], fns["liger bwd"] = liger.fwd, liger.bwd
-            kept.append(inp)
-            return fns
+            return _placed_anew(shape, gen, kept, warp_counts)[0]
 
         print(f"{layout} s{seq} b{batch} h{heads} d128 bf16, lean tile {tile[0]}x{tile[1]}:",
               flush=True)
