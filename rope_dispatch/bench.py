@@ -759,6 +759,7 @@ def trace_order(names: Sequence[str], calls: int) -> list[str]:
 
 def cold_kernel_samples(
     fns: dict[str, Callable[[], Any]], calls: int = 50, copies: bool = False,
+    dirty: bool = True,
 ) -> dict[str, list[float]]:
     """GPU time of the kernels of each call of each of ``fns`` (at least ``calls`` calls each, in
     rounds of one call of each in :func:`trace_order`: the i-th samples of two names come from
@@ -769,7 +770,10 @@ def cold_kernel_samples(
     between the events). The calls run in turn in one trace, which the flushes' kernels cut
     into calls; a call must launch no kernel of the flush's name. Device copies (the
     profiler's ``Memcpy`` rows) count only with ``copies``: a device-to-device ``copy_`` timed
-    the same way as the kernels it is the ceiling of."""
+    the same way as the kernels it is the ceiling of. ``dirty``: the flush writes its buffer,
+    as ``do_bench``'s does, and leaves the L2 full of dirty lines, which a call's first use of
+    each line must write back to DRAM; otherwise it reads the buffer (a sum), leaving clean
+    lines, so that only the call's own traffic reaches DRAM."""
     from torch.profiler import ProfilerActivity, profile
 
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
@@ -780,21 +784,28 @@ def cold_kernel_samples(
                        and (copies or not e.name.startswith("Memcpy"))),
                       key=lambda e: e.time_range.start)
 
+    def flush_l2() -> None:
+        if dirty:
+            flush.zero_()
+        else:
+            flush.sum()
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        flush.zero_()
+        flush_l2()
         torch.cuda.synchronize()
-    flush_names = {e.name for e in kernels(prof)}
+    flush_kernels = kernels(prof)
+    flush_names = {e.name for e in flush_kernels}
     for fn in fns.values():
         fn()
     order = trace_order(list(fns), calls)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for name in order:
-            flush.zero_()
+            flush_l2()
             fns[name]()
         torch.cuda.synchronize()
     kernel_times = [(e.name, e.time_range.elapsed_us()) for e in kernels(prof)]
-    return kernel_us_per_call(kernel_times, flush_names, order)
+    return kernel_us_per_call(kernel_times, flush_names, order, len(flush_kernels))
 
 
 def paired_difference(
@@ -822,14 +833,19 @@ def paired_difference(
 
 def kernel_us_per_call(
     kernel_times: Sequence[tuple[str, float]], flush_names: set[str], order: Sequence[str],
+    flush_kernels: int = 1,
 ) -> dict[str, list[float]]:
-    """Cut a trace's kernels (name, us; in start order) into calls at each flush kernel, and
-    sum each call's kernels: ``{call name: [us per call]}`` for calls made in ``order``, each
-    after one flush. Raises where the cut does not give one call with kernels per flush."""
+    """Cut a trace's kernels (name, us; in start order) into calls at each flush (each run of
+    ``flush_kernels`` kernels named in ``flush_names``: one flush's launches), and sum each
+    call's kernels: ``{call name: [us per call]}`` for calls made in ``order``, each after one
+    flush. Raises where the cut does not give one call with kernels per flush."""
     segments: list[float] = []
+    into_flush = 0  # the current flush's kernels seen so far
     for name, us in kernel_times:
         if name in flush_names:
-            segments.append(0.0)
+            if into_flush == 0:
+                segments.append(0.0)
+            into_flush = (into_flush + 1) % flush_kernels
         elif segments:
             segments[-1] += us
     if len(segments) != len(order) or not all(segments):

@@ -1581,18 +1581,19 @@ TIE_SHAPES = [  # (layout, seq, batch, heads): where Liger's in-place kernel led
 
 
 def _print_paired(fns: dict | Callable[[], dict], rounds: int, calls: int,
-                  peers: tuple[str, ...] = ("liger",)) -> None:
+                  peers: tuple[str, ...] = ("liger",), dirty: bool = True) -> None:
     """``rounds`` profiler traces of ``fns`` (named ``"<what> fwd"`` / ``"<what> bwd"``, Liger's
     as ``"liger fwd"`` / ``"liger bwd"``; or a function making them anew for each trace),
     at least ``calls`` calls each, in rounds of balanced orders, each after an L2 flush
-    (:func:`~rope_dispatch.bench.cold_kernel_samples`). Per peer (a ``<what>`` of ``fns``) and
+    (:func:`~rope_dispatch.bench.cold_kernel_samples`; one that leaves clean lines where not
+    ``dirty``). Per peer (a ``<what>`` of ``fns``) and
     mode a line: the pooled medians, and each other's median of its paired differences to the
     peer's (neighbouring calls) with its 95% interval
     (:func:`~rope_dispatch.bench.paired_difference`)."""
     samples: dict = {}
     for _ in range(rounds):  # each trace balances the names' places itself (trace_order)
         made = fns() if callable(fns) else fns
-        for name, us in bench.cold_kernel_samples(made, calls=calls).items():
+        for name, us in bench.cold_kernel_samples(made, calls=calls, dirty=dirty).items():
             samples.setdefault(name, []).extend(us)
     for peer in peers:
         for mode in ("fwd", "bwd"):

@@ -664,6 +664,17 @@ def test_kernel_time_per_call_sums_the_kernels_between_flushes():
     assert per_call == {"ours": [1.5, 1.75], "liger": [2.0, 2.5]}
 
 
+def test_kernel_time_per_call_takes_a_flush_of_several_kernels_as_one():
+    """A flush that launches several kernels (a reduction's passes) cuts the trace once: runs of
+    ``flush_kernels`` flush kernels, each followed by a call's own kernels."""
+    trace = [(FLUSH, 1.0), ("reduce", 60.0), (FLUSH, 1.0), ("rope", 1.25),
+             (FLUSH, 1.0), ("reduce", 59.0), (FLUSH, 1.0), ("liger", 2.0)]
+    per_call = bench.kernel_us_per_call(trace, {FLUSH, "reduce"}, ["ours", "liger"], 3)
+    assert per_call == {"ours": [1.25], "liger": [2.0]}
+    with pytest.raises(RuntimeError, match="6 flushes for 2 calls"):
+        bench.kernel_us_per_call(trace, {FLUSH, "reduce"}, ["ours", "liger"])
+
+
 @pytest.mark.parametrize("trace", [
     [(FLUSH, 60.0), ("rope", 1.0), (FLUSH, 60.0)],  # the second call ran no kernel
     [(FLUSH, 60.0), ("rope", 1.0), (FLUSH, 1.0), (FLUSH, 60.0), ("rope", 1.0)],  # a call's fill
