@@ -497,10 +497,10 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
     known = registry.backends()
     registered = [b.name for b in known]
     isolated = [b.name for b in known if checked_apart(b)] if isolate else []
-    started = dict(started or {})
+    unclaimed = dict(started or {})  # the prestarted processes no worker has taken yet
     workers = [Worker([name], devices, thorough, finished, passed_on, probed,
-                      started.pop(name, None)) for name in isolated]
-    for process in started.values():
+                      unclaimed.pop(name, None)) for name in isolated]
+    for process in unclaimed.values():
         process.kill()
         process.wait()
     infos = {info.name: asdict(info) for info in rd.list_backends(
@@ -509,7 +509,7 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
     with lock:
         total += len(own) + len(jobs_for(isolated, devices, thorough))
     startup = process_age_s()
-    started = time.perf_counter()
+    checks_began = time.perf_counter()
     checks = check_jobs(own, finished)
     processes = []
     for worker in workers:
@@ -531,7 +531,7 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         "cache": _cache_report(),
         "checks": checks,
         "startup_s": startup,
-        "checks_s": time.perf_counter() - started,
+        "checks_s": time.perf_counter() - checks_began,
         "workers": processes,
         "ok": all(c["status"] != "FAIL" for c in checks) and bool(checks),
     }
@@ -551,11 +551,11 @@ def run_worker(names: list[str], devices: list[str], thorough: bool) -> None:
         print(WORKER_LINE + line, file=sys.stderr, flush=True)
 
     startup = process_age_s()
-    started = time.perf_counter()
+    checks_began = time.perf_counter()
     checks = check_jobs(jobs_for([i.name for i in infos if i.available], devices, thorough),
                         finished)
     report = {"backends": [asdict(info) for info in infos], "checks": checks,
-              "startup_s": startup, "checks_s": time.perf_counter() - started}
+              "startup_s": startup, "checks_s": time.perf_counter() - checks_began}
     print(json.dumps(report, default=str), flush=True)
 
 
