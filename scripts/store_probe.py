@@ -154,16 +154,12 @@ def timing(modules: dict[str, ModuleType], rounds: int, calls: int = 40,
             """Each variant out of place (checked against ``want``), the shipped one in place."""
             launched = {}
             for name, module in modules.items():
-                dst = torch.full_like(src, float("nan"))
-                call = tile_probe._lean_at(src, dst, angles, layout, back, tile, kernels=module,
-                                           **VARIANTS[name][1])
-                compiled = call()
-                if not torch.equal(dst, want):
-                    raise RuntimeError(f"{name} {mode} differs from the shipped in-place result")
+                call, compiled = tile_probe._out_of_place_checked(
+                    src, want, f"{name} {mode}", kept, angles, layout, back, tile,
+                    kernels=module, **VARIANTS[name][1])
                 if not printed:
                     print(f"   {name}: {_stores(compiled)}", flush=True)
                 launched[f"{name} {mode}"] = call
-                kept.append(dst)
             printed.append(True)
             buffer = src.clone()
             launched[f"in place {mode}"] = tile_probe._lean_at(buffer, buffer, angles, layout,

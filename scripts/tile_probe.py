@@ -1634,6 +1634,21 @@ def _placed_anew(shape: bench.Shape, gen: random.Random, kept: list,
     return fns, inp
 
 
+def _out_of_place_checked(src: torch.Tensor, want: torch.Tensor, label: str, kept: list,
+                          *args: Any, **options: Any) -> tuple[Callable[[], Any], Any]:
+    """:func:`_lean_at` on ``src`` into a buffer of its own (NaN first, held in ``kept``), as
+    ``apply`` writes, launched once and checked bit for bit against ``want``: the call, and
+    what the launch returned (Triton's compiled kernel). ``args`` and ``options`` follow
+    ``_lean_at``'s ``dst``."""
+    dst = torch.full_like(src, float("nan"))
+    call = _lean_at(src, dst, *args, **options)
+    compiled = call()
+    if not torch.equal(dst, want):
+        raise RuntimeError(f"{label} differs from the shipped in-place result")
+    kept.append(dst)
+    return call, compiled
+
+
 def ties(rounds: int = 12, calls: int = 40) -> None:
     """Ours in place (``apply_`` and its backward, as the sweep times them) and the lean kernel
     at its shipped tile with a batch of one's positions divided out of the token index (before
@@ -1686,13 +1701,9 @@ def lean_out_tiles(rounds: int = 8, calls: int = 40) -> None:
             """Each of ``LEAN_OUT_TILES`` out of place, checked against ``want``."""
             launched = {}
             for tokens, tile_heads, warps in LEAN_OUT_TILES:
-                dst = torch.empty_like(src)
-                call = _lean_at(src, dst, angles, layout, back, (tokens, tile_heads), warps)
-                call()
-                if not torch.equal(dst, want):
-                    raise RuntimeError(f"{tokens}x{tile_heads} w{warps} {mode} differs")
-                launched[f"{tokens}x{tile_heads} w{warps} {mode}"] = call
-                kept.append(dst)
+                label = f"{tokens}x{tile_heads} w{warps} {mode}"
+                launched[label] = _out_of_place_checked(src, want, label, kept, angles, layout,
+                                                        back, (tokens, tile_heads), warps)[0]
             return launched
 
         def fresh() -> dict:
@@ -1723,15 +1734,13 @@ def lean_warps_paired(rounds: int = 8, calls: int = 40) -> None:
             """4 and 2 warps, out of place (checked against ``want``) and in place."""
             launched = {}
             for warps in (4, 2):
-                dst, buffer = torch.empty_like(src), src.clone()
-                out_of_place = _lean_at(src, dst, angles, layout, back, tile, warps)
-                out_of_place()
-                if not torch.equal(dst, want):
-                    raise RuntimeError(f"w{warps} out of place {mode} differs")
-                launched[f"out w{warps} {mode}"] = out_of_place
+                label = f"out w{warps} {mode}"
+                launched[label] = _out_of_place_checked(src, want, label, kept, angles, layout,
+                                                        back, tile, warps)[0]
+                buffer = src.clone()
                 launched[f"in w{warps} {mode}"] = _lean_at(buffer, buffer, angles, layout, back,
                                                            tile, warps)
-                kept.extend((dst, buffer))
+                kept.append(buffer)
             return launched
 
         def fresh() -> dict:
