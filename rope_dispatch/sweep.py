@@ -322,18 +322,21 @@ def _measure_named(
 def _in_place_times(
     impl: Impl | None, copy_ms: float, rotary_share: float, large: bool,
 ) -> dict[str, Any]:
-    """Our ``apply_`` forward (in place, on ``d2 / d`` of the bytes: like for like with Liger,
-    which always rotates in place): its kernel time and % of the copy's share of those bytes,
-    and below 64 MiB its time with the L2 warm; nothing where the triton backend refuses it
-    in place (``impl`` None)."""
+    """Our ``apply_`` forward and its in-place backward (on ``d2 / d`` of the bytes: like for
+    like with Liger, which always rotates in place): their times by ``do_bench`` and % of the
+    copy's share of those bytes, and below 64 MiB the forward's time with the L2 warm; nothing
+    where the triton backend refuses it in place (``impl`` None)."""
     if impl is None:
         return {}
-    times: dict[str, Any] = {"fwd_in_place_us": None, "fwd_in_place_pct_of_copy": None}
-    ms = time_mode(impl.name, "fwd", impl.fwd, bench_ms)
-    if ms is not None:
-        share = impl.copy_share("fwd", rotary_share)
-        times.update(fwd_in_place_us=1e3 * ms,
-                     fwd_in_place_pct_of_copy=pct_of_copy(copy_ms, share, ms))
+    times: dict[str, Any] = {}
+    for mode, fn in (("fwd", impl.fwd), ("bwd", impl.bwd)):
+        key = f"{mode}_in_place"
+        times.update({f"{key}_us": None, f"{key}_pct_of_copy": None})
+        ms = time_mode(impl.name, mode, fn, bench_ms)
+        if ms is not None:
+            share = impl.copy_share(mode, rotary_share)
+            times.update({f"{key}_us": 1e3 * ms,
+                          f"{key}_pct_of_copy": pct_of_copy(copy_ms, share, ms)})
     if not large:
         times["fwd_in_place_warm_us"] = time_mode(impl.name, "fwd warm", impl.fwd, graph_replay_us)
         times["fwd_in_place_written_warm_us"] = _written_warm(impl)
@@ -554,8 +557,9 @@ def _cells(result: dict[str, Any]) -> str:
     launches = "/".join("-" if n is None else str(n)
                         for n in (result.get("launches_fwd"), result.get("launches_fwd_bwd")))
     cells = [_time_cell(result, mode_key(m)) for m in MODES]
-    if result.get("fwd_in_place_us") is not None:
-        cells[0] += f"; in place {_time_cell(result, 'fwd_in_place')}"
+    for i, key in enumerate(("fwd_in_place", "bwd_in_place")):
+        if result.get(f"{key}_us") is not None:
+            cells[i] += f"; in place {_time_cell(result, key)}"
     times = " | ".join(cells)
     host, warm, in_place, written, in_place_written = (result.get(key) for key in (
         "fwd_bwd_host_us", "fwd_warm_us", "fwd_in_place_warm_us", "fwd_written_warm_us",
@@ -578,7 +582,8 @@ def format_table(points: Iterable[dict[str, Any]]) -> str:
     lines = [
         "| layout | dtype | seq (tokens for thd) | batch (sequences for thd) | heads | head dim "
         "| rotary dim | MiB moved | points_at_least_64MB | copy us | implementation "
-        "| fwd us (% copy; ours in place too) | bwd kernel us (% copy) | fwd+bwd us (% of 2 copies) "
+        "| fwd us (% copy; ours in place too) | bwd kernel us (% copy; ours in place too) "
+        "| fwd+bwd us (% of 2 copies) "
         "| fwd+bwd host clock us (in turn) | fwd us, L2 warm (CUDA graph; ours in place too; "
         "in place with the input written by a copy before each call) "
         "| kernel us by the profiler, L2 flushed (fwd / bwd; ours in place too) "
@@ -647,32 +652,44 @@ def _lead_line(
 
 
 def _compared(
-    point: dict[str, Any], peer: str, mode: str,
+    point: dict[str, Any], peer: str, mode: str, ours_mode: str | None = None,
 ) -> tuple[float, float, float, float, str, list[float] | None] | None:
-    """``(ours us, peer's us, ours %, peer's %, how, interval)`` of one point-mode, or None
-    where either lacks it: the profiler's kernel time where both have one (below 64 MiB), its
-    % of copy scaled from ``do_bench``'s (the same bytes in another time), else
-    ``do_bench``'s; ``interval`` is ours minus the peer's paired samples where the run kept
-    them (the profiler's trace, the host clock's rounds)."""
-    figures = [(_us(point, name, mode), _pct(point, name, mode),
-                _us(point, name, f"{mode}_profiled")) for name in ("triton", peer)]
+    """``(ours us, peer's us, ours %, peer's %, how, interval)`` of one point-mode, ours in
+    ``ours_mode`` (``mode`` by default; ``fwd_in_place``, ``bwd_in_place``), or None where
+    either lacks it: the profiler's kernel time where both have one (below 64 MiB), its % of
+    copy scaled from ``do_bench``'s (the same bytes in another time), else ``do_bench``'s;
+    ``interval`` is ours minus the peer's paired samples where the run kept them (the
+    profiler's trace, the host clock's rounds)."""
+    ours_mode = ours_mode or mode
+    figures = [(_us(point, name, key), _pct(point, name, key), _us(point, name, f"{key}_profiled"))
+               for name, key in (("triton", ours_mode), (peer, mode))]
     if any(us is None or pct is None for us, pct, _ in figures):
         return None
     if all(profiled for _, _, profiled in figures):
         (ours, ours_pct, ours_k), (theirs, theirs_pct, theirs_k) = figures
         scaled = ours_pct * ours / ours_k, theirs_pct * theirs / theirs_k
-        return ours_k, theirs_k, *scaled, " (profiler)", _interval(point, f"{mode}_profiled", peer)
+        return (ours_k, theirs_k, *scaled, " (profiler)",
+                _interval(point, f"{ours_mode}_profiled", peer))
     (ours, ours_pct, _), (theirs, theirs_pct, _) = figures
-    return ours, theirs, ours_pct, theirs_pct, "", _interval(point, mode, peer)
+    return ours, theirs, ours_pct, theirs_pct, "", _interval(point, ours_mode, peer)
+
+
+LIKE_FOR_LIKE = {"liger": {"fwd": "fwd_in_place", "bwd_kernel": "bwd_in_place"}}
+"""Ours in the mode that does a peer's work, by peer and mode: Liger's kernels always rotate in
+place, so ours in place (``apply_``, its backward in place on the gradient) is set against
+them. Out of place, after the sweep's flush (a memset, which leaves the L2's lines dirty), a
+call writes back one more dirty line for each line it writes (run BC); the summary lists ours
+out of place against Liger's kernels too, apart from the headline."""
 
 
 def summarize(points: Sequence[dict[str, Any]]) -> str:
     """The targets over the measured points, as lines of text: ours (``triton``) at 95% of copy
     forward and backward kernel on every point of 64 MiB and more; the point-modes where a
-    peer's call takes less time and moves a larger share of the copy's bytes per second (kernel
-    time, below 64 MiB the profiler's where the points have it; and forward+backward end to end
-    on the host clock); ours in place against Liger's (in place too) by kernel time; the
-    profiler's kernel times below 64 MiB against each peer's, and ours in place against itself
+    peer's call takes less time and moves a larger share of the copy's bytes per second, like
+    for like (:data:`LIKE_FOR_LIKE`; kernel time, below 64 MiB the profiler's where the points
+    have it; and forward+backward end to end on the host clock); the profiler's kernel times
+    below 64 MiB against each peer's (ours out of place against Liger's in-place kernels too),
+    and ours in place against Liger's and against itself
     (the same calls twice in each trace: how far apart two medians of one kernel land); the
     forward below 64 MiB with the L2 warm against each peer (and ours in place against Liger's, replayed on their own output
     and with their input written by a copy before each call, as in a model); the host-clock
@@ -692,37 +709,42 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
                          f"{TARGET_PCT:.0f}% of copy or more; lowest {low:.1f}% ({where})")
     behind, told_apart = [], 0
     for p in points:
-        # faster in time and in share of the copy: a peer moving fewer bytes (Liger in place on
-        # partial rotary) may take less time and still be slower. Forward+backward through
-        # autograd on the host clock, in turn (do_bench's figure races host and GPU)
+        # like for like (LIKE_FOR_LIKE; out of place where ours in place is absent), and
+        # faster in time and in share of the copy: a peer moving fewer bytes (Liger in place
+        # on partial rotary against ours out of place) may take less time and still be slower.
+        # Forward+backward through autograd on the host clock, in turn (do_bench's figure
+        # races host and GPU)
         for mode in ("fwd", "bwd_kernel", "fwd_bwd_host"):
             for peer in PEERS:
-                compared = _compared(p, peer, mode)
+                ours_mode = LIKE_FOR_LIKE.get(peer, {}).get(mode, mode)
+                compared = _compared(p, peer, mode, ours_mode)
+                if compared is None:
+                    ours_mode, compared = mode, _compared(p, peer, mode)
                 if compared is None:
                     continue
                 ours, theirs, ours_pct, theirs_pct, how, interval = compared
                 if theirs < ours and theirs_pct > ours_pct:
-                    line = f"{p['name']} {mode}{how}: {ours:.1f} us > {peer} {theirs:.1f} us"
+                    line = (f"{p['name']} {ours_mode}{how}: {ours:.1f} us > {peer} "
+                            f"{theirs:.1f} us")
                     if interval:
                         low, _, high = interval
                         line += (f"; ours - {peer} {low:+.3f} to {high:+.3f} us (95%): "
                                  + ("a lead" if _apart(interval) else "level within the samples"))
                     told_apart += interval is None or _apart(interval)
                     behind.append(line)
-    lines.append(f"triton slower than a peer at {len(behind)} point-modes (kernel time by "
-                 "do_bench from 64 MiB, by the profiler below); a lead the paired samples tell "
-                 f"apart, or with none kept, at {told_apart}"
+    lines.append(f"triton slower than a peer at {len(behind)} point-modes (like for like: "
+                 "ours in place against Liger's in-place kernels; kernel time by do_bench from "
+                 "64 MiB, by the profiler below); a lead the paired samples tell apart, or "
+                 f"with none kept, at {told_apart}"
                  + "".join(f"\n  {line}" for line in behind[:MAX_LISTED])
                  + (f"\n  and {len(behind) - MAX_LISTED} more" if len(behind) > MAX_LISTED else ""))
-    # like for like: ours in place against Liger's, which always works in place
-    line = _lead_line(points, "fwd_in_place", "liger", "fwd")
-    if line:
-        lines.append(f"triton in place (apply_) forward, kernel time: {line}")
     for peer in PEERS:
+        # against Liger's in-place kernels out of place: not like for like (LIKE_FOR_LIKE)
+        ours = "triton out of place (apply)" if peer in LIKE_FOR_LIKE else "triton"
         for what, key in (("forward", "fwd_profiled"), ("backward kernel", "bwd_kernel_profiled")):
             line = _lead_line(points, key, peer, key, peer)
             if line:
-                lines.append(f"triton {what} below 64 MiB by the profiler (an L2 flush before "
+                lines.append(f"{ours} {what} below 64 MiB by the profiler (an L2 flush before "
                              f"each call): {line}")
     # an out-of-place kernel writes lines the L2 must first free (after a flush, dirty ones):
     # Liger rewrites the lines it read, as ours in place does

@@ -178,12 +178,12 @@ def test_table_has_one_line_per_point_and_implementation():
     assert row["layout"] == "sbhd" and row["seq (tokens for thd)"] == "32768"
     assert row["MiB moved"] == "128.0" and row["points_at_least_64MB"] == "yes"
     assert row["fwd us (% copy; ours in place too)"] == "52.5 (95%)"
-    assert row["bwd kernel us (% copy)"] == "55.0 (91%)"
+    assert row["bwd kernel us (% copy; ours in place too)"] == "55.0 (91%)"
     assert row["fwd+bwd us (% of 2 copies)"] == "120.0 (83%)"
     assert row["fwd+bwd host clock us (in turn)"] == "97.2"
     assert row["launches fwd/fwd+bwd"] == "1/2"
     te = dict(zip(header, [c.strip() for c in lines[3].strip("|").split("|")]))
-    assert te["bwd kernel us (% copy)"] == "-" and te["launches fwd/fwd+bwd"] == "1/-"
+    assert te["bwd kernel us (% copy; ours in place too)"] == "-" and te["launches fwd/fwd+bwd"] == "1/-"
     assert te["fwd+bwd host clock us (in turn)"] == "-"  # not measured (a point of 64 MiB and up)
     liger = dict(zip(header, [c.strip() for c in lines[-1].strip("|").split("|")]))
     assert liger["points_at_least_64MB"] == "no" and liger["batch (sequences for thd)"] == "4"
@@ -312,10 +312,11 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     shape = sweep.make_point(layout, torch.float32, sweep.Series(1, 2, 16, 8, (), ""), 32)
     record = sweep.run_point(shape, peers=True, device=DEVICE)
     # the copy, then fwd, bwd kernel, fwd+bwd of triton with the angle table, with its rows
-    # read, and with the cos/sin cache in t's dtype, then ours in place; from 64 MiB our fwd
-    # and bwd kernel each in IN_TURN_ROUNDS rounds after a copy, over IN_TURN_REP_MS
+    # read, and with the cos/sin cache in t's dtype, then ours in place forward and backward;
+    # from 64 MiB our fwd and bwd kernel each in IN_TURN_ROUNDS rounds after a copy, over
+    # IN_TURN_REP_MS
     rounds = sweep.IN_TURN_ROUNDS
-    assert len(ran) == (1 + 4 * rounds + 1 + 6 + 1 if large else 11)
+    assert len(ran) == (1 + 4 * rounds + 1 + 6 + 2 if large else 12)
     assert copies == [100] + ([sweep.IN_TURN_REP_MS] * 2 * rounds if large else [])
     for name in ("triton", "triton-rows", "triton-cache"):
         triton = record["implementations"][name]
@@ -335,11 +336,14 @@ def test_run_point_records_every_implementation(triton_backend, monkeypatch, lay
     assert record["implementations"]["triton"]["fwd_bwd_host_us"] == 3.0
     assert record["implementations"]["triton"]["fwd_bwd_host_pct_of_copy"] == pytest.approx(
         100 * 2 * 2.0 / 3.0)
-    # ours in place (apply_) at every point: 2 us for the rotary half of a 2 us copy's bytes
+    # ours in place (apply_, its backward in place) at every point: 2 us for the rotary half
+    # of a 2 us copy's bytes
     ours = record["implementations"]["triton"]
-    assert ours["fwd_in_place_us"] == pytest.approx(2.0)
-    assert ours["fwd_in_place_pct_of_copy"] == pytest.approx(50.0)
-    assert f"2.0 ({95 if large else 100}%); in place 2.0 (50%)" in sweep.format_table([record])
+    for mode in ("fwd", "bwd"):
+        assert ours[f"{mode}_in_place_us"] == pytest.approx(2.0)
+        assert ours[f"{mode}_in_place_pct_of_copy"] == pytest.approx(50.0)
+    table = sweep.format_table([record])
+    assert f"| 2.0 ({95 if large else 100}%); in place 2.0 (50%) " * 2 in table
     # below 64 MiB each forward also from a graph, the L2 warm, and ours in place
     assert len(warm) == (0 if large else 4)
     assert [record["implementations"][n].get("fwd_warm_us") for n in in_turn] == (
@@ -486,9 +490,12 @@ def test_summarize_states_the_targets():
         for name, us in warm.get(p["name"], {}).items():
             p["implementations"][name]["fwd_warm_us"] = us
     points[2]["implementations"]["triton"]["fwd_in_place_warm_us"] = 1.8  # ahead of liger's 1.9
-    # cold, ours in place: behind Liger's 3.9 us on the small point, ahead of its 82 us at rot64
-    points[2]["implementations"]["triton"]["fwd_in_place_us"] = 4.0
-    points[4]["implementations"]["triton"]["fwd_in_place_us"] = 66.0
+    # Liger's kernels are set against ours in place, where it was timed: behind Liger's 3.9 us
+    # forward on the small point, ahead of its 82 us at rot64 (both on the rotary half there)
+    points[2]["implementations"]["triton"].update(fwd_in_place_us=4.0, fwd_in_place_pct_of_copy=89.0)
+    points[4]["implementations"]["triton"].update(
+        fwd_in_place_us=66.0, fwd_in_place_pct_of_copy=99.0, bwd_in_place_us=70.0,
+        bwd_in_place_pct_of_copy=93.0)
     # the host clock's paired rounds: TE's lead at "big a" told apart, at "small" not
     points[0]["implementations"]["triton"]["fwd_bwd_host_minus_te_us"] = [3.0, 5.0, 7.0]
     points[2]["implementations"]["triton"]["fwd_bwd_host_minus_te_us"] = [-2.0, 10.0, 20.0]
@@ -499,18 +506,17 @@ def test_summarize_states_the_targets():
                         "lowest 94.0% (big a)")
     # kernel time and forward+backward on the host clock, at every point
     assert lines[2:9] == [
-        "triton slower than a peer at 6 point-modes (kernel time by do_bench from 64 MiB, by "
-        "the profiler below); a lead the paired samples tell apart, or with none kept, at 5",
+        "triton slower than a peer at 6 point-modes (like for like: ours in place against "
+        "Liger's in-place kernels; kernel time by do_bench from 64 MiB, by the profiler below); "
+        "a lead the paired samples tell apart, or with none kept, at 5",
         "  big a fwd_bwd_host: 90.0 us > te 85.0 us; ours - te +3.000 to +7.000 us (95%): a lead",
-        "  big b fwd: 38.0 us > liger 37.0 us",
+        "  big b fwd: 38.0 us > liger 37.0 us",  # ours in place not timed: out of place
         "  big b fwd_bwd_host: 80.0 us > liger 70.0 us",
-        "  small fwd: 4.5 us > liger 3.9 us",
+        "  small fwd_in_place: 4.0 us > liger 3.9 us",
         "  small bwd_kernel: 4.4 us > liger 3.9 us",
         "  small fwd_bwd_host: 110.0 us > te 100.0 us; ours - te -2.000 to +20.000 us (95%): "
         "level within the samples",
     ]
-    assert lines[-8] == ("triton in place (apply_) forward, kernel time: liger faster at 1 of 2 "
-                         "points, by 0.10 us at most")
     assert lines[-7:-4] == [
         "triton forward below 64 MiB with the L2 warm (a CUDA graph of 20 calls): te faster at 0 "
         "of 2 points",
@@ -570,15 +576,51 @@ def test_summarize_compares_kernels_by_the_profiler_where_both_have_it():
     for name, fwd, bwd in (("triton", 2.0, 2.0), ("liger", 2.1, 1.9)):
         point["implementations"][name].update(fwd_profiled_us=fwd, bwd_kernel_profiled_us=bwd)
     lines = sweep.summarize([point]).splitlines()
-    assert lines[:2] == [
-        "triton slower than a peer at 1 point-modes (kernel time by do_bench from 64 MiB, by "
-        "the profiler below); a lead the paired samples tell apart, or with none kept, at 1",
+    assert lines[:2] == [  # ours in place not timed: ours out of place against Liger's kernels
+        "triton slower than a peer at 1 point-modes (like for like: ours in place against "
+        "Liger's in-place kernels; kernel time by do_bench from 64 MiB, by the profiler below); "
+        "a lead the paired samples tell apart, or with none kept, at 1",
         "  small bwd_kernel (profiler): 2.0 us > liger 1.9 us",
     ]
-    assert ("triton forward below 64 MiB by the profiler (an L2 flush before each call): liger "
+    assert ("triton out of place (apply) forward below 64 MiB by the profiler (an L2 flush before each call): liger "
             "faster at 0 of 1 points") in lines
+    assert ("triton out of place (apply) backward kernel below 64 MiB by the profiler (an L2 "
+            "flush before each call): liger faster at 1 of 1 points, by 0.10 us at most") in lines
+
+
+def test_summarize_sets_liger_against_ours_in_place_and_lists_ours_out_of_place_apart():
+    """Liger's kernels rotate in place, so the headline sets them against ours in place (2.0
+    against 2.1 us: no lead), and lists where they beat ours out of place (2.3 us) on a line of
+    its own: after the flush an out-of-place call writes back a dirty line for each it writes.
+    TE, out of place like ours, is set against ours out of place."""
+    point = _point("small", "sbhd", False, triton=(4.5, 89.0, 4.4, 90.0, 120.0, 100.0),
+                   te=(9.0, 44.5, 6.0, 66.0, 100.0, 100.0),
+                   liger=(3.9, 102.7, 3.9, 101.5, 50.0, 101.0))
+    point["implementations"]["triton"].update(
+        fwd_profiled_us=2.3, bwd_kernel_profiled_us=2.3, fwd_in_place_profiled_us=2.0,
+        bwd_in_place_profiled_us=2.0, fwd_in_place_us=4.0, fwd_in_place_pct_of_copy=50.0,
+        bwd_in_place_us=4.0, bwd_in_place_pct_of_copy=50.0)
+    point["implementations"]["liger"].update(fwd_profiled_us=2.1, bwd_kernel_profiled_us=2.1)
+    point["implementations"]["te"].update(fwd_profiled_us=2.2, bwd_kernel_profiled_us=2.4)
+    point["implementations"]["triton"]["fwd_profiled_minus_liger_us"] = [0.1, 0.2, 0.3]
+    lines = sweep.summarize([point]).splitlines()
+    assert lines[:2] == [
+        "triton slower than a peer at 1 point-modes (like for like: ours in place against "
+        "Liger's in-place kernels; kernel time by do_bench from 64 MiB, by the profiler below); "
+        "a lead the paired samples tell apart, or with none kept, at 1",
+        "  small fwd (profiler): 2.3 us > te 2.2 us",
+    ]
+    assert ("triton out of place (apply) forward below 64 MiB by the profiler (an L2 flush "
+            "before each call): liger faster at 1 of 1 points, by 0.20 us at most; a lead the "
+            "paired samples tell apart (95% interval of ours minus theirs above 0) at 1 of "
+            "them") in lines
     assert ("triton backward kernel below 64 MiB by the profiler (an L2 flush before each "
-            "call): liger faster at 1 of 1 points, by 0.10 us at most") in lines
+            "call): te faster at 0 of 1 points") in lines
+    # ours in place behind: the headline lists it under its own mode
+    point["implementations"]["triton"]["bwd_in_place_profiled_us"] = 2.2
+    lines = sweep.summarize([point]).splitlines()
+    assert lines[0].startswith("triton slower than a peer at 2 point-modes")
+    assert "  small bwd_in_place (profiler): 2.2 us > liger 2.1 us" in lines
 
 
 def test_summarize_compares_ours_in_place_with_liger_by_the_profiler():
