@@ -212,9 +212,13 @@ def _ours(name: str, label: str, inp: Inputs, table: Any) -> Impl | None:
     return Impl(label, fwd, bwd, fwd_bwd, fwd, bwd_kernel=kernel)
 
 
-def _triton_transpose(inp: Inputs, table: Any) -> Callable[[], Any]:
+def _triton_transpose(
+    inp: Inputs, table: Any, grad: torch.Tensor | None = None,
+) -> Callable[[], Any]:
     """The triton backward's work without the autograd engine: the transposed launch on the
-    incoming gradient (one packed gradient for qkv), output allocation included."""
+    incoming gradient (one packed gradient for qkv), output allocation included; with ``grad``
+    (not packed qkv), the launch of ``apply_``'s backward with ``grad_in_place=True`` instead,
+    which rotates ``grad``'s rotary channels in place."""
     from rope_dispatch.backends import triton_rope
 
     from rope_dispatch.tables import angles_2d
@@ -237,7 +241,11 @@ def _triton_transpose(inp: Inputs, table: Any) -> Callable[[], Any]:
         out = torch.empty_like(inp.grad)
         return triton_rope.launch(inp.grad, out, tab, sin, inp.cu_seqlens, inp.starts, *settings,
                                   True, fresh_out=True)
-    return transpose
+
+    def transpose_in_place():
+        return triton_rope.launch(grad, grad, tab, sin, inp.cu_seqlens, inp.starts, *settings,
+                                  True, copy_pass=False)
+    return transpose if grad is None else transpose_in_place
 
 
 def _ours_in_place(name: str, inp: Inputs) -> Impl | None:
@@ -262,8 +270,10 @@ def _ours_in_place(name: str, inp: Inputs) -> Impl | None:
     def output():
         return rd.apply_(inp.t.clone(), inp.freqs, inp.spec, start_positions=starts, backend=name)
 
+    kernel = _triton_transpose(inp, inp.freqs, grad) if name == "triton" else None
     return Impl(f"{name} in place", fwd, bwd, None, output, "apply_, grad_in_place=True",
-                rotary_only=call.rotary_dim < call.head_dim, rewrite=lambda: buffer.copy_(inp.t))
+                rotary_only=call.rotary_dim < call.head_dim, rewrite=lambda: buffer.copy_(inp.t),
+                bwd_kernel=kernel)
 
 
 def _te_peer(shape: Shape, inp: Inputs) -> Impl | None:

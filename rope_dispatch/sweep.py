@@ -322,14 +322,15 @@ def _measure_named(
 def _in_place_times(
     impl: Impl | None, copy_ms: float, rotary_share: float, large: bool,
 ) -> dict[str, Any]:
-    """Our ``apply_`` forward and its in-place backward (on ``d2 / d`` of the bytes: like for
-    like with Liger, which always rotates in place): their times by ``do_bench`` and % of the
-    copy's share of those bytes, and below 64 MiB the forward's time with the L2 warm; nothing
-    where the triton backend refuses it in place (``impl`` None)."""
+    """Our ``apply_`` forward and the launch of its backward in place on the gradient, without
+    the autograd engine (on ``d2 / d`` of the bytes: like for like with Liger's kernels, which
+    always rotate in place): their times by ``do_bench`` and % of the copy's share of those
+    bytes, and below 64 MiB the forward's time with the L2 warm; nothing where the triton
+    backend refuses it in place (``impl`` None)."""
     if impl is None:
         return {}
     times: dict[str, Any] = {}
-    for mode, fn in (("fwd", impl.fwd), ("bwd", impl.bwd)):
+    for mode, fn in (("fwd", impl.fwd), ("bwd", impl.bwd_kernel)):
         key = f"{mode}_in_place"
         times.update({f"{key}_us": None, f"{key}_pct_of_copy": None})
         ms = time_mode(impl.name, mode, fn, bench_ms)
@@ -441,10 +442,10 @@ def run_point(shape: Shape, peers: bool, device: str = "cuda") -> dict[str, Any]
             if impl.rewrite is not None:
                 results[name]["fwd_written_warm_us"] = _written_warm(impl)
         profiled = dict(kept)
-        if in_place is not None:  # its backward: the engine's one in-place transposed launch
-            profiled[IN_PLACE] = dataclasses.replace(in_place, bwd_kernel=in_place.bwd)
+        if in_place is not None:
+            profiled[IN_PLACE] = in_place
             # the same calls under a second name: what two samples of one kernel differ by
-            profiled[IN_PLACE_AGAIN] = profiled[IN_PLACE]
+            profiled[IN_PLACE_AGAIN] = in_place
         measured, samples = profiled_kernel_times(profiled)
         for mode, by_name in samples.items():
             results["triton"].update(paired_intervals(by_name, f"{mode}_profiled"))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rope_dispatch import bench, sweep
+from reference import max_error, reference_forward_backward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the triton backend: CUDA, else its interpreter
 
@@ -403,6 +404,21 @@ def test_ours_in_place_rewrites_the_tensor_its_forward_reads(triton_backend):
     assert not torch.equal(rotated, inp.t)
     impl.rewrite()
     assert torch.equal(rotated, inp.t)
+
+
+def test_ours_in_place_backward_launch_rotates_a_gradient_buffer_in_place(triton_backend):
+    """The in-place backward's bare launch (what the sweep times as ours in place's backward,
+    like for like with Liger's ``rope_backward``) rotates a buffer holding the incoming
+    gradient by the transpose, in place, and leaves its pass-through channels alone."""
+    shape = bench.Shape("g", "sbhd", torch.float32, 8, 2, 2, 16, 8)
+    inp = bench.make_inputs(shape, DEVICE)
+    launch = bench._ours_in_place("triton", inp).bwd_kernel
+    grad = launch()
+    _, want = reference_forward_backward(inp.t, inp.freqs, inp.spec, inp.grad, inp.starts)
+    assert grad.data_ptr() != inp.grad.data_ptr()
+    assert max_error(grad, want) < 1e-5
+    assert torch.equal(grad[..., 8:], inp.grad[..., 8:])
+    assert launch().data_ptr() == grad.data_ptr()  # the same buffer, rotated again
 
 
 def test_no_peers_marks_them_absent(triton_backend, monkeypatch):
