@@ -251,7 +251,8 @@ def _triton_transpose(
 def _ours_in_place(name: str, inp: Inputs) -> Impl | None:
     """``apply_`` on a buffer holding the input (each call rotates it again: the tables are
     rotations, so its scale stays), and its backward with ``grad_in_place=True``: both move
-    ``d2 / d`` of the bytes."""
+    ``d2 / d`` of the bytes. For triton, ``bwd_kernel`` is that backward's launch alone, on a
+    buffer holding the gradient (:func:`_triton_transpose`)."""
     starts = inp.starts
     call = rd.check_call(inp.t, inp.freqs, inp.spec, starts, in_place=True)
     if rd.get_backend(name).not_supported_reasons(call):

@@ -690,10 +690,10 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
     for like (:data:`LIKE_FOR_LIKE`; kernel time, below 64 MiB the profiler's where the points
     have it; and forward+backward end to end on the host clock); the profiler's kernel times
     below 64 MiB against each peer's (ours out of place against Liger's in-place kernels too),
-    and ours in place against Liger's and against itself
-    (the same calls twice in each trace: how far apart two medians of one kernel land); the
-    forward below 64 MiB with the L2 warm against each peer (and ours in place against Liger's, replayed on their own output
-    and with their input written by a copy before each call, as in a model); the host-clock
+    and ours in place against Liger's and against itself (the same calls twice in each trace:
+    how far apart two medians of one kernel land); the forward below 64 MiB with the L2 warm
+    against each peer (and ours in place against Liger's, replayed on their own output and
+    with their input written by a copy before each call, as in a model); the host-clock
     forward+backward against each peer's; and what reading the table as rates gives over
     reading its rows. Where the point kept ours minus a peer's paired samples
     (:func:`paired_intervals`), each lead says whether their 95% interval lies above 0.

@@ -1519,8 +1519,6 @@ def sweep_orders(rounds: int = 3) -> None:
     then ours in place), ours in place first, ours in place and Liger's alone, and those two
     reversed: whether the order of the calls in the trace moves ours in place against Liger's
     (run AI)."""
-    import dataclasses
-
     from rope_dispatch import sweep
 
     for layout in ("bshd", "sbhd"):
