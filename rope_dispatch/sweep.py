@@ -840,10 +840,23 @@ def plotted_pct(result: dict[str, Any], mode: str) -> float | None:
     return result.get(f"{key}_profiled_pct_of_copy") or result.get(f"{key}_pct_of_copy")
 
 
+def plotted_in_place_pct(point: dict[str, Any], mode: str) -> float | None:
+    """Ours in place's % of the copy's share of the rotary channels (the bytes it moves), as
+    :func:`plotted_pct` takes it: by the profiler below 64 MiB, against the copy timed the
+    same way, else ``do_bench``'s; ``mode`` is ``fwd`` or ``bwd kernel``. The line the plots
+    set against Liger's in-place kernels (:data:`LIKE_FOR_LIKE`)."""
+    ours = point["implementations"].get("triton") or {}
+    key = "fwd_in_place" if mode == "fwd" else "bwd_in_place"
+    us, copy_us = ours.get(f"{key}_profiled_us"), point.get("copy_profiled_us")
+    if us and copy_us:
+        return pct_of_copy(copy_us, point["rotary_dim"] / point["head_dim"], us)
+    return ours.get(f"{key}_pct_of_copy")
+
+
 def plot_layout(report: SweepReport, layout: str, path: Path) -> bool:
     """% of copy against sequence length for one layout: a panel per series, a line per
-    implementation and mode (fwd solid, backward kernel dashed; :func:`plotted_pct`); False
-    without matplotlib."""
+    implementation and mode (fwd solid, backward kernel dashed; :func:`plotted_pct`), ours in
+    place too (:func:`plotted_in_place_pct`); False without matplotlib."""
     plt = pyplot()
     points = [p for p in report.points if p["layout"] == layout]
     if plt is None or not points:
@@ -854,15 +867,19 @@ def plot_layout(report: SweepReport, layout: str, path: Path) -> bool:
     cols = min(4, len(groups))
     rows = -(-len(groups) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
-    colors = {name: plt.cm.tab10(i) for i, name in enumerate(IMPLEMENTATIONS)}
+    def implementation(name: str) -> Callable[[dict[str, Any], str], float | None]:
+        return lambda p, mode: plotted_pct(p["implementations"].get(name) or {}, mode)
+
+    lines = {label: implementation(name) for name, label in IMPLEMENTATIONS.items()}
+    lines[IN_PLACE] = plotted_in_place_pct  # ours in place (apply_), Liger's like for like
+    colors = {label: plt.cm.tab10(i) for i, label in enumerate(lines)}
     for ax, (key, group) in zip(axes.flat, groups.items()):
         dtype, batch, heads, head_dim, rot, qkv = key
-        for name, label in IMPLEMENTATIONS.items():
+        for label, pct_of in lines.items():
             for mode, style in (("fwd", "-"), ("bwd kernel", "--")):
-                xy = [(p["seq"], pct) for p in group
-                      if (pct := plotted_pct(p["implementations"][name], mode))]
+                xy = [(p["seq"], pct) for p in group if (pct := pct_of(p, mode))]
                 if xy:
-                    ax.plot(*zip(*xy), style, marker="o", markersize=3, color=colors[name],
+                    ax.plot(*zip(*xy), style, marker="o", markersize=3, color=colors[label],
                             label=f"{label} {mode}")
         large = [p["seq"] for p in group if p["points_at_least_64MB"]]
         if large:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -210,6 +211,54 @@ def test_plots_are_skipped_with_one_line_without_matplotlib(tmp_path, monkeypatc
     assert sweep.write_plots(report, tmp_path) == []
     assert len(capsys.readouterr().out.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_plots_show_ours_in_place_on_the_bytes_it_moves():
+    """Ours in place (Liger's like for like) is plotted as % of the copy's share of the rotary
+    channels: below 64 MiB from the profiler's times (a 2 us copy, half the channels rotated
+    in 1.25 us: 80%), else do_bench's recorded %; nothing where it was not timed."""
+    point = _synthetic_point("sbhd", 512)
+    point.update(head_dim=128, rotary_dim=64, copy_profiled_us=2.0)
+    ours = point["implementations"]["triton"]
+    ours.update(fwd_in_place_profiled_us=1.25, bwd_in_place_profiled_us=1.0,
+                fwd_in_place_pct_of_copy=60.0, bwd_in_place_pct_of_copy=70.0)
+    assert sweep.plotted_in_place_pct(point, "fwd") == pytest.approx(80.0)
+    assert sweep.plotted_in_place_pct(point, "bwd kernel") == pytest.approx(100.0)
+    point["copy_profiled_us"] = None  # from 64 MiB: no profiled copy
+    assert sweep.plotted_in_place_pct(point, "fwd") == 60.0
+    assert sweep.plotted_in_place_pct(point, "bwd kernel") == 70.0
+    for key in list(ours):
+        if "in_place" in key:
+            del ours[key]
+    assert sweep.plotted_in_place_pct(point, "fwd") is None
+
+
+def test_plot_draws_a_line_per_implementation_and_ours_in_place(tmp_path, monkeypatch):
+    """Without matplotlib's drawing (a recording stand-in): each panel gets a forward and a
+    backward line per implementation measured, and ours in place's two lines beside them."""
+    drawn = {}
+
+    def axes_stub():
+        ax = mock.MagicMock()
+        ax.get_legend_handles_labels.return_value = ([], [])
+        ax.plot.side_effect = lambda x, y, style, **kw: drawn.setdefault(kw["label"], list(y))
+        return ax
+
+    plt = mock.MagicMock()
+    plt.subplots.side_effect = lambda rows, cols, **kw: (
+        mock.MagicMock(), mock.NonCallableMock(flat=[axes_stub() for _ in range(rows * cols)]))
+    monkeypatch.setattr(sweep, "pyplot", lambda: plt)
+    points = [_synthetic_point("sbhd", seq) for seq in (512, 2048)]
+    for point in points:
+        point.update(copy_profiled_us=2.0)
+        point["implementations"]["triton"].update(fwd_in_place_profiled_us=2.5,
+                                                  bwd_in_place_profiled_us=2.0)
+    report = sweep.SweepReport("a GPU", "2026-11-28", {}, points)
+    assert sweep.plot_layout(report, "sbhd", tmp_path / "p.png")
+    assert drawn["triton fwd"] == pytest.approx([95.238, 95.238])
+    assert drawn["triton in place fwd"] == pytest.approx([80.0, 80.0])
+    assert drawn["triton in place bwd kernel"] == pytest.approx([100.0, 100.0])
+    assert "TE fused (peer) fwd" in drawn and "Liger (peer) fwd" not in drawn  # absent there
 
 
 def test_series_key_joins_only_points_differing_in_length():
