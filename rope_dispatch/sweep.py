@@ -719,7 +719,7 @@ def summarize(points: Sequence[dict[str, Any]]) -> str:
             for peer in PEERS:
                 ours_mode = LIKE_FOR_LIKE.get(peer, {}).get(mode, mode)
                 compared = _compared(p, peer, mode, ours_mode)
-                if compared is None:
+                if compared is None and ours_mode != mode:  # ours in place not timed here
                     ours_mode, compared = mode, _compared(p, peer, mode)
                 if compared is None:
                     continue
@@ -867,6 +867,7 @@ def plot_layout(report: SweepReport, layout: str, path: Path) -> bool:
     cols = min(4, len(groups))
     rows = -(-len(groups) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+
     def implementation(name: str) -> Callable[[dict[str, Any], str], float | None]:
         return lambda p, mode: plotted_pct(p["implementations"].get(name) or {}, mode)
 

@@ -34,7 +34,8 @@ out of place at tiles of fewer heads and warps, against Liger's in place;
 ``lean-warps-paired``, the lean kernel on 4 warps against 2, in place and out of place;
 ``float32-resident``, tiles for float32 calls of 32 MiB, warm and flushed;
 ``in-place-resident``, the same for calls of 16-32 MiB in place, float32 and bf16;
-``resident-rules``, candidate rules for them at the sweep's points of 1-32 MiB; ``mqa-tiles``, the q+k launch's tiles where k has one head;
+``resident-rules``, candidate rules for them at the sweep's points of 1-32 MiB;
+``mqa-tiles``, the q+k launch's tiles where k has one head;
 ``hf-tiles``, the Hugging Face integration's q+k launch (a bf16 cos/sin cache) at explicit
 tiles against Liger's; ``hf-halves``, that launch reading half rows (a halves flag) at
 explicit tiles, forward and backward, and the flag's branch as a masked load;
