@@ -655,8 +655,8 @@ def linear_flag(table: torch.Tensor) -> torch.Tensor | None:
     (no version counter tells a later write), fewer than two rows, under ``torch.compile`` or
     CUDA graph capture, and with ``ROPE_DISPATCH_LINEAR_TABLES=0``."""
     if (
-        table.shape[0] < 2 or table.is_inference() or _linear_tables_raw() == _LINEAR_TABLES_OFF
-        or torch.compiler.is_compiling()
+        torch.compiler.is_compiling() or table.shape[0] < 2 or table.is_inference()
+        or _linear_tables_raw() == _LINEAR_TABLES_OFF
     ):
         return None
     base = table._base if table._base is not None else table
@@ -738,7 +738,7 @@ def halves_flag(table: CosSinCache) -> torch.Tensor | None:
     ``torch.compile`` or CUDA graph capture, and with ``ROPE_DISPATCH_LINEAR_TABLES=0``."""
     cos, sin = table.cos, table.sin
     if (
-        cos.is_inference() or sin.is_inference() or torch.compiler.is_compiling()
+        torch.compiler.is_compiling() or cos.is_inference() or sin.is_inference()
         or _linear_tables_raw() == _LINEAR_TABLES_OFF
     ):
         return None
@@ -1520,8 +1520,13 @@ def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """Packed qkv RoPE of a checked call: q ``[.., h * q/d, d]``, k ``[.., h, k]``, v
     ``[.., h, v]``, new and contiguous; eager autograd or, while tracing, the custom ops."""
     spec = call.spec
-    rows = _rows_read(call.t, spec.layout, position_index(call))
     cu = spec.cu_seqlens
+    settings = (call.split, *kernel_settings(spec))
+    if _traced(call.t):
+        k_table = call.table if call.k_table is None else call.k_table
+        return triton_rope_qkv_op(call.t, *kernel_tables(call.table), *kernel_tables(k_table), cu,
+                                  position_index(call), *settings)
+    rows = _rows_read(call.t, spec.layout, position_index(call))
     if call.k_table is None:  # one table: its halves flag, if any, serves q and k
         tab, sin, cu = _call_tables(call, rows)
         q_tables = k_tables = (tab, sin)
@@ -1531,9 +1536,7 @@ def rope_triton_qkv(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor, torch.T
         if (q_tables[1] is None) != (k_tables[1] is None):  # one kernel reads both tables alike
             q_tables, k_tables = kernel_tables(call.table), kernel_tables(call.k_table)
     tables = (*q_tables, *k_tables)
-    args = (call.t, *tables, cu, position_index(call), call.split, *kernel_settings(spec))
-    if type(call.t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
-        return triton_rope_qkv_op(*args)
+    args = (call.t, *tables, cu, position_index(call), *settings)
     if call.t.requires_grad and torch.is_grad_enabled():
         return _QKVFunction.apply(*args)
     with _on_device(call.t):
@@ -1679,11 +1682,13 @@ def rope_triton_qk(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
         call.in_place and grad and (q._is_view() or k._is_view())
     ):
         return _qk_one_by_one(call, index)
+    if _traced(q, k):
+        table, sin = kernel_tables(call.table)
+        q_out, k_out = triton_rope_qk_op(q, k, table, sin, spec.cu_seqlens, index,
+                                         *kernel_settings(spec), False, None, None)
+        return (q.copy_(q_out), k.copy_(k_out)) if call.in_place else (q_out, k_out)
     table, sin, cu = _call_tables(call, _rows_read(q, spec.layout, index))
     args = (table, sin, cu, index, *kernel_settings(spec))
-    if type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
-        q_out, k_out = triton_rope_qk_op(q, k, *args, False, None, None)
-        return (q.copy_(q_out), k.copy_(k_out)) if call.in_place else (q_out, k_out)
     if call.in_place:
         if grad:
             return _QKInPlaceFunction.apply(q, k, *args, call.grad_in_place)
@@ -1720,6 +1725,14 @@ _NO_GUARD = contextlib.nullcontext()
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
+def _traced(*tensors: torch.Tensor) -> bool:
+    """Whether the call goes to the custom ops: while ``torch.compile`` traces, or for tensor
+    subclasses. Asked before anything reads a tensor's host-side state (``is_inference``,
+    ``data_ptr``, ``_version``, a table's flag), which a trace refuses; the ops then take the
+    table's plain kernel form."""
+    return torch.compiler.is_compiling() or any(type(t) not in _PLAIN_TENSORS for t in tensors)
+
+
 @functools.lru_cache(maxsize=1)
 def _several_gpus() -> bool:
     return torch.cuda.device_count() > 1
@@ -1746,15 +1759,16 @@ def rope_triton(
     ``rope_dispatch::triton_rope`` op. ``in_place``: rotate ``t``'s rotary channels in place
     and return ``t`` (while tracing: the op's result copied into ``t``).
     """
-    tab, sin, cu_seqlens = _launch_tables(
-        table, _rows_read(t, layout, positions), cu_seqlens, layout, interleaved
-    )
-    if type(t) not in _PLAIN_TENSORS or torch.compiler.is_compiling():
+    if _traced(t):
+        tab, sin = kernel_tables(table)
         out = triton_rope_op(
             t, tab, sin, cu_seqlens, positions, layout, interleaved, scale, cp_size, cp_rank,
             False, None,
         )
         return t.copy_(out) if in_place else out
+    tab, sin, cu_seqlens = _launch_tables(
+        table, _rows_read(t, layout, positions), cu_seqlens, layout, interleaved
+    )
     if in_place:
         with _on_device(t):
             if t.requires_grad and torch.is_grad_enabled():
