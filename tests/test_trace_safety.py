@@ -126,22 +126,25 @@ def test_llama_block_compiles_at_model_size_after_eager_steps(kind):
     spec = rd.RoPESpec(layout="bshd", dtype="bf16")
     weight = torch.randn(3 * heads * dim, 256, device="cuda", dtype=torch.bfloat16) / 16
 
-    def step(x: torch.Tensor) -> torch.Tensor:
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         proj = x @ weight.t()  # [b, s, 3 h d]: q, k, v
         q = proj[..., : heads * dim].unflatten(-1, (heads, dim))
         k = proj[..., heads * dim : 2 * heads * dim].unflatten(-1, (heads, dim))
-        q, k = rd.apply_qk(q, k, table, spec, backend="triton")
-        return (q.float() * k.float()).sum()
+        return rd.apply_qk(q, k, table, spec, backend="triton")
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    x0 = torch.randn(batch, seq, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grads = [torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16,
+                         generator=gen) for _ in range(2)]
 
     def run(fn):
-        x = torch.randn(batch, seq, 256, device="cuda", dtype=torch.bfloat16,
-                        generator=torch.Generator("cuda").manual_seed(0), requires_grad=True)
-        loss = fn(x)
-        loss.backward()
-        return loss.detach(), x.grad
+        x = x0.clone().requires_grad_(True)
+        q, k = fn(x)
+        torch.autograd.backward((q, k), grads)
+        return q.detach().float(), k.detach().float(), x.grad.float()
 
     for _ in range(2):
         expected = run(step)
     got = run(torch.compile(step, fullgraph=True))
-    assert torch.allclose(got[0], expected[0], rtol=2e-2)
-    assert torch.allclose(got[1].float(), expected[1].float(), atol=2e-2, rtol=2e-2)
+    for name, a, b in zip(("q", "k", "x.grad"), got, expected):
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max(), name
