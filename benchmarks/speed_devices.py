@@ -1,0 +1,150 @@
+"""Same-run A/B of the Triton backend's speed devices, on the figures a user sees.
+
+Each variant runs in a process of its own (compiled launches, flags and plans start empty):
+
+- ``shipped``: everything on;
+- ``no-direct``: the C direct launcher off (plans keep torch's allocation and Triton's launcher);
+- ``no-flags``: ``ROPE_DISPATCH_LINEAR_TABLES=0`` (no linear-table or halves flag: rows read);
+- ``plain-division``: the kernels divide token numbers by ``dim1`` with ``//`` instead of the
+  host's magic multiplier.
+
+Figures: decode end to end (host clock, many calls, synchronised once), forward + backward end to
+end at three sizes, and kernel times (``triton.testing.do_bench``, its L2 flush) from 64 MiB,
+for a model's angle table and a Hugging Face cos/sin cache. Run on a GPU machine:
+
+    python benchmarks/speed_devices.py            # every variant, then the table
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import triton
+import triton.language as tl
+
+VARIANTS = ("shipped", "no-direct", "no-flags", "plain-division", "shipped")
+
+
+def _patch(variant: str) -> None:
+    if variant == "no-direct":
+        from rope_dispatch.backends import direct_launch
+
+        direct_launch._unavailable = "turned off for the A/B"
+    elif variant == "plain-division":
+        from rope_dispatch.backends import triton_kernels
+
+        triton_kernels._token_index = _plain_token_index
+
+
+@triton.jit
+def _plain_token_index(tok, dim1, dim1_magic, dim1_shift, LAYOUT: tl.constexpr):
+    """The kernels' token split with a plain division by ``dim1``."""
+    if LAYOUT == 2:
+        i0 = tok
+        i1 = tok * 0
+    else:
+        i0 = tok // dim1
+        i1 = tok - i0 * dim1
+    return i0, i1
+
+
+def _host_us(fn, calls: int = 2000, repeats: int = 7) -> float:
+    import torch
+
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def measure() -> dict[str, float]:
+    import torch
+    import triton.testing
+
+    import rope_dispatch as rd
+    from rope_dispatch import tables
+
+    dev = "cuda"
+    bf16 = torch.bfloat16
+    freqs = tables.default_frequencies(128).angle_table(8192, device=dev)
+    results: dict[str, float] = {}
+
+    # decode: 64 sequences of one token, positions on the GPU
+    spec = rd.RoPESpec(layout="bshd", dtype="bf16")
+    x = torch.randn(64, 1, 32, 128, device=dev, dtype=bf16)
+    pos = torch.randint(0, 8000, (64, 1), device=dev)
+    results["decode apply b64 (us)"] = _host_us(lambda: rd.apply(x, freqs, spec, positions=pos))
+    for tokens in (1, 256):
+        q = torch.randn(tokens, 1, 32, 128, device=dev, dtype=bf16)
+        k = torch.randn(tokens, 1, 8, 128, device=dev, dtype=bf16)
+        p = torch.randint(0, 8000, (tokens, 1), device=dev)
+        results[f"decode apply_qk_ T{tokens} (us)"] = _host_us(
+            lambda q=q, k=k, p=p: rd.apply_qk_(q, k, freqs, spec, positions=p))
+
+    # forward + backward end to end, sbhd
+    spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
+    for s, b, h in ((128, 1, 8), (4096, 1, 8), (4096, 4, 32)):
+        t = torch.randn(s, b, h, 128, device=dev, dtype=bf16, requires_grad=True)
+        g = torch.randn(s, b, h, 128, device=dev, dtype=bf16)
+
+        def step(t=t, g=g):
+            rd.apply(t, freqs, spec).backward(g)
+
+        results[f"fwd+bwd s{s} b{b} h{h} (us)"] = _host_us(step, calls=200 if s * b * h > 8192 else 2000)
+
+    # kernel time from 64 MiB: a model's angle table and an HF cos/sin cache
+    t = torch.randn(4096, 2, 32, 128, device=dev, dtype=bf16)  # 64 MiB
+    copy = triton.testing.do_bench(lambda: torch.empty_like(t).copy_(t), warmup=25, rep=200)
+    results["copy 64 MiB (us)"] = copy * 1e3
+    for _ in range(3):
+        rd.apply(t, freqs, spec)
+    results["fwd 64 MiB angles % of copy"] = 100 * copy / triton.testing.do_bench(
+        lambda: rd.apply(t, freqs, spec), warmup=25, rep=200)
+    hf = rd.RoPESpec(layout="bshd", dtype="bf16")
+    tq = torch.randn(2, 8192, 16, 128, device=dev, dtype=bf16)  # 64 MiB
+    angles = freqs.view(8192, 128)
+    cache = rd.CosSinCache(angles.cos().to(bf16), angles.sin().to(bf16))  # as HF builds it
+    copy_q = triton.testing.do_bench(lambda: torch.empty_like(tq).copy_(tq), warmup=25, rep=200)
+    for _ in range(3):
+        rd.apply(tq, cache, hf)
+    results["fwd 64 MiB HF cache % of copy"] = 100 * copy_q / triton.testing.do_bench(
+        lambda: rd.apply(tq, cache, hf), warmup=25, rep=200)
+    return results
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--variant":
+        variant = sys.argv[2]
+        if variant == "no-flags":
+            os.environ["ROPE_DISPATCH_LINEAR_TABLES"] = "0"
+        _patch(variant)
+        print(json.dumps(measure()))
+        return
+    rows: list[tuple[str, dict[str, float]]] = []
+    for variant in VARIANTS:
+        done = subprocess.run([sys.executable, __file__, "--variant", variant],
+                              capture_output=True, text=True)
+        if done.returncode:
+            print(variant, "failed:", done.stderr[-2000:])
+            continue
+        rows.append((variant, json.loads(done.stdout.strip().splitlines()[-1])))
+    names = list(rows[0][1]) if rows else []
+    print(f"{'figure':34s}" + "".join(f"{v:>16s}" for v, _ in rows))
+    for name in names:
+        print(f"{name:34s}" + "".join(f"{r[name]:16.2f}" for _, r in rows))
+
+
+if __name__ == "__main__":
+    main()
