@@ -8,7 +8,7 @@ Semantics are TransformerEngine 2.20.2 ``apply_rotary_pos_emb``; see docs/semant
 ``import rope_dispatch`` imports nothing else: the package loads (torch, its modules, the
 built-in backends) on the first use of one of its names. So ``python -m rope_dispatch.selftest``,
 whose package is imported first, can start its check processes before this one spends seconds
-importing torch (docs/benchmarks.md, run BB).
+importing torch (run BB, docs/tuning.md).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def prestart(args: argparse.Namespace) -> dict[str, subprocess.Popen]:
     """The workers of :data:`PRESTARTED` started now, by name, where CUDA is likely checked
     (:func:`run` isolates only there); else none. Started before this process imports torch,
     their imports and compiles (the selftest's critical path) no longer wait for its own,
-    seconds on a fresh GPU machine (docs/benchmarks.md, run BB)."""
+    seconds on a fresh GPU machine (run BB, docs/tuning.md)."""
     if args.worker or args.device == "cpu" or not cuda_likely():
         return {}
     started = {name: start_worker([name], args.device, args.thorough) for name in PRESTARTED}
@@ -397,7 +397,7 @@ class Worker:
     (:attr:`~rope_dispatch.Backend.heavy_import`: TransformerEngine and Dynamo, seconds on a
     GPU machine's host) then load and compile while this process checks the others (Triton's
     compiles, about 10 s there), and a compiler or import that crashes fails its own check
-    rather than the selftest (docs/benchmarks.md, runs Z and AZ). Its progress lines go to
+    rather than the selftest (runs Z and AZ, docs/tuning.md). Its progress lines go to
     ``finished``, each backend's availability to ``probed`` as ``(name, available)``, its other
     stderr lines to ``passed_on``; its report comes back as one JSON document on its stdout.
     """

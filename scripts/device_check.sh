@@ -17,9 +17,10 @@
 # largest fused-QKV cases ran out of memory and the file did not finish in 9 minutes, while 3
 # workers alone ran all of it in 128 s on an H200), TE_TIMEOUT seconds, TE_K a pytest -k
 # expression. Run it without our tests beside it (SKIP_TESTS=1).
-# The benchmark runs with --serving (decode q+k with GPU positions, prefill q+k) unless
-# BENCH_ARGS says otherwise.
-# SWEEP (non-empty): after the benchmark, the sweep (python3 -m rope_dispatch.sweep; about
+# The benchmark (python3 -m benchmarks.bench; benchmarks/ is not installed, so the repository
+# root is the working directory) runs with --serving (decode q+k with GPU positions, prefill
+# q+k) unless BENCH_ARGS says otherwise.
+# SWEEP (non-empty): after the benchmark, the sweep (python3 -m benchmarks.sweep; about
 # 7 minutes for its default points, so skip the tests and the benchmark beside it) into
 # SWEEP_OUT (default OUT), with SWEEP_ARGS (e.g. --quick) and SWEEP_TIMEOUT seconds (default
 # 540; the sweep writes its results after every point, so a cut run keeps what it measured).
@@ -77,14 +78,14 @@ if [[ -z "${SKIP_SELFTEST:-}" ]] && python3 -c "import rope_dispatch.selftest" 2
 fi
 
 if [[ -z "${SKIP_BENCH:-}" ]]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 -m rope_dispatch.bench --out "$OUT" ${BENCH_ARGS:---serving} 2>&1 | tee "$OUT/bench.log" | grep -v "^shape " | tail -60
+  timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks.bench --out "$OUT" ${BENCH_ARGS:---serving} 2>&1 | tee "$OUT/bench.log" | grep -v "^shape " | tail -60
 fi
 
 if [[ -n "${SWEEP:-}" ]]; then
   SWEEP_OUT=${SWEEP_OUT:-$OUT}
   mkdir -p "$SWEEP_OUT"
   started=$SECONDS
-  timeout ${SWEEP_TIMEOUT:-540} python3 -m rope_dispatch.sweep --out "$SWEEP_OUT" ${SWEEP_ARGS:-} >"$SWEEP_OUT/sweep.log" 2>&1
+  timeout ${SWEEP_TIMEOUT:-540} python3 -m benchmarks.sweep --out "$SWEEP_OUT" ${SWEEP_ARGS:-} >"$SWEEP_OUT/sweep.log" 2>&1
   echo "sweep exit code $? in $((SECONDS - started)) s (log: sweep.log; table: sweep.md)"
   grep -E "^[0-9]+ points in|^matplotlib|Error" "$SWEEP_OUT/sweep.log" | tail -5
 fi

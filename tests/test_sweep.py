@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
-from rope_dispatch import bench, sweep
+from benchmarks import bench, sweep
 from reference import max_error, reference_forward_backward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the triton backend: CUDA, else its interpreter
@@ -491,7 +491,7 @@ def test_points_have_model_tables_and_the_rows_series_reads_them(triton_backend,
     reads it as rates (its flag is found); the "rows read" series, the same numbers, never
     looks for a flag, and leaves the threshold as it found it."""
     from rope_dispatch.backends import triton_rope
-    from rope_dispatch.bench import _ours
+    from benchmarks.bench import _ours
 
     monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 0)  # tiny shapes look too
     monkeypatch.setattr(triton_rope, "_flags", {})

@@ -1,6 +1,6 @@
-"""``python -m rope_dispatch.sweep``: RoPE's share of a device copy across sizes.
+"""``python -m benchmarks.sweep``: RoPE's share of a device copy across sizes.
 
-``rope_dispatch.bench`` times a few Llama-like shapes; this sweep walks sequence length from
+``benchmarks.bench`` times a few Llama-like shapes; this sweep walks sequence length from
 128 to 131,072 (the token count for thd) for several (batch, heads, head dim) series, so a
 reader sees where each implementation reaches the copy's bandwidth and where launch and tail
 effects hold it back. Per point it measures a device-to-device copy of the tensor's bytes (the
@@ -44,8 +44,11 @@ from typing import Any
 
 import torch
 
-import rope_dispatch as rd
-from rope_dispatch.bench import (
+if __package__ in (None, ""):  # run by path (python benchmarks/sweep.py): the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import rope_dispatch as rd  # noqa: E402
+from benchmarks.bench import (  # noqa: E402
     Impl, Inputs, Shape, _liger_peer, _ours, _ours_in_place, _seqlens, _te_peer, _versions,
     bench_ms, cold_kernel_samples, cold_kernel_us, graph_replay_us, host_rounds, make_inputs,
     paired_difference, pyplot, rows_read, time_mode, written_replay_us,
@@ -72,8 +75,7 @@ MODES = ("fwd", "bwd kernel", "fwd+bwd")
 # host-bound points of exactly 64 MiB (calls of 110-190 us) read 0.94 in one run and 1.03 in
 # the next (run AB). Each round's ratio of ours to TE's API spread over 0.87-1.05 (10th-90th
 # percentile) at the points below 64 MiB, where medians of 15 rounds moved by up to 0.08 within
-# one run, and those of 9 rounds at 64 MiB by up to 0.18 (run AF, `scripts/profile_host.py
-# grad-noise`): 40 rounds of 40 below 64 MiB and 20 of 20 from there, whole cycles of the
+# one run, and those of 9 rounds at 64 MiB by up to 0.18 (run AF): 40 rounds of 40 below 64 MiB and 20 of 20 from there, whole cycles of the
 # balanced orders of five implementations and of thd's four (bench.balanced_orders: 10 and 4).
 HOST_CALLS, HOST_ROUNDS = 40, 40
 LARGE_HOST_CALLS, LARGE_HOST_ROUNDS = 20, 20
@@ -346,7 +348,7 @@ def _in_place_times(
 
 def _written_warm(impl: Impl) -> float | None:
     """An in-place forward's us with the L2 warm, its input written by a copy just before each
-    call (:func:`~rope_dispatch.bench.written_replay_us`), or None where it has no rewrite."""
+    call (:func:`~benchmarks.bench.written_replay_us`), or None where it has no rewrite."""
     rewrite = impl.rewrite
     if rewrite is None:
         return None
@@ -364,7 +366,7 @@ def host_fwd_bwd_rounds(impls: dict[str, Impl], large: bool = False) -> dict[str
     """Forward + backward through autograd, end to end on the host clock: each round's us per
     call (the final synchronisation included: the larger of host and GPU time, as a training
     step's calls run back to back), the implementations measured in turn within each round
-    (:func:`~rope_dispatch.bench.host_rounds`), so the host's drift reaches them alike and the
+    (:func:`~benchmarks.bench.host_rounds`), so the host's drift reaches them alike and the
     i-th rounds of two implementations are a pair. ``do_bench``'s figure flushes L2 between
     calls and so races the host path (about 100 us through autograd) against the GPU's: below
     64 MiB its single figures swing by tens of us, and at 64 MiB, where our two kernels take
@@ -383,7 +385,7 @@ def paired_intervals(
 ) -> dict[str, list[float]]:
     """Ours minus each other implementation's paired samples (neighbouring calls of one trace,
     or one round of the host clock) as ``[low, median, high]``, the sign test's 95% interval
-    of the median difference (:func:`~rope_dispatch.bench.paired_difference`), keyed
+    of the median difference (:func:`~benchmarks.bench.paired_difference`), keyed
     ``{key}_minus_{suffix}_us`` for each of ``others`` (sample name: key suffix; the peers by
     default). A positive low end is a lead of theirs that the samples tell apart from a tie;
     the medians alone moved by one or two 32 ns clock steps between two names of one kernel
@@ -505,7 +507,7 @@ def profiled_kernel_times(
     impls: dict[str, Impl],
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list[float]]]]:
     """Each implementation's forward and backward kernel by the profiler, each call after an L2
-    flush (:func:`~rope_dispatch.bench.cold_kernel_samples`: the kernels' own time, every mode
+    flush (:func:`~benchmarks.bench.cold_kernel_samples`: the kernels' own time, every mode
     in turn in one trace): the medians, ``{name: {"fwd_profiled_us": us,
     "bwd_kernel_profiled_us": us}}``, and the samples, ``{"fwd" or "bwd_kernel": {name: [us per
     call]}}``, whose i-th entries come from neighbouring calls (:func:`paired_intervals`).
@@ -936,7 +938,7 @@ def _choices(text: str, allowed: Iterable[str], what: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; 2 without a CUDA device."""
-    parser = argparse.ArgumentParser(prog="python -m rope_dispatch.sweep",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sweep",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True,
                         help="folder for sweep.json, sweep.md and sweep-<layout>.png")
@@ -953,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peers", action="store_true", help="skip TransformerEngine and Liger")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("rope_dispatch.sweep needs a CUDA device (torch.cuda.is_available() is False)",
+        print("benchmarks.sweep needs a CUDA device (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
     points = sweep_points(args.layouts, [DTYPES[d] for d in args.dtypes], args.quick, args.qkv)

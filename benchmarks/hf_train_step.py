@@ -9,8 +9,8 @@ thermal drift fall on all of them alike; each reports its median block. Before t
 variant's logits of one fixed sequence are compared with a float32 copy of the model: a variant
 agrees when its error is within twice transformers' own bf16 error (plus 1e-3).
 
-    python scripts/hf_train_step.py                  # 4 layers, hidden 1024, 16/4 heads, 4 x 2048
-    python scripts/hf_train_step.py --device cpu --layers 1 --hidden 64 --heads 4 --kv-heads 2 \\
+    python -m benchmarks.hf_train_step               # 4 layers, hidden 1024, 16/4 heads, 4 x 2048
+    python -m benchmarks.hf_train_step --device cpu --layers 1 --hidden 64 --heads 4 --kv-heads 2 \\
         --seq 32 --batch 2 --vocab 256 --repeats 2 --steps 1 --warmup 1 --dtype float32   # smoke
 
 Prints a markdown table (ms per step, speedup over transformers) and the environment.

@@ -22,22 +22,26 @@ and sin only, as transformers' halves are equal). "eager" is transformers' formu
 With ``--per-token-cos`` cos and sin are ``[b, s, d]``, as a model given ``[b, s]`` position
 ids makes them: one row per token, which the door reads through start positions.
 
-    python scripts/hf_rope_calls.py [--rounds 2] [--shapes all|small] [--per-token-cos]
+    python -m benchmarks.hf_rope_calls [--rounds 2] [--shapes all|small] [--per-token-cos]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-import rope_dispatch as rd
-from rope_dispatch import bench
-from rope_dispatch.backends import triton_rope
-from rope_dispatch.integrations import hf
+if __package__ in (None, ""):  # run by path: the repository root holds benchmarks/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import rope_dispatch as rd  # noqa: E402
+from benchmarks import bench  # noqa: E402
+from rope_dispatch.backends import triton_rope  # noqa: E402
+from rope_dispatch.integrations import hf  # noqa: E402
 
 SHAPES = [  # (model, batch, seq, q heads, kv heads, head dim)
     ("Llama-3 8B", 1, 1024, 32, 8, 128),
@@ -200,50 +204,10 @@ def measure(shape: tuple, rounds: int) -> None:
         f"{n} {total:.1f} (host {h:.1f})" for n, (h, total) in host.items()), flush=True)
 
 
-def host_profile(shape: tuple, repeats: int = 300) -> None:
-    """Where the host time of a forward + backward goes, ours and Liger's: the pieces on the
-    host clock in turn (forward without and with gradients, the backward alone), then
-    ``cProfile``'s functions by own time over ``repeats`` forward + backward calls
-    (``profile_host.profile``)."""
-    from profile_host import profile  # this script's folder: cProfile, host time, kernels
-
-    _, batch, seq, hq, hk, d = shape
-    t = inputs(batch, seq, hq, hk, d)
-    cos, sin = t["cos"], t["sin"]
-    grads = (t["gq"].transpose(1, 2), t["gk"].transpose(1, 2))
-    pieces: dict[str, Callable[[], Any]] = {}
-    whole: dict[str, Callable[[], Any]] = {}
-    for name, fn in calls().items():
-        if name == "eager":
-            continue
-        q, k = t["q"].clone(), t["k"].clone()
-        ql, kl = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
-
-        def no_grad(fn=fn, q=q, k=k):
-            with torch.no_grad():
-                return fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-
-        pieces[f"{name} fwd, no grad"] = no_grad
-        pieces[f"{name} fwd, grad"] = lambda fn=fn, ql=ql, kl=kl: fn(
-            ql.transpose(1, 2), kl.transpose(1, 2), cos, sin)
-        outs = fn(ql.transpose(1, 2), kl.transpose(1, 2), cos, sin)
-        pieces[f"{name} bwd"] = lambda outs=outs, ql=ql, kl=kl: torch.autograd.grad(
-            outs, (ql, kl), grads, retain_graph=True)
-        whole[name] = lambda fn=fn, ql=ql, kl=kl: torch.autograd.grad(
-            fn(ql.transpose(1, 2), kl.transpose(1, 2), cos, sin), (ql, kl), grads)
-    host = bench.host_us_interleaved(pieces, calls=40, rounds=20)
-    print(f"host us per call ({shape[0]} b{batch} s{seq}): " + " | ".join(
-        f"{n} {h:.1f}" for n, (h, _) in host.items()), flush=True)
-    for name, fn in whole.items():
-        profile(f"{name}, forward + backward", fn, calls=repeats, top=22)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2, help="profiler traces per mode")
     p.add_argument("--shapes", choices=("all", "small"), default="all")
-    p.add_argument("--host-profile", action="store_true",
-                   help="only where the host time of a forward + backward goes")
     p.add_argument("--per-token-cos", action="store_true",
                    help="cos and sin [b, s, d] (a row per token), as with [b, s] position ids")
     args = p.parse_args()
@@ -252,9 +216,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     print(torch.cuda.get_device_name(), torch.__version__)
-    if args.host_profile:
-        host_profile(SMALL[1])
-        return
     for shape in SHAPES if args.shapes == "all" else SMALL:
         measure(shape, args.rounds)
 

@@ -1,4 +1,4 @@
-"""``python -m rope_dispatch.bench``: RoPE speed against a device copy of the same bytes.
+"""``python -m benchmarks.bench``: RoPE speed against a device copy of the same bytes.
 
 For each shape, every available backend of ours (through ``rope_dispatch.apply(...,
 backend=name)``; triton also with a cos/sin cache, and in place through ``apply_``) and, when importable,
@@ -427,8 +427,7 @@ def host_us_interleaved(
     of :func:`balanced_orders`), so drifts of the host's speed during the run reach them all
     alike and their ratios hold; ``{name: (host, end_to_end)}``, medians over the rounds
     (:func:`host_rounds`). A rotating order kept each call behind the same neighbour, whose
-    leftovers (garbage to collect, say) it then paid for on every round: see
-    docs/benchmarks.md, run P."""
+    leftovers (garbage to collect, say) it then paid for on every round (docs/tuning.md)."""
     host, total = host_rounds(fns, calls, rounds)
     return {name: (statistics.median(host[name]), statistics.median(total[name])) for name in fns}
 
@@ -1059,7 +1058,7 @@ def write(report: Report, out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rope_dispatch.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for bench.json/.md/.png")
     parser.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to run")
     parser.add_argument(
@@ -1071,7 +1070,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time serving calls: decode q+k with GPU positions, prefill q+k")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("rope_dispatch.bench needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+        print("benchmarks.bench needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     shapes = list(SHAPES)
     if args.shapes:

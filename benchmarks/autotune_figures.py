@@ -1,7 +1,7 @@
 """Autotune figures for the closing notes: what tuning one key costs, what a cached decision
 costs per call, and what the tuner picks for the benchmark shapes and by how much.
 
-    python scripts/autotune_figures.py [--device cpu|cuda] [--small]
+    python -m benchmarks.autotune_figures [--device cpu|cuda] [--small]   # from the repository root
 
 Runs with an empty, temporary cache (ROPE_DISPATCH_CACHE_DIR) and measuring on. ``--small``
 scales the benchmark shapes down (for a CPU), keeping their layouts and dtypes.
@@ -21,11 +21,14 @@ os.environ["ROPE_DISPATCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="rope-autotune-"
 os.environ.pop("ROPE_AUTOTUNE", None)
 os.environ.pop("ROPE_BACKEND", None)
 
+if __package__ in (None, ""):  # run by path: the repository root holds benchmarks/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import torch  # noqa: E402
 
 import rope_dispatch as rd  # noqa: E402
 from rope_dispatch import dispatch  # noqa: E402
-from rope_dispatch.bench import SHAPES, make_inputs  # noqa: E402
+from benchmarks.bench import SHAPES, make_inputs  # noqa: E402
 
 
 def _sync(device: str) -> None:
