@@ -219,32 +219,33 @@ def _triton_transpose(
     incoming gradient (one packed gradient for qkv), output allocation included; with ``grad``
     (not packed qkv), the launch of ``apply_``'s backward with ``grad_in_place=True`` instead,
     which rotates ``grad``'s rotary channels in place."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     from rope_dispatch.tables import angles_2d
 
     spec = inp.spec
-    tab, sin = triton_rope._kernel_tables(  # a linear angle table's flag, as apply finds it
+    tab, sin = triton_tables.flagged_tables(  # a linear angle table's flag, as apply finds it
         angles_2d(table) if isinstance(table, torch.Tensor) else table,
-        triton_rope._rows_read(inp.t, spec.layout, inp.starts),
+        triton_tables.rows_read(inp.t, spec.layout, inp.starts),
     )
-    settings = triton_rope.kernel_settings(spec)
-    if inp.split is not None:
-        def transpose_qkv():
-            return triton_rope._qkv_transpose(
-                *inp.grad, inp.split, (tab, sin, tab, sin), inp.cu_seqlens, inp.starts, *settings,
-                None,
-            )
-        return transpose_qkv
+    index = inp.starts
+    forward = triton_rope.Launch(
+        "t" if inp.split is None else "qkv", spec.layout, spec.interleaved,
+        float(spec.cos_sin_scale), spec.cp_size, spec.cp_rank,
+        positions=0 if index is None else 1,
+        split=None if inp.split is None else tuple(inp.split))
+    tabs = triton_rope.Tables(tab, sin, inp.cu_seqlens, index, *((tab, sin) if inp.split else ()))
+    back = forward.transposed()
+    grads = tuple(inp.grad) if inp.split is not None else (inp.grad,)
 
     def transpose():
-        out = torch.empty_like(inp.grad)
-        return triton_rope.launch(inp.grad, out, tab, sin, inp.cu_seqlens, inp.starts, *settings,
-                                  True, fresh_out=True)
+        outs = triton_rope.outputs(back, grads)
+        triton_rope.launch(back, grads, outs, tabs)
+        return outs[0]
 
     def transpose_in_place():
-        return triton_rope.launch(grad, grad, tab, sin, inp.cu_seqlens, inp.starts, *settings,
-                                  True, copy_pass=False)
+        triton_rope.launch(forward.transposed(in_place=True), (grad,), (grad,), tabs)
+        return grad
     return transpose if grad is None else transpose_in_place
 
 
@@ -566,7 +567,7 @@ def run_shape(
 
 def run_host(report: Report) -> None:
     """Decode-size ``apply`` end to end on the host clock, and where the time goes."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     inp = make_inputs(DECODE)
     t, freqs, spec = inp.t, inp.freqs, inp.spec
@@ -585,21 +586,20 @@ def run_host(report: Report) -> None:
         out = torch.empty_like(t)
         call = rd.check_call(t, freqs, spec)
         bound = rd.get_backend("triton").plan(call)  # what apply keeps for a repeated call
+        described = triton_rope.Launch("t", "sbhd", False, 1.0, 1, 0)
+        tabs = triton_rope.Tables(table, None, None, None)
         calls.update({
             "check_call": lambda: rd.check_call(t, freqs, spec),
             "dispatch.choose": lambda: rd.dispatch.choose(call, "triton"),
-            "triton rope_triton": lambda: triton_rope.rope_triton(t, table, layout="sbhd"),
+            "triton rope (generic path)": lambda: triton_rope.rope(call),
             "triton bound launch (plan)": lambda: bound(t, freqs, spec, None, None, None),
             "output allocation (empty_like)": lambda: torch.empty_like(t),
-            "triton launch": lambda: triton_rope.launch(
-                t, out, table, None, None, None, "sbhd", False, 1.0, 1, 0, False),
+            "triton launch": lambda: triton_rope.launch(described, (t,), (out,), tabs),
         })
     _record_hosts(report, calls)
     if rd.get_backend("triton").available:
         report.host["triton kernel (do_bench) us"] = 1e3 * bench_ms(
-            lambda: triton_rope.launch(
-                t, out, table, None, None, None, "sbhd", False, 1.0, 1, 0, False
-            )
+            lambda: triton_rope.launch(described, (t,), (out,), tabs)
         )
         report.host["apply triton CUDA graph replay us"] = graph_replay_us(
             lambda: rd.apply(t, freqs, spec, backend="triton")
@@ -703,15 +703,15 @@ def rows_read(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with the triton backend reading every row of its angle tables: no call inside
     looks for a linear table's flag (``LINEAR_MIN_ROWS_READ`` raised around it). Give it a
     table of its own: a plan or flag made for a table by other calls would still serve it."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     def run(*args: Any) -> Any:
-        saved = triton_rope.LINEAR_MIN_ROWS_READ
-        triton_rope.LINEAR_MIN_ROWS_READ = sys.maxsize
+        saved = triton_tables.LINEAR_MIN_ROWS_READ
+        triton_tables.LINEAR_MIN_ROWS_READ = sys.maxsize
         try:
             return fn(*args)
         finally:
-            triton_rope.LINEAR_MIN_ROWS_READ = saved
+            triton_tables.LINEAR_MIN_ROWS_READ = saved
 
     return run
 
@@ -914,7 +914,7 @@ def sweep_configs(heads: int) -> list[tuple[int, int, int, int]]:
 
 def run_sweep(report: Report, shapes: list[Shape], device: str = "cuda") -> None:
     """Time triton launch configurations (forward) on the large shapes; for tuning heuristics."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     for shape in shapes:
         if shape.layout == "bshd" or shape is DECODE:  # bshd behaves as sbhd; decode is launch-bound
@@ -923,12 +923,12 @@ def run_sweep(report: Report, shapes: list[Shape], device: str = "cuda") -> None
         table = inp.freqs.view(inp.freqs.shape[0], -1)
         out = torch.empty_like(inp.t)
         heads, d, rot = shape.heads, shape.head_dim, shape.rotary_dim
-        block_r = triton_rope._next_pow2(rot // 2)
-        block_p = triton_rope._next_pow2(d - rot) if d > rot else 1
+        block_r = triton_tiles.next_pow2(rot // 2)
+        block_p = triton_tiles.next_pow2(d - rot) if d > rot else 1
         copy_us = report.copy_us.get(shape.name)
-        default = triton_rope.choose_config(
+        default = triton_tiles.choose_config(
             inp.t.numel() // (heads * d), heads, d, rot, inp.t.element_size(), False,
-            triton_rope._sm_count(inp.t.device.index),
+            triton_tiles.sm_count(inp.t.device.index),
         )
         results = []
         for bt, bh, hi, w in [default[:3] + default[5:]] + sweep_configs(heads):
@@ -936,8 +936,8 @@ def run_sweep(report: Report, shapes: list[Shape], device: str = "cuda") -> None
 
             def fn(config=config):
                 triton_rope.launch(
-                    inp.t, out, table, None, inp.cu_seqlens, None, shape.layout, False, 1.0, 1, 0,
-                    False, config=config,
+                    triton_rope.Launch("t", shape.layout, False, 1.0, 1, 0), (inp.t,), (out,),
+                    triton_rope.Tables(table, None, inp.cu_seqlens, None), config=config,
                 )
 
             us = 1e3 * bench_ms(fn)

@@ -184,7 +184,7 @@ def measure(shape: tuple, rounds: int) -> None:
         fwd_bwd[name] = lambda fn=fn, ql=ql, kl=kl: torch.autograd.grad(
             fn(ql.transpose(1, 2), kl.transpose(1, 2), cos, sin), (ql, kl), grads)
     fwd["copy"] = bwd["copy"] = lambda: dst.copy_(src)
-    flags = [int(flag.item()) for flag in triton_rope._halves.values()]
+    flags = [int(flag.item()) for flag in triton_tables._halves.values()]
     print(f"{model}: b{batch} s{seq} q {hq} heads, k {hk}, d{d} bf16, q+k {moved / 2**21:.1f} "
           f"MiB (moved {moved / 2**20:.1f} MiB); largest error against float64: "
           + ", ".join(f"{n} {e:.2g}" for n, e in errors.items())

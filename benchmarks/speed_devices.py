@@ -1,6 +1,8 @@
-"""Same-run A/B of the Triton backend's speed devices, on the figures a user sees.
+"""Same-run A/B of the Triton backend, on the figures a user sees: its speed devices, or two
+source trees (before and after a change).
 
-Each variant runs in a process of its own (compiled launches, flags and plans start empty):
+Each variant runs in a process of its own (compiled launches, flags and plans start empty),
+the variants in turn for ``--rounds`` rounds; the table shows each figure's median over rounds:
 
 - ``shipped``: everything on;
 - ``no-direct``: the C direct launcher off (plans keep torch's allocation and Triton's launcher);
@@ -8,11 +10,15 @@ Each variant runs in a process of its own (compiled launches, flags and plans st
 - ``plain-division``: the kernels divide token numbers by ``dim1`` with ``//`` instead of the
   host's magic multiplier.
 
+- ``tree=PATH``: the package imported from the source tree at ``PATH`` (its ``rope_dispatch``
+  with ``backends`` copied or linked inside it), e.g. a checkout of the commit before a change.
+
 Figures: decode end to end (host clock, many calls, synchronised once), forward + backward end to
 end at three sizes, and kernel times (``triton.testing.do_bench``, its L2 flush) from 64 MiB,
 for a model's angle table and a Hugging Face cos/sin cache. Run on a GPU machine:
 
-    python benchmarks/speed_devices.py            # every variant, then the table
+    python benchmarks/speed_devices.py            # every device variant, then the table
+    python benchmarks/speed_devices.py --rounds 3 tree=/tmp/before shipped
 """
 
 from __future__ import annotations
@@ -125,25 +131,37 @@ def measure() -> dict[str, float]:
 
 
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--variant":
-        variant = sys.argv[2]
+    args = sys.argv[1:]
+    if len(args) == 2 and args[0] == "--variant":
+        variant = args[1]
         if variant == "no-flags":
             os.environ["ROPE_DISPATCH_LINEAR_TABLES"] = "0"
         _patch(variant)
         print(json.dumps(measure()))
         return
-    rows: list[tuple[str, dict[str, float]]] = []
-    for variant in VARIANTS:
-        done = subprocess.run([sys.executable, __file__, "--variant", variant],
-                              capture_output=True, text=True)
-        if done.returncode:
-            print(variant, "failed:", done.stderr[-2000:])
-            continue
-        rows.append((variant, json.loads(done.stdout.strip().splitlines()[-1])))
+    rounds = 1
+    if args[:1] == ["--rounds"]:
+        rounds, args = int(args[1]), args[2:]
+    variants = args or list(VARIANTS)
+    samples: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        for variant in variants:
+            env = dict(os.environ)
+            if variant.startswith("tree="):
+                env["PYTHONPATH"] = os.pathsep.join(
+                    p for p in (variant[5:], env.get("PYTHONPATH")) if p)
+            done = subprocess.run([sys.executable, __file__, "--variant", variant],
+                                  capture_output=True, text=True, env=env)
+            if done.returncode:
+                print(variant, "failed:", done.stderr[-2000:])
+                continue
+            samples[variant].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    rows = [(v, {name: statistics.median(r[name] for r in runs) for name in runs[0]})
+            for v, runs in samples.items() if runs]
     names = list(rows[0][1]) if rows else []
-    print(f"{'figure':34s}" + "".join(f"{v:>16s}" for v, _ in rows))
+    print(f"{'figure (median of rounds)':34s}" + "".join(f"{v[-16:]:>17s}" for v, _ in rows))
     for name in names:
-        print(f"{name:34s}" + "".join(f"{r[name]:16.2f}" for _, r in rows))
+        print(f"{name:34s}" + "".join(f"{r[name]:17.2f}" for _, r in rows))
 
 
 if __name__ == "__main__":

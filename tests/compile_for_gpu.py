@@ -49,7 +49,7 @@ LEAN = dict(
     PAIRED=False, RATES=False, LINEAR=False, BACKWARD=False, BLOCK_T=1, BLOCK_H=8, BLOCK_R=64,
     BLOCK_P=1, FAST_TRIG=True, SCALE=1.0, SHARED_ROWS=True, VECTOR=64,
 )
-# two channels a thread (triton_rope.lean_vector), on angle rows and through a linear flag; a
+# two channels a thread (triton_tiles.lean_vector), on angle rows and through a linear flag; a
 # bshd batch of one, whose token index is its position
 LEAN_VECTOR_VARIANTS = [
     ("two channels a thread", dict(SHARED_ROWS=False, VECTOR=2), "*fp32"),

@@ -19,14 +19,14 @@ import torch
 
 import rope_dispatch as rd
 from reference import assert_matches, reference_cache_rope, reference_positions
-from rope_dispatch.backends import triton_rope
+from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
 pytest.importorskip("triton", reason="triton is not installed; the triton backend is unavailable")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 ROWS, D = 12, 16
-SHIPPED_MIN_ROWS_READ = triton_rope.HALVES_MIN_ROWS_READ
+SHIPPED_MIN_ROWS_READ = triton_tables.HALVES_MIN_ROWS_READ
 gpu = pytest.mark.gpu
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
@@ -35,9 +35,9 @@ pytestmark = pytest.mark.usefixtures("triton_backend")
 @pytest.fixture(autouse=True)
 def every_call_looks(monkeypatch):
     """Calls of any size look for their cache's flag; no flag or first sight carries over."""
-    monkeypatch.setattr(triton_rope, "HALVES_MIN_ROWS_READ", 0)
-    monkeypatch.setattr(triton_rope, "_halves", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(triton_rope, "_halves_met", weakref.WeakSet())
+    monkeypatch.setattr(triton_tables, "HALVES_MIN_ROWS_READ", 0)
+    monkeypatch.setattr(triton_tables, "_halves", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(triton_tables, "_halves_met", weakref.WeakSet())
     monkeypatch.delenv("ROPE_DISPATCH_LINEAR_TABLES", raising=False)
 
 
@@ -54,13 +54,13 @@ def halves_cache(
 def flag_value(cache: rd.CosSinCache) -> int | None:
     """The flag the backend holds for ``cache`` after looking twice (a first sight gets none);
     ``None`` when it keeps none."""
-    triton_rope.halves_flag(cache)
-    flag = triton_rope.halves_flag(cache)
+    triton_tables.halves_flag(cache)
+    flag = triton_tables.halves_flag(cache)
     return None if flag is None else int(flag.item())
 
 
 def held_flags() -> list[int]:
-    return [int(flag.item()) for flag in triton_rope._halves.values()]
+    return [int(flag.item()) for flag in triton_tables._halves.values()]
 
 
 def expected(t: torch.Tensor, cache: rd.CosSinCache, spec: rd.RoPESpec) -> torch.Tensor:
@@ -110,7 +110,7 @@ def test_the_kernels_take_the_flags_branch():
     cache.cos[:, D // 2:] *= 0.5
     cache.sin[:, D // 2:] += 0.25
     assert flag_value(cache) == 0
-    (flag,) = triton_rope._halves.values()
+    (flag,) = triton_tables._halves.values()
     flag.fill_(1)  # as if the check had passed at this version of the cache
     spec = rd.RoPESpec(layout="bshd", dtype="bf16")
     q, k = inputs("bshd"), inputs("bshd", heads=1, seed=5)
@@ -168,11 +168,11 @@ def test_q_and_k_at_the_cache_row_tiles_of_model_shapes(monkeypatch, heads, head
     if streamed; ``WIDE_HEAD_CACHE_TILE`` for heads of d 256), rows read whole at the first
     call and by halves from the second, forward and backward. One SM, so that these few tokens
     give every SM its programs at those tiles."""
-    monkeypatch.setattr(triton_rope, "RESIDENT_BYTES", 0)
-    monkeypatch.setattr(triton_rope, "_sm_count", lambda device_index: 1)  # programs enough
+    monkeypatch.setattr(triton_tiles, "RESIDENT_BYTES", 0)
+    monkeypatch.setattr(triton_tiles, "sm_count", lambda device_index: 1)  # programs enough
     tiles = []
-    choose = triton_rope.choose_config
-    monkeypatch.setattr(triton_rope, "choose_config",
+    choose = triton_tiles.choose_config
+    monkeypatch.setattr(triton_tiles, "choose_config",
                         lambda *a, **kw: tiles.append(choose(*a, **kw)[:2]) or choose(*a, **kw))
     cache = halves_cache(d2=head_dim)
     spec = rd.RoPESpec(layout="bshd", dtype="bf16")
@@ -264,7 +264,7 @@ def test_calls_that_never_look_for_a_flag(kind, monkeypatch):
     if kind == "switched off":
         monkeypatch.setenv("ROPE_DISPATCH_LINEAR_TABLES", "0")
     if kind == "below the threshold":
-        monkeypatch.setattr(triton_rope, "HALVES_MIN_ROWS_READ", ROWS * D + 1)
+        monkeypatch.setattr(triton_tables, "HALVES_MIN_ROWS_READ", ROWS * D + 1)
     # each cache kept alive: a freed cache's id, taken by the next, would have dispatch plan
     # that next call at once, and the plan looks for the flag a second time
     kept = []
@@ -285,7 +285,7 @@ def test_calls_that_never_look_for_a_flag(kind, monkeypatch):
 def test_the_shipped_threshold_takes_prefills_and_leaves_decode_alone(monkeypatch):
     """With the shipped threshold a call reading ``rows x d2`` entries at the threshold looks
     for the flag, a decode step (one row a sequence) does not."""
-    monkeypatch.setattr(triton_rope, "HALVES_MIN_ROWS_READ", SHIPPED_MIN_ROWS_READ)
+    monkeypatch.setattr(triton_tables, "HALVES_MIN_ROWS_READ", SHIPPED_MIN_ROWS_READ)
     spec = rd.RoPESpec(layout="bshd", dtype="bf16")
     rows = SHIPPED_MIN_ROWS_READ // D
     cache = halves_cache(rows=rows)

@@ -604,11 +604,11 @@ def test_layers_read_half_of_each_cos_and_sin_row_while_the_halves_are_equal(
     layer's call."""
     import weakref
 
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    monkeypatch.setattr(triton_rope, "HALVES_MIN_ROWS_READ", 0)
-    monkeypatch.setattr(triton_rope, "_halves", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(triton_rope, "_halves_met", weakref.WeakSet())
+    monkeypatch.setattr(triton_tables, "HALVES_MIN_ROWS_READ", 0)
+    monkeypatch.setattr(triton_tables, "_halves", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(triton_tables, "_halves_met", weakref.WeakSet())
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, cos, sin = inputs(torch.bfloat16, 1, batch_cos=batch_cos, seed=13, device=device)
     grads = (torch.randn(q.shape).bfloat16().to(device), torch.randn(k.shape).bfloat16().to(device))
@@ -627,10 +627,10 @@ def test_layers_read_half_of_each_cos_and_sin_row_while_the_halves_are_equal(
 
     for _ in range(3):
         layer()
-    assert [int(flag.item()) for flag in triton_rope._halves.values()] == [1]
+    assert [int(flag.item()) for flag in triton_tables._halves.values()] == [1]
     cos[0, 3, -1] += 0.5
     layer()
-    assert [int(flag.item()) for flag in triton_rope._halves.values()] == [0]
+    assert [int(flag.item()) for flag in triton_tables._halves.values()] == [0]
 
 
 @pytest.mark.parametrize("batch_cos", [BATCH, 1])

@@ -16,7 +16,7 @@ from cases import build, fixed_case
 from kernel_spy import spy_kernels
 from reference import assert_matches, reference_forward_backward
 from rope_dispatch import tables
-from rope_dispatch.backends import triton_rope
+from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 from test_rate_table import definition_angles, random_rates
 
 pytest.importorskip("triton", reason="triton is not installed; the triton backend is unavailable")
@@ -36,10 +36,10 @@ def launched(monkeypatch) -> list[str]:
     names: list[str] = []
     spy_kernels(monkeypatch, ("rope_kernel", "rope_lean_kernel"),
                 lambda name, kw: names.append(name + (" linear" if kw["LINEAR"] else "")))
-    monkeypatch.setattr(triton_rope, "_fast", {})
+    monkeypatch.setattr(triton_rope, "_compiled", {})
     rd.dispatch.forget_plans()
-    monkeypatch.setattr(triton_rope, "_flags", {})
-    monkeypatch.setattr(triton_rope, "_flags_met", {})
+    monkeypatch.setattr(triton_tables, "_flags", {})
+    monkeypatch.setattr(triton_tables, "_flags_met", {})
     return names
 
 
@@ -68,12 +68,12 @@ def run_both_ways(t, freqs, spec, grad_out, monkeypatch, launched, in_place: boo
     """``(out, grad, kernels)`` of the lean launch, checked bit for bit against the general
     kernel's (the lean kernel turned off), which reads the table alike (``suffix``)."""
     results = []
-    for lean_max_bytes in (triton_rope.LEAN_MAX_BYTES, 0):
-        monkeypatch.setattr(triton_rope, "LEAN_MAX_BYTES", lean_max_bytes)
+    for lean_max_bytes in (triton_tiles.LEAN_MAX_BYTES, 0):
+        monkeypatch.setattr(triton_tiles, "LEAN_MAX_BYTES", lean_max_bytes)
         launched.clear()
         # twice: a linear angle table gets its flag at its second sight
         for _ in range(2):
-            monkeypatch.setattr(triton_rope, "_fast", {})  # each call through the launcher,
+            monkeypatch.setattr(triton_rope, "_compiled", {})  # each call through the launcher,
             rd.dispatch.forget_plans()  # none from a plan bound to an earlier launch
             leaf = t.detach().clone().requires_grad_(True)
             if in_place:
@@ -117,7 +117,7 @@ def test_matches_the_reference_and_the_general_kernel(monkeypatch, launched, kin
     freqs, exact = table_of(kind, angles, interleaved, case.seed)
     suffix = ""
     if kind == "linear angles":  # small calls read rows unless told to look for the flag
-        monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 0)
+        monkeypatch.setattr(triton_tables, "LINEAR_MIN_ROWS_READ", 0)
         suffix = " linear"
     check_lean_launch(t, freqs, exact, spec, monkeypatch, launched, in_place, suffix, grad_seed=1)
 
@@ -133,8 +133,8 @@ def test_sines_shared_across_a_tiles_heads(monkeypatch, launched, layout, interl
     case = fixed_case(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim, heads=6,
                       dtype=torch.bfloat16, seed=7)
     t, freqs, spec, _, angles = build(case, DEVICE, requires_grad=False)
-    assert triton_rope.lean_tile(case.seq * case.batch, 6, t.shape[-1], 2)[1] >= \
-        triton_rope.SHARED_SINES_HEADS
+    assert triton_tiles.lean_tile(case.seq * case.batch, 6, t.shape[-1], 2)[1] >= \
+        triton_tiles.SHARED_SINES_HEADS
     check_lean_launch(t, freqs, angles, spec, monkeypatch, launched, in_place, "", grad_seed=4)
 
 
@@ -147,14 +147,14 @@ def test_sines_shared_across_a_tiles_heads(monkeypatch, launched, layout, interl
 ])
 def test_rows_read_once_or_per_head(monkeypatch, launched, kind, interleaved, heads, head_dim,
                                     tile, shared):
-    """Both forms of reading a tile's table rows (``triton_rope.shared_rows``), for angle rows
+    """Both forms of reading a tile's table rows (``triton_tiles.shared_rows``), for angle rows
     and a cos/sin cache: the same bits as the general kernel and the reference's values."""
     case = fixed_case(heads=heads, head_dim=head_dim, rotary_dim=head_dim,
                       interleaved=interleaved, dtype=torch.bfloat16, seed=5)
     t, _, spec, _, angles = build(case, DEVICE, requires_grad=False)
     freqs, exact = table_of(kind, angles, interleaved, seed=5)
-    assert triton_rope.lean_tile(case.seq * case.batch, heads, head_dim, 2) == tile
-    assert triton_rope.shared_rows(*tile, kind != "angles") is shared
+    assert triton_tiles.lean_tile(case.seq * case.batch, heads, head_dim, 2) == tile
+    assert triton_tiles.shared_rows(*tile, kind != "angles") is shared
     check_lean_launch(t, freqs, exact, spec, monkeypatch, launched, False, "", grad_seed=6)
 
 
@@ -199,7 +199,7 @@ def test_gpu_sweep_sizes(monkeypatch, launched, layout, seq, batch, heads, inter
 def test_reads_its_linear_table_through_the_flag(monkeypatch, launched):
     """The lean kernel takes the flag's branch: a flag forced on for a table that is not linear
     turns every token by its position times row 1."""
-    monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 0)
+    monkeypatch.setattr(triton_tables, "LINEAR_MIN_ROWS_READ", 0)
     rows, d2 = 12, 8
     inv_freq = random_rates(2, d2 // 2, DEVICE)
     linear = tables.angle_table(inv_freq, rows).to(DEVICE)
@@ -207,8 +207,8 @@ def test_reads_its_linear_table_through_the_flag(monkeypatch, launched):
     freqs[1] = linear[1]
     spec = rd.RoPESpec(layout="bshd", dtype="fp32")
     x = torch.randn(2, rows, 3, d2).to(DEVICE)
-    triton_rope.linear_flag(tables.angles_2d(freqs))
-    flag = triton_rope.linear_flag(tables.angles_2d(freqs))
+    triton_tables.linear_flag(tables.angles_2d(freqs))
+    flag = triton_tables.linear_flag(tables.angles_2d(freqs))
     assert int(flag.item()) == 0
     flag.fill_(1)  # as if the check had passed at this version of the table
     out = rd.apply(x, freqs, spec, backend="triton")
@@ -241,10 +241,10 @@ def test_per_token_positions_take_the_general_kernel(launched):
 def test_calls_past_lean_max_bytes_take_the_general_kernel(monkeypatch, launched):
     t, freqs, spec, _, _ = build(fixed_case(), DEVICE, requires_grad=False)
     nbytes = t.numel() * t.element_size()
-    monkeypatch.setattr(triton_rope, "LEAN_MAX_BYTES", nbytes)
+    monkeypatch.setattr(triton_tiles, "LEAN_MAX_BYTES", nbytes)
     rd.apply(t, freqs, spec, backend="triton")
-    monkeypatch.setattr(triton_rope, "LEAN_MAX_BYTES", nbytes - 1)
-    monkeypatch.setattr(triton_rope, "_fast", {})  # compiled launches are kept by call key
+    monkeypatch.setattr(triton_tiles, "LEAN_MAX_BYTES", nbytes - 1)
+    monkeypatch.setattr(triton_rope, "_compiled", {})  # compiled launches are kept by call key
     rd.dispatch.forget_plans()  # and plans bind them
     rd.apply(t, freqs, spec, backend="triton")
     assert launched == ["rope_lean_kernel", "rope_kernel"]
@@ -255,8 +255,8 @@ def test_a_strided_output_takes_the_general_kernel(launched):
     input: the lean kernel addresses both alike, so the general one runs."""
     t, freqs, spec, _, angles = build(fixed_case(), DEVICE, requires_grad=False)
     out = torch.empty(t.shape[1], t.shape[0], *t.shape[2:], device=DEVICE).transpose(0, 1)
-    triton_rope.launch(t, out, tables.angles_2d(freqs), None, None, None, "sbhd", False, 1.0, 1, 0,
-                       False)
+    triton_rope.launch(triton_rope.Launch("t", "sbhd", False, 1.0, 1, 0), (t,), (out,),
+                       triton_rope.Tables(tables.angles_2d(freqs), None, None, None))
     assert launched == ["rope_kernel"]
     expected, _ = reference_forward_backward(t.cpu(), angles, spec, torch.zeros(t.shape))
     assert_matches(out, expected, t.dtype, "strided output")
@@ -274,11 +274,11 @@ def test_a_strided_output_takes_the_general_kernel(launched):
     (1, 3, 256, 4, (1, 4)),
 ])
 def test_tiles_take_heads_first_then_tokens(tokens, heads, width, element_size, tile):
-    assert triton_rope.lean_tile(tokens, heads, width, element_size) == tile
+    assert triton_tiles.lean_tile(tokens, heads, width, element_size) == tile
 
 
 def test_int32_offsets_hold_every_call_it_takes():
-    assert triton_rope.LEAN_MAX_BYTES < 2**31
+    assert triton_tiles.LEAN_MAX_BYTES < 2**31
 
 
 @pytest.mark.parametrize("heads, head_dim, interleaved, use_cache, shared, vector", [
@@ -307,4 +307,4 @@ def test_how_a_lean_tile_gets_its_rows_sines(heads, head_dim, interleaved, use_c
     ((32, 1), True, False),
 ])
 def test_general_tiles_share_only_a_caches_rows(tile, use_cache, shared):
-    assert triton_rope.shared_rows(*tile, use_cache, lean=False) is shared
+    assert triton_tiles.shared_rows(*tile, use_cache, lean=False) is shared

@@ -25,7 +25,7 @@ from cases import build, cases, positions_for
 from reference import assert_matches, reference_for, reference_forward_backward
 from rope_dispatch import call as call_module
 from rope_dispatch import tables
-from rope_dispatch.backends import triton_rope
+from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 from test_rate_table import definition_angles, random_rates
 
 pytest.importorskip("triton", reason="triton is not installed; the triton backend is unavailable")
@@ -33,7 +33,7 @@ pytest.importorskip("triton", reason="triton is not installed; the triton backen
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 HALVES, PAIRS = 1, 2  # the flag's bits (triton_kernels.LINEAR_HALVES, LINEAR_PAIRS)
-SHIPPED_MIN_ROWS_READ = triton_rope.LINEAR_MIN_ROWS_READ
+SHIPPED_MIN_ROWS_READ = triton_tables.LINEAR_MIN_ROWS_READ
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
@@ -41,9 +41,9 @@ pytestmark = pytest.mark.usefixtures("triton_backend")
 @pytest.fixture(autouse=True)
 def every_call_looks(monkeypatch):
     """Calls of any size look for their table's flag; no flag or first sight carries over."""
-    monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 0)
-    monkeypatch.setattr(triton_rope, "_flags", {})
-    monkeypatch.setattr(triton_rope, "_flags_met", {})
+    monkeypatch.setattr(triton_tables, "LINEAR_MIN_ROWS_READ", 0)
+    monkeypatch.setattr(triton_tables, "_flags", {})
+    monkeypatch.setattr(triton_tables, "_flags_met", {})
     monkeypatch.delenv("ROPE_DISPATCH_LINEAR_TABLES", raising=False)
 
 
@@ -51,13 +51,13 @@ def flag_value(table: torch.Tensor) -> int | None:
     """The flag the backend holds for ``table`` (as the kernels see it: ``[s2, d2]``), after
     looking twice (a table's first sight gets none); ``None`` when it keeps none."""
     table = tables.angles_2d(table)
-    triton_rope.linear_flag(table)
-    flag = triton_rope.linear_flag(table)
+    triton_tables.linear_flag(table)
+    flag = triton_tables.linear_flag(table)
     return None if flag is None else int(flag.item())
 
 
 def held_flags() -> list[int]:
-    return [int(flag.item()) for flag in triton_rope._flags.values()]
+    return [int(flag.item()) for flag in triton_tables._flags.values()]
 
 
 def linear_table(rows: int, pairs: int, interleaved: bool, seed: int = 5) -> torch.Tensor:
@@ -126,7 +126,7 @@ def check_linear(case, per_token: bool) -> None:
         (grad,) = torch.autograd.grad(out, t, grad_out)
         return out.detach(), grad
 
-    triton_rope._flags.clear()
+    triton_tables._flags.clear()
     run()  # the table's first sight: its rows are read, and the next call looks for its flag
     out, grad = run()
     (held,) = held_flags()
@@ -216,7 +216,7 @@ def test_the_kernels_take_the_flags_branch():
     freqs = linear + noise
     freqs[1] = linear[1]  # row 1 as the linear table's, every other row off it
     assert flag_value(freqs) == 0
-    (flag,) = triton_rope._flags.values()
+    (flag,) = triton_tables._flags.values()
     flag.fill_(HALVES)  # as if the check had passed at this version of the table
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     x = torch.randn(rows, 2, 3, d2, generator=gen).to(DEVICE)
@@ -286,8 +286,8 @@ def test_calls_that_read_their_rows(monkeypatch):
     def held_after_two_calls(freqs) -> list[int]:
         # a spec of its own: on a GPU, plans kept under another phase's spec would answer
         spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
-        triton_rope._flags.clear()
-        triton_rope._flags_met.clear()
+        triton_tables._flags.clear()
+        triton_tables._flags_met.clear()
         rd.apply(x, freqs, spec, backend="triton")
         out = rd.apply(x, freqs, spec, backend="triton")
         assert_matches(out, reference_for(x.cpu(), tables.angles_2d(freqs).cpu(), spec), x.dtype)
@@ -304,11 +304,11 @@ def test_calls_that_read_their_rows(monkeypatch):
     monkeypatch.setenv("ROPE_DISPATCH_LINEAR_TABLES", "0")
     assert held_after_two_calls(freqs) == []
     monkeypatch.delenv("ROPE_DISPATCH_LINEAR_TABLES")
-    monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 12 * 8 + 1)  # tokens x d2 = 96
+    monkeypatch.setattr(triton_tables, "LINEAR_MIN_ROWS_READ", 12 * 8 + 1)  # tokens x d2 = 96
     assert held_after_two_calls(freqs) == []
-    monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 12 * 8)
+    monkeypatch.setattr(triton_tables, "LINEAR_MIN_ROWS_READ", 12 * 8)
     assert held_after_two_calls(freqs) == [HALVES]
-    assert triton_rope.linear_flag(tables.angles_2d(linear_table(1, 4, False))) is None
+    assert triton_tables.linear_flag(tables.angles_2d(linear_table(1, 4, False))) is None
 
 
 def test_the_switch_stops_flags_already_made(monkeypatch):
@@ -322,7 +322,7 @@ def test_the_switch_stops_flags_already_made(monkeypatch):
     x = torch.randn(rows, 2, 3, d2, generator=gen).to(DEVICE)
     grad_out = torch.randn(rows, 2, 3, d2, generator=gen).to(DEVICE)
     assert flag_value(freqs) == 0
-    (flag,) = triton_rope._flags.values()
+    (flag,) = triton_tables._flags.values()
     flag.fill_(HALVES)  # as if the check had passed at this version of the table
     angles = freqs.view(rows, -1).cpu()
     for _ in range(3):  # planned from the second call on (on a GPU)
@@ -354,10 +354,10 @@ def test_capture_is_asked_about_only_off_the_legacy_default_stream(monkeypatch):
         asked.append(answer["capturing"])
         return answer["capturing"]
 
-    monkeypatch.setattr(triton_rope, "_stream_capturing", stream_capturing)
+    monkeypatch.setattr(triton_tables, "_stream_capturing", stream_capturing)
     default, side = 0, 0x7F00  # raw stream addresses
-    monkeypatch.setattr(triton_rope, "_current_stream", {0: default, 1: side}.__getitem__)
-    stale = triton_rope._flag_stale
+    monkeypatch.setattr(triton_tables, "current_stream", {0: default, 1: side}.__getitem__)
+    stale = triton_tables.flag_stale
     assert not stale(flag, freqs, default) and asked == []
     assert not stale(flag, freqs, side) and asked == [False]
     answer["capturing"] = True
@@ -371,8 +371,8 @@ def test_capture_is_asked_about_only_off_the_legacy_default_stream(monkeypatch):
     asked.clear()
     on_device = {index: SimpleNamespace(is_cuda=True, get_device=lambda index=index: index)
                  for index in (0, 1)}  # what the generic path reads of a CUDA table
-    assert not triton_rope._capturing(on_device[0]) and asked == []
-    assert triton_rope._capturing(on_device[1]) and asked == [True]
+    assert not triton_tables._capturing(on_device[0]) and asked == []
+    assert triton_tables._capturing(on_device[1]) and asked == [True]
 
 
 def test_a_flag_made_in_inference_mode_serves_outside_it():
@@ -395,16 +395,16 @@ def test_a_flag_made_in_inference_mode_serves_outside_it():
 def test_a_flag_goes_with_its_table():
     freqs = linear_table(20, 4, False)
     assert flag_value(freqs) == HALVES
-    assert len(triton_rope._flags) == 1
+    assert len(triton_tables._flags) == 1
     del freqs
     gc.collect()
-    assert triton_rope._flags == {}
+    assert triton_tables._flags == {}
 
 
 def test_the_shipped_threshold_leaves_decode_calls_alone(monkeypatch):
     """With the shipped threshold (2**18 row entries: 1 MiB of float32 rows read), a
     decode-size call never looks for a flag (its host path counts); a prefill-size one does."""
-    monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", SHIPPED_MIN_ROWS_READ)
+    monkeypatch.setattr(triton_tables, "LINEAR_MIN_ROWS_READ", SHIPPED_MIN_ROWS_READ)
     assert SHIPPED_MIN_ROWS_READ == 1 << 18
     freqs = linear_table(2048, 64, False)
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
@@ -425,7 +425,7 @@ def test_the_threshold_counts_the_rows_a_call_reads_not_its_tokens(monkeypatch, 
     32 rows, under a threshold of 64 rows (of 32 channels), and read them (no flag); the same
     tensor with start positions places its tokens on up to 128 rows and looks. Every call is
     right either way."""
-    monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 64 * 32)
+    monkeypatch.setattr(triton_tables, "LINEAR_MIN_ROWS_READ", 64 * 32)
     freqs = linear_table(160, 16, False)
     spec = rd.RoPESpec(layout=layout, dtype="fp32")
     batch = torch.randn(32, 4, 2, 32).to(DEVICE)

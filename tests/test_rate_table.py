@@ -288,23 +288,21 @@ def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
     """The launcher hands the kernels ``RATES=True`` (and no cache flag) for a rate table, and
     ``RATES=False`` for the angle table and a cos/sin cache of the same shape: the lean kernel
     for these small contiguous calls, the general one with the lean kernel turned off."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     seen: list[tuple[str, bool, bool, bool]] = []
     spy_kernels(monkeypatch, ("rope_kernel", "rope_lean_kernel", "rope_qkv_kernel"),
                 lambda name, kw: seen.append((name, kw["RATES"], kw["USE_CACHE"], kw["PAIRED"])))
-    monkeypatch.setattr(triton_rope, "_fast", {})
-    monkeypatch.setattr(triton_rope, "_fast_qkv", {})
+    monkeypatch.setattr(triton_rope, "_compiled", {})
     inv_freq = random_rates(3, 4, DEVICE)
     rate_table = rd.RateTable(inv_freq, 12)
     angles = tables.angle_table(inv_freq, 12)
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     x = torch.randn(6, 2, 2, 8, device=DEVICE)
-    for lean_max_bytes, name in ((triton_rope.LEAN_MAX_BYTES, "rope_lean_kernel"),
+    for lean_max_bytes, name in ((triton_tiles.LEAN_MAX_BYTES, "rope_lean_kernel"),
                                  (0, "rope_kernel")):
-        monkeypatch.setattr(triton_rope, "LEAN_MAX_BYTES", lean_max_bytes)
-        for cache in ("_fast", "_fast_qkv"):  # compiled launches are kept by call key
-            monkeypatch.setattr(triton_rope, cache, {})
+        monkeypatch.setattr(triton_tiles, "LEAN_MAX_BYTES", lean_max_bytes)
+        monkeypatch.setattr(triton_rope, "_compiled", {})  # compiled launches are kept by key
         rd.dispatch.forget_plans()  # and plans bind them
         seen.clear()
         rd.apply(x, rate_table, spec, backend="triton")
@@ -320,7 +318,8 @@ def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
 def test_kernel_tables_and_address():
     """The kernels' view: ``[rows, d2]`` with a row stride of 0 over the doubled rates, given
     as both table and sin; a planned call checks the address of those rates."""
-    from rope_dispatch.backends.triton_rope import _fast_key, _table_flags
+    from rope_dispatch.backends.triton_rope import Launch, Tables, _key
+    from rope_dispatch.backends.triton_tables import table_flags as _table_flags
 
     inv_freq = torch.tensor([1.0, 0.5, 0.25])
     table = rd.RateTable(inv_freq, 9)
@@ -336,10 +335,10 @@ def test_kernel_tables_and_address():
     assert _table_flags(cos, cos) == (True, False, False, False)  # one contiguous tensor as cos and sin
     assert _table_flags(cos, None) == (False, False, False, False)
     x = torch.randn(4, 1, 1, 8)
-    common = (None, None, "sbhd", False, 1.0, 1, 0, False, True)
-    rates_key = _fast_key(x, 0, 0, None, view, view.data_ptr(), sin, *common)[0]
+    described = Launch("t", "sbhd", False, 1.0, 1, 0)
+    rates_key = _key(described, (x,), (x,), Tables(view, sin, None, None), (0,) * 6)
     other = torch.rand(9, 6)
-    cache_key = _fast_key(x, 0, 0, None, view, view.data_ptr(), other, *common)[0]
+    cache_key = _key(described, (x,), (x,), Tables(view, other, None, None), (0,) * 6)
     assert rates_key != cache_key
 
 

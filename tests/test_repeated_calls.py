@@ -240,7 +240,7 @@ def test_pair_gradient_calls_are_planned_and_differentiate_new_data_every_call(
     integration passes them): new leaves every step, matched against the reference for a
     contiguous upstream gradient, an expanded one, transposed ones (not the forward's layout),
     an unaligned q and a double backward. On CUDA the Triton backend binds both launches
-    (_bound_qk_grad_launch): the last step runs neither generic launch."""
+    (triton_rope.plan): the last step runs neither generic launch."""
     from rope_dispatch.backends import triton_rope
 
     angles = _table()
@@ -268,8 +268,8 @@ def test_pair_gradient_calls_are_planned_and_differentiate_new_data_every_call(
         expected = [reference_forward_backward(x, angles, spec, g, **cpu_kwargs)
                     for x, g in zip(sources, grads)]
         if step == 6 and CUDA:
-            real = triton_rope.launch_qkv
-            monkeypatch.setattr(triton_rope, "launch_qkv",
+            real = triton_rope.launch
+            monkeypatch.setattr(triton_rope, "launch",
                                 lambda *a, **kw: generic_launches.append(1) or real(*a, **kw))
         outs = rd.apply_qk(*leaves, freqs, spec, backend=BACKEND, **kwargs)
         for name, out, (ref, _) in zip("qk", outs, expected):
@@ -302,7 +302,7 @@ def test_packed_qkv_calls_are_planned_and_read_new_data_every_call(
     head, sbhd as TransformerEngine's fused QKV takes them): new data every step, matched
     against the reference; with gradients also for an expanded upstream gradient, transposed
     ones, an unaligned input and a double backward. On CUDA the Triton backend binds both
-    launches (_bound_qkv_launch): the last step runs no generic launch."""
+    launches (triton_rope.plan): the last step runs no generic launch."""
     from rope_dispatch.backends import triton_rope
 
     freqs = _table()
@@ -329,8 +329,8 @@ def test_packed_qkv_calls_are_planned_and_read_new_data_every_call(
         expected, expected_grad = reference_qkv_forward_backward(
             source, freqs, freqs, spec, split, grads, **cpu_kwargs)
         if step == 6 and CUDA:
-            real = triton_rope.launch_qkv
-            monkeypatch.setattr(triton_rope, "launch_qkv",
+            real = triton_rope.launch
+            monkeypatch.setattr(triton_rope, "launch",
                                 lambda *a, **kw: generic_launches.append(1) or real(*a, **kw))
         qkv.requires_grad_(needs_grad)
         outs = rd.apply_qkv(qkv, freqs, spec, split, backend=BACKEND, **kwargs)

@@ -490,12 +490,12 @@ def test_points_have_model_tables_and_the_rows_series_reads_them(triton_backend,
     """A point's angle table is a model's (row p is float32(p) x row 1, bit for bit), so ours
     reads it as rates (its flag is found); the "rows read" series, the same numbers, never
     looks for a flag, and leaves the threshold as it found it."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
     from benchmarks.bench import _ours
 
-    monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 0)  # tiny shapes look too
-    monkeypatch.setattr(triton_rope, "_flags", {})
-    monkeypatch.setattr(triton_rope, "_flags_met", {})
+    monkeypatch.setattr(triton_tables, "LINEAR_MIN_ROWS_READ", 0)  # tiny shapes look too
+    monkeypatch.setattr(triton_tables, "_flags", {})
+    monkeypatch.setattr(triton_tables, "_flags_met", {})
     inp = sweep.make_inputs(sweep.make_point("sbhd", torch.float32, sweep.Series(1, 2, 16, 16, (), ""), 32), DEVICE)
     angles = inp.freqs.view(inp.freqs.shape[0], -1).cpu()
     positions = torch.arange(angles.shape[0], dtype=torch.float32)
@@ -503,11 +503,11 @@ def test_points_have_model_tables_and_the_rows_series_reads_them(triton_backend,
     rows = sweep.rows_read_impl(inp, "rows")
     rows_out = [rows.fwd() for _ in range(2)][-1]
     rows.bwd(), rows.fwd_bwd(), rows.bwd_kernel()
-    assert triton_rope._flags == {} and triton_rope.LINEAR_MIN_ROWS_READ == 0
+    assert triton_tables._flags == {} and triton_tables.LINEAR_MIN_ROWS_READ == 0
     ours = _ours("triton", "triton", inp, inp.freqs)
     ours_out = ours.fwd()
     ours.bwd_kernel()
-    assert [int(flag.item()) for flag in triton_rope._flags.values()] == [1]
+    assert [int(flag.item()) for flag in triton_tables._flags.values()] == [1]
     assert torch.equal(ours_out, rows_out)
 
 

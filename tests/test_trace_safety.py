@@ -39,10 +39,10 @@ def _tables(device: str) -> dict[str, object]:
 @pytest.fixture
 def flags_everywhere(monkeypatch, triton_backend):
     """The linear-table and halves flags looked up for every call, as at a model's sizes."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    monkeypatch.setattr(triton_rope, "LINEAR_MIN_ROWS_READ", 1)
-    monkeypatch.setattr(triton_rope, "HALVES_MIN_ROWS_READ", 1)
+    monkeypatch.setattr(triton_tables, "LINEAR_MIN_ROWS_READ", 1)
+    monkeypatch.setattr(triton_tables, "HALVES_MIN_ROWS_READ", 1)
     rd.dispatch.clear_decisions()
     yield
     rd.dispatch.clear_decisions()

@@ -37,10 +37,10 @@ pytestmark = pytest.mark.usefixtures("triton_backend")
 def general_kernel(monkeypatch):
     """Every call runs the general kernel, whose tile rule (``choose_config``) a test checks:
     small contiguous calls would otherwise take the lean kernel (``LEAN_MAX_BYTES``)."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    monkeypatch.setattr(triton_rope, "LEAN_MAX_BYTES", 0)
-    monkeypatch.setattr(triton_rope, "_fast", {})
+    monkeypatch.setattr(triton_tiles, "LEAN_MAX_BYTES", 0)
+    monkeypatch.setattr(triton_rope, "_compiled", {})
 
 
 def check_case(case: Case, device: str = DEVICE) -> None:
@@ -93,10 +93,10 @@ def test_start_positions_with_context_parallelism(case):
 def test_thd_sequence_lookup_both_ways(monkeypatch, scan_limit, cp_size, cp_rank, with_starts):
     """A token's sequence found by comparing it with every cu_seqlens offset (few sequences) or
     by binary search (``scan_limit`` 0) gives the reference's result, empty sequences included."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    monkeypatch.setattr(triton_rope, "SEQ_SCAN_LIMIT", scan_limit)
-    monkeypatch.setattr(triton_rope, "_fast", {})
+    monkeypatch.setattr(triton_tiles, "SEQ_SCAN_LIMIT", scan_limit)
+    monkeypatch.setattr(triton_rope, "_compiled", {})
     seqlens = tuple(2 * cp_size * n for n in (3, 0, 1, 0, 5, 2, 4))
     check_case(fixed_case(layout="thd", cp_size=cp_size, cp_rank=cp_rank, seqlens=seqlens,
                          with_starts=with_starts, heads=2))
@@ -111,18 +111,19 @@ LAUNCH_CONFIGS = [(2, 1, 1, 1), (4, 2, 1, 2), (1, 4, 1, 1), (2, 2, 2, 4), (8, 1,
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 def test_launch_configurations(config, layout):
     """Every way of cutting tokens and heads into programs gives the reference's result."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     case = fixed_case(layout=layout, heads=5, seq=7, batch=3, seqlens=(5, 1, 9), rotary_dim=12,
                      with_starts=True, strides="channel-strided")
     t, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
     bt, bh, hi, warps = config
     rot = angles.shape[1]
-    full = (bt, bh, hi, triton_rope._next_pow2(rot // 2), triton_rope._next_pow2(16 - rot), warps)
+    full = (bt, bh, hi, triton_tiles.next_pow2(rot // 2), triton_tiles.next_pow2(16 - rot), warps)
     out = torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEVICE)
     triton_rope.launch(
-        t, out, table.view(table.shape[0], -1), None, spec.cu_seqlens, starts, layout, False, 1.0,
-        1, 0, False, config=full,
+        triton_rope.Launch("t", layout, False, 1.0, 1, 0), (t,), (out,),
+        triton_rope.Tables(table.view(table.shape[0], -1), None, spec.cu_seqlens, starts),
+        config=full,
     )
     assert_matches(out, reference_for(t.cpu(), angles, spec, starts), t.dtype)
 
@@ -133,15 +134,14 @@ def test_token_blocks_spread_over_two_grid_axes(monkeypatch, axis_max, layout):
     """Token blocks past grid axis 1's limit go on along axis 2 (here a limit of 1 or 2 blocks
     instead of 65,535, with one-token tiles: with 2, the last program of an odd count has no
     token): every token is rotated once, for one tensor and for q and k in one launch."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
     from test_qk import check_qk
 
-    monkeypatch.setattr(triton_rope, "GRID_AXIS_MAX", axis_max)
-    choose = triton_rope.choose_config
+    monkeypatch.setattr(triton_tiles, "GRID_AXIS_MAX", axis_max)
+    choose = triton_tiles.choose_config
     one_token_tiles = lambda *a, **kw: (1, 1) + choose(*a, **kw)[2:]  # noqa: E731
-    monkeypatch.setattr(triton_rope, "choose_config", one_token_tiles)
-    for cache in ("_configs", "_fast", "_fast_qkv"):
-        monkeypatch.setattr(triton_rope, cache, {})
+    monkeypatch.setattr(triton_tiles, "choose_config", one_token_tiles)
+    monkeypatch.setattr(triton_rope, "_compiled", {})
     case = fixed_case(layout=layout, heads=2, seq=5, batch=3, seqlens=(4, 0, 3), with_starts=True)
     check_case(case)
     check_qk(case, 1, "qkv-slice", "triton")
@@ -152,7 +152,7 @@ def test_division_magic_divides_every_token_number():
     here in unsigned 32-bit arithmetic as the kernel does it, against Python's ``//``."""
     import random
 
-    from rope_dispatch.backends.triton_rope import division_magic
+    from rope_dispatch.backends.triton_tiles import division_magic
 
     gen = random.Random(0)
     divisors = {*range(1, 300), *(1 << i for i in range(31)), *((1 << i) + 1 for i in range(31)),
@@ -174,7 +174,7 @@ def test_division_magic_divides_every_token_number():
 
 
 def test_launch_grid_keeps_axes_within_limits():
-    from rope_dispatch.backends.triton_rope import GRID_AXIS_MAX, launch_grid
+    from rope_dispatch.backends.triton_tiles import GRID_AXIS_MAX, launch_grid
 
     for blocks in (1, 7, GRID_AXIS_MAX, GRID_AXIS_MAX + 1, 3 * GRID_AXIS_MAX - 1, 2**31 - 1):
         groups, y, z = launch_grid(5, blocks)
@@ -274,10 +274,18 @@ def test_opcheck_contiguous_and_permuted():
     contiguous = torch.randn(6, 2, 3, 16, device=DEVICE, requires_grad=True)
     permuted = torch.randn(2, 6, 3, 16, device=DEVICE).transpose(0, 1).requires_grad_(True)
     packed = torch.randn(6, 3, 16, device=DEVICE, requires_grad=True)  # 12 global tokens, cp 2
+    q, k = torch.randn(6, 2, 4, 16, device=DEVICE), torch.randn(6, 2, 1, 16, device=DEVICE)
+    qkv = torch.randn(6, 2, 2, 64, device=DEVICE, requires_grad=True)
     for args in (
-        (contiguous, angles, None, None, None, "sbhd", False, 1.0, 1, 0, False, None),
-        (permuted, angles.cos(), angles.sin(), None, None, "sbhd", True, 1.25, 1, 0, False, None),
-        (packed, angles, None, cu, None, "thd", False, 1.0, 2, 1, False, None),
+        ([contiguous], angles, None, None, None, None, None, "t", "sbhd", False, 1.0, 1, 0, None,
+         False),
+        ([permuted], angles.cos(), angles.sin(), None, None, None, None, "t", "sbhd", True, 1.25,
+         1, 0, None, False),
+        ([packed], angles, None, None, None, cu, None, "t", "thd", False, 1.0, 2, 1, None, False),
+        ([q.requires_grad_(True), k.requires_grad_(True)], angles, None, None, None, None, None,
+         "qk", "bshd", False, 1.0, 1, 0, None, False),
+        ([qkv], angles, None, angles, None, None, None, "qkv", "sbhd", False, 1.0, 1, 0,
+         [32, 16, 16], False),
     ):
         opcheck(op, args)
 
@@ -316,7 +324,7 @@ def test_unavailable_without_cuda_or_interpreter(monkeypatch):
 
 
 def test_cpu_tensor_refused_without_interpreter(triton_backend):
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     if triton_rope._kernels.INTERPRETED:
         assert "cpu" in triton_backend.devices
@@ -331,12 +339,12 @@ def test_wide_heads_the_l2_holds_match_the_reference(dtype, tile):
     """Head dim 256 in a call the L2 holds takes RESIDENT_ROWS rows a tile (16 KiB), and
     rotates forward and backward, out of place and in place, as the reference does: on the GPU
     the sweep's 2,048 tokens of 8 heads, on the interpreter 16 tokens."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     tokens = 2048 if CUDA else 16
-    sms = triton_rope._sm_count(0) if CUDA else 1
+    sms = triton_tiles.sm_count(0) if CUDA else 1
     element_size = torch.empty(0, dtype=dtype).element_size()
-    assert triton_rope.choose_config(tokens, 8, 256, 256, element_size, False, sms)[:2] == tile
+    assert triton_tiles.choose_config(tokens, 8, 256, 256, element_size, False, sms)[:2] == tile
     t = torch.randn(tokens, 1, 8, 256).to(dtype).to(DEVICE)
     freqs = _te_freqs(tokens, 256, DEVICE)
     spec = rd.RoPESpec(layout="sbhd", dtype="bf16" if dtype == torch.bfloat16 else "fp32")
@@ -432,18 +440,17 @@ def test_gpu_past_65535_tokens_and_batch():
 @gpu
 def test_gpu_token_blocks_past_65535(monkeypatch):
     """One-token tiles on 70,000 tokens: 70,000 token blocks, over grid axes 1 and 2."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    choose = triton_rope.choose_config
+    choose = triton_tiles.choose_config
     one_token_tiles = lambda *a, **kw: (1, 1) + choose(*a, **kw)[2:]  # noqa: E731
-    monkeypatch.setattr(triton_rope, "choose_config", one_token_tiles)
-    for cache in ("_configs", "_fast", "_fast_qkv"):
-        monkeypatch.setattr(triton_rope, cache, {})
+    monkeypatch.setattr(triton_tiles, "choose_config", one_token_tiles)
+    monkeypatch.setattr(triton_rope, "_compiled", {})
     freqs = _te_freqs(72_000, 32)
     t = torch.randn(70_000, 2, 32, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, 5, 70_000], dtype=torch.int32, device="cuda")
     _rope_check_gpu(t, freqs, rd.RoPESpec(layout="thd", dtype="bf16", cu_seqlens=cu))
-    assert triton_rope.launch_grid(1, 70_000) == (1, 35_000, 2)
+    assert triton_tiles.launch_grid(1, 70_000) == (1, 35_000, 2)
 
 
 @gpu
@@ -531,18 +538,18 @@ def test_tiles_give_every_sm_programs_unless_the_call_is_too_small(tokens, heads
     """On a 132-SM GPU a call runs as at least two programs per SM, unless it has fewer tokens x
     heads than that (then one program per token and head, or, where it computes sines, per two
     tokens of one head of d 128: see the next test); large calls keep the full tile."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     sms = 132
-    bt, bh, iters, _, _, _ = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, sms)
+    bt, bh, iters, _, _, _ = triton_tiles.choose_config(tokens, heads, 128, 128, 2, False, sms)
     programs = -(-tokens // bt) * -(-heads // (bh * iters))
     two_tokens = (bt, bh) == (2, 1) and tokens > 1
     assert programs * (2 if two_tokens else 1) >= min(2 * sms, tokens * heads)
-    assert bt * bh * 128 * 2 <= triton_rope.TILE_BYTES
-    if tokens * heads * 128 * 2 > triton_rope.RESIDENT_BYTES and heads < 32:  # 2 KiB tiles
-        assert bt * bh * 128 * 2 == triton_rope.STREAM_TILE_BYTES and bh == min(heads, 8)
+    assert bt * bh * 128 * 2 <= triton_tiles.TILE_BYTES
+    if tokens * heads * 128 * 2 > triton_tiles.RESIDENT_BYTES and heads < 32:  # 2 KiB tiles
+        assert bt * bh * 128 * 2 == triton_tiles.STREAM_TILE_BYTES and bh == min(heads, 8)
     elif tokens * heads >= 2 * sms * 32:
-        assert bt * bh * 128 * 2 == triton_rope.TILE_BYTES  # a full tile: 8 KB
+        assert bt * bh * 128 * 2 == triton_tiles.TILE_BYTES  # a full tile: 8 KB
 
 
 @pytest.mark.parametrize("tokens, heads, sines, tile", [
@@ -567,15 +574,15 @@ def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(
     half the heads (each head's threads of a one-token tile compute its sines again), with no
     fewer programs; one token of one head of d 128 (64 channels a half for 128 threads) takes
     two tokens at half the programs."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     counts = heads if isinstance(heads, tuple) else (heads,)
-    bt, bh, *_ = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132, sines=sines)
+    bt, bh, *_ = triton_tiles.choose_config(tokens, heads, 128, 128, 2, False, 132, sines=sines)
     assert (bt, bh) == tile
-    cache_tile = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132, sines=False)
+    cache_tile = triton_tiles.choose_config(tokens, heads, 128, 128, 2, False, 132, sines=False)
     halved = cache_tile[:2] == (1, 1) and tile == (2, 1)  # one head: two tokens, half the programs
-    assert triton_rope.programs(tokens, counts, bt, bh) * (2 if halved else 1) >= (
-        triton_rope.programs(tokens, counts, *cache_tile[:2]))
+    assert triton_tiles.programs(tokens, counts, bt, bh) * (2 if halved else 1) >= (
+        triton_tiles.programs(tokens, counts, *cache_tile[:2]))
 
 
 @pytest.mark.parametrize("tokens, heads, min_rows, tile", [
@@ -588,14 +595,14 @@ def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(
 def test_the_shrink_keeps_min_rows_a_program(tokens, heads, min_rows, tile):
     """``min_rows`` (the probe's knob, ``MIN_TILE_ROWS`` = 1 as shipped) stops the shrink for
     small calls before a program would hold fewer rows (a token's head each) than it asks."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    bt, bh, *_ = triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132,
+    bt, bh, *_ = triton_tiles.choose_config(tokens, heads, 128, 128, 2, False, 132,
                                            min_rows=min_rows)
     assert (bt, bh) == tile
     assert bt * bh >= min(min_rows, tokens * heads)
-    assert triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132) == (
-        triton_rope.choose_config(tokens, heads, 128, 128, 2, False, 132, min_rows=1))
+    assert triton_tiles.choose_config(tokens, heads, 128, 128, 2, False, 132) == (
+        triton_tiles.choose_config(tokens, heads, 128, 128, 2, False, 132, min_rows=1))
 
 
 @pytest.mark.parametrize("tokens, heads, element_size, head_dim", [
@@ -608,13 +615,13 @@ def test_a_one_head_key_leaves_the_query_tiles_of_several_heads(
     """In a launch over q and an MQA k (one head), q's tile holds at least ``MIN_HEAD_BYTES``
     of a token's heads (256-byte pieces of one head ran at two thirds of a copy's speed), k's
     programs masking the heads it lacks; every head of every tensor is covered."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    bt, bh, iters, *_ = triton_rope.choose_config(tokens, heads, head_dim, head_dim,
+    bt, bh, iters, *_ = triton_tiles.choose_config(tokens, heads, head_dim, head_dim,
                                                   element_size, False, 132)
     per_head = head_dim * element_size
-    assert bh * iters * per_head >= min(triton_rope.MIN_HEAD_BYTES, max(heads) * per_head)
-    assert bt * bh * per_head <= 2 * triton_rope.TILE_BYTES
+    assert bh * iters * per_head >= min(triton_tiles.MIN_HEAD_BYTES, max(heads) * per_head)
+    assert bt * bh * per_head <= 2 * triton_tiles.TILE_BYTES
     groups = [-(-n // (bh * iters)) for n in heads]
     assert all(g * bh * iters >= n for g, n in zip(groups, heads))
 
@@ -624,10 +631,10 @@ def test_streamed_tiles_of_a_one_head_key_keep_one_head(tokens):
     """Streamed from DRAM (tokens smaller than a tile, more than the L2 holds), a launch over 8
     query heads and one key head keeps 2 KiB tiles of one head (8 x 1 ran at 92-98% of a copy,
     2 heads a tile at 85-89%)."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    bt, bh, *_ = triton_rope.choose_config(tokens, (8, 1), 128, 128, 2, False, 132)
-    assert (bt, bh) == (triton_rope.STREAM_TILE_BYTES // 256, 1)
+    bt, bh, *_ = triton_tiles.choose_config(tokens, (8, 1), 128, 128, 2, False, 132)
+    assert (bt, bh) == (triton_tiles.STREAM_TILE_BYTES // 256, 1)
 
 
 @pytest.mark.parametrize("tokens", [2048, 32768])
@@ -636,13 +643,13 @@ def test_cache_row_tiles_take_two_heads_of_the_widest_tensor(tokens, counts):
     """A launch reading a cos/sin cache's rows reads each token's whole cos and sin rows per
     program: beside a one-head key, q's tile takes two heads where ``MIN_HEAD_BYTES`` alone
     would give it one (float32 heads of d 128); a lone one-head tensor keeps one."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    tile_tokens = triton_rope.TABLE_TILE_BYTES // (64 * 4)
-    _, bh, iters, *_ = triton_rope.choose_config(tokens, counts, 128, 128, 4, False, 132,
+    tile_tokens = triton_tiles.TABLE_TILE_BYTES // (64 * 4)
+    _, bh, iters, *_ = triton_tiles.choose_config(tokens, counts, 128, 128, 4, False, 132,
                                                  tile_tokens, True, sines=False)
-    assert bh * iters == (1 if max(counts) == 1 else triton_rope.CACHE_ROW_MIN_HEADS)
-    _, bh_angles, *_ = triton_rope.choose_config(tokens, counts, 128, 128, 4, False, 132)
+    assert bh * iters == (1 if max(counts) == 1 else triton_tiles.CACHE_ROW_MIN_HEADS)
+    _, bh_angles, *_ = triton_tiles.choose_config(tokens, counts, 128, 128, 4, False, 132)
     assert bh_angles == 1, "an angle table's tiles keep the MIN_HEAD_BYTES rule"
 
 
@@ -650,13 +657,13 @@ def _qk_cache_tile(tokens: int, counts: tuple[int, ...], head_dim: int, size: in
                    rotary_dim: int | None = None, interleaved: bool = False) -> tuple[int, int]:
     """(tokens, heads) of the tile of a launch over ``counts`` heads reading a cos/sin cache
     of ``size``-byte entries as row tiles, as launch_qkv asks for it."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     rotary_dim = rotary_dim or head_dim
     width = rotary_dim if interleaved else rotary_dim // 2
-    tile_tokens = max(triton_rope.TOKENS_PER_TILE,
-                      triton_rope.TABLE_TILE_BYTES // (triton_rope._next_pow2(width) * size))
-    bt, bh, iters, *_ = triton_rope.choose_config(
+    tile_tokens = max(triton_tiles.TOKENS_PER_TILE,
+                      triton_tiles.TABLE_TILE_BYTES // (triton_tiles.next_pow2(width) * size))
+    bt, bh, iters, *_ = triton_tiles.choose_config(
         tokens, counts, head_dim, rotary_dim, size, interleaved, 132, tile_tokens, True,
         span_dim=head_dim, sines=False)
     return bt, bh * iters
@@ -673,23 +680,23 @@ def test_streamed_qk_cache_rows_of_one_head_count_take_one_token_of_all_heads(
     """q and k of one head count reading a cos/sin cache's rows from DRAM take one token x all
     their heads (their rows read once a token, not once every two heads) while a token's heads
     take at most ``QK_TOKEN_TILE_BYTES``; the rule leaves alone what it was not measured on."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     assert _qk_cache_tile(tokens, (heads, heads), head_dim) == tile
-    two_heads = (16 if head_dim > 64 else 32, triton_rope.CACHE_ROW_MIN_HEADS)
+    two_heads = (16 if head_dim > 64 else 32, triton_tiles.CACHE_ROW_MIN_HEADS)
     assert _qk_cache_tile(tokens, (heads, heads // 4), head_dim) == two_heads, "GQA"
     assert _qk_cache_tile(tokens, (heads,), head_dim)[0] > 1, "one tensor"
     assert _qk_cache_tile(tokens, (heads, heads), head_dim, rotary_dim=head_dim // 2)[0] > 1
     assert _qk_cache_tile(tokens, (heads, heads), head_dim, interleaved=True)[0] > 1
-    resident = triton_rope.RESIDENT_BYTES // (2 * heads * head_dim * 2)
+    resident = triton_tiles.RESIDENT_BYTES // (2 * heads * head_dim * 2)
     assert _qk_cache_tile(resident, (heads, heads), head_dim)[0] > 1, "the L2 holds it"
 
 
 def test_qk_cache_rows_of_wide_tokens_keep_two_heads():
     """At 32 heads of d 128 (8 KiB a token) one token x 32 heads ran slower than 16 x 2."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    assert _qk_cache_tile(16384, (32, 32), 128) == (16, triton_rope.CACHE_ROW_MIN_HEADS)
+    assert _qk_cache_tile(16384, (32, 32), 128) == (16, triton_tiles.CACHE_ROW_MIN_HEADS)
 
 
 @pytest.mark.parametrize("tokens", [2048, 32768])
@@ -699,9 +706,9 @@ def test_qk_cache_rows_of_heads_of_256_channels_take_wide_head_tiles(tokens, cou
     takes ``WIDE_HEAD_CACHE_TILE``, its heads capped by the widest tensor's; float32 heads
     and a lone tensor keep the earlier rules, and a call too small for every SM's programs
     shrinks as any other."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    block_t, block_h = triton_rope.WIDE_HEAD_CACHE_TILE
+    block_t, block_h = triton_tiles.WIDE_HEAD_CACHE_TILE
     wide = (block_t, min(block_h, max(counts)))
     assert _qk_cache_tile(tokens, counts, 256) == wide
     if wide[1] == block_h:
@@ -714,27 +721,26 @@ def test_qk_cache_rows_of_heads_of_256_channels_take_wide_head_tiles(tokens, cou
 @pytest.mark.parametrize("heads", [1, 3, 8, 32])
 def test_one_tensor_takes_its_own_heads(heads):
     """A launch over one tensor (or tensors of one head count) fits its tile to its heads."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     for counts in ((heads,), (heads, heads)):
-        assert triton_rope.tile_heads(counts, 128, 2) == 1 << (heads - 1).bit_length()
+        assert triton_tiles.tile_heads(counts, 128, 2) == 1 << (heads - 1).bit_length()
 
 
 def test_launches_say_whether_they_compute_sines(monkeypatch, general_kernel):
     """The tile rule hears whether a launch computes sines: an angle table does, a cos/sin cache
     and a pair cache are read; for one tensor and for q and k in one launch."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     seen = []
-    choose = triton_rope.choose_config
+    choose = triton_tiles.choose_config
 
     def record(*args, **kwargs):
         seen.append(kwargs["sines"])
         return choose(*args, **kwargs)
 
-    monkeypatch.setattr(triton_rope, "choose_config", record)
-    for cache in ("_configs", "_fast", "_fast_qkv"):
-        monkeypatch.setattr(triton_rope, cache, {})
+    monkeypatch.setattr(triton_tiles, "choose_config", record)
+    monkeypatch.setattr(triton_rope, "_compiled", {})
     freqs = _te_freqs(6, 8, DEVICE)
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     q, k = torch.randn(6, 1, 4, 8, device=DEVICE), torch.randn(6, 1, 2, 8, device=DEVICE)
@@ -754,17 +760,16 @@ def test_two_token_tiles_of_small_calls_match_the_reference(monkeypatch, layout,
     head, two tokens) and rotates forward and backward, out of place and in place, as the
     reference does: on the GPU the sweep's 512 tokens of 8 heads (2 x 4) or one (2 x 1), on the
     interpreter 16 tokens counted against 8 SMs (the same cuts)."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
     tokens = 512 if CUDA else 16
-    sms = triton_rope._sm_count(0) if CUDA else 8
+    sms = triton_tiles.sm_count(0) if CUDA else 8
     if not CUDA:  # the interpreter's launches count one SM
-        choose = triton_rope.choose_config
-        monkeypatch.setattr(triton_rope, "choose_config",
+        choose = triton_tiles.choose_config
+        monkeypatch.setattr(triton_tiles, "choose_config",
                             lambda *a, **kw: choose(*a[:6], sms, *a[7:], **kw))
-    for cache in ("_configs", "_fast", "_fast_qkv"):
-        monkeypatch.setattr(triton_rope, cache, {})
-    assert triton_rope.choose_config(tokens, heads, 128, 128, 2, False, sms)[:2] == tile
+    monkeypatch.setattr(triton_rope, "_compiled", {})
+    assert triton_tiles.choose_config(tokens, heads, 128, 128, 2, False, sms)[:2] == tile
     freqs = _te_freqs(tokens, 128, DEVICE)
     if layout == "thd":
         t = torch.randn(tokens, heads, 128).to(torch.bfloat16).to(DEVICE)
@@ -807,29 +812,29 @@ def test_tiles_put_a_tokens_heads_first(tokens, heads, head_dim, rotary_dim, til
     RESIDENT_ROWS rows, up to 16 KiB), above it in a STREAM_TILE_BYTES tile where a token is
     smaller than 8 KiB, as a tensor of one head at every size. Larger tokens, and calls that
     copy pass-through channels, keep 8 tokens per tile."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    config = triton_rope.choose_config(tokens, heads, head_dim, rotary_dim, 2, False, 132)
+    config = triton_tiles.choose_config(tokens, heads, head_dim, rotary_dim, 2, False, 132)
     bt, bh = config[:2]
     assert (bt, bh) == tile
-    resident = tokens * heads * head_dim * 2 <= triton_rope.RESIDENT_BYTES
+    resident = tokens * heads * head_dim * 2 <= triton_tiles.RESIDENT_BYTES
     full = rotary_dim == head_dim
     streamed = ((not resident or heads == 1) and full
-                and heads * head_dim * 2 < triton_rope.TILE_BYTES)
-    tile_bytes = triton_rope.STREAM_TILE_BYTES if streamed else triton_rope.TILE_BYTES
+                and heads * head_dim * 2 < triton_tiles.TILE_BYTES)
+    tile_bytes = triton_tiles.STREAM_TILE_BYTES if streamed else triton_tiles.TILE_BYTES
     if resident and full and not streamed:
-        tile_bytes = max(tile_bytes, min(triton_rope.RESIDENT_ROWS * head_dim * 2, 2 * tile_bytes))
+        tile_bytes = max(tile_bytes, min(triton_tiles.RESIDENT_ROWS * head_dim * 2, 2 * tile_bytes))
     assert bt * bh * head_dim * 2 == tile_bytes
     # streamed tiles of 8 heads or more (one or two tokens) run on 2 warps, the rest on 4
-    many_heads = bh >= triton_rope.STREAM_WARPS_HEADS
-    assert config[5] == (triton_rope.STREAM_WARPS if streamed and many_heads else 4)
+    many_heads = bh >= triton_tiles.STREAM_WARPS_HEADS
+    assert config[5] == (triton_tiles.STREAM_WARPS if streamed and many_heads else 4)
     assert -(-tokens // bt) * -(-heads // bh) >= 2 * 132
     if resident and full and not streamed:
-        assert bh == min(heads, triton_rope.RESIDENT_HEADS)
+        assert bh == min(heads, triton_tiles.RESIDENT_HEADS)
     elif streamed:
         assert bh == min(heads, tile_bytes // (head_dim * 2))
     else:
-        assert bt == triton_rope.TOKENS_PER_TILE
+        assert bt == triton_tiles.TOKENS_PER_TILE
 
 
 @pytest.mark.parametrize("heads, head_dim, element_size, tile", [
@@ -845,13 +850,13 @@ def test_tiles_the_l2_holds_keep_their_rows_up_to_16_kib(heads, head_dim, elemen
     per tile, half as many of float32, where they fit in 16 KiB: wide heads would otherwise get
     few rows per program (2 x 8 at head dim 256 in bf16, 4.45-4.56 us warm against 4.25-4.30
     for 4 x 8 on the H200)."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    config = triton_rope.choose_config(2048, heads, head_dim, head_dim, element_size, False, 132)
+    config = triton_tiles.choose_config(2048, heads, head_dim, head_dim, element_size, False, 132)
     assert config[:3] == (*tile, 1)
 
 
-def test_in_place_partial_rotary_tiles_count_heads_by_their_span(general_kernel):
+def test_in_place_partial_rotary_tiles_count_heads_by_their_span(monkeypatch, general_kernel):
     """In place on partial rotary a head moves its rotary channels but spans its head dim in
     memory: a call the L2 holds takes 2 KiB chunks of one head's channels, tokens first, and
     loops over 4 heads (16 tokens of d 128 at rotary dim 64 in bf16, 8 in float32), where the
@@ -860,9 +865,9 @@ def test_in_place_partial_rotary_tiles_count_heads_by_their_span(general_kernel)
     the kernel computes sines). Streamed calls keep the moved bytes'
     tile, and out of place (the head moved whole) nothing changes. ``apply_`` passes the
     span, and its rotation still matches the reference."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    choose = triton_rope.choose_config
+    choose = triton_tiles.choose_config
     assert choose(2048, 32, 64, 64, 2, False, 132, span_dim=128)[:3] == (16, 1, 4)
     assert choose(2048, 32, 64, 64, 4, False, 132, span_dim=128)[:3] == (8, 1, 4)
     assert choose(8192, 2, 64, 64, 2, False, 132, span_dim=128)[:3] == (16, 1, 2)
@@ -881,10 +886,10 @@ def test_in_place_partial_rotary_tiles_count_heads_by_their_span(general_kernel)
     angles = rd.tables.angle_table(rd.tables.inverse_frequencies(64, 10000.0), tokens)
     spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
     expected = reference_for(x.cpu(), angles, spec)
-    triton_rope._configs.clear()
+    chosen = _record_configs(monkeypatch)
     out = rd.apply_(x, angles.to(DEVICE), spec, backend="triton")
-    (config,) = triton_rope._configs.values()
-    sms = 1 if DEVICE == "cpu" else triton_rope._sm_count(x.device.index)
+    (config,) = chosen
+    sms = 1 if DEVICE == "cpu" else triton_tiles.sm_count(x.device.index)
     assert config == choose(tokens, 32, 64, 64, 4, False, sms, span_dim=128)
     assert config != choose(tokens, 32, 64, 64, 4, False, sms)
     assert out is x
@@ -894,10 +899,10 @@ def test_in_place_partial_rotary_tiles_count_heads_by_their_span(general_kernel)
 def test_streamed_tiles_can_be_turned_off(monkeypatch):
     """``STREAM_TILE_BYTES = 0`` gives a call above RESIDENT_BYTES the 8-token tile it had
     before (the probe compares both rules)."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    monkeypatch.setattr(triton_rope, "STREAM_TILE_BYTES", 0)
-    config = triton_rope.choose_config(32768, 8, 128, 128, 2, False, 132)
+    monkeypatch.setattr(triton_tiles, "STREAM_TILE_BYTES", 0)
+    config = triton_tiles.choose_config(32768, 8, 128, 128, 2, False, 132)
     assert config[:2] == (8, 4) and config[5] == 4
 
 
@@ -905,12 +910,12 @@ def test_cos_sin_cache_row_tiles_keep_their_tokens_when_streamed():
     """A cos/sin cache read as row tiles keeps 8 tokens per tile above RESIDENT_BYTES (its row
     loads want them), where an angle table or a pair cache of the same call streams whole
     tokens."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
 
-    call = (32768, 8, 256, 256, 2, False, 132, triton_rope.TOKENS_PER_TILE)
-    rows = triton_rope.choose_config(*call, cache_rows=True)
+    call = (32768, 8, 256, 256, 2, False, 132, triton_tiles.TOKENS_PER_TILE)
+    rows = triton_tiles.choose_config(*call, cache_rows=True)
     assert rows[:2] == (8, 2) and rows[5] == 4
-    streamed = triton_rope.choose_config(*call)
+    streamed = triton_tiles.choose_config(*call)
     assert streamed[:2] == (1, 4) and streamed[5] == 4  # 4 heads of d 256: 4 warps
 
 
@@ -932,7 +937,7 @@ def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
     for ``TABLE_TILE_BYTES`` of each, with its heads halved to keep the tile's bytes; the
     other tables keep ``TOKENS_PER_TILE``. A launch picks its kind's tile (a cache's tokens
     even where the L2 could hold the call)."""
-    from rope_dispatch.backends import triton_rope
+    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
     from rope_dispatch.tables import kernel_tables
 
     # enough programs for every SM of a GPU at full tiles (the interpreter counts one SM)
@@ -947,20 +952,20 @@ def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
         "angles": angles,
     }[kind]
     tab, sin = kernel_tables(table)
-    flags = triton_rope._table_flags(tab, sin)
-    assert triton_rope.tile_tokens(flags, tab, rotary_dim, interleaved) == tokens
-    bt, bh, *_ = triton_rope.choose_config(1 << 17, 32, 128, rotary_dim, 2, interleaved, 132,
+    flags = triton_tables.table_flags(tab, sin)
+    assert triton_tiles.tile_tokens(flags, tab, rotary_dim, interleaved) == tokens
+    bt, bh, *_ = triton_tiles.choose_config(1 << 17, 32, 128, rotary_dim, 2, interleaved, 132,
                                            tokens)
-    assert (bt, bh) == (tokens, triton_rope.TILE_BYTES // (128 * 2) // tokens)  # 8 KiB tokens
+    assert (bt, bh) == (tokens, triton_tiles.TILE_BYTES // (128 * 2) // tokens)  # 8 KiB tokens
 
     spec = rd.RoPESpec(layout="sbhd", dtype=dtype, interleaved=interleaved)
     x = torch.randn(seq, 1, 8, 128, dtype=dtype, device=DEVICE)
-    triton_rope._configs.clear()
-    monkeypatch.setattr(triton_rope, "RESIDENT_BYTES", 0)  # streamed, as a call of GBs is
+    chosen = _record_configs(monkeypatch)
+    monkeypatch.setattr(triton_tiles, "RESIDENT_BYTES", 0)  # streamed, as a call of GBs is
     out = rd.apply(x, table, spec, backend="triton")
-    (config,) = triton_rope._configs.values()
-    sms = 1 if DEVICE == "cpu" else triton_rope._sm_count(x.device.index)
-    assert config == triton_rope.choose_config(
+    (config,) = chosen
+    sms = 1 if DEVICE == "cpu" else triton_tiles.sm_count(x.device.index)
+    assert config == triton_tiles.choose_config(
         seq, 8, 128, rotary_dim, x.element_size(), interleaved, sms, tokens, kind == "cos_sin")
     if kind == "cos_sin" or rotary_dim < 128:  # a cache's row tiles keep their tokens
         assert config[0] == tokens
@@ -969,28 +974,44 @@ def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
     assert_matches(out, reference_for(x.cpu(), angles.cpu(), spec), dtype)
 
 
+def _record_configs(monkeypatch) -> list:
+    """The tiles every launch compiled from now on chooses (compiled launches forgotten)."""
+    from rope_dispatch.backends import triton_rope, triton_tiles
+
+    chosen = []
+    choose = triton_tiles.choose_config
+    monkeypatch.setattr(triton_tiles, "choose_config",
+                        lambda *a, **kw: chosen.append(choose(*a, **kw)) or chosen[-1])
+    monkeypatch.setattr(triton_rope, "_compiled", {})
+    rd.dispatch.forget_plans()
+    return chosen
+
+
 class _Tripling:
-    """Stands in for a plan's bound launches: forward and its transpose multiply by 3."""
+    """Stands in for a call's rotation: forward and its transpose multiply by 3."""
 
-    def forward(self, x, index, stream):
-        return x * 3
+    class launch:
+        in_place = False
 
-    def backward(self, grad, freqs, index, cu_seqlens):
-        return grad * 3
+    def forward(self, inputs):
+        return (inputs[0] * 3,)
+
+    def backward(self, grads, strides):
+        return (grads[0] * 3,)
 
 
-def test_the_c_entry_of_the_planned_function_records_the_same_graph():
-    """The planned gradient path enters its autograd.Function through the C entry, not
+def test_the_c_entry_of_the_function_records_the_same_graph():
+    """Planned gradient calls enter the autograd.Function through the C entry, not
     ``Function.apply``: the output, the gradient and a double backward are as through
     ``apply``, and the node in the graph is the function's own backward."""
-    from rope_dispatch.backends.triton_rope import _PlannedRoPEFunction, c_apply
+    from rope_dispatch.backends.triton_rope import RoPEFunction, c_apply
 
     x = torch.randn(3, 4, requires_grad=True)
     grad_out = torch.randn(3, 4, requires_grad=True)
     results = []
-    for enter in (_PlannedRoPEFunction.apply, c_apply(_PlannedRoPEFunction)):
-        out = enter(x, _Tripling(), None, None, None, 0)
-        assert type(out.grad_fn).__name__ == "_PlannedRoPEFunctionBackward"
+    for enter in (RoPEFunction.apply, c_apply(RoPEFunction)):
+        out = enter(_Tripling(), x)
+        assert type(out.grad_fn).__name__ == "RoPEFunctionBackward"
         (grad,) = torch.autograd.grad(out, x, grad_out, create_graph=True)
         (again,) = torch.autograd.grad(grad, grad_out, torch.ones(3, 4))
         results.append((out, grad, again))
