@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the first use loads (_PUBLIC), spelled out for type checkers
-    from . import autotune, cp
+    from . import autotune, cp, tune
     from .autotune import cache_dir, cache_entries, clear_cache
     from .call import RoPECall, check_call
     from .dispatch import (
@@ -47,7 +47,9 @@ _PUBLIC = {
 }
 """Each module and the names the package re-exports from it."""
 
-__all__ = sorted([name for names in _PUBLIC.values() for name in names] + ["autotune", "cp"])
+__all__ = sorted(
+    [name for names in _PUBLIC.values() for name in names] + ["autotune", "cp", "tune"]
+)
 
 
 def _load() -> None:
@@ -57,6 +59,7 @@ def _load() -> None:
         module = importlib.import_module(f"{__name__}.{module_name}")
         globals().update((name, getattr(module, name)) for name in names)
     importlib.import_module(f"{__name__}.cp")
+    importlib.import_module(f"{__name__}.tune")  # callable: rope_dispatch.tune(t, freqs, spec)
     importlib.import_module(f"{__name__}.backends")  # registers the built-in backends
 
 
