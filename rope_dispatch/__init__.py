@@ -25,7 +25,9 @@ if TYPE_CHECKING:  # what the first use loads (_PUBLIC), spelled out for type ch
     from .dispatch import (
         Explanation, apply, apply_, apply_qk, apply_qk_, apply_qkv, explain, use_backend,
     )
-    from .errors import BackendNotSupportedError, NoBackendError, RoPEError, UnknownBackendError
+    from .errors import (
+        BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError, UnknownBackendError,
+    )
     from .registry import Backend, BackendInfo, get_backend, list_backends, register
     from .spec import RoPESpec
     from .tables import CosSinCache, PairCosSinCache, RateTable, cos_sin_cache
@@ -40,7 +42,8 @@ _PUBLIC = {
     "call": ("RoPECall", "check_call"),
     "dispatch": ("Explanation", "apply", "apply_", "apply_qk", "apply_qk_", "apply_qkv", "explain",
                  "use_backend"),
-    "errors": ("BackendNotSupportedError", "NoBackendError", "RoPEError", "UnknownBackendError"),
+    "errors": ("BackendNotSupportedError", "NoBackendError", "RoPEError", "RoPETypeError",
+               "UnknownBackendError"),
     "registry": ("Backend", "BackendInfo", "get_backend", "list_backends", "register"),
     "spec": ("RoPESpec",),
     "tables": ("CosSinCache", "PairCosSinCache", "RateTable", "cos_sin_cache"),
