@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -106,7 +107,12 @@ def kill_unreaped(processes: dict[str, subprocess.Popen]) -> None:
 if __name__ == "__main__":
     PRESTARTED_WORKERS = prestart(command_line().parse_args())
 
-import torch  # noqa: E402
+with warnings.catch_warnings():
+    # torch 2.13 warns at import where NumPy is absent (its functional tensor class converts a
+    # tensor through NumPy); rope-dispatch uses no NumPy, and a fresh install's selftest, which
+    # imports torch here, stays quiet
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: E402
 
 import rope_dispatch as rd  # noqa: E402
 from rope_dispatch import autotune, registry  # noqa: E402
