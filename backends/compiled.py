@@ -293,8 +293,9 @@ class CompileBackend(Backend):
                 "lengths and batch sizes reuse it"
             )
         return (
-            "torch.compile: not compiled yet in this process; the first call of a new spec "
-            "compiles it, which takes seconds (tens of seconds with a cold Inductor cache)"
+            "torch.compile: not compiled yet in this process; its first run of a new spec "
+            "compiles it, which takes seconds (tens of seconds with a cold Inductor cache), so "
+            "autotune measures it only once a key is hot (or by rope_dispatch.tune)"
         )
 
     def is_compiled(self, call: RoPECall) -> bool:

@@ -844,10 +844,19 @@ def peek(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
     picked = _pick(candidates, hit)
     if picked is not None:
         return picked
-    names = ", ".join(b.name for b in candidates)
-    return candidates[0], (
-        f"{_NOT_MEASURED} (no cached measurement of {names} for this key); "
-        f"until then the priority order picks {candidates[0].name}"
+    later = deferred(candidates)
+    quick = [b for b in candidates if b.name not in later]
+    names = ", ".join(b.name for b in quick or candidates)
+    if later and len(quick) < 2:
+        first = (quick or candidates)[0]
+        return first, (
+            f"{_NOT_MEASURED}: nothing to compare but {', '.join(later)}, which compiles for "
+            f"seconds and is measured once the key is hot; until then {first.name} runs"
+        )
+    deferring = f"; {', '.join(later)} only once the key is hot" if later else ""
+    return quick[0], (
+        f"{_NOT_MEASURED} (no cached measurement of {names} for this key{deferring}); "
+        f"until then the priority order picks {quick[0].name}"
     )
 
 
