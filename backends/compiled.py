@@ -293,7 +293,7 @@ class CompileBackend(Backend):
                 "lengths and batch sizes reuse it"
             )
         return (
-            "torch.compile: not compiled yet in this process; its first run of a new spec "
+            "torch.compile: not compiled yet in this process; its first call of a new spec "
             "compiles it, which takes seconds (tens of seconds with a cold Inductor cache), so "
             "autotune measures it only once a key is hot (or by rope_dispatch.tune)"
         )
