@@ -21,8 +21,10 @@ returns the eager math unchanged, so the outer graph traces and fuses it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -123,9 +125,20 @@ def _mark_dynamic(args: tuple) -> None:
             dynamo.maybe_mark_dynamic(x, 0)
 
 
-def dynamo_problem() -> str | None:
-    """Why ``torch.compile`` cannot run in this Python at all, or ``None``. Imports Dynamo
-    (:mod:`rope_dispatch.tracing`: ``import rope_dispatch`` does not), quietly."""
+def dynamo_problem(full: bool | None = None) -> str | None:
+    """Why ``torch.compile`` cannot run in this Python at all, or ``None``.
+
+    ``full``: ask Dynamo itself, importing it (quietly; :mod:`rope_dispatch.tracing`), which
+    takes 1-4.5 s. By default only where Dynamo is imported already: the backends are probed at
+    a program's first call, which must not pay that, so elsewhere this only checks that torch
+    ships Dynamo, and the backend asks Dynamo before its first compile
+    (:meth:`CompileBackend.confirm`)."""
+    if full is None:
+        full = "torch._dynamo" in sys.modules
+    if not full:
+        if importlib.util.find_spec("torch._dynamo") is None:
+            return "torch.compile is not supported here: this torch has no torch._dynamo"
+        return None
     check = getattr(import_dynamo().eval_frame, "check_if_dynamo_supported", None)
     if check is None:
         return None
@@ -136,25 +149,35 @@ def dynamo_problem() -> str | None:
     return None
 
 
-def cpu_compiler_problem() -> str | None:
+def _cxx_on_path() -> str | None:
+    names = [n for n in (os.environ.get("CXX"), "g++", "c++", "clang++") if n]
+    if any(shutil.which(n) for n in names):
+        return None
+    return (
+        f"no C++ compiler for TorchInductor's CPU code: none of {', '.join(names)} is on "
+        "PATH; install g++ or set CXX"
+    )
+
+
+def cpu_compiler_problem(full: bool | None = None) -> str | None:
     """Why TorchInductor cannot build CPU code here (no working C++ compiler), or ``None``.
 
-    Uses Inductor's own lookup (``torch._inductor.config.cpp.cxx``, default ``$CXX`` or g++),
-    so the answer matches what a compile would find; falls back to ``PATH`` where that private
+    ``full``: use Inductor's own lookup (``torch._inductor.config.cpp.cxx``, default ``$CXX`` or
+    g++), so the answer matches what a compile would find; it imports Inductor (over a second),
+    so by default only where Inductor's config is imported already, else ``PATH`` is searched
+    (and the backend asks Inductor before its first compile). ``PATH`` too where that private
     helper is missing.
     """
+    if full is None:
+        full = "torch._inductor.config" in sys.modules
+    if not full:
+        return _cxx_on_path()
     try:
         from torch._inductor import cpp_builder
 
         find = cpp_builder.get_cpp_compiler
     except (ImportError, AttributeError):
-        names = [n for n in (os.environ.get("CXX"), "g++", "c++", "clang++") if n]
-        if any(shutil.which(n) for n in names):
-            return None
-        return (
-            f"no C++ compiler for TorchInductor's CPU code: none of {', '.join(names)} is on "
-            "PATH; install g++ or set CXX"
-        )
+        return _cxx_on_path()
     try:
         find()
     except Exception as exc:
@@ -207,6 +230,7 @@ class CompileBackend(Backend):
         self._ready: set[tuple[CompileKey, bool]] = set()  # (key, transpose) that ran compiled
         self._failed: dict[CompileKey, str] = {}
         self._device_problems: dict[tuple[str, int | None], str | None] = {}
+        self._confirmed: dict[str, str | None] = {}  # device type -> confirm()'s answer
 
     def unavailable_reasons(self) -> list[str]:
         problem = dynamo_problem()
@@ -226,6 +250,25 @@ class CompileBackend(Backend):
             else:
                 self._device_problems[slot] = cuda_problem(device.index)
         return self._device_problems[slot]
+
+    def confirm(self, device: torch.device) -> str | None:
+        """The probe's full form, once per device type before the first compile there: Dynamo's
+        own check, and on the CPU Inductor's compiler lookup (the probe that dispatch runs at a
+        first call only searches ``PATH``). A problem found makes the backend unavailable (or
+        refuse that device) from then on; it is returned, else ``None``."""
+        kind = device.type
+        if kind not in self._confirmed:
+            problem = dynamo_problem(full=True)
+            if problem is not None:
+                self.__dict__["_availability"] = (problem,)
+            elif kind == "cpu":
+                problem = self._device_problems[(kind, None)] = cpu_compiler_problem(full=True)
+            self._confirmed[kind] = problem
+            if problem is not None:
+                from rope_dispatch import dispatch
+
+                dispatch.clear_decisions()
+        return self._confirmed[kind]
 
     def extra_reasons(self, call: RoPECall) -> list[str]:
         reasons = []
@@ -250,8 +293,9 @@ class CompileBackend(Backend):
                 "lengths and batch sizes reuse it"
             )
         return (
-            "torch.compile: not compiled yet in this process; the first call of a new spec "
-            "compiles it, which takes seconds (tens of seconds with a cold Inductor cache)"
+            "torch.compile: not compiled yet in this process; its first call of a new spec "
+            "compiles it, which takes seconds (tens of seconds with a cold Inductor cache), so "
+            "autotune measures it only once a key is hot (or by rope_dispatch.tune)"
         )
 
     def is_compiled(self, call: RoPECall) -> bool:
@@ -303,10 +347,13 @@ class CompileBackend(Backend):
         fn = self._compiled.get(slot)
         if slot in self._ready:
             return fn(*args)
-        if fn is None:
-            fn = self._compiled[slot] = _build(key, transpose)
-        _mark_dynamic(args)
         try:
+            if fn is None:
+                problem = self.confirm(args[0].device)
+                if problem is not None:
+                    raise RuntimeError(problem)
+                fn = self._compiled[slot] = _build(key, transpose)
+            _mark_dynamic(args)
             out = fn(*args)
         except Exception as exc:
             if not fallback:

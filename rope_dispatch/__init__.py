@@ -19,13 +19,15 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the first use loads (_PUBLIC), spelled out for type checkers
-    from . import autotune, cp
+    from . import autotune, cp, tune
     from .autotune import cache_dir, cache_entries, clear_cache
     from .call import RoPECall, check_call
     from .dispatch import (
         Explanation, apply, apply_, apply_qk, apply_qk_, apply_qkv, explain, use_backend,
     )
-    from .errors import BackendNotSupportedError, NoBackendError, RoPEError, UnknownBackendError
+    from .errors import (
+        BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError, UnknownBackendError,
+    )
     from .registry import Backend, BackendInfo, get_backend, list_backends, register
     from .spec import RoPESpec
     from .tables import CosSinCache, PairCosSinCache, RateTable, cos_sin_cache
@@ -40,14 +42,17 @@ _PUBLIC = {
     "call": ("RoPECall", "check_call"),
     "dispatch": ("Explanation", "apply", "apply_", "apply_qk", "apply_qk_", "apply_qkv", "explain",
                  "use_backend"),
-    "errors": ("BackendNotSupportedError", "NoBackendError", "RoPEError", "UnknownBackendError"),
+    "errors": ("BackendNotSupportedError", "NoBackendError", "RoPEError", "RoPETypeError",
+               "UnknownBackendError"),
     "registry": ("Backend", "BackendInfo", "get_backend", "list_backends", "register"),
     "spec": ("RoPESpec",),
     "tables": ("CosSinCache", "PairCosSinCache", "RateTable", "cos_sin_cache"),
 }
 """Each module and the names the package re-exports from it."""
 
-__all__ = sorted([name for names in _PUBLIC.values() for name in names] + ["autotune", "cp"])
+__all__ = sorted(
+    [name for names in _PUBLIC.values() for name in names] + ["autotune", "cp", "tune"]
+)
 
 
 def _load() -> None:
@@ -57,6 +62,7 @@ def _load() -> None:
         module = importlib.import_module(f"{__name__}.{module_name}")
         globals().update((name, getattr(module, name)) for name in names)
     importlib.import_module(f"{__name__}.cp")
+    importlib.import_module(f"{__name__}.tune")  # callable: rope_dispatch.tune(t, freqs, spec)
     importlib.import_module(f"{__name__}.backends")  # registers the built-in backends
 
 

@@ -18,6 +18,14 @@ readers see a whole file or none, and processes tuning different keys never touc
 files: no lock is needed and no entry is lost. A corrupt, truncated or foreign file is ignored
 with one warning and rewritten; an unwritable directory leaves the choices in memory.
 
+A first call pays for no compilation: candidates that compile for seconds
+(:attr:`~rope_dispatch.Backend.compiles_per_spec`, the ``compile`` backend) are left out of a
+key's first measurement, which is bounded (:data:`MEASURE_BUDGET_SECONDS` of timed rounds).
+They are measured once the key proves hot (its :func:`hot_calls`-th call in a process), by
+:func:`tune` (``rope_dispatch.tune``), or never where only they can serve a call (then the
+priority order decides, as it must run them anyway). Until then the decision is *pending*:
+dispatch does not keep it, so the calls are counted.
+
 Nothing is measured while ``torch.compile`` traces, while a CUDA graph is captured, or on a
 tensor subclass (fake tensors): such calls use a cached choice or the priority order, and a
 priority-order decision there is provisional so that a later real call measures.
@@ -52,8 +60,10 @@ from .call import RoPECall, reads_values, size_bucket
 from .registry import Backend
 from .tracing import constant_while_tracing
 
-SCHEMA_VERSION = 1
-"""Bumped whenever the key or the entry format changes; old entries then stop matching."""
+SCHEMA_VERSION = 2
+"""Bumped whenever the key or the entry format changes; old entries then stop matching (it is
+part of the environment, so they live in another directory and are never read). 2: entries
+may be pending (``deferred``: candidates not measured yet)."""
 
 _log = logging.getLogger(__name__)
 
@@ -72,10 +82,19 @@ _MAX_CALLS_PER_ROUND = 200
 _TIE_MARGIN = 0.05
 _TURNS_BYTES = 64 << 20  # candidates of smaller calls are timed in turn (_time_backends)
 _SLOW_CALL_SECONDS = 0.05  # calls slower than this get 3 rounds of one call
+MEASURE_BUDGET_SECONDS = 0.5
+"""Timed rounds stop once they have taken this long together (after the first round), so one
+key's measurement stays well under a second however slow its calls: each candidate's
+untimed first calls, its estimate and one round are all it is sure to get."""
+HOT_CALLS = 100
+"""The call of a key, in one process, at which candidates that compile for seconds are
+measured (``ROPE_AUTOTUNE_HOT_CALLS`` overrides it): a key called this often is in a loop, where
+seconds of compilation once per machine can pay; a script's few calls never pay them."""
 
 _PROVISIONAL = "provisional"
 _OFF = "autotune off (ROPE_AUTOTUNE=0)"
 _NOT_MEASURED = "would measure on first call"
+_PENDING = "pending"
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{64}\.json$")
 _ENVIRONMENT_FILE = "environment.json"
 _ENVIRONMENT_DIR = re.compile(r"^[a-z0-9_]+-.+-[0-9a-f]{16}$")  # <device type>-<name>-<env hash>
@@ -85,6 +104,7 @@ _memory: dict[str, tuple[str, str]] = {}  # key digest -> (backend name, why)
 _warned: set[str] = set()  # files and directories already warned about
 _unwritable: set[str] = set()  # directories where writing failed: memory only from then on
 _failed_backends: set[str] = set()  # backends already warned about for raising while measured
+_pending: dict[str, int] = {}  # digest of a key whose deferred candidates are unmeasured -> calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +119,32 @@ class CacheKey:
 def autotune_enabled() -> bool:
     """False when ``ROPE_AUTOTUNE`` is ``0`` (or ``false``/``off``/``no``)."""
     return os.environ.get("ROPE_AUTOTUNE", "1").strip().lower() not in {"0", "false", "off", "no"}
+
+
+def hot_calls() -> int:
+    """The call of a key at which its deferred candidates are measured: ``ROPE_AUTOTUNE_HOT_CALLS``
+    (a positive integer), else :data:`HOT_CALLS`."""
+    raw = os.environ.get("ROPE_AUTOTUNE_HOT_CALLS", "").strip()
+    if not raw:
+        return HOT_CALLS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        from .errors import RoPEError
+
+        raise RoPEError(
+            f"ROPE_AUTOTUNE_HOT_CALLS must be a positive integer (the call of a key at which "
+            f"backends that compile are measured); got {raw!r}"
+        )
+    return value
+
+
+def deferred(candidates: list[Backend]) -> list[str]:
+    """The names of ``candidates`` that compile for seconds at their first call of a spec
+    (:attr:`~rope_dispatch.Backend.compiles_per_spec`): a first call leaves them out."""
+    return [b.name for b in candidates if b.compiles_per_spec]
 
 
 def cache_dir() -> Path:
@@ -325,6 +371,11 @@ def _entry_problem(entry: Any, digest: str | None) -> str | None:
         isinstance(failed, dict) and all(type(v) is str for v in failed.values())
     ):
         return "its failed is not a mapping of backend names to errors"
+    pending = entry.get("deferred")
+    if pending is not None and not (
+        isinstance(pending, list) and all(type(v) is str for v in pending)
+    ):
+        return "its deferred is not a list of backend names"
     fields = entry.get("fields")
     if not isinstance(fields, dict) or not (
         isinstance(fields.get("spec"), dict) and isinstance(fields.get("shape_bucket"), list)
@@ -552,8 +603,11 @@ def _time_backends(
             else:
                 calls = min(_MAX_CALLS_PER_ROUND, max(1, math.ceil(_ROUND_SECONDS / max(estimate, 1e-7))))
             prepared[backend.name] = once, calls
-            samples[backend.name] = []
-        for _ in range(rounds):
+            samples[backend.name] = [estimate]  # a warm call: a sample, if rounds are cut
+        began = time.perf_counter()
+        for round_ in range(rounds):
+            if round_ and time.perf_counter() - began > MEASURE_BUDGET_SECONDS:
+                break
             for name, (once, calls) in list(prepared.items()):
                 try:
                     _synchronize(device)
@@ -639,15 +693,30 @@ def _priority(candidates: list[Backend]) -> str:
 
 
 def _remembered(key: CacheKey) -> tuple[str, str] | None:
-    """The remembered ``(backend name, why)`` for ``key``: from memory, else from its file."""
+    """The remembered ``(backend name, why)`` for ``key``: from memory, else from its file. A
+    pending entry's key (one with ``deferred`` candidates) is entered in :data:`_pending`."""
     hit = _memory.get(key.digest)
     if hit is None:
         entry = _read_entry(key)
         if entry is None:
             return None
         summary = _summary(entry["times_us"], entry.get("failed") or {})
-        hit = _memory[key.digest] = (entry["choice"], f"cached measurement from {key.path}: {summary}")
+        pending = entry.get("deferred") or []
+        if pending:
+            _pending.setdefault(key.digest, 0)
+            why = _pending_why(pending, f"cached measurement from {key.path}: {summary}")
+        else:
+            why = f"cached measurement from {key.path}: {summary}"
+        hit = _memory[key.digest] = (entry["choice"], why)
     return hit
+
+
+def _pending_why(pending: list[str], decided: str) -> str:
+    names = ", ".join(pending)
+    return (
+        f"{_PENDING} ({names} not measured yet: it compiles for seconds, so it is measured at "
+        f"this key's call {hot_calls()} in a process, or by rope_dispatch.tune); {decided}"
+    )
 
 
 @constant_while_tracing
@@ -685,21 +754,25 @@ def select(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
     """The backend to run among ``candidates`` (highest priority first), and why.
 
     Reads the remembered measurement for this call's key or, the first time, measures every
-    candidate and remembers the fastest.
+    candidate that needs no compilation and remembers the fastest; those that compile for
+    seconds are measured with the others at the key's :func:`hot_calls`-th call.
     """
     return _select(call, candidates, use_cache=True)
 
 
 def tune(call: RoPECall, candidates: list[Backend], *, retune: bool = False) -> tuple[Backend, str]:
-    """Measure ``call`` now, unless its key is remembered and not ``retune``; store the result.
+    """Measure ``call`` now, every candidate included (those that compile for seconds too),
+    unless its key holds a complete measurement and not ``retune``; store the result.
 
-    This is :func:`select` for ahead-of-time tuning (``python -m rope_dispatch.tune``): with
-    ``retune`` an existing entry is measured again and overwritten.
+    This is :func:`select` for ahead-of-time tuning (``rope_dispatch.tune``): with ``retune``
+    an existing entry is measured again and overwritten.
     """
-    return _select(call, candidates, use_cache=not retune)
+    return _select(call, candidates, use_cache=not retune, complete=True)
 
 
-def _select(call: RoPECall, candidates: list[Backend], use_cache: bool) -> tuple[Backend, str]:
+def _select(
+    call: RoPECall, candidates: list[Backend], use_cache: bool, complete: bool = False
+) -> tuple[Backend, str]:
     if torch.compiler.is_compiling():
         name, why = _decide_while_tracing(str(call.t.device), call_signature(call, candidates))
         if why == _OFF:
@@ -710,23 +783,48 @@ def _select(call: RoPECall, candidates: list[Backend], use_cache: bool) -> tuple
     blocked = _measuring_blocked(call.t)
     with _lock:
         key = _call_key(call, candidates)
-        picked = _pick(candidates, _remembered(key)) if use_cache else None
+        hit = _remembered(key) if use_cache else None
+        picked = _pick(candidates, hit)
         if picked is not None:
-            return picked
+            if key.digest not in _pending:
+                return picked
+            _pending[key.digest] += 1
+            if blocked is not None or not (complete or _pending[key.digest] >= hot_calls()):
+                return picked
         if blocked is not None:
             return _provisional(candidates, blocked)
-        entry = _measure(call, candidates, key)
+        later = [] if complete or key.digest in _pending else deferred(candidates)
+        quick = [b for b in candidates if b.name not in later]
+        if later and len(quick) < 2:
+            # nothing to compare without compiling: the first that needs no compilation (the
+            # priority order where every candidate compiles: the call runs one of them anyway)
+            first = (quick or candidates)[0]
+            _pending[key.digest] = 1
+            _memory[key.digest] = (first.name, _pending_why(later, (
+                f"{first.name}, the only candidate that needs no compilation" if quick
+                else _priority(candidates)
+            )))
+            return first, _memory[key.digest][1]
+        entry = _measure(call, quick, key)
         if entry["choice"] is None:
             why = (
                 "autotune: every candidate raised while measured "
                 f"({'; '.join(f'{n}: {e}' for n, e in entry['failed'].items())}); "
                 f"{_priority(candidates)}"
             )
+            _pending.pop(key.digest, None)
             _memory[key.digest] = (candidates[0].name, why)
             return candidates[0], why
+        if later:
+            entry["deferred"] = later
         if not entry.pop("transient_failure"):
             _store(key, entry, call.t.device)
         why = f"autotuned ({entry['measured']}): {_summary(entry['times_us'], entry['failed'])}"
+        if later:
+            _pending[key.digest] = 1
+            why = _pending_why(later, why)
+        else:
+            _pending.pop(key.digest, None)
         _memory[key.digest] = (entry["choice"], why)
         return _pick(candidates, _memory[key.digest])  # type: ignore[return-value]
 
@@ -746,10 +844,19 @@ def peek(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
     picked = _pick(candidates, hit)
     if picked is not None:
         return picked
-    names = ", ".join(b.name for b in candidates)
-    return candidates[0], (
-        f"{_NOT_MEASURED} (no cached measurement of {names} for this key); "
-        f"until then the priority order picks {candidates[0].name}"
+    later = deferred(candidates)
+    quick = [b for b in candidates if b.name not in later]
+    names = ", ".join(b.name for b in quick or candidates)
+    if later and len(quick) < 2:
+        first = (quick or candidates)[0]
+        return first, (
+            f"{_NOT_MEASURED}: nothing to compare but {', '.join(later)}, which compiles for "
+            f"seconds and is measured once the key is hot; until then {first.name} runs"
+        )
+    deferring = f"; {', '.join(later)} only once the key is hot" if later else ""
+    return quick[0], (
+        f"{_NOT_MEASURED} (no cached measurement of {names} for this key{deferring}); "
+        f"until then the priority order picks {quick[0].name}"
     )
 
 
@@ -757,9 +864,10 @@ def decision_is_final(why: str) -> bool:
     """Whether a decision may be cached in memory for the rest of the process.
 
     Priority-order decisions taken where measuring was impossible (tracing, graph capture) are
-    not: the next real call measures.
+    not: the next real call measures. Nor are pending ones (candidates that compile not measured
+    yet): the calls of their key are counted until it proves hot.
     """
-    return not why.startswith((_PROVISIONAL, _NOT_MEASURED))
+    return not why.startswith((_PROVISIONAL, _NOT_MEASURED, _PENDING))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -838,6 +946,7 @@ def clear_cache(memory_only: bool = False) -> int:
         _warned.clear()
         _unwritable.clear()
         _failed_backends.clear()
+        _pending.clear()
         dispatch.clear_decisions()
         if memory_only:
             return 0

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import RoPEError
+from .errors import RoPEError, RoPETypeError
 from .spec import RoPESpec, dtype_name
 from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
@@ -301,7 +301,7 @@ def _check_start_positions(
     """Check ``start_positions``; return its values when they were read (see the module
     docstring for when), so the thd checks reuse them instead of syncing again."""
     if not isinstance(start_positions, torch.Tensor):
-        raise TypeError(
+        raise RoPETypeError(
             f"start_positions must be an int tensor [b] or None, got {type(start_positions).__name__}"
         )
     if start_positions.dtype not in (torch.int32, torch.int64):
@@ -386,9 +386,9 @@ def check_call(
     rotated by ``k_freqs`` when given; ``k`` makes ``t`` the q of a q and k pair
     (:func:`~rope_dispatch.apply_qk`)."""
     if not isinstance(spec, RoPESpec):
-        raise TypeError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
+        raise RoPETypeError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+        raise RoPETypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != spec.dtype:
         raise RoPEError(
             f"t has dtype {dtype_name(t.dtype)} but spec.dtype is {dtype_name(spec.dtype)}; "
@@ -503,7 +503,7 @@ def check_call(
 def _check_k(q: torch.Tensor, k: object, in_place: bool) -> None:
     """k of a q and k pair: q's dtype, device, leading dims and head dim; any head count."""
     if not isinstance(k, torch.Tensor):
-        raise TypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
+        raise RoPETypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
     if k.dtype != q.dtype or k.device != q.device:
         raise RoPEError(
             f"k is {dtype_name(k.dtype)} on {k.device} but q is {dtype_name(q.dtype)} on "
@@ -525,7 +525,7 @@ def _check_positions(
     """Check per-token ``positions`` (one table row per token, shaped like ``t.shape[:-2]``);
     return whether their values were read and found inside the table."""
     if not isinstance(positions, torch.Tensor):
-        raise TypeError(
+        raise RoPETypeError(
             f"positions must be an int tensor shaped like t.shape[:-2] or None, got "
             f"{type(positions).__name__}"
         )

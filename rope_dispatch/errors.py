@@ -11,6 +11,11 @@ class RoPEError(ValueError):
     """Base class of every rope-dispatch error about a call's arguments or backends."""
 
 
+class RoPETypeError(RoPEError, TypeError):
+    """An argument of the wrong type (a list where a tensor was expected, a NumPy array, a
+    string for a spec); a ``TypeError`` too, as such errors were before they were ours."""
+
+
 class NoBackendError(RoPEError):
     """No registered backend can serve a call; the message lists every backend's reasons."""
 

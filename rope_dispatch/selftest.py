@@ -23,15 +23,23 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 
 def command_line() -> argparse.ArgumentParser:
     """The command line; it needs no torch, so ``__main__`` reads it before importing torch."""
-    parser = argparse.ArgumentParser(prog="python -m rope_dispatch.selftest",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m rope_dispatch.selftest",
+        description="What this machine can run, and proof that it is right: versions, every "
+        "backend's availability with reasons, then every available backend checked against a "
+        "float64 reference, forward and backward, with timings. Exit status 1 when a check "
+        "fails.")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--cache-entries", action="store_true",
+                        help="list every autotune cache entry (one line each, or in the JSON "
+                        "document); by default only their number and the cache's path")
     parser.add_argument("--thorough", action="store_true",
                         help="every backend on every case of the grid (slower: torch.compile "
                         "compiles each)")
@@ -99,7 +107,12 @@ def kill_unreaped(processes: dict[str, subprocess.Popen]) -> None:
 if __name__ == "__main__":
     PRESTARTED_WORKERS = prestart(command_line().parse_args())
 
-import torch  # noqa: E402
+with warnings.catch_warnings():
+    # torch 2.13 warns at import where NumPy is absent (its functional tensor class converts a
+    # tensor through NumPy); rope-dispatch uses no NumPy, and a fresh install's selftest, which
+    # imports torch here, stays quiet
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: E402
 
 import rope_dispatch as rd  # noqa: E402
 from rope_dispatch import autotune, registry  # noqa: E402
@@ -369,16 +382,22 @@ def direct_launch_state(devices: list[str], available: list[str]) -> str | None:
     return f"Triton's launcher ({direct_launch.unavailable_reason()})"
 
 
-def _cache_report() -> dict:
+def _cache_report(entries: bool = False) -> dict:
+    """Whether autotune is on, the cache's path and how many entries it holds (files named as
+    entries, not read); with ``entries`` every valid entry too (``cache_entries``)."""
     report = {"autotune": autotune.autotune_enabled()}
-    for name in ("cache_dir", "cache_entries"):
-        fn = getattr(autotune, name, None)
-        if fn is not None:
-            try:
-                value = fn()
-                report[name] = str(value) if name == "cache_dir" else value
-            except Exception as exc:
-                report[name] = f"unreadable: {exc}"
+    try:
+        root = autotune.cache_dir()
+        report["cache_dir"] = str(root)
+        report["cache_entry_count"] = sum(
+            1 for folder in autotune._environment_dirs(root) for path in autotune._listing(folder)
+            if autotune._ENTRY_NAME.match(path.name)
+        )
+        if entries:
+            report["cache_entries"] = autotune.cache_entries()
+    except Exception as exc:
+        report["cache_dir"] = report.get("cache_dir", f"unreadable: {exc}")
+        report["cache_entry_count"] = f"unreadable: {exc}"
     return report
 
 
@@ -465,7 +484,8 @@ def checked_apart(backend: rd.Backend) -> bool:
 
 
 def run(devices: list[str], progress: Callable[[str], None], thorough: bool = False,
-        isolate: bool | None = None, started: dict[str, subprocess.Popen] | None = None) -> dict:
+        isolate: bool | None = None, started: dict[str, subprocess.Popen] | None = None,
+        cache_entries: bool = False) -> dict:
     """Every available backend on its cases (:func:`cases_for`) and every device; the whole
     report as a dict. With ``isolate``, each backend :func:`checked_apart` is probed and checked
     by a :class:`Worker` of its own meanwhile, so this process never imports its packages; by
@@ -528,7 +548,7 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         "override": os.environ.get("ROPE_BACKEND") or None,
         "plan_guards": guard_kind(),
         "planned_launches": direct_launch_state(devices, available),
-        "cache": _cache_report(),
+        "cache": _cache_report(cache_entries),
         "checks": checks,
         "startup_s": startup,
         "checks_s": time.perf_counter() - checks_began,
@@ -614,10 +634,10 @@ def _print_report(report: dict) -> None:
     off = f"off (ROPE_AUTOTUNE={os.environ.get('ROPE_AUTOTUNE', '')})"
     print(f"autotune: {'on' if cache['autotune'] else off}", end="")
     if "cache_dir" in cache:
-        entries = cache.get("cache_entries", [])
-        count = len(entries) if isinstance(entries, list) else entries
-        print(f", cache {cache['cache_dir']} ({count} entries)")
-        for entry in entries if isinstance(entries, list) else []:
+        count = cache.get("cache_entry_count")
+        print(f", cache {cache['cache_dir']} ({count} entries"
+              + (")" if "cache_entries" in cache or not count else "; --cache-entries lists them)"))
+        for entry in cache.get("cache_entries", []):
             print(f"  {_entry_line(entry)}")
     else:
         print()
@@ -670,7 +690,8 @@ def main(argv: list[str] | None = None, started: dict[str, subprocess.Popen] | N
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    report = run(devices, progress, args.thorough, started=started)
+    report = run(devices, progress, args.thorough, started=started,
+                 cache_entries=args.cache_entries)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

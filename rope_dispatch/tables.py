@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .errors import RoPEError
+from .errors import RoPEError, RoPETypeError
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,6 +27,9 @@ class CosSinCache:
 
     cos: torch.Tensor
     sin: torch.Tensor
+
+    def __post_init__(self) -> None:
+        _check_cos_sin(self.cos, self.sin)
 
     @property
     def seq_len(self) -> int:
@@ -62,6 +65,9 @@ class PairCosSinCache:
 
     table: torch.Tensor
 
+    def __post_init__(self) -> None:
+        _check_pair_table(self.table)
+
     @property
     def seq_len(self) -> int:
         return self.table.shape[0]
@@ -73,6 +79,74 @@ class PairCosSinCache:
     @property
     def device(self) -> torch.device:
         return self.table.device
+
+
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BUILD_IT = "build it with rope_dispatch.cos_sin_cache(freqs)"
+
+
+def _described(x: torch.Tensor) -> str:
+    return f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+
+
+def _check_cos_sin(cos: object, sin: object) -> None:
+    """Refuse, when it is built, a CosSinCache the kernels could not read as pairs; each
+    condition with its own sentence and the values."""
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        raise RoPETypeError(
+            f"CosSinCache of {type(cos).__name__} cos and {type(sin).__name__} sin; expected "
+            f"two [s2, d2] tensors: {_BUILD_IT}"
+        )
+    got = f"cos {_described(cos)}, sin {_described(sin)}"
+    if cos.dtype not in _CACHE_DTYPES or sin.dtype != cos.dtype:
+        raise RoPEError(
+            f"CosSinCache's cos and sin must share one dtype among float32, bfloat16 and "
+            f"float16, got {got}"
+        )
+    if cos.dim() != 2 or cos.shape != sin.shape:
+        raise RoPEError(
+            f"CosSinCache's cos and sin must be [s2, d2] tensors of the same shape (one row per "
+            f"position), got {got}; {_BUILD_IT}"
+        )
+    if cos.device != sin.device:
+        raise RoPEError(
+            f"CosSinCache's cos is on {cos.device} but sin on {sin.device}; expected one device"
+        )
+    if cos.shape[0] < 1:
+        raise RoPEError(f"CosSinCache's tables must have at least one position (row), got {got}")
+    if cos.shape[1] < 2 or cos.shape[1] % 2:
+        raise RoPEError(
+            f"CosSinCache's tables must have an even d2 >= 2 (channels rotate in pairs), got {got}"
+        )
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        raise RoPEError(
+            f"CosSinCache's cos and sin must be contiguous, got strides {cos.stride()} and "
+            f"{sin.stride()}; pass cos.contiguous() and sin.contiguous()"
+        )
+
+
+def _check_pair_table(table: object) -> None:
+    """Refuse, when it is built, a PairCosSinCache the kernels could not read."""
+    if not isinstance(table, torch.Tensor):
+        raise RoPETypeError(
+            f"PairCosSinCache's table must be a float32 tensor [s2, d2] (cosines, then sines), "
+            f"got {type(table).__name__}"
+        )
+    if table.dtype != torch.float32 or table.dim() != 2:
+        raise RoPEError(
+            f"PairCosSinCache's table must be a float32 tensor [s2, d2] (cosines, then sines), "
+            f"got {_described(table)}"
+        )
+    if table.shape[0] < 1 or table.shape[1] < 2 or table.shape[1] % 2:
+        raise RoPEError(
+            f"PairCosSinCache's table must have at least one position and an even d2 >= 2 (d2 / 2 "
+            f"cosines, then d2 / 2 sines), got shape {tuple(table.shape)}"
+        )
+    if not table.is_contiguous():
+        raise RoPEError(
+            f"PairCosSinCache's table must be contiguous, got strides {table.stride()}; pass "
+            "table.contiguous()"
+        )
 
 
 def _normal_tensors():
@@ -357,8 +431,16 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
 
 
 def _angles_2d(freqs: torch.Tensor, argument: str) -> torch.Tensor:
+    if isinstance(freqs, RotaryFrequencies):
+        raise RoPETypeError(
+            f"{argument} is a RotaryFrequencies (rates, with no length), not a table; build a "
+            f"table from it once and pass that: {argument}.cos_sin_cache(max_positions, "
+            f"device=t.device) (it includes attention_factor="
+            f"{freqs.attention_factor:.6g}), {argument}.angle_table(...) or, for the Triton "
+            f"kernels, {argument}.rate_table(...)"
+        )
     if not isinstance(freqs, torch.Tensor):
-        raise TypeError(
+        raise RoPETypeError(
             f"{argument} must be a float32 torch.Tensor [s2, 1, 1, d2] or [s2, d2], a "
             f"CosSinCache, a PairCosSinCache or a RateTable; got {type(freqs).__name__}"
         )

@@ -1,4 +1,8 @@
-"""Warm the autotune cache ahead of training: ``python -m rope_dispatch.tune``.
+"""Warm the autotune cache ahead of training: ``python -m rope_dispatch.tune``, or
+``rope_dispatch.tune(t, freqs, spec)`` for one call of a program.
+
+Tuning measures every candidate, those that compile for seconds (the ``compile`` backend)
+included, which a first ``apply`` of a key leaves out (docs/autotune.md).
 
 Each shape is built with random data on the chosen device, every backend that can serve it is
 measured (unless the cache already holds its key; ``--retune`` measures again) and the choice is
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -29,6 +35,7 @@ import torch
 
 from . import autotune, dispatch
 from .call import check_call
+from .errors import NoBackendError, RoPEError
 from .spec import RoPESpec
 from .tables import cos_sin_cache
 
@@ -155,6 +162,37 @@ def tune_job(job: Job, retune: bool = False) -> str:
     return f"{chosen.name} ({why})"
 
 
+def tune_call(
+    t: torch.Tensor,
+    freqs: Any,
+    spec: RoPESpec,
+    *,
+    start_positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    retune: bool = False,
+) -> tuple[str, str]:
+    """Measure every backend that can serve ``apply(t, freqs, spec, ...)`` now, those that
+    compile included, and store the choice that later calls of its key read; ``(backend name,
+    why)``. Called as ``rope_dispatch.tune(...)``. Like a first call, it measures on private
+    copies: ``t`` is not touched. A key already measured in full is read, not measured again,
+    unless ``retune``. Tunes forward+backward where ``t`` requires grad (under grad mode), as
+    a training step's call does."""
+    if not autotune.autotune_enabled():
+        raise RoPEError(
+            "ROPE_AUTOTUNE is off (got "
+            f"{os.environ.get('ROPE_AUTOTUNE')!r}); unset it to tune"
+        )
+    call = check_call(t, freqs, spec, start_positions, positions=positions)
+    supported, rejected = dispatch.capable_backends(call)
+    if not supported:
+        reasons = "; ".join(f"{name}: {' '.join(r)}" for name, r in rejected.items())
+        raise NoBackendError(f"no backend can serve this call ({reasons})")
+    if len(supported) == 1:
+        return supported[0].name, "the only backend that supports this call; nothing to measure"
+    chosen, why = autotune.tune(call, supported, retune=retune)
+    return chosen.name, why
+
+
 def _progress(jobs: list[Job]) -> Iterator[tuple[int, Job]]:
     try:
         from tqdm import tqdm
@@ -251,6 +289,17 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"{failures} of {len(jobs)} shapes failed", file=sys.stderr)
     return 1 if failures else 0
 
+
+class _CallableModule(types.ModuleType):
+    """``rope_dispatch.tune`` is this module, and calling it is :func:`tune_call`."""
+
+    def __call__(
+        self, t: torch.Tensor, freqs: Any, spec: RoPESpec, **options: Any
+    ) -> tuple[str, str]:
+        return tune_call(t, freqs, spec, **options)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -47,6 +47,14 @@ class FailingBackend(FakeBackend):
         raise RuntimeError("this test backend always fails")
 
 
+def compiling() -> FakeBackend:
+    """A fake that declares it compiles per spec (as the compile backend does), with the highest
+    priority and no delay: a first call must leave it out, a hot key or ``rd.tune`` measure it."""
+    backend = FakeBackend("compiling", 90, 0.0)
+    backend.compiles_per_spec = True  # type: ignore[misc]
+    return backend
+
+
 def install(*extra: Backend) -> tuple[dict[str, Backend], dict[str, FakeBackend]]:
     """Replace every registered backend by ``fast`` and ``slow`` (plus ``extra``).
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -90,7 +91,7 @@ SECOND_PROCESS = textwrap.dedent(
     handler.emit = records.append
     logging.getLogger("rope_dispatch.autotune").addHandler(handler)
     logging.getLogger("rope_dispatch.autotune").setLevel(logging.INFO)
-    _, fakes = autotune_fakes.install()
+    _, fakes = autotune_fakes.install(*([autotune_fakes.compiling()] if {compiling} else []))
     g = torch.Generator().manual_seed({seed})
     t = torch.randn({seq}, 2, 2, 16, generator=g).requires_grad_({grad})
     freqs = torch.rand({seq} + 3, 1, 1, 16, generator=g) * 20
@@ -107,11 +108,13 @@ SECOND_PROCESS = textwrap.dedent(
 )
 
 
-def run_second_process(root: Path, seq: int = 8, grad: bool = True, seed: int = 0) -> dict:
+def run_second_process(
+    root: Path, seq: int = 8, grad: bool = True, seed: int = 0, compiling: bool = False
+) -> dict:
     env = {**os.environ, "ROPE_DISPATCH_CACHE_DIR": str(root)}
     env.pop("ROPE_AUTOTUNE", None)
     env.pop("ROPE_BACKEND", None)
-    code = SECOND_PROCESS.format(tests=str(TESTS), seq=seq, grad=grad, seed=seed)
+    code = SECOND_PROCESS.format(tests=str(TESTS), seq=seq, grad=grad, seed=seed, compiling=compiling)
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
@@ -469,6 +472,8 @@ def test_tune_cli_warms_the_cache(fakes, cache, tmp_path, capsys, monkeypatch):
 
 
 def test_real_compile_backend_is_timed_without_its_compile_time(cache, measurements):
+    """rd.tune measures the compile backend (a first apply leaves it out), its compile kept out
+    of its time."""
     compile_backend = registry.get_backend("compile")
     if not compile_backend.available:
         pytest.skip(f"compile backend unavailable: {'; '.join(compile_backend.availability)}")
@@ -476,17 +481,164 @@ def test_real_compile_backend_is_timed_without_its_compile_time(cache, measureme
     removed = {b.name: registry.unregister(b.name) for b in registry.backends() if b.name not in keep}
     try:
         t, freqs = inputs(seq=4)
-        out = rd.apply(t, freqs, SPEC)
-        assert_matches(out, reference_for(t, freqs, SPEC), torch.float32)
+        name, why = rd.tune(t, freqs, SPEC)
+        assert name in keep and why.startswith("autotuned (forward): ")
         (entry,) = rd.cache_entries()
         assert set(entry["times_us"]) == keep, entry["failed"]
+        assert "deferred" not in entry
         # compiling takes seconds on CPU; a call on this tiny shape takes well under 50 ms
         assert entry["times_us"]["compile"] < 50_000
         assert measurements() == 1
+        out = rd.apply(t, freqs, SPEC)
+        assert_matches(out, reference_for(t, freqs, SPEC), torch.float32)
+        assert measurements() == 1  # apply read what tune stored
+        assert rd.explain(t, freqs, SPEC).chosen == name
     finally:
         for backend in removed.values():
             registry.register(backend)
         autotune.clear_cache(memory_only=True)
+
+
+@pytest.fixture
+def compiling(fakes):
+    """A third fake, ``compiling``: the fastest and of the highest priority, but it declares
+    that it compiles per spec, so a first call must leave it out."""
+    backend = registry.register(autotune_fakes.compiling())
+    fakes["compiling"] = backend
+    return backend
+
+
+def test_a_first_call_leaves_out_backends_that_compile_until_the_key_is_hot(
+    compiling, fakes, cache, monkeypatch, measurements
+):
+    monkeypatch.setenv("ROPE_AUTOTUNE_HOT_CALLS", "4")
+    t, freqs = inputs()
+    expected = reference_for(t, freqs, SPEC)
+    assert_matches(rd.apply(t, freqs, SPEC), expected, torch.float32)
+    assert compiling.calls == 0 and measurements() == 1
+    explanation = rd.explain(t, freqs, SPEC)
+    assert explanation.chosen == "fast"  # measured against slow; priority alone picks compiling
+    assert explanation.why.startswith("pending (compiling not measured yet")
+    assert "call 4" in explanation.why and " vs slow " in explanation.why
+    (entry,) = rd.cache_entries()
+    assert entry["deferred"] == ["compiling"] and set(entry["times_us"]) == {"fast", "slow"}
+
+    other = run_second_process(cache, grad=False, compiling=True)  # reads the pending entry
+    assert other["measured"] == 0 and other["calls"] == {"fast": 1, "slow": 0}
+    assert other["why"].startswith("pending (") and "cached measurement from" in other["why"]
+
+    for _ in range(2):  # calls 2 and 3: counted, nothing measured
+        assert_matches(rd.apply(t, freqs, SPEC), expected, torch.float32)
+    assert compiling.calls == 0 and measurements() == 1
+    assert_matches(rd.apply(t, freqs, SPEC), expected, torch.float32)  # call 4: hot
+    assert compiling.calls > 0 and measurements() == 2
+    (entry,) = rd.cache_entries()
+    assert "deferred" not in entry and set(entry["times_us"]) == {"fast", "slow", "compiling"}
+    explanation = rd.explain(t, freqs, SPEC)
+    assert explanation.why.startswith("autotuned (forward): ")
+    assert explanation.chosen == entry["choice"]
+    counted = calls(fakes)
+    rd.apply(t, freqs, SPEC)
+    assert measurements() == 2 and sum(calls(fakes).values()) == sum(counted.values()) + 1
+
+
+def test_a_key_only_backends_that_compile_can_serve_measures_nothing_at_first(
+    compiling, fakes, monkeypatch, measurements
+):
+    """With one candidate that needs no compilation there is nothing to compare: it runs, and
+    nothing is written until the key is hot."""
+    registry.unregister("slow")
+    t, freqs = inputs()
+    rd.apply(t, freqs, SPEC)
+    assert measurements() == 0 and compiling.calls == 0 and rd.cache_entries() == []
+    why = rd.explain(t, freqs, SPEC).why
+    assert why.startswith("pending (compiling") and "fast, the only candidate" in why
+
+
+def test_tune_measures_backends_that_compile(compiling, fakes, measurements):
+    t, freqs = inputs(requires_grad=True)
+    rd.apply(t, freqs, SPEC)
+    assert compiling.calls == 0
+    name, why = rd.tune(t, freqs, SPEC)  # the pending key, measured in full
+    assert compiling.calls > 0 and measurements() == 2
+    assert why.startswith("autotuned (forward+backward): ") and name == rd.explain(t, freqs, SPEC).chosen
+    (entry,) = rd.cache_entries()
+    assert "deferred" not in entry and "compiling" in entry["times_us"]
+    assert rd.tune(t, freqs, SPEC)[0] == name and measurements() == 2  # read, not measured
+    rd.tune(t, freqs, SPEC, retune=True)
+    assert measurements() == 3
+    t2, freqs2 = inputs(seq=32, seed=3)  # a new key: tune measures everything at once
+    rd.tune(t2, freqs2, SPEC)
+    assert measurements() == 4
+    assert all("deferred" not in e for e in rd.cache_entries())
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many", "1.5"])
+def test_a_bad_hot_calls_setting_is_refused_by_name(compiling, monkeypatch, value):
+    monkeypatch.setenv("ROPE_AUTOTUNE_HOT_CALLS", value)
+    t, freqs = inputs()
+    with pytest.raises(rd.RoPEError, match=f"ROPE_AUTOTUNE_HOT_CALLS.*positive integer.*{value!r}"):
+        rd.apply(t, freqs, SPEC)
+
+
+def test_measuring_stops_at_its_time_budget(monkeypatch):
+    """Timed rounds stop once they took MEASURE_BUDGET_SECONDS: a slow call is timed in one
+    round (its warm estimate counts as a sample), not nine."""
+    t, freqs = inputs()
+    call = rd.check_call(t, freqs, SPEC)
+    slow = autotune_fakes.FakeBackend("slow", 50, 0.01)
+    monkeypatch.setattr(autotune, "MEASURE_BUDGET_SECONDS", 0.0)
+    times, failed = autotune._time_backends([slow], call, needs_grad=False)
+    assert not failed and times["slow"] >= 0.01
+    per_round = math.ceil(autotune._ROUND_SECONDS / 0.01)  # calls a round makes of it
+    assert slow.calls == 3 + per_round  # first call, first backward, estimate, one round
+
+
+FIRST_CALL = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    import rope_dispatch as rd
+
+    spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
+    device = "cpu"
+    q = torch.randn(64, 2, 8, 64, dtype=torch.bfloat16, device=device)
+    freqs = rd.tables.inverse_frequencies(64, 10000.0)
+    freqs = rd.tables.angle_table(freqs, 64).to(device)
+    began = time.perf_counter()
+    out = rd.apply(q, freqs, spec)
+    seconds = time.perf_counter() - began
+    print(json.dumps({
+        "seconds": seconds,
+        "chosen": rd.explain(q, freqs, spec).chosen,
+        "why": rd.explain(q, freqs, spec).why,
+        "available": [b.name for b in rd.list_backends() if b.available],
+        "dynamo": "torch._dynamo" in sys.modules,
+    }))
+    """
+)
+
+
+def test_a_first_call_of_a_new_key_compiles_nothing(tmp_path):
+    """A fresh process's first call (every backend probed, the key measured) with a cold
+    Inductor cache and an empty autotune cache takes under a second on a CPU: the compile
+    backend is neither compiled nor measured, nor is Dynamo imported for its probe."""
+    env = {
+        **os.environ, "ROPE_DISPATCH_CACHE_DIR": str(tmp_path / "autotune"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    for name in ("ROPE_AUTOTUNE", "ROPE_BACKEND", "ROPE_AUTOTUNE_HOT_CALLS", "TRITON_INTERPRET"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["seconds"] < 1.0, report
+    assert not report["dynamo"], report
+    assert not (tmp_path / "inductor").exists() or not any((tmp_path / "inductor").iterdir())
+    if "compile" in report["available"]:
+        assert report["chosen"] != "compile"
+        assert report["why"].startswith("pending (compile not measured yet"), report
 
 
 def test_in_place_calls_have_their_own_key_and_rotate_t_once(fakes, measurements):

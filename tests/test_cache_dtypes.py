@@ -56,10 +56,11 @@ def test_mixed_or_wide_dtypes_are_refused():
     t = torch.randn(4, 1, 2, 8)
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     cos = torch.rand(4, 8)
-    for cache, words in (
-        (rd.CosSinCache(cos.bfloat16(), cos.half()), "bfloat16"),
-        (rd.CosSinCache(cos.double(), cos.double()), "float64"),
+    for pair, words in (
+        ((cos.bfloat16(), cos.half()), "bfloat16"),
+        ((cos.double(), cos.double()), "float64"),
     ):
+        # refused when built, before any call
         with pytest.raises(rd.RoPEError, match="CosSinCache.*one dtype among float32, bfloat16 and float16") as info:
-            rd.apply(t, cache, spec)
+            rd.apply(t, rd.CosSinCache(*pair), spec)
         assert words in str(info.value)

@@ -202,6 +202,23 @@ def test_cpu_call_refused_without_compiler_when_cuda_works(monkeypatch):
     assert backend.not_supported_reasons(_call(4, 2)) == ["no C++ compiler (test)"]
 
 
+def test_a_problem_found_before_the_first_compile_makes_it_unavailable(monkeypatch):
+    """The probe at a first call is cheap (no Dynamo import); the full check before the first
+    compile (confirm) that finds a problem refuses later calls with it, and a forced call runs
+    the eager math with one warning rather than failing."""
+    backend = CompileBackend()
+    assert backend.available
+    monkeypatch.setattr(compiled, "dynamo_problem", lambda full=None: (
+        "torch.compile is not supported here: test" if full else None))
+    t, freqs = torch.randn(4, 2, 2, 8), torch.rand(4, 1, 1, 8)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    with pytest.warns(RuntimeWarning, match="not supported here: test"):
+        out = backend.apply(rd.check_call(t, freqs, spec))
+    assert_matches(out, reference_for(t, freqs, spec), torch.float32)
+    assert backend.availability == ("torch.compile is not supported here: test",)
+    assert not backend._compiled
+
+
 def test_cuda_needs_triton(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton fails

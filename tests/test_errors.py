@@ -250,3 +250,86 @@ def test_errors_are_value_errors():
     assert issubclass(rd.RoPEError, ValueError)
     assert issubclass(rd.NoBackendError, rd.RoPEError)
     assert issubclass(rd.BackendNotSupportedError, rd.RoPEError)
+
+
+# --- one error type: every error a user can cause is a RoPEError, checked where it is made ----
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: call(start_positions=[0, 1]), ["start_positions", "int tensor", "list"]),
+        (lambda: call(positions=[0, 1]), ["positions", "int tensor", "list"]),
+        (lambda: rd.apply(torch.randn(8, 2, 3, 16), torch.rand(8, 1, 1, 16), "sbhd"),
+         ["spec", "RoPESpec", "str"]),
+        (lambda: call(freqs=torch.rand(8, 1, 1, 16).numpy()), ["freqs", "float32 torch.Tensor", "ndarray"]),
+        (lambda: call(t=torch.randn(8, 2, 3, 16).numpy()), ["t must be a torch.Tensor", "ndarray"]),
+        (lambda: rd.cos_sin_cache(torch.rand(8, 16).numpy()), ["freqs", "ndarray"]),
+        (lambda: rd.apply_qk(torch.randn(8, 2, 3, 16), [1.0], torch.rand(8, 16), rd.RoPESpec(**SBHD)),
+         ["k must be a torch.Tensor", "list"]),
+        (lambda: rd.CosSinCache([1.0], [2.0]), ["CosSinCache of list cos and list sin", "two [s2, d2] tensors"]),
+        (lambda: rd.PairCosSinCache([[1.0, 0.0]]), ["PairCosSinCache's table", "float32 tensor", "list"]),
+    ],
+)
+def test_wrong_types_are_rope_errors_and_type_errors(make, words):
+    """A wrong type is a RoPETypeError: a RoPEError (one type to catch) and a TypeError, as
+    these were before."""
+    with pytest.raises(rd.RoPETypeError) as info:
+        make()
+    assert isinstance(info.value, rd.RoPEError) and isinstance(info.value, TypeError)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: rd.CosSinCache(torch.randn(32, 64), torch.randn(16, 64)),
+         ["same shape", "cos (32, 64) float32", "sin (16, 64) float32"]),
+        (lambda: rd.CosSinCache(torch.randn(8, 64), torch.randn(8, 64).half()),
+         ["one dtype", "float32", "float16"]),
+        (lambda: rd.CosSinCache(torch.randn(8, 5), torch.randn(8, 5)), ["even d2 >= 2", "cos (8, 5)"]),
+        (lambda: rd.CosSinCache(torch.randn(0, 4), torch.randn(0, 4)), ["at least one position", "(0, 4)"]),
+        (lambda: rd.CosSinCache(torch.randn(8, 1, 1, 4), torch.randn(8, 1, 1, 4)),
+         ["[s2, d2]", "(8, 1, 1, 4)"]),
+        (lambda: rd.CosSinCache(torch.randn(4, 8)[:, :4], torch.randn(4, 4)),
+         ["contiguous", "(8, 1)"]),
+        (lambda: rd.PairCosSinCache(torch.randn(32, 63)), ["PairCosSinCache", "even d2", "(32, 63)"]),
+        (lambda: rd.PairCosSinCache(torch.randn(32, 64).double()), ["PairCosSinCache", "float32", "float64"]),
+        (lambda: rd.PairCosSinCache(torch.randn(64, 32).t()), ["PairCosSinCache", "contiguous"]),
+    ],
+)
+def test_tables_check_themselves_when_built(make, words):
+    """A cache the kernels could not read is refused when it is built, each condition in its
+    own words with the values, not at a later apply with one sentence for all."""
+    with pytest.raises(rd.RoPEError) as info:
+        make()
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+class _LlamaLikeConfig:
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    head_dim = 16
+    max_position_embeddings = 64
+
+
+def test_rotary_frequencies_passed_as_freqs_says_what_to_call():
+    f = rd.tables.from_hf_config(_LlamaLikeConfig(), 64)
+    with pytest.raises(rd.RoPETypeError) as info:
+        call(freqs=f)
+    message = str(info.value)
+    for word in ("freqs is a RotaryFrequencies", "cos_sin_cache(", "angle_table(", "rate_table("):
+        assert word in message, (word, message)
+    # what it says to call works
+    t = torch.randn(8, 2, 3, 16)
+    out = call(t=t, freqs=f.cos_sin_cache(8, device=t.device))
+    assert torch.allclose(out, call(t=t, freqs=f.angle_table(8)), atol=1e-5)
+
+
+def test_a_bad_hot_calls_setting_names_the_variable(monkeypatch):
+    from rope_dispatch import autotune
+
+    monkeypatch.setenv("ROPE_AUTOTUNE_HOT_CALLS", "soon")
+    with pytest.raises(rd.RoPEError, match="ROPE_AUTOTUNE_HOT_CALLS.*positive integer.*'soon'"):
+        autotune.hot_calls()

@@ -104,7 +104,8 @@ def test_the_public_names_agree_everywhere():
             typed |= {alias.name for stmt in node.body for alias in stmt.names}
     assert typed == set(rd.__all__)
     bound = {name for names in rd._PUBLIC.values() for name in names}
-    assert set(rd.__all__) == bound | {"autotune", "cp"}
+    assert set(rd.__all__) == bound | {"autotune", "cp", "tune"}
+    assert callable(rd.tune)  # the tune module, callable as rd.tune(t, freqs, spec)
     assert all(getattr(rd, name) is not None for name in rd.__all__)
     assert set(rd.__all__) <= set(dir(rd))
     missing = "no_such_name"

@@ -58,6 +58,9 @@ def test_selftest_cli_json():
     assert "[1/" in proc.stderr  # progress goes to stderr
     assert "Warning" not in proc.stderr  # no third-party warning on a plain run
     assert 0 < report["startup_s"] < 600 and report["checks_s"] > 0
+    # the cache as a path and a count; its entries only when asked (--cache-entries)
+    assert "cache_entries" not in report["cache"]
+    assert isinstance(report["cache"]["cache_entry_count"], int) and report["cache"]["cache_dir"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
@@ -403,3 +406,49 @@ def test_the_printed_report_names_the_planned_launch_path(monkeypatch, capsys):
     monkeypatch.setattr(selftest, "direct_launch_state", lambda devices, available: None)
     assert selftest.main(["--device", "cpu"]) == 0
     assert "planned launches" not in capsys.readouterr().out
+
+
+def test_help_is_plain_text():
+    proc = subprocess.run([sys.executable, "-m", "rope_dispatch.selftest", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--cache-entries" in proc.stdout and "--thorough" in proc.stdout
+    for markup in ("``", ":func:", ":class:", ":attr:"):
+        assert markup not in proc.stdout, proc.stdout
+
+
+def test_the_cache_is_a_count_and_a_path_unless_its_entries_are_asked_for(
+    tmp_path, monkeypatch, capsys
+):
+    """A cache of many entries (another process filled it) prints as one line; --cache-entries
+    lists them, and only then does --json carry them."""
+    import autotune_fakes
+    from rope_dispatch import autotune
+
+    monkeypatch.setenv("ROPE_DISPATCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("ROPE_AUTOTUNE", raising=False)
+    autotune.clear_cache(memory_only=True)
+    removed, _ = autotune_fakes.install()
+    try:
+        spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+        for seq in (2, 4, 8):  # three shape buckets: three entries
+            rd.apply(torch.randn(seq, 1, 2, 8), torch.rand(seq, 1, 1, 8), spec)
+    finally:
+        autotune_fakes.restore(removed)
+        autotune.clear_cache(memory_only=True)
+    assert selftest._cache_report() == {
+        "autotune": True, "cache_dir": str(tmp_path / "cache"), "cache_entry_count": 3,
+    }
+    listed = selftest._cache_report(entries=True)["cache_entries"]
+    assert len(listed) == 3 and all(e["choice"] == "fast" for e in listed)
+
+    monkeypatch.setattr(selftest, "QUICK", selftest.QUICK[:1])
+    monkeypatch.setattr(selftest, "GRID", selftest.QUICK[:1])
+    assert selftest.main(["--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"cache {tmp_path / 'cache'} (3 entries; --cache-entries lists them)" in out
+    assert "<= " not in out  # no entry lines
+    assert selftest.main(["--device", "cpu", "--cache-entries"]) == 0
+    out = capsys.readouterr().out
+    assert f"cache {tmp_path / 'cache'} (3 entries)" in out
+    assert sum(line.startswith("  sbhd float32 <= ") for line in out.splitlines()) == 3

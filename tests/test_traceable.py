@@ -90,18 +90,22 @@ def test_constant_while_tracing_marks_as_torch_does():
 
 
 def test_import_leaves_dynamo_unimported():
-    """``import rope_dispatch`` (and a call) does not import Dynamo: 1-4.5 s a program that never
-    compiles need not pay. The compile backend's probe imports it, quietly."""
+    """``import rope_dispatch``, a call and the compile backend's probe do not import Dynamo:
+    1-4.5 s a program that never compiles need not pay (the probe runs at a first call). The
+    backend's first compile asks Dynamo in full (``confirm``), quietly."""
     code = (
         "import sys, warnings, torch, rope_dispatch as rd\n"
         "spec = rd.RoPESpec(layout='sbhd', dtype='fp32')\n"
         "rd.apply(torch.randn(4, 1, 2, 8), torch.rand(4, 1, 1, 8), spec, backend='eager')\n"
         "print('torch._dynamo' in sys.modules)\n"
         "warnings.simplefilter('error')\n"
-        "rd.get_backend('compile').availability\n"
+        "backend = rd.get_backend('compile')\n"
+        "backend.availability\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "print(backend.confirm(torch.device('cpu')))\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False", "True"]
+    assert proc.stdout.split() == ["False", "False", "None", "True"]

@@ -45,7 +45,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from ..dispatch import apply, apply_qkv
-from ..errors import RoPEError
+from ..errors import RoPEError, RoPETypeError
 from ..spec import RoPESpec
 from ..tables import angle_table, inverse_frequencies
 
@@ -91,7 +91,7 @@ def _dtype(argument: str, t: Any) -> torch.dtype:
     """``t``'s dtype, which the spec takes; anything but a tensor is refused as ``apply``
     refuses it, naming the argument."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{argument} must be a torch.Tensor, got {type(t).__name__}")
+        raise RoPETypeError(f"{argument} must be a torch.Tensor, got {type(t).__name__}")
     return t.dtype
 
 
