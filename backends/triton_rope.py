@@ -646,22 +646,27 @@ class Rotation:
         return outs
 
     def backward(self, grads: tuple[torch.Tensor, ...], strides: tuple) -> tuple:
-        forward = self.launch
-        if (forward.grad_in_place and not torch.is_grad_enabled()
-                and all(expanded_dim(g) is None for g in grads)):
+        """The transposed launch on ``grads``: in place where the call allowed it and the
+        gradients are writable, the plan's bound launch where it serves them, else the
+        generic launch into gradients laid out as the inputs (``strides``); differentiable
+        under double backward."""
+        forward, planned = self.launch, self.planned
+        grad_enabled = torch.is_grad_enabled()
+        if not grad_enabled and forward.grad_in_place and all(
+                expanded_dim(g) is None for g in grads):
             with on_device(grads[0]):
                 launch(forward.transposed(in_place=True), grads, grads, self.tables())
             return grads
-        back = forward.transposed()
-        if torch.is_grad_enabled():  # double backward: the transpose must be differentiable
-            made = RoPEFunction.apply(Rotation(back, self.tables()), *grads)
-            return made if isinstance(made, tuple) else (made,)
-        if self.planned is not None and self.planned.back_ready(grads, self.per_call):
+        if not grad_enabled and planned is not None and planned.back_ready(grads, self.per_call):
             index = self.per_call[1]
-            made = self.planned.back(self.per_call[3], *grads,
-                                     self.planned.address if index is None else index)
+            made = planned.back(self.per_call[3], *grads,
+                                planned.address if index is None else index)
             if made is not NotImplemented:
                 return made if isinstance(made, tuple) else (made,)
+        back = forward.transposed()
+        if grad_enabled:  # double backward: the transpose must be differentiable
+            made = RoPEFunction.apply(Rotation(back, self.tables()), *grads)
+            return made if isinstance(made, tuple) else (made,)
         outs = outputs(back, grads, strides)
         with on_device(grads[0]):
             launch(back, grads, outs, self.tables())
@@ -855,10 +860,11 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     if call.k_table is not None or (grad and (
             described.in_place or not all(x.is_contiguous() for x in inputs))):
         return generic
-    tabs = _current(call_tables(call), described.layout)
+    tabs = call_tables(call)
     if tabs.table.data_ptr() != tt.user_table_address(call) or any(
             t is not None and not t.is_contiguous() for t in (tabs.cu, tabs.index)):
-        return generic
+        return generic  # a table or index copied for the call: the kernel must read the user's
+    tabs = _current(tabs, described.layout)
     outs = inputs if described.in_place else outputs(described, inputs)
     sources = _pointers(described, inputs, outs, tabs)
     addresses = tuple(t.data_ptr() + offset for t, offset in sources)

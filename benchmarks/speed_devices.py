@@ -106,7 +106,7 @@ def measure() -> dict[str, float]:
         g = torch.randn(s, b, h, 128, device=dev, dtype=bf16)
 
         def step(t=t, g=g):
-            rd.apply(t, freqs, spec).backward(g)
+            torch.autograd.grad(rd.apply(t, freqs, spec), t, g)
 
         results[f"fwd+bwd s{s} b{b} h{h} (us)"] = _host_us(step, calls=200 if s * b * h > 8192 else 2000)
 
@@ -159,9 +159,14 @@ def main() -> None:
     rows = [(v, {name: statistics.median(r[name] for r in runs) for name in runs[0]})
             for v, runs in samples.items() if runs]
     names = list(rows[0][1]) if rows else []
-    print(f"{'figure (median of rounds)':34s}" + "".join(f"{v[-16:]:>17s}" for v, _ in rows))
+    print(f"{'figure: median (min-max) of rounds':36s}"
+          + "".join(f"{v[-22:]:>24s}" for v, _ in rows))
     for name in names:
-        print(f"{name:34s}" + "".join(f"{r[name]:17.2f}" for _, r in rows))
+        cells = []
+        for variant, medians in rows:
+            values = [run[name] for run in samples[variant]]
+            cells.append(f"{medians[name]:.2f} ({min(values):.2f}-{max(values):.2f})")
+        print(f"{name:36s}" + "".join(f"{c:>24s}" for c in cells))
 
 
 if __name__ == "__main__":
