@@ -33,7 +33,7 @@ def spy_kernels(monkeypatch: pytest.MonkeyPatch, names: Iterable[str],
                 record: Callable[[str, dict], None]) -> None:
     """Replace the kernels ``names`` of ``backends.triton_kernels`` by :class:`KernelSpy`s
     calling ``record`` (import the module only once the test's ``TRITON_INTERPRET`` is set).
-    A repeated call whose compiled launch is kept (``triton_rope._compiled``, or a plan bound to
+    A repeated call whose compiled launch is kept (``triton_launch._compiled``, or a plan bound to
     it) passes no spy: the callers forget those."""
     from rope_dispatch.backends import triton_kernels
 

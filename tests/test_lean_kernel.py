@@ -16,7 +16,7 @@ from cases import build, fixed_case
 from kernel_spy import spy_kernels
 from reference import assert_matches, reference_forward_backward
 from rope_dispatch import tables
-from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
+from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
 from test_rate_table import definition_angles, random_rates
 
 pytest.importorskip("triton", reason="triton is not installed; the triton backend is unavailable")
@@ -36,7 +36,7 @@ def launched(monkeypatch) -> list[str]:
     names: list[str] = []
     spy_kernels(monkeypatch, ("rope_kernel", "rope_lean_kernel"),
                 lambda name, kw: names.append(name + (" linear" if kw["LINEAR"] else "")))
-    monkeypatch.setattr(triton_rope, "_compiled", {})
+    monkeypatch.setattr(triton_launch, "_compiled", {})
     rd.dispatch.forget_plans()
     monkeypatch.setattr(triton_tables, "_flags", {})
     monkeypatch.setattr(triton_tables, "_flags_met", {})
@@ -73,7 +73,7 @@ def run_both_ways(t, freqs, spec, grad_out, monkeypatch, launched, in_place: boo
         launched.clear()
         # twice: a linear angle table gets its flag at its second sight
         for _ in range(2):
-            monkeypatch.setattr(triton_rope, "_compiled", {})  # each call through the launcher,
+            monkeypatch.setattr(triton_launch, "_compiled", {})  # each call through the launcher,
             rd.dispatch.forget_plans()  # none from a plan bound to an earlier launch
             leaf = t.detach().clone().requires_grad_(True)
             if in_place:
@@ -171,7 +171,7 @@ def test_a_batch_of_one_reads_its_positions_from_the_token_index(monkeypatch, la
     t, freqs, spec, _, angles = build(case, DEVICE, requires_grad=False)
     code = 0 if layout == "sbhd" else 1
     dim1 = t.shape[1]
-    _, _, consts = triton_rope._lean_arguments(
+    _, _, consts = triton_launch._lean_arguments(
         7 * batch, dim1, 3, 16, 16, 16, 2, code, False, (False, False, False, False), False, 1.0,
         False,
     )
@@ -244,7 +244,7 @@ def test_calls_past_lean_max_bytes_take_the_general_kernel(monkeypatch, launched
     monkeypatch.setattr(triton_tiles, "LEAN_MAX_BYTES", nbytes)
     rd.apply(t, freqs, spec, backend="triton")
     monkeypatch.setattr(triton_tiles, "LEAN_MAX_BYTES", nbytes - 1)
-    monkeypatch.setattr(triton_rope, "_compiled", {})  # compiled launches are kept by call key
+    monkeypatch.setattr(triton_launch, "_compiled", {})  # compiled launches are kept by call key
     rd.dispatch.forget_plans()  # and plans bind them
     rd.apply(t, freqs, spec, backend="triton")
     assert launched == ["rope_lean_kernel", "rope_kernel"]
@@ -293,7 +293,7 @@ def test_int32_offsets_hold_every_call_it_takes():
 ])
 def test_how_a_lean_tile_gets_its_rows_sines(heads, head_dim, interleaved, use_cache, shared,
                                              vector):
-    _, _, consts = triton_rope._lean_arguments(
+    _, _, consts = triton_launch._lean_arguments(
         128, 1, heads, head_dim, head_dim, head_dim, 2, 0, interleaved,
         (use_cache, False, False, False), False, 1.0, False,
     )

@@ -288,12 +288,12 @@ def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
     """The launcher hands the kernels ``RATES=True`` (and no cache flag) for a rate table, and
     ``RATES=False`` for the angle table and a cos/sin cache of the same shape: the lean kernel
     for these small contiguous calls, the general one with the lean kernel turned off."""
-    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
 
     seen: list[tuple[str, bool, bool, bool]] = []
     spy_kernels(monkeypatch, ("rope_kernel", "rope_lean_kernel", "rope_qkv_kernel"),
                 lambda name, kw: seen.append((name, kw["RATES"], kw["USE_CACHE"], kw["PAIRED"])))
-    monkeypatch.setattr(triton_rope, "_compiled", {})
+    monkeypatch.setattr(triton_launch, "_compiled", {})
     inv_freq = random_rates(3, 4, DEVICE)
     rate_table = rd.RateTable(inv_freq, 12)
     angles = tables.angle_table(inv_freq, 12)
@@ -302,7 +302,7 @@ def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
     for lean_max_bytes, name in ((triton_tiles.LEAN_MAX_BYTES, "rope_lean_kernel"),
                                  (0, "rope_kernel")):
         monkeypatch.setattr(triton_tiles, "LEAN_MAX_BYTES", lean_max_bytes)
-        monkeypatch.setattr(triton_rope, "_compiled", {})  # compiled launches are kept by key
+        monkeypatch.setattr(triton_launch, "_compiled", {})  # compiled launches are kept by key
         rd.dispatch.forget_plans()  # and plans bind them
         seen.clear()
         rd.apply(x, rate_table, spec, backend="triton")
@@ -318,7 +318,7 @@ def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
 def test_kernel_tables_and_address():
     """The kernels' view: ``[rows, d2]`` with a row stride of 0 over the doubled rates, given
     as both table and sin; a planned call checks the address of those rates."""
-    from rope_dispatch.backends.triton_rope import Launch, Tables, _key
+    from rope_dispatch.backends.triton_launch import Launch, Tables, _key
     from rope_dispatch.backends.triton_tables import table_flags as _table_flags
 
     inv_freq = torch.tensor([1.0, 0.5, 0.25])

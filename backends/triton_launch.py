@@ -1,0 +1,598 @@
+"""The Triton backend's launcher: one launch descriptor, one cache of compiled launches.
+
+A call becomes a :class:`Launch`, the named description of one launch (which tensors: one, q
+and k, or packed qkv; direction; in place or not; table and position kind; the stages around
+the rotation), and its :class:`Tables`. :func:`launch` picks kernel, tile and constants from
+them, keeps what Triton compiled under a :class:`LaunchKey`, and launches it again from
+addresses alone. :func:`slots` and :func:`bound` bind a compiled launch to a call's form for
+plans: one call into C (``direct_launch``) or its Python twin :class:`BoundLaunch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import torch
+
+from rope_dispatch.call import RoPECall, position_index
+from rope_dispatch.tables import kernel_tables
+
+from . import direct_launch
+from . import triton_tables as tt
+from . import triton_tiles as tiles
+from .triton_tables import FLAG, current_stream
+
+LAYOUT_CODES = {"sbhd": 0, "bshd": 1, "thd": 2}
+
+_kernels: ModuleType | None = None
+
+
+def _load_kernels() -> ModuleType:
+    """Import the kernel module once (imports triton)."""
+    global _kernels
+    if _kernels is None:
+        from . import triton_kernels
+
+        _kernels = triton_kernels
+    return _kernels
+
+
+class Launch(NamedTuple):
+    """What one launch does. Every path (eager, autograd, the custom op, plans) describes its
+    launch so, and the launcher picks kernel, tile and arguments from it and the tensors."""
+
+    tensors: str
+    """``"t"`` one tensor, ``"qk"`` q and k, ``"qkv"`` a packed qkv tensor (``TENSOR_KINDS``)."""
+    layout: str
+    interleaved: bool
+    scale: float
+    cp_size: int
+    cp_rank: int
+    table: str = "angles"
+    """The user's table kind (``RoPECall.table_kind``); a flag may refine it per launch."""
+    positions: int = 0
+    """0 by index, 1 start positions (one per sequence), 2 per-token positions."""
+    split: tuple[int, int, int] | None = None
+    """A packed qkv's channels ``(q, k, v)`` per head group."""
+    backward: bool = False
+    """The transpose: gradients in, gradients out (packed qkv: three in, one packed out)."""
+    in_place: bool = False
+    """Rotary channels rewritten in place; the pass-through channels are not touched."""
+    grad_in_place: bool = False
+    """An in-place call's backward may rotate its incoming gradients in place."""
+    norm: None = None
+    """The stage before the rotation (none yet)."""
+    store: None = None
+    """The stage after the rotation (none yet)."""
+
+    def transposed(self, in_place: bool = False) -> Launch:
+        return self._replace(backward=not self.backward, in_place=in_place, grad_in_place=False)
+
+
+class Tables(NamedTuple):
+    """The tensors a launch reads besides its data, in their kernel form."""
+
+    table: torch.Tensor
+    sin: torch.Tensor | None
+    cu: torch.Tensor | None
+    """thd: ``cu_seqlens``; sbhd and bshd: a cos/sin cache's halves flag, or ``None``."""
+    index: torch.Tensor | None
+    """Start positions (1-D) or per-token positions (2-D, token order), as the kernels read."""
+    k_table: torch.Tensor | None = None
+    """A packed qkv's own k table (``None``: ``table`` rotates k)."""
+    k_sin: torch.Tensor | None = None
+
+
+class LaunchKey(NamedTuple):
+    """Everything a compiled launch depends on besides addresses."""
+
+    launch: Launch
+    layouts: tuple
+    """Each input's and output's shape and strides, in order."""
+    dtypes: tuple
+    """The data's dtype and each table's dtype, shape class and form."""
+    aligned: int
+    """Bit ``i``: pointer argument ``i`` lies on a 16-byte boundary."""
+    device: int
+
+
+class Compiled(NamedTuple):
+    """A compiled launch, run as ``run(*grid, stream, *prefix, *pointers, *tail)``."""
+
+    run: Any
+    prefix: tuple
+    grid: tuple[int, int, int]
+    tail: tuple
+    """The integer arguments, then the compile-time constants in the kernel's order."""
+
+
+_compiled: dict[LaunchKey, Compiled] = {}
+kernel_types: dict[int, tuple[str, ...]] = {}
+"""Each compiled kernel's argument types (Triton's signature) by its CUfunction handle."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Describing a call
+
+
+def describe(call: RoPECall) -> Launch:
+    """The forward launch of a checked call."""
+    spec = call.spec
+    return Launch(
+        call.tensors, spec.layout, spec.interleaved, float(spec.cos_sin_scale), spec.cp_size,
+        spec.cp_rank, call.table_kind, 0 if call.start_positions is None and call.positions is None
+        else 1 if call.positions is None else 2, call.split, False, call.in_place,
+        call.grad_in_place,
+    )
+
+
+def call_tables(call: RoPECall) -> Tables:
+    """A checked call's tables with their flags (:mod:`backends.triton_tables`); q and k of a
+    packed call with a table each read both alike, flagged or not."""
+    spec, index = call.spec, position_index(call)
+    rows = tt.rows_read(call.t, spec.layout, index)
+    tab, sin, cu = tt.call_tables(call, rows)
+    if call.k_table is None:
+        return Tables(tab, sin, cu, index)
+    q_tables = tt.flagged_tables(call.table, rows)
+    k_tables = tt.flagged_tables(call.k_table, rows)
+    if (q_tables[1] is None) != (k_tables[1] is None):
+        q_tables, k_tables = kernel_tables(call.table), kernel_tables(call.k_table)
+    return Tables(*q_tables, spec.cu_seqlens, index, *k_tables)
+
+
+def _current(tabs: Tables, layout: str) -> Tables:
+    """``tabs`` with their flags checked again (a written table, CUDA graph capture or the
+    switch turned off since: ``None``, the rows read) and index tensors made contiguous."""
+    table, sin, cu, index, k_table, k_sin = tabs
+    if sin is not None and sin.dtype is FLAG:
+        shared = k_sin is sin
+        sin = tt.current_flag(table, sin)
+        if k_sin is not None:
+            k_sin = sin if shared or sin is None else tt.current_flag(k_table, k_sin)
+            if k_sin is None:
+                sin = None
+    if cu is not None and layout != "thd":
+        cu = tt.current_halves(table, sin, cu)
+    elif cu is not None and not cu.is_contiguous():
+        cu = cu.contiguous()
+    if index is not None and not index.is_contiguous():
+        index = index.contiguous()
+    return Tables(table, sin, cu, index, k_table, k_sin)
+
+
+def outputs(launch: Launch, inputs: Sequence[torch.Tensor],
+            strides: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, ...]:
+    """New outputs of an out-of-place launch: like each input (in ``strides`` where given,
+    else contiguous); a packed qkv's q ``[.., h * q/d, d]``, k and v, or its packed gradient."""
+    if launch.tensors == "qkv":
+        q_len, d, v_len = launch.split
+        if launch.backward:
+            gk = inputs[1]
+            shape = (*gk.shape[:-1], q_len + d + v_len)
+            given = None if strides is None else strides[0]
+            return (gk.new_empty(shape) if given is None else gk.new_empty_strided(shape, given),)
+        qkv = inputs[0]
+        lead, heads = qkv.shape[:-2], qkv.shape[-2]
+        return (qkv.new_empty(*lead, heads * (q_len // d), d), qkv.new_empty(*lead, heads, d),
+                qkv.new_empty(*lead, heads, v_len))
+    if strides is None:
+        return tuple(x.new_empty(x.shape) for x in inputs)
+    return tuple(x.new_empty(x.shape) if s is None else x.new_empty_strided(x.shape, s)
+                 for x, s in zip(inputs, strides))
+
+
+def dense_strides(x: torch.Tensor) -> list[int] | None:
+    """``x``'s strides when it is dense but not contiguous (so a gradient can share its layout);
+    ``None`` for contiguous or non-dense tensors (the gradient is then contiguous)."""
+    if x.is_contiguous():
+        return None
+    expected = 1
+    for dim in sorted(range(x.dim()), key=lambda i: x.stride(i)):
+        size = x.shape[dim]
+        if size == 1:
+            continue
+        if x.stride(dim) != expected:
+            return None
+        expected *= size
+    return list(x.stride())
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher
+
+Segment = tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...]]
+"""One of q, k, v as the segment kernel sees it: ``(base tensor, element offset, shape,
+strides)`` of a grouped view ``[n0, n1, groups, group, d]`` (``[T, groups, group, d]`` for
+thd), where head ``g * group + j`` lies at ``g * s_group + j * s_head``."""
+
+
+def packed_segments(qkv: torch.Tensor, split: Sequence[int]) -> tuple[Segment, Segment, Segment]:
+    """q, k and v of a packed ``[.., h, q + k + v]`` tensor (``d = k``)."""
+    q_len, d, v_len = split
+    *lead, heads, _ = qkv.shape
+    *lead_strides, s_head, s_chan = qkv.stride()
+    strides = (*lead_strides, s_head, d * s_chan, s_chan)
+    return (
+        (qkv, 0, (*lead, heads, q_len // d, d), strides),
+        (qkv, q_len * s_chan, (*lead, heads, 1, d), strides),
+        (qkv, (q_len + d) * s_chan, (*lead, heads, v_len // d, d), strides),
+    )
+
+
+def head_segment(t: torch.Tensor, group: int) -> Segment:
+    """A ``[.., H, d]`` tensor as ``H / group`` groups of ``group`` heads."""
+    *lead, heads, d = t.shape
+    *lead_strides, s_head, s_chan = t.stride()
+    return (t, 0, (*lead, heads // group, group, d), (*lead_strides, group * s_head, s_head, s_chan))
+
+
+def width_segment(t: torch.Tensor, d: int) -> Segment:
+    """A ``[.., h, n * d]`` tensor (k or v of a packed call) as ``h`` groups of ``n`` heads."""
+    *lead, heads, width = t.shape
+    *lead_strides, s_head, s_chan = t.stride()
+    return (t, 0, (*lead, heads, width // d, d), (*lead_strides, s_head, d * s_chan, s_chan))
+
+
+def _segments(launch: Launch, inputs: Sequence[torch.Tensor],
+              outs: Sequence[torch.Tensor]) -> tuple[tuple[Segment, Segment], ...]:
+    """(input, output) segment pairs of a q and k or packed qkv launch: q, k and v (k again
+    where there is no v: the kernel's v programs then do nothing)."""
+    if launch.tensors == "qk":
+        q, k = (head_segment(x, 1) for x in inputs)
+        q_out, k_out = (head_segment(x, 1) for x in outs)
+        return (q, q_out), (k, k_out), (k, k_out)
+    q_len, d, _ = launch.split
+    if launch.backward:
+        grads = (head_segment(inputs[0], q_len // d), width_segment(inputs[1], d),
+                 width_segment(inputs[2], d))
+        return tuple(zip(grads, packed_segments(outs[0], launch.split)))
+    made = (head_segment(outs[0], q_len // d), width_segment(outs[1], d),
+            width_segment(outs[2], d))
+    return tuple(zip(packed_segments(inputs[0], launch.split), made))
+
+
+def _pointers(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+              tabs: Tables) -> tuple[tuple[torch.Tensor, int], ...]:
+    """The kernel's pointer arguments as ``(tensor, byte offset)``: the data's (one tensor: in,
+    out; segments: q, k, v in and out), then the tables', cu_seqlens' and index's (absent ones
+    point at the table)."""
+    table = tabs.table
+    k_table = table if tabs.k_table is None else tabs.k_table
+    k_sin = tabs.sin if tabs.k_table is None else tabs.k_sin
+    tail = (
+        (table, 0), (table if tabs.sin is None else tabs.sin, 0),
+        *(((k_table, 0), (k_table if k_sin is None else k_sin, 0))
+          if launch.tensors != "t" else ()),
+        (table if tabs.cu is None else tabs.cu, 0), (table if tabs.index is None else tabs.index, 0),
+    )
+    if launch.tensors == "t":
+        return ((inputs[0], 0), (outs[0], 0), *tail)
+    size = inputs[0].element_size()
+    data = tuple((seg[0], seg[1] * size) for pair in _segments(launch, inputs, outs) for seg in pair)
+    return (*data, *tail)
+
+
+def _table_form(table: torch.Tensor, sin: torch.Tensor | None) -> tuple:
+    """What of a table pair a compiled launch depends on."""
+    if sin is None:
+        return table.dtype, table.shape[1]
+    return table.dtype, table.shape[1], sin.dtype, sin.shape[-1], tt.is_rates(table, sin)
+
+
+def _key(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+         tabs: Tables, addresses: Sequence[int]) -> LaunchKey:
+    layouts = tuple((x.shape, x.stride()) for x in (*inputs, *outs))
+    forms = (
+        inputs[0].dtype, tabs.table.shape[0], _table_form(tabs.table, tabs.sin),
+        None if tabs.k_table is None else (tabs.k_table.shape[0],
+                                           _table_form(tabs.k_table, tabs.k_sin)),
+        None if tabs.cu is None else (tabs.cu.dtype, tabs.cu.shape),
+        None if tabs.index is None else (tabs.index.dtype, tabs.index.dim()),
+    )
+    aligned = sum(1 << i for i, a in enumerate(addresses) if not a & 15)
+    return LaunchKey(launch, layouts, forms, aligned, inputs[0].get_device())
+
+
+def _single_arguments(
+    launch: Launch, x: torch.Tensor, out: torch.Tensor, tabs: Tables, config: tiles.Config | None,
+) -> tuple[Any, tuple, tuple, dict, int] | None:
+    """The kernel, grid, integer arguments, constants and warps of a one-tensor launch: the lean
+    kernel where it fits (``LEAN_MAX_BYTES``), else the general one."""
+    kernels = _load_kernels()
+    table, sin, cu_seqlens, positions = tabs[:4]
+    shape = x.shape
+    heads, head_dim = shape[-2], shape[-1]
+    code = LAYOUT_CODES[launch.layout]
+    if code == 2:
+        n_tokens, dim1, seq_len = shape[0], 1, shape[0]
+        sx0, sxh, sxd = x.stride()
+        so0, soh, sod = out.stride()
+        sx1 = so1 = 0
+        n_seqs = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1  # none: per-token positions
+    else:
+        n0, dim1 = shape[0], shape[1]
+        n_tokens = n0 * dim1
+        sx0, sx1, sxh, sxd = x.stride()
+        so0, so1, soh, sod = out.stride()
+        seq_len = n0 if code == 0 else dim1
+        n_seqs = 0
+    if n_tokens == 0 or heads == 0:
+        return None
+    rotary_dim = table.shape[1]
+    width = rotary_dim if launch.in_place else head_dim  # the channels a token moves
+    flags = tt.table_flags(table, sin)
+    use_cache, paired, rates, linear = flags
+    backward, interleaved, scale = launch.backward, launch.interleaved, launch.scale
+    if config is None and (
+        code != 2 and positions is None and launch.cp_size == 1 and seq_len <= table.shape[0]
+        and x.numel() * x.element_size() <= tiles.LEAN_MAX_BYTES
+        and x.is_contiguous() and (out is x or out.is_contiguous())
+    ):
+        grid, ints, consts = _lean_arguments(
+            n_tokens, dim1, heads, head_dim, width, rotary_dim, x.element_size(), code,
+            interleaved, flags, backward, scale, kernels.INTERPRETED)
+        return kernels.rope_lean_kernel, grid, ints, consts, tiles.WARPS
+    if config is None:
+        sms = 1 if kernels.INTERPRETED else tiles.sm_count(x.device.index)
+        config = tiles.choose_config(
+            n_tokens, heads, width, rotary_dim, x.element_size(), interleaved, sms,
+            tiles.tile_tokens(flags, table, rotary_dim, interleaved), tiles.reads_cache_rows(flags),
+            span_dim=head_dim, sines=not use_cache,
+        )
+    block_t, block_h, head_iters, block_r, block_p, num_warps = config
+    halves = code != 2 and cu_seqlens is not None  # the halves flag (the lean kernel reads rows)
+    grid = tiles.launch_grid(-(-heads // (block_h * head_iters)), -(-n_tokens // block_t))
+    ints = (n_tokens, dim1, *tiles.division_magic(dim1), seq_len, table.shape[0], heads, n_seqs,
+            launch.cp_size, launch.cp_rank, sx0, sx1, sxh, sxd, so0, so1, soh, sod)
+    consts = dict(
+        LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim, INTERLEAVED=interleaved,
+        USE_CACHE=use_cache, PAIRED=paired, RATES=rates, LINEAR=linear,
+        POSITIONS=tt.position_kind(positions), CONTEXT_PARALLEL=launch.cp_size > 1,
+        BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
+        BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
+        SEQ_BLOCK=tiles.next_pow2(n_seqs + 1) if 0 < n_seqs < tiles.SEQ_SCAN_LIMIT else 0,
+        SCALE=scale,
+        SHARED_ROWS=tiles.shared_rows(block_t, block_h, use_cache, lean=False) and not halves,
+        HALVES=halves,
+    )
+    return kernels.rope_kernel, grid, ints, consts, num_warps
+
+
+def _lean_arguments(
+    n_tokens: int, dim1: int, heads: int, head_dim: int, width: int, rotary_dim: int,
+    element_size: int, code: int, interleaved: bool, flags: tuple[bool, bool, bool, bool],
+    backward: bool, scale: float, interpreted: bool,
+) -> tuple[tuple[int, int, int], tuple[int, ...], dict[str, Any]]:
+    """The lean kernel's grid, integer arguments and constants at :func:`tiles.lean_tile`'s
+    tile (``width``: the channels a head moves, ``head_dim`` its stride)."""
+    block_t, block_h = tiles.lean_tile(n_tokens, heads, width, element_size)
+    use_cache, paired, rates, linear = flags
+    block_r = tiles.next_pow2(rotary_dim if interleaved else rotary_dim // 2)
+    vector = tiles.lean_vector(block_t, block_h, block_r, interleaved, use_cache)
+    grid = (-(-n_tokens // block_t) * -(-heads // block_h), 1, 1)
+    consts = dict(
+        LAYOUT=code, HEADS=heads, HEAD_DIM=head_dim, ROT_DIM=rotary_dim,
+        PASS_DIM=width - rotary_dim, INTERLEAVED=interleaved, USE_CACHE=use_cache, PAIRED=paired,
+        RATES=rates, LINEAR=linear, BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_R=block_r, BLOCK_P=tiles.next_pow2(width - rotary_dim), FAST_TRIG=not interpreted,
+        SCALE=float(scale),
+        # a thread's own channels' sines need no exchange
+        SHARED_ROWS=tiles.shared_rows(block_t, block_h, use_cache) and vector == block_r,
+        VECTOR=vector, ONE_SEQUENCE=dim1 == (1 if code == 0 else n_tokens),
+    )
+    return grid, (n_tokens, dim1, *tiles.division_magic(dim1)), consts
+
+
+def _segment_arguments(
+    launch: Launch, pairs: tuple[tuple[Segment, Segment], ...], tabs: Tables,
+    config: tiles.Config | None,
+) -> tuple[Any, tuple, tuple, dict, int] | None:
+    """:func:`_single_arguments` of a q and k or packed qkv launch (``rope_qkv_kernel``)."""
+    kernels = _load_kernels()
+    has_v = launch.tensors == "qkv"
+    table, sin, cu_seqlens, positions = tabs[:4]
+    k_rows = table.shape[0] if tabs.k_table is None else tabs.k_table.shape[0]
+    shape = pairs[0][0][2]
+    thd = launch.layout == "thd"
+    if thd:
+        n_seqs = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1  # none: per-token positions
+        n_tokens, dim1, seq_len = shape[0], 1, shape[0]
+    else:
+        n_tokens, dim1, n_seqs = shape[0] * shape[1], shape[1], 0
+        seq_len = shape[0] if launch.layout == "sbhd" else shape[1]
+    heads = tuple(x[2][-3] * x[2][-2] for x, _ in pairs)
+    if n_tokens == 0 or min(heads) == 0:
+        return None
+    strides = tuple(
+        stride for x, out in pairs for seg in (x, out)
+        for stride in ((seg[3][0], 0, *seg[3][1:]) if thd else seg[3])
+    )
+    size = pairs[0][0][0].element_size()
+    rotary_dim = table.shape[1]
+    head_dim = rotary_dim if launch.in_place else shape[-1]  # the channels a token moves
+    flags = tt.table_flags(table, sin)  # k's table is of q's kind
+    if config is None:
+        sms = 1 if kernels.INTERPRETED else tiles.sm_count(pairs[0][0][0].device.index)
+        config = tiles.choose_config(
+            n_tokens, heads if has_v else heads[:2], head_dim, rotary_dim, size,
+            launch.interleaved, sms, tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
+            tiles.reads_cache_rows(flags), span_dim=shape[-1], sines=not flags[0])
+    block_t, block_h, head_iters, block_r, block_p, num_warps = config
+    groups = [-(-n // (block_h * head_iters)) for n in heads]
+    grid = tiles.launch_grid(sum(groups) if has_v else groups[0] + groups[1],
+                             -(-n_tokens // block_t))
+    ints = (n_tokens, dim1, *tiles.division_magic(dim1), seq_len, table.shape[0], k_rows, n_seqs,
+            launch.cp_size, launch.cp_rank,
+            *(n for x, _ in pairs for n in (x[2][-3] * x[2][-2], x[2][-2])), *strides)
+    use_cache, paired, rates, linear = flags
+    consts = dict(
+        LAYOUT=LAYOUT_CODES[launch.layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
+        INTERLEAVED=launch.interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates,
+        LINEAR=linear, POSITIONS=tt.position_kind(positions),
+        CONTEXT_PARALLEL=launch.cp_size > 1, BACKWARD=launch.backward, BLOCK_T=block_t,
+        BLOCK_H=block_h, HEAD_ITERS=head_iters, BLOCK_R=block_r, BLOCK_P=block_p,
+        FAST_TRIG=not kernels.INTERPRETED,
+        SEQ_BLOCK=tiles.next_pow2(n_seqs + 1) if 0 < n_seqs < tiles.SEQ_SCAN_LIMIT else 0,
+        HAS_V=has_v, V_WIDTH=head_dim, BLOCK_W=tiles.next_pow2(head_dim), SCALE=launch.scale,
+        HALVES=not thd and cu_seqlens is not None,
+    )
+    return kernels.rope_qkv_kernel, grid, ints, consts, num_warps
+
+
+def _view(segment: Segment) -> torch.Tensor:
+    base, offset, shape, strides = segment
+    return base.as_strided(shape, strides, base.storage_offset() + offset)
+
+
+def launch(
+    described: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tabs: Tables,
+    config: tiles.Config | None = None,
+) -> LaunchKey | None:
+    """Run ``described`` from ``inputs`` into ``outs`` (``outs`` is ``inputs`` in place); returns
+    its key in the compiled-launch cache (``None`` where it is not kept: the interpreter, a
+    ``config`` given, an empty call). No host sync, no allocation but index copies of
+    non-contiguous index tensors. The current CUDA device must be the inputs'."""
+    kernels = _load_kernels()
+    tabs = _current(tabs, described.layout)
+    sources = _pointers(described, inputs, outs, tabs)
+    addresses = tuple(t.data_ptr() + offset for t, offset in sources)
+    key = None
+    if config is None and not kernels.INTERPRETED:
+        key = _key(described, inputs, outs, tabs, addresses)
+        entry = _compiled.get(key)
+        if entry is not None:
+            entry.run(*entry.grid, current_stream(key.device), *entry.prefix, *addresses,
+                      *entry.tail)
+            return key
+    if described.tensors == "t":
+        chosen = _single_arguments(described, inputs[0], outs[0], tabs, config)
+        tensors = tuple(t for t, _ in sources)
+    else:
+        pairs = _segments(described, inputs, outs)
+        chosen = _segment_arguments(described, pairs, tabs, config)
+        tensors = (*(_view(seg) for pair in pairs for seg in pair), *(t for t, _ in sources[6:]))
+    if chosen is None:
+        return None
+    kernel, grid, ints, consts, num_warps = chosen
+    compiled = kernel[grid](*tensors, *ints, num_warps=num_warps, **consts)
+    if key is not None and compiled is not None and not _hooks_active():
+        ordered = tuple(consts[name] for name in kernel.arg_names[len(tensors) + len(ints):])
+        if len(_compiled) > 4096:
+            _compiled.clear()
+        _compiled[key] = Compiled(*_direct_launcher(compiled), grid, ints + ordered)
+    return key
+
+
+def _hooks_active() -> bool:
+    """Whether a profiler registered Triton launch hooks (then launch the documented way)."""
+    from triton import knobs
+
+    runtime = knobs.runtime
+    return bool(getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)) or bool(
+        getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook)
+    )
+
+
+def _direct_launcher(compiled: Any) -> tuple[Any, tuple]:
+    """``(fn, prefix)`` such that ``fn(gx, gy, gz, stream, *prefix, *kernel_args)`` launches
+    ``compiled`` as Triton's own launch does, minus its per-call Python bookkeeping: Triton's
+    C ``launch`` (which also takes the cooperative-grid and PDL flags and two scratch buffers,
+    none of which our kernels use), or where that layout is not found the launcher object."""
+    runner = compiled.run
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if isinstance(signature, dict):
+        kernel_types[compiled.function] = tuple(signature.values())
+    launch_c = getattr(runner, "launch", None)
+    if (
+        launch_c is not None
+        and getattr(runner, "global_scratch_size", 1) == 0
+        and getattr(runner, "profile_scratch_size", 1) == 0
+        and hasattr(runner, "launch_cooperative_grid")
+        and hasattr(runner, "launch_pdl")
+    ):
+        prefix = (
+            compiled.function, runner.launch_cooperative_grid, runner.launch_pdl, None, None,
+            compiled.packed_metadata, None, None, None,
+        )
+        return launch_c, prefix
+    return runner, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bound launches: a compiled launch with its constant arguments, run from a call's tensors
+
+
+class BoundLaunch:
+    """``bound(stream, *tensors)`` runs a compiled launch whose per-call pointers come from
+    ``tensors`` (the call's inputs, then its index tensor or an address standing for none):
+    allocates the outputs, fills their addresses and launches; returns the one output, a
+    tuple, or ``None`` in place, or ``NotImplemented`` (launching nothing) where a tensor is
+    not 16-byte aligned. The C launcher (``direct_launch``) does it in one call where it can
+    be built; this class is its Python twin."""
+
+    __slots__ = ("run", "prefix", "grid", "args", "takes", "makes", "fills")
+
+    def __init__(self, entry: Compiled, args: tuple, takes: tuple, makes: tuple, fills: tuple):
+        self.run, self.prefix, self.grid = entry.run, entry.prefix, entry.grid
+        self.args, self.takes, self.makes, self.fills = args, takes, makes, fills
+
+    def __call__(self, stream: int, *tensors: Any) -> Any:
+        addresses = [t if type(t) is int else t.data_ptr() for t in tensors]
+        if any(a & 15 for t, a in zip(tensors, addresses) if type(t) is not int):
+            return NotImplemented
+        made = tuple(tensors[i].new_empty(shape) for i, shape in self.makes)
+        args = list(self.args)
+        for i, slot, offset in self.takes:
+            args[slot] = addresses[i] + offset
+        for i, slot, offset in self.fills:
+            args[slot] = made[i].data_ptr() + offset
+        self.run(*self.grid, stream, *self.prefix, *args)
+        return made[0] if len(made) == 1 else made or None
+
+
+class Slots(NamedTuple):
+    """Where a bound launch's pointers come from: fixed addresses (``pointers``; 0 where they
+    vary), ``takes`` ``(tensor, argument, byte offset)`` from the tensors a call passes (its
+    inputs, then its index or an address standing for none), ``makes`` ``(tensor, shape)``
+    outputs to allocate like a tensor, ``fills`` ``(output, argument, byte offset)``."""
+
+    pointers: tuple[int, ...]
+    takes: tuple[tuple[int, int, int], ...]
+    makes: tuple[tuple[int, tuple[int, ...]], ...]
+    fills: tuple[tuple[int, int, int], ...]
+    tensors: int
+
+
+def slots(sources: Sequence[tuple[torch.Tensor, int]], inputs: Sequence[torch.Tensor],
+          outs: Sequence[torch.Tensor], index: torch.Tensor | None) -> Slots:
+    """The :class:`Slots` of a launch's pointer ``sources`` (:func:`_pointers`) for calls whose
+    inputs, new outputs (none in place: ``outs`` is ``inputs``) and index tensor vary."""
+    in_place = outs is inputs
+    pointers, takes, fills = [], [], []
+    for slot, (t, offset) in enumerate(sources):
+        given = next((i for i, x in enumerate(inputs) if t is x), None)
+        made = None if in_place else next((i for i, x in enumerate(outs) if t is x), None)
+        if given is not None:
+            takes.append((given, slot, offset))
+        elif index is not None and t is index:
+            takes.append((len(inputs), slot, offset))
+        elif made is not None:
+            fills.append((made, slot, offset))
+        pointers.append(0 if given is not None or made is not None or t is index
+                        else t.data_ptr() + offset)
+    makes = () if in_place else tuple((0, tuple(o.shape)) for o in outs)
+    return Slots(tuple(pointers), tuple(takes), makes, tuple(fills), len(inputs) + 1)
+
+
+def bound(entry: Compiled, where: Slots) -> Any:
+    """``entry`` bound to ``where``: the C launcher's one call where it can be built, else
+    :class:`BoundLaunch`."""
+    args = where.pointers + entry.tail
+    direct = direct_launch.bind(entry.prefix, entry.grid, kernel_types.get(entry.prefix[0]),
+                                args, where.tensors, where.takes, where.makes, where.fills)
+    if direct is not None:
+        return direct
+    return BoundLaunch(entry, args, where.takes, where.makes, where.fills)
