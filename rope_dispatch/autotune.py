@@ -56,7 +56,8 @@ from typing import Any
 
 import torch
 
-from .call import RoPECall, reads_values, size_bucket
+from . import registry
+from .call import RoPECall, reads_values, size_bucket, stride_class
 from .registry import Backend
 from .tracing import constant_while_tracing
 
@@ -273,8 +274,6 @@ def environment_dir(device: torch.device | str) -> Path:
 
 def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple:
     """The call-dependent part of the key as a tuple of plain values (traceable by Dynamo)."""
-    from .dispatch import stride_class
-
     t = call.t
     return (
         tuple({**call.spec.static_fields(), "rotary_dim": call.rotary_dim}.items()),
@@ -939,15 +938,13 @@ def clear_cache(memory_only: bool = False) -> int:
     Only this module's files are removed: entries, environment files and stale temporaries
     (written over ``_STALE_SECONDS`` ago; a younger one may be another process's write).
     """
-    from . import dispatch
-
     with _lock:
         _memory.clear()
         _warned.clear()
         _unwritable.clear()
         _failed_backends.clear()
         _pending.clear()
-        dispatch.clear_decisions()
+        registry.invalidate()
         if memory_only:
             return 0
         removed = 0

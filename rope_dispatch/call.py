@@ -90,6 +90,14 @@ class RoPECall(NamedTuple):
         return table_kind(self.table)
 
 
+def stride_class(t: torch.Tensor) -> str:
+    """``contiguous``, ``unit-last`` (rows strided, channels packed) or ``strided``: what of a
+    tensor's layout dispatch's and autotune's keys hold."""
+    if t.is_contiguous():
+        return "contiguous"
+    return "unit-last" if t.stride(-1) == 1 else "strided"
+
+
 def position_index(call: RoPECall) -> torch.Tensor | None:
     """The call's index tensor as every backend's kernels take it: ``start_positions``, 1-D
     (one per sequence), or the per-token ``positions``, 2-D in token order (``[s, b]``,

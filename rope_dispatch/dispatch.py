@@ -25,7 +25,7 @@ from . import autotune, registry
 from . import call as call_module
 from .call import (
     RoPECall, check_call, env_raw_reader, env_reader, grad_leaf, reads_values, size_bucket,
-    table_grad_wanted,
+    stride_class, table_grad_wanted,
 )
 from .errors import BackendNotSupportedError, NoBackendError
 from .guards import Guard, tensor_guard
@@ -48,6 +48,9 @@ def clear_decisions() -> None:
     _exact.clear()
     forget_plans()
     _size_limits.cache_clear()
+
+
+registry.on_invalidate(clear_decisions)
 
 
 def forget_plans() -> None:
@@ -102,13 +105,6 @@ def _scoped_or_env_backend() -> tuple[str | None, str]:
 
 _forced_get = _forced.get
 _env_backend_raw, _ = env_raw_reader("ROPE_BACKEND")
-
-
-def stride_class(t: torch.Tensor) -> str:
-    """``contiguous``, ``unit-last`` (rows strided, channels packed) or ``strided``."""
-    if t.is_contiguous():
-        return "contiguous"
-    return "unit-last" if t.stride(-1) == 1 else "strided"
 
 
 def decision_key(call: RoPECall, forced: str | None) -> tuple:

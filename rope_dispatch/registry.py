@@ -201,14 +201,28 @@ def _load_built_ins() -> bool:
     return True
 
 
+_on_invalidate: list[Callable[[], None]] = []
+
+
+def on_invalidate(callback: Callable[[], None]) -> None:
+    """Have ``callback`` run whenever decisions made so far may no longer hold: a backend
+    registered or removed, measurements forgotten. Dispatch subscribes its caches, so this
+    module never imports it."""
+    _on_invalidate.append(callback)
+
+
+def invalidate() -> None:
+    """Tell every subscriber (:func:`on_invalidate`) that cached decisions are stale."""
+    for callback in _on_invalidate:
+        callback()
+
+
 def register(backend: Backend) -> Backend:
     """Add a backend instance under its ``name`` (a later registration replaces an earlier one,
     a built-in one included)."""
     _load_built_ins()
     _REGISTRY[backend.name] = backend
-    from . import dispatch  # a new backend invalidates cached decisions
-
-    dispatch.clear_decisions()
+    invalidate()
     return backend
 
 
@@ -216,9 +230,7 @@ def unregister(name: str) -> Backend:
     """Remove the backend registered as ``name`` and return it (tests, plugins being unloaded)."""
     backend = get_backend(name)
     del _REGISTRY[name]
-    from . import dispatch
-
-    dispatch.clear_decisions()
+    invalidate()
     return backend
 
 
