@@ -27,7 +27,7 @@ from .call import (
     RoPECall, check_call, env_raw_reader, env_reader, grad_leaf, reads_values, size_bucket,
     stride_class, table_grad_wanted,
 )
-from .errors import BackendNotSupportedError, NoBackendError
+from .errors import BackendNotSupportedError, NoBackendError, RoPETypeError
 from .guards import Guard, tensor_guard
 from .registry import Backend
 from .spec import RoPESpec
@@ -412,7 +412,7 @@ def apply_qk(
     Returns new ``(q_out, k_out)``, contiguous; differentiable with respect to both.
     """
     if k is None:
-        raise TypeError("k must be a torch.Tensor, got None; use rope_dispatch.apply for q alone")
+        raise RoPETypeError("k must be a torch.Tensor, got None; use rope_dispatch.apply for q alone")
     return _run(q, freqs, spec, start_positions, backend, False, False, None, None, positions, k)
 
 
@@ -430,7 +430,7 @@ def apply_qk_(
     """:func:`apply_qk` in place: rotates the first ``d2`` channels of q and k, in one launch,
     and returns ``(q, k)`` (see :func:`apply_` for the in-place rules and ``grad_in_place``)."""
     if k is None:
-        raise TypeError("k must be a torch.Tensor, got None; use rope_dispatch.apply_ for q alone")
+        raise RoPETypeError("k must be a torch.Tensor, got None; use rope_dispatch.apply_ for q alone")
     return _run(q, freqs, spec, start_positions, backend, True, grad_in_place, None, None,
                 positions, k)
 
