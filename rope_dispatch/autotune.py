@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from . import registry
-from .call import RoPECall, reads_values, size_bucket, stride_class
+from .call import CallKey, RoPECall, call_key, reads_values
 from .registry import Backend
 from .tracing import constant_while_tracing
 
@@ -272,49 +272,16 @@ def environment_dir(device: torch.device | str) -> Path:
     return cache_dir() / _environment_for(*_device_id(torch.device(device)))[2]
 
 
-def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple:
-    """The call-dependent part of the key as a tuple of plain values (traceable by Dynamo)."""
-    t = call.t
-    return (
-        tuple({**call.spec.static_fields(), "rotary_dim": call.rotary_dim}.items()),
-        tuple(size_bucket(n) for n in t.shape),
-        size_bucket(call.batch),
-        stride_class(t),
-        call.table_kind,
-        call.start_positions is not None,
-        bool(t.requires_grad and torch.is_grad_enabled()),
-        tuple(sorted(b.name for b in candidates)),
-        call.in_place,
-        call.split,
-        call.positions is not None,
-        None if call.k is None else tuple(size_bucket(n) for n in call.k.shape),
-    )
+def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple[CallKey, tuple[str, ...]]:
+    """The call-dependent part of the key: the call's :class:`~rope_dispatch.call.CallKey`
+    (dispatch's key too) and the candidates' names (traceable by Dynamo)."""
+    return call_key(call), tuple(sorted(b.name for b in candidates))
 
 
-def key_fields(signature: tuple) -> dict[str, Any]:
-    """:func:`call_signature` as the named JSON fields stored in each entry (``in_place``,
-    ``split`` and per-token ``positions`` only when set, so the keys of single-tensor calls that
-    return a new tensor are those of earlier versions)."""
-    spec, shape, sequences, stride, table, starts, grad, names, in_place, split, per_token, k = signature
-    fields = {
-        "spec": dict(spec),
-        "shape_bucket": list(shape),
-        "sequences_bucket": sequences,
-        "stride": stride,
-        "table": table,
-        "start_positions": starts,
-        "requires_grad": grad,
-        "candidates": list(names),
-    }
-    if in_place:
-        fields["in_place"] = True
-    if split is not None:
-        fields["qkv_split"] = list(split)
-    if per_token:
-        fields["positions"] = True
-    if k is not None:
-        fields["k_shape_bucket"] = list(k)
-    return fields
+def key_fields(signature: tuple[CallKey, tuple[str, ...]]) -> dict[str, Any]:
+    """:func:`call_signature` as the named JSON fields stored in each entry."""
+    key, names = signature
+    return {**key.fields(), "candidates": list(names)}
 
 
 def cache_key(device: torch.device, signature: tuple) -> CacheKey:

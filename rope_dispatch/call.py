@@ -13,16 +13,17 @@ range. Nothing is read while ``torch.compile`` traces or a CUDA graph is capture
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
 from .errors import RoPEError, RoPETypeError
-from .spec import RoPESpec, dtype_name
+from .spec import STATIC_FIELDS, RoPESpec, dtype_name
 from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
     table_requires_grad, table_shape,
@@ -88,6 +89,75 @@ class RoPECall(NamedTuple):
     def table_kind(self) -> str:
         """``"angles"``, ``"cos_sin_cache"``, ``"pair_cos_sin_cache"`` or ``"rates"``."""
         return table_kind(self.table)
+
+
+class CallKey(NamedTuple):
+    """What choosing a backend for a call may depend on: dispatch keeps its decisions under it,
+    and autotune stores its measurements under its fields (:meth:`fields`) with the candidates
+    and the environment. Sizes enter as power-of-two buckets."""
+
+    spec: tuple
+    """The spec's static key (``RoPESpec.static_key``), then the table's rotary dim."""
+    device_type: str
+    device_index: int | None
+    shape_bucket: tuple
+    sequences_bucket: int
+    stride: str
+    table: str
+    start_positions: bool
+    positions: bool
+    requires_grad: bool
+    in_place: bool
+    split: tuple[int, int, int] | None
+    k_shape_bucket: tuple | None
+    positions_bounded: bool
+    """Every position known inside the table (a backend that cannot guard reads needs it)."""
+    table_grad: bool
+    """The table itself wants a gradient."""
+    size_class: int = 0
+    """Which side of every declared element-count limit the call is on (dispatch's)."""
+    grid_axis: bool = False
+    """A dimension passes a secondary grid axis's 65,535 blocks."""
+
+    def fields(self) -> dict:
+        """The named JSON fields autotune stores (``in_place``, ``qkv_split``, per-token
+        ``positions`` and ``k_shape_bucket`` only when set, so single-tensor calls that
+        return a new tensor keep the keys of earlier versions)."""
+        fields = {
+            "spec": dict(zip((*STATIC_FIELDS, "rotary_dim"), self.spec)),
+            "shape_bucket": list(self.shape_bucket),
+            "sequences_bucket": self.sequences_bucket, "stride": self.stride,
+            "table": self.table, "start_positions": self.start_positions,
+            "requires_grad": self.requires_grad,
+        }
+        if self.in_place:
+            fields["in_place"] = True
+        if self.split is not None:
+            fields["qkv_split"] = list(self.split)
+        if self.positions:
+            fields["positions"] = True
+        if self.k_shape_bucket is not None:
+            fields["k_shape_bucket"] = list(self.k_shape_bucket)
+        return fields
+
+
+GRID_AXIS_LIMIT = 65536
+
+
+def call_key(call: RoPECall, size_limits: Sequence[int] = ()) -> CallKey:
+    """The :class:`CallKey` of a checked call (traceable: plain values, sizes compared);
+    ``size_limits``: the sorted element-count limits backends declare."""
+    t = call.t
+    return CallKey(
+        (*call.spec.static_key, call.rotary_dim), t.device.type, t.device.index,
+        tuple(size_bucket(n) for n in t.shape), size_bucket(call.batch), stride_class(t),
+        call.table_kind, call.start_positions is not None, call.positions is not None,
+        bool(t.requires_grad and torch.is_grad_enabled()), call.in_place, call.split,
+        None if call.k is None else tuple(size_bucket(n) for n in call.k.shape),
+        call.positions_bounded, table_grad_wanted(call.table, call.k_table),
+        bisect.bisect_left(size_limits, t.numel()) if size_limits else 0,
+        max(call.seq_len, call.batch) >= GRID_AXIS_LIMIT,
+    )
 
 
 def stride_class(t: torch.Tensor) -> str:

@@ -4,13 +4,13 @@ Order of choice: ``backend=`` argument > :func:`use_backend` scope > ``ROPE_BACK
 autotune cache (a one-time measurement) > priority. A forced backend that cannot serve the call
 raises with its reasons; it never falls back silently.
 
-A decision is cached per :func:`decision_key` (the spec's static fields plus cheap tensor
-properties), so a training step pays a tuple build and a dict lookup, not the checks.
+A decision is cached per :func:`decision_key` (the call's :class:`~rope_dispatch.call.CallKey`,
+which autotune's measurements are stored under too), so a call that is not planned pays the
+key and a dict lookup, not the checks; planned calls (the second of a form on) pay neither.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import contextvars
 import functools
@@ -24,8 +24,7 @@ import torch
 from . import autotune, registry
 from . import call as call_module
 from .call import (
-    RoPECall, check_call, env_raw_reader, env_reader, grad_leaf, reads_values, size_bucket,
-    stride_class, table_grad_wanted,
+    CallKey, RoPECall, call_key, check_call, env_raw_reader, env_reader, grad_leaf, reads_values,
 )
 from .errors import BackendNotSupportedError, NoBackendError, RoPETypeError
 from .guards import Guard, tensor_guard
@@ -36,16 +35,13 @@ from .tracing import constant_while_tracing
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rope_backend", default=None)
 _decisions: dict[tuple, tuple[Backend, str]] = {}
-_exact: dict[tuple, Backend] = {}
 _MAX_DECISIONS = 4096
 _INT32_LIMIT = 2**31
-_GRID_AXIS_LIMIT = 65536
 
 
 def clear_decisions() -> None:
     """Forget cached decisions (after registering a backend or clearing the autotune cache)."""
     _decisions.clear()
-    _exact.clear()
     forget_plans()
     _size_limits.cache_clear()
 
@@ -107,35 +103,11 @@ _forced_get = _forced.get
 _env_backend_raw, _ = env_raw_reader("ROPE_BACKEND")
 
 
-def decision_key(call: RoPECall, forced: str | None) -> tuple:
-    """What a backend choice may depend on; equal keys get the same backend.
-
-    Sizes enter as power-of-two buckets plus which side of every declared element-count limit
-    (and of the int32 offset limit) the call is on, and whether a dimension passes the 65,535
-    blocks of a secondary grid axis, so a size limit is never hidden by a cached choice.
-    """
-    t = call.t
-    numel = t.numel()
-    return (
-        call.spec.static_key,
-        call.rotary_dim,  # the table's d2, which spec.rotary_dim=None leaves out
-        t.device.type,
-        t.device.index,
-        call.table_kind,
-        call.start_positions is not None,
-        call.positions is not None,
-        t.requires_grad and torch.is_grad_enabled(),
-        stride_class(t),
-        tuple(size_bucket(n) for n in t.shape),
-        bisect.bisect_left(_size_limits(), numel),
-        max(call.seq_len, call.batch) >= _GRID_AXIS_LIMIT,
-        call.in_place,
-        call.split,
-        None if call.k is None else tuple(size_bucket(n) for n in call.k.shape),
-        call.positions_bounded,  # a backend that cannot guard its reads serves bounded calls only
-        table_grad_wanted(call.table, call.k_table),
-        forced,
-    )
+def decision_key(call: RoPECall, forced: str | None) -> tuple[CallKey, str | None]:
+    """What a backend choice may depend on: the call's :class:`~rope_dispatch.call.CallKey`
+    (with which side of every declared size limit it is on, so a limit is never hidden by a
+    cached choice) and the backend forced, if any. Equal keys get the same backend."""
+    return call_key(call, _size_limits()), forced
 
 
 def capable_backends(call: RoPECall) -> tuple[list[Backend], dict[str, list[str]]]:
@@ -189,9 +161,8 @@ def _describe(call: RoPECall) -> str:
 def choose(call: RoPECall, backend: str | None = None) -> Backend:
     """The backend that runs ``call``.
 
-    Two memo levels keep this cheap: an exact key (the spec's static key, the tensor's shape,
-    device and stride class, ...) answers repeated shapes with one dict lookup; a new shape
-    falls back to :func:`decision_key`'s bucketed key, and only a new bucket runs the checks.
+    Decisions are kept by :func:`decision_key` (sizes in power-of-two buckets): only a new
+    key runs the checks. A repeated call does not get here at all: its plan runs.
     """
     return _choose(call, backend)[0]
 
@@ -205,17 +176,6 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
         return _decide(call, forced, source)[0], False
     if forced is not None and type(forced) is not str:
         registry.get_backend(forced)  # refused by name, before it keys a memo
-    t = call.t
-    exact = (
-        call.spec.static_key, call.rotary_dim, t.shape, call.batch, t.device,
-        type(call.table), call.start_positions is None, call.positions is None,
-        t.requires_grad and torch.is_grad_enabled(), t.is_contiguous() or stride_class(t),
-        call.in_place, call.split, None if call.k is None else call.k.shape,
-        call.positions_bounded, forced, table_grad_wanted(call.table, call.k_table),
-    )
-    hit = _exact.get(exact)
-    if hit is not None:
-        return hit, True
     key = decision_key(call, forced)
     decision = _decisions.get(key)
     if decision is None:
@@ -225,9 +185,6 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.clear()
         _decisions[key] = decision
-    if len(_exact) >= _MAX_DECISIONS:
-        _exact.clear()
-    _exact[exact] = decision[0]
     return decision[0], True
 
 

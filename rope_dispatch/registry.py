@@ -28,7 +28,6 @@ from .tables import angles_2d, table_kind
 from .tracing import constant_while_tracing
 
 ALL_LAYOUTS = frozenset({"sbhd", "bshd", "thd"})
-_new_call = tuple.__new__
 Plan = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
 """``run(t, freqs, spec, start_positions, positions, k)``: see :meth:`Backend.plan`."""
 ALL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -88,8 +87,11 @@ class Backend:
         keep a table alive. The default rebuilds the call around the new tensors; a backend may
         prepare more (the Triton backend binds its launch).
         """
-        sizes = tuple(call)[4:15]  # seq_len .. positions_bounded: fixed by the plan's key
         assert call.k_table is None, "calls with a separate k table are never planned"
+        # the sizes and settings the plan's key fixes, without the call's tensors (a plan keeps
+        # no tensor alive)
+        form = call._replace(t=None, table=None, spec=None, start_positions=None, positions=None,
+                             k=None)
         run = self.apply
 
         def run_call(
@@ -98,7 +100,8 @@ class Backend:
         ) -> torch.Tensor | tuple[torch.Tensor, ...]:
             # an angle table as [s2, d2]; caches and rate tables pass as they are
             table = angles_2d(freqs) if table_kind(freqs) == "angles" else freqs  # type: ignore[arg-type]
-            return run(_new_call(RoPECall, (t, table, spec, start_positions, *sizes, positions, k)))
+            return run(form._replace(t=t, table=table, spec=spec, start_positions=start_positions,
+                                     positions=positions, k=k))
 
         return run_call
 
