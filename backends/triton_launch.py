@@ -43,29 +43,20 @@ class Launch(NamedTuple):
     """What one launch does. Every path (eager, autograd, the custom op, plans) describes its
     launch so, and the launcher picks kernel, tile and arguments from it and the tensors."""
 
-    tensors: str
-    """``"t"`` one tensor, ``"qk"`` q and k, ``"qkv"`` a packed qkv tensor (``TENSOR_KINDS``)."""
+    tensors: str  # "t" one tensor, "qk" q and k, "qkv" a packed qkv tensor (TENSOR_KINDS)
     layout: str
     interleaved: bool
     scale: float
     cp_size: int
     cp_rank: int
-    table: str = "angles"
-    """The user's table kind (``RoPECall.table_kind``); a flag may refine it per launch."""
-    positions: int = 0
-    """0 by index, 1 start positions (one per sequence), 2 per-token positions."""
-    split: tuple[int, int, int] | None = None
-    """A packed qkv's channels ``(q, k, v)`` per head group."""
-    backward: bool = False
-    """The transpose: gradients in, gradients out (packed qkv: three in, one packed out)."""
-    in_place: bool = False
-    """Rotary channels rewritten in place; the pass-through channels are not touched."""
-    grad_in_place: bool = False
-    """An in-place call's backward may rotate its incoming gradients in place."""
-    norm: None = None
-    """The stage before the rotation (none yet)."""
-    store: None = None
-    """The stage after the rotation (none yet)."""
+    table: str = "angles"  # the user's table kind; a flag may refine it per launch
+    positions: int = 0  # 0 by index, 1 start positions (one per sequence), 2 per token
+    split: tuple[int, int, int] | None = None  # a packed qkv's (q, k, v) channels a group
+    backward: bool = False  # the transpose (packed qkv: three gradients in, one packed out)
+    in_place: bool = False  # rotary channels rewritten, pass-through channels untouched
+    grad_in_place: bool = False  # the backward may rotate its incoming gradients in place
+    norm: None = None  # the stage before the rotation (none yet)
+    store: None = None  # the stage after the rotation (none yet)
 
     def transposed(self, in_place: bool = False) -> Launch:
         return self._replace(backward=not self.backward, in_place=in_place, grad_in_place=False)
