@@ -136,7 +136,8 @@ def triton_rope_op(
     cp_size: int, cp_rank: int, split: Sequence[int] | None, backward: bool,
 ) -> list[torch.Tensor]:
     """A launch as an opaque op for torch.compile: new contiguous outputs."""
-    described = _op_launch(tensors, layout, interleaved, scale, cp_size, cp_rank, split, backward)
+    described = _op_launch(tensors, layout, interleaved, scale, cp_size, cp_rank, split, backward,
+                           (table, sin, index))
     outs = outputs(described, inputs)
     with on_device(inputs[0]):
         launch(described, inputs, outs, Tables(table, sin, cu_seqlens, index, k_table, k_sin))
@@ -144,9 +145,18 @@ def triton_rope_op(
 
 
 def _op_launch(tensors: str, layout: str, interleaved: bool, scale: float, cp_size: int,
-               cp_rank: int, split: Sequence[int] | None, backward: bool) -> Launch:
-    return Launch(tensors, layout, interleaved, scale, cp_size, cp_rank,
-                  split=None if split is None else tuple(split), backward=backward)
+               cp_rank: int, split: Sequence[int] | None, backward: bool,
+               tabs: tuple | None = None) -> Launch:
+    """The op's launch; with its ``(table, sin, index)`` (not on fake tensors) the table and
+    position kinds read from their kernel form."""
+    kind, positions = "angles", 0
+    if tabs is not None:
+        use_cache, paired, rates, _ = tt.table_flags(*tabs[:2])
+        kind = ("pair_cos_sin_cache" if paired else "cos_sin_cache" if use_cache
+                else "rates" if rates else "angles")
+        positions = tt.position_kind(tabs[2])
+    return Launch(tensors, layout, interleaved, scale, cp_size, cp_rank, kind, positions,
+                  None if split is None else tuple(split), backward)
 
 
 @triton_rope_op.register_fake
@@ -350,10 +360,6 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     return run_grad
 
 
-def _interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 class TritonBackend(Backend):
     """Our Triton kernels: every layout and feature, every table kind, at memory bandwidth."""
 
@@ -379,7 +385,7 @@ class TritonBackend(Backend):
             import triton  # noqa: F401
         except ImportError as exc:
             return [f"triton is not importable ({exc}); install it with pip install 'rope-dispatch[triton]'"]
-        interpret = _interpret_requested()
+        interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
         if not interpret and not torch.cuda.is_available():
             return [
                 "no CUDA device (torch.cuda.is_available() is False) and TRITON_INTERPRET is not "
