@@ -134,7 +134,7 @@ def call_tables(call: RoPECall) -> Tables:
     return Tables(*q_tables, spec.cu_seqlens, index, *k_tables)
 
 
-def _current(tabs: Tables, layout: str) -> Tables:
+def current_tables(tabs: Tables, layout: str) -> Tables:
     """``tabs`` with their flags checked again (a written table, CUDA graph capture or the
     switch turned off since: ``None``, the rows read) and index tensors made contiguous."""
     table, sin, cu, index, k_table, k_sin = tabs
@@ -245,7 +245,7 @@ def _segments(launch: Launch, inputs: Sequence[torch.Tensor],
     return tuple(zip(packed_segments(inputs[0], launch.split), made))
 
 
-def _pointers(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+def pointers(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
               tabs: Tables) -> tuple[tuple[torch.Tensor, int], ...]:
     """The kernel's pointer arguments as ``(tensor, byte offset)``: the data's (one tensor: in,
     out; segments: q, k, v in and out), then the tables', cu_seqlens' and index's (absent ones
@@ -273,7 +273,7 @@ def _table_form(table: torch.Tensor, sin: torch.Tensor | None) -> tuple:
     return table.dtype, table.shape[1], sin.dtype, sin.shape[-1], tt.is_rates(table, sin)
 
 
-def _key(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+def launch_key(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
          tabs: Tables, addresses: Sequence[int]) -> LaunchKey:
     layouts = tuple((x.shape, x.stride()) for x in (*inputs, *outs))
     forms = (
@@ -447,12 +447,12 @@ def launch(
     ``config`` given, an empty call). No host sync, no allocation but index copies of
     non-contiguous index tensors. The current CUDA device must be the inputs'."""
     kernels = _load_kernels()
-    tabs = _current(tabs, described.layout)
-    sources = _pointers(described, inputs, outs, tabs)
+    tabs = current_tables(tabs, described.layout)
+    sources = pointers(described, inputs, outs, tabs)
     addresses = tuple(t.data_ptr() + offset for t, offset in sources)
     key = None
     if config is None and not kernels.INTERPRETED:
-        key = _key(described, inputs, outs, tabs, addresses)
+        key = launch_key(described, inputs, outs, tabs, addresses)
         entry = _compiled.get(key)
         if entry is not None:
             entry.run(*entry.grid, current_stream(key.device), *entry.prefix, *addresses,
@@ -559,7 +559,7 @@ class Slots(NamedTuple):
 
 def slots(sources: Sequence[tuple[torch.Tensor, int]], inputs: Sequence[torch.Tensor],
           outs: Sequence[torch.Tensor], index: torch.Tensor | None) -> Slots:
-    """The :class:`Slots` of a launch's pointer ``sources`` (:func:`_pointers`) for calls whose
+    """The :class:`Slots` of a launch's pointer ``sources`` (:func:`pointers`) for calls whose
     inputs, new outputs (none in place: ``outs`` is ``inputs``) and index tensor vary."""
     in_place = outs is inputs
     pointers, takes, fills = [], [], []

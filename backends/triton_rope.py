@@ -299,11 +299,11 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     if tabs.table.data_ptr() != tt.user_table_address(call) or any(
             t is not None and not t.is_contiguous() for t in (tabs.cu, tabs.index)):
         return generic  # a table or index copied for the call: the kernel must read the user's
-    tabs = tl._current(tabs, described.layout)
+    tabs = tl.current_tables(tabs, described.layout)
     outs = inputs if described.in_place else outputs(described, inputs)
-    sources = tl._pointers(described, inputs, outs, tabs)
+    sources = tl.pointers(described, inputs, outs, tabs)
     addresses = tuple(t.data_ptr() + offset for t, offset in sources)
-    key = tl._key(described, inputs, outs, tabs, addresses)
+    key = tl.launch_key(described, inputs, outs, tabs, addresses)
     entry = tl._compiled.get(key)
     if entry is None or key.aligned != (1 << len(addresses)) - 1:
         return generic
@@ -338,9 +338,9 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
 
     back = described.transposed()
     back_outs = outputs(back, outs)
-    back_sources = tl._pointers(back, outs, back_outs, tabs)
-    back_key = tl._key(back, outs, back_outs, tabs,
-                    tuple(t.data_ptr() + offset for t, offset in back_sources))
+    back_sources = tl.pointers(back, outs, back_outs, tabs)
+    back_key = tl.launch_key(back, outs, back_outs, tabs,
+                             tuple(t.data_ptr() + offset for t, offset in back_sources))
     planned = Planned(forward, back_key, tl.slots(back_sources, outs, back_outs, tabs.index),
                       address, flag, tt.rows_read(call.t, call.spec.layout, position_index(call)),
                       call.positions is not None, described)

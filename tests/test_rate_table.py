@@ -318,7 +318,7 @@ def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
 def test_kernel_tables_and_address():
     """The kernels' view: ``[rows, d2]`` with a row stride of 0 over the doubled rates, given
     as both table and sin; a planned call checks the address of those rates."""
-    from rope_dispatch.backends.triton_launch import Launch, Tables, _key
+    from rope_dispatch.backends.triton_launch import Launch, Tables, launch_key
     from rope_dispatch.backends.triton_tables import table_flags as _table_flags
 
     inv_freq = torch.tensor([1.0, 0.5, 0.25])
@@ -336,9 +336,9 @@ def test_kernel_tables_and_address():
     assert _table_flags(cos, None) == (False, False, False, False)
     x = torch.randn(4, 1, 1, 8)
     described = Launch("t", "sbhd", False, 1.0, 1, 0)
-    rates_key = _key(described, (x,), (x,), Tables(view, sin, None, None), (0,) * 6)
+    rates_key = launch_key(described, (x,), (x,), Tables(view, sin, None, None), (0,) * 6)
     other = torch.rand(9, 6)
-    cache_key = _key(described, (x,), (x,), Tables(view, other, None, None), (0,) * 6)
+    cache_key = launch_key(described, (x,), (x,), Tables(view, other, None, None), (0,) * 6)
     assert rates_key != cache_key
 
 
