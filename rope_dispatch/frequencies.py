@@ -1,0 +1,643 @@
+"""Rotary frequencies of model families: the rates a model's rotary embedding turns by, built
+as Hugging Face's rope types and TransformerEngine's options build them, and the tables made
+from them (:class:`RotaryFrequencies`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+import torch
+
+from .errors import RoPEError
+from .table_kinds import (
+    CosSinCache, RateTable, _count, _positive, _rotary_dim, add_frequency_type, angle_table,
+    inverse_frequencies,
+)
+
+
+# --- rotary frequencies of model families -----------------------------------------------------
+# Hugging Face models choose their rates by a "rope type" (transformers 5.23 reads it from
+# ``config.rope_parameters``); TE's RotaryPositionEmbedding by its constructor options. Each
+# builder below gives a RotaryFrequencies: the rates, the factor cos and sin are multiplied by,
+# and, for TE, a factor on positions. The Hugging Face builders run transformers' float32
+# operations in the same order on the CPU (where transformers computes its rates when a model
+# is built), so their rates equal transformers' there (bit for bit with torch 2.13; the tests,
+# tests/test_tables_hf.py, allow float32 rounding).
+
+HF_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+"""The ``rope_type`` values of ``config.rope_parameters`` that :func:`from_hf_config` reads."""
+
+_DeviceLike = torch.device | str | int | None
+
+
+@add_frequency_type
+@dataclass(frozen=True, eq=False)
+class RotaryFrequencies:
+    """The rotation rates of one rotary family and how its cos and sin are scaled.
+
+    - ``inv_freq``: float32 ``[d2 / 2]`` rates (radians per position), one per rotated pair.
+    - ``attention_factor``: the factor cos and sin are multiplied by (transformers'
+      ``attention_scaling``: YaRN and LongRoPE use it to keep attention logits in range;
+      ``1.0`` for the other families).
+    - ``rope_type``: the family's name (``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``,
+      ``"longrope"``, ``"llama3"``; TE's options give ``"default"`` or ``"linear"``).
+    - ``position_scale``: positions are multiplied by it before the rates (TE's position
+      interpolation; Hugging Face's families fold their scaling into the rates and keep 1.0).
+    - ``max_positions``: for rates chosen for one sequence length (dynamic NTK, LongRoPE, TE's
+      interpolation), that length: the longest table they are valid for (rows of a shorter
+      table are those of the long one, not the ones a shorter sequence would get). ``None``
+      when the rates do not depend on the length.
+
+    An angle table cannot carry ``attention_factor`` (YaRN's and LongRoPE's multiplier of cos
+    and sin): :meth:`cos_sin_cache` includes it, and :meth:`angle_table` (like
+    :meth:`rate_table`, the rates themselves for the Triton kernels to multiply out) refuses a
+    factor other than 1.0 unless told that the caller applies it.
+    """
+
+    inv_freq: torch.Tensor
+    attention_factor: float = 1.0
+    rope_type: str = "default"
+    position_scale: float = 1.0
+    max_positions: int | None = None
+
+    def __post_init__(self) -> None:
+        rates = self.inv_freq
+        if not isinstance(rates, torch.Tensor) or rates.dtype != torch.float32 or rates.dim() != 1:
+            shown = (
+                f"dtype {str(rates.dtype).removeprefix('torch.')}, shape {tuple(rates.shape)}"
+                if isinstance(rates, torch.Tensor) else type(rates).__name__
+            )
+            raise RoPEError(f"inv_freq must be a float32 tensor [d2 / 2], got {shown}")
+        if rates.numel() < 1:
+            raise RoPEError("inv_freq must hold at least one rate, got an empty tensor")
+        for name in ("attention_factor", "position_scale"):
+            object.__setattr__(self, name, _positive(name, getattr(self, name)))
+        if not isinstance(self.rope_type, str):
+            raise RoPEError(f"rope_type must be a str, got {self.rope_type!r}")
+        if self.max_positions is not None:
+            object.__setattr__(self, "max_positions", _count("max_positions", self.max_positions))
+
+    @property
+    def rotary_dim(self) -> int:
+        """``d2``: the number of channels the rates rotate (two per rate)."""
+        return 2 * self.inv_freq.shape[0]
+
+    def angle_table(
+        self, max_positions: int, *, device: _DeviceLike = None, interleaved: bool = False,
+        without_attention_factor: bool = False,
+    ) -> torch.Tensor:
+        """float32 angles ``[max_positions, 1, 1, d2]`` of positions ``0 .. max_positions - 1``.
+
+        Each angle is one float32 product ``position * inv_freq`` (as transformers computes
+        ``inv_freq @ position_ids``; TE's options multiply positions by ``position_scale``
+        first). The halves layout ``[a_0 .. a_{n-1}, a_0 .. a_{n-1}]``, or pairs with
+        ``interleaved``. ``device``: where the table lives (``None``: where ``inv_freq`` is).
+        An angle table cannot apply ``attention_factor``: where it is not 1.0 this raises
+        (use :meth:`cos_sin_cache`) unless ``without_attention_factor=True`` says the caller
+        applies it, as ``RoPESpec(cos_sin_scale=attention_factor)`` does in every backend.
+        """
+        if self.attention_factor != 1.0 and not without_attention_factor:
+            raise RoPEError(
+                f"this {self.rope_type!r} table has attention_factor={self.attention_factor:.6g}, "
+                "which an angle table cannot carry; use cos_sin_cache(), which includes it, or "
+                "pass without_attention_factor=True and give the call's RoPESpec "
+                f"cos_sin_scale={self.attention_factor!r}"
+            )
+        length = self._checked_length(max_positions)
+        if not isinstance(interleaved, bool):
+            raise RoPEError(f"interleaved must be a bool, got {interleaved!r}")
+        rates = self.inv_freq if device is None else self.inv_freq.to(device)
+        return angle_table(rates, length, scale=self.position_scale, interleaved=interleaved)
+
+    def rate_table(
+        self, max_positions: int, *, device: _DeviceLike = None,
+        without_attention_factor: bool = False,
+    ) -> RateTable:
+        """The rates as a :class:`RateTable` of ``max_positions`` rows: the same angles as
+        :meth:`angle_table` (bit for bit: each is the float32 product ``position * inv_freq``),
+        which the Triton kernels compute instead of reading a table row per token.
+
+        Refused where positions are scaled (``position_scale``, TE's interpolation: the angle
+        is then ``(position * scale) * rate``, which one multiply by a rate cannot reproduce;
+        use :meth:`angle_table`), and, as by :meth:`angle_table`, where ``attention_factor``
+        is not 1.0 unless ``without_attention_factor=True`` says the call's
+        ``RoPESpec(cos_sin_scale=attention_factor)`` applies it. ``device``: where the rates
+        live (``None``: where ``inv_freq`` is).
+        """
+        if self.position_scale != 1.0:
+            raise RoPEError(
+                f"these {self.rope_type!r} rates scale positions by "
+                f"position_scale={self.position_scale:.6g} (TransformerEngine's interpolation), "
+                "which a RateTable cannot carry (its angle is one product position * rate); "
+                "use angle_table()"
+            )
+        if self.attention_factor != 1.0 and not without_attention_factor:
+            raise RoPEError(
+                f"this {self.rope_type!r} table has attention_factor={self.attention_factor:.6g}, "
+                "which a RateTable cannot carry; use cos_sin_cache(), which includes it, or "
+                "pass without_attention_factor=True and give the call's RoPESpec "
+                f"cos_sin_scale={self.attention_factor!r}"
+            )
+        length = self._checked_length(max_positions)
+        rates = self.inv_freq if device is None else self.inv_freq.to(device)
+        return RateTable(rates.contiguous(), length)
+
+    def cos_sin_cache(
+        self, max_positions: int, *, device: _DeviceLike = None, interleaved: bool = False
+    ) -> CosSinCache:
+        """float32 cos and sin ``[max_positions, d2]`` of :meth:`angle_table`, multiplied by
+        ``attention_factor`` as transformers' rotary modules multiply them.
+
+        Evaluated in float64 from the float32 angles and rounded once, like
+        :func:`cos_sin_cache`. Every backend that reads caches serves it as it is.
+        """
+        angles = self.angle_table(max_positions, device=device, interleaved=interleaved,
+                                  without_attention_factor=True)
+        angles = angles.view(angles.shape[0], angles.shape[3]).double()
+        factor = self.attention_factor
+        cos = (torch.cos(angles) * factor).float().contiguous()
+        sin = (torch.sin(angles) * factor).float().contiguous()
+        return CosSinCache(cos, sin)
+
+    def _checked_length(self, max_positions: int) -> int:
+        length = _count("max_positions", max_positions)
+        if self.max_positions is not None and length > self.max_positions:
+            raise RoPEError(
+                f"max_positions={length} exceeds the {self.max_positions} positions these "
+                f"{self.rope_type!r} rates were chosen for (they depend on the sequence length); "
+                f"build them again for {length} positions"
+            )
+        return length
+
+
+def _cpu_rates(dim: int, base: float) -> torch.Tensor:
+    """``1 / base ** (2k / dim)`` in float32 on the CPU, where transformers computes them."""
+    return inverse_frequencies(dim, base, device="cpu")
+
+
+def default_frequencies(dim: int, *, rope_theta: float = 10000.0) -> RotaryFrequencies:
+    """The original RoPE rates ``1 / rope_theta ** (2k / dim)`` for a rotary dim ``dim``."""
+    dim = _rotary_dim(dim)
+    return RotaryFrequencies(_cpu_rates(dim, _positive("rope_theta", rope_theta)))
+
+
+def linear_frequencies(
+    dim: int, *, factor: float, rope_theta: float = 10000.0
+) -> RotaryFrequencies:
+    """Position interpolation: the default rates divided by ``factor`` (positions stretched
+    ``factor`` times, so ``factor`` times the trained length fits)."""
+    dim = _rotary_dim(dim)
+    factor = _positive("factor", factor)
+    rates = _cpu_rates(dim, _positive("rope_theta", rope_theta)) / factor
+    return RotaryFrequencies(rates, rope_type="linear")
+
+
+def dynamic_ntk_frequencies(
+    dim: int, *, factor: float, max_position_embeddings: int, seq_len: int,
+    rope_theta: float = 10000.0,
+) -> RotaryFrequencies:
+    """Dynamic NTK scaling: the default rates of a larger base, chosen for ``seq_len``.
+
+    Up to ``max_position_embeddings`` positions the rates are the default ones. Beyond, the
+    base grows to ``rope_theta * (factor * seq_len / max_position_embeddings - factor + 1)
+    ** (dim / (dim - 2))``: transformers recomputes it each time a sequence outgrows the last
+    length it saw, so the rates for ``seq_len`` are those of a sequence of that length.
+    """
+    dim = _rotary_dim(dim)
+    if dim < 3:
+        raise RoPEError(
+            f"dim must be > 2 for dynamic NTK scaling (its exponent is dim / (dim - 2)), got {dim}"
+        )
+    factor = _positive("factor", factor)
+    original = _count("max_position_embeddings", max_position_embeddings)
+    length = _count("seq_len", seq_len)
+    base = _positive("rope_theta", rope_theta)
+    if length > original:
+        base = base * (factor * length / original - (factor - 1)) ** (dim / (dim - 2))
+    return RotaryFrequencies(_cpu_rates(dim, base), rope_type="dynamic", max_positions=length)
+
+
+def _yarn_magnitude(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(
+    dim: int, *, factor: float, original_max_position_embeddings: int,
+    rope_theta: float = 10000.0, beta_fast: float = 32.0, beta_slow: float = 1.0,
+    mscale: float | None = None, mscale_all_dim: float | None = None,
+    attention_factor: float | None = None, truncate: bool = True,
+) -> RotaryFrequencies:
+    """YaRN (arXiv 2309.00071): pairs that turn fast over the trained length keep their rate,
+    slow ones are interpolated by ``factor``, and a linear ramp blends the pairs between.
+
+    The ramp runs over pair indices from the pair that turns ``beta_fast`` times in
+    ``original_max_position_embeddings`` positions to the one that turns ``beta_slow`` times
+    (rounded outwards when ``truncate``, clipped to ``[0, dim - 1]``). ``attention_factor``
+    defaults to ``0.1 ln(factor) + 1``, or, when ``mscale`` and ``mscale_all_dim`` are both
+    given and non-zero, to the ratio of that term with each of them as multiplier (DeepSeek's
+    form); a given ``attention_factor`` is used as it is.
+    """
+    dim = _rotary_dim(dim)
+    if dim % 2:
+        raise RoPEError(f"dim must be even for YaRN (one ramp value per pair), got {dim}")
+    factor = _positive("factor", factor)
+    original = _count("original_max_position_embeddings", original_max_position_embeddings)
+    base = _positive("rope_theta", rope_theta)
+    if base == 1.0:
+        raise RoPEError("rope_theta must not be 1 for YaRN (its ramp divides by log(rope_theta))")
+    fast, slow = _positive("beta_fast", beta_fast), _positive("beta_slow", beta_slow)
+    if not isinstance(truncate, bool):
+        raise RoPEError(f"truncate must be a bool, got {truncate!r}")
+    for argument, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise RoPEError(f"{argument} must be a number or None, got {value!r}")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = (
+                _yarn_magnitude(factor, mscale) / _yarn_magnitude(factor, mscale_all_dim)
+            )
+        else:
+            attention_factor = _yarn_magnitude(factor)
+
+    def pair_turning(turns: float) -> float:
+        # The (fractional) pair index whose rate makes `turns` full turns in `original` positions.
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    ramp_start, ramp_end = pair_turning(fast), pair_turning(slow)
+    if truncate:
+        ramp_start, ramp_end = math.floor(ramp_start), math.ceil(ramp_end)
+    ramp_start, ramp_end = max(ramp_start, 0), min(ramp_end, dim - 1)
+    if ramp_start == ramp_end:
+        ramp_end += 0.001  # a ramp of width 0 would divide by zero
+
+    wavelength_terms = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    kept = 1.0 / wavelength_terms
+    interpolated = 1.0 / (factor * wavelength_terms)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - ramp_start) / (ramp_end - ramp_start)
+    kept_share = 1 - ramp.clamp(0, 1)
+    rates = interpolated * (1 - kept_share) + kept * kept_share
+    return RotaryFrequencies(rates, attention_factor=attention_factor, rope_type="yarn")
+
+
+def _factor_list(argument: str, values: object, count: int) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if (
+        not isinstance(values, (list, tuple)) or len(values) != count
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)
+    ):
+        raise RoPEError(f"{argument} must be {count} positive numbers (one per pair), got {values!r}")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def longrope_frequencies(
+    dim: int, *, short_factor: Sequence[float], long_factor: Sequence[float],
+    original_max_position_embeddings: int, seq_len: int, factor: float,
+    rope_theta: float = 10000.0, attention_factor: float | None = None,
+) -> RotaryFrequencies:
+    """LongRoPE (Phi-3 and later): the default rates, each divided by its own factor.
+
+    ``long_factor`` serves a sequence longer than ``original_max_position_embeddings``
+    (``seq_len`` decides, as transformers decides by the running sequence length),
+    ``short_factor`` one up to that length. ``attention_factor`` defaults to
+    ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` (1 when ``factor <= 1``).
+    """
+    dim = _rotary_dim(dim)
+    count = (dim + 1) // 2
+    original = _count("original_max_position_embeddings", original_max_position_embeddings)
+    length = _count("seq_len", seq_len)
+    factor = _positive("factor", factor)
+    base = _positive("rope_theta", rope_theta)
+    if length > original:
+        pair_factors = _factor_list("long_factor", long_factor, count)
+    else:
+        pair_factors = _factor_list("short_factor", short_factor, count)
+    if attention_factor is None:
+        if factor <= 1.0:
+            attention_factor = 1.0
+        elif original < 2:
+            raise RoPEError(
+                "original_max_position_embeddings must be >= 2 to derive LongRoPE's attention "
+                f"factor (it divides by its log), got {original}"
+            )
+        else:
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    rates = 1.0 / (pair_factors * base ** exponents)
+    return RotaryFrequencies(
+        rates, attention_factor=attention_factor, rope_type="longrope", max_positions=length
+    )
+
+
+def llama3_frequencies(
+    dim: int, *, factor: float, original_max_position_embeddings: int,
+    low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, rope_theta: float = 10000.0,
+) -> RotaryFrequencies:
+    """Llama 3.1's rates: by wavelength ``2 pi / rate``. Wavelengths shorter than
+    ``original_max_position_embeddings / high_freq_factor`` keep their rate, those longer than
+    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and the
+    band between blends the two linearly in ``original / wavelength``."""
+    dim = _rotary_dim(dim)
+    factor = _positive("factor", factor)
+    original = _count("original_max_position_embeddings", original_max_position_embeddings)
+    low = _positive("low_freq_factor", low_freq_factor)
+    high = _positive("high_freq_factor", high_freq_factor)
+    if high <= low:
+        raise RoPEError(
+            f"high_freq_factor must be greater than low_freq_factor, got high_freq_factor={high} "
+            f"and low_freq_factor={low}"
+        )
+    rates = _cpu_rates(dim, _positive("rope_theta", rope_theta))
+    wavelengths = 2 * math.pi / rates
+    kept_below, scaled_above = original / high, original / low
+    scaled = torch.where(wavelengths > scaled_above, rates / factor, rates)
+    blend = (original / wavelengths - low) / (high - low)
+    blended = (1 - blend) * scaled / factor + blend * scaled
+    between = (wavelengths >= kept_below) & (wavelengths <= scaled_above)
+    return RotaryFrequencies(torch.where(between, blended, scaled), rope_type="llama3")
+
+
+def _te_position_scale(
+    max_positions: int, seq_len_interpolation_factor: float | None,
+    pretrained_max_position_embeddings: int | None,
+) -> float:
+    """TransformerEngine's position interpolation as a factor on positions (1.0: none).
+
+    It applies only when both options are set: ``1 / factor``, or, for a table longer than
+    ``pretrained * factor``, ``pretrained / max_positions`` (the table then just fits).
+    """
+    if seq_len_interpolation_factor is None or pretrained_max_position_embeddings is None:
+        return 1.0
+    if max_positions > pretrained_max_position_embeddings * seq_len_interpolation_factor:
+        return 1 / (max_positions / pretrained_max_position_embeddings)
+    return 1 / seq_len_interpolation_factor
+
+
+def from_te_options(
+    dim: int, max_positions: int, *, rotary_percent: float = 1.0,
+    seq_len_interpolation_factor: float | None = None,
+    pretrained_max_position_embeddings: int | None = None, rotary_base: float = 10000.0,
+    device: _DeviceLike = None,
+) -> RotaryFrequencies:
+    """The rates of TE's ``RotaryPositionEmbedding(dim, rotary_percent,
+    seq_len_interpolation_factor, pretrained_max_position_embeddings, rotary_base)`` for a
+    table of ``max_positions`` rows.
+
+    ``angle_table(max_positions, interleaved=...)`` then equals that module's
+    ``forward(max_positions)`` bit for bit when the rates are computed on the same device
+    (``device``; TE uses the current CUDA device, ``None`` means torch's default device).
+    Interpolation (both options set) scales positions, not rates, by ``1 / factor``, or by
+    ``pretrained / max_positions`` for a table longer than ``pretrained * factor``: the scale
+    depends on ``max_positions``, so the result records that length.
+    """
+    dim = _rotary_dim(dim)
+    length = _count("max_positions", max_positions)
+    percent = _positive("rotary_percent", rotary_percent)
+    if percent > 1.0:
+        raise RoPEError(f"rotary_percent must be in (0, 1], got {rotary_percent!r}")
+    if percent < 1.0:
+        dim = _rotary_dim(
+            int(dim * percent), f"the rotary dim int(dim * rotary_percent) = int({dim} * {percent})"
+        )
+    if seq_len_interpolation_factor is not None:
+        seq_len_interpolation_factor = _positive(
+            "seq_len_interpolation_factor", seq_len_interpolation_factor
+        )
+    if pretrained_max_position_embeddings is not None:
+        _count("pretrained_max_position_embeddings", pretrained_max_position_embeddings)
+    interpolating = (
+        seq_len_interpolation_factor is not None and pretrained_max_position_embeddings is not None
+    )
+    scale = _te_position_scale(
+        length, seq_len_interpolation_factor, pretrained_max_position_embeddings
+    )
+    rates = inverse_frequencies(dim, _positive("rotary_base", rotary_base), device=device)
+    return RotaryFrequencies(
+        rates, rope_type="linear" if interpolating else "default", position_scale=scale,
+        max_positions=length if interpolating else None,
+    )
+
+
+# --- reading a Hugging Face config --------------------------------------------------------------
+# Duck-typed: any object with transformers' attribute names works, and transformers is never
+# imported. Where a value lives and what it defaults to follow transformers 5.23's
+# modeling_rope_utils (RotaryEmbeddingConfigMixin.standardize_rope_params and the functions of
+# ROPE_INIT_FUNCTIONS).
+
+
+def _hf_rope_parameters(config: object, layer_type: str | None) -> tuple[dict, str]:
+    """A copy of the config's flat rope parameters, and how to name them in messages."""
+    where = "config.rope_parameters"
+    parameters = getattr(config, "rope_parameters", None)
+    if not parameters and getattr(config, "rope_scaling", None):  # a transformers 4 config
+        where, parameters = "config.rope_scaling", config.rope_scaling  # type: ignore[attr-defined]
+    parameters = parameters or {}
+    if not isinstance(parameters, Mapping):
+        raise RoPEError(f"{where} must be a mapping of rope parameters, got {parameters!r}")
+    per_layer = bool(parameters) and all(
+        value is None or isinstance(value, Mapping) for value in parameters.values()
+    )
+    if layer_type is None:
+        if per_layer:
+            raise RoPEError(
+                f"{where} holds rope parameters per layer type ({', '.join(map(repr, parameters))}); "
+                "pass layer_type= to choose one"
+            )
+        return dict(parameters), where
+    if not per_layer or layer_type not in parameters:
+        known = f"its layer types are {', '.join(map(repr, parameters))}" if per_layer else (
+            "they are not given per layer type"
+        )
+        raise RoPEError(f"layer_type={layer_type!r} is not in {where}: {known}")
+    if parameters[layer_type] is None:
+        raise RoPEError(
+            f"{where}[{layer_type!r}] is None: layers of type {layer_type!r} use no rotary embedding"
+        )
+    return dict(parameters[layer_type]), f"{where}[{layer_type!r}]"
+
+
+def _hf_attribute(config: object, name: str) -> object:
+    """``config.<name>``, ``None`` when unset; a RoPEError where the config holds it per layer
+    (transformers raises a RuntimeError when the global value of a per-layer attribute is read)."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError as error:
+        raise RoPEError(
+            f"config.{name} differs between layers ({error}); pass layer_type= or the layer's own "
+            "config (config.per_layer_config[i])"
+        ) from error
+
+
+def _hf_layer_config(config: object, layer_type: str | None) -> object:
+    """The config transformers reads a model's rotary embedding from: the text model's of a
+    composite (vision-language) config, and of a heterogeneous config the one of
+    ``layer_type``'s layers (``config.per_layer_config[layer_type]``), where head dims may
+    differ between layer types."""
+    text_config = getattr(config, "get_text_config", None)
+    if callable(text_config):
+        config = text_config() or config
+    if layer_type is not None:
+        per_layer = getattr(config, "per_layer_config", None)
+        if per_layer is not None:
+            try:
+                return per_layer[layer_type]
+            except (KeyError, IndexError, TypeError, ValueError):
+                pass  # not a per-layer-type config: transformers reads the config itself
+    return config
+
+
+def _hf_head_dim(config: object) -> int:
+    """``config.head_dim``, or ``hidden_size // num_attention_heads`` when it is unset."""
+    head_dim = _hf_attribute(config, "head_dim")
+    if head_dim is None:
+        hidden = _hf_attribute(config, "hidden_size")
+        heads = _hf_attribute(config, "num_attention_heads")
+        if hidden is None or heads is None:
+            raise RoPEError(
+                "config must have head_dim, or hidden_size and num_attention_heads; got "
+                f"head_dim=None, hidden_size={hidden!r}, num_attention_heads={heads!r}"
+            )
+        head_dim = _count("config.hidden_size", hidden) // _count("config.num_attention_heads", heads)
+    return _count("config.head_dim", head_dim)
+
+
+def from_hf_config(
+    config: object, max_positions: int, *, layer_type: str | None = None
+) -> RotaryFrequencies:
+    """The rotary frequencies of a Hugging Face model config, as transformers 5.23 computes them.
+
+    Reads ``config.rope_parameters`` (``rope_type`` and its fields; ``config.rope_scaling`` for
+    transformers 4 configs) with ``rope_theta``, ``partial_rotary_factor``, ``head_dim`` (or
+    ``hidden_size // num_attention_heads``) and ``max_position_embeddings``, with transformers'
+    defaults. The rotary dim is ``int(head_dim * partial_rotary_factor)``; every family honours
+    ``partial_rotary_factor`` (as GPT-NeoX, Phi or GLM do; Llama's own default ignores it).
+    ``layer_type`` picks one entry of per-layer-type parameters (Gemma 3's
+    ``"sliding_attention"`` and ``"full_attention"``), and of a heterogeneous config (Gemma 4's,
+    EmbeddingGemma 2's) that layer type's own config, with its own head dim. A composite
+    (vision-language) config is read through its ``get_text_config()``. A config with a
+    ``rotary_dim`` field (GPT-J, CodeGen) rotates that many channels; those models rotate
+    interleaved pairs (``RoPESpec(interleaved=True)``). LongRoPE's ``short_mscale`` and
+    ``long_mscale`` (Phi-3.5-MoE) are its attention factor up to and beyond
+    ``original_max_position_embeddings``, as that model's rotary embedding applies them.
+
+    ``max_positions`` is the length of the sequence the table serves. Dynamic NTK and LongRoPE
+    choose their rates by it, as transformers does for a sequence of that length: dynamic NTK
+    keeps the default rates up to ``max_position_embeddings`` and rescales for anything longer;
+    LongRoPE uses ``short_factor`` up to ``original_max_position_embeddings`` and
+    ``long_factor`` beyond. The result records that length (``max_positions``) for those
+    families. Then::
+
+        f = rope_dispatch.tables.from_hf_config(model.config, 4096)
+        table = f.cos_sin_cache(4096, device="cuda")  # attention factor included
+
+    Raises :class:`~rope_dispatch.RoPEError` for an unsupported ``rope_type`` (naming the
+    supported ones: :data:`HF_ROPE_TYPES`), a missing field, or a value out of range.
+    """
+    length = _count("max_positions", max_positions)
+    if layer_type is not None and not isinstance(layer_type, str):
+        raise RoPEError(f"layer_type must be a layer type's name (a str) or None, got {layer_type!r}")
+    config = _hf_layer_config(config, layer_type)
+    parameters, where = _hf_rope_parameters(config, layer_type)
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    if rope_type not in HF_ROPE_TYPES:
+        raise RoPEError(
+            f"{where}['rope_type'] is {rope_type!r}; rope-dispatch builds tables for the rope "
+            f"types {', '.join(map(repr, HF_ROPE_TYPES))}"
+        )
+
+    def value(key: str, fallback: object = None) -> object:
+        found = parameters.get(key)
+        return fallback if found is None else found
+
+    def required(key: str) -> object:
+        if parameters.get(key) is None:
+            raise RoPEError(f"{where} has no {key!r}, which rope_type {rope_type!r} needs")
+        return parameters[key]
+
+    def max_position_embeddings() -> int:
+        found = _hf_attribute(config, "max_position_embeddings")
+        if found is None:
+            raise RoPEError(
+                f"config has no max_position_embeddings, which rope_type {rope_type!r} needs"
+            )
+        return _count("config.max_position_embeddings", found)
+
+    def original_max_position_embeddings() -> int:
+        # transformers gives a config attribute of this name priority (Phi-3 keeps it there).
+        found = None
+        if layer_type is None:
+            found = _hf_attribute(config, "original_max_position_embeddings")
+        if found is None:
+            found = parameters.get("original_max_position_embeddings")
+        return max_position_embeddings() if found is None else found
+
+    theta = value("rope_theta", _hf_attribute(config, "rope_theta"))
+    if theta is None:
+        theta = _hf_attribute(config, "default_theta") or 10000.0
+    partial = value("partial_rotary_factor", _hf_attribute(config, "partial_rotary_factor"))
+    partial = 1.0 if partial is None else _positive(f"{where}['partial_rotary_factor']", partial)
+    if partial > 1.0:
+        raise RoPEError(f"{where}['partial_rotary_factor'] must be in (0, 1], got {partial!r}")
+    head_dim = _hf_head_dim(config)
+    dim = int(head_dim * partial)
+    rotary_dim = _hf_attribute(config, "rotary_dim")
+    if rotary_dim is not None:  # GPT-J, CodeGen: the rotated channels, given outright
+        dim = _count("config.rotary_dim", rotary_dim)
+        if dim > head_dim:
+            raise RoPEError(
+                f"config.rotary_dim={dim} is more than the head dim {head_dim}; expected at most that"
+            )
+    if dim < 2:
+        raise RoPEError(
+            f"the rotary dim int(head_dim * partial_rotary_factor) = int({head_dim} * {partial}) "
+            f"= {dim} must be >= 2"
+        )
+
+    try:
+        if rope_type == "default":
+            return default_frequencies(dim, rope_theta=theta)
+        if rope_type == "linear":
+            return linear_frequencies(dim, factor=required("factor"), rope_theta=theta)
+        if rope_type == "dynamic":
+            # transformers rescales beyond max_position_embeddings (not the original length).
+            return dynamic_ntk_frequencies(
+                dim, factor=required("factor"), max_position_embeddings=max_position_embeddings(),
+                seq_len=length, rope_theta=theta,
+            )
+        original = original_max_position_embeddings()
+        if rope_type == "llama3":
+            return llama3_frequencies(
+                dim, factor=required("factor"), original_max_position_embeddings=original,
+                low_freq_factor=required("low_freq_factor"),
+                high_freq_factor=required("high_freq_factor"), rope_theta=theta,
+            )
+        original = _count("original_max_position_embeddings", original)
+        # yarn and longrope derive a missing factor from the two lengths.
+        factor = value("factor")
+        if factor is None:
+            factor = max_position_embeddings() / original
+        if rope_type == "yarn":
+            truncate = parameters.get("truncate", True)
+            return yarn_frequencies(
+                dim, factor=factor, original_max_position_embeddings=original, rope_theta=theta,
+                beta_fast=value("beta_fast") or 32.0, beta_slow=value("beta_slow") or 1.0,
+                mscale=value("mscale"), mscale_all_dim=value("mscale_all_dim"),
+                attention_factor=value("attention_factor"),
+                truncate=False if truncate is None else truncate,
+            )
+        # Phi-3.5-MoE gives its attention factor for each regime; its rotary embedding applies
+        # the one of the running length (transformers 5.23 then keeps short_factor's rates at
+        # any length, which its Phi-3 models and this function switch by that length).
+        mscale = value("long_mscale" if length > original else "short_mscale")
+        return longrope_frequencies(
+            dim, short_factor=required("short_factor"), long_factor=required("long_factor"),
+            original_max_position_embeddings=original, seq_len=length, factor=factor,
+            rope_theta=theta, attention_factor=value("attention_factor") if mscale is None else mscale,
+        )
+    except RoPEError as error:
+        if str(error).startswith("config"):  # already names the config field
+            raise
+        raise RoPEError(f"{where} (rope_type {rope_type!r}): {error}") from error
+

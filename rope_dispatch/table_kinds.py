@@ -1,0 +1,601 @@
+"""Rotary table kinds: the float32 angle table ``freqs``, the optional precomputed cos/sin
+caches, and rate tables (the rates an angle table is made of, for kernels that multiply them
+out); their kernel forms and addresses, and the angle table's builder. Public through
+:mod:`rope_dispatch.tables`."""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import RoPEError, RoPETypeError
+
+
+@dataclass(frozen=True, eq=False)
+class CosSinCache:
+    """``cos`` and ``sin`` of an angle table, each ``[s2, d2]``, contiguous, float32 (or both
+    bfloat16 or float16: a model's own per-token values, widened to float32 by the kernels).
+
+    Build it once with :func:`cos_sin_cache` and pass it wherever ``apply`` takes ``freqs``:
+    kernels then read the two tables instead of evaluating sin/cos per element.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __post_init__(self) -> None:
+        _check_cos_sin(self.cos, self.sin)
+
+    @property
+    def seq_len(self) -> int:
+        return self.cos.shape[0]
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.cos.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.cos.device
+
+    def to(self, device: torch.device | str) -> CosSinCache:
+        return CosSinCache(self.cos.to(device), self.sin.to(device))
+
+    @property
+    def _version(self) -> int:
+        """cos's and sin's version counters summed, a tensor's ``_version`` for the pair: it
+        moves whenever either is written (each only grows). The Triton backend checks its
+        halves flag against it."""
+        return self.cos._version + self.sin._version
+
+
+@dataclass(frozen=True, eq=False)
+class PairCosSinCache:
+    """One float32 table ``[s2, d2]`` holding, for each position, the cosines of its ``d2 / 2``
+    pair angles followed by their sines: the layout vLLM, SGLang and FlashInfer call
+    ``cos_sin_cache``. Pair ``k`` (channels ``k`` and ``k + d2/2``, or ``2k`` and ``2k + 1`` when
+    interleaved) turns by the angle whose cosine is ``table[p, k]`` and sine
+    ``table[p, d2/2 + k]``. Wrap an engine's cache with it (no copy) and pass it as ``freqs``.
+    """
+
+    table: torch.Tensor
+
+    def __post_init__(self) -> None:
+        _check_pair_table(self.table)
+
+    @property
+    def seq_len(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BUILD_IT = "build it with rope_dispatch.cos_sin_cache(freqs)"
+
+
+def _described(x: torch.Tensor) -> str:
+    return f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+
+
+def _check_cos_sin(cos: object, sin: object) -> None:
+    """Refuse, when it is built, a CosSinCache the kernels could not read as pairs; each
+    condition with its own sentence and the values."""
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        raise RoPETypeError(
+            f"CosSinCache of {type(cos).__name__} cos and {type(sin).__name__} sin; expected "
+            f"two [s2, d2] tensors: {_BUILD_IT}"
+        )
+    got = f"cos {_described(cos)}, sin {_described(sin)}"
+    if cos.dtype not in _CACHE_DTYPES or sin.dtype != cos.dtype:
+        raise RoPEError(
+            f"CosSinCache's cos and sin must share one dtype among float32, bfloat16 and "
+            f"float16, got {got}"
+        )
+    if cos.dim() != 2 or cos.shape != sin.shape:
+        raise RoPEError(
+            f"CosSinCache's cos and sin must be [s2, d2] tensors of the same shape (one row per "
+            f"position), got {got}; {_BUILD_IT}"
+        )
+    if cos.device != sin.device:
+        raise RoPEError(
+            f"CosSinCache's cos is on {cos.device} but sin on {sin.device}; expected one device"
+        )
+    if cos.shape[0] < 1:
+        raise RoPEError(f"CosSinCache's tables must have at least one position (row), got {got}")
+    if cos.shape[1] < 2 or cos.shape[1] % 2:
+        raise RoPEError(
+            f"CosSinCache's tables must have an even d2 >= 2 (channels rotate in pairs), got {got}"
+        )
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        raise RoPEError(
+            f"CosSinCache's cos and sin must be contiguous, got strides {cos.stride()} and "
+            f"{sin.stride()}; pass cos.contiguous() and sin.contiguous()"
+        )
+
+
+def _check_pair_table(table: object) -> None:
+    """Refuse, when it is built, a PairCosSinCache the kernels could not read."""
+    if not isinstance(table, torch.Tensor):
+        raise RoPETypeError(
+            f"PairCosSinCache's table must be a float32 tensor [s2, d2] (cosines, then sines), "
+            f"got {type(table).__name__}"
+        )
+    if table.dtype != torch.float32 or table.dim() != 2:
+        raise RoPEError(
+            f"PairCosSinCache's table must be a float32 tensor [s2, d2] (cosines, then sines), "
+            f"got {_described(table)}"
+        )
+    if table.shape[0] < 1 or table.shape[1] < 2 or table.shape[1] % 2:
+        raise RoPEError(
+            f"PairCosSinCache's table must have at least one position and an even d2 >= 2 (d2 / 2 "
+            f"cosines, then d2 / 2 sines), got shape {tuple(table.shape)}"
+        )
+    if not table.is_contiguous():
+        raise RoPEError(
+            f"PairCosSinCache's table must be contiguous, got strides {table.stride()}; pass "
+            "table.contiguous()"
+        )
+
+
+def _normal_tensors():
+    """A context in which new tensors are normal ones: inference mode off where it is on (an
+    inference tensor kept for later calls could not be saved for a backward). While tracing
+    (where Dynamo cannot ask) nothing changes."""
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True, eq=False)
+class RateTable:
+    """Rotation rates ``inv_freq`` ``[d2 / 2]`` (float32) and a row count: the angle table
+    ``angle_table(inv_freq, rows)`` without its ``rows x d2`` floats.
+
+    Pair ``k`` turns by ``float32(p) * inv_freq[k]`` at position ``p`` (one float32 multiply,
+    as :func:`angle_table` and :meth:`RotaryFrequencies.angle_table` compute each entry), so a
+    call gives the same results as with that angle table, bit for bit where the backend does the
+    same float32 math on both. The Triton kernels compute the angles from the rates instead of
+    reading a table row per token. Positions ``0 .. rows - 1`` are inside the table; any other
+    position is treated as outside an angle table of ``rows`` rows (an error where the values
+    are read, NaN rows where they are not).
+
+    The rates are copied at construction (``inv_freq`` twice over, ``[d2]``, the form the
+    kernels read); changing ``inv_freq`` in place afterwards changes nothing: build a new
+    RateTable. They are constants, as an angle table's entries are: no gradient flows to
+    ``inv_freq``. Backends that read whole angle tables (eager, compile, TransformerEngine) get
+    :meth:`angle_table`, made on first use and kept on the object: ``rows x d2`` float32
+    values per layout (halves, interleaved) used.
+    """
+
+    inv_freq: torch.Tensor
+    rows: int
+
+    def __post_init__(self) -> None:
+        rates = self.inv_freq
+        if not isinstance(rates, torch.Tensor):
+            raise RoPEError(
+                f"RateTable's inv_freq must be a float32 tensor [d2 / 2], got {type(rates).__name__}"
+            )
+        if rates.dtype != torch.float32:
+            raise RoPEError(
+                f"RateTable's inv_freq must be float32 rates (float32 products with positions "
+                f"are what angle tables hold), got dtype {str(rates.dtype).removeprefix('torch.')}"
+            )
+        if rates.dim() != 1:
+            raise RoPEError(
+                f"RateTable's inv_freq must be 1-D [d2 / 2] (one rate per rotated pair), got "
+                f"shape {tuple(rates.shape)}"
+            )
+        if rates.numel() < 1:
+            raise RoPEError("RateTable's inv_freq must hold at least one rate, got an empty tensor")
+        if not rates.is_contiguous():
+            raise RoPEError(
+                f"RateTable's inv_freq must be contiguous, got stride {rates.stride()}; pass "
+                "inv_freq.contiguous()"
+            )
+        rows = self.rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise RoPEError(
+                f"RateTable's rows must be a positive int (positions 0 .. rows - 1 are inside "
+                f"the table), got {rows!r}"
+            )
+        # What the kernels read: the rates twice over, [d2], and a [rows, d2] view of it with
+        # a row stride of 0 (its shape gives the launcher the table length and the rotary dim).
+        # Constants, like an angle table's entries: no graph back to inv_freq, and a normal
+        # tensor even when made under inference mode (autograd may save it later).
+        with _normal_tensors():
+            doubled = torch.cat((rates.detach(), rates.detach())).contiguous()
+        object.__setattr__(self, "_kernel_rates", doubled)
+        object.__setattr__(
+            self, "_kernel_view", doubled.as_strided((rows, doubled.shape[0]), (0, 1))
+        )
+        object.__setattr__(self, "_angles", {})
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.inv_freq.device
+
+    def angle_table(self, interleaved: bool = False) -> torch.Tensor:
+        """The equivalent float32 angle table ``[rows, 1, 1, d2]`` (halves, or pairs with
+        ``interleaved``), made from the rates copied at construction on first use and kept on
+        the object (``rows x d2`` floats per layout). Do not write to it."""
+        angles = self._angles.get(interleaved)  # type: ignore[attr-defined]
+        if angles is None:
+            n = self.inv_freq.shape[0]
+            rates = self._kernel_rates[:n]  # type: ignore[attr-defined]
+            if torch.compiler.is_compiling():  # a traced graph computes it; nothing kept
+                return angle_table(rates, self.rows, interleaved=bool(interleaved))
+            with _normal_tensors():  # a first call under inference mode keeps no inference tensor
+                angles = angle_table(rates, self.rows, interleaved=bool(interleaved))
+            self._angles[bool(interleaved)] = angles  # type: ignore[attr-defined]
+        return angles
+
+    def angle_rows(self, interleaved: bool = False) -> torch.Tensor:
+        """:meth:`angle_table` as ``[rows, d2]`` (a view): what backends that gather table rows
+        read."""
+        angles = self.angle_table(interleaved)
+        return angles.view(angles.shape[0], angles.shape[3])
+
+
+RotaryTable = torch.Tensor | CosSinCache | PairCosSinCache | RateTable
+
+TABLE_KINDS = {
+    torch.Tensor: "angles",
+    CosSinCache: "cos_sin_cache",
+    PairCosSinCache: "pair_cos_sin_cache",
+    RateTable: "rates",
+}
+"""A checked table's kind by its type (an angle table is a plain ``[s2, d2]`` tensor)."""
+
+
+def table_kind(table: RotaryTable) -> str:
+    """``"angles"``, ``"cos_sin_cache"``, ``"pair_cos_sin_cache"`` or ``"rates"``."""
+    return TABLE_KINDS.get(type(table), "angles")
+
+
+def table_shape(table: RotaryTable) -> tuple[int, int]:
+    """``(rows, rotary dim)`` of a checked table of any kind."""
+    if isinstance(table, torch.Tensor):
+        return table.shape[0], table.shape[1]
+    return table.seq_len, table.rotary_dim
+
+
+def kernel_tables(table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A checked table as the kernels read it: ``(angles, None)``; ``(cos, sin)``; for a pair
+    cache ``(table, table[:, d2/2:])``, a sin view half as wide as the table (one value per
+    pair: that width tells the kernels the kind); for a rate table ``(view, view)``, the same
+    ``[rows, d2]`` view of the doubled rates twice, with a row stride of 0 (``sin is table``
+    tells the kernels the kind)."""
+    kind = type(table)
+    if kind is CosSinCache:
+        return table.cos, table.sin
+    if kind is PairCosSinCache:
+        t = table.table
+        return t, t[:, t.shape[1] // 2 :]
+    if kind is RateTable:
+        view = table._kernel_view  # type: ignore[attr-defined]
+        return view, view
+    return table, None
+
+
+_channel_streams: dict[tuple, torch.Tensor] = {}
+
+
+def _streams_of_channels(sections: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """Which position stream (0 temporal, 1 height, 2 width) each of the ``d2`` rotary channels
+    reads: the sections in each half (a pair's two channels share a stream); made once per
+    device."""
+    key = (sections, device)
+    streams = _channel_streams.get(key)
+    if streams is None:
+        half = [stream for stream, count in enumerate(sections) for _ in range(count)]
+        streams = torch.tensor(half + half, dtype=torch.long).to(device)
+        _channel_streams[key] = streams
+    return streams
+
+
+def _gather_rows(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out[t, c] = values[rows[c, t], c]`` ``[tokens, d2]``, NaN where the row falls outside
+    ``values`` (never an out-of-bounds read, never a clamped row)."""
+    n = values.shape[0]
+    inside = (rows >= 0) & (rows < n)
+    channels = torch.arange(values.shape[1], device=values.device)[:, None]
+    picked = values[rows.clamp(0, max(n - 1, 0)), channels]
+    return torch.where(inside, picked, float("nan")).t().contiguous()
+
+
+def multimodal_rows(
+    table: RotaryTable, streams: torch.Tensor, sections: tuple[int, int, int]
+) -> RotaryTable:
+    """A table of the same kind with one row per token for multimodal RoPE (Qwen2-VL):
+    channel ``c`` of token ``t``'s row is the table's channel ``c`` at ``streams[s, t]``, where
+    ``s`` is the stream of ``c``'s section (``sections`` = temporal, height, width channel
+    counts of each half, summing to ``d2 / 2``). ``streams`` is ``[3, tokens]``. A pair cache's
+    cosine and sine of pair ``k`` share the stream, as the two channels of the pair do. A rate
+    table gives an angle table (rows gathered from its :meth:`RateTable.angle_table`, halves:
+    multimodal RoPE is never interleaved)."""
+    rows = streams.long()[_streams_of_channels(tuple(sections), table.device)]  # [d2, tokens]
+    if isinstance(table, CosSinCache):
+        return CosSinCache(_gather_rows(table.cos, rows), _gather_rows(table.sin, rows))
+    if isinstance(table, PairCosSinCache):
+        return PairCosSinCache(_gather_rows(table.table, rows))
+    if isinstance(table, RateTable):
+        return _gather_rows(table.angle_rows(), rows)
+    return _gather_rows(table, rows)
+
+
+def _cos_sin_address(table: CosSinCache) -> tuple[int, int]:
+    return table.cos.data_ptr(), table.sin.data_ptr()
+
+
+def _pair_address(table: PairCosSinCache) -> int:
+    return table.table.data_ptr()
+
+
+def _rates_address(table: RateTable) -> int:
+    """The address of the doubled rates the kernels read."""
+    return table._kernel_rates.data_ptr()  # type: ignore[attr-defined]
+
+
+def _tensor_address(table: torch.Tensor) -> int:
+    return table.data_ptr()
+
+
+_ADDRESS_READERS: dict[type, Callable[[Any], int | tuple[int, int]]] = {
+    CosSinCache: _cos_sin_address, PairCosSinCache: _pair_address, RateTable: _rates_address,
+}
+
+
+def address_reader(table: object) -> Callable[[Any], int | tuple[int, int]]:
+    """:func:`table_address` for tables of ``table``'s type, with no type tests of its own: what
+    a plan, made for one table object, calls on every call it serves."""
+    return _ADDRESS_READERS.get(type(table), _tensor_address)
+
+
+def table_requires_grad(table: object) -> bool:
+    """Whether a gradient is asked of the table: an angle table, or a cos/sin cache member, that
+    requires grad (a RateTable's rates are copied constants)."""
+    if isinstance(table, torch.Tensor):
+        return table.requires_grad
+    if isinstance(table, CosSinCache):
+        return table.cos.requires_grad or table.sin.requires_grad
+    if isinstance(table, PairCosSinCache):
+        return table.table.requires_grad
+    return False
+
+
+def table_address(table: object) -> int | tuple[int, int]:
+    """Where a table's memory is (a plan checks it was not replaced with ``.data = ...``)."""
+    return address_reader(table)(table)
+
+
+# id(freqs) -> (weak reference to freqs, its address, whether it is [s2, 1, 1, d2]): tables
+# checked lately. No tensor is held (a view would keep its base alive), so a table is freed as
+# soon as its owner drops it, and its entry with it.
+_recent_tables: dict[int, tuple[weakref.ref, int, bool]] = {}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _recent_tables.get(key)
+    if entry is not None and entry[0] is ref:
+        del _recent_tables[key]
+
+
+def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
+    """Check an angle table ``[s2, 1, 1, d2]`` or ``[s2, d2]`` and return it as ``[s2, d2]``.
+
+    The result is a view when the input is contiguous float32 (the usual case), so a call pays
+    no copy; other strides are made contiguous here. The last few contiguous tables are
+    remembered, so a training step that passes the same table to every layer checks it once
+    (while it is the same object over the same memory and shape: ``freqs.data = ...`` or
+    ``resize_`` start afresh).
+    """
+    if torch.compiler.is_compiling():
+        return _angles_2d(freqs, argument)
+    key = id(freqs)
+    hit = _recent_tables.get(key)
+    if hit is not None and hit[0]() is freqs and hit[1] == freqs.data_ptr():
+        shape = freqs.shape
+        if hit[2] and len(shape) == 4 and freqs.is_contiguous():
+            return freqs.view(shape[0], shape[3])
+        if not hit[2] and len(shape) == 2 and freqs.is_contiguous():
+            return freqs
+    table = _angles_2d(freqs, argument)
+    if table.data_ptr() == freqs.data_ptr():  # a view, not a copy: worth remembering
+        if len(_recent_tables) >= 8:
+            _recent_tables.clear()
+        _recent_tables[key] = (
+            weakref.ref(freqs, lambda ref: _forget(key, ref)), freqs.data_ptr(), freqs.dim() == 4
+        )
+    return table
+
+
+FREQUENCY_TYPES: tuple[type, ...] = ()
+"""Rate objects that are not tables (``rope_dispatch.frequencies`` adds RotaryFrequencies), so
+passing one where a table belongs says what to build from it."""
+
+
+def add_frequency_type(kind: type) -> type:
+    """Count ``kind`` among :data:`FREQUENCY_TYPES` (a class decorator)."""
+    global FREQUENCY_TYPES
+    FREQUENCY_TYPES += (kind,)
+    return kind
+
+
+def _angles_2d(freqs: torch.Tensor, argument: str) -> torch.Tensor:
+    if isinstance(freqs, FREQUENCY_TYPES):
+        raise RoPETypeError(
+            f"{argument} is a RotaryFrequencies (rates, with no length), not a table; build a "
+            f"table from it once and pass that: {argument}.cos_sin_cache(max_positions, "
+            f"device=t.device) (it includes attention_factor="
+            f"{freqs.attention_factor:.6g}), {argument}.angle_table(...) or, for the Triton "
+            f"kernels, {argument}.rate_table(...)"
+        )
+    if not isinstance(freqs, torch.Tensor):
+        raise RoPETypeError(
+            f"{argument} must be a float32 torch.Tensor [s2, 1, 1, d2] or [s2, d2], a "
+            f"CosSinCache, a PairCosSinCache or a RateTable; got {type(freqs).__name__}"
+        )
+    if freqs.dtype != torch.float32:
+        raise RoPEError(
+            f"{argument} must be float32 angles (bf16/fp16 angles lose position precision), "
+            f"got dtype {str(freqs.dtype).removeprefix('torch.')}"
+        )
+    if freqs.dim() == 4:
+        if freqs.shape[1] != 1 or freqs.shape[2] != 1:
+            raise RoPEError(
+                f"{argument} must have shape [s2, 1, 1, d2], got {tuple(freqs.shape)}"
+            )
+        freqs = freqs.view(freqs.shape[0], freqs.shape[3]) if freqs.is_contiguous() else (
+            freqs.reshape(freqs.shape[0], freqs.shape[3])
+        )
+    elif freqs.dim() != 2:
+        raise RoPEError(
+            f"{argument} must have shape [s2, 1, 1, d2] or [s2, d2], got {tuple(freqs.shape)}"
+        )
+    if freqs.shape[0] < 1 or freqs.shape[1] < 2 or freqs.shape[1] % 2:
+        raise RoPEError(
+            f"{argument} must have at least one position and an even rotary dim d2 >= 2, "
+            f"got shape {tuple(freqs.shape)}"
+        )
+    return freqs if freqs.is_contiguous() else freqs.contiguous()
+
+
+def cos_sin_cache(freqs: torch.Tensor) -> CosSinCache:
+    """Precompute float32 cos and sin of an angle table ``[s2, 1, 1, d2]`` (or ``[s2, d2]``).
+
+    Evaluated in float64 and rounded once, so the cache is at least as accurate as the float32
+    ``sincos`` a kernel would do; every backend gives the same results from either form.
+    """
+    angles = angles_2d(freqs).double()
+    return CosSinCache(torch.cos(angles).float().contiguous(), torch.sin(angles).float().contiguous())
+
+
+def table_cos_sin(table: RotaryTable, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(cos, sin)`` ``[s2, d2]``, one value per channel, of a checked table of any
+    kind (a pair cache's values repeated for both channels of each pair; a rate table's from
+    its kept :meth:`RateTable.angle_table` in the call's layout)."""
+    if isinstance(table, RateTable):
+        angles = table.angle_rows(interleaved)
+        return torch.cos(angles), torch.sin(angles)
+    if isinstance(table, CosSinCache):
+        return table.cos, table.sin
+    if isinstance(table, PairCosSinCache):
+        cos, sin = table.table.chunk(2, dim=-1)
+        if interleaved:
+            return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    return torch.cos(table), torch.sin(table)
+
+
+# --- building angle tables --------------------------------------------------------------------
+# The float32 operations below, in this order, are those of TransformerEngine 2.20.2's
+# RotaryPositionEmbedding, so a table built here on a device equals TE's on that device bit for
+# bit (tests/test_compat_te.py). Options that choose a position scale (TE's interpolation,
+# later other models' rules) compute it outside and pass it in as ``scale``.
+
+
+def _count(argument: str, value: object) -> int:
+    """``value`` as a positive int, or a RoPEError naming ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise RoPEError(f"{argument} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _positive(argument: str, value: object) -> float:
+    """``value`` as a finite float > 0 (a Python or NumPy number), or a RoPEError naming
+    ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+        0 < float(value) < float("inf")
+    ):
+        raise RoPEError(f"{argument} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _rotary_dim(dim: object, argument: str = "dim (the rotary dim)") -> int:
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 2:
+        raise RoPEError(f"{argument} must be an int >= 2, got {dim!r}")
+    return int(dim)
+
+
+def inverse_frequencies(
+    dim: int, base: float = 10000.0, *, device: torch.device | str | int | None = None
+) -> torch.Tensor:
+    """float32 ``[ceil(dim / 2)]`` rotation rates ``1 / base ** (2k / dim)``, ``k = 0, 1, ...``.
+
+    ``dim`` is the rotary dim (the table's last dim is ``2 * len(result)``); ``device`` is
+    where the result lives (``None``: torch's default device). The exponent ``2k / dim`` and
+    the power are float32, as in TransformerEngine.
+    """
+    dim = _rotary_dim(dim)
+    base = _positive("base", base)
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    return 1.0 / (base ** exponents)
+
+
+def _autocast_off(device_type: str):
+    """A context that turns autocast off for ``device_type`` (where autocast exists for it)."""
+    if torch.compiler.is_compiling() and device_type in ("cpu", "cuda"):
+        # Dynamo traces the autocast context but not the availability check
+        return torch.autocast(device_type=device_type, enabled=False)
+    available = getattr(torch.amp, "is_autocast_available", None)
+    if available is not None and not available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+def angle_table(
+    inv_freq: torch.Tensor, length: int, *, offset: int | float = 0, scale: float = 1.0,
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """The angle table ``freqs`` ``[length, 1, 1, 2n]`` of rates ``inv_freq`` ``[n]``.
+
+    Row ``p`` holds the angles of position ``(p + offset) * scale``, each rate once per
+    rotated pair: ``[a_0 .. a_{n-1}, a_0 .. a_{n-1}]`` (the two halves, NeoX style) or, with
+    ``interleaved``, ``[a_0, a_0, a_1, a_1, ...]``. ``scale`` shrinks positions (linear
+    interpolation: ``1 / factor``); ``1.0`` leaves them unscaled. The result has ``inv_freq``'s
+    dtype and device, is contiguous, and is computed with autocast off.
+    """
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1 or not (
+        inv_freq.is_floating_point()
+    ):
+        raise RoPEError(
+            "inv_freq must be a 1-D floating-point tensor of rates, got "
+            + (f"{inv_freq.dtype} {tuple(inv_freq.shape)}" if isinstance(inv_freq, torch.Tensor)
+               else type(inv_freq).__name__)
+        )
+    if isinstance(length, bool) or not isinstance(length, (numbers.Integral, torch.SymInt)) or (
+        length < 0
+    ):
+        raise RoPEError(f"length must be an int >= 0 (the table's rows), got {length!r}")
+    with _autocast_off(inv_freq.device.type):
+        positions = torch.arange(length, device=inv_freq.device, dtype=inv_freq.dtype) + offset
+        if scale != 1.0:
+            positions = positions * scale
+        angles = torch.outer(positions, inv_freq)  # one float32 multiply per entry
+    if interleaved:
+        angles = angles.repeat_interleave(2, dim=-1)
+    else:
+        angles = torch.cat((angles, angles), dim=-1)
+    return angles.reshape(length, 1, 1, angles.shape[-1])
