@@ -84,8 +84,7 @@ class LaunchKey(NamedTuple):
     """Each input's and output's shape and strides, in order."""
     dtypes: tuple
     """The data's dtype and each table's dtype, shape class and form."""
-    aligned: int
-    """Bit ``i``: pointer argument ``i`` lies on a 16-byte boundary."""
+    aligned: int  # bit i: pointer argument i lies on a 16-byte boundary
     device: int
 
 
@@ -95,8 +94,7 @@ class Compiled(NamedTuple):
     run: Any
     prefix: tuple
     grid: tuple[int, int, int]
-    tail: tuple
-    """The integer arguments, then the compile-time constants in the kernel's order."""
+    tail: tuple  # the integer arguments, then the constants in the kernel's order
 
 
 _compiled: dict[LaunchKey, Compiled] = {}
@@ -124,7 +122,8 @@ def call_tables(call: RoPECall) -> Tables:
     packed call with a table each read both alike, flagged or not."""
     spec, index = call.spec, position_index(call)
     rows = tt.rows_read(call.t, spec.layout, index)
-    tab, sin, cu = tt.call_tables(call, rows)
+    tab, sin, cu = tt.launch_tables(call.table, rows, spec.cu_seqlens, spec.layout,
+                                    spec.interleaved)
     if call.k_table is None:
         return Tables(tab, sin, cu, index)
     q_tables = tt.flagged_tables(call.table, rows)
@@ -246,7 +245,7 @@ def _segments(launch: Launch, inputs: Sequence[torch.Tensor],
 
 
 def pointers(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-              tabs: Tables) -> tuple[tuple[torch.Tensor, int], ...]:
+             tabs: Tables) -> tuple[tuple[torch.Tensor, int], ...]:
     """The kernel's pointer arguments as ``(tensor, byte offset)``: the data's (one tensor: in,
     out; segments: q, k, v in and out), then the tables', cu_seqlens' and index's (absent ones
     point at the table)."""
@@ -274,7 +273,8 @@ def _table_form(table: torch.Tensor, sin: torch.Tensor | None) -> tuple:
 
 
 def launch_key(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-         tabs: Tables, addresses: Sequence[int]) -> LaunchKey:
+               tabs: Tables, addresses: Sequence[int]) -> LaunchKey:
+    """The key of a launch's compiled kernel (``addresses``: its pointers', for alignment)."""
     layouts = tuple((x.shape, x.stride()) for x in (*inputs, *outs))
     forms = (
         inputs[0].dtype, tabs.table.shape[0], _table_form(tabs.table, tabs.sin),

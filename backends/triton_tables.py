@@ -18,7 +18,6 @@ import weakref
 import torch
 
 from rope_dispatch.call import RoPECall, env_raw_reader
-from rope_dispatch.spec import RoPESpec
 from rope_dispatch.tables import CosSinCache, RotaryTable, kernel_tables, table_address
 
 from .triton_tiles import next_pow2
@@ -284,15 +283,6 @@ def launch_tables(
     return tab, sin, cu_seqlens
 
 
-def call_tables(
-    call: RoPECall, rows: int
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`launch_tables` of a checked call's table, for its spec's ``cu_seqlens``,
-    layout and pairing."""
-    spec = call.spec
-    return launch_tables(call.table, rows, spec.cu_seqlens, spec.layout, spec.interleaved)
-
-
 def plan_flag(
     sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None, layout: str
 ) -> torch.Tensor | None:
@@ -306,12 +296,6 @@ def plan_flag(
 
 def _tokens(t: torch.Tensor) -> int:
     return math.prod(t.shape[:-2])
-
-
-def kernel_settings(spec: RoPESpec) -> tuple[str, bool, float, int, int]:
-    """The spec's arguments every launch takes, in the launchers' order: ``(layout,
-    interleaved, cos_sin_scale, cp_size, cp_rank)``."""
-    return spec.layout, spec.interleaved, spec.cos_sin_scale, spec.cp_size, spec.cp_rank
 
 
 def rows_read(t: torch.Tensor, layout: str, index: torch.Tensor | None) -> int:
