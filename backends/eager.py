@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rope_dispatch.call import RoPECall, k_call, position_index, qkv_parts
+from rope_dispatch.norm import normalized
 from rope_dispatch.registry import Backend
 from rope_dispatch.tables import table_cos_sin
 
@@ -77,7 +78,7 @@ def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 def rope_tensors(
     t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None,
     index: torch.Tensor | None, *, layout: str, interleaved: bool, cp_size: int,
-    cp_rank: int, scale: float = 1.0, transpose: bool = False,
+    cp_rank: int, scale: float = 1.0, transpose: bool = False, dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``out = x cos + rotate(x) sin`` on the first d2 channels in float32, the rest copied;
     ``scale`` (the spec's ``cos_sin_scale``) multiplies cos and sin.
@@ -86,8 +87,9 @@ def rope_tensors(
     ``rotate`` is a quarter turn, so its transpose is ``-rotate`` and the gradient of ``g`` is
     ``g cos - rotate(g sin)`` (each channel meets its partner's sine). ``cos``/``sin`` are
     float32 ``[s2, d2]``. Pure in its tensor arguments, so the compile backend traces exactly
-    this math.
+    this math. ``dtype``: the output's (default ``t``'s; a normalized ``t`` comes in float32).
     """
+    dtype = t.dtype if dtype is None else dtype
     pos = positions(t.shape, layout, cu_seqlens, index, cp_size, cp_rank, t.device)
     cos, sin = table_rows(cos, pos).unsqueeze(-2), table_rows(sin, pos).unsqueeze(-2)
     if scale != 1.0:
@@ -95,31 +97,33 @@ def rope_tensors(
     d2 = cos.shape[-1]
     x = t[..., :d2].float()
     if transpose:
-        rotated = (x * cos - rotate(x * sin, interleaved)).to(t.dtype)
+        rotated = (x * cos - rotate(x * sin, interleaved)).to(dtype)
     else:
-        rotated = (x * cos + rotate(x, interleaved) * sin).to(t.dtype)
+        rotated = (x * cos + rotate(x, interleaved) * sin).to(dtype)
     if d2 == t.shape[-1]:
         return rotated.contiguous()
     # cat keeps a permuted input's memory format: the output is contiguous in the layout
-    return torch.cat((rotated, t[..., d2:]), dim=-1).contiguous()
+    return torch.cat((rotated, t[..., d2:].to(dtype)), dim=-1).contiguous()
 
 
 def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RoPE of a checked call in plain PyTorch (see :func:`rope_tensors`); in place, the
-    rotated channels are computed apart and copied back (autograd sees a ``copy_``). A packed
+    """RoPE of a checked call in plain PyTorch (see :func:`rope_tensors`), after its norm
+    stage in float32 (rounded once, at the end); in place, the rotated channels (every channel
+    with a norm) are computed apart and copied back (autograd sees a ``copy_``). A packed
     qkv call is split into q and k calls and a copy of v, a q and k pair into two calls."""
     if call.tensors == "qkv":
         q_part, k_part, v = qkv_parts(call)
         return rope_eager(q_part), rope_eager(k_part), v.clone(memory_format=torch.contiguous_format)
     if call.tensors == "qk":
-        return rope_eager(call._replace(tensors="t", k=None)), rope_eager(k_call(call))
+        return (rope_eager(call._replace(tensors="t", k=None, k_norm=None)),
+                rope_eager(k_call(call)))
     spec = call.spec
     cos, sin = table_cos_sin(call.table, spec.interleaved)
-    t = call.t[..., : call.rotary_dim] if call.in_place else call.t
+    t = call.t[..., : call.rotary_dim] if call.in_place and call.norm is None else call.t
     out = rope_tensors(
-        t, cos, sin, spec.cu_seqlens, position_index(call), layout=spec.layout,
-        interleaved=spec.interleaved, cp_size=spec.cp_size, cp_rank=spec.cp_rank,
-        scale=spec.cos_sin_scale,
+        t if call.norm is None else normalized(t, call.norm), cos, sin, spec.cu_seqlens,
+        position_index(call), layout=spec.layout, interleaved=spec.interleaved,
+        cp_size=spec.cp_size, cp_rank=spec.cp_rank, scale=spec.cos_sin_scale, dtype=t.dtype,
     )
     if call.in_place:
         t.copy_(out)
@@ -135,6 +139,7 @@ class EagerBackend(Backend):
     description = "plain PyTorch ops (reference semantics, CPU and CUDA)"
     priority = 0
     supports_in_place = True
+    supports_norm = True
     supports_positions = True
     tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"})
     tensors = frozenset({"t", "qk", "qkv"})

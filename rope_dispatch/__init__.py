@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # what the first use loads (_PUBLIC), spelled out for type ch
     from .dispatch import (
         Explanation, apply, apply_, apply_qk, apply_qk_, apply_qkv, explain, use_backend,
     )
+    from .norm import HeadNorm
     from .errors import (
         BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError, UnknownBackendError,
     )
@@ -44,6 +45,7 @@ _PUBLIC = {
                  "use_backend"),
     "errors": ("BackendNotSupportedError", "NoBackendError", "RoPEError", "RoPETypeError",
                "UnknownBackendError"),
+    "norm": ("HeadNorm",),
     "registry": ("Backend", "BackendInfo", "get_backend", "list_backends", "register"),
     "spec": ("RoPESpec",),
     "tables": ("CosSinCache", "PairCosSinCache", "RateTable", "cos_sin_cache"),

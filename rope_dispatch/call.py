@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .errors import RoPEError, RoPETypeError
+from .norm import HeadNorm, NormForm, check_norm
 from .spec import STATIC_FIELDS, RoPESpec, dtype_name
 from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
@@ -80,6 +81,17 @@ class RoPECall(NamedTuple):
     positions_bounded: bool = True
     positions: torch.Tensor | None = None
     k: torch.Tensor | None = None
+    norm: HeadNorm | None = None
+    """The norm stage of ``t`` (q of a pair or packed call) before the rotation."""
+    k_norm: HeadNorm | None = None
+    """k's norm stage (a pair or packed call)."""
+
+    @property
+    def norms(self) -> tuple[NormForm | None, NormForm | None] | None:
+        """The norm stages' forms (q's, k's), or ``None`` without any."""
+        if self.norm is None and self.k_norm is None:
+            return None
+        return tuple(None if n is None else n.form for n in (self.norm, self.k_norm))
 
     @property
     def table_len(self) -> int:
@@ -118,6 +130,8 @@ class CallKey(NamedTuple):
     """Which side of every declared element-count limit the call is on (dispatch's)."""
     grid_axis: bool = False
     """A dimension passes a secondary grid axis's 65,535 blocks."""
+    norms: tuple | None = None
+    """The norm stages' scopes (q's, k's; ``None`` for a side without), or ``None``."""
 
     def fields(self) -> dict:
         """The named JSON fields autotune stores (``in_place``, ``qkv_split``, per-token
@@ -138,6 +152,8 @@ class CallKey(NamedTuple):
             fields["positions"] = True
         if self.k_shape_bucket is not None:
             fields["k_shape_bucket"] = list(self.k_shape_bucket)
+        if self.norms is not None:
+            fields["norms"] = list(self.norms)
         return fields
 
 
@@ -157,6 +173,8 @@ def call_key(call: RoPECall, size_limits: Sequence[int] = ()) -> CallKey:
         call.positions_bounded, table_grad_wanted(call.table, call.k_table),
         bisect.bisect_left(size_limits, t.numel()) if size_limits else 0,
         max(call.seq_len, call.batch) >= GRID_AXIS_LIMIT,
+        None if call.norm is None and call.k_norm is None else
+        tuple(None if n is None else n.scope for n in (call.norm, call.k_norm)),
     )
 
 
@@ -181,7 +199,8 @@ def position_index(call: RoPECall) -> torch.Tensor | None:
 def k_call(call: RoPECall) -> RoPECall:
     """The k half of a ``"qk"`` call as a single-tensor call."""
     k = call.k
-    return call._replace(t=k, heads=k.shape[-2], tensors="t", k=None)
+    return call._replace(t=k, heads=k.shape[-2], tensors="t", k=None, norm=call.k_norm,
+                         k_norm=None)
 
 
 def qkv_parts(call: RoPECall) -> tuple[RoPECall, RoPECall, torch.Tensor]:
@@ -193,10 +212,10 @@ def qkv_parts(call: RoPECall) -> tuple[RoPECall, RoPECall, torch.Tensor]:
     q = q.reshape(*q.shape[:-2], call.heads * q_len // k_len, k_len)
     k = t[..., q_len : q_len + k_len]
     v = t[..., q_len + k_len :]
-    single = dict(tensors="t", split=None, k_table=None)
+    single = dict(tensors="t", split=None, k_table=None, k_norm=None)
     q_call = call._replace(t=q, heads=q.shape[-2], **single)
     k_table = call.table if call.k_table is None else call.k_table
-    k_call = call._replace(t=k, table=k_table, **single)
+    k_call = call._replace(t=k, table=k_table, norm=call.k_norm, **single)
     return q_call, k_call, v
 
 
@@ -456,13 +475,15 @@ def check_call(
     *, in_place: bool = False, grad_in_place: bool = False,
     split: tuple[int, int, int] | None = None, k_freqs: object = None,
     positions: torch.Tensor | None = None, k: torch.Tensor | None = None,
+    q_norm: object = None, k_norm: object = None,
 ) -> RoPECall:
     """Check ``t``, ``freqs`` and ``start_positions`` (or per-token ``positions``) against
     ``spec``; raise a clear error or return the :class:`RoPECall` every backend takes.
     ``in_place`` adds the checks of :func:`~rope_dispatch.apply_` (``t`` must be writable).
     ``split`` makes ``t`` a packed qkv tensor (:func:`~rope_dispatch.apply_qkv`), whose k is
     rotated by ``k_freqs`` when given; ``k`` makes ``t`` the q of a q and k pair
-    (:func:`~rope_dispatch.apply_qk`)."""
+    (:func:`~rope_dispatch.apply_qk`). ``q_norm`` and ``k_norm`` are the norm stages
+    (:class:`~rope_dispatch.HeadNorm`) of ``t`` (q) and of k."""
     if not isinstance(spec, RoPESpec):
         raise RoPETypeError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
     if not isinstance(t, torch.Tensor):
@@ -496,6 +517,7 @@ def check_call(
             raise RoPEError("a packed qkv call writes new q, k and v; it has no in-place form")
         kind, split = "qkv", _check_split(split, shape[-1])
         head_dim = split[1]
+        q_heads, k_heads = heads * (split[0] // head_dim), heads
         if k_freqs is not None and k_freqs is not freqs:
             k_table = _check_k_table(k_freqs, table, device)
             if table_shape(k_table)[0] < table_len:
@@ -504,14 +526,22 @@ def check_call(
         raise RoPEError("k_freqs is for packed qkv calls (apply_qkv) only")
     else:
         head_dim = shape[-1]
+        q_heads, k_heads = heads, 0
         if k is not None:
             kind = "qk"
             _check_k(t, k, in_place)
+            k_heads = k.shape[-2]
     if d2 > head_dim:
         raise RoPEError(
             f"rotary dim d2={d2} (freqs' last dim) exceeds the head dim d={head_dim} of t "
             f"{tuple(shape)}" + (f" (the k part of split {split})" if split else "")
         )
+    if q_norm is not None or k_norm is not None:
+        q_name = "norm" if kind == "t" else "q_norm"
+        q_norm = check_norm(q_norm, q_name, q_heads, head_dim, device)
+        if k_norm is not None and kind == "t":
+            raise RoPEError("k_norm is for calls with a k (apply_qk, apply_qk_, apply_qkv)")
+        k_norm = check_norm(k_norm, "k_norm", k_heads, head_dim, device)
     if spec.mrope_section is not None:
         table, k_table, positions = _lower_multimodal(
             spec, table, k_table, positions, start_positions, shape, device, table_name
@@ -570,11 +600,11 @@ def check_call(
         _check_writable(t, "t" if k is None else "q")
         if k is not None:
             _check_writable(k, "k")
-            _check_apart(t, k, d2)
+            _check_apart(t, k, d2 if q_norm is None and k_norm is None else head_dim)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,
-        in_place and grad_in_place, kind, split, k_table, bounded, positions, k,
+        in_place and grad_in_place, kind, split, k_table, bounded, positions, k, q_norm, k_norm,
     ))
 
 

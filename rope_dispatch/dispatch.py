@@ -28,6 +28,7 @@ from .call import (
 )
 from .errors import BackendNotSupportedError, NoBackendError, RoPETypeError
 from .guards import Guard, tensor_guard
+from .norm import HeadNorm
 from .registry import Backend
 from .spec import RoPESpec
 from .tables import RotaryTable, address_reader, table_requires_grad
@@ -152,9 +153,12 @@ def _describe(call: RoPECall) -> str:
     packed = "" if call.split is None else f" packed qkv split {call.split},"
     if call.k is not None:
         packed = f" q and k {tuple(call.k.shape)} (k),"
+    norms = "".join(f", {name} {n.scope} (offset {n.offset:g})"
+                    for name, n in (("q_norm" if call.tensors != "t" else "norm", call.norm),
+                                    ("k_norm", call.k_norm)) if n is not None)
     return (
         f"{call.spec.layout}{packed} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on "
-        f"{t.device}, rotary dim {call.rotary_dim}"
+        f"{t.device}, rotary dim {call.rotary_dim}{norms}"
     )
 
 
@@ -256,6 +260,7 @@ def apply(
     start_positions: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     backend: str | None = None,
+    norm: HeadNorm | None = None,
 ) -> torch.Tensor:
     """Rotary position embedding of ``t`` (TransformerEngine 2.20.2 ``apply_rotary_pos_emb``).
 
@@ -275,10 +280,13 @@ def apply(
     dtypes, devices and gradient mode reuses their checks and decision (a *plan*, kept at the
     second such call): at decode size the host path, not the GPU, sets the pace. Calls whose
     index values are read on the host (CPU tensors, strict mode) are checked every time.
+
+    ``norm``: a :class:`~rope_dispatch.HeadNorm` applied to ``t`` before the rotation, in the
+    same pass (the whole head is normalized; the weight gets a gradient where it wants one).
     """
     global _recent
     if (
-        start_positions is None and positions is None and type(t) is _Tensor
+        start_positions is None and positions is None and norm is None and type(t) is _Tensor
         and not _dynamo_compiling()
     ):
         # _run's lookup for a plain call (the same key), inlined: the decode path saves a
@@ -299,7 +307,8 @@ def apply(
             for guard, address, planned_address, run in entry.plans:
                 if guard(t) and address(freqs) == planned_address:
                     return run(t, freqs, spec, None, None, None)
-    return _run(t, freqs, spec, start_positions, backend, False, False, None, None, positions)
+    return _run(t, freqs, spec, start_positions, backend, False, False, None, None, positions,
+                norms=(norm, None))
 
 
 def apply_(
@@ -311,6 +320,7 @@ def apply_(
     positions: torch.Tensor | None = None,
     backend: str | None = None,
     grad_in_place: bool = False,
+    norm: HeadNorm | None = None,
 ) -> torch.Tensor:
     """:func:`apply` in place: rotates the first ``d2`` channels of ``t`` and returns ``t``.
 
@@ -321,8 +331,11 @@ def apply_(
     (also ``d2 / d`` of the bytes). Use that only where nothing else reads that gradient
     (a query or key whose only consumer is attention): a gradient that autograd shares with
     another branch (``t`` also used in a sum, say) would be changed under it.
+
+    With a ``norm`` every channel is normalized, so the whole head is rewritten.
     """
-    return _run(t, freqs, spec, start_positions, backend, True, grad_in_place, None, None, positions)
+    return _run(t, freqs, spec, start_positions, backend, True, grad_in_place, None, None, positions,
+                norms=(norm, None))
 
 
 def apply_qkv(
@@ -335,6 +348,8 @@ def apply_qkv(
     start_positions: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     backend: str | None = None,
+    q_norm: HeadNorm | None = None,
+    k_norm: HeadNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE of a packed qkv tensor, split and rotated in one pass: returns new ``(q, k, v)``.
 
@@ -345,10 +360,11 @@ def apply_qkv(
     ``[s, b, h * q / d, d]``, k ``[s, b, h, k]`` and v ``[s, b, h, v]``, contiguous; q is rotated
     by ``freqs`` and k by ``k_freqs`` (default ``freqs``), v is copied. Positions, tables and
     ``start_positions`` are as in :func:`apply`; the backward writes one packed gradient.
+    ``q_norm`` and ``k_norm`` (:class:`~rope_dispatch.HeadNorm`) normalize q and k first.
     """
     return _run(
         qkv, freqs, spec, start_positions, backend, False, False, split=split, k_freqs=k_freqs,
-        positions=positions,
+        positions=positions, norms=(q_norm, k_norm),
     )
 
 
@@ -361,16 +377,21 @@ def apply_qk(
     positions: torch.Tensor | None = None,
     start_positions: torch.Tensor | None = None,
     backend: str | None = None,
+    q_norm: HeadNorm | None = None,
+    k_norm: HeadNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply` of q and k together, in one launch forward and one backward.
 
     q and k have the same leading dims and head dim and any head counts (GQA, MQA) and strides
     (slices of one fused projection); both are rotated by ``freqs`` at the same positions.
     Returns new ``(q_out, k_out)``, contiguous; differentiable with respect to both.
+    ``q_norm`` and ``k_norm`` (:class:`~rope_dispatch.HeadNorm`, Qwen3's ``q_norm`` and
+    ``k_norm``) normalize q and k first, in the same launch.
     """
     if k is None:
         raise RoPETypeError("k must be a torch.Tensor, got None; use rope_dispatch.apply for q alone")
-    return _run(q, freqs, spec, start_positions, backend, False, False, None, None, positions, k)
+    return _run(q, freqs, spec, start_positions, backend, False, False, None, None, positions, k,
+                norms=(q_norm, k_norm))
 
 
 def apply_qk_(
@@ -383,13 +404,16 @@ def apply_qk_(
     start_positions: torch.Tensor | None = None,
     backend: str | None = None,
     grad_in_place: bool = False,
+    q_norm: HeadNorm | None = None,
+    k_norm: HeadNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_qk` in place: rotates the first ``d2`` channels of q and k, in one launch,
-    and returns ``(q, k)`` (see :func:`apply_` for the in-place rules and ``grad_in_place``)."""
+    and returns ``(q, k)`` (see :func:`apply_` for the in-place rules and ``grad_in_place``).
+    With a norm, every channel of that tensor is rewritten."""
     if k is None:
         raise RoPETypeError("k must be a torch.Tensor, got None; use rope_dispatch.apply_ for q alone")
     return _run(q, freqs, spec, start_positions, backend, True, grad_in_place, None, None,
-                positions, k)
+                positions, k, norms=(q_norm, k_norm))
 
 
 def _planned_form(
@@ -439,12 +463,14 @@ def _run(
     backend: str | None, in_place: bool, grad_in_place: bool,
     split: tuple[int, int, int] | None = None, k_freqs: object = None,
     positions: torch.Tensor | None = None, k: torch.Tensor | None = None,
+    norms: tuple = (None, None),
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Every public call's path: its plan when one matches (see :func:`apply`), else the
-    checks, the choice and the backend, then a plan for the next such call."""
+    checks, the choice and the backend, then a plan for the next such call. ``norms``: q's
+    (or ``t``'s) and k's :class:`~rope_dispatch.HeadNorm`; calls with one are not planned."""
     global _recent_run
     key = None
-    if type(t) is _Tensor and not _dynamo_compiling():
+    if type(t) is _Tensor and not _dynamo_compiling() and norms[0] is None and norms[1] is None:
         if (
             start_positions is None and positions is None and k is None and split is None
             and not in_place
@@ -476,7 +502,7 @@ def _run(
             key = (id(spec), id(freqs), forced, form)
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place,
-        split=split, k_freqs=k_freqs, positions=positions, k=k,
+        split=split, k_freqs=k_freqs, positions=positions, k=k, q_norm=norms[0], k_norm=norms[1],
     )
     chosen, final = _choose(call, backend)
     out = chosen.apply(call)
@@ -609,17 +635,19 @@ def explain(
     k_freqs: torch.Tensor | RotaryTable | None = None,
     positions: torch.Tensor | None = None,
     k: torch.Tensor | None = None,
+    q_norm: HeadNorm | None = None,
+    k_norm: HeadNorm | None = None,
 ) -> Explanation:
     """Which backend :func:`apply` (:func:`apply_` with ``in_place=True``, :func:`apply_qkv`
-    with ``split``, :func:`apply_qk` with ``k``) would run for this call, why, and why not the
-    others.
+    with ``split``, :func:`apply_qk` with ``k``; ``q_norm`` is ``t``'s norm stage, ``k_norm``
+    k's) would run for this call, why, and why not the others.
 
     It measures nothing: where the autotune cache holds no entry yet, it says the first call
     would measure the candidates.
     """
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, split=split, k_freqs=k_freqs,
-        positions=positions, k=k,
+        positions=positions, k=k, q_norm=q_norm, k_norm=k_norm,
     )
     forced, source = requested_backend(backend)
     supported, rejected = capable_backends(call)

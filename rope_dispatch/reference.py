@@ -76,20 +76,21 @@ def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor | tuple[tor
     ``(q, k, v)``: q's heads rotated by ``call.table``, k's by ``call.k_table``, v copied; for
     a q and k pair, ``(q, k)`` (``x`` is q's values, k's are ``call.k``'s)."""
     if call.k is not None:  # a q and k pair: each at the same positions
-        single = dict(tensors="t", k=None)
+        single = dict(tensors="t", k=None, k_norm=None)
         return (
             reference_apply(call._replace(**single), x),
-            reference_apply(call._replace(t=call.k, heads=call.k.shape[-2], **single), call.k),
+            reference_apply(call._replace(t=call.k, heads=call.k.shape[-2], norm=call.k_norm,
+                                          **single), call.k),
         )
     if call.split is not None:
         q_len, d, _ = call.split
         q = x[..., :q_len].unflatten(-1, (q_len // d, d)).flatten(-3, -2)
         k, v = x[..., q_len : q_len + d], x[..., q_len + d :]
         k_table = call.table if call.k_table is None else call.k_table
-        single = dict(split=None, k_table=None, heads=q.shape[-2], head_dim=d)
+        single = dict(split=None, k_table=None, heads=q.shape[-2], head_dim=d, k_norm=None)
         return (
             reference_apply(call._replace(**single), q),
-            reference_apply(call._replace(table=k_table, **single), k),
+            reference_apply(call._replace(table=k_table, norm=call.k_norm, **single), k),
             v.double(),
         )
     d2 = call.rotary_dim
@@ -103,9 +104,22 @@ def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor | tuple[tor
         half = d2 // 2
         partner, sign = (i + half) % d2, torch.where(i < half, -1.0, 1.0)
     x = x.double()
+    if call.norm is not None:
+        x = reference_norm(x, call.norm.weight, call.norm.eps, call.norm.offset, call.norm.scope)
     head = x[..., :d2]
     out = head * cos + sign.double() * head[..., partner] * sin
     return torch.cat((out, x[..., d2:]), dim=-1)
+
+
+def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                   scope: str) -> torch.Tensor:
+    """float64 ``x / sqrt(mean(x**2) + eps) * (offset + weight)`` over each head's channels
+    (``scope="head"``) or a token's heads together (``"heads"``, ``weight`` ``[heads * d]``)."""
+    x = x.double()
+    group = x.flatten(-2) if scope == "heads" else x
+    mean_square = (group * group).sum(-1, keepdim=True) / group.shape[-1]
+    y = group / torch.sqrt(mean_square + eps) * (offset + weight.double().to(x.device))
+    return y.reshape(x.shape)
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

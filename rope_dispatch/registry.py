@@ -53,6 +53,8 @@ class Backend:
     supports_autograd: ClassVar[bool] = True
     differentiates_table: ClassVar[bool] = False  # a gradient for a table that requires grad
     supports_in_place: ClassVar[bool] = False
+    supports_norm: ClassVar[bool] = False
+    """A norm stage before the rotation (:class:`~rope_dispatch.HeadNorm`)."""
     tensors: ClassVar[frozenset[str]] = frozenset({"t"})
     """The call kinds it serves (:data:`~rope_dispatch.call.TENSOR_KINDS`): ``"t"`` single
     tensors, ``"qkv"`` packed qkv tensors."""
@@ -149,6 +151,10 @@ class Backend:
         if call.table_kind not in self.tables:
             reasons.append(
                 f"a {call.table_kind} table is not supported; reads {', '.join(sorted(self.tables))}"
+            )
+        if (call.norm is not None or call.k_norm is not None) and not self.supports_norm:
+            reasons.append(
+                "a norm before the rotation (norm=, q_norm=, k_norm=: HeadNorm) is not supported"
             )
         if call.in_place and not self.supports_in_place:
             reasons.append("in-place rotation (apply_) is not supported; it writes a new tensor")

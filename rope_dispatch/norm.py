@@ -1,0 +1,112 @@
+"""``HeadNorm``: the RMSNorm of q or k that runs in the same pass as their rotation.
+
+Qwen3, Gemma 3, OLMo 2, GLM-4.5 and others normalize q and k right before RoPE. Passed as
+``q_norm=``/``k_norm=`` (``norm=`` for a single tensor), the norm is a stage of the call: the
+Triton backend normalizes and rotates in one launch forward and one backward, which also writes
+the weight's gradient. The math is float32 from the input to the rotated output, rounded once
+to the tensor's dtype (docs/semantics.md compares it with each Hugging Face family's rounding).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import torch
+
+from .errors import RoPEError, RoPETypeError
+from .spec import dtype_name
+
+SCOPES = ("head", "heads")
+"""``"head"``: each head over its ``head_dim`` channels (one weight per channel, shared by the
+heads); ``"heads"``: a token's heads together (``heads * head_dim`` weights), as OLMo 2."""
+
+
+class NormForm(NamedTuple):
+    """What a compiled launch depends on of a norm: its scope, epsilon and offset."""
+
+    scope: str
+    eps: float
+    offset: float
+
+
+class HeadNorm:
+    """``y = x / sqrt(mean(x**2) + eps) * (offset + weight)``, before the rotation.
+
+    ``weight``: 1-D, ``head_dim`` entries (``scope="head"``) or ``heads * head_dim``
+    (``scope="heads"``), on the tensor's device, any float dtype; it gets a gradient where it
+    requires one. ``offset=1.0`` is Gemma's ``x * (1 + w)``. The whole head is normalized, the
+    channels past the rotary dim too (and rewritten in place by ``apply_`` and ``apply_qk_``).
+    """
+
+    __slots__ = ("weight", "eps", "offset", "scope")
+
+    def __init__(self, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0,
+                 scope: str = "head"):
+        if not isinstance(weight, torch.Tensor):
+            raise RoPETypeError(f"HeadNorm weight must be a torch.Tensor, got {type(weight).__name__}")
+        if weight.dim() != 1 or not weight.is_floating_point():
+            raise RoPEError(
+                f"HeadNorm weight must be a 1-D float tensor, got shape {tuple(weight.shape)} "
+                f"and dtype {dtype_name(weight.dtype)}"
+            )
+        for name, value in (("eps", eps), ("offset", offset)):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise RoPEError(f"HeadNorm {name} must be a finite number, got {value!r}")
+        if eps <= 0:
+            raise RoPEError(f"HeadNorm eps must be positive, got {eps!r}")
+        if scope not in SCOPES:
+            raise RoPEError(f"HeadNorm scope must be one of {SCOPES}, got {scope!r}")
+        self.weight, self.eps, self.offset, self.scope = weight, float(eps), float(offset), scope
+
+    @property
+    def form(self) -> NormForm:
+        return NormForm(self.scope, self.eps, self.offset)
+
+    def __repr__(self) -> str:
+        return (f"HeadNorm(weight[{self.weight.shape[0]}], eps={self.eps}, offset={self.offset}, "
+                f"scope={self.scope!r})")
+
+
+def check_norm(norm: object, argument: str, heads: int, head_dim: int,
+               device: torch.device) -> HeadNorm | None:
+    """``norm`` (a :class:`HeadNorm` or ``None``) checked against the tensor it normalizes."""
+    if norm is None:
+        return None
+    if not isinstance(norm, HeadNorm):
+        raise RoPETypeError(
+            f"{argument} must be a rope_dispatch.HeadNorm or None, got {type(norm).__name__}"
+        )
+    weight = norm.weight
+    want = head_dim if norm.scope == "head" else heads * head_dim
+    if weight.shape[0] != want:
+        over = ("head_dim" if norm.scope == "head"
+                else f"heads * head_dim = {heads} * {head_dim}")
+        raise RoPEError(
+            f"{argument}.weight has {weight.shape[0]} entries but scope={norm.scope!r} needs "
+            f"{over} = {want}"
+        )
+    if weight.device != device:
+        raise RoPEError(
+            f"{argument}.weight is on {weight.device} but the tensor is on {device}; expected "
+            "the same device"
+        )
+    return norm
+
+
+def normalized(x: torch.Tensor, norm: HeadNorm) -> torch.Tensor:
+    """``x`` ``[.., heads, head_dim]`` normalized in float32 (the eager backend's stage, and
+    the math the compile backend traces)."""
+    return head_norm(x, norm.weight, norm.eps, norm.offset, norm.scope)
+
+
+def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+              scope: str) -> torch.Tensor:
+    """:func:`normalized` from plain values: traceable."""
+    x = x.float()
+    shape = x.shape
+    if scope == "heads":
+        x = x.flatten(-2)
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)
+    return y.reshape(shape)
