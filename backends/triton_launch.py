@@ -55,7 +55,9 @@ class Launch(NamedTuple):
     backward: bool = False  # the transpose (packed qkv: three gradients in, one packed out)
     in_place: bool = False  # rotary channels rewritten, pass-through channels untouched
     grad_in_place: bool = False  # the backward may rotate its incoming gradients in place
-    norm: None = None  # the stage before the rotation (none yet)
+    norm: tuple | None = None
+    """The stage before the rotation: q's (``t``'s) and k's :class:`NormForm` (``None`` for a
+    side without), or ``None``; such a launch moves whole heads (``rope_norm_kernel``)."""
     store: None = None  # the stage after the rotation (none yet)
 
     def transposed(self, in_place: bool = False) -> Launch:
@@ -74,6 +76,21 @@ class Tables(NamedTuple):
     k_table: torch.Tensor | None = None
     """A packed qkv's own k table (``None``: ``table`` rotates k)."""
     k_sin: torch.Tensor | None = None
+    norm: NormTensors | None = None
+    """A launch with a norm stage: its weights, and backward the forward's inputs and the
+    weights' partial gradients."""
+
+
+class NormTensors(NamedTuple):
+    """What a norm stage reads and writes besides the data."""
+
+    weights: tuple[torch.Tensor | None, torch.Tensor | None]
+    """q's (``t``'s) and k's weight (``None``: that side has no norm)."""
+    sources: tuple[torch.Tensor, ...] | None = None
+    """Backward: the forward's inputs (``t``; q and k; or the packed qkv)."""
+    partials: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+    """Backward: float32 ``[rows, width]`` per side, one row per program
+    (:func:`norm_partials`); their column sums are the weights' gradients."""
 
 
 class LaunchKey(NamedTuple):
@@ -113,7 +130,7 @@ def describe(call: RoPECall) -> Launch:
         call.tensors, spec.layout, spec.interleaved, float(spec.cos_sin_scale), spec.cp_size,
         spec.cp_rank, call.table_kind, 0 if call.start_positions is None and call.positions is None
         else 1 if call.positions is None else 2, call.split, False, call.in_place,
-        call.grad_in_place,
+        call.grad_in_place, call.norms,
     )
 
 
@@ -136,7 +153,7 @@ def call_tables(call: RoPECall) -> Tables:
 def current_tables(tabs: Tables, layout: str) -> Tables:
     """``tabs`` with their flags checked again (a written table, CUDA graph capture or the
     switch turned off since: ``None``, the rows read) and index tensors made contiguous."""
-    table, sin, cu, index, k_table, k_sin = tabs
+    table, sin, cu, index, k_table, k_sin = tabs[:6]
     if sin is not None and sin.dtype is FLAG:
         shared = k_sin is sin
         sin = tt.current_flag(table, sin)
@@ -150,7 +167,7 @@ def current_tables(tabs: Tables, layout: str) -> Tables:
         cu = cu.contiguous()
     if index is not None and not index.is_contiguous():
         index = index.contiguous()
-    return Tables(table, sin, cu, index, k_table, k_sin)
+    return Tables(table, sin, cu, index, k_table, k_sin, tabs.norm)
 
 
 def outputs(launch: Launch, inputs: Sequence[torch.Tensor],
@@ -230,9 +247,9 @@ def _segments(launch: Launch, inputs: Sequence[torch.Tensor],
               outs: Sequence[torch.Tensor]) -> tuple[tuple[Segment, Segment], ...]:
     """(input, output) segment pairs of a q and k or packed qkv launch: q, k and v (k again
     where there is no v: the kernel's v programs then do nothing)."""
-    if launch.tensors == "qk":
-        q, k = (head_segment(x, 1) for x in inputs)
-        q_out, k_out = (head_segment(x, 1) for x in outs)
+    if launch.tensors != "qkv":  # a single tensor (norm launches) is q with no k heads
+        q, k = (head_segment(x, 1) for x in (inputs[0], inputs[-1]))
+        q_out, k_out = (head_segment(x, 1) for x in (outs[0], outs[-1]))
         return (q, q_out), (k, k_out), (k, k_out)
     q_len, d, _ = launch.split
     if launch.backward:
@@ -255,14 +272,36 @@ def pointers(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torc
     tail = (
         (table, 0), (table if tabs.sin is None else tabs.sin, 0),
         *(((k_table, 0), (k_table if k_sin is None else k_sin, 0))
-          if launch.tensors != "t" else ()),
+          if launch.tensors != "t" or launch.norm is not None else ()),
         (table if tabs.cu is None else tabs.cu, 0), (table if tabs.index is None else tabs.index, 0),
     )
-    if launch.tensors == "t":
+    if launch.norm is not None:
+        tail += _norm_pointers(launch, tabs.norm, table)
+    elif launch.tensors == "t":
         return ((inputs[0], 0), (outs[0], 0), *tail)
     size = inputs[0].element_size()
     data = tuple((seg[0], seg[1] * size) for pair in _segments(launch, inputs, outs) for seg in pair)
     return (*data, *tail)
+
+
+def _source_segments(launch: Launch, sources: Sequence[torch.Tensor]) -> tuple[Segment, Segment]:
+    """q's and k's segments of a norm backward's forward inputs."""
+    if launch.tensors == "qkv":
+        return packed_segments(sources[0], launch.split)[:2]
+    return head_segment(sources[0], 1), head_segment(sources[-1], 1)
+
+
+def _norm_pointers(launch: Launch, norm: NormTensors, table: torch.Tensor
+                   ) -> tuple[tuple[torch.Tensor, int], ...]:
+    """A norm launch's weights, sources and partials as ``(tensor, byte offset)`` (absent ones
+    point at the table)."""
+    weights = tuple((table if w is None else w, 0) for w in norm.weights)
+    if norm.sources is None:
+        return (*weights, (table, 0), (table, 0), (table, 0), (table, 0))
+    size = norm.sources[0].element_size()
+    sources = tuple((seg[0], seg[1] * size) for seg in _source_segments(launch, norm.sources))
+    partials = tuple((table if p is None else p, 0) for p in norm.partials)
+    return (*weights, *sources, *partials)
 
 
 def _table_form(table: torch.Tensor, sin: torch.Tensor | None) -> tuple:
@@ -270,6 +309,16 @@ def _table_form(table: torch.Tensor, sin: torch.Tensor | None) -> tuple:
     if sin is None:
         return table.dtype, table.shape[1]
     return table.dtype, table.shape[1], sin.dtype, sin.shape[-1], tt.is_rates(table, sin)
+
+
+def _norm_form(norm: NormTensors) -> tuple:
+    """What of a norm's tensors a compiled launch depends on (the sources' strides are among
+    its integer arguments)."""
+    weights = tuple(None if w is None else w.dtype for w in norm.weights)
+    if norm.sources is None:
+        return weights
+    return (weights, tuple((x.shape, x.stride()) for x in norm.sources),
+            tuple(None if p is None else p.shape for p in norm.partials))
 
 
 def launch_key(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
@@ -282,6 +331,7 @@ def launch_key(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[to
                                            _table_form(tabs.k_table, tabs.k_sin)),
         None if tabs.cu is None else (tabs.cu.dtype, tabs.cu.shape),
         None if tabs.index is None else (tabs.index.dtype, tabs.index.dim()),
+        None if tabs.norm is None else _norm_form(tabs.norm),
     )
     aligned = sum(1 << i for i, a in enumerate(addresses) if not a & 15)
     return LaunchKey(launch, layouts, forms, aligned, inputs[0].get_device())
@@ -381,9 +431,11 @@ def _segment_arguments(
     launch: Launch, pairs: tuple[tuple[Segment, Segment], ...], tabs: Tables,
     config: tiles.Config | None,
 ) -> tuple[Any, tuple, tuple, dict, int] | None:
-    """:func:`_single_arguments` of a q and k or packed qkv launch (``rope_qkv_kernel``)."""
+    """:func:`_single_arguments` of a q and k or packed qkv launch (``rope_qkv_kernel``), or of
+    any launch with a norm stage (``rope_norm_kernel``)."""
     kernels = _load_kernels()
     has_v = launch.tensors == "qkv"
+    norm = launch.norm
     table, sin, cu_seqlens, positions = tabs[:4]
     k_rows = table.shape[0] if tabs.k_table is None else tabs.k_table.shape[0]
     shape = pairs[0][0][2]
@@ -395,7 +447,10 @@ def _segment_arguments(
         n_tokens, dim1, n_seqs = shape[0] * shape[1], shape[1], 0
         seq_len = shape[0] if launch.layout == "sbhd" else shape[1]
     heads = tuple(x[2][-3] * x[2][-2] for x, _ in pairs)
-    if n_tokens == 0 or min(heads) == 0:
+    if launch.tensors == "t":
+        heads = (heads[0], 0, 0)
+    counts = heads if has_v else heads[:1] if launch.tensors == "t" else heads[:2]
+    if n_tokens == 0 or min(counts) == 0:
         return None
     strides = tuple(
         stride for x, out in pairs for seg in (x, out)
@@ -403,21 +458,26 @@ def _segment_arguments(
     )
     size = pairs[0][0][0].element_size()
     rotary_dim = table.shape[1]
-    head_dim = rotary_dim if launch.in_place else shape[-1]  # the channels a token moves
+    # the channels a token moves: a norm reads and writes every channel
+    head_dim = rotary_dim if launch.in_place and norm is None else shape[-1]
     flags = tt.table_flags(table, sin)  # k's table is of q's kind
     if config is None:
         sms = 1 if kernels.INTERPRETED else tiles.sm_count(pairs[0][0][0].device.index)
         config = tiles.choose_config(
-            n_tokens, heads if has_v else heads[:2], head_dim, rotary_dim, size,
+            n_tokens, counts, head_dim, rotary_dim, size,
             launch.interleaved, sms, tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
             tiles.reads_cache_rows(flags), span_dim=shape[-1], sines=not flags[0])
     block_t, block_h, head_iters, block_r, block_p, num_warps = config
+    if norm is not None:
+        whole = [n for n, form in zip(heads, norm) if form is not None and form.scope == "heads"]
+        if whole:  # a norm over a token's heads: one program holds them all
+            head_iters = max(head_iters, -(-max(whole) // block_h))
     groups = [-(-n // (block_h * head_iters)) for n in heads]
     grid = tiles.launch_grid(sum(groups) if has_v else groups[0] + groups[1],
                              -(-n_tokens // block_t))
     ints = (n_tokens, dim1, *tiles.division_magic(dim1), seq_len, table.shape[0], k_rows, n_seqs,
             launch.cp_size, launch.cp_rank,
-            *(n for x, _ in pairs for n in (x[2][-3] * x[2][-2], x[2][-2])), *strides)
+            *(n for (x, _), count in zip(pairs, heads) for n in (count, x[2][-2])), *strides)
     use_cache, paired, rates, linear = flags
     consts = dict(
         LAYOUT=LAYOUT_CODES[launch.layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
@@ -430,7 +490,47 @@ def _segment_arguments(
         HAS_V=has_v, V_WIDTH=head_dim, BLOCK_W=tiles.next_pow2(head_dim), SCALE=launch.scale,
         HALVES=not thd and cu_seqlens is not None,
     )
-    return kernels.rope_qkv_kernel, grid, ints, consts, num_warps
+    if norm is None:
+        return kernels.rope_qkv_kernel, grid, ints, consts, num_warps
+    if launch.backward:
+        sources = _source_segments(launch, tabs.norm.sources)
+        ints += tuple(stride for seg in sources
+                      for stride in ((seg[3][0], 0, *seg[3][1:]) if thd else seg[3]))
+    else:
+        ints += (0,) * 10
+    for side, form in zip("QK", norm):
+        consts.update({f"{side}_NORM": 0 if form is None else 1 if form.scope == "head" else 2,
+                       f"{side}_EPS": 0.0 if form is None else form.eps,
+                       f"{side}_OFFSET": 0.0 if form is None else form.offset})
+    return kernels.rope_norm_kernel, grid, ints, consts, num_warps
+
+
+def norm_partials(described: Launch, inputs: Sequence[torch.Tensor],
+                  outs: Sequence[torch.Tensor], tabs: Tables
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """New float32 buffers for a norm backward's partial weight gradients, q's and k's: one
+    row per program of that side (as :func:`_segment_arguments` tiles the launch), as wide as
+    the weight."""
+    pairs = _segments(described, inputs, outs)
+    chosen = _segment_arguments(described, pairs, current_tables(tabs, described.layout), None)
+    made = []
+    for (x, _), form in zip(pairs, described.norm):
+        if form is None or chosen is None:
+            made.append(None)
+            continue
+        consts = chosen[3]
+        heads, d = x[2][-3] * x[2][-2], x[2][-1]
+        per = consts["BLOCK_H"] * consts["HEAD_ITERS"]
+        rows = -(-heads // per) * -(-chosen[2][0] // consts["BLOCK_T"])
+        made.append(x[0].new_empty(rows, d if form.scope == "head" else heads * d,
+                                   dtype=torch.float32))
+    return made[0], made[1]
+
+
+def _at(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A one-element view of ``t``'s storage ``offset`` bytes past ``t``'s first element: what
+    the kernel reads as a pointer."""
+    return t.as_strided((1,), (1,), t.storage_offset() + offset // t.element_size())
 
 
 def _view(segment: Segment) -> torch.Tensor:
@@ -458,13 +558,14 @@ def launch(
             entry.run(*entry.grid, current_stream(key.device), *entry.prefix, *addresses,
                       *entry.tail)
             return key
-    if described.tensors == "t":
+    if described.tensors == "t" and described.norm is None:
         chosen = _single_arguments(described, inputs[0], outs[0], tabs, config)
         tensors = tuple(t for t, _ in sources)
     else:
         pairs = _segments(described, inputs, outs)
         chosen = _segment_arguments(described, pairs, tabs, config)
-        tensors = (*(_view(seg) for pair in pairs for seg in pair), *(t for t, _ in sources[6:]))
+        tensors = (*(_view(seg) for pair in pairs for seg in pair),
+                   *(t if not offset else _at(t, offset) for t, offset in sources[6:]))
     if chosen is None:
         return None
     kernel, grid, ints, consts, num_warps = chosen

@@ -26,14 +26,16 @@ import torch
 from torch.autograd.graph import increment_version
 
 from rope_dispatch.call import TENSOR_KINDS, RoPECall, expanded_dim, position_index
+from rope_dispatch.errors import RoPEError
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.tables import angles_2d, kernel_tables
 
 from . import triton_launch as tl
 from . import triton_tables as tt
 from .triton_launch import (
-    Launch, LaunchKey, Slots, Tables, bound, call_tables, describe, launch, outputs,
+    Launch, LaunchKey, NormTensors, Slots, Tables, bound, call_tables, describe, launch, outputs,
 )
+from .eager import rope_eager
 from .triton_tables import current_stream, on_device
 
 # ---------------------------------------------------------------------------------------------
@@ -49,6 +51,12 @@ class Rotation:
     def __init__(self, launch: Launch, tabs: Tables | None, planned: Planned | None = None,
                  per_call: tuple | None = None):
         self.launch, self.tabs, self.planned, self.per_call = launch, tabs, planned, per_call
+
+    @property
+    def data_count(self) -> int:
+        """How many of the Function's inputs are data (the rest: norm weights)."""
+        kind = self.launch.tensors
+        return 2 if kind == "qk" else 3 if kind == "qkv" and self.launch.backward else 1
 
     def tables(self) -> Tables:
         if self.tabs is None:
@@ -70,13 +78,22 @@ class Rotation:
         launch(self.launch, inputs, outs, self.tabs)
         return outs
 
-    def backward(self, grads: tuple[torch.Tensor, ...], strides: tuple) -> tuple:
+    def backward(self, grads: tuple[torch.Tensor, ...], strides: tuple,
+                 sources: tuple[torch.Tensor, ...] = ()) -> tuple:
         """The transposed launch on ``grads``: in place where the call allowed it and the
         gradients are writable, the plan's bound launch where it serves them, else the
         generic launch into gradients laid out as the inputs (``strides``); differentiable
-        under double backward."""
+        under double backward. With a norm stage (``sources``: the forward's inputs) the
+        launch also sums the weights' gradients, which follow the inputs' gradients."""
         forward, planned = self.launch, self.planned
         grad_enabled = torch.is_grad_enabled()
+        if forward.norm is not None:
+            if grad_enabled:
+                raise RoPEError(
+                    "a second derivative through a norm stage (HeadNorm) is not supported by the "
+                    "triton backend; use backend='eager' for double backward"
+                )
+            return self._norm_backward(grads, strides, sources)
         if not grad_enabled and forward.grad_in_place and all(
                 expanded_dim(g) is None for g in grads):
             with on_device(grads[0]):
@@ -97,6 +114,20 @@ class Rotation:
             launch(back, grads, outs, self.tables())
         return outs
 
+    def _norm_backward(self, grads: tuple[torch.Tensor, ...], strides: tuple,
+                       sources: tuple[torch.Tensor, ...]) -> tuple:
+        back = self.launch.transposed()
+        tabs = self.tables()
+        weights = tabs.norm.weights
+        tabs = tabs._replace(norm=NormTensors(weights, sources))
+        outs = outputs(back, grads, strides)
+        with on_device(grads[0]):
+            partials = tl.norm_partials(back, grads, outs, tabs)
+            launch(back, grads, outs, tabs._replace(norm=NormTensors(weights, sources, partials)))
+        summed = tuple(torch.zeros_like(w) if p is None else p.sum(0).to(w.dtype)
+                       for p, w in zip(partials, weights) if w is not None)
+        return (*outs, *summed)
+
 
 class RoPEFunction(torch.autograd.Function):
     """Autograd of every eager launch: the forward runs the rotation's launch (in place marks
@@ -105,16 +136,21 @@ class RoPEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rotation: Rotation, *inputs: torch.Tensor):
-        made = rotation.forward(inputs)
+        data = inputs[:rotation.data_count]
+        sources = ()
+        if rotation.launch.norm is not None:  # the norm's backward reads the forward's inputs
+            sources = tuple(x.clone() for x in data) if rotation.launch.in_place else data
+            ctx.save_for_backward(*sources)
+        made = rotation.forward(data)
         if rotation.launch.in_place:
-            ctx.mark_dirty(*inputs)
+            ctx.mark_dirty(*data)
         ctx.rotation = rotation
-        ctx.strides = tuple(tl.dense_strides(x) for x in inputs)
+        ctx.strides = tuple(tl.dense_strides(x) for x in data)
         return made[0] if len(made) == 1 else made
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        return (None, *ctx.rotation.backward(grads, ctx.strides))
+        return (None, *ctx.rotation.backward(grads, ctx.strides, ctx.saved_tensors))
 
 
 def c_apply(function: type[torch.autograd.Function]) -> Any:
@@ -203,7 +239,11 @@ def rope(call: RoPECall) -> Any:
     packed qkv call returns ``(q, k, v)``, a pair ``(q, k)``)."""
     described = describe(call)
     inputs = (call.t,) if call.k is None else (call.t, call.k)
-    if _traced(*inputs):
+    weights = () if described.norm is None else tuple(
+        n.weight for n in (call.norm, call.k_norm) if n is not None)
+    if _traced(*inputs, *weights):
+        if described.norm is not None:  # traced: the float32 composition, for Inductor to fuse
+            return rope_eager(call)
         table, sin = kernel_tables(call.table)
         k_table, k_sin = (None, None) if call.k_table is None else kernel_tables(call.k_table)
         if described.tensors == "qkv" and k_table is None:
@@ -215,19 +255,23 @@ def rope(call: RoPECall) -> Any:
         if described.in_place:
             made = [x.copy_(out) for x, out in zip(inputs, made)]
         return _result(described, made)
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (*inputs, *weights))
     if described.tensors == "qk" and (
         not (inputs[0].shape[-2] and inputs[1].shape[-2])
         or (described.in_place and grad and (inputs[0]._is_view() or inputs[1]._is_view()))
     ):
         # one launch tiles both sides, and torch lets a Function that rotates a view in place
         # return only that tensor: one call each
-        return tuple(rope(call._replace(t=x, k=None, heads=x.shape[-2], tensors="t"))
-                     for x in inputs)
+        return tuple(rope(call._replace(t=x, k=None, heads=x.shape[-2], tensors="t", norm=n,
+                                        k_norm=None))
+                     for x, n in zip(inputs, (call.norm, call.k_norm)))
     tabs = call_tables(call)
+    if described.norm is not None:
+        tabs = tabs._replace(norm=NormTensors(tuple(None if n is None else n.weight
+                                                    for n in (call.norm, call.k_norm))))
     with on_device(inputs[0]):
         if grad:
-            return RoPEFunction.apply(Rotation(described, tabs), *inputs)
+            return RoPEFunction.apply(Rotation(described, tabs), *inputs, *weights)
         if described.in_place:
             launch(described, inputs, inputs, tabs)
             for x in inputs:
@@ -292,7 +336,7 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     described = describe(call)
     inputs = (call.t,) if call.k is None else (call.t, call.k)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-    if call.k_table is not None or (grad and (
+    if call.k_table is not None or described.norm is not None or (grad and (
             described.in_place or not all(x.is_contiguous() for x in inputs))):
         return generic
     tabs = call_tables(call)
@@ -370,6 +414,7 @@ class TritonBackend(Backend):
     )
     priority = 40
     supports_in_place = True
+    supports_norm = True
     supports_positions = True
     tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"})
     tensors = frozenset(TENSOR_KINDS)
