@@ -120,13 +120,15 @@ def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tenso
     spec = call.spec
     cos, sin = table_cos_sin(call.table, spec.interleaved)
     t = call.t[..., : call.rotary_dim] if call.in_place and call.norm is None else call.t
+    if call.in_place and call.norm is not None:
+        t = t.clone()  # the norm's backward reads the input the copy below overwrites
     out = rope_tensors(
         t if call.norm is None else normalized(t, call.norm), cos, sin, spec.cu_seqlens,
         position_index(call), layout=spec.layout, interleaved=spec.interleaved,
         cp_size=spec.cp_size, cp_rank=spec.cp_rank, scale=spec.cos_sin_scale, dtype=t.dtype,
     )
     if call.in_place:
-        t.copy_(out)
+        (call.t if call.norm is not None else t).copy_(out)
         return call.t
     return out
 

@@ -793,14 +793,20 @@ def rope_qkv_kernel(
 
 
 @triton.jit
+def _total(x, axis: tl.constexpr):
+    """``x`` summed over ``axis`` (see :func:`_add`)."""
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
 def _channel_sum(a1, b1, p1, a2, b2, p2, INTERLEAVED: tl.constexpr, PASS_DIM: tl.constexpr):
     """Per head row, the sum over its channels of the products of two chunks, each given as
     its rotary halves (or interleaved tile, ``b`` unused) and pass-through channels."""
-    total = tl.sum(a1 * a2, 2)
+    total = _total(a1 * a2, 2)
     if not INTERLEAVED:
-        total += tl.sum(b1 * b2, 2)
+        total += _total(b1 * b2, 2)
     if PASS_DIM > 0:
-        total += tl.sum(p1 * p2, 2)
+        total += _total(p1 * p2, 2)
     return total
 
 
@@ -820,7 +826,7 @@ def _norm_weights(
         a_mask = h_mask & c_mask[None, None, :]
         p_full = h_mask & p_mask[None, None, :]
     else:
-        base = tl.zeros([1, 1, 1], dtype=tl.int64)
+        base = 0
         a_mask = c_mask[None, None, :]
         p_full = p_mask[None, None, :]
     w_a = tl.load(w_ptr + base + c[None, None, :], mask=a_mask, other=0.0).to(tl.float32) + OFFSET
@@ -888,8 +894,8 @@ def _norm_rope_program(
     )
     width = heads * HEAD_DIM
     if NORM == 2:  # the token's statistics over all its heads, before any head is written
-        squares = tl.zeros([BLOCK_T, 1], dtype=tl.float32)
-        dots = tl.zeros([BLOCK_T, 1], dtype=tl.float32)
+        squares = (tok * 0).to(tl.float32)[:, None]
+        dots = (tok * 0).to(tl.float32)[:, None]
         for it in range(HEAD_ITERS):
             x_a, x_b, kept = _load_chunk(
                 x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd,
@@ -912,22 +918,22 @@ def _norm_rope_program(
                                     BLOCK_T, BLOCK_H, BLOCK_R)
                 z_a = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_a, 0.0)
                 z_b = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_b, 0.0)
-                squares += tl.sum(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
+                squares += _total(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
                                                PASS_DIM), 1)[:, None]
-                dots += tl.sum(_channel_sum(z_a * w_a, z_b * w_b, kept.to(tl.float32) * w_p,
+                dots += _total(_channel_sum(z_a * w_a, z_b * w_b, kept.to(tl.float32) * w_p,
                                             s_a, s_b, s_p, INTERLEAVED, PASS_DIM), 1)[:, None]
             else:
                 x_a = x_a.to(tl.float32)
                 x_b = x_b.to(tl.float32)
                 kept = kept.to(tl.float32)
-                squares += tl.sum(_channel_sum(x_a, x_b, kept, x_a, x_b, kept, INTERLEAVED,
+                squares += _total(_channel_sum(x_a, x_b, kept, x_a, x_b, kept, INTERLEAVED,
                                                PASS_DIM), 1)[:, None]
         token_r = tl.rsqrt(squares / width + EPS)[:, :, None]
         token_k = (token_r * token_r * token_r * (dots / width)[:, :, None])
     if BACKWARD and NORM == 1:
-        acc_a = tl.zeros([BLOCK_R], dtype=tl.float32)
-        acc_b = tl.zeros([BLOCK_R], dtype=tl.float32)
-        acc_p = tl.zeros([BLOCK_P], dtype=tl.float32)
+        acc_a = (c * 0).to(tl.float32)
+        acc_b = (c * 0).to(tl.float32)
+        acc_p = (tl.arange(0, BLOCK_P) * 0).to(tl.float32)
     for it in range(HEAD_ITERS):
         x_a, x_b, kept = _load_chunk(
             x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd, c_mask,
@@ -979,13 +985,13 @@ def _norm_rope_program(
                              group, sxg, sxh, sog, soh, sod, c_mask, p_mask, ROT_DIM, PASS_DIM,
                              INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
                 # the weight's gradient: z times the normalized input
-                d_a = tl.sum(z_a * s_a * r, 0)
-                d_b = tl.sum(z_b * s_b * r, 0)
-                d_p = tl.sum(z_p * s_p * r, 0)
+                d_a = _total(z_a * s_a * r, 0)
+                d_b = _total(z_b * s_b * r, 0)
+                d_p = _total(z_p * s_p * r, 0)
                 if NORM == 1:
-                    acc_a += tl.sum(d_a, 0)
-                    acc_b += tl.sum(d_b, 0)
-                    acc_p += tl.sum(d_p, 0)
+                    acc_a += _total(d_a, 0)
+                    acc_b += _total(d_b, 0)
+                    acc_p += _total(d_p, 0)
                 else:
                     row = part_ptr + part_row.to(tl.int64) * width + (hh.to(tl.int64) * HEAD_DIM)[:, None]
                     h_mask = (hh < heads)[:, None]

@@ -164,3 +164,20 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dt
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
     err = max_error(actual, expected)
     assert err <= TOLERANCE[dtype], f"{what}: max error {err:.3g} > {TOLERANCE[dtype]:.3g} for {dtype}"
+
+
+def reference_head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                        scope: str) -> torch.Tensor:
+    """float64 RMSNorm of ``x`` ``[.., heads, d]``, from its definition: each group (a head's
+    ``d`` channels, or with ``scope="heads"`` a token's ``heads * d`` channels) divided by the
+    square root of its mean square plus ``eps``, channel ``i`` times ``offset + weight[i]``;
+    differentiable with respect to ``x`` and ``weight``."""
+    x = x.double()
+    heads, d = x.shape[-2], x.shape[-1]
+    w = weight.double().cpu().to(x.device) + offset
+    if scope == "heads":
+        flat = x.reshape(*x.shape[:-2], heads * d)
+        rms = torch.sqrt((flat * flat).sum(-1, keepdim=True) / (heads * d) + eps)
+        return (flat / rms * w).reshape(x.shape)
+    rms = torch.sqrt((x * x).sum(-1, keepdim=True) / d + eps)
+    return x / rms * w

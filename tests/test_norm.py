@@ -1,0 +1,277 @@
+"""The norm stage (``HeadNorm``, QK-norm before RoPE): every backend that serves it against the
+float64 reference (normalize, then rotate, from the formula), forward and backward, the norm
+weights' gradients too; its in-place forms; its errors; the backends that refuse it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rope_dispatch as rd
+from cases import _strided, build, cases, fixed_case, positions_for
+from reference import TOLERANCE, assert_matches, reference_for, reference_head_norm, split_qkv
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+STRIDES = ("contiguous", "qkv-slice", "permuted", "channel-strided")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormCase:
+    scope: str
+    offset: float
+    eps: float
+    k_norm: bool  # k has a norm too
+    k_heads: int
+    k_strides: str
+
+
+norm_cases = st.builds(
+    NormCase, st.sampled_from(("head", "heads")), st.sampled_from((0.0, 1.0)),
+    st.sampled_from((1e-6, 1e-5)), st.sampled_from((True, True, False)), st.integers(1, 3),
+    st.sampled_from(STRIDES),
+)
+
+
+def weight(n: int, seed: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, generator=gen) * 0.5 + 1.0).to(dtype).to(device)
+    return w.requires_grad_(True)
+
+
+def norm_of(x: torch.Tensor, case: NormCase, seed: int, w_dtype: torch.dtype) -> rd.HeadNorm:
+    n = x.shape[-1] * (1 if case.scope == "head" else x.shape[-2])
+    return rd.HeadNorm(weight(n, seed, w_dtype, x.device.type), case.eps, offset=case.offset,
+                       scope=case.scope)
+
+
+def reference(x, norm, angles, spec, starts, positions):
+    """float64 ``rotate(norm(x))`` (the norm skipped where ``norm`` is None), on the CPU."""
+    y = x if norm is None else reference_head_norm(x, norm.weight, norm.eps, norm.offset,
+                                                    norm.scope)
+    return reference_for(y, angles.cpu(), spec, starts, positions)
+
+
+def check_pair(case, nc: NormCase, backend: str, device: str = DEVICE, per_token: bool = False,
+               w_dtype: torch.dtype = torch.float32):
+    q, table, spec, starts, angles = build(case, device)
+    gen = torch.Generator().manual_seed(case.seed + 3)
+    k = _strided((*q.shape[:-2], nc.k_heads, q.shape[-1]), nc.k_strides, case.dtype, gen,
+                 device).requires_grad_(True)
+    positions = positions_for(case, q, angles.shape[0]).to(device) if per_token else None
+    if per_token:
+        starts = None
+    q_norm = norm_of(q, nc, case.seed + 5, w_dtype)
+    k_norm = norm_of(k, nc, case.seed + 6, w_dtype) if nc.k_norm else None
+    q_out, k_out = rd.apply_qk(q, k, table, spec, start_positions=starts, positions=positions,
+                               q_norm=q_norm, k_norm=k_norm, backend=backend)
+    gq = torch.randn(q.shape, generator=gen).to(q.dtype).to(device)
+    gk = torch.randn(k.shape, generator=gen).to(k.dtype).to(device)
+    weights = [n.weight for n in (q_norm, k_norm) if n is not None]
+    grads = torch.autograd.grad((q_out, k_out), (q, k, *weights), (gq, gk))
+
+    xs = [x.detach().cpu().double().requires_grad_(True) for x in (q, k)]
+    ws = [w.detach().cpu().double().requires_grad_(True) for w in weights]
+    norms = [None if n is None else dataclasses.replace(n_ref(n), weight=w)
+             for n, w in zip((q_norm, k_norm), (ws[0], ws[1] if len(ws) > 1 else None))]
+    pos = None if positions is None else positions.cpu()
+    refs = [reference(x, n, angles, spec, None if starts is None else starts.cpu(), pos)
+            for x, n in zip(xs, norms)]
+    ref_grads = torch.autograd.grad(refs, xs + ws, (gq.cpu().double(), gk.cpu().double()))
+    for name, got, want in (("q", q_out, refs[0]), ("k", k_out, refs[1])):
+        assert_matches(got, want.detach(), case.dtype, f"{name} forward")
+    for name, got, want in zip(("dq", "dk", "dw_q", "dw_k"), grads, ref_grads):
+        scale = 1.0 if name.startswith("dq") or name.startswith("dk") else (
+            1.0 + float(want.abs().max()))
+        assert_matches(got / scale, want / scale,
+                       case.dtype if got.dtype == case.dtype else torch.float32, name)
+    return q, k, table, spec, starts, positions, q_norm, k_norm, q_out, k_out
+
+
+@dataclasses.dataclass
+class _Norm:
+    weight: torch.Tensor
+    eps: float
+    offset: float
+    scope: str
+
+
+def n_ref(norm: rd.HeadNorm) -> _Norm:
+    return _Norm(norm.weight, norm.eps, norm.offset, norm.scope)
+
+
+def _pair_case(case, per_token):
+    if per_token:
+        case = dataclasses.replace(case, cp_size=1, cp_rank=0, with_starts=False, per_token=True)
+    return case
+
+
+@given(cases(), norm_cases, st.booleans())
+def test_eager_matches_reference(case, nc, per_token):
+    check_pair(_pair_case(case, per_token), nc, "eager", "cpu", per_token)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@settings(max_examples=25, deadline=None)
+@given(cases(), norm_cases, st.booleans())
+def test_triton_matches_reference(case, nc, per_token):
+    check_pair(_pair_case(case, per_token), nc, "triton", DEVICE, per_token)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_triton_bf16_model_weights(w_dtype):
+    """A bf16 model with bf16 or float32 norm weights (the weight's gradient in its dtype)."""
+    case = fixed_case(dtype=torch.bfloat16, heads=4, head_dim=16, rotary_dim=8)
+    nc = NormCase("head", 0.0, 1e-6, True, 2, "contiguous")
+    *_, q_norm, _, _, _ = check_pair(case, nc, "triton", DEVICE, w_dtype=w_dtype)
+    assert q_norm.weight.dtype == w_dtype
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("scope", ["head", "heads"])
+def test_in_place_rewrites_whole_heads(backend, scope):
+    """``apply_qk_`` with norms: the same numbers as ``apply_qk``, every channel of q and k
+    rewritten (the pass-through ones normalized too), v's heads of the projection untouched;
+    with grad, the same gradients."""
+    case = fixed_case(layout="bshd", heads=4, head_dim=16, rotary_dim=8, seq=4, batch=2)
+    nc = NormCase(scope, 1.0, 1e-6, True, 2, "contiguous")
+    q, k, table, spec, starts, positions, q_norm, k_norm, q_out, k_out = check_pair(
+        case, nc, backend, DEVICE)
+    proj = torch.cat([q.detach(), k.detach(), k.detach()], dim=-2).clone()
+    v_before = proj[..., 6:, :].clone()
+    q_view, k_view = proj[..., :4, :], proj[..., 4:6, :]
+    with torch.no_grad():
+        got = rd.apply_qk_(q_view, k_view, table, spec, start_positions=starts,
+                           q_norm=q_norm, k_norm=k_norm, backend=backend)
+    assert got[0] is q_view and got[1] is k_view
+    torch.testing.assert_close(q_view, q_out.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(k_view, k_out.detach(), rtol=0, atol=0)
+    assert torch.equal(proj[..., 6:, :], v_before)
+    # with grad: a non-leaf rotated in place, its gradients as out of place
+    q2, k2 = (x.detach().clone().requires_grad_(True) for x in (q, k))
+    q3, k3 = q2 * 1, k2 * 1
+    rd.apply_qk_(q3, k3, table, spec, start_positions=starts, q_norm=q_norm, k_norm=k_norm,
+                 backend=backend)
+    g = torch.randn_like(q3), torch.randn_like(k3)
+    dq, dk, dw = torch.autograd.grad((q3, k3), (q2, k2, q_norm.weight), g)
+    q4, k4 = (x.detach().clone().requires_grad_(True) for x in (q, k))
+    o = rd.apply_qk(q4, k4, table, spec, start_positions=starts, q_norm=q_norm, k_norm=k_norm,
+                    backend=backend)
+    want = torch.autograd.grad(o, (q4, k4, q_norm.weight), g)
+    for got_, want_ in zip((dq, dk, dw), want):
+        torch.testing.assert_close(got_, want_)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_single_tensor_and_packed_qkv(backend, layout):
+    """``apply(norm=)``, ``apply_(norm=)`` and ``apply_qkv(q_norm=, k_norm=)`` against the
+    reference, forward and backward."""
+    case = fixed_case(layout=layout, heads=2, head_dim=8, rotary_dim=4, interleaved=True)
+    t, table, spec, starts, angles = build(case, DEVICE)
+    norm = rd.HeadNorm(weight(16, 1, torch.float32, DEVICE), 1e-5, scope="heads")
+    out = rd.apply(t, table, spec, norm=norm, backend=backend)
+    g = torch.randn_like(out)
+    dt, dw = torch.autograd.grad(out, (t, norm.weight), g)
+    x = t.detach().double().cpu().requires_grad_(True)
+    w = norm.weight.detach().double().cpu().requires_grad_(True)
+    ref = reference(x, _Norm(w, 1e-5, 0.0, "heads"), angles, spec, starts, None)
+    rdt, rdw = torch.autograd.grad(ref, (x, w), g.double().cpu())
+    assert_matches(out, ref.detach(), case.dtype, "forward")
+    assert_matches(dt, rdt, case.dtype, "backward")
+    assert_matches(dw / (1 + rdw.abs().max()), rdw / (1 + rdw.abs().max()), case.dtype, "dw")
+    with torch.no_grad():
+        same = t.detach().clone()
+        assert rd.apply_(same, table, spec, norm=norm, backend=backend) is same
+    torch.testing.assert_close(same, out.detach(), rtol=0, atol=0)
+
+    split = (16, 8, 8)
+    qkv, table, spec, starts, angles = build(
+        dataclasses.replace(case, head_dim=sum(split), rotary_dim=4), DEVICE)
+    q_norm = rd.HeadNorm(weight(8, 2, torch.float32, DEVICE), offset=1.0)
+    k_norm = rd.HeadNorm(weight(8, 3, torch.float32, DEVICE))
+    outs = rd.apply_qkv(qkv, table, spec, split, q_norm=q_norm, k_norm=k_norm, backend=backend)
+    gs = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, (qkv, q_norm.weight, k_norm.weight), gs)
+    x = qkv.detach().double().cpu().requires_grad_(True)
+    wq, wk = (n.weight.detach().double().requires_grad_(True) for n in (q_norm, k_norm))
+    q, k, v = split_qkv(x, split)
+    refs = (reference(q, _Norm(wq, 1e-6, 1.0, "head"), angles, spec, starts, None),
+            reference(k, _Norm(wk, 1e-6, 0.0, "head"), angles, spec, starts, None), v)
+    want = torch.autograd.grad(refs, (x, wq, wk), [g.double().cpu() for g in gs])
+    for o, r, name in zip(outs, refs, "qkv"):
+        assert_matches(o, r.detach(), case.dtype, name)
+    assert_matches(got[0], want[0], case.dtype, "dqkv")
+    for a, b in zip(got[1:], want[1:]):
+        assert_matches(a / (1 + b.abs().max()), b / (1 + b.abs().max()), case.dtype, "dw")
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_traced_call_with_norm_matches():
+    """Under torch.compile (fullgraph) a norm call takes the float32 composition: the same
+    numbers as the eager call, gradients included."""
+    case = fixed_case(layout="bshd", heads=2, head_dim=8, rotary_dim=8)
+    q, table, spec, starts, angles = build(case, DEVICE)
+    k = q.detach()[..., :1, :].clone().requires_grad_(True)
+    q_norm = rd.HeadNorm(weight(8, 1, torch.float32, DEVICE))
+
+    def step(q, k):
+        a, b = rd.apply_qk(q, k, table, spec, q_norm=q_norm, backend="triton")
+        return (a * a).sum() + b.sum()
+
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k)
+    grads = torch.autograd.grad(got, (q, k, q_norm.weight))
+    want = step(q, k)
+    want_grads = torch.autograd.grad(want, (q, k, q_norm.weight))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_bad_norms_are_named():
+    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 2, 8)
+    table, spec = torch.randn(4, 8), rd.RoPESpec(layout="bshd", dtype="fp32")
+    with pytest.raises(rd.RoPEError, match=r"q_norm.weight has 7 entries but scope='head' needs head_dim = 8"):
+        rd.apply_qk(q, k, table, spec, q_norm=rd.HeadNorm(torch.ones(7)))
+    with pytest.raises(rd.RoPEError, match=r"k_norm.weight has 8 entries .* heads \* head_dim = 2 \* 8 = 16"):
+        rd.apply_qk(q, k, table, spec, k_norm=rd.HeadNorm(torch.ones(8), scope="heads"))
+    with pytest.raises(rd.RoPEError, match="scope must be one of"):
+        rd.HeadNorm(torch.ones(8), scope="tokens")
+    with pytest.raises(rd.RoPEError, match="eps must be positive, got 0"):
+        rd.HeadNorm(torch.ones(8), eps=0)
+    with pytest.raises(rd.RoPEError, match="1-D float tensor"):
+        rd.HeadNorm(torch.ones(8, dtype=torch.int64))
+    with pytest.raises(rd.RoPETypeError, match="q_norm must be a rope_dispatch.HeadNorm"):
+        rd.apply_qk(q, k, table, spec, q_norm=torch.ones(8))
+
+
+def test_backends_without_the_stage_refuse_it():
+    """A backend that does not declare ``supports_norm`` (TransformerEngine's) says why."""
+    class RotationOnly(rd.Backend):
+        name = "rotation-only"
+        tensors = frozenset({"t", "qk"})
+
+    call = rd.check_call(torch.randn(2, 3, 4, 8), torch.randn(4, 8),
+                         rd.RoPESpec(layout="bshd", dtype="fp32"),
+                         q_norm=rd.HeadNorm(torch.ones(8)))
+    assert RotationOnly().not_supported_reasons(call) == [
+        "a norm before the rotation (norm=, q_norm=, k_norm=: HeadNorm) is not supported"]
+    assert not RotationOnly().not_supported_reasons(call._replace(norm=None))
+    assert not rd.get_backend("te").supports_norm
+
+
+def test_explain_names_the_norm_and_the_refusals():
+    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 2, 8)
+    table, spec = torch.randn(4, 8), rd.RoPESpec(layout="bshd", dtype="fp32")
+    text = str(rd.explain(q, table, spec, k=k, q_norm=rd.HeadNorm(torch.ones(8)),
+                          k_norm=rd.HeadNorm(torch.ones(8), offset=1.0)))
+    assert "q_norm head (offset 0)" in text and "k_norm head (offset 1)" in text
+    chosen = text.splitlines()[1]
+    assert chosen.startswith(("backend: eager", "backend: triton")), text
