@@ -5,9 +5,13 @@ backend's semantics by construction. The forward and its transpose (the backward
 as two separate inference graphs inside an ``autograd.Function`` that saves only the tables, as a
 fused kernel would: nothing the size of the input is kept for the backward, and a second
 backward through the same graph (``retain_graph=True``) works, which Inductor's own autograd
-graphs refuse once they donate buffers. One pair of compiled functions exists per *compile key*
+graphs refuse once they donate buffers. A call with a norm stage (:class:`~rope_dispatch.HeadNorm`)
+compiles :func:`~rope_dispatch.norm.head_norm` before the rotation; the norm is not linear, so
+its backward is the rotation's transpose followed by the norm's explicit gradient
+(:func:`~rope_dispatch.norm.head_norm_backward`, which also gives the weight's), and it saves
+the input and the weight too. One pair of compiled functions exists per *compile key*
 (layout, dtype, rotary dim, interleaving, context parallelism, table kind, whether
-``start_positions`` is given, device type). Each gets a code object of its own,
+``start_positions`` is given, device type, the norm's form). Each gets a code object of its own,
 because Dynamo keeps its cache and its recompile limit per code object: sharing one would let
 a handful of specs exhaust the limit and silently fall back to eager. Sequence, batch, head and
 table-length dims are marked dynamic on the compiling call, so a new sequence length or batch
@@ -28,10 +32,12 @@ import sys
 import types
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from rope_dispatch.call import RoPECall, position_index
+from rope_dispatch.norm import head_norm, head_norm_backward
 from rope_dispatch.registry import Backend
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import CosSinCache, RateTable
@@ -39,17 +45,43 @@ from rope_dispatch.tracing import import_dynamo
 
 from .eager import rope_eager, rope_tensors
 
-CompileKey = tuple
+
+class NormKey(NamedTuple):
+    """What a compiled norm stage is specialised on: the norm's form (its constants enter the
+    graph) and its weight's length and dtype."""
+
+    scope: str
+    eps: float
+    offset: float
+    weight_len: int
+    weight_dtype: str
 
 
-def compile_key(call: RoPECall) -> CompileKey:
+class CompileKey(NamedTuple):
     """What a compiled function is specialised on; every other size is a dynamic dim.
 
     ``max_seqlen`` is left out on purpose: thd callers may pass a new one every step and it
     does not enter the math.
     """
-    spec = call.spec
-    return (
+
+    device: str
+    layout: str
+    dtype: str
+    rotary_dim: int
+    interleaved: bool
+    cp_size: int
+    cp_rank: int
+    table: str
+    scale: float
+    index: str
+    """``"positions"``, ``"starts"`` or ``""``: which index tensor the call has."""
+    norm: NormKey | None = None
+
+
+def compile_key(call: RoPECall) -> CompileKey:
+    """The :class:`CompileKey` of a checked single-tensor call."""
+    spec, norm = call.spec, call.norm
+    return CompileKey(
         call.t.device.type,
         spec.layout,
         dtype_name(spec.dtype),
@@ -62,30 +94,53 @@ def compile_key(call: RoPECall) -> CompileKey:
         "positions" if call.positions is not None else (
             "starts" if call.start_positions is not None else ""
         ),
+        None if norm is None else NormKey(
+            *norm.form, norm.weight.shape[0], dtype_name(norm.weight.dtype)
+        ),
     )
 
 
 def _key_name(key: CompileKey, transpose: bool = False) -> str:
-    device, layout, dtype, d2, interleaved, cp, rank, table, scale, index = key
-    scaled = "" if scale == 1.0 else "_scaled"
+    scaled = "" if key.scale == 1.0 else "_scaled"
+    norm = key.norm
+    normed = "" if norm is None else (
+        f"_{norm.scope}norm{norm.weight_len}{norm.weight_dtype}{'_offset' if norm.offset else ''}"
+    )
     return (
-        f"rope_compiled_{device}_{layout}_{dtype}_d{d2}{'_interleaved' if interleaved else ''}"
-        f"_cp{cp}r{rank}_{table}{scaled}{'_' + index if index else ''}"
+        f"rope_compiled_{key.device}_{key.layout}_{key.dtype}_d{key.rotary_dim}"
+        f"{'_interleaved' if key.interleaved else ''}_cp{key.cp_size}r{key.cp_rank}_{key.table}"
+        f"{scaled}{'_' + key.index if key.index else ''}{normed}"
         f"{'_transpose' if transpose else ''}"
     )
 
 
 def _math(key: CompileKey, transpose: bool) -> Callable:
-    """The eager math for ``key`` (forward, or its transpose) as a function of tensors only."""
-    _, layout, _, _, interleaved, cp_size, cp_rank, table, scale, _ = key
-    from_angles = table in ("angles", "rates")  # else cos/sin tables
+    """The eager math for ``key`` (forward, or its transpose) as a function of tensors only.
 
-    def rope_compiled(t, a, b, cu_seqlens, start_positions):
+    Without a norm: ``(t, a, b, cu_seqlens, start_positions)``. With one, the forward takes the
+    weight after them and normalizes first (float32, rounded once at the end, as eager); the
+    backward, ``(grad, .., weight, t)``, returns ``(dt, dweight)``: the rotation's transpose in
+    float32, then the norm's gradient, each rounded to its input's dtype.
+    """
+    from_angles = key.table in ("angles", "rates")  # else cos/sin tables
+    rotation = dict(layout=key.layout, interleaved=key.interleaved, cp_size=key.cp_size,
+                    cp_rank=key.cp_rank, scale=key.scale, transpose=transpose)
+    norm = key.norm
+
+    def rope_compiled(t, a, b, cu_seqlens, start_positions, *norm_args):
         cos, sin = (torch.cos(a), torch.sin(a)) if from_angles else (a, b)
-        return rope_tensors(
-            t, cos, sin, cu_seqlens, start_positions, layout=layout, interleaved=interleaved,
-            cp_size=cp_size, cp_rank=cp_rank, scale=scale, transpose=transpose,
-        )
+        if norm is None:
+            return rope_tensors(t, cos, sin, cu_seqlens, start_positions, **rotation)
+        weight = norm_args[0]
+        if not transpose:
+            x = head_norm(t, weight, norm.eps, norm.offset, norm.scope)
+            return rope_tensors(x, cos, sin, cu_seqlens, start_positions, dtype=t.dtype,
+                                **rotation)
+        x = norm_args[1]  # the forward's input; t is the output's gradient
+        grad = rope_tensors(t, cos, sin, cu_seqlens, start_positions, dtype=torch.float32,
+                            **rotation)
+        dx, dweight = head_norm_backward(x, weight, grad, norm.eps, norm.offset, norm.scope)
+        return dx.to(x.dtype), dweight.to(weight.dtype)
 
     return rope_compiled
 
@@ -103,6 +158,8 @@ def _build(key: CompileKey, transpose: bool) -> Callable:
 
 
 def _arguments(call: RoPECall) -> tuple:
+    """The forward's arguments (:func:`_math`): ``t``, the table's tensors, the index tensors,
+    and a norm's weight."""
     table = call.table
     if isinstance(table, CosSinCache):
         a, b = table.cos, table.sin
@@ -110,19 +167,36 @@ def _arguments(call: RoPECall) -> tuple:
         a, b = table.angle_rows(call.spec.interleaved), None
     else:
         a, b = table, None
-    return call.t, a, b, call.spec.cu_seqlens, position_index(call)
+    weight = () if call.norm is None else (call.norm.weight,)
+    return call.t, a, b, call.spec.cu_seqlens, position_index(call), *weight
 
 
-def _mark_dynamic(args: tuple) -> None:
-    """Ask Dynamo for symbolic sizes where calls vary: every dim of ``t`` but the head dim,
-    the table length, the number of sequences."""
-    t, a, b, cu, starts = args
+def _records(call: RoPECall) -> bool:
+    """Whether autograd records ``call``: ``t`` or its norm's weight wants a gradient."""
+    wants = call.t.requires_grad or (call.norm is not None and call.norm.weight.requires_grad)
+    return wants and torch.is_grad_enabled()
+
+
+def _mark_dynamic(key: CompileKey, args: tuple) -> None:
+    """Ask Dynamo for symbolic sizes where calls vary: every dim of ``t`` (and of a norm's
+    saved input) but the head dim, and the heads dim too where a ``"heads"`` norm's weight
+    fixes it; the table length; the number of sequences."""
+    t, a, b, cu, starts, *norm_args = args
+    fixed = 2 if key.norm is not None and key.norm.scope == "heads" else 1
     dynamo = import_dynamo()
-    for dim in range(t.dim() - 1):
-        dynamo.maybe_mark_dynamic(t, dim)
+    for x in (t, *norm_args[1:]):
+        for dim in range(x.dim() - fixed):
+            dynamo.maybe_mark_dynamic(x, dim)
     for x in (a, b, cu, starts):
         if x is not None:
             dynamo.maybe_mark_dynamic(x, 0)
+
+
+def _constants(args: tuple) -> tuple:
+    """``args`` detached, to run under ``no_grad``: the compiled graphs are inference graphs,
+    and Dynamo guards on each input's ``requires_grad`` and on the grad mode, so this way
+    training and inference calls (a weight that wants a gradient or not) share one graph."""
+    return tuple(x.detach() if x is not None and x.requires_grad else x for x in args)
 
 
 def dynamo_problem(full: bool | None = None) -> str | None:
@@ -221,6 +295,7 @@ class CompileBackend(Backend):
     description = "torch.compile of the eager math (Inductor: C++ on CPU, Triton on CUDA)"
     priority = 20
     supports_positions = True
+    supports_norm = True  # single tensors: head_norm, then the rotation
     tables = frozenset({"angles", "cos_sin_cache", "rates"})
     compiles_per_spec = True
     heavy_import = True  # Dynamo and Inductor: seconds on a fresh machine
@@ -302,19 +377,19 @@ class CompileBackend(Backend):
         """Whether what ``call`` needs (the forward, and the transpose when autograd records it)
         has already run compiled in this process."""
         key = compile_key(call)
-        needs_grad = call.t.requires_grad and torch.is_grad_enabled()
-        return (key, False) in self._ready and (not needs_grad or (key, True) in self._ready)
+        return (key, False) in self._ready and (not _records(call) or (key, True) in self._ready)
 
     def warm_up(self, call: RoPECall) -> None:
         """Compile what running ``call`` needs, without timing it: the forward, and the backward
-        too when autograd records the call (``t.requires_grad`` under grad mode).
+        too when autograd records the call (``t`` or a norm's weight requires grad, under grad
+        mode).
 
         Call it under the grad mode that will be timed. Raises if compiling fails, so a tuner
         drops this backend rather than timing a fallback.
         """
         if torch.compiler.is_compiling():
             return
-        if not (call.t.requires_grad and torch.is_grad_enabled()):
+        if not _records(call):
             self._run(call, fallback=False)
             return
         x = call.t.detach().requires_grad_(True)
@@ -333,7 +408,7 @@ class CompileBackend(Backend):
                 return rope_eager(call)
             raise RuntimeError(f"torch.compile failed for this spec: {self._failed[key]}")
         args = _arguments(call)
-        if call.t.requires_grad and torch.is_grad_enabled():
+        if _records(call):
             return _CompiledRoPE.apply(self, key, fallback, *args)
         return self.run_compiled(key, False, fallback, args)
 
@@ -341,8 +416,17 @@ class CompileBackend(Backend):
         """The compiled forward (or transpose) of ``key`` on ``args``, compiling it on first use.
 
         A compile failure is remembered: with ``fallback`` the eager math answers (one warning)
-        and later decisions refuse this key; without it the error propagates.
+        and later decisions refuse this key; without it the error propagates. It runs without
+        grad on detached tensors (:func:`_constants`): autograd is ``_CompiledRoPE``'s; only a
+        backward under ``create_graph=True`` runs as given, so a double backward differentiates
+        it.
         """
+        if transpose and torch.is_grad_enabled():
+            return self._run_compiled(key, transpose, fallback, args)
+        with torch.no_grad():
+            return self._run_compiled(key, transpose, fallback, _constants(args))
+
+    def _run_compiled(self, key: CompileKey, transpose: bool, fallback: bool, args: tuple):
         slot = (key, transpose)
         fn = self._compiled.get(slot)
         if slot in self._ready:
@@ -353,7 +437,7 @@ class CompileBackend(Backend):
                 if problem is not None:
                     raise RuntimeError(problem)
                 fn = self._compiled[slot] = _build(key, transpose)
-            _mark_dynamic(args)
+            _mark_dynamic(key, args)
             out = fn(*args)
         except Exception as exc:
             if not fallback:
@@ -367,7 +451,7 @@ class CompileBackend(Backend):
             warnings.warn(
                 f"rope_dispatch: torch.compile failed for {_key_name(key, transpose)} "
                 f"({self._failed[key]}); running the eager math for it from now on",
-                RuntimeWarning, stacklevel=3,
+                RuntimeWarning, stacklevel=4,
             )
             return out
         self._ready.add(slot)
@@ -375,19 +459,28 @@ class CompileBackend(Backend):
 
 
 class _CompiledRoPE(torch.autograd.Function):
-    """Compiled forward, compiled transpose as the backward; saves only the tables."""
+    """Compiled forward, compiled transpose as the backward; saves only the tables, and with a
+    norm stage its weight and ``t`` (the norm's gradient needs the input), and then also
+    returns the weight's gradient."""
 
     @staticmethod
-    def forward(ctx, backend, key, fallback, t, a, b, cu_seqlens, start_positions):
+    def forward(ctx, backend, key, fallback, t, a, b, cu_seqlens, start_positions, *weight):
         ctx.backend, ctx.key, ctx.fallback = backend, key, fallback
-        ctx.save_for_backward(a, b, cu_seqlens, start_positions)
-        return backend.run_compiled(key, False, fallback, (t, a, b, cu_seqlens, start_positions))
+        norm_saved = (*weight, t) if weight else ()  # the backward's norm arguments
+        ctx.save_for_backward(a, b, cu_seqlens, start_positions, *norm_saved)
+        return backend.run_compiled(
+            key, False, fallback, (t, a, b, cu_seqlens, start_positions, *weight)
+        )
 
     @staticmethod
     def backward(ctx, grad):
-        tables = ctx.saved_tensors
-        grad_t = ctx.backend.run_compiled(ctx.key, True, ctx.fallback, (grad, *tables))
-        return None, None, None, grad_t, None, None, None, None
+        saved = ctx.saved_tensors
+        grads = ctx.backend.run_compiled(ctx.key, True, ctx.fallback, (grad, *saved))
+        if ctx.key.norm is None:
+            return None, None, None, grads, None, None, None, None
+        grad_t, grad_weight = grads
+        return (None, None, None, grad_t if ctx.needs_input_grad[3] else None, None, None, None,
+                None, grad_weight if ctx.needs_input_grad[8] else None)
 
 
 def _summary(exc: BaseException) -> str:

@@ -110,3 +110,19 @@ def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
         x = x.flatten(-2)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)
     return y.reshape(shape)
+
+
+def head_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float,
+                       offset: float, scope: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 gradients ``(dx, dweight)`` of :func:`head_norm` for ``grad`` of its output,
+    written out (``dx = r (g - x r**2 mean(g x))``, ``g = grad (offset + w)``,
+    ``r = rsqrt(mean(x**2) + eps)``) so a compiled backward needs no autograd graph: traceable."""
+    x, grad = x.float(), grad.float()
+    shape = x.shape
+    if scope == "heads":
+        x, grad = x.flatten(-2), grad.flatten(-2)
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    g = grad * (weight.float() + offset)
+    dx = r * (g - x * (r * r) * (g * x).mean(-1, keepdim=True))
+    dweight = (grad * x * r).reshape(-1, x.shape[-1]).sum(0)
+    return dx.reshape(shape), dweight
