@@ -1,2 +1,3 @@
-"""Drop-in adapters for other libraries' RoPE APIs: ``te`` (TransformerEngine 2.20.2) and
-``flashinfer`` (the serving engines' in-place q and k call)."""
+"""Drop-in adapters for other libraries' RoPE APIs: ``te`` (TransformerEngine 2.20.2),
+``flashinfer`` (the serving engines' in-place q and k call) and ``vllm`` (vLLM's
+``rotary_embedding`` and ``fused_qk_norm_rope`` ops)."""

@@ -1,0 +1,266 @@
+"""vLLM's two RoPE ops (``vllm._custom_ops.rotary_embedding`` and ``fused_qk_norm_rope``),
+running on rope-dispatch.
+
+One changed import moves code that calls them::
+
+    from rope_dispatch.compat.vllm import fused_qk_norm_rope, rotary_embedding
+
+Adapters: each maps vLLM's arguments onto views and one :func:`rope_dispatch.apply_qk_` (or
+:func:`rope_dispatch.apply_` when ``key`` is ``None``) and returns ``None``, writing in place as
+vLLM does. ``positions`` become the per-token positions of a thd call (``[num_tokens]``) or of a
+bshd call (``[batch, seq]``); ``cos_sin_cache`` (cosines of the ``rot_dim / 2`` pair angles,
+then their sines) a :class:`~rope_dispatch.PairCosSinCache`; ``is_neox`` the spec's
+``interleaved`` (negated). The signatures are those of ``vllm/_custom_ops.py`` (vLLM commit
+0002bde), the semantics those of its CUDA kernels (``csrc/pos_encoding_kernels.cu``,
+``csrc/fused_qknorm_rope_kernel.cu``, commit 0f5257e): float32 math from the loaded values,
+one rounding to the tensor's dtype.
+
+Decisions, where vLLM's op and ours could differ:
+
+- A float32 cache is read as it is. A bfloat16 or float16 one (vLLM's ``RotaryEmbedding``
+  hands its kernel the cache in the query's dtype) is widened to a float32 copy, made once per
+  cache tensor and made again when the cache is written in place (not seen for an inference
+  tensor, which has no version counter): exact, as vLLM's kernels widen each entry too.
+  ``inverse=True`` reads a copy with the sines negated (the rotation by minus the angle).
+- The fused op keeps the normalized value in float32 until the rotation, as vLLM's kernel does
+  (its unfused path, ``RMSNorm`` then ``rotary_embedding``, rounds twice). Ours computes
+  ``x * rsqrt(mean(x**2) + eps) * w``; vLLM's ``x * (rsqrtf(..) * w)`` with a warp-tree sum:
+  the same value up to float32 rounding order.
+- vLLM's argument checks are kept where the core would accept more: int64 ``positions``, a
+  ``key`` head count dividing ``query``'s (``rotary_embedding``), ``q_weight``/``k_weight``
+  ``[head_dim]`` of ``qkv``'s dtype, ``qkv`` ``[num_tokens, (hq + hk + hv) * head_dim]``. Each
+  raises :class:`~rope_dispatch.RoPEError` naming the argument.
+- Limits of vLLM's kernels are not copied: the fused op takes any ``head_dim`` (vLLM: 64, 128,
+  256), float32 ``qkv`` (vLLM: float16 and bfloat16) and any row stride (vLLM: contiguous);
+  ``forced_token_heads_per_warp`` (a launch setting) is accepted and ignored.
+- Two corners of vLLM's kernels are not copied: ``rotary_embedding`` steps through a 3-D
+  ``key``'s heads with ``query``'s head stride (ours uses each tensor's own; they agree for
+  contiguous tensors), and the fused kernel's NeoX pairing with partial rotary finds a channel's
+  partner by a lane XOR, right only when ``(rot_dim / 2) / (head_dim / 32)`` is a power of two
+  (ours pairs channel ``i`` with ``i + rot_dim / 2``, as ``rotary_embedding`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from ..dispatch import apply_, apply_qk_
+from ..errors import RoPEError, RoPETypeError
+from ..norm import HeadNorm
+from ..spec import RoPESpec, dtype_name
+from ..table_kinds import _normal_tensors
+from ..tables import PairCosSinCache
+from .flashinfer import _pair_cache
+
+__all__ = ["rotary_embedding", "fused_qk_norm_rope"]
+
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_specs: dict[tuple, RoPESpec] = {}
+_copies: dict[tuple[int, bool], tuple[torch.Tensor, Optional[int], PairCosSinCache]] = {}
+_MAX_COPIES = 4
+
+
+def _spec(layout: str, dtype: torch.dtype, interleaved: bool) -> RoPESpec:
+    """A spec without offsets (positions come per token), from a small cache."""
+    key = (layout, dtype, interleaved)
+    spec = _specs.get(key)
+    if spec is None:
+        spec = _specs[key] = RoPESpec(layout=layout, dtype=dtype, interleaved=interleaved)
+    return spec
+
+
+@contextlib.contextmanager
+def _named(argument: str):
+    """A PairCosSinCache's complaint about its table, told as one about ``argument``."""
+    try:
+        yield
+    except RoPEError as error:
+        message = str(error).replace("PairCosSinCache's table", argument)
+        raise type(error)(message) from error
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    return None if t.is_inference() else t._version
+
+
+def _table(cos_sin_cache: object, inverse: bool) -> PairCosSinCache:
+    """The engine's cache as a PairCosSinCache: itself when float32 (no copy), else a float32
+    copy (sines negated for ``inverse``), kept while the cache is unchanged."""
+    if not inverse and isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dtype == torch.float32:
+        with _named("cos_sin_cache"):
+            return _pair_cache(cos_sin_cache)
+    key = (id(cos_sin_cache), inverse)
+    entry = _copies.get(key)
+    if entry is not None and entry[0] is cos_sin_cache and entry[1] == _version(cos_sin_cache):
+        return entry[2]
+    if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dtype not in _CACHE_DTYPES:
+        got = (f"{tuple(cos_sin_cache.shape)} {dtype_name(cos_sin_cache.dtype)}"
+               if isinstance(cos_sin_cache, torch.Tensor) else type(cos_sin_cache).__name__)
+        raise (RoPEError if isinstance(cos_sin_cache, torch.Tensor) else RoPETypeError)(
+            f"cos_sin_cache must be a float32, bfloat16 or float16 tensor [max_position, rot_dim] "
+            f"(cosines, then sines), got {got}"
+        )
+    with _named("cos_sin_cache"), _normal_tensors():  # a copy autograd may save later
+        table = PairCosSinCache(cos_sin_cache.float()).table  # checks shape, width, strides
+        if inverse:
+            half = table.shape[1] // 2
+            table = torch.cat((table[:, :half], -table[:, half:]), dim=1)
+    wrapper = PairCosSinCache(table)
+    if len(_copies) >= _MAX_COPIES:
+        _copies.clear()
+    _copies[key] = (cos_sin_cache, _version(cos_sin_cache), wrapper)
+    return wrapper
+
+
+def _flag(name: str, value: object) -> bool:
+    if type(value) is not bool:
+        raise RoPEError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _count(name: str, value: object, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        kind = "a positive int" if least == 1 else f"an int >= {least}"
+        raise RoPEError(f"{name} must be {kind}, got {value!r}")
+    return value
+
+
+def _positions(name: str, positions: object, dims: tuple[int, ...]) -> torch.Tensor:
+    """``positions`` checked as vLLM's op takes them: an int64 tensor of one of ``dims``."""
+    if not isinstance(positions, torch.Tensor):
+        raise RoPETypeError(f"{name} must be an int64 tensor, got {type(positions).__name__}")
+    if positions.dtype != torch.int64:
+        raise RoPEError(
+            f"{name} must be int64 (vLLM's op reads int64), got {dtype_name(positions.dtype)}; "
+            f"pass {name}.long()"
+        )
+    if positions.dim() not in dims:
+        shapes = " or ".join(("[num_tokens]", "[batch, seq]")[d - 1] for d in dims)
+        raise RoPEError(f"{name} must be {shapes}, got shape {tuple(positions.shape)}")
+    return positions
+
+
+def _heads(name: str, x: object, lead: torch.Size, head_size: int) -> torch.Tensor:
+    """``x`` ``[*lead, heads * head_size]`` as a ``[*lead, heads, head_size]`` view, or ``x``
+    itself when it is already ``[*lead, heads, head_size]``."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == len(lead) + 2 and x.shape[-1] == head_size:
+            return x
+        if x.dim() == len(lead) + 1 and x.shape[-1] % head_size == 0:
+            return x.view(*x.shape[:-1], x.shape[-1] // head_size, head_size)
+    got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+    tokens = "num_tokens" if len(lead) == 1 else "batch, seq"
+    raise RoPEError(
+        f"{name} must be [{tokens}, heads * head_size] or [{tokens}, heads, head_size] with "
+        f"head_size={head_size} (positions {tuple(lead)}), got {got}"
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: Optional[torch.Tensor],
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    rope_dim_offset: int = 0,
+    inverse: bool = False,
+) -> None:
+    """Rotate ``query`` and ``key`` in place: vLLM's ``_custom_ops.rotary_embedding``.
+
+    ``positions`` int64 ``[num_tokens]`` with ``query`` ``[num_tokens, heads * head_size]`` or
+    ``[num_tokens, heads, head_size]``, or ``[batch, seq]`` with ``query`` ``[batch, seq,
+    heads * head_size]`` or ``[batch, seq, heads, head_size]``; ``key`` the same with its own
+    head count (dividing ``query``'s), or ``None``. ``cos_sin_cache`` ``[max_position,
+    rot_dim]``: cosines, then sines; channels ``rope_dim_offset .. rope_dim_offset + rot_dim``
+    of each head rotate, the rest are untouched. ``is_neox`` pairs channel ``i`` with ``i +
+    rot_dim / 2``, else ``2i`` with ``2i + 1``; ``inverse`` rotates by minus the angle.
+    Returns ``None``.
+    """
+    _flag("is_neox", is_neox)
+    _flag("inverse", inverse)
+    head_size = _count("head_size", head_size, 1)
+    offset = _count("rope_dim_offset", rope_dim_offset, 0)
+    positions = _positions("positions", positions, (1, 2))
+    lead = positions.shape
+    q = _heads("query", query, lead, head_size)
+    k = None if key is None else _heads("key", key, lead, head_size)
+    if k is not None and q.shape[-2] % k.shape[-2]:
+        raise RoPEError(
+            f"key has {k.shape[-2]} heads, which does not divide query's {q.shape[-2]}; vLLM's "
+            "rotary_embedding requires num_heads % num_kv_heads == 0"
+        )
+    table = _table(cos_sin_cache, inverse)
+    if offset:
+        if offset + table.rotary_dim > head_size:
+            raise RoPEError(
+                f"rope_dim_offset={offset} + rot_dim={table.rotary_dim} must be <= "
+                f"head_size={head_size}"
+            )
+        q = q[..., offset:]
+        k = None if k is None else k[..., offset:]
+    spec = _spec("thd" if len(lead) == 1 else "bshd", query.dtype, not is_neox)
+    if k is None:
+        apply_(q, table, spec, positions=positions)
+    else:
+        apply_qk_(q, k, table, spec, positions=positions)
+
+
+def _weight(name: str, weight: object, head_dim: int, dtype: torch.dtype) -> HeadNorm:
+    if not isinstance(weight, torch.Tensor):
+        raise RoPETypeError(f"{name} must be a tensor [head_dim], got {type(weight).__name__}")
+    if tuple(weight.shape) != (head_dim,) or weight.dtype != dtype:
+        raise RoPEError(
+            f"{name} must be [head_dim] = [{head_dim}] of qkv's dtype {dtype_name(dtype)}, got "
+            f"{tuple(weight.shape)} {dtype_name(weight.dtype)}"
+        )
+    return weight
+
+
+def fused_qk_norm_rope(
+    qkv: torch.Tensor,
+    num_heads_q: int,
+    num_heads_k: int,
+    num_heads_v: int,
+    head_dim: int,
+    eps: float,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    position_ids: torch.Tensor,
+    forced_token_heads_per_warp: int = -1,
+) -> None:
+    """RMSNorm and rotate the q and k heads of a packed ``qkv`` in place: vLLM's
+    ``_custom_ops.fused_qk_norm_rope`` (Qwen3's q_norm and k_norm, then RoPE).
+
+    ``qkv`` ``[num_tokens, (num_heads_q + num_heads_k + num_heads_v) * head_dim]``: q heads,
+    then k heads, then v heads. Each q head becomes ``x / sqrt(mean(x**2) + eps) * q_weight``
+    (k heads with ``k_weight``, both ``[head_dim]``), then is rotated at ``position_ids``
+    (int64 ``[num_tokens]``) as :func:`rotary_embedding` rotates, in float32 with one rounding;
+    v is untouched. ``forced_token_heads_per_warp`` is ignored. Returns ``None``.
+    """
+    _flag("is_neox", is_neox)
+    hq = _count("num_heads_q", num_heads_q, 1)
+    hk = _count("num_heads_k", num_heads_k, 1)
+    hv = _count("num_heads_v", num_heads_v, 0)
+    head_dim = _count("head_dim", head_dim, 1)
+    if not isinstance(qkv, torch.Tensor):
+        raise RoPETypeError(f"qkv must be a tensor, got {type(qkv).__name__}")
+    width = (hq + hk + hv) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width:
+        raise RoPEError(
+            f"qkv must be [num_tokens, (num_heads_q + num_heads_k + num_heads_v) * head_dim] = "
+            f"[num_tokens, ({hq} + {hk} + {hv}) * {head_dim}] = [num_tokens, {width}], got "
+            f"{tuple(qkv.shape)}"
+        )
+    positions = _positions("position_ids", position_ids, (1,))
+    q_norm = HeadNorm(_weight("q_weight", q_weight, head_dim, qkv.dtype), eps)
+    k_norm = HeadNorm(_weight("k_weight", k_weight, head_dim, qkv.dtype), eps)
+    heads = qkv.view(qkv.shape[0], hq + hk + hv, head_dim)
+    apply_qk_(heads[:, :hq], heads[:, hq : hq + hk], _table(cos_sin_cache, False),
+              _spec("thd", qkv.dtype, not is_neox), positions=positions, q_norm=q_norm,
+              k_norm=k_norm)

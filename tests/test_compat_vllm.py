@@ -1,0 +1,320 @@
+"""``rope_dispatch.compat.vllm``: vLLM's ``rotary_embedding`` and ``fused_qk_norm_rope`` against
+their semantics (vLLM's CUDA kernels), written out here in float64."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rope_dispatch as rd
+from rope_dispatch.compat.vllm import fused_qk_norm_rope, rotary_embedding
+
+from reference import reference_cache_rope
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
+
+
+def engine_cache(max_pos: int, rot_dim: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """vLLM's cos_sin_cache layout, ``[cos(angles) | sin(angles)]``, of random pair angles."""
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(max_pos, rot_dim // 2, generator=gen, dtype=torch.float64) * 50
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+
+
+def vllm_rope(x, positions, head_size, cache, is_neox, offset=0, inverse=False):
+    """float64 RoPE as vLLM defines it: heads of ``head_size`` channels; with ``r`` the cache's
+    width, channels ``offset .. offset + r`` rotate by ``cos = cache[p, k]``, ``sin = cache[p,
+    r/2 + k]`` (minus that for ``inverse``), pair ``k`` being channels ``(k, k + r/2)`` (NeoX)
+    or ``(2k, 2k + 1)``; the rest are untouched."""
+    r = cache.shape[1]
+    heads = x.detach().double().reshape(*positions.shape, -1, head_size)
+    cos, sin = cache.double()[:, : r // 2], cache.double()[:, r // 2 :] * (-1 if inverse else 1)
+    # per channel: pair k's cos and sin on both of its channels
+    widen = (lambda t: torch.cat((t, t), -1)) if is_neox else (lambda t: t.repeat_interleave(2, -1))
+    part = heads[..., offset : offset + r]
+    out = heads.clone()
+    out[..., offset : offset + r] = reference_cache_rope(part, widen(cos), widen(sin), positions,
+                                                         not is_neox)
+    return out.reshape(x.shape)
+
+
+def rms_normed(x, weight, eps):
+    """float64 ``x / sqrt(mean(x**2) + eps) * weight`` over each head's last dim."""
+    x = x.double()
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def err(got, want):
+    return float(((got.double() - want).abs() / (1 + want.abs())).max())
+
+
+# ---- rotary_embedding ---------------------------------------------------------------------
+
+rope_args = st.tuples(
+    st.integers(1, 7),                                  # tokens
+    st.sampled_from(((4, 4), (4, 2), (4, 1), (2, 0))),  # q heads, kv heads (0: key None)
+    st.sampled_from((8, 16)),                           # head_size
+    st.booleans(),                                      # partial rotary
+    st.booleans(),                                      # is_neox
+    st.sampled_from((torch.float32, torch.bfloat16)),   # q/k dtype
+    st.booleans(),                                      # cache in the query's dtype (vLLM's)
+    st.booleans(),                                      # 3-D [T, heads, head_size] inputs
+    st.integers(0, 2**16),
+)
+
+
+def check_rotary(backend, a):
+    tokens, (heads, kv), head_size, partial, is_neox, dtype, cache_in_dtype, three_d, seed = a
+    gen = torch.Generator().manual_seed(seed)
+    rot = head_size // 2 if partial else head_size
+    cache = engine_cache(32, rot, seed, dtype if cache_in_dtype else torch.float32)
+    positions = torch.randint(0, 32, (tokens,), generator=gen)
+    # q and k: slices of one fused projection; v after them must stay as it is
+    qkv = torch.randn(tokens, (heads + 2 * max(kv, 1)) * head_size, generator=gen).to(dtype)
+    query = qkv[:, : heads * head_size]
+    key = qkv[:, heads * head_size : (heads + kv) * head_size] if kv else None
+    if three_d:
+        query = query.view(tokens, heads, head_size)
+        key = None if key is None else key.view(tokens, kv, head_size)
+    rest = qkv[:, (heads + kv) * head_size :].clone()
+    want_q = vllm_rope(query, positions, head_size, cache, is_neox)
+    want_k = None if key is None else vllm_rope(key, positions, head_size, cache, is_neox)
+    with rd.use_backend(backend):
+        assert rotary_embedding(positions, query, key, head_size, cache, is_neox) is None
+    assert err(query, want_q) <= TOL[dtype]
+    if key is not None:
+        assert err(key, want_k) <= TOL[dtype]
+    assert torch.equal(qkv[:, (heads + kv) * head_size :], rest), "the rest untouched"
+
+
+@given(rope_args)
+def test_rotary_embedding_matches_vllm_semantics(a):
+    check_rotary("eager", a)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@settings(max_examples=2, deadline=None)
+@given(rope_args)
+def test_rotary_embedding_on_triton(a):
+    check_rotary("triton", a)
+
+
+@pytest.mark.parametrize("four_d", [False, True])
+def test_batch_seq_positions(four_d):
+    """vLLM also takes positions ``[batch, seq]`` with query ``[batch, seq, heads * head_size]``
+    or ``[batch, seq, heads, head_size]``."""
+    gen = torch.Generator().manual_seed(1)
+    cache = engine_cache(16, 8, 1)
+    positions = torch.randint(0, 16, (2, 3), generator=gen)
+    query, key = torch.randn(2, 3, 4 * 8, generator=gen), torch.randn(2, 3, 2 * 8, generator=gen)
+    if four_d:
+        query, key = query.view(2, 3, 4, 8), key.view(2, 3, 2, 8)
+    want_q = vllm_rope(query, positions, 8, cache, False)
+    want_k = vllm_rope(key, positions, 8, cache, False)
+    rotary_embedding(positions, query, key, 8, cache, False)
+    assert err(query, want_q) <= 2e-6 and err(key, want_k) <= 2e-6
+
+
+@pytest.mark.parametrize("offset, inverse", [(4, False), (0, True), (4, True)])
+def test_rope_dim_offset_and_inverse(offset, inverse):
+    """vLLM's two later arguments: rotate channels ``offset .. offset + rot_dim``; rotate by
+    minus the angle. Inverse undoes the rotation."""
+    gen = torch.Generator().manual_seed(2)
+    positions = torch.randint(0, 16, (5,), generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = engine_cache(16, 8, 2, dtype)
+        query = torch.randn(5, 3 * 16, generator=gen).to(dtype)
+        key = torch.randn(5, 16, generator=gen).to(dtype)
+        before = query.clone()
+        want_q = vllm_rope(query, positions, 16, cache, True, offset, inverse)
+        want_k = vllm_rope(key, positions, 16, cache, True, offset, inverse)
+        rotary_embedding(positions, query, key, 16, cache, True, offset, inverse)
+        assert err(query, want_q) <= TOL[dtype] and err(key, want_k) <= TOL[dtype]
+        if dtype == torch.float32:
+            rotary_embedding(positions, query, None, 16, cache, True, offset, not inverse)
+            assert err(query, before.double()) <= 1e-5
+
+
+def test_a_half_cache_is_copied_once_and_again_after_a_write():
+    """A bfloat16 cache is read through a float32 copy, kept across calls and made again when
+    the cache is written in place."""
+    from rope_dispatch.compat import vllm
+
+    cache = engine_cache(16, 8, 3, torch.bfloat16)
+    positions = torch.tensor([0, 5, 15])
+    tables = []
+    for step in range(3):
+        if step == 2:
+            cache.mul_(-1)
+        query = torch.randn(3, 8)
+        want = vllm_rope(query, positions, 8, cache, True)
+        rotary_embedding(positions, query, None, 8, cache, True)
+        assert err(query, want) <= 2e-6, step
+        tables.append(vllm._table(cache, False))
+    assert tables[0] is tables[1] is not tables[2]
+
+
+def test_under_inference_mode():
+    """vLLM runs its model under inference mode: the doors work there, on an inference-tensor
+    bfloat16 cache too (which has no version counter), and the cache's copy is a normal tensor."""
+    from rope_dispatch.compat import vllm
+
+    with torch.inference_mode():
+        cache = engine_cache(16, 8, 5, torch.bfloat16)
+        positions = torch.tensor([3, 0, 15])
+        query, key = torch.randn(3, 2 * 8).bfloat16(), torch.randn(3, 8).bfloat16()
+        want_q = vllm_rope(query, positions, 8, cache, False)
+        want_k = vllm_rope(key, positions, 8, cache, False)
+        rotary_embedding(positions, query, key, 8, cache, False)
+        assert err(query, want_q) <= 1.6e-2 and err(key, want_k) <= 1.6e-2
+        qkv, weight = torch.randn(3, 3 * 8).bfloat16(), torch.ones(8).bfloat16()
+        fused_qk_norm_rope(qkv, 1, 1, 1, 8, 1e-6, weight, weight, cache, False, positions)
+        assert cache.is_inference() and not vllm._table(cache, False).table.is_inference()
+
+
+# ---- fused_qk_norm_rope -------------------------------------------------------------------
+
+fused_args = st.tuples(
+    st.integers(1, 6),                                           # tokens
+    st.sampled_from(((4, 2, 2), (2, 2, 2), (4, 1, 1), (3, 1, 0))),  # hq, hk, hv
+    st.sampled_from((8, 16)),                                    # head_dim
+    st.booleans(),                                               # partial rotary
+    st.booleans(),                                               # is_neox
+    st.sampled_from((torch.float32, torch.bfloat16)),
+    st.booleans(),                                               # cache in qkv's dtype
+    st.integers(0, 2**16),
+)
+
+
+def check_fused(backend, a):
+    tokens, (hq, hk, hv), head_dim, partial, is_neox, dtype, cache_in_dtype, seed = a
+    gen = torch.Generator().manual_seed(seed)
+    rot = head_dim // 2 if partial else head_dim
+    cache = engine_cache(32, rot, seed, dtype if cache_in_dtype else torch.float32)
+    positions = torch.randint(0, 32, (tokens,), generator=gen)
+    qkv = (torch.randn(tokens, (hq + hk + hv) * head_dim, generator=gen) * 3).to(dtype)
+    q_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(dtype)
+    k_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(dtype)
+    eps = 1e-6
+    heads = qkv.double().view(tokens, -1, head_dim)
+    q = rms_normed(heads[:, :hq], q_weight, eps)
+    k = rms_normed(heads[:, hq : hq + hk], k_weight, eps)
+    want_q = vllm_rope(q, positions, head_dim, cache, is_neox)
+    want_k = vllm_rope(k, positions, head_dim, cache, is_neox)
+    v = qkv[:, (hq + hk) * head_dim :].clone()
+    pointer = qkv.data_ptr()
+    with rd.use_backend(backend):
+        assert fused_qk_norm_rope(qkv, hq, hk, hv, head_dim, eps, q_weight, k_weight, cache,
+                                  is_neox, positions) is None
+    assert qkv.data_ptr() == pointer
+    got = qkv.view(tokens, -1, head_dim)
+    assert err(got[:, :hq], want_q) <= TOL[dtype]
+    assert err(got[:, hq : hq + hk], want_k) <= TOL[dtype]
+    assert torch.equal(qkv[:, (hq + hk) * head_dim :], v), "v untouched, byte for byte"
+
+
+@given(fused_args)
+def test_fused_qk_norm_rope_matches_vllm_semantics(a):
+    check_fused("eager", a)
+
+
+def test_fused_rounds_once():
+    """The normalized value is not rounded before the rotation (vLLM's fused kernel keeps it in
+    float32): every bfloat16 result lies within half a unit in the last place of the float64
+    value, which a result rounded after the norm too does not."""
+    gen = torch.Generator().manual_seed(4)
+    tokens, head_dim = 64, 16
+    cache = engine_cache(64, head_dim, 4)
+    positions = torch.arange(tokens)
+    qkv = torch.randn(tokens, 3 * head_dim, generator=gen).bfloat16()
+    weight = (torch.rand(head_dim, generator=gen) + 0.5).bfloat16()
+    normed = rms_normed(qkv.double().view(tokens, 3, head_dim)[:, :1], weight, 1e-6)
+    want = vllm_rope(normed, positions, head_dim, cache, True)
+    twice = vllm_rope(normed.bfloat16(), positions, head_dim, cache, True).bfloat16()
+    fused_qk_norm_rope(qkv, 1, 1, 1, head_dim, 1e-6, weight, weight, cache, True, positions)
+    got = qkv.view(tokens, 3, head_dim)[:, :1]
+    half_ulp = torch.ldexp(torch.ones_like(want), torch.frexp(want).exponent - 9)
+
+    def within(t):
+        return bool(((t.double() - want).abs() <= half_ulp * (1 + 1e-3)).all())
+
+    assert within(got)
+    assert not within(twice)
+
+
+# ---- signatures and bad arguments ----------------------------------------------------------
+
+def test_signatures_are_vllms():
+    """vllm/_custom_ops.py (commit 0002bde5): names, order and defaults."""
+    rope = inspect.signature(rotary_embedding).parameters
+    assert list(rope) == ["positions", "query", "key", "head_size", "cos_sin_cache", "is_neox",
+                          "rope_dim_offset", "inverse"]
+    assert (rope["rope_dim_offset"].default, rope["inverse"].default) == (0, False)
+    fused = inspect.signature(fused_qk_norm_rope).parameters
+    assert list(fused) == ["qkv", "num_heads_q", "num_heads_k", "num_heads_v", "head_dim", "eps",
+                           "q_weight", "k_weight", "cos_sin_cache", "is_neox", "position_ids",
+                           "forced_token_heads_per_warp"]
+    assert fused["forced_token_heads_per_warp"].default == -1
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(positions=torch.tensor([0, 1, 2, 3], dtype=torch.int32)),
+         ["positions must be int64", "int32"]),
+        (dict(positions=torch.zeros(1, 2, 2, dtype=torch.long)),
+         ["positions must be [num_tokens] or [batch, seq]", "(1, 2, 2)"]),
+        (dict(head_size=12), ["query must be [num_tokens, heads * head_size]", "head_size=12",
+                              "(4, 32)"]),
+        (dict(key=torch.randn(4, 3, 8)), ["key must be", "(4, 3, 8)"]),
+        (dict(key=torch.randn(4, 48)), ["key has 3 heads, which does not divide query's 2"]),
+        (dict(cos_sin_cache=torch.rand(8, 15)), ["cos_sin_cache must have", "even", "(8, 15)"]),
+        (dict(cos_sin_cache=torch.rand(8, 15).bfloat16()), ["cos_sin_cache must have", "(8, 15)"]),
+        (dict(cos_sin_cache=torch.rand(8, 16).double()),
+         ["cos_sin_cache must be a float32, bfloat16 or float16", "float64"]),
+        (dict(cos_sin_cache=torch.rand(8, 20)), ["rotary dim d2=20", "head dim d=16"]),
+        (dict(rope_dim_offset=4), ["rope_dim_offset=4 + rot_dim=16 must be <= head_size=16"]),
+        (dict(is_neox=1), ["is_neox must be a bool, got 1"]),
+        (dict(positions=torch.tensor([0, 1, 2])), ["positions must have shape [T] = [4]"]),
+    ],
+)
+def test_rotary_embedding_bad_arguments(kwargs, words):
+    args = dict(positions=torch.tensor([0, 1, 2, 3]), query=torch.randn(4, 32),
+                key=torch.randn(4, 16), head_size=16, cos_sin_cache=torch.rand(8, 16),
+                is_neox=True)
+    args.update(kwargs)
+    with pytest.raises(rd.RoPEError) as info:
+        rotary_embedding(**args)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(num_heads_v=2), ["qkv must be [num_tokens, (num_heads_q + num_heads_k + "
+                               "num_heads_v) * head_dim]", "(2 + 1 + 2) * 8", "40", "(4, 32)"]),
+        (dict(qkv=torch.randn(4, 4, 16)), ["qkv must be", "(4, 4, 16)"]),
+        (dict(num_heads_k=0), ["num_heads_k must be a positive int, got 0"]),
+        (dict(position_ids=torch.arange(4, dtype=torch.int32)), ["position_ids must be int64"]),
+        (dict(position_ids=torch.zeros(2, 2, dtype=torch.long)),
+         ["position_ids must be [num_tokens]", "(2, 2)"]),
+        (dict(q_weight=torch.ones(16)), ["q_weight must be [head_dim] = [8]", "(16,)"]),
+        (dict(k_weight=torch.ones(8).bfloat16()), ["k_weight must be", "float32", "bfloat16"]),
+        (dict(cos_sin_cache=torch.rand(8, 7)), ["cos_sin_cache must have", "(8, 7)"]),
+        (dict(cos_sin_cache=torch.rand(8, 10)), ["rotary dim d2=10", "head dim d=8"]),
+    ],
+)
+def test_fused_bad_arguments(kwargs, words):
+    args = dict(qkv=torch.randn(4, 32), num_heads_q=2, num_heads_k=1, num_heads_v=1,
+                head_dim=8, eps=1e-6, q_weight=torch.ones(8), k_weight=torch.ones(8),
+                cos_sin_cache=torch.rand(8, 8), is_neox=True, position_ids=torch.arange(4))
+    args.update(kwargs)
+    with pytest.raises(rd.RoPEError) as info:
+        fused_qk_norm_rope(**args)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
