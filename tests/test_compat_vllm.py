@@ -222,10 +222,19 @@ def test_fused_qk_norm_rope_matches_vllm_semantics(a):
     check_fused("eager", a)
 
 
-def test_fused_rounds_once():
+@pytest.mark.usefixtures("triton_backend")
+@settings(max_examples=3, deadline=None)
+@given(fused_args)
+def test_fused_qk_norm_rope_on_triton(a):
+    check_fused("triton", a)
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("triton", marks=pytest.mark.gpu)])
+def test_fused_rounds_once(backend):
     """The normalized value is not rounded before the rotation (vLLM's fused kernel keeps it in
     float32): every bfloat16 result lies within half a unit in the last place of the float64
-    value, which a result rounded after the norm too does not."""
+    value, which a result rounded after the norm too does not. (Triton's CPU interpreter
+    narrows float32 to bfloat16 by its own rule, so the Triton case runs on the GPU.)"""
     gen = torch.Generator().manual_seed(4)
     tokens, head_dim = 64, 16
     cache = engine_cache(64, head_dim, 4)
@@ -235,8 +244,11 @@ def test_fused_rounds_once():
     normed = rms_normed(qkv.double().view(tokens, 3, head_dim)[:, :1], weight, 1e-6)
     want = vllm_rope(normed, positions, head_dim, cache, True)
     twice = vllm_rope(normed.bfloat16(), positions, head_dim, cache, True).bfloat16()
-    fused_qk_norm_rope(qkv, 1, 1, 1, head_dim, 1e-6, weight, weight, cache, True, positions)
-    got = qkv.view(tokens, 3, head_dim)[:, :1]
+    device = "cuda" if backend == "triton" else "cpu"
+    qkv, weight, cache, positions = (x.to(device) for x in (qkv, weight, cache, positions))
+    with rd.use_backend(backend):
+        fused_qk_norm_rope(qkv, 1, 1, 1, head_dim, 1e-6, weight, weight, cache, True, positions)
+    got = qkv.view(tokens, 3, head_dim)[:, :1].cpu()
     half_ulp = torch.ldexp(torch.ones_like(want), torch.frexp(want).exponent - 9)
 
     def within(t):
