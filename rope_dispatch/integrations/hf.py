@@ -1,7 +1,7 @@
 """Hugging Face transformers models on rope-dispatch: their RoPE call, mapped onto ours.
 
-One line moves a Llama, Mistral, Qwen2, Qwen3, Gemma, Qwen2-VL or Qwen2.5-VL model over
-(docs/hf.md)::
+One line moves a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE,
+Qwen2-VL or Qwen2.5-VL model over (docs/hf.md)::
 
     rope_dispatch.integrations.hf.patch(model)
 
@@ -24,6 +24,18 @@ The vision towers' ``apply_rotary_pos_emb_vision`` (``[s, heads, d]`` q and k wi
 dim, ``[s, d]`` float32 cos/sin, each output in its input's dtype) is a different call and is left
 to transformers: the vision tower runs as before.
 
+QK norm (:data:`QK_NORM_MODELS`: Qwen3, Qwen3-MoE, Gemma3, OLMo2, GLM-4-MoE with
+``use_qk_norm``): these attentions normalize q and k (their ``q_norm`` and ``k_norm`` modules)
+right before the RoPE call. In the model passed to :func:`patch`, each such attention's
+``forward`` and its two norms' ``forward`` get instance attributes: while the attention's forward
+runs, its norms hand their input on unchanged and :func:`apply_rotary_pos_emb` passes them to
+:func:`rope_dispatch.apply_qk` as ``q_norm``/``k_norm`` (:class:`~rope_dispatch.HeadNorm` of the
+module's weight and epsilon, with the family's offset and scope), so norm and rotation are one
+call. The call checks that the q and k it gets are the norms' inputs, and the forward that every
+input handed on was normalized; either failing raises instead of leaving a norm out. A norm
+whose class is not the family's own RMSNorm, or that already has an instance ``forward``
+(another library's patch, an offload hook), is left to run as it is.
+
 An adapter: it maps arguments and checks only what the mapping needs. q and k go to
 :func:`rope_dispatch.apply_qk` as bshd views (no copy), the per-token ``cos``/``sin`` as a
 :class:`~rope_dispatch.CosSinCache` with one row per token. This module reads transformers'
@@ -32,8 +44,10 @@ modules from ``sys.modules`` and never imports transformers itself.
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -41,12 +55,13 @@ import torch
 
 from ..dispatch import apply_qk
 from ..errors import RoPEError
+from ..norm import HeadNorm
 from ..spec import RoPESpec
 from ..tables import CosSinCache
 
 __all__ = [
-    "SUPPORTED_MODELS", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb", "patch",
-    "unpatch",
+    "QK_NORM_MODELS", "SUPPORTED_MODELS", "apply_multimodal_rotary_pos_emb",
+    "apply_rotary_pos_emb", "patch", "unpatch",
 ]
 
 _PLAIN = ("apply_rotary_pos_emb",)
@@ -57,7 +72,13 @@ SUPPORTED_MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "Mistral": ("transformers.models.mistral.modeling_mistral", "MistralAttention", _PLAIN),
     "Qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention", _PLAIN),
     "Qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention", _PLAIN),
+    "Qwen3-MoE": (
+        "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention", _PLAIN
+    ),
     "Gemma": ("transformers.models.gemma.modeling_gemma", "GemmaAttention", _PLAIN),
+    "Gemma3": ("transformers.models.gemma3.modeling_gemma3", "Gemma3Attention", _PLAIN),
+    "OLMo2": ("transformers.models.olmo2.modeling_olmo2", "Olmo2Attention", _PLAIN),
+    "GLM-4-MoE": ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeAttention", _PLAIN),
     "Qwen2-VL": (
         "transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLAttention", _MULTIMODAL
     ),
@@ -68,6 +89,18 @@ SUPPORTED_MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 """Family -> (its modeling module, its attention class, the module globals that attention looks
 up at call time): a model is supported when it holds attention modules of these classes;
 :func:`patch` rebinds those of the names that the module defines."""
+
+QK_NORM_MODELS: dict[str, tuple[str, float, str]] = {
+    "Qwen3": ("Qwen3RMSNorm", 0.0, "head"),
+    "Qwen3-MoE": ("Qwen3MoeRMSNorm", 0.0, "head"),
+    "Gemma3": ("Gemma3RMSNorm", 1.0, "head"),
+    "OLMo2": ("Olmo2RMSNorm", 0.0, "heads"),
+    "GLM-4-MoE": ("Glm4MoeRMSNorm", 0.0, "head"),
+}
+"""Family (of :data:`SUPPORTED_MODELS`) -> (the RMSNorm class of its attention's ``q_norm`` and
+``k_norm``, the :class:`~rope_dispatch.HeadNorm` offset and scope that reproduce it): Gemma3
+multiplies by ``1 + weight``; OLMo2 normalizes a token's heads together, before the head split
+(weights of ``heads * head_dim``, and ``kv_heads * head_dim`` for k)."""
 
 _STREAMS = 3
 """Position streams of multimodal RoPE: temporal, height, width."""
@@ -90,6 +123,19 @@ _last_streams: list = [None, None, None, None]
 _originals: dict[tuple[str, str], object] = {}
 """(modeling module name, global name) -> the object that name held before :func:`patch`."""
 
+
+class _Window(threading.local):
+    """Per thread: the fused attention whose forward runs (``None`` outside one) and what its
+    q_norm and k_norm handed on to :func:`apply_rotary_pos_emb`, ``[q's, k's]``, each ``None``
+    or ``(input, HeadNorm)``. Per thread, so models run in several threads keep theirs apart."""
+
+    def __init__(self):
+        self.attention: torch.nn.Module | None = None
+        self.handed: list = [None, None]
+
+
+_window = _Window()
+
 Model = TypeVar("Model", bound=torch.nn.Module)
 
 
@@ -110,6 +156,9 @@ def apply_rotary_pos_emb(
     float32, rounded once. Gradients flow to q and k (the models compute cos and sin without
     gradients). With ``d2 < d`` the first ``d2`` channels are rotated and the rest passed
     through, where transformers' function would fail to broadcast.
+
+    Inside the forward of an attention whose norms :func:`patch` fused, q and k arrive as the
+    norms' inputs and are normalized in the same call (the whole head, then the rotation).
     """
     heads_dim = _HEADS_DIM.get(unsqueeze_dim)
     if heads_dim is None:
@@ -117,10 +166,12 @@ def apply_rotary_pos_emb(
             f"unsqueeze_dim must be 1 (q, k [b, heads, s, d]) or 2 ([b, s, heads, d]), got "
             f"{unsqueeze_dim!r}"
         )
+    q_norm, k_norm = _take_norms(q, k) if _window.attention is not None else (None, None)
     if heads_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     q_out, k_out = apply_qk(
-        q, k, _token_table(cos, sin), _spec(q.dtype), start_positions=_sequence_starts(cos, q)
+        q, k, _token_table(cos, sin), _spec(q.dtype), start_positions=_sequence_starts(cos, q),
+        q_norm=q_norm, k_norm=k_norm,
     )
     if heads_dim == 1:
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
@@ -269,36 +320,183 @@ def _spec(dtype: torch.dtype) -> RoPESpec:
     return spec
 
 
+def _take_norms(q: torch.Tensor, k: torch.Tensor) -> tuple[HeadNorm | None, HeadNorm | None]:
+    """The norms an attention's q_norm and k_norm handed on for this call (``None`` where
+    none did), taken out of :data:`_window`; a :class:`~rope_dispatch.RoPEError` when q or k
+    is not the tensor its norm got (the norm would otherwise be lost). Checked by memory (the
+    models reshape and transpose the norm's input, never copy it); not while torch.compile
+    traces, whose fake tensors have no memory."""
+    handed, _window.handed = _window.handed, [None, None]
+    norms = []
+    for name, t, entry in (("q", q, handed[0]), ("k", k, handed[1])):
+        if entry is None:
+            norms.append(None)
+            continue
+        x, norm = entry
+        if not torch.compiler.is_compiling() and (
+            x.data_ptr() != t.data_ptr() or x.numel() != t.numel()
+        ):
+            raise RoPEError(
+                f"{name} is not the tensor that {type(_window.attention).__name__}.{name}_norm "
+                f"handed on ({tuple(x.shape)} at {x.data_ptr():#x}, got {tuple(t.shape)} at "
+                f"{t.data_ptr():#x}): this attention's forward is not the one rope-dispatch "
+                "knows; hf.unpatch the model"
+            )
+        norms.append(norm)
+    return norms[0], norms[1]
+
+
+def _fused_forward(attention: torch.nn.Module, module_name: str, previous: Callable | None,
+                   *args, **kwargs):
+    """An attention's forward with its q_norm and k_norm deferred to the RoPE call.
+
+    ``previous``: the instance's own forward before :func:`patch` (an offload hook's, say),
+    ``None`` for its class's. The norms defer only while our :func:`apply_rotary_pos_emb` is
+    the modeling module's (else nothing would apply them: another model's :func:`unpatch`, or
+    another library's rebinding); a norm handed on and never taken raises."""
+    run = previous or functools.partial(type(attention).forward, attention)
+    if getattr(sys.modules[module_name], "apply_rotary_pos_emb", None) is not apply_rotary_pos_emb:
+        return run(*args, **kwargs)
+    outer = _window.attention, _window.handed
+    _window.attention, _window.handed = attention, [None, None]
+    try:
+        result = run(*args, **kwargs)
+        left = [name for name, entry in zip(("q_norm", "k_norm"), _window.handed) if entry]
+        if left:
+            raise RoPEError(
+                f"{type(attention).__name__}.{' and '.join(left)} handed its input on but no RoPE "
+                "call took it: this attention's forward is not the one rope-dispatch knows; "
+                "hf.unpatch the model"
+            )
+    finally:
+        _window.attention, _window.handed = outer
+    return result
+
+
+def _deferred_norm(norm: torch.nn.Module, attention: torch.nn.Module, slot: int, offset: float,
+                   scope: str, x: torch.Tensor) -> torch.Tensor:
+    """A q_norm's (``slot`` 0) or k_norm's (1) forward: inside its attention's fused forward,
+    ``x`` unchanged, its :class:`~rope_dispatch.HeadNorm` kept for the RoPE call; elsewhere the
+    norm's class's forward."""
+    if _window.attention is not attention or _window.handed[slot] is not None:
+        return type(norm).forward(norm, x)
+    _window.handed[slot] = (x, HeadNorm(norm.weight, _norm_eps(norm), offset=offset, scope=scope))
+    return x
+
+
+def _norm_eps(norm: torch.nn.Module) -> object:
+    """An RMSNorm's epsilon: ``variance_epsilon`` (Qwen3, OLMo2, GLM) or ``eps`` (Gemma3);
+    ``None`` without either."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return getattr(norm, "eps", None) if eps is None else eps
+
+
+def _fusable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, float, str]]:
+    """(attention, its modeling module's name, the HeadNorm offset and scope) for each attention
+    of ``model`` of a :data:`QK_NORM_MODELS` family whose q_norm and k_norm are the family's
+    RMSNorm running its class's forward (GLM without ``use_qk_norm`` has none); a
+    :class:`~rope_dispatch.RoPEError` naming a norm without a 1-D weight or a positive epsilon."""
+    families = {}
+    for family, (norm_class, offset, scope) in QK_NORM_MODELS.items():
+        module_name, attention_class, _ = SUPPORTED_MODELS[family]
+        module = sys.modules.get(module_name)
+        if hasattr(module, attention_class) and hasattr(module, norm_class):
+            families[getattr(module, attention_class)] = (
+                module_name, getattr(module, norm_class), offset, scope
+            )
+    found = []
+    for name, child in model.named_modules():
+        if type(child) not in families:
+            continue
+        module_name, norm_class, offset, scope = families[type(child)]
+        norms = {part: getattr(child, part, None) for part in ("q_norm", "k_norm")}
+        if any(type(norm) is not norm_class or _own_forward(norm) for norm in norms.values()):
+            continue
+        for part, norm in norms.items():
+            weight, eps = getattr(norm, "weight", None), _norm_eps(norm)
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+                raise RoPEError(f"{name}.{part}.weight must be a 1-D tensor to fuse the norm, got "
+                                f"{getattr(weight, 'shape', type(weight).__name__)}")
+            if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
+                raise RoPEError(f"{name}.{part} must have a positive variance_epsilon or eps to "
+                                f"fuse the norm, got {eps!r}")
+        found.append((child, module_name, offset, scope))
+    return found
+
+
+def _own_forward(module: torch.nn.Module) -> Callable | None:
+    """The instance's own ``forward`` attribute, ``None`` without one."""
+    return vars(module).get("forward")
+
+
+def _is_ours(forward: object) -> bool:
+    """Whether an instance ``forward`` is one :func:`_fuse` set."""
+    return isinstance(forward, functools.partial) and forward.func in (
+        _fused_forward, _deferred_norm
+    )
+
+
+def _fuse(attention: torch.nn.Module, module_name: str, offset: float, scope: str) -> None:
+    """Give ``attention`` and its two norms our forwards (once: a fused attention is left)."""
+    if _is_ours(_own_forward(attention)):
+        return
+    for slot, norm in ((0, attention.q_norm), (1, attention.k_norm)):
+        norm.forward = functools.partial(_deferred_norm, norm, attention, slot, offset, scope)
+    attention.forward = functools.partial(_fused_forward, attention, module_name,
+                                          _own_forward(attention))
+
+
+def _unfuse(model: torch.nn.Module) -> None:
+    """Give every module of ``model`` whose ``forward`` attribute is ours the one it had (an
+    attention's earlier instance forward, else none: its class's again)."""
+    for module in model.modules():
+        forward = _own_forward(module)
+        if not _is_ours(forward):
+            continue
+        previous = forward.args[2] if forward.func is _fused_forward else None
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+
+
 def patch(model: Model) -> Model:
     """Route the RoPE of ``model`` (the attention of any family in :data:`SUPPORTED_MODELS`)
     through this module's functions; returns ``model``.
 
     Rebinds, in the modeling module of each supported family found in ``model``, each of the
     family's names that the module defines to our function of that name, so every model of
-    those families in the process is served. Patching again is harmless. Raises
-    :class:`~rope_dispatch.RoPEError` for a model holding none of these families, or for a
-    family whose modeling module defines none of its names (another transformers version);
-    nothing is rebound then.
+    those families in the process is served. In ``model`` itself, the attentions of the
+    :data:`QK_NORM_MODELS` families also get their q_norm and k_norm fused into that call (an
+    instance ``forward`` on the attention and on each norm). Patching again is harmless. Raises
+    :class:`~rope_dispatch.RoPEError` for a model holding none of these families, for a
+    family whose modeling module defines none of its names (another transformers version), or
+    for a q_norm or k_norm without a 1-D weight or a positive epsilon; nothing is rebound then.
     """
     targets = _targets(model)
+    fusable = _fusable(model)
     for (module_name, name), ours in targets.items():
         module = sys.modules[module_name]
         current = getattr(module, name)
         if current is not ours:
             _originals[module_name, name] = current
             setattr(module, name, ours)
+    for attention, module_name, offset, scope in fusable:
+        _fuse(attention, module_name, offset, scope)
     return model
 
 
 def unpatch(model: torch.nn.Module) -> None:
     """Undo :func:`patch` for the families in ``model``: each rebound name of their modeling
-    modules gets back the exact object it held before. A name that was not patched, or that
-    another library has rebound since, is left as it is."""
+    modules gets back the exact object it held before, and each of ``model``'s attentions and
+    norms its own ``forward`` (none, or the instance's earlier one). A name or forward that was
+    not patched, or that another library has rebound since, is left as it is."""
     for (module_name, name), ours in _targets(model).items():
         original = _originals.pop((module_name, name), None)
         module = sys.modules[module_name]
         if original is not None and getattr(module, name) is ours:
             setattr(module, name, original)
+    _unfuse(model)
 
 
 def _targets(model: object) -> dict[tuple[str, str], Callable]:

@@ -1,0 +1,335 @@
+"""``rope_dispatch.integrations.hf.patch`` on the QK-norm families (Qwen3, Qwen3-MoE, Gemma3,
+OLMo2, GLM-4-MoE): q_norm, k_norm and RoPE reach rope-dispatch as one ``apply_qk`` call with
+each family's weight, epsilon, offset and scope; tiny random models give the same logits and
+parameter gradients patched and unpatched, and ``unpatch`` gives every module its forward back.
+
+The norms' weights are random and their epsilon large (0.25), so a norm left out, run twice, or
+given the wrong offset, scope or epsilon changes the logits well past the tolerance (the last
+tests check that such a patch would be caught)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+import transformers
+
+import rope_dispatch as rd
+from rope_dispatch.integrations import hf
+
+TOKENS = 12
+BATCH = 2
+EPS = 0.25
+MODEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SAME = dict(rtol=1e-4, atol=1e-5) if MODEL_DEVICE == "cuda" else dict(rtol=1e-5, atol=1e-6)
+"""Patched against unpatched in float32: our norm and rotation are float32 throughout, as
+transformers' are in a float32 model; on CUDA the kernels' fused multiply-adds round apart."""
+COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, rms_norm_eps=EPS,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1,
+)
+"""Weights 5x transformers' default spread: attention then moves the logits (O(1)), so what a
+norm does shows in them."""
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILIES = {
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "Qwen3-MoE": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=4, **MOE)),
+    "Gemma3": (
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        dict(head_dim=16, layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+    ),
+    "OLMo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "GLM-4-MoE": (
+        "Glm4MoeConfig", "Glm4MoeForCausalLM",
+        dict(use_qk_norm=True, n_routed_experts=4, first_k_dense_replace=1, num_mtp_layers=0,
+             **MOE),
+    ),
+}
+"""Family -> (config class, model class, its tiny config's own settings): head dim 16 in all."""
+NORMS = {
+    "Qwen3": (0.0, "head", 16, 16, "variance_epsilon"),
+    "Qwen3-MoE": (0.0, "head", 16, 16, "variance_epsilon"),
+    "Gemma3": (1.0, "head", 16, 16, "eps"),
+    "OLMo2": (0.0, "heads", 4 * 16, 2 * 16, "variance_epsilon"),
+    "GLM-4-MoE": (0.0, "head", 16, 16, "variance_epsilon"),
+}
+"""What each family's fused call must carry, written from its modeling file: offset (Gemma3's
+``x * (1 + w)``), scope (OLMo2 normalizes q and k over all their heads, before the head
+split), q's and k's weight sizes, and the norm's attribute holding its epsilon."""
+Q_EPS = 0.125
+"""Set on every q_norm: the call must read each module's own epsilon (k_norm keeps EPS)."""
+
+
+def modeling(family: str):
+    return importlib.import_module(hf.SUPPORTED_MODELS[family][0])
+
+
+@pytest.fixture(autouse=True)
+def _restore_modeling_modules():
+    """Every test leaves transformers' modules as it found them, whatever it patched."""
+    saved = {family: modeling(family).apply_rotary_pos_emb for family in FAMILIES}
+    yield
+    for family, original in saved.items():
+        modeling(family).apply_rotary_pos_emb = original
+    hf._originals.clear()
+
+
+def tiny_model(family: str, **overrides) -> torch.nn.Module:
+    """A two-layer float32 model of ``family`` with random weights (no download); the q_norm and
+    k_norm weights random too, so that each weight, the offset and the scope count."""
+    config_name, model_name, own = FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        **{**COMMON, **own, **overrides}, attn_implementation="sdpa"
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).float().train()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(0.5, 0.5)
+    return model.to(MODEL_DEVICE)
+
+
+def attentions(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "q_proj")]
+
+
+IDS = torch.randint(0, 128, (BATCH, TOKENS), generator=torch.Generator().manual_seed(4))
+POSITIONS = torch.arange(TOKENS)[None, :] + torch.tensor([[0], [5]])
+"""Per-row offsets: each sequence reads its own cos and sin rows."""
+
+
+def step(model):
+    """Logits and the gradient of every parameter the loss reaches, of one language-model loss."""
+    model.zero_grad(set_to_none=True)
+    ids = IDS.to(MODEL_DEVICE)
+    out = model(input_ids=ids, position_ids=POSITIONS.to(MODEL_DEVICE), labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
+
+
+def check_same(got, expected, **tolerance) -> None:
+    (logits, grads), (want_logits, want_grads) = got, expected
+    torch.testing.assert_close(logits, want_logits, **(tolerance or SAME))
+    assert grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name, **(tolerance or SAME))
+
+
+def spy(monkeypatch) -> list[dict]:
+    """The keyword arguments of every ``apply_qk`` call the patched models make."""
+    calls = []
+    real = hf.apply_qk
+    monkeypatch.setattr(hf, "apply_qk", lambda *a, **kw: calls.append(dict(kw, table=a[2]))
+                        or real(*a, **kw))
+    return calls
+
+
+def own_forwards(model) -> list[str]:
+    return [name for name, m in model.named_modules() if "forward" in vars(m)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_norms_and_rope_run_as_one_call_with_the_same_results(family, monkeypatch):
+    model = tiny_model(family)
+    offset, scope, q_size, k_size, eps_name = NORMS[family]
+    for attention in attentions(model):
+        assert getattr(attention.q_norm, eps_name) == EPS
+        setattr(attention.q_norm, eps_name, Q_EPS)
+    module = modeling(family)
+    original = module.apply_rotary_pos_emb
+    expected = step(model)
+    norm_grads = [n for n in expected[1] if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norm_grads) == 2 * model.config.num_hidden_layers
+    assert expected[1].keys() == {n for n, _ in model.named_parameters()}
+
+    calls = spy(monkeypatch)
+    assert hf.patch(model) is model
+    hf.patch(model)  # again: no change
+    check_same(step(model), expected)
+
+    assert len(calls) == model.config.num_hidden_layers
+    for call, attention in zip(calls, attentions(model)):
+        for norm, module_norm, size, eps in ((call["q_norm"], attention.q_norm, q_size, Q_EPS),
+                                             (call["k_norm"], attention.k_norm, k_size, EPS)):
+            assert isinstance(norm, rd.HeadNorm)
+            assert norm.weight is module_norm.weight and norm.weight.numel() == size
+            assert (norm.offset, norm.scope, norm.eps) == (offset, scope, eps)
+
+    hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is original
+    assert own_forwards(model) == []
+    check_same(step(model), expected, rtol=0, atol=0)
+    hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is original
+
+
+def test_gemma3_sliding_and_full_layers_each_rotate_by_their_own_table(monkeypatch):
+    """Gemma3 alternates local (sliding window, base 10,000) and global (base 1,000,000) layers:
+    both are fused, each with its layer type's cos and sin."""
+    model = tiny_model("Gemma3")
+    assert [a.is_sliding for a in attentions(model)] == [True, False]
+    expected = step(model)
+    calls = spy(monkeypatch)
+    hf.patch(model)
+    check_same(step(model), expected)
+    sliding, full = (call["table"] for call in calls)
+    assert not torch.allclose(sliding.cos, full.cos)
+    assert all(call["q_norm"].offset == 1.0 for call in calls)
+
+
+def test_glm_with_partial_rotary_normalizes_the_whole_head_and_rotates_half(monkeypatch):
+    """GLM-4-MoE rotates half of each head (``partial_rotary_factor`` 0.5); its norms cover
+    all 16 channels."""
+    model = tiny_model("GLM-4-MoE")
+    expected = step(model)
+    calls = spy(monkeypatch)
+    hf.patch(model)
+    check_same(step(model), expected)
+    assert [call["table"].rotary_dim for call in calls] == [8, 8]
+    assert all(call["q_norm"].weight.numel() == 16 for call in calls)
+
+
+def test_glm_without_qk_norm_keeps_its_plain_rope_call(monkeypatch):
+    model = tiny_model("GLM-4-MoE", use_qk_norm=False)
+    expected = step(model)
+    calls = spy(monkeypatch)
+    hf.patch(model)
+    check_same(step(model), expected)
+    assert [(call["q_norm"], call["k_norm"]) for call in calls] == [(None, None)] * 2
+    assert own_forwards(model) == []
+
+
+def test_a_fused_model_runs_unfused_once_another_model_unpatches_the_family(monkeypatch):
+    """``unpatch`` of one model binds transformers' RoPE back for the whole family; another
+    model still fused then runs its norms itself, with the same results."""
+    first, second = tiny_model("Qwen3"), tiny_model("Qwen3")
+    expected = step(second)
+    hf.patch(first)
+    hf.patch(second)
+    hf.unpatch(first)
+    calls = spy(monkeypatch)
+    assert own_forwards(first) == [] and own_forwards(second)
+    check_same(step(second), expected)
+    assert calls == []
+
+
+def test_a_norm_called_outside_its_attention_runs_as_before():
+    model = tiny_model("Qwen3")
+    norm = attentions(model)[0].q_norm
+    x = torch.randn(BATCH, TOKENS, 4, 16, device=MODEL_DEVICE)
+    want = norm(x)
+    hf.patch(model)
+    assert "forward" in vars(norm)
+    assert torch.equal(norm(x), want)
+
+
+def test_an_earlier_instance_forward_is_kept_and_given_back(monkeypatch):
+    """An attention that already has an instance forward (an offload hook, say) is fused around
+    it, and ``unpatch`` gives back that very object; a norm with one is left unfused."""
+    model = tiny_model("Qwen3")
+    first, second = attentions(model)
+    hooked = []
+
+    def hook(*args, **kwargs):
+        hooked.append(1)
+        return type(first).forward(first, *args, **kwargs)
+
+    first.forward = hook
+    second.k_norm.forward = second.k_norm.forward  # a bound method of its own
+    k_norm_forward = vars(second.k_norm)["forward"]
+    expected = step(model)
+    calls = spy(monkeypatch)
+    hf.patch(model)
+    check_same(step(model), expected)
+    assert hooked == [1, 1]
+    assert calls[0]["q_norm"] is not None and calls[1]["q_norm"] is calls[1]["k_norm"] is None
+    hf.unpatch(model)
+    assert vars(first)["forward"] is hook and vars(second.k_norm)["forward"] is k_norm_forward
+    assert own_forwards(model) == ["model.layers.0.self_attn", "model.layers.1.self_attn.k_norm"]
+
+
+def test_a_copy_of_a_patched_model_runs_its_own_weights():
+    """``copy.deepcopy`` (an EMA copy, say) rebinds the patched forwards to the copy."""
+    model = tiny_model("OLMo2")
+    hf.patch(model)
+    twin = copy.deepcopy(model)
+    attention = attentions(twin)[0]
+    assert vars(attention)["forward"].args[0] is attention
+    assert vars(attention.q_norm)["forward"].args[:2] == (attention.q_norm, attention)
+    expected = step(model)
+    with torch.no_grad():
+        attention.q_norm.weight.mul_(2)
+    with pytest.raises(AssertionError):
+        check_same(step(twin), expected)
+
+
+def test_a_forward_that_moves_q_off_the_norms_input_is_refused():
+    """Something between the norm and the RoPE call that copies q (a later transformers, a
+    hook): the norm cannot be applied where it was left out, so the call raises."""
+    model = tiny_model("Qwen3")
+    hf.patch(model)
+    attentions(model)[0].q_norm.register_forward_hook(lambda m, args, out: out.clone())
+    expected = "q is not the tensor that Qwen3Attention.q_norm handed on"
+    with pytest.raises(rd.RoPEError, match=expected):
+        step(model)
+
+
+def test_a_norm_that_no_rope_call_takes_is_refused(monkeypatch):
+    """An attention forward that normalizes q and then calls no RoPE: the forward raises."""
+    model = tiny_model("Gemma3")
+    hf.patch(model)
+    cls = type(attentions(model)[0])
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.o_proj(self.q_norm(hidden_states[..., :16]).repeat(1, 1, 4)), None
+
+    monkeypatch.setattr(cls, "forward", forward)
+    expected = "Gemma3Attention.q_norm handed its input on but no RoPE call took it"
+    with pytest.raises(rd.RoPEError, match=expected):
+        step(model)
+
+
+@pytest.mark.parametrize("attribute, value, expected", [
+    ("variance_epsilon", 0.0, r"model.layers.1.self_attn.k_norm must have a positive "
+                              r"variance_epsilon or eps to fuse the norm, got 0.0"),
+    ("weight", torch.nn.Parameter(torch.ones(4, 4)),
+     r"model.layers.1.self_attn.k_norm.weight must be a 1-D tensor to fuse the norm, got "
+     r"torch.Size\(\[4, 4\]\)"),
+])
+def test_a_norm_without_a_usable_weight_or_eps_is_refused_by_name(attribute, value, expected):
+    model = tiny_model("Qwen3")
+    module = modeling("Qwen3")
+    original = module.apply_rotary_pos_emb
+    setattr(attentions(model)[1].k_norm, attribute, value)
+    with pytest.raises(rd.RoPEError, match=expected):
+        hf.patch(model)
+    assert module.apply_rotary_pos_emb is original and own_forwards(model) == []
+
+
+@pytest.mark.parametrize("family, wrong", [
+    ("Gemma3", dict(offset=0.0)),  # Gemma3 without its 1 + w
+    ("Qwen3", dict(eps=1e-6)),  # the config's eps not read
+    ("Qwen3", dict(offset=1.0)),  # Gemma's rule on Qwen3
+])
+def test_a_wrong_norm_would_be_caught(family, wrong, monkeypatch):
+    """The comparison above is sensitive: the fused call with a wrong offset or epsilon fails it
+    (the logits move by about 10%)."""
+    model = tiny_model(family)
+    expected = step(model)
+    real = hf.apply_qk
+
+    def mutated(*args, q_norm=None, k_norm=None, **kwargs):
+        q_norm, k_norm = (rd.HeadNorm(n.weight, **{**dict(eps=n.eps, offset=n.offset,
+                                                        scope=n.scope), **wrong})
+                          for n in (q_norm, k_norm))
+        return real(*args, q_norm=q_norm, k_norm=k_norm, **kwargs)
+
+    monkeypatch.setattr(hf, "apply_qk", mutated)
+    hf.patch(model)
+    logits, _ = step(model)
+    assert (logits - expected[0]).abs().max() > 0.01 * expected[0].abs().max()
