@@ -115,7 +115,7 @@ with warnings.catch_warnings():
     import torch  # noqa: E402
 
 import rope_dispatch as rd  # noqa: E402
-from rope_dispatch import autotune, registry  # noqa: E402
+from rope_dispatch import autotune, autotune_cache, registry  # noqa: E402
 from rope_dispatch.guards import guard_kind  # noqa: E402
 from rope_dispatch.reference import max_error, reference_apply  # noqa: E402
 from rope_dispatch.tables import cos_sin_cache  # noqa: E402
@@ -390,8 +390,9 @@ def _cache_report(entries: bool = False) -> dict:
         root = autotune.cache_dir()
         report["cache_dir"] = str(root)
         report["cache_entry_count"] = sum(
-            1 for folder in autotune._environment_dirs(root) for path in autotune._listing(folder)
-            if autotune._ENTRY_NAME.match(path.name)
+            1 for folder in autotune_cache._environment_dirs(root)
+            for path in autotune_cache._listing(folder)
+            if autotune_cache._ENTRY_NAME.match(path.name)
         )
         if entries:
             report["cache_entries"] = autotune.cache_entries()
