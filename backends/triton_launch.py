@@ -502,7 +502,9 @@ def _segment_arguments(
         consts.update({f"{side}_NORM": 0 if form is None else 1 if form.scope == "head" else 2,
                        f"{side}_EPS": 0.0 if form is None else form.eps,
                        f"{side}_OFFSET": 0.0 if form is None else form.offset})
-    return kernels.rope_norm_kernel, grid, ints, consts, num_warps
+    from .triton_norm_kernels import rope_norm_kernel
+
+    return rope_norm_kernel, grid, ints, consts, num_warps
 
 
 def norm_partials(described: Launch, inputs: Sequence[torch.Tensor],

@@ -1,0 +1,317 @@
+"""The norm stage's kernel: QK-norm (RMSNorm over each head, or over a token's heads) and RoPE
+in one pass, forward and backward, from the rotation's building blocks (backends/triton_kernels.py).
+
+Forward, a program reads its tokens' heads once, normalizes them in float32 and writes them
+rotated, rounded once. Backward, it reads the output's gradient and the forward's input, writes
+the input's gradient and its share of the weight's gradient (one row per program, summed on the
+host). A norm over a token's heads (OLMo 2) gives one program all of them: it reads them once
+for the statistics and again (from L1/L2) to write.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_kernels import (
+    _add, _coefficients, _copy_program, _load_chunk, _positions, _rotate_store, _rotated,
+    _store_chunk, _token_block, _token_rows,
+)
+
+
+@triton.jit
+def _total(x, axis: tl.constexpr):
+    """``x`` summed over ``axis`` (see :func:`_add`)."""
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def _channel_sum(a1, b1, p1, a2, b2, p2, INTERLEAVED: tl.constexpr, PASS_DIM: tl.constexpr):
+    """Per head row, the sum over its channels of the products of two chunks, each given as
+    its rotary halves (or interleaved tile, ``b`` unused) and pass-through channels."""
+    total = _total(a1 * a2, 2)
+    if not INTERLEAVED:
+        total += _total(b1 * b2, 2)
+    if PASS_DIM > 0:
+        total += _total(p1 * p2, 2)
+    return total
+
+
+@triton.jit
+def _norm_weights(
+    w_ptr, hh, heads, c, c_mask, p_mask, NORM: tl.constexpr, OFFSET: tl.constexpr,
+    ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """A norm's ``offset + weight`` in float32 for the chunk's channels, ``[1, 1, C]`` (one
+    weight per channel, ``NORM == 1``) or ``[1, BLOCK_H, C]`` (per head too, ``NORM == 2``)."""
+    HEAD_DIM: tl.constexpr = ROT_DIM + PASS_DIM
+    p = tl.arange(0, BLOCK_P)
+    if NORM == 2:
+        base = (hh.to(tl.int64) * HEAD_DIM)[None, :, None]
+        h_mask = (hh < heads)[None, :, None]
+        a_mask = h_mask & c_mask[None, None, :]
+        p_full = h_mask & p_mask[None, None, :]
+    else:
+        base = 0
+        a_mask = c_mask[None, None, :]
+        p_full = p_mask[None, None, :]
+    w_a = tl.load(w_ptr + base + c[None, None, :], mask=a_mask, other=0.0).to(tl.float32) + OFFSET
+    if INTERLEAVED:
+        w_b = w_a
+    else:
+        w_b = tl.load(w_ptr + base + (c + ROT_DIM // 2)[None, None, :], mask=a_mask,
+                      other=0.0).to(tl.float32) + OFFSET
+    if PASS_DIM > 0:
+        w_p = tl.load(w_ptr + base + (p + ROT_DIM)[None, None, :], mask=p_full,
+                      other=0.0).to(tl.float32) + OFFSET
+    else:
+        w_p = w_a
+    return w_a, w_b, w_p
+
+
+@triton.jit
+def _norm_rope_program(
+    token_block, head_group, x_ptr, out_ptr, src_ptr, w_ptr, part_ptr, tab_ptr, sin_ptr, cu_ptr,
+    pos_ptr, n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, group, n_seqs,
+    cp_size, cp_rank, sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod, ss0, ss1, ssg, ssh, ssd,
+    part_row,
+    LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
+    RATES: tl.constexpr, LINEAR: tl.constexpr, POSITIONS: tl.constexpr,
+    CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr, GROUPED: tl.constexpr, SCALE: tl.constexpr, HALVES: tl.constexpr,
+    NORM: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.constexpr,
+):
+    """:func:`_rope_program` with a norm stage before the rotation: ``y = rotate(x * r * w)``,
+    ``r = 1 / sqrt(mean(x**2) + EPS)`` over each head (``NORM == 1``) or over the token's
+    heads together (``NORM == 2``: the program holds them all), ``w = OFFSET + weight``
+    (``w_ptr``), float32 throughout and rounded once; ``NORM == 0`` rotates only.
+
+    ``BACKWARD``: ``x_ptr`` is the output's gradient ``g`` and ``src_ptr`` (strides ``ss*``)
+    the forward's input ``x``. With ``z = rotate^T(g)``, it writes
+    ``dx = r w z - x r^3 sum(w z x) / n`` and, at row ``part_row`` of ``part_ptr`` (float32),
+    this program's share of the weight's gradient ``sum(z x r)`` over its tokens (and its
+    heads, for ``NORM == 1``); the host sums the rows. Every head's channels are read and
+    written, the pass-through ones too.
+    """
+    HEAD_DIM: tl.constexpr = ROT_DIM + PASS_DIM
+    tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
+        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
+        sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
+    )
+    s_row = src_ptr + (i0.to(tl.int64) * ss0 + i1.to(tl.int64) * ss1)
+    c = tl.arange(0, BLOCK_R)
+    if INTERLEAVED:
+        c_mask = c < ROT_DIM
+    else:
+        c_mask = c < ROT_DIM // 2
+    p_mask = tl.arange(0, BLOCK_P) < PASS_DIM
+    pos = _positions(
+        tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, pos_ptr, n_seqs, cp_size, cp_rank,
+        LAYOUT, POSITIONS, CONTEXT_PARALLEL, SEQ_BLOCK,
+    )
+    inside = tok_mask & (pos >= 0) & (pos < table_len)
+    cos_a, cos_b, coef_a, coef_b = _coefficients(
+        tab_ptr, sin_ptr, pos, pos.to(tl.int64), inside, c, c_mask, ROT_DIM, INTERLEAVED,
+        USE_CACHE, PAIRED, RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE,
+        False, cu_ptr, HALVES,
+    )
+    width = heads * HEAD_DIM
+    if NORM == 2:  # the token's statistics over all its heads, before any head is written
+        squares = (tok * 0).to(tl.float32)[:, None]
+        dots = (tok * 0).to(tl.float32)[:, None]
+        for it in range(HEAD_ITERS):
+            x_a, x_b, kept = _load_chunk(
+                x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd,
+                c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
+                GROUPED,
+            )
+            if BACKWARD:
+                s_a, s_b, s_p = _load_chunk(
+                    s_row, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssg, ssh, ssd,
+                    c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
+                    GROUPED,
+                )
+                s_a = s_a.to(tl.float32)
+                s_b = s_b.to(tl.float32)
+                s_p = s_p.to(tl.float32)
+                hh = head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)
+                w_a, w_b, w_p = _norm_weights(w_ptr, hh, heads, c, c_mask, p_mask, NORM, OFFSET,
+                                              ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_P)
+                z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
+                                    BLOCK_T, BLOCK_H, BLOCK_R)
+                z_a = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_a, 0.0)
+                z_b = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_b, 0.0)
+                squares += _total(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
+                                               PASS_DIM), 1)[:, None]
+                dots += _total(_channel_sum(z_a * w_a, z_b * w_b, kept.to(tl.float32) * w_p,
+                                            s_a, s_b, s_p, INTERLEAVED, PASS_DIM), 1)[:, None]
+            else:
+                x_a = x_a.to(tl.float32)
+                x_b = x_b.to(tl.float32)
+                kept = kept.to(tl.float32)
+                squares += _total(_channel_sum(x_a, x_b, kept, x_a, x_b, kept, INTERLEAVED,
+                                               PASS_DIM), 1)[:, None]
+        token_r = tl.rsqrt(squares / width + EPS)[:, :, None]
+        token_k = (token_r * token_r * token_r * (dots / width)[:, :, None])
+    if BACKWARD and NORM == 1:
+        acc_a = (c * 0).to(tl.float32)
+        acc_b = (c * 0).to(tl.float32)
+        acc_p = (tl.arange(0, BLOCK_P) * 0).to(tl.float32)
+    for it in range(HEAD_ITERS):
+        x_a, x_b, kept = _load_chunk(
+            x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd, c_mask,
+            p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
+        )
+        hh = head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)
+        if NORM == 0:
+            if BACKWARD:
+                z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
+                                    BLOCK_T, BLOCK_H, BLOCK_R)
+                _store_chunk(z_a, z_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group,
+                             sxg, sxh, sog, soh, sod, c_mask, p_mask, ROT_DIM, PASS_DIM,
+                             INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
+            else:
+                _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group,
+                              sxg, sxh, sog, soh, sod, c_mask, p_mask, cos_a, cos_b, coef_a,
+                              coef_b, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R,
+                              BLOCK_P, GROUPED)
+        else:
+            w_a, w_b, w_p = _norm_weights(w_ptr, hh, heads, c, c_mask, p_mask, NORM, OFFSET,
+                                          ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_P)
+            if BACKWARD:
+                s_a, s_b, s_p = _load_chunk(
+                    s_row, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssg, ssh, ssd,
+                    c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
+                    GROUPED,
+                )
+                s_a = s_a.to(tl.float32)
+                s_b = s_b.to(tl.float32)
+                s_p = s_p.to(tl.float32)
+                z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
+                                    BLOCK_T, BLOCK_H, BLOCK_R)
+                # tokens past the end and channels past the rotary ones have NaN angles: keep
+                # them out of the sums
+                z_a = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_a, 0.0)
+                z_b = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_b, 0.0)
+                z_p = kept.to(tl.float32)
+                if NORM == 1:
+                    r = tl.rsqrt(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
+                                              PASS_DIM) / HEAD_DIM + EPS)[:, :, None]
+                    dots = _channel_sum(z_a * w_a, z_b * w_b, z_p * w_p, s_a, s_b, s_p,
+                                        INTERLEAVED, PASS_DIM)[:, :, None]
+                    k = r * r * r * (dots / HEAD_DIM)
+                else:
+                    r = token_r
+                    k = token_k
+                _store_chunk(r * w_a * z_a - k * s_a, r * w_b * z_b - k * s_b,
+                             r * w_p * z_p - k * s_p, x_row, o_row, tok_mask, head_lo, it, heads,
+                             group, sxg, sxh, sog, soh, sod, c_mask, p_mask, ROT_DIM, PASS_DIM,
+                             INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
+                # the weight's gradient: z times the normalized input
+                d_a = _total(z_a * s_a * r, 0)
+                d_b = _total(z_b * s_b * r, 0)
+                d_p = _total(z_p * s_p * r, 0)
+                if NORM == 1:
+                    acc_a += _total(d_a, 0)
+                    acc_b += _total(d_b, 0)
+                    acc_p += _total(d_p, 0)
+                else:
+                    row = part_ptr + part_row.to(tl.int64) * width + (hh.to(tl.int64) * HEAD_DIM)[:, None]
+                    h_mask = (hh < heads)[:, None]
+                    tl.store(row + c[None, :], d_a, mask=h_mask & c_mask[None, :])
+                    if not INTERLEAVED:
+                        tl.store(row + (c + ROT_DIM // 2)[None, :], d_b, mask=h_mask & c_mask[None, :])
+                    if PASS_DIM > 0:
+                        p = tl.arange(0, BLOCK_P)
+                        tl.store(row + (p + ROT_DIM)[None, :], d_p, mask=h_mask & p_mask[None, :])
+            else:
+                x_a = x_a.to(tl.float32)
+                x_b = x_b.to(tl.float32)
+                kept = kept.to(tl.float32)
+                if NORM == 1:
+                    r = tl.rsqrt(_channel_sum(x_a, x_b, kept, x_a, x_b, kept, INTERLEAVED,
+                                              PASS_DIM) / HEAD_DIM + EPS)[:, :, None]
+                else:
+                    r = token_r
+                _rotate_store(x_a * r * w_a, x_b * r * w_b, kept * r * w_p, x_row, o_row, tok_mask,
+                              head_lo, it, heads, group, sxg, sxh, sog, soh, sod, c_mask, p_mask,
+                              cos_a, cos_b, coef_a, coef_b, ROT_DIM, PASS_DIM, INTERLEAVED,
+                              BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
+    if BACKWARD and NORM == 1:
+        row = part_ptr + part_row.to(tl.int64) * HEAD_DIM
+        tl.store(row + c, acc_a, mask=c_mask)
+        if not INTERLEAVED:
+            tl.store(row + ROT_DIM // 2 + c, acc_b, mask=c_mask)
+        if PASS_DIM > 0:
+            p = tl.arange(0, BLOCK_P)
+            tl.store(row + ROT_DIM + p, acc_p, mask=p_mask)
+
+
+@triton.jit(do_not_specialize=[
+    "n_tokens", "dim1", "dim1_magic", "dim1_shift", "seq_len", "q_table_len", "k_table_len",
+    "n_seqs", "q_heads", "k_heads", "v_heads",
+])
+def rope_norm_kernel(
+    q_x, q_out, k_x, k_out, v_x, v_out, q_tab, q_sin, k_tab, k_sin, cu_ptr, pos_ptr,
+    q_w, k_w, q_src, k_src, q_part, k_part,
+    n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, k_table_len, n_seqs, cp_size,
+    cp_rank,
+    q_heads, q_group, k_heads, k_group, v_heads, v_group,
+    qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
+    kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
+    vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
+    qs0, qs1, qsg, qsh, qsd, ks0, ks1, ksg, ksh, ksd,
+    LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
+    RATES: tl.constexpr, LINEAR: tl.constexpr, POSITIONS: tl.constexpr,
+    CONTEXT_PARALLEL: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr, HAS_V: tl.constexpr, V_WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+    SCALE: tl.constexpr, HALVES: tl.constexpr,
+    Q_NORM: tl.constexpr, K_NORM: tl.constexpr, Q_EPS: tl.constexpr, K_EPS: tl.constexpr,
+    Q_OFFSET: tl.constexpr, K_OFFSET: tl.constexpr,
+):
+    """:func:`rope_qkv_kernel` with the norm stage (:func:`_norm_rope_program`) on q and k:
+    each side's ``?_NORM`` (0 none, 1 per head, 2 over its heads), ``?_EPS``, ``?_OFFSET``
+    and weight ``?_w``. Backward: ``?_x`` are the outputs' gradients, ``?_src`` (strides
+    ``?s*``) the forward's inputs, and ``?_part`` get the weights' partial gradients, one row
+    per program of that side (token block major). A single tensor is q with ``k_heads = 0``."""
+    per_program = HEAD_ITERS * BLOCK_H
+    q_per = (q_heads + per_program - 1) // per_program
+    k_per = (k_heads + per_program - 1) // per_program
+    block = _token_block()
+    r = tl.program_id(0)
+    if r < q_per:
+        _norm_rope_program(
+            block, r, q_x, q_out, q_src, q_w, q_part, q_tab, q_sin, cu_ptr, pos_ptr,
+            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, q_heads, q_group, n_seqs,
+            cp_size, cp_rank,
+            qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod, qs0, qs1, qsg, qsh, qsd,
+            block * q_per + r,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
+            CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
+            SEQ_BLOCK, True, SCALE, HALVES, Q_NORM, Q_EPS, Q_OFFSET,
+        )
+    elif r < q_per + k_per:
+        _norm_rope_program(
+            block, r - q_per, k_x, k_out, k_src, k_w, k_part, k_tab, k_sin, cu_ptr, pos_ptr,
+            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, k_table_len, k_heads, k_group, n_seqs,
+            cp_size, cp_rank,
+            kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod, ks0, ks1, ksg, ksh, ksd,
+            block * k_per + r - q_per,
+            LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
+            CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
+            SEQ_BLOCK, True, SCALE, HALVES, K_NORM, K_EPS, K_OFFSET,
+        )
+    elif HAS_V:
+        _copy_program(
+            block, r - q_per - k_per, v_x, v_out, n_tokens, dim1, dim1_magic, dim1_shift,
+            v_heads, v_group,
+            vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
+            LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
+        )
