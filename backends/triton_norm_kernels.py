@@ -218,7 +218,8 @@ def _norm_rope_program(
                 if NORM == 1:
                     acc_a += _total(d_a, 0)
                     acc_b += _total(d_b, 0)
-                    acc_p += _total(d_p, 0)
+                    if PASS_DIM > 0:
+                        acc_p += _total(d_p, 0)
                 else:
                     row = part_ptr + part_row.to(tl.int64) * width + (hh.to(tl.int64) * HEAD_DIM)[:, None]
                     h_mask = (hh < heads)[:, None]

@@ -108,7 +108,8 @@ def implementations(q, k, wq, wk, table, spec) -> dict[str, Callable[..., Any]]:
             liger_norms[0].weight, liger_norms[1].weight = wq, wk
             qn = liger_norms[0](q).transpose(1, 2)  # Liger's RoPE takes [b, h, s, d]
             kn = liger_norms[1](k).transpose(1, 2)
-            return liger_rotary_pos_emb(qn, kn, lcos, lsin)
+            q_out, k_out = liger_rotary_pos_emb(qn, kn, lcos, lsin)
+            return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
         impls["liger"] = liger
     compiled = torch.compile(torch_math, dynamic=False)
@@ -153,6 +154,7 @@ def run_shape(batch: int, seq: int, args: argparse.Namespace) -> dict[str, Any]:
     for name, f in impls.items():
         with torch.no_grad():
             out = f(q, k, wq, wk)
+            ref = tuple(r.detach() for r in ref)
         err = max(float(((o.double() - r).abs() / (1 + r.abs())).max()) for o, r in zip(out, ref))
         row["impls"][name] = {"error": err}
     for _ in range(args.rounds):

@@ -48,6 +48,12 @@ def rms_normed(x, weight, eps):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
 
 
+def device_of(backend: str) -> str:
+    """Where a backend's case runs: the GPU for Triton when there is one (else its CPU
+    interpreter), the CPU for eager."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
 def err(got, want):
     return float(((got.double() - want).abs() / (1 + want.abs())).max())
 
@@ -75,6 +81,7 @@ def check_rotary(backend, a):
     positions = torch.randint(0, 32, (tokens,), generator=gen)
     # q and k: slices of one fused projection; v after them must stay as it is
     qkv = torch.randn(tokens, (heads + 2 * max(kv, 1)) * head_size, generator=gen).to(dtype)
+    qkv, cache, positions = (x.to(device_of(backend)) for x in (qkv, cache, positions))
     query = qkv[:, : heads * head_size]
     key = qkv[:, heads * head_size : (heads + kv) * head_size] if kv else None
     if three_d:
@@ -199,6 +206,8 @@ def check_fused(backend, a):
     qkv = (torch.randn(tokens, (hq + hk + hv) * head_dim, generator=gen) * 3).to(dtype)
     q_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(dtype)
     k_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(dtype)
+    qkv, cache, positions, q_weight, k_weight = (
+        x.to(device_of(backend)) for x in (qkv, cache, positions, q_weight, k_weight))
     eps = 1e-6
     heads = qkv.double().view(tokens, -1, head_dim)
     q = rms_normed(heads[:, :hq], q_weight, eps)
@@ -244,8 +253,7 @@ def test_fused_rounds_once(backend):
     normed = rms_normed(qkv.double().view(tokens, 3, head_dim)[:, :1], weight, 1e-6)
     want = vllm_rope(normed, positions, head_dim, cache, True)
     twice = vllm_rope(normed.bfloat16(), positions, head_dim, cache, True).bfloat16()
-    device = "cuda" if backend == "triton" else "cpu"
-    qkv, weight, cache, positions = (x.to(device) for x in (qkv, weight, cache, positions))
+    qkv, weight, cache, positions = (x.to(device_of(backend)) for x in (qkv, weight, cache, positions))
     with rd.use_backend(backend):
         fused_qk_norm_rope(qkv, 1, 1, 1, head_dim, 1e-6, weight, weight, cache, True, positions)
     got = qkv.view(tokens, 3, head_dim)[:, :1].cpu()
