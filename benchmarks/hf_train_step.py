@@ -1,7 +1,12 @@
-"""One training step of a small Llama-shaped transformers model, timed with its RoPE served three
-ways in the same run: transformers' own function, rope-dispatch's patch
-(``rope_dispatch.integrations.hf.patch``) and Liger-Kernel's (``apply_liger_kernel_to_llama``
-with only ``rope=True``), when Liger is installed.
+"""One training step of a small transformers model, timed with its RoPE served three ways in the
+same run: transformers' own, rope-dispatch's patch (``rope_dispatch.integrations.hf.patch``) and
+Liger-Kernel's, when Liger is installed.
+
+``--model llama`` (default): a Llama-shaped model; Liger's is ``apply_liger_kernel_to_llama`` with
+only ``rope=True``. ``--model qwen3``: a Qwen3-shaped model, whose attention applies q_norm and
+k_norm right before RoPE: our patch fuses both norms into the RoPE call, and Liger's is
+``apply_liger_kernel_to_qwen3`` with only ``rope=True`` and ``rms_norm=True`` (LigerRMSNorm for
+every RMSNorm of the model, the layer norms too), in a copy of the model built under its patch.
 
 A step is forward + backward + AdamW step on random token ids with random weights (no
 download). The variants take turns step block by step block, in a rotating order, so clock and
@@ -10,10 +15,12 @@ variant's logits of one fixed sequence are compared with a float32 copy of the m
 agrees when its error is within twice transformers' own bf16 error (plus 1e-3).
 
     python -m benchmarks.hf_train_step               # 4 layers, hidden 1024, 16/4 heads, 4 x 2048
+    python -m benchmarks.hf_train_step --model qwen3 # 4 layers, hidden 2048, 16/4 heads of 128, 2 x 4096
     python -m benchmarks.hf_train_step --device cpu --layers 1 --hidden 64 --heads 4 --kv-heads 2 \\
         --seq 32 --batch 2 --vocab 256 --repeats 2 --steps 1 --warmup 1 --dtype float32   # smoke
 
-Prints a markdown table (ms per step, speedup over transformers) and the environment.
+(the smoke with ``--model qwen3 --head-dim 16`` for Qwen3). Prints a markdown table (ms per
+step, speedup over transformers) and the environment.
 """
 
 from __future__ import annotations
@@ -21,83 +28,143 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import inspect
 import statistics
 import time
+import types
 from collections.abc import Callable
 
 import torch
 import transformers
 from transformers.models.llama import modeling_llama
+from transformers.models.qwen3 import modeling_qwen3
 
 import rope_dispatch as rd
 from rope_dispatch.integrations import hf
 
 
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family the step is timed on, and how Liger patches it."""
+
+    label: str
+    module: types.ModuleType  # its modeling module, whose globals the patches rebind
+    config: type
+    causal_lm: str  # the model class's name in ``module``, looked up at each build
+    defaults: dict  # shape defaults; ``intermediate`` is a multiple of hidden
+    liger: str  # Liger's patch function in ``liger_kernel.transformers``
+    liger_flags: tuple[str, ...]  # its flags turned on; every other bool flag is off
+    qk_norm: bool  # q_norm and k_norm before RoPE: Liger's model is a copy built under its patch
+    column: str  # the table's first header
+
+
+FAMILIES = {
+    "llama": Family(
+        "Llama", modeling_llama, transformers.LlamaConfig, "LlamaForCausalLM",
+        dict(layers=4, hidden=1024, heads=16, kv_heads=4, head_dim=None, intermediate=2.75,
+             seq=2048, batch=4),
+        "apply_liger_kernel_to_llama", ("rope",), False, "RoPE",
+    ),
+    "qwen3": Family(
+        "Qwen3", modeling_qwen3, transformers.Qwen3Config, "Qwen3ForCausalLM",
+        dict(layers=4, hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=3.0,
+             seq=4096, batch=2),
+        "apply_liger_kernel_to_qwen3", ("rope", "rms_norm"), True, "QK norm + RoPE",
+    ),
+}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=None, help="default: 2.75 x hidden")
+    p.add_argument("--model", default="llama", choices=sorted(FAMILIES))
+    p.add_argument("--layers", type=int, default=None, help="default: 4")
+    p.add_argument("--hidden", type=int, default=None, help="default: 1024 (qwen3: 2048)")
+    p.add_argument("--heads", type=int, default=None, help="default: 16")
+    p.add_argument("--kv-heads", type=int, default=None, help="default: 4")
+    p.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads (qwen3: 128)")
+    p.add_argument("--intermediate", type=int, default=None,
+                   help="default: 2.75 x hidden (qwen3: 3 x hidden)")
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=None, help="default: 2048 (qwen3: 4096)")
+    p.add_argument("--batch", type=int, default=None, help="default: 4 (qwen3: 2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, ...)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--warmup", type=int, default=3, help="steps per variant before timing")
     p.add_argument("--steps", type=int, default=5, help="steps per timed block")
     p.add_argument("--repeats", type=int, default=10, help="timed blocks per variant")
-    return p.parse_args()
+    args = p.parse_args()
+    defaults = FAMILIES[args.model].defaults
+    for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "seq", "batch"):
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[name])
+    args.head_dim = args.head_dim or args.hidden // args.heads
+    args.intermediate = args.intermediate or int(args.hidden * defaults["intermediate"])
+    return args
 
 
-def build_model(args: argparse.Namespace) -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
+def build_model(args: argparse.Namespace, family: Family) -> transformers.PreTrainedModel:
+    """The family's causal LM of the requested shape, seeded, on the device in the dtype; its
+    class (and the classes it builds its modules from) as the modeling module holds them now."""
+    config = family.config(
         hidden_size=args.hidden,
-        intermediate_size=args.intermediate or int(args.hidden * 2.75),
+        intermediate_size=args.intermediate,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
         vocab_size=args.vocab,
         max_position_embeddings=args.seq,
         attn_implementation=args.attn,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = getattr(family.module, family.causal_lm)(config)
     return model.to(device=args.device, dtype=getattr(torch, args.dtype)).train()
 
 
-def liger_rope() -> tuple[Callable | None, str]:
-    """Liger's ``apply_rotary_pos_emb`` for Llama, as its patch installs it, and a note; the
-    patch is undone at once (every other Liger kernel is turned off, and anything else it
-    changed in transformers' module is put back and reported)."""
+def liger_patch(
+    family: Family, build: Callable[[], torch.nn.Module]
+) -> tuple[Callable | None, torch.nn.Module | None, str]:
+    """Liger's ``apply_rotary_pos_emb`` for the family, as its patch installs it; for a QK-norm
+    family also a model from ``build`` made while the patch is in place (its norms are Liger's);
+    and a note. The patch is undone at once: every other Liger kernel is turned off, and what it
+    changed in the modeling module is put back (and reported)."""
     try:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers as liger_transformers
+
+        apply_liger = getattr(liger_transformers, family.liger)
     except Exception as exc:  # noqa: BLE001  (not installed, or not importable with this transformers)
-        return None, f"Liger-Kernel not available ({type(exc).__name__}: {exc}); skipped"
+        return None, None, f"Liger-Kernel not available ({type(exc).__name__}: {exc}); skipped"
+    params = inspect.signature(apply_liger).parameters
+    missing = [name for name in family.liger_flags if name not in params]
+    if missing:
+        return None, None, f"{family.liger} takes no {', '.join(missing)}; skipped"
     flags = {
-        name: name == "rope"
-        for name, param in inspect.signature(apply_liger_kernel_to_llama).parameters.items()
+        name: name in family.liger_flags
+        for name, param in params.items()
         if isinstance(param.default, bool)
     }
-    before = dict(vars(modeling_llama))
+    module = family.module
+    before = dict(vars(module))
+    liger_model = None
     try:
-        apply_liger_kernel_to_llama(**flags)
-        installed = modeling_llama.apply_rotary_pos_emb
+        apply_liger(**flags)
+        installed = module.apply_rotary_pos_emb
+        if family.qk_norm:
+            liger_model = build()
     except Exception as exc:  # noqa: BLE001
-        return None, f"apply_liger_kernel_to_llama failed ({type(exc).__name__}: {exc}); skipped"
+        return None, None, f"{family.liger} failed ({type(exc).__name__}: {exc}); skipped"
     finally:
-        changed = sorted(k for k, v in vars(modeling_llama).items() if before.get(k, object()) is not v)
+        changed = sorted(k for k, v in vars(module).items() if before.get(k, object()) is not v)
         for name in changed:
             if name in before:
-                setattr(modeling_llama, name, before[name])
+                setattr(module, name, before[name])
             else:
-                delattr(modeling_llama, name)
+                delattr(module, name)
     others = [n for n in changed if n != "apply_rotary_pos_emb"]
     if installed is before["apply_rotary_pos_emb"]:
-        return None, "apply_liger_kernel_to_llama(rope=True) left apply_rotary_pos_emb alone; skipped"
+        return None, None, f"{family.liger}(rope=True) left apply_rotary_pos_emb alone; skipped"
     try:
         import liger_kernel
 
@@ -109,14 +176,25 @@ def liger_rope() -> tuple[Callable | None, str]:
     except Exception:  # noqa: BLE001
         version = "unknown"
     note = f"Liger-Kernel {version}: {', '.join(f'{k}={v}' for k, v in flags.items())}"
-    if others:
+    if liger_model is not None:
+        norms = sorted({type(m).__name__ for m in liger_model.modules() if "Norm" in type(m).__name__})
+        note += (
+            f"; its model is a copy built under the patch ({', '.join(others) or 'nothing else'} "
+            f"changed; norms: {', '.join(norms)}), with the same weights"
+        )
+    elif others:
         note += f" (it also changed {', '.join(others)}; undone for the measurement)"
-    return installed, note
+    return installed, liger_model, note
 
 
-def variants(model: torch.nn.Module, liger: Callable | None) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
-    """Each variant as a context that installs its RoPE in transformers' Llama module and
-    restores transformers' own on exit."""
+Variant = tuple[Callable[[], contextlib.AbstractContextManager], torch.nn.Module]
+
+
+def variants(
+    family: Family, model: torch.nn.Module, liger: Callable | None, liger_model: torch.nn.Module | None
+) -> dict[str, Variant]:
+    """Each variant as a context that installs its RoPE in the family's modeling module (and
+    restores transformers' own on exit), and the model it trains."""
 
     @contextlib.contextmanager
     def transformers_rope():
@@ -132,16 +210,18 @@ def variants(model: torch.nn.Module, liger: Callable | None) -> dict[str, Callab
 
     @contextlib.contextmanager
     def liger_rope_installed():
-        original = modeling_llama.apply_rotary_pos_emb
-        modeling_llama.apply_rotary_pos_emb = liger
+        original = family.module.apply_rotary_pos_emb
+        family.module.apply_rotary_pos_emb = liger
         try:
             yield
         finally:
-            modeling_llama.apply_rotary_pos_emb = original
+            family.module.apply_rotary_pos_emb = original
 
-    chosen = {"transformers": transformers_rope, "rope-dispatch": rope_dispatch_rope}
+    chosen = {
+        "transformers": (transformers_rope, model), "rope-dispatch": (rope_dispatch_rope, model)
+    }
     if liger is not None:
-        chosen["Liger"] = liger_rope_installed
+        chosen["Liger"] = (liger_rope_installed, liger_model if liger_model is not None else model)
     return chosen
 
 
@@ -157,50 +237,58 @@ def train_step(model, optimizer, ids) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def logit_errors(model, reference, variant_list, ids) -> dict[str, float]:
+def logit_errors(reference, variant_list, ids) -> dict[str, float]:
     """Max |logits - float32 logits| of one sequence, per variant (no gradients)."""
     with torch.no_grad():
         exact = reference(input_ids=ids).logits.float()
         errors = {}
-        for name, installed in variant_list.items():
+        for name, (installed, model) in variant_list.items():
             with installed():
                 logits = model(input_ids=ids).logits.float()
             errors[name] = (logits - exact).abs().max().item()
     return errors
 
 
-def rope_backend(args: argparse.Namespace) -> str:
-    """Which rope-dispatch backend serves this model's RoPE call, and why."""
-    head_dim = args.hidden // args.heads
+def rope_backend(args: argparse.Namespace, family: Family, eps: float) -> str:
+    """Which rope-dispatch backend serves this model's RoPE call (with its q and k norms for a
+    QK-norm family), and why."""
     dtype = getattr(torch, args.dtype)
-    q = torch.empty(args.batch, args.heads, args.seq, head_dim, device=args.device, dtype=dtype)
-    k = torch.empty(args.batch, args.kv_heads, args.seq, head_dim, device=args.device, dtype=dtype)
-    cos = torch.ones(1, args.seq, head_dim, device=args.device, dtype=dtype)
+    q = torch.empty(args.batch, args.heads, args.seq, args.head_dim, device=args.device, dtype=dtype)
+    k = torch.empty(args.batch, args.kv_heads, args.seq, args.head_dim, device=args.device, dtype=dtype)
+    cos = torch.ones(1, args.seq, args.head_dim, device=args.device, dtype=dtype)
+    norms = {}
+    if family.qk_norm:
+        weight = torch.ones(args.head_dim, device=args.device, dtype=dtype)
+        norms = {"q_norm": rd.HeadNorm(weight, eps), "k_norm": rd.HeadNorm(weight, eps)}
     explanation = rd.explain(
-        q.transpose(1, 2), hf._token_table(cos, cos), hf._spec(dtype), k=k.transpose(1, 2)
+        q.transpose(1, 2), hf._token_table(cos, cos), hf._spec(dtype), k=k.transpose(1, 2), **norms
     )
     return f"{explanation.chosen} ({explanation.why})"
 
 
 def main() -> None:
     args = parse_args()
-    model = build_model(args)
+    family = FAMILIES[args.model]
+    model = build_model(args, family)
     reference = copy.deepcopy(model).float()
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=1e-5, fused=args.device.startswith("cuda")
-    )
-    liger, liger_note = liger_rope()
-    variant_list = variants(model, liger)
+    liger, liger_model, liger_note = liger_patch(family, lambda: build_model(args, family))
+    if liger_model is not None:
+        liger_model.load_state_dict(model.state_dict())
+    variant_list = variants(family, model, liger, liger_model)
+    optimizers = {
+        id(m): torch.optim.AdamW(m.parameters(), lr=1e-5, fused=args.device.startswith("cuda"))
+        for m in {id(m): m for _, m in variant_list.values()}.values()
+    }
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
 
-    errors = logit_errors(model, reference, variant_list, ids[:1])
+    errors = logit_errors(reference, variant_list, ids[:1])
     del reference
 
-    for name, installed in variant_list.items():
+    for installed, m in variant_list.values():
         with installed():
             for _ in range(args.warmup):
-                train_step(model, optimizer, ids)
+                train_step(m, optimizers[id(m)], ids)
     synchronize(args.device)
 
     blocks: dict[str, list[float]] = {name: [] for name in variant_list}
@@ -208,11 +296,12 @@ def main() -> None:
     for repeat in range(args.repeats):
         shift = repeat % len(names)
         for name in names[shift:] + names[:shift]:
-            with variant_list[name]():
+            installed, m = variant_list[name]
+            with installed():
                 synchronize(args.device)
                 start = time.perf_counter()
                 for _ in range(args.steps):
-                    train_step(model, optimizer, ids)
+                    train_step(m, optimizers[id(m)], ids)
                 synchronize(args.device)
             blocks[name].append((time.perf_counter() - start) * 1e3 / args.steps)
 
@@ -221,12 +310,18 @@ def main() -> None:
     device_name = (
         torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     )
+    head_dim = "" if args.head_dim * args.heads == args.hidden and not family.qk_norm else (
+        f" of dim {args.head_dim}"
+    )
     print(
-        f"Llama-shaped: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / "
-        f"{args.kv_heads} kv heads, batch {args.batch} x seq {args.seq}, {args.dtype}, "
+        f"{family.label}-shaped: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / "
+        f"{args.kv_heads} kv heads{head_dim}, batch {args.batch} x seq {args.seq}, {args.dtype}, "
         f"attention {args.attn}; {device_name}\n"
     )
-    print("| RoPE | ms / step (median) | spread | speedup | max abs logit error vs float32 | agrees |")
+    print(
+        f"| {family.column} | ms / step (median) | spread | speedup | "
+        "max abs logit error vs float32 | agrees |"
+    )
     print("|---|---:|---:|---:|---:|---|")
     for name, times in blocks.items():
         median = statistics.median(times)
@@ -241,9 +336,16 @@ def main() -> None:
         f"{args.warmup} warm-up steps each. Agrees: error <= 2 x transformers' own + 1e-3 "
         f"= {limit:.3g}."
     )
+    if family.qk_norm:
+        print(
+            "transformers: its RMSNorm on q and k, then its RoPE; rope-dispatch: q_norm + k_norm + "
+            "RoPE in one call (the other RMSNorms transformers'); Liger: its RMSNorm for every "
+            "RMSNorm (layer norms too), then its RoPE."
+        )
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, rope-dispatch "
-        f"{rd.__version__}; rope-dispatch backend: {rope_backend(args)}"
+        f"{rd.__version__}; rope-dispatch backend: "
+        f"{rope_backend(args, family, getattr(model.config, 'rms_norm_eps', 1e-6))}"
     )
     print(liger_note)
 
