@@ -468,13 +468,24 @@ def _segment_arguments(
             launch.interleaved, sms, tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
             tiles.reads_cache_rows(flags), span_dim=shape[-1], sines=not flags[0])
     block_t, block_h, head_iters, block_r, block_p, num_warps = config
+    whole = []
     if norm is not None:
         whole = [n for n, form in zip(heads, norm) if form is not None and form.scope == "heads"]
         if whole:  # a norm over a token's heads: one program holds them all
             head_iters = max(head_iters, -(-max(whole) // block_h))
     groups = [-(-n // (block_h * head_iters)) for n in heads]
-    grid = tiles.launch_grid(sum(groups) if has_v else groups[0] + groups[1],
-                             -(-n_tokens // block_t))
+    head_groups = sum(groups) if has_v else groups[0] + groups[1]
+    token_iters = 1
+    if norm is not None and launch.backward and not whole:
+        # each program sums the weights' gradient over several token blocks, while every SM
+        # keeps its programs
+        sms = 1 if kernels.INTERPRETED else tiles.sm_count(pairs[0][0][0].device.index)
+        blocks = -(-n_tokens // block_t)
+        while (token_iters < tiles.NORM_TOKEN_ITERS
+               and -(-blocks // (2 * token_iters)) * head_groups
+               >= tiles.MIN_PROGRAMS_PER_SM * sms):
+            token_iters *= 2
+    grid = tiles.launch_grid(head_groups, -(-n_tokens // (block_t * token_iters)))
     ints = (n_tokens, dim1, *tiles.division_magic(dim1), seq_len, table.shape[0], k_rows, n_seqs,
             launch.cp_size, launch.cp_rank,
             *(n for (x, _), count in zip(pairs, heads) for n in (count, x[2][-2])), *strides)
@@ -502,6 +513,7 @@ def _segment_arguments(
         consts.update({f"{side}_NORM": 0 if form is None else 1 if form.scope == "head" else 2,
                        f"{side}_EPS": 0.0 if form is None else form.eps,
                        f"{side}_OFFSET": 0.0 if form is None else form.offset})
+    consts["TOKEN_ITERS"] = token_iters
     from .triton_norm_kernels import rope_norm_kernel
 
     return rope_norm_kernel, grid, ints, consts, num_warps
@@ -523,7 +535,7 @@ def norm_partials(described: Launch, inputs: Sequence[torch.Tensor],
         consts = chosen[3]
         heads, d = x[2][-3] * x[2][-2], x[2][-1]
         per = consts["BLOCK_H"] * consts["HEAD_ITERS"]
-        rows = -(-heads // per) * -(-chosen[2][0] // consts["BLOCK_T"])
+        rows = -(-heads // per) * -(-chosen[2][0] // (consts["BLOCK_T"] * consts["TOKEN_ITERS"]))
         made.append(x[0].new_empty(rows, d if form.scope == "head" else heads * d,
                                    dtype=torch.float32))
     return made[0], made[1]

@@ -72,7 +72,7 @@ def _norm_weights(
 
 @triton.jit
 def _norm_rope_program(
-    token_block, head_group, x_ptr, out_ptr, src_ptr, w_ptr, part_ptr, tab_ptr, sin_ptr, cu_ptr,
+    super_block, head_group, x_ptr, out_ptr, src_ptr, w_ptr, part_ptr, tab_ptr, sin_ptr, cu_ptr,
     pos_ptr, n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, group, n_seqs,
     cp_size, cp_rank, sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod, ss0, ss1, ssg, ssh, ssd,
     part_row,
@@ -83,7 +83,7 @@ def _norm_rope_program(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, GROUPED: tl.constexpr, SCALE: tl.constexpr, HALVES: tl.constexpr,
-    NORM: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.constexpr,
+    NORM: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.constexpr, TOKEN_ITERS: tl.constexpr,
 ):
     """:func:`_rope_program` with a norm stage before the rotation: ``y = rotate(x * r * w)``,
     ``r = 1 / sqrt(mean(x**2) + EPS)`` over each head (``NORM == 1``) or over the token's
@@ -95,161 +95,167 @@ def _norm_rope_program(
     ``dx = r w z - x r^3 sum(w z x) / n`` and, at row ``part_row`` of ``part_ptr`` (float32),
     this program's share of the weight's gradient ``sum(z x r)`` over its tokens (and its
     heads, for ``NORM == 1``); the host sums the rows. Every head's channels are read and
-    written, the pass-through ones too.
+    written, the pass-through ones too. A program takes ``TOKEN_ITERS`` token blocks in turn
+    (``super_block``'s), summing the weight's gradient elementwise over all of them and reducing
+    it once: a reduction across the tile per block cost a third of the backward's time. A norm
+    over a token's heads keeps one token block a program.
     """
     HEAD_DIM: tl.constexpr = ROT_DIM + PASS_DIM
-    tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
-        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
-        sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
-    )
-    s_row = src_ptr + (i0.to(tl.int64) * ss0 + i1.to(tl.int64) * ss1)
     c = tl.arange(0, BLOCK_R)
     if INTERLEAVED:
         c_mask = c < ROT_DIM
     else:
         c_mask = c < ROT_DIM // 2
     p_mask = tl.arange(0, BLOCK_P) < PASS_DIM
-    pos = _positions(
-        tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, pos_ptr, n_seqs, cp_size, cp_rank,
-        LAYOUT, POSITIONS, CONTEXT_PARALLEL, SEQ_BLOCK,
-    )
-    inside = tok_mask & (pos >= 0) & (pos < table_len)
-    cos_a, cos_b, coef_a, coef_b = _coefficients(
-        tab_ptr, sin_ptr, pos, pos.to(tl.int64), inside, c, c_mask, ROT_DIM, INTERLEAVED,
-        USE_CACHE, PAIRED, RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE,
-        False, cu_ptr, HALVES,
-    )
-    width = heads * HEAD_DIM
-    if NORM == 2:  # the token's statistics over all its heads, before any head is written
-        squares = (tok * 0).to(tl.float32)[:, None]
-        dots = (tok * 0).to(tl.float32)[:, None]
+    if BACKWARD and NORM == 1:  # zeros in the data tiles' shapes
+        rows = (tl.arange(0, BLOCK_T)[:, None, None] + tl.arange(0, BLOCK_H)[None, :, None]) * 0
+        acc_a = (rows + c[None, None, :] * 0).to(tl.float32)
+        acc_b = (rows + c[None, None, :] * 0).to(tl.float32)
+        acc_p = (rows + tl.arange(0, BLOCK_P)[None, None, :] * 0).to(tl.float32)
+    for tb in range(TOKEN_ITERS):
+        tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
+            super_block * TOKEN_ITERS + tb, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
+            sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
+        )
+        s_row = src_ptr + (i0.to(tl.int64) * ss0 + i1.to(tl.int64) * ss1)
+        pos = _positions(
+            tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, pos_ptr, n_seqs, cp_size, cp_rank,
+            LAYOUT, POSITIONS, CONTEXT_PARALLEL, SEQ_BLOCK,
+        )
+        inside = tok_mask & (pos >= 0) & (pos < table_len)
+        cos_a, cos_b, coef_a, coef_b = _coefficients(
+            tab_ptr, sin_ptr, pos, pos.to(tl.int64), inside, c, c_mask, ROT_DIM, INTERLEAVED,
+            USE_CACHE, PAIRED, RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE,
+            False, cu_ptr, HALVES,
+        )
+        width = heads * HEAD_DIM
+        if NORM == 2:  # the token's statistics over all its heads, before any head is written
+            squares = (tok * 0).to(tl.float32)[:, None]
+            dots = (tok * 0).to(tl.float32)[:, None]
+            for it in range(HEAD_ITERS):
+                x_a, x_b, kept = _load_chunk(
+                    x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd,
+                    c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
+                    GROUPED,
+                )
+                if BACKWARD:
+                    s_a, s_b, s_p = _load_chunk(
+                        s_row, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssg, ssh, ssd,
+                        c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
+                        GROUPED,
+                    )
+                    s_a = s_a.to(tl.float32)
+                    s_b = s_b.to(tl.float32)
+                    s_p = s_p.to(tl.float32)
+                    hh = head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)
+                    w_a, w_b, w_p = _norm_weights(w_ptr, hh, heads, c, c_mask, p_mask, NORM, OFFSET,
+                                                  ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_P)
+                    z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
+                                        BLOCK_T, BLOCK_H, BLOCK_R)
+                    z_a = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_a, 0.0)
+                    z_b = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_b, 0.0)
+                    squares += _total(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
+                                                   PASS_DIM), 1)[:, None]
+                    dots += _total(_channel_sum(z_a * w_a, z_b * w_b, kept.to(tl.float32) * w_p,
+                                                s_a, s_b, s_p, INTERLEAVED, PASS_DIM), 1)[:, None]
+                else:
+                    x_a = x_a.to(tl.float32)
+                    x_b = x_b.to(tl.float32)
+                    kept = kept.to(tl.float32)
+                    squares += _total(_channel_sum(x_a, x_b, kept, x_a, x_b, kept, INTERLEAVED,
+                                                   PASS_DIM), 1)[:, None]
+            token_r = tl.rsqrt(squares / width + EPS)[:, :, None]
+            token_k = (token_r * token_r * token_r * (dots / width)[:, :, None])
         for it in range(HEAD_ITERS):
             x_a, x_b, kept = _load_chunk(
-                x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd,
-                c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
-                GROUPED,
+                x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd, c_mask,
+                p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
             )
-            if BACKWARD:
-                s_a, s_b, s_p = _load_chunk(
-                    s_row, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssg, ssh, ssd,
-                    c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
-                    GROUPED,
-                )
-                s_a = s_a.to(tl.float32)
-                s_b = s_b.to(tl.float32)
-                s_p = s_p.to(tl.float32)
-                hh = head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)
+            hh = head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)
+            if NORM == 0:
+                if BACKWARD:
+                    z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
+                                        BLOCK_T, BLOCK_H, BLOCK_R)
+                    _store_chunk(z_a, z_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group,
+                                 sxg, sxh, sog, soh, sod, c_mask, p_mask, ROT_DIM, PASS_DIM,
+                                 INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
+                else:
+                    _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group,
+                                  sxg, sxh, sog, soh, sod, c_mask, p_mask, cos_a, cos_b, coef_a,
+                                  coef_b, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R,
+                                  BLOCK_P, GROUPED)
+            else:
                 w_a, w_b, w_p = _norm_weights(w_ptr, hh, heads, c, c_mask, p_mask, NORM, OFFSET,
                                               ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_P)
-                z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
-                                    BLOCK_T, BLOCK_H, BLOCK_R)
-                z_a = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_a, 0.0)
-                z_b = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_b, 0.0)
-                squares += _total(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
-                                               PASS_DIM), 1)[:, None]
-                dots += _total(_channel_sum(z_a * w_a, z_b * w_b, kept.to(tl.float32) * w_p,
-                                            s_a, s_b, s_p, INTERLEAVED, PASS_DIM), 1)[:, None]
-            else:
-                x_a = x_a.to(tl.float32)
-                x_b = x_b.to(tl.float32)
-                kept = kept.to(tl.float32)
-                squares += _total(_channel_sum(x_a, x_b, kept, x_a, x_b, kept, INTERLEAVED,
-                                               PASS_DIM), 1)[:, None]
-        token_r = tl.rsqrt(squares / width + EPS)[:, :, None]
-        token_k = (token_r * token_r * token_r * (dots / width)[:, :, None])
-    if BACKWARD and NORM == 1:
-        acc_a = (c * 0).to(tl.float32)
-        acc_b = (c * 0).to(tl.float32)
-        acc_p = (tl.arange(0, BLOCK_P) * 0).to(tl.float32)
-    for it in range(HEAD_ITERS):
-        x_a, x_b, kept = _load_chunk(
-            x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd, c_mask,
-            p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
-        )
-        hh = head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)
-        if NORM == 0:
-            if BACKWARD:
-                z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
-                                    BLOCK_T, BLOCK_H, BLOCK_R)
-                _store_chunk(z_a, z_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group,
-                             sxg, sxh, sog, soh, sod, c_mask, p_mask, ROT_DIM, PASS_DIM,
-                             INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
-            else:
-                _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group,
-                              sxg, sxh, sog, soh, sod, c_mask, p_mask, cos_a, cos_b, coef_a,
-                              coef_b, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R,
-                              BLOCK_P, GROUPED)
-        else:
-            w_a, w_b, w_p = _norm_weights(w_ptr, hh, heads, c, c_mask, p_mask, NORM, OFFSET,
-                                          ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_P)
-            if BACKWARD:
-                s_a, s_b, s_p = _load_chunk(
-                    s_row, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssg, ssh, ssd,
-                    c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
-                    GROUPED,
-                )
-                s_a = s_a.to(tl.float32)
-                s_b = s_b.to(tl.float32)
-                s_p = s_p.to(tl.float32)
-                z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
-                                    BLOCK_T, BLOCK_H, BLOCK_R)
-                # tokens past the end and channels past the rotary ones have NaN angles: keep
-                # them out of the sums
-                z_a = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_a, 0.0)
-                z_b = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_b, 0.0)
-                z_p = kept.to(tl.float32)
-                if NORM == 1:
-                    r = tl.rsqrt(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
-                                              PASS_DIM) / HEAD_DIM + EPS)[:, :, None]
-                    dots = _channel_sum(z_a * w_a, z_b * w_b, z_p * w_p, s_a, s_b, s_p,
-                                        INTERLEAVED, PASS_DIM)[:, :, None]
-                    k = r * r * r * (dots / HEAD_DIM)
+                if BACKWARD:
+                    s_a, s_b, s_p = _load_chunk(
+                        s_row, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssg, ssh, ssd,
+                        c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
+                        GROUPED,
+                    )
+                    s_a = s_a.to(tl.float32)
+                    s_b = s_b.to(tl.float32)
+                    s_p = s_p.to(tl.float32)
+                    z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
+                                        BLOCK_T, BLOCK_H, BLOCK_R)
+                    # tokens past the end and channels past the rotary ones have NaN angles: keep
+                    # them out of the sums
+                    z_a = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_a, 0.0)
+                    z_b = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_b, 0.0)
+                    z_p = kept.to(tl.float32)
+                    if NORM == 1:
+                        r = tl.rsqrt(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
+                                                  PASS_DIM) / HEAD_DIM + EPS)[:, :, None]
+                        dots = _channel_sum(z_a * w_a, z_b * w_b, z_p * w_p, s_a, s_b, s_p,
+                                            INTERLEAVED, PASS_DIM)[:, :, None]
+                        k = r * r * r * (dots / HEAD_DIM)
+                    else:
+                        r = token_r
+                        k = token_k
+                    _store_chunk(r * w_a * z_a - k * s_a, r * w_b * z_b - k * s_b,
+                                 r * w_p * z_p - k * s_p, x_row, o_row, tok_mask, head_lo, it, heads,
+                                 group, sxg, sxh, sog, soh, sod, c_mask, p_mask, ROT_DIM, PASS_DIM,
+                                 INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
+                    # the weight's gradient: z times the normalized input, summed elementwise over
+                    # the program's tiles (one reduction at its end) or, per head, over its tokens
+                    if NORM == 1:
+                        acc_a += z_a * s_a * r
+                        acc_b += z_b * s_b * r
+                        if PASS_DIM > 0:
+                            acc_p += z_p * s_p * r
+                    else:
+                        d_a = _total(z_a * s_a * r, 0)
+                        d_b = _total(z_b * s_b * r, 0)
+                        d_p = _total(z_p * s_p * r, 0)
+                        row = part_ptr + part_row.to(tl.int64) * width + (hh.to(tl.int64) * HEAD_DIM)[:, None]
+                        h_mask = (hh < heads)[:, None]
+                        tl.store(row + c[None, :], d_a, mask=h_mask & c_mask[None, :])
+                        if not INTERLEAVED:
+                            tl.store(row + (c + ROT_DIM // 2)[None, :], d_b, mask=h_mask & c_mask[None, :])
+                        if PASS_DIM > 0:
+                            p = tl.arange(0, BLOCK_P)
+                            tl.store(row + (p + ROT_DIM)[None, :], d_p, mask=h_mask & p_mask[None, :])
                 else:
-                    r = token_r
-                    k = token_k
-                _store_chunk(r * w_a * z_a - k * s_a, r * w_b * z_b - k * s_b,
-                             r * w_p * z_p - k * s_p, x_row, o_row, tok_mask, head_lo, it, heads,
-                             group, sxg, sxh, sog, soh, sod, c_mask, p_mask, ROT_DIM, PASS_DIM,
-                             INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
-                # the weight's gradient: z times the normalized input
-                d_a = _total(z_a * s_a * r, 0)
-                d_b = _total(z_b * s_b * r, 0)
-                d_p = _total(z_p * s_p * r, 0)
-                if NORM == 1:
-                    acc_a += _total(d_a, 0)
-                    acc_b += _total(d_b, 0)
-                    if PASS_DIM > 0:
-                        acc_p += _total(d_p, 0)
-                else:
-                    row = part_ptr + part_row.to(tl.int64) * width + (hh.to(tl.int64) * HEAD_DIM)[:, None]
-                    h_mask = (hh < heads)[:, None]
-                    tl.store(row + c[None, :], d_a, mask=h_mask & c_mask[None, :])
-                    if not INTERLEAVED:
-                        tl.store(row + (c + ROT_DIM // 2)[None, :], d_b, mask=h_mask & c_mask[None, :])
-                    if PASS_DIM > 0:
-                        p = tl.arange(0, BLOCK_P)
-                        tl.store(row + (p + ROT_DIM)[None, :], d_p, mask=h_mask & p_mask[None, :])
-            else:
-                x_a = x_a.to(tl.float32)
-                x_b = x_b.to(tl.float32)
-                kept = kept.to(tl.float32)
-                if NORM == 1:
-                    r = tl.rsqrt(_channel_sum(x_a, x_b, kept, x_a, x_b, kept, INTERLEAVED,
-                                              PASS_DIM) / HEAD_DIM + EPS)[:, :, None]
-                else:
-                    r = token_r
-                _rotate_store(x_a * r * w_a, x_b * r * w_b, kept * r * w_p, x_row, o_row, tok_mask,
-                              head_lo, it, heads, group, sxg, sxh, sog, soh, sod, c_mask, p_mask,
-                              cos_a, cos_b, coef_a, coef_b, ROT_DIM, PASS_DIM, INTERLEAVED,
-                              BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
+                    x_a = x_a.to(tl.float32)
+                    x_b = x_b.to(tl.float32)
+                    kept = kept.to(tl.float32)
+                    if NORM == 1:
+                        r = tl.rsqrt(_channel_sum(x_a, x_b, kept, x_a, x_b, kept, INTERLEAVED,
+                                                  PASS_DIM) / HEAD_DIM + EPS)[:, :, None]
+                    else:
+                        r = token_r
+                    _rotate_store(x_a * r * w_a, x_b * r * w_b, kept * r * w_p, x_row, o_row, tok_mask,
+                                  head_lo, it, heads, group, sxg, sxh, sog, soh, sod, c_mask, p_mask,
+                                  cos_a, cos_b, coef_a, coef_b, ROT_DIM, PASS_DIM, INTERLEAVED,
+                                  BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
     if BACKWARD and NORM == 1:
         row = part_ptr + part_row.to(tl.int64) * HEAD_DIM
-        tl.store(row + c, acc_a, mask=c_mask)
+        tl.store(row + c, _total(_total(acc_a, 0), 0), mask=c_mask)
         if not INTERLEAVED:
-            tl.store(row + ROT_DIM // 2 + c, acc_b, mask=c_mask)
+            tl.store(row + ROT_DIM // 2 + c, _total(_total(acc_b, 0), 0), mask=c_mask)
         if PASS_DIM > 0:
             p = tl.arange(0, BLOCK_P)
-            tl.store(row + ROT_DIM + p, acc_p, mask=p_mask)
+            tl.store(row + ROT_DIM + p, _total(_total(acc_p, 0), 0), mask=p_mask)
 
 
 @triton.jit(do_not_specialize=[
@@ -275,13 +281,14 @@ def rope_norm_kernel(
     SEQ_BLOCK: tl.constexpr, HAS_V: tl.constexpr, V_WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
     SCALE: tl.constexpr, HALVES: tl.constexpr,
     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, Q_EPS: tl.constexpr, K_EPS: tl.constexpr,
-    Q_OFFSET: tl.constexpr, K_OFFSET: tl.constexpr,
+    Q_OFFSET: tl.constexpr, K_OFFSET: tl.constexpr, TOKEN_ITERS: tl.constexpr,
 ):
     """:func:`rope_qkv_kernel` with the norm stage (:func:`_norm_rope_program`) on q and k:
     each side's ``?_NORM`` (0 none, 1 per head, 2 over its heads), ``?_EPS``, ``?_OFFSET``
     and weight ``?_w``. Backward: ``?_x`` are the outputs' gradients, ``?_src`` (strides
     ``?s*``) the forward's inputs, and ``?_part`` get the weights' partial gradients, one row
-    per program of that side (token block major). A single tensor is q with ``k_heads = 0``."""
+    per program of that side (token block major); each program takes ``TOKEN_ITERS`` token
+    blocks. A single tensor is q with ``k_heads = 0``."""
     per_program = HEAD_ITERS * BLOCK_H
     q_per = (q_heads + per_program - 1) // per_program
     k_per = (k_heads + per_program - 1) // per_program
@@ -296,7 +303,7 @@ def rope_norm_kernel(
             block * q_per + r,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
-            SEQ_BLOCK, True, SCALE, HALVES, Q_NORM, Q_EPS, Q_OFFSET,
+            SEQ_BLOCK, True, SCALE, HALVES, Q_NORM, Q_EPS, Q_OFFSET, TOKEN_ITERS,
         )
     elif r < q_per + k_per:
         _norm_rope_program(
@@ -307,12 +314,13 @@ def rope_norm_kernel(
             block * k_per + r - q_per,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
-            SEQ_BLOCK, True, SCALE, HALVES, K_NORM, K_EPS, K_OFFSET,
+            SEQ_BLOCK, True, SCALE, HALVES, K_NORM, K_EPS, K_OFFSET, TOKEN_ITERS,
         )
     elif HAS_V:
-        _copy_program(
-            block, r - q_per - k_per, v_x, v_out, n_tokens, dim1, dim1_magic, dim1_shift,
-            v_heads, v_group,
-            vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
-            LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
-        )
+        for tb in range(TOKEN_ITERS):
+            _copy_program(
+                block * TOKEN_ITERS + tb, r - q_per - k_per, v_x, v_out, n_tokens, dim1,
+                dim1_magic, dim1_shift, v_heads, v_group,
+                vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
+                LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
+            )

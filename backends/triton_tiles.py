@@ -10,6 +10,11 @@ import functools
 import torch
 
 
+NORM_TOKEN_ITERS = 64
+"""At most this many token blocks a program in a norm backward (backends/triton_norm_kernels.py),
+each program's weight gradient summed over them before one reduction."""
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 

@@ -14,6 +14,10 @@ of ``triton.testing.do_bench`` (an L2 flush before each call):
 - ``compiled``: ``torch.compile`` of the same torch math (norm in float32, rotation, one
   rounding), Inductor fusing norm and rotation.
 
+Each is reported twice: GPU time (its kernels' own time in a profile, L2 flushed before each
+call; the percentage of copy is on this) and end to end (``do_bench``, host included: where the
+host path is longer than the kernels, it sets the pace).
+
 Then decode: ``apply_qk_`` in place with per-token positions on the GPU, with and without the
 norms, end to end on the host clock. Prints a markdown table; ``--out`` also writes JSON.
 
@@ -117,6 +121,24 @@ def implementations(q, k, wq, wk, table, spec) -> dict[str, Callable[..., Any]]:
     return impls
 
 
+def device_us(fn: Callable[[], Any], iters: int = 10) -> float:
+    """GPU time per call of ``fn``: the kernels' own time in a profile (host gaps left out), each
+    call after an L2 flush that is not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.self_device_time_total for e in prof.key_averages()
+                if e.self_device_time_total and "FillFunctor" not in e.key)
+    return total / iters
+
+
 def reference(q, k, wq, wk, table) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 normalize-then-rotate, from the formula."""
     def one(x, w):
@@ -159,7 +181,8 @@ def run_shape(batch: int, seq: int, args: argparse.Namespace) -> dict[str, Any]:
         row["impls"][name] = {"error": err}
     for _ in range(args.rounds):
         timings.setdefault("copy", []).append([
-            bench_ms(lambda: dst.copy_(src)) * 1e3, bench_ms(lambda: dst_back.copy_(src_back)) * 1e3])
+            bench_ms(lambda: dst.copy_(src)) * 1e3, bench_ms(lambda: dst_back.copy_(src_back)) * 1e3,
+            device_us(lambda: dst.copy_(src)), device_us(lambda: dst_back.copy_(src_back))])
         for name, f in impls.items():
             def forward(f=f):
                 with torch.no_grad():
@@ -175,15 +198,20 @@ def run_shape(batch: int, seq: int, args: argparse.Namespace) -> dict[str, Any]:
                 return torch.autograd.grad(held, (qg, kg, wq, wk), (gq, gk), retain_graph=True)
 
             timings.setdefault(name, []).append(
-                [bench_ms(forward) * 1e3, bench_ms(backward) * 1e3, bench_ms(forward_backward) * 1e3])
+                [bench_ms(forward) * 1e3, bench_ms(backward) * 1e3, bench_ms(forward_backward) * 1e3,
+                 device_us(forward), device_us(backward)])
             del held
-    copy_fwd = statistics.median(t[0] for t in timings["copy"])
-    copy_bwd = statistics.median(t[1] for t in timings["copy"])
-    row["copy_us"] = {"forward": copy_fwd, "backward": copy_bwd}
+    copy_fwd, copy_bwd, copy_fwd_gpu, copy_bwd_gpu = (
+        statistics.median(t[i] for t in timings["copy"]) for i in range(4))
+    row["copy_us"] = {"forward": copy_fwd, "backward": copy_bwd, "forward_gpu": copy_fwd_gpu,
+                      "backward_gpu": copy_bwd_gpu}
     for name in impls:
-        fwd, bwd, both = (statistics.median(t[i] for t in timings[name]) for i in range(3))
-        row["impls"][name].update(forward_us=fwd, backward_us=bwd, fwd_bwd_us=both,
-                                  forward_of_copy=copy_fwd / fwd, backward_of_copy=copy_bwd / bwd)
+        fwd, bwd, both, fwd_gpu, bwd_gpu = (
+            statistics.median(t[i] for t in timings[name]) for i in range(5))
+        row["impls"][name].update(
+            forward_us=fwd, backward_us=bwd, fwd_bwd_us=both, forward_gpu_us=fwd_gpu,
+            backward_gpu_us=bwd_gpu, forward_of_copy=copy_fwd_gpu / fwd_gpu,
+            backward_of_copy=copy_bwd_gpu / bwd_gpu)
     return row
 
 
@@ -215,18 +243,20 @@ def run_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def format_report(rows: list[dict[str, Any]], decode: list[dict[str, Any]]) -> str:
-    lines = ["| shape | impl | fwd us (% copy) | bwd us (% copy) | fwd+bwd us | max err |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| shape | impl | fwd GPU us (% copy) | bwd GPU us (% copy) | fwd / bwd / fwd+bwd "
+             "end to end us | max err |", "|---|---|---|---|---|---|"]
     for row in rows:
         copy = row["copy_us"]
-        lines.append(f"| {row['shape']} | copy | {copy['forward']:.1f} | {copy['backward']:.1f} | "
+        lines.append(f"| {row['shape']} | copy | {copy['forward_gpu']:.1f} | "
+                     f"{copy['backward_gpu']:.1f} | {copy['forward']:.1f} / {copy['backward']:.1f} "
                      f"| |")
         for name, m in row["impls"].items():
             if "forward_us" not in m:
                 continue
             lines.append(
-                f"| {row['shape']} | {name} | {m['forward_us']:.1f} ({m['forward_of_copy']:.0%}) | "
-                f"{m['backward_us']:.1f} ({m['backward_of_copy']:.0%}) | {m['fwd_bwd_us']:.1f} | "
+                f"| {row['shape']} | {name} | {m['forward_gpu_us']:.1f} ({m['forward_of_copy']:.0%})"
+                f" | {m['backward_gpu_us']:.1f} ({m['backward_of_copy']:.0%}) | "
+                f"{m['forward_us']:.1f} / {m['backward_us']:.1f} / {m['fwd_bwd_us']:.1f} | "
                 f"{m['error']:.1e} |")
     if decode:
         lines += ["", "| decode batch | apply_qk_ us (host / end to end) | with norms |",
