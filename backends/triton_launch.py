@@ -481,7 +481,7 @@ def _segment_arguments(
         # keeps its programs
         sms = 1 if kernels.INTERPRETED else tiles.sm_count(pairs[0][0][0].device.index)
         blocks = -(-n_tokens // block_t)
-        while (token_iters < tiles.NORM_TOKEN_ITERS
+        while (2 * token_iters <= min(blocks, tiles.NORM_TOKEN_ITERS)
                and -(-blocks // (2 * token_iters)) * head_groups
                >= tiles.MIN_PROGRAMS_PER_SM * sms):
             token_iters *= 2

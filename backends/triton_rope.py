@@ -336,10 +336,13 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     described = describe(call)
     inputs = (call.t,) if call.k is None else (call.t, call.k)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-    if call.k_table is not None or described.norm is not None or (grad and (
+    if call.k_table is not None or (described.norm is not None and grad) or (grad and (
             described.in_place or not all(x.is_contiguous() for x in inputs))):
         return generic
     tabs = call_tables(call)
+    if described.norm is not None:  # the weights' addresses are bound (dispatch guards them)
+        tabs = tabs._replace(norm=NormTensors(tuple(None if n is None else n.weight
+                                                    for n in (call.norm, call.k_norm))))
     if tabs.table.data_ptr() != tt.user_table_address(call) or any(
             t is not None and not t.is_contiguous() for t in (tabs.cu, tabs.index)):
         return generic  # a table or index copied for the call: the kernel must read the user's

@@ -214,7 +214,7 @@ class _PlanSet(NamedTuple):
     spec or the table dies: a key's ids always name live objects (never a later object given a
     freed id) and a planned call need not dereference them. A plan never keeps a table alive."""
 
-    refs: tuple[weakref.ref, weakref.ref]
+    refs: tuple[weakref.ref, ...]  # the spec's, the table's, then any norm weights'
     plans: tuple[_Plan, ...]
     forced: object  # the key's forced backend name, as the key holds it
     form: object  # the key's call form (None for a plain single tensor's call)
@@ -458,6 +458,21 @@ def _planned_form(
     return tensors, form
 
 
+def _with_norms(inputs: tuple, norms: tuple) -> tuple | None:
+    """A planned form (:func:`_planned_form`) with the call's norm stages: their weights join
+    the guarded tensors (the plan reads them where they lay when it was made, and its guard
+    checks they still lie there) and their forms the key. ``None`` (checked every time) where a
+    gradient may be wanted: with grad enabled, the weights are inputs of the autograd graph."""
+    if _grad_enabled() or any(type(n) is not HeadNorm for n in norms if n is not None):
+        return None
+    weights = tuple(n.weight for n in norms if n is not None)
+    if any(type(w) not in (_Tensor, torch.nn.Parameter) for w in weights):
+        return None
+    tensors, form = inputs
+    forms = tuple(None if n is None else n.form for n in norms)
+    return (*tensors, *weights), (*form, forms, tuple(id(w) for w in weights))
+
+
 def _run(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
     backend: str | None, in_place: bool, grad_in_place: bool,
@@ -470,16 +485,19 @@ def _run(
     (or ``t``'s) and k's :class:`~rope_dispatch.HeadNorm`; calls with one are not planned."""
     global _recent_run
     key = None
-    if type(t) is _Tensor and not _dynamo_compiling() and norms[0] is None and norms[1] is None:
+    normed = norms[0] is not None or norms[1] is not None
+    if type(t) is _Tensor and not _dynamo_compiling():
         if (
             start_positions is None and positions is None and k is None and split is None
-            and not in_place
+            and not in_place and not normed
         ):
             inputs = (t,), None  # a plain single tensor: the form apply's own lookup uses
         else:
             inputs = _planned_form(
                 t, freqs, start_positions, positions, k, k_freqs, split, in_place, grad_in_place
             )
+            if inputs is not None and normed:
+                inputs = _with_norms(inputs, norms)
         if inputs is not None:
             tensors, form = inputs
             # the forced name as set (use_backend's, else ROPE_BACKEND's stored value)
@@ -558,6 +576,19 @@ def _apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor) -> Guard:
     return check
 
 
+def _weights_where_planned(guard: Guard, call: RoPECall) -> Guard:
+    """``guard``, and the norm weights (the last tensors a planned call passes) still at the
+    addresses they had: a plan may read them there (a module's ``.to()`` moves a parameter's
+    storage and keeps the object)."""
+    planned = tuple(n.weight.data_ptr() for n in (call.norm, call.k_norm) if n is not None)
+    count = len(planned)
+
+    def check(*tensors: torch.Tensor) -> bool:
+        return guard(*tensors) and tuple(_data_ptr(w) for w in tensors[-count:]) == planned
+
+    return check
+
+
 def _keep_plan(
     key: tuple, tensors: tuple[torch.Tensor, ...], spec: RoPESpec, freqs: object,
     chosen: Backend, call: RoPECall,
@@ -581,7 +612,11 @@ def _keep_plan(
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         drop = _dropper(key)
-        entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop)), (), key[2], key[3])
+        # norm weights are keyed by id too: the set goes with them
+        weights = tuple(weakref.ref(n.weight, drop) for n in (call.norm, call.k_norm)
+                        if n is not None)
+        entry = _PlanSet((weakref.ref(spec, drop), weakref.ref(freqs, drop), *weights), (),
+                         key[2], key[3])
     address = _data_ptr if type(freqs) is _Tensor else address_reader(freqs)
     kept = tuple(p for p in entry.plans if not p.guard(*tensors))[: _MAX_PLANS_PER_KEY - 1]
     guard = tensor_guard(*tensors)
@@ -591,6 +626,8 @@ def _keep_plan(
         guard = _in_grad_state(guard, enabled, leaves, weakref.ref(freqs))
     if call.in_place and call.k is not None:
         guard = _apart_as_planned(guard, call.t, call.k)
+    if call.norms is not None:
+        guard = _weights_where_planned(guard, call)
     plan = _Plan(guard, address, address(freqs), chosen.plan(call))
     _plans[key] = entry._replace(plans=(plan, *kept))
     _recent = _recent_run = None

@@ -15,6 +15,7 @@ A check returns a list of sentences with the actual values; an empty list means 
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import ClassVar
@@ -23,6 +24,7 @@ import torch
 
 from .call import TENSOR_KINDS, RoPECall, table_grad_wanted
 from .errors import UnknownBackendError
+from .norm import HeadNorm
 from .spec import RoPESpec, dtype_name
 from .tables import angles_2d, table_kind
 from .tracing import constant_while_tracing
@@ -91,9 +93,11 @@ class Backend:
         """
         assert call.k_table is None, "calls with a separate k table are never planned"
         # the sizes and settings the plan's key fixes, without the call's tensors (a plan keeps
-        # no tensor alive)
+        # no tensor alive: norm weights by weak reference, the guard having checked them)
         form = call._replace(t=None, table=None, spec=None, start_positions=None, positions=None,
-                             k=None)
+                             k=None, norm=None, k_norm=None)
+        norms = tuple(None if n is None else (weakref.ref(n.weight), n.eps, n.offset, n.scope)
+                      for n in (call.norm, call.k_norm))
         run = self.apply
 
         def run_call(
@@ -102,8 +106,13 @@ class Backend:
         ) -> torch.Tensor | tuple[torch.Tensor, ...]:
             # an angle table as [s2, d2]; caches and rate tables pass as they are
             table = angles_2d(freqs) if table_kind(freqs) == "angles" else freqs  # type: ignore[arg-type]
-            return run(form._replace(t=t, table=table, spec=spec, start_positions=start_positions,
-                                     positions=positions, k=k))
+            made = form._replace(t=t, table=table, spec=spec, start_positions=start_positions,
+                                 positions=positions, k=k)
+            if norms != (None, None):
+                made = made._replace(**{
+                    name: HeadNorm(n[0](), n[1], offset=n[2], scope=n[3])
+                    for name, n in zip(("norm", "k_norm"), norms) if n is not None})
+            return run(made)
 
         return run_call
 

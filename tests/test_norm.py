@@ -275,3 +275,43 @@ def test_explain_names_the_norm_and_the_refusals():
     assert "q_norm head (offset 0)" in text and "k_norm head (offset 1)" in text
     chosen = text.splitlines()[1]
     assert chosen.startswith(("backend: eager", "backend: triton")), text
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_repeated_inference_calls_are_planned_and_follow_the_weights(backend):
+    """Without grad, a repeated norm call runs its plan (decode's host path): the same numbers
+    as a checked call, a weight whose storage moved (``.data =``, a module's ``.to()``) read
+    where it now lies, and the plans gone with the weights."""
+    import gc
+
+    case = fixed_case(layout="bshd", heads=4, head_dim=16, rotary_dim=8, seq=3, batch=2)
+    q, table, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    k = q[..., :2, :].clone()
+    w_q, w_k = (torch.nn.Parameter(weight(16, s, torch.float32, DEVICE).detach()) for s in (1, 2))
+
+    def call(**kw):
+        return rd.apply_qk_(q.clone(), k.clone(), table, spec, q_norm=rd.HeadNorm(w_q, 1e-5),
+                            k_norm=rd.HeadNorm(w_k, offset=1.0), backend=backend, **kw)
+
+    def want():
+        x = [reference(x.cpu(), _Norm(w.detach().cpu(), eps, off, "head"), angles, spec, None, None)
+             for x, w, eps, off in ((q, w_q, 1e-5, 0.0), (k, w_k, 1e-6, 1.0))]
+        return x
+
+    with torch.no_grad():
+        first = call()
+        before = len(rd.dispatch._plans)
+        for _ in range(3):
+            again = call()
+        assert len(rd.dispatch._plans) == before + 1, "a repeated call is planned"
+        for a, b, r in zip(first, again, want()):
+            assert torch.equal(a, b)
+            assert_matches(b, r, case.dtype)
+        w_q.data = w_q.data * 3  # new storage, same parameter object
+        for a, r in zip(call(), want()):
+            assert_matches(a, r, case.dtype)
+    planned = len(rd.dispatch._plans)
+    del w_q
+    gc.collect()
+    assert len(rd.dispatch._plans) == planned - 1, "the plans go with the weight"
