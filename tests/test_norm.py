@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import rope_dispatch as rd
 from cases import _strided, build, cases, fixed_case, positions_for
-from reference import TOLERANCE, assert_matches, reference_for, reference_head_norm, split_qkv
+from reference import assert_matches, reference_for, reference_head_norm, split_qkv
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -288,16 +288,17 @@ def test_repeated_inference_calls_are_planned_and_follow_the_weights(backend):
     case = fixed_case(layout="bshd", heads=4, head_dim=16, rotary_dim=8, seq=3, batch=2)
     q, table, spec, _, angles = build(case, DEVICE, requires_grad=False)
     k = q[..., :2, :].clone()
-    w_q, w_k = (torch.nn.Parameter(weight(16, s, torch.float32, DEVICE).detach()) for s in (1, 2))
+    w = {side: torch.nn.Parameter(weight(16, s, torch.float32, DEVICE).detach())
+         for side, s in (("q", 1), ("k", 2))}
 
     def call(**kw):
-        return rd.apply_qk_(q.clone(), k.clone(), table, spec, q_norm=rd.HeadNorm(w_q, 1e-5),
-                            k_norm=rd.HeadNorm(w_k, offset=1.0), backend=backend, **kw)
+        return rd.apply_qk_(q.clone(), k.clone(), table, spec, q_norm=rd.HeadNorm(w["q"], 1e-5),
+                            k_norm=rd.HeadNorm(w["k"], offset=1.0), backend=backend, **kw)
 
     def want():
-        x = [reference(x.cpu(), _Norm(w.detach().cpu(), eps, off, "head"), angles, spec, None, None)
-             for x, w, eps, off in ((q, w_q, 1e-5, 0.0), (k, w_k, 1e-6, 1.0))]
-        return x
+        return [reference(x.cpu(), _Norm(w[side].detach().cpu(), eps, off, "head"), angles, spec,
+                          None, None)
+                for x, side, eps, off in ((q, "q", 1e-5, 0.0), (k, "k", 1e-6, 1.0))]
 
     with torch.no_grad():
         first = call()
@@ -308,10 +309,10 @@ def test_repeated_inference_calls_are_planned_and_follow_the_weights(backend):
         for a, b, r in zip(first, again, want()):
             assert torch.equal(a, b)
             assert_matches(b, r, case.dtype)
-        w_q.data = w_q.data * 3  # new storage, same parameter object
+        w["q"].data = w["q"].data * 3  # new storage, same parameter object
         for a, r in zip(call(), want()):
             assert_matches(a, r, case.dtype)
     planned = len(rd.dispatch._plans)
-    del w_q
+    del w["q"]
     gc.collect()
     assert len(rd.dispatch._plans) == planned - 1, "the plans go with the weight"
