@@ -36,7 +36,7 @@ static ctx_push_t cu_ctx_push_current;
 static ctx_pop_t cu_ctx_pop_current;
 static error_string_t cu_get_error_string;
 
-#define MAX_SLOTS 64   /* kernel parameters, each in an 8-byte slot */
+#define MAX_SLOTS 96   /* kernel parameters, each in an 8-byte slot (the norm kernel has 66) */
 #define MAX_FILLS 16   /* addresses written per call */
 #define MAX_MAKES 8    /* outputs allocated per call */
 
