@@ -462,13 +462,14 @@ def _with_norms(inputs: tuple, norms: tuple) -> tuple | None:
     """A planned form (:func:`_planned_form`) with the call's norm stages: their weights join
     the guarded tensors (the plan reads them where they lay when it was made, and its guard
     checks they still lie there) and their forms the key. ``None`` (checked every time) where a
-    gradient may be wanted: with grad enabled, the weights are inputs of the autograd graph."""
-    if _grad_enabled() or any(type(n) is not HeadNorm for n in norms if n is not None):
+    gradient may be wanted: the weights are then inputs of the autograd graph."""
+    if any(type(n) is not HeadNorm for n in norms if n is not None):
         return None
     weights = tuple(n.weight for n in norms if n is not None)
-    if any(type(w) not in (_Tensor, torch.nn.Parameter) for w in weights):
-        return None
     tensors, form = inputs
+    if any(type(w) not in (_Tensor, torch.nn.Parameter) for w in weights) or (
+            _grad_enabled() and any(x.requires_grad for x in (*tensors, *weights))):
+        return None
     forms = tuple(None if n is None else n.form for n in norms)
     return (*tensors, *weights), (*form, forms, tuple(id(w) for w in weights))
 

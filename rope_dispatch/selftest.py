@@ -145,6 +145,7 @@ class GridCase:
     # an angle table as models make it (float32 products of positions and rates), on a GPU long
     # enough that the triton backend reads it as rates (docs/tables.md, "Linear angle tables")
     model_table: bool = False
+    norm: bool = False  # QK-norm before the rotation (HeadNorm on q and k, or on t)
 
 
 GRID = (
@@ -168,6 +169,10 @@ GRID = (
              rotary_dim=32, interleaved=True, starts=True, rates=True),
     GridCase("sbhd bf16 a model's angle table", "sbhd", torch.bfloat16,
              model_table=True),
+    GridCase("bshd bf16 q+k QK-norm partial start", "bshd", torch.bfloat16, rotary_dim=32,
+             starts=True, strided=True, qk=True, norm=True),
+    GridCase("thd fp32 norm over heads interleaved", "thd", torch.float32, interleaved=True,
+             norm=True),
 )
 QKV_SPLIT = (128, 64, 64)  # two query heads, one key head and one value head of d 64 a group
 
@@ -178,10 +183,11 @@ QUICK = (
     GRID[8],  # packed qkv
     GRID[10],  # q and k, slices of one projection
     GRID[13],  # a model's angle table (read as rates by triton on a GPU)
+    GRID[14],  # QK-norm and RoPE in one call
 )
 """The default run: every feature once (start positions with context parallelism, partial and
 interleaved rotary, thd, the cos/sin cache and scale, strided views, packed qkv, q and k pairs,
-a model's angle table).
+a model's angle table, QK-norm).
 A backend whose first call of a spec compiles (:attr:`~rope_dispatch.Backend.compiles_per_spec`)
 runs the first case only; ``--thorough`` runs the whole grid on every backend."""
 
@@ -282,6 +288,14 @@ def make_inputs(case: GridCase, device: str, gen: torch.Generator):
         table = rd.tables.angle_table(rates, s2, interleaved=case.interleaved).to(device)
     else:
         table = cos_sin_cache(angles) if case.cache else angles
+    if case.norm:  # q's norm (over the heads where there is no k) and k's, Gemma's offset
+        heads_scope = "k" not in kwargs
+        width = case.head_dim * (t.shape[-2] if heads_scope else 1)
+        kwargs["norms"] = (
+            rd.HeadNorm((torch.rand(width, generator=gen) + 0.5).to(device), 1e-5,
+                        scope="heads" if heads_scope else "head"),
+            rd.HeadNorm((torch.rand(case.head_dim, generator=gen) - 0.5).to(device), offset=1.0),
+        )
     return t, table, spec, None if starts is None else starts.to(device), kwargs
 
 
@@ -297,14 +311,17 @@ def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
     result = {"backend": backend, "case": case.label, "device": device}
     x = t.detach().requires_grad_(True)
     k = kwargs.pop("k", None)
+    norms = kwargs.pop("norms", (None, None))
     leaves = (x,) if k is None else (x, k.detach().requires_grad_(True))
 
     def outputs() -> tuple[torch.Tensor, ...]:
         if k is not None:
-            return rd.apply_qk(*leaves, table, spec, start_positions=starts, backend=backend)
-        run = rd.apply_qkv if case.qkv else rd.apply
-        out = run(x, table, spec, start_positions=starts, backend=backend, **kwargs)
-        return out if isinstance(out, tuple) else (out,)
+            return rd.apply_qk(*leaves, table, spec, start_positions=starts, backend=backend,
+                               q_norm=norms[0], k_norm=norms[1])
+        if case.qkv:
+            return rd.apply_qkv(x, table, spec, start_positions=starts, backend=backend, **kwargs)
+        return (rd.apply(x, table, spec, start_positions=starts, backend=backend,
+                         norm=norms[0]),)
 
     try:
         outputs()  # checked below on a repeated call: what training and serving loops make
@@ -317,9 +334,10 @@ def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
     grads = torch.autograd.grad(outs, leaves, grad_outs)
     # the float64 reference: one call per input tensor (a q and k pair is two calls)
     refs, ref_grads = [], []
-    for leaf in leaves:
+    for leaf, norm in zip(leaves, norms):
         ref_x = leaf.detach().cpu().double().requires_grad_(True)
-        ref = reference_apply(rd.check_call(leaf.detach(), table, spec, starts, **kwargs), ref_x)
+        ref = reference_apply(rd.check_call(leaf.detach(), table, spec, starts, q_norm=norm,
+                                            **kwargs), ref_x)
         ref = ref if isinstance(ref, tuple) else (ref,)
         wanted = grad_outs[len(refs):len(refs) + len(ref)]
         ref_grads += torch.autograd.grad(ref, ref_x, [g.cpu().double() for g in wanted])
@@ -331,7 +349,7 @@ def check(backend: str, case: GridCase, device: str, seed: int) -> dict:
     if rd.get_backend(backend).supports_in_place and not (case.qkv or case.qk):  # apply_ too
         y = t.detach().clone()
         with torch.no_grad():
-            rd.apply_(y, table, spec, start_positions=starts, backend=backend)
+            rd.apply_(y, table, spec, start_positions=starts, backend=backend, norm=norms[0])
         in_place = {"in_place_error": max_error(y, refs[0])}
     times = []
     for i in range(7):
