@@ -4,7 +4,8 @@ Qwen3, Gemma 3, OLMo 2, GLM-4.5 and others normalize q and k right before RoPE. 
 ``q_norm=``/``k_norm=`` (``norm=`` for a single tensor), the norm is a stage of the call: the
 Triton backend normalizes and rotates in one launch forward and one backward, which also writes
 the weight's gradient. The math is float32 from the input to the rotated output, rounded once
-to the tensor's dtype (docs/semantics.md compares it with each Hugging Face family's rounding).
+to the tensor's dtype (docs/semantics.md; docs/hf.md compares it with each Hugging Face family's
+rounding).
 """
 
 from __future__ import annotations
