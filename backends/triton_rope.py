@@ -11,8 +11,9 @@ compiled launches):
 - a repeated call: its plan (:func:`plan`) binds the compiled kernel with its constant
   arguments: a decode-size call is one call into C.
 
-The backward saves only the tables and index tensors, never activations, and returns each
-gradient in its input's layout where that layout is dense. Triton is imported lazily; with
+The backward saves only the tables and index tensors (a launch with a norm stage: its inputs
+too, which the norm's gradient reads), and returns each gradient in its input's layout where
+that layout is dense. Triton is imported lazily; with
 ``TRITON_INTERPRET=1`` set before the first use the kernels run on the CPU (for CI).
 """
 
@@ -132,7 +133,8 @@ class Rotation:
 class RoPEFunction(torch.autograd.Function):
     """Autograd of every eager launch: the forward runs the rotation's launch (in place marks
     its inputs dirty), the backward its transpose (itself differentiable); only tables and
-    index tensors are kept."""
+    index tensors are kept, and a norm stage's inputs (its weights are the Function's last
+    inputs, their gradients summed by the backward's launch)."""
 
     @staticmethod
     def forward(ctx, rotation: Rotation, *inputs: torch.Tensor):

@@ -271,7 +271,7 @@ def format_report(rows: list[dict[str, Any]], decode: list[dict[str, Any]]) -> s
 def main() -> None:
     args = parse_args()
     rows = [run_shape(*(int(n) for n in shape.split("x")), args)
-            for shape in args.shapes.split(",")]
+            for shape in args.shapes.split(",") if shape]
     decode = [] if args.no_decode or args.device != "cuda" else run_decode(args)
     report = format_report(rows, decode)
     versions = _versions()

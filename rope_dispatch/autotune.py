@@ -134,7 +134,9 @@ def _call_key(call: RoPECall, candidates: list[Backend]) -> CacheKey:
 
 
 def _needs_grad(call: RoPECall) -> bool:
-    return bool(call.t.requires_grad and torch.is_grad_enabled())
+    """Whether the call's backward runs too: a tensor or a norm weight wants a gradient."""
+    wanting = (call.t, call.k, *(n.weight for n in (call.norm, call.k_norm) if n is not None))
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in wanting)
 
 
 # ---------------------------------------------------------------------------------------------
