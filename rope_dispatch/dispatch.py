@@ -229,6 +229,7 @@ def _dropper(key: tuple) -> Callable[[weakref.ref], None]:
 
 _data_ptr = torch.Tensor.data_ptr
 _Tensor = torch.Tensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
 # Dynamo knows this function (True while it traces); at run time it is one frame returning
@@ -463,15 +464,22 @@ def _with_norms(inputs: tuple, norms: tuple) -> tuple | None:
     the guarded tensors (the plan reads them where they lay when it was made, and its guard
     checks they still lie there) and their forms the key. ``None`` (checked every time) where a
     gradient may be wanted: the weights are then inputs of the autograd graph."""
-    if any(type(n) is not HeadNorm for n in norms if n is not None):
-        return None
-    weights = tuple(n.weight for n in norms if n is not None)
     tensors, form = inputs
-    if any(type(w) not in (_Tensor, torch.nn.Parameter) for w in weights) or (
-            _grad_enabled() and any(x.requires_grad for x in (*tensors, *weights))):
-        return None
-    forms = tuple(None if n is None else n.form for n in norms)
-    return (*tensors, *weights), (*form, forms, tuple(id(w) for w in weights))
+    weights, forms, ids = [], [], []
+    for n in norms:  # a decode step's host path: plain loops
+        if n is None:
+            forms.append(None)
+            continue
+        if type(n) is not HeadNorm or type(n.weight) not in _PLAIN:
+            return None
+        weights.append(n.weight)
+        forms.append(n.form)
+        ids.append(id(n.weight))
+    if _grad_enabled():
+        for x in (*tensors, *weights):
+            if x.requires_grad:
+                return None
+    return (*tensors, *weights), (*form, tuple(forms), tuple(ids))
 
 
 def _run(

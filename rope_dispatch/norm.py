@@ -41,10 +41,11 @@ class HeadNorm:
     channels past the rotary dim too (and rewritten in place by ``apply_`` and ``apply_qk_``).
     """
 
-    __slots__ = ("weight", "eps", "offset", "scope")
+    __slots__ = ("weight", "eps", "offset", "scope", "form")
 
     def __init__(self, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0,
                  scope: str = "head"):
+        # built per call by integrations (a decode step's host path): plain floats checked first
         if not isinstance(weight, torch.Tensor):
             raise RoPETypeError(f"HeadNorm weight must be a torch.Tensor, got {type(weight).__name__}")
         if weight.dim() != 1 or not weight.is_floating_point():
@@ -52,22 +53,30 @@ class HeadNorm:
                 f"HeadNorm weight must be a 1-D float tensor, got shape {tuple(weight.shape)} "
                 f"and dtype {dtype_name(weight.dtype)}"
             )
-        for name, value in (("eps", eps), ("offset", offset)):
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-                raise RoPEError(f"HeadNorm {name} must be a finite number, got {value!r}")
+        eps, offset = _finite("eps", eps), _finite("offset", offset)
         if eps <= 0:
             raise RoPEError(f"HeadNorm eps must be positive, got {eps!r}")
         if scope not in SCOPES:
             raise RoPEError(f"HeadNorm scope must be one of {SCOPES}, got {scope!r}")
-        self.weight, self.eps, self.offset, self.scope = weight, float(eps), float(offset), scope
-
-    @property
-    def form(self) -> NormForm:
-        return NormForm(self.scope, self.eps, self.offset)
+        self.weight, self.eps, self.offset, self.scope = weight, eps, offset, scope
+        self.form = _new_form(NormForm, (scope, eps, offset))  # what a launch depends on
 
     def __repr__(self) -> str:
         return (f"HeadNorm(weight[{self.weight.shape[0]}], eps={self.eps}, offset={self.offset}, "
                 f"scope={self.scope!r})")
+
+
+_new_form = tuple.__new__
+
+
+def _finite(name: str, value: object) -> float:
+    """``value`` as a float, where it is a finite real number (not a bool)."""
+    if type(value) is not float and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
+        raise RoPEError(f"HeadNorm {name} must be a finite number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise RoPEError(f"HeadNorm {name} must be a finite number, got {value!r}")
+    return value
 
 
 def check_norm(norm: object, argument: str, heads: int, head_dim: int,
