@@ -41,7 +41,7 @@ from .autotune_cache import (
     SCHEMA_VERSION, CacheKey, cache_dir, cache_entries, cache_key, call_signature, clear_cache,
     dist_version, environment_dir, installed_versions, key_fields, lock, read_entry, store_entry,
 )
-from .call import RoPECall, reads_values
+from .call import RoPECall, reads_values, wants_grad
 from .registry import Backend
 from .tracing import constant_while_tracing
 
@@ -131,12 +131,6 @@ def deferred(candidates: list[Backend]) -> list[str]:
 
 def _call_key(call: RoPECall, candidates: list[Backend]) -> CacheKey:
     return cache_key(call.t.device, call_signature(call, candidates))
-
-
-def _needs_grad(call: RoPECall) -> bool:
-    """Whether the call's backward runs too: a tensor or a norm weight wants a gradient."""
-    wanting = (call.t, call.k, *(n.weight for n in (call.norm, call.k_norm) if n is not None))
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in wanting)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,7 +313,7 @@ def _summary(times: dict[str, float], failed: dict[str, str]) -> str:
 
 def _measure(call: RoPECall, candidates: list[Backend], key: CacheKey) -> dict[str, Any]:
     """Time every candidate; the entry that records the fastest."""
-    needs_grad = _needs_grad(call)
+    needs_grad = wants_grad(call)
     failed: dict[str, str] = {}
     out_of_memory = False
     seconds, raised = _time_backends(candidates, call, needs_grad)

@@ -168,7 +168,7 @@ def call_key(call: RoPECall, size_limits: Sequence[int] = ()) -> CallKey:
         (*call.spec.static_key, call.rotary_dim), t.device.type, t.device.index,
         tuple(size_bucket(n) for n in t.shape), size_bucket(call.batch), stride_class(t),
         call.table_kind, call.start_positions is not None, call.positions is not None,
-        bool(t.requires_grad and torch.is_grad_enabled()), call.in_place, call.split,
+        wants_grad(call), call.in_place, call.split,
         None if call.k is None else tuple(size_bucket(n) for n in call.k.shape),
         call.positions_bounded, table_grad_wanted(call.table, call.k_table),
         bisect.bisect_left(size_limits, t.numel()) if size_limits else 0,
@@ -176,6 +176,16 @@ def call_key(call: RoPECall, size_limits: Sequence[int] = ()) -> CallKey:
         None if call.norm is None and call.k_norm is None else
         tuple(None if n is None else n.scope for n in (call.norm, call.k_norm)),
     )
+
+
+def wants_grad(call: RoPECall) -> bool:
+    """Whether the call's backward will run: grad is enabled and a tensor (``t``, ``k``) or a
+    norm weight requires it."""
+    if not torch.is_grad_enabled():
+        return False
+    if call.t.requires_grad or (call.k is not None and call.k.requires_grad):
+        return True
+    return any(n is not None and n.weight.requires_grad for n in (call.norm, call.k_norm))
 
 
 def stride_class(t: torch.Tensor) -> str:
