@@ -9,7 +9,9 @@ graphs refuse once they donate buffers. A call with a norm stage (:class:`~rope_
 compiles :func:`~rope_dispatch.norm.head_norm` before the rotation; the norm is not linear, so
 its backward is the rotation's transpose followed by the norm's explicit gradient
 (:func:`~rope_dispatch.norm.head_norm_backward`, which also gives the weight's), and it saves
-the input and the weight too. One pair of compiled functions exists per *compile key*
+the input and the weight too. An inverse spec (``RoPESpec.inverse``) runs the same pair the
+other way round: the transpose forward, the rotation as its backward. One pair of compiled
+functions exists per *compile key*
 (layout, dtype, rotary dim, interleaving, context parallelism, table kind, whether
 ``start_positions`` is given, device type, the norm's form). Each gets a code object of its own,
 because Dynamo keeps its cache and its recompile limit per code object: sharing one would let
@@ -296,6 +298,7 @@ class CompileBackend(Backend):
     priority = 20
     supports_positions = True
     supports_norm = True  # single tensors: head_norm, then the rotation
+    supports_inverse = True
     tables = frozenset({"angles", "cos_sin_cache", "rates"})
     compiles_per_spec = True
     heavy_import = True  # Dynamo and Inductor: seconds on a fresh machine
@@ -362,7 +365,7 @@ class CompileBackend(Backend):
         key = compile_key(call)
         if key in self._failed:
             return f"compiling this spec failed in this process, it runs eager: {self._failed[key]}"
-        if (key, False) in self._ready:
+        if (key, call.spec.inverse) in self._ready:
             return (
                 "torch.compile: this spec is already compiled in this process; new sequence "
                 "lengths and batch sizes reuse it"
@@ -376,8 +379,9 @@ class CompileBackend(Backend):
     def is_compiled(self, call: RoPECall) -> bool:
         """Whether what ``call`` needs (the forward, and the transpose when autograd records it)
         has already run compiled in this process."""
-        key = compile_key(call)
-        return (key, False) in self._ready and (not _records(call) or (key, True) in self._ready)
+        key, inverse = compile_key(call), call.spec.inverse
+        return (key, inverse) in self._ready and (
+            not _records(call) or (key, not inverse) in self._ready)
 
     def warm_up(self, call: RoPECall) -> None:
         """Compile what running ``call`` needs, without timing it: the forward, and the backward
@@ -409,11 +413,13 @@ class CompileBackend(Backend):
             raise RuntimeError(f"torch.compile failed for this spec: {self._failed[key]}")
         args = _arguments(call)
         if _records(call):
-            return _CompiledRoPE.apply(self, key, fallback, *args)
-        return self.run_compiled(key, False, fallback, args)
+            return _CompiledRoPE.apply(self, key, fallback, call.spec.inverse, *args)
+        return self.run_compiled(key, call.spec.inverse, fallback, args)
 
-    def run_compiled(self, key: CompileKey, transpose: bool, fallback: bool, args: tuple) -> torch.Tensor:
-        """The compiled forward (or transpose) of ``key`` on ``args``, compiling it on first use.
+    def run_compiled(self, key: CompileKey, transpose: bool, fallback: bool, args: tuple,
+                     backward: bool = False) -> torch.Tensor:
+        """The compiled forward (or transpose) of ``key`` on ``args``, compiling it on first use;
+        ``backward``: it is ``_CompiledRoPE``'s backward (an inverse call's is the forward).
 
         A compile failure is remembered: with ``fallback`` the eager math answers (one warning)
         and later decisions refuse this key; without it the error propagates. It runs without
@@ -421,7 +427,7 @@ class CompileBackend(Backend):
         backward under ``create_graph=True`` runs as given, so a double backward differentiates
         it.
         """
-        if transpose and torch.is_grad_enabled():
+        if backward and torch.is_grad_enabled():
             return self._run_compiled(key, transpose, fallback, args)
         with torch.no_grad():
             return self._run_compiled(key, transpose, fallback, _constants(args))
@@ -459,28 +465,30 @@ class CompileBackend(Backend):
 
 
 class _CompiledRoPE(torch.autograd.Function):
-    """Compiled forward, compiled transpose as the backward; saves only the tables, and with a
-    norm stage its weight and ``t`` (the norm's gradient needs the input), and then also
-    returns the weight's gradient."""
+    """Compiled forward, compiled transpose as the backward (``inverse``: the other way
+    round); saves only the tables, and with a norm stage its weight and ``t`` (the norm's
+    gradient needs the input), and then also returns the weight's gradient."""
 
     @staticmethod
-    def forward(ctx, backend, key, fallback, t, a, b, cu_seqlens, start_positions, *weight):
-        ctx.backend, ctx.key, ctx.fallback = backend, key, fallback
+    def forward(ctx, backend, key, fallback, inverse, t, a, b, cu_seqlens, start_positions,
+                *weight):
+        ctx.backend, ctx.key, ctx.fallback, ctx.inverse = backend, key, fallback, inverse
         norm_saved = (*weight, t) if weight else ()  # the backward's norm arguments
         ctx.save_for_backward(a, b, cu_seqlens, start_positions, *norm_saved)
         return backend.run_compiled(
-            key, False, fallback, (t, a, b, cu_seqlens, start_positions, *weight)
+            key, inverse, fallback, (t, a, b, cu_seqlens, start_positions, *weight)
         )
 
     @staticmethod
     def backward(ctx, grad):
         saved = ctx.saved_tensors
-        grads = ctx.backend.run_compiled(ctx.key, True, ctx.fallback, (grad, *saved))
+        grads = ctx.backend.run_compiled(ctx.key, not ctx.inverse, ctx.fallback, (grad, *saved),
+                                         backward=True)
         if ctx.key.norm is None:
-            return None, None, None, grads, None, None, None, None
+            return None, None, None, None, grads, None, None, None, None
         grad_t, grad_weight = grads
-        return (None, None, None, grad_t if ctx.needs_input_grad[3] else None, None, None, None,
-                None, grad_weight if ctx.needs_input_grad[8] else None)
+        return (None, None, None, None, grad_t if ctx.needs_input_grad[4] else None, None, None,
+                None, None, grad_weight if ctx.needs_input_grad[9] else None)
 
 
 def _summary(exc: BaseException) -> str:

@@ -107,7 +107,8 @@ def rope_tensors(
 
 
 def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RoPE of a checked call in plain PyTorch (see :func:`rope_tensors`), after its norm
+    """RoPE of a checked call in plain PyTorch (see :func:`rope_tensors`; an inverse spec
+    applies the transpose, autograd's backward then the rotation), after its norm
     stage in float32 (rounded once, at the end); in place, the rotated channels (every channel
     with a norm) are computed apart and copied back (autograd sees a ``copy_``). A packed
     qkv call is split into q and k calls and a copy of v, a q and k pair into two calls."""
@@ -126,6 +127,7 @@ def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tenso
         t if call.norm is None else normalized(t, call.norm), cos, sin, spec.cu_seqlens,
         position_index(call), layout=spec.layout, interleaved=spec.interleaved,
         cp_size=spec.cp_size, cp_rank=spec.cp_rank, scale=spec.cos_sin_scale, dtype=t.dtype,
+        transpose=spec.inverse,
     )
     if call.in_place:
         (call.t if call.norm is not None else t).copy_(out)
@@ -142,6 +144,7 @@ class EagerBackend(Backend):
     priority = 0
     supports_in_place = True
     supports_norm = True
+    supports_inverse = True
     supports_positions = True
     tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"})
     tensors = frozenset({"t", "qk", "qkv"})

@@ -23,6 +23,8 @@ apply_rope.cpp``, ``pytorch/attention/rope.py``), and how this backend answers i
   such a version ``start_positions`` is refused when autograd records the call or ``cp_size > 1``.
   2.10 (PR #2188) adds the start position to the zigzag position in both directions.
 - Any input strides are read directly, and the output is a new contiguous tensor.
+- Neither function has an inverse option (rotation by minus the angle): a spec with
+  ``inverse=True`` is refused (``supports_inverse`` stays False).
 - Inside ``torch.compile`` it refuses: the pybind call cannot be traced and would break the
   graph, where the other backends fuse or trace.
 
@@ -316,6 +318,10 @@ CACHE_REASON = (
     "a {kind} table is not supported: TE reads angles; pass the angle table (cos/sin "
     "cannot be turned back into the exact angles)"
 )
+INVERSE_REASON = (
+    "the inverse rotation (spec.inverse=True) is not supported: TransformerEngine's "
+    "apply_rotary_pos_emb and apply_fused_qkv_rotary_pos_emb (2.20.2) have no inverse option"
+)
 COMPILE_REASON = (
     "inside torch.compile: TransformerEngine's fused RoPE is a pybind call that Dynamo cannot "
     "trace, so it would break the graph"
@@ -370,6 +376,8 @@ class TEBackend(Backend):
         if kind not in self.tables and self.available:  # say why, in TE's terms
             generic = f"a {kind} table is not supported"
             reasons = [CACHE_REASON.format(kind=kind) if r.startswith(generic) else r for r in reasons]
+        if call.spec.inverse and self.available:  # say why, in TE's terms
+            reasons = [INVERSE_REASON if r.startswith("the inverse") else r for r in reasons]
         return reasons
 
     def extra_reasons(self, call: RoPECall) -> list[str]:

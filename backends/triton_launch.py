@@ -1,10 +1,10 @@
 """The Triton backend's launcher: one launch descriptor, one cache of compiled launches.
 
 A call becomes a :class:`Launch`, the named description of one launch (which tensors: one, q
-and k, or packed qkv; direction; in place or not; table and position kind; the stages around
-the rotation), and its :class:`Tables`. :func:`launch` picks kernel, tile and constants from
-them, keeps what Triton compiled under a :class:`LaunchKey`, and launches it again from
-addresses alone. :func:`slots` and :func:`bound` bind a compiled launch to a call's form for
+and k, or packed qkv; direction, an inverse spec's included; in place or not; table and
+position kind; the stages around the rotation), and its :class:`Tables`. :func:`launch` picks
+kernel, tile and constants from them, keeps what Triton compiled under a :class:`LaunchKey`,
+and launches it again from addresses alone. :func:`slots` and :func:`bound` bind a compiled launch to a call's form for
 plans: one call into C (``direct_launch``) or its Python twin :class:`BoundLaunch`.
 """
 
@@ -59,6 +59,16 @@ class Launch(NamedTuple):
     """The stage before the rotation: q's (``t``'s) and k's :class:`NormForm` (``None`` for a
     side without), or ``None``; such a launch moves whole heads (``rope_norm_kernel``)."""
     store: None = None  # the stage after the rotation (none yet)
+    inverse: bool = False
+    """The call's spec is inverse (rotate by minus the angle): its forward launch applies the
+    transpose, its backward the rotation. ``backward`` still says which way the data flows
+    (a packed qkv's gradients in, one packed gradient out)."""
+
+    @property
+    def transposes(self) -> bool:
+        """Whether the kernels apply the transpose (their ``BACKWARD``): a backward launch or an
+        inverse call's forward, not both."""
+        return self.backward != self.inverse
 
     def transposed(self, in_place: bool = False) -> Launch:
         return self._replace(backward=not self.backward, in_place=in_place, grad_in_place=False)
@@ -130,7 +140,7 @@ def describe(call: RoPECall) -> Launch:
         call.tensors, spec.layout, spec.interleaved, float(spec.cos_sin_scale), spec.cp_size,
         spec.cp_rank, call.table_kind, 0 if call.start_positions is None and call.positions is None
         else 1 if call.positions is None else 2, call.split, False, call.in_place,
-        call.grad_in_place, call.norms,
+        call.grad_in_place, call.norms, inverse=spec.inverse,
     )
 
 
@@ -366,7 +376,7 @@ def _single_arguments(
     width = rotary_dim if launch.in_place else head_dim  # the channels a token moves
     flags = tt.table_flags(table, sin)
     use_cache, paired, rates, linear = flags
-    backward, interleaved, scale = launch.backward, launch.interleaved, launch.scale
+    backward, interleaved, scale = launch.transposes, launch.interleaved, launch.scale
     if config is None and (
         code != 2 and positions is None and launch.cp_size == 1 and seq_len <= table.shape[0]
         and x.numel() * x.element_size() <= tiles.LEAN_MAX_BYTES
@@ -494,7 +504,7 @@ def _segment_arguments(
         LAYOUT=LAYOUT_CODES[launch.layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
         INTERLEAVED=launch.interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates,
         LINEAR=linear, POSITIONS=tt.position_kind(positions),
-        CONTEXT_PARALLEL=launch.cp_size > 1, BACKWARD=launch.backward, BLOCK_T=block_t,
+        CONTEXT_PARALLEL=launch.cp_size > 1, BACKWARD=launch.transposes, BLOCK_T=block_t,
         BLOCK_H=block_h, HEAD_ITERS=head_iters, BLOCK_R=block_r, BLOCK_P=block_p,
         FAST_TRIG=not kernels.INTERPRETED,
         SEQ_BLOCK=tiles.next_pow2(n_seqs + 1) if 0 < n_seqs < tiles.SEQ_SCAN_LIMIT else 0,

@@ -171,11 +171,11 @@ def triton_rope_op(
     inputs: list[torch.Tensor], table: torch.Tensor, sin: torch.Tensor | None,
     k_table: torch.Tensor | None, k_sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
     index: torch.Tensor | None, tensors: str, layout: str, interleaved: bool, scale: float,
-    cp_size: int, cp_rank: int, split: Sequence[int] | None, backward: bool,
+    cp_size: int, cp_rank: int, split: Sequence[int] | None, backward: bool, inverse: bool,
 ) -> list[torch.Tensor]:
     """A launch as an opaque op for torch.compile: new contiguous outputs."""
     described = _op_launch(tensors, layout, interleaved, scale, cp_size, cp_rank, split, backward,
-                           (table, sin, index))
+                           inverse, (table, sin, index))
     outs = outputs(described, inputs)
     with on_device(inputs[0]):
         launch(described, inputs, outs, Tables(table, sin, cu_seqlens, index, k_table, k_sin))
@@ -183,7 +183,7 @@ def triton_rope_op(
 
 
 def _op_launch(tensors: str, layout: str, interleaved: bool, scale: float, cp_size: int,
-               cp_rank: int, split: Sequence[int] | None, backward: bool,
+               cp_rank: int, split: Sequence[int] | None, backward: bool, inverse: bool,
                tabs: tuple | None = None) -> Launch:
     """The op's launch; with its ``(table, sin, index)`` (not on fake tensors) the table and
     position kinds read from their kernel form."""
@@ -194,13 +194,14 @@ def _op_launch(tensors: str, layout: str, interleaved: bool, scale: float, cp_si
                 else "rates" if rates else "angles")
         positions = tt.position_kind(tabs[2])
     return Launch(tensors, layout, interleaved, scale, cp_size, cp_rank, kind, positions,
-                  None if split is None else tuple(split), backward)
+                  None if split is None else tuple(split), backward, inverse=inverse)
 
 
 @triton_rope_op.register_fake
 def _triton_rope_fake(inputs, table, sin, k_table, k_sin, cu_seqlens, index, tensors, layout,
-                      interleaved, scale, cp_size, cp_rank, split, backward):
-    described = _op_launch(tensors, layout, interleaved, scale, cp_size, cp_rank, split, backward)
+                      interleaved, scale, cp_size, cp_rank, split, backward, inverse):
+    described = _op_launch(tensors, layout, interleaved, scale, cp_size, cp_rank, split, backward,
+                           inverse)
     return list(outputs(described, inputs))
 
 
@@ -212,9 +213,9 @@ def _op_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
 
 def _op_backward(ctx: Any, grads: list[torch.Tensor | None]):
     grads = [torch.zeros(*like) if g is None else g for g, like in zip(grads, ctx.shapes)]
-    *settings, backward = ctx.settings
-    made = triton_rope_op(grads, *ctx.saved_tensors, *settings, not backward)
-    return (made,) + (None,) * 14
+    *settings, backward, inverse = ctx.settings
+    made = triton_rope_op(grads, *ctx.saved_tensors, *settings, not backward, inverse)
+    return (made,) + (None,) * 15
 
 
 triton_rope_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -253,7 +254,7 @@ def rope(call: RoPECall) -> Any:
         made = triton_rope_op(
             list(inputs), table, sin, k_table, k_sin, call.spec.cu_seqlens, position_index(call),
             described.tensors, described.layout, described.interleaved, described.scale,
-            described.cp_size, described.cp_rank, described.split, False)
+            described.cp_size, described.cp_rank, described.split, False, described.inverse)
         if described.in_place:
             made = [x.copy_(out) for x, out in zip(inputs, made)]
         return _result(described, made)
@@ -420,6 +421,7 @@ class TritonBackend(Backend):
     priority = 40
     supports_in_place = True
     supports_norm = True
+    supports_inverse = True
     supports_positions = True
     tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"})
     tensors = frozenset(TENSOR_KINDS)

@@ -24,7 +24,7 @@ import torch
 
 from .errors import RoPEError, RoPETypeError
 from .norm import HeadNorm, NormForm, check_norm
-from .spec import STATIC_FIELDS, RoPESpec, dtype_name
+from .spec import RoPESpec, dtype_name, named_fields
 from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
     table_requires_grad, table_shape,
@@ -138,7 +138,7 @@ class CallKey(NamedTuple):
         ``positions`` and ``k_shape_bucket`` only when set, so single-tensor calls that
         return a new tensor keep the keys of earlier versions)."""
         fields = {
-            "spec": dict(zip((*STATIC_FIELDS, "rotary_dim"), self.spec)),
+            "spec": named_fields(self.spec),  # inverse only when set
             "shape_bucket": list(self.shape_bucket),
             "sequences_bucket": self.sequences_bucket, "stride": self.stride,
             "table": self.table, "start_positions": self.start_positions,
@@ -552,6 +552,13 @@ def check_call(
         if k_norm is not None and kind == "t":
             raise RoPEError("k_norm is for calls with a k (apply_qk, apply_qk_, apply_qkv)")
         k_norm = check_norm(k_norm, "k_norm", k_heads, head_dim, device)
+        if spec.inverse:  # the fused norm kernel's backward pass is not the transpose
+            named = q_name if q_norm is not None else "k_norm"
+            raise RoPEError(
+                f"spec.inverse=True cannot be combined with a norm stage ({named}=HeadNorm): "
+                "an inverse rotation after a norm is not supported; normalize first, then "
+                "rotate with the inverse spec"
+            )
     if spec.mrope_section is not None:
         table, k_table, positions = _lower_multimodal(
             spec, table, k_table, positions, start_positions, shape, device, table_name

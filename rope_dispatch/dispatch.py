@@ -159,6 +159,7 @@ def _describe(call: RoPECall) -> str:
     return (
         f"{call.spec.layout}{packed} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on "
         f"{t.device}, rotary dim {call.rotary_dim}{norms}"
+        f"{', inverse' if call.spec.inverse else ''}"
     )
 
 

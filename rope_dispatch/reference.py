@@ -74,7 +74,8 @@ def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor | tuple[tor
     """float64 RoPE of ``x`` (``call.t``'s values, any float dtype), computed on ``x``'s device
     (positions and table rows are gathered on the CPU); differentiable. For a packed qkv call,
     ``(q, k, v)``: q's heads rotated by ``call.table``, k's by ``call.k_table``, v copied; for
-    a q and k pair, ``(q, k)`` (``x`` is q's values, k's are ``call.k``'s)."""
+    a q and k pair, ``(q, k)`` (``x`` is q's values, k's are ``call.k``'s). An inverse spec
+    turns by minus the angle: the transpose of the rotation."""
     if call.k is not None:  # a q and k pair: each at the same positions
         single = dict(tensors="t", k=None, k_norm=None)
         return (
@@ -107,7 +108,10 @@ def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor | tuple[tor
     if call.norm is not None:
         x = reference_norm(x, call.norm.weight, call.norm.eps, call.norm.offset, call.norm.scope)
     head = x[..., :d2]
-    out = head * cos + sign.double() * head[..., partner] * sin
+    if call.spec.inverse:  # the transpose: each channel meets its partner's sine, sign flipped
+        out = head * cos - sign.double() * head[..., partner] * sin[..., partner]
+    else:
+        out = head * cos + sign.double() * head[..., partner] * sin
     return torch.cat((out, x[..., d2:]), dim=-1)
 
 

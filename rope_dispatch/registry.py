@@ -57,6 +57,8 @@ class Backend:
     supports_in_place: ClassVar[bool] = False
     supports_norm: ClassVar[bool] = False
     """A norm stage before the rotation (:class:`~rope_dispatch.HeadNorm`)."""
+    supports_inverse: ClassVar[bool] = False
+    """The rotation by minus the angle (``RoPESpec.inverse``), forward and backward."""
     tensors: ClassVar[frozenset[str]] = frozenset({"t"})
     """The call kinds it serves (:data:`~rope_dispatch.call.TENSOR_KINDS`): ``"t"`` single
     tensors, ``"qkv"`` packed qkv tensors."""
@@ -165,6 +167,8 @@ class Backend:
             reasons.append(
                 "a norm before the rotation (norm=, q_norm=, k_norm=: HeadNorm) is not supported"
             )
+        if spec.inverse and not self.supports_inverse:
+            reasons.append("the inverse rotation (spec.inverse=True) is not supported")
         if call.in_place and not self.supports_in_place:
             reasons.append("in-place rotation (apply_) is not supported; it writes a new tensor")
         if t.requires_grad and torch.is_grad_enabled() and not self.supports_autograd:

@@ -146,6 +146,7 @@ class GridCase:
     # enough that the triton backend reads it as rates (docs/tables.md, "Linear angle tables")
     model_table: bool = False
     norm: bool = False  # QK-norm before the rotation (HeadNorm on q and k, or on t)
+    inverse: bool = False  # the rotation by minus the angle (RoPESpec.inverse)
 
 
 GRID = (
@@ -173,6 +174,8 @@ GRID = (
              starts=True, strided=True, qk=True, norm=True),
     GridCase("thd fp32 norm over heads interleaved", "thd", torch.float32, interleaved=True,
              norm=True),
+    GridCase("bshd bf16 inverse q+k slices partial start", "bshd", torch.bfloat16,
+             rotary_dim=32, starts=True, strided=True, qk=True, inverse=True),
 )
 QKV_SPLIT = (128, 64, 64)  # two query heads, one key head and one value head of d 64 a group
 
@@ -279,7 +282,7 @@ def make_inputs(case: GridCase, device: str, gen: torch.Generator):
     spec = rd.RoPESpec(
         layout=case.layout, dtype=case.dtype, rotary_dim=case.rotary_dim, interleaved=case.interleaved,
         cu_seqlens=None if cu is None else cu.to(device), cp_size=cp, cp_rank=case.cp_rank,
-        cos_sin_scale=case.scale,
+        cos_sin_scale=case.scale, inverse=case.inverse,
     )
     if case.rates:  # rates up to 2 radians per position
         table = rd.RateTable((torch.rand(case.rotary_dim // 2, generator=gen) * 2).to(device), s2)
@@ -619,7 +622,7 @@ def _entry_line(entry: dict) -> str:
     parts += [name for name, on in (
         ("interleaved", spec.get("interleaved")), ("start positions", fields.get("start_positions")),
         ("positions", fields.get("positions")), ("in place", fields.get("in_place")),
-        ("grad", fields.get("requires_grad")),
+        ("grad", fields.get("requires_grad")), ("inverse", spec.get("inverse")),
     ) if on]
     if spec.get("cp_size", 1) != 1:
         parts.append(f"cp {spec.get('cp_rank')}/{spec.get('cp_size')}")

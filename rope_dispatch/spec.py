@@ -94,8 +94,20 @@ Boolean = Annotated[bool, BeforeValidator(_boolean)]
 # Every field but the cu_seqlens tensor, in the order of RoPESpec.static_key.
 STATIC_FIELDS = (
     "layout", "dtype", "rotary_dim", "interleaved", "max_seqlen", "cp_size", "cp_rank",
-    "cos_sin_scale", "mrope_section",
+    "cos_sin_scale", "mrope_section", "inverse",
 )
+
+# Fields added after autotune's cache keys were fixed, with their defaults: named in a key (and
+# a spec's repr) only when set, so an absent one means the default and older keys still match.
+LATER_FIELDS = {"inverse": False}
+
+
+def named_fields(values: tuple) -> dict[str, Any]:
+    """``STATIC_FIELDS`` (then anything after them) named, as JSON keys and reports take them:
+    a :data:`LATER_FIELDS` field only where it differs from its default."""
+    names = (*STATIC_FIELDS, "rotary_dim")
+    return {name: value for name, value in zip(names, values)
+            if name not in LATER_FIELDS or value != LATER_FIELDS[name]}
 
 
 def check_cu_seqlens_tensor(cu_seqlens: Any) -> None:
@@ -173,6 +185,11 @@ class RoPESpec(BaseModel):
         description="multimodal RoPE (Qwen2-VL): channels of each half taken from the temporal, "
         "height and width position streams; calls then pass positions [3, *t.shape[:-2]]",
     )
+    inverse: Boolean = Field(
+        default=False,
+        description="rotate by minus the angle (Megatron's inverse=True): the transpose of the "
+        "rotation, forward and backward; it undoes a rotation whose pairs share one angle",
+    )
 
     def __init__(self, **fields: Any) -> None:
         """Validate ``fields``; a bad one raises :class:`~rope_dispatch.RoPEError` naming it."""
@@ -238,8 +255,9 @@ class RoPESpec(BaseModel):
         )
 
     def static_fields(self) -> dict[str, Any]:
-        """The static fields as JSON-friendly values (for cache keys and reports)."""
-        return dict(zip(STATIC_FIELDS, self.static_key))
+        """The static fields as JSON-friendly values (for cache keys and reports); a later
+        field (:data:`LATER_FIELDS`) only where it is set."""
+        return named_fields(self.static_key)
 
     def with_cu_seqlens(
         self, cu_seqlens: torch.Tensor, max_seqlen: int | None = None

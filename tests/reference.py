@@ -63,10 +63,11 @@ def partners(d2: int, interleaved: bool) -> tuple[list[int], list[float]]:
 
 def reference_rope(
     t: torch.Tensor, angles: torch.Tensor, positions: torch.Tensor, interleaved: bool,
-    scale: float = 1.0,
+    scale: float = 1.0, inverse: bool = False,
 ) -> torch.Tensor:
     """float64 ``out_i = scale (x_i cos(f[p,i]) + sign_i x_partner(i) sin(f[p,i]))``, rest
-    copied.
+    copied; ``inverse``: by minus the angle, ``out_i = scale (x_i cos(f[p,i]) - sign_i
+    x_partner(i) sin(f[p,partner(i)]))`` (the transpose: a channel meets its partner's angle).
 
     ``angles`` is ``[s2, d2]`` (any float dtype); differentiable with respect to ``t``.
     """
@@ -77,17 +78,22 @@ def reference_rope(
     sign_t = torch.tensor(sign, dtype=torch.float64, device=x.device)
     idx_t = torch.tensor(idx, device=x.device)
     rot = x[..., :d2]
-    out = rot * (scale * torch.cos(f)) + sign_t * rot[..., idx_t] * (scale * torch.sin(f))
+    if inverse:
+        turn = -sign_t * rot[..., idx_t] * (scale * torch.sin(f[..., idx_t]))
+    else:
+        turn = sign_t * rot[..., idx_t] * (scale * torch.sin(f))
+    out = rot * (scale * torch.cos(f)) + turn
     return torch.cat((out, x[..., d2:]), dim=-1)
 
 
 def reference_cache_rope(
     t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-    interleaved: bool = False,
+    interleaved: bool = False, inverse: bool = False,
 ) -> torch.Tensor:
     """float64 ``out_i = x_i cos[p, i] + sign_i x_partner(i) sin[p, i]`` for the rows of a
     cos/sin cache ``[s2, d2]`` of any values, rest copied; differentiable with respect to ``t``.
-    ``positions``: each token's row, shaped like ``t.shape[:-2]``."""
+    ``positions``: each token's row, shaped like ``t.shape[:-2]``. ``inverse``: ``out_i = x_i
+    cos[p, i] - sign_i x_partner(i) sin[p, partner(i)]``, the transpose."""
     d2 = cos.shape[-1]
     x = t.double()
     rows = positions.cpu()
@@ -96,7 +102,11 @@ def reference_cache_rope(
     idx, sign = partners(d2, interleaved)
     sign_t = torch.tensor(sign, dtype=torch.float64, device=x.device)
     rot = x[..., :d2]
-    out = rot * c + sign_t * rot[..., torch.tensor(idx, device=x.device)] * s
+    idx_t = torch.tensor(idx, device=x.device)
+    if inverse:
+        out = rot * c - sign_t * rot[..., idx_t] * s[..., idx_t]
+    else:
+        out = rot * c + sign_t * rot[..., idx_t] * s
     return torch.cat((out, x[..., d2:]), dim=-1)
 
 
@@ -113,7 +123,7 @@ def reference_for(t, angles, spec, start_positions=None, positions=None) -> torc
             start_positions=None if start_positions is None else start_positions.tolist(),
         )
     return reference_rope(t, angles.reshape(angles.shape[0], angles.shape[-1]), positions,
-                          spec.interleaved, spec.cos_sin_scale)
+                          spec.interleaved, spec.cos_sin_scale, spec.inverse)
 
 
 def reference_forward_backward(t, angles, spec, grad_out, start_positions=None, positions=None):

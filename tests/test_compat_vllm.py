@@ -161,7 +161,7 @@ def test_a_half_cache_is_copied_once_and_again_after_a_write():
         want = vllm_rope(query, positions, 8, cache, True)
         rotary_embedding(positions, query, None, 8, cache, True)
         assert err(query, want) <= 2e-6, step
-        tables.append(vllm._table(cache, False))
+        tables.append(vllm._table(cache))
     assert tables[0] is tables[1] is not tables[2]
 
 
@@ -180,7 +180,7 @@ def test_under_inference_mode():
         assert err(query, want_q) <= 1.6e-2 and err(key, want_k) <= 1.6e-2
         qkv, weight = torch.randn(3, 3 * 8).bfloat16(), torch.ones(8).bfloat16()
         fused_qk_norm_rope(qkv, 1, 1, 1, 8, 1e-6, weight, weight, cache, False, positions)
-        assert cache.is_inference() and not vllm._table(cache, False).table.is_inference()
+        assert cache.is_inference() and not vllm._table(cache).table.is_inference()
 
 
 # ---- fused_qk_norm_rope -------------------------------------------------------------------

@@ -21,7 +21,8 @@ Decisions, where vLLM's op and ours could differ:
   hands its kernel the cache in the query's dtype) is widened to a float32 copy, made once per
   cache tensor and made again when the cache is written in place (not seen for an inference
   tensor, which has no version counter): exact, as vLLM's kernels widen each entry too.
-  ``inverse=True`` reads a copy with the sines negated (the rotation by minus the angle).
+  ``inverse=True`` is the spec's ``inverse`` (the rotation by minus the angle, exact: the
+  transpose, whose pair shares one sine), on the same table.
 - The fused op keeps the normalized value in float32 until the rotation, as vLLM's kernel does
   (its unfused path, ``RMSNorm`` then ``rotary_embedding``, rounds twice). Ours computes
   ``x * rsqrt(mean(x**2) + eps) * w``; vLLM's ``x * (rsqrtf(..) * w)`` with a warp-tree sum:
@@ -59,16 +60,18 @@ __all__ = ["rotary_embedding", "fused_qk_norm_rope"]
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _specs: dict[tuple, RoPESpec] = {}
-_copies: dict[tuple[int, bool], tuple[torch.Tensor, Optional[int], PairCosSinCache]] = {}
+_copies: dict[int, tuple[torch.Tensor, Optional[int], PairCosSinCache]] = {}
 _MAX_COPIES = 4
 
 
-def _spec(layout: str, dtype: torch.dtype, interleaved: bool) -> RoPESpec:
+def _spec(layout: str, dtype: torch.dtype, interleaved: bool,
+          inverse: bool = False) -> RoPESpec:
     """A spec without offsets (positions come per token), from a small cache."""
-    key = (layout, dtype, interleaved)
+    key = (layout, dtype, interleaved, inverse)
     spec = _specs.get(key)
     if spec is None:
-        spec = _specs[key] = RoPESpec(layout=layout, dtype=dtype, interleaved=interleaved)
+        spec = _specs[key] = RoPESpec(layout=layout, dtype=dtype, interleaved=interleaved,
+                                      inverse=inverse)
     return spec
 
 
@@ -86,13 +89,13 @@ def _version(t: torch.Tensor) -> Optional[int]:
     return None if t.is_inference() else t._version
 
 
-def _table(cos_sin_cache: object, inverse: bool) -> PairCosSinCache:
+def _table(cos_sin_cache: object) -> PairCosSinCache:
     """The engine's cache as a PairCosSinCache: itself when float32 (no copy), else a float32
-    copy (sines negated for ``inverse``), kept while the cache is unchanged."""
-    if not inverse and isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dtype == torch.float32:
+    copy, kept while the cache is unchanged."""
+    if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dtype == torch.float32:
         with _named("cos_sin_cache"):
             return _pair_cache(cos_sin_cache)
-    key = (id(cos_sin_cache), inverse)
+    key = id(cos_sin_cache)
     entry = _copies.get(key)
     if entry is not None and entry[0] is cos_sin_cache and entry[1] == _version(cos_sin_cache):
         return entry[2]
@@ -105,9 +108,6 @@ def _table(cos_sin_cache: object, inverse: bool) -> PairCosSinCache:
         )
     with _named("cos_sin_cache"), _normal_tensors():  # a copy autograd may save later
         table = PairCosSinCache(cos_sin_cache.float()).table  # checks shape, width, strides
-        if inverse:
-            half = table.shape[1] // 2
-            table = torch.cat((table[:, :half], -table[:, half:]), dim=1)
     wrapper = PairCosSinCache(table)
     if len(_copies) >= _MAX_COPIES:
         _copies.clear()
@@ -193,7 +193,7 @@ def rotary_embedding(
             f"key has {k.shape[-2]} heads, which does not divide query's {q.shape[-2]}; vLLM's "
             "rotary_embedding requires num_heads % num_kv_heads == 0"
         )
-    table = _table(cos_sin_cache, inverse)
+    table = _table(cos_sin_cache)
     if offset:
         if offset + table.rotary_dim > head_size:
             raise RoPEError(
@@ -202,7 +202,7 @@ def rotary_embedding(
             )
         q = q[..., offset:]
         k = None if k is None else k[..., offset:]
-    spec = _spec("thd" if len(lead) == 1 else "bshd", query.dtype, not is_neox)
+    spec = _spec("thd" if len(lead) == 1 else "bshd", query.dtype, not is_neox, inverse)
     if k is None:
         apply_(q, table, spec, positions=positions)
     else:
@@ -261,6 +261,6 @@ def fused_qk_norm_rope(
     q_norm = HeadNorm(_weight("q_weight", q_weight, head_dim, qkv.dtype), eps)
     k_norm = HeadNorm(_weight("k_weight", k_weight, head_dim, qkv.dtype), eps)
     heads = qkv.view(qkv.shape[0], hq + hk + hv, head_dim)
-    apply_qk_(heads[:, :hq], heads[:, hq : hq + hk], _table(cos_sin_cache, False),
+    apply_qk_(heads[:, :hq], heads[:, hq : hq + hk], _table(cos_sin_cache),
               _spec("thd", qkv.dtype, not is_neox), positions=positions, q_norm=q_norm,
               k_norm=k_norm)
