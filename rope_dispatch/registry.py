@@ -57,6 +57,9 @@ class Backend:
     supports_in_place: ClassVar[bool] = False
     supports_norm: ClassVar[bool] = False
     """A norm stage before the rotation (:class:`~rope_dispatch.HeadNorm`)."""
+    supports_cache_write: ClassVar[bool] = False
+    """A KV-cache stage after the rotation (:func:`~rope_dispatch.rope_to_cache`): rotated k and
+    v written, quantized where the cache is FP8, at each token's slot of a cache descriptor."""
     tensors: ClassVar[frozenset[str]] = frozenset({"t"})
     """The call kinds it serves (:data:`~rope_dispatch.call.TENSOR_KINDS`): ``"t"`` single
     tensors, ``"qkv"`` packed qkv tensors."""
@@ -91,7 +94,8 @@ class Backend:
         keep a table alive. The default rebuilds the call around the new tensors; a backend may
         prepare more (the Triton backend binds its launch).
         """
-        assert call.k_table is None, "calls with a separate k table are never planned"
+        assert call.k_table is None and call.cache_write is None, \
+            "calls with a separate k table or a cache stage are never planned"
         # the sizes and settings the plan's key fixes, without the call's tensors (a plan keeps
         # no tensor alive: norm weights by weak reference, the guard having checked them)
         form = call._replace(t=None, table=None, spec=None, start_positions=None, positions=None,
@@ -164,6 +168,10 @@ class Backend:
         if (call.norm is not None or call.k_norm is not None) and not self.supports_norm:
             reasons.append(
                 "a norm before the rotation (norm=, q_norm=, k_norm=: HeadNorm) is not supported"
+            )
+        if call.cache_write is not None and not self.supports_cache_write:
+            reasons.append(
+                "a KV-cache write after the rotation (rope_to_cache) is not supported"
             )
         if call.in_place and not self.supports_in_place:
             reasons.append("in-place rotation (apply_) is not supported; it writes a new tensor")
