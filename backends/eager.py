@@ -106,12 +106,16 @@ def rope_tensors(
     return torch.cat((rotated, t[..., d2:].to(dtype)), dim=-1).contiguous()
 
 
-def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rope_eager(
+    call: RoPECall, dtype: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE of a checked call in plain PyTorch (see :func:`rope_tensors`; an inverse spec
     applies the transpose, autograd's backward then the rotation), after its norm
     stage in float32 (rounded once, at the end); in place, the rotated channels (every channel
     with a norm) are computed apart and copied back (autograd sees a ``copy_``). A packed
-    qkv call is split into q and k calls and a copy of v, a q and k pair into two calls."""
+    qkv call is split into q and k calls and a copy of v, a q and k pair into two calls.
+    ``dtype``: a single tensor's output dtype when not in place (default its own; float32 for
+    a cache stage that quantizes it)."""
     if call.tensors == "qkv":
         q_part, k_part, v = qkv_parts(call)
         return rope_eager(q_part), rope_eager(k_part), v.clone(memory_format=torch.contiguous_format)
@@ -126,13 +130,68 @@ def rope_eager(call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, torch.Tenso
     out = rope_tensors(
         t if call.norm is None else normalized(t, call.norm), cos, sin, spec.cu_seqlens,
         position_index(call), layout=spec.layout, interleaved=spec.interleaved,
-        cp_size=spec.cp_size, cp_rank=spec.cp_rank, scale=spec.cos_sin_scale, dtype=t.dtype,
-        transpose=spec.inverse,
+        cp_size=spec.cp_size, cp_rank=spec.cp_rank, scale=spec.cos_sin_scale,
+        dtype=t.dtype if dtype is None or call.in_place else dtype, transpose=spec.inverse,
     )
     if call.in_place:
         (call.t if call.norm is not None else t).copy_(out)
         return call.t
     return out
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def quantize(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(x / scale).to(dtype)`` with the division in float32. A number becomes a tensor on
+    ``x``'s device first: CUDA divides by a host number as a multiplication by its reciprocal,
+    which rounds differently."""
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.full((), scale, dtype=torch.float32, device=x.device)
+    return (x.float() / scale).to(dtype)
+
+
+def store(pages: torch.Tensor, page: torch.Tensor, entry: torch.Tensor, valid: torch.Tensor,
+          values: torch.Tensor) -> None:
+    """``pages[page[i], entry[i]] = values[i]`` for the tokens ``valid`` marks, bit for bit,
+    with no host read: a token not written repeats the first written token's write (the same
+    bytes to the same place), and when no token is written every write puts back the bytes of
+    entry (0, 0)."""
+    tokens = values.shape[0]
+    if tokens == 0:
+        return
+    bits = _BITS[values.element_size()]
+    target, values = pages.view(bits), values.view(bits)
+    first = torch.argmax(valid.int())  # the first written token, or 0 when none is
+    source = torch.where(valid, torch.arange(tokens, device=valid.device), first)
+    written = valid[first.reshape(1)]  # [1]: a 0-d index would be read on the host
+    page, entry = torch.where(written, page[source], 0), torch.where(written, entry[source], 0)
+    target.index_put_((page, entry), torch.where(written, values[source], target[0, 0]))
+
+
+def rope_to_cache_eager(call: RoPECall) -> torch.Tensor:
+    """The cache stage composed of eager steps: k rotated (float32 where the cache quantizes
+    it), k and v stored at their slots, then q rotated and given out (quantized where FP8)."""
+    write = call.cache_write
+    cache = write.cache
+    wide = torch.float32
+    k_rot = rope_eager(k_call(call)._replace(cache_write=None), wide if cache.quantized else None)
+    v = write.v
+    if cache.quantized:
+        k_rot = quantize(k_rot, cache.k_scale, cache.dtype)
+        v = quantize(v, cache.v_scale, cache.dtype)
+    k_pages, v_pages = cache.pages()
+    page, entry, valid = cache.locate()
+    store(k_pages, page, entry, valid, k_rot)
+    store(v_pages, page, entry, valid, v)
+    q_call = call._replace(tensors="t", k=None, k_norm=None, cache_write=None)
+    if write.q_scale is None:
+        q_rot = rope_eager(q_call)
+    else:
+        q_rot = quantize(rope_eager(q_call, wide), write.q_scale, write.q_dtype)
+    if write.q_out is None:
+        return q_rot
+    return write.q_out.copy_(q_rot)
 
 
 class EagerBackend(Backend):
@@ -145,9 +204,12 @@ class EagerBackend(Backend):
     supports_in_place = True
     supports_norm = True
     supports_inverse = True
+    supports_cache_write = True
     supports_positions = True
     tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"})
     tensors = frozenset({"t", "qk", "qkv"})
 
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if call.cache_write is not None:
+            return rope_to_cache_eager(call)
         return rope_eager(call)

@@ -23,8 +23,10 @@ if TYPE_CHECKING:  # what the first use loads (_PUBLIC), spelled out for type ch
     from .autotune import cache_dir, cache_entries, clear_cache
     from .call import RoPECall, check_call
     from .dispatch import (
-        Explanation, apply, apply_, apply_qk, apply_qk_, apply_qkv, explain, use_backend,
+        Explanation, apply, apply_, apply_qk, apply_qk_, apply_qkv, explain, rope_to_cache,
+        use_backend,
     )
+    from .kv_cache import FlashInferPagedKVCache, FlatKVCache, KVCache, PagedKVCache
     from .norm import HeadNorm
     from .errors import (
         BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError, UnknownBackendError,
@@ -42,9 +44,10 @@ _PUBLIC = {
     "autotune": ("cache_dir", "cache_entries", "clear_cache"),
     "call": ("RoPECall", "check_call"),
     "dispatch": ("Explanation", "apply", "apply_", "apply_qk", "apply_qk_", "apply_qkv", "explain",
-                 "use_backend"),
+                 "rope_to_cache", "use_backend"),
     "errors": ("BackendNotSupportedError", "NoBackendError", "RoPEError", "RoPETypeError",
                "UnknownBackendError"),
+    "kv_cache": ("FlashInferPagedKVCache", "FlatKVCache", "KVCache", "PagedKVCache"),
     "norm": ("HeadNorm",),
     "registry": ("Backend", "BackendInfo", "get_backend", "list_backends", "register"),
     "spec": ("RoPESpec",),

@@ -189,7 +189,8 @@ def _runner(backend: Backend, call: RoPECall) -> Callable[[RoPECall], Any]:
     launch included), else through :meth:`Backend.apply`."""
     if (
         type(call) is not RoPECall or type(call.t) is not torch.Tensor or call.k_table is not None
-        or call.spec.mrope_section is not None or reads_values(call.spec)
+        or call.cache_write is not None or call.spec.mrope_section is not None
+        or reads_values(call.spec)
     ):
         return backend.apply
     run = backend.plan(call)

@@ -85,6 +85,10 @@ class RoPECall(NamedTuple):
     """The norm stage of ``t`` (q of a pair or packed call) before the rotation."""
     k_norm: HeadNorm | None = None
     """k's norm stage (a pair or packed call)."""
+    cache_write: tuple | None = None
+    """The cache stage of a q and k pair (:func:`~rope_dispatch.rope_to_cache`), a
+    :class:`~rope_dispatch.kv_cache.CacheWrite`: rotated k and v written into a KV cache, q
+    given out (FP8 where asked)."""
 
     @property
     def norms(self) -> tuple[NormForm | None, NormForm | None] | None:
@@ -132,6 +136,8 @@ class CallKey(NamedTuple):
     """A dimension passes a secondary grid axis's 65,535 blocks."""
     norms: tuple | None = None
     """The norm stages' scopes (q's, k's; ``None`` for a side without), or ``None``."""
+    cache: tuple[str, str, str] | None = None
+    """A cache stage's kind, cache dtype and q output dtype (``CacheWrite.form``), or ``None``."""
 
     def fields(self) -> dict:
         """The named JSON fields autotune stores (``in_place``, ``qkv_split``, per-token
@@ -154,6 +160,8 @@ class CallKey(NamedTuple):
             fields["k_shape_bucket"] = list(self.k_shape_bucket)
         if self.norms is not None:
             fields["norms"] = list(self.norms)
+        if self.cache is not None:
+            fields["cache"] = list(self.cache)
         return fields
 
 
@@ -175,6 +183,7 @@ def call_key(call: RoPECall, size_limits: Sequence[int] = ()) -> CallKey:
         max(call.seq_len, call.batch) >= GRID_AXIS_LIMIT,
         None if call.norm is None and call.k_norm is None else
         tuple(None if n is None else n.scope for n in (call.norm, call.k_norm)),
+        None if call.cache_write is None else call.cache_write.form,
     )
 
 
@@ -622,6 +631,7 @@ def check_call(
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,
         in_place and grad_in_place, kind, split, k_table, bounded, positions, k, q_norm, k_norm,
+        None,
     ))
 
 

@@ -26,8 +26,9 @@ from . import call as call_module
 from .call import (
     CallKey, RoPECall, call_key, check_call, env_raw_reader, env_reader, grad_leaf, reads_values,
 )
-from .errors import BackendNotSupportedError, NoBackendError, RoPETypeError
+from .errors import BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError
 from .guards import Guard, tensor_guard
+from .kv_cache import KVCache, check_cache_call
 from .norm import HeadNorm
 from .registry import Backend
 from .spec import RoPESpec
@@ -156,6 +157,9 @@ def _describe(call: RoPECall) -> str:
     norms = "".join(f", {name} {n.scope} (offset {n.offset:g})"
                     for name, n in (("q_norm" if call.tensors != "t" else "norm", call.norm),
                                     ("k_norm", call.k_norm)) if n is not None)
+    if call.cache_write is not None:
+        kind, cache_dtype, q_dtype = call.cache_write.form
+        norms += f", k and v written to a {kind} KV cache of {cache_dtype}, q out {q_dtype}"
     return (
         f"{call.spec.layout}{packed} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on "
         f"{t.device}, rotary dim {call.rotary_dim}{norms}"
@@ -643,6 +647,41 @@ def _keep_plan(
     _recent = _recent_run = None
 
 
+def rope_to_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    freqs: torch.Tensor | RotaryTable,
+    spec: RoPESpec,
+    *,
+    positions: torch.Tensor,
+    cache: KVCache,
+    q_norm: HeadNorm | None = None,
+    k_norm: HeadNorm | None = None,
+    q_out: torch.Tensor | None = None,
+    q_scale: float | torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """A serving step's prologue: norm (optional), rotate q and k at ``positions``, write the
+    rotated k and ``v`` into ``cache`` at each token's slot, and return q rotated.
+
+    ``q`` ``[T, heads, d]``, ``k`` and ``v`` ``[T, kv_heads, d]`` (GQA, MQA; any strides),
+    ``spec`` of layout ``"thd"``, ``positions`` ``[T]`` each token's table row (any table kind).
+    ``cache``: a :class:`~rope_dispatch.PagedKVCache` (vLLM), a
+    :class:`~rope_dispatch.FlashInferPagedKVCache` or a :class:`~rope_dispatch.FlatKVCache`
+    (SGLang), of the model's dtype or FP8 (``x / scale`` cast as torch casts, the division in
+    float32); with partial rotary, the channels past it go into the cache as they are. A token
+    the cache skips (a negative slot, CUDA-graph padding) is still rotated in q. q comes back
+    new in q's dtype, or written into ``q_out`` (q's dtype or FP8); an FP8 ``q_out`` or a
+    ``q_scale`` (default ``float8_e4m3fn``) stores ``q / q_scale``. No host sync on a GPU; not
+    differentiable. Checked every call (never planned).
+    """
+    call = check_cache_call(q, k, v, freqs, spec, positions=positions, cache=cache,
+                            q_norm=q_norm, k_norm=k_norm, q_out=q_out, q_scale=q_scale)
+    chosen, _ = _choose(call, backend)
+    return chosen.apply(call)
+
+
 @dataclass
 class Explanation:
     """Which backend a call would run on and why; every other backend's reasons."""
@@ -684,18 +723,29 @@ def explain(
     k: torch.Tensor | None = None,
     q_norm: HeadNorm | None = None,
     k_norm: HeadNorm | None = None,
+    v: torch.Tensor | None = None,
+    cache: KVCache | None = None,
+    q_out: torch.Tensor | None = None,
+    q_scale: float | torch.Tensor | None = None,
 ) -> Explanation:
     """Which backend :func:`apply` (:func:`apply_` with ``in_place=True``, :func:`apply_qkv`
     with ``split``, :func:`apply_qk` with ``k``; ``q_norm`` is ``t``'s norm stage, ``k_norm``
     k's) would run for this call, why, and why not the others.
 
     It measures nothing: where the autotune cache holds no entry yet, it says the first call
-    would measure the candidates.
+    would measure the candidates. With a ``cache`` (and ``v``, ``q_out``, ``q_scale``) it
+    explains :func:`rope_to_cache` of q ``t``, ``k`` and ``v``.
     """
-    call = check_call(
-        t, freqs, spec, start_positions, in_place=in_place, split=split, k_freqs=k_freqs,
-        positions=positions, k=k, q_norm=q_norm, k_norm=k_norm,
-    )
+    if cache is None and not (v is None and q_out is None and q_scale is None):
+        raise RoPEError("v, q_out and q_scale are rope_to_cache's: explain it with cache= too")
+    if cache is not None:
+        call = check_cache_call(t, k, v, freqs, spec, positions=positions, cache=cache,
+                                q_norm=q_norm, k_norm=k_norm, q_out=q_out, q_scale=q_scale)
+    else:
+        call = check_call(
+            t, freqs, spec, start_positions, in_place=in_place, split=split, k_freqs=k_freqs,
+            positions=positions, k=k, q_norm=q_norm, k_norm=k_norm,
+        )
     forced, source = requested_backend(backend)
     supported, rejected = capable_backends(call)
     notes = {b.name: n for b in registry.backends() if (n := getattr(b, "explain_note", lambda c: "")(call))}

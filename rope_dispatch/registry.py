@@ -59,6 +59,9 @@ class Backend:
     """A norm stage before the rotation (:class:`~rope_dispatch.HeadNorm`)."""
     supports_inverse: ClassVar[bool] = False
     """The rotation by minus the angle (``RoPESpec.inverse``), forward and backward."""
+    supports_cache_write: ClassVar[bool] = False
+    """A KV-cache stage after the rotation (:func:`~rope_dispatch.rope_to_cache`): rotated k and
+    v written, quantized where the cache is FP8, at each token's slot of a cache descriptor."""
     tensors: ClassVar[frozenset[str]] = frozenset({"t"})
     """The call kinds it serves (:data:`~rope_dispatch.call.TENSOR_KINDS`): ``"t"`` single
     tensors, ``"qkv"`` packed qkv tensors."""
@@ -93,7 +96,8 @@ class Backend:
         keep a table alive. The default rebuilds the call around the new tensors; a backend may
         prepare more (the Triton backend binds its launch).
         """
-        assert call.k_table is None, "calls with a separate k table are never planned"
+        assert call.k_table is None and call.cache_write is None, \
+            "calls with a separate k table or a cache stage are never planned"
         # the sizes and settings the plan's key fixes, without the call's tensors (a plan keeps
         # no tensor alive: norm weights by weak reference, the guard having checked them)
         form = call._replace(t=None, table=None, spec=None, start_positions=None, positions=None,
@@ -169,6 +173,10 @@ class Backend:
             )
         if spec.inverse and not self.supports_inverse:
             reasons.append("the inverse rotation (spec.inverse=True) is not supported")
+        if call.cache_write is not None and not self.supports_cache_write:
+            reasons.append(
+                "a KV-cache write after the rotation (rope_to_cache) is not supported"
+            )
         if call.in_place and not self.supports_in_place:
             reasons.append("in-place rotation (apply_) is not supported; it writes a new tensor")
         if t.requires_grad and torch.is_grad_enabled() and not self.supports_autograd:
