@@ -145,19 +145,22 @@ def describe(call: RoPECall) -> Launch:
 
 
 def call_tables(call: RoPECall) -> Tables:
-    """A checked call's tables with their flags (:mod:`backends.triton_tables`); q and k of a
-    packed call with a table each read both alike, flagged or not."""
+    """A checked call's tables with their flags (:mod:`backends.triton_tables`), and its norm
+    weights where it has a norm stage; q and k of a packed call with a table each read both
+    alike, flagged or not."""
     spec, index = call.spec, position_index(call)
     rows = tt.rows_read(call.t, spec.layout, index)
-    tab, sin, cu = tt.launch_tables(call.table, rows, spec.cu_seqlens, spec.layout,
-                                    spec.interleaved)
+    norm = None if call.norm is None and call.k_norm is None else NormTensors(
+        tuple(None if n is None else n.weight for n in (call.norm, call.k_norm)))
     if call.k_table is None:
-        return Tables(tab, sin, cu, index)
+        tab, sin, cu = tt.launch_tables(call.table, rows, spec.cu_seqlens, spec.layout,
+                                        spec.interleaved)
+        return Tables(tab, sin, cu, index, norm=norm)
     q_tables = tt.flagged_tables(call.table, rows)
     k_tables = tt.flagged_tables(call.k_table, rows)
     if (q_tables[1] is None) != (k_tables[1] is None):
         q_tables, k_tables = kernel_tables(call.table), kernel_tables(call.k_table)
-    return Tables(*q_tables, spec.cu_seqlens, index, *k_tables)
+    return Tables(*q_tables, spec.cu_seqlens, index, *k_tables, norm=norm)
 
 
 def current_tables(tabs: Tables, layout: str) -> Tables:
@@ -471,8 +474,8 @@ def _segment_arguments(
     # the channels a token moves: a norm reads and writes every channel
     head_dim = rotary_dim if launch.in_place and norm is None else shape[-1]
     flags = tt.table_flags(table, sin)  # k's table is of q's kind
+    sms = 1 if kernels.INTERPRETED else tiles.sm_count(pairs[0][0][0].device.index)
     if config is None:
-        sms = 1 if kernels.INTERPRETED else tiles.sm_count(pairs[0][0][0].device.index)
         config = tiles.choose_config(
             n_tokens, counts, head_dim, rotary_dim, size,
             launch.interleaved, sms, tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
@@ -489,7 +492,6 @@ def _segment_arguments(
     if norm is not None and launch.backward and not whole:
         # each program sums the weights' gradient over several token blocks, while every SM
         # keeps its programs
-        sms = 1 if kernels.INTERPRETED else tiles.sm_count(pairs[0][0][0].device.index)
         blocks = -(-n_tokens // block_t)
         while (2 * token_iters <= min(blocks, tiles.NORM_TOKEN_ITERS)
                and -(-blocks // (2 * token_iters)) * head_groups

@@ -269,9 +269,6 @@ def rope(call: RoPECall) -> Any:
                                         k_norm=None))
                      for x, n in zip(inputs, (call.norm, call.k_norm)))
     tabs = call_tables(call)
-    if described.norm is not None:
-        tabs = tabs._replace(norm=NormTensors(tuple(None if n is None else n.weight
-                                                    for n in (call.norm, call.k_norm))))
     with on_device(inputs[0]):
         if grad:
             return RoPEFunction.apply(Rotation(described, tabs), *inputs, *weights)
@@ -342,10 +339,7 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     if call.k_table is not None or (described.norm is not None and grad) or (grad and (
             described.in_place or not all(x.is_contiguous() for x in inputs))):
         return generic
-    tabs = call_tables(call)
-    if described.norm is not None:  # the weights' addresses are bound (dispatch guards them)
-        tabs = tabs._replace(norm=NormTensors(tuple(None if n is None else n.weight
-                                                    for n in (call.norm, call.k_norm))))
+    tabs = call_tables(call)  # a norm stage's weights too (a plan binds their addresses)
     if tabs.table.data_ptr() != tt.user_table_address(call) or any(
             t is not None and not t.is_contiguous() for t in (tabs.cu, tabs.index)):
         return generic  # a table or index copied for the call: the kernel must read the user's
