@@ -71,6 +71,28 @@ def _norm_weights(
 
 
 @triton.jit
+def _gradient_and_source(
+    g_a, g_b, g_p, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssd, c_mask, p_mask,
+    cos_a, cos_b, coef_a, coef_b, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, GROUPED: tl.constexpr,
+):
+    """A backward chunk's ``z = rotate^T(g)`` (the output gradient ``g`` rotated back) and the
+    forward input's chunk ``s`` at the same heads, all float32: ``(z_a, z_b, z_p, s_a, s_b,
+    s_p)``. Tokens past the end and channels past the rotary ones have NaN angles: their ``z``
+    is zero, so they stay out of the sums."""
+    s_a, s_b, s_p = _load_chunk(
+        s_row, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssg, ssh, ssd, c_mask, p_mask,
+        ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
+    )
+    z_a, z_b = _rotated(g_a, g_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED, BLOCK_T, BLOCK_H,
+                        BLOCK_R)
+    inside = tok_mask[:, None, None] & c_mask[None, None, :]
+    return (tl.where(inside, z_a, 0.0), tl.where(inside, z_b, 0.0), g_p.to(tl.float32),
+            s_a.to(tl.float32), s_b.to(tl.float32), s_p.to(tl.float32))
+
+
+@triton.jit
 def _norm_rope_program(
     super_block, head_group, x_ptr, out_ptr, src_ptr, w_ptr, part_ptr, tab_ptr, sin_ptr, cu_ptr,
     pos_ptr, n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, group, n_seqs,
@@ -139,24 +161,17 @@ def _norm_rope_program(
                     GROUPED,
                 )
                 if BACKWARD:
-                    s_a, s_b, s_p = _load_chunk(
-                        s_row, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssg, ssh, ssd,
-                        c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
-                        GROUPED,
+                    z_a, z_b, z_p, s_a, s_b, s_p = _gradient_and_source(
+                        x_a, x_b, kept, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssd,
+                        c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM, PASS_DIM,
+                        INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
                     )
-                    s_a = s_a.to(tl.float32)
-                    s_b = s_b.to(tl.float32)
-                    s_p = s_p.to(tl.float32)
                     hh = head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)
                     w_a, w_b, w_p = _norm_weights(w_ptr, hh, heads, c, c_mask, p_mask, NORM, OFFSET,
                                                   ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_P)
-                    z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
-                                        BLOCK_T, BLOCK_H, BLOCK_R)
-                    z_a = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_a, 0.0)
-                    z_b = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_b, 0.0)
                     squares += _total(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
                                                    PASS_DIM), 1)[:, None]
-                    dots += _total(_channel_sum(z_a * w_a, z_b * w_b, kept.to(tl.float32) * w_p,
+                    dots += _total(_channel_sum(z_a * w_a, z_b * w_b, z_p * w_p,
                                                 s_a, s_b, s_p, INTERLEAVED, PASS_DIM), 1)[:, None]
                 else:
                     x_a = x_a.to(tl.float32)
@@ -188,21 +203,11 @@ def _norm_rope_program(
                 w_a, w_b, w_p = _norm_weights(w_ptr, hh, heads, c, c_mask, p_mask, NORM, OFFSET,
                                               ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_P)
                 if BACKWARD:
-                    s_a, s_b, s_p = _load_chunk(
-                        s_row, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssg, ssh, ssd,
-                        c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
-                        GROUPED,
+                    z_a, z_b, z_p, s_a, s_b, s_p = _gradient_and_source(
+                        x_a, x_b, kept, s_row, tok_mask, head_lo, it, heads, group, ssg, ssh, ssd,
+                        c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM, PASS_DIM,
+                        INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
                     )
-                    s_a = s_a.to(tl.float32)
-                    s_b = s_b.to(tl.float32)
-                    s_p = s_p.to(tl.float32)
-                    z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
-                                        BLOCK_T, BLOCK_H, BLOCK_R)
-                    # tokens past the end and channels past the rotary ones have NaN angles: keep
-                    # them out of the sums
-                    z_a = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_a, 0.0)
-                    z_b = tl.where(tok_mask[:, None, None] & c_mask[None, None, :], z_b, 0.0)
-                    z_p = kept.to(tl.float32)
                     if NORM == 1:
                         r = tl.rsqrt(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
                                                   PASS_DIM) / HEAD_DIM + EPS)[:, :, None]
