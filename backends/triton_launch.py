@@ -475,17 +475,18 @@ def _segment_arguments(
     head_dim = rotary_dim if launch.in_place and norm is None else shape[-1]
     flags = tt.table_flags(table, sin)  # k's table is of q's kind
     sms = 1 if kernels.INTERPRETED else tiles.sm_count(pairs[0][0][0].device.index)
+    whole = [] if norm is None else [
+        n for n, form in zip(heads, norm) if form is not None and form.scope == "heads"]
+    if config is None and norm is not None and launch.backward and not whole:
+        config = tiles.norm_backward_config(counts, rotary_dim, head_dim, launch.interleaved)
     if config is None:
         config = tiles.choose_config(
             n_tokens, counts, head_dim, rotary_dim, size,
             launch.interleaved, sms, tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
             tiles.reads_cache_rows(flags), span_dim=shape[-1], sines=not flags[0])
     block_t, block_h, head_iters, block_r, block_p, num_warps = config
-    whole = []
-    if norm is not None:
-        whole = [n for n, form in zip(heads, norm) if form is not None and form.scope == "heads"]
-        if whole:  # a norm over a token's heads: one program holds them all
-            head_iters = max(head_iters, -(-max(whole) // block_h))
+    if whole:  # a norm over a token's heads: one program holds them all
+        head_iters = max(head_iters, -(-max(whole) // block_h))
     groups = [-(-n // (block_h * head_iters)) for n in heads]
     head_groups = sum(groups) if has_v else groups[0] + groups[1]
     token_iters = 1
@@ -551,6 +552,31 @@ def norm_partials(described: Launch, inputs: Sequence[torch.Tensor],
         made.append(x[0].new_empty(rows, d if form.scope == "head" else heads * d,
                                    dtype=torch.float32))
     return made[0], made[1]
+
+
+def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
+                 weights: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple:
+    """The norm weights' gradients (each weight's dtype) from a backward's partial rows
+    (:func:`norm_partials`), q's and k's in one launch; zeros for a weight whose call moved
+    no data. One entry per weight given."""
+    grads = [None if w is None else torch.empty_like(w) if p is not None and p.shape[0]
+             else torch.zeros_like(w) for p, w in zip(partials, weights)]
+    live = [(p, g) if p is not None and p.shape[0] and g is not None else None
+            for p, g in zip(partials, grads)]
+    if any(live):
+        from .triton_norm_kernels import weight_grad_kernel
+
+        (q_part, q_grad), (k_part, k_grad) = (x or live[0] or live[1] for x in live)
+        q_width = q_part.shape[1] if live[0] else 0
+        k_width = k_part.shape[1] if live[1] else 0
+        grid = (-(-q_width // tiles.WEIGHT_GRAD_COLS) + -(-k_width // tiles.WEIGHT_GRAD_COLS),)
+        weight_grad_kernel[grid](q_part, q_grad, k_part, k_grad, q_part.shape[0], k_part.shape[0],
+                                 q_width, k_width, BLOCK_ROWS=tiles.WEIGHT_GRAD_ROWS,
+                                 BLOCK_COLS=tiles.WEIGHT_GRAD_COLS, ROW_ITERS=tiles.next_pow2(
+                                     -(-max(q_part.shape[0], k_part.shape[0])
+                                       // tiles.WEIGHT_GRAD_ROWS)),
+                                 num_warps=tiles.WEIGHT_GRAD_WARPS)
+    return tuple(g for g in grads if g is not None)
 
 
 def _at(t: torch.Tensor, offset: int) -> torch.Tensor:

@@ -329,3 +329,38 @@ def rope_norm_kernel(
                 vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
                 LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
             )
+
+
+@triton.jit
+def _column_sums(part_ptr, grad_ptr, rows, width, block, BLOCK_ROWS: tl.constexpr,
+                 BLOCK_COLS: tl.constexpr, ROW_ITERS: tl.constexpr):
+    """Columns ``block * BLOCK_COLS ...`` of float32 ``[rows, width]`` summed in row order into
+    ``grad_ptr`` (cast to its dtype by the store); ``rows`` is at most ``ROW_ITERS *
+    BLOCK_ROWS``."""
+    cols = block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < width
+    r = tl.arange(0, BLOCK_ROWS)
+    acc = (r[:, None] + cols[None, :] * 0).to(tl.float32) * 0.0
+    for i in range(ROW_ITERS):
+        start = i * BLOCK_ROWS
+        mask = ((start + r) < rows)[:, None] & col_mask[None, :]
+        acc += tl.load(part_ptr + (start + r).to(tl.int64)[:, None] * width + cols[None, :],
+                       mask=mask, other=0.0)
+    tl.store(grad_ptr + cols, _total(acc, 0), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["q_rows", "k_rows"])
+def weight_grad_kernel(q_part, q_grad, k_part, k_grad, q_rows, k_rows, q_width, k_width,
+                       BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                       ROW_ITERS: tl.constexpr):
+    """The norm weights' gradients from a backward's partial rows (``rope_norm_kernel``'s
+    ``?_part``), q's and k's in one launch: a program sums ``BLOCK_COLS`` columns of one side
+    over all its rows, always in the same order (deterministic); ``ROW_ITERS`` row tiles, a
+    power of two (a kernel for every few sizes, not every size)."""
+    q_blocks = (q_width + BLOCK_COLS - 1) // BLOCK_COLS
+    block = tl.program_id(0)
+    if block < q_blocks:
+        _column_sums(q_part, q_grad, q_rows, q_width, block, BLOCK_ROWS, BLOCK_COLS, ROW_ITERS)
+    else:
+        _column_sums(k_part, k_grad, k_rows, k_width, block - q_blocks, BLOCK_ROWS, BLOCK_COLS,
+                     ROW_ITERS)

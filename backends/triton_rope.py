@@ -125,8 +125,7 @@ class Rotation:
         with on_device(grads[0]):
             partials = tl.norm_partials(back, grads, outs, tabs)
             launch(back, grads, outs, tabs._replace(norm=NormTensors(weights, sources, partials)))
-        summed = tuple(torch.zeros_like(w) if p is None else p.sum(0).to(w.dtype)
-                       for p, w in zip(partials, weights) if w is not None)
+            summed = tl.weight_grads(partials, weights)
         return (*outs, *summed)
 
 

@@ -10,9 +10,16 @@ import functools
 import torch
 
 
-NORM_TOKEN_ITERS = 64
+NORM_TOKEN_ITERS = 16
 """At most this many token blocks a program in a norm backward (backends/triton_norm_kernels.py),
 each program's weight gradient summed over them before one reduction."""
+NORM_BACKWARD_ROWS = 32
+"""A norm backward's tile: this many (token, head) rows, heads first, up to 8 heads."""
+WEIGHT_GRAD_ROWS = 512
+WEIGHT_GRAD_COLS = 16
+WEIGHT_GRAD_WARPS = 8
+"""The tile of the norm weights' final sum (``weight_grad_kernel``): a program's columns, read
+this many partial rows at a time, on this many warps."""
 
 
 def next_pow2(n: int) -> int:
@@ -133,6 +140,16 @@ def qk_cache_row_tile(n_tokens: int, counts: tuple[int, ...], head_dim: int,
         block_t, block_h = WIDE_HEAD_CACHE_TILE
         return min(block_t, next_pow2(n_tokens)), min(block_h, heads)
     return None
+
+
+def norm_backward_config(counts: tuple[int, ...], rotary_dim: int, head_dim: int,
+                         interleaved: bool) -> Config:
+    """The tile of a norm backward over each head (``rope_norm_kernel``): ``NORM_BACKWARD_ROWS``
+    rows of up to 8 heads of the tensor with the fewest, on ``WARPS`` warps."""
+    block_h = min(8, next_pow2(min(counts)))
+    block_r = next_pow2(rotary_dim) if interleaved else next_pow2(rotary_dim // 2)
+    block_p = next_pow2(head_dim - rotary_dim) if head_dim > rotary_dim else 1
+    return NORM_BACKWARD_ROWS // block_h, block_h, 1, block_r, block_p, WARPS
 
 
 def choose_config(

@@ -953,12 +953,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="the packed-qkv series instead (apply_qkv against TE's fused-QKV "
                              "API; sbhd and bshd)")
     parser.add_argument("--no-peers", action="store_true", help="skip TransformerEngine and Liger")
+    parser.add_argument("--large", action="store_true",
+                        help="only the points from 64 MiB (the 95%%-of-copy target's)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.sweep needs a CUDA device (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
     points = sweep_points(args.layouts, [DTYPES[d] for d in args.dtypes], args.quick, args.qkv)
+    if args.large:
+        points = [p for p in points if p.tensor_bytes() >= LARGE_TENSOR_BYTES]
     report = SweepReport(torch.cuda.get_device_name(), datetime.date.today().isoformat(),
                          _versions(), [])
     args.out.mkdir(parents=True, exist_ok=True)
