@@ -205,6 +205,7 @@ class EagerBackend(Backend):
     supports_norm = True
     supports_inverse = True
     supports_cache_write = True
+    supports_cache_v_head_dim = True
     supports_positions = True
     tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"})
     tensors = frozenset({"t", "qk", "qkv"})

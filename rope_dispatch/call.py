@@ -137,7 +137,8 @@ class CallKey(NamedTuple):
     norms: tuple | None = None
     """The norm stages' scopes (q's, k's; ``None`` for a side without), or ``None``."""
     cache: tuple[str, str, str] | None = None
-    """A cache stage's kind, cache dtype and q output dtype (``CacheWrite.form``), or ``None``."""
+    """A cache stage's kind, cache dtype and q output dtype, and v's head dim where it differs
+    from k's (``CacheWrite.form``), or ``None``."""
 
     def fields(self) -> dict:
         """The named JSON fields autotune stores (``in_place``, ``qkv_split``, per-token

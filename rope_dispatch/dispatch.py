@@ -158,8 +158,9 @@ def _describe(call: RoPECall) -> str:
                     for name, n in (("q_norm" if call.tensors != "t" else "norm", call.norm),
                                     ("k_norm", call.k_norm)) if n is not None)
     if call.cache_write is not None:
-        kind, cache_dtype, q_dtype = call.cache_write.form
-        norms += f", k and v written to a {kind} KV cache of {cache_dtype}, q out {q_dtype}"
+        kind, cache_dtype, q_dtype, *v_head_dim = call.cache_write.form
+        v_dim = f" (v head dim {v_head_dim[0]})" if v_head_dim else ""
+        norms += f", k and v written to a {kind} KV cache of {cache_dtype}{v_dim}, q out {q_dtype}"
     return (
         f"{call.spec.layout}{packed} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on "
         f"{t.device}, rotary dim {call.rotary_dim}{norms}"
@@ -665,7 +666,9 @@ def rope_to_cache(
     """A serving step's prologue: norm (optional), rotate q and k at ``positions``, write the
     rotated k and ``v`` into ``cache`` at each token's slot, and return q rotated.
 
-    ``q`` ``[T, heads, d]``, ``k`` and ``v`` ``[T, kv_heads, d]`` (GQA, MQA; any strides),
+    ``q`` ``[T, heads, d]``, ``k`` ``[T, kv_heads, d]`` and ``v`` ``[T, kv_heads, dv]`` (GQA,
+    MQA; any strides; ``dv`` may differ from ``d``, the v cache's head dim then ``dv``: MLA's
+    compressed kv beside the rotated key part),
     ``spec`` of layout ``"thd"``, ``positions`` ``[T]`` each token's table row (any table kind).
     ``cache``: a :class:`~rope_dispatch.PagedKVCache` (vLLM), a
     :class:`~rope_dispatch.FlashInferPagedKVCache` or a :class:`~rope_dispatch.FlatKVCache`

@@ -12,8 +12,10 @@ k and its v, in the layouts serving engines keep.
 The cache holds the model's dtype, or FP8 (``float8_e4m3fn``, ``float8_e5m2``), which stores
 ``(x / scale).to(dtype)`` with the division in float32 (vLLM's ``k_scale``/``v_scale``
 convention; FlashInfer's ``quant_scale_kv`` multiplies instead, so it is ``1 / k_scale``). The
-scales are used only by FP8 caches. Backends see every descriptor in one form: k and v views
-``[pages, page_size, kv_heads, head_dim]`` (:meth:`KVCache.pages`) and, per token, its page,
+scales are used only by FP8 caches. The v cache may have a head dim of its own (v's: MLA's
+compressed kv beside the rotated key part); every other dim is k's. Backends see every
+descriptor in one form: k and v views ``[pages, page_size, kv_heads, head_dim]``
+(:meth:`KVCache.pages`) and, per token, its page,
 its entry in the page and whether it is written (:meth:`KVCache.locate`), computed on the device
 with no host read. A token whose slot lies outside the cache is skipped there; on the CPU (and
 in strict mode, ``ROPE_DISPATCH_CHECK_VALUES=1``) it is an error naming the value
@@ -81,8 +83,8 @@ def _index(value: object, name: str) -> torch.Tensor:
 
 def _cache_pair(k_cache: object, v_cache: object, names: tuple[str, str], dims: int,
                 form: str) -> None:
-    """k and v caches: tensors of ``dims`` dims (``form`` names them), one shape, dtype and
-    device, writable, apart."""
+    """k and v caches: tensors of ``dims`` dims (``form`` names them), writable, apart, of one
+    dtype and device and one shape but for the head dim (the last: v may have its own)."""
     for value, name in zip((k_cache, v_cache), names):
         if not isinstance(value, torch.Tensor):
             raise RoPETypeError(f"{name} must be a torch.Tensor {form}, got {type(value).__name__}")
@@ -95,9 +97,11 @@ def _cache_pair(k_cache: object, v_cache: object, names: tuple[str, str], dims: 
             )
         if expanded_dim(value) is not None:
             raise RoPEError(f"{name} is an expanded tensor (a dim of stride 0); it cannot be written")
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
+    if (k_cache.shape[:-1] != v_cache.shape[:-1] or k_cache.dtype != v_cache.dtype
+            or k_cache.device != v_cache.device):
         raise RoPEError(
-            f"{names[0]} and {names[1]} must have one shape, dtype and device, got "
+            f"{names[0]} and {names[1]} must have one dtype, device and shape but for the head "
+            f"dim (the last), got "
             f"{tuple(k_cache.shape)} {dtype_name(k_cache.dtype)} on {k_cache.device} and "
             f"{tuple(v_cache.shape)} {dtype_name(v_cache.dtype)} on {v_cache.device}"
         )
@@ -382,26 +386,34 @@ class CacheWrite(NamedTuple):
     q_out: torch.Tensor | None
     q_dtype: torch.dtype
     q_scale: Scale | None
+    v_head_dim: int | None = None
+    """v's head dim where it differs from k's (a backend serves that only where it declares
+    :attr:`~rope_dispatch.Backend.supports_cache_v_head_dim`), else ``None``."""
 
     @property
-    def form(self) -> tuple[str, str, str]:
-        """What choosing a backend may depend on: the cache kind, its dtype, q's output dtype."""
-        return self.cache.kind, dtype_name(self.cache.dtype), dtype_name(self.q_dtype)
+    def form(self) -> tuple[str, str, str] | tuple[str, str, str, int]:
+        """What choosing a backend may depend on: the cache kind, its dtype, q's output dtype,
+        and v's head dim where it differs from k's."""
+        form = self.cache.kind, dtype_name(self.cache.dtype), dtype_name(self.q_dtype)
+        return form if self.v_head_dim is None else (*form, self.v_head_dim)
 
 
 def _check_v(v: object, k: torch.Tensor) -> torch.Tensor:
+    """v ``[T, kv_heads, dv]``: k's tokens, kv heads, dtype and device; its own head dim."""
     if not isinstance(v, torch.Tensor):
         raise RoPETypeError(f"v must be a torch.Tensor, got {type(v).__name__}")
-    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+    if v.dim() != k.dim() or v.shape[:-1] != k.shape[:-1] or v.dtype != k.dtype or v.device != k.device:
         raise RoPEError(
-            f"v must have k's shape, dtype and device ({tuple(k.shape)} {dtype_name(k.dtype)} on "
-            f"{k.device}), got {tuple(v.shape)} {dtype_name(v.dtype)} on {v.device}"
+            f"v must be [T, kv_heads, head_dim] with k's tokens and kv heads {tuple(k.shape[:-1])}, "
+            f"dtype and device ({dtype_name(k.dtype)} on {k.device}) and any head dim, got "
+            f"{tuple(v.shape)} {dtype_name(v.dtype)} on {v.device}"
         )
     return v
 
 
-def _check_cache(cache: object, k: torch.Tensor) -> KVCache:
-    """The descriptor against k: device, dtype (k's or FP8), kv heads, head dim, tokens."""
+def _check_cache(cache: object, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+    """The descriptor against k and v: device, dtype (k's or FP8), kv heads, head dims,
+    tokens."""
     if not isinstance(cache, KVCache):
         raise RoPETypeError(
             "cache must be a rope_dispatch.PagedKVCache, FlashInferPagedKVCache or FlatKVCache, "
@@ -420,6 +432,12 @@ def _check_cache(cache: object, k: torch.Tensor) -> KVCache:
         raise RoPEError(
             f"{name} k_cache {tuple(cache.k_cache.shape)} holds {heads} kv heads of head dim "
             f"{head_dim} but k {tuple(k.shape)} has {k.shape[-2]} heads of {k.shape[-1]}"
+        )
+    v_head_dim = cache.pages()[1].shape[-1]
+    if v_head_dim != v.shape[-1]:
+        raise RoPEError(
+            f"{name} v_cache {tuple(cache.v_cache.shape)} holds a head dim of {v_head_dim} but "
+            f"v {tuple(v.shape)} has {v.shape[-1]}"
         )
     for field in cache.index_names:
         index = getattr(cache, field)
@@ -486,8 +504,9 @@ def check_cache_call(
             "call it under torch.no_grad() or torch.inference_mode()"
         )
     v = _check_v(v, k)
-    cache = _check_cache(cache, k)
+    cache = _check_cache(cache, k, v)
     q_dtype, q_scale = _check_q_out(q, q_out, q_scale)
     if _host_reads_allowed() and any(_reads(getattr(cache, f)) for f in cache.index_names):
         cache.check_values()
-    return call._replace(cache_write=CacheWrite(cache, v, q_out, q_dtype, q_scale))
+    v_head_dim = v.shape[-1] if v.shape[-1] != k.shape[-1] else None
+    return call._replace(cache_write=CacheWrite(cache, v, q_out, q_dtype, q_scale, v_head_dim))

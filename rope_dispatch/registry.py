@@ -62,6 +62,9 @@ class Backend:
     supports_cache_write: ClassVar[bool] = False
     """A KV-cache stage after the rotation (:func:`~rope_dispatch.rope_to_cache`): rotated k and
     v written, quantized where the cache is FP8, at each token's slot of a cache descriptor."""
+    supports_cache_v_head_dim: ClassVar[bool] = False
+    """In that stage, a v (and v cache) whose head dim differs from k's: MLA's compressed kv
+    written beside the rotated key part, or a model whose v heads are narrower than its k."""
     tensors: ClassVar[frozenset[str]] = frozenset({"t"})
     """The call kinds it serves (:data:`~rope_dispatch.call.TENSOR_KINDS`): ``"t"`` single
     tensors, ``"qkv"`` packed qkv tensors."""
@@ -176,6 +179,12 @@ class Backend:
         if call.cache_write is not None and not self.supports_cache_write:
             reasons.append(
                 "a KV-cache write after the rotation (rope_to_cache) is not supported"
+            )
+        elif (call.cache_write is not None and call.cache_write.v_head_dim is not None
+                and not self.supports_cache_v_head_dim):
+            reasons.append(
+                f"a v head dim of its own in the KV-cache write (v {call.cache_write.v_head_dim}, "
+                f"k {call.k.shape[-1]}) is not supported"
             )
         if call.in_place and not self.supports_in_place:
             reasons.append("in-place rotation (apply_) is not supported; it writes a new tensor")

@@ -87,27 +87,29 @@ class Built:
 
 def build_cache(layout: str, tokens: int, heads: int, dim: int, dtype: torch.dtype,
                 padded: list[bool], gen: torch.Generator, scales: tuple = (1.0, 1.0),
-                page_size: int = 4) -> Built:
+                page_size: int = 4, v_dim: int | None = None) -> Built:
     """A cache of ``layout`` with random contents and room for every token, each token not
-    ``padded`` given its own random slot (the padded ones a skipping index)."""
+    ``padded`` given its own random slot (the padded ones a skipping index); v's head dim
+    ``v_dim`` (default k's)."""
     pages = tokens // page_size + 3
     k_scale, v_scale = scales
+    dims = (dim, dim if v_dim is None else v_dim)
     kept = [i for i in range(tokens) if not padded[i]]
     if layout == "flat":
-        k, v = (random_bytes((pages * page_size, heads, dim), dtype, gen) for _ in range(2))
+        k, v = (random_bytes((pages * page_size, heads, d), dtype, gen) for d in dims)
         slots = torch.randperm(pages * page_size, generator=gen)[: tokens].tolist()
         loc = torch.tensor([-1 if padded[i] else slots[i] for i in range(tokens)])
         cache = rd.FlatKVCache(k, v, loc, k_scale=k_scale, v_scale=v_scale)
         return Built(cache, k.unsqueeze(1), v.unsqueeze(1), {i: (slots[i], 0) for i in kept})
     if layout == "vllm":
-        k, v = (random_bytes((pages, page_size, heads, dim), dtype, gen) for _ in range(2))
+        k, v = (random_bytes((pages, page_size, heads, d), dtype, gen) for d in dims)
         slots = torch.randperm(pages * page_size, generator=gen)[: tokens].tolist()
         mapping = torch.tensor([-1 if padded[i] else slots[i] for i in range(tokens)])
         cache = rd.PagedKVCache(k, v, mapping, k_scale=k_scale, v_scale=v_scale)
         return Built(cache, k, v, {i: divmod(slots[i], page_size) for i in kept})
     hnd = layout.endswith("HND")
-    shape = (pages, heads, page_size, dim) if hnd else (pages, page_size, heads, dim)
-    k, v = (random_bytes(shape, dtype, gen) for _ in range(2))
+    k, v = (random_bytes((pages, heads, page_size, d) if hnd else (pages, page_size, heads, d),
+                         dtype, gen) for d in dims)
     # two requests: each owns enough pages for every token, in a random order of the cache's
     half = pages // 2
     order = torch.randperm(pages, generator=gen).tolist()
@@ -134,22 +136,24 @@ def build_cache(layout: str, tokens: int, heads: int, dim: int, dtype: torch.dty
 def check_call_against_reference(
     layout: str, model: torch.dtype, cache_dtype: torch.dtype, *, tokens: int, kv_heads: int,
     group: int, dim: int, rotary: int, interleaved: bool, norms: bool, padded: list[bool],
-    q_mode: str = "model", seed: int = 0,
+    q_mode: str = "model", seed: int = 0, v_dim: int | None = None,
 ) -> None:
     """One call of every feature asked, checked against the float64 reference: q out, each
-    written token's k and v, and every other byte of both caches."""
+    written token's k and v, and every other byte of both caches. ``v_dim``: v's head dim
+    (default k's)."""
     gen = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     q = torch.randn(tokens, heads, dim, generator=gen).to(model)
     k = torch.randn(tokens, kv_heads, dim, generator=gen).to(model)
-    v = torch.randn(tokens, kv_heads, dim, generator=gen).to(model)
+    v = torch.randn(tokens, kv_heads, dim if v_dim is None else v_dim, generator=gen).to(model)
     angles = angle_table(40, rotary, interleaved)
     positions = torch.randint(0, 40, (tokens,), generator=gen)
     q_weight = (1 + 0.2 * torch.randn(dim, generator=gen)).to(model) if norms else None
     k_weight = (1 + 0.2 * torch.randn(dim, generator=gen)).to(model) if norms else None
     fp8_cache = cache_dtype in FP8
     scales = (0.03, 0.02) if fp8_cache else (1.0, 1.0)
-    built = build_cache(layout, tokens, kv_heads, dim, cache_dtype, padded, gen, scales)
+    built = build_cache(layout, tokens, kv_heads, dim, cache_dtype, padded, gen, scales,
+                        v_dim=v_dim)
     k_before, v_before = built.k_pages.clone(), built.v_pages.clone()
     q_scale, q_out = None, None
     if q_mode == "fp8-scale":
@@ -181,13 +185,15 @@ def check_call_against_reference(
     for token, (page, entry) in built.places.items():
         written[page, entry] = True
         assert_rounds_like(built.k_pages[page, entry], k_ref[token], scales[0], f"k of token {token}")
+        if v.shape[-1] == 0:
+            continue
         assert_rounds_like(built.v_pages[page, entry], v[token].double(), scales[1],
                            f"v of token {token}")
     for name, after, before in (("k", built.k_pages, k_before), ("v", built.v_pages, v_before)):
         bytes_after, bytes_before = after.view(torch.uint8), before.view(torch.uint8)
         assert torch.equal(bytes_after[~written], bytes_before[~written]), (
             f"the call wrote {name} cache slots no token maps to")
-    if not fp8_cache and q_mode in ("model", "into-q") and not norms:
+    if not fp8_cache and q_mode in ("model", "into-q") and not norms and v_dim in (None, dim):
         # the write is the rotation apply_qk gives, bit for bit
         q_rot, k_rot = rd.apply_qk(q_in, k, angles, spec, positions=positions, backend="eager")
         assert torch.equal(out, q_rot)
@@ -239,6 +245,48 @@ def test_matches_reference(layout, model, fp8, tokens, kv_heads, group, dim, rot
         layout, model, model if fp8 is None else fp8, tokens=tokens, kv_heads=kv_heads,
         group=group, dim=dim, rotary=rotary, interleaved=interleaved, norms=norms,
         padded=padded[:tokens], q_mode=q_mode, seed=seed)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cache_dtype,v_dim", [(torch.bfloat16, 24), (torch.float8_e4m3fn, 40),
+                                               (torch.float8_e5m2, 0)],
+                         ids=["bf16-v24", "e4m3-v40", "e5m2-v0"])
+def test_v_with_a_head_dim_of_its_own(layout, cache_dtype, v_dim):
+    """v and its cache may have their own head dim (MLA's compressed kv written beside the
+    rotated key part; none at all, too): k as before, v stored as it is, the rest untouched."""
+    check_call_against_reference(
+        layout, torch.bfloat16, cache_dtype, tokens=6, kv_heads=1, group=4, dim=16, rotary=16,
+        interleaved=False, norms=False, padded=[False, False, True, False, False, False],
+        q_mode="fp8-scale", v_dim=v_dim)
+
+
+def test_a_v_head_dim_of_its_own_is_a_capability_and_part_of_the_key():
+    """A backend serves a v head dim unlike k's only where it says so; such a call's decision
+    key is not a same-head-dim call's."""
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(5, 4, 8, generator=gen).bfloat16(), torch.randn(5, 1, 8, generator=gen).bfloat16()
+    v = torch.randn(5, 1, 12, generator=gen).bfloat16()
+    spec, table, positions = rd.RoPESpec(layout="thd", dtype="bf16"), angle_table(32, 8, False), torch.arange(5)
+    built = build_cache("flat", 5, 1, 8, torch.float8_e4m3fn, [False] * 5, gen, v_dim=12)
+    call = rd.kv_cache.check_cache_call(q, k, v, table, spec, positions=positions, cache=built.cache)
+
+    class SameHeadDims(rd.Backend):
+        name = "same-head-dims"
+        tensors = frozenset({"t", "qk"})
+        supports_positions = True
+        supports_cache_write = True
+
+    assert SameHeadDims().not_supported_reasons(call) == [
+        "a v head dim of its own in the KV-cache write (v 12, k 8) is not supported"]
+    assert rd.get_backend("eager").not_supported_reasons(call) == []
+    assert rd.call.call_key(call).fields()["cache"] == ["flat", "float8_e4m3fn", "bfloat16", 12]
+    text = str(rd.explain(q, table, spec, k=k, v=v, positions=positions, cache=built.cache))
+    assert "flat KV cache of float8_e4m3fn (v head dim 12), q out bfloat16" in text
+    same = build_cache("flat", 5, 1, 8, torch.float8_e4m3fn, [False] * 5, gen)
+    plain = rd.kv_cache.check_cache_call(q, k, v[..., :8], table, spec, positions=positions,
+                                         cache=same.cache)
+    assert not SameHeadDims().not_supported_reasons(plain)
+    assert rd.call.call_key(plain) != rd.call.call_key(call)
 
 
 def small_call(cache_dtype=torch.bfloat16, tokens=5, layout="vllm", padded=None):
@@ -407,11 +455,14 @@ def test_bad_arguments_are_named():
          "PagedKVCache v_scale must be .* got float16"),
         (lambda: paged(k_scale=0.0), "k_scale must be a positive finite number, got 0.0"),
         (lambda: paged(k_scale=torch.tensor(-1.0)), "k_scale must be positive, got -1.0"),
-        (lambda: paged(v_cache=vc[:-1]), "must have one shape, dtype and device"),
+        (lambda: paged(v_cache=vc[:-1]), "must have one dtype, device and shape but for the head dim"),
+        (lambda: call(v=v[..., :4]), r"PagedKVCache v_cache \(4, 4, 2, 8\) holds a head dim of 8 but "
+                                     r"v \(5, 2, 4\) has 4"),
         (lambda: paged(v_cache=kc), "are the same memory"),
         (lambda: paged(kc[0], vc[0]), r"\[num_blocks, block_size, kv_heads, head_dim\]"),
-        (lambda: call(v=v[:, :1]), r"v must have k's shape, dtype and device \(\(5, 2, 8\) "
-                                   r"bfloat16 on cpu\), got \(5, 1, 8\)"),
+        (lambda: call(v=v[:, :1]), r"v must be \[T, kv_heads, head_dim\] with k's tokens and kv "
+                                   r"heads \(5, 2\), dtype and device \(bfloat16 on cpu\) and any "
+                                   r"head dim, got \(5, 1, 8\)"),
         (lambda: call(cache=kc), "cache must be a rope_dispatch.PagedKVCache"),
         (lambda: call(positions=None), "rope_to_cache needs positions"),
         (lambda: call(spec=rd.RoPESpec(layout="bshd", dtype="bf16")), "layout 'thd'"),

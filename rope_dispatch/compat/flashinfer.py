@@ -1,31 +1,82 @@
-"""The serving engines' RoPE call (FlashInfer's ``apply_rope_with_cos_sin_cache_inplace``, the
-form vLLM and SGLang use too), running on rope-dispatch.
+"""The serving engines' RoPE calls in FlashInfer's forms, running on rope-dispatch:
+``apply_rope_with_cos_sin_cache_inplace`` (the form vLLM and SGLang use too) and the FP8
+serving prologue's ``rope_quantize_fp8``, ``mla_rope_quantize_fp8`` and
+``rope_quantize_fp8_append_paged_kv_cache``.
 
 One changed import moves such code over::
 
     from rope_dispatch.compat.flashinfer import apply_rope_with_cos_sin_cache_inplace
 
-An adapter: it maps arguments and checks only that they can be mapped (``query`` and ``key``
-2-D with ``head_size`` dividing their width, or already 3-D with ``head_size`` last, as
-FlashInfer's own view accepts them); the core checks the rest. ``query``
-``[nnz, heads * head_size]``
+``apply_rope_with_cos_sin_cache_inplace`` is an adapter: it maps arguments and checks only that
+they can be mapped (``query`` and ``key`` 2-D with ``head_size`` dividing their width, or
+already 3-D with ``head_size`` last, as FlashInfer's own view accepts them); the core checks
+the rest. ``query`` ``[nnz, heads * head_size]``
 and ``key`` ``[nnz, kv_heads * head_size]`` become ``[nnz, heads, head_size]`` views (no copy,
 any row stride: slices of a fused qkv projection work), ``positions`` the per-token
 positions of a thd call without offsets, ``cos_sin_cache`` a
 :class:`~rope_dispatch.PairCosSinCache` (no copy), ``is_neox`` the spec's ``interleaved``
 (negated); then :func:`rope_dispatch.apply_qk_` rotates q and k in place in one launch.
+
+The three FP8 doors are adapters too, composed from one :func:`rope_dispatch.rope_to_cache`
+call each (signatures, defaults and return values: ``flashinfer/rope.py`` of FlashInfer
+0.6.17 / 0.6.18; semantics: its CUDA kernels, ``include/flashinfer/pos_enc.cuh``). The rope
+parts (``q_rope``, ``k_rope``) are rotated over their whole width by the core; the nope parts
+are only quantized. ``quant_scale_q`` and ``quant_scale_kv`` multiply (FlashInfer stores
+``x * quant_scale``); rope-dispatch's FP8 stores ``x / scale``, so they map to
+``q_scale = 1 / quant_scale_q`` and ``k_scale = v_scale = 1 / quant_scale_kv``. How each maps:
+
+- ``rope_quantize_fp8`` / ``mla_rope_quantize_fp8``: ``q_rope`` is q, ``k_rope`` k and
+  ``k_nope`` v of a :class:`~rope_dispatch.FlatKVCache` whose k and v caches are ``k_rope_out``
+  and ``k_nope_out`` (token ``i`` at slot ``i``); ``q_rope_out`` is ``q_out``. ``q_nope`` is
+  quantized into ``q_nope_out`` here, by the same formula. MLA's 2-D ``k_rope``/``k_nope`` are
+  one kv head (``[nnz, 1, dim]`` views).
+- ``rope_quantize_fp8_append_paged_kv_cache``, MLA (2-D ``k_rope``): a
+  :class:`~rope_dispatch.FlashInferPagedKVCache` whose k cache is ``kpe_cache`` and v cache
+  ``ckv_cache`` (``[max_pages, page_size, 1, dim]`` views), ``k_rope`` its k and ``k_nope``
+  its v; ``q_nope`` as above.
+- The same, GQA/MHA (3-D ``k_rope``): the cache's k entry is ``k_rope`` rotated followed by
+  ``k_nope``, so k is the two joined (``[nnz, kv_heads, rope_dim + no_rope_dim]``, rotary dim
+  ``rope_dim``: partial rotary), and so is q (the core takes q and k of one head dim). The
+  join is a view where the nope part follows the rope part in memory (slices of one
+  projection output), else a copy; the same holds for ``q_rope_out``/``q_nope_out``.
+
+What the core checks names its own arguments (``positions`` for ``pos_ids``, ``freqs`` for
+``cos_sin_cache``, ``v`` for ``k_nope``, ...); such an error says how the door mapped them.
+
+Where FlashInfer's kernels and these doors differ:
+
+- Scales: ``x / (1 / s)`` in float32 equals FlashInfer's ``x * s`` bit for bit when ``s`` is
+  a power of two (the default 1.0 too); for other scales a value may land on the neighbouring
+  FP8 value where float32 rounding of ``1 / s`` moves it across a rounding boundary.
+- Overflow: FlashInfer's cast saturates (``__NV_SATFINITE``: past the largest finite FP8 value
+  it stores that value); ours casts as torch casts, which (torch 2.13) saturates
+  ``float8_e4m3fn`` at 448 too but rounds ``float8_e5m2`` values from 61440 up to inf
+  (FlashInfer: 57344). A scale that keeps values in range gives the same bytes.
+- Padding (``batch_indices`` negative): FlashInfer's kernel skips the whole token, its q rows
+  too; here only the cache write is skipped and its q rows are written (rotated).
+- Wider than FlashInfer: float32 inputs, any strides (FlashInfer: the last dim contiguous),
+  k and v caches of different strides (FlashInfer addresses v with k's); ``enable_pdl`` (a
+  launch option) is accepted and ignored, and so is ``backend`` (``"cuda"`` or ``"cutile"``,
+  FlashInfer 0.6.18's: one formula either way).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
+from typing import Iterator, Optional, Sequence
+
 import torch
 
-from ..dispatch import apply_qk_
-from ..errors import RoPEError
-from ..spec import RoPESpec
+from ..dispatch import apply_qk_, rope_to_cache
+from ..errors import RoPEError, RoPETypeError
+from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache
+from ..spec import RoPESpec, dtype_name
 from ..tables import PairCosSinCache
 
-__all__ = ["apply_rope_with_cos_sin_cache_inplace"]
+__all__ = ["apply_rope_with_cos_sin_cache_inplace", "mla_rope_quantize_fp8", "rope_quantize_fp8",
+           "rope_quantize_fp8_append_paged_kv_cache"]
 
 _specs: dict[tuple, RoPESpec] = {}
 _caches: dict[int, PairCosSinCache] = {}
@@ -95,3 +146,382 @@ def _heads(name: str, x: object, head_size: object) -> torch.Tensor:
             f"head_size={head_size}, got {got}"
         )
     return x.view(x.shape[0], x.shape[1] // head_size, head_size)  # Tensor.unflatten costs more
+
+
+# ---------------------------------------------------------------------------------------------
+# The FP8 serving prologue: RoPE, FP8 quantization and (optionally) the paged KV-cache append.
+
+
+def rope_quantize_fp8(
+    q_rope: torch.Tensor,
+    k_rope: torch.Tensor,
+    q_nope: Optional[torch.Tensor],
+    k_nope: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    pos_ids: torch.Tensor,
+    is_neox: bool = True,
+    quantize_dtype: Optional[torch.dtype] = None,
+    quant_scale_q: float = 1.0,
+    quant_scale_kv: float = 1.0,
+    q_rope_out: Optional[torch.Tensor] = None,
+    k_rope_out: Optional[torch.Tensor] = None,
+    q_nope_out: Optional[torch.Tensor] = None,
+    k_nope_out: Optional[torch.Tensor] = None,
+    enable_pdl: bool = False,
+    backend: str = "cuda",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotate the rope parts of q and k and quantize all four parts to FP8, FlashInfer's way.
+
+    ``q_rope`` ``[nnz, heads, rope_dim]``, ``q_nope`` ``[nnz, heads, no_rope_dim]``;
+    ``k_rope``/``k_nope`` ``[nnz, kv_heads, rope_dim]``/``[nnz, kv_heads, no_rope_dim]``
+    (GQA, MHA) or ``[nnz, rope_dim]``/``[nnz, no_rope_dim]`` (MLA); a ``None`` nope part has no
+    channels. ``cos_sin_cache`` float32 ``[max_pos, rope_dim]`` (cosines, then sines);
+    ``pos_ids`` ``[nnz]`` each token's row. ``is_neox=False`` rotates adjacent pairs.
+    Every output is ``(x * quant_scale)`` cast to ``quantize_dtype`` (default: the first given
+    output's dtype, else ``float8_e4m3fn``), ``quant_scale_q`` for q's parts and
+    ``quant_scale_kv`` for k's; the rope parts are rotated in float32 first. Outputs not given
+    are allocated like their inputs. Returns ``(q_rope_out, k_rope_out, q_nope_out,
+    k_nope_out)``, the given tensors themselves where given.
+
+    Composed from one :func:`~rope_dispatch.rope_to_cache` into a
+    :class:`~rope_dispatch.FlatKVCache` made of ``k_rope_out`` and ``k_nope_out``, and
+    ``q_nope``'s quantization (see the module docstring).
+    """
+    name = "rope_quantize_fp8"
+    _flag("is_neox", is_neox)
+    _flag("enable_pdl", enable_pdl)
+    if backend not in ("cuda", "cutile"):
+        raise RoPEError(f"backend must be 'cuda' or 'cutile' (FlashInfer's), got {backend!r}")
+    q_rope, k_rope, mla = _rope_parts(q_rope, k_rope)
+    q_nope, k_nope = _nope("q_nope", q_nope, q_rope), _nope("k_nope", k_nope, k_rope)
+    dtype = _quantize_dtype(quantize_dtype, (("q_rope_out", q_rope_out),
+                                             ("k_rope_out", k_rope_out),
+                                             ("q_nope_out", q_nope_out),
+                                             ("k_nope_out", k_nope_out)))
+    q_rope_out = _out("q_rope_out", q_rope_out, q_rope, dtype)
+    k_rope_out = _out("k_rope_out", k_rope_out, k_rope, dtype)
+    q_nope_out = _out("q_nope_out", q_nope_out, q_nope, dtype)
+    k_nope_out = _out("k_nope_out", k_nope_out, k_nope, dtype)
+    q_scale = _reciprocal("quant_scale_q", quant_scale_q)
+    kv_scale = _reciprocal("quant_scale_kv", quant_scale_kv)
+    table = _rope_table(cos_sin_cache, q_rope)
+    if q_rope.shape[0]:
+        heads = _one_head if mla else _as_is
+        with _mapped(name, "q=q_rope, k=k_rope, v=k_nope, freqs=cos_sin_cache, positions=pos_ids, "
+                           "a FlatKVCache of k_cache=k_rope_out, v_cache=k_nope_out, "
+                           "q_out=q_rope_out"):
+            slots = torch.arange(q_rope.shape[0], device=k_rope.device)
+            cache = FlatKVCache(heads(k_rope_out), heads(k_nope_out), slots,
+                                k_scale=kv_scale, v_scale=kv_scale)
+            rope_to_cache(q_rope, heads(k_rope), heads(k_nope), table,
+                          _spec(q_rope.dtype, not is_neox), positions=pos_ids, cache=cache,
+                          q_out=q_rope_out, q_scale=q_scale)
+    _quantize_into(q_nope_out, q_nope, q_scale)
+    return q_rope_out, k_rope_out, q_nope_out, k_nope_out
+
+
+def mla_rope_quantize_fp8(
+    q_rope: torch.Tensor,
+    k_rope: torch.Tensor,
+    q_nope: torch.Tensor,
+    k_nope: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    pos_ids: torch.Tensor,
+    is_neox: bool = True,
+    quantize_dtype: Optional[torch.dtype] = None,
+    quant_scale_q: float = 1.0,
+    quant_scale_kv: float = 1.0,
+    q_rope_out: Optional[torch.Tensor] = None,
+    k_rope_out: Optional[torch.Tensor] = None,
+    q_nope_out: Optional[torch.Tensor] = None,
+    k_nope_out: Optional[torch.Tensor] = None,
+    enable_pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rope_quantize_fp8` under FlashInfer's MLA name (``k_rope`` ``[nnz, rope_dim]``,
+    ``k_nope`` ``[nnz, kv_lora_rank]``, as FlashInfer's wrapper forwards them); the same
+    arguments and return value."""
+    return rope_quantize_fp8(
+        q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox, quantize_dtype,
+        quant_scale_q, quant_scale_kv, q_rope_out, k_rope_out, q_nope_out, k_nope_out,
+        enable_pdl,
+    )
+
+
+def rope_quantize_fp8_append_paged_kv_cache(
+    q_rope: torch.Tensor,
+    k_rope: torch.Tensor,
+    q_nope: Optional[torch.Tensor],
+    k_nope: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    pos_ids: torch.Tensor,
+    paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    is_neox: bool = True,
+    quantize_dtype: Optional[torch.dtype] = None,
+    quant_scale_q: float = 1.0,
+    quant_scale_kv: float = 1.0,
+    page_size: int = 16,
+    kv_layout: str = "NHD",
+    q_rope_out: Optional[torch.Tensor] = None,
+    q_nope_out: Optional[torch.Tensor] = None,
+    enable_pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate, quantize to FP8 and append k (and v) to FlashInfer's paged KV cache; return q.
+
+    Shapes as :func:`rope_quantize_fp8`'s. GQA/MHA (3-D ``k_rope``): ``v`` ``[nnz, kv_heads,
+    rope_dim + no_rope_dim]``, ``paged_kv_cache`` ``(k_cache, v_cache)``, each ``[max_pages,
+    page_size, kv_heads, head_dim]`` (``kv_layout="NHD"``) or ``[max_pages, kv_heads,
+    page_size, head_dim]`` (``"HND"``); a k entry holds ``k_rope`` rotated, then ``k_nope``.
+    MLA (2-D ``k_rope``): ``v`` must be ``None``, ``paged_kv_cache`` ``(ckv_cache,
+    kpe_cache)``, ``[max_pages, page_size, no_rope_dim]`` and ``[max_pages, page_size,
+    rope_dim]``, taking ``k_nope`` and ``k_rope`` rotated (``kv_layout`` is not used). Token
+    ``i`` (rotated at row ``pos_ids[i]``) of request ``b = batch_indices[i]`` at place ``p =
+    positions[i]`` in it goes to page ``kv_indices[kv_indptr[b] + p // page_size]``, entry ``p
+    % page_size``; a negative ``batch_indices[i]`` skips its write (CUDA-graph padding). The
+    caches hold ``quantize_dtype`` (default: ``q_rope_out``'s, else ``q_nope_out``'s, else
+    ``float8_e4m3fn``), storing ``x * quant_scale_kv``. Returns ``(q_rope_out, q_nope_out)``
+    (``x * quant_scale_q``), the given tensors themselves where given.
+
+    Composed from one :func:`~rope_dispatch.rope_to_cache` into a
+    :class:`~rope_dispatch.FlashInferPagedKVCache` (see the module docstring).
+    """
+    name = "rope_quantize_fp8_append_paged_kv_cache"
+    _flag("is_neox", is_neox)
+    _flag("enable_pdl", enable_pdl)
+    if kv_layout not in ("NHD", "HND"):
+        raise RoPEError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    q_rope, k_rope, mla = _rope_parts(q_rope, k_rope)
+    q_nope, k_nope = _nope("q_nope", q_nope, q_rope), _nope("k_nope", k_nope, k_rope)
+    dtype = _quantize_dtype(quantize_dtype, (("q_rope_out", q_rope_out),
+                                             ("q_nope_out", q_nope_out)))
+    q_rope_out = _out("q_rope_out", q_rope_out, q_rope, dtype)
+    q_nope_out = _out("q_nope_out", q_nope_out, q_nope, dtype)
+    caches = _cache_pair(paged_kv_cache, mla, dtype)
+    q_scale = _reciprocal("quant_scale_q", quant_scale_q)
+    kv_scale = _reciprocal("quant_scale_kv", quant_scale_kv)
+    table, spec = _rope_table(cos_sin_cache, q_rope), _spec(q_rope.dtype, not is_neox)
+    index = dict(page_size=page_size, k_scale=kv_scale, v_scale=kv_scale)
+    if mla:
+        if v is not None:
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise RoPEError(
+                f"v must be None for MLA (2-D k_rope: k_nope is the compressed kv), got {got}")
+        ckv_cache, kpe_cache = caches
+        with _mapped(name, "q=q_rope, k=k_rope, v=k_nope, freqs=cos_sin_cache, positions=pos_ids, "
+                           "a FlashInferPagedKVCache of k_cache=kpe_cache, v_cache=ckv_cache, "
+                           "positions=positions, q_out=q_rope_out"):
+            cache = FlashInferPagedKVCache((kpe_cache.unsqueeze(2), ckv_cache.unsqueeze(2)),
+                                           kv_indices, kv_indptr, batch_indices, positions,
+                                           **index)
+            rope_to_cache(q_rope, _one_head(k_rope), _one_head(k_nope), table, spec,
+                          positions=pos_ids, cache=cache, q_out=q_rope_out, q_scale=q_scale)
+        _quantize_into(q_nope_out, q_nope, q_scale)
+        return q_rope_out, q_nope_out
+    if not isinstance(v, torch.Tensor):
+        raise RoPETypeError(
+            f"v must be a tensor [nnz, num_kv_heads, head_dim] for GQA/MHA (3-D k_rope), got "
+            f"{type(v).__name__}"
+        )
+    q, k = _joined("q", q_rope, q_nope), _joined("k", k_rope, k_nope)
+    q_out = _joined("q_out", q_rope_out, q_nope_out, copy=False)
+    if q_out is None:  # outputs apart: the core writes one, copied into them below
+        q_into = torch.empty_like(q, dtype=dtype)
+    else:
+        q_into = q_out
+    with _mapped(name, "q=q_rope joined with q_nope, k=k_rope joined with k_nope, v=v, "
+                       "freqs=cos_sin_cache, positions=pos_ids, a FlashInferPagedKVCache of "
+                       "paged_kv_cache, positions=positions, q_out=q_rope_out joined with "
+                       "q_nope_out"):
+        cache = FlashInferPagedKVCache(caches, kv_indices, kv_indptr, batch_indices, positions,
+                                       kv_layout=kv_layout, **index)
+        q_rot = rope_to_cache(q, k, v, table, spec, positions=pos_ids, cache=cache,
+                              q_out=q_into, q_scale=q_scale)
+    if q_out is None:
+        rope_dim = q_rope.shape[-1]
+        q_rope_out.copy_(q_rot[..., :rope_dim])
+        q_nope_out.copy_(q_rot[..., rope_dim:])
+    return q_rope_out, q_nope_out
+
+
+def _flag(name: str, value: object) -> None:
+    if type(value) is not bool:
+        raise RoPEError(f"{name} must be a bool, got {value!r}")
+
+
+def _rope_parts(q_rope: object, k_rope: object) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """q_rope ``[nnz, heads, rope_dim]`` and k_rope 3-D (GQA/MHA) or 2-D (MLA) with q's tokens
+    and rope dim; and whether it is MLA."""
+    if not isinstance(q_rope, torch.Tensor) or q_rope.dim() != 3:
+        raise (RoPEError if isinstance(q_rope, torch.Tensor) else RoPETypeError)(
+            f"q_rope must be a tensor [nnz, num_qo_heads, rope_dim], got {_described(q_rope)}"
+        )
+    if (not isinstance(k_rope, torch.Tensor) or k_rope.dim() not in (2, 3)
+            or k_rope.shape[0] != q_rope.shape[0] or k_rope.shape[-1] != q_rope.shape[-1]):
+        raise (RoPEError if isinstance(k_rope, torch.Tensor) else RoPETypeError)(
+            f"k_rope must be a tensor [nnz, num_kv_heads, rope_dim] (GQA/MHA) or [nnz, rope_dim] "
+            f"(MLA) with q_rope's nnz {q_rope.shape[0]} and rope_dim {q_rope.shape[-1]}, got "
+            f"{_described(k_rope)}"
+        )
+    return q_rope, k_rope, k_rope.dim() == 2
+
+
+def _nope(name: str, nope: object, rope: torch.Tensor) -> torch.Tensor:
+    """A nope part shaped like its rope part but for the last dim; ``None``: no channels."""
+    if nope is None:
+        return rope.new_empty((*rope.shape[:-1], 0))
+    if not isinstance(nope, torch.Tensor) or nope.shape[:-1] != rope.shape[:-1]:
+        form = "[nnz, no_rope_dim]" if rope.dim() == 2 else "[nnz, heads, no_rope_dim]"
+        raise (RoPEError if isinstance(nope, torch.Tensor) else RoPETypeError)(
+            f"{name} must be None or a tensor {form} with the rope part's leading dims "
+            f"{tuple(rope.shape[:-1])}, got {_described(nope)}"
+        )
+    return nope
+
+
+def _quantize_dtype(quantize_dtype: object,
+                    outs: Sequence[tuple[str, Optional[torch.Tensor]]]) -> torch.dtype:
+    """FlashInfer's rule: ``quantize_dtype``, else the first given output's dtype, else
+    ``float8_e4m3fn``; an FP8 dtype."""
+    if quantize_dtype is None:
+        given = [(name, out) for name, out in outs if isinstance(out, torch.Tensor)]
+        if not given:
+            return torch.float8_e4m3fn
+        name, out = given[0]
+        if out.dtype not in FP8_DTYPES:
+            raise RoPEError(
+                f"{name} must be float8_e4m3fn or float8_e5m2 (it sets quantize_dtype), got "
+                f"{dtype_name(out.dtype)}"
+            )
+        return out.dtype
+    if quantize_dtype not in FP8_DTYPES:
+        raise RoPEError(
+            f"quantize_dtype must be torch.float8_e4m3fn, torch.float8_e5m2 or None, got "
+            f"{quantize_dtype!r}"
+        )
+    return quantize_dtype  # type: ignore[return-value]
+
+
+def _out(name: str, out: object, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An output as FlashInfer takes it: ``like``'s shape and device, ``dtype``; ``None``: a new
+    one, allocated as FlashInfer allocates it (``empty_like``)."""
+    if out is None:
+        return torch.empty_like(like, dtype=dtype)
+    if (not isinstance(out, torch.Tensor) or out.shape != like.shape or out.dtype != dtype
+            or out.device != like.device):
+        raise (RoPEError if isinstance(out, torch.Tensor) else RoPETypeError)(
+            f"{name} must be None or a tensor {tuple(like.shape)} {dtype_name(dtype)} on "
+            f"{like.device} (its input's shape and device, quantize_dtype), got {_described(out)}"
+        )
+    return out
+
+
+def _reciprocal(name: str, scale: object) -> float:
+    """``1 / scale``: FlashInfer's multiplying scale as rope-dispatch's dividing one."""
+    if (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+            or not (math.isfinite(scale) and scale > 0)):
+        raise (RoPEError if isinstance(scale, numbers.Real) else RoPETypeError)(
+            f"{name} must be a positive finite number (the FP8 value is x * {name}), got "
+            f"{scale!r}"
+        )
+    return 1.0 / float(scale)
+
+
+def _rope_table(cos_sin_cache: object, q_rope: torch.Tensor) -> PairCosSinCache:
+    """The engine's cache as the table, one column per rope channel (FlashInfer's rope dim is
+    q_rope's last dim: the whole rope part turns, none passes through)."""
+    try:
+        table = _pair_cache(cos_sin_cache)  # checks the tensor itself
+    except RoPEError as error:
+        raise type(error)(str(error).replace("PairCosSinCache's table", "cos_sin_cache")) from error
+    if table.rotary_dim != q_rope.shape[-1]:
+        raise RoPEError(
+            f"cos_sin_cache must be [max_pos, rope_dim] with rope_dim = q_rope.shape[-1] = "
+            f"{q_rope.shape[-1]}, got {tuple(table.table.shape)}"
+        )
+    return table
+
+
+def _cache_pair(paged_kv_cache: object, mla: bool,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_kv_cache`` as two tensors of ``dtype``, 3-D for MLA (FlashInfer's rule: the
+    caches hold quantize_dtype)."""
+    form = ("(ckv_cache, kpe_cache), [max_pages, page_size, dim] each (MLA: 2-D k_rope)" if mla
+            else "(k_cache, v_cache), 4-D each (GQA/MHA: 3-D k_rope)")
+    if (not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2
+            or not all(isinstance(c, torch.Tensor) for c in paged_kv_cache)):
+        raise RoPETypeError(f"paged_kv_cache must be {form}, got {type(paged_kv_cache).__name__}")
+    first, second = paged_kv_cache
+    if first.dim() != (3 if mla else 4) or second.dim() != first.dim():
+        raise RoPEError(
+            f"paged_kv_cache must be {form}, got shapes {tuple(first.shape)} and "
+            f"{tuple(second.shape)}"
+        )
+    if first.dtype != dtype or second.dtype != dtype:
+        raise RoPEError(
+            f"paged_kv_cache holds {dtype_name(first.dtype)} and {dtype_name(second.dtype)} but "
+            f"quantize_dtype is {dtype_name(dtype)} (given, or q_rope_out's, else the default "
+            "float8_e4m3fn); the caches must hold quantize_dtype"
+        )
+    return first, second
+
+
+def _one_head(x: torch.Tensor) -> torch.Tensor:
+    """MLA's ``[nnz, dim]`` k part as one kv head, ``[nnz, 1, dim]`` (a view)."""
+    return x.unsqueeze(1)
+
+
+def _as_is(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _joined(name: str, rope: torch.Tensor, nope: torch.Tensor,
+            copy: bool = True) -> Optional[torch.Tensor]:
+    """``[..., rope_dim + no_rope_dim]``: the rope part followed by the nope part. ``rope``
+    itself without nope channels; a view where ``nope`` follows ``rope`` in memory with its
+    strides (slices of one tensor); else a copy, or ``None`` when ``copy`` is False."""
+    if nope.shape[-1] == 0:
+        return rope
+    if (rope.dtype == nope.dtype and rope.device == nope.device and rope.stride() == nope.stride()
+            and rope.stride(-1) == 1
+            and nope.data_ptr() == rope.data_ptr() + rope.shape[-1] * rope.element_size()
+            and rope.untyped_storage().data_ptr() == nope.untyped_storage().data_ptr()):
+        shape = (*rope.shape[:-1], rope.shape[-1] + nope.shape[-1])
+        return rope.as_strided(shape, rope.stride(), rope.storage_offset())
+    if not copy:
+        return None
+    if nope.dtype != rope.dtype or nope.device != rope.device:
+        raise RoPEError(
+            f"{name}'s rope and nope parts must share a dtype and device, got "
+            f"{_described(rope)} and {_described(nope)}"
+        )
+    return torch.cat((rope, nope), dim=-1)
+
+
+def _quantize_into(out: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    """``out[...] = (x / scale)`` cast to ``out``'s FP8 dtype, the division in float32 (the
+    core's formula: ``scale`` is ``1 / quant_scale``)."""
+    if out.numel() == 0:
+        return
+    divisor = torch.full((), scale, dtype=torch.float32, device=x.device)
+    out.copy_((x.float() / divisor).to(out.dtype))
+
+
+@contextlib.contextmanager
+def _mapped(function: str, mapping: str) -> Iterator[None]:
+    """An error of the core's, about its own argument names, with how ``function`` mapped its
+    arguments onto them."""
+    try:
+        yield
+    except RoPEError as error:
+        message = f"{error} ({function} calls rope_dispatch.rope_to_cache with {mapping})"
+        raise type(error)(message) from error
+
+
+def _described(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{tuple(x.shape)} {dtype_name(x.dtype)} on {x.device}"
+    return type(x).__name__
