@@ -179,22 +179,14 @@ def _row_cos_sin(
 
 
 @triton.jit
-def _token_index(tok, dim1, dim1_magic, dim1_shift, LAYOUT: tl.constexpr):
+def _token_index(tok, dim1, LAYOUT: tl.constexpr):
     """The two leading indices of int32 tokens numbered ``i0 * dim1 + i1`` (``i1 = 0`` for thd).
-
-    ``tok // dim1`` is a multiply-high by the host's ``(dim1_magic, dim1_shift)``
-    (:func:`~backends.triton_rope.division_magic`): a division by a runtime int32 is a chain of
-    some twenty dependent instructions ahead of the first load, 0.06 us of a 2 us decode kernel
-    on the H200. Token counts and positions fit in int32; memory offsets are formed in int64 by
-    the caller.
-    """
+    Token counts and positions fit in int32; memory offsets are formed in int64 by the caller."""
     if LAYOUT == 2:
         i0 = tok
         i1 = tok * 0
     else:
-        u = tok.to(tl.uint32, bitcast=True)  # tok < 2**31, so the sum below stays below 2**32
-        high = tl.umulhi(u, dim1_magic.to(tl.uint32, bitcast=True))
-        i0 = ((high + u) >> dim1_shift.to(tl.uint32)).to(tl.int32, bitcast=True)
+        i0 = tok // dim1
         i1 = tok - i0 * dim1
     return i0, i1
 
@@ -416,7 +408,7 @@ def _token_block():
 
 @triton.jit
 def _token_rows(
-    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
+    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1,
     sx0, sx1, so0, so1,
     LAYOUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
 ):
@@ -426,7 +418,7 @@ def _token_rows(
     head_lo = head_group * (HEAD_ITERS * BLOCK_H)
     tok = token_block * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_mask = tok < n_tokens
-    i0, i1 = _token_index(tok, dim1, dim1_magic, dim1_shift, LAYOUT)
+    i0, i1 = _token_index(tok, dim1, LAYOUT)
     x_row = x_ptr + (i0.to(tl.int64) * sx0 + i1.to(tl.int64) * sx1)
     o_row = out_ptr + (i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1)
     return tok, tok_mask, i0, i1, x_row, o_row, head_lo
@@ -516,7 +508,7 @@ def _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED: tl.constexpr,
 @triton.jit
 def _rope_program(
     token_block, head_group, x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
-    n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, group, n_seqs, cp_size,
+    n_tokens, dim1, seq_len, table_len, heads, group, n_seqs, cp_size,
     cp_rank, sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
@@ -538,7 +530,7 @@ def _rope_program(
     before the previous one is rotated, so memory requests stay in flight.
     """
     tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
-        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
+        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1,
         sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
     )
     c = tl.arange(0, BLOCK_R)
@@ -582,7 +574,7 @@ def _rope_program(
 
 @triton.jit
 def _copy_program(
-    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift, heads,
+    token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, heads,
     group, sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
     LAYOUT: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -590,7 +582,7 @@ def _copy_program(
     """Copy ``token_block``'s tokens x ``head_group``'s heads of ``WIDTH`` channels (v of a
     packed qkv call)."""
     tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
-        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
+        token_block, head_group, x_ptr, out_ptr, n_tokens, dim1,
         sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
     )
     w = tl.arange(0, BLOCK_W).to(tl.int64)
@@ -605,11 +597,11 @@ def _copy_program(
 
 
 @triton.jit(do_not_specialize=[
-    "n_tokens", "dim1", "dim1_magic", "dim1_shift", "seq_len", "table_len", "heads", "n_seqs",
+    "n_tokens", "dim1", "seq_len", "table_len", "heads", "n_seqs",
 ])
 def rope_kernel(
     x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
-    n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, n_seqs, cp_size, cp_rank,
+    n_tokens, dim1, seq_len, table_len, heads, n_seqs, cp_size, cp_rank,
     sx0, sx1, sxh, sxd, so0, so1, soh, sod,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
@@ -638,7 +630,7 @@ def rope_kernel(
     """
     _rope_program(
         _token_block(), tl.program_id(0), x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr,
-        n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, 1, n_seqs, cp_size,
+        n_tokens, dim1, seq_len, table_len, heads, 1, n_seqs, cp_size,
         cp_rank,
         sx0, sx1, sxh, sxh, sxd, so0, so1, soh, soh, sod,
         LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
@@ -648,9 +640,9 @@ def rope_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["n_tokens", "dim1", "dim1_magic", "dim1_shift"])
+@triton.jit(do_not_specialize=["n_tokens", "dim1"])
 def rope_lean_kernel(
-    x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
+    x_ptr, out_ptr, tab_ptr, sin_ptr, cu_ptr, pos_ptr, n_tokens, dim1,
     LAYOUT: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     PASS_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr,
     PAIRED: tl.constexpr, RATES: tl.constexpr, LINEAR: tl.constexpr, BACKWARD: tl.constexpr,
@@ -706,7 +698,7 @@ def rope_lean_kernel(
     if ONE_SEQUENCE:
         pos = tok
     else:
-        i0, i1 = _token_index(tok, dim1, dim1_magic, dim1_shift, LAYOUT)
+        i0, i1 = _token_index(tok, dim1, LAYOUT)
         pos = i0 if LAYOUT == 0 else i1
     cos_a, cos_b, coef_a, coef_b = _coefficients(
         tab_ptr, sin_ptr, pos, pos, tok_mask, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, PAIRED,
@@ -723,12 +715,12 @@ def rope_lean_kernel(
 
 
 @triton.jit(do_not_specialize=[
-    "n_tokens", "dim1", "dim1_magic", "dim1_shift", "seq_len", "q_table_len", "k_table_len",
+    "n_tokens", "dim1", "seq_len", "q_table_len", "k_table_len",
     "n_seqs", "q_heads", "k_heads", "v_heads",
 ])
 def rope_qkv_kernel(
     q_x, q_out, k_x, k_out, v_x, v_out, q_tab, q_sin, k_tab, k_sin, cu_ptr, pos_ptr,
-    n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, k_table_len, n_seqs, cp_size,
+    n_tokens, dim1, seq_len, q_table_len, k_table_len, n_seqs, cp_size,
     cp_rank,
     q_heads, q_group, k_heads, k_group, v_heads, v_group,
     qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
@@ -765,7 +757,7 @@ def rope_qkv_kernel(
     if r < q_per:
         _rope_program(
             block, r, q_x, q_out, q_tab, q_sin, cu_ptr, pos_ptr,
-            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, q_heads, q_group, n_seqs,
+            n_tokens, dim1, seq_len, q_table_len, q_heads, q_group, n_seqs,
             cp_size, cp_rank,
             qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
@@ -776,7 +768,7 @@ def rope_qkv_kernel(
     elif r < q_per + k_per:
         _rope_program(
             block, r - q_per, k_x, k_out, k_tab, k_sin, cu_ptr, pos_ptr,
-            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, k_table_len, k_heads, k_group, n_seqs,
+            n_tokens, dim1, seq_len, k_table_len, k_heads, k_group, n_seqs,
             cp_size, cp_rank,
             kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
@@ -786,7 +778,7 @@ def rope_qkv_kernel(
         )
     elif HAS_V:
         _copy_program(
-            block, r - q_per - k_per, v_x, v_out, n_tokens, dim1, dim1_magic, dim1_shift,
+            block, r - q_per - k_per, v_x, v_out, n_tokens, dim1,
             v_heads, v_group,
             vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
             LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,

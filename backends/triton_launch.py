@@ -399,7 +399,7 @@ def _single_arguments(
     block_t, block_h, head_iters, block_r, block_p, num_warps = config
     halves = code != 2 and cu_seqlens is not None  # the halves flag (the lean kernel reads rows)
     grid = tiles.launch_grid(-(-heads // (block_h * head_iters)), -(-n_tokens // block_t))
-    ints = (n_tokens, dim1, *tiles.division_magic(dim1), seq_len, table.shape[0], heads, n_seqs,
+    ints = (n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs,
             launch.cp_size, launch.cp_rank, sx0, sx1, sxh, sxd, so0, so1, soh, sod)
     consts = dict(
         LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim, INTERLEAVED=interleaved,
@@ -437,7 +437,7 @@ def _lean_arguments(
         SHARED_ROWS=tiles.shared_rows(block_t, block_h, use_cache) and vector == block_r,
         VECTOR=vector, ONE_SEQUENCE=dim1 == (1 if code == 0 else n_tokens),
     )
-    return grid, (n_tokens, dim1, *tiles.division_magic(dim1)), consts
+    return grid, (n_tokens, dim1), consts
 
 
 def _segment_arguments(
@@ -499,7 +499,7 @@ def _segment_arguments(
                >= tiles.MIN_PROGRAMS_PER_SM * sms):
             token_iters *= 2
     grid = tiles.launch_grid(head_groups, -(-n_tokens // (block_t * token_iters)))
-    ints = (n_tokens, dim1, *tiles.division_magic(dim1), seq_len, table.shape[0], k_rows, n_seqs,
+    ints = (n_tokens, dim1, seq_len, table.shape[0], k_rows, n_seqs,
             launch.cp_size, launch.cp_rank,
             *(n for (x, _), count in zip(pairs, heads) for n in (count, x[2][-2])), *strides)
     use_cache, paired, rates, linear = flags

@@ -95,7 +95,7 @@ def _gradient_and_source(
 @triton.jit
 def _norm_rope_program(
     super_block, head_group, x_ptr, out_ptr, src_ptr, w_ptr, part_ptr, tab_ptr, sin_ptr, cu_ptr,
-    pos_ptr, n_tokens, dim1, dim1_magic, dim1_shift, seq_len, table_len, heads, group, n_seqs,
+    pos_ptr, n_tokens, dim1, seq_len, table_len, heads, group, n_seqs,
     cp_size, cp_rank, sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod, ss0, ss1, ssg, ssh, ssd,
     part_row,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
@@ -136,7 +136,7 @@ def _norm_rope_program(
         acc_p = (rows + tl.arange(0, BLOCK_P)[None, None, :] * 0).to(tl.float32)
     for tb in range(TOKEN_ITERS):
         tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
-            super_block * TOKEN_ITERS + tb, head_group, x_ptr, out_ptr, n_tokens, dim1, dim1_magic, dim1_shift,
+            super_block * TOKEN_ITERS + tb, head_group, x_ptr, out_ptr, n_tokens, dim1,
             sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
         )
         s_row = src_ptr + (i0.to(tl.int64) * ss0 + i1.to(tl.int64) * ss1)
@@ -264,13 +264,13 @@ def _norm_rope_program(
 
 
 @triton.jit(do_not_specialize=[
-    "n_tokens", "dim1", "dim1_magic", "dim1_shift", "seq_len", "q_table_len", "k_table_len",
+    "n_tokens", "dim1", "seq_len", "q_table_len", "k_table_len",
     "n_seqs", "q_heads", "k_heads", "v_heads",
 ])
 def rope_norm_kernel(
     q_x, q_out, k_x, k_out, v_x, v_out, q_tab, q_sin, k_tab, k_sin, cu_ptr, pos_ptr,
     q_w, k_w, q_src, k_src, q_part, k_part,
-    n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, k_table_len, n_seqs, cp_size,
+    n_tokens, dim1, seq_len, q_table_len, k_table_len, n_seqs, cp_size,
     cp_rank,
     q_heads, q_group, k_heads, k_group, v_heads, v_group,
     qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod,
@@ -302,7 +302,7 @@ def rope_norm_kernel(
     if r < q_per:
         _norm_rope_program(
             block, r, q_x, q_out, q_src, q_w, q_part, q_tab, q_sin, cu_ptr, pos_ptr,
-            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, q_table_len, q_heads, q_group, n_seqs,
+            n_tokens, dim1, seq_len, q_table_len, q_heads, q_group, n_seqs,
             cp_size, cp_rank,
             qx0, qx1, qxg, qxh, qxd, qo0, qo1, qog, qoh, qod, qs0, qs1, qsg, qsh, qsd,
             block * q_per + r,
@@ -313,7 +313,7 @@ def rope_norm_kernel(
     elif r < q_per + k_per:
         _norm_rope_program(
             block, r - q_per, k_x, k_out, k_src, k_w, k_part, k_tab, k_sin, cu_ptr, pos_ptr,
-            n_tokens, dim1, dim1_magic, dim1_shift, seq_len, k_table_len, k_heads, k_group, n_seqs,
+            n_tokens, dim1, seq_len, k_table_len, k_heads, k_group, n_seqs,
             cp_size, cp_rank,
             kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod, ks0, ks1, ksg, ksh, ksd,
             block * k_per + r - q_per,
@@ -324,8 +324,8 @@ def rope_norm_kernel(
     elif HAS_V:
         for tb in range(TOKEN_ITERS):
             _copy_program(
-                block * TOKEN_ITERS + tb, r - q_per - k_per, v_x, v_out, n_tokens, dim1,
-                dim1_magic, dim1_shift, v_heads, v_group,
+                block * TOKEN_ITERS + tb, r - q_per - k_per, v_x, v_out, n_tokens, dim1, v_heads,
+                v_group,
                 vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
                 LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
             )

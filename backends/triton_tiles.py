@@ -258,18 +258,6 @@ def launch_grid(head_groups: int, token_blocks: int) -> tuple[int, int, int]:
     return head_groups, -(-token_blocks // layers), layers
 
 
-def division_magic(divisor: int) -> tuple[int, int]:
-    """``(magic, shift)`` such that ``n // divisor == (umulhi(n, magic) + n) >> shift`` in
-    unsigned 32-bit arithmetic for every ``0 <= n < 2**31`` (Granlund and Montgomery's
-    round-up method), ``magic`` given as the int32 with its bits: how the kernels divide token
-    numbers by ``dim1`` without a division instruction sequence."""
-    if not 1 <= divisor < 2**31:
-        raise ValueError(f"divisor must be in [1, 2**31), got {divisor}")
-    shift = (divisor - 1).bit_length()
-    magic = ((1 << 32) * ((1 << shift) - divisor)) // divisor + 1
-    return (magic - (1 << 32) if magic >= 1 << 31 else magic), shift
-
-
 def programs(n_tokens: int, counts: tuple[int, ...], block_t: int, block_h: int) -> int:
     """Programs of a launch over tensors of ``counts`` heads at a ``block_t x block_h`` tile."""
     return -(-n_tokens // block_t) * sum(-(-n // block_h) for n in counts)

@@ -7,8 +7,6 @@ the variants in turn for ``--rounds`` rounds; the table shows each figure's medi
 - ``shipped``: everything on;
 - ``no-direct``: the C direct launcher off (plans keep torch's allocation and Triton's launcher);
 - ``no-flags``: ``ROPE_DISPATCH_LINEAR_TABLES=0`` (no linear-table or halves flag: rows read);
-- ``plain-division``: the kernels divide token numbers by ``dim1`` with ``//`` instead of the
-  host's magic multiplier.
 
 - ``tree=PATH``: the package imported from the source tree at ``PATH`` (its ``rope_dispatch``
   with ``backends`` copied or linked inside it), e.g. a checkout of the commit before a change.
@@ -30,10 +28,8 @@ import subprocess
 import sys
 import time
 
-import triton
-import triton.language as tl
 
-VARIANTS = ("shipped", "no-direct", "no-flags", "plain-division", "shipped")
+VARIANTS = ("shipped", "no-direct", "no-flags", "shipped")
 
 
 def _patch(variant: str) -> None:
@@ -41,22 +37,6 @@ def _patch(variant: str) -> None:
         from rope_dispatch.backends import direct_launch
 
         direct_launch._unavailable = "turned off for the A/B"
-    elif variant == "plain-division":
-        from rope_dispatch.backends import triton_kernels
-
-        triton_kernels._token_index = _plain_token_index
-
-
-@triton.jit
-def _plain_token_index(tok, dim1, dim1_magic, dim1_shift, LAYOUT: tl.constexpr):
-    """The kernels' token split with a plain division by ``dim1``."""
-    if LAYOUT == 2:
-        i0 = tok
-        i1 = tok * 0
-    else:
-        i0 = tok // dim1
-        i1 = tok - i0 * dim1
-    return i0, i1
 
 
 def _host_us(fn, calls: int = 2000, repeats: int = 7) -> float:

@@ -147,32 +147,6 @@ def test_token_blocks_spread_over_two_grid_axes(monkeypatch, axis_max, layout):
     check_qk(case, 1, "qkv-slice", "triton")
 
 
-def test_division_magic_divides_every_token_number():
-    """The kernels' multiply-high division of token numbers (``n < 2**31``) by ``dim1``, done
-    here in unsigned 32-bit arithmetic as the kernel does it, against Python's ``//``."""
-    import random
-
-    from rope_dispatch.backends.triton_tiles import division_magic
-
-    gen = random.Random(0)
-    divisors = {*range(1, 300), *(1 << i for i in range(31)), *((1 << i) + 1 for i in range(31)),
-                *((1 << i) - 1 for i in range(2, 32)), 65535, 70_000, 131_072, 1_000_003}
-    divisors |= {gen.randrange(1, 2**31) for _ in range(300)}
-    for d in sorted(divisors):
-        magic, shift = division_magic(d)
-        assert -(2**31) <= magic < 2**31 and 0 <= shift <= 31
-        magic &= 0xFFFFFFFF  # the kernel reads the int32's bits as unsigned
-        ns = {0, 1, d - 1, d, d + 1, 2**31 - 1, 2**31 - 2, 2**31 - 1 - (2**31 - 1) % d}
-        ns |= {q * d + r for q in (1, 2, 3, 1000) for r in (-1, 0, 1)}
-        ns |= {gen.randrange(2**31) for _ in range(50)}
-        for n in ns:
-            if 0 <= n < 2**31:
-                assert ((((n * magic) >> 32) + n) & 0xFFFFFFFF) >> shift == n // d, (n, d)
-    for bad in (0, -3, 2**31):
-        with pytest.raises(ValueError, match="divisor"):
-            division_magic(bad)
-
-
 def test_launch_grid_keeps_axes_within_limits():
     from rope_dispatch.backends.triton_tiles import GRID_AXIS_MAX, launch_grid
 
