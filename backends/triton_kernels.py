@@ -363,15 +363,23 @@ def _store_chunk(
     out_a, out_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh,
     sod, c_mask, p_mask, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr, GROUPED: tl.constexpr,
+    BLOCK_P: tl.constexpr, GROUPED: tl.constexpr, scale=1.0, QUANT: tl.constexpr = False,
 ):
     """Store head chunk ``it``'s rotary channels (two halves, or the whole interleaved tile as
-    ``out_a``) and its pass-through channels, each rounded once to the output's dtype."""
+    ``out_a``) and its pass-through channels, each rounded once to the output's dtype.
+    ``QUANT`` (an FP8 output): each value divided by ``scale`` first, in float32 with IEEE
+    rounding (``/`` is an approximate division on the GPU), then cast."""
     _, o_h, row_mask = _chunk_rows(
         x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, BLOCK_H, GROUPED
     )
     mask = row_mask[:, :, None] & c_mask[None, None, :]
     out_ty = o_row.dtype.element_ty
+    if QUANT:
+        out_a = tl.math.div_rn(out_a.to(tl.float32), scale)
+        if not INTERLEAVED:
+            out_b = tl.math.div_rn(out_b.to(tl.float32), scale)
+        if PASS_DIM > 0:
+            kept = tl.math.div_rn(kept.to(tl.float32), scale)
     o_ptrs = o_h[:, :, None] + (tl.arange(0, BLOCK_R).to(tl.int64) * sod)[None, None, :]
     tl.store(o_ptrs, out_a.to(out_ty), mask=mask)
     if not INTERLEAVED:
@@ -387,15 +395,16 @@ def _rotate_store(
     x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sod,
     c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, GROUPED: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, GROUPED: tl.constexpr, scale=1.0,
+    QUANT: tl.constexpr = False,
 ):
     """Store the chunk rotated (:func:`_rotated`), then its pass-through channels as they
-    were read."""
+    were read (``QUANT``: divided by ``scale``, :func:`_store_chunk`)."""
     out_a, out_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED, BLOCK_T,
                             BLOCK_H, BLOCK_R)
     _store_chunk(out_a, out_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh,
                  sog, soh, sod, c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R,
-                 BLOCK_P, GROUPED)
+                 BLOCK_P, GROUPED, scale, QUANT)
 
 
 @triton.jit
@@ -422,6 +431,66 @@ def _token_rows(
     x_row = x_ptr + (i0.to(tl.int64) * sx0 + i1.to(tl.int64) * sx1)
     o_row = out_ptr + (i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1)
     return tok, tok_mask, i0, i1, x_row, o_row, head_lo
+
+
+SLOTS: tl.constexpr = tl.constexpr(1)  # cache stage: a slot per token (vLLM paged, flat)
+PAGES: tl.constexpr = tl.constexpr(2)  # cache stage: FlashInfer's pages of each request
+SCALE_VALUE: tl.constexpr = tl.constexpr(1)  # FP8 store: divided by a number (an argument)
+SCALE_POINTER: tl.constexpr = tl.constexpr(2)  # FP8 store: by a float32 scalar in memory
+
+
+@triton.jit
+def _cache_rows(
+    tok, tok_mask, o_row, out_ptr, so0, so1, slot_ptr, place_ptr, indptr_ptr, indices_ptr,
+    n_pages, n_requests, n_indices, CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    """Where the tokens' heads are written, and which tokens are: ``(row pointers, mask)``.
+
+    ``CACHE == 0``: ``o_row`` and ``tok_mask`` as they are. Otherwise ``out_ptr`` is a KV
+    cache of ``n_pages`` pages of ``PAGE_SIZE`` entries (strides ``so0`` and ``so1``), and a
+    token goes to entry ``e`` of page ``p``: ``SLOTS`` (``slot_ptr`` one slot per token),
+    ``p = slot // PAGE_SIZE``, ``e = slot % PAGE_SIZE``; ``PAGES`` (FlashInfer: ``slot_ptr``
+    each token's request ``b``, ``place_ptr`` its place ``i`` in the request's cache),
+    ``p = indices_ptr[indptr_ptr[b] + i // PAGE_SIZE]``, ``e = i % PAGE_SIZE``. A token is
+    written only where every index lies inside what it indexes (a negative slot or request:
+    padding); the host never reads them, and no memory outside them is read."""
+    if CACHE == 0:
+        row = o_row
+        write = tok_mask
+    else:
+        if CACHE == SLOTS:
+            slot = tl.load(slot_ptr + tok, mask=tok_mask, other=-1).to(tl.int64)
+            write = tok_mask & (slot >= 0) & (slot < n_pages.to(tl.int64) * PAGE_SIZE)
+            slot = tl.where(write, slot, 0)
+            page = slot // PAGE_SIZE
+            entry = slot - page * PAGE_SIZE
+        else:
+            request = tl.load(slot_ptr + tok, mask=tok_mask, other=-1).to(tl.int64)
+            place = tl.load(place_ptr + tok, mask=tok_mask, other=-1).to(tl.int64)
+            write = tok_mask & (request >= 0) & (request < n_requests) & (place >= 0)
+            request = tl.where(write, request, 0)
+            place = tl.where(write, place, 0)
+            first = tl.load(indptr_ptr + request, mask=write, other=0).to(tl.int64)
+            end = tl.load(indptr_ptr + request + 1, mask=write, other=0).to(tl.int64)
+            at = first + place // PAGE_SIZE
+            write = write & (at >= 0) & (at < end) & (at < n_indices)
+            page = tl.load(indices_ptr + tl.where(write, at, 0), mask=write, other=0).to(tl.int64)
+            write = write & (page >= 0) & (page < n_pages)
+            page = tl.where(write, page, 0)
+            entry = place - (place // PAGE_SIZE) * PAGE_SIZE
+        row = out_ptr + (page * so0 + entry * so1)
+    return row, write
+
+
+@triton.jit
+def _quant_scale(scale_ptr, value, QUANT: tl.constexpr):
+    """An FP8 store's float32 scale: loaded (``SCALE_POINTER``, a device scalar the host never
+    reads) or the number ``value``."""
+    if QUANT == SCALE_POINTER:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    else:
+        scale = value
+    return scale
 
 
 @triton.jit
@@ -578,13 +647,20 @@ def _copy_program(
     group, sx0, sx1, sxg, sxh, sxd, so0, so1, sog, soh, sod,
     LAYOUT: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr, BLOCK_W: tl.constexpr,
+    slot_ptr=0, place_ptr=0, indptr_ptr=0, indices_ptr=0, n_pages=0, n_requests=0, n_indices=0,
+    scale=1.0, CACHE: tl.constexpr = 0, PAGE_SIZE: tl.constexpr = 1, QUANT: tl.constexpr = False,
 ):
     """Copy ``token_block``'s tokens x ``head_group``'s heads of ``WIDTH`` channels (v of a
-    packed qkv call)."""
+    packed qkv call). With a cache stage (``CACHE``, :func:`_cache_rows`) each token's heads go
+    to its slot of the cache ``out_ptr`` (strides ``so0`` a page, ``so1`` an entry), divided by
+    ``scale`` and cast where ``QUANT`` (an FP8 cache, :func:`_store_chunk`)."""
     tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
         token_block, head_group, x_ptr, out_ptr, n_tokens, dim1,
         sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
     )
+    o_row, write = _cache_rows(tok, tok_mask, o_row, out_ptr, so0, so1, slot_ptr, place_ptr,
+                               indptr_ptr, indices_ptr, n_pages, n_requests, n_indices, CACHE,
+                               PAGE_SIZE)
     w = tl.arange(0, BLOCK_W).to(tl.int64)
     w_mask = w < WIDTH
     for it in range(HEAD_ITERS):
@@ -593,6 +669,10 @@ def _copy_program(
         )
         mask = row_mask[:, :, None] & w_mask[None, None, :]
         values = tl.load(x_h[:, :, None] + (w * sxd)[None, None, :], mask=mask)
+        if CACHE != 0:  # skipped tokens (padding, a slot outside the cache) write nothing
+            mask = mask & write[:, None, None]
+        if QUANT:
+            values = tl.math.div_rn(values.to(tl.float32), scale).to(o_row.dtype.element_ty)
         tl.store(o_h[:, :, None] + (w * sod)[None, None, :], values, mask=mask)
 
 

@@ -58,7 +58,10 @@ class Launch(NamedTuple):
     norm: tuple | None = None
     """The stage before the rotation: q's (``t``'s) and k's :class:`NormForm` (``None`` for a
     side without), or ``None``; such a launch moves whole heads (``rope_norm_kernel``)."""
-    store: None = None  # the stage after the rotation (none yet)
+    store: StoreForm | None = None
+    """The stage after the rotation (:func:`~rope_dispatch.rope_to_cache`): k and v written into
+    a KV cache at each token's slot, quantized where FP8, or ``None``; such a launch takes
+    ``rope_norm_kernel`` (with or without a norm stage)."""
     inverse: bool = False
     """The call's spec is inverse (rotate by minus the angle): its forward launch applies the
     transpose, its backward the rotation. ``backward`` still says which way the data flows
@@ -89,6 +92,34 @@ class Tables(NamedTuple):
     norm: NormTensors | None = None
     """A launch with a norm stage: its weights, and backward the forward's inputs and the
     weights' partial gradients."""
+    store: CacheTensors | None = None
+    """A launch with a cache stage: the cache's index tensors and the FP8 scales."""
+
+
+class StoreForm(NamedTuple):
+    """What a cache stage compiles into the kernel: the launch's outputs are q's (``q_out``)
+    and the cache's k and v pages ``[pages, page_size, kv_heads, head_dim]``."""
+
+    cache: int
+    """How a token's slot is found: 1 one slot per token (vLLM's paged cache, SGLang's flat
+    one: pages of one entry), 2 FlashInfer's pages of each request."""
+    page_size: int
+    quant: tuple[int, int, int]
+    """q's, k's and v's store: 0 as computed (cast to the output's dtype), 1 divided by a
+    number, 2 by a float32 device scalar, then cast (FP8)."""
+    dtypes: tuple[torch.dtype, torch.dtype]
+    """q's output dtype, the cache's."""
+
+
+class CacheTensors(NamedTuple):
+    """What a cache stage reads besides the data (its k and v pages are the launch's outputs)."""
+
+    index: tuple[torch.Tensor, ...]
+    """Per token its slot (``StoreForm.cache`` 1), or its request and place in the request's
+    cache, then ``kv_indptr`` and ``kv_indices`` (2)."""
+    scales: tuple[float | torch.Tensor | None, float | torch.Tensor | None,
+                  float | torch.Tensor | None]
+    """q's, k's and v's FP8 scales (``None``: not quantized)."""
 
 
 class NormTensors(NamedTuple):
@@ -140,8 +171,34 @@ def describe(call: RoPECall) -> Launch:
         call.tensors, spec.layout, spec.interleaved, float(spec.cos_sin_scale), spec.cp_size,
         spec.cp_rank, call.table_kind, 0 if call.start_positions is None and call.positions is None
         else 1 if call.positions is None else 2, call.split, False, call.in_place,
-        call.grad_in_place, call.norms, inverse=spec.inverse,
+        call.grad_in_place, call.norms,
+        None if call.cache_write is None else store_form(call.cache_write), inverse=spec.inverse,
     )
+
+
+def _store_scales(write: Any) -> tuple:
+    """q's, k's and v's FP8 scales of a cache stage (``None`` where not quantized)."""
+    cache = write.cache
+    if not cache.quantized:
+        return write.q_scale, None, None
+    return write.q_scale, cache.k_scale, cache.v_scale
+
+
+def store_form(write: Any) -> StoreForm:
+    """The :class:`StoreForm` of a checked call's :class:`~rope_dispatch.kv_cache.CacheWrite`."""
+    cache = write.cache
+    quant = tuple(0 if s is None else 2 if isinstance(s, torch.Tensor) else 1
+                  for s in _store_scales(write))
+    return StoreForm(2 if cache.kind == "flashinfer_paged" else 1, cache.pages()[0].shape[1],
+                     quant, (write.q_dtype, cache.dtype))
+
+
+def cache_tensors(write: Any) -> CacheTensors:
+    """The :class:`CacheTensors` of a :class:`~rope_dispatch.kv_cache.CacheWrite`."""
+    cache = write.cache
+    names = (cache.index_names if cache.kind != "flashinfer_paged"
+             else ("batch_indices", "positions", "kv_indptr", "kv_indices"))
+    return CacheTensors(tuple(getattr(cache, name) for name in names), _store_scales(write))
 
 
 def call_tables(call: RoPECall) -> Tables:
@@ -155,7 +212,8 @@ def call_tables(call: RoPECall) -> Tables:
     if call.k_table is None:
         tab, sin, cu = tt.launch_tables(call.table, rows, spec.cu_seqlens, spec.layout,
                                         spec.interleaved)
-        return Tables(tab, sin, cu, index, norm=norm)
+        store = None if call.cache_write is None else cache_tensors(call.cache_write)
+        return Tables(tab, sin, cu, index, norm=norm, store=store)
     q_tables = tt.flagged_tables(call.table, rows)
     k_tables = tt.flagged_tables(call.k_table, rows)
     if (q_tables[1] is None) != (k_tables[1] is None):
@@ -180,7 +238,10 @@ def current_tables(tabs: Tables, layout: str) -> Tables:
         cu = cu.contiguous()
     if index is not None and not index.is_contiguous():
         index = index.contiguous()
-    return Tables(table, sin, cu, index, k_table, k_sin, tabs.norm)
+    store = tabs.store
+    if store is not None and not all(x.is_contiguous() for x in store.index):
+        store = store._replace(index=tuple(x.contiguous() for x in store.index))
+    return Tables(table, sin, cu, index, k_table, k_sin, tabs.norm, store)
 
 
 def outputs(launch: Launch, inputs: Sequence[torch.Tensor],
@@ -249,6 +310,15 @@ def head_segment(t: torch.Tensor, group: int) -> Segment:
     return (t, 0, (*lead, heads // group, group, d), (*lead_strides, group * s_head, s_head, s_chan))
 
 
+def page_segment(pages: torch.Tensor) -> Segment:
+    """A cache's ``[pages, page_size, kv_heads, d]`` k or v as the segment a cache stage writes:
+    ``[pages, page_size, kv_heads, 1, d]``, whose leading strides (a page, an entry) the kernel
+    takes where a thd segment's are a token's and 0."""
+    n_pages, page_size, heads, d = pages.shape
+    s_page, s_entry, s_head, s_chan = pages.stride()
+    return (pages, 0, (n_pages, page_size, heads, 1, d), (s_page, s_entry, s_head, s_head, s_chan))
+
+
 def width_segment(t: torch.Tensor, d: int) -> Segment:
     """A ``[.., h, n * d]`` tensor (k or v of a packed call) as ``h`` groups of ``n`` heads."""
     *lead, heads, width = t.shape
@@ -260,6 +330,10 @@ def _segments(launch: Launch, inputs: Sequence[torch.Tensor],
               outs: Sequence[torch.Tensor]) -> tuple[tuple[Segment, Segment], ...]:
     """(input, output) segment pairs of a q and k or packed qkv launch: q, k and v (k again
     where there is no v: the kernel's v programs then do nothing)."""
+    if launch.store is not None:  # k and v into the cache's pages
+        return ((head_segment(inputs[0], 1), head_segment(outs[0], 1)),
+                (head_segment(inputs[1], 1), page_segment(outs[1])),
+                (head_segment(inputs[2], 1), page_segment(outs[2])))
     if launch.tensors != "qkv":  # a single tensor (norm launches) is q with no k heads
         q, k = (head_segment(x, 1) for x in (inputs[0], inputs[-1]))
         q_out, k_out = (head_segment(x, 1) for x in (outs[0], outs[-1]))
@@ -288,8 +362,9 @@ def pointers(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torc
           if launch.tensors != "t" or launch.norm is not None else ()),
         (table if tabs.cu is None else tabs.cu, 0), (table if tabs.index is None else tabs.index, 0),
     )
-    if launch.norm is not None:
-        tail += _norm_pointers(launch, tabs.norm, table)
+    if launch.norm is not None or launch.store is not None:  # rope_norm_kernel
+        tail += _norm_pointers(launch, tabs.norm or NormTensors((None, None)), table)
+        tail += _store_pointers(tabs.store, table)
     elif launch.tensors == "t":
         return ((inputs[0], 0), (outs[0], 0), *tail)
     size = inputs[0].element_size()
@@ -315,6 +390,36 @@ def _norm_pointers(launch: Launch, norm: NormTensors, table: torch.Tensor
     sources = tuple((seg[0], seg[1] * size) for seg in _source_segments(launch, norm.sources))
     partials = tuple((table if p is None else p, 0) for p in norm.partials)
     return (*weights, *sources, *partials)
+
+
+def _store_pointers(store: CacheTensors | None, table: torch.Tensor
+                    ) -> tuple[tuple[torch.Tensor, int], ...]:
+    """``rope_norm_kernel``'s cache-stage pointers as ``(tensor, byte offset)``: four index
+    tensors, then q's, k's and v's scale (absent ones point at the table)."""
+    if store is None:
+        return ((table, 0),) * 7
+    index = (*store.index, *(table,) * (4 - len(store.index)))
+    scales = tuple(s if isinstance(s, torch.Tensor) else table for s in store.scales)
+    return tuple((t, 0) for t in (*index, *scales))
+
+
+def _store_ints(store: CacheTensors | None, pages: Segment) -> tuple:
+    """``rope_norm_kernel``'s cache-stage integers and numbers: the cache's page count, the
+    request count and ``kv_indices``' length (FlashInfer's), q's, k's and v's scale (1.0 where
+    none is a number)."""
+    if store is None:
+        return (0, 0, 0, 1.0, 1.0, 1.0)
+    requests, indices = ((store.index[2].shape[0] - 1, store.index[3].shape[0])
+                         if len(store.index) == 4 else (0, 0))
+    numbers = tuple(float(s) if isinstance(s, (int, float)) else 1.0 for s in store.scales)
+    return (pages[2][0], requests, indices, *numbers)
+
+
+def _store_key(store: CacheTensors) -> tuple:
+    """What of a cache stage's tensors and numbers a compiled launch depends on: the index
+    tensors' dtypes and lengths (its integer arguments) and the scales given as numbers."""
+    return (tuple((x.dtype, x.shape[0]) for x in store.index),
+            tuple("tensor" if isinstance(s, torch.Tensor) else s for s in store.scales))
 
 
 def _table_form(table: torch.Tensor, sin: torch.Tensor | None) -> tuple:
@@ -345,6 +450,7 @@ def launch_key(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[to
         None if tabs.cu is None else (tabs.cu.dtype, tabs.cu.shape),
         None if tabs.index is None else (tabs.index.dtype, tabs.index.dim()),
         None if tabs.norm is None else _norm_form(tabs.norm),
+        None if tabs.store is None else _store_key(tabs.store),
     )
     aligned = sum(1 << i for i, a in enumerate(addresses) if not a & 15)
     return LaunchKey(launch, layouts, forms, aligned, inputs[0].get_device())
@@ -447,7 +553,7 @@ def _segment_arguments(
     """:func:`_single_arguments` of a q and k or packed qkv launch (``rope_qkv_kernel``), or of
     any launch with a norm stage (``rope_norm_kernel``)."""
     kernels = _load_kernels()
-    has_v = launch.tensors == "qkv"
+    has_v = launch.tensors == "qkv" or launch.store is not None
     norm = launch.norm
     table, sin, cu_seqlens, positions = tabs[:4]
     k_rows = table.shape[0] if tabs.k_table is None else tabs.k_table.shape[0]
@@ -465,9 +571,9 @@ def _segment_arguments(
     counts = heads if has_v else heads[:1] if launch.tensors == "t" else heads[:2]
     if n_tokens == 0 or min(counts) == 0:
         return None
-    strides = tuple(
+    strides = tuple(  # a cache's pages (page_segment) come with both leading strides
         stride for x, out in pairs for seg in (x, out)
-        for stride in ((seg[3][0], 0, *seg[3][1:]) if thd else seg[3])
+        for stride in ((seg[3][0], 0, *seg[3][1:]) if thd and len(seg[3]) == 4 else seg[3])
     )
     size = pairs[0][0][0].element_size()
     rotary_dim = table.shape[1]
@@ -514,7 +620,7 @@ def _segment_arguments(
         HAS_V=has_v, V_WIDTH=head_dim, BLOCK_W=tiles.next_pow2(head_dim), SCALE=launch.scale,
         HALVES=not thd and cu_seqlens is not None,
     )
-    if norm is None:
+    if norm is None and launch.store is None:
         return kernels.rope_qkv_kernel, grid, ints, consts, num_warps
     if launch.backward:
         sources = _source_segments(launch, tabs.norm.sources)
@@ -522,11 +628,17 @@ def _segment_arguments(
                       for stride in ((seg[3][0], 0, *seg[3][1:]) if thd else seg[3]))
     else:
         ints += (0,) * 10
-    for side, form in zip("QK", norm):
+    ints += _store_ints(tabs.store, pairs[1][1])
+    for side, form in zip("QK", norm or (None, None)):
         consts.update({f"{side}_NORM": 0 if form is None else 1 if form.scope == "head" else 2,
                        f"{side}_EPS": 0.0 if form is None else form.eps,
                        f"{side}_OFFSET": 0.0 if form is None else form.offset})
     consts["TOKEN_ITERS"] = token_iters
+    store = launch.store
+    consts.update(CACHE=0 if store is None else store.cache,
+                  PAGE_SIZE=1 if store is None else store.page_size,
+                  **{f"{side}_QUANT": 0 if store is None else code
+                     for side, code in zip("QKV", store.quant if store else (0, 0, 0))})
     from .triton_norm_kernels import rope_norm_kernel
 
     return rope_norm_kernel, grid, ints, consts, num_warps

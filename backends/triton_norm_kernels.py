@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from .triton_kernels import (
-    _add, _coefficients, _copy_program, _load_chunk, _positions, _rotate_store, _rotated,
-    _store_chunk, _token_block, _token_rows,
+    _add, _cache_rows, _coefficients, _copy_program, _load_chunk, _positions, _quant_scale,
+    _rotate_store, _rotated, _store_chunk, _token_block, _token_rows,
 )
 
 
@@ -106,6 +106,8 @@ def _norm_rope_program(
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, GROUPED: tl.constexpr, SCALE: tl.constexpr, HALVES: tl.constexpr,
     NORM: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.constexpr, TOKEN_ITERS: tl.constexpr,
+    slot_ptr, place_ptr, indptr_ptr, indices_ptr, n_pages, n_requests, n_indices, scale,
+    CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr,
 ):
     """:func:`_rope_program` with a norm stage before the rotation: ``y = rotate(x * r * w)``,
     ``r = 1 / sqrt(mean(x**2) + EPS)`` over each head (``NORM == 1``) or over the token's
@@ -121,6 +123,10 @@ def _norm_rope_program(
     (``super_block``'s), summing the weight's gradient elementwise over all of them and reducing
     it once: a reduction across the tile per block cost a third of the backward's time. A norm
     over a token's heads keeps one token block a program.
+
+    The cache stage after the rotation (forward): ``CACHE`` writes each token's heads at its
+    slot of the cache ``out_ptr`` instead (:func:`_cache_rows`; skipped tokens write nothing),
+    and ``QUANT`` divides what is stored by ``scale`` before the cast to the output's FP8 dtype.
     """
     HEAD_DIM: tl.constexpr = ROT_DIM + PASS_DIM
     c = tl.arange(0, BLOCK_R)
@@ -139,6 +145,9 @@ def _norm_rope_program(
             super_block * TOKEN_ITERS + tb, head_group, x_ptr, out_ptr, n_tokens, dim1,
             sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
         )
+        o_row, write = _cache_rows(tok, tok_mask, o_row, out_ptr, so0, so1, slot_ptr, place_ptr,
+                                   indptr_ptr, indices_ptr, n_pages, n_requests, n_indices, CACHE,
+                                   PAGE_SIZE)
         s_row = src_ptr + (i0.to(tl.int64) * ss0 + i1.to(tl.int64) * ss1)
         pos = _positions(
             tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, pos_ptr, n_seqs, cp_size, cp_rank,
@@ -195,10 +204,10 @@ def _norm_rope_program(
                                  sxg, sxh, sog, soh, sod, c_mask, p_mask, ROT_DIM, PASS_DIM,
                                  INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
                 else:
-                    _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group,
+                    _rotate_store(x_a, x_b, kept, x_row, o_row, write, head_lo, it, heads, group,
                                   sxg, sxh, sog, soh, sod, c_mask, p_mask, cos_a, cos_b, coef_a,
                                   coef_b, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R,
-                                  BLOCK_P, GROUPED)
+                                  BLOCK_P, GROUPED, scale, QUANT)
             else:
                 w_a, w_b, w_p = _norm_weights(w_ptr, hh, heads, c, c_mask, p_mask, NORM, OFFSET,
                                               ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_P)
@@ -249,10 +258,10 @@ def _norm_rope_program(
                                                   PASS_DIM) / HEAD_DIM + EPS)[:, :, None]
                     else:
                         r = token_r
-                    _rotate_store(x_a * r * w_a, x_b * r * w_b, kept * r * w_p, x_row, o_row, tok_mask,
+                    _rotate_store(x_a * r * w_a, x_b * r * w_b, kept * r * w_p, x_row, o_row, write,
                                   head_lo, it, heads, group, sxg, sxh, sog, soh, sod, c_mask, p_mask,
                                   cos_a, cos_b, coef_a, coef_b, ROT_DIM, PASS_DIM, INTERLEAVED,
-                                  BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
+                                  BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED, scale, QUANT)
     if BACKWARD and NORM == 1:
         row = part_ptr + part_row.to(tl.int64) * HEAD_DIM
         tl.store(row + c, _total(_total(acc_a, 0), 0), mask=c_mask)
@@ -265,11 +274,12 @@ def _norm_rope_program(
 
 @triton.jit(do_not_specialize=[
     "n_tokens", "dim1", "seq_len", "q_table_len", "k_table_len",
-    "n_seqs", "q_heads", "k_heads", "v_heads",
+    "n_seqs", "q_heads", "k_heads", "v_heads", "n_pages", "n_requests", "n_indices",
 ])
 def rope_norm_kernel(
     q_x, q_out, k_x, k_out, v_x, v_out, q_tab, q_sin, k_tab, k_sin, cu_ptr, pos_ptr,
     q_w, k_w, q_src, k_src, q_part, k_part,
+    slot_ptr, place_ptr, indptr_ptr, indices_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     n_tokens, dim1, seq_len, q_table_len, k_table_len, n_seqs, cp_size,
     cp_rank,
     q_heads, q_group, k_heads, k_group, v_heads, v_group,
@@ -277,6 +287,7 @@ def rope_norm_kernel(
     kx0, kx1, kxg, kxh, kxd, ko0, ko1, kog, koh, kod,
     vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
     qs0, qs1, qsg, qsh, qsd, ks0, ks1, ksg, ksh, ksd,
+    n_pages, n_requests, n_indices, q_scale, k_scale, v_scale,
     LAYOUT: tl.constexpr, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_CACHE: tl.constexpr, PAIRED: tl.constexpr,
     RATES: tl.constexpr, LINEAR: tl.constexpr, POSITIONS: tl.constexpr,
@@ -287,13 +298,23 @@ def rope_norm_kernel(
     SCALE: tl.constexpr, HALVES: tl.constexpr,
     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, Q_EPS: tl.constexpr, K_EPS: tl.constexpr,
     Q_OFFSET: tl.constexpr, K_OFFSET: tl.constexpr, TOKEN_ITERS: tl.constexpr,
+    CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, Q_QUANT: tl.constexpr, K_QUANT: tl.constexpr,
+    V_QUANT: tl.constexpr,
 ):
     """:func:`rope_qkv_kernel` with the norm stage (:func:`_norm_rope_program`) on q and k:
     each side's ``?_NORM`` (0 none, 1 per head, 2 over its heads), ``?_EPS``, ``?_OFFSET``
     and weight ``?_w``. Backward: ``?_x`` are the outputs' gradients, ``?_src`` (strides
     ``?s*``) the forward's inputs, and ``?_part`` get the weights' partial gradients, one row
     per program of that side (token block major); each program takes ``TOKEN_ITERS`` token
-    blocks. A single tensor is q with ``k_heads = 0``."""
+    blocks. A single tensor is q with ``k_heads = 0``.
+
+    The cache stage (forward, :func:`~rope_dispatch.rope_to_cache`): ``CACHE`` (1 a slot per
+    token, ``slot_ptr``; 2 FlashInfer's pages, ``slot_ptr`` the requests, ``place_ptr`` the
+    places, ``indptr_ptr`` and ``indices_ptr`` the pages of each request) makes ``k_out`` and
+    ``v_out`` a KV cache of ``n_pages`` pages of ``PAGE_SIZE`` (strides ``ko0``/``vo0`` a page,
+    ``ko1``/``vo1`` an entry), written at each token's slot, v copied; ``?_QUANT`` (0 none, 1
+    the number ``?_scale``, 2 the float32 scalar at ``?_scale_ptr``) stores q, k or v divided
+    by its scale, cast to the output's FP8 dtype."""
     per_program = HEAD_ITERS * BLOCK_H
     q_per = (q_heads + per_program - 1) // per_program
     k_per = (k_heads + per_program - 1) // per_program
@@ -309,6 +330,8 @@ def rope_norm_kernel(
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
             SEQ_BLOCK, True, SCALE, HALVES, Q_NORM, Q_EPS, Q_OFFSET, TOKEN_ITERS,
+            slot_ptr, place_ptr, indptr_ptr, indices_ptr, n_pages, n_requests, n_indices,
+            _quant_scale(q_scale_ptr, q_scale, Q_QUANT), 0, PAGE_SIZE, Q_QUANT != 0,
         )
     elif r < q_per + k_per:
         _norm_rope_program(
@@ -320,14 +343,19 @@ def rope_norm_kernel(
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
             SEQ_BLOCK, True, SCALE, HALVES, K_NORM, K_EPS, K_OFFSET, TOKEN_ITERS,
+            slot_ptr, place_ptr, indptr_ptr, indices_ptr, n_pages, n_requests, n_indices,
+            _quant_scale(k_scale_ptr, k_scale, K_QUANT), CACHE, PAGE_SIZE, K_QUANT != 0,
         )
     elif HAS_V:
+        v_scale_value = _quant_scale(v_scale_ptr, v_scale, V_QUANT)
         for tb in range(TOKEN_ITERS):
             _copy_program(
                 block * TOKEN_ITERS + tb, r - q_per - k_per, v_x, v_out, n_tokens, dim1, v_heads,
                 v_group,
                 vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
                 LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
+                slot_ptr, place_ptr, indptr_ptr, indices_ptr, n_pages, n_requests, n_indices,
+                v_scale_value, CACHE, PAGE_SIZE, V_QUANT != 0,
             )
 
 

@@ -9,7 +9,10 @@ compiled launches):
 - ``torch.compile`` or tensor subclasses: the custom op ``rope_dispatch::triton_rope``, with
   its fake and its autograd formula (the same op transposed), so ``fullgraph=True`` holds;
 - a repeated call: its plan (:func:`plan`) binds the compiled kernel with its constant
-  arguments: a decode-size call is one call into C.
+  arguments: a decode-size call is one call into C;
+- a call with a cache stage (:func:`~rope_dispatch.rope_to_cache`, :func:`rope_to_cache`): one
+  launch that norms (optionally), rotates, quantizes (FP8) and writes q to its output and k
+  and v into the KV cache; forward only, never planned.
 
 The backward saves only the tables and index tensors (a launch with a norm stage: its inputs
 too, which the norm's gradient reads), and returns each gradient in its input's layout where
@@ -28,7 +31,9 @@ from torch.autograd.graph import increment_version
 
 from rope_dispatch.call import TENSOR_KINDS, RoPECall, expanded_dim, position_index
 from rope_dispatch.errors import RoPEError
+from rope_dispatch.kv_cache import FP8_DTYPES
 from rope_dispatch.registry import Backend, Plan
+from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import angles_2d, kernel_tables
 
 from . import triton_launch as tl
@@ -36,7 +41,7 @@ from . import triton_tables as tt
 from .triton_launch import (
     Launch, LaunchKey, NormTensors, Slots, Tables, bound, call_tables, describe, launch, outputs,
 )
-from .eager import rope_eager
+from .eager import rope_eager, rope_to_cache_eager
 from .triton_tables import current_stream, on_device
 
 # ---------------------------------------------------------------------------------------------
@@ -281,6 +286,27 @@ def rope(call: RoPECall) -> Any:
     return _result(described, made)
 
 
+def rope_to_cache(call: RoPECall) -> torch.Tensor:
+    """A checked call with a cache stage (:func:`~rope_dispatch.rope_to_cache`) in one launch:
+    q into ``q_out`` (new where none was given), k rotated and v into the cache's pages at each
+    token's slot. No host read of any index or scale, no allocation but q's output (and copies
+    of index tensors that are not contiguous): capturable in a CUDA graph. Traced by
+    ``torch.compile`` (or on tensor subclasses) it is the eager composition."""
+    write = call.cache_write
+    q, k, v = call.t, call.k, write.v
+    weights = tuple(n.weight for n in (call.norm, call.k_norm) if n is not None)
+    if _traced(q, k, v, *weights):
+        return rope_to_cache_eager(call)
+    q_out = write.q_out if write.q_out is not None else q.new_empty(q.shape, dtype=write.q_dtype)
+    k_pages, v_pages = write.cache.pages()
+    with on_device(q):
+        launch(describe(call), (q, k, v), (q_out, k_pages, v_pages), call_tables(call))
+    for written in (write.cache.k_cache, write.cache.v_cache, q_out):
+        if not written.is_inference():
+            increment_version(written)
+    return q_out
+
+
 # ---------------------------------------------------------------------------------------------
 # Plans
 
@@ -415,6 +441,7 @@ class TritonBackend(Backend):
     supports_in_place = True
     supports_norm = True
     supports_inverse = True
+    supports_cache_write = True
     supports_positions = True
     tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"})
     tensors = frozenset(TENSOR_KINDS)
@@ -446,6 +473,34 @@ class TritonBackend(Backend):
             return ["the kernels were loaded for the interpreter but TRITON_INTERPRET is unset"]
         return []
 
+    def extra_reasons(self, call: RoPECall) -> list[str]:
+        """The cache stage's FP8 stores: not on the interpreter, whose float8 conversion is not
+        a cast (it drops the rounding's carry into the exponent, and neither saturates nor
+        keeps inf and NaN), nor float8_e4m3fn on a GPU older than compute capability 8.9
+        (Triton converts to it from sm_89 on)."""
+        write = call.cache_write
+        if write is None:
+            return []
+        fp8 = sorted({dtype_name(d) for d in (write.cache.dtype, write.q_dtype)
+                      if d in FP8_DTYPES})
+        if not fp8:
+            return []
+        what = f"an FP8 cache or q output ({', '.join(fp8)})"
+        if tl._kernels is not None and tl._kernels.INTERPRETED:
+            return [
+                f"{what} under TRITON_INTERPRET=1: the interpreter's float8 conversion rounds "
+                "wrongly (no carry into the exponent, no saturation); FP8 stores run on a GPU"
+            ]
+        device = call.t.device
+        if device.type == "cuda" and "float8_e4m3fn" in fp8:
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9):
+                return [
+                    f"{what}: Triton converts to float8_e4m3fn on compute capability 8.9 or "
+                    f"newer, and {torch.cuda.get_device_name(device)} is {major}.{minor}"
+                ]
+        return []
+
     def plan(self, call: RoPECall) -> Plan:
         generic = super().plan(call)
         if tl._kernels is None or tl._kernels.INTERPRETED:
@@ -453,4 +508,6 @@ class TritonBackend(Backend):
         return plan(call, generic)
 
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if call.cache_write is not None:
+            return rope_to_cache(call)
         return rope(call)

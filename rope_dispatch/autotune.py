@@ -82,6 +82,10 @@ _PROVISIONAL = "provisional"
 _OFF = "autotune off (ROPE_AUTOTUNE=0)"
 _NOT_MEASURED = "would measure on first call"
 _PENDING = "pending"
+_CACHE_STAGE = (
+    "a KV-cache write is not measured (timing it would write the caller's cache, and rotate q "
+    "again where q_out is q)"
+)
 
 _memory: dict[str, tuple[str, str]] = {}  # key digest -> (backend name, why)
 _failed_backends: set[str] = set()  # backends already warned about for raising while measured
@@ -438,6 +442,8 @@ def tune(call: RoPECall, candidates: list[Backend], *, retune: bool = False) -> 
 def _select(
     call: RoPECall, candidates: list[Backend], use_cache: bool, complete: bool = False
 ) -> tuple[Backend, str]:
+    if call.cache_write is not None:
+        return candidates[0], f"{_CACHE_STAGE}: {_priority(candidates)}"
     if torch.compiler.is_compiling():
         name, why = _decide_while_tracing(str(call.t.device), call_signature(call, candidates))
         if why == _OFF:
@@ -496,6 +502,8 @@ def _select(
 
 def peek(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
     """What :func:`select` would choose, without measuring anything."""
+    if call.cache_write is not None:
+        return candidates[0], f"{_CACHE_STAGE}: {_priority(candidates)}"
     if torch.compiler.is_compiling():
         name, why = _decide_while_tracing(str(call.t.device), call_signature(call, candidates))
         hit = None if name is None else (name, why)

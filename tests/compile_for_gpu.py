@@ -19,6 +19,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from rope_dispatch.backends import triton_kernels as K  # noqa: E402
+from rope_dispatch.backends import triton_norm_kernels as N  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -58,6 +59,40 @@ LEAN_VECTOR_VARIANTS = [
     ("one sequence, bshd", dict(LAYOUT=1, ONE_SEQUENCE=True), "*fp32"),
 ]
 LEAN_DROPPED = ("POSITIONS", "CONTEXT_PARALLEL", "SEQ_BLOCK", "HEAD_ITERS", "HALVES")
+
+# rope_norm_kernel: the norm stage both ways, and the cache stage after the rotation (thd,
+# per-token positions) into each kind of cache, FP8 stores by a number or a device scalar
+NORM = dict(
+    ROPE, LAYOUT=2, POSITIONS=2, HAS_V=True, V_WIDTH=128, BLOCK_W=128, HALVES=False, Q_NORM=1,
+    K_NORM=1, Q_EPS=1e-6, K_EPS=1e-6, Q_OFFSET=0.0, K_OFFSET=0.0, TOKEN_ITERS=1, CACHE=0,
+    PAGE_SIZE=1, Q_QUANT=0, K_QUANT=0, V_QUANT=0,
+)
+# (name, changes to NORM, q's output type, the cache's type, the index tensors' type)
+NORM_VARIANTS = [
+    ("norm", {}, "*bf16", "*bf16", "*i64"),
+    ("norm over the heads, backward", dict(Q_NORM=2, LAYOUT=0, POSITIONS=0, BACKWARD=True,
+                                           TOKEN_ITERS=2), "*bf16", "*bf16", "*i64"),
+    ("cache slots", dict(CACHE=1, PAGE_SIZE=16, Q_NORM=0, K_NORM=0), "*bf16", "*bf16", "*i64"),
+    ("cache pages e4m3, device scales, q e4m3", dict(CACHE=2, PAGE_SIZE=16, Q_QUANT=1, K_QUANT=2,
+                                                     V_QUANT=2), "*fp8e4nv", "*fp8e4nv", "*i32"),
+    ("cache slots e5m2, scales by number, interleaved partial", dict(
+        CACHE=1, K_QUANT=1, V_QUANT=1, INTERLEAVED=True, ROT_DIM=64, PASS_DIM=64, BLOCK_R=64,
+        BLOCK_P=64), "*bf16", "*fp8e5", "*i64"),
+]
+
+
+def norm_pointers(q_out: str, cache: str, index: str) -> dict[str, str]:
+    """rope_norm_kernel's argument types: bf16 data and weights, float32 tables, partials and
+    scales."""
+    types = {name: "*bf16" for name in ("q_x", "k_x", "v_x", "q_src", "k_src", "q_w", "k_w")}
+    types.update(
+        q_out=q_out, k_out=cache, v_out=cache, q_tab="*fp32", k_tab="*fp32", q_sin="*fp32",
+        k_sin="*fp32", cu_ptr="*i32", pos_ptr="*i64", q_part="*fp32", k_part="*fp32",
+        slot_ptr=index, place_ptr=index, indptr_ptr="*i32", indices_ptr="*i32",
+        q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32", q_scale="fp32",
+        k_scale="fp32", v_scale="fp32",
+    )
+    return types
 
 
 def compile_kernel(fn, pointers: dict[str, str], consts: dict) -> None:
@@ -113,6 +148,10 @@ def main() -> int:
     for name, changes, sin_type in LEAN_VECTOR_VARIANTS:
         if not compiles(f"rope_lean_kernel {name}", K.rope_lean_kernel, lean_pointers(sin_type),
                         {**LEAN, **changes}):
+            return 1
+    for name, changes, q_out, cache, index in NORM_VARIANTS:
+        if not compiles(f"rope_norm_kernel {name}", N.rope_norm_kernel,
+                        norm_pointers(q_out, cache, index), {**NORM, **changes}):
             return 1
     if not compiles("linear_table_kernel", K.linear_table_kernel,
                     {"tab_ptr": "*fp32", "flag_ptr": "*i32"},

@@ -7,6 +7,13 @@ to the neighbour of the reference's where the float64 value lies within float32 
 rounding boundary: :func:`assert_rounds_like` accepts exactly the casts of the values within
 that error. Every cache layout (vLLM paged, FlashInfer NHD and HND, SGLang flat), model-dtype
 and FP8 caches, padded tokens skipped, and every byte the call must not write left as it was.
+
+The eager composition and the Triton backend's fused launch are both checked so. On a CPU the
+Triton kernels run on Triton's interpreter, which casts float32 to bfloat16 by truncation (its
+own conversion; the GPU rounds to nearest): there bfloat16 outputs are held to the truncated
+casts of the same window (:func:`cast`). The interpreter's float8 conversion is no cast at all
+(it rounds without carrying into the exponent and never saturates), so the Triton backend
+refuses FP8 there and its FP8 cases are GPU tests; the eager composition is checked on FP8 here.
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ from hypothesis import strategies as st
 
 import rope_dispatch as rd
 from reference import reference_rope
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.gpu
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -43,19 +54,27 @@ def norm64(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
 
 
-def cast(x64: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """As the cache stores a float64 value: float32, divided by the scale, cast."""
+def cast(x64: torch.Tensor, dtype: torch.dtype, scale: float,
+         truncated: bool = False) -> torch.Tensor:
+    """As the cache stores a float64 value: float32, divided by the scale, cast. ``truncated``:
+    a bfloat16 cast by truncation (Triton's interpreter: the float32 bits' low half dropped)."""
+    if truncated and dtype == torch.bfloat16:
+        bits = x64.to(torch.float32).view(torch.int32) & -65536
+        return bits.view(torch.float32).to(dtype)
     if dtype not in FP8:
         return x64.to(torch.float32).to(dtype)
     return (x64.to(torch.float32) / torch.tensor(scale, dtype=torch.float32)).to(dtype)
 
 
-def assert_rounds_like(got: torch.Tensor, ref64: torch.Tensor, scale: float, what: str) -> None:
+def assert_rounds_like(got: torch.Tensor, ref64: torch.Tensor, scale: float, what: str,
+                       truncated: bool = False) -> None:
     """``got`` (any dtype) lies between the casts of the float64 reference moved down and up
-    by float32 error; FP8 values are further mostly the reference's own cast."""
+    by float32 error; FP8 values are further mostly the reference's own cast. ``truncated``:
+    bfloat16 cast by truncation (:func:`cast`)."""
     window = 3e-5 * ref64.abs() + 2e-6
-    low = cast(ref64 - window, got.dtype, scale).double()
-    high = cast(ref64 + window, got.dtype, scale).double()
+    got = got.cpu()
+    low = cast(ref64 - window, got.dtype, scale, truncated).double()
+    high = cast(ref64 + window, got.dtype, scale, truncated).double()
     value = got.double()
     bad = ~((low <= value) & (value <= high))
     assert not bad.any(), (
@@ -87,29 +106,34 @@ class Built:
 
 def build_cache(layout: str, tokens: int, heads: int, dim: int, dtype: torch.dtype,
                 padded: list[bool], gen: torch.Generator, scales: tuple = (1.0, 1.0),
-                page_size: int = 4, v_dim: int | None = None) -> Built:
-    """A cache of ``layout`` with random contents and room for every token, each token not
-    ``padded`` given its own random slot (the padded ones a skipping index); v's head dim
-    ``v_dim`` (default k's)."""
+                page_size: int = 4, v_dim: int | None = None, device: str = "cpu") -> Built:
+    """A cache of ``layout`` on ``device`` with random contents and room for every token, each
+    token not ``padded`` given its own random slot (the padded ones a skipping index); v's head
+    dim ``v_dim`` (default k's); tensor scales are moved there too."""
     pages = tokens // page_size + 3
-    k_scale, v_scale = scales
+    k_scale, v_scale = (s.to(device) if isinstance(s, torch.Tensor) else s for s in scales)
     dims = (dim, dim if v_dim is None else v_dim)
     kept = [i for i in range(tokens) if not padded[i]]
+
+    def made(shape: tuple[int, ...]) -> torch.Tensor:
+        return random_bytes(shape, dtype, gen).to(device)
+
     if layout == "flat":
-        k, v = (random_bytes((pages * page_size, heads, d), dtype, gen) for d in dims)
+        k, v = (made((pages * page_size, heads, d)) for d in dims)
         slots = torch.randperm(pages * page_size, generator=gen)[: tokens].tolist()
-        loc = torch.tensor([-1 if padded[i] else slots[i] for i in range(tokens)])
+        loc = torch.tensor([-1 if padded[i] else slots[i] for i in range(tokens)], device=device)
         cache = rd.FlatKVCache(k, v, loc, k_scale=k_scale, v_scale=v_scale)
         return Built(cache, k.unsqueeze(1), v.unsqueeze(1), {i: (slots[i], 0) for i in kept})
     if layout == "vllm":
-        k, v = (random_bytes((pages, page_size, heads, d), dtype, gen) for d in dims)
+        k, v = (made((pages, page_size, heads, d)) for d in dims)
         slots = torch.randperm(pages * page_size, generator=gen)[: tokens].tolist()
-        mapping = torch.tensor([-1 if padded[i] else slots[i] for i in range(tokens)])
+        mapping = torch.tensor([-1 if padded[i] else slots[i] for i in range(tokens)],
+                               device=device)
         cache = rd.PagedKVCache(k, v, mapping, k_scale=k_scale, v_scale=v_scale)
         return Built(cache, k, v, {i: divmod(slots[i], page_size) for i in kept})
     hnd = layout.endswith("HND")
-    k, v = (random_bytes((pages, heads, page_size, d) if hnd else (pages, page_size, heads, d),
-                         dtype, gen) for d in dims)
+    k, v = (made((pages, heads, page_size, d) if hnd else (pages, page_size, heads, d))
+            for d in dims)
     # two requests: each owns enough pages for every token, in a random order of the cache's
     half = pages // 2
     order = torch.randperm(pages, generator=gen).tolist()
@@ -124,9 +148,10 @@ def build_cache(layout: str, tokens: int, heads: int, dim: int, dtype: torch.dty
         place.append(p)
         if not padded[i]:
             places[i] = (order[indptr[r] + p // page_size], p % page_size)
+    index = dict(dtype=torch.int32, device=device)
     cache = rd.FlashInferPagedKVCache(
-        (k, v), torch.tensor(order, dtype=torch.int32), torch.tensor(indptr, dtype=torch.int32),
-        torch.tensor(batch, dtype=torch.int32), torch.tensor(place, dtype=torch.int32),
+        (k, v), torch.tensor(order, **index), torch.tensor(indptr, **index),
+        torch.tensor(batch, **index), torch.tensor(place, **index),
         page_size=page_size, kv_layout="HND" if hnd else "NHD", k_scale=k_scale, v_scale=v_scale,
     )
     views = (k.transpose(1, 2), v.transpose(1, 2)) if hnd else (k, v)
@@ -136,11 +161,13 @@ def build_cache(layout: str, tokens: int, heads: int, dim: int, dtype: torch.dty
 def check_call_against_reference(
     layout: str, model: torch.dtype, cache_dtype: torch.dtype, *, tokens: int, kv_heads: int,
     group: int, dim: int, rotary: int, interleaved: bool, norms: bool, padded: list[bool],
-    q_mode: str = "model", seed: int = 0, v_dim: int | None = None,
+    q_mode: str = "model", seed: int = 0, v_dim: int | None = None, backend: str = "eager",
+    device: str = "cpu", tensor_scales: bool = False,
 ) -> None:
-    """One call of every feature asked, checked against the float64 reference: q out, each
-    written token's k and v, and every other byte of both caches. ``v_dim``: v's head dim
-    (default k's)."""
+    """One call of every feature asked, run by ``backend`` on ``device`` and checked against the
+    float64 reference: q out, each written token's k and v, and every other byte of both
+    caches. ``v_dim``: v's head dim (default k's); ``tensor_scales``: an FP8 cache's scales as
+    float32 device scalars (else numbers)."""
     gen = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     q = torch.randn(tokens, heads, dim, generator=gen).to(model)
@@ -152,54 +179,61 @@ def check_call_against_reference(
     k_weight = (1 + 0.2 * torch.randn(dim, generator=gen)).to(model) if norms else None
     fp8_cache = cache_dtype in FP8
     scales = (0.03, 0.02) if fp8_cache else (1.0, 1.0)
-    built = build_cache(layout, tokens, kv_heads, dim, cache_dtype, padded, gen, scales,
-                        v_dim=v_dim)
-    k_before, v_before = built.k_pages.clone(), built.v_pages.clone()
+    given_scales = tuple(torch.tensor(s) for s in scales) if tensor_scales else scales
+    built = build_cache(layout, tokens, kv_heads, dim, cache_dtype, padded, gen, given_scales,
+                        v_dim=v_dim, device=device)
+    k_before, v_before = built.k_pages.clone().cpu(), built.v_pages.clone().cpu()
     q_scale, q_out = None, None
     if q_mode == "fp8-scale":
-        q_scale = torch.tensor(0.05)
+        q_scale = torch.tensor(0.05, device=device)
     elif q_mode == "fp8-out":
-        q_out = torch.empty(q.shape, dtype=torch.float8_e5m2)
+        q_out = torch.empty(q.shape, dtype=torch.float8_e5m2, device=device)
     elif q_mode == "into-q":
-        q_out = q
+        q_out = q_on = q.to(device)
     q_in = q.clone()
 
     spec = rd.RoPESpec(layout="thd", dtype=model, interleaved=interleaved)
+    on = {"device": device}
     out = rd.rope_to_cache(
-        q, k, v, angles, spec, positions=positions, cache=built.cache,
-        q_norm=None if q_weight is None else rd.HeadNorm(q_weight, EPS),
-        k_norm=None if k_weight is None else rd.HeadNorm(k_weight, EPS),
-        q_out=q_out, q_scale=q_scale,
+        q_on if q_mode == "into-q" else q.to(**on), k.to(**on), v.to(**on), angles.to(**on), spec,
+        positions=positions.to(**on), cache=built.cache,
+        q_norm=None if q_weight is None else rd.HeadNorm(q_weight.to(**on), EPS),
+        k_norm=None if k_weight is None else rd.HeadNorm(k_weight.to(**on), EPS),
+        q_out=q_out, q_scale=q_scale, backend=backend,
     )
 
+    truncated = backend == "triton" and device == "cpu"  # the interpreter's bfloat16 cast
     q_ref = reference_rope(norm64(q_in, q_weight), angles, positions, interleaved)
     k_ref = reference_rope(norm64(k, k_weight), angles, positions, interleaved)
     if q_out is not None:
         assert out is q_out
     want_q = {"model": model, "into-q": model, "fp8-scale": torch.float8_e4m3fn,
               "fp8-out": torch.float8_e5m2}[q_mode]
-    assert out.dtype == want_q and out.shape == q.shape
-    assert_rounds_like(out, q_ref, 0.05 if q_mode == "fp8-scale" else 1.0, "q")
+    assert out.dtype == want_q and out.shape == q.shape and out.device.type == device
+    assert_rounds_like(out, q_ref, 0.05 if q_mode == "fp8-scale" else 1.0, "q", truncated)
 
-    written = torch.zeros(built.k_pages.shape[:2], dtype=torch.bool)
+    k_pages, v_pages = built.k_pages.cpu(), built.v_pages.cpu()
+    written = torch.zeros(k_pages.shape[:2], dtype=torch.bool)
     for token, (page, entry) in built.places.items():
         written[page, entry] = True
-        assert_rounds_like(built.k_pages[page, entry], k_ref[token], scales[0], f"k of token {token}")
+        assert_rounds_like(k_pages[page, entry], k_ref[token], scales[0], f"k of token {token}",
+                           truncated)
         if v.shape[-1] == 0:
             continue
-        assert_rounds_like(built.v_pages[page, entry], v[token].double(), scales[1],
+        assert_rounds_like(v_pages[page, entry], v[token].double(), scales[1],
                            f"v of token {token}")
-    for name, after, before in (("k", built.k_pages, k_before), ("v", built.v_pages, v_before)):
+    for name, after, before in (("k", k_pages, k_before), ("v", v_pages, v_before)):
         bytes_after, bytes_before = after.view(torch.uint8), before.view(torch.uint8)
         assert torch.equal(bytes_after[~written], bytes_before[~written]), (
             f"the call wrote {name} cache slots no token maps to")
     if not fp8_cache and q_mode in ("model", "into-q") and not norms and v_dim in (None, dim):
-        # the write is the rotation apply_qk gives, bit for bit
-        q_rot, k_rot = rd.apply_qk(q_in, k, angles, spec, positions=positions, backend="eager")
-        assert torch.equal(out, q_rot)
+        # the write is the rotation apply_qk gives (on the same backend), bit for bit
+        q_rot, k_rot = rd.apply_qk(q_in.to(**on), k.to(**on), angles.to(**on), spec,
+                                   positions=positions.to(**on), backend=backend)
+        assert torch.equal(out.cpu(), q_rot.cpu())
         for token, (page, entry) in built.places.items():
-            assert torch.equal(built.k_pages[page, entry], k_rot[token])
-            assert torch.equal(built.v_pages[page, entry], v[token])
+            assert torch.equal(k_pages[page, entry], k_rot[token].cpu())
+            assert torch.equal(v_pages[page, entry], v[token])
 
 
 CACHE_CASES = [(m, m) for m in MODEL_DTYPES] + [(torch.bfloat16, d) for d in FP8] + [
@@ -301,13 +335,23 @@ def small_call(cache_dtype=torch.bfloat16, tokens=5, layout="vllm", padded=None)
     return q, k, v, angle_table(32, 8, False), spec, positions, built
 
 
-def test_every_token_padded_writes_nothing_and_still_rotates_q():
+def backend_param(backend: str, request: pytest.FixtureRequest) -> str:
+    """``backend``, with the Triton backend made available (the interpreter on a CPU)."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    return backend
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_every_token_padded_writes_nothing_and_still_rotates_q(backend, request):
+    backend = backend_param(backend, request)
     q, k, v, table, spec, positions, built = small_call(padded=[True] * 5)
     before = built.k_pages.clone(), built.v_pages.clone()
-    out = rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=built.cache)
+    out = rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=built.cache,
+                           backend=backend)
     assert torch.equal(built.k_pages.view(torch.int16), before[0].view(torch.int16))
     assert torch.equal(built.v_pages.view(torch.int16), before[1].view(torch.int16))
-    assert torch.equal(out, rd.apply(q, table, spec, positions=positions, backend="eager"))
+    assert torch.equal(out, rd.apply(q, table, spec, positions=positions, backend=backend))
 
 
 def test_an_engine_cos_sin_cache_and_scale_tensors():
@@ -350,6 +394,7 @@ def places_from_indices(cache: rd.KVCache) -> dict[int, tuple[int, int]]:
     return places
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("layout,field,value", [
     ("vllm", "slot_mapping", 10_000), ("vllm", "slot_mapping", -7),
     ("flat", "cache_loc", 10_000), ("flat", "cache_loc", -1),
@@ -357,9 +402,12 @@ def places_from_indices(cache: rd.KVCache) -> dict[int, tuple[int, int]]:
     ("flashinfer-HND", "positions", "past its request's pages"),
     ("flashinfer-HND", "positions", -3), ("flashinfer-HND", "kv_indices", 99),
 ])
-def test_a_slot_past_the_cache_is_skipped_where_values_are_not_read(layout, field, value):
+def test_a_slot_past_the_cache_is_skipped_where_values_are_not_read(layout, field, value,
+                                                                   backend, request):
     """On a GPU nothing reads the indices on the host: a slot past the cache writes nothing
-    (here: the values changed after the checks, as a CUDA graph replay would have them)."""
+    (here: the values changed after the checks, as a CUDA graph replay would have them). The
+    Triton kernel finds each token's place and skips it in the kernel."""
+    backend = backend_param(backend, request)
     q, k, v, table, spec, positions, built = small_call(tokens=6, layout=layout)
     cache = built.cache
     call = rd.kv_cache.check_cache_call(q, k, v, table, spec, positions=positions, cache=cache)
@@ -375,7 +423,7 @@ def test_a_slot_past_the_cache_is_skipped_where_values_are_not_read(layout, fiel
     places = places_from_indices(cache)
     assert len(places) < 6
     before = built.k_pages.clone(), built.v_pages.clone()
-    rd.get_backend("eager").apply(call)
+    rd.get_backend(backend).apply(call)
     written = torch.zeros(built.k_pages.shape[:2], dtype=torch.bool)
     for place in places.values():
         written[place] = True
@@ -484,16 +532,20 @@ def test_bad_arguments_are_named():
 
 
 def test_other_backends_say_why_they_refuse_and_explain_shows_the_stage(triton_backend):
-    q, k, v, table, spec, positions, built = small_call(torch.float8_e4m3fn)
+    q, k, v, table, spec, positions, built = small_call()
     text = str(rd.explain(q, table, spec, k=k, v=v, positions=positions, cache=built.cache))
-    assert "k and v written to a paged KV cache of float8_e4m3fn, q out bfloat16" in text
-    assert "backend: eager (the only backend that supports this call)" in text
+    assert "k and v written to a paged KV cache of bfloat16, q out bfloat16" in text
+    # triton's fused stage and the eager composition both serve it; nothing is timed (it would
+    # write the caller's cache)
+    assert ("backend: triton (a KV-cache write is not measured (timing it would write the "
+            "caller's cache, and rotate q again where q_out is q): highest priority among "
+            "triton, eager)") in text
+    assert "  - eager: could serve it, not chosen" in text
     reason = "a KV-cache write after the rotation (rope_to_cache) is not supported"
-    assert f"  - triton: {reason}" in text
     assert reason in text.split("  - compile: ")[1]
-    with pytest.raises(rd.BackendNotSupportedError, match=r"'triton' was forced .*KV-cache write"):
+    with pytest.raises(rd.BackendNotSupportedError, match=r"'compile' was forced .*KV-cache write"):
         rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=built.cache,
-                         backend="triton")
+                         backend="compile")
 
     class RotationOnly(rd.Backend):
         name = "rotation-only"
@@ -501,11 +553,265 @@ def test_other_backends_say_why_they_refuse_and_explain_shows_the_stage(triton_b
         supports_positions = True
         supports_norm = True
 
-    call = rd.kv_cache.check_cache_call(q, k, v, table, spec, positions=positions,
-                                        cache=built.cache)
+    fp8 = small_call(torch.float8_e4m3fn)[-1].cache
+    call = rd.kv_cache.check_cache_call(q, k, v, table, spec, positions=positions, cache=fp8)
     assert RotationOnly().not_supported_reasons(call) == [reason]
     assert not RotationOnly().not_supported_reasons(call._replace(cache_write=None))
     # a decision made for apply_qk is never reused for the same tensors with a cache stage
     plain = rd.check_call(q, table, spec, positions=positions, k=k)
     assert rd.call.call_key(call) != rd.call.call_key(plain)
     assert rd.call.call_key(call).fields()["cache"] == ["paged", "float8_e4m3fn", "bfloat16"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton backend's fused stage: one launch norms, rotates, quantizes and writes q, k and v
+# (on a CPU through Triton's interpreter, small shapes; FP8 on a GPU only, see the docstring)
+
+MODEL_CACHES = [(m, m) for m in MODEL_DTYPES]
+FP8_CACHES = [(torch.bfloat16, d) for d in FP8] + [(torch.float16, torch.float8_e4m3fn)]
+dtype_ids = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model,cache_dtype", MODEL_CACHES + [
+    pytest.param(m, c, marks=gpu) for m, c in FP8_CACHES], ids=dtype_ids)
+def test_triton_every_layout_and_cache_dtype(layout, model, cache_dtype):
+    """GQA (4 query heads, 2 kv heads), partial rotary (24 of 32, the rest copied into the
+    cache), padded tokens, q and k norms: one launch, against the float64 reference."""
+    padded = [False, True, False, False, True, False, False, False, False, True, False]
+    check_call_against_reference(
+        layout, model, cache_dtype, tokens=len(padded), kv_heads=2, group=2, dim=32, rotary=24,
+        interleaved=False, norms=True, padded=padded, backend="triton", device=DEVICE)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_without_norms_writes_what_its_apply_qk_gives(layout, interleaved):
+    """No norm: q (new, or written into q itself) and the cache's k are the Triton backend's
+    apply_qk rotation bit for bit, v the input's bits; interleaved pairs, partial rotary."""
+    check_call_against_reference(
+        layout, torch.bfloat16, torch.bfloat16, tokens=6, kv_heads=2, group=2, dim=16,
+        rotary=12, interleaved=interleaved, norms=False,
+        padded=[False, False, True, False, False, True],
+        q_mode="into-q" if interleaved else "model", backend="triton", device=DEVICE)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@settings(max_examples=12, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS), model=st.sampled_from(MODEL_DTYPES),
+    fp8=st.sampled_from([None, *FP8] if CUDA else [None]), tokens=st.integers(1, 9),
+    kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 4]), dim=st.sampled_from([8, 16, 24]),
+    rotary_part=st.sampled_from([1.0, 0.5]), interleaved=st.booleans(), norms=st.booleans(),
+    padded=st.lists(st.booleans(), min_size=9, max_size=9),
+    q_mode=st.sampled_from(["model", "into-q", *(("fp8-scale", "fp8-out") if CUDA else ())]),
+    tensor_scales=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_triton_matches_reference(layout, model, fp8, tokens, kv_heads, group, dim, rotary_part,
+                                  interleaved, norms, padded, q_mode, tensor_scales, seed):
+    rotary = max(2, int(dim * rotary_part) // 2 * 2)
+    check_call_against_reference(
+        layout, model, model if fp8 is None else fp8, tokens=tokens, kv_heads=kv_heads,
+        group=group, dim=dim, rotary=rotary, interleaved=interleaved, norms=norms,
+        padded=padded[:tokens], q_mode=q_mode, seed=seed, backend="triton", device=DEVICE,
+        tensor_scales=tensor_scales)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's refusal; FP8 runs on the GPU")
+def test_triton_on_the_interpreter_leaves_fp8_to_eager(triton_backend):
+    """An FP8 cache or q output: the interpreter's float8 conversion is no cast, so the Triton
+    backend says so and the eager composition serves the call."""
+    q, k, v, table, spec, positions, built = small_call(torch.float8_e5m2)
+    text = str(rd.explain(q, table, spec, k=k, v=v, positions=positions, cache=built.cache))
+    assert "backend: eager (the only backend that supports this call)" in text
+    assert ("  - triton: an FP8 cache or q output (float8_e5m2) under TRITON_INTERPRET=1: the "
+            "interpreter's float8 conversion rounds wrongly") in text
+    q, k, v, table, spec, positions, built = small_call()
+    with pytest.raises(rd.BackendNotSupportedError, match=r"FP8 cache or q output "
+                                                          r"\(float8_e4m3fn\) under TRITON_INT"):
+        rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=built.cache,
+                         q_scale=0.5, backend="triton")
+
+
+def test_the_compiled_launch_key_follows_the_cache_stage(triton_backend):
+    """Every part of a cache stage the compiled kernel or its fixed arguments depend on keys
+    the launch: cache kind, page size, cache and q dtypes, scales as numbers (by value) or
+    device scalars, index dtypes and lengths; the same call keys the same launch."""
+    from rope_dispatch.backends import triton_launch as tl
+
+    def key(cache_dtype=torch.bfloat16, layout="vllm", tokens=5, q_scale=None, scales=(1.0, 1.0),
+            int32=False):
+        q, k, v, table, spec, positions, _ = small_call(tokens=tokens)
+        built = build_cache(layout, tokens, 2, 8, cache_dtype, [False] * tokens,
+                            torch.Generator().manual_seed(3), scales)
+        if int32 and layout == "vllm":
+            built.cache.slot_mapping = built.cache.slot_mapping.int()
+        call = rd.kv_cache.check_cache_call(q, k, v, table, spec, positions=positions,
+                                            cache=built.cache, q_scale=q_scale)
+        described = tl.describe(call)
+        tabs = tl.current_tables(tl.call_tables(call), "thd")
+        outs = (torch.empty(q.shape, dtype=call.cache_write.q_dtype), *built.cache.pages())
+        addresses = tuple(t.data_ptr() + offset for t, offset in
+                          tl.pointers(described, (q, k, v), outs, tabs))
+        return tl.launch_key(described, (q, k, v), outs, tabs, addresses)
+
+    made = [key(), key(layout="flat"), key(layout="flashinfer-NHD"), key(layout="flashinfer-HND"),
+            key(torch.float8_e4m3fn), key(torch.float8_e5m2), key(q_scale=0.5),
+            key(q_scale=torch.tensor(0.5)), key(torch.float8_e4m3fn, scales=(0.5, 1.0)),
+            key(torch.float8_e4m3fn, scales=(torch.tensor(0.5), 1.0)), key(int32=True),
+            key(tokens=6)]
+    assert len(set(made)) == len(made)
+    assert key() == key() and hash(key(q_scale=0.25)) == hash(key(q_scale=0.25))
+    assert made[0].launch.store == (1, 4, (0, 0, 0), (torch.bfloat16, torch.bfloat16))
+    assert made[9].launch.store.quant == (0, 2, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused stage on the GPU: FP8 stores, CUDA graphs, no host sync
+
+
+@gpu
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("q_mode", ["fp8-scale", "fp8-out"])
+@pytest.mark.parametrize("tensor_scales", [False, True])
+def test_triton_fp8_q_and_cache_on_the_gpu(layout, q_mode, tensor_scales):
+    """q out FP8 (e4m3 by q_scale, or an e5m2 q_out) and an e4m3 cache, scales as numbers or
+    device scalars, interleaved and partial, norms on."""
+    check_call_against_reference(
+        layout, torch.bfloat16, torch.float8_e4m3fn, tokens=9, kv_heads=2, group=2, dim=64,
+        rotary=32, interleaved=True, norms=True, padded=[False, True] + [False] * 7,
+        q_mode=q_mode, backend="triton", device="cuda", tensor_scales=tensor_scales)
+
+
+@gpu
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("dtype,largest", [(torch.float8_e4m3fn, 448.0),
+                                           (torch.float8_e5m2, 57344.0)])
+def test_triton_fp8_stores_saturate_past_the_range(dtype, largest):
+    """A value past the FP8 range is stored as the largest finite value of its sign (the
+    GPU's saturating conversion, as serving engines' FP8 cache writes do), where torch's cast
+    gives NaN (e4m3fn, before torch 2.13) or inf (e5m2); NaN stays NaN."""
+    q = torch.zeros(3, 1, 8, device="cuda")
+    k = torch.tensor([1e6, -1e6, float("nan")], device="cuda")[:, None, None].expand(3, 1, 8)
+    v = k.clone()
+    pages = torch.zeros(2, 4, 1, 8, dtype=dtype, device="cuda")
+    cache = rd.PagedKVCache(pages, torch.zeros_like(pages), torch.tensor([0, 1, 2], device="cuda"))
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", rotary_dim=2)
+    rd.rope_to_cache(q, k.contiguous(), v, torch.zeros(4, 2, device="cuda"), spec,
+                     positions=torch.zeros(3, dtype=torch.int64, device="cuda"), cache=cache,
+                     backend="triton")
+    for stored in (pages[0, :3, 0].float().cpu(), cache.v_cache[0, :3, 0].float().cpu()):
+        assert torch.equal(stored[0], torch.full((8,), largest))
+        assert torch.equal(stored[1], torch.full((8,), -largest))
+        assert stored[2].isnan().all()
+
+
+def serving_step(layout: str, tokens: int = 8, dtype: torch.dtype = torch.float8_e4m3fn):
+    """A decode step's static tensors on the GPU: q, k, v, table, spec, positions, the cache
+    (tensor scales), and a function that writes a new step's values into the index tensors."""
+    gen = torch.Generator().manual_seed(4)
+    built = build_cache(layout, tokens, 2, 64, dtype, [False] * tokens, gen,
+                        (torch.tensor(0.02), torch.tensor(0.03)), page_size=4, device="cuda")
+    q = torch.randn(tokens, 4, 64, generator=gen).bfloat16().cuda()
+    k = torch.randn(tokens, 2, 64, generator=gen).bfloat16().cuda()
+    v = torch.randn(tokens, 2, 64, generator=gen).bfloat16().cuda()
+    spec = rd.RoPESpec(layout="thd", dtype="bf16")
+    positions = torch.zeros(tokens, dtype=torch.int64, device="cuda")
+    return q, k, v, angle_table(64, 64, False).cuda(), spec, positions, built
+
+
+def next_step(built: Built, positions: torch.Tensor, seed: int) -> None:
+    """New positions, and each token a new place in the cache (some padded), in place."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = positions.shape[0]
+    positions.copy_(torch.randint(0, 64, (tokens,), generator=gen))
+    cache = built.cache
+    if cache.kind == "flashinfer_paged":
+        rows = cache.kv_indptr.tolist()[-1] * cache.page_size
+        place = torch.randperm(rows, generator=gen)[:tokens]
+        cache.batch_indices.copy_(torch.where(place % 3 == 0, -1, 0))  # request 0 owns all
+        cache.kv_indptr.copy_(torch.tensor([0] + [rows // cache.page_size] * (
+            cache.kv_indptr.shape[0] - 1)))
+        cache.positions.copy_(place)
+    else:
+        index = cache.slot_mapping if cache.kind == "paged" else cache.cache_loc
+        slots = torch.randperm(cache.k_cache.shape[0] * (4 if cache.kind == "paged" else 1),
+                               generator=gen)[:tokens]
+        index.copy_(torch.where(slots % 3 == 0, -1, slots))
+
+
+@gpu
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_stage_replays_in_a_cuda_graph_with_new_positions_and_slots(layout):
+    """The step captured once in a CUDA graph: each replay with new positions, slots and
+    inputs writes what a fresh eager call writes into a copy of the cache, no more."""
+    q, k, v, table, spec, positions, built = serving_step(layout)
+    cache, q_scale = built.cache, torch.tensor(0.1, device="cuda")
+    call = lambda: rd.rope_to_cache(q, k, v, table, spec, positions=positions,  # noqa: E731
+                                    cache=cache, q_scale=q_scale, backend="triton")
+    next_step(built, positions, 0)
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in (1, 2, 3):
+        next_step(built, positions, seed)
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
+        k_copy, v_copy = cache.k_cache.clone(), cache.v_cache.clone()
+        twin = copy_of(cache, k_copy, v_copy)
+        want = rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=twin,
+                                q_scale=q_scale, backend="eager")
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same_or_neighbour(out, want, "q")
+        assert_same_or_neighbour(cache.k_cache, k_copy, "k cache")
+        assert torch.equal(cache.v_cache.view(torch.uint8), v_copy.view(torch.uint8))
+
+
+def copy_of(cache: rd.KVCache, k_cache: torch.Tensor, v_cache: torch.Tensor) -> rd.KVCache:
+    """``cache``'s descriptor over other k and v tensors (the same index tensors and scales)."""
+    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    if cache.kind == "flashinfer_paged":
+        return rd.FlashInferPagedKVCache((k_cache, v_cache), cache.kv_indices, cache.kv_indptr,
+                                         cache.batch_indices, cache.positions,
+                                         kv_layout=cache.kv_layout, **scales)
+    if cache.kind == "paged":
+        return rd.PagedKVCache(k_cache, v_cache, cache.slot_mapping, **scales)
+    return rd.FlatKVCache(k_cache, v_cache, cache.cache_loc, **scales)
+
+
+def assert_same_or_neighbour(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """FP8 tensors equal but where the eager composition's float32 rotation (its own rounding
+    steps) and the kernel's fused multiply-adds land on neighbouring FP8 values."""
+    a, b = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+    assert ((a - b).abs() <= 1).all(), f"{what}: values more than one FP8 step apart"
+    assert (a == b).double().mean() > 0.97, f"{what}: too many values differ"
+
+
+@gpu
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer-HND"])
+def test_triton_stage_never_syncs_after_its_first_call(layout):
+    """Under torch.cuda.set_sync_debug_mode("error") any host sync raises: a call after the
+    first (the first compiles) with new index values, tensor scales and an FP8 q reads nothing
+    on the host."""
+    q, k, v, table, spec, positions, built = serving_step(layout)
+    q_scale = torch.tensor(0.1, device="cuda")
+    next_step(built, positions, 0)
+    rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=built.cache,
+                     q_scale=q_scale, backend="triton")
+    next_step(built, positions, 1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=built.cache,
+                             q_scale=q_scale, backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
