@@ -323,29 +323,34 @@ def test_a_v_head_dim_of_its_own_is_a_capability_and_part_of_the_key():
     assert rd.call.call_key(plain) != rd.call.call_key(call)
 
 
-def small_call(cache_dtype=torch.bfloat16, tokens=5, layout="vllm", padded=None):
-    """q, k, v, table, spec, positions and a cache for error and backend tests."""
+def small_call(cache_dtype=torch.bfloat16, tokens=5, layout="vllm", padded=None, device="cpu"):
+    """q, k, v, table, spec, positions and a cache on ``device`` for error and backend tests."""
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(tokens, 4, 8, generator=gen).bfloat16()
-    k = torch.randn(tokens, 2, 8, generator=gen).bfloat16()
-    v = torch.randn(tokens, 2, 8, generator=gen).bfloat16()
+    q, k, v = (torch.randn(tokens, h, 8, generator=gen).bfloat16().to(device) for h in (4, 2, 2))
     spec = rd.RoPESpec(layout="thd", dtype="bf16")
-    positions = torch.arange(tokens)
-    built = build_cache(layout, tokens, 2, 8, cache_dtype, padded or [False] * tokens, gen)
-    return q, k, v, angle_table(32, 8, False), spec, positions, built
+    positions = torch.arange(tokens, device=device)
+    built = build_cache(layout, tokens, 2, 8, cache_dtype, padded or [False] * tokens, gen,
+                        device=device)
+    return q, k, v, angle_table(32, 8, False).to(device), spec, positions, built
 
 
-def backend_param(backend: str, request: pytest.FixtureRequest) -> str:
-    """``backend``, with the Triton backend made available (the interpreter on a CPU)."""
+def triton_device() -> str:
+    """Where the Triton backend runs: the GPU when there is one, else the CPU interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_param(backend: str, request: pytest.FixtureRequest) -> tuple[str, str]:
+    """``backend`` and the device its test runs on, the Triton backend made available."""
     if backend == "triton":
         request.getfixturevalue("triton_backend")
-    return backend
+        return backend, triton_device()
+    return backend, "cpu"
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
 def test_every_token_padded_writes_nothing_and_still_rotates_q(backend, request):
-    backend = backend_param(backend, request)
-    q, k, v, table, spec, positions, built = small_call(padded=[True] * 5)
+    backend, device = backend_param(backend, request)
+    q, k, v, table, spec, positions, built = small_call(padded=[True] * 5, device=device)
     before = built.k_pages.clone(), built.v_pages.clone()
     out = rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=built.cache,
                            backend=backend)
@@ -407,8 +412,8 @@ def test_a_slot_past_the_cache_is_skipped_where_values_are_not_read(layout, fiel
     """On a GPU nothing reads the indices on the host: a slot past the cache writes nothing
     (here: the values changed after the checks, as a CUDA graph replay would have them). The
     Triton kernel finds each token's place and skips it in the kernel."""
-    backend = backend_param(backend, request)
-    q, k, v, table, spec, positions, built = small_call(tokens=6, layout=layout)
+    backend, device = backend_param(backend, request)
+    q, k, v, table, spec, positions, built = small_call(tokens=6, layout=layout, device=device)
     cache = built.cache
     call = rd.kv_cache.check_cache_call(q, k, v, table, spec, positions=positions, cache=cache)
     token = 1
@@ -427,7 +432,8 @@ def test_a_slot_past_the_cache_is_skipped_where_values_are_not_read(layout, fiel
     written = torch.zeros(built.k_pages.shape[:2], dtype=torch.bool)
     for place in places.values():
         written[place] = True
-    for after, old in zip((built.k_pages, built.v_pages), before):
+    for after, old in zip((built.k_pages.cpu(), built.v_pages.cpu()), before):
+        old = old.cpu()
         assert torch.equal(after.view(torch.int16)[~written], old.view(torch.int16)[~written])
         assert (after[written] != old[written]).flatten(1).any(1).all()
 
@@ -532,7 +538,7 @@ def test_bad_arguments_are_named():
 
 
 def test_other_backends_say_why_they_refuse_and_explain_shows_the_stage(triton_backend):
-    q, k, v, table, spec, positions, built = small_call()
+    q, k, v, table, spec, positions, built = small_call(device=triton_device())
     text = str(rd.explain(q, table, spec, k=k, v=v, positions=positions, cache=built.cache))
     assert "k and v written to a paged KV cache of bfloat16, q out bfloat16" in text
     # triton's fused stage and the eager composition both serve it; nothing is timed (it would
