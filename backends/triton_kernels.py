@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .triton_cache_kernels import _cache_rows
 from triton.runtime.interpreter import InterpretedFunction
 
 SBHD: int = 0
@@ -431,66 +433,6 @@ def _token_rows(
     x_row = x_ptr + (i0.to(tl.int64) * sx0 + i1.to(tl.int64) * sx1)
     o_row = out_ptr + (i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1)
     return tok, tok_mask, i0, i1, x_row, o_row, head_lo
-
-
-SLOTS: tl.constexpr = tl.constexpr(1)  # cache stage: a slot per token (vLLM paged, flat)
-PAGES: tl.constexpr = tl.constexpr(2)  # cache stage: FlashInfer's pages of each request
-SCALE_VALUE: tl.constexpr = tl.constexpr(1)  # FP8 store: divided by a number (an argument)
-SCALE_POINTER: tl.constexpr = tl.constexpr(2)  # FP8 store: by a float32 scalar in memory
-
-
-@triton.jit
-def _cache_rows(
-    tok, tok_mask, o_row, out_ptr, so0, so1, slot_ptr, place_ptr, indptr_ptr, indices_ptr,
-    n_pages, n_requests, n_indices, CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-):
-    """Where the tokens' heads are written, and which tokens are: ``(row pointers, mask)``.
-
-    ``CACHE == 0``: ``o_row`` and ``tok_mask`` as they are. Otherwise ``out_ptr`` is a KV
-    cache of ``n_pages`` pages of ``PAGE_SIZE`` entries (strides ``so0`` and ``so1``), and a
-    token goes to entry ``e`` of page ``p``: ``SLOTS`` (``slot_ptr`` one slot per token),
-    ``p = slot // PAGE_SIZE``, ``e = slot % PAGE_SIZE``; ``PAGES`` (FlashInfer: ``slot_ptr``
-    each token's request ``b``, ``place_ptr`` its place ``i`` in the request's cache),
-    ``p = indices_ptr[indptr_ptr[b] + i // PAGE_SIZE]``, ``e = i % PAGE_SIZE``. A token is
-    written only where every index lies inside what it indexes (a negative slot or request:
-    padding); the host never reads them, and no memory outside them is read."""
-    if CACHE == 0:
-        row = o_row
-        write = tok_mask
-    else:
-        if CACHE == SLOTS:
-            slot = tl.load(slot_ptr + tok, mask=tok_mask, other=-1).to(tl.int64)
-            write = tok_mask & (slot >= 0) & (slot < n_pages.to(tl.int64) * PAGE_SIZE)
-            slot = tl.where(write, slot, 0)
-            page = slot // PAGE_SIZE
-            entry = slot - page * PAGE_SIZE
-        else:
-            request = tl.load(slot_ptr + tok, mask=tok_mask, other=-1).to(tl.int64)
-            place = tl.load(place_ptr + tok, mask=tok_mask, other=-1).to(tl.int64)
-            write = tok_mask & (request >= 0) & (request < n_requests) & (place >= 0)
-            request = tl.where(write, request, 0)
-            place = tl.where(write, place, 0)
-            first = tl.load(indptr_ptr + request, mask=write, other=0).to(tl.int64)
-            end = tl.load(indptr_ptr + request + 1, mask=write, other=0).to(tl.int64)
-            at = first + place // PAGE_SIZE
-            write = write & (at >= 0) & (at < end) & (at < n_indices)
-            page = tl.load(indices_ptr + tl.where(write, at, 0), mask=write, other=0).to(tl.int64)
-            write = write & (page >= 0) & (page < n_pages)
-            page = tl.where(write, page, 0)
-            entry = place - (place // PAGE_SIZE) * PAGE_SIZE
-        row = out_ptr + (page * so0 + entry * so1)
-    return row, write
-
-
-@triton.jit
-def _quant_scale(scale_ptr, value, QUANT: tl.constexpr):
-    """An FP8 store's float32 scale: loaded (``SCALE_POINTER``, a device scalar the host never
-    reads) or the number ``value``."""
-    if QUANT == SCALE_POINTER:
-        scale = tl.load(scale_ptr).to(tl.float32)
-    else:
-        scale = value
-    return scale
 
 
 @triton.jit

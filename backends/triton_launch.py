@@ -678,7 +678,8 @@ def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
     if any(live):
         from .triton_norm_kernels import weight_grad_kernel
 
-        (q_part, q_grad), (k_part, k_grad) = (x or live[0] or live[1] for x in live)
+        shared = live[0] or live[1]  # a side without rows passes the other's, with no columns
+        (q_part, q_grad), (k_part, k_grad) = (x or shared for x in live)
         q_width = q_part.shape[1] if live[0] else 0
         k_width = k_part.shape[1] if live[1] else 0
         grid = (-(-q_width // tiles.WEIGHT_GRAD_COLS) + -(-k_width // tiles.WEIGHT_GRAD_COLS),)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .triton_cache_kernels import _cache_rows, _quant_scale
 from .triton_kernels import (
-    _add, _cache_rows, _coefficients, _copy_program, _load_chunk, _positions, _quant_scale,
-    _rotate_store, _rotated, _store_chunk, _token_block, _token_rows,
+    _add, _coefficients, _copy_program, _load_chunk, _positions, _rotate_store, _rotated,
+    _store_chunk, _token_block, _token_rows,
 )
 
 
