@@ -559,7 +559,7 @@ def test_other_backends_say_why_they_refuse_and_explain_shows_the_stage(triton_b
         supports_positions = True
         supports_norm = True
 
-    fp8 = small_call(torch.float8_e4m3fn)[-1].cache
+    fp8 = small_call(torch.float8_e4m3fn, device=triton_device())[-1].cache
     call = rd.kv_cache.check_cache_call(q, k, v, table, spec, positions=positions, cache=fp8)
     assert RotationOnly().not_supported_reasons(call) == [reason]
     assert not RotationOnly().not_supported_reasons(call._replace(cache_write=None))
