@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rope_dispatch.call import RoPECall, position_index
+from rope_dispatch.kv_cache import cache_index
 from rope_dispatch.tables import kernel_tables
 
 from . import direct_launch
@@ -195,10 +196,7 @@ def store_form(write: Any) -> StoreForm:
 
 def cache_tensors(write: Any) -> CacheTensors:
     """The :class:`CacheTensors` of a :class:`~rope_dispatch.kv_cache.CacheWrite`."""
-    cache = write.cache
-    names = (cache.index_names if cache.kind != "flashinfer_paged"
-             else ("batch_indices", "positions", "kv_indptr", "kv_indices"))
-    return CacheTensors(tuple(getattr(cache, name) for name in names), _store_scales(write))
+    return CacheTensors(cache_index(write.cache), _store_scales(write))
 
 
 def call_tables(call: RoPECall) -> Tables:
@@ -823,25 +821,24 @@ class Slots(NamedTuple):
     tensors: int
 
 
-def slots(sources: Sequence[tuple[torch.Tensor, int]], inputs: Sequence[torch.Tensor],
-          outs: Sequence[torch.Tensor], index: torch.Tensor | None) -> Slots:
-    """The :class:`Slots` of a launch's pointer ``sources`` (:func:`pointers`) for calls whose
-    inputs, new outputs (none in place: ``outs`` is ``inputs``) and index tensor vary."""
-    in_place = outs is inputs
+def slots(sources: Sequence[tuple[torch.Tensor, int]], given: Sequence[torch.Tensor | None],
+          made: Sequence[torch.Tensor] = (), like: Sequence[int] | None = None) -> Slots:
+    """The :class:`Slots` of a launch's pointer ``sources`` (:func:`pointers`) for calls that
+    pass tensors like ``given`` (the objects the sources name, or tensors of their addresses;
+    ``None`` where a call passes an address standing for none) and get new outputs like
+    ``made``, each allocated like given tensor ``like[i]`` (its dtype and device; default 0)."""
     pointers, takes, fills = [], [], []
     for slot, (t, offset) in enumerate(sources):
-        given = next((i for i, x in enumerate(inputs) if t is x), None)
-        made = None if in_place else next((i for i, x in enumerate(outs) if t is x), None)
-        if given is not None:
-            takes.append((given, slot, offset))
-        elif index is not None and t is index:
-            takes.append((len(inputs), slot, offset))
-        elif made is not None:
-            fills.append((made, slot, offset))
-        pointers.append(0 if given is not None or made is not None or t is index
-                        else t.data_ptr() + offset)
-    makes = () if in_place else tuple((0, tuple(o.shape)) for o in outs)
-    return Slots(tuple(pointers), tuple(takes), makes, tuple(fills), len(inputs) + 1)
+        at = next((i for i, x in enumerate(given) if t is x), None)
+        out = next((i for i, x in enumerate(made) if t is x), None)
+        if at is not None:
+            takes.append((at, slot, offset))
+        elif out is not None:
+            fills.append((out, slot, offset))
+        pointers.append(0 if at is not None or out is not None else t.data_ptr() + offset)
+    like = like or (0,) * len(made)
+    makes = tuple((i, tuple(o.shape)) for i, o in zip(like, made))
+    return Slots(tuple(pointers), tuple(takes), makes, tuple(fills), len(given))
 
 
 def bound(entry: Compiled, where: Slots) -> Any:

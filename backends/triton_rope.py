@@ -376,7 +376,7 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     entry = tl._compiled.get(key)
     if entry is None or key.aligned != (1 << len(addresses)) - 1:
         return generic
-    forward = bound(entry, tl.slots(sources, inputs, outs, tabs.index))
+    forward = bound(entry, tl.slots(sources, (*inputs, tabs.index), () if described.in_place else outs))
     device, address = key.device, tabs.table.data_ptr()
     flag = tt.plan_flag(tabs.sin, tabs.cu, described.layout)
     several, current_device, stream, stale = (
@@ -410,7 +410,7 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     back_sources = tl.pointers(back, outs, back_outs, tabs)
     back_key = tl.launch_key(back, outs, back_outs, tabs,
                              tuple(t.data_ptr() + offset for t, offset in back_sources))
-    planned = Planned(forward, back_key, tl.slots(back_sources, outs, back_outs, tabs.index),
+    planned = Planned(forward, back_key, tl.slots(back_sources, (*outs, tabs.index), back_outs),
                       address, flag, tt.rows_read(call.t, call.spec.layout, position_index(call)),
                       call.positions is not None, described)
     apply = c_apply(RoPEFunction)
@@ -427,6 +427,63 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
         return apply(rotation, x, k) if pair else apply(rotation, x)
 
     return run_grad
+
+
+def plan_cache(call: RoPECall) -> Any:
+    """The plan of a :func:`rope_to_cache` call (``run(freqs, tensors)``, ``tensors`` in
+    :func:`~rope_dispatch.kv_cache.plan_tensors`' order, then the norm weights): the compiled
+    launch the call just ran, bound, so a repeated decode step is the plan's guard and one
+    launch. ``None`` where binding does not cover the call (not compiled or not aligned, a
+    table or index copied for it, an FP8 q made with no tensor of its dtype to allocate like);
+    a run returns ``NotImplemented`` where dispatch must check the call (another device current,
+    a stale table flag, a tensor not aligned)."""
+    write = call.cache_write
+    q, k, v = call.t, call.k, write.v
+    described, tabs = describe(call), call_tables(call)
+    if tabs.table.data_ptr() != tt.user_table_address(call) or not tabs.index.is_contiguous():
+        return None
+    tabs = tl.current_tables(tabs, described.layout)
+    k_pages, v_pages = write.cache.pages()
+    new = write.q_out is None
+    like = 0 if write.q_dtype == q.dtype else 4 if write.q_dtype == k_pages.dtype else None
+    if new and like is None:
+        return None
+    q_out = q.new_empty(q.shape, dtype=write.q_dtype) if new else write.q_out
+    inputs, outs = (q, k, v), (q_out, k_pages, v_pages)
+    sources = tl.pointers(described, inputs, outs, tabs)
+    key = tl.launch_key(described, inputs, outs, tabs,
+                        tuple(t.data_ptr() + offset for t, offset in sources))
+    entry = tl._compiled.get(key)
+    if entry is None or key.aligned != (1 << len(sources)) - 1:
+        return None
+    # the objects the launch's pointers name, where a call passes tensors of the same addresses
+    # (the caches for their page views, positions for its index view, scales for their 0-d views)
+    scales = tuple(s for s in (write.q_scale, write.cache.k_scale, write.cache.v_scale)
+                   if isinstance(s, torch.Tensor))
+    given = (q, k, v, tabs.index, k_pages, v_pages, *tabs.store.index, *scales,
+             *(() if new else (q_out,)),
+             *(w for w in (tabs.norm.weights if tabs.norm is not None else ()) if w is not None))
+    forward = bound(entry, tl.slots(sources, given, (q_out,) if new else (), (like,)))
+    device, at = key.device, 6 + len(tabs.store.index) + len(scales)  # q_out's place, if given
+    flag = tt.plan_flag(tabs.sin, tabs.cu, described.layout)
+    several, current_device, stream, stale = (
+        tt.several_gpus(), torch.cuda.current_device, current_stream, tt.flag_stale)
+
+    def run(freqs: object, tensors: tuple[torch.Tensor, ...]) -> Any:
+        s = stream(device)
+        if (several and current_device() != device) or (
+                flag is not None and stale(flag, freqs, s)):
+            return NotImplemented
+        made = forward(s, *tensors)
+        if made is NotImplemented:
+            return made
+        out = made if new else tensors[at]
+        for written in (tensors[4], tensors[5], out):
+            if not written.is_inference():
+                increment_version(written)
+        return out
+
+    return run
 
 
 class TritonBackend(Backend):
@@ -501,10 +558,12 @@ class TritonBackend(Backend):
                 ]
         return []
 
-    def plan(self, call: RoPECall) -> Plan:
+    def plan(self, call: RoPECall) -> Plan | None:
         generic = super().plan(call)
         if tl._kernels is None or tl._kernels.INTERPRETED:
             return generic
+        if call.cache_write is not None:
+            return plan_cache(call)
         return plan(call, generic)
 
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:

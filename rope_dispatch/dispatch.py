@@ -28,7 +28,7 @@ from .call import (
 )
 from .errors import BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError
 from .guards import Guard, tensor_guard
-from .kv_cache import KVCache, check_cache_call
+from .kv_cache import KVCache, cache_index, check_cache_call, plan_tensors
 from .norm import HeadNorm
 from .registry import Backend
 from .spec import RoPESpec
@@ -643,8 +643,10 @@ def _keep_plan(
         guard = _apart_as_planned(guard, call.t, call.k)
     if call.norms is not None:
         guard = _weights_where_planned(guard, call)
-    plan = _Plan(guard, address, address(freqs), chosen.plan(call))
-    _plans[key] = entry._replace(plans=(plan, *kept))
+    run = chosen.plan(call)
+    if run is None:  # a cache stage the backend does not bind: checked every call
+        return
+    _plans[key] = entry._replace(plans=(_Plan(guard, address, address(freqs), run), *kept))
     _recent = _recent_run = None
 
 
@@ -677,12 +679,64 @@ def rope_to_cache(
     the cache skips (a negative slot, CUDA-graph padding) is still rotated in q. q comes back
     new in q's dtype, or written into ``q_out`` (q's dtype or FP8); an FP8 ``q_out`` or a
     ``q_scale`` (default ``float8_e4m3fn``) stores ``q / q_scale``. No host sync on a GPU; not
-    differentiable. Checked every call (never planned).
+    differentiable. A repeated call (same spec, table, cache kind and scales, tensors of the
+    same layouts; their data and the cache's index values may change) runs its plan, as
+    :func:`apply`'s do: keep the descriptor, or rebuild it per step, as the engine does.
     """
+    key = None
+    if not _dynamo_compiling():
+        inputs = _cache_form(q, k, v, positions, cache, q_out, q_scale)
+        if inputs is not None:
+            inputs = _with_norms(inputs, (q_norm, k_norm))
+        if inputs is not None:
+            tensors, form = inputs
+            forced = backend if backend is not None else (_forced_get() or _env_backend_raw())
+            key = (id(spec), id(freqs), forced, form)
+            try:
+                entry = _plans.get(key)
+            except TypeError:  # an unhashable backend=: the checks name it
+                entry, key = None, None
+            if entry is not None:
+                for guard, address, planned_address, run in entry.plans:
+                    if guard(*tensors) and address(freqs) == planned_address:
+                        out = run(freqs, tensors)
+                        if out is not NotImplemented:
+                            return out
+                        break
     call = check_cache_call(q, k, v, freqs, spec, positions=positions, cache=cache,
                             q_norm=q_norm, k_norm=k_norm, q_out=q_out, q_scale=q_scale)
-    chosen, _ = _choose(call, backend)
-    return chosen.apply(call)
+    chosen, final = _choose(call, backend)
+    out = chosen.apply(call)
+    if key is not None and final:
+        _keep_plan(key, tensors, spec, freqs, chosen, call)
+    return out
+
+
+def _cache_form(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    q_out: torch.Tensor | None, q_scale: object,
+) -> tuple[tuple[torch.Tensor, ...], tuple] | None:
+    """A :func:`rope_to_cache` call's planned form, as :func:`_planned_form`'s: the guarded
+    tensors (:func:`~rope_dispatch.kv_cache.plan_tensors`' order) and what the key fixes (the
+    cache's kind, layout and number scales, q's output); ``None`` where it is checked every
+    time (tensor subclasses, index values read on the host, arguments the checks refuse)."""
+    if not isinstance(cache, KVCache) or (q_out is not None and type(q_out) is not _Tensor):
+        return None
+    tensors = plan_tensors(q, k, v, positions, cache, q_out, q_scale)
+    for x in tensors:
+        if type(x) is not _Tensor:
+            return None
+    for x in (positions, *tensors[6:6 + len(cache_index(cache))]):
+        if call_module._reads(x):
+            return None
+    scales = []
+    for s in (cache.k_scale, cache.v_scale, q_scale):  # numbers are the launch's, by value
+        if s is not None and type(s) not in (float, int, _Tensor):
+            return None
+        scales.append("tensor" if type(s) is _Tensor else s)
+    form = ("cache", type(cache), getattr(cache, "kv_layout", None), tuple(scales), q_out is None,
+            q_out is q, _inference_mode())
+    return tensors, form
 
 
 @dataclass

@@ -376,6 +376,25 @@ class FlashInferPagedKVCache(KVCache):
                 )
 
 
+def cache_index(cache: KVCache) -> tuple[torch.Tensor, ...]:
+    """The index tensors a backend reads to place each token: the per-token ones
+    (:attr:`KVCache.index_names`), then FlashInfer's ``kv_indptr`` and ``kv_indices``."""
+    names = cache.index_names + (("kv_indptr", "kv_indices") if cache.kind == "flashinfer_paged"
+                                 else ())
+    return tuple(getattr(cache, name) for name in names)
+
+
+def plan_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 cache: KVCache, q_out: torch.Tensor | None, q_scale: object
+                 ) -> tuple[torch.Tensor, ...]:
+    """The tensors a planned :func:`~rope_dispatch.rope_to_cache` call passes, in this order:
+    q, k, v, positions, the k and v caches, :func:`cache_index`, the scales given as tensors
+    (q's, k's, v's), then ``q_out`` where given."""
+    scales = tuple(s for s in (q_scale, cache.k_scale, cache.v_scale) if isinstance(s, torch.Tensor))
+    return (q, k, v, positions, cache.k_cache, cache.v_cache, *cache_index(cache), *scales,
+            *(() if q_out is None else (q_out,)))
+
+
 class CacheWrite(NamedTuple):
     """The cache stage of a checked call (:attr:`RoPECall.cache_write`): write rotated k and v
     into ``cache``, and give q out as ``q_dtype`` (``q_out`` when given), FP8 with

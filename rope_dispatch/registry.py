@@ -90,17 +90,21 @@ class Backend:
         ``[.., h, k]``, v ``[.., h, v]`` for ``split = (q, k, v)``, ``d = k``)."""
         raise NotImplementedError
 
-    def plan(self, call: RoPECall) -> Plan:
+    def plan(self, call: RoPECall) -> Plan | None:
         """A function ``run(t, freqs, spec, start_positions, positions, k)`` that runs this
         backend on a call equal to ``call`` but for its tensors' data (same spec and table
         objects; same shapes, strides, dtypes, devices and gradient mode of ``t``, ``k`` and the
         index tensor, whose values are not read), which dispatch keeps for repeated calls. It
         gets the spec and table with each call and keeps no tensor of the call: a plan must not
         keep a table alive. The default rebuilds the call around the new tensors; a backend may
-        prepare more (the Triton backend binds its launch).
+        prepare more (the Triton backend binds its launch). A call with a cache stage
+        (:func:`~rope_dispatch.rope_to_cache`) gets ``run(freqs, tensors)``, ``tensors`` as
+        :func:`~rope_dispatch.kv_cache.plan_tensors` orders them then the norm weights, from a
+        backend that binds one, else ``None`` (the default: such calls are checked each time).
         """
-        assert call.k_table is None and call.cache_write is None, \
-            "calls with a separate k table or a cache stage are never planned"
+        assert call.k_table is None, "calls with a separate k table are never planned"
+        if call.cache_write is not None:
+            return None  # a backend binds a cache stage's plan itself, or the call is checked
         # the sizes and settings the plan's key fixes, without the call's tensors (a plan keeps
         # no tensor alive: norm weights by weak reference, the guard having checked them)
         form = call._replace(t=None, table=None, spec=None, start_positions=None, positions=None,

@@ -821,3 +821,50 @@ def test_triton_stage_never_syncs_after_its_first_call(layout):
                              q_scale=q_scale, backend="triton")
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cache_dtype,q_mode", [(torch.bfloat16, "new"), (torch.bfloat16, "given"),
+                                                (torch.float8_e4m3fn, "fp8-scale")])
+def test_triton_repeated_steps_run_their_plan(layout, cache_dtype, q_mode, monkeypatch):
+    """From the third step on, a decode step (new positions, slots, data and scale values; the
+    descriptor kept or rebuilt) skips the checks and runs its bound launch, and writes what a
+    fresh eager call writes into a copy of the cache, no more."""
+    from rope_dispatch import dispatch
+
+    q, k, v, table, spec, positions, built = serving_step(layout, dtype=cache_dtype)
+    checked = []
+    check = dispatch.check_cache_call
+    monkeypatch.setattr(dispatch, "check_cache_call",
+                        lambda *args, **kwargs: checked.append(1) or check(*args, **kwargs))
+    q_scale = torch.tensor(0.1, device="cuda") if q_mode == "fp8-scale" else None
+    q_out = torch.empty_like(q) if q_mode == "given" else None
+    gen = torch.Generator().manual_seed(7)
+    norm = rd.HeadNorm((torch.rand(64, generator=gen) + 0.5).cuda())
+    for step in range(5):
+        next_step(built, positions, step)
+        for x in (q, k, v, norm.weight):
+            x.copy_(torch.randn(x.shape, generator=gen))
+        if q_scale is not None:
+            q_scale.fill_(0.05 + 0.02 * step)
+            built.cache.k_scale.fill_(0.02 + 0.01 * step)
+        cache = built.cache if step % 2 else copy_of(built.cache, built.cache.k_cache,
+                                                      built.cache.v_cache)
+        k_copy, v_copy = cache.k_cache.clone(), cache.v_cache.clone()
+        want = rd.rope_to_cache(q, k, v, table, spec, positions=positions,
+                                cache=copy_of(cache, k_copy, v_copy), q_norm=norm, k_norm=norm,
+                                q_scale=q_scale, backend="eager")
+        got = rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=cache,
+                               q_norm=norm, k_norm=norm, q_out=q_out, q_scale=q_scale,
+                               backend="triton")
+        assert q_out is None or got is q_out
+        if cache_dtype == torch.bfloat16:
+            for a, b in ((got, want), (cache.k_cache, k_copy), (cache.v_cache, v_copy)):
+                torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+        else:
+            assert_same_or_neighbour(got, want, "q")
+            assert_same_or_neighbour(cache.k_cache, k_copy, "k cache")
+            assert torch.equal(cache.v_cache.view(torch.uint8), v_copy.view(torch.uint8))
+    assert len(checked) == 5 + 2  # every eager call; triton's first two (met, then planned)

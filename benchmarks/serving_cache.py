@@ -1,0 +1,150 @@
+"""The serving prologue: ``rope_to_cache`` (rotate q and k, write k and v into a KV cache, FP8
+or not, in one launch) against ``apply_qk_`` alone and the composition it replaces, and
+FlashInfer's fused call where FlashInfer is installed.
+
+    python -m benchmarks.serving_cache [--tokens 1 16 64 256] [--prefill 4096 16384 32768]
+
+Decode (q 32 heads, k and v 8, d 128, bf16, pages of 16, positions and slots on the GPU): end
+to end us per call on the host clock (the larger of host and GPU time; every call's turn
+interleaved in each round, :func:`benchmarks.bench.host_us_interleaved`), and each call's ratio
+to ``apply_qk_`` alone. Prefill: the launch's GPU time (``do_bench``, L2 flushed) against a
+device copy of the bytes it must move (read q, k, v; write q out and k, v into the cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import rope_dispatch as rd
+from benchmarks.bench import bench_ms, host_us_interleaved, serving_inputs
+from rope_dispatch.compat import flashinfer as doors
+
+PAGE = 16
+FP8 = torch.float8_e4m3fn
+
+
+def _flashinfer() -> Any | None:
+    try:
+        from flashinfer import rope  # noqa: PLC0415
+
+        return rope.rope_quantize_fp8_append_paged_kv_cache
+    except Exception:  # noqa: BLE001 (not installed, or its JIT build failed)
+        return None
+
+
+def decode_calls(tokens: int, cache_dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+    """The calls of one decode step of ``tokens`` tokens (one request each) into a paged cache
+    of ``cache_dtype``."""
+    d = serving_inputs(tokens)
+    q, k, pos, freqs, spec = d["q"], d["k"], d["positions"], d["freqs"], d["thd"]
+    gen = torch.Generator().manual_seed(2)
+    v = torch.randn(k.shape, generator=gen).to(k.dtype).cuda()
+    pages = 4 * tokens + 4
+    k_cache = torch.zeros(pages, PAGE, *k.shape[1:], dtype=cache_dtype, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(pages * PAGE, generator=gen)[:tokens].cuda()
+    scale = 0.05 if cache_dtype == FP8 else 1.0
+    cache = rd.PagedKVCache(k_cache, v_cache, slots, k_scale=scale, v_scale=scale)
+    flat_k, flat_v = k_cache.view(-1, *k.shape[1:]), v_cache.view(-1, *k.shape[1:])
+
+    def composed() -> None:  # what rope_to_cache replaces: rotate, then the engine's writes
+        rd.apply_qk_(q, k, freqs, spec, positions=pos)
+        if cache_dtype == FP8:
+            flat_k.index_copy_(0, slots, (k / scale).to(FP8))
+            flat_v.index_copy_(0, slots, (v / scale).to(FP8))
+        else:
+            flat_k.index_copy_(0, slots, k)
+            flat_v.index_copy_(0, slots, v)
+
+    calls: dict[str, Callable[[], Any]] = {
+        "apply_qk_ alone": lambda: rd.apply_qk_(q, k, freqs, spec, positions=pos),
+        "apply_qk_ + index_copy_ (k, v)": composed,
+        "rope_to_cache": lambda: rd.rope_to_cache(q, k, v, freqs, spec, positions=pos, cache=cache),
+        "rope_to_cache (descriptor per call)": lambda: rd.rope_to_cache(
+            q, k, v, freqs, spec, positions=pos,
+            cache=rd.PagedKVCache(k_cache, v_cache, slots, k_scale=scale, v_scale=scale)),
+    }
+    if cache_dtype != FP8:
+        return calls
+    # FlashInfer's paged cache: request i owns 4 pages, its token at a random place in them
+    indices = torch.randperm(pages, generator=gen)[: 4 * tokens].cuda()
+    indptr = (torch.arange(tokens + 1) * 4).int().cuda()
+    batch = torch.arange(tokens).int().cuda()
+    place = torch.randint(0, 4 * PAGE, (tokens,), generator=gen).int().cuda()
+    cos_sin = d["pair_cache"].table
+    q_out = torch.empty(q.shape, dtype=FP8, device="cuda")
+    args = (q, k, None, None, v, cos_sin, pos, (k_cache, v_cache), indices, indptr, batch, place)
+    options = dict(quantize_dtype=FP8, quant_scale_q=1.0, quant_scale_kv=1 / scale,
+                   page_size=PAGE, q_rope_out=q_out)
+    calls["compat.flashinfer.rope_quantize_fp8_append_paged_kv_cache"] = (
+        lambda: doors.rope_quantize_fp8_append_paged_kv_cache(*args, **options))
+    peer = _flashinfer()
+    if peer is not None:
+        contiguous = (q.contiguous(), k.contiguous())  # FlashInfer's kernel asks for them
+        peer_args = (*contiguous, None, None, v, cos_sin, pos, (k_cache, v_cache), indices,
+                     indptr, batch, place)
+        calls["FlashInfer rope_quantize_fp8_append_paged_kv_cache (peer)"] = (
+            lambda: peer(*peer_args, **options))
+    return calls
+
+
+def run_decode(token_counts: list[int], rounds: int) -> None:
+    print(f"decode, end to end us per call (ratio to apply_qk_ alone), {torch.cuda.get_device_name()}")
+    for cache_dtype in (torch.bfloat16, FP8):
+        for tokens in token_counts:
+            calls = decode_calls(tokens, cache_dtype)
+            for name, fn in list(calls.items()):
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001 (a peer that fails is reported, not fatal)
+                    print(f"  {name}: {type(exc).__name__}: {exc}")
+                    del calls[name]
+            torch.cuda.synchronize()
+            times = host_us_interleaved(calls, calls=100, rounds=rounds)
+            base = times["apply_qk_ alone"][1]
+            for name, (host, total) in times.items():
+                print(f"  {str(cache_dtype)[6:]:>13} T{tokens:<4} {name:<62} {total:7.1f} us "
+                      f"(host {host:5.1f}) {total / base:5.2f}x")
+
+
+def run_prefill(token_counts: list[int]) -> None:
+    print("prefill, GPU time (do_bench, L2 flushed) against a copy of the bytes moved")
+    for tokens in token_counts:
+        d = serving_inputs(tokens)
+        q, k, pos, freqs, spec = d["q"].contiguous(), d["k"].contiguous(), d["positions"], d["freqs"], d["thd"]
+        v = torch.randn_like(k)
+        for cache_dtype in (torch.bfloat16, FP8):
+            k_cache = torch.zeros(tokens // PAGE + 1, PAGE, *k.shape[1:], dtype=cache_dtype,
+                                  device="cuda")
+            v_cache = torch.zeros_like(k_cache)
+            slots = torch.randperm(k_cache.shape[0] * PAGE)[:tokens].cuda()
+            scale = 0.05 if cache_dtype == FP8 else 1.0
+            cache = rd.PagedKVCache(k_cache, v_cache, slots, k_scale=scale, v_scale=scale)
+            read = (q.numel() + k.numel() + v.numel()) * q.element_size()
+            written = q.numel() * q.element_size() + 2 * k.numel() * k_cache.element_size()
+            src = torch.empty((read + written) // 4, dtype=torch.bfloat16, device="cuda")
+            dst = torch.empty_like(src)  # a copy of half the bytes moves them all
+            copy_ms = bench_ms(lambda: dst.copy_(src))
+            ms = bench_ms(lambda: rd.rope_to_cache(q, k, v, freqs, spec, positions=pos, cache=cache))
+            print(f"  T{tokens:<6} {str(cache_dtype)[6:]:>13} rope_to_cache {ms * 1e3:8.1f} us, "
+                  f"copy of {(read + written) / 1e6:.0f} MB {copy_ms * 1e3:8.1f} us: "
+                  f"{100 * copy_ms / ms:5.1f}% of copy")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 64, 256])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[4096, 16384, 32768])
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    with torch.inference_mode():
+        run_decode(args.tokens, args.rounds)
+        run_prefill(args.prefill)
+
+
+if __name__ == "__main__":
+    main()
