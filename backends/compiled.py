@@ -124,7 +124,7 @@ def _math(key: CompileKey, transpose: bool) -> Callable:
     backward, ``(grad, .., weight, t)``, returns ``(dt, dweight)``: the rotation's transpose in
     float32, then the norm's gradient, each rounded to its input's dtype.
     """
-    from_angles = key.table in ("angles", "rates")  # else cos/sin tables
+    from_angles = key.table in ("angles", "rates", "precise_rates")  # else cos/sin tables
     rotation = dict(layout=key.layout, interleaved=key.interleaved, cp_size=key.cp_size,
                     cp_rank=key.cp_rank, scale=key.scale, transpose=transpose)
     norm = key.norm
@@ -299,7 +299,7 @@ class CompileBackend(Backend):
     supports_positions = True
     supports_norm = True  # single tensors: head_norm, then the rotation
     supports_inverse = True
-    tables = frozenset({"angles", "cos_sin_cache", "rates"})
+    tables = frozenset({"angles", "cos_sin_cache", "rates", "precise_rates"})
     compiles_per_spec = True
     heavy_import = True  # Dynamo and Inductor: seconds on a fresh machine
 

@@ -207,7 +207,7 @@ class EagerBackend(Backend):
     supports_cache_write = True
     supports_cache_v_head_dim = True
     supports_positions = True
-    tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"})
+    tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates", "precise_rates"})
     tensors = frozenset({"t", "qk", "qkv"})
 
     def apply(self, call: RoPECall) -> torch.Tensor | tuple[torch.Tensor, ...]:

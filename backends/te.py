@@ -11,7 +11,8 @@ apply_rope.cpp``, ``pytorch/attention/rope.py``), and how this backend answers i
   :class:`~rope_dispatch.CosSinCache` is refused (cos/sin cannot be turned back into the
   exact angles). A :class:`~rope_dispatch.RateTable` is served by its angle table
   (:meth:`~rope_dispatch.RateTable.angle_table` in the spec's layout, made once and kept on
-  the object): the same float32 angles.
+  the object): the same float32 angles; a precise one's holds its exact angles reduced modulo
+  2*pi from float64 (in [-pi, pi], right to float32 rounding below 2^24 positions).
 - ``cu_seqlens`` and ``start_positions`` are read as ``int*``: int64 tensors are converted to
   int32 here (an int64 tensor would be misread, not rejected).
 - Offsets and strides are 32-bit ``int``: tensors whose elements or strides reach 2^31 are
@@ -350,7 +351,7 @@ class TEBackend(Backend):
     description = "TransformerEngine apply_rotary_pos_emb(fused=True) (CUDA)"
     priority = 30
     devices = frozenset({"cuda"})
-    tables = frozenset({"angles", "rates"})
+    tables = frozenset({"angles", "rates", "precise_rates"})
     tensors = frozenset({"t", "qkv"})
     heavy_import = True  # TransformerEngine imports Dynamo and its own extensions
 

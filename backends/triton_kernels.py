@@ -17,7 +17,9 @@ nor per thread.
 
 A rate table (``RATES``) gives the rates instead of a table: pair ``k``'s angle is the float32
 product ``position * rate[k]``, as an angle table's entry is, so no table row is read per
-token. An angle table whose every row ``p`` is ``float32(p) * row 1`` bit for bit (``LINEAR``:
+token. A precise rate table's rates are float64 (the float32 rates widened): its angle is the
+exact product, reduced modulo 2*pi in float64 before its sine and cosine (``triton_trig.py``).
+An angle table whose every row ``p`` is ``float32(p) * row 1`` bit for bit (``LINEAR``:
 what a model's ``outer(arange, inv_freq)`` makes, found by ``linear_table_kernel`` and kept in
 an int32 flag on the device) is read the same way, from row 1, while its flag says so.
 
@@ -40,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .triton_cache_kernels import _cache_rows
+from .triton_trig import _exact_cos_sin, _reduced_cos_sin
 from triton.runtime.interpreter import InterpretedFunction
 
 SBHD: int = 0
@@ -57,28 +60,13 @@ _INV_TWO_PI: tl.constexpr = tl.constexpr(0.15915494309189535)
 
 @triton.jit
 def _cos_sin(angle, FAST_TRIG: tl.constexpr):
-    """float32 cos and sin of float32 angles.
-
-    The angle is first reduced to [-pi, pi] exactly enough (see _TWO_PI_*); there the GPU's
-    ``cos.approx``/``sin.approx`` err by about 1e-6, far below float32 tolerance, and cost a
-    fraction of libdevice's sinf/cosf (no call, no stack frame, few registers). The interpreter
-    (``FAST_TRIG`` off) uses tl.cos/tl.sin.
-    """
+    """float32 cos and sin of float32 angles: the angle is first reduced to [-pi, pi] exactly
+    enough (see _TWO_PI_*), where :func:`_reduced_cos_sin` is accurate and cheap."""
     turns = tl.floor(angle * _INV_TWO_PI + 0.5)
     r = tl.fma(turns, -_TWO_PI_A, angle)
     r = tl.fma(turns, -_TWO_PI_B, r)
     r = tl.fma(turns, -_TWO_PI_C, r)
-    if FAST_TRIG:
-        cos = tl.inline_asm_elementwise(
-            "cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1
-        )
-        sin = tl.inline_asm_elementwise(
-            "sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        cos = tl.cos(r)
-        sin = tl.sin(r)
-    return cos, sin
+    return _reduced_cos_sin(r, FAST_TRIG)
 
 
 @triton.jit
@@ -101,13 +89,18 @@ def _rate_cos_sin(
 ):
     """cos and sin of pair ``k``'s angle ``float32(pos) * rate_ptr[k * STEP]`` (one product, as
     an angle table's entry is), NaN for tokens outside the table: ``(cos_a, sin_a, cos_b,
-    sin_b)`` as :func:`_row_cos_sin` gives them, both channels of a pair sharing one value."""
+    sin_b)`` as :func:`_row_cos_sin` gives them, both channels of a pair sharing one value.
+    float64 rates are a precise rate table's: the exact angle, reduced in float64
+    (:func:`~.triton_trig._exact_cos_sin`)."""
     k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
     k_ok = k < ROT_DIM // 2
     rate = tl.load(rate_ptr + k * STEP, mask=k_ok, other=0.0)  # the same for every row
-    angle = pos.to(tl.float32)[:, None] * rate[None, :]
-    angle = tl.where(inside[:, None] & k_ok[None, :], angle, float("nan"))
-    cos, sin = _cos_sin(angle, FAST_TRIG)
+    if rate_ptr.dtype.element_ty == tl.float64:
+        cos, sin = _exact_cos_sin(pos, rate, inside[:, None] & k_ok[None, :], FAST_TRIG)
+    else:
+        angle = pos.to(tl.float32)[:, None] * rate[None, :]
+        angle = tl.where(inside[:, None] & k_ok[None, :], angle, float("nan"))
+        cos, sin = _cos_sin(angle, FAST_TRIG)
     return cos, sin, cos, sin
 
 

@@ -195,7 +195,8 @@ def _op_launch(tensors: str, layout: str, interleaved: bool, scale: float, cp_si
     if tabs is not None:
         use_cache, paired, rates, _ = tt.table_flags(*tabs[:2])
         kind = ("pair_cos_sin_cache" if paired else "cos_sin_cache" if use_cache
-                else "rates" if rates else "angles")
+                else ("precise_rates" if tabs[0].dtype == torch.float64 else "rates") if rates
+                else "angles")
         positions = tt.position_kind(tabs[2])
     return Launch(tensors, layout, interleaved, scale, cp_size, cp_rank, kind, positions,
                   None if split is None else tuple(split), backward, inverse=inverse)
@@ -500,7 +501,9 @@ class TritonBackend(Backend):
     supports_inverse = True
     supports_cache_write = True
     supports_positions = True
-    tables = frozenset({"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"})
+    tables = frozenset(
+        {"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates", "precise_rates"}
+    )
     tensors = frozenset(TENSOR_KINDS)
 
     @property

@@ -757,7 +757,8 @@ def _check_k_table(k_freqs: object, table: RotaryTable, device: torch.device) ->
     k_table = _check_table(k_freqs, device, "k_freqs")
     if table_kind(k_table) != table_kind(table):
         kinds = {"angles": "an angle table", "cos_sin_cache": "a CosSinCache",
-                 "pair_cos_sin_cache": "a PairCosSinCache", "rates": "a RateTable"}
+                 "pair_cos_sin_cache": "a PairCosSinCache", "rates": "a RateTable",
+                 "precise_rates": "a precise RateTable"}
         raise RoPEError(
             f"k_freqs is {kinds[table_kind(k_table)]} but freqs is {kinds[table_kind(table)]}; "
             "pass both in the same form"

@@ -112,7 +112,7 @@ class RotaryFrequencies:
 
     def rate_table(
         self, max_positions: int, *, device: _DeviceLike = None,
-        without_attention_factor: bool = False,
+        without_attention_factor: bool = False, precise: bool = False,
     ) -> RateTable:
         """The rates as a :class:`RateTable` of ``max_positions`` rows: the same angles as
         :meth:`angle_table` (bit for bit: each is the float32 product ``position * inv_freq``),
@@ -123,7 +123,9 @@ class RotaryFrequencies:
         use :meth:`angle_table`), and, as by :meth:`angle_table`, where ``attention_factor``
         is not 1.0 unless ``without_attention_factor=True`` says the call's
         ``RoPESpec(cos_sin_scale=attention_factor)`` applies it. ``device``: where the rates
-        live (``None``: where ``inv_freq`` is).
+        live (``None``: where ``inv_freq`` is). ``precise=True``: exact angles, each the float64
+        product reduced modulo 2*pi (:class:`RateTable`; at most 2^24 positions), not the
+        float32 products of :meth:`angle_table` that models are trained with.
         """
         if self.position_scale != 1.0:
             raise RoPEError(
@@ -141,7 +143,7 @@ class RotaryFrequencies:
             )
         length = self._checked_length(max_positions)
         rates = self.inv_freq if device is None else self.inv_freq.to(device)
-        return RateTable(rates.contiguous(), length)
+        return RateTable(rates.contiguous(), length, precise=precise)
 
     def cos_sin_cache(
         self, max_positions: int, *, device: _DeviceLike = None, interleaved: bool = False

@@ -46,7 +46,8 @@ def reference_positions(call: RoPECall) -> torch.Tensor:
 def reference_cos_sin(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 cos and sin ``[s2, d2]``, one per channel (from the angles, or a cache's float32
     values: a pair cache's pair value for both channels of the pair; a rate table's angles are
-    the float32 products ``position * rate``, the pair's for both of its channels), times the
+    the float32 products ``position * rate`` (a precise one's the float64 products), the pair's
+    for both of its channels), times the
     spec's ``cos_sin_scale``."""
     scale = call.spec.cos_sin_scale
     if isinstance(call.table, CosSinCache):
@@ -59,7 +60,10 @@ def reference_cos_sin(call: RoPECall) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cache[:, pair], cache[:, half + pair]
     elif isinstance(call.table, RateTable):
         rates = call.table.inv_freq.cpu()
-        products = torch.arange(call.table.rows, dtype=torch.float32)[:, None] * rates[None, :]
+        if call.table.precise:  # the exact products, in float64
+            products = torch.arange(call.table.rows, dtype=torch.float64)[:, None] * rates.double()
+        else:
+            products = torch.arange(call.table.rows, dtype=torch.float32)[:, None] * rates[None, :]
         pair = torch.arange(call.rotary_dim)
         pair = pair // 2 if call.spec.interleaved else pair % (call.rotary_dim // 2)
         angles = products.double()[:, pair]

@@ -51,7 +51,9 @@ class Backend:
     tables: ClassVar[frozenset[str]] = frozenset({"angles", "cos_sin_cache"})
     """The table kinds it reads (:func:`~rope_dispatch.tables.table_kind`): ``"angles"``,
     ``"cos_sin_cache"`` (:class:`~rope_dispatch.CosSinCache`), ``"pair_cos_sin_cache"``
-    (:class:`~rope_dispatch.PairCosSinCache`), ``"rates"`` (:class:`~rope_dispatch.RateTable`)."""
+    (:class:`~rope_dispatch.PairCosSinCache`), ``"rates"`` (:class:`~rope_dispatch.RateTable`),
+    ``"precise_rates"`` (a RateTable made with ``precise=True``: list it only where the backend
+    honours the exact angles, as :meth:`~rope_dispatch.RateTable.angle_table` gives them)."""
     supports_autograd: ClassVar[bool] = True
     differentiates_table: ClassVar[bool] = False  # a gradient for a table that requires grad
     supports_in_place: ClassVar[bool] = False

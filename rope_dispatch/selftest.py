@@ -142,6 +142,7 @@ class GridCase:
     qk: bool = False  # q and a 2-head k sliced out of one projection (apply_qk)
     scale: float = 1.0  # the spec's cos_sin_scale (an attention factor)
     rates: bool = False  # a RateTable (rates and a row count) instead of an angle table
+    precise: bool = False  # the RateTable's exact angles (precise=True)
     # an angle table as models make it (float32 products of positions and rates), on a GPU long
     # enough that the triton backend reads it as rates (docs/tables.md, "Linear angle tables")
     model_table: bool = False
@@ -176,6 +177,8 @@ GRID = (
              norm=True),
     GridCase("bshd bf16 inverse q+k slices partial start", "bshd", torch.bfloat16,
              rotary_dim=32, starts=True, strided=True, qk=True, inverse=True),
+    GridCase("sbhd fp32 precise rate table start", "sbhd", torch.float32, starts=True, rates=True,
+             precise=True),
 )
 QKV_SPLIT = (128, 64, 64)  # two query heads, one key head and one value head of d 64 a group
 
@@ -285,7 +288,8 @@ def make_inputs(case: GridCase, device: str, gen: torch.Generator):
         cos_sin_scale=case.scale, inverse=case.inverse,
     )
     if case.rates:  # rates up to 2 radians per position
-        table = rd.RateTable((torch.rand(case.rotary_dim // 2, generator=gen) * 2).to(device), s2)
+        table = rd.RateTable((torch.rand(case.rotary_dim // 2, generator=gen) * 2).to(device), s2,
+                             precise=case.precise)
     elif case.model_table:
         rates = rd.tables.inverse_frequencies(case.rotary_dim, 10000.0)
         table = rd.tables.angle_table(rates, s2, interleaved=case.interleaved).to(device)

@@ -6,6 +6,7 @@ out); their kernel forms and addresses, and the angle table's builder. Public th
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import weakref
 from collections.abc import Callable
@@ -178,10 +179,20 @@ class RateTable:
     ``inv_freq``. Backends that read whole angle tables (eager, compile, TransformerEngine) get
     :meth:`angle_table`, made on first use and kept on the object: ``rows x d2`` float32
     values per layout (halves, interleaved) used.
+
+    ``precise=True`` (opt-in; its table kind is ``"precise_rates"``): each angle is the exact
+    float64 product ``p * inv_freq[k]``, reduced modulo 2*pi before its sine and cosine, so
+    the rotation is right to float32 rounding at every position, where the float32 product
+    is off by up to 0.03 rad at 2^20 and 0.38 rad at 2^24 - 1 (d 128, base 10000). Not what
+    models trained on float32 products saw; ``rows`` is then at most 2^24 (every position a
+    float32 whole number) and each ``|rate|`` should be at most 64 (every RoPE family's is at
+    most 1). The kernels read the rates as float64; :meth:`angle_table` holds the reduced
+    angles, in ``[-pi, pi]``.
     """
 
     inv_freq: torch.Tensor
     rows: int
+    precise: bool = False
 
     def __post_init__(self) -> None:
         rates = self.inv_freq
@@ -212,12 +223,27 @@ class RateTable:
                 f"RateTable's rows must be a positive int (positions 0 .. rows - 1 are inside "
                 f"the table), got {rows!r}"
             )
+        precise = self.precise
+        if type(precise) is not bool:
+            raise RoPETypeError(
+                f"RateTable's precise must be a bool (True: exact angles reduced modulo 2*pi; "
+                f"False: float32 products, as angle tables hold), got {precise!r} "
+                f"({type(precise).__name__})"
+            )
+        if precise and rows > PRECISE_MAX_ROWS:
+            raise RoPEError(
+                f"RateTable's rows must be at most {PRECISE_MAX_ROWS} (2**24) with precise=True "
+                f"(positions from 2**24 on are not all float32 whole numbers, and the exact "
+                f"angle is promised below it), got rows={rows}"
+            )
         # What the kernels read: the rates twice over, [d2], and a [rows, d2] view of it with
-        # a row stride of 0 (its shape gives the launcher the table length and the rotary dim).
+        # a row stride of 0 (its shape gives the launcher the table length and the rotary dim);
+        # float64 for a precise table (each float32 rate exactly), which tells the kernels.
         # Constants, like an angle table's entries: no graph back to inv_freq, and a normal
         # tensor even when made under inference mode (autograd may save it later).
         with _normal_tensors():
-            doubled = torch.cat((rates.detach(), rates.detach())).contiguous()
+            doubled = torch.cat((rates.detach(), rates.detach()))
+            doubled = (doubled.double() if precise else doubled).contiguous()
         object.__setattr__(self, "_kernel_rates", doubled)
         object.__setattr__(
             self, "_kernel_view", doubled.as_strided((rows, doubled.shape[0]), (0, 1))
@@ -239,15 +265,17 @@ class RateTable:
     def angle_table(self, interleaved: bool = False) -> torch.Tensor:
         """The equivalent float32 angle table ``[rows, 1, 1, d2]`` (halves, or pairs with
         ``interleaved``), made from the rates copied at construction on first use and kept on
-        the object (``rows x d2`` floats per layout). Do not write to it."""
+        the object (``rows x d2`` floats per layout): a precise table's angles reduced modulo
+        2*pi from float64 (:func:`reduced_angle_table`). Do not write to it."""
         angles = self._angles.get(interleaved)  # type: ignore[attr-defined]
         if angles is None:
             n = self.inv_freq.shape[0]
             rates = self._kernel_rates[:n]  # type: ignore[attr-defined]
+            build = reduced_angle_table if self.precise else angle_table
             if torch.compiler.is_compiling():  # a traced graph computes it; nothing kept
-                return angle_table(rates, self.rows, interleaved=bool(interleaved))
+                return build(rates, self.rows, interleaved=bool(interleaved))
             with _normal_tensors():  # a first call under inference mode keeps no inference tensor
-                angles = angle_table(rates, self.rows, interleaved=bool(interleaved))
+                angles = build(rates, self.rows, interleaved=bool(interleaved))
             self._angles[bool(interleaved)] = angles  # type: ignore[attr-defined]
         return angles
 
@@ -258,6 +286,10 @@ class RateTable:
         return angles.view(angles.shape[0], angles.shape[3])
 
 
+PRECISE_MAX_ROWS = 1 << 24
+"""The most rows a precise :class:`RateTable` has: positions below 2^24."""
+
+
 RotaryTable = torch.Tensor | CosSinCache | PairCosSinCache | RateTable
 
 TABLE_KINDS = {
@@ -266,12 +298,17 @@ TABLE_KINDS = {
     PairCosSinCache: "pair_cos_sin_cache",
     RateTable: "rates",
 }
-"""A checked table's kind by its type (an angle table is a plain ``[s2, d2]`` tensor)."""
+"""A checked table's kind by its type (an angle table is a plain ``[s2, d2]`` tensor); a
+precise RateTable's is ``"precise_rates"`` (:func:`table_kind`)."""
 
 
 def table_kind(table: RotaryTable) -> str:
-    """``"angles"``, ``"cos_sin_cache"``, ``"pair_cos_sin_cache"`` or ``"rates"``."""
-    return TABLE_KINDS.get(type(table), "angles")
+    """``"angles"``, ``"cos_sin_cache"``, ``"pair_cos_sin_cache"``, ``"rates"`` or, for a
+    RateTable made with ``precise=True``, ``"precise_rates"``: a kind of its own, so a backend
+    serves it only where it says so, and decisions, plans and tuning keys (which carry the
+    kind) keep precise and float32-product tables apart."""
+    kind = TABLE_KINDS.get(type(table), "angles")
+    return "precise_rates" if kind == "rates" and table.precise else kind  # type: ignore[union-attr]
 
 
 def table_shape(table: RotaryTable) -> tuple[int, int]:
@@ -594,6 +631,31 @@ def angle_table(
         if scale != 1.0:
             positions = positions * scale
         angles = torch.outer(positions, inv_freq)  # one float32 multiply per entry
+    if interleaved:
+        angles = angles.repeat_interleave(2, dim=-1)
+    else:
+        angles = torch.cat((angles, angles), dim=-1)
+    return angles.reshape(length, 1, 1, angles.shape[-1])
+
+
+def reduced_angle_table(
+    inv_freq: torch.Tensor, length: int, *, interleaved: bool = False
+) -> torch.Tensor:
+    """:func:`angle_table`'s float32 ``[length, 1, 1, 2n]`` of rates ``inv_freq`` ``[n]``
+    (float32 values, or those values widened to float64), but each angle the float64 product
+    ``p * inv_freq[k]`` (exact for ``p`` below 2^24) reduced modulo 2*pi to ``[-pi, pi]``,
+    then rounded to float32 once: its sine and cosine are right to float32 rounding where the
+    float32 product's are not (a precise :class:`RateTable`'s angles). Computed with autocast
+    off, on ``inv_freq``'s device."""
+    if isinstance(length, bool) or not isinstance(length, (numbers.Integral, torch.SymInt)) or (
+        length < 0
+    ):
+        raise RoPEError(f"length must be an int >= 0 (the table's rows), got {length!r}")
+    with _autocast_off(inv_freq.device.type):
+        positions = torch.arange(length, device=inv_freq.device, dtype=torch.float64)
+        angles = torch.outer(positions, inv_freq.double())
+        angles = angles - torch.round(angles * (1 / math.tau)) * math.tau
+        angles = angles.float()
     if interleaved:
         angles = angles.repeat_interleave(2, dim=-1)
     else:

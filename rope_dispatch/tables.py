@@ -10,16 +10,17 @@ from .frequencies import (
     yarn_frequencies,
 )
 from .table_kinds import (
-    TABLE_KINDS, CosSinCache, PairCosSinCache, RateTable, RotaryTable, address_reader,
-    angle_table, angles_2d, cos_sin_cache, inverse_frequencies, kernel_tables, multimodal_rows,
-    table_address, table_cos_sin, table_kind, table_requires_grad, table_shape,
+    PRECISE_MAX_ROWS, TABLE_KINDS, CosSinCache, PairCosSinCache, RateTable, RotaryTable,
+    address_reader, angle_table, angles_2d, cos_sin_cache, inverse_frequencies, kernel_tables,
+    multimodal_rows, reduced_angle_table, table_address, table_cos_sin, table_kind, table_requires_grad, table_shape,
 )
 
 __all__ = [
-    "HF_ROPE_TYPES", "TABLE_KINDS", "CosSinCache", "PairCosSinCache", "RateTable",
+    "HF_ROPE_TYPES", "PRECISE_MAX_ROWS", "TABLE_KINDS", "CosSinCache", "PairCosSinCache", "RateTable",
     "RotaryFrequencies", "RotaryTable", "address_reader", "angle_table", "angles_2d",
     "cos_sin_cache", "default_frequencies", "dynamic_ntk_frequencies", "from_hf_config",
     "from_te_options", "inverse_frequencies", "kernel_tables", "linear_frequencies",
-    "llama3_frequencies", "longrope_frequencies", "multimodal_rows", "table_address",
+    "llama3_frequencies", "longrope_frequencies", "multimodal_rows", "reduced_angle_table",
+    "table_address",
     "table_cos_sin", "table_kind", "table_requires_grad", "table_shape", "yarn_frequencies",
 ]
