@@ -78,6 +78,9 @@ class CompileKey(NamedTuple):
     index: str
     """``"positions"``, ``"starts"`` or ``""``: which index tensor the call has."""
     norm: NormKey | None = None
+    offset: int = 0
+    """The spec's ``rotary_offset``."""
+    deinterleave: bool = False
 
 
 def compile_key(call: RoPECall) -> CompileKey:
@@ -99,6 +102,8 @@ def compile_key(call: RoPECall) -> CompileKey:
         None if norm is None else NormKey(
             *norm.form, norm.weight.shape[0], dtype_name(norm.weight.dtype)
         ),
+        spec.rotary_offset,
+        spec.deinterleave,
     )
 
 
@@ -112,6 +117,7 @@ def _key_name(key: CompileKey, transpose: bool = False) -> str:
         f"rope_compiled_{key.device}_{key.layout}_{key.dtype}_d{key.rotary_dim}"
         f"{'_interleaved' if key.interleaved else ''}_cp{key.cp_size}r{key.cp_rank}_{key.table}"
         f"{scaled}{'_' + key.index if key.index else ''}{normed}"
+        f"{f'_at{key.offset}' if key.offset else ''}{'_deinterleave' if key.deinterleave else ''}"
         f"{'_transpose' if transpose else ''}"
     )
 
@@ -126,7 +132,8 @@ def _math(key: CompileKey, transpose: bool) -> Callable:
     """
     from_angles = key.table in ("angles", "rates", "precise_rates")  # else cos/sin tables
     rotation = dict(layout=key.layout, interleaved=key.interleaved, cp_size=key.cp_size,
-                    cp_rank=key.cp_rank, scale=key.scale, transpose=transpose)
+                    cp_rank=key.cp_rank, scale=key.scale, transpose=transpose,
+                    offset=key.offset, deinterleave=key.deinterleave)
     norm = key.norm
 
     def rope_compiled(t, a, b, cu_seqlens, start_positions, *norm_args):
@@ -299,6 +306,8 @@ class CompileBackend(Backend):
     supports_positions = True
     supports_norm = True  # single tensors: head_norm, then the rotation
     supports_inverse = True
+    supports_rotary_offset = True
+    supports_deinterleave = True
     tables = frozenset({"angles", "cos_sin_cache", "rates", "precise_rates"})
     compiles_per_spec = True
     heavy_import = True  # Dynamo and Inductor: seconds on a fresh machine

@@ -79,6 +79,7 @@ def rope_tensors(
     t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None,
     index: torch.Tensor | None, *, layout: str, interleaved: bool, cp_size: int,
     cp_rank: int, scale: float = 1.0, transpose: bool = False, dtype: torch.dtype | None = None,
+    offset: int = 0, deinterleave: bool = False,
 ) -> torch.Tensor:
     """``out = x cos + rotate(x) sin`` on the first d2 channels in float32, the rest copied;
     ``scale`` (the spec's ``cos_sin_scale``) multiplies cos and sin.
@@ -88,6 +89,10 @@ def rope_tensors(
     ``g cos - rotate(g sin)`` (each channel meets its partner's sine). ``cos``/``sin`` are
     float32 ``[s2, d2]``. Pure in its tensor arguments, so the compile backend traces exactly
     this math. ``dtype``: the output's (default ``t``'s; a normalized ``t`` comes in float32).
+
+    ``offset``: the rotary channels are ``[offset, offset + d2)``, every other one is copied.
+    ``deinterleave``: their pairs ``(2k, 2k+1)`` are first moved to ``(k, k + d2/2)`` (then
+    rotate-half); the transpose rotates back and re-interleaves.
     """
     dtype = t.dtype if dtype is None else dtype
     pos = positions(t.shape, layout, cu_seqlens, index, cp_size, cp_rank, t.device)
@@ -95,15 +100,32 @@ def rope_tensors(
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
     d2 = cos.shape[-1]
-    x = t[..., :d2].float()
+    x = t[..., offset:offset + d2].float()
+    if deinterleave and not transpose:
+        x = to_halves(x)
     if transpose:
-        rotated = (x * cos - rotate(x * sin, interleaved)).to(dtype)
+        rotated = x * cos - rotate(x * sin, interleaved)
     else:
-        rotated = (x * cos + rotate(x, interleaved) * sin).to(dtype)
+        rotated = x * cos + rotate(x, interleaved) * sin
+    if deinterleave and transpose:
+        rotated = to_pairs(rotated)
+    rotated = rotated.to(dtype)
     if d2 == t.shape[-1]:
         return rotated.contiguous()
     # cat keeps a permuted input's memory format: the output is contiguous in the layout
-    return torch.cat((rotated, t[..., d2:].to(dtype)), dim=-1).contiguous()
+    parts = (t[..., :offset].to(dtype), rotated, t[..., offset + d2:].to(dtype))
+    return torch.cat(parts if offset else parts[1:], dim=-1).contiguous()
+
+
+def to_halves(x: torch.Tensor) -> torch.Tensor:
+    """Interleaved pairs ``(2k, 2k+1)`` of the last dim moved to ``(k, k + d/2)``."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def to_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`to_halves`: halves ``(k, k + d/2)`` back to pairs ``(2k, 2k+1)``."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.stack((first, second), dim=-1).flatten(-2)
 
 
 def rope_eager(
@@ -124,7 +146,9 @@ def rope_eager(
                 rope_eager(k_call(call)))
     spec = call.spec
     cos, sin = table_cos_sin(call.table, spec.interleaved)
-    t = call.t[..., : call.rotary_dim] if call.in_place and call.norm is None else call.t
+    offset = spec.rotary_offset
+    sliced = call.in_place and call.norm is None  # only the rotary channels are written
+    t = call.t[..., offset:offset + call.rotary_dim] if sliced else call.t
     if call.in_place and call.norm is not None:
         t = t.clone()  # the norm's backward reads the input the copy below overwrites
     out = rope_tensors(
@@ -132,6 +156,7 @@ def rope_eager(
         position_index(call), layout=spec.layout, interleaved=spec.interleaved,
         cp_size=spec.cp_size, cp_rank=spec.cp_rank, scale=spec.cos_sin_scale,
         dtype=t.dtype if dtype is None or call.in_place else dtype, transpose=spec.inverse,
+        offset=0 if sliced else offset, deinterleave=spec.deinterleave,
     )
     if call.in_place:
         (call.t if call.norm is not None else t).copy_(out)
@@ -204,6 +229,8 @@ class EagerBackend(Backend):
     supports_in_place = True
     supports_norm = True
     supports_inverse = True
+    supports_rotary_offset = True
+    supports_deinterleave = True
     supports_cache_write = True
     supports_cache_v_head_dim = True
     supports_positions = True

@@ -323,6 +323,10 @@ INVERSE_REASON = (
     "the inverse rotation (spec.inverse=True) is not supported: TransformerEngine's "
     "apply_rotary_pos_emb and apply_fused_qkv_rotary_pos_emb (2.20.2) have no inverse option"
 )
+DEINTERLEAVE_REASON = (
+    "interleaved pairs in, halves out (spec.deinterleave=True) is not supported: "
+    "TransformerEngine's kernels (2.20.2) write each pair where they read it"
+)
 COMPILE_REASON = (
     "inside torch.compile: TransformerEngine's fused RoPE is a pybind call that Dynamo cannot "
     "trace, so it would break the graph"
@@ -353,6 +357,7 @@ class TEBackend(Backend):
     devices = frozenset({"cuda"})
     tables = frozenset({"angles", "rates", "precise_rates"})
     tensors = frozenset({"t", "qkv"})
+    supports_rotary_offset = True  # single tensors: TE on the view from the offset on
     heavy_import = True  # TransformerEngine imports Dynamo and its own extensions
 
     def __init__(self, load: Callable[[], TEInfo | list[str]] = _default_load) -> None:
@@ -379,16 +384,33 @@ class TEBackend(Backend):
             reasons = [CACHE_REASON.format(kind=kind) if r.startswith(generic) else r for r in reasons]
         if call.spec.inverse and self.available:  # say why, in TE's terms
             reasons = [INVERSE_REASON if r.startswith("the inverse") else r for r in reasons]
+        if call.spec.deinterleave and self.available:
+            reasons = [DEINTERLEAVE_REASON if r.startswith("interleaved pairs in") else r
+                       for r in reasons]
         return reasons
 
     def extra_reasons(self, call: RoPECall) -> list[str]:
         if torch.compiler.is_compiling():
             return [COMPILE_REASON]
-        return te_reasons(call, self._info)
+        reasons = te_reasons(call, self._info)
+        if call.spec.rotary_offset and call.tensors != "t":
+            reasons.append(
+                f"spec.rotary_offset={call.spec.rotary_offset}: TransformerEngine's fused qkv "
+                "function rotates each head's first channels; only a single tensor is served "
+                "with an offset (TE on the view that starts there)"
+            )
+        return reasons
 
     def apply(self, call: RoPECall) -> torch.Tensor:
         if self._info is None and self.availability:
             raise RuntimeError(f"the te backend is unavailable: {'; '.join(self.availability)}")
+        offset = call.spec.rotary_offset
+        if offset:  # exact: TE rotates the view from the offset on, the channels before it copied
+            spec = call.spec.model_copy(update={"rotary_offset": 0})
+            spec._set_static_key()
+            view = call.t[..., offset:]
+            out = self.apply(call._replace(t=view, spec=spec, head_dim=view.shape[-1]))
+            return torch.cat((call.t[..., :offset], out), dim=-1).contiguous()
         t, kwargs = call.t, te_arguments(call)
         interleaved = call.spec.interleaved
         if call.tensors == "qkv":
@@ -418,7 +440,7 @@ class TEBackend(Backend):
         info = self._info
         if (
             info is None or call.tensors != "t" or type(call.table) is not torch.Tensor
-            or call.spec.cos_sin_scale != 1.0
+            or call.spec.cos_sin_scale != 1.0 or call.spec.rotary_offset
         ):
             return generic
         fn = info.apply

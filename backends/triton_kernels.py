@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .triton_cache_kernels import _cache_rows
+from .triton_channels import PAIRS_IN, PAIRS_OUT, pass_channels, rotary_channels
 from .triton_trig import _exact_cos_sin, _reduced_cos_sin
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -330,22 +331,24 @@ def _load_chunk(
     x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd, c_mask, p_mask,
     ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, GROUPED: tl.constexpr,
+    ROT_OFFSET: tl.constexpr = 0, DEINTERLEAVE: tl.constexpr = 0,
 ):
     """Load head chunk ``it``: the rotated channels (two halves, or the whole interleaved tile
     twice) and the pass-through channels (written back by _rotate_store, not here: a store
-    right after its load would stall the program for a full memory latency)."""
+    right after its load would stall the program for a full memory latency). Channels where
+    backends/triton_channels.py puts them (an offset, pairs read as halves)."""
     x_h, o_h, row_mask = _chunk_rows(
         x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, BLOCK_H, GROUPED
     )
     mask = row_mask[:, :, None] & c_mask[None, None, :]
-    x_ptrs = x_h[:, :, None] + (tl.arange(0, BLOCK_R).to(tl.int64) * sxd)[None, None, :]
-    x_a = tl.load(x_ptrs, mask=mask, other=0.0)
+    ch_a, ch_b = rotary_channels(BLOCK_R, ROT_DIM, ROT_OFFSET, DEINTERLEAVE == PAIRS_IN)
+    x_a = tl.load(x_h[:, :, None] + (ch_a * sxd)[None, None, :], mask=mask, other=0.0)
     if INTERLEAVED:
         x_b = x_a
     else:
-        x_b = tl.load(x_ptrs + (ROT_DIM // 2) * sxd, mask=mask, other=0.0)
+        x_b = tl.load(x_h[:, :, None] + (ch_b * sxd)[None, None, :], mask=mask, other=0.0)
     if PASS_DIM > 0:
-        p = (tl.arange(0, BLOCK_P) + ROT_DIM).to(tl.int64)
+        p = pass_channels(BLOCK_P, ROT_DIM, ROT_OFFSET)
         p_full = row_mask[:, :, None] & p_mask[None, None, :]
         kept = tl.load(x_h[:, :, None] + (p * sxd)[None, None, :], mask=p_full, other=0.0)
     else:
@@ -359,6 +362,7 @@ def _store_chunk(
     sod, c_mask, p_mask, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr, GROUPED: tl.constexpr, scale=1.0, QUANT: tl.constexpr = False,
+    ROT_OFFSET: tl.constexpr = 0, DEINTERLEAVE: tl.constexpr = 0,
 ):
     """Store head chunk ``it``'s rotary channels (two halves, or the whole interleaved tile as
     ``out_a``) and its pass-through channels, each rounded once to the output's dtype.
@@ -375,12 +379,12 @@ def _store_chunk(
             out_b = tl.math.div_rn(out_b.to(tl.float32), scale)
         if PASS_DIM > 0:
             kept = tl.math.div_rn(kept.to(tl.float32), scale)
-    o_ptrs = o_h[:, :, None] + (tl.arange(0, BLOCK_R).to(tl.int64) * sod)[None, None, :]
-    tl.store(o_ptrs, out_a.to(out_ty), mask=mask)
+    ch_a, ch_b = rotary_channels(BLOCK_R, ROT_DIM, ROT_OFFSET, DEINTERLEAVE == PAIRS_OUT)
+    tl.store(o_h[:, :, None] + (ch_a * sod)[None, None, :], out_a.to(out_ty), mask=mask)
     if not INTERLEAVED:
-        tl.store(o_ptrs + (ROT_DIM // 2) * sod, out_b.to(out_ty), mask=mask)
+        tl.store(o_h[:, :, None] + (ch_b * sod)[None, None, :], out_b.to(out_ty), mask=mask)
     if PASS_DIM > 0:
-        p = (tl.arange(0, BLOCK_P) + ROT_DIM).to(tl.int64)
+        p = pass_channels(BLOCK_P, ROT_DIM, ROT_OFFSET)
         p_full = row_mask[:, :, None] & p_mask[None, None, :]
         tl.store(o_h[:, :, None] + (p * sod)[None, None, :], kept.to(out_ty), mask=p_full)
 
@@ -391,7 +395,7 @@ def _rotate_store(
     c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, GROUPED: tl.constexpr, scale=1.0,
-    QUANT: tl.constexpr = False,
+    QUANT: tl.constexpr = False, ROT_OFFSET: tl.constexpr = 0, DEINTERLEAVE: tl.constexpr = 0,
 ):
     """Store the chunk rotated (:func:`_rotated`), then its pass-through channels as they
     were read (``QUANT``: divided by ``scale``, :func:`_store_chunk`)."""
@@ -399,7 +403,7 @@ def _rotate_store(
                             BLOCK_H, BLOCK_R)
     _store_chunk(out_a, out_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh,
                  sog, soh, sod, c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R,
-                 BLOCK_P, GROUPED, scale, QUANT)
+                 BLOCK_P, GROUPED, scale, QUANT, ROT_OFFSET, DEINTERLEAVE)
 
 
 @triton.jit
@@ -521,7 +525,8 @@ def _rope_program(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, GROUPED: tl.constexpr, SCALE: tl.constexpr,
-    SHARED_ROWS: tl.constexpr, HALVES: tl.constexpr,
+    SHARED_ROWS: tl.constexpr, HALVES: tl.constexpr, ROT_OFFSET: tl.constexpr,
+    DEINTERLEAVE: tl.constexpr,
 ):
     """RoPE (or its transpose) of ``token_block``'s ``BLOCK_T`` tokens x ``head_group``'s
     ``HEAD_ITERS * BLOCK_H`` heads: the body of both kernels below. ``SHARED_ROWS``: table
@@ -546,7 +551,8 @@ def _rope_program(
 
     x_a, x_b, kept = _load_chunk(
         x_row, o_row, tok_mask, head_lo, 0, heads, group, sxg, sxh, sog, soh, sxd, c_mask,
-        p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
+        p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED, ROT_OFFSET,
+        DEINTERLEAVE,
     )
 
     pos = _positions(
@@ -564,16 +570,19 @@ def _rope_program(
         a_next, b_next, kept_next = _load_chunk(
             x_row, o_row, tok_mask, head_lo, it + 1, heads, group, sxg, sxh, sog, soh, sxd,
             c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
+            ROT_OFFSET, DEINTERLEAVE,
         )
         _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group, sxg,
                       sxh, sog, soh, sod, c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM,
-                      PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
+                      PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED, 1.0,
+                      False, ROT_OFFSET, DEINTERLEAVE)
         x_a = a_next
         x_b = b_next
         kept = kept_next
     _rotate_store(x_a, x_b, kept, x_row, o_row, tok_mask, head_lo, HEAD_ITERS - 1, heads, group,
                   sxg, sxh, sog, soh, sod, c_mask, p_mask, cos_a, cos_b, coef_a, coef_b, ROT_DIM,
-                  PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
+                  PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED, 1.0, False,
+                  ROT_OFFSET, DEINTERLEAVE)
 
 
 @triton.jit
@@ -625,7 +634,7 @@ def rope_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, SCALE: tl.constexpr, SHARED_ROWS: tl.constexpr,
-    HALVES: tl.constexpr = False,
+    HALVES: tl.constexpr = False, ROT_OFFSET: tl.constexpr = 0, DEINTERLEAVE: tl.constexpr = 0,
 ):
     """RoPE (or its transpose) of one tensor, ``BLOCK_T`` tokens x ``HEAD_ITERS * BLOCK_H``
     heads per program: grid ``(head groups, token blocks)`` (see :func:`_token_block`).
@@ -640,7 +649,8 @@ def rope_kernel(
     (:func:`linear_table_kernel`); while the flag holds the pairing's bit, each angle is
     ``position * row 1``, no other row read. ``HALVES`` (sbhd and bshd, a rotate-half cos/sin
     cache): ``cu_ptr`` is the cache's int32 halves flag (:func:`halves_table_kernel`), and while
-    it is set only each row's first halves are read. Its argument list is kept short: at decode
+    it is set only each row's first halves are read. ``ROT_OFFSET``, ``DEINTERLEAVE``: where the
+    rotary channels lie (backends/triton_channels.py). Its argument list is kept short: at decode
     size the launch's host time is the call's time.
     """
     _rope_program(
@@ -651,7 +661,7 @@ def rope_kernel(
         LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
         CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
         SEQ_BLOCK, False,
-        SCALE, SHARED_ROWS, HALVES,
+        SCALE, SHARED_ROWS, HALVES, ROT_OFFSET, DEINTERLEAVE,
     )
 
 
@@ -748,7 +758,8 @@ def rope_qkv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_ITERS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, HAS_V: tl.constexpr, V_WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
-    SCALE: tl.constexpr, HALVES: tl.constexpr = False,
+    SCALE: tl.constexpr, HALVES: tl.constexpr = False, ROT_OFFSET: tl.constexpr = 0,
+    DEINTERLEAVE: tl.constexpr = 0,
 ):
     """q and k rotated (each by its own table) and v copied, in one launch.
 
@@ -778,7 +789,7 @@ def rope_qkv_kernel(
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
             SEQ_BLOCK, True,
-            SCALE, False, HALVES,
+            SCALE, False, HALVES, ROT_OFFSET, DEINTERLEAVE,
         )
     elif r < q_per + k_per:
         _rope_program(
@@ -789,7 +800,7 @@ def rope_qkv_kernel(
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
             SEQ_BLOCK, True,
-            SCALE, False, HALVES,
+            SCALE, False, HALVES, ROT_OFFSET, DEINTERLEAVE,
         )
     elif HAS_V:
         _copy_program(

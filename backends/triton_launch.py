@@ -67,6 +67,11 @@ class Launch(NamedTuple):
     """The call's spec is inverse (rotate by minus the angle): its forward launch applies the
     transpose, its backward the rotation. ``backward`` still says which way the data flows
     (a packed qkv's gradients in, one packed gradient out)."""
+    offset: int = 0
+    """The spec's ``rotary_offset``: the rotary channels start there, the others pass."""
+    deinterleave: bool = False
+    """The spec's ``deinterleave``: pairs read, halves written (the transpose: halves read,
+    pairs written; backends/triton_channels.py)."""
 
     @property
     def transposes(self) -> bool:
@@ -174,6 +179,7 @@ def describe(call: RoPECall) -> Launch:
         else 1 if call.positions is None else 2, call.split, False, call.in_place,
         call.grad_in_place, call.norms,
         None if call.cache_write is None else store_form(call.cache_write), inverse=spec.inverse,
+        offset=spec.rotary_offset, deinterleave=spec.deinterleave,
     )
 
 
@@ -486,6 +492,7 @@ def _single_arguments(
     backward, interleaved, scale = launch.transposes, launch.interleaved, launch.scale
     if config is None and (
         code != 2 and positions is None and launch.cp_size == 1 and seq_len <= table.shape[0]
+        and not launch.offset and not launch.deinterleave
         and x.numel() * x.element_size() <= tiles.LEAN_MAX_BYTES
         and x.is_contiguous() and (out is x or out.is_contiguous())
     ):
@@ -514,9 +521,17 @@ def _single_arguments(
         SEQ_BLOCK=tiles.next_pow2(n_seqs + 1) if 0 < n_seqs < tiles.SEQ_SCAN_LIMIT else 0,
         SCALE=scale,
         SHARED_ROWS=tiles.shared_rows(block_t, block_h, use_cache, lean=False) and not halves,
-        HALVES=halves,
+        HALVES=halves, **_channel_stage(launch),
     )
     return kernels.rope_kernel, grid, ints, consts, num_warps
+
+
+def _channel_stage(launch: Launch) -> dict[str, int]:
+    """The rotation's channel constants (backends/triton_channels.py): where the rotary
+    channels start, and 0, or 1 (pairs read, halves written) or 2 (the transpose's halves read,
+    pairs written) for a deinterleaving spec."""
+    return dict(ROT_OFFSET=launch.offset,
+                DEINTERLEAVE=0 if not launch.deinterleave else 2 if launch.transposes else 1)
 
 
 def _lean_arguments(
@@ -619,6 +634,7 @@ def _segment_arguments(
         HALVES=not thd and cu_seqlens is not None,
     )
     if norm is None and launch.store is None:
+        consts.update(_channel_stage(launch))
         return kernels.rope_qkv_kernel, grid, ints, consts, num_warps
     if launch.backward:
         sources = _source_segments(launch, tabs.norm.sources)

@@ -176,10 +176,11 @@ def triton_rope_op(
     k_table: torch.Tensor | None, k_sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
     index: torch.Tensor | None, tensors: str, layout: str, interleaved: bool, scale: float,
     cp_size: int, cp_rank: int, split: Sequence[int] | None, backward: bool, inverse: bool,
+    offset: int = 0, deinterleave: bool = False,
 ) -> list[torch.Tensor]:
     """A launch as an opaque op for torch.compile: new contiguous outputs."""
     described = _op_launch(tensors, layout, interleaved, scale, cp_size, cp_rank, split, backward,
-                           inverse, (table, sin, index))
+                           inverse, offset, deinterleave, (table, sin, index))
     outs = outputs(described, inputs)
     with on_device(inputs[0]):
         launch(described, inputs, outs, Tables(table, sin, cu_seqlens, index, k_table, k_sin))
@@ -188,7 +189,7 @@ def triton_rope_op(
 
 def _op_launch(tensors: str, layout: str, interleaved: bool, scale: float, cp_size: int,
                cp_rank: int, split: Sequence[int] | None, backward: bool, inverse: bool,
-               tabs: tuple | None = None) -> Launch:
+               offset: int, deinterleave: bool, tabs: tuple | None = None) -> Launch:
     """The op's launch; with its ``(table, sin, index)`` (not on fake tensors) the table and
     position kinds read from their kernel form."""
     kind, positions = "angles", 0
@@ -199,14 +200,16 @@ def _op_launch(tensors: str, layout: str, interleaved: bool, scale: float, cp_si
                 else "angles")
         positions = tt.position_kind(tabs[2])
     return Launch(tensors, layout, interleaved, scale, cp_size, cp_rank, kind, positions,
-                  None if split is None else tuple(split), backward, inverse=inverse)
+                  None if split is None else tuple(split), backward, inverse=inverse, offset=offset,
+                  deinterleave=deinterleave)
 
 
 @triton_rope_op.register_fake
 def _triton_rope_fake(inputs, table, sin, k_table, k_sin, cu_seqlens, index, tensors, layout,
-                      interleaved, scale, cp_size, cp_rank, split, backward, inverse):
+                      interleaved, scale, cp_size, cp_rank, split, backward, inverse, offset=0,
+                      deinterleave=False):
     described = _op_launch(tensors, layout, interleaved, scale, cp_size, cp_rank, split, backward,
-                           inverse)
+                           inverse, offset, deinterleave)
     return list(outputs(described, inputs))
 
 
@@ -218,9 +221,10 @@ def _op_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
 
 def _op_backward(ctx: Any, grads: list[torch.Tensor | None]):
     grads = [torch.zeros(*like) if g is None else g for g, like in zip(grads, ctx.shapes)]
-    *settings, backward, inverse = ctx.settings
-    made = triton_rope_op(grads, *ctx.saved_tensors, *settings, not backward, inverse)
-    return (made,) + (None,) * 15
+    *settings, backward, inverse, offset, deinterleave = ctx.settings
+    made = triton_rope_op(grads, *ctx.saved_tensors, *settings, not backward, inverse, offset,
+                          deinterleave)
+    return (made,) + (None,) * 17
 
 
 triton_rope_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -259,7 +263,8 @@ def rope(call: RoPECall) -> Any:
         made = triton_rope_op(
             list(inputs), table, sin, k_table, k_sin, call.spec.cu_seqlens, position_index(call),
             described.tensors, described.layout, described.interleaved, described.scale,
-            described.cp_size, described.cp_rank, described.split, False, described.inverse)
+            described.cp_size, described.cp_rank, described.split, False, described.inverse,
+            described.offset, described.deinterleave)
         if described.in_place:
             made = [x.copy_(out) for x, out in zip(inputs, made)]
         return _result(described, made)
@@ -499,6 +504,8 @@ class TritonBackend(Backend):
     supports_in_place = True
     supports_norm = True
     supports_inverse = True
+    supports_rotary_offset = True
+    supports_deinterleave = True
     supports_cache_write = True
     supports_positions = True
     tables = frozenset(
@@ -537,7 +544,18 @@ class TritonBackend(Backend):
         """The cache stage's FP8 stores: not on the interpreter, whose float8 conversion is not
         a cast (it drops the rounding's carry into the exponent, and neither saturates nor
         keeps inf and NaN), nor float8_e4m3fn on a GPU older than compute capability 8.9
-        (Triton converts to it from sm_89 on)."""
+        (Triton converts to it from sm_89 on). A norm stage with rotary channels past a head's
+        first channel or deinterleaved pairs: the norm kernel's channels start at 0, in pairs
+        as read."""
+        spec = call.spec
+        if (spec.rotary_offset or spec.deinterleave) and (
+                call.norm is not None or call.k_norm is not None):
+            named = (f"spec.rotary_offset={spec.rotary_offset}" if spec.rotary_offset
+                     else "spec.deinterleave=True")
+            return [
+                f"a norm stage (HeadNorm) with {named}: the Triton norm kernel rotates a head's "
+                "first channels, pairs where they are read; the eager backend composes them"
+            ]
         write = call.cache_write
         if write is None:
             return []

@@ -556,6 +556,14 @@ def check_call(
             f"rotary dim d2={d2} (freqs' last dim) exceeds the head dim d={head_dim} of t "
             f"{tuple(shape)}" + (f" (the k part of split {split})" if split else "")
         )
+    offset = spec.rotary_offset
+    if offset and offset + d2 > head_dim:
+        raise RoPEError(
+            f"spec.rotary_offset={offset} plus the rotary dim d2={d2} (freqs' last dim) is "
+            f"{offset + d2}, past the head dim d={head_dim} of t {tuple(shape)}"
+            + (f" (the k part of split {split})" if split else "")
+            + f"; expected rotary_offset + d2 <= d, so rotary_offset <= {head_dim - d2}"
+        )
     if q_norm is not None or k_norm is not None:
         q_name = "norm" if kind == "t" else "q_norm"
         q_norm = check_norm(q_norm, q_name, q_heads, head_dim, device)
@@ -627,7 +635,10 @@ def check_call(
         _check_writable(t, "t" if k is None else "q")
         if k is not None:
             _check_writable(k, "k")
-            _check_apart(t, k, d2 if q_norm is None and k_norm is None else head_dim)
+            if q_norm is None and k_norm is None:  # the channels written: the rotary ones
+                _check_apart(t, k, d2, offset)
+            else:
+                _check_apart(t, k, head_dim)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,
@@ -832,15 +843,17 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int) -> bool | None:
     return reach(0, distance)
 
 
-def _check_apart(q: torch.Tensor, k: torch.Tensor, d2: int) -> None:
-    """q and k rotated in place must not share a rotary element: each would be rotated twice,
-    or read after the other's write."""
-    if shared_element(q, k, d2):
+def _check_apart(q: torch.Tensor, k: torch.Tensor, d2: int, offset: int = 0) -> None:
+    """q and k rotated in place must not share a rotary element (``d2`` channels from
+    ``offset`` on): each would be rotated twice, or read after the other's write."""
+    if shared_element(q[..., offset:], k[..., offset:], d2):
+        where = (f"their first {d2} channels" if not offset
+                 else f"their {d2} rotary channels from channel {offset}")
         raise RoPEError(
             f"apply_qk_ cannot rotate q and k in place: they share memory (q {tuple(q.shape)} "
             f"strides {q.stride()} and k {tuple(k.shape)} strides {k.stride()}, k starting "
             f"{(k.data_ptr() - q.data_ptr()) // q.element_size()} elements after q, overlap in "
-            f"their first {d2} channels), so some elements would be rotated twice; pass views "
+            f"{where}), so some elements would be rotated twice; pass views "
             "of disjoint channels, or use rope_dispatch.apply_qk"
         )
 

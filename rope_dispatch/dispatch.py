@@ -165,6 +165,8 @@ def _describe(call: RoPECall) -> str:
         f"{call.spec.layout}{packed} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on "
         f"{t.device}, rotary dim {call.rotary_dim}{norms}"
         f"{', inverse' if call.spec.inverse else ''}"
+        f"{f', from channel {call.spec.rotary_offset}' if call.spec.rotary_offset else ''}"
+        f"{', interleaved pairs in, halves out' if call.spec.deinterleave else ''}"
     )
 
 

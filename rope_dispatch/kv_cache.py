@@ -516,6 +516,14 @@ def check_cache_call(
     if positions is None:
         raise RoPEError("rope_to_cache needs positions: one table row per token, [T]")
     call = check_call(q, freqs, spec, positions=positions, k=k, q_norm=q_norm, k_norm=k_norm)
+    if spec.rotary_offset or spec.deinterleave:
+        named = (f"spec.rotary_offset={spec.rotary_offset}" if spec.rotary_offset
+                 else "spec.deinterleave=True")
+        raise RoPEError(
+            f"rope_to_cache does not take {named}: its cache stage writes k's rotary channels "
+            "from a head's first channel, pairs in place; rotate with rope_dispatch.apply_qk "
+            "and write the cache yourself"
+        )
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)
                                        if isinstance(x, torch.Tensor)):
         raise RoPEError(

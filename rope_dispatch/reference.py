@@ -111,12 +111,20 @@ def reference_apply(call: RoPECall, x: torch.Tensor) -> torch.Tensor | tuple[tor
     x = x.double()
     if call.norm is not None:
         x = reference_norm(x, call.norm.weight, call.norm.eps, call.norm.offset, call.norm.scope)
-    head = x[..., :d2]
-    if call.spec.inverse:  # the transpose: each channel meets its partner's sine, sign flipped
+    start, spec = call.spec.rotary_offset, call.spec
+    head = x[..., start:start + d2]
+    # deinterleave: place j of the halves layout holds pair j's first member 2j (j < d2/2), or
+    # pair (j - d2/2)'s second member
+    halves = torch.where(i < d2 // 2, 2 * i, 2 * (i - d2 // 2) + 1)
+    if spec.deinterleave and not spec.inverse:
+        head = head[..., halves]
+    if spec.inverse:  # the transpose: each channel meets its partner's sine, sign flipped
         out = head * cos - sign.double() * head[..., partner] * sin[..., partner]
     else:
         out = head * cos + sign.double() * head[..., partner] * sin
-    return torch.cat((out, x[..., d2:]), dim=-1)
+    if spec.deinterleave and spec.inverse:  # written back to the pairs
+        out = out[..., torch.argsort(halves)]
+    return torch.cat((x[..., :start], out, x[..., start + d2:]), dim=-1)
 
 
 def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,

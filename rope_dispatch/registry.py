@@ -61,6 +61,10 @@ class Backend:
     """A norm stage before the rotation (:class:`~rope_dispatch.HeadNorm`)."""
     supports_inverse: ClassVar[bool] = False
     """The rotation by minus the angle (``RoPESpec.inverse``), forward and backward."""
+    supports_rotary_offset: ClassVar[bool] = False
+    """Rotary channels that start past a head's first channel (``RoPESpec.rotary_offset``)."""
+    supports_deinterleave: ClassVar[bool] = False
+    """Interleaved pairs in, halves out (``RoPESpec.deinterleave``), forward and backward."""
     supports_cache_write: ClassVar[bool] = False
     """A KV-cache stage after the rotation (:func:`~rope_dispatch.rope_to_cache`): rotated k and
     v written, quantized where the cache is FP8, at each token's slot of a cache descriptor."""
@@ -182,6 +186,15 @@ class Backend:
             )
         if spec.inverse and not self.supports_inverse:
             reasons.append("the inverse rotation (spec.inverse=True) is not supported")
+        if spec.rotary_offset and not self.supports_rotary_offset:
+            reasons.append(
+                f"rotary channels past a head's first channel (spec.rotary_offset="
+                f"{spec.rotary_offset}) are not supported; it rotates channels [0, d2) only"
+            )
+        if spec.deinterleave and not self.supports_deinterleave:
+            reasons.append(
+                "interleaved pairs in, halves out (spec.deinterleave=True) is not supported"
+            )
         if call.cache_write is not None and not self.supports_cache_write:
             reasons.append(
                 "a KV-cache write after the rotation (rope_to_cache) is not supported"

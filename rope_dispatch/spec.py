@@ -94,12 +94,12 @@ Boolean = Annotated[bool, BeforeValidator(_boolean)]
 # Every field but the cu_seqlens tensor, in the order of RoPESpec.static_key.
 STATIC_FIELDS = (
     "layout", "dtype", "rotary_dim", "interleaved", "max_seqlen", "cp_size", "cp_rank",
-    "cos_sin_scale", "mrope_section", "inverse",
+    "cos_sin_scale", "mrope_section", "inverse", "rotary_offset", "deinterleave",
 )
 
 # Fields added after autotune's cache keys were fixed, with their defaults: named in a key (and
 # a spec's repr) only when set, so an absent one means the default and older keys still match.
-LATER_FIELDS = {"inverse": False}
+LATER_FIELDS = {"inverse": False, "rotary_offset": 0, "deinterleave": False}
 
 
 def named_fields(values: tuple) -> dict[str, Any]:
@@ -190,6 +190,18 @@ class RoPESpec(BaseModel):
         description="rotate by minus the angle (Megatron's inverse=True): the transpose of the "
         "rotation, forward and backward; it undoes a rotation whose pairs share one angle",
     )
+    rotary_offset: Integer = Field(
+        default=0,
+        description="where the rotary channels start in each head: channels [rotary_offset, "
+        "rotary_offset + d2) rotate, all others pass through (DeepSeek V2/V3 rotate the last "
+        "64 channels: head_dim - 64)",
+    )
+    deinterleave: Boolean = Field(
+        default=False,
+        description="interleaved pairs in, halves out (DeepSeek V2/V3's rope_interleave): the "
+        "rotary channels' pairs (2k, 2k+1) move to (k, k + d2/2), then turn rotate-half style "
+        "by a table in the halves layout; needs interleaved=False",
+    )
 
     def __init__(self, **fields: Any) -> None:
         """Validate ``fields``; a bad one raises :class:`~rope_dispatch.RoPEError` naming it."""
@@ -204,6 +216,17 @@ class RoPESpec(BaseModel):
             raise ValueError(f"rotary_dim must be a positive even integer, got {self.rotary_dim}")
         if self.cp_size < 1:
             raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
+        if self.rotary_offset < 0:
+            raise ValueError(
+                f"rotary_offset must be >= 0 (the first rotary channel of a head), got "
+                f"{self.rotary_offset}"
+            )
+        if self.deinterleave and self.interleaved:
+            raise ValueError(
+                "deinterleave=True reads interleaved pairs and writes them as halves (the "
+                "table in the halves layout); interleaved=True would keep pairs in place: pass "
+                "deinterleave=True with interleaved=False"
+            )
         if not 0 <= self.cp_rank < self.cp_size:
             raise ValueError(
                 f"cp_rank must satisfy 0 <= cp_rank < cp_size={self.cp_size}, got {self.cp_rank}"

@@ -42,7 +42,16 @@ VARIANTS = [
     ("cos/sin cache, halves flag", dict(USE_CACHE=True, HALVES=True), "*fp32"),
     ("pair cache, per-token positions", dict(USE_CACHE=True, PAIRED=True, POSITIONS=2), "*fp32"),
     ("rate table, scaled", dict(RATES=True, SCALE=1.25), "*fp32"),
+    # rotary channels from an offset (DeepSeek's last 64 of 192), pass-through on both sides
+    ("rotary offset", dict(ROT_OFFSET=96, ROT_DIM=64, BLOCK_R=32, PASS_DIM=128, BLOCK_P=128),
+     "*fp32"),
+    ("deinterleave, offset, cos/sin cache", dict(ROT_OFFSET=128, DEINTERLEAVE=1, ROT_DIM=64,
+                                                 BLOCK_R=32, PASS_DIM=128, BLOCK_P=128,
+                                                 USE_CACHE=True), "*fp32"),
+    ("deinterleave, backward", dict(DEINTERLEAVE=2, BACKWARD=True), "*fp32"),
 ]
+CHANNEL_STAGE = ("ROT_OFFSET", "DEINTERLEAVE")
+"""Constants of the channel stage, which the lean kernel never takes."""
 
 # the lean kernel (small contiguous sbhd/bshd calls): its own tile and sizes, the same changes
 LEAN = dict(
@@ -137,7 +146,8 @@ def main() -> int:
         ):
             if not compiles(f"{kernel.__name__} {name}", kernel, pointers, {**consts, **extra}):
                 return 1
-        if "CONTEXT_PARALLEL" in changes or changes.get("LAYOUT") == 2:
+        if ("CONTEXT_PARALLEL" in changes or changes.get("LAYOUT") == 2
+                or any(name in changes for name in CHANNEL_STAGE)):
             continue  # calls the lean kernel never takes
         lean = {**LEAN, **{k: v for k, v in changes.items() if k not in LEAN_DROPPED}}
         if lean["PASS_DIM"]:

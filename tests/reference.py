@@ -61,13 +61,31 @@ def partners(d2: int, interleaved: bool) -> tuple[list[int], list[float]]:
     return idx, sign
 
 
+def halves_order(d2: int) -> list[int]:
+    """For deinterleaving: the rotary channel read into place ``j`` of the halves layout, pair
+    ``k``'s first member ``2k`` into ``k`` and its second ``2k + 1`` into ``k + d2/2``."""
+    order = []
+    for j in range(d2):
+        if j < d2 // 2:
+            order.append(2 * j)
+        else:
+            order.append(2 * (j - d2 // 2) + 1)
+    return order
+
+
 def reference_rope(
     t: torch.Tensor, angles: torch.Tensor, positions: torch.Tensor, interleaved: bool,
-    scale: float = 1.0, inverse: bool = False,
+    scale: float = 1.0, inverse: bool = False, offset: int = 0, deinterleave: bool = False,
 ) -> torch.Tensor:
     """float64 ``out_i = scale (x_i cos(f[p,i]) + sign_i x_partner(i) sin(f[p,i]))``, rest
     copied; ``inverse``: by minus the angle, ``out_i = scale (x_i cos(f[p,i]) - sign_i
     x_partner(i) sin(f[p,partner(i)]))`` (the transpose: a channel meets its partner's angle).
+
+    ``offset``: ``x`` is the head's channels ``offset .. offset + d2``, ``i`` counted from
+    there; the others are copied. ``deinterleave``: ``x_j`` is the rotary channel
+    :func:`halves_order` puts at ``j`` (pairs in, halves out, rotate-half partners); with
+    ``inverse`` (the transpose) ``x`` is read as it lies and ``out_j`` is written back to
+    channel ``halves_order[j]``.
 
     ``angles`` is ``[s2, d2]`` (any float dtype); differentiable with respect to ``t``.
     """
@@ -77,13 +95,19 @@ def reference_rope(
     idx, sign = partners(d2, interleaved)
     sign_t = torch.tensor(sign, dtype=torch.float64, device=x.device)
     idx_t = torch.tensor(idx, device=x.device)
-    rot = x[..., :d2]
+    rot = x[..., offset:offset + d2]
+    order = halves_order(d2)
+    if deinterleave and not inverse:
+        rot = rot[..., torch.tensor(order, device=x.device)]
     if inverse:
         turn = -sign_t * rot[..., idx_t] * (scale * torch.sin(f[..., idx_t]))
     else:
         turn = sign_t * rot[..., idx_t] * (scale * torch.sin(f))
     out = rot * (scale * torch.cos(f)) + turn
-    return torch.cat((out, x[..., d2:]), dim=-1)
+    if deinterleave and inverse:
+        back = [order.index(i) for i in range(d2)]  # channel i takes out_j with order[j] = i
+        out = out[..., torch.tensor(back, device=x.device)]
+    return torch.cat((x[..., :offset], out, x[..., offset + d2:]), dim=-1)
 
 
 def reference_cache_rope(
@@ -123,7 +147,8 @@ def reference_for(t, angles, spec, start_positions=None, positions=None) -> torc
             start_positions=None if start_positions is None else start_positions.tolist(),
         )
     return reference_rope(t, angles.reshape(angles.shape[0], angles.shape[-1]), positions,
-                          spec.interleaved, spec.cos_sin_scale, spec.inverse)
+                          spec.interleaved, spec.cos_sin_scale, spec.inverse,
+                          getattr(spec, "rotary_offset", 0), getattr(spec, "deinterleave", False))
 
 
 def reference_forward_backward(t, angles, spec, grad_out, start_positions=None, positions=None):

@@ -526,6 +526,100 @@ def test_patched_multimodal_model_gives_the_same_logits_and_gradients(family, mo
     assert module.apply_rotary_pos_emb is original
 
 
+def deinterleaved_reference(q, k, cos, sin, unsqueeze_dim):
+    """DeepSeek's rotation from its definition, in float64: each head's channels read as pairs
+    ``(x[2j], x[2j+1])``, laid out as halves ``[x[0], x[2], .., x[1], x[3], ..]``, then
+    ``x * cos + rotate_half(x) * sin``; differentiable."""
+    cos = cos.double().unsqueeze(unsqueeze_dim)
+    sin = sin.double().unsqueeze(unsqueeze_dim)
+
+    def one(x):
+        x = x.double()
+        halves = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return halves * cos + rotate_half(halves) * sin
+
+    return one(q), one(k)
+
+
+def deepseek_inputs(dtype, unsqueeze_dim, heads=8, rope_dim=8, seed=0):
+    """q_rot and k_rot as DeepSeek's attention makes them: the last ``rope_dim`` channels of
+    each query head of a projection, and one key head sliced off a latent projection (both
+    non-contiguous views); per-token cos and sin ``[b, s, rope_dim]`` with equal halves."""
+    gen = torch.Generator().manual_seed(seed)
+    q_states = torch.randn(BATCH, TOKENS, heads, 4 + rope_dim, generator=gen).to(dtype)
+    latent = torch.randn(BATCH, TOKENS, 12 + rope_dim, generator=gen).to(dtype)
+    q_states.requires_grad_(True)
+    latent.requires_grad_(True)
+    q = q_states[..., 4:]
+    k = latent[..., 12:].view(BATCH, TOKENS, 1, rope_dim)
+    if unsqueeze_dim == 1:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    angles = torch.rand(BATCH, TOKENS, rope_dim // 2, generator=gen, dtype=torch.float64) * 40
+    angles = torch.cat((angles, angles), dim=-1)
+    return q_states, latent, q, k, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_interleave_matches_the_formula_and_transformers(dtype, unsqueeze_dim):
+    """DeepSeek-V3's ``apply_rotary_pos_emb_interleave``: 8 query heads and one key head, as
+    slices of their projections; outputs against the definition and transformers' function,
+    gradients into the projections as transformers' reach them."""
+    q_states, latent, q, k, cos, sin = deepseek_inputs(dtype, unsqueeze_dim)
+    ours = hf.apply_rotary_pos_emb_interleave(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    theirs = modeling("DeepSeek-V3").apply_rotary_pos_emb_interleave(
+        q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    check_outputs(ours, deinterleaved_reference(q, k, cos, sin, unsqueeze_dim), theirs)
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(x.shape, generator=gen).to(dtype) for x in ours]
+    ours_grads = torch.autograd.grad(ours, (q_states, latent), grads)
+    theirs_grads = torch.autograd.grad(theirs, (q_states, latent), grads)
+    for got, expected in zip(ours_grads, theirs_grads):
+        torch.testing.assert_close(got, expected, **(
+            dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-5)))
+
+
+def tiny_deepseek_v3(rope_interleave: bool) -> torch.nn.Module:
+    """A two-layer DeepSeek-V3 (MLA with 8 rotary channels of 16 per query head, one shared
+    rotary key head; the second layer a small MoE), random weights, float32."""
+    config = transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        vocab_size=128, max_position_embeddings=64, rope_interleave=rope_interleave,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(config).float().train().to(MODEL_DEVICE)
+
+
+@pytest.mark.parametrize("rope_interleave", [True, False])
+def test_patched_deepseek_v3_gives_the_same_logits_and_gradients(rope_interleave, monkeypatch):
+    model = tiny_deepseek_v3(rope_interleave)
+    module = modeling("DeepSeek-V3")
+    originals = module.apply_rotary_pos_emb, module.apply_rotary_pos_emb_interleave
+    ids = torch.randint(0, 128, (BATCH, TOKENS), generator=torch.Generator().manual_seed(4))
+    position_ids = torch.arange(TOKENS)[None, :] + torch.tensor([[0], [5]])
+    expected = [step(model, ids, p) for p in (None, position_ids)]
+
+    calls = patch_counting(model, module, monkeypatch)
+    assert module.apply_rotary_pos_emb_interleave is hf.apply_rotary_pos_emb_interleave
+    for p, (logits, grads) in zip((None, position_ids), expected):
+        got_logits, got_grads = step(model, ids, p)
+        torch.testing.assert_close(got_logits, logits, **SAME)
+        assert got_grads.keys() == grads.keys()
+        # q_rot and k_rot are slices of these projections: their gradients pass through RoPE
+        assert {f"model.layers.{i}.self_attn.{name}.weight" for i in range(2)
+                for name in ("q_proj", "kv_a_proj_with_mqa")} <= grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(got_grads[name], grad, msg=name, **SAME)
+    assert len(calls) == 2 * model.config.num_hidden_layers
+
+    hf.unpatch(model)
+    assert (module.apply_rotary_pos_emb, module.apply_rotary_pos_emb_interleave) == originals
+
+
 def test_multimodal_name_is_rebound_where_the_module_defines_it(monkeypatch):
     """transformers 4.x's layout: Qwen2-VL's attention called ``apply_multimodal_rotary_pos_emb``.
     Where the modeling module defines it, ``patch`` rebinds it next to ``apply_rotary_pos_emb``

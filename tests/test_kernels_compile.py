@@ -1,6 +1,7 @@
 """The Triton kernels compile for the GPU machine's architecture (sm_90), down to the cubin,
 on this machine without a GPU: every table kind (the linear-table flag's branch included),
-thd, context parallelism, backward, packed qkv, the lean kernel of small contiguous calls,
+thd, context parallelism, backward, packed qkv, the channel stage (rotary offset,
+deinterleaved pairs both ways), the lean kernel of small contiguous calls,
 the norm kernel with its cache stage (FP8 stores included), and the linear-table check. The interpreter runs the kernels' logic on the CPU elsewhere in
 the suite; this catches what only the GPU compiler would reject. Runs
 ``tests/compile_for_gpu.py`` in a process of its own (the kernels must be imported with
@@ -25,10 +26,12 @@ def test_every_kernel_family_compiles_for_sm_90():
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    # 9 variants of rope_kernel and rope_qkv_kernel, 8 of rope_lean_kernel (no thd or cp), its
-    # two layouts of two channels a thread and a batch of one, 5 of rope_norm_kernel (norms,
-    # cache stages) and the two table-check kernels
-    assert len(lines) == 36 and all(line.startswith("ok ") for line in lines), proc.stdout
+    # 12 variants of rope_kernel and rope_qkv_kernel, 8 of rope_lean_kernel (no thd, cp or
+    # channel stage), its two layouts of two channels a thread and a batch of one, 5 of
+    # rope_norm_kernel (norms, cache stages) and the two table-check kernels
+    assert len(lines) == 42 and all(line.startswith("ok ") for line in lines), proc.stdout
+    assert "ok rope_qkv_kernel deinterleave, offset, cos/sin cache" in lines
+    assert "ok rope_kernel deinterleave, backward" in lines
     assert "ok rope_kernel linear table, pairs, backward" in lines
     assert "ok rope_lean_kernel linear table, pairs, backward" in lines
     assert "ok rope_lean_kernel two channels a thread, linear flag" in lines

@@ -1,7 +1,7 @@
 """Hugging Face transformers models on rope-dispatch: their RoPE call, mapped onto ours.
 
 One line moves a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE,
-Qwen2-VL or Qwen2.5-VL model over (docs/hf.md)::
+DeepSeek-V3, Qwen2-VL or Qwen2.5-VL model over (docs/hf.md)::
 
     rope_dispatch.integrations.hf.patch(model)
 
@@ -16,6 +16,11 @@ The names, per family (:data:`SUPPORTED_MODELS`):
   Qwen2.5-VL call it too in transformers 5.23: their rotary embedding already picks each
   channel's position stream (temporal, height, width) and returns per-token ``[b, s, d]``
   cos/sin.
+- ``apply_rotary_pos_emb_interleave`` -> :func:`apply_rotary_pos_emb_interleave`, for
+  DeepSeek-V3 with ``rope_interleave`` (its rotary channels in interleaved pairs, rotated into
+  halves: ``RoPESpec(deinterleave=True)``). DeepSeek's attention splits the rotary part off
+  each query head (``q_rot``) and off the shared key latent (``k_rot``, one head) before the
+  call, so both arrive as views of their projections and their gradients flow back to them.
 - ``apply_multimodal_rotary_pos_emb`` -> :func:`apply_multimodal_rotary_pos_emb`, for Qwen2-VL and
   Qwen2.5-VL where the modeling module defines it (transformers 4.x: the attention picked the
   streams from ``[3, b, s, d]`` cos/sin). A name the module lacks is skipped.
@@ -61,10 +66,11 @@ from ..tables import CosSinCache
 
 __all__ = [
     "QK_NORM_MODELS", "SUPPORTED_MODELS", "apply_multimodal_rotary_pos_emb",
-    "apply_rotary_pos_emb", "patch", "unpatch",
+    "apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "patch", "unpatch",
 ]
 
 _PLAIN = ("apply_rotary_pos_emb",)
+_INTERLEAVE = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
 _MULTIMODAL = ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb")
 
 SUPPORTED_MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -79,6 +85,9 @@ SUPPORTED_MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "Gemma3": ("transformers.models.gemma3.modeling_gemma3", "Gemma3Attention", _PLAIN),
     "OLMo2": ("transformers.models.olmo2.modeling_olmo2", "Olmo2Attention", _PLAIN),
     "GLM-4-MoE": ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeAttention", _PLAIN),
+    "DeepSeek-V3": (
+        "transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3Attention", _INTERLEAVE
+    ),
     "Qwen2-VL": (
         "transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLAttention", _MULTIMODAL
     ),
@@ -107,12 +116,13 @@ _STREAMS = 3
 _HEADS_DIM = {1: 1, -3: 1, 2: 2, -2: 2}
 """``unsqueeze_dim`` -> where q's heads are: 1 for ``[b, heads, s, d]``, 2 for ``[b, s, heads, d]``."""
 
-_specs: dict[torch.dtype, RoPESpec] = {
-    dtype: RoPESpec(layout="bshd", dtype=dtype)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16)
+_specs: dict[tuple[torch.dtype, bool], RoPESpec] = {
+    (dtype, deinterleave): RoPESpec(layout="bshd", dtype=dtype, deinterleave=deinterleave)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16) for deinterleave in (False, True)
 }
-"""The bshd spec of each dtype a model runs in, made at import: pydantic's validation cannot
-be traced, so a first call inside ``torch.compile(fullgraph=True)`` must find its spec made."""
+"""The bshd spec of each dtype a model runs in, plain or deinterleaving (DeepSeek's
+``rope_interleave``), made at import: pydantic's validation cannot be traced, so a first call
+inside ``torch.compile(fullgraph=True)`` must find its spec made."""
 _last_table: list = [None, None, None]
 """The latest ``[table, cos, sin]`` of :func:`_token_table`."""
 _starts: dict[tuple, torch.Tensor] = {}
@@ -160,6 +170,30 @@ def apply_rotary_pos_emb(
     Inside the forward of an attention whose norms :func:`patch` fused, q and k arrive as the
     norms' inputs and are normalized in the same call (the whole head, then the rotation).
     """
+    return _rotate_qk(q, k, cos, sin, unsqueeze_dim, False)
+
+
+def apply_rotary_pos_emb_interleave(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: object = None,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb_interleave`` (DeepSeek-V3 with ``rope_interleave``),
+    in one rope-dispatch launch for q and k: each head's ``d2`` channels are interleaved pairs
+    ``(2j, 2j+1)``, and pair ``j`` comes out at channels ``j`` and ``j + d2/2``, rotated by
+    angle ``j`` (``RoPESpec(deinterleave=True)``, the halves table transformers passes). q and
+    k may have different head counts (one shared key head against every query head) and any
+    strides; arguments, outputs and rounding as :func:`apply_rotary_pos_emb`. ``position_ids``
+    is unused, as in transformers (cos and sin are already per token)."""
+    return _rotate_qk(q, k, cos, sin, unsqueeze_dim, True)
+
+
+def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               unsqueeze_dim: int, deinterleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rotary_pos_emb`'s mapping onto :func:`rope_dispatch.apply_qk`."""
     heads_dim = _HEADS_DIM.get(unsqueeze_dim)
     if heads_dim is None:
         raise RoPEError(
@@ -170,7 +204,8 @@ def apply_rotary_pos_emb(
     if heads_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     q_out, k_out = apply_qk(
-        q, k, _token_table(cos, sin), _spec(q.dtype), start_positions=_sequence_starts(cos, q),
+        q, k, _token_table(cos, sin), _spec(q.dtype, deinterleave),
+        start_positions=_sequence_starts(cos, q),
         q_norm=q_norm, k_norm=k_norm,
     )
     if heads_dim == 1:
@@ -311,12 +346,13 @@ def _sequence_starts(cos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
     return starts
 
 
-def _spec(dtype: torch.dtype) -> RoPESpec:
+def _spec(dtype: torch.dtype, deinterleave: bool = False) -> RoPESpec:
     """The bshd spec of a dtype, from :data:`_specs` (pydantic validation costs microseconds,
     and a model calls this once per layer; other dtypes get the spec's error)."""
-    spec = _specs.get(dtype)
+    spec = _specs.get((dtype, deinterleave))
     if spec is None:
-        spec = _specs[dtype] = RoPESpec(layout="bshd", dtype=dtype)
+        spec = _specs[dtype, deinterleave] = RoPESpec(layout="bshd", dtype=dtype,
+                                                      deinterleave=deinterleave)
     return spec
 
 
@@ -534,5 +570,6 @@ def _targets(model: object) -> dict[tuple[str, str], Callable]:
 _REPLACEMENTS: dict[str, Callable] = {
     "apply_rotary_pos_emb": apply_rotary_pos_emb,
     "apply_multimodal_rotary_pos_emb": apply_multimodal_rotary_pos_emb,
+    "apply_rotary_pos_emb_interleave": apply_rotary_pos_emb_interleave,
 }
 """Each global name :func:`patch` rebinds -> our function of that name."""
