@@ -176,7 +176,7 @@ def triton_rope_op(
     k_table: torch.Tensor | None, k_sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
     index: torch.Tensor | None, tensors: str, layout: str, interleaved: bool, scale: float,
     cp_size: int, cp_rank: int, split: Sequence[int] | None, backward: bool, inverse: bool,
-    offset: int = 0, deinterleave: bool = False,
+    offset: int, deinterleave: bool,
 ) -> list[torch.Tensor]:
     """A launch as an opaque op for torch.compile: new contiguous outputs."""
     described = _op_launch(tensors, layout, interleaved, scale, cp_size, cp_rank, split, backward,
@@ -206,8 +206,8 @@ def _op_launch(tensors: str, layout: str, interleaved: bool, scale: float, cp_si
 
 @triton_rope_op.register_fake
 def _triton_rope_fake(inputs, table, sin, k_table, k_sin, cu_seqlens, index, tensors, layout,
-                      interleaved, scale, cp_size, cp_rank, split, backward, inverse, offset=0,
-                      deinterleave=False):
+                      interleaved, scale, cp_size, cp_rank, split, backward, inverse, offset,
+                      deinterleave):
     described = _op_launch(tensors, layout, interleaved, scale, cp_size, cp_rank, split, backward,
                            inverse, offset, deinterleave)
     return list(outputs(described, inputs))

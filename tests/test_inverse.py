@@ -234,7 +234,8 @@ def test_triton_custom_op_and_its_autograd():
     t, table, spec, _, angles = build(fixed_case(interleaved=True, seed=7), DEVICE)
     spec = inverted(spec)
     (out,) = triton_rope_op([t], table.reshape(table.shape[0], -1), None, None, None, None, None,
-                            "t", "sbhd", True, 1.0, 1, 0, None, False, True)
+                            "t", "sbhd", True, 1.0, 1, 0, None, False, True, 0,
+                            False)
     grad_out = grad_like(out, 5)
     (grad,) = torch.autograd.grad(out, t, grad_out)
     ref_out, ref_grad = reference_forward_backward(t, angles, spec, grad_out)
