@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -499,6 +500,9 @@ def _run(
     checks, the choice and the backend, then a plan for the next such call. ``norms``: q's
     (or ``t``'s) and k's :class:`~rope_dispatch.HeadNorm`; calls with one are not planned."""
     global _recent_run
+    if type(t) is not _Tensor and _distributed(t):
+        return _dtensor().rotate(t, freqs, spec, start_positions, positions, backend,
+                                 in_place=in_place, split=split, k_freqs=k_freqs, k=k, norms=norms)
     key = None
     normed = norms[0] is not None or norms[1] is not None
     if type(t) is _Tensor and not _dynamo_compiling():
@@ -543,6 +547,20 @@ def _run(
         # planned after the call ran, so a backend can bind what that call compiled
         _keep_plan(key, tensors, spec, freqs, chosen, call)
     return out
+
+
+def _distributed(t: object) -> bool:
+    """Whether ``t`` is a DTensor: asked of tensor subclasses only, and only once torch's
+    DTensor module is loaded (a program without one never imports it through us)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _dtensor():
+    """:mod:`rope_dispatch.dtensor` (its op and sharding rule registered at first import)."""
+    from . import dtensor
+
+    return dtensor
 
 
 def _in_grad_state(
@@ -679,6 +697,11 @@ def rope_to_cache(
     ``q_scale`` (default ``float8_e4m3fn``) stores ``q / q_scale``. No host sync on a GPU; not
     differentiable. Checked every call (never planned).
     """
+    if any(type(x) is not _Tensor and _distributed(x) for x in (q, k, v)):
+        raise RoPEError(
+            "DTensor call: rope_to_cache writes into a KV cache of plain tensors, a serving "
+            "step's; pass each rank's local tensors (DTensor.to_local())"
+        )
     call = check_cache_call(q, k, v, freqs, spec, positions=positions, cache=cache,
                             q_norm=q_norm, k_norm=k_norm, q_out=q_out, q_scale=q_scale)
     chosen, _ = _choose(call, backend)
