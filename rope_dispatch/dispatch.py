@@ -557,10 +557,14 @@ def _distributed(t: object) -> bool:
 
 
 def _dtensor():
-    """:mod:`rope_dispatch.dtensor` (its op and sharding rule registered at first import)."""
+    """:mod:`rope_dispatch.dtensor` (its op and sharding rule registered at first import; the
+    op's body runs :func:`_run` on each shard, found through ``registry.call_entry``)."""
     from . import dtensor
 
     return dtensor
+
+
+registry.set_call_entry(_run)
 
 
 def _in_grad_state(
@@ -764,6 +768,11 @@ def explain(
     """
     if cache is None and not (v is None and q_out is None and q_scale is None):
         raise RoPEError("v, q_out and q_scale are rope_to_cache's: explain it with cache= too")
+    if type(t) is not _Tensor and _distributed(t) and cache is None:  # this rank's shard call
+        t, freqs, spec, positions, k = _dtensor().shard_call(
+            t, freqs, spec, start_positions, positions, in_place=in_place, k_freqs=k_freqs, k=k,
+            norms=(q_norm, k_norm))
+        start_positions = None
     if cache is not None:
         call = check_cache_call(t, k, v, freqs, spec, positions=positions, cache=cache,
                                 q_norm=q_norm, k_norm=k_norm, q_out=q_out, q_scale=q_scale)

@@ -27,6 +27,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.experimental import register_sharding
 
 from .errors import RoPEError
+from .registry import call_entry
 from .spec import RoPESpec
 from .tables import CosSinCache, PairCosSinCache, RateTable
 
@@ -67,11 +68,9 @@ def rope_shard(
     """One shard's rotation: the ordinary call on local tensors (new, contiguous output).
     ``token_dims`` leads the non-tensor arguments: DTensor keys its sharding decisions on the
     arguments from the first int on, so the layout and settings are part of that key."""
-    from .dispatch import _run
-
     spec = _local_spec(layout, t.dtype, interleaved, scale, inverse)
-    return _run(t, _table(kind, table, sin), spec, None, backend, False, False,
-                positions=positions)
+    return call_entry()(t, _table(kind, table, sin), spec, None, backend, False, False,
+                        positions=positions)
 
 
 @rope_shard.register_fake
@@ -270,11 +269,10 @@ def _check_spec(spec: RoPESpec) -> None:
         raise _refuse("spec.mrope_section (multimodal position streams) is not supported")
 
 
-def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions,
-           backend: str | None, *, in_place: bool = False, split=None, k_freqs=None, k=None,
-           norms: tuple = (None, None)):
-    """A public call (``apply``, ``apply_qk``, ``apply_qkv``) whose tensor is a DTensor: new
-    DTensors with the input's placements, computed shard by shard without communication."""
+def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions, in_place,
+             k_freqs, k, norms) -> tuple:
+    """A DTensor call checked for what its placements allow: ``(table, sin, positions,
+    settings)``, the op's arguments but the tensor and the backend."""
     from .spec import dtype_name
 
     if in_place:
@@ -308,11 +306,11 @@ def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions
     mesh = t.device_mesh
     kind, table, sin = _table_tensors(freqs)
     table, sin = _as_dtensor(table, mesh, "freqs"), _as_dtensor(sin, mesh, "freqs.sin")
-    table_sharded = any(isinstance(p, Shard) for p in table.placements)
+    table_sharded = any(p.is_shard() for p in table.placements)
     if table_sharded:
         seq = _SEQ_DIM[spec.layout]
         for i, (p, q) in enumerate(zip(table.placements, t.placements)):
-            if isinstance(p, Shard) != (isinstance(q, Shard) and q.dim == seq):
+            if p.is_shard() != q.is_shard(seq):
                 raise _refuse(
                     f"freqs is {p} on mesh dim {i} but t is {q}; a table sharded on its rows "
                     f"must be sharded exactly where t's sequence (dim {seq}) is"
@@ -324,10 +322,20 @@ def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions
             )
     pos = _positions(t, spec, start_positions, positions, table_sharded)
     settings = (t.dim() - 2, spec.layout, kind, spec.interleaved, float(spec.cos_sin_scale),
-                spec.inverse, backend)
+                spec.inverse)
+    return table, sin, pos, settings
+
+
+def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions,
+           backend: str | None, *, in_place: bool = False, split=None, k_freqs=None, k=None,
+           norms: tuple = (None, None)):
+    """A public call (``apply``, ``apply_qk``, ``apply_qkv``) whose tensor is a DTensor: new
+    DTensors with the input's placements, computed shard by shard without communication."""
+    table, sin, pos, settings = _prepare(t, freqs, spec, start_positions, positions, in_place,
+                                         k_freqs, k, norms)
 
     def one(x: DTensor) -> DTensor:
-        return rope_shard(x, table, sin, pos, *settings)
+        return rope_shard(x, table, sin, pos, *settings, backend)
 
     if k is not None:
         return one(t), one(k)
@@ -339,3 +347,17 @@ def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions
     q = t[..., :q_len]
     q = q.reshape(*q.shape[:-2], q.shape[-2] * (q_len // k_len), k_len)
     return one(q), one(t[..., q_len:q_len + k_len]), t[..., q_len + k_len:].contiguous()
+
+
+def shard_call(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions, *,
+               in_place: bool = False, k_freqs=None, k=None, norms: tuple = (None, None)
+               ) -> tuple:
+    """This rank's part of a DTensor call as the plain call its shard runs: ``(t, freqs, spec,
+    positions, k)``, local tensors (what :func:`~rope_dispatch.explain` explains)."""
+    table, sin, pos, settings = _prepare(t, freqs, spec, start_positions, positions, in_place,
+                                         k_freqs, k, norms)
+    _, layout, kind, interleaved, scale, inverse = settings
+    local = _local_spec(layout, t.dtype, interleaved, scale, inverse)
+    sin = None if sin is None else sin.to_local()
+    return (t.to_local(), _table(kind, table.to_local(), sin), local,
+            None if pos is None else pos.to_local(), None if k is None else k.to_local())

@@ -189,6 +189,71 @@ def _check_pairs(mesh, rank):
     assert_matches(grad.full_tensor(), ref_grad, F32, "apply_qkv backward")
 
 
+def _check_caches_and_positions(mesh, rank):
+    """A CosSinCache of any values (sequence sharded, start positions) and per-token positions
+    given as a plain global tensor (batch and sequence sharded on a 1-dim mesh: the sequence)."""
+    from reference import reference_cache_rope, reference_rope
+
+    gen = torch.Generator().manual_seed(5)
+    shape = (8, 2, 2, 8)
+    x, grad_out = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    cos, sin = torch.randn(14, 8, generator=gen), torch.randn(14, 8, generator=gen)
+    starts = torch.tensor([4, 1])
+    spec = rd.RoPESpec(layout="sbhd", dtype=F32)
+    placements = _placements([0])
+    xd = _shard(x, mesh, placements).requires_grad_(True)
+
+    def cached():
+        out = rd.apply(xd, rd.CosSinCache(cos, sin), spec, start_positions=starts,
+                       backend="eager")
+        return out, torch.autograd.grad(out, xd, _shard(grad_out, mesh, placements))[0]
+
+    out, grad = _no_comm(cached, f"CosSinCache rank {rank}")
+    rows = torch.arange(8)[:, None] + starts[None, :]
+    full = x.double().requires_grad_(True)
+    ref = reference_cache_rope(full, cos, sin, rows)
+    (ref_grad,) = torch.autograd.grad(ref, full, grad_out.double())
+    assert_matches(out.full_tensor(), ref.detach(), F32, "CosSinCache forward")
+    assert_matches(grad.full_tensor(), ref_grad, F32, "CosSinCache backward")
+
+    bshd = rd.RoPESpec(layout="bshd", dtype=F32)
+    y = torch.randn(2, 8, 2, 8, generator=gen)
+    positions = torch.randint(0, 14, (2, 8), generator=gen)
+    angles = torch.rand(14, 8, generator=gen) * 10
+    yd = _shard(y, mesh, _placements([1]))
+    out = _no_comm(lambda: rd.apply(yd, angles, bshd, positions=positions, backend="eager"),
+                   f"positions rank {rank}")
+    assert out.placements == yd.placements
+    ref = reference_rope(y, angles, positions, False)
+    assert_matches(out.full_tensor(), ref, F32, "per-token positions forward")
+    explained = rd.explain(yd, angles, bshd, positions=positions)  # this rank's shard call
+    assert str(tuple(yd.to_local().shape)) in explained.call and explained.chosen, explained
+
+
+def _check_context_parallel(mesh, rank):
+    """torch's own context parallelism: the angle table is one of the buffers it shards along
+    the sequence (reordered for load balance as the tokens are), so a rank's plain call reads
+    its own tokens' rows."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    gen = torch.Generator().manual_seed(3)
+    shape = (2, 16, 2, 8)
+    x, grad_out = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    angles = torch.rand(16, 8, generator=gen) * 40 - 20
+    spec = rd.RoPESpec(layout="bshd", dtype=F32)
+    buffers = [x.clone(), angles.clone(), grad_out.clone()]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 0, 1]):
+        local = buffers[0].clone().requires_grad_(True)
+        assert local.shape[1] == 16 // mesh.size()
+        out = rd.apply(local, buffers[1], spec, backend="eager")
+        (grad,) = torch.autograd.grad(out, local, buffers[2])
+        out_full, grad_full = context_parallel_unshard(mesh, [out.detach(), grad], [1, 1])
+    ref_out, ref_grad = reference_forward_backward(x, angles, spec, grad_out)
+    assert_matches(out_full, ref_out, F32, f"context_parallel rank {rank} forward")
+    assert_matches(grad_full, ref_grad, F32, f"context_parallel rank {rank} backward")
+
+
 def _check_refusals(mesh):
     """What a DTensor call refuses, with its reason."""
     spec = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 4, 8]))
@@ -219,15 +284,18 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             _check_single(mesh, case, rank)
         _check_pairs(mesh, rank)
         _check_refusals(mesh)
+        _check_context_parallel(mesh, rank)
+        _check_caches_and_positions(mesh, rank)
         if world == 4:
             grid = init_device_mesh("cpu", (2, 2))
             for case in TWO_DIM:
                 _check_single(grid, case, rank)
         else:  # torch.compile once, on the smaller job: the DTensor op traced, then run
-            for compiled in ("graphs", "inductor"):
-                for case in COMPILED:
-                    torch._dynamo.reset()
-                    _check_single(mesh, case, rank, compiled)
+            for case in COMPILED:
+                torch._dynamo.reset()
+                _check_single(mesh, case, rank, "graphs")
+            torch._dynamo.reset()  # Inductor's code for one case: it compiles C++ on the CPU
+            _check_single(mesh, COMPILED[0], rank, "inductor")
         dist.barrier()
     finally:
         dist.destroy_process_group()
