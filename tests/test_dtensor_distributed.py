@@ -62,7 +62,7 @@ def _assert_no_collective(graphs, what):
         assert not comm, f"{what}: collectives in the compiled graph: {comm}"
 
 
-def _check_single(mesh, case, rank, compiled=None):
+def _check_single(mesh, case, rank, compiled=None, backend="eager"):
     """One ``apply`` case: forward and backward against the float64 reference."""
     layout, shape, shard, table_sharded, with_starts, rotary, interleaved = case
     gen = torch.Generator().manual_seed(7)
@@ -88,7 +88,7 @@ def _check_single(mesh, case, rank, compiled=None):
         freqs = _shard(angles, mesh, _placements([0 if s == seq else None for s in shard]))
 
     def call(t):
-        return rd.apply(t, freqs, spec, start_positions=starts, backend="eager")
+        return rd.apply(t, freqs, spec, start_positions=starts, backend=backend)
 
     graphs = []
     if compiled is None:
@@ -105,7 +105,7 @@ def _check_single(mesh, case, rank, compiled=None):
         run = torch.compile(call, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
                             fullgraph=True)
     what = f"{layout} {shape} {placements} table {'sharded' if table_sharded else 'replicated'}"
-    what += f" rank {rank} ({compiled or 'eager'})"
+    what += f" rank {rank} ({backend}, {compiled or 'not compiled'})"
 
     def both():
         out = run(xd)
@@ -274,6 +274,8 @@ def _check_refusals(mesh):
 def _worker(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)
     os.environ.pop("ROPE_BACKEND", None)
+    if not torch.cuda.is_available():  # the Triton kernels on the interpreter (tiny shapes)
+        os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=COLLECTIVE_TIMEOUT)
     from torch.distributed.device_mesh import init_device_mesh
@@ -286,6 +288,9 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         _check_refusals(mesh)
         _check_context_parallel(mesh, rank)
         _check_caches_and_positions(mesh, rank)
+        if rd.get_backend("triton").available:  # each shard through the Triton kernels
+            for case in (ONE_DIM[0], ONE_DIM[3]):
+                _check_single(mesh, case, rank, backend="triton")
         if world == 4:
             grid = init_device_mesh("cpu", (2, 2))
             for case in TWO_DIM:
