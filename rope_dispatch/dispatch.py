@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -501,6 +502,9 @@ def _run(
     checks, the choice and the backend, then a plan for the next such call. ``norms``: q's
     (or ``t``'s) and k's :class:`~rope_dispatch.HeadNorm`; calls with one are not planned."""
     global _recent_run
+    if type(t) is not _Tensor and _distributed(t):
+        return _dtensor().rotate(t, freqs, spec, start_positions, positions, backend,
+                                 in_place=in_place, split=split, k_freqs=k_freqs, k=k, norms=norms)
     key = None
     normed = norms[0] is not None or norms[1] is not None
     if type(t) is _Tensor and not _dynamo_compiling():
@@ -545,6 +549,24 @@ def _run(
         # planned after the call ran, so a backend can bind what that call compiled
         _keep_plan(key, tensors, spec, freqs, chosen, call)
     return out
+
+
+def _distributed(t: object) -> bool:
+    """Whether ``t`` is a DTensor: asked of tensor subclasses only, and only once torch's
+    DTensor module is loaded (a program without one never imports it through us)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _dtensor():
+    """:mod:`rope_dispatch.dtensor` (its op and sharding rule registered at first import; the
+    op's body runs :func:`_run` on each shard, found through ``registry.call_entry``)."""
+    from . import dtensor
+
+    return dtensor
+
+
+registry.set_call_entry(_run)
 
 
 def _in_grad_state(
@@ -705,6 +727,11 @@ def rope_to_cache(
                         if out is not NotImplemented:
                             return out
                         break
+    if any(type(x) is not _Tensor and _distributed(x) for x in (q, k, v)):
+        raise RoPEError(
+            "DTensor call: rope_to_cache writes into a KV cache of plain tensors, a serving "
+            "step's; pass each rank's local tensors (DTensor.to_local())"
+        )
     call = check_cache_call(q, k, v, freqs, spec, positions=positions, cache=cache,
                             q_norm=q_norm, k_norm=k_norm, q_out=q_out, q_scale=q_scale)
     chosen, final = _choose(call, backend)
@@ -797,6 +824,11 @@ def explain(
     """
     if cache is None and not (v is None and q_out is None and q_scale is None):
         raise RoPEError("v, q_out and q_scale are rope_to_cache's: explain it with cache= too")
+    if type(t) is not _Tensor and _distributed(t) and cache is None:  # this rank's shard call
+        t, freqs, spec, positions, k = _dtensor().shard_call(
+            t, freqs, spec, start_positions, positions, in_place=in_place, k_freqs=k_freqs, k=k,
+            norms=(q_norm, k_norm))
+        start_positions = None
     if cache is not None:
         call = check_cache_call(t, k, v, freqs, spec, positions=positions, cache=cache,
                                 q_norm=q_norm, k_norm=k_norm, q_out=q_out, q_scale=q_scale)

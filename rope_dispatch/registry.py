@@ -269,6 +269,24 @@ def on_invalidate(callback: Callable[[], None]) -> None:
     _on_invalidate.append(callback)
 
 
+_call_entry: list[Callable[..., object]] = []
+
+
+def set_call_entry(run: Callable[..., object]) -> None:
+    """Dispatch hands over its call path (``_run``) at import, for code that runs a call but
+    must not import dispatch (the DTensor op's body, on each shard)."""
+    _call_entry[:] = [run]
+
+
+def call_entry() -> Callable[..., object]:
+    """The call path :func:`set_call_entry` was given (dispatch is loaded by then)."""
+    if not _call_entry:
+        from importlib import import_module
+
+        import_module(f"{__package__}.dispatch")  # sets it
+    return _call_entry[0]
+
+
 def invalidate() -> None:
     """Tell every subscriber (:func:`on_invalidate`) that cached decisions are stale."""
     for callback in _on_invalidate:

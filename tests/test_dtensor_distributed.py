@@ -1,0 +1,318 @@
+"""DTensor inputs across processes: 2 and 4 gloo ranks on the CPU, one DeviceMesh.
+
+Every rank builds the same full tensors, cuts its shard locally (``src_data_rank=None``: no
+communication), and calls the public API on the DTensor. Inside a ``CommDebugMode`` the forward
+and the backward must make no collective at all (no all-gather, no redistribution), the output
+and the gradient must keep the input's placements, and their full tensors (gathered after the
+check) must match the float64 reference of the unsharded call (tests/reference.py), whose
+positions are its own Python loops: a shard of the sequence must rotate its tokens at their
+global positions. A spawned job that hangs is killed at a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import rope_dispatch as rd
+from reference import (
+    assert_matches, reference_forward_backward, reference_qkv_forward_backward,
+)
+
+JOB_DEADLINE_S = 240
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+F32 = torch.float32
+
+
+def _placements(names):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate() if n is None else Shard(n) for n in names]
+
+
+def _shard(x, mesh, placements):
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(x, mesh, placements, src_data_rank=None)
+
+
+def _no_comm(fn, what):
+    """``fn()`` run under CommDebugMode, asserting it made no collective."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        made = fn()
+    assert comm.get_total_counts() == 0, f"{what}: collectives {comm.get_comm_counts()}"
+    return made
+
+
+def _assert_no_collective(graphs, what):
+    """The compiled forward and backward each run the op, and neither communicates."""
+    assert len(graphs) == 2, f"{what}: {len(graphs)} graphs, expected a forward and a backward"
+    for gm in graphs:
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        assert any("rope_dispatch.rope_shard" in t for t in targets), f"{what}: {targets}"
+        comm = [t for t in targets if "c10d" in t or "all_gather" in t or "all_reduce" in t]
+        assert not comm, f"{what}: collectives in the compiled graph: {comm}"
+
+
+def _check_single(mesh, case, rank, compiled=None, backend="eager"):
+    """One ``apply`` case: forward and backward against the float64 reference."""
+    layout, shape, shard, table_sharded, with_starts, rotary, interleaved = case
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(shape, generator=gen)
+    grad_out = torch.randn(shape, generator=gen)
+    cu = None
+    if layout == "thd":
+        cu = torch.tensor([0, 3, 3, 7, shape[0]], dtype=torch.int32)
+        seqs, longest = 4, shape[0]
+    else:
+        seqs = shape[1] if layout == "sbhd" else shape[0]
+        longest = shape[0] if layout == "sbhd" else shape[1]
+    starts = torch.randint(0, 5, (seqs,), generator=gen) if with_starts else None
+    rows = longest if table_sharded else longest + 6
+    angles = torch.rand(rows, rotary, generator=gen) * 40 - 20
+    spec = rd.RoPESpec(layout=layout, dtype=F32, interleaved=interleaved, cu_seqlens=cu)
+    placements = _placements(shard)
+    xd = _shard(x, mesh, placements).requires_grad_(True)
+    gd = _shard(grad_out, mesh, placements)
+    freqs = angles.view(rows, 1, 1, rotary)
+    if table_sharded:
+        seq = 0 if layout == "sbhd" else 1
+        freqs = _shard(angles, mesh, _placements([0 if s == seq else None for s in shard]))
+
+    def call(t):
+        return rd.apply(t, freqs, spec, start_positions=starts, backend=backend)
+
+    graphs = []
+    if compiled is None:
+        run = call
+    elif compiled == "inductor":
+        run = torch.compile(call, backend="inductor", fullgraph=True)
+    else:  # Dynamo and AOT autograd, keeping the forward and backward graphs they make
+        from torch._dynamo.backends.common import aot_autograd
+
+        def keep(gm, inputs):
+            graphs.append(gm)
+            return gm
+
+        run = torch.compile(call, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                            fullgraph=True)
+    what = f"{layout} {shape} {placements} table {'sharded' if table_sharded else 'replicated'}"
+    what += f" rank {rank} ({backend}, {compiled or 'not compiled'})"
+
+    def both():
+        out = run(xd)
+        return out, torch.autograd.grad(out, xd, gd)[0]
+
+    if compiled is None:
+        out, grad = _no_comm(both, what)
+    else:  # CommDebugMode is a dispatch mode, under which torch.compile would not compile
+        out, grad = both()
+    if compiled == "graphs":
+        _assert_no_collective(graphs, what)
+    assert tuple(out.placements) == tuple(placements), f"{what}: output {out.placements}"
+    assert tuple(grad.placements) == tuple(placements), f"{what}: gradient {grad.placements}"
+    ref_out, ref_grad = reference_forward_backward(x, angles, spec, grad_out, starts)
+    assert_matches(out.full_tensor(), ref_out, F32, f"{what} forward")
+    assert_matches(grad.full_tensor(), ref_grad, F32, f"{what} backward")
+
+
+# (layout, global shape, a Shard dim per mesh dim (None: Replicate), table sharded with the
+# sequence, start_positions, rotary dim, interleaved)
+ONE_DIM = [
+    ("sbhd", (6, 2, 2, 8), [0], False, True, 8, False),     # sequence (4 ranks: uneven, one empty)
+    ("bshd", (4, 8, 2, 8), [0], False, True, 6, True),      # batch
+    ("bshd", (2, 8, 2, 8), [1], True, False, 8, False),     # sequence, the table with it
+    ("sbhd", (8, 2, 4, 16), [2], False, True, 12, True),    # heads (tensor parallel)
+    ("thd", (12, 4, 8), [1], False, True, 8, False),        # heads of packed sequences
+    ("bshd", (2, 8, 2, 8), [None], False, True, 8, False),  # replicated
+]
+TWO_DIM = [  # 4 ranks as a 2 x 2 mesh
+    ("bshd", (2, 8, 2, 8), [0, 1], False, True, 8, False),  # batch x sequence
+    ("bshd", (2, 8, 4, 8), [0, 2], False, True, 8, False),  # batch x heads (FSDP2 + TP)
+    ("sbhd", (8, 2, 2, 8), [1, 0], True, False, 8, False),  # batch x sequence, table sharded
+]
+COMPILED = [ONE_DIM[0], ONE_DIM[2], ONE_DIM[3]]
+
+
+def _check_pairs(mesh, rank):
+    """apply_qk (GQA, heads sharded; sequence sharded) and apply_qkv (heads sharded)."""
+    gen = torch.Generator().manual_seed(11)
+    world = mesh.size()
+    spec = rd.RoPESpec(layout="sbhd", dtype=F32)
+    angles = torch.rand(20, 8, generator=gen) * 10
+    starts = torch.tensor([2, 5])
+    for shard in (2, 0):
+        q, k = torch.randn(8, 2, 2 * world, 8, generator=gen), torch.randn(8, 2, world, 8,
+                                                                           generator=gen)
+        gq, gk = (torch.randn(x.shape, generator=gen) for x in (q, k))
+        placements = _placements([shard])
+        qd, kd = (_shard(x, mesh, placements).requires_grad_(True) for x in (q, k))
+        gqd, gkd = (_shard(x, mesh, placements) for x in (gq, gk))
+
+        def both():
+            out = rd.apply_qk(qd, kd, angles, spec, start_positions=starts, backend="eager")
+            return out, torch.autograd.grad(out, (qd, kd), (gqd, gkd))
+
+        (qo, ko), (dq, dk) = _no_comm(both, f"apply_qk Shard({shard}) rank {rank}")
+        for x, out, g, got in ((q, qo, gq, dq), (k, ko, gk, dk)):
+            assert out.placements == qd.placements and got.placements == qd.placements
+            ref_out, ref_grad = reference_forward_backward(x, angles, spec, g, starts)
+            assert_matches(out.full_tensor(), ref_out, F32, f"apply_qk Shard({shard}) forward")
+            assert_matches(got.full_tensor(), ref_grad, F32, f"apply_qk Shard({shard}) backward")
+    split = (16, 8, 8)
+    qkv = torch.randn(8, 2, world, 32, generator=gen)
+    placements = _placements([2])
+    qkvd = _shard(qkv, mesh, placements).requires_grad_(True)
+    q_shape = (8, 2, 2 * world, 8)
+    grads = (torch.randn(q_shape, generator=gen), torch.randn(8, 2, world, 8, generator=gen),
+             torch.randn(8, 2, world, 8, generator=gen))
+
+    def packed():
+        outs = rd.apply_qkv(qkvd, angles, spec, split, start_positions=starts, backend="eager")
+        return outs, torch.autograd.grad(outs, qkvd, [_shard(g, mesh, placements) for g in grads])
+
+    outs, (grad,) = _no_comm(packed, f"apply_qkv rank {rank}")
+    ref_outs, ref_grad = reference_qkv_forward_backward(qkv, angles, angles, spec, split, grads,
+                                                         starts)
+    for out, ref in zip(outs, ref_outs):
+        assert out.placements == qkvd.placements
+        assert_matches(out.full_tensor(), ref, F32, "apply_qkv forward")
+    assert grad.placements == qkvd.placements
+    assert_matches(grad.full_tensor(), ref_grad, F32, "apply_qkv backward")
+
+
+def _check_caches_and_positions(mesh, rank):
+    """A CosSinCache of any values (sequence sharded, start positions) and per-token positions
+    given as a plain global tensor (batch and sequence sharded on a 1-dim mesh: the sequence)."""
+    from reference import reference_cache_rope, reference_rope
+
+    gen = torch.Generator().manual_seed(5)
+    shape = (8, 2, 2, 8)
+    x, grad_out = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    cos, sin = torch.randn(14, 8, generator=gen), torch.randn(14, 8, generator=gen)
+    starts = torch.tensor([4, 1])
+    spec = rd.RoPESpec(layout="sbhd", dtype=F32)
+    placements = _placements([0])
+    xd = _shard(x, mesh, placements).requires_grad_(True)
+
+    def cached():
+        out = rd.apply(xd, rd.CosSinCache(cos, sin), spec, start_positions=starts,
+                       backend="eager")
+        return out, torch.autograd.grad(out, xd, _shard(grad_out, mesh, placements))[0]
+
+    out, grad = _no_comm(cached, f"CosSinCache rank {rank}")
+    rows = torch.arange(8)[:, None] + starts[None, :]
+    full = x.double().requires_grad_(True)
+    ref = reference_cache_rope(full, cos, sin, rows)
+    (ref_grad,) = torch.autograd.grad(ref, full, grad_out.double())
+    assert_matches(out.full_tensor(), ref.detach(), F32, "CosSinCache forward")
+    assert_matches(grad.full_tensor(), ref_grad, F32, "CosSinCache backward")
+
+    bshd = rd.RoPESpec(layout="bshd", dtype=F32)
+    y = torch.randn(2, 8, 2, 8, generator=gen)
+    positions = torch.randint(0, 14, (2, 8), generator=gen)
+    angles = torch.rand(14, 8, generator=gen) * 10
+    yd = _shard(y, mesh, _placements([1]))
+    out = _no_comm(lambda: rd.apply(yd, angles, bshd, positions=positions, backend="eager"),
+                   f"positions rank {rank}")
+    assert out.placements == yd.placements
+    ref = reference_rope(y, angles, positions, False)
+    assert_matches(out.full_tensor(), ref, F32, "per-token positions forward")
+    explained = rd.explain(yd, angles, bshd, positions=positions)  # this rank's shard call
+    assert str(tuple(yd.to_local().shape)) in explained.call and explained.chosen, explained
+
+
+def _check_context_parallel(mesh, rank):
+    """torch's own context parallelism: the angle table is one of the buffers it shards along
+    the sequence (reordered for load balance as the tokens are), so a rank's plain call reads
+    its own tokens' rows."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    gen = torch.Generator().manual_seed(3)
+    shape = (2, 16, 2, 8)
+    x, grad_out = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    angles = torch.rand(16, 8, generator=gen) * 40 - 20
+    spec = rd.RoPESpec(layout="bshd", dtype=F32)
+    buffers = [x.clone(), angles.clone(), grad_out.clone()]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 0, 1]):
+        local = buffers[0].clone().requires_grad_(True)
+        assert local.shape[1] == 16 // mesh.size()
+        out = rd.apply(local, buffers[1], spec, backend="eager")
+        (grad,) = torch.autograd.grad(out, local, buffers[2])
+        out_full, grad_full = context_parallel_unshard(mesh, [out.detach(), grad], [1, 1])
+    ref_out, ref_grad = reference_forward_backward(x, angles, spec, grad_out)
+    assert_matches(out_full, ref_out, F32, f"context_parallel rank {rank} forward")
+    assert_matches(grad_full, ref_grad, F32, f"context_parallel rank {rank} backward")
+
+
+def _check_refusals(mesh):
+    """What a DTensor call refuses, with its reason."""
+    spec = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 4, 8]))
+    angles = torch.rand(8, 8)
+    x = _shard(torch.randn(8, 2, 8), mesh, _placements([0]))
+    with pytest.raises(rd.RoPEError, match="packed sequences"):
+        rd.apply(x, angles, spec, backend="eager")
+    y = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([3]))
+    with pytest.raises(rd.RoPEError, match="head dim"):
+        rd.apply(y, angles, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
+    z = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([0]))
+    with pytest.raises(rd.RoPEError, match="in-place"):
+        rd.apply_(z, angles, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
+    with pytest.raises(rd.RoPEError, match="cp_size"):
+        rd.apply(z, angles, rd.RoPESpec(layout="sbhd", dtype=F32, cp_size=2), backend="eager")
+
+
+def _worker(rank: int, world: int, init_file: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.pop("ROPE_BACKEND", None)
+    if not torch.cuda.is_available():  # the Triton kernels on the interpreter (tiny shapes)
+        os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for case in ONE_DIM:
+            _check_single(mesh, case, rank)
+        _check_pairs(mesh, rank)
+        _check_refusals(mesh)
+        _check_context_parallel(mesh, rank)
+        _check_caches_and_positions(mesh, rank)
+        if rd.get_backend("triton").available:  # each shard through the Triton kernels
+            for case in (ONE_DIM[0], ONE_DIM[3]):
+                _check_single(mesh, case, rank, backend="triton")
+        if world == 4:
+            grid = init_device_mesh("cpu", (2, 2))
+            for case in TWO_DIM:
+                _check_single(grid, case, rank)
+        else:  # torch.compile once, on the smaller job: the DTensor op traced, then run
+            for case in COMPILED:
+                torch._dynamo.reset()
+                _check_single(mesh, case, rank, "graphs")
+            torch._dynamo.reset()  # Inductor's code for one case: it compiles C++ on the CPU
+            _check_single(mesh, COMPILED[0], rank, "inductor")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_across_processes(world, tmp_path):
+    context = mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=False)
+    deadline = time.monotonic() + JOB_DEADLINE_S
+    while not context.join(timeout=1):  # raises when a rank failed, naming it
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(f"gloo job with {world} ranks still running after {JOB_DEADLINE_S} s")
