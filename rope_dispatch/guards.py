@@ -94,8 +94,21 @@ def _guard_maker() -> Callable[..., Guard]:
 
 def tensor_guard(*tensors: torch.Tensor) -> Guard:
     """A guard for ``tensors``' metadata: torch's C++ tensor guards where they pass the probe,
-    else :func:`metadata_guard`."""
-    return _guard_maker()(*tensors)
+    else :func:`metadata_guard`. A tensor given twice (one weight for q's and k's norm, q as
+    its own output) is checked once by torch's guards, which refuse such a list at every
+    check, and its later places in Python."""
+    firsts: dict[int, int] = {}
+    unique = [i for i, x in enumerate(tensors) if firsts.setdefault(id(x), i) == i]
+    if len(unique) == len(tensors):
+        return _guard_maker()(*tensors)
+    repeated = [i for i in range(len(tensors)) if i not in unique]
+    main = _guard_maker()(*(tensors[i] for i in unique))
+    rest = metadata_guard(*(tensors[i] for i in repeated))
+
+    def check(*given: torch.Tensor) -> bool:
+        return main(*(given[i] for i in unique)) and rest(*(given[i] for i in repeated))
+
+    return check
 
 
 def guard_kind() -> str:

@@ -110,3 +110,34 @@ def test_the_probe_does_not_follow_torch_defaults(monkeypatch):
     finally:
         torch.set_default_dtype(previous)
         guards._guard_maker.cache_clear()
+
+
+def test_a_tensor_given_twice_is_guarded_at_each_place():
+    """One weight for q's and k's norm (or q as its own output) passes its own guard, as other
+    tensors of its layout do, and a different layout at either place fails it."""
+    q, w = torch.randn(4, 4, 16), torch.ones(16, dtype=torch.bfloat16)
+    guard = guards.tensor_guard(q, w, w)
+    assert guard(q, w, w)
+    assert guard(torch.randn(4, 4, 16), torch.zeros(16, dtype=torch.bfloat16), w)
+    assert not guard(q, w, torch.ones(8, dtype=torch.bfloat16))
+    assert not guard(q, torch.ones(16), w)
+
+
+def test_one_norm_for_q_and_k_is_planned(monkeypatch):
+    """A repeated in-place call whose q and k share one HeadNorm runs its plan."""
+    import rope_dispatch as rd
+    from rope_dispatch import call as call_module
+    from rope_dispatch import dispatch
+
+    monkeypatch.setattr(call_module, "_reads", lambda index: False)  # as device positions
+    checked = []
+    check = dispatch.check_call
+    monkeypatch.setattr(dispatch, "check_call", lambda *a, **k: checked.append(1) or check(*a, **k))
+    q, k = torch.randn(4, 4, 16, dtype=torch.bfloat16), torch.randn(4, 2, 16, dtype=torch.bfloat16)
+    norm = rd.HeadNorm(torch.ones(16, dtype=torch.bfloat16))
+    spec, table, positions = rd.RoPESpec(layout="thd", dtype="bf16"), torch.rand(64, 8), torch.arange(4)
+    with torch.no_grad():
+        for _ in range(6):
+            rd.apply_qk_(q, k, table, spec, positions=positions, q_norm=norm, k_norm=norm,
+                         backend="eager")
+    assert len(checked) == 2

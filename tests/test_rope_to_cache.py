@@ -862,7 +862,9 @@ def test_triton_repeated_steps_run_their_plan(layout, cache_dtype, q_mode, monke
         assert q_out is None or got is q_out
         if cache_dtype == torch.bfloat16:
             for a, b in ((got, want), (cache.k_cache, k_copy), (cache.v_cache, v_copy)):
-                torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+                # the cache's untouched slots hold random bytes, NaN among them
+                torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2,
+                                           equal_nan=True)
         else:
             assert_same_or_neighbour(got, want, "q")
             assert_same_or_neighbour(cache.k_cache, k_copy, "k cache")
