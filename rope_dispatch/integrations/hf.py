@@ -58,6 +58,7 @@ from ..errors import RoPEError
 from ..norm import HeadNorm
 from ..spec import RoPESpec
 from ..tables import CosSinCache
+from .hf_families import STANDARD_FAMILIES
 
 __all__ = [
     "QK_NORM_MODELS", "SUPPORTED_MODELS", "apply_multimodal_rotary_pos_emb",
@@ -101,6 +102,27 @@ QK_NORM_MODELS: dict[str, tuple[str, float, str]] = {
 ``k_norm``, the :class:`~rope_dispatch.HeadNorm` offset and scope that reproduce it): Gemma3
 multiplies by ``1 + weight``; OLMo2 normalizes a token's heads together, before the head split
 (weights of ``heads * head_dim``, and ``kv_heads * head_dim`` for k)."""
+
+# Issue 64: Llama 4 (its own call, hf_llama4.py), Qwen3-VL and every family of hf_families.py
+# whose attention calls the standard apply_rotary_pos_emb; kept apart to ease merging.
+SUPPORTED_MODELS.update({
+    "Llama4": ("transformers.models.llama4.modeling_llama4", "Llama4TextAttention",
+               ("apply_rotary_emb",)),
+    "Qwen3-VL": (
+        "transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextAttention", _PLAIN
+    ),
+    "Qwen3-VL-MoE": (
+        "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeTextAttention", _PLAIN
+    ),
+})
+QK_NORM_MODELS.update({
+    "Qwen3-VL": ("Qwen3VLTextRMSNorm", 0.0, "head"),
+    "Qwen3-VL-MoE": ("Qwen3VLMoeTextRMSNorm", 0.0, "head"),
+})
+SUPPORTED_MODELS.update({
+    family: (f"transformers.models.{folder}.modeling_{folder}", attention, _PLAIN)
+    for family, (folder, attention) in STANDARD_FAMILIES.items()
+})
 
 _STREAMS = 3
 """Position streams of multimodal RoPE: temporal, height, width."""
@@ -432,7 +454,7 @@ def _own_forward(module: torch.nn.Module) -> Callable | None:
 def _is_ours(forward: object) -> bool:
     """Whether an instance ``forward`` is one :func:`_fuse` set."""
     return isinstance(forward, functools.partial) and forward.func in (
-        _fused_forward, _deferred_norm
+        _fused_forward, _deferred_norm, *hf_llama4.FORWARDS
     )
 
 
@@ -453,7 +475,8 @@ def _unfuse(model: torch.nn.Module) -> None:
         forward = _own_forward(module)
         if not _is_ours(forward):
             continue
-        previous = forward.args[2] if forward.func is _fused_forward else None
+        previous = (forward.args[2] if forward.func in (_fused_forward, hf_llama4.FORWARDS[0])
+                    else None)
         if previous is None:
             del module.forward
         else:
@@ -475,6 +498,7 @@ def patch(model: Model) -> Model:
     """
     targets = _targets(model)
     fusable = _fusable(model)
+    l2_fusable = hf_llama4.l2_fusable(model)
     for (module_name, name), ours in targets.items():
         module = sys.modules[module_name]
         current = getattr(module, name)
@@ -483,6 +507,8 @@ def patch(model: Model) -> Model:
             setattr(module, name, ours)
     for attention, module_name, offset, scope in fusable:
         _fuse(attention, module_name, offset, scope)
+    for attention, eps in l2_fusable:
+        hf_llama4.fuse(attention, eps)
     return model
 
 
@@ -516,8 +542,8 @@ def _targets(model: object) -> dict[tuple[str, str], Callable]:
     if not found:
         raise RoPEError(
             f"{type(model).__name__} holds no attention module that rope-dispatch can patch; "
-            f"supported: {', '.join(SUPPORTED_MODELS)} models "
-            f"({', '.join(entry[1] for entry in SUPPORTED_MODELS.values())})"
+            f"supported: {', '.join(SUPPORTED_MODELS)} models (their attention classes: "
+            "hf.SUPPORTED_MODELS, docs/hf.md)"
         )
     targets = {}
     for family, module_name, names in sorted(found):
@@ -536,3 +562,7 @@ _REPLACEMENTS: dict[str, Callable] = {
     "apply_multimodal_rotary_pos_emb": apply_multimodal_rotary_pos_emb,
 }
 """Each global name :func:`patch` rebinds -> our function of that name."""
+
+from . import hf_llama4  # noqa: E402  (Llama 4's call; it reads this module's helpers)
+
+_REPLACEMENTS["apply_rotary_emb"] = hf_llama4.apply_rotary_emb
