@@ -1,7 +1,8 @@
 """Hugging Face transformers models on rope-dispatch: their RoPE call, mapped onto ours.
 
-One line moves a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE,
-Qwen2-VL or Qwen2.5-VL model over (docs/hf.md)::
+One line moves a model of any family in :data:`SUPPORTED_MODELS` over (99 families: Llama,
+Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE, Qwen2-VL, Qwen2.5-VL, Llama 4,
+Qwen3-VL, Qwen3-VL-MoE and those of :mod:`.hf_families`; docs/hf.md)::
 
     rope_dispatch.integrations.hf.patch(model)
 
@@ -12,21 +13,23 @@ modeling module: it reaches every model of the family in the process, not only t
 
 The names, per family (:data:`SUPPORTED_MODELS`):
 
-- ``apply_rotary_pos_emb`` -> :func:`apply_rotary_pos_emb`, in every family. Qwen2-VL and
-  Qwen2.5-VL call it too in transformers 5.23: their rotary embedding already picks each
+- ``apply_rotary_pos_emb`` -> :func:`apply_rotary_pos_emb`, in every family but Llama 4.
+  Qwen2-VL and Qwen2.5-VL call it too in transformers 5.23: their rotary embedding already picks each
   channel's position stream (temporal, height, width) and returns per-token ``[b, s, d]``
   cos/sin.
 - ``apply_multimodal_rotary_pos_emb`` -> :func:`apply_multimodal_rotary_pos_emb`, for Qwen2-VL and
   Qwen2.5-VL where the modeling module defines it (transformers 4.x: the attention picked the
   streams from ``[3, b, s, d]`` cos/sin). A name the module lacks is skipped.
+- ``apply_rotary_emb`` -> :func:`.hf_llama4.apply_rotary_emb`, for Llama 4 (complex pairs,
+  ``interleaved=True``; its L2 QK norm after RoPE fused by :mod:`.hf_llama4`).
 
 The vision towers' ``apply_rotary_pos_emb_vision`` (``[s, heads, d]`` q and k without a batch
 dim, ``[s, d]`` float32 cos/sin, each output in its input's dtype) is a different call and is left
 to transformers: the vision tower runs as before.
 
-QK norm (:data:`QK_NORM_MODELS`: Qwen3, Qwen3-MoE, Gemma3, OLMo2, GLM-4-MoE with
-``use_qk_norm``): these attentions normalize q and k (their ``q_norm`` and ``k_norm`` modules)
-right before the RoPE call. In the model passed to :func:`patch`, each such attention's
+QK norm (:data:`QK_NORM_MODELS`: Qwen3, Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE, Gemma3, OLMo2,
+GLM-4-MoE with ``use_qk_norm``): these attentions normalize q and k (their ``q_norm`` and
+``k_norm`` modules) right before the RoPE call. In the model passed to :func:`patch`, each such attention's
 ``forward`` and its two norms' ``forward`` get instance attributes: while the attention's forward
 runs, its norms hand their input on unchanged and :func:`apply_rotary_pos_emb` passes them to
 :func:`rope_dispatch.apply_qk` as ``q_norm``/``k_norm`` (:class:`~rope_dispatch.HeadNorm` of the
