@@ -233,3 +233,44 @@ def test_qwen3_vl_gives_the_same_logits_and_gradients(family, monkeypatch):
     hf.unpatch(model)
     assert module.apply_rotary_pos_emb is original and own_forwards(model) == []
     check_same(step(model, streams), expected, rtol=0, atol=0)
+
+
+def llama4_reference(q, k, freqs_cis, eps=None):
+    """float64: each pair ``(2i, 2i + 1)`` times ``freqs_cis[..., i]`` as a complex number, then
+    (with ``eps``) each head divided by the root of its mean square plus ``eps``."""
+    def one(x):
+        pairs = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2).contiguous())
+        out = torch.view_as_real(pairs * freqs_cis.cdouble()[:, :, None, :]).flatten(-2)
+        if eps is not None:
+            out = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + eps)
+        return out
+
+    return one(q), one(k)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_triton_backend_serves_the_llama4_call(triton_backend, fused):
+    """The GPU path (Triton's interpreter without CUDA): bf16 q and k, per-token complex
+    freqs_cis, with and without the L2 norm, forward and gradients against float64, within one
+    bf16 ulp."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(BATCH, TOKENS, 4, 16, generator=gen).bfloat16().to(device).requires_grad_()
+    k = torch.randn(BATCH, TOKENS, 2, 16, generator=gen).bfloat16().to(device).requires_grad_()
+    angles = torch.rand(BATCH, TOKENS, 8, generator=gen, dtype=torch.float64) * 40
+    freqs_cis = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)
+    grads = [torch.randn(t.shape, generator=gen).bfloat16().to(device) for t in (q, k)]
+    window = hf_llama4._window
+    with rd.use_backend("triton"):
+        window.attention, window.eps = (torch.nn.Module(), EPS) if fused else (None, None)
+        try:
+            out = hf_llama4.apply_rotary_emb(q, k, freqs_cis)
+        finally:
+            window.attention, window.eps, window.normalized = None, None, []
+        torch.autograd.backward(out, grads)
+    ours = (*out, q.grad.clone(), k.grad.clone())
+    q.grad = k.grad = None
+    ref = llama4_reference(q, k, freqs_cis, EPS if fused else None)
+    torch.autograd.backward(ref, [g.double() for g in grads])
+    for got, exact in zip(ours, (*ref, q.grad, k.grad)):
+        torch.testing.assert_close(got.double(), exact.detach().double(), rtol=2**-7, atol=1e-4)
