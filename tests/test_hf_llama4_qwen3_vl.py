@@ -274,3 +274,15 @@ def test_triton_backend_serves_the_llama4_call(triton_backend, fused):
     torch.autograd.backward(ref, [g.double() for g in grads])
     for got, exact in zip(ours, (*ref, q.grad, k.grad)):
         torch.testing.assert_close(got.double(), exact.detach().double(), rtol=2**-7, atol=1e-4)
+
+
+def test_the_llama4_module_imports_first():
+    """``hf_llama4`` reads ``hf``'s helpers and ``hf`` loads ``hf_llama4``: either may be imported
+    first, and ``hf`` then rebinds Llama 4's name to the one function."""
+    import subprocess
+    import sys
+
+    code = ("from rope_dispatch.integrations import hf_llama4; from rope_dispatch.integrations "
+            "import hf; assert hf._REPLACEMENTS['apply_rotary_emb'] is hf_llama4.apply_rotary_emb")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

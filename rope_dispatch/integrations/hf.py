@@ -566,6 +566,6 @@ _REPLACEMENTS: dict[str, Callable] = {
 }
 """Each global name :func:`patch` rebinds -> our function of that name."""
 
-from . import hf_llama4  # noqa: E402  (Llama 4's call; it reads this module's helpers)
-
-_REPLACEMENTS["apply_rotary_emb"] = hf_llama4.apply_rotary_emb
+# Llama 4's call and norm fusion: the module reads this one's helpers and adds its call to
+# _REPLACEMENTS when it is loaded, so either module may be imported first.
+from . import hf_llama4  # noqa: E402

@@ -189,3 +189,6 @@ def fuse(attention: torch.nn.Module, eps: float) -> None:
     attention.qk_norm.forward = functools.partial(_handed_on_norm, attention.qk_norm, attention)
     attention.forward = functools.partial(_fused_forward, attention, eps,
                                           _hf._own_forward(attention))
+
+
+_hf._REPLACEMENTS["apply_rotary_emb"] = apply_rotary_emb
