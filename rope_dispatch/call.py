@@ -757,8 +757,9 @@ def _lower_multimodal(
         )
     _positions_in_table(positions, rows, device, table_name)
     streams = positions.reshape(3, -1)
-    lowered = multimodal_rows(table, streams, spec.mrope_section)
-    k_lowered = None if k_table is None else multimodal_rows(k_table, streams, spec.mrope_section)
+    sections, interleaved = spec.mrope_section, spec.mrope_interleaved
+    lowered = multimodal_rows(table, streams, sections, interleaved)
+    k_lowered = None if k_table is None else multimodal_rows(k_table, streams, sections, interleaved)
     own = torch.arange(streams.shape[1], device=device, dtype=positions.dtype).view(tokens)
     return lowered, k_lowered, own
 

@@ -87,6 +87,20 @@ def _three_integers(value: Any) -> Any:
         raise ValueError(f"expected three integers (temporal, height, width), got {value!r}") from None
 
 
+def _check_interleaved_sections(sections: tuple[int, int, int]) -> None:
+    """Interleaved sections (Qwen3-VL) give the height stream pairs 1, 4, .., 3h - 2 and the
+    width stream pairs 2, 5, .., 3w - 1 of each half: both must lie in the half's ``t + h + w``
+    pairs, or the streams would get fewer pairs than the sections say."""
+    t, h, w = sections
+    half = t + h + w
+    if 3 * h - 2 >= half or 3 * w - 1 >= half:
+        raise ValueError(
+            f"mrope_section={sections} cannot be interleaved: height takes pairs 1, 4, .. "
+            f"{3 * h - 2} and width pairs 2, 5, .. {3 * w - 1}, which must be below the "
+            f"{half} pairs of each half"
+        )
+
+
 Integer = Annotated[int, BeforeValidator(_integer)]
 Real = Annotated[float, BeforeValidator(_real)]
 Boolean = Annotated[bool, BeforeValidator(_boolean)]
@@ -95,11 +109,13 @@ Boolean = Annotated[bool, BeforeValidator(_boolean)]
 STATIC_FIELDS = (
     "layout", "dtype", "rotary_dim", "interleaved", "max_seqlen", "cp_size", "cp_rank",
     "cos_sin_scale", "mrope_section", "inverse", "rotary_offset", "deinterleave",
+    "mrope_interleaved",
 )
 
 # Fields added after autotune's cache keys were fixed, with their defaults: named in a key (and
 # a spec's repr) only when set, so an absent one means the default and older keys still match.
-LATER_FIELDS = {"inverse": False, "rotary_offset": 0, "deinterleave": False}
+LATER_FIELDS = {"inverse": False, "rotary_offset": 0, "deinterleave": False,
+                "mrope_interleaved": False}
 
 
 def named_fields(values: tuple) -> dict[str, Any]:
@@ -185,6 +201,12 @@ class RoPESpec(BaseModel):
         description="multimodal RoPE (Qwen2-VL): channels of each half taken from the temporal, "
         "height and width position streams; calls then pass positions [3, *t.shape[:-2]]",
     )
+    mrope_interleaved: Boolean = Field(
+        default=False,
+        description="multimodal RoPE with the sections interleaved across frequency pairs "
+        "(Qwen3-VL): pair j of each half takes the height stream where j % 3 == 1 and "
+        "j < 3 * h, the width stream where j % 3 == 2 and j < 3 * w, else the temporal stream",
+    )
     inverse: Boolean = Field(
         default=False,
         description="rotate by minus the angle (Megatron's inverse=True): the transpose of the "
@@ -261,11 +283,15 @@ class RoPESpec(BaseModel):
                     "mrope_section needs interleaved=False: multimodal RoPE splits each half "
                     "of the rotate-half layout into sections"
                 )
+            if self.mrope_interleaved:
+                _check_interleaved_sections(self.mrope_section)
             if self.cp_size > 1:
                 raise ValueError(
                     f"mrope_section cannot be combined with cp_size={self.cp_size}: its calls "
                     "pass every token's positions; give this rank's tokens with cp_size=1"
                 )
+        elif self.mrope_interleaved:
+            raise ValueError("mrope_interleaved=True needs mrope_section (the three section sizes)")
         self._set_static_key()
         return self
 

@@ -339,14 +339,22 @@ def kernel_tables(table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor | None
 _channel_streams: dict[tuple, torch.Tensor] = {}
 
 
-def _streams_of_channels(sections: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+def _streams_of_channels(sections: tuple[int, int, int], interleaved: bool,
+                         device: torch.device) -> torch.Tensor:
     """Which position stream (0 temporal, 1 height, 2 width) each of the ``d2`` rotary channels
-    reads: the sections in each half (a pair's two channels share a stream); made once per
-    device."""
-    key = (sections, device)
+    reads, the same in each half (a pair's two channels share a stream); made once per device.
+    Contiguous (Qwen2-VL): the first ``t`` pairs temporal, the next ``h`` height, the last ``w``
+    width. Interleaved (Qwen3-VL): pair ``j`` height where ``j % 3 == 1 and j < 3 h``, width
+    where ``j % 3 == 2 and j < 3 w``, else temporal."""
+    key = (sections, interleaved, device)
     streams = _channel_streams.get(key)
     if streams is None:
-        half = [stream for stream, count in enumerate(sections) for _ in range(count)]
+        if interleaved:
+            _, h, w = sections
+            half = [1 if j % 3 == 1 and j < 3 * h else 2 if j % 3 == 2 and j < 3 * w else 0
+                    for j in range(sum(sections))]
+        else:
+            half = [stream for stream, count in enumerate(sections) for _ in range(count)]
         streams = torch.tensor(half + half, dtype=torch.long).to(device)
         _channel_streams[key] = streams
     return streams
@@ -363,16 +371,19 @@ def _gather_rows(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def multimodal_rows(
-    table: RotaryTable, streams: torch.Tensor, sections: tuple[int, int, int]
+    table: RotaryTable, streams: torch.Tensor, sections: tuple[int, int, int],
+    interleaved: bool = False,
 ) -> RotaryTable:
     """A table of the same kind with one row per token for multimodal RoPE (Qwen2-VL):
     channel ``c`` of token ``t``'s row is the table's channel ``c`` at ``streams[s, t]``, where
     ``s`` is the stream of ``c``'s section (``sections`` = temporal, height, width channel
-    counts of each half, summing to ``d2 / 2``). ``streams`` is ``[3, tokens]``. A pair cache's
-    cosine and sine of pair ``k`` share the stream, as the two channels of the pair do. A rate
-    table gives an angle table (rows gathered from its :meth:`RateTable.angle_table`, halves:
-    multimodal RoPE is never interleaved)."""
-    rows = streams.long()[_streams_of_channels(tuple(sections), table.device)]  # [d2, tokens]
+    counts of each half, summing to ``d2 / 2``; ``interleaved``: Qwen3-VL's order of the
+    sections across the pairs, see :func:`_streams_of_channels`). ``streams`` is ``[3, tokens]``.
+    A pair cache's cosine and sine of pair ``k`` share the stream, as the two channels of the
+    pair do. A rate table gives an angle table (rows gathered from its
+    :meth:`RateTable.angle_table`, halves: multimodal RoPE always rotates halves)."""
+    channel_streams = _streams_of_channels(tuple(sections), interleaved, table.device)
+    rows = streams.long()[channel_streams]  # [d2, tokens]
     if isinstance(table, CosSinCache):
         return CosSinCache(_gather_rows(table.cos, rows), _gather_rows(table.sin, rows))
     if isinstance(table, PairCosSinCache):

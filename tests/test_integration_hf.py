@@ -465,12 +465,13 @@ def test_unpatch_leaves_a_later_patch_alone():
 
 
 def test_unsupported_model_is_refused_by_name():
-    config = transformers.Phi3Config(
+    # Cohere rotates interleaved pairs with its own rotate_half: left alone (docs/hf.md)
+    config = transformers.CohereConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128, pad_token_id=0,
     )
-    phi3 = transformers.Phi3ForCausalLM(config)
-    for model in (phi3, torch.nn.Linear(2, 2)):
+    cohere = transformers.CohereForCausalLM(config)
+    for model in (cohere, torch.nn.Linear(2, 2)):
         with pytest.raises(rd.RoPEError) as err:
             hf.patch(model)
         message = str(err.value)
@@ -698,7 +699,7 @@ def test_layers_read_half_of_each_cos_and_sin_row_while_the_halves_are_equal(
     layer's call."""
     import weakref
 
-    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tables
 
     monkeypatch.setattr(triton_tables, "HALVES_MIN_ROWS_READ", 0)
     monkeypatch.setattr(triton_tables, "_halves", weakref.WeakKeyDictionary())

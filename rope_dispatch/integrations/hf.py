@@ -1,7 +1,8 @@
 """Hugging Face transformers models on rope-dispatch: their RoPE call, mapped onto ours.
 
-One line moves a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE,
-DeepSeek-V3, Qwen2-VL or Qwen2.5-VL model over (docs/hf.md)::
+One line moves a model of any family in :data:`SUPPORTED_MODELS` over (99 families: Llama,
+Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE, DeepSeek-V3, Qwen2-VL,
+Qwen2.5-VL, Llama 4, Qwen3-VL, Qwen3-VL-MoE and those of :mod:`.hf_families`; docs/hf.md)::
 
     rope_dispatch.integrations.hf.patch(model)
 
@@ -12,8 +13,8 @@ modeling module: it reaches every model of the family in the process, not only t
 
 The names, per family (:data:`SUPPORTED_MODELS`):
 
-- ``apply_rotary_pos_emb`` -> :func:`apply_rotary_pos_emb`, in every family. Qwen2-VL and
-  Qwen2.5-VL call it too in transformers 5.23: their rotary embedding already picks each
+- ``apply_rotary_pos_emb`` -> :func:`apply_rotary_pos_emb`, in every family but Llama 4.
+  Qwen2-VL and Qwen2.5-VL call it too in transformers 5.23: their rotary embedding already picks each
   channel's position stream (temporal, height, width) and returns per-token ``[b, s, d]``
   cos/sin.
 - ``apply_rotary_pos_emb_interleave`` -> :func:`apply_rotary_pos_emb_interleave`, for
@@ -24,14 +25,16 @@ The names, per family (:data:`SUPPORTED_MODELS`):
 - ``apply_multimodal_rotary_pos_emb`` -> :func:`apply_multimodal_rotary_pos_emb`, for Qwen2-VL and
   Qwen2.5-VL where the modeling module defines it (transformers 4.x: the attention picked the
   streams from ``[3, b, s, d]`` cos/sin). A name the module lacks is skipped.
+- ``apply_rotary_emb`` -> :func:`.hf_llama4.apply_rotary_emb`, for Llama 4 (complex pairs,
+  ``interleaved=True``; its L2 QK norm after RoPE fused by :mod:`.hf_llama4`).
 
 The vision towers' ``apply_rotary_pos_emb_vision`` (``[s, heads, d]`` q and k without a batch
 dim, ``[s, d]`` float32 cos/sin, each output in its input's dtype) is a different call and is left
 to transformers: the vision tower runs as before.
 
-QK norm (:data:`QK_NORM_MODELS`: Qwen3, Qwen3-MoE, Gemma3, OLMo2, GLM-4-MoE with
-``use_qk_norm``): these attentions normalize q and k (their ``q_norm`` and ``k_norm`` modules)
-right before the RoPE call. In the model passed to :func:`patch`, each such attention's
+QK norm (:data:`QK_NORM_MODELS`: Qwen3, Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE, Gemma3, OLMo2,
+GLM-4-MoE with ``use_qk_norm``): these attentions normalize q and k (their ``q_norm`` and
+``k_norm`` modules) right before the RoPE call. In the model passed to :func:`patch`, each such attention's
 ``forward`` and its two norms' ``forward`` get instance attributes: while the attention's forward
 runs, its norms hand their input on unchanged and :func:`apply_rotary_pos_emb` passes them to
 :func:`rope_dispatch.apply_qk` as ``q_norm``/``k_norm`` (:class:`~rope_dispatch.HeadNorm` of the
@@ -63,6 +66,7 @@ from ..errors import RoPEError
 from ..norm import HeadNorm
 from ..spec import RoPESpec
 from ..tables import CosSinCache
+from .hf_families import STANDARD_FAMILIES
 
 __all__ = [
     "QK_NORM_MODELS", "SUPPORTED_MODELS", "apply_multimodal_rotary_pos_emb",
@@ -110,6 +114,27 @@ QK_NORM_MODELS: dict[str, tuple[str, float, str]] = {
 ``k_norm``, the :class:`~rope_dispatch.HeadNorm` offset and scope that reproduce it): Gemma3
 multiplies by ``1 + weight``; OLMo2 normalizes a token's heads together, before the head split
 (weights of ``heads * head_dim``, and ``kv_heads * head_dim`` for k)."""
+
+# Issue 64: Llama 4 (its own call, hf_llama4.py), Qwen3-VL and every family of hf_families.py
+# whose attention calls the standard apply_rotary_pos_emb; kept apart to ease merging.
+SUPPORTED_MODELS.update({
+    "Llama4": ("transformers.models.llama4.modeling_llama4", "Llama4TextAttention",
+               ("apply_rotary_emb",)),
+    "Qwen3-VL": (
+        "transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextAttention", _PLAIN
+    ),
+    "Qwen3-VL-MoE": (
+        "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeTextAttention", _PLAIN
+    ),
+})
+QK_NORM_MODELS.update({
+    "Qwen3-VL": ("Qwen3VLTextRMSNorm", 0.0, "head"),
+    "Qwen3-VL-MoE": ("Qwen3VLMoeTextRMSNorm", 0.0, "head"),
+})
+SUPPORTED_MODELS.update({
+    family: (f"transformers.models.{folder}.modeling_{folder}", attention, _PLAIN)
+    for family, (folder, attention) in STANDARD_FAMILIES.items()
+})
 
 _STREAMS = 3
 """Position streams of multimodal RoPE: temporal, height, width."""
@@ -468,7 +493,7 @@ def _own_forward(module: torch.nn.Module) -> Callable | None:
 def _is_ours(forward: object) -> bool:
     """Whether an instance ``forward`` is one :func:`_fuse` set."""
     return isinstance(forward, functools.partial) and forward.func in (
-        _fused_forward, _deferred_norm
+        _fused_forward, _deferred_norm, *hf_llama4.FORWARDS
     )
 
 
@@ -489,7 +514,8 @@ def _unfuse(model: torch.nn.Module) -> None:
         forward = _own_forward(module)
         if not _is_ours(forward):
             continue
-        previous = forward.args[2] if forward.func is _fused_forward else None
+        previous = (forward.args[2] if forward.func in (_fused_forward, hf_llama4.FORWARDS[0])
+                    else None)
         if previous is None:
             del module.forward
         else:
@@ -511,6 +537,7 @@ def patch(model: Model) -> Model:
     """
     targets = _targets(model)
     fusable = _fusable(model)
+    l2_fusable = hf_llama4.l2_fusable(model)
     for (module_name, name), ours in targets.items():
         module = sys.modules[module_name]
         current = getattr(module, name)
@@ -519,6 +546,8 @@ def patch(model: Model) -> Model:
             setattr(module, name, ours)
     for attention, module_name, offset, scope in fusable:
         _fuse(attention, module_name, offset, scope)
+    for attention, eps in l2_fusable:
+        hf_llama4.fuse(attention, eps)
     return model
 
 
@@ -552,8 +581,8 @@ def _targets(model: object) -> dict[tuple[str, str], Callable]:
     if not found:
         raise RoPEError(
             f"{type(model).__name__} holds no attention module that rope-dispatch can patch; "
-            f"supported: {', '.join(SUPPORTED_MODELS)} models "
-            f"({', '.join(entry[1] for entry in SUPPORTED_MODELS.values())})"
+            f"supported: {', '.join(SUPPORTED_MODELS)} models (their attention classes: "
+            "hf.SUPPORTED_MODELS, docs/hf.md)"
         )
     targets = {}
     for family, module_name, names in sorted(found):
@@ -573,3 +602,7 @@ _REPLACEMENTS: dict[str, Callable] = {
     "apply_rotary_pos_emb_interleave": apply_rotary_pos_emb_interleave,
 }
 """Each global name :func:`patch` rebinds -> our function of that name."""
+
+# Llama 4's call and norm fusion: the module reads this one's helpers and adds its call to
+# _REPLACEMENTS when it is loaded, so either module may be imported first.
+from . import hf_llama4  # noqa: E402

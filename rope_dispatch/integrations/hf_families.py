@@ -1,0 +1,105 @@
+"""The model families whose attention calls its modeling module's standard
+``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``, served by
+:func:`rope_dispatch.integrations.hf.patch` as Llama is (docs/hf.md, "What is supported").
+
+A family is listed when, in transformers 5.23.0, (1) its modeling module defines
+``apply_rotary_pos_emb`` with that signature computing ``x * cos + rotate_half(x) * sin`` on q and
+k, with ``rotate_half`` the half-swap ``cat(-x2, x1)``, optionally on the first ``cos.shape[-1]``
+channels only with the rest passed through (partial rotary), optionally in float32 or cast back
+to q's dtype; (2) every class of the module that calls it passes q and k with per-token
+``[b, s, d2]`` cos and sin; and (3) a tiny random model of the family from its config gives the
+same outputs and gradients patched and unpatched (tests/test_hf_families.py). Families that pass
+the first two but could not be built cheaply are left out (docs/hf.md lists them and why).
+"""
+
+from __future__ import annotations
+
+STANDARD_FAMILIES: dict[str, tuple[str, str]] = {
+    "Afmoe": ("afmoe", "AfmoeAttention"),
+    "Apertus": ("apertus", "ApertusAttention"),
+    "Arcee": ("arcee", "ArceeAttention"),
+    "Aria": ("aria", "AriaTextAttention"),
+    "Bamba": ("bamba", "BambaAttention"),
+    "Beam": ("beam", "BeamAttention"),
+    "BitNet": ("bitnet", "BitNetAttention"),
+    "Cosmos3Edge": ("cosmos3_edge", "Cosmos3EdgeTextAttention"),
+    "Csm": ("csm", "CsmAttention"),
+    "Cwm": ("cwm", "CwmAttention"),
+    "DiffLlama": ("diffllama", "DiffLlamaAttention"),
+    "Doge": ("doge", "DogeAttention"),
+    "Dots1": ("dots1", "Dots1Attention"),
+    "EmbeddingGemma2": ("embedding_gemma2", "EmbeddingGemma2Attention"),
+    "Esm": ("esm", "EsmSelfAttention"),
+    "Esmc": ("esmc", "EsmcAttention"),
+    "EuroBert": ("eurobert", "EuroBertAttention"),
+    "Exaone4": ("exaone4", "Exaone4Attention"),
+    "ExaoneMoe": ("exaone_moe", "ExaoneMoeAttention"),
+    "Falcon": ("falcon", "FalconAttention"),
+    "FalconH1": ("falcon_h1", "FalconH1Attention"),
+    "FlexOlmo": ("flex_olmo", "FlexOlmoAttention"),
+    "Gemma2": ("gemma2", "Gemma2Attention"),
+    "Glm4vMoe": ("glm4v_moe", "Glm4vMoeTextAttention"),
+    "GPTNeoX": ("gpt_neox", "GPTNeoXAttention"),
+    "GPTNeoXJapanese": ("gpt_neox_japanese", "GPTNeoXJapaneseAttention"),
+    "Granite": ("granite", "GraniteAttention"),
+    "GraniteDocling": ("granite_docling", "GraniteDoclingTextAttention"),
+    "GraniteSWA": ("granite_swa", "GraniteSWAAttention"),
+    "GraniteMoe": ("granitemoe", "GraniteMoeAttention"),
+    "GraniteMoeSWA": ("granitemoe_swa", "GraniteMoeSWAAttention"),
+    "GraniteMoeShared": ("granitemoeshared", "GraniteMoeSharedAttention"),
+    "Gte": ("gte", "GteAttention"),
+    "HiggsAudioV2": ("higgs_audio_v2", "HiggsAudioV2Attention"),
+    "Hrm": ("hrm_text", "HrmTextAttention"),
+    "HunYuanDenseV1": ("hunyuan_v1_dense", "HunYuanDenseV1Attention"),
+    "HunYuanMoEV1": ("hunyuan_v1_moe", "HunYuanMoEV1Attention"),
+    "HYV3": ("hy_v3", "HYV3Attention"),
+    "HYV4": ("hy_v4", "HYV4Attention"),
+    "HyperCLOVAX": ("hyperclovax", "HyperCLOVAXAttention"),
+    "Jais2": ("jais2", "Jais2Attention"),
+    "JetMoe": ("jetmoe", "JetMoeAttention"),
+    "JinaEmbeddingsV3": ("jina_embeddings_v3", "JinaEmbeddingsV3Attention"),
+    "Kolibri1": ("kolibri1", "Kolibri1Attention"),
+    "Laguna": ("laguna", "LagunaAttention"),
+    "Lfm2": ("lfm2", "Lfm2Attention"),
+    "Lfm2Moe": ("lfm2_moe", "Lfm2MoeAttention"),
+    "Lfm3": ("lfm3", "Lfm3Attention"),
+    "Mellum": ("mellum", "MellumAttention"),
+    "MiMoV2Flash": ("mimo_v2_flash", "MiMoV2FlashAttention"),
+    "MiniMax": ("minimax", "MiniMaxAttention"),
+    "MiniMaxM2": ("minimax_m2", "MiniMaxM2Attention"),
+    "Ministral": ("ministral", "MinistralAttention"),
+    "Ministral3": ("ministral3", "Ministral3Attention"),
+    "Mixtral": ("mixtral", "MixtralAttention"),
+    "ModernBert": ("modernbert", "ModernBertAttention"),
+    "Molmo2": ("molmo2", "Molmo2Attention"),
+    "Moshi": ("moshi", "MoshiAttention"),
+    "MuseGlimmer": ("muse_glimmer", "MuseGlimmerTextAttention"),
+    "MuseSpark": ("muse_spark", "MuseSparkTextAttention"),
+    "Nemotron": ("nemotron", "NemotronAttention"),
+    "NeoMME": ("neomme", "NeoMMEAttention"),
+    "NomicBert": ("nomic_bert", "NomicBertAttention"),
+    "Olmo": ("olmo", "OlmoAttention"),
+    "Olmo3": ("olmo3", "Olmo3Attention"),
+    "OlmoHybrid": ("olmo_hybrid", "OlmoHybridAttention"),
+    "Olmoe": ("olmoe", "OlmoeAttention"),
+    "PaddleOCR": ("paddleocr_vl", "PaddleOCRAttention"),
+    "Persimmon": ("persimmon", "PersimmonAttention"),
+    "Phi": ("phi", "PhiAttention"),
+    "Phi3": ("phi3", "Phi3Attention"),
+    "Phimoe": ("phimoe", "PhimoeAttention"),
+    "Qwen2Moe": ("qwen2_moe", "Qwen2MoeAttention"),
+    "Qwen3_5": ("qwen3_5", "Qwen3_5Attention"),
+    "Qwen3_5Moe": ("qwen3_5_moe", "Qwen3_5MoeAttention"),
+    "Qwen3Next": ("qwen3_next", "Qwen3NextAttention"),
+    "RecurrentGemma": ("recurrent_gemma", "RecurrentGemmaAttention"),
+    "SeedOss": ("seed_oss", "SeedOssAttention"),
+    "SmolLM3": ("smollm3", "SmolLM3Attention"),
+    "SolarOpen": ("solar_open", "SolarOpenAttention"),
+    "StableLm": ("stablelm", "StableLmAttention"),
+    "Starcoder2": ("starcoder2", "Starcoder2Attention"),
+    "Ultrabert": ("ultrabert", "UltrabertAttention"),
+    "VaultGemma": ("vaultgemma", "VaultGemmaAttention"),
+    "Zaya": ("zaya", "ZayaAttention"),
+}
+"""Family -> (its folder under ``transformers.models``, the attention class that calls
+``apply_rotary_pos_emb``): the modeling module is ``transformers.models.<folder>.modeling_<folder>``."""
