@@ -71,7 +71,7 @@ def decode_calls(tokens: int, cache_dtype: torch.dtype) -> dict[str, Callable[[]
     if cache_dtype != FP8:
         return calls
     # FlashInfer's paged cache: request i owns 4 pages, its token at a random place in them
-    indices = torch.randperm(pages, generator=gen)[: 4 * tokens].cuda()
+    indices = torch.randperm(pages, generator=gen)[: 4 * tokens].int().cuda()
     indptr = (torch.arange(tokens + 1) * 4).int().cuda()
     batch = torch.arange(tokens).int().cuda()
     place = torch.randint(0, 4 * PAGE, (tokens,), generator=gen).int().cuda()
