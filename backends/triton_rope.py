@@ -437,7 +437,7 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
 
 def plan_cache(call: RoPECall) -> Any:
     """The plan of a :func:`rope_to_cache` call (``run(freqs, tensors)``, ``tensors`` in
-    :func:`~rope_dispatch.kv_cache.plan_tensors`' order, then the norm weights): the compiled
+    as dispatch's ``_cache_form`` orders them, then the norm weights): the compiled
     launch the call just ran, bound, so a repeated decode step is the plan's guard and one
     launch. ``None`` where binding does not cover the call (not compiled or not aligned, a
     table or index copied for it, an FP8 q made with no tensor of its dtype to allocate like);
@@ -464,7 +464,7 @@ def plan_cache(call: RoPECall) -> Any:
         return None
     # the objects the launch's pointers name, where a call passes tensors of the same addresses
     # (the caches for their page views, positions for its index view, scales for their 0-d views)
-    scales = tuple(s for s in (write.q_scale, write.cache.k_scale, write.cache.v_scale)
+    scales = tuple(s for s in (write.cache.k_scale, write.cache.v_scale, write.q_scale)
                    if isinstance(s, torch.Tensor))
     given = (q, k, v, tabs.index, k_pages, v_pages, *tabs.store.index, *scales,
              *(() if new else (q_out,)),

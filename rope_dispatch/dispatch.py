@@ -29,7 +29,7 @@ from .call import (
 )
 from .errors import BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError
 from .guards import Guard, tensor_guard
-from .kv_cache import KVCache, cache_index, check_cache_call, plan_tensors
+from .kv_cache import KVCache, check_cache_call
 from .norm import HeadNorm
 from .registry import Backend
 from .spec import RoPESpec
@@ -746,26 +746,28 @@ def _cache_form(
     q_out: torch.Tensor | None, q_scale: object,
 ) -> tuple[tuple[torch.Tensor, ...], tuple] | None:
     """A :func:`rope_to_cache` call's planned form, as :func:`_planned_form`'s: the guarded
-    tensors (:func:`~rope_dispatch.kv_cache.plan_tensors`' order) and what the key fixes (the
-    cache's kind, layout and number scales, q's output); ``None`` where it is checked every
-    time (tensor subclasses, index values read on the host, arguments the checks refuse)."""
-    if not isinstance(cache, KVCache) or (q_out is not None and type(q_out) is not _Tensor):
+    tensors (q, k, v, positions, the cache's ``plan_parts``, q's scale tensor, ``q_out``) and what the key fixes (the
+    cache's part, worked out when it was made; q's scale and output); ``None`` where it is
+    checked every time (tensor subclasses, values read on the host, arguments the checks
+    refuse)."""
+    parts = getattr(cache, "plan_parts", None)
+    if (
+        parts is None or type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor
+        or type(positions) is not _Tensor or (q_out is not None and type(q_out) is not _Tensor)
+        or call_module._reads(positions)
+    ):
         return None
-    tensors = plan_tensors(q, k, v, positions, cache, q_out, q_scale)
-    for x in tensors:
-        if type(x) is not _Tensor:
-            return None
-    for x in (positions, *tensors[6:6 + len(cache_index(cache))]):
-        if call_module._reads(x):
-            return None
-    scales = []
-    for s in (cache.k_scale, cache.v_scale, q_scale):  # numbers are the launch's, by value
-        if s is not None and type(s) not in (float, int, _Tensor):
-            return None
-        scales.append("tensor" if type(s) is _Tensor else s)
-    form = ("cache", type(cache), getattr(cache, "kv_layout", None), tuple(scales), q_out is None,
-            q_out is q, _inference_mode())
-    return tensors, form
+    scale = type(q_scale)
+    if scale is _Tensor:
+        tensors = (q, k, v, positions, *parts[0], q_scale)
+        scale = "tensor"
+    elif q_scale is None or scale is float or scale is int:
+        tensors, scale = (q, k, v, positions, *parts[0]), q_scale
+    else:
+        return None
+    if q_out is not None:
+        tensors += (q_out,)
+    return tensors, ("cache", parts[1], scale, q_out is None, q_out is q, _inference_mode())
 
 
 @dataclass

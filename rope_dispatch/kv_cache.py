@@ -111,9 +111,11 @@ def _cache_pair(k_cache: object, v_cache: object, names: tuple[str, str], dims: 
 
 class KVCache:
     """Base of the cache descriptors: what :func:`~rope_dispatch.rope_to_cache` and the
-    backends read of one (see the module docstring)."""
+    backends read of one (see the module docstring). A descriptor's fields are set once, at
+    construction (what a planned call reads of it is worked out then); make a new one for other
+    tensors."""
 
-    __slots__ = ("k_cache", "v_cache", "k_scale", "v_scale")
+    __slots__ = ("k_cache", "v_cache", "k_scale", "v_scale", "plan_parts")
     kind: ClassVar[str]
     index_names: ClassVar[tuple[str, ...]]
     """The per-token index tensors' attribute names (one entry per token each)."""
@@ -122,6 +124,7 @@ class KVCache:
         device = self.k_cache.device
         self.k_scale = check_scale(k_scale, f"{type(self).__name__} k_scale", device)
         self.v_scale = check_scale(v_scale, f"{type(self).__name__} v_scale", device)
+        self.plan_parts = _plan_parts(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -384,15 +387,21 @@ def cache_index(cache: KVCache) -> tuple[torch.Tensor, ...]:
     return tuple(getattr(cache, name) for name in names)
 
 
-def plan_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                 cache: KVCache, q_out: torch.Tensor | None, q_scale: object
-                 ) -> tuple[torch.Tensor, ...]:
-    """The tensors a planned :func:`~rope_dispatch.rope_to_cache` call passes, in this order:
-    q, k, v, positions, the k and v caches, :func:`cache_index`, the scales given as tensors
-    (q's, k's, v's), then ``q_out`` where given."""
-    scales = tuple(s for s in (q_scale, cache.k_scale, cache.v_scale) if isinstance(s, torch.Tensor))
-    return (q, k, v, positions, cache.k_cache, cache.v_cache, *cache_index(cache), *scales,
-            *(() if q_out is None else (q_out,)))
+def _plan_parts(cache: KVCache) -> tuple[tuple[torch.Tensor, ...], tuple] | None:
+    """What a planned :func:`~rope_dispatch.rope_to_cache` call reads of ``cache``, worked out
+    once: the tensors a planned call passes after q, k, v and positions (the k and v caches,
+    :func:`cache_index`, the k and v scales given as tensors; then come q's scale given as a
+    tensor and ``q_out`` where given) and its part of the plan's key (its class, layout and
+    the scales given as numbers); ``None`` where its calls are checked every time (a tensor
+    subclass, a cache on the CPU, whose index values the checks read)."""
+    scales = (cache.k_scale, cache.v_scale)
+    tensors = (cache.k_cache, cache.v_cache, *cache_index(cache),
+               *(s for s in scales if type(s) is torch.Tensor))
+    if any(type(x) is not torch.Tensor for x in tensors) or cache.k_cache.is_cpu:
+        return None
+    form = (type(cache), getattr(cache, "kv_layout", None),
+            *("tensor" if type(s) is torch.Tensor else s for s in scales))
+    return tensors, form
 
 
 class CacheWrite(NamedTuple):

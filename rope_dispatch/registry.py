@@ -105,7 +105,7 @@ class Backend:
         keep a table alive. The default rebuilds the call around the new tensors; a backend may
         prepare more (the Triton backend binds its launch). A call with a cache stage
         (:func:`~rope_dispatch.rope_to_cache`) gets ``run(freqs, tensors)``, ``tensors`` as
-        :func:`~rope_dispatch.kv_cache.plan_tensors` orders them then the norm weights, from a
+        dispatch's ``_cache_form`` orders them, then the norm weights, from a
         backend that binds one, else ``None`` (the default: such calls are checked each time).
         """
         assert call.k_table is None, "calls with a separate k table are never planned"
