@@ -17,7 +17,8 @@ import weakref
 
 import torch
 
-from rope_dispatch.call import RoPECall, env_raw_reader
+from rope_dispatch.call import RoPECall
+from rope_dispatch.env import env_raw_reader
 from rope_dispatch.tables import CosSinCache, RotaryTable, kernel_tables, table_address
 
 from .triton_tiles import next_pow2

@@ -14,14 +14,13 @@ range. Nothing is read while ``torch.compile`` traces or a CUDA graph is capture
 from __future__ import annotations
 
 import bisect
-import functools
-import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+from .env import env_raw_reader
 from .errors import RoPEError, RoPETypeError
 from .norm import HeadNorm, NormForm, check_norm
 from .spec import RoPESpec, dtype_name, named_fields
@@ -237,33 +236,6 @@ def qkv_parts(call: RoPECall) -> tuple[RoPECall, RoPECall, torch.Tensor]:
     k_table = call.table if call.k_table is None else call.k_table
     k_call = call._replace(t=k, table=k_table, norm=call.k_norm, **single)
     return q_call, k_call, v
-
-
-def env_raw_reader(name: str) -> tuple[Callable[[], object], Callable[[str], object]]:
-    """``(get, encode)``: ``get()`` is environment variable ``name`` as the mapping stores it
-    (``None`` when unset), one C call with no Python frame, and ``encode(value)`` a value in
-    that form, so a check compares without decoding. ``os.environ.get`` re-encodes the key on
-    every call (about 0.5-1 us, a tenth of a decode-size call)."""
-    raw = getattr(os.environ, "_data", None)
-    encode_key = getattr(os.environ, "encodekey", None)
-    encode_value = getattr(os.environ, "encodevalue", None)
-    if isinstance(raw, dict) and encode_key is not None and encode_value is not None:
-        return functools.partial(raw.get, encode_key(name)), encode_value
-    return functools.partial(os.environ.get, name), str
-
-
-def env_reader(name: str) -> Callable[[], str | None]:
-    """A function returning ``os.environ.get(name)`` from :func:`env_raw_reader`'s read."""
-    get, _ = env_raw_reader(name)
-    decode = getattr(os.environ, "decodevalue", None)
-    if get.func is os.environ.get or decode is None:
-        return get
-
-    def read() -> str | None:
-        value = get()
-        return None if value is None else decode(value)
-
-    return read
 
 
 _check_values_raw, _encode_env = env_raw_reader("ROPE_DISPATCH_CHECK_VALUES")

@@ -24,9 +24,8 @@ import torch
 
 from . import autotune, registry
 from . import call as call_module
-from .call import (
-    CallKey, RoPECall, call_key, check_call, env_raw_reader, env_reader, grad_leaf, reads_values,
-)
+from .call import CallKey, RoPECall, call_key, check_call, grad_leaf, reads_values
+from .env import env_raw_reader, env_reader
 from .errors import BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError
 from .guards import Guard, tensor_guard
 from .kv_cache import KVCache, check_cache_call
