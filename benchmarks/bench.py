@@ -394,6 +394,14 @@ def bench_ms(fn: Callable[[], Any], rep: int = 100) -> float:
     return float(do_bench(fn, rep=rep, return_mode="median"))
 
 
+def device_copy_ms(moved: int, device: str = "cuda") -> float:
+    """:func:`bench_ms` of a device-to-device copy that moves ``moved`` bytes (reads half of
+    them, writes the other half): the ceiling a call moving as many bytes is compared with."""
+    src = torch.empty(moved // 4, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return bench_ms(lambda: dst.copy_(src))
+
+
 Timed = TypeVar("Timed")
 
 

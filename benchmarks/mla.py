@@ -16,7 +16,7 @@ import argparse
 import torch
 
 import rope_dispatch as rd
-from benchmarks.bench import bench_ms
+from benchmarks.bench import bench_ms, device_copy_ms
 
 HEADS, NOPE, ROPE = 128, 128, 64
 
@@ -32,10 +32,7 @@ def run(tokens: int, deinterleave: bool) -> None:
     spec = rd.RoPESpec(layout="sbhd", dtype=torch.bfloat16, deinterleave=deinterleave)
     grads = (torch.randn(q_rot.shape, generator=gen).bfloat16().cuda(),
              torch.randn(k_rot.shape, generator=gen).bfloat16().cuda())
-    moved = 2 * (q_rot.numel() + k_rot.numel()) * 2
-    src = torch.empty(moved // 4, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    copy = bench_ms(lambda: dst.copy_(src))
+    copy = device_copy_ms(2 * (q_rot.numel() + k_rot.numel()) * 2)
     label = f"T{tokens:<6} {'deinterleave' if deinterleave else 'halves':>12}"
     for backend in ("triton", "eager"):
         def forward(backend=backend):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import rope_dispatch as rd
-from benchmarks.bench import bench_ms, host_us_interleaved, serving_inputs
+from benchmarks.bench import bench_ms, device_copy_ms, host_us_interleaved, serving_inputs
 from rope_dispatch.compat import flashinfer as doors
 
 PAGE = 16
@@ -126,13 +126,11 @@ def run_prefill(token_counts: list[int]) -> None:
             cache = rd.PagedKVCache(k_cache, v_cache, slots, k_scale=scale, v_scale=scale)
             read = (q.numel() + k.numel() + v.numel()) * q.element_size()
             written = q.numel() * q.element_size() + 2 * k.numel() * k_cache.element_size()
-            src = torch.empty((read + written) // 4, dtype=torch.bfloat16, device="cuda")
-            dst = torch.empty_like(src)  # a copy of half the bytes moves them all
-            copy_ms = bench_ms(lambda: dst.copy_(src))
+            copy = device_copy_ms(read + written)
             ms = bench_ms(lambda: rd.rope_to_cache(q, k, v, freqs, spec, positions=pos, cache=cache))
             print(f"  T{tokens:<6} {str(cache_dtype)[6:]:>13} rope_to_cache {ms * 1e3:8.1f} us, "
-                  f"copy of {(read + written) / 1e6:.0f} MB {copy_ms * 1e3:8.1f} us: "
-                  f"{100 * copy_ms / ms:5.1f}% of copy")
+                  f"copy of {(read + written) / 1e6:.0f} MB {copy * 1e3:8.1f} us: "
+                  f"{100 * copy / ms:5.1f}% of copy")
 
 
 def main() -> None:

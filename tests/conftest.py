@@ -68,3 +68,22 @@ def triton_backend():
         else:
             os.environ["TRITON_INTERPRET"] = saved
         _reprobe(backend)
+
+
+@pytest.fixture
+def hf_modules_restored():
+    """Leaves transformers' modeling modules as the test found them, whatever it patched: each
+    supported family's module-level RoPE names, and the integration's record of originals."""
+    import importlib
+
+    from rope_dispatch.integrations import hf
+
+    modules = {family: importlib.import_module(module)
+               for family, (module, _, _) in hf.SUPPORTED_MODELS.items()}
+    saved = {(family, name): getattr(modules[family], name)
+             for family, (_, _, names) in hf.SUPPORTED_MODELS.items()
+             for name in names if hasattr(modules[family], name)}
+    yield
+    for (family, name), original in saved.items():
+        setattr(modules[family], name, original)
+    hf._originals.clear()

@@ -201,6 +201,18 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dt
     assert err <= TOLERANCE[dtype], f"{what}: max error {err:.3g} > {TOLERANCE[dtype]:.3g} for {dtype}"
 
 
+def assert_forward_backward(out: torch.Tensor, t: torch.Tensor, grad_out: torch.Tensor,
+                            expected_of, dtype: torch.dtype) -> None:
+    """``out`` (made from ``t``, which requires grad) and its gradient for ``grad_out`` against
+    ``expected_of(x)``, a float64 function of a float64 copy ``x`` of ``t``, and its gradient."""
+    (grad,) = torch.autograd.grad(out, t, grad_out)
+    x = t.detach().cpu().double().requires_grad_(True)
+    expected = expected_of(x)
+    (expected_grad,) = torch.autograd.grad(expected, x, grad_out.cpu().double())
+    assert_matches(out, expected, dtype, "forward")
+    assert_matches(grad, expected_grad, dtype, "backward")
+
+
 def reference_head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                         scope: str) -> torch.Tensor:
     """float64 RMSNorm of ``x`` ``[.., heads, d]``, from its definition: each group (a head's

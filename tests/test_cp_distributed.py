@@ -11,15 +11,14 @@ rank fails the test through ``spawn``, and a deadline kills a job that hangs.
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import rope_dispatch as rd
+from ranks import join_ranks
 from reference import assert_matches, reference_forward_backward
 from rope_dispatch import cp
 
@@ -122,15 +121,5 @@ def test_cp_across_processes(pg_backend, world, tmp_path, monkeypatch):
             pytest.skip(f"needs {world} CUDA devices for NCCL, found {torch.cuda.device_count()}")
         monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (inherited by the ranks)
         monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    context = mp.spawn(
-        _worker, args=(world, pg_backend, str(tmp_path / "store")), nprocs=world, join=False
-    )
-    deadline = time.monotonic() + JOB_DEADLINE_S
-    while not context.join(timeout=1):  # raises when a rank failed, naming it
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(
-                f"{pg_backend} job with {world} ranks still running after {JOB_DEADLINE_S} s"
-            )
+    join_ranks(_worker, world, (world, pg_backend, str(tmp_path / "store")), f"{pg_backend} job",
+               JOB_DEADLINE_S)

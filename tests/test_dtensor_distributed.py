@@ -12,15 +12,14 @@ global positions. A spawned job that hangs is killed at a deadline.
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import rope_dispatch as rd
+from ranks import join_ranks
 from reference import (
     assert_matches, reference_forward_backward, reference_qkv_forward_backward,
 )
@@ -308,11 +307,4 @@ def _worker(rank: int, world: int, init_file: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_dtensor_across_processes(world, tmp_path):
-    context = mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=False)
-    deadline = time.monotonic() + JOB_DEADLINE_S
-    while not context.join(timeout=1):  # raises when a rank failed, naming it
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"gloo job with {world} ranks still running after {JOB_DEADLINE_S} s")
+    join_ranks(_worker, world, (world, str(tmp_path / "store")), "gloo job", JOB_DEADLINE_S)

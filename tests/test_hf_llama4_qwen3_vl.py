@@ -12,12 +12,11 @@ import torch
 import transformers
 
 import rope_dispatch as rd
+from hf_steps import MODEL_DEVICE, SAME, check_same, lm_step, random_norm_weights
 from rope_dispatch.integrations import hf, hf_llama4
 
 TOKENS = 12
 BATCH = 2
-MODEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SAME = dict(rtol=1e-4, atol=1e-5) if MODEL_DEVICE == "cuda" else dict(rtol=1e-5, atol=1e-6)
 """As tests/test_hf_qk_norm.py: float32 models, our float32 norm and rotation."""
 EPS = 0.25
 """A large epsilon: an L2 norm left out, run twice or given another epsilon moves the logits."""
@@ -29,17 +28,7 @@ def modeling(family: str):
     return importlib.import_module(hf.SUPPORTED_MODELS[family][0])
 
 
-@pytest.fixture(autouse=True)
-def _restore_modeling_modules():
-    saved = {
-        (family, name): getattr(modeling(family), name)
-        for family in ("Llama4", "Qwen3-VL", "Qwen3-VL-MoE")
-        for name in hf.SUPPORTED_MODELS[family][2]
-    }
-    yield
-    for (family, name), original in saved.items():
-        setattr(modeling(family), name, original)
-    hf._originals.clear()
+pytestmark = pytest.mark.usefixtures("hf_modules_restored")
 
 
 def llama4(**overrides) -> torch.nn.Module:
@@ -57,21 +46,7 @@ def llama4(**overrides) -> torch.nn.Module:
 
 
 def step(model, position_ids=TOKEN_POSITIONS):
-    """Logits and the gradient of every parameter the loss reaches."""
-    model.zero_grad(set_to_none=True)
-    ids = IDS.to(MODEL_DEVICE)
-    out = model(input_ids=ids, position_ids=position_ids.to(MODEL_DEVICE), labels=ids)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach(), grads
-
-
-def check_same(got, expected, **tolerance) -> None:
-    (logits, grads), (want_logits, want_grads) = got, expected
-    torch.testing.assert_close(logits, want_logits, **(tolerance or SAME))
-    assert grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        torch.testing.assert_close(grads[name], grad, msg=name, **(tolerance or SAME))
+    return lm_step(model, IDS, position_ids)
 
 
 def spy(monkeypatch, module) -> list[dict]:
@@ -203,12 +178,7 @@ def qwen3_vl(family: str, sections=(3, 3, 2)) -> torch.nn.Module:
     config = getattr(transformers, config_name)(text_config=text, vision_config=vision,
                                                 attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).float().train()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                param.normal_(0.5, 0.5)
-    return model.to(MODEL_DEVICE)
+    return random_norm_weights(getattr(transformers, model_name)(config).float().train())
 
 
 @pytest.mark.parametrize("family", ["Qwen3-VL", "Qwen3-VL-MoE"])

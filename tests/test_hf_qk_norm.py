@@ -17,13 +17,12 @@ import torch
 import transformers
 
 import rope_dispatch as rd
+from hf_steps import MODEL_DEVICE, check_same, lm_step, random_norm_weights
 from rope_dispatch.integrations import hf
 
 TOKENS = 12
 BATCH = 2
 EPS = 0.25
-MODEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SAME = dict(rtol=1e-4, atol=1e-5) if MODEL_DEVICE == "cuda" else dict(rtol=1e-5, atol=1e-6)
 """Patched against unpatched in float32: our norm and rotation are float32 throughout, as
 transformers' are in a float32 model; on CUDA the kernels' fused multiply-adds round apart."""
 COMMON = dict(
@@ -85,12 +84,7 @@ def tiny_model(family: str, **overrides) -> torch.nn.Module:
         **{**COMMON, **own, **overrides}, attn_implementation="sdpa"
     )
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).float().train()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                param.normal_(0.5, 0.5)
-    return model.to(MODEL_DEVICE)
+    return random_norm_weights(getattr(transformers, model_name)(config).float().train())
 
 
 def attentions(model) -> list[torch.nn.Module]:
@@ -103,21 +97,7 @@ POSITIONS = torch.arange(TOKENS)[None, :] + torch.tensor([[0], [5]])
 
 
 def step(model):
-    """Logits and the gradient of every parameter the loss reaches, of one language-model loss."""
-    model.zero_grad(set_to_none=True)
-    ids = IDS.to(MODEL_DEVICE)
-    out = model(input_ids=ids, position_ids=POSITIONS.to(MODEL_DEVICE), labels=ids)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach(), grads
-
-
-def check_same(got, expected, **tolerance) -> None:
-    (logits, grads), (want_logits, want_grads) = got, expected
-    torch.testing.assert_close(logits, want_logits, **(tolerance or SAME))
-    assert grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        torch.testing.assert_close(grads[name], grad, msg=name, **(tolerance or SAME))
+    return lm_step(model, IDS, POSITIONS)
 
 
 def spy(monkeypatch) -> list[dict]:

@@ -52,19 +52,7 @@ def modeling(family: str):
     return importlib.import_module(hf.SUPPORTED_MODELS[family][0])
 
 
-@pytest.fixture(autouse=True)
-def _restore_modeling_modules():
-    """Every test leaves transformers' modules as it found them, whatever it patched."""
-    saved = {
-        (family, name): getattr(modeling(family), name)
-        for family, (_, _, names) in hf.SUPPORTED_MODELS.items()
-        for name in names
-        if hasattr(modeling(family), name)
-    }
-    yield
-    for (family, name), original in saved.items():
-        setattr(modeling(family), name, original)
-    hf._originals.clear()
+pytestmark = pytest.mark.usefixtures("hf_modules_restored")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rope_dispatch as rd
-from reference import assert_matches, reference_rope
+from reference import assert_forward_backward, assert_matches, reference_rope
 from rope_dispatch import call as call_module
 
 CUDA = torch.cuda.is_available()
@@ -73,12 +73,7 @@ def test_apply_matches_the_definition_forward_and_backward(backend, layout, kind
     t.requires_grad_(True)
     out = rd.apply(t, _table(kind, angles), spec, positions=streams.to(DEVICE), backend=backend)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    (grad,) = torch.autograd.grad(out, t, grad_out)
-    x = t.detach().cpu().double().requires_grad_(True)
-    expected = _expected(x, angles, streams)
-    (expected_grad,) = torch.autograd.grad(expected, x, grad_out.cpu().double())
-    assert_matches(out, expected, t.dtype, "forward")
-    assert_matches(grad, expected_grad, t.dtype, "backward")
+    assert_forward_backward(out, t, grad_out, lambda x: _expected(x, angles, streams), t.dtype)
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rope_dispatch as rd
-from reference import assert_matches, reference_rope
+from reference import assert_forward_backward, assert_matches, reference_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SECTIONS = (3, 3, 2)  # 8 pairs: stream of pair j = T H W T H W T H
@@ -78,12 +78,8 @@ def test_apply_matches_the_rule_forward_and_backward(backend, layout, request):
     out = rd.apply(t, angles.view(TABLE_LEN, 1, 1, D2).to(DEVICE), spec(layout),
                    positions=streams.to(DEVICE), backend=backend)
     grad_out = torch.randn(out.shape, generator=gen).to(DEVICE)
-    (grad,) = torch.autograd.grad(out, t, grad_out)
-    x = t.detach().cpu().double().requires_grad_(True)
-    want = expected(x, angles, streams)
-    (want_grad,) = torch.autograd.grad(want, x, grad_out.cpu().double())
-    assert_matches(out, want, torch.float32, "forward")
-    assert_matches(grad, want_grad, torch.float32, "backward")
+    assert_forward_backward(out, t, grad_out, lambda x: expected(x, angles, streams),
+                            torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])

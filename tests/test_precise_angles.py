@@ -20,7 +20,7 @@ import torch
 import rope_dispatch as rd
 from reference import reference_cache_rope
 from rope_dispatch import tables
-from rope_dispatch.backends.te import TEBackend, TEInfo
+from te_fake import recording_te
 from rope_dispatch.call import call_key
 from rope_dispatch.errors import RoPEError, RoPETypeError
 
@@ -121,24 +121,12 @@ def test_compile_is_exact():
     assert backend.is_compiled(call)  # forward and transpose, not the fallback
 
 
-def _recording_te(seen: dict) -> TEBackend:
-    def recording(t, freqs, **kwargs):
-        seen.update(freqs=freqs, kwargs=kwargs)
-        return t
-
-    params = frozenset(["t", "freqs", "tensor_format", "start_positions", "interleaved", "fused",
-                        "cu_seqlens", "cp_size", "cp_rank"])
-    backend = TEBackend(load=lambda: TEInfo("2.20.2", (2, 20, 2), "fake", recording, params))
-    assert backend.available
-    return backend
-
-
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_te_gets_reduced_angles(interleaved):
     """TransformerEngine reads float32 angles: a precise table hands it angles reduced modulo
     2*pi from the exact products, in [-pi, pi], whose cosines and sines are the exact ones."""
     seen: dict = {}
-    backend = _recording_te(seen)
+    backend = recording_te(seen)
     rates = float32_rates(FAST_RATES)
     rows = (1 << 20) + 2
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32", interleaved=interleaved)

@@ -25,7 +25,7 @@ from reference import (
 )
 from rope_dispatch import call as call_module
 from rope_dispatch import tables
-from rope_dispatch.backends.te import TEBackend, TEInfo
+from te_fake import recording_te
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"  # the compiled triton backend runs on CUDA, else the interpreter
@@ -517,24 +517,12 @@ def test_explain_lists_the_backends_that_read_rates():
         assert "rates" in rd.get_backend(name).tables
 
 
-def _recording_te(seen: dict) -> TEBackend:
-    def recording(t, freqs, **kwargs):
-        seen.update(freqs=freqs, kwargs=kwargs)
-        return t
-
-    params = frozenset(["t", "freqs", "tensor_format", "start_positions", "interleaved", "fused",
-                        "cu_seqlens", "cp_size", "cp_rank"])
-    backend = TEBackend(load=lambda: TEInfo("2.20.2", (2, 20, 2), "fake", recording, params))
-    assert backend.available
-    return backend
-
-
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_te_gets_the_kept_angle_table_in_the_spec_layout(interleaved):
     """TransformerEngine reads a whole angle table: a rate table hands it its kept angle table
     ``[rows, 1, 1, d2]`` in the spec's layout, the same object every call."""
     seen: dict = {}
-    backend = _recording_te(seen)
+    backend = recording_te(seen)
     inv_freq = random_rates(8, 4)
     table = rd.RateTable(inv_freq, 16)
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32", interleaved=interleaved)
