@@ -650,3 +650,34 @@ BAD = [
 def test_bad_input_names_the_argument(make, message):
     with pytest.raises(rd.RoPEError, match=message):
         make()
+
+
+def test_the_paged_door_keeps_one_descriptor_for_the_same_tensors():
+    """A serving step calls the door once per layer with the same index buffers: the descriptor
+    (checked, its plan parts worked out) is made once for the same tensors and settings, and
+    anew when any of them differs."""
+    from rope_dispatch.compat import flashinfer as doors
+
+    gen = torch.Generator().manual_seed(11)
+    fp8 = torch.float8_e4m3fn
+    q, k, v = (torch.randn(3, h, 16, generator=gen).bfloat16() for h in (4, 2, 2))
+    cos_sin = torch.rand(32, 16, generator=gen)
+    pages = [torch.zeros(4, 4, 2, 16, dtype=fp8) for _ in range(2)]
+    index = (torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.tensor([0, 2, 4], dtype=torch.int32),
+             torch.tensor([0, 0, 1], dtype=torch.int32), torch.tensor([0, 1, 5], dtype=torch.int32))
+    made = []
+    real = doors.FlashInferPagedKVCache
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(doors, "FlashInferPagedKVCache",
+                      lambda *a, **k: made.append(1) or real(*a, **k))
+        for scale in (2.0, 2.0, 4.0):
+            doors.rope_quantize_fp8_append_paged_kv_cache(
+                q, k, None, None, v, cos_sin, torch.tensor([1, 2, 3]), tuple(pages), *index,
+                quant_scale_kv=scale, page_size=4)
+        assert len(made) == 2  # the second call reused the first's; another scale, another
+        other = torch.zeros(4, 4, 2, 16, dtype=fp8)
+        doors.rope_quantize_fp8_append_paged_kv_cache(
+            q, k, None, None, v, cos_sin, torch.tensor([1, 2, 3]), (other, pages[1]), *index,
+            quant_scale_kv=4.0, page_size=4)
+        assert len(made) == 3
+    assert other.view(torch.uint8).any(), "the new cache was written"
