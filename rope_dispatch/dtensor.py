@@ -45,10 +45,10 @@ def is_dtensor(x: object) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _local_spec(layout: str, dtype: torch.dtype, interleaved: bool, scale: float,
-                inverse: bool) -> RoPESpec:
+                inverse: bool, offset: int, deinterleave: bool) -> RoPESpec:
     """One spec object per setting, so repeated shard calls reuse their plans (keyed by id)."""
     return RoPESpec(layout=layout, dtype=dtype, interleaved=interleaved, cos_sin_scale=scale,
-                    inverse=inverse)
+                    inverse=inverse, rotary_offset=offset, deinterleave=deinterleave)
 
 
 def _table(kind: str, table: torch.Tensor, sin: torch.Tensor | None) -> object:
@@ -63,19 +63,19 @@ def _table(kind: str, table: torch.Tensor, sin: torch.Tensor | None) -> object:
 def rope_shard(
     t: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
     positions: torch.Tensor | None, token_dims: int, layout: str, kind: str, interleaved: bool,
-    scale: float, inverse: bool, backend: str | None,
+    scale: float, inverse: bool, offset: int, deinterleave: bool, backend: str | None,
 ) -> torch.Tensor:
     """One shard's rotation: the ordinary call on local tensors (new, contiguous output).
     ``token_dims`` leads the non-tensor arguments: DTensor keys its sharding decisions on the
     arguments from the first int on, so the layout and settings are part of that key."""
-    spec = _local_spec(layout, t.dtype, interleaved, scale, inverse)
+    spec = _local_spec(layout, t.dtype, interleaved, scale, inverse, offset, deinterleave)
     return call_entry()(t, _table(kind, table, sin), spec, None, backend, False, False,
                         positions=positions)
 
 
 @rope_shard.register_fake
 def _rope_shard_fake(t, table, sin, positions, token_dims, layout, kind, interleaved, scale,
-                     inverse, backend):
+                     inverse, offset, deinterleave, backend):
     return t.new_empty(t.shape)
 
 
@@ -86,10 +86,12 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad):
     table, sin, positions = ctx.saved_tensors
-    token_dims, layout, kind, interleaved, scale, inverse, backend = ctx.settings
+    token_dims, layout, kind, interleaved, scale, inverse, offset, deinterleave, backend = (
+        ctx.settings)
+    # the transpose: the same channels (and pairing) turned the other way
     made = rope_shard(grad, table, sin, positions, token_dims, layout, kind, interleaved, scale,
-                      not inverse, backend)
-    return (made,) + (None,) * 10
+                      not inverse, offset, deinterleave, backend)
+    return (made,) + (None,) * 12
 
 
 rope_shard.register_autograd(_backward, setup_context=_setup_context)
@@ -322,7 +324,7 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
             )
     pos = _positions(t, spec, start_positions, positions, table_sharded)
     settings = (t.dim() - 2, spec.layout, kind, spec.interleaved, float(spec.cos_sin_scale),
-                spec.inverse)
+                spec.inverse, spec.rotary_offset, spec.deinterleave)
     return table, sin, pos, settings
 
 
@@ -356,8 +358,8 @@ def shard_call(t: DTensor, freqs: object, spec: RoPESpec, start_positions, posit
     positions, k)``, local tensors (what :func:`~rope_dispatch.explain` explains)."""
     table, sin, pos, settings = _prepare(t, freqs, spec, start_positions, positions, in_place,
                                          k_freqs, k, norms)
-    _, layout, kind, interleaved, scale, inverse = settings
-    local = _local_spec(layout, t.dtype, interleaved, scale, inverse)
+    _, layout, kind, interleaved, scale, inverse, offset, deinterleave = settings
+    local = _local_spec(layout, t.dtype, interleaved, scale, inverse, offset, deinterleave)
     sin = None if sin is None else sin.to_local()
     return (t.to_local(), _table(kind, table.to_local(), sin), local,
             None if pos is None else pos.to_local(), None if k is None else k.to_local())

@@ -63,7 +63,7 @@ def _assert_no_collective(graphs, what):
 
 def _check_single(mesh, case, rank, compiled=None, backend="eager"):
     """One ``apply`` case: forward and backward against the float64 reference."""
-    layout, shape, shard, table_sharded, with_starts, rotary, interleaved = case
+    layout, shape, shard, table_sharded, with_starts, rotary, interleaved, *extra = case
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(shape, generator=gen)
     grad_out = torch.randn(shape, generator=gen)
@@ -77,7 +77,8 @@ def _check_single(mesh, case, rank, compiled=None, backend="eager"):
     starts = torch.randint(0, 5, (seqs,), generator=gen) if with_starts else None
     rows = longest if table_sharded else longest + 6
     angles = torch.rand(rows, rotary, generator=gen) * 40 - 20
-    spec = rd.RoPESpec(layout=layout, dtype=F32, interleaved=interleaved, cu_seqlens=cu)
+    spec = rd.RoPESpec(layout=layout, dtype=F32, interleaved=interleaved, cu_seqlens=cu,
+                       **(extra[0] if extra else {}))
     placements = _placements(shard)
     xd = _shard(x, mesh, placements).requires_grad_(True)
     gd = _shard(grad_out, mesh, placements)
@@ -124,7 +125,7 @@ def _check_single(mesh, case, rank, compiled=None, backend="eager"):
 
 
 # (layout, global shape, a Shard dim per mesh dim (None: Replicate), table sharded with the
-# sequence, start_positions, rotary dim, interleaved)
+# sequence, start_positions, rotary dim, interleaved[, other spec fields])
 ONE_DIM = [
     ("sbhd", (6, 2, 2, 8), [0], False, True, 8, False),     # sequence (4 ranks: uneven, one empty)
     ("bshd", (4, 8, 2, 8), [0], False, True, 6, True),      # batch
@@ -132,6 +133,9 @@ ONE_DIM = [
     ("sbhd", (8, 2, 4, 16), [2], False, True, 12, True),    # heads (tensor parallel)
     ("thd", (12, 4, 8), [1], False, True, 8, False),        # heads of packed sequences
     ("bshd", (2, 8, 2, 8), [None], False, True, 8, False),  # replicated
+    ("sbhd", (6, 2, 2, 16), [0], False, True, 8, False,     # sequence, DeepSeek's rope part:
+     dict(rotary_offset=8, deinterleave=True)),             # the last channels, pairs in
+    ("bshd", (2, 4, 4, 12), [2], False, False, 4, True, dict(rotary_offset=6)),  # heads, offset
 ]
 TWO_DIM = [  # 4 ranks as a 2 x 2 mesh
     ("bshd", (2, 8, 2, 8), [0, 1], False, True, 8, False),  # batch x sequence
@@ -288,7 +292,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         _check_context_parallel(mesh, rank)
         _check_caches_and_positions(mesh, rank)
         if rd.get_backend("triton").available:  # each shard through the Triton kernels
-            for case in (ONE_DIM[0], ONE_DIM[3]):
+            for case in (ONE_DIM[0], ONE_DIM[3], ONE_DIM[6]):
                 _check_single(mesh, case, rank, backend="triton")
         if world == 4:
             grid = init_device_mesh("cpu", (2, 2))
