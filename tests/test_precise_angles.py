@@ -295,3 +295,34 @@ def test_precise_rows_stop_at_2_to_the_24():
                                         r"precise=True .* got rows=16777217"):
         rd.RateTable(rates, TOP + 1, precise=True)
     assert rd.RateTable(rates, TOP + 1).rows == TOP + 1  # the default has no such bound
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_rope_to_cache_turns_by_the_exact_angles(backend, request):
+    """A serving step at long positions through a precise table: q comes back and k lands in
+    the cache rotated by the exact angles (the cache stage reads the table as the rotation
+    does), within 1e-6, on the eager composition and the Triton kernels."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    device = DEVICE if backend == "triton" else "cpu"
+    rates = float32_rates(FAST_RATES)
+    d2 = 2 * rates.numel()
+    positions = [(1 << 20) - 1, TOP - 2, TOP - 1]
+    q = torch.eye(d2).repeat(3, 1, 1)  # token i, head h: 1 in channel h
+    k = q[:, :1].clone() + q[:, 1:2]  # one kv head: channels 0 and 1 at 1
+    v = torch.ones(3, 1, d2)
+    k_cache, v_cache = torch.zeros(2, 4, 1, d2), torch.zeros(2, 4, 1, d2)
+    slots = torch.tensor([5, 0, 3])
+    cache = rd.PagedKVCache(k_cache.to(device), v_cache.to(device), slots.to(device))
+    table = rd.RateTable(rates.to(device), TOP, precise=True)
+    out = rd.rope_to_cache(q.to(device), k.to(device), v.to(device), table,
+                           rd.RoPESpec(layout="thd", dtype="fp32"),
+                           positions=torch.tensor(positions, device=device), cache=cache,
+                           backend=backend)
+    cos, sin = exact_cos_sin(positions, rates, False)
+    x64 = q.double()
+    want_q = reference_cache_rope(x64, cos, sin, torch.arange(3), False)
+    want_k = reference_cache_rope(k.double(), cos, sin, torch.arange(3), False)
+    assert (out.cpu().double() - want_q).abs().max().item() < 1e-6
+    written = cache.k_cache.cpu().view(8, 1, d2)[slots]
+    assert (written.double() - want_k).abs().max().item() < 1e-6
