@@ -1,6 +1,6 @@
 """Hugging Face transformers models on rope-dispatch: their RoPE call, mapped onto ours.
 
-One line moves a model of any family in :data:`SUPPORTED_MODELS` over (99 families: Llama,
+One line moves a model of any family in :data:`SUPPORTED_MODELS` over (123 families: Llama,
 Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE, DeepSeek-V3, Qwen2-VL,
 Qwen2.5-VL, Llama 4, Qwen3-VL, Qwen3-VL-MoE and those of :mod:`.hf_families`; docs/hf.md)::
 

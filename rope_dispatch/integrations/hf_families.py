@@ -8,8 +8,11 @@ k, with ``rotate_half`` the half-swap ``cat(-x2, x1)``, optionally on the first 
 channels only with the rest passed through (partial rotary), optionally in float32 or cast back
 to q's dtype; (2) every class of the module that calls it passes q and k with per-token
 ``[b, s, d2]`` cos and sin; and (3) a tiny random model of the family from its config gives the
-same outputs and gradients patched and unpatched (tests/test_hf_families.py). Families that pass
-the first two but could not be built cheaply are left out (docs/hf.md lists them and why).
+same outputs and gradients patched and unpatched (tests/test_hf_families.py: where the family's
+default model is multimodal or full size, its text model from a text sub-config or text model
+class; another model of the module whose attention calls the function too, such as a vision or
+audio encoder on random embeddings, run the same way). Families that pass the first two but
+could not be run cheaply are left out (docs/hf.md lists them and why).
 """
 
 from __future__ import annotations
@@ -22,13 +25,19 @@ STANDARD_FAMILIES: dict[str, tuple[str, str]] = {
     "Bamba": ("bamba", "BambaAttention"),
     "Beam": ("beam", "BeamAttention"),
     "BitNet": ("bitnet", "BitNetAttention"),
+    "Chameleon": ("chameleon", "ChameleonAttention"),
+    "CohereCompass": ("cohere_compass", "CohereCompassAttention"),
     "Cosmos3Edge": ("cosmos3_edge", "Cosmos3EdgeTextAttention"),
     "Csm": ("csm", "CsmAttention"),
     "Cwm": ("cwm", "CwmAttention"),
+    "Dbrx": ("dbrx", "DbrxAttention"),
+    "DeepseekOcr2": ("deepseek_ocr2", "DeepseekOcr2TextAttention"),
+    "Dia": ("dia", "DiaSelfAttention"),
     "DiffLlama": ("diffllama", "DiffLlamaAttention"),
     "Doge": ("doge", "DogeAttention"),
     "Dots1": ("dots1", "Dots1Attention"),
     "EmbeddingGemma2": ("embedding_gemma2", "EmbeddingGemma2Attention"),
+    "Emu3": ("emu3", "Emu3Attention"),
     "Esm": ("esm", "EsmSelfAttention"),
     "Esmc": ("esmc", "EsmcAttention"),
     "EuroBert": ("eurobert", "EuroBertAttention"),
@@ -37,12 +46,17 @@ STANDARD_FAMILIES: dict[str, tuple[str, str]] = {
     "Falcon": ("falcon", "FalconAttention"),
     "FalconH1": ("falcon_h1", "FalconH1Attention"),
     "FlexOlmo": ("flex_olmo", "FlexOlmoAttention"),
+    "Flint": ("flint", "FlintAttention"),
     "Gemma2": ("gemma2", "Gemma2Attention"),
     "Glm4vMoe": ("glm4v_moe", "Glm4vMoeTextAttention"),
+    "GlmImage": ("glm_image", "GlmImageTextAttention"),
     "GPTNeoX": ("gpt_neox", "GPTNeoXAttention"),
     "GPTNeoXJapanese": ("gpt_neox_japanese", "GPTNeoXJapaneseAttention"),
+    "GradiumPhononTTS": ("gradium_phonon_tts", "GradiumPhononTTSAttention"),
     "Granite": ("granite", "GraniteAttention"),
+    "Granite4Vision": ("granite4_vision", "Granite4VisionTextAttention"),
     "GraniteDocling": ("granite_docling", "GraniteDoclingTextAttention"),
+    "GraniteMoeHybrid": ("granitemoehybrid", "GraniteMoeHybridAttention"),
     "GraniteSWA": ("granite_swa", "GraniteSWAAttention"),
     "GraniteMoe": ("granitemoe", "GraniteMoeAttention"),
     "GraniteMoeSWA": ("granitemoe_swa", "GraniteMoeSWAAttention"),
@@ -52,6 +66,7 @@ STANDARD_FAMILIES: dict[str, tuple[str, str]] = {
     "Hrm": ("hrm_text", "HrmTextAttention"),
     "HunYuanDenseV1": ("hunyuan_v1_dense", "HunYuanDenseV1Attention"),
     "HunYuanMoEV1": ("hunyuan_v1_moe", "HunYuanMoEV1Attention"),
+    "HunYuanVL": ("hunyuan_vl", "HunYuanVLDenseV1Attention"),
     "HYV3": ("hy_v3", "HYV3Attention"),
     "HYV4": ("hy_v4", "HYV4Attention"),
     "HyperCLOVAX": ("hyperclovax", "HyperCLOVAXAttention"),
@@ -70,7 +85,9 @@ STANDARD_FAMILIES: dict[str, tuple[str, str]] = {
     "Ministral": ("ministral", "MinistralAttention"),
     "Ministral3": ("ministral3", "Ministral3Attention"),
     "Mixtral": ("mixtral", "MixtralAttention"),
+    "Mllama": ("mllama", "MllamaTextSelfAttention"),
     "ModernBert": ("modernbert", "ModernBertAttention"),
+    "ModernBertDecoder": ("modernbert_decoder", "ModernBertDecoderAttention"),
     "Molmo2": ("molmo2", "Molmo2Attention"),
     "Moshi": ("moshi", "MoshiAttention"),
     "MuseGlimmer": ("muse_glimmer", "MuseGlimmerTextAttention"),
@@ -86,19 +103,28 @@ STANDARD_FAMILIES: dict[str, tuple[str, str]] = {
     "Persimmon": ("persimmon", "PersimmonAttention"),
     "Phi": ("phi", "PhiAttention"),
     "Phi3": ("phi3", "Phi3Attention"),
+    "Phi4Multimodal": ("phi4_multimodal", "Phi4MultimodalAttention"),
     "Phimoe": ("phimoe", "PhimoeAttention"),
+    "PocketTTS": ("pocket_tts", "PocketTTSAttention"),
     "Qwen2Moe": ("qwen2_moe", "Qwen2MoeAttention"),
     "Qwen3_5": ("qwen3_5", "Qwen3_5Attention"),
     "Qwen3_5Moe": ("qwen3_5_moe", "Qwen3_5MoeAttention"),
     "Qwen3Next": ("qwen3_next", "Qwen3NextAttention"),
+    "Qwen3OmniMoe": ("qwen3_omni_moe", "Qwen3OmniMoeThinkerTextAttention"),
     "RecurrentGemma": ("recurrent_gemma", "RecurrentGemmaAttention"),
     "SeedOss": ("seed_oss", "SeedOssAttention"),
     "SmolLM3": ("smollm3", "SmolLM3Attention"),
     "SolarOpen": ("solar_open", "SolarOpenAttention"),
     "StableLm": ("stablelm", "StableLmAttention"),
     "Starcoder2": ("starcoder2", "Starcoder2Attention"),
+    "Step3p7": ("step3p7", "Step3p7Attention"),
+    "T5Gemma": ("t5gemma", "T5GemmaSelfAttention"),
+    "T5Gemma2": ("t5gemma2", "T5Gemma2SelfAttention"),
     "Ultrabert": ("ultrabert", "UltrabertAttention"),
+    "UnlimitedOcr": ("unlimited_ocr", "UnlimitedOcrTextAttention"),
     "VaultGemma": ("vaultgemma", "VaultGemmaAttention"),
+    "VoxtralRealtime": ("voxtral_realtime", "VoxtralRealtimeTextAttention"),
+    "Zamba2": ("zamba2", "Zamba2Attention"),
     "Zaya": ("zaya", "ZayaAttention"),
 }
 """Family -> (its folder under ``transformers.models``, the attention class that calls
