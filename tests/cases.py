@@ -191,3 +191,14 @@ def build_qkv(case: QKVCase, device: str | torch.device = "cpu", requires_grad: 
     k_4d = k_angles.view(k_angles.shape[0], 1, 1, -1).to(device)
     k_table = rd.cos_sin_cache(k_4d) if case.base.use_cache else k_4d
     return qkv, table, k_table, spec, starts, angles, k_angles
+
+
+def mrope_qk_inputs(gen: torch.Generator, table_len: int, d2: int, device: str):
+    """Multimodal q+k inputs drawn from ``gen``: q ``[7, 4, 16]`` and k ``[7, 1, 16]`` (thd,
+    GQA) on ``device``, a float32 angle table ``[table_len, d2]`` of large angles of both
+    signs, and three position streams ``[3, 7]`` (temporal, height, width)."""
+    q = torch.randn(7, 4, 16, generator=gen).to(device)
+    k = torch.randn(7, 1, 16, generator=gen).to(device)
+    angles = torch.rand(table_len, d2, generator=gen) * 40 - 20
+    streams = torch.randint(0, table_len, (3, 7), generator=gen)
+    return q, k, angles, streams

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rope_dispatch as rd
+from cases import mrope_qk_inputs
 from reference import assert_forward_backward, assert_matches, reference_rope
 from rope_dispatch import call as call_module
 
@@ -95,10 +96,7 @@ def test_pair_cache_in_place_and_a_scale(backend, request):
 def test_q_and_k_pair_and_packed_qkv(backend, request):
     _use(backend, request)
     gen = torch.Generator().manual_seed(4)
-    q = torch.randn(7, 4, 16, generator=gen).to(DEVICE)
-    k = torch.randn(7, 1, 16, generator=gen).to(DEVICE)
-    angles = torch.rand(TABLE_LEN, D2, generator=gen) * 40 - 20
-    streams = torch.randint(0, TABLE_LEN, (3, 7), generator=gen)
+    q, k, angles, streams = mrope_qk_inputs(gen, TABLE_LEN, D2, DEVICE)
     spec = rd.RoPESpec(layout="thd", dtype="fp32", mrope_section=SECTIONS)
     table = _table("angles", angles)
     q_out, k_out = rd.apply_qk(q, k, table, spec, positions=streams.to(DEVICE), backend=backend)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rope_dispatch as rd
+from cases import mrope_qk_inputs
 from reference import assert_forward_backward, assert_matches, reference_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,10 +87,7 @@ def test_apply_matches_the_rule_forward_and_backward(backend, layout, request):
 def test_q_and_k_with_a_cos_sin_cache_and_a_pair_cache_in_place(backend, request):
     _use(backend, request)
     gen = torch.Generator().manual_seed(4)
-    q = torch.randn(7, 4, 16, generator=gen).to(DEVICE)
-    k = torch.randn(7, 1, 16, generator=gen).to(DEVICE)
-    angles = torch.rand(TABLE_LEN, D2, generator=gen) * 40 - 20
-    streams = torch.randint(0, TABLE_LEN, (3, 7), generator=gen)
+    q, k, angles, streams = mrope_qk_inputs(gen, TABLE_LEN, D2, DEVICE)
     cache = rd.cos_sin_cache(angles.view(TABLE_LEN, 1, 1, D2).to(DEVICE))
     q_out, k_out = rd.apply_qk(q, k, cache, spec("thd"), positions=streams.to(DEVICE),
                                backend=backend)
