@@ -759,9 +759,10 @@ def _check_k_table(k_freqs: object, table: RotaryTable, device: torch.device) ->
 def expanded_dim(t: torch.Tensor) -> int | None:
     """The first dimension of ``t`` whose elements share memory (stride 0, size > 1), if any:
     such a tensor cannot be written in place. An empty tensor has none to share."""
-    if t.numel() == 0:
+    strides = t.stride()
+    if 0 not in strides or t.numel() == 0:  # the common case, in one C call
         return None
-    return next((i for i, (n, s) in enumerate(zip(t.shape, t.stride())) if s == 0 and n > 1), None)
+    return next((i for i, (n, s) in enumerate(zip(t.shape, strides)) if s == 0 and n > 1), None)
 
 
 _OVERLAP_SEARCH_LIMIT = 10_000

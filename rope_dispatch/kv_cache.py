@@ -46,6 +46,8 @@ Scale = float | torch.Tensor
 
 def check_scale(value: object, name: str, device: torch.device) -> Scale:
     """``value`` as a scale (:data:`Scale`), or an error naming ``name``."""
+    if type(value) is float and 0 < value < math.inf:  # the common case, checked first
+        return value
     if isinstance(value, torch.Tensor):
         if value.dtype != torch.float32 or value.numel() != 1 or value.dim() > 1:
             raise RoPEError(
@@ -394,13 +396,21 @@ def _plan_parts(cache: KVCache) -> tuple[tuple[torch.Tensor, ...], tuple] | None
     tensor and ``q_out`` where given) and its part of the plan's key (its class, layout and
     the scales given as numbers); ``None`` where its calls are checked every time (a tensor
     subclass, a cache on the CPU, whose index values the checks read)."""
-    scales = (cache.k_scale, cache.v_scale)
-    tensors = (cache.k_cache, cache.v_cache, *cache_index(cache),
-               *(s for s in scales if type(s) is torch.Tensor))
-    if any(type(x) is not torch.Tensor for x in tensors) or cache.k_cache.is_cpu:
+    tensor = torch.Tensor
+    k_scale, v_scale = cache.k_scale, cache.v_scale
+    tensors = (cache.k_cache, cache.v_cache, *cache_index(cache))
+    for x in tensors:
+        if type(x) is not tensor:
+            return None
+    if cache.k_cache.is_cpu:
         return None
+    if type(k_scale) is tensor:
+        tensors += (k_scale,)
+    if type(v_scale) is tensor:
+        tensors += (v_scale,)
     form = (type(cache), getattr(cache, "kv_layout", None),
-            *("tensor" if type(s) is torch.Tensor else s for s in scales))
+            "tensor" if type(k_scale) is tensor else k_scale,
+            "tensor" if type(v_scale) is tensor else v_scale)
     return tensors, form
 
 
