@@ -102,8 +102,8 @@ def _paged_cache(caches: tuple[torch.Tensor, torch.Tensor], kv_indices: torch.Te
                  kv_layout: str, page_size: int, scale: float) -> FlashInferPagedKVCache:
     """The same descriptor for the same tensors and settings, call after call: an engine passes
     each layer its own cache and every layer the step's index buffers, and a descriptor is
-    checked, and works out what a planned call reads of it, when it is made (about 12 us of
-    host time on the H200). The last few stay referenced here, their tensors with them."""
+    checked, and works out what a planned call reads of it, when it is made (several us of
+    host time). The last few stay referenced here, their tensors with them."""
     tensors = (*caches, kv_indices, kv_indptr, batch_indices, positions)
     key = (*map(id, tensors), kv_layout, page_size, scale)
     kept = _paged.get(key) if type(page_size) is int else None  # a bad page_size: the checks
