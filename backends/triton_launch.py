@@ -857,6 +857,23 @@ def slots(sources: Sequence[tuple[torch.Tensor, int]], given: Sequence[torch.Ten
     return Slots(tuple(pointers), tuple(takes), makes, tuple(fills), len(given))
 
 
+def bind_compiled(described: Launch, inputs: Sequence[torch.Tensor],
+                  outs: Sequence[torch.Tensor], tabs: Tables,
+                  given: Sequence[torch.Tensor | None], made: Sequence[torch.Tensor] = (),
+                  like: Sequence[int] | None = None) -> tuple[Any, LaunchKey] | None:
+    """The compiled launch that ran ``described`` from ``inputs`` into ``outs`` with ``tabs``,
+    bound (:func:`bound`) to take the addresses of tensors passed like ``given`` and make new
+    ones like ``made`` each call (:func:`slots`): ``(the bound launch, its key)``, or ``None``
+    where no such launch is compiled or one of its pointers is not 16-byte aligned."""
+    sources = pointers(described, inputs, outs, tabs)
+    key = launch_key(described, inputs, outs, tabs,
+                     tuple(t.data_ptr() + offset for t, offset in sources))
+    entry = _compiled.get(key)
+    if entry is None or key.aligned != (1 << len(sources)) - 1:
+        return None
+    return bound(entry, slots(sources, given, made, like)), key
+
+
 def bound(entry: Compiled, where: Slots) -> Any:
     """``entry`` bound to ``where``: the C launcher's one call where it can be built, else
     :class:`BoundLaunch`."""

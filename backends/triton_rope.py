@@ -371,18 +371,15 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
             described.in_place or not all(x.is_contiguous() for x in inputs))):
         return generic
     tabs = call_tables(call)  # a norm stage's weights too (a plan binds their addresses)
-    if tabs.table.data_ptr() != tt.user_table_address(call) or any(
-            t is not None and not t.is_contiguous() for t in (tabs.cu, tabs.index)):
-        return generic  # a table or index copied for the call: the kernel must read the user's
+    if not _reads_given_tables(call, tabs):
+        return generic
     tabs = tl.current_tables(tabs, described.layout)
     outs = inputs if described.in_place else outputs(described, inputs)
-    sources = tl.pointers(described, inputs, outs, tabs)
-    addresses = tuple(t.data_ptr() + offset for t, offset in sources)
-    key = tl.launch_key(described, inputs, outs, tabs, addresses)
-    entry = tl._compiled.get(key)
-    if entry is None or key.aligned != (1 << len(addresses)) - 1:
+    binding = tl.bind_compiled(described, inputs, outs, tabs, (*inputs, tabs.index),
+                               () if described.in_place else outs)
+    if binding is None:
         return generic
-    forward = bound(entry, tl.slots(sources, (*inputs, tabs.index), () if described.in_place else outs))
+    forward, key = binding
     device, address = key.device, tabs.table.data_ptr()
     flag = tt.plan_flag(tabs.sin, tabs.cu, described.layout)
     several, current_device, stream, stale = (
@@ -435,9 +432,16 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     return run_grad
 
 
+def _reads_given_tables(call: RoPECall, tabs: Tables) -> bool:
+    """Whether the launch reads the call's own table, cu_seqlens and index (none copied for
+    the call): a bound launch takes their addresses from the tensors a repeated call passes."""
+    return tabs.table.data_ptr() == tt.user_table_address(call) and all(
+        t is None or t.is_contiguous() for t in (tabs.cu, tabs.index))
+
+
 def plan_cache(call: RoPECall) -> Any:
-    """The plan of a :func:`rope_to_cache` call (``run(freqs, tensors)``, ``tensors`` in
-    as dispatch's ``_cache_form`` orders them, then the norm weights): the compiled
+    """The plan of a :func:`rope_to_cache` call (``run(freqs, tensors)``, ``tensors`` as
+    dispatch's ``_cache_form`` orders them, then the norm weights): the compiled
     launch the call just ran, bound, so a repeated decode step is the plan's guard and one
     launch. ``None`` where binding does not cover the call (not compiled or not aligned, a
     table or index copied for it, an FP8 q made with no tensor of its dtype to allocate like);
@@ -446,7 +450,7 @@ def plan_cache(call: RoPECall) -> Any:
     write = call.cache_write
     q, k, v = call.t, call.k, write.v
     described, tabs = describe(call), call_tables(call)
-    if tabs.table.data_ptr() != tt.user_table_address(call) or not tabs.index.is_contiguous():
+    if not _reads_given_tables(call, tabs):
         return None
     tabs = tl.current_tables(tabs, described.layout)
     k_pages, v_pages = write.cache.pages()
@@ -455,13 +459,6 @@ def plan_cache(call: RoPECall) -> Any:
     if new and like is None:
         return None
     q_out = q.new_empty(q.shape, dtype=write.q_dtype) if new else write.q_out
-    inputs, outs = (q, k, v), (q_out, k_pages, v_pages)
-    sources = tl.pointers(described, inputs, outs, tabs)
-    key = tl.launch_key(described, inputs, outs, tabs,
-                        tuple(t.data_ptr() + offset for t, offset in sources))
-    entry = tl._compiled.get(key)
-    if entry is None or key.aligned != (1 << len(sources)) - 1:
-        return None
     # the objects the launch's pointers name, where a call passes tensors of the same addresses
     # (the caches for their page views, positions for its index view, scales for their 0-d views)
     scales = tuple(s for s in (write.cache.k_scale, write.cache.v_scale, write.q_scale)
@@ -469,7 +466,11 @@ def plan_cache(call: RoPECall) -> Any:
     given = (q, k, v, tabs.index, k_pages, v_pages, *tabs.store.index, *scales,
              *(() if new else (q_out,)),
              *(w for w in (tabs.norm.weights if tabs.norm is not None else ()) if w is not None))
-    forward = bound(entry, tl.slots(sources, given, (q_out,) if new else (), (like,)))
+    binding = tl.bind_compiled(described, (q, k, v), (q_out, k_pages, v_pages), tabs, given,
+                               (q_out,) if new else (), (like,))
+    if binding is None:
+        return None
+    forward, key = binding
     device, at = key.device, 6 + len(tabs.store.index) + len(scales)  # q_out's place, if given
     flag = tt.plan_flag(tabs.sin, tabs.cu, described.layout)
     several, current_device, stream, stale = (
