@@ -745,10 +745,10 @@ def _cache_form(
     q_out: torch.Tensor | None, q_scale: object,
 ) -> tuple[tuple[torch.Tensor, ...], tuple] | None:
     """A :func:`rope_to_cache` call's planned form, as :func:`_planned_form`'s: the guarded
-    tensors (q, k, v, positions, the cache's ``plan_parts``, q's scale tensor, ``q_out``) and what the key fixes (the
-    cache's part, worked out when it was made; q's scale and output); ``None`` where it is
-    checked every time (tensor subclasses, values read on the host, arguments the checks
-    refuse)."""
+    tensors (q, k, v, positions, the cache's ``plan_parts``, q's scale tensor, ``q_out``) and
+    what the key fixes (the cache's part, worked out when it was made; q's scale and output);
+    ``None`` where it is checked every time (tensor subclasses, values read on the host,
+    arguments the checks refuse)."""
     parts = getattr(cache, "plan_parts", None)
     if (
         parts is None or type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor

@@ -81,7 +81,7 @@ __all__ = ["apply_rope_with_cos_sin_cache_inplace", "mla_rope_quantize_fp8", "ro
 _specs: dict[tuple, RoPESpec] = {}
 _caches: dict[int, PairCosSinCache] = {}
 _MAX_CACHES = 4
-_paged: dict[tuple, tuple[tuple[torch.Tensor, ...], FlashInferPagedKVCache]] = {}
+_paged: dict[tuple, FlashInferPagedKVCache] = {}
 _MAX_PAGED = 64
 
 
@@ -103,18 +103,18 @@ def _paged_cache(caches: tuple[torch.Tensor, torch.Tensor], kv_indices: torch.Te
     """The same descriptor for the same tensors and settings, call after call: an engine passes
     each layer its own cache and every layer the step's index buffers, and a descriptor is
     checked, and works out what a planned call reads of it, when it is made (several us of
-    host time). The last few stay referenced here, their tensors with them."""
-    tensors = (*caches, kv_indices, kv_indptr, batch_indices, positions)
-    key = (*map(id, tensors), kv_layout, page_size, scale)
-    kept = _paged.get(key) if type(page_size) is int else None  # a bad page_size: the checks
-    if kept is not None and all(a is b for a, b in zip(kept[0], tensors)):
-        return kept[1]
-    cache = FlashInferPagedKVCache(caches, kv_indices, kv_indptr, batch_indices, positions,
-                                   kv_layout=kv_layout, page_size=page_size, k_scale=scale,
-                                   v_scale=scale)
-    if len(_paged) >= _MAX_PAGED:
-        _paged.clear()
-    _paged[key] = (tensors, cache)
+    host time). The last few stay referenced here: a kept descriptor holds its tensors, so
+    the ids in its key name no other tensor while it is kept."""
+    key = (*map(id, (*caches, kv_indices, kv_indptr, batch_indices, positions)), kv_layout,
+           page_size, scale)
+    cache = _paged.get(key) if type(page_size) is int else None  # a bad page_size: the checks
+    if cache is None:
+        cache = FlashInferPagedKVCache(caches, kv_indices, kv_indptr, batch_indices, positions,
+                                       kv_layout=kv_layout, page_size=page_size, k_scale=scale,
+                                       v_scale=scale)
+        if len(_paged) >= _MAX_PAGED:
+            _paged.clear()
+        _paged[key] = cache
     return cache
 
 
