@@ -745,7 +745,8 @@ def _cache_form(
     q_out: torch.Tensor | None, q_scale: object,
 ) -> tuple[tuple[torch.Tensor, ...], tuple] | None:
     """A :func:`rope_to_cache` call's planned form, as :func:`_planned_form`'s: the guarded
-    tensors (q, k, v, positions, the cache's ``plan_parts``, q's scale tensor, ``q_out``) and
+    tensors (q, k, v, positions, the cache's ``plan_parts``, q's scale tensor, ``q_out`` unless
+    it is q) and
     what the key fixes (the cache's part, worked out when it was made; q's scale and output);
     ``None`` where it is checked every time (tensor subclasses, values read on the host,
     arguments the checks refuse)."""
@@ -764,7 +765,7 @@ def _cache_form(
         tensors, scale = (q, k, v, positions, *parts[0]), q_scale
     else:
         return None
-    if q_out is not None:
+    if q_out is not None and q_out is not q:  # q in place: the key says so, q is guarded
         tensors += (q_out,)
     return tensors, ("cache", parts[1], scale, q_out is None, q_out is q, _inference_mode())
 

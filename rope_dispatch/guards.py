@@ -16,6 +16,7 @@ compares the metadata in Python on any other release or when the probe fails.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 
 import torch
@@ -96,17 +97,19 @@ def tensor_guard(*tensors: torch.Tensor) -> Guard:
     """A guard for ``tensors``' metadata: torch's C++ tensor guards where they pass the probe,
     else :func:`metadata_guard`. A tensor given twice (one weight for q's and k's norm, q as
     its own output) is checked once by torch's guards, which refuse such a list at every
-    check, and its later places in Python."""
+    check; its later places must hold that same tensor again."""
     firsts: dict[int, int] = {}
     unique = [i for i, x in enumerate(tensors) if firsts.setdefault(id(x), i) == i]
     if len(unique) == len(tensors):
         return _guard_maker()(*tensors)
-    repeated = [i for i in range(len(tensors)) if i not in unique]
     main = _guard_maker()(*(tensors[i] for i in unique))
-    rest = metadata_guard(*(tensors[i] for i in repeated))
+    pick = operator.itemgetter(*unique)
+    repeats = tuple((i, firsts[id(x)]) for i, x in enumerate(tensors) if firsts[id(x)] != i)
 
     def check(*given: torch.Tensor) -> bool:
-        return main(*(given[i] for i in unique)) and rest(*(given[i] for i in repeated))
+        kept = pick(given)
+        return (main(*kept) if len(unique) > 1 else main(kept)) and all(
+            given[i] is given[j] for i, j in repeats)
 
     return check
 

@@ -113,14 +113,19 @@ def test_the_probe_does_not_follow_torch_defaults(monkeypatch):
 
 
 def test_a_tensor_given_twice_is_guarded_at_each_place():
-    """One weight for q's and k's norm (or q as its own output) passes its own guard, as other
-    tensors of its layout do, and a different layout at either place fails it."""
+    """One weight for q's and k's norm (or q as its own output): a call that passes one tensor
+    at both places, laid out as the planned one, passes; a different layout, or two different
+    tensors at those places (even alike), fails."""
     q, w = torch.randn(4, 4, 16), torch.ones(16, dtype=torch.bfloat16)
     guard = guards.tensor_guard(q, w, w)
     assert guard(q, w, w)
-    assert guard(torch.randn(4, 4, 16), torch.zeros(16, dtype=torch.bfloat16), w)
+    other = torch.zeros(16, dtype=torch.bfloat16)
+    assert guard(torch.randn(4, 4, 16), other, other)
+    assert not guard(q, w, other)
     assert not guard(q, w, torch.ones(8, dtype=torch.bfloat16))
-    assert not guard(q, torch.ones(16), w)
+    assert not guard(q, torch.ones(16), torch.ones(16))
+    alone = guards.tensor_guard(w, w)  # one tensor kept: its guard takes one argument
+    assert alone(other, other) and not alone(w, other) and not alone(q, q)
 
 
 def test_one_norm_for_q_and_k_is_planned(monkeypatch):

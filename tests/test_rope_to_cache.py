@@ -827,6 +827,7 @@ def test_triton_stage_never_syncs_after_its_first_call(layout):
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("cache_dtype,q_mode", [(torch.bfloat16, "new"), (torch.bfloat16, "given"),
+                                                (torch.bfloat16, "in place"),
                                                 (torch.float8_e4m3fn, "fp8-scale")])
 def test_triton_repeated_steps_run_their_plan(layout, cache_dtype, q_mode, monkeypatch):
     """From the third step on, a decode step (new positions, slots, data and scale values; the
@@ -840,7 +841,7 @@ def test_triton_repeated_steps_run_their_plan(layout, cache_dtype, q_mode, monke
     monkeypatch.setattr(dispatch, "check_cache_call",
                         lambda *args, **kwargs: checked.append(1) or check(*args, **kwargs))
     q_scale = torch.tensor(0.1, device="cuda") if q_mode == "fp8-scale" else None
-    q_out = torch.empty_like(q) if q_mode == "given" else None
+    q_out = torch.empty_like(q) if q_mode == "given" else q if q_mode == "in place" else None
     gen = torch.Generator().manual_seed(7)
     norm = rd.HeadNorm((torch.rand(64, generator=gen) + 0.5).cuda())
     for step in range(5):
