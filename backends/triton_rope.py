@@ -360,7 +360,8 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     """The plan of a call (any tensor kind, in place or not, by index, start or per-token
     positions, thd with its spec's cu_seqlens read by address): the compiled launch the call
     just ran, bound (:func:`bound`) so a repeated call is the plan's checks and one launch.
-    With a gradient (contiguous inputs, out of place), :class:`RoPEFunction` runs the bound
+    With a gradient (out of place; inputs contiguous, or strided views such as MLA's rope
+    channels, whose gradients are contiguous too), :class:`RoPEFunction` runs the bound
     forward and, from the first backward that finds it compiled, the bound transpose.
     ``generic`` serves what binding does not cover: a launch not compiled or not aligned, a
     table copied for the call, another device current, a written table's stale flag."""
@@ -368,8 +369,8 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     inputs = (call.t,) if call.k is None else (call.t, call.k)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
     if call.k_table is not None or (described.norm is not None and grad) or (grad and (
-            described.in_place or not all(x.is_contiguous() for x in inputs))):
-        return generic
+            described.in_place or any(tl.dense_strides(x) is not None for x in inputs))):
+        return generic  # (a dense permuted input's gradient keeps its layout: the generic path)
     tabs = call_tables(call)  # a norm stage's weights too (a plan binds their addresses)
     if not _reads_given_tables(call, tabs):
         return generic
@@ -464,14 +465,15 @@ def plan_cache(call: RoPECall) -> Any:
     scales = tuple(s for s in (write.cache.k_scale, write.cache.v_scale, write.q_scale)
                    if isinstance(s, torch.Tensor))
     given = (q, k, v, tabs.index, k_pages, v_pages, *tabs.store.index, *scales,
-             *(() if new else (q_out,)),
+             *(() if new or q_out is q else (q_out,)),
              *(w for w in (tabs.norm.weights if tabs.norm is not None else ()) if w is not None))
     binding = tl.bind_compiled(described, (q, k, v), (q_out, k_pages, v_pages), tabs, given,
                                (q_out,) if new else (), (like,))
     if binding is None:
         return None
     forward, key = binding
-    device, at = key.device, 6 + len(tabs.store.index) + len(scales)  # q_out's place, if given
+    # q_out's place among the tensors a call passes (q's in place)
+    device, at = key.device, 0 if q_out is q else 6 + len(tabs.store.index) + len(scales)
     flag = tt.plan_flag(tabs.sin, tabs.cu, described.layout)
     several, current_device, stream, stale = (
         tt.several_gpus(), torch.cuda.current_device, current_stream, tt.flag_stale)

@@ -293,6 +293,40 @@ def test_pair_gradient_calls_are_planned_and_differentiate_new_data_every_call(
 
 
 @pytest.mark.usefixtures("unread")
+def test_gradient_calls_on_strided_views_are_planned(counted_checks, monkeypatch):
+    """MLA's training step: q's rotary channels are the last of each head (a strided view of
+    the projection) and k one shared head, out of place with a gradient. Repeated calls are
+    planned (on CUDA the last runs neither generic launch), and each step's outputs and the
+    projection's gradient (zero outside the view) match the reference."""
+    from rope_dispatch.backends import triton_rope
+
+    freqs = _table()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    nope, generic_launches = 8, []
+    for step in range(5):
+        projection = _data((6, 2, 4, nope + D), seed=200 + step).requires_grad_(True)
+        k = _data((6, 2, 1, D), seed=210 + step).requires_grad_(True)
+        q_rot = projection[..., nope:]
+        grads = (_data(q_rot.shape, seed=220 + step), _data(k.shape, seed=230 + step))
+        expected = [reference_forward_backward(x.detach(), freqs, spec, g)
+                    for x, g in zip((q_rot, k), grads)]
+        if step == 4 and CUDA:
+            real = triton_rope.launch
+            monkeypatch.setattr(triton_rope, "launch",
+                                lambda *a, **kw: generic_launches.append(1) or real(*a, **kw))
+        outs = rd.apply_qk(q_rot, k, freqs, spec, backend=BACKEND)
+        for name, out, (ref, _) in zip("qk", outs, expected):
+            assert_matches(out, ref, torch.float32, f"step {step} {name}")
+        got_projection, got_k = torch.autograd.grad(outs, (projection, k), grads)
+        assert_matches(got_projection[..., nope:], expected[0][1], torch.float32,
+                       f"step {step} q gradient")
+        assert not got_projection[..., :nope].any(), "a gradient outside the rotated view"
+        assert_matches(got_k, expected[1][1], torch.float32, f"step {step} k gradient")
+    assert len(counted_checks) == CHECKED, "the repeated gradient calls did not reuse the plan"
+    assert not generic_launches, "a planned strided call's forward or backward took the generic launch"
+
+
+@pytest.mark.usefixtures("unread")
 @pytest.mark.parametrize("needs_grad", [False, True])
 @pytest.mark.parametrize("index", ["none", "start_positions", "positions"])
 def test_packed_qkv_calls_are_planned_and_read_new_data_every_call(
