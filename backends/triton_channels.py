@@ -15,19 +15,20 @@ PAIRS_OUT: tl.constexpr = tl.constexpr(2)  # DEINTERLEAVE: halves read, pairs wr
 
 
 @triton.jit
-def rotary_channels(BLOCK_R: tl.constexpr, ROT_DIM: tl.constexpr, ROT_OFFSET: tl.constexpr,
-                    PAIRS: tl.constexpr):
+def rotary_channels(BLOCK_R: tl.constexpr, ROT_DIM: tl.constexpr, ROT_OFFSET: tl.constexpr):
     """Channel numbers (int64) of a rotate-half tile's two halves ``(a, b)``: ``c`` and ``c +
-    d2/2`` past ``ROT_OFFSET``, or with ``PAIRS`` each pair's members ``2c`` and ``2c + 1``.
-    An interleaved tile uses ``a`` alone (its whole ``d2`` channels)."""
-    c = tl.arange(0, BLOCK_R).to(tl.int64)
-    if PAIRS:
-        a = 2 * c + ROT_OFFSET
-        b = a + 1
-    else:
-        a = c + ROT_OFFSET
-        b = a + ROT_DIM // 2
-    return a, b
+    d2/2`` past ``ROT_OFFSET``. An interleaved tile uses ``a`` alone (its whole ``d2``
+    channels)."""
+    a = tl.arange(0, BLOCK_R).to(tl.int64) + ROT_OFFSET
+    return a, a + ROT_DIM // 2
+
+
+@triton.jit
+def pair_channels(BLOCK_R: tl.constexpr, ROT_OFFSET: tl.constexpr):
+    """Channel numbers (int64) of ``BLOCK_R`` interleaved pairs, ``ROT_OFFSET`` on, as one run:
+    a pair stage reads or writes them whole and splits them into (or joins them from) each
+    pair's members, so its accesses stay contiguous (docs/tuning.md)."""
+    return tl.arange(0, 2 * BLOCK_R).to(tl.int64) + ROT_OFFSET
 
 
 @triton.jit

@@ -42,13 +42,19 @@ import triton
 import triton.language as tl
 
 from .triton_cache_kernels import _cache_rows
-from .triton_channels import PAIRS_IN, PAIRS_OUT, pass_channels, rotary_channels
+from .triton_channels import PAIRS_IN, PAIRS_OUT, pair_channels, pass_channels, rotary_channels
 from .triton_trig import _exact_cos_sin, _reduced_cos_sin
 from triton.runtime.interpreter import InterpretedFunction
 
 SBHD: int = 0
 BSHD: int = 1
 THD: int = 2
+
+FP8_RUN: tl.constexpr = tl.constexpr(8)
+"""Channels an FP8 store is told run together (``tl.max_contiguous``): its stores then take 8
+channels a thread, as the 16-bit loads and stores beside them in the kernel do. Left to itself
+the compiler gave every tile of the kernel 16 a thread for the FP8 stores and turned each
+16-bit store's tile around in shared memory."""
 
 # 2*pi as a sum of three float32 numbers (Cody-Waite): reduces an angle to [-pi, pi] with an
 # error near 1e-7 up to |angle| ~ 1e6, so the sin/cos that follow stay accurate for positions
@@ -341,12 +347,18 @@ def _load_chunk(
         x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, BLOCK_H, GROUPED
     )
     mask = row_mask[:, :, None] & c_mask[None, None, :]
-    ch_a, ch_b = rotary_channels(BLOCK_R, ROT_DIM, ROT_OFFSET, DEINTERLEAVE == PAIRS_IN)
-    x_a = tl.load(x_h[:, :, None] + (ch_a * sxd)[None, None, :], mask=mask, other=0.0)
-    if INTERLEAVED:
-        x_b = x_a
+    if DEINTERLEAVE == PAIRS_IN:  # the pairs read as one run of channels, then split
+        w = pair_channels(BLOCK_R, ROT_OFFSET)
+        pairs = tl.load(x_h[:, :, None] + (w * sxd)[None, None, :], other=0.0,
+                        mask=row_mask[:, :, None] & (w < ROT_OFFSET + ROT_DIM)[None, None, :])
+        x_a, x_b = tl.split(tl.reshape(pairs, [x_h.shape[0], BLOCK_H, BLOCK_R, 2]))
     else:
-        x_b = tl.load(x_h[:, :, None] + (ch_b * sxd)[None, None, :], mask=mask, other=0.0)
+        ch_a, ch_b = rotary_channels(BLOCK_R, ROT_DIM, ROT_OFFSET)
+        x_a = tl.load(x_h[:, :, None] + (ch_a * sxd)[None, None, :], mask=mask, other=0.0)
+        if INTERLEAVED:
+            x_b = x_a
+        else:
+            x_b = tl.load(x_h[:, :, None] + (ch_b * sxd)[None, None, :], mask=mask, other=0.0)
     if PASS_DIM > 0:
         p = pass_channels(BLOCK_P, ROT_DIM, ROT_OFFSET)
         p_full = row_mask[:, :, None] & p_mask[None, None, :]
@@ -379,14 +391,33 @@ def _store_chunk(
             out_b = tl.math.div_rn(out_b.to(tl.float32), scale)
         if PASS_DIM > 0:
             kept = tl.math.div_rn(kept.to(tl.float32), scale)
-    ch_a, ch_b = rotary_channels(BLOCK_R, ROT_DIM, ROT_OFFSET, DEINTERLEAVE == PAIRS_OUT)
-    tl.store(o_h[:, :, None] + (ch_a * sod)[None, None, :], out_a.to(out_ty), mask=mask)
-    if not INTERLEAVED:
-        tl.store(o_h[:, :, None] + (ch_b * sod)[None, None, :], out_b.to(out_ty), mask=mask)
+    # FP8 (QUANT): each store told its channels run 8 at a time (FP8_RUN, docs/tuning.md)
+    if DEINTERLEAVE == PAIRS_OUT:  # the pairs joined and written as one run of channels
+        w = pair_channels(BLOCK_R, ROT_OFFSET)
+        pairs = tl.reshape(tl.join(out_a, out_b), [o_h.shape[0], BLOCK_H, 2 * BLOCK_R])
+        to_pairs = o_h[:, :, None] + (w * sod)[None, None, :]
+        if QUANT and 2 * BLOCK_R > FP8_RUN:
+            to_pairs = tl.max_contiguous(to_pairs, [1, 1, FP8_RUN])
+        tl.store(to_pairs, pairs.to(out_ty),
+                 mask=row_mask[:, :, None] & (w < ROT_OFFSET + ROT_DIM)[None, None, :])
+    else:
+        ch_a, ch_b = rotary_channels(BLOCK_R, ROT_DIM, ROT_OFFSET)
+        to_a = o_h[:, :, None] + (ch_a * sod)[None, None, :]
+        if QUANT and BLOCK_R > FP8_RUN:
+            to_a = tl.max_contiguous(to_a, [1, 1, FP8_RUN])
+        tl.store(to_a, out_a.to(out_ty), mask=mask)
+        if not INTERLEAVED:
+            to_b = o_h[:, :, None] + (ch_b * sod)[None, None, :]
+            if QUANT and BLOCK_R > FP8_RUN:
+                to_b = tl.max_contiguous(to_b, [1, 1, FP8_RUN])
+            tl.store(to_b, out_b.to(out_ty), mask=mask)
     if PASS_DIM > 0:
         p = pass_channels(BLOCK_P, ROT_DIM, ROT_OFFSET)
         p_full = row_mask[:, :, None] & p_mask[None, None, :]
-        tl.store(o_h[:, :, None] + (p * sod)[None, None, :], kept.to(out_ty), mask=p_full)
+        to_p = o_h[:, :, None] + (p * sod)[None, None, :]
+        if QUANT and BLOCK_P > FP8_RUN:
+            to_p = tl.max_contiguous(to_p, [1, 1, FP8_RUN])
+        tl.store(to_p, kept.to(out_ty), mask=p_full)
 
 
 @triton.jit
@@ -617,7 +648,10 @@ def _copy_program(
             mask = mask & write[:, None, None]
         if QUANT:
             values = tl.math.div_rn(values.to(tl.float32), scale).to(o_row.dtype.element_ty)
-        tl.store(o_h[:, :, None] + (w * sod)[None, None, :], values, mask=mask)
+        at = o_h[:, :, None] + (w * sod)[None, None, :]
+        if QUANT and BLOCK_W > FP8_RUN:
+            at = tl.max_contiguous(at, [1, 1, FP8_RUN])
+        tl.store(at, values, mask=mask)
 
 
 @triton.jit(do_not_specialize=[
