@@ -4,7 +4,8 @@ FlashInfer's fused call where FlashInfer is installed.
 
     python -m benchmarks.serving_cache [--tokens 1 16 64 256] [--prefill 4096 16384 32768]
 
-Decode (q 32 heads, k and v 8, d 128, bf16, pages of 16, positions and slots on the GPU): end
+Decode (q 32 heads, k and v 8, d 128, bf16, pages of 16, positions and slots on the GPU; q
+new, rotated in place as ``apply_qk_`` does, or into a buffer the engine keeps): end
 to end us per call on the host clock (the larger of host and GPU time; every call's turn
 interleaved in each round, :func:`benchmarks.bench.host_us_interleaved`), and each call's ratio
 to ``apply_qk_`` alone. Prefill: the launch's GPU time (``do_bench``, L2 flushed) against a
@@ -50,12 +51,13 @@ def decode_calls(tokens: int, cache_dtype: torch.dtype) -> dict[str, Callable[[]
     scale = 0.05 if cache_dtype == FP8 else 1.0
     cache = rd.PagedKVCache(k_cache, v_cache, slots, k_scale=scale, v_scale=scale)
     flat_k, flat_v = k_cache.view(-1, *k.shape[1:]), v_cache.view(-1, *k.shape[1:])
+    q_given = torch.empty_like(q)  # an engine's q buffer, reused every step
 
     def composed() -> None:  # what rope_to_cache replaces: rotate, then the engine's writes
         rd.apply_qk_(q, k, freqs, spec, positions=pos)
-        if cache_dtype == FP8:
-            flat_k.index_copy_(0, slots, (k / scale).to(FP8))
-            flat_v.index_copy_(0, slots, (v / scale).to(FP8))
+        if cache_dtype == FP8:  # torch has no FP8 index_copy_: through the bytes
+            flat_k.view(torch.uint8).index_copy_(0, slots, (k / scale).to(FP8).view(torch.uint8))
+            flat_v.view(torch.uint8).index_copy_(0, slots, (v / scale).to(FP8).view(torch.uint8))
         else:
             flat_k.index_copy_(0, slots, k)
             flat_v.index_copy_(0, slots, v)
@@ -64,6 +66,10 @@ def decode_calls(tokens: int, cache_dtype: torch.dtype) -> dict[str, Callable[[]
         "apply_qk_ alone": lambda: rd.apply_qk_(q, k, freqs, spec, positions=pos),
         "apply_qk_ + index_copy_ (k, v)": composed,
         "rope_to_cache": lambda: rd.rope_to_cache(q, k, v, freqs, spec, positions=pos, cache=cache),
+        "rope_to_cache (q in place)": lambda: rd.rope_to_cache(
+            q, k, v, freqs, spec, positions=pos, cache=cache, q_out=q),
+        "rope_to_cache (q_out given)": lambda: rd.rope_to_cache(
+            q, k, v, freqs, spec, positions=pos, cache=cache, q_out=q_given),
         "rope_to_cache (descriptor per call)": lambda: rd.rope_to_cache(
             q, k, v, freqs, spec, positions=pos,
             cache=rd.PagedKVCache(k_cache, v_cache, slots, k_scale=scale, v_scale=scale)),

@@ -467,12 +467,17 @@ def _planned_form(
     return tensors, form
 
 
+_NO_NORMS = (None, None)
+
+
 def _with_norms(inputs: tuple, norms: tuple) -> tuple | None:
     """A planned form (:func:`_planned_form`) with the call's norm stages: their weights join
     the guarded tensors (the plan reads them where they lay when it was made, and its guard
     checks they still lie there) and their forms the key. ``None`` (checked every time) where a
     gradient may be wanted: the weights are then inputs of the autograd graph."""
     tensors, form = inputs
+    if norms[0] is None and norms[1] is None and not _grad_enabled():
+        return tensors, (*form, _NO_NORMS, ())
     weights, forms, ids = [], [], []
     for n in norms:  # a decode step's host path: plain loops
         if n is None:
