@@ -1,6 +1,6 @@
 """Hugging Face transformers models on rope-dispatch: their RoPE call, mapped onto ours.
 
-One line moves a model of any family in :data:`SUPPORTED_MODELS` over (123 families: Llama,
+One line moves a model of any family in :data:`SUPPORTED_MODELS` over (145 families: Llama,
 Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE, DeepSeek-V3, Qwen2-VL,
 Qwen2.5-VL, Llama 4, Qwen3-VL, Qwen3-VL-MoE and those of :mod:`.hf_families`; docs/hf.md)::
 
@@ -18,7 +18,8 @@ The names, per family (:data:`SUPPORTED_MODELS`):
   channel's position stream (temporal, height, width) and returns per-token ``[b, s, d]``
   cos/sin.
 - ``apply_rotary_pos_emb_interleave`` -> :func:`apply_rotary_pos_emb_interleave`, for
-  DeepSeek-V3 with ``rope_interleave`` (its rotary channels in interleaved pairs, rotated into
+  DeepSeek-V3 and the other multi-head latent attention families (:data:`.hf_families.MLA_FAMILIES`)
+  with ``rope_interleave`` (its rotary channels in interleaved pairs, rotated into
   halves: ``RoPESpec(deinterleave=True)``). DeepSeek's attention splits the rotary part off
   each query head (``q_rot``) and off the shared key latent (``k_rot``, one head) before the
   call, so both arrive as views of their projections and their gradients flow back to them.
@@ -66,7 +67,7 @@ from ..errors import RoPEError
 from ..norm import HeadNorm
 from ..spec import RoPESpec
 from ..tables import CosSinCache
-from .hf_families import STANDARD_FAMILIES
+from .hf_families import MLA_FAMILIES, STANDARD_FAMILIES
 
 __all__ = [
     "QK_NORM_MODELS", "SUPPORTED_MODELS", "apply_multimodal_rotary_pos_emb",
@@ -134,6 +135,10 @@ QK_NORM_MODELS.update({
 SUPPORTED_MODELS.update({
     family: (f"transformers.models.{folder}.modeling_{folder}", attention, _PLAIN)
     for family, (folder, attention) in STANDARD_FAMILIES.items()
+})
+SUPPORTED_MODELS.update({
+    family: (f"transformers.models.{folder}.modeling_{folder}", attention, _INTERLEAVE)
+    for family, (folder, attention) in MLA_FAMILIES.items()
 })
 
 _STREAMS = 3
