@@ -1,7 +1,9 @@
 """``integrations.hf.patch`` on every family of ``hf_families.STANDARD_FAMILIES`` (the families
-whose attention calls the standard ``apply_rotary_pos_emb``): a tiny random model of each, built
-from its config (one or two layers, hidden size 64, no download), gives the same outputs and
-parameter gradients patched and unpatched, and ``unpatch`` binds the original function back.
+whose attention calls the standard ``apply_rotary_pos_emb``) and ``hf_families.MLA_FAMILIES``
+(multi-head latent attention as DeepSeek-V3's): a tiny random model of each, built from its config
+(one or two layers, hidden size 64, no download), gives the same outputs, parameter gradients and
+q and k of every RoPE call patched and unpatched, and ``unpatch`` binds the original functions back.
+Audio, image and time-series encoders run on random features, waveforms, pixels and series.
 Where a family's default model is multimodal or full size, its text model is built from a text
 sub-config or a text model class, with tiny vision, audio, encoder and decoder sub-configs; the
 other models of a modeling module whose attention calls the function too (:data:`OTHER_CALLERS`)
@@ -19,7 +21,7 @@ import torch
 import transformers
 
 from rope_dispatch.integrations import hf
-from rope_dispatch.integrations.hf_families import STANDARD_FAMILIES
+from rope_dispatch.integrations.hf_families import MLA_FAMILIES, STANDARD_FAMILIES
 
 TOKENS = 12
 BATCH = 2
@@ -51,7 +53,35 @@ def mrope(sections):
     return dict(**ROPE, mrope_section=sections)
 
 
+MLA = dict(
+    num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+    qk_rope_head_dim=8, v_head_dim=8, head_dim=None, n_group=1, topk_group=1,
+    first_k_dense_replace=1, mlp_layer_types=["dense", "sparse"],
+    index_topk=4, index_head_dim=16, index_n_heads=2,
+)
+"""Multi-head latent attention as in tests/test_integration_hf.py's DeepSeek-V3: 8 rotary channels
+of 16 per query head, one rotary key head; a dense and a MoE layer; where the family has a
+sparse-attention indexer, one that keeps 4 of the 12 tokens, so its (rotated) scores choose what
+each token attends to."""
+CODEC = dict(
+    num_key_value_heads=4, downsampling_ratios=[2, 2], semantic_model_config=dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+"""NeuCodec's and XCodec2's decoder: RoPE across heads (cos per head, ``unsqueeze_dim=2``), which
+needs as many key as query heads."""
+SEANET = dict(num_filters=8, upsampling_ratios=[2, 2], upsample_groups=64, sliding_window=8)
+"""Mimi's and the Pocket TTS audio tokenizer's encoder: 4 samples per transformer token."""
+
+
 MODEL_TYPES = {
+    "Dots3Note": "dots3_note_audio_encoder",
+    "GlmAsr": "glmasr_encoder",
+    "Lasr": "lasr_encoder",
+    "Mimi": "mimi_encoder",
+    "MiniMaxM3VL": "minimax_m3_vl_text",
+    "Nemotron3_5Transcribe": "nemotron3_5_transcribe_asr_audio",
+    "Nemotron3_5Transcribe-timestamps": "nemotron3_5_transcribe_word_timestamp",
+    "Nemotron3Diarization": "nemotron3_diarization_audio",
+    "PocketTTSAudioTokenizer": "pocket_tts_audio_tokenizer_encoder",
     "Aria": "aria_text",
     "CohereCompass": "cohere_compass_text",
     "Cosmos3Edge": "cosmos3_edge_text",
@@ -100,12 +130,20 @@ OVERRIDES = {
         **SUB, num_channels=2, cross_hidden_size=64, cross_num_attention_heads=4,
         cross_head_dim=16, cross_num_key_value_heads=2)),
     "Dots1": dict(first_k_dense_replace=1, n_shared_experts=1),
+    "Dots3Note": dict(
+        feature_size=16, downsample_hidden_size=8, adapter_input_size=64, adapter_out_dim=32),
     "Esm": dict(position_embedding_type='rotary', num_key_value_heads=4),
     "Esmc": dict(num_key_value_heads=4),
+    "Evolla": dict(
+        aligner_num_add_layers=1, resampler_depth=1, resampler_dim_head=16, resampler_heads=2,
+        resampler_num_latents=4, protein_encoder_config=dict(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            vocab_size=32, max_position_embeddings=64, token_dropout=False)),
     "Falcon": dict(head_dim=None),
     "Flint": dict(**SLIDING, attn_implementation="eager"),
     "Gemma2": dict(attn_implementation="eager"),
     "Glm4vMoe": dict(rope_parameters=mrope([2, 1, 1])),
+    "GlmAsr": dict(num_mel_bins=16),
     "GlmImage": dict(rope_parameters=mrope([2, 3, 3])),
     "GPTNeoXJapanese": dict(attn_implementation="eager"),
     "GraniteSWA": dict(attn_implementation="eager"),
@@ -118,10 +156,30 @@ OVERRIDES = {
         frequency_embedding_size=16, loss_weighting_num_layers=1), latent_dim=8),
     "HunYuanVL": dict(rope_parameters=dict(**ROPE, mrope_section=[2, 2, 2, 2])),
     "HYV4": dict(attn_implementation="eager"),
+    "Idefics": dict(
+        freeze_text_layers=False, freeze_vision_layers=False, cross_layer_interval=2,
+        vision_config=dict(embed_dim=32, image_size=28, patch_size=14, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2)),
+    "KyutaiSpeechToText": dict(  # ids: the text token, then one per codebook
+        ffn_dim=128, num_codebooks=2, codebook_vocab_size=16, audio_bos_token_id=15,
+        audio_pad_token_id=160, sliding_window=8),
+    "Lasr": dict(num_mel_bins=16, subsampling_conv_channels=32, conv_kernel_size=5),
     "Lfm2Moe": dict(layer_types=['full_attention', 'full_attention'], num_dense_layers=1),
     "Lfm3": dict(layer_types=['conv', 'full_attention']),
     "MiMoV2Flash": dict(attn_implementation="eager"),
+    "Mimi": dict(**SEANET, codebook_size=16, codebook_dim=8, num_quantizers=2,
+                 vector_quantization_hidden_dimension=8),
+    "Nemotron3_5Transcribe": dict(num_mel_bins=16, subsampling_factor=2),
+    "Nemotron3_5Transcribe-timestamps": dict(vocab_size=16, blank_token_id=15),
+    "Nemotron3Diarization": dict(num_mel_bins=16, subsampling_factor=2),
+    "MiniMaxM3VL": dict(  # layer 0 sparse: its indexer keeps 2 blocks of 2 tokens
+        dense_intermediate_size=128, shared_intermediate_size=32, index_n_heads=2,
+        index_head_dim=8, index_block_size=2, index_topk_blocks=2,
+        layer_types=["minimax_m3_sparse", "full_attention"], mlp_layer_types=["dense", "sparse"]),
+    "NeuCodec": CODEC,
     "PaddleOCR": dict(rope_parameters=mrope([2, 3, 3])),
+    "Pixtral": dict(image_size=56, patch_size=14),
+    "PocketTTSAudioTokenizer": dict(**SEANET, latent_stride=2, latent_dim=8),
     "Phi4Multimodal": dict(
         rope_parameters=dict(**ROPE, partial_rotary_factor=0.5),
         vision_config=dict(
@@ -144,6 +202,8 @@ OVERRIDES = {
         **SLIDING, num_sliding_attention_heads=4, mlp_layer_types=["dense", "sparse"],
         share_expert_dim=32),
     "T5Gemma": dict(attn_implementation="eager", encoder=T5GEMMA, decoder=T5GEMMA),
+    "TimesFm2_5": dict(
+        patch_length=4, context_length=4 * TOKENS, horizon_length=8, output_quantile_len=16),
     "T5Gemma2": dict(
         vocab_size=132, image_token_index=130, eoi_token_index=131,
         attn_implementation="eager", decoder=T5GEMMA2, encoder=dict(
@@ -153,28 +213,30 @@ OVERRIDES = {
                 num_attention_heads=2, image_size=28, patch_size=14))),
     "VaultGemma": dict(attn_implementation="eager"),
     "VoxtralRealtime-encoder": dict(sliding_window=8),
+    "Xcodec2": CODEC,
     "Zamba2": dict(
         layers_block_type=["mamba", "hybrid"], use_mem_rope=True, n_mamba_heads=4,
         mamba_d_state=8),
     "Zaya": dict(num_experts_per_tok=1),
+    **{family: MLA for family in MLA_FAMILIES},
+    **{f"{family}-halves": dict(MLA, rope_interleave=False)
+       for family in ("AXK1", "Glm4MoeLite", "Mistral4", "Youtu")},
 }
 """Family -> the settings its tiny config needs besides :data:`COMMON` (``None``: left unset):
 a full-attention layer for the hybrid families, sections summing to half the rotary dim for
 the multimodal ones, eager attention where the family has no sdpa path, tiny vision, audio,
 encoder and decoder sub-configs where the defaults are full size, RoPE switched on where it is
-off by default (Zamba2, GraniteMoeHybrid) or a sliding layer where only those rotate (Flint)."""
+off by default (Zamba2, GraniteMoeHybrid) or a sliding layer where only those rotate (Flint); the
+MLA families' ``-halves`` variants with ``rope_interleave=False`` (their attention then calls
+``apply_rotary_pos_emb``)."""
+VARIANTS = {f"{family}-halves": family for family in ("AXK1", "Glm4MoeLite", "Mistral4", "Youtu")}
+"""A second configuration of a family, run through ``patch`` as the family is."""
 
 LEFT_OUT = {
-    "needs audio, image or time-series inputs to run": [
-        "dots3_note", "glmasr", "idefics", "kyutai_speech_to_text", "lasr", "mimi",
-        "nemotron3_5_transcribe", "nemotron3_diarization", "neucodec", "pixtral",
-        "pocket_tts_audio_tokenizer", "timesfm2_5", "xcodec2",
-    ],
-    "its caller is the structure module's atom attention, with no text-only model": ["esmfold2"],
-    "other classes of the module (an indexer, a protein encoder, a token-to-wave DiT rotating "
-    "only its first head) call the function too, with shapes not verified": [
-        "evolla", "minimax_m3_vl", "qwen2_5_omni",
-    ],
+    "its callers are the structure module's atom encoder and decoder, which take atom "
+    "coordinates and features; no tiny EsmFold2 model was built here": ["esmfold2"],
+    "its token-to-wave DiT calls the function too (on its first head only), and a tiny DiT "
+    "was not built here": ["qwen2_5_omni"],
 }
 """Folders whose modeling module defines the standard function but that are not served."""
 
@@ -183,6 +245,18 @@ CONFIG_CLASSES = {"Qwen3OmniMoe-code2wav": "Qwen3OmniMoeCode2WavConfig"}
 """Family -> the class of its configuration module to build the config with, where its
 ``model_type`` is not registered."""
 MODEL_CLASSES = {
+    "Dots3Note": "Dots3NoteAudioModel",
+    "GlmAsr": "GlmAsrEncoder",
+    "Evolla": "EvollaModel",
+    "Lasr": "LasrEncoder",
+    "Mimi": "MimiEncoderModel",
+    "MiniMaxM3VL": "MiniMaxM3VLTextModel",
+    "Nemotron3_5Transcribe": "Nemotron3_5TranscribeAsrAudioModel",
+    "Nemotron3_5Transcribe-timestamps": "Nemotron3_5TranscribeWordTimestampModel",
+    "Nemotron3Diarization": "Nemotron3DiarizationAudioModel",
+    "NeuCodec": "NeuCodecDecoder",
+    "PocketTTSAudioTokenizer": "PocketTTSAudioTokenizerEncoderModel",
+    "Xcodec2": "Xcodec2Decoder",
     "DeepseekOcr2": "DeepseekOcr2TextModel",
     "DeepseekOcr2-vision": "DeepseekOcr2VisionEncoder",
     "Emu3": "Emu3TextModel",
@@ -206,9 +280,41 @@ def embeds(ids: torch.Tensor) -> torch.Tensor:
     return torch.randn(*ids.shape, COMMON["hidden_size"], generator=generator).to(ids.device)
 
 
+def noise(*shape: int) -> torch.Tensor:
+    """Random ``[BATCH, *shape]`` values: audio features, a waveform, a time series, pixels."""
+    generator = torch.Generator().manual_seed(7)
+    return torch.randn(BATCH, *shape, generator=generator).to(MODEL_DEVICE)
+
+
+def kyutai_ids(ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s, 3]`` ids: the text token, then one token of each of two codebooks."""
+    return torch.stack((ids, ids % 16, ids.flip(1) % 16), dim=-1)
+
+
 INPUTS: dict[str, Callable[[torch.Tensor], dict]] = {
     "DeepseekOcr2-vision": lambda ids: dict(inputs_embeds=embeds(ids), num_patches=8),
     "Dia": lambda ids: dict(input_ids=ids, decoder_input_ids=torch.stack((ids, ids.flip(1)), -1)),
+    "Dots3Note": lambda ids: dict(  # 8 frames a token; the second chunk's last 2 tokens padding
+        input_features=noise(16, 8 * TOKENS),
+        chunk_sample_lengths=torch.tensor([8 * TOKENS, 8 * TOKENS - 16], device=ids.device) * 160),
+    "Evolla": lambda ids: dict(  # a protein sequence for its encoder, which rotates too
+        input_ids=ids, protein_input_ids=ids % 27 + 5, protein_attention_mask=torch.ones_like(ids)),
+    "GlmAsr": lambda ids: dict(input_features=noise(16, 2 * TOKENS)),
+    "Idefics": lambda ids: dict(
+        input_ids=ids, pixel_values=noise(1, 3, 28, 28),
+        image_attention_mask=torch.ones(*ids.shape, 1, dtype=torch.long, device=ids.device)),
+    "KyutaiSpeechToText": lambda ids: dict(input_ids=kyutai_ids(ids)),
+    "Lasr": lambda ids: dict(input_features=noise(4 * TOKENS + 9, 16)),  # two strided convs
+    "Mimi": lambda ids: dict(input_values=noise(1, 4 * TOKENS)),
+    "Nemotron3_5Transcribe": lambda ids: dict(input_features=noise(2 * TOKENS, 16)),
+    "Nemotron3_5Transcribe-timestamps": lambda ids: dict(inputs_embeds=embeds(ids)[:, ::2]),
+    "Nemotron3Diarization": lambda ids: dict(input_features=noise(2 * TOKENS, 16)),
+    "NeuCodec": lambda ids: dict(hidden_states=noise(TOKENS, 96)),
+    "Pixtral": lambda ids: dict(  # two images of 4 x 3 and 3 x 2 patches, in one sequence
+        pixel_values=noise(3, 56, 42), image_sizes=torch.tensor([[56, 42], [42, 28]])),
+    "PocketTTSAudioTokenizer": lambda ids: dict(input_values=noise(1, 4 * TOKENS)),
+    "TimesFm2_5": lambda ids: dict(past_values=noise(4 * TOKENS)),
+    "Xcodec2": lambda ids: dict(hidden_states=noise(TOKENS, 96)),
     "Qwen3OmniMoe-code2wav": lambda ids: dict(inputs_embeds=embeds(ids)),
     "Qwen3OmniMoe-talker": lambda ids: dict(inputs_embeds=embeds(ids)),
     "T5Gemma": lambda ids: dict(input_ids=ids, decoder_input_ids=ids.flip(1)),
@@ -218,9 +324,11 @@ INPUTS: dict[str, Callable[[torch.Tensor], dict]] = {
 }
 """Family -> its model's inputs, made from the ids (otherwise ``input_ids`` alone): an
 encoder-decoder's decoder ids (Dia's: two codebook channels), Voxtral realtime's time
-conditioning, embeddings for a model without ids."""
+conditioning, embeddings for a model without ids; random audio features, waveforms, pixels and
+time series for the audio, image and time-series encoders."""
 OTHER_CALLERS = {
     "DeepseekOcr2-vision": "DeepseekOcr2",
+    "Nemotron3_5Transcribe-timestamps": "Nemotron3_5Transcribe",
     "Qwen3OmniMoe-code2wav": "Qwen3OmniMoe",
     "Qwen3OmniMoe-talker": "Qwen3OmniMoe",
     "VoxtralRealtime-encoder": "VoxtralRealtime",
@@ -235,8 +343,16 @@ def modeling(folder: str):
     return importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
 
 
+FAMILIES = {**STANDARD_FAMILIES, **MLA_FAMILIES}
+
+
+def family_of(name: str) -> str:
+    """The family of a test case: itself, or the family of a variant or another caller."""
+    return VARIANTS.get(name) or OTHER_CALLERS.get(name) or name
+
+
 def folder_of(family: str) -> str:
-    return STANDARD_FAMILIES[OTHER_CALLERS.get(family, family)][0]
+    return FAMILIES[family_of(family)][0]
 
 
 def tiny_model(family: str) -> torch.nn.Module:
@@ -266,13 +382,15 @@ def step(model, family):
     ids = torch.randint(3, 128, (BATCH, TOKENS), generator=torch.Generator().manual_seed(4))
     ids = ids.to(MODEL_DEVICE)
     out = model(**INPUTS[family](ids)) if family in INPUTS else model(input_ids=ids)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    if not isinstance(out, torch.Tensor):  # a codec's decoder returns the waveform itself
+        out = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    hidden = out
     hidden.float().square().mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return hidden.detach(), grads
 
 
-PARAMS = [pytest.param(family, id=family) for family in STANDARD_FAMILIES] + [
+PARAMS = [pytest.param(family, id=family) for family in [*FAMILIES, *VARIANTS]] + [
     pytest.param(folder, id=f"{folder}-left-out", marks=pytest.mark.skip(reason=reason))
     for reason, folders in LEFT_OUT.items() for folder in folders
 ]
@@ -280,25 +398,51 @@ PARAMS = [pytest.param(family, id=family) for family in STANDARD_FAMILIES] + [
 
 def check_patched_equals_unpatched(family, monkeypatch, rebind):
     """Outputs and every gradient of ``family``'s tiny model, before and after ``rebind(model,
-    module)``, are the same, with at least one call to our function after."""
+    module)``, are the same, and so are the q and k of each call of the module's RoPE functions
+    (a call whose result reaches no output, such as an indexer's, is compared too), with at
+    least one call to our functions after."""
     model = tiny_model(family)
     module = modeling(folder_of(family))
-    original = module.apply_rotary_pos_emb
-    monkeypatch.setattr(module, "apply_rotary_pos_emb", original)  # put back whatever happens
-    monkeypatch.setattr(hf, "_originals", {})
+    names = [name for name in hf.SUPPORTED_MODELS[family_of(family)][2] if hasattr(module, name)]
+    originals = {name: getattr(module, name) for name in names}
+    theirs, ours = [], []
+    for name, original in originals.items():
+        monkeypatch.setattr(module, name, recording(original, theirs))
     expected = step(model, family)
+    for name, original in originals.items():
+        monkeypatch.setattr(module, name, original)  # and put back whatever happens
+    monkeypatch.setattr(hf, "_originals", {})
     calls = []
     real = hf.apply_qk
     monkeypatch.setattr(hf, "apply_qk", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     rebind(model, module)
-    assert module.apply_rotary_pos_emb is hf.apply_rotary_pos_emb
-    hidden, grads = step(model, family)
+    for name in names:
+        assert getattr(module, name) is hf._REPLACEMENTS[name]
+        setattr(module, name, recording(hf._REPLACEMENTS[name], ours))
+    try:
+        hidden, grads = step(model, family)
+    finally:
+        for name in names:
+            setattr(module, name, hf._REPLACEMENTS[name])
     assert calls, "the patched model made no RoPE call"
+    assert len(ours) == len(theirs) == len(calls)
+    for index, (got, want) in enumerate(zip(ours, theirs)):
+        for part, (ours_t, theirs_t) in zip("qk", zip(got, want)):
+            torch.testing.assert_close(ours_t, theirs_t, msg=f"call {index}, {part}", **SAME)
     torch.testing.assert_close(hidden, expected[0], **SAME)
     assert grads.keys() == expected[1].keys()
     for name, grad in expected[1].items():
         torch.testing.assert_close(grads[name], grad, msg=name, **SAME)
-    return model, original
+    return model, originals
+
+
+def recording(function, calls: list):
+    """``function``, keeping each call's (q, k) result in ``calls``."""
+    def record(*args, **kwargs):
+        result = function(*args, **kwargs)
+        calls.append(tuple(t.detach() for t in result))
+        return result
+    return record
 
 
 @pytest.mark.parametrize("family", PARAMS)
@@ -306,9 +450,10 @@ def test_patched_family_gives_the_same_outputs_and_gradients(family, monkeypatch
     def rebind(model, module):
         assert hf.patch(model) is model
 
-    model, original = check_patched_equals_unpatched(family, monkeypatch, rebind)
+    model, originals = check_patched_equals_unpatched(family, monkeypatch, rebind)
     hf.unpatch(model)
-    assert module_function(family) is original
+    module = modeling(folder_of(family))
+    assert {name: getattr(module, name) for name in originals} == originals
 
 
 @pytest.mark.parametrize("caller", sorted(OTHER_CALLERS))
@@ -322,12 +467,8 @@ def test_other_callers_of_the_function_give_the_same_outputs_and_gradients(calle
     )
 
 
-def module_function(family):
-    return modeling(folder_of(family)).apply_rotary_pos_emb
-
-
 def test_left_out_families_are_not_listed():
-    folders = {folder for folder, _ in STANDARD_FAMILIES.values()}
+    folders = {folder for folder, _ in FAMILIES.values()}
     for left in LEFT_OUT.values():
         assert not folders & set(left)
-    assert set(OTHER_CALLERS.values()) <= set(STANDARD_FAMILIES)
+    assert set(OTHER_CALLERS.values()) | set(VARIANTS.values()) <= set(FAMILIES)

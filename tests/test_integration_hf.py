@@ -170,7 +170,24 @@ def test_partial_rotary_passes_the_rest_through():
 def test_other_unsqueeze_dims_are_refused():
     q, k, cos, sin = inputs(torch.float32, 1)
     with pytest.raises(rd.RoPEError, match="unsqueeze_dim must be 1"):
-        hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)
+        hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
+    with pytest.raises(rd.RoPEError, match=r"or \[seq, rotary_dim\] with unsqueeze_dim=0"):
+        hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)  # a [b, s, d2] cos
+    with pytest.raises(rd.RoPEError, match=r"or \[seq, rotary_dim\] with unsqueeze_dim=0"):
+        hf.apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unsqueeze_dim_0_takes_a_cos_shared_by_batch_and_heads(dtype):
+    """Pixtral's call: q and k ``[b, heads, s, d]`` with cos and sin ``[s, d2]``
+    (``unsqueeze_dim=0``); outputs and gradients as the formula and as transformers'."""
+    q, k, cos, sin = inputs(dtype, 1, batch_cos=1, seed=5)
+    cos, sin = cos[0], sin[0]
+    args = (cos, sin, 0)
+    check_outputs(hf.apply_rotary_pos_emb(q, k, *args), reference(q, k, *args),
+                  modeling("Llama").apply_rotary_pos_emb(q, k, *args))
+    check_gradients(q, k, args, hf.apply_rotary_pos_emb, reference,
+                    modeling("Llama").apply_rotary_pos_emb)
 
 
 COMPILED_FIRST = """

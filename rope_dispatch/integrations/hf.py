@@ -1,6 +1,6 @@
 """Hugging Face transformers models on rope-dispatch: their RoPE call, mapped onto ours.
 
-One line moves a model of any family in :data:`SUPPORTED_MODELS` over (123 families: Llama,
+One line moves a model of any family in :data:`SUPPORTED_MODELS` over (145 families: Llama,
 Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE, DeepSeek-V3, Qwen2-VL,
 Qwen2.5-VL, Llama 4, Qwen3-VL, Qwen3-VL-MoE and those of :mod:`.hf_families`; docs/hf.md)::
 
@@ -18,7 +18,8 @@ The names, per family (:data:`SUPPORTED_MODELS`):
   channel's position stream (temporal, height, width) and returns per-token ``[b, s, d]``
   cos/sin.
 - ``apply_rotary_pos_emb_interleave`` -> :func:`apply_rotary_pos_emb_interleave`, for
-  DeepSeek-V3 with ``rope_interleave`` (its rotary channels in interleaved pairs, rotated into
+  DeepSeek-V3 and the other multi-head latent attention families (:data:`.hf_families.MLA_FAMILIES`)
+  with ``rope_interleave`` (its rotary channels in interleaved pairs, rotated into
   halves: ``RoPESpec(deinterleave=True)``). DeepSeek's attention splits the rotary part off
   each query head (``q_rot``) and off the shared key latent (``k_rot``, one head) before the
   call, so both arrive as views of their projections and their gradients flow back to them.
@@ -66,7 +67,7 @@ from ..errors import RoPEError
 from ..norm import HeadNorm
 from ..spec import RoPESpec
 from ..tables import CosSinCache
-from .hf_families import STANDARD_FAMILIES
+from .hf_families import MLA_FAMILIES, STANDARD_FAMILIES
 
 __all__ = [
     "QK_NORM_MODELS", "SUPPORTED_MODELS", "apply_multimodal_rotary_pos_emb",
@@ -135,11 +136,16 @@ SUPPORTED_MODELS.update({
     family: (f"transformers.models.{folder}.modeling_{folder}", attention, _PLAIN)
     for family, (folder, attention) in STANDARD_FAMILIES.items()
 })
+SUPPORTED_MODELS.update({
+    family: (f"transformers.models.{folder}.modeling_{folder}", attention, _INTERLEAVE)
+    for family, (folder, attention) in MLA_FAMILIES.items()
+})
 
 _STREAMS = 3
 """Position streams of multimodal RoPE: temporal, height, width."""
-_HEADS_DIM = {1: 1, -3: 1, 2: 2, -2: 2}
-"""``unsqueeze_dim`` -> where q's heads are: 1 for ``[b, heads, s, d]``, 2 for ``[b, s, heads, d]``."""
+_HEADS_DIM = {0: 1, 1: 1, -3: 1, 2: 2, -2: 2}
+"""``unsqueeze_dim`` -> where q's heads are: 1 for ``[b, heads, s, d]``, 2 for ``[b, s, heads, d]``;
+0 is Pixtral's ``[b, heads, s, d]`` with a ``[s, d2]`` cos shared by the batch."""
 
 _specs: dict[tuple[torch.dtype, bool], RoPESpec] = {
     (dtype, deinterleave): RoPESpec(layout="bshd", dtype=dtype, deinterleave=deinterleave)
@@ -222,15 +228,21 @@ def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     heads_dim = _HEADS_DIM.get(unsqueeze_dim)
     if heads_dim is None:
         raise RoPEError(
-            f"unsqueeze_dim must be 1 (q, k [b, heads, s, d]) or 2 ([b, s, heads, d]), got "
-            f"{unsqueeze_dim!r}"
+            f"unsqueeze_dim must be 1 (q, k [b, heads, s, d]), 2 ([b, s, heads, d]) or 0 ([b, "
+            f"heads, s, d] with cos [s, d2]), got {unsqueeze_dim!r}"
+        )
+    if (unsqueeze_dim == 0) != (cos.dim() == 2) or unsqueeze_dim == 0 and cos.shape[0] != q.shape[2]:
+        raise RoPEError(
+            f"cos must be [batch, seq, rotary_dim], or [seq, rotary_dim] with unsqueeze_dim=0 "
+            f"(Pixtral's call, shared by the batch), seq being q's sequence length; got cos "
+            f"{tuple(cos.shape)}, q {tuple(q.shape)}, unsqueeze_dim={unsqueeze_dim}"
         )
     q_norm, k_norm = _take_norms(q, k) if _window.attention is not None else (None, None)
     if heads_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     q_out, k_out = apply_qk(
         q, k, _token_table(cos, sin), _spec(q.dtype, deinterleave),
-        start_positions=_sequence_starts(cos, q),
+        start_positions=None if unsqueeze_dim == 0 else _sequence_starts(cos, q),
         q_norm=q_norm, k_norm=k_norm,
     )
     if heads_dim == 1:
