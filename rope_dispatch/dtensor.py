@@ -16,7 +16,8 @@ with the sequence (``Shard(0)`` on the mesh dims that shard the tokens' sequence
 context-parallel buffers are) is read at the shard's own rows instead. The op's backward is the
 same op with the transposed rotation, so gradients keep the placements too; after a norm stage
 it is ``rope_shard_norm_backward``, whose weight gradient is ``Partial`` (each rank's part of
-the sum) wherever the tokens or heads are sharded, so torch reduces it.
+the sum) wherever the tokens or heads are sharded, so torch reduces it. In-place calls rotate
+each rank's local shard (:func:`_rotate_in_place`).
 """
 from __future__ import annotations
 
@@ -412,16 +413,27 @@ class _Prepared(NamedTuple):
     norms: tuple
 
 
+def _check_in_place(t: DTensor, k: DTensor | None, freqs: object) -> None:
+    """What the plain in-place calls refuse, said of the DTensors."""
+    from .call import _check_writable, table_grad_wanted
+
+    if table_grad_wanted(freqs, None):
+        raise RoPEError(
+            f"{'apply_' if k is None else 'apply_qk_'} cannot rotate in place with a table "
+            "that requires grad; pass freqs.detach() for a constant table"
+        )
+    _check_writable(t, "t" if k is None else "q")
+    if k is not None:
+        _check_writable(k, "k")
+        if k is t:
+            raise RoPEError("apply_qk_ got the same tensor as q and k; it would be rotated twice")
+
+
 def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions, in_place,
              k_freqs, k, norms, split=None) -> _Prepared:
     """A DTensor call checked for what its placements allow."""
     from .spec import dtype_name
 
-    if in_place:
-        raise _refuse(
-            "in-place rotation (apply_, apply_qk_) is not offered on DTensors; use apply or "
-            "apply_qk, which return DTensors with the same placements"
-        )
     if k_freqs is not None and k_freqs is not freqs:
         raise _refuse("a separate k table (k_freqs) is not supported")
     if not isinstance(spec, RoPESpec):
@@ -443,6 +455,8 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
         _check_placements(k, "k", spec.layout)
         if list(k.placements) != list(t.placements):
             raise _refuse(f"k has placements {k.placements} but q {t.placements}; expected the same")
+    if in_place:
+        _check_in_place(t, k, freqs)
     q_name = "norm" if k is None and split is None else "q_norm"
     stages = (_norm_stage(norms[0], q_name, t), _norm_stage(norms[1], "k_norm", t))
     mesh = t.device_mesh
@@ -481,9 +495,12 @@ def _one(x: DTensor, p: _Prepared, stage: tuple | None, backend: str | None) -> 
 def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions,
            backend: str | None, *, in_place: bool = False, split=None, k_freqs=None, k=None,
            norms: tuple = (None, None)):
-    """A public call (``apply``, ``apply_qk``, ``apply_qkv``) whose tensor is a DTensor: new
-    DTensors with the input's placements, computed shard by shard without communication."""
+    """A public call (``apply``, ``apply_qk``, ``apply_qkv``, and in place ``apply_`` and
+    ``apply_qk_``) whose tensor is a DTensor: new DTensors with the input's placements (or the
+    inputs, rotated in place), computed shard by shard without communication."""
     p = _prepare(t, freqs, spec, start_positions, positions, in_place, k_freqs, k, norms, split)
+    if in_place:
+        return _rotate_in_place(t, k, p, backend)
     if k is not None:
         return _one(t, p, p.norms[0], backend), _one(k, p, p.norms[1], backend)
     if split is None:
@@ -498,9 +515,39 @@ def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions
             t[..., q_len + k_len:].contiguous())
 
 
+def _rotate_in_place(t: DTensor, k: DTensor | None, p: _Prepared, backend: str | None):
+    """``apply_``/``apply_qk_``: each rank's shard rotated in place; returns ``t`` (``(t, k)``).
+
+    Where no gradient is wanted (eagerly), the ordinary in-place call runs on each rank's
+    local tensors, so a backend writes only what the plain call writes, and the DTensors'
+    version counters move as an in-place op moves them. Where one is wanted, or under
+    torch.compile, the op makes the rotated shards apart and ``copy_`` writes them back (a
+    local copy, no communication), as the eager backend's in-place path does: autograd records
+    the write, and the backward makes a new gradient (``grad_in_place`` is not taken up)."""
+    targets = (t,) if k is None else (t, k)
+    weights = [stage[0] for stage in p.norms if stage is not None]
+    wanted = torch.is_grad_enabled() and any(x.requires_grad for x in (*targets, *weights))
+    if not wanted and not torch.compiler.is_compiling():
+        local, table, spec, pos, local_k, local_norms = _local_parts(t, k, p)
+        call_entry()(local, table, spec, None, backend, True, False, positions=pos, k=local_k,
+                     norms=local_norms)
+        torch.autograd.graph.increment_version(targets)
+        return t if k is None else (t, k)
+    if k is not None and not torch.compiler.is_compiling():
+        from .call import _check_apart
+
+        _check_apart(t.to_local(), k.to_local(), t.shape[-1])  # every channel is written
+    # a norm stage's backward reads its input, which the copy below overwrites: it reads a copy
+    made = [_one(x.clone() if stage is not None and wanted else x, p, stage, backend)
+            for x, stage in zip(targets, p.norms)]
+    for x, out in zip(targets, made):
+        x.copy_(out)
+    return t if k is None else (t, k)
+
+
 def _local_parts(t: DTensor, k: DTensor | None, p: _Prepared) -> tuple:
     """This rank's part of a prepared call as the plain call its shard runs: ``(t, freqs, spec,
-    positions, k, norms)``, local tensors."""
+    positions, k, norms)``, local tensors (views of the DTensors' own)."""
     s = p.settings
     local_spec = _local_spec(s.layout, t.dtype, s.interleaved, s.scale, s.inverse, s.offset,
                              s.deinterleave)

@@ -180,14 +180,21 @@ NORMED = [
     ("bshd", (2, 6, 8, 8), 4, [2], 8, "head", 0.0, "replicated", "rates"),  # heads: Qwen3 + TP
 ]
 NORMED_GRID = ("bshd", (2, 6, 4, 8), 2, [0, 2], 8, "head", 0.0, "replicated", "angles")
+IN_PLACE = [
+    ("sbhd", (6, 2, 2, 8), None, [0], 6, None, 0.0, None, "angles"),  # sequence, partial rotary
+    ("bshd", (2, 6, 8, 8), 4, [2], 8, "head", 0.0, "replicated", "precise_rates"),  # heads
+]
 
 
-def _check_normed(mesh, case, rank, compiled=None, backend="eager"):
+def _check_normed(mesh, case, rank, compiled=None, in_place=False, grad=True, backend="eager"):
     """Normalize, then rotate (Qwen3's q_norm and k_norm): ``apply`` with ``norm=`` or
-    ``apply_qk`` with ``q_norm=``/``k_norm=``, forward and backward, the weights' gradients
-    included, against the float64 reference. A replicated weight's gradient is Partial where
-    the tensor is sharded (each rank's part of the sum, as DTensor leaves a parameter's), a
-    plain weight's the whole sum, all-reduced by the backward (its only collective)."""
+    ``apply_qk`` with ``q_norm=``/``k_norm=`` (``in_place``: ``apply_``/``apply_qk_`` on
+    non-leaf copies, which come back as the same objects), forward and backward, the weights'
+    gradients included, against the float64 reference. A replicated weight's gradient is
+    Partial where the tensor is sharded (each rank's part of the sum, as DTensor leaves a
+    parameter's), a plain weight's the whole sum, all-reduced by the backward (its only
+    collective). ``grad=False``: under no_grad, forward only (in place: each rank's own
+    memory written, the version counters moved)."""
     from reference import reference_for, reference_head_norm
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -205,37 +212,53 @@ def _check_normed(mesh, case, rank, compiled=None, backend="eager"):
         freqs, angles = _table_of_kind(kind, longest + 6, rotary, False, gen)
     spec = rd.RoPESpec(layout=layout, dtype=F32)
     placements = _placements(shard)
-    leaves = [_shard(x, mesh, placements).requires_grad_(True) for x in xs]
+    leaves = [_shard(x, mesh, placements).requires_grad_(grad) for x in xs]
     params = [w.clone() if weight == "plain" else
               _shard(w, mesh, [Replicate()] * mesh.ndim) for w in ws]
-    params = [w.requires_grad_(True) for w in params]
+    params = [w.requires_grad_(grad) for w in params]
 
     def call(*ts):
         norms = [rd.HeadNorm(w, 1e-5, offset=offset, scope=scope) for w in params] or [None]
+        if in_place and grad:
+            ts = [t.clone() for t in ts]  # non-leaf tensors, which may be written
         if k_heads is None:
-            return (rd.apply(ts[0], freqs, spec, start_positions=starts, norm=norms[0],
-                             backend=backend),)
-        return rd.apply_qk(*ts, freqs, spec, start_positions=starts, q_norm=norms[0],
-                           k_norm=norms[1], backend=backend)
+            outs = ((rd.apply_ if in_place else rd.apply)(
+                ts[0], freqs, spec, start_positions=starts, norm=norms[0], backend=backend),)
+        else:
+            outs = (rd.apply_qk_ if in_place else rd.apply_qk)(
+                *ts, freqs, spec, start_positions=starts, q_norm=norms[0], k_norm=norms[1],
+                backend=backend)
+        if in_place and compiled is None:
+            assert all(o is t for o, t in zip(outs, ts)), "in place: not the same objects"
+        return outs
 
     graphs = []
     run = _compiled(call, compiled, graphs)
-    what = f"{case} rank {rank} ({backend}, {compiled or 'not compiled'})"
-
-    def both():
-        outs = run(*leaves)
-        return outs, torch.autograd.grad(outs, leaves + params, grads)
-
-    grads = [_shard(g, mesh, placements) for g in gs]
-    if compiled is None:
-        from torch.distributed.tensor.debug import CommDebugMode
-
-        with CommDebugMode() as comm:
-            outs, got = both()
-        reduced = len(params) if weight == "plain" else 0
-        assert comm.get_total_counts() == reduced, f"{what}: {comm.get_comm_counts()}"
+    what = f"{'in place ' if in_place else ''}{case} rank {rank} ({backend}, "
+    what += f"{compiled or 'not compiled'})"
+    if not grad:
+        memory = [(x.to_local().data_ptr(), x._version) for x in leaves]
+        with torch.no_grad():
+            outs = _no_comm(lambda: run(*leaves), what)
+        if in_place:
+            assert all(x.to_local().data_ptr() == ptr and x._version > version
+                       for x, (ptr, version) in zip(leaves, memory)), f"{what}: memory"
+        got = [None] * (len(leaves) + len(params))
     else:
-        outs, got = both()
+        def both():
+            outs = run(*leaves)
+            return outs, torch.autograd.grad(outs, leaves + params, grads)
+
+        grads = [_shard(g, mesh, placements) for g in gs]
+        if compiled is None:
+            from torch.distributed.tensor.debug import CommDebugMode
+
+            with CommDebugMode() as comm:
+                outs, got = both()
+            reduced = len(params) if weight == "plain" else 0
+            assert comm.get_total_counts() == reduced, f"{what}: {comm.get_comm_counts()}"
+        else:
+            outs, got = both()
     if compiled == "graphs":
         _assert_no_collective(graphs, what)
     for i, (x, g, out) in enumerate(zip(xs, gs, outs)):
@@ -245,6 +268,8 @@ def _check_normed(mesh, case, rank, compiled=None, backend="eager"):
         ref = reference_for(normed, angles, spec, starts)
         assert tuple(out.placements) == tuple(placements), f"{what}: output {out.placements}"
         assert_matches(out.full_tensor(), ref.detach(), F32, f"{what} forward {i}")
+        if not grad:
+            continue
         wanted = (xx,) if ww is None else (xx, ww)
         ref_grads = torch.autograd.grad(ref, wanted, g.double())
         dx, dw = got[i], None if ww is None else got[len(leaves) + i]
@@ -345,7 +370,7 @@ def _check_caches_and_positions(mesh, rank):
     explained = rd.explain(yd, angles, bshd, positions=positions)  # this rank's shard call
     assert str(tuple(yd.to_local().shape)) in explained.call and explained.chosen, explained
     explained = rd.explain(yd, rd.RateTable(angles[1, :4], 14), bshd, positions=positions,
-                           q_norm=rd.HeadNorm(torch.ones(8)))
+                           in_place=True, q_norm=rd.HeadNorm(torch.ones(8)))
     assert "norm head" in explained.call and explained.chosen, explained
 
 
@@ -383,9 +408,12 @@ def _check_refusals(mesh):
     y = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([3]))
     with pytest.raises(rd.RoPEError, match="head dim"):
         rd.apply(y, angles, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
-    z = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([0]))
-    with pytest.raises(rd.RoPEError, match="in-place"):
+    z = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([0])).requires_grad_(True)
+    with pytest.raises(rd.RoPEError, match="apply_ rotates t in place, but t is a leaf"):
         rd.apply_(z, angles, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
+    with pytest.raises(rd.RoPEError, match="same tensor as q and k"):
+        plain = z.detach()
+        rd.apply_qk_(plain, plain, angles, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
     heads = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([2]))
     with pytest.raises(rd.RoPEError, match="scope='heads'.*sharded on its heads"):
         rd.apply(heads, angles, rd.RoPESpec(layout="sbhd", dtype=F32),
@@ -417,6 +445,9 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         for kind, case in (("rates", ONE_DIM[0]), ("precise_rates", ONE_DIM[7]),
                            ("pair", ("bshd", (2, 8, 2, 8), [1], False, True, 8, True))):
             _check_single(mesh, case, rank, table=kind)
+        for case in IN_PLACE:
+            _check_normed(mesh, case, rank, in_place=True)
+            _check_normed(mesh, case, rank, in_place=True, grad=False)
         _check_refusals(mesh)
         _check_context_parallel(mesh, rank)
         _check_caches_and_positions(mesh, rank)
@@ -425,6 +456,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                 _check_single(mesh, case, rank, backend="triton")
             _check_single(mesh, ONE_DIM[0], rank, backend="triton", table="precise_rates")
             _check_normed(mesh, NORMED[2], rank, backend="triton")  # the fused norm kernel
+            _check_normed(mesh, IN_PLACE[1], rank, in_place=True, grad=False, backend="triton")
         if world == 4:
             grid = init_device_mesh("cpu", (2, 2))
             for case in TWO_DIM:
@@ -434,8 +466,9 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             for case in COMPILED:
                 torch._dynamo.reset()
                 _check_single(mesh, case, rank, "graphs")
-            torch._dynamo.reset()
-            _check_normed(mesh, NORMED[2], rank, "graphs")
+            for case, in_place in ((NORMED[2], False), (IN_PLACE[1], True)):
+                torch._dynamo.reset()
+                _check_normed(mesh, case, rank, "graphs", in_place=in_place)
             torch._dynamo.reset()  # Inductor's code for one case: it compiles C++ on the CPU
             _check_single(mesh, COMPILED[0], rank, "inductor")
         dist.barrier()
