@@ -832,10 +832,10 @@ def explain(
     if cache is None and not (v is None and q_out is None and q_scale is None):
         raise RoPEError("v, q_out and q_scale are rope_to_cache's: explain it with cache= too")
     if type(t) is not _Tensor and _distributed(t) and cache is None:  # this rank's shard call
-        t, freqs, spec, positions, k = _dtensor().shard_call(
+        t, freqs, spec, positions, k, (q_norm, k_norm) = _dtensor().shard_call(
             t, freqs, spec, start_positions, positions, in_place=in_place, k_freqs=k_freqs, k=k,
-            norms=(q_norm, k_norm))
-        start_positions = None
+            norms=(q_norm, k_norm), split=split)
+        start_positions = k_freqs = None
     if cache is not None:
         call = check_cache_call(t, k, v, freqs, spec, positions=positions, cache=cache,
                                 q_norm=q_norm, k_norm=k_norm, q_out=q_out, q_scale=q_scale)

@@ -1,11 +1,12 @@
-"""RoPE of :class:`torch.distributed.tensor.DTensor` inputs: one custom op with a sharding rule.
+"""RoPE of :class:`torch.distributed.tensor.DTensor` inputs: a custom op with a sharding rule.
 
 A DTensor call is checked here for what only the placements can say, then runs
 ``rope_dispatch::rope_shard``, a custom op whose sharding rule (registered with
 ``torch.distributed.tensor.experimental.register_sharding``) keeps the input's placements on
 the output: DTensor runs it on every rank's local shard, with no collective. The op's body is
 the ordinary call (:func:`rope_dispatch.dispatch._run`) on the local tensors, so a shard goes
-through the same checks, backend choice and plans as any tensor.
+through the same checks, backend choice and plans as any tensor, its norm stage (a
+:class:`~rope_dispatch.HeadNorm`, the weight replicated) and table kind included.
 
 What the shard cannot know, its tokens' global positions, travels as a per-token positions
 tensor built on each rank from the shard's offset (no communication), a DTensor sharded like
@@ -13,12 +14,15 @@ the tokens: a rank holding tokens ``o .. o + n`` of the sequence reads table row
 (plus ``start_positions``), exactly the rows the unsharded call reads. An angle table sharded
 with the sequence (``Shard(0)`` on the mesh dims that shard the tokens' sequence, as torch's
 context-parallel buffers are) is read at the shard's own rows instead. The op's backward is the
-same op with the transposed rotation, so gradients keep the placements too.
+same op with the transposed rotation, so gradients keep the placements too; after a norm stage
+it is ``rope_shard_norm_backward``, whose weight gradient is ``Partial`` (each rank's part of
+the sum) wherever the tokens or heads are sharded, so torch reduces it. In-place calls rotate
+each rank's local shard (:func:`_rotate_in_place`).
 """
-
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -26,10 +30,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import register_sharding
 
-from .errors import RoPEError
+from .errors import RoPEError, RoPETypeError
+from .norm import HeadNorm, head_norm_backward
 from .registry import call_entry
 from .spec import RoPESpec
-from .tables import CosSinCache, PairCosSinCache, RateTable
+from .tables import CosSinCache, PairCosSinCache, RateTable, angles_2d, table_kind
 
 _SEQ_DIM = {"sbhd": 0, "bshd": 1, "thd": 0}
 _BATCH_DIM = {"sbhd": 1, "bshd": 0}
@@ -40,7 +45,24 @@ def is_dtensor(x: object) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The op, its sharding rule and its autograd formula
+# The ops, their sharding rules and the autograd formula
+
+
+class _Settings(NamedTuple):
+    """The op's arguments after its tensors, but the backend (the schema's order)."""
+
+    token_dims: int
+    layout: str
+    kind: str  # the table kind (tables.table_kind)
+    rows: int  # a rate table's rows; 0 for the kinds that are tensors of rows
+    interleaved: bool
+    scale: float
+    inverse: bool
+    offset: int
+    deinterleave: bool
+    norm_scope: str | None  # the HeadNorm stage's scope, eps and offset; None: no norm stage
+    eps: float
+    norm_offset: float
 
 
 @functools.lru_cache(maxsize=64)
@@ -51,73 +73,144 @@ def _local_spec(layout: str, dtype: torch.dtype, interleaved: bool, scale: float
                     inverse=inverse, rotary_offset=offset, deinterleave=deinterleave)
 
 
-def _table(kind: str, table: torch.Tensor, sin: torch.Tensor | None) -> object:
+# A rate table per doubled-rates tensor a shard call met (the caller's RateTable's, replicated),
+# so a backend that reads angle tables makes one once. The tensor is kept beside it: no other
+# tensor can take its address while the entry lives.
+_rate_tables: dict[tuple, tuple[torch.Tensor, RateTable]] = {}
+
+
+def _rate_table(rates: torch.Tensor, rows: int, precise: bool) -> RateTable:
+    key = (rates.data_ptr(), rates.device, rates.dtype, rates.shape[0], rows, precise)
+    entry = _rate_tables.get(key)
+    if entry is None:
+        if len(_rate_tables) >= 4:
+            _rate_tables.clear()
+        # the doubled rates hold each float32 rate exactly (float64 ones too, for a precise table)
+        table = RateTable(rates[: rates.shape[0] // 2].float(), rows, precise)
+        entry = _rate_tables[key] = (rates, table)
+    return entry[1]
+
+
+def _table(kind: str, table: torch.Tensor, sin: torch.Tensor | None, rows: int) -> object:
     if kind == "cos_sin_cache":
         return CosSinCache(table, sin)
     if kind == "pair_cos_sin_cache":
         return PairCosSinCache(table)
+    if kind in ("rates", "precise_rates"):
+        return _rate_table(table, rows, kind == "precise_rates")
     return table
+
+
+def _local_call(t: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
+                positions: torch.Tensor | None, weight: torch.Tensor | None, s: _Settings,
+                backend: str | None) -> torch.Tensor:
+    """The ordinary call on one shard's local tensors (a new, contiguous output)."""
+    spec = _local_spec(s.layout, t.dtype, s.interleaved, s.scale, s.inverse, s.offset,
+                       s.deinterleave)
+    norm = None if weight is None else HeadNorm(weight, s.eps, offset=s.norm_offset,
+                                                scope=s.norm_scope)
+    return call_entry()(t, _table(s.kind, table, sin, s.rows), spec, None, backend, False, False,
+                        positions=positions, norms=(norm, None))
 
 
 @torch.library.custom_op("rope_dispatch::rope_shard", mutates_args=())
 def rope_shard(
     t: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
-    positions: torch.Tensor | None, token_dims: int, layout: str, kind: str, interleaved: bool,
-    scale: float, inverse: bool, offset: int, deinterleave: bool, backend: str | None,
+    positions: torch.Tensor | None, weight: torch.Tensor | None, token_dims: int, layout: str,
+    kind: str, rows: int, interleaved: bool, scale: float, inverse: bool, offset: int,
+    deinterleave: bool, norm_scope: str | None, eps: float, norm_offset: float,
+    backend: str | None,
 ) -> torch.Tensor:
-    """One shard's rotation: the ordinary call on local tensors (new, contiguous output).
-    ``token_dims`` leads the non-tensor arguments: DTensor keys its sharding decisions on the
-    arguments from the first int on, so the layout and settings are part of that key."""
-    spec = _local_spec(layout, t.dtype, interleaved, scale, inverse, offset, deinterleave)
-    return call_entry()(t, _table(kind, table, sin), spec, None, backend, False, False,
-                        positions=positions)
+    """One shard's rotation (after its norm stage, where ``weight`` is given): the ordinary
+    call on local tensors. ``token_dims`` leads the non-tensor arguments: DTensor keys its
+    sharding decisions on the arguments from the first int on, so the layout and settings are
+    part of that key."""
+    s = _Settings(token_dims, layout, kind, rows, interleaved, scale, inverse, offset,
+                  deinterleave, norm_scope, eps, norm_offset)
+    return _local_call(t, table, sin, positions, weight, s, backend)
 
 
 @rope_shard.register_fake
-def _rope_shard_fake(t, table, sin, positions, token_dims, layout, kind, interleaved, scale,
-                     inverse, offset, deinterleave, backend):
+def _rope_shard_fake(t, table, sin, positions, weight, *settings):
     return t.new_empty(t.shape)
 
 
+@torch.library.custom_op("rope_dispatch::rope_shard_norm_backward", mutates_args=())
+def rope_shard_norm_backward(
+    grad: torch.Tensor, t: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
+    positions: torch.Tensor | None, weight: torch.Tensor, token_dims: int, layout: str,
+    kind: str, rows: int, interleaved: bool, scale: float, inverse: bool, offset: int,
+    deinterleave: bool, norm_scope: str, eps: float, norm_offset: float, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of a normalized shard's rotation: of its input ``t``, and this shard's
+    part of the weight's (its tokens' and heads' sum; the sharding rule says Partial). The
+    rotation's transpose in float32, then the norm's gradient written out, rounded once."""
+    s = _Settings(token_dims, layout, kind, rows, interleaved, scale, not inverse, offset,
+                  deinterleave, None, eps, norm_offset)
+    turned = _local_call(grad.float(), table, sin, positions, None, s, backend)
+    dx, dweight = head_norm_backward(t, weight, turned, eps, norm_offset, norm_scope)
+    return dx.to(t.dtype), dweight.to(weight.dtype)
+
+
+@rope_shard_norm_backward.register_fake
+def _norm_backward_fake(grad, t, table, sin, positions, weight, *settings):
+    return t.new_empty(t.shape), weight.new_empty(weight.shape)
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[1:4])
-    ctx.settings = inputs[4:]
+    t, table, sin, positions, weight = inputs[:5]
+    # the input is read again only by a norm stage's backward
+    ctx.save_for_backward(None if weight is None else t, table, sin, positions, weight)
+    ctx.settings = inputs[5:]
 
 
 def _backward(ctx, grad):
-    table, sin, positions = ctx.saved_tensors
-    token_dims, layout, kind, interleaved, scale, inverse, offset, deinterleave, backend = (
-        ctx.settings)
-    # the transpose: the same channels (and pairing) turned the other way
-    made = rope_shard(grad, table, sin, positions, token_dims, layout, kind, interleaved, scale,
-                      not inverse, offset, deinterleave, backend)
-    return (made,) + (None,) * 12
+    t, table, sin, positions, weight = ctx.saved_tensors
+    s, backend = _Settings(*ctx.settings[:-1]), ctx.settings[-1]
+    none = (None,) * len(ctx.settings)
+    if weight is None:  # the transpose: the same channels (and pairing) turned the other way
+        made = rope_shard(grad, table, sin, positions, None, *s._replace(inverse=not s.inverse),
+                          backend)
+        return (made, None, None, None, None) + none
+    dx, dweight = rope_shard_norm_backward(grad, t, table, sin, positions, weight, *s, backend)
+    return (dx, None, None, None, dweight if ctx.needs_input_grad[4] else None) + none
 
 
 rope_shard.register_autograd(_backward, setup_context=_setup_context)
 
 
-@register_sharding(torch.ops.rope_dispatch.rope_shard.default)
-def _sharding(t, table, sin, positions, token_dims, layout, *settings):
-    """Per mesh dim: the output placed as ``t``; a token dim sharded with its positions, the
-    heads sharded with everything else replicated, or all replicated. A table sharded on its
-    rows goes with the sequence dim (its rows are then the shard's own tokens); a replicated
-    table never does, so DTensor cannot pick a strategy that reads the wrong rows."""
-    seq = _SEQ_DIM[layout]
+def _placement_choices(t, table, token_dims: int, layout: str):
+    """Per mesh dim, the placements of ``t``, its table and its positions that need no
+    communication: all replicated; the heads sharded, the rest replicated; a token dim sharded
+    with its positions. A table sharded on its rows goes with the sequence dim (its rows are
+    then the shard's own tokens); a replicated table never does, so DTensor cannot pick a
+    strategy that reads the wrong rows."""
+    seq, R = _SEQ_DIM[layout], Replicate()
     table_sharded = any(isinstance(p, Shard) for p in table.placements)
-    R = Replicate()
-
-    def strategy(out, tab, pos):
-        return ([out], [out, tab, None if sin is None else tab,
-                        None if positions is None else pos])
-
-    rules = [strategy(R, R, R), strategy(Shard(len(t.shape) - 2), R, R)]
+    choices = [(R, R, R), (Shard(len(t.shape) - 2), R, R)]
     for d in range(token_dims):
-        if d == seq and table_sharded:
-            rules.append(strategy(Shard(d), Shard(0), R))
-        else:
-            rules.append(strategy(Shard(d), R, Shard(d)))
-    return rules
+        choices.append((Shard(d), Shard(0), R) if d == seq and table_sharded else
+                       (Shard(d), R, Shard(d)))
+    return choices
+
+
+@register_sharding(torch.ops.rope_dispatch.rope_shard.default)
+def _sharding(t, table, sin, positions, weight, token_dims, layout, *settings):
+    """The output placed as ``t``; a norm weight replicated."""
+    return [([out], [out, tab, None if sin is None else tab, None if positions is None else pos,
+                     None if weight is None else Replicate()])
+            for out, tab, pos in _placement_choices(t, table, token_dims, layout)]
+
+
+@register_sharding(torch.ops.rope_dispatch.rope_shard_norm_backward.default)
+def _norm_backward_sharding(grad, t, table, sin, positions, weight, token_dims, layout,
+                            *settings):
+    """The input's gradient placed as ``t``; the weight's Partial (a sum over the ranks) on
+    every mesh dim that shards ``t``, as DTensor leaves a replicated parameter's gradient."""
+    return [([out, Replicate() if out.is_replicate() else Partial()],
+             [out, out, tab, None if sin is None else tab, None if positions is None else pos,
+              Replicate()])
+            for out, tab, pos in _placement_choices(t, table, token_dims, layout)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,26 +262,25 @@ def _as_dtensor(x: torch.Tensor | None, mesh, name: str) -> DTensor | None:
     return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _table_tensors(freqs: object) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+def _table_tensors(freqs: object) -> tuple[str, torch.Tensor, torch.Tensor | None, int]:
+    """``(kind, table, sin, rows)``: the tensors the op takes for ``freqs`` (a rate table's
+    doubled rates, which each shard makes its RateTable of; ``rows`` is its row count)."""
     if isinstance(freqs, CosSinCache):
-        return "cos_sin_cache", freqs.cos, freqs.sin
+        return "cos_sin_cache", freqs.cos, freqs.sin, 0
     if isinstance(freqs, PairCosSinCache):
-        return "pair_cos_sin_cache", freqs.table, None
+        return "pair_cos_sin_cache", freqs.table, None, 0
     if isinstance(freqs, RateTable):
-        raise _refuse(
-            "a RateTable computes rows inside the Triton kernels from plain tensors; pass an "
-            "angle table or a CosSinCache (replicated, or sharded with the sequence)"
-        )
+        if isinstance(freqs.inv_freq, DTensor):
+            raise _refuse("freqs is a RateTable of DTensor rates; build it of a plain tensor "
+                          "(every rank computes the same rows from the same rates)")
+        return table_kind(freqs), freqs._kernel_rates, None, freqs.rows
     if not isinstance(freqs, torch.Tensor):
-        raise RoPEError(
-            f"freqs must be an angle table, a CosSinCache or a PairCosSinCache, got "
-            f"{type(freqs).__name__}"
-        )
+        angles_2d(freqs)  # raises, saying what freqs may be (and what to build from rates)
     if freqs.dim() == 4:
         if tuple(freqs.shape[1:3]) != (1, 1):
             raise RoPEError(f"freqs must be [s2, 1, 1, d2] or [s2, d2], got {tuple(freqs.shape)}")
         freqs = freqs.view(freqs.shape[0], freqs.shape[3])
-    return "angles", freqs, None
+    return "angles", freqs, None, 0
 
 
 def _local_index(x: torch.Tensor | None, offsets: tuple, sizes: tuple, name: str,
@@ -271,19 +363,77 @@ def _check_spec(spec: RoPESpec) -> None:
         raise _refuse("spec.mrope_section (multimodal position streams) is not supported")
 
 
+def _replicated(x: torch.Tensor, mesh, name: str) -> DTensor:
+    """A norm weight as a replicated DTensor on ``mesh``. A plain tensor is wrapped (no
+    communication; differentiable: its gradient, the sum of every rank's part, comes back
+    all-reduced, the full gradient on each rank, as the unsharded call's)."""
+    if not isinstance(x, DTensor):
+        return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    if x.device_mesh is not mesh and x.device_mesh != mesh:
+        raise _refuse(f"{name} lives on another device mesh than t")
+    for i, p in enumerate(x.placements):
+        if not p.is_replicate():
+            raise _refuse(
+                f"{name} has placement {p} on mesh dim {i}; expected Replicate() (every rank "
+                "normalizes with the whole weight): a plain tensor or a replicated DTensor"
+            )
+    return x
+
+
+def _norm_stage(norm: object, name: str, t: DTensor) -> tuple[DTensor, tuple] | None:
+    """A :class:`HeadNorm` checked for ``t``'s placements: its weight as a replicated DTensor
+    and its settings (scope, eps, offset); the rest is checked on each shard."""
+    if norm is None:
+        return None
+    if not isinstance(norm, HeadNorm):
+        raise RoPETypeError(
+            f"{name} must be a rope_dispatch.HeadNorm or None, got {type(norm).__name__}")
+    heads, owner = t.dim() - 2, {"norm": "t", "q_norm": "q", "k_norm": "k"}[name]
+    if norm.scope == "heads":
+        for i, p in enumerate(t.placements):
+            if isinstance(p, Shard) and p.dim == heads:
+                raise _refuse(
+                    f"{name} has scope='heads' (a token's heads normalized together), but "
+                    f"{owner} is sharded on its heads (Shard({heads}), mesh dim {i}), so a rank "
+                    "holds only some of each token's heads; use scope='head', or shard batch "
+                    "or sequence"
+                )
+    return _replicated(norm.weight, t.device_mesh, f"{name}.weight"), (
+        norm.scope, norm.eps, norm.offset)
+
+
+class _Prepared(NamedTuple):
+    """A DTensor call's op arguments but the tensor: the table, its sin half, the positions,
+    the settings (no norm stage) and each side's norm stage (q's or t's, k's)."""
+
+    table: DTensor
+    sin: DTensor | None
+    positions: DTensor | None
+    settings: _Settings
+    norms: tuple
+
+
+def _check_in_place(t: DTensor, k: DTensor | None, freqs: object) -> None:
+    """What the plain in-place calls refuse, said of the DTensors."""
+    from .call import _check_writable, table_grad_wanted
+
+    if table_grad_wanted(freqs, None):
+        raise RoPEError(
+            f"{'apply_' if k is None else 'apply_qk_'} cannot rotate in place with a table "
+            "that requires grad; pass freqs.detach() for a constant table"
+        )
+    _check_writable(t, "t" if k is None else "q")
+    if k is not None:
+        _check_writable(k, "k")
+        if k is t:
+            raise RoPEError("apply_qk_ got the same tensor as q and k; it would be rotated twice")
+
+
 def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions, in_place,
-             k_freqs, k, norms) -> tuple:
-    """A DTensor call checked for what its placements allow: ``(table, sin, positions,
-    settings)``, the op's arguments but the tensor and the backend."""
+             k_freqs, k, norms, split=None) -> _Prepared:
+    """A DTensor call checked for what its placements allow."""
     from .spec import dtype_name
 
-    if in_place:
-        raise _refuse(
-            "in-place rotation (apply_, apply_qk_) is not offered on DTensors; use apply or "
-            "apply_qk, which return DTensors with the same placements"
-        )
-    if norms[0] is not None or norms[1] is not None:
-        raise _refuse("a norm stage (HeadNorm) is not supported; normalize, then rotate")
     if k_freqs is not None and k_freqs is not freqs:
         raise _refuse("a separate k table (k_freqs) is not supported")
     if not isinstance(spec, RoPESpec):
@@ -305,8 +455,12 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
         _check_placements(k, "k", spec.layout)
         if list(k.placements) != list(t.placements):
             raise _refuse(f"k has placements {k.placements} but q {t.placements}; expected the same")
+    if in_place:
+        _check_in_place(t, k, freqs)
+    q_name = "norm" if k is None and split is None else "q_norm"
+    stages = (_norm_stage(norms[0], q_name, t), _norm_stage(norms[1], "k_norm", t))
     mesh = t.device_mesh
-    kind, table, sin = _table_tensors(freqs)
+    kind, table, sin, rows = _table_tensors(freqs)
     table, sin = _as_dtensor(table, mesh, "freqs"), _as_dtensor(sin, mesh, "freqs.sin")
     table_sharded = any(p.is_shard() for p in table.placements)
     if table_sharded:
@@ -323,43 +477,93 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
                 f"({t.shape[seq]}), got {table.shape[0]}"
             )
     pos = _positions(t, spec, start_positions, positions, table_sharded)
-    settings = (t.dim() - 2, spec.layout, kind, spec.interleaved, float(spec.cos_sin_scale),
-                spec.inverse, spec.rotary_offset, spec.deinterleave)
-    return table, sin, pos, settings
+    settings = _Settings(t.dim() - 2, spec.layout, kind, rows, spec.interleaved,
+                         float(spec.cos_sin_scale), spec.inverse, spec.rotary_offset,
+                         spec.deinterleave, None, 0.0, 0.0)
+    return _Prepared(table, sin, pos, settings, stages)
+
+
+def _one(x: DTensor, p: _Prepared, stage: tuple | None, backend: str | None) -> DTensor:
+    """The op on one DTensor, after its norm stage where ``stage`` is given."""
+    if stage is None:
+        return rope_shard(x, p.table, p.sin, p.positions, None, *p.settings, backend)
+    weight, (scope, eps, offset) = stage
+    settings = p.settings._replace(norm_scope=scope, eps=eps, norm_offset=offset)
+    return rope_shard(x, p.table, p.sin, p.positions, weight, *settings, backend)
 
 
 def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions,
            backend: str | None, *, in_place: bool = False, split=None, k_freqs=None, k=None,
            norms: tuple = (None, None)):
-    """A public call (``apply``, ``apply_qk``, ``apply_qkv``) whose tensor is a DTensor: new
-    DTensors with the input's placements, computed shard by shard without communication."""
-    table, sin, pos, settings = _prepare(t, freqs, spec, start_positions, positions, in_place,
-                                         k_freqs, k, norms)
-
-    def one(x: DTensor) -> DTensor:
-        return rope_shard(x, table, sin, pos, *settings, backend)
-
+    """A public call (``apply``, ``apply_qk``, ``apply_qkv``, and in place ``apply_`` and
+    ``apply_qk_``) whose tensor is a DTensor: new DTensors with the input's placements (or the
+    inputs, rotated in place), computed shard by shard without communication."""
+    p = _prepare(t, freqs, spec, start_positions, positions, in_place, k_freqs, k, norms, split)
+    if in_place:
+        return _rotate_in_place(t, k, p, backend)
     if k is not None:
-        return one(t), one(k)
+        return _one(t, p, p.norms[0], backend), _one(k, p, p.norms[1], backend)
     if split is None:
-        return one(t)
+        return _one(t, p, p.norms[0], backend)
     from .call import _check_split
 
     q_len, k_len, _ = _check_split(split, t.shape[-1])
     q = t[..., :q_len]
     q = q.reshape(*q.shape[:-2], q.shape[-2] * (q_len // k_len), k_len)
-    return one(q), one(t[..., q_len:q_len + k_len]), t[..., q_len + k_len:].contiguous()
+    k_part = t[..., q_len:q_len + k_len]
+    return (_one(q, p, p.norms[0], backend), _one(k_part, p, p.norms[1], backend),
+            t[..., q_len + k_len:].contiguous())
+
+
+def _rotate_in_place(t: DTensor, k: DTensor | None, p: _Prepared, backend: str | None):
+    """``apply_``/``apply_qk_``: each rank's shard rotated in place; returns ``t`` (``(t, k)``).
+
+    Where no gradient is wanted (eagerly), the ordinary in-place call runs on each rank's
+    local tensors, so a backend writes only what the plain call writes, and the DTensors'
+    version counters move as an in-place op moves them. Where one is wanted, or under
+    torch.compile, the op makes the rotated shards apart and ``copy_`` writes them back (a
+    local copy, no communication), as the eager backend's in-place path does: autograd records
+    the write, and the backward makes a new gradient (``grad_in_place`` is not taken up)."""
+    targets = (t,) if k is None else (t, k)
+    weights = [stage[0] for stage in p.norms if stage is not None]
+    wanted = torch.is_grad_enabled() and any(x.requires_grad for x in (*targets, *weights))
+    if not wanted and not torch.compiler.is_compiling():
+        local, table, spec, pos, local_k, local_norms = _local_parts(t, k, p)
+        call_entry()(local, table, spec, None, backend, True, False, positions=pos, k=local_k,
+                     norms=local_norms)
+        torch.autograd.graph.increment_version(targets)
+        return t if k is None else (t, k)
+    if k is not None and not torch.compiler.is_compiling():
+        from .call import _check_apart
+
+        _check_apart(t.to_local(), k.to_local(), t.shape[-1])  # every channel is written
+    # a norm stage's backward reads its input, which the copy below overwrites: it reads a copy
+    made = [_one(x.clone() if stage is not None and wanted else x, p, stage, backend)
+            for x, stage in zip(targets, p.norms)]
+    for x, out in zip(targets, made):
+        x.copy_(out)
+    return t if k is None else (t, k)
+
+
+def _local_parts(t: DTensor, k: DTensor | None, p: _Prepared) -> tuple:
+    """This rank's part of a prepared call as the plain call its shard runs: ``(t, freqs, spec,
+    positions, k, norms)``, local tensors (views of the DTensors' own)."""
+    s = p.settings
+    local_spec = _local_spec(s.layout, t.dtype, s.interleaved, s.scale, s.inverse, s.offset,
+                             s.deinterleave)
+    sin = None if p.sin is None else p.sin.to_local()
+    norms = tuple(None if stage is None else HeadNorm(stage[0].to_local(), stage[1][1],
+                                                      offset=stage[1][2], scope=stage[1][0])
+                  for stage in p.norms)
+    return (t.to_local(), _table(s.kind, p.table.to_local(), sin, s.rows), local_spec,
+            None if p.positions is None else p.positions.to_local(),
+            None if k is None else k.to_local(), norms)
 
 
 def shard_call(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions, *,
-               in_place: bool = False, k_freqs=None, k=None, norms: tuple = (None, None)
-               ) -> tuple:
+               in_place: bool = False, k_freqs=None, k=None, norms: tuple = (None, None),
+               split=None) -> tuple:
     """This rank's part of a DTensor call as the plain call its shard runs: ``(t, freqs, spec,
-    positions, k)``, local tensors (what :func:`~rope_dispatch.explain` explains)."""
-    table, sin, pos, settings = _prepare(t, freqs, spec, start_positions, positions, in_place,
-                                         k_freqs, k, norms)
-    _, layout, kind, interleaved, scale, inverse, offset, deinterleave = settings
-    local = _local_spec(layout, t.dtype, interleaved, scale, inverse, offset, deinterleave)
-    sin = None if sin is None else sin.to_local()
-    return (t.to_local(), _table(kind, table.to_local(), sin), local,
-            None if pos is None else pos.to_local(), None if k is None else k.to_local())
+    positions, k, norms)``, local tensors (what :func:`~rope_dispatch.explain` explains)."""
+    return _local_parts(t, k, _prepare(t, freqs, spec, start_positions, positions, in_place,
+                                       k_freqs, k, norms, split))

@@ -61,8 +61,44 @@ def _assert_no_collective(graphs, what):
         assert not comm, f"{what}: collectives in the compiled graph: {comm}"
 
 
-def _check_single(mesh, case, rank, compiled=None, backend="eager"):
-    """One ``apply`` case: forward and backward against the float64 reference."""
+def _table_of_kind(kind, rows, rotary, interleaved, gen):
+    """A table of ``kind`` (``"rates"``, ``"precise_rates"``, ``"pair"``) and its angles
+    ``[rows, rotary]`` from the formula: a rate table's the float32 products ``p * rate`` (the
+    exact float64 ones where precise), a pair cache's the float64 angles its cosines and sines
+    were rounded from."""
+    half = rotary // 2
+    if kind == "pair":
+        a = torch.rand(rows, half, generator=gen, dtype=torch.float64) * 40 - 20
+        table = rd.PairCosSinCache(torch.cat((a.cos(), a.sin()), -1).float())
+    else:
+        rates = torch.rand(half, generator=gen) * 2
+        precise = kind == "precise_rates"
+        p = torch.arange(rows, dtype=torch.float64 if precise else torch.float32)
+        a = p[:, None] * (rates.double() if precise else rates)[None, :]
+        table = rd.RateTable(rates, rows, precise=precise)
+    return table, a.repeat_interleave(2, -1) if interleaved else torch.cat((a, a), -1)
+
+
+def _compiled(call, compiled, graphs):
+    """``call`` as run: itself (``compiled=None``), compiled by Inductor (``"inductor"``), or
+    by Dynamo and AOT autograd, keeping the forward and backward graphs in ``graphs``."""
+    if compiled is None:
+        return call
+    if compiled == "inductor":
+        return torch.compile(call, backend="inductor", fullgraph=True)
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    return torch.compile(call, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                         fullgraph=True)
+
+
+def _check_single(mesh, case, rank, compiled=None, backend="eager", table="angles"):
+    """One ``apply`` case: forward and backward against the float64 reference. ``table``: the
+    kind of ``freqs`` (an angle table, or what :func:`_table_of_kind` makes)."""
     layout, shape, shard, table_sharded, with_starts, rotary, interleaved, *extra = case
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(shape, generator=gen)
@@ -83,6 +119,8 @@ def _check_single(mesh, case, rank, compiled=None, backend="eager"):
     xd = _shard(x, mesh, placements).requires_grad_(True)
     gd = _shard(grad_out, mesh, placements)
     freqs = angles.view(rows, 1, 1, rotary)
+    if table != "angles":
+        freqs, angles = _table_of_kind(table, rows, rotary, interleaved, gen)
     if table_sharded:
         seq = 0 if layout == "sbhd" else 1
         freqs = _shard(angles, mesh, _placements([0 if s == seq else None for s in shard]))
@@ -91,20 +129,8 @@ def _check_single(mesh, case, rank, compiled=None, backend="eager"):
         return rd.apply(t, freqs, spec, start_positions=starts, backend=backend)
 
     graphs = []
-    if compiled is None:
-        run = call
-    elif compiled == "inductor":
-        run = torch.compile(call, backend="inductor", fullgraph=True)
-    else:  # Dynamo and AOT autograd, keeping the forward and backward graphs they make
-        from torch._dynamo.backends.common import aot_autograd
-
-        def keep(gm, inputs):
-            graphs.append(gm)
-            return gm
-
-        run = torch.compile(call, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
-                            fullgraph=True)
-    what = f"{layout} {shape} {placements} table {'sharded' if table_sharded else 'replicated'}"
+    run = _compiled(call, compiled, graphs)
+    what = f"{layout} {shape} {placements} {table} {'sharded' if table_sharded else 'replicated'}"
     what += f" rank {rank} ({backend}, {compiled or 'not compiled'})"
 
     def both():
@@ -143,6 +169,118 @@ TWO_DIM = [  # 4 ranks as a 2 x 2 mesh
     ("sbhd", (8, 2, 2, 8), [1, 0], True, False, 8, False),  # batch x sequence, table sharded
 ]
 COMPILED = [ONE_DIM[0], ONE_DIM[2], ONE_DIM[3]]
+
+
+# (layout, shape of t (q), k's head count (None: a single tensor), a Shard dim per mesh dim,
+# rotary dim, the HeadNorm's scope (None: no norm) and offset, its weight ("plain": a tensor
+# that requires grad; "replicated": a replicated DTensor parameter), the table kind)
+NORMED = [
+    ("sbhd", (8, 2, 2, 8), None, [0], 8, "head", 0.0, "plain", "angles"),  # sequence
+    ("bshd", (4, 6, 2, 8), None, [0], 6, "heads", 1.0, "replicated", "angles"),  # batch, OLMo 2's
+    ("bshd", (2, 6, 8, 8), 4, [2], 8, "head", 0.0, "replicated", "rates"),  # heads: Qwen3 + TP
+]
+NORMED_GRID = ("bshd", (2, 6, 4, 8), 2, [0, 2], 8, "head", 0.0, "replicated", "angles")
+IN_PLACE = [
+    ("sbhd", (6, 2, 2, 8), None, [0], 6, None, 0.0, None, "angles"),  # sequence, partial rotary
+    ("bshd", (2, 6, 8, 8), 4, [2], 8, "head", 0.0, "replicated", "precise_rates"),  # heads
+]
+
+
+def _check_normed(mesh, case, rank, compiled=None, in_place=False, grad=True, backend="eager"):
+    """Normalize, then rotate (Qwen3's q_norm and k_norm): ``apply`` with ``norm=`` or
+    ``apply_qk`` with ``q_norm=``/``k_norm=`` (``in_place``: ``apply_``/``apply_qk_`` on
+    non-leaf copies, which come back as the same objects), forward and backward, the weights'
+    gradients included, against the float64 reference. A replicated weight's gradient is
+    Partial where the tensor is sharded (each rank's part of the sum, as DTensor leaves a
+    parameter's), a plain weight's the whole sum, all-reduced by the backward (its only
+    collective). ``grad=False``: under no_grad, forward only (in place: each rank's own
+    memory written, the version counters moved)."""
+    from reference import reference_for, reference_head_norm
+    from torch.distributed.tensor import DTensor, Replicate
+
+    layout, shape, k_heads, shard, rotary, scope, offset, weight, kind = case
+    gen = torch.Generator().manual_seed(13)
+    shapes = [shape] if k_heads is None else [shape, (*shape[:-2], k_heads, shape[-1])]
+    xs, gs = ([torch.randn(s, generator=gen) for s in shapes] for _ in range(2))
+    ws = [] if scope is None else [
+        torch.randn(s[-1] if scope == "head" else s[-2] * s[-1], generator=gen) for s in shapes]
+    seqs, longest = (shape[1], shape[0]) if layout == "sbhd" else (shape[0], shape[1])
+    starts = torch.randint(0, 5, (seqs,), generator=gen)
+    if kind == "angles":
+        angles = freqs = torch.rand(longest + 6, rotary, generator=gen) * 40 - 20
+    else:
+        freqs, angles = _table_of_kind(kind, longest + 6, rotary, False, gen)
+    spec = rd.RoPESpec(layout=layout, dtype=F32)
+    placements = _placements(shard)
+    leaves = [_shard(x, mesh, placements).requires_grad_(grad) for x in xs]
+    params = [w.clone() if weight == "plain" else
+              _shard(w, mesh, [Replicate()] * mesh.ndim) for w in ws]
+    params = [w.requires_grad_(grad) for w in params]
+
+    def call(*ts):
+        norms = [rd.HeadNorm(w, 1e-5, offset=offset, scope=scope) for w in params] or [None]
+        if in_place and grad:
+            ts = [t.clone() for t in ts]  # non-leaf tensors, which may be written
+        if k_heads is None:
+            outs = ((rd.apply_ if in_place else rd.apply)(
+                ts[0], freqs, spec, start_positions=starts, norm=norms[0], backend=backend),)
+        else:
+            outs = (rd.apply_qk_ if in_place else rd.apply_qk)(
+                *ts, freqs, spec, start_positions=starts, q_norm=norms[0], k_norm=norms[1],
+                backend=backend)
+        if in_place and compiled is None:
+            assert all(o is t for o, t in zip(outs, ts)), "in place: not the same objects"
+        return outs
+
+    graphs = []
+    run = _compiled(call, compiled, graphs)
+    what = f"{'in place ' if in_place else ''}{case} rank {rank} ({backend}, "
+    what += f"{compiled or 'not compiled'})"
+    if not grad:
+        memory = [(x.to_local().data_ptr(), x._version) for x in leaves]
+        with torch.no_grad():
+            outs = _no_comm(lambda: run(*leaves), what)
+        if in_place:
+            assert all(x.to_local().data_ptr() == ptr and x._version > version
+                       for x, (ptr, version) in zip(leaves, memory)), f"{what}: memory"
+        got = [None] * (len(leaves) + len(params))
+    else:
+        def both():
+            outs = run(*leaves)
+            return outs, torch.autograd.grad(outs, leaves + params, grads)
+
+        grads = [_shard(g, mesh, placements) for g in gs]
+        if compiled is None:
+            from torch.distributed.tensor.debug import CommDebugMode
+
+            with CommDebugMode() as comm:
+                outs, got = both()
+            reduced = len(params) if weight == "plain" else 0
+            assert comm.get_total_counts() == reduced, f"{what}: {comm.get_comm_counts()}"
+        else:
+            outs, got = both()
+    if compiled == "graphs":
+        _assert_no_collective(graphs, what)
+    for i, (x, g, out) in enumerate(zip(xs, gs, outs)):
+        xx = x.double().requires_grad_(True)
+        ww = None if scope is None else ws[i].double().requires_grad_(True)
+        normed = xx if ww is None else reference_head_norm(xx, ww, 1e-5, offset, scope)
+        ref = reference_for(normed, angles, spec, starts)
+        assert tuple(out.placements) == tuple(placements), f"{what}: output {out.placements}"
+        assert_matches(out.full_tensor(), ref.detach(), F32, f"{what} forward {i}")
+        if not grad:
+            continue
+        wanted = (xx,) if ww is None else (xx, ww)
+        ref_grads = torch.autograd.grad(ref, wanted, g.double())
+        dx, dw = got[i], None if ww is None else got[len(leaves) + i]
+        assert tuple(dx.placements) == tuple(placements), f"{what}: gradient {dx.placements}"
+        assert_matches(dx.full_tensor(), ref_grads[0], F32, f"{what} backward {i}")
+        if isinstance(dw, DTensor):  # Partial where sharded: full_tensor() sums the parts
+            assert [p.is_partial() for p in dw.placements] == [s is not None for s in shard], (
+                f"{what}: weight gradient {dw.placements}")
+            dw = dw.full_tensor()
+        if ww is not None:
+            assert_matches(dw, ref_grads[1], F32, f"{what} weight gradient {i}")
 
 
 def _check_pairs(mesh, rank):
@@ -231,6 +369,9 @@ def _check_caches_and_positions(mesh, rank):
     assert_matches(out.full_tensor(), ref, F32, "per-token positions forward")
     explained = rd.explain(yd, angles, bshd, positions=positions)  # this rank's shard call
     assert str(tuple(yd.to_local().shape)) in explained.call and explained.chosen, explained
+    explained = rd.explain(yd, rd.RateTable(angles[1, :4], 14), bshd, positions=positions,
+                           in_place=True, q_norm=rd.HeadNorm(torch.ones(8)))
+    assert "norm head" in explained.call and explained.chosen, explained
 
 
 def _check_context_parallel(mesh, rank):
@@ -267,9 +408,20 @@ def _check_refusals(mesh):
     y = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([3]))
     with pytest.raises(rd.RoPEError, match="head dim"):
         rd.apply(y, angles, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
-    z = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([0]))
-    with pytest.raises(rd.RoPEError, match="in-place"):
+    z = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([0])).requires_grad_(True)
+    with pytest.raises(rd.RoPEError, match="apply_ rotates t in place, but t is a leaf"):
         rd.apply_(z, angles, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
+    with pytest.raises(rd.RoPEError, match="same tensor as q and k"):
+        plain = z.detach()
+        rd.apply_qk_(plain, plain, angles, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
+    heads = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([2]))
+    with pytest.raises(rd.RoPEError, match="scope='heads'.*sharded on its heads"):
+        rd.apply(heads, angles, rd.RoPESpec(layout="sbhd", dtype=F32),
+                 norm=rd.HeadNorm(torch.ones(16), scope="heads"), backend="eager")
+    weight = _shard(torch.ones(8), mesh, _placements([0]))
+    with pytest.raises(rd.RoPEError, match=r"norm.weight has placement S\(0\).*expected Replicate"):
+        rd.apply(heads, angles, rd.RoPESpec(layout="sbhd", dtype=F32),
+                 norm=rd.HeadNorm(weight), backend="eager")
     with pytest.raises(rd.RoPEError, match="cp_size"):
         rd.apply(z, angles, rd.RoPESpec(layout="sbhd", dtype=F32, cp_size=2), backend="eager")
 
@@ -288,20 +440,35 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         for case in ONE_DIM:
             _check_single(mesh, case, rank)
         _check_pairs(mesh, rank)
+        for case in NORMED:
+            _check_normed(mesh, case, rank)
+        for kind, case in (("rates", ONE_DIM[0]), ("precise_rates", ONE_DIM[7]),
+                           ("pair", ("bshd", (2, 8, 2, 8), [1], False, True, 8, True))):
+            _check_single(mesh, case, rank, table=kind)
+        for case in IN_PLACE:
+            _check_normed(mesh, case, rank, in_place=True)
+            _check_normed(mesh, case, rank, in_place=True, grad=False)
         _check_refusals(mesh)
         _check_context_parallel(mesh, rank)
         _check_caches_and_positions(mesh, rank)
         if rd.get_backend("triton").available:  # each shard through the Triton kernels
             for case in (ONE_DIM[0], ONE_DIM[3], ONE_DIM[6]):
                 _check_single(mesh, case, rank, backend="triton")
+            _check_single(mesh, ONE_DIM[0], rank, backend="triton", table="precise_rates")
+            _check_normed(mesh, NORMED[2], rank, backend="triton")  # the fused norm kernel
+            _check_normed(mesh, IN_PLACE[1], rank, in_place=True, grad=False, backend="triton")
         if world == 4:
             grid = init_device_mesh("cpu", (2, 2))
             for case in TWO_DIM:
                 _check_single(grid, case, rank)
+            _check_normed(grid, NORMED_GRID, rank)
         else:  # torch.compile once, on the smaller job: the DTensor op traced, then run
             for case in COMPILED:
                 torch._dynamo.reset()
                 _check_single(mesh, case, rank, "graphs")
+            for case, in_place in ((NORMED[2], False), (IN_PLACE[1], True)):
+                torch._dynamo.reset()
+                _check_normed(mesh, case, rank, "graphs", in_place=in_place)
             torch._dynamo.reset()  # Inductor's code for one case: it compiles C++ on the CPU
             _check_single(mesh, COMPILED[0], rank, "inductor")
         dist.barrier()
