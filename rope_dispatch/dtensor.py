@@ -461,6 +461,12 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
     stages = (_norm_stage(norms[0], q_name, t), _norm_stage(norms[1], "k_norm", t))
     mesh = t.device_mesh
     kind, table, sin, rows = _table_tensors(freqs)
+    if torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in (table, sin)):
+        raise _refuse(
+            "freqs requires grad: a DTensor call does not differentiate its table (learned "
+            "angles); detach it, or gather the tensors and call with plain ones"
+        )
     table, sin = _as_dtensor(table, mesh, "freqs"), _as_dtensor(sin, mesh, "freqs.sin")
     table_sharded = any(p.is_shard() for p in table.placements)
     if table_sharded:

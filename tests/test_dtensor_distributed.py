@@ -424,6 +424,11 @@ def _check_refusals(mesh):
                  norm=rd.HeadNorm(weight), backend="eager")
     with pytest.raises(rd.RoPEError, match="cp_size"):
         rd.apply(z, angles, rd.RoPESpec(layout="sbhd", dtype=F32, cp_size=2), backend="eager")
+    learned = torch.rand(8, 8, requires_grad=True)  # its gradient would be dropped: refused
+    with pytest.raises(rd.RoPEError, match="freqs requires grad"):
+        rd.apply(z, learned, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
+    with torch.no_grad():  # no gradient asked: served
+        rd.apply(z, learned, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
 
 
 def _worker(rank: int, world: int, init_file: str) -> None:
