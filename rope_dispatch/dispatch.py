@@ -476,23 +476,27 @@ def _with_norms(inputs: tuple, norms: tuple) -> tuple | None:
     checks they still lie there) and their forms the key. ``None`` (checked every time) where a
     gradient may be wanted: the weights are then inputs of the autograd graph."""
     tensors, form = inputs
-    if norms[0] is None and norms[1] is None and not _grad_enabled():
-        return tensors, (*form, _NO_NORMS, ())
-    weights, forms, ids = [], [], []
-    for n in norms:  # a decode step's host path: plain loops
-        if n is None:
-            forms.append(None)
-            continue
+    q_norm, k_norm = norms
+    if q_norm is None and k_norm is None:
+        weights, key = (), (*form, _NO_NORMS, ())
+    elif q_norm is not None and k_norm is not None:  # a decode step's host path: spelled out
+        if (type(q_norm) is not HeadNorm or type(k_norm) is not HeadNorm
+                or type(q_norm.weight) not in _PLAIN or type(k_norm.weight) not in _PLAIN):
+            return None
+        weights = (q_norm.weight, k_norm.weight)
+        key = (*form, (q_norm.form, k_norm.form), (id(weights[0]), id(weights[1])))
+    else:
+        n = q_norm if k_norm is None else k_norm
         if type(n) is not HeadNorm or type(n.weight) not in _PLAIN:
             return None
-        weights.append(n.weight)
-        forms.append(n.form)
-        ids.append(id(n.weight))
+        weights = (n.weight,)
+        forms = (n.form, None) if k_norm is None else (None, n.form)
+        key = (*form, forms, (id(n.weight),))
     if _grad_enabled():
         for x in (*tensors, *weights):
             if x.requires_grad:
                 return None
-    return (*tensors, *weights), (*form, tuple(forms), tuple(ids))
+    return ((*tensors, *weights) if weights else tensors), key
 
 
 def _run(
@@ -624,10 +628,17 @@ def _weights_where_planned(guard: Guard, call: RoPECall) -> Guard:
     addresses they had: a plan may read them there (a module's ``.to()`` moves a parameter's
     storage and keeps the object)."""
     planned = tuple(n.weight.data_ptr() for n in (call.norm, call.k_norm) if n is not None)
-    count = len(planned)
+    if len(planned) == 1:
+        (only,) = planned
 
-    def check(*tensors: torch.Tensor) -> bool:
-        return guard(*tensors) and tuple(_data_ptr(w) for w in tensors[-count:]) == planned
+        def check(*tensors: torch.Tensor) -> bool:
+            return guard(*tensors) and _data_ptr(tensors[-1]) == only
+    else:
+        first, second = planned
+
+        def check(*tensors: torch.Tensor) -> bool:
+            return (guard(*tensors) and _data_ptr(tensors[-2]) == first
+                    and _data_ptr(tensors[-1]) == second)
 
     return check
 
