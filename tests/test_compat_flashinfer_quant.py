@@ -681,3 +681,29 @@ def test_the_paged_door_keeps_one_descriptor_for_the_same_tensors():
             quant_scale_kv=4.0, page_size=4)
         assert len(made) == 3
     assert other.view(torch.uint8).any(), "the new cache was written"
+
+
+CORE_ERRORS = [
+    (lambda: quant(pos_ids=torch.arange(6)), "rope_quantize_fp8",
+     "q=q_rope, k=k_rope, v=k_nope, freqs=cos_sin_cache, positions=pos_ids, a FlatKVCache of "
+     "k_cache=k_rope_out, v_cache=k_nope_out, q_out=q_rope_out"),
+    (lambda: small_append("mla", pos_ids=torch.arange(6)), "rope_quantize_fp8_append_paged_kv_cache",
+     "q=q_rope, k=k_rope, v=k_nope, freqs=cos_sin_cache, positions=pos_ids, a "
+     "FlashInferPagedKVCache of k_cache=kpe_cache, v_cache=ckv_cache, positions=positions, "
+     "q_out=q_rope_out"),
+    (lambda: small_append(pos_ids=torch.arange(6)), "rope_quantize_fp8_append_paged_kv_cache",
+     "q=q_rope joined with q_nope, k=k_rope joined with k_nope, v=v, freqs=cos_sin_cache, "
+     "positions=pos_ids, a FlashInferPagedKVCache of paged_kv_cache, positions=positions, "
+     "q_out=q_rope_out joined with q_nope_out"),
+]
+
+
+@pytest.mark.parametrize("make,door,mapping", CORE_ERRORS, ids=["flat", "paged-mla", "paged"])
+def test_core_errors_say_how_the_door_mapped_its_arguments(make, door, mapping):
+    """The core's error comes back as its own type, raised from it, its message followed by the
+    door's mapping."""
+    with pytest.raises(rd.RoPEError) as info:
+        make()
+    cause = info.value.__cause__
+    assert isinstance(cause, rd.RoPEError) and type(info.value) is type(cause)
+    assert str(info.value) == f"{cause} ({door} calls rope_dispatch.rope_to_cache with {mapping})"
