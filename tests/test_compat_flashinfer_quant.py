@@ -707,3 +707,66 @@ def test_core_errors_say_how_the_door_mapped_its_arguments(make, door, mapping):
     cause = info.value.__cause__
     assert isinstance(cause, rd.RoPEError) and type(info.value) is type(cause)
     assert str(info.value) == f"{cause} ({door} calls rope_dispatch.rope_to_cache with {mapping})"
+
+
+def _like_flashinfer_allocates(rope, dtype):
+    """A None nope part's output as FlashInfer allocates it: ``empty_like`` of a part of the
+    rope part's leading dims and no channels."""
+    return torch.empty_like(rope.new_empty((*rope.shape[:-1], 0)), dtype=dtype)
+
+
+def _same_tensor_form(got, want, what):
+    for name in ("shape", "dtype", "device", "requires_grad", "layout"):
+        assert getattr(got, name) == getattr(want, name), (what, name)
+    assert type(got) is type(want), what
+    assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset(), what
+    assert got.is_inference() == want.is_inference(), what
+
+
+@pytest.mark.parametrize("inference", [False, True])
+@pytest.mark.parametrize("nnz", [0, 5])
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+@pytest.mark.parametrize("door", ["quant", "append"])
+def test_none_nope_parts_give_new_outputs_of_no_channels(door, attention, nnz, inference):
+    """None nope parts: the nope outputs returned are new tensors of the rope part's leading dims
+    and no channels, as FlashInfer allocates them, a new one each call; a given one is
+    returned itself, and one of another shape refused naming the shape it must have."""
+    mode = torch.inference_mode() if inference else torch.inference_mode(False)
+    fp8 = torch.float8_e5m2
+
+    def call(**changes):
+        changes = dict(q_nope=None, k_nope=None, quantize_dtype=fp8, **changes)
+        if door == "quant":
+            args = small(attention)
+            args.update(changes)
+            args.update({n: args[n][:nnz] for n in ("q_rope", "k_rope", "pos_ids")})
+            return rope_quantize_fp8(**args)
+        cut = dict(batch_indices=torch.tensor([0, 0, 1, 1, -1], dtype=torch.int32)[:nnz],
+                   positions=torch.tensor([0, 5, 2, 3, 0], dtype=torch.int32)[:nnz])
+        args = small(attention)
+        cut.update({n: args[n][:nnz] for n in ("q_rope", "k_rope", "pos_ids")})
+        if attention == "gqa":
+            cut["v"] = torch.zeros(nnz, 2, 8, dtype=torch.bfloat16)
+            cut["paged_kv_cache"] = tuple(torch.zeros(4, 4, 2, 8, dtype=fp8) for _ in range(2))
+        else:
+            cut["paged_kv_cache"] = (torch.zeros(4, 4, 0, dtype=fp8), torch.zeros(4, 4, 8, dtype=fp8))
+        return small_append(attention, dtype=fp8, **cut, **changes)
+
+    with mode:
+        q_rope = small(attention)["q_rope"][:nnz]
+        k_rope = small(attention)["k_rope"][:nnz]
+        first, second = call(), call()
+        if door == "quant":
+            nope_outs = [(first[2], second[2], q_rope), (first[3], second[3], k_rope)]
+        else:
+            nope_outs = [(first[1], second[1], q_rope)]
+        for got, again, rope in nope_outs:
+            _same_tensor_form(got, _like_flashinfer_allocates(rope, fp8), (door, attention))
+            assert got is not again
+        given = torch.empty(nnz, 4, 0, dtype=fp8)
+        assert call(q_nope_out=given)[2 if door == "quant" else 1] is given
+        with pytest.raises(rd.RoPEError) as info:
+            call(q_nope_out=torch.empty(nnz, 4, 1, dtype=fp8))
+    assert str(info.value) == (
+        f"q_nope_out must be None or a tensor ({nnz}, 4, 0) float8_e5m2 on cpu (its input's shape "
+        f"and device, quantize_dtype), got ({nnz}, 4, 1) float8_e5m2 on cpu")
