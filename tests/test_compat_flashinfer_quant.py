@@ -770,3 +770,45 @@ def test_none_nope_parts_give_new_outputs_of_no_channels(door, attention, nnz, i
     assert str(info.value) == (
         f"q_nope_out must be None or a tensor ({nnz}, 4, 0) float8_e5m2 on cpu (its input's shape "
         f"and device, quantize_dtype), got ({nnz}, 4, 1) float8_e5m2 on cpu")
+
+
+def test_scales_and_cache_pairs_of_other_types():
+    """Float scales and a tuple of caches are the common case; other types are taken as they
+    were: int, Fraction and NumPy scales are numbers like a float, bools, NaN, negatives and
+    non-numbers refused (a TypeError for a non-number); a list of two caches is a pair."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    for scale, same in ((2, 2.0), (Fraction(1, 2), 0.5), (np.float64(4.0), 4.0), (np.float32(8), 8.0)):
+        got = quant(quant_scale_q=scale, quant_scale_kv=scale)
+        want = quant(quant_scale_q=same, quant_scale_kv=same)
+        for g, w in zip(got, want):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), scale
+    for scale, error in ((True, rd.RoPEError), (float("nan"), rd.RoPEError), (-1.0, rd.RoPEError),
+                         (-2, rd.RoPEError), (None, rd.RoPETypeError), (2j, rd.RoPETypeError)):
+        with pytest.raises(error) as info:
+            quant(quant_scale_q=scale)
+        assert str(info.value) == (
+            f"quant_scale_q must be a positive finite number (the FP8 value is x * quant_scale_q), "
+            f"got {scale!r}")
+        assert type(info.value) is error
+    with pytest.raises(rd.RoPEError, match=r"quant_scale_kv must be .* got True"):
+        small_append(quant_scale_kv=True)
+    for attention in ("gqa", "mla"):
+        pairs = []
+        for kind in (tuple, list):
+            caches = small_append_caches(attention)
+            q_out = small_append(attention, paged_kv_cache=kind(caches))
+            pairs.append((q_out, caches))
+        (q1, c1), (q2, c2) = pairs
+        for a, b in zip((*q1, *c1), (*q2, *c2)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), attention
+        assert c1[0].view(torch.uint8).any() or c1[1].view(torch.uint8).any()
+
+
+def small_append_caches(attention):
+    fp8 = dict(dtype=torch.float8_e4m3fn)
+    if attention == "mla":
+        return (torch.zeros(4, 4, 4, **fp8), torch.zeros(4, 4, 8, **fp8))
+    return (torch.zeros(4, 4, 2, 12, **fp8), torch.zeros(4, 4, 2, 12, **fp8))

@@ -104,8 +104,8 @@ def _paged_cache(caches: tuple[torch.Tensor, torch.Tensor], kv_indices: torch.Te
     checked, and works out what a planned call reads of it, when it is made (several us of
     host time). The last few stay referenced here: a kept descriptor holds its tensors, so
     the ids in its key name no other tensor while it is kept."""
-    key = (*map(id, (*caches, kv_indices, kv_indptr, batch_indices, positions)), kv_layout,
-           page_size, scale)
+    key = (id(caches[0]), id(caches[1]), id(kv_indices), id(kv_indptr), id(batch_indices),
+           id(positions), kv_layout, page_size, scale)
     cache = _paged.get(key) if type(page_size) is int else None  # a bad page_size: the checks
     if cache is None:
         cache = FlashInferPagedKVCache(caches, kv_indices, kv_indptr, batch_indices, positions,
@@ -330,7 +330,6 @@ def rope_quantize_fp8_append_paged_kv_cache(
     q_scale = _reciprocal("quant_scale_q", quant_scale_q)
     kv_scale = _reciprocal("quant_scale_kv", quant_scale_kv)
     table, spec = _rope_table(cos_sin_cache, q_rope), _spec(q_rope.dtype, not is_neox)
-    index = dict(page_size=page_size, k_scale=kv_scale, v_scale=kv_scale)
     if mla:
         if v is not None:
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
@@ -340,7 +339,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
         try:
             cache = FlashInferPagedKVCache((kpe_cache.unsqueeze(2), ckv_cache.unsqueeze(2)),
                                            kv_indices, kv_indptr, batch_indices, positions,
-                                           **index)
+                                           page_size=page_size, k_scale=kv_scale,
+                                           v_scale=kv_scale)
             rope_to_cache(q_rope, _one_head(k_rope), _one_head(k_nope), table, spec,
                           positions=pos_ids, cache=cache, q_out=q_rope_out, q_scale=q_scale)
         except RoPEError as error:
@@ -380,6 +380,11 @@ def _flag(name: str, value: object) -> None:
 def _rope_parts(q_rope: object, k_rope: object) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """q_rope ``[nnz, heads, rope_dim]`` and k_rope 3-D (GQA/MHA) or 2-D (MLA) with q's tokens
     and rope dim; and whether it is MLA."""
+    if isinstance(q_rope, torch.Tensor) and isinstance(k_rope, torch.Tensor):
+        q_shape, k_shape = q_rope.shape, k_rope.shape  # each .shape and .dim() costs ~0.1 us
+        if (len(q_shape) == 3 and len(k_shape) in (2, 3) and k_shape[0] == q_shape[0]
+                and k_shape[-1] == q_shape[-1]):
+            return q_rope, k_rope, len(k_shape) == 2
     if not isinstance(q_rope, torch.Tensor) or q_rope.dim() != 3:
         raise (RoPEError if isinstance(q_rope, torch.Tensor) else RoPETypeError)(
             f"q_rope must be a tensor [nnz, num_qo_heads, rope_dim], got {_described(q_rope)}"
@@ -418,16 +423,15 @@ def _quantize_dtype(quantize_dtype: object,
     """FlashInfer's rule: ``quantize_dtype``, else the first given output's dtype, else
     ``float8_e4m3fn``; an FP8 dtype."""
     if quantize_dtype is None:
-        given = [(name, out) for name, out in outs if isinstance(out, torch.Tensor)]
-        if not given:
-            return torch.float8_e4m3fn
-        name, out = given[0]
-        if out.dtype not in FP8_DTYPES:
-            raise RoPEError(
-                f"{name} must be float8_e4m3fn or float8_e5m2 (it sets quantize_dtype), got "
-                f"{dtype_name(out.dtype)}"
-            )
-        return out.dtype
+        for name, out in outs:
+            if isinstance(out, torch.Tensor):
+                if out.dtype not in FP8_DTYPES:
+                    raise RoPEError(
+                        f"{name} must be float8_e4m3fn or float8_e5m2 (it sets quantize_dtype), "
+                        f"got {dtype_name(out.dtype)}"
+                    )
+                return out.dtype
+        return torch.float8_e4m3fn
     if quantize_dtype not in FP8_DTYPES:
         raise RoPEError(
             f"quantize_dtype must be torch.float8_e4m3fn, torch.float8_e5m2 or None, got "
@@ -471,6 +475,8 @@ def _no_channels(rope: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tor
 
 def _reciprocal(name: str, scale: object) -> float:
     """``1 / scale``: FlashInfer's multiplying scale as rope-dispatch's dividing one."""
+    if type(scale) is float and 0.0 < scale < math.inf:  # the common case, without the ABC check
+        return 1.0 / scale
     if (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
             or not (math.isfinite(scale) and scale > 0)):
         raise (RoPEError if isinstance(scale, numbers.Real) else RoPETypeError)(
@@ -499,6 +505,12 @@ def _cache_pair(paged_kv_cache: object, mla: bool,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_kv_cache`` as two tensors of ``dtype``, 3-D for MLA (FlashInfer's rule: the
     caches hold quantize_dtype)."""
+    if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2:  # the common case first
+        first, second = paged_kv_cache
+        if (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
+                and first.dim() == (3 if mla else 4) and second.dim() == first.dim()
+                and first.dtype == dtype and second.dtype == dtype):
+            return first, second
     form = ("(ckv_cache, kpe_cache), [max_pages, page_size, dim] each (MLA: 2-D k_rope)" if mla
             else "(k_cache, v_cache), 4-D each (GQA/MHA: 3-D k_rope)")
     if (not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2
