@@ -577,7 +577,7 @@ def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -
     if out.numel() == 0:
         return
     divisor = torch.full((), scale, dtype=torch.float32, device=x.device)
-    out.copy_((x.float() / divisor).to(out.dtype))
+    out.copy_(x.float() / divisor)  # copy_ casts as .to() does (.to() is a new tensor's copy_)
 
 
 # How each door maps its arguments onto rope_to_cache's, for the core's errors (_mapped).
