@@ -681,3 +681,134 @@ def test_the_paged_door_keeps_one_descriptor_for_the_same_tensors():
             quant_scale_kv=4.0, page_size=4)
         assert len(made) == 3
     assert other.view(torch.uint8).any(), "the new cache was written"
+
+
+CORE_ERRORS = [
+    (lambda: quant(pos_ids=torch.arange(6)), "rope_quantize_fp8",
+     "q=q_rope, k=k_rope, v=k_nope, freqs=cos_sin_cache, positions=pos_ids, a FlatKVCache of "
+     "k_cache=k_rope_out, v_cache=k_nope_out, q_out=q_rope_out"),
+    (lambda: small_append("mla", pos_ids=torch.arange(6)), "rope_quantize_fp8_append_paged_kv_cache",
+     "q=q_rope, k=k_rope, v=k_nope, freqs=cos_sin_cache, positions=pos_ids, a "
+     "FlashInferPagedKVCache of k_cache=kpe_cache, v_cache=ckv_cache, positions=positions, "
+     "q_out=q_rope_out"),
+    (lambda: small_append(pos_ids=torch.arange(6)), "rope_quantize_fp8_append_paged_kv_cache",
+     "q=q_rope joined with q_nope, k=k_rope joined with k_nope, v=v, freqs=cos_sin_cache, "
+     "positions=pos_ids, a FlashInferPagedKVCache of paged_kv_cache, positions=positions, "
+     "q_out=q_rope_out joined with q_nope_out"),
+]
+
+
+@pytest.mark.parametrize("make,door,mapping", CORE_ERRORS, ids=["flat", "paged-mla", "paged"])
+def test_core_errors_say_how_the_door_mapped_its_arguments(make, door, mapping):
+    """The core's error comes back as its own type, raised from it, its message followed by the
+    door's mapping."""
+    with pytest.raises(rd.RoPEError) as info:
+        make()
+    cause = info.value.__cause__
+    assert isinstance(cause, rd.RoPEError) and type(info.value) is type(cause)
+    assert str(info.value) == f"{cause} ({door} calls rope_dispatch.rope_to_cache with {mapping})"
+
+
+def _like_flashinfer_allocates(rope, dtype):
+    """A None nope part's output as FlashInfer allocates it: ``empty_like`` of a part of the
+    rope part's leading dims and no channels."""
+    return torch.empty_like(rope.new_empty((*rope.shape[:-1], 0)), dtype=dtype)
+
+
+def _same_tensor_form(got, want, what):
+    for name in ("shape", "dtype", "device", "requires_grad", "layout"):
+        assert getattr(got, name) == getattr(want, name), (what, name)
+    assert type(got) is type(want), what
+    assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset(), what
+    assert got.is_inference() == want.is_inference(), what
+
+
+@pytest.mark.parametrize("inference", [False, True])
+@pytest.mark.parametrize("nnz", [0, 5])
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+@pytest.mark.parametrize("door", ["quant", "append"])
+def test_none_nope_parts_give_new_outputs_of_no_channels(door, attention, nnz, inference):
+    """None nope parts: the nope outputs returned are new tensors of the rope part's leading dims
+    and no channels, as FlashInfer allocates them, a new one each call; a given one is
+    returned itself, and one of another shape refused naming the shape it must have."""
+    mode = torch.inference_mode() if inference else torch.inference_mode(False)
+    fp8 = torch.float8_e5m2
+
+    def call(**changes):
+        changes = dict(q_nope=None, k_nope=None, quantize_dtype=fp8, **changes)
+        if door == "quant":
+            args = small(attention)
+            args.update(changes)
+            args.update({n: args[n][:nnz] for n in ("q_rope", "k_rope", "pos_ids")})
+            return rope_quantize_fp8(**args)
+        cut = dict(batch_indices=torch.tensor([0, 0, 1, 1, -1], dtype=torch.int32)[:nnz],
+                   positions=torch.tensor([0, 5, 2, 3, 0], dtype=torch.int32)[:nnz])
+        args = small(attention)
+        cut.update({n: args[n][:nnz] for n in ("q_rope", "k_rope", "pos_ids")})
+        if attention == "gqa":
+            cut["v"] = torch.zeros(nnz, 2, 8, dtype=torch.bfloat16)
+            cut["paged_kv_cache"] = tuple(torch.zeros(4, 4, 2, 8, dtype=fp8) for _ in range(2))
+        else:
+            cut["paged_kv_cache"] = (torch.zeros(4, 4, 0, dtype=fp8), torch.zeros(4, 4, 8, dtype=fp8))
+        return small_append(attention, dtype=fp8, **cut, **changes)
+
+    with mode:
+        q_rope = small(attention)["q_rope"][:nnz]
+        k_rope = small(attention)["k_rope"][:nnz]
+        first, second = call(), call()
+        if door == "quant":
+            nope_outs = [(first[2], second[2], q_rope), (first[3], second[3], k_rope)]
+        else:
+            nope_outs = [(first[1], second[1], q_rope)]
+        for got, again, rope in nope_outs:
+            _same_tensor_form(got, _like_flashinfer_allocates(rope, fp8), (door, attention))
+            assert got is not again
+        given = torch.empty(nnz, 4, 0, dtype=fp8)
+        assert call(q_nope_out=given)[2 if door == "quant" else 1] is given
+        with pytest.raises(rd.RoPEError) as info:
+            call(q_nope_out=torch.empty(nnz, 4, 1, dtype=fp8))
+    assert str(info.value) == (
+        f"q_nope_out must be None or a tensor ({nnz}, 4, 0) float8_e5m2 on cpu (its input's shape "
+        f"and device, quantize_dtype), got ({nnz}, 4, 1) float8_e5m2 on cpu")
+
+
+def test_scales_and_cache_pairs_of_other_types():
+    """Float scales and a tuple of caches are the common case; other types are taken as they
+    were: int, Fraction and NumPy scales are numbers like a float, bools, NaN, negatives and
+    non-numbers refused (a TypeError for a non-number); a list of two caches is a pair."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    for scale, same in ((2, 2.0), (Fraction(1, 2), 0.5), (np.float64(4.0), 4.0), (np.float32(8), 8.0)):
+        got = quant(quant_scale_q=scale, quant_scale_kv=scale)
+        want = quant(quant_scale_q=same, quant_scale_kv=same)
+        for g, w in zip(got, want):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), scale
+    for scale, error in ((True, rd.RoPEError), (float("nan"), rd.RoPEError), (-1.0, rd.RoPEError),
+                         (-2, rd.RoPEError), (None, rd.RoPETypeError), (2j, rd.RoPETypeError)):
+        with pytest.raises(error) as info:
+            quant(quant_scale_q=scale)
+        assert str(info.value) == (
+            f"quant_scale_q must be a positive finite number (the FP8 value is x * quant_scale_q), "
+            f"got {scale!r}")
+        assert type(info.value) is error
+    with pytest.raises(rd.RoPEError, match=r"quant_scale_kv must be .* got True"):
+        small_append(quant_scale_kv=True)
+    for attention in ("gqa", "mla"):
+        pairs = []
+        for kind in (tuple, list):
+            caches = small_append_caches(attention)
+            q_out = small_append(attention, paged_kv_cache=kind(caches))
+            pairs.append((q_out, caches))
+        (q1, c1), (q2, c2) = pairs
+        for a, b in zip((*q1, *c1), (*q2, *c2)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), attention
+        assert c1[0].view(torch.uint8).any() or c1[1].view(torch.uint8).any()
+
+
+def small_append_caches(attention):
+    fp8 = dict(dtype=torch.float8_e4m3fn)
+    if attention == "mla":
+        return (torch.zeros(4, 4, 4, **fp8), torch.zeros(4, 4, 8, **fp8))
+    return (torch.zeros(4, 4, 2, 12, **fp8), torch.zeros(4, 4, 2, 12, **fp8))
