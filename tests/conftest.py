@@ -78,10 +78,14 @@ def hf_modules_restored():
 
     from rope_dispatch.integrations import hf
 
-    modules = {family: importlib.import_module(module)
-               for family, (module, _, _) in hf.SUPPORTED_MODELS.items()}
+    modules = {}
+    for family, (module, _, _) in hf.SUPPORTED_MODELS.items():
+        try:
+            modules[family] = importlib.import_module(module)
+        except ModuleNotFoundError:  # a family newer than the installed transformers
+            continue
     saved = {(family, name): getattr(modules[family], name)
-             for family, (_, _, names) in hf.SUPPORTED_MODELS.items()
+             for family, (_, _, names) in hf.SUPPORTED_MODELS.items() if family in modules
              for name in names if hasattr(modules[family], name)}
     yield
     for (family, name), original in saved.items():
