@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run by path: the repository root holds benchmar
 
 import rope_dispatch as rd  # noqa: E402
 from benchmarks import bench  # noqa: E402
-from rope_dispatch.backends import triton_rope  # noqa: E402
+from rope_dispatch.backends import triton_tables  # noqa: E402
 from rope_dispatch.integrations import hf  # noqa: E402
 
 SHAPES = [  # (model, batch, seq, q heads, kv heads, head dim)
