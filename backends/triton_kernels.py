@@ -43,7 +43,7 @@ import triton.language as tl
 
 from .triton_cache_kernels import _cache_rows
 from .triton_channels import PAIRS_IN, PAIRS_OUT, pair_channels, pass_channels, rotary_channels
-from .triton_trig import _exact_cos_sin, _reduced_cos_sin
+from .triton_trig import _cos_sin, _rate_cos_sin
 from triton.runtime.interpreter import InterpretedFunction
 
 SBHD: int = 0
@@ -56,26 +56,6 @@ channels a thread, as the 16-bit loads and stores beside them in the kernel do. 
 the compiler gave every tile of the kernel 16 a thread for the FP8 stores and turned each
 16-bit store's tile around in shared memory."""
 
-# 2*pi as a sum of three float32 numbers (Cody-Waite): reduces an angle to [-pi, pi] with an
-# error near 1e-7 up to |angle| ~ 1e6, so the sin/cos that follow stay accurate for positions
-# far beyond 2*pi, where float32 sin/cos hardware approximations lose precision.
-_TWO_PI_A: tl.constexpr = tl.constexpr(6.28125)
-_TWO_PI_B: tl.constexpr = tl.constexpr(0.0019353071693331003)
-_TWO_PI_C: tl.constexpr = tl.constexpr(1.0253376273028358e-11)
-_INV_TWO_PI: tl.constexpr = tl.constexpr(0.15915494309189535)
-
-
-@triton.jit
-def _cos_sin(angle, FAST_TRIG: tl.constexpr):
-    """float32 cos and sin of float32 angles: the angle is first reduced to [-pi, pi] exactly
-    enough (see _TWO_PI_*), where :func:`_reduced_cos_sin` is accurate and cheap."""
-    turns = tl.floor(angle * _INV_TWO_PI + 0.5)
-    r = tl.fma(turns, -_TWO_PI_A, angle)
-    r = tl.fma(turns, -_TWO_PI_B, r)
-    r = tl.fma(turns, -_TWO_PI_C, r)
-    return _reduced_cos_sin(r, FAST_TRIG)
-
-
 @triton.jit
 def _table(tab_ptr, sin_ptr, offsets, mask, USE_CACHE: tl.constexpr, FAST_TRIG: tl.constexpr):
     """cos and sin of the table entries at ``offsets``: cache loads or sin/cos of angles. Where
@@ -87,28 +67,6 @@ def _table(tab_ptr, sin_ptr, offsets, mask, USE_CACHE: tl.constexpr, FAST_TRIG: 
     else:
         cos, sin = _cos_sin(tl.load(tab_ptr + offsets, mask=mask, other=float("nan")), FAST_TRIG)
     return cos, sin
-
-
-@triton.jit
-def _rate_cos_sin(
-    rate_ptr, STEP: tl.constexpr, pos, inside, c, ROT_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, FAST_TRIG: tl.constexpr,
-):
-    """cos and sin of pair ``k``'s angle ``float32(pos) * rate_ptr[k * STEP]`` (one product, as
-    an angle table's entry is), NaN for tokens outside the table: ``(cos_a, sin_a, cos_b,
-    sin_b)`` as :func:`_row_cos_sin` gives them, both channels of a pair sharing one value.
-    float64 rates are a precise rate table's: the exact angle, reduced in float64
-    (:func:`~.triton_trig._exact_cos_sin`)."""
-    k = tl.arange(0, BLOCK_R // 2) if INTERLEAVED else c
-    k_ok = k < ROT_DIM // 2
-    rate = tl.load(rate_ptr + k * STEP, mask=k_ok, other=0.0)  # the same for every row
-    if rate_ptr.dtype.element_ty == tl.float64:
-        cos, sin = _exact_cos_sin(pos, rate, inside[:, None] & k_ok[None, :], FAST_TRIG)
-    else:
-        angle = pos.to(tl.float32)[:, None] * rate[None, :]
-        angle = tl.where(inside[:, None] & k_ok[None, :], angle, float("nan"))
-        cos, sin = _cos_sin(angle, FAST_TRIG)
-    return cos, sin, cos, sin
 
 
 @triton.jit
