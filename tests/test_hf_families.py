@@ -352,15 +352,7 @@ model."""
 
 
 def modeling(folder: str):
-    """The family's modeling module; the test skips where the installed transformers predates
-    the family (patch then has nothing to serve for it)."""
-    name = f"transformers.models.{folder}.modeling_{folder}"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name is not None and name.startswith(error.name):
-            pytest.skip(f"transformers {transformers.__version__} has no {name}")
-        raise
+    return importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
 
 
 FAMILIES = {**STANDARD_FAMILIES, **MLA_FAMILIES}
@@ -380,7 +372,6 @@ def tiny_model(family: str) -> torch.nn.Module:
     config, random weights, float32, in eval mode (dropout and router jitter off; gradients
     still flow)."""
     folder = folder_of(family)
-    modeling(folder)  # skips where this transformers predates the family
     settings = {**COMMON, **OVERRIDES.get(family, {})}
     settings = {name: value for name, value in settings.items() if value is not None}
     if family in CONFIG_CLASSES:
