@@ -222,7 +222,7 @@ def rope_quantize_fp8(
         raise RoPEError(f"backend must be 'cuda' or 'cutile' (FlashInfer's), got {backend!r}")
     q_rope, k_rope, mla = _rope_parts(q_rope, k_rope)
     # a None q_nope stays None (only q_nope_out is made like it); k_nope is the core's v
-    q_nope, k_nope = _nope("q_nope", q_nope, q_rope, None), _nope("k_nope", k_nope, k_rope)
+    q_nope, k_nope = _nope("q_nope", q_nope, q_rope), _nope("k_nope", k_nope, k_rope, make=True)
     dtype = _quantize_dtype(quantize_dtype, (("q_rope_out", q_rope_out),
                                              ("k_rope_out", k_rope_out),
                                              ("q_nope_out", q_nope_out),
@@ -326,8 +326,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
     q_rope, k_rope, mla = _rope_parts(q_rope, k_rope)
     # None nope parts stay None but MLA's k_nope, the core's v (GQA/MHA: the rope part alone
     # is joined, and q_nope_out is made like a q_nope of no channels)
-    q_nope = _nope("q_nope", q_nope, q_rope, None)
-    k_nope = _nope("k_nope", k_nope, k_rope) if mla else _nope("k_nope", k_nope, k_rope, None)
+    q_nope = _nope("q_nope", q_nope, q_rope)
+    k_nope = _nope("k_nope", k_nope, k_rope, make=mla)
     dtype = _quantize_dtype(quantize_dtype, (("q_rope_out", q_rope_out),
                                              ("q_nope_out", q_nope_out)))
     q_rope_out = _out("q_rope_out", q_rope_out, q_rope, dtype)
@@ -405,16 +405,13 @@ def _rope_parts(q_rope: object, k_rope: object) -> tuple[torch.Tensor, torch.Ten
     return q_rope, k_rope, k_rope.dim() == 2
 
 
-_MADE = object()
-
-
 def _nope(name: str, nope: object, rope: torch.Tensor,
-          none: object = _MADE) -> Optional[torch.Tensor]:
-    """A nope part shaped like its rope part but for the last dim; ``None``: a new tensor of no
-    channels, or ``none`` where given (a caller that needs no such tensor: making one costs
-    microseconds)."""
+          make: bool = False) -> Optional[torch.Tensor]:
+    """A nope part shaped like its rope part but for the last dim; ``None`` stays ``None``, or
+    with ``make`` becomes a new tensor of no channels (for a caller that reads one: making it
+    costs microseconds)."""
     if nope is None:
-        return _no_channels(rope) if none is _MADE else none  # type: ignore[return-value]
+        return _no_channels(rope) if make else None
     if not isinstance(nope, torch.Tensor) or nope.shape[:-1] != rope.shape[:-1]:
         form = "[nnz, no_rope_dim]" if rope.dim() == 2 else "[nnz, heads, no_rope_dim]"
         raise (RoPEError if isinstance(nope, torch.Tensor) else RoPETypeError)(
