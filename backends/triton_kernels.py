@@ -349,7 +349,8 @@ def _store_chunk(
             out_b = tl.math.div_rn(out_b.to(tl.float32), scale)
         if PASS_DIM > 0:
             kept = tl.math.div_rn(kept.to(tl.float32), scale)
-    # FP8 (QUANT): each store told its channels run 8 at a time (FP8_RUN, docs/tuning.md)
+    # FP8 (QUANT): each store told its channels run 8 at a time (FP8_RUN, docs/tuning.md),
+    # here beside the store: set in a helper that returns the pointers, the hint was lost
     if DEINTERLEAVE == PAIRS_OUT:  # the pairs joined and written as one run of channels
         w = pair_channels(BLOCK_R, ROT_OFFSET)
         pairs = tl.reshape(tl.join(out_a, out_b), [o_h.shape[0], BLOCK_H, 2 * BLOCK_R])
