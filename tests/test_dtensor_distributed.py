@@ -434,8 +434,8 @@ def _check_refusals(mesh):
 def _worker(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)
     os.environ.pop("ROPE_BACKEND", None)
-    if not torch.cuda.is_available():  # the Triton kernels on the interpreter (tiny shapes)
-        os.environ["TRITON_INTERPRET"] = "1"
+    # the mesh is on the CPU, GPU or not: the Triton kernels run there on the interpreter (tiny shapes)
+    os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=COLLECTIVE_TIMEOUT)
     from torch.distributed.device_mesh import init_device_mesh
