@@ -27,7 +27,6 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import register_sharding
 
 from .errors import RoPEError, RoPETypeError
@@ -306,14 +305,30 @@ def _contiguous_strides(shape: tuple) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _local_tokens(t: DTensor, tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's size and global offset along ``t``'s first ``tokens`` dims, by DTensor's
+    rule for ``Shard`` (mesh dims in order, each splitting what the earlier ones left into
+    chunks of ``ceil(n / ranks)``, the last ones shorter or empty), in integer arithmetic:
+    ``torch.compile`` of torch 2.11 cannot trace DTensor's own helper for it (a graph break
+    on ``Shard._local_shard_size_and_offset``)."""
+    sizes, offsets = list(t.shape[:tokens]), [0] * tokens
+    mesh, coordinate = t.device_mesh, t.device_mesh.get_coordinate()
+    for i, p in enumerate(t.placements):
+        if isinstance(p, Shard) and p.dim < tokens:
+            chunk = -(-sizes[p.dim] // mesh.size(i))
+            start = min(chunk * coordinate[i], sizes[p.dim])
+            sizes[p.dim] = min(sizes[p.dim] - start, chunk)
+            offsets[p.dim] += start
+    return tuple(sizes), tuple(offsets)
+
+
 def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
                table_sharded: bool) -> DTensor | None:
     """Each local token's table row as a DTensor sharded like the tokens (``None``: the shard's
     own index serves, rows local to a sharded table or an unsharded sequence from 0)."""
     layout, mesh = spec.layout, t.device_mesh
     tokens = t.dim() - 2
-    local_shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
-    local_tokens, token_offset = tuple(local_shape[:tokens]), tuple(offset[:tokens])
+    local_tokens, token_offset = _local_tokens(t, tokens)
     placements = [p if p.is_shard() and p.dim < tokens else Replicate() for p in t.placements]
     if table_sharded:
         if start_positions is not None or positions is not None:
@@ -337,7 +352,8 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
         starts = _local_index(start_positions, (), (), "start_positions", t.device)
         if spec.cu_seqlens is None:
             raise RoPEError("layout 'thd' needs cu_seqlens in the spec, or per-token positions")
-        local = token_rows(local_shape, "thd", spec.cu_seqlens, starts, 1, 0, t.device)
+        local = token_rows((*local_tokens, *t.shape[tokens:]), "thd", spec.cu_seqlens, starts, 1, 0,
+                           t.device)
     else:
         seq, batch = _SEQ_DIM[layout], _BATCH_DIM[layout]
         if start_positions is None and not any(p.is_shard(seq) for p in t.placements):
