@@ -235,13 +235,6 @@ def _check_placements(x: DTensor, name: str, layout: str) -> None:
                 f"{name} is sharded on its head dim (Shard({last}), mesh dim {i}); a rotation "
                 "pairs channels across the whole head: shard batch, sequence or heads instead"
             )
-        if isinstance(p, Shard) and layout == "thd" and p.dim == 0:
-            raise _refuse(
-                f"{name} is sharded on its token dim (Shard(0), mesh dim {i}) in layout 'thd': "
-                "a shard of packed sequences cuts them at arbitrary tokens, and its cu_seqlens "
-                "would no longer describe it; shard the heads, or use the zigzag split "
-                "(RoPESpec cp_size/cp_rank, docs/context-parallel.md) on local tensors"
-            )
 
 
 def _as_dtensor(x: torch.Tensor | None, mesh, name: str) -> DTensor | None:
@@ -346,14 +339,14 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
                 )
             return positions
         local = _local_index(positions, token_offset, local_tokens, "positions", t.device)
-    elif layout == "thd":
+    elif layout == "thd":  # every token's row from the global cu_seqlens, then this rank's
         from rope_dispatch.backends.eager import positions as token_rows
 
         starts = _local_index(start_positions, (), (), "start_positions", t.device)
         if spec.cu_seqlens is None:
             raise RoPEError("layout 'thd' needs cu_seqlens in the spec, or per-token positions")
-        local = token_rows((*local_tokens, *t.shape[tokens:]), "thd", spec.cu_seqlens, starts, 1, 0,
-                           t.device)
+        rows = token_rows(t.shape, "thd", spec.cu_seqlens, starts, 1, 0, t.device)
+        local = rows[token_offset[0]:token_offset[0] + local_tokens[0]].contiguous()
     else:
         seq, batch = _SEQ_DIM[layout], _BATCH_DIM[layout]
         if start_positions is None and not any(p.is_shard(seq) for p in t.placements):
@@ -485,6 +478,11 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
         )
     table, sin = _as_dtensor(table, mesh, "freqs"), _as_dtensor(sin, mesh, "freqs.sin")
     table_sharded = any(p.is_shard() for p in table.placements)
+    if table_sharded and spec.layout == "thd":
+        raise _refuse(
+            f"freqs has placements {table.placements}: in layout 'thd' a table's rows are "
+            "positions within each packed sequence, not tokens; replicate it"
+        )
     if table_sharded:
         seq = _SEQ_DIM[spec.layout]
         for i, (p, q) in enumerate(zip(table.placements, t.placements)):

@@ -162,13 +162,15 @@ ONE_DIM = [
     ("sbhd", (6, 2, 2, 16), [0], False, True, 8, False,     # sequence, DeepSeek's rope part:
      dict(rotary_offset=8, deinterleave=True)),             # the last channels, pairs in
     ("bshd", (2, 4, 4, 12), [2], False, False, 4, True, dict(rotary_offset=6)),  # heads, offset
+    ("thd", (15, 2, 8), [0], False, True, 8, False),        # tokens of packed sequences: shards
+                                                            # cut sequences (2 and 4 ranks)
 ]
 TWO_DIM = [  # 4 ranks as a 2 x 2 mesh
     ("bshd", (2, 8, 2, 8), [0, 1], False, True, 8, False),  # batch x sequence
     ("bshd", (2, 8, 4, 8), [0, 2], False, True, 8, False),  # batch x heads (FSDP2 + TP)
     ("sbhd", (8, 2, 2, 8), [1, 0], True, False, 8, False),  # batch x sequence, table sharded
 ]
-COMPILED = [ONE_DIM[0], ONE_DIM[2], ONE_DIM[3]]
+COMPILED = [ONE_DIM[0], ONE_DIM[2], ONE_DIM[3], ONE_DIM[8]]
 
 
 # (layout, shape of t (q), k's head count (None: a single tensor), a Shard dim per mesh dim,
@@ -403,8 +405,8 @@ def _check_refusals(mesh):
     spec = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 4, 8]))
     angles = torch.rand(8, 8)
     x = _shard(torch.randn(8, 2, 8), mesh, _placements([0]))
-    with pytest.raises(rd.RoPEError, match="packed sequences"):
-        rd.apply(x, angles, spec, backend="eager")
+    with pytest.raises(rd.RoPEError, match="in layout 'thd' a table's rows are positions"):
+        rd.apply(x, _shard(angles, mesh, _placements([0])), spec, backend="eager")
     y = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([3]))
     with pytest.raises(rd.RoPEError, match="head dim"):
         rd.apply(y, angles, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
@@ -457,7 +459,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         _check_context_parallel(mesh, rank)
         _check_caches_and_positions(mesh, rank)
         if rd.get_backend("triton").available:  # each shard through the Triton kernels
-            for case in (ONE_DIM[0], ONE_DIM[3], ONE_DIM[6]):
+            for case in (ONE_DIM[0], ONE_DIM[3], ONE_DIM[6], ONE_DIM[8]):
                 _check_single(mesh, case, rank, backend="triton")
             _check_single(mesh, ONE_DIM[0], rank, backend="triton", table="precise_rates")
             _check_normed(mesh, NORMED[2], rank, backend="triton")  # the fused norm kernel
