@@ -420,6 +420,9 @@ class _Prepared(NamedTuple):
     positions: DTensor | None
     settings: _Settings
     norms: tuple
+    k_table: tuple | None = None
+    """apply_qkv's own k table (``k_freqs``): ``(table, sin, kind, rows)``; ``None``: k reads
+    ``table``."""
 
 
 def _check_in_place(t: DTensor, k: DTensor | None, freqs: object) -> None:
@@ -443,8 +446,6 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
     """A DTensor call checked for what its placements allow."""
     from .spec import dtype_name
 
-    if k_freqs is not None and k_freqs is not freqs:
-        raise _refuse("a separate k table (k_freqs) is not supported")
     if not isinstance(spec, RoPESpec):
         raise RoPEError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
     _check_spec(spec)
@@ -468,39 +469,52 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
         _check_in_place(t, k, freqs)
     q_name = "norm" if k is None and split is None else "q_norm"
     stages = (_norm_stage(norms[0], q_name, t), _norm_stage(norms[1], "k_norm", t))
-    mesh = t.device_mesh
-    kind, table, sin, rows = _table_tensors(freqs)
-    if torch.is_grad_enabled() and any(
-            isinstance(x, torch.Tensor) and x.requires_grad for x in (table, sin)):
-        raise _refuse(
-            "freqs requires grad: a DTensor call does not differentiate its table (learned "
-            "angles); detach it, or gather the tensors and call with plain ones"
-        )
-    table, sin = _as_dtensor(table, mesh, "freqs"), _as_dtensor(sin, mesh, "freqs.sin")
-    table_sharded = any(p.is_shard() for p in table.placements)
-    if table_sharded and spec.layout == "thd":
-        raise _refuse(
-            f"freqs has placements {table.placements}: in layout 'thd' a table's rows are "
-            "positions within each packed sequence, not tokens; replicate it"
-        )
-    if table_sharded:
-        seq = _SEQ_DIM[spec.layout]
-        for i, (p, q) in enumerate(zip(table.placements, t.placements)):
-            if p.is_shard() != q.is_shard(seq):
-                raise _refuse(
-                    f"freqs is {p} on mesh dim {i} but t is {q}; a table sharded on its rows "
-                    f"must be sharded exactly where t's sequence (dim {seq}) is"
-                )
-        if table.shape[0] != t.shape[seq]:
-            raise _refuse(
-                f"freqs is sharded with the sequence, so it needs one row per token "
-                f"({t.shape[seq]}), got {table.shape[0]}"
-            )
+    kind, table, sin, rows, table_sharded = _op_table(freqs, "freqs", t, spec)
+    k_table = None
+    if k_freqs is not None and k_freqs is not freqs:  # apply_qkv's own k table
+        k_kind, k_tab, k_sin, k_rows, k_sharded = _op_table(k_freqs, "k_freqs", t, spec)
+        if k_sharded != table_sharded:
+            raise _refuse("k_freqs and freqs must both be sharded with the sequence, or neither")
+        k_table = (k_tab, k_sin, k_kind, k_rows)
     pos = _positions(t, spec, start_positions, positions, table_sharded)
     settings = _Settings(t.dim() - 2, spec.layout, kind, rows, spec.interleaved,
                          float(spec.cos_sin_scale), spec.inverse, spec.rotary_offset,
                          spec.deinterleave, None, 0.0, 0.0)
-    return _Prepared(table, sin, pos, settings, stages)
+    return _Prepared(table, sin, pos, settings, stages, k_table)
+
+
+def _op_table(freqs: object, name: str, t: DTensor, spec: RoPESpec) -> tuple:
+    """``(kind, table, sin, rows, sharded)``: ``freqs``' tensors as the op takes them, DTensors
+    on ``t``'s mesh, checked against ``t``'s placements."""
+    kind, table, sin, rows = _table_tensors(freqs)
+    if torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in (table, sin)):
+        raise _refuse(
+            f"{name} requires grad: a DTensor call does not differentiate its table (learned "
+            "angles); detach it, or gather the tensors and call with plain ones"
+        )
+    mesh = t.device_mesh
+    table, sin = _as_dtensor(table, mesh, name), _as_dtensor(sin, mesh, f"{name}.sin")
+    sharded = any(p.is_shard() for p in table.placements)
+    if sharded and spec.layout == "thd":
+        raise _refuse(
+            f"{name} has placements {table.placements}: in layout 'thd' a table's rows are "
+            "positions within each packed sequence, not tokens; replicate it"
+        )
+    if sharded:
+        seq = _SEQ_DIM[spec.layout]
+        for i, (p, q) in enumerate(zip(table.placements, t.placements)):
+            if p.is_shard() != q.is_shard(seq):
+                raise _refuse(
+                    f"{name} is {p} on mesh dim {i} but t is {q}; a table sharded on its rows "
+                    f"must be sharded exactly where t's sequence (dim {seq}) is"
+                )
+        if table.shape[0] != t.shape[seq]:
+            raise _refuse(
+                f"{name} is sharded with the sequence, so it needs one row per token "
+                f"({t.shape[seq]}), got {table.shape[0]}"
+            )
+    return kind, table, sin, rows, sharded
 
 
 def _one(x: DTensor, p: _Prepared, stage: tuple | None, backend: str | None) -> DTensor:
@@ -531,7 +545,12 @@ def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions
     q = t[..., :q_len]
     q = q.reshape(*q.shape[:-2], q.shape[-2] * (q_len // k_len), k_len)
     k_part = t[..., q_len:q_len + k_len]
-    return (_one(q, p, p.norms[0], backend), _one(k_part, p, p.norms[1], backend),
+    p_k = p
+    if p.k_table is not None:
+        k_tab, k_sin, k_kind, k_rows = p.k_table
+        p_k = p._replace(table=k_tab, sin=k_sin,
+                         settings=p.settings._replace(kind=k_kind, rows=k_rows))
+    return (_one(q, p, p.norms[0], backend), _one(k_part, p_k, p.norms[1], backend),
             t[..., q_len + k_len:].contiguous())
 
 

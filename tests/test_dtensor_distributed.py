@@ -318,18 +318,24 @@ def _check_pairs(mesh, rank):
     grads = (torch.randn(q_shape, generator=gen), torch.randn(8, 2, world, 8, generator=gen),
              torch.randn(8, 2, world, 8, generator=gen))
 
-    def packed():
-        outs = rd.apply_qkv(qkvd, angles, spec, split, start_positions=starts, backend="eager")
-        return outs, torch.autograd.grad(outs, qkvd, [_shard(g, mesh, placements) for g in grads])
+    k_angles = torch.rand(20, 8, generator=gen) * 10
+    for k_freqs in (None, k_angles):  # k by the q table, then by its own (k_freqs)
 
-    outs, (grad,) = _no_comm(packed, f"apply_qkv rank {rank}")
-    ref_outs, ref_grad = reference_qkv_forward_backward(qkv, angles, angles, spec, split, grads,
-                                                         starts)
-    for out, ref in zip(outs, ref_outs):
-        assert out.placements == qkvd.placements
-        assert_matches(out.full_tensor(), ref, F32, "apply_qkv forward")
-    assert grad.placements == qkvd.placements
-    assert_matches(grad.full_tensor(), ref_grad, F32, "apply_qkv backward")
+        def packed():
+            outs = rd.apply_qkv(qkvd, angles, spec, split, start_positions=starts,
+                                backend="eager", k_freqs=k_freqs)
+            return outs, torch.autograd.grad(outs, qkvd,
+                                             [_shard(g, mesh, placements) for g in grads])
+
+        what = f"apply_qkv k_freqs={'given' if k_freqs is not None else None} rank {rank}"
+        outs, (grad,) = _no_comm(packed, what)
+        ref_outs, ref_grad = reference_qkv_forward_backward(
+            qkv, angles, angles if k_freqs is None else k_freqs, spec, split, grads, starts)
+        for out, ref in zip(outs, ref_outs):
+            assert out.placements == qkvd.placements
+            assert_matches(out.full_tensor(), ref, F32, f"{what} forward")
+        assert grad.placements == qkvd.placements
+        assert_matches(grad.full_tensor(), ref_grad, F32, f"{what} backward")
 
 
 def _check_caches_and_positions(mesh, rank):
