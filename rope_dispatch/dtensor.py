@@ -22,6 +22,7 @@ each rank's local shard (:func:`_rotate_in_place`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -62,14 +63,17 @@ class _Settings(NamedTuple):
     norm_scope: str | None  # the HeadNorm stage's scope, eps and offset; None: no norm stage
     eps: float
     norm_offset: float
+    mrope: tuple | None  # the spec's mrope_section (three position streams) and its layout
+    mrope_interleaved: bool
 
 
 @functools.lru_cache(maxsize=64)
-def _local_spec(layout: str, dtype: torch.dtype, interleaved: bool, scale: float,
-                inverse: bool, offset: int, deinterleave: bool) -> RoPESpec:
+def _local_spec(s: _Settings, dtype: torch.dtype) -> RoPESpec:
     """One spec object per setting, so repeated shard calls reuse their plans (keyed by id)."""
-    return RoPESpec(layout=layout, dtype=dtype, interleaved=interleaved, cos_sin_scale=scale,
-                    inverse=inverse, rotary_offset=offset, deinterleave=deinterleave)
+    return RoPESpec(layout=s.layout, dtype=dtype, interleaved=s.interleaved,
+                    cos_sin_scale=s.scale, inverse=s.inverse, rotary_offset=s.offset,
+                    deinterleave=s.deinterleave, mrope_section=s.mrope,
+                    mrope_interleaved=s.mrope_interleaved)
 
 
 # A rate table per doubled-rates tensor a shard call met (the caller's RateTable's, replicated),
@@ -104,8 +108,7 @@ def _local_call(t: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
                 positions: torch.Tensor | None, weight: torch.Tensor | None, s: _Settings,
                 backend: str | None) -> torch.Tensor:
     """The ordinary call on one shard's local tensors (a new, contiguous output)."""
-    spec = _local_spec(s.layout, t.dtype, s.interleaved, s.scale, s.inverse, s.offset,
-                       s.deinterleave)
+    spec = _local_spec(s, t.dtype)
     norm = None if weight is None else HeadNorm(weight, s.eps, offset=s.norm_offset,
                                                 scope=s.norm_scope)
     return call_entry()(t, _table(s.kind, table, sin, s.rows), spec, None, backend, False, False,
@@ -118,15 +121,19 @@ def rope_shard(
     positions: torch.Tensor | None, weight: torch.Tensor | None, token_dims: int, layout: str,
     kind: str, rows: int, interleaved: bool, scale: float, inverse: bool, offset: int,
     deinterleave: bool, norm_scope: str | None, eps: float, norm_offset: float,
-    backend: str | None,
+    mrope: Sequence[int] | None, mrope_interleaved: bool, backend: str | None,
 ) -> torch.Tensor:
     """One shard's rotation (after its norm stage, where ``weight`` is given): the ordinary
     call on local tensors. ``token_dims`` leads the non-tensor arguments: DTensor keys its
     sharding decisions on the arguments from the first int on, so the layout and settings are
     part of that key."""
     s = _Settings(token_dims, layout, kind, rows, interleaved, scale, inverse, offset,
-                  deinterleave, norm_scope, eps, norm_offset)
+                  deinterleave, norm_scope, eps, norm_offset, _sections(mrope), mrope_interleaved)
     return _local_call(t, table, sin, positions, weight, s, backend)
+
+
+def _sections(mrope: Sequence[int] | None) -> tuple | None:
+    return None if mrope is None else tuple(mrope)
 
 
 @rope_shard.register_fake
@@ -139,13 +146,14 @@ def rope_shard_norm_backward(
     grad: torch.Tensor, t: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
     positions: torch.Tensor | None, weight: torch.Tensor, token_dims: int, layout: str,
     kind: str, rows: int, interleaved: bool, scale: float, inverse: bool, offset: int,
-    deinterleave: bool, norm_scope: str, eps: float, norm_offset: float, backend: str | None,
+    deinterleave: bool, norm_scope: str, eps: float, norm_offset: float,
+    mrope: Sequence[int] | None, mrope_interleaved: bool, backend: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of a normalized shard's rotation: of its input ``t``, and this shard's
     part of the weight's (its tokens' and heads' sum; the sharding rule says Partial). The
     rotation's transpose in float32, then the norm's gradient written out, rounded once."""
     s = _Settings(token_dims, layout, kind, rows, interleaved, scale, not inverse, offset,
-                  deinterleave, None, eps, norm_offset)
+                  deinterleave, None, eps, norm_offset, _sections(mrope), mrope_interleaved)
     turned = _local_call(grad.float(), table, sin, positions, None, s, backend)
     dx, dweight = head_norm_backward(t, weight, turned, eps, norm_offset, norm_scope)
     return dx.to(t.dtype), dweight.to(weight.dtype)
@@ -178,7 +186,7 @@ def _backward(ctx, grad):
 rope_shard.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _placement_choices(t, table, token_dims: int, layout: str):
+def _placement_choices(t, table, positions, token_dims: int, layout: str):
     """Per mesh dim, the placements of ``t``, its table and its positions that need no
     communication: all replicated; the heads sharded, the rest replicated; a token dim sharded
     with its positions. A table sharded on its rows goes with the sequence dim (its rows are
@@ -186,10 +194,11 @@ def _placement_choices(t, table, token_dims: int, layout: str):
     strategy that reads the wrong rows."""
     seq, R = _SEQ_DIM[layout], Replicate()
     table_sharded = any(isinstance(p, Shard) for p in table.placements)
+    streams = 0 if positions is None else len(positions.shape) - token_dims  # mrope's 3: 1
     choices = [(R, R, R), (Shard(len(t.shape) - 2), R, R)]
     for d in range(token_dims):
         choices.append((Shard(d), Shard(0), R) if d == seq and table_sharded else
-                       (Shard(d), R, Shard(d)))
+                       (Shard(d), R, Shard(d + streams)))
     return choices
 
 
@@ -198,7 +207,7 @@ def _sharding(t, table, sin, positions, weight, token_dims, layout, *settings):
     """The output placed as ``t``; a norm weight replicated."""
     return [([out], [out, tab, None if sin is None else tab, None if positions is None else pos,
                      None if weight is None else Replicate()])
-            for out, tab, pos in _placement_choices(t, table, token_dims, layout)]
+            for out, tab, pos in _placement_choices(t, table, positions, token_dims, layout)]
 
 
 @register_sharding(torch.ops.rope_dispatch.rope_shard_norm_backward.default)
@@ -209,7 +218,7 @@ def _norm_backward_sharding(grad, t, table, sin, positions, weight, token_dims, 
     return [([out, Replicate() if out.is_replicate() else Partial()],
              [out, out, tab, None if sin is None else tab, None if positions is None else pos,
               Replicate()])
-            for out, tab, pos in _placement_choices(t, table, token_dims, layout)]
+            for out, tab, pos in _placement_choices(t, table, positions, token_dims, layout)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,6 +339,9 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
                 "start_positions or positions would need rows of other ranks; replicate it"
             )
         return None
+    if spec.mrope_section is not None:
+        return _stream_positions(t, start_positions, positions, placements, local_tokens,
+                                 token_offset)
     if positions is not None:
         if isinstance(positions, DTensor) and any(isinstance(p, Shard) for p in positions.placements):
             if list(positions.placements) != placements:
@@ -362,14 +374,36 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
                               stride=_contiguous_strides(t.shape[:tokens]))
 
 
+def _stream_positions(t: DTensor, start_positions, positions, placements: list,
+                      local_tokens: tuple, token_offset: tuple) -> DTensor:
+    """A multimodal call's three position streams ``[3, *tokens]`` as a DTensor sharded like
+    the tokens, one dim later: each shard's call lowers its own tokens' streams."""
+    tokens = t.shape[:t.dim() - 2]
+    if start_positions is not None or positions is None:
+        raise RoPEError(
+            "spec.mrope_section needs positions [3, *t.shape[:-2]] (the temporal, height and "
+            "width position of every token) and no start_positions"
+        )
+    streams = [Shard(p.dim + 1) if p.is_shard() else p for p in placements]
+    if tuple(positions.shape) != (3, *tokens):
+        raise RoPEError(f"positions must be [3, {', '.join(map(str, tokens))}] for "
+                        f"spec.mrope_section, got {tuple(positions.shape)}")
+    if isinstance(positions, DTensor) and any(isinstance(p, Shard) for p in positions.placements):
+        if list(positions.placements) != streams:
+            raise _refuse(f"positions has placements {positions.placements}, expected {streams} "
+                          "(sharded as the tokens of t, after the stream dim)")
+        return positions
+    local = _local_index(positions, (0, *token_offset), (3, *local_tokens), "positions", t.device)
+    return DTensor.from_local(local, t.device_mesh, streams, run_check=False,
+                              shape=(3, *tokens), stride=_contiguous_strides((3, *tokens)))
+
+
 def _check_spec(spec: RoPESpec) -> None:
     if spec.cp_size > 1:
         raise _refuse(
             f"spec.cp_size={spec.cp_size}: a DTensor's placements already say which tokens a rank "
             "holds; shard the sequence (Shard on its dim) with cp_size=1"
         )
-    if spec.mrope_section is not None:
-        raise _refuse("spec.mrope_section (multimodal position streams) is not supported")
 
 
 def _replicated(x: torch.Tensor, mesh, name: str) -> DTensor:
@@ -479,7 +513,8 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
     pos = _positions(t, spec, start_positions, positions, table_sharded)
     settings = _Settings(t.dim() - 2, spec.layout, kind, rows, spec.interleaved,
                          float(spec.cos_sin_scale), spec.inverse, spec.rotary_offset,
-                         spec.deinterleave, None, 0.0, 0.0)
+                         spec.deinterleave, None, 0.0, 0.0, _sections(spec.mrope_section),
+                         spec.mrope_interleaved)
     return _Prepared(table, sin, pos, settings, stages, k_table)
 
 
@@ -496,10 +531,11 @@ def _op_table(freqs: object, name: str, t: DTensor, spec: RoPESpec) -> tuple:
     mesh = t.device_mesh
     table, sin = _as_dtensor(table, mesh, name), _as_dtensor(sin, mesh, f"{name}.sin")
     sharded = any(p.is_shard() for p in table.placements)
-    if sharded and spec.layout == "thd":
+    if sharded and (spec.layout == "thd" or spec.mrope_section is not None):
         raise _refuse(
-            f"{name} has placements {table.placements}: in layout 'thd' a table's rows are "
-            "positions within each packed sequence, not tokens; replicate it"
+            f"{name} has placements {table.placements}: with "
+            f"{'layout thd' if spec.layout == 'thd' else 'spec.mrope_section'} a table's rows "
+            "are positions, not tokens; replicate it"
         )
     if sharded:
         seq = _SEQ_DIM[spec.layout]
@@ -588,8 +624,7 @@ def _local_parts(t: DTensor, k: DTensor | None, p: _Prepared) -> tuple:
     """This rank's part of a prepared call as the plain call its shard runs: ``(t, freqs, spec,
     positions, k, norms)``, local tensors (views of the DTensors' own)."""
     s = p.settings
-    local_spec = _local_spec(s.layout, t.dtype, s.interleaved, s.scale, s.inverse, s.offset,
-                             s.deinterleave)
+    local_spec = _local_spec(s, t.dtype)
     sin = None if p.sin is None else p.sin.to_local()
     norms = tuple(None if stage is None else HeadNorm(stage[0].to_local(), stage[1][1],
                                                       offset=stage[1][2], scope=stage[1][0])

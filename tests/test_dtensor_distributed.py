@@ -21,7 +21,7 @@ import torch.distributed as dist
 import rope_dispatch as rd
 from ranks import join_ranks
 from reference import (
-    assert_matches, reference_forward_backward, reference_qkv_forward_backward,
+    assert_matches, reference_forward_backward, reference_qkv_forward_backward, reference_rope,
 )
 
 JOB_DEADLINE_S = 240
@@ -338,10 +338,44 @@ def _check_pairs(mesh, rank):
         assert_matches(grad.full_tensor(), ref_grad, F32, f"{what} backward")
 
 
+def _check_multimodal(mesh, rank):
+    """M-RoPE (``spec.mrope_section``): three position streams per token, given as a plain
+    global ``[3, b, s]`` tensor, with the sequence or the heads sharded; forward and backward
+    against channel ``c`` of each token rotated by the table row of its section's stream."""
+    gen = torch.Generator().manual_seed(13)
+    sections, rows = (2, 1, 1), 12
+    angles = torch.rand(rows, 8, generator=gen) * 40 - 20
+    spec = rd.RoPESpec(layout="bshd", dtype=F32, mrope_section=sections)
+    x = torch.randn(2, 8, 4, 8, generator=gen)
+    grad_out = torch.randn(x.shape, generator=gen)
+    streams = torch.randint(0, rows, (3, 2, 8), generator=gen)
+    stream_of = [s for s, n in enumerate(sections) for _ in range(n)] * 2  # each half alike
+    flat = streams.reshape(3, -1)
+    per_token = torch.stack([angles.double()[flat[stream_of[c]], c] for c in range(8)], -1)
+    own = torch.arange(flat.shape[1]).view(2, 8)
+    xr = x.double().requires_grad_(True)
+    ref_out = reference_rope(xr, per_token, own, False)
+    (ref_grad,) = torch.autograd.grad(ref_out, xr, grad_out.double())
+    for shard in (1, 2):  # the sequence, the heads
+        placements = _placements([shard])
+        xd = _shard(x, mesh, placements).requires_grad_(True)
+        gd = _shard(grad_out, mesh, placements)
+        what = f"mrope Shard({shard}) rank {rank}"
+
+        def both():
+            out = rd.apply(xd, angles, spec, positions=streams, backend="eager")
+            return out, torch.autograd.grad(out, xd, gd)[0]
+
+        out, grad = _no_comm(both, what)
+        assert tuple(out.placements) == tuple(placements), what
+        assert_matches(out.full_tensor(), ref_out.detach(), F32, f"{what} forward")
+        assert_matches(grad.full_tensor(), ref_grad, F32, f"{what} backward")
+
+
 def _check_caches_and_positions(mesh, rank):
     """A CosSinCache of any values (sequence sharded, start positions) and per-token positions
     given as a plain global tensor (batch and sequence sharded on a 1-dim mesh: the sequence)."""
-    from reference import reference_cache_rope, reference_rope
+    from reference import reference_cache_rope
 
     gen = torch.Generator().manual_seed(5)
     shape = (8, 2, 2, 8)
@@ -411,7 +445,7 @@ def _check_refusals(mesh):
     spec = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 4, 8]))
     angles = torch.rand(8, 8)
     x = _shard(torch.randn(8, 2, 8), mesh, _placements([0]))
-    with pytest.raises(rd.RoPEError, match="in layout 'thd' a table's rows are positions"):
+    with pytest.raises(rd.RoPEError, match="with layout thd a table's rows are positions"):
         rd.apply(x, _shard(angles, mesh, _placements([0])), spec, backend="eager")
     y = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([3]))
     with pytest.raises(rd.RoPEError, match="head dim"):
@@ -464,6 +498,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         _check_refusals(mesh)
         _check_context_parallel(mesh, rank)
         _check_caches_and_positions(mesh, rank)
+        _check_multimodal(mesh, rank)
         if rd.get_backend("triton").available:  # each shard through the Triton kernels
             for case in (ONE_DIM[0], ONE_DIM[3], ONE_DIM[6], ONE_DIM[8]):
                 _check_single(mesh, case, rank, backend="triton")
