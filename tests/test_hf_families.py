@@ -86,6 +86,7 @@ SEANET = dict(num_filters=8, upsampling_ratios=[2, 2], upsample_groups=64, slidi
 
 MODEL_TYPES = {
     "Dots3Note": "dots3_note_audio_encoder",
+    "Dots3NoteText": "dots3_note_text",
     "GlmAsr": "glmasr_encoder",
     "Lasr": "lasr_encoder",
     "Mimi": "mimi_encoder",
@@ -233,6 +234,11 @@ OVERRIDES = {
     **{family: MLA for family in MLA_FAMILIES},
     **{f"{family}-halves": dict(MLA, rope_interleave=False)
        for family in ("AXK1", "Glm4MoeLite", "Mistral4", "Youtu")},
+    "Dots3NoteText": dict(  # an indexed and a sliding-window layer, each MLA of its own size
+        MLA, head_dim=16, layer_types=["indexed_attention", "sliding_attention"],
+        sliding_window=8, shared_experts_intermediate_size=32, swa_num_attention_heads=4,
+        swa_num_key_value_heads=4, swa_q_lora_rank=16, swa_kv_lora_rank=16, swa_head_dim=16,
+        swa_qk_nope_head_dim=8, swa_v_head_dim=8),
 }
 """Family -> the settings its tiny config needs besides :data:`COMMON` (``None``: left unset):
 a full-attention layer for the hybrid families, sections summing to half the rotary dim for
@@ -258,6 +264,7 @@ CONFIG_CLASSES = {"Qwen3OmniMoe-code2wav": "Qwen3OmniMoeCode2WavConfig"}
 ``model_type`` is not registered."""
 MODEL_CLASSES = {
     "Dots3Note": "Dots3NoteAudioModel",
+    "Dots3NoteText": "Dots3NoteTextModel",
     "GlmAsr": "GlmAsrEncoder",
     "Evolla": "EvollaModel",
     "Lasr": "LasrEncoder",

@@ -155,11 +155,15 @@ MLA_FAMILIES: dict[str, tuple[str, str]] = {
     "MiniCPM3": ("minicpm3", "MiniCPM3Attention"),
     "Mistral4": ("mistral4", "Mistral4Attention"),
     "Youtu": ("youtu", "YoutuAttention"),
+    "Dots3NoteText": ("dots3_note", "Dots3NoteTextAttention"),
 }
 """The multi-head latent attention families besides DeepSeek-V3, served as it is: their modeling
 modules define DeepSeek-V3's ``apply_rotary_pos_emb`` and (all but MiniCPM3)
 ``apply_rotary_pos_emb_interleave``, and their attention calls one of them on ``q_rot`` (every
 query head) and ``k_rot`` (one key head shared by all); DeepSeek-V3.2's and AXK2's indexers call
-``apply_rotary_pos_emb`` too, with ``unsqueeze_dim=2``. Listed as
+``apply_rotary_pos_emb`` too, with ``unsqueeze_dim=2``. Dots 3 Note's text model (whose audio
+encoder is :data:`STANDARD_FAMILIES`' ``Dots3Note``) calls ``apply_rotary_pos_emb_interleave`` in
+its attention, of full and sliding-window layers alike, and in its indexer (``unsqueeze_dim=2``).
+Listed as
 :data:`STANDARD_FAMILIES` is, after the same check on a tiny model (both ``rope_interleave``
 settings where the config has one)."""
