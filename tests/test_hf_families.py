@@ -114,6 +114,7 @@ MODEL_TYPES = {
     "MuseSpark": "muse_spark_text",
     "Qwen3_5": "qwen3_5_text",
     "Qwen3_5Moe": "qwen3_5_moe_text",
+    "Qwen2_5Omni": "qwen2_5_omni_text",
     "Qwen3OmniMoe": "qwen3_omni_moe_text",
     "Qwen3OmniMoe-talker": "qwen3_omni_moe_talker_code_predictor",
     "Step3p7": "step3p5",
@@ -208,6 +209,11 @@ OVERRIDES = {
     "Qwen3_5": dict(**HYBRID),
     "Qwen3_5Moe": dict(**HYBRID),
     "Qwen3Next": dict(**HYBRID),
+    "Qwen2_5Omni": dict(rope_parameters=mrope([2, 3, 3])),
+    "Qwen2_5Omni-dit": dict(  # token-to-wave DiT: RoPE on each query's and key's first head
+        emb_dim=16, num_embeds=32, mel_dim=8, enc_emb_dim=16, enc_dim=16,
+        enc_channels=[16, 16, 16, 16, 48], enc_attention_channels=8, enc_se_channels=8,
+        look_ahead_layers=[1], look_backward_layers=[0], block_size=4, dropout=0.0),
     "Qwen3OmniMoe": dict(rope_parameters=mrope([2, 3, 3])),
     "Qwen3OmniMoe-code2wav": dict(sliding_window=8),
     "RecurrentGemma": dict(block_types=['recurrent', 'attention']),
@@ -253,13 +259,12 @@ VARIANTS = {f"{family}-halves": family for family in ("AXK1", "Glm4MoeLite", "Mi
 LEFT_OUT = {
     "its callers are the structure module's atom encoder and decoder, which take atom "
     "coordinates and features; no tiny EsmFold2 model was built here": ["esmfold2"],
-    "its token-to-wave DiT calls the function too (on its first head only), and a tiny DiT "
-    "was not built here": ["qwen2_5_omni"],
 }
 """Folders whose modeling module defines the standard function but that are not served."""
 
 
-CONFIG_CLASSES = {"Qwen3OmniMoe-code2wav": "Qwen3OmniMoeCode2WavConfig"}
+CONFIG_CLASSES = {"Qwen3OmniMoe-code2wav": "Qwen3OmniMoeCode2WavConfig",
+                  "Qwen2_5Omni-dit": "Qwen2_5OmniDiTConfig"}
 """Family -> the class of its configuration module to build the config with, where its
 ``model_type`` is not registered."""
 MODEL_CLASSES = {
@@ -281,6 +286,8 @@ MODEL_CLASSES = {
     "Emu3": "Emu3TextModel",
     "Granite4Vision": "Granite4VisionTextModel",
     "Mllama": "MllamaTextModel",
+    "Qwen2_5Omni": "Qwen2_5OmniThinkerTextModel",
+    "Qwen2_5Omni-dit": "Qwen2_5OmniToken2WavDiTModel",
     "Qwen3OmniMoe": "Qwen3OmniMoeThinkerTextModel",
     "Qwen3OmniMoe-code2wav": "Qwen3OmniMoeCode2WavTransformerModel",
     "Qwen3OmniMoe-talker": "Qwen3OmniMoeTalkerCodePredictorModel",
@@ -334,6 +341,10 @@ INPUTS: dict[str, Callable[[torch.Tensor], dict]] = {
     "PocketTTSAudioTokenizer": lambda ids: dict(input_values=noise(1, 4 * TOKENS)),
     "TimesFm2_5": lambda ids: dict(past_values=noise(4 * TOKENS)),
     "Xcodec2": lambda ids: dict(hidden_states=noise(TOKENS, 96)),
+    "Qwen2_5Omni-dit": lambda ids: dict(  # a mel frame a token, half as many codes
+        hidden_states=noise(TOKENS, 8), condition_vector=noise(10, 8),
+        speaker_embedding=noise(TOKENS, 16), quantized_code=ids[:, :TOKENS // 2] % 32,
+        time_step=torch.tensor(0.5, device=ids.device), apply_cfg=False),
     "Qwen3OmniMoe-code2wav": lambda ids: dict(inputs_embeds=embeds(ids)),
     "Qwen3OmniMoe-talker": lambda ids: dict(inputs_embeds=embeds(ids)),
     "T5Gemma": lambda ids: dict(input_ids=ids, decoder_input_ids=ids.flip(1)),
@@ -348,6 +359,7 @@ time series for the audio, image and time-series encoders."""
 OTHER_CALLERS = {
     "DeepseekOcr2-vision": "DeepseekOcr2",
     "Nemotron3_5Transcribe-timestamps": "Nemotron3_5Transcribe",
+    "Qwen2_5Omni-dit": "Qwen2_5Omni",
     "Qwen3OmniMoe-code2wav": "Qwen3OmniMoe",
     "Qwen3OmniMoe-talker": "Qwen3OmniMoe",
     "VoxtralRealtime-encoder": "VoxtralRealtime",

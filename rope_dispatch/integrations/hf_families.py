@@ -125,6 +125,7 @@ STANDARD_FAMILIES: dict[str, tuple[str, str]] = {
     "Qwen3_5": ("qwen3_5", "Qwen3_5Attention"),
     "Qwen3_5Moe": ("qwen3_5_moe", "Qwen3_5MoeAttention"),
     "Qwen3Next": ("qwen3_next", "Qwen3NextAttention"),
+    "Qwen2_5Omni": ("qwen2_5_omni", "Qwen2_5OmniAttention"),
     "Qwen3OmniMoe": ("qwen3_omni_moe", "Qwen3OmniMoeThinkerTextAttention"),
     "RecurrentGemma": ("recurrent_gemma", "RecurrentGemmaAttention"),
     "SeedOss": ("seed_oss", "SeedOssAttention"),
