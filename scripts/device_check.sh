@@ -17,6 +17,11 @@
 # largest fused-QKV cases ran out of memory and the file did not finish in 9 minutes, while 3
 # workers alone ran all of it in 128 s on an H200), TE_TIMEOUT seconds, TE_K a pytest -k
 # expression. Run it without our tests beside it (SKIP_TESTS=1).
+# FI_TESTS: a directory holding FlashInfer's tests/attention/test_rope.py and
+# tests/test_helpers/rope_reference.py (with their __init__.py files; not in this repository):
+# the file's tests of the functions rope_dispatch.compat.flashinfer serves run against our doors
+# (scripts/flashinfer_parity.py; no FlashInfer needed), after our tests, with FI_WORKERS
+# pytest-xdist workers (default 4), FI_TIMEOUT seconds and FI_K a pytest -k expression.
 # The benchmark (python3 -m benchmarks.bench; benchmarks/ is not installed, so the repository
 # root is the working directory) runs with --serving (decode q+k with GPU positions, prefill
 # q+k) unless BENCH_ARGS says otherwise.
@@ -71,6 +76,17 @@ if [[ -n "$te_pid" ]]; then
   wait "$te_pid"
   echo "--- TransformerEngine's test_fused_rope.py through rope_dispatch.compat.te (te_parity.log)"
   grep -E "^te_parity:|^(FAILED|ERROR)|passed|failed|exit code" "$OUT/te_parity.log" | tail -15
+fi
+
+if [[ -n "${FI_TESTS:-}" ]]; then
+  root=$PWD
+  (cd "$FI_TESTS" && ROPE_BACKEND=triton PYTHONPATH=".:$root/scripts${PYTHONPATH:+:$PYTHONPATH}" \
+    timeout -s INT -k 30 "${FI_TIMEOUT:-420}" python3 -m pytest -p flashinfer_parity --noconftest \
+    -p no:cacheprovider -q -rfE -n "${FI_WORKERS:-4}" ${FI_K:+-k "$FI_K"} \
+    tests/attention/test_rope.py >"$OUT/flashinfer_parity.log" 2>&1
+  echo "FlashInfer test file exit code $?" >>"$OUT/flashinfer_parity.log")
+  echo "--- FlashInfer's test_rope.py through rope_dispatch.compat.flashinfer (flashinfer_parity.log)"
+  grep -E "^flashinfer_parity:|^(FAILED|ERROR)|passed|failed|exit code" "$OUT/flashinfer_parity.log" | tail -15
 fi
 
 if [[ -z "${SKIP_SELFTEST:-}" ]] && python3 -c "import rope_dispatch.selftest" 2>/dev/null; then
