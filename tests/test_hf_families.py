@@ -256,11 +256,8 @@ MLA families' ``-halves`` variants with ``rope_interleave=False`` (their attenti
 VARIANTS = {f"{family}-halves": family for family in ("AXK1", "Glm4MoeLite", "Mistral4", "Youtu")}
 """A second configuration of a family, run through ``patch`` as the family is."""
 
-LEFT_OUT = {
-    "its callers are the structure module's atom encoder and decoder, which take atom "
-    "coordinates and features; no tiny EsmFold2 model was built here": ["esmfold2"],
-}
-"""Folders whose modeling module defines the standard function but that are not served."""
+LEFT_OUT: dict[str, list[str]] = {}
+"""Folders whose modeling module defines the standard function but that are not served, by why."""
 
 
 CONFIG_CLASSES = {"Qwen3OmniMoe-code2wav": "Qwen3OmniMoeCode2WavConfig",
@@ -386,10 +383,42 @@ def folder_of(family: str) -> str:
     return FAMILIES[family_of(family)][0]
 
 
+class EsmFold2Atoms(torch.nn.Module):
+    """ESMFold 2's caller of the function: its atom encoder (sliding-window attention rotated by
+    a 3-D RoPE of each atom's reference coordinates and group id, per-atom cos and sin), tiny,
+    run on random atoms: 12 atoms in 4 groups, coordinates and features drawn once."""
+
+    def __init__(self):
+        super().__init__()
+        configuration = importlib.import_module("transformers.models.esmfold2.configuration_esmfold2")
+        config = configuration.EsmFold2Config()
+        config._attn_implementation = "sdpa"
+        atoms = configuration.EsmFold2AtomEncoderConfig(
+            hidden_size=32, output_dim=32, num_hidden_layers=2, num_attention_heads=2,
+            head_dim=16, intermediate_size=64, num_spatial_rope_pairs_per_axis=1,
+            num_uid_rope_pairs=4)  # 7 rotated pairs of 8: one left at angle 0
+        self.encoder = modeling("esmfold2").EsmFold2AtomEncoder(config, atoms)
+        generator = torch.Generator().manual_seed(8)
+        self.register_buffer("atoms", torch.randn(BATCH, TOKENS, 32, generator=generator))
+        self.register_buffer("features", torch.randn(BATCH, TOKENS, 32, generator=generator))
+        self.register_buffer("coordinates", torch.randn(BATCH, TOKENS, 3, generator=generator) * 5)
+        self.register_buffer("groups", torch.arange(TOKENS).div(3, rounding_mode="floor")
+                             .expand(BATCH, TOKENS).contiguous())
+
+    def forward(self, input_ids):
+        rope = self.encoder.rotary_emb(self.coordinates, self.groups, dtype=self.atoms.dtype)
+        mask = torch.ones(BATCH, TOKENS, dtype=torch.bool, device=self.atoms.device)
+        return self.encoder(self.atoms, self.features, None, rope, mask, self.groups,
+                            TOKENS // 3)[1]
+
+
 def tiny_model(family: str) -> torch.nn.Module:
     """The family's text model (no head; or the model of :data:`OTHER_CALLERS`) from a tiny
     config, random weights, float32, in eval mode (dropout and router jitter off; gradients
-    still flow)."""
+    still flow); ESMFold 2's atom encoder (:class:`EsmFold2Atoms`)."""
+    if family == "EsmFold2":
+        torch.manual_seed(0)
+        return EsmFold2Atoms().float().eval().to(MODEL_DEVICE)
     folder = folder_of(family)
     settings = {**COMMON, **OVERRIDES.get(family, {})}
     settings = {name: value for name, value in settings.items() if value is not None}

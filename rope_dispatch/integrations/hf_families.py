@@ -43,6 +43,7 @@ STANDARD_FAMILIES: dict[str, tuple[str, str]] = {
     "Emu3": ("emu3", "Emu3Attention"),
     "Esm": ("esm", "EsmSelfAttention"),
     "Esmc": ("esmc", "EsmcAttention"),
+    "EsmFold2": ("esmfold2", "EsmFold2AtomAttention"),
     "EuroBert": ("eurobert", "EuroBertAttention"),
     "Evolla": ("evolla", "EvollaAttention"),
     "Exaone4": ("exaone4", "Exaone4Attention"),
