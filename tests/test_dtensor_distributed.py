@@ -338,10 +338,11 @@ def _check_pairs(mesh, rank):
         assert_matches(grad.full_tensor(), ref_grad, F32, f"{what} backward")
 
 
-def _check_multimodal(mesh, rank):
+def _check_multimodal(mesh, rank, compiled=None):
     """M-RoPE (``spec.mrope_section``): three position streams per token, given as a plain
     global ``[3, b, s]`` tensor, with the sequence or the heads sharded; forward and backward
-    against channel ``c`` of each token rotated by the table row of its section's stream."""
+    against channel ``c`` of each token rotated by the table row of its section's stream
+    (``compiled``: as :func:`_compiled` runs it)."""
     gen = torch.Generator().manual_seed(13)
     sections, rows = (2, 1, 1), 12
     angles = torch.rand(rows, 8, generator=gen) * 40 - 20
@@ -360,13 +361,18 @@ def _check_multimodal(mesh, rank):
         placements = _placements([shard])
         xd = _shard(x, mesh, placements).requires_grad_(True)
         gd = _shard(grad_out, mesh, placements)
-        what = f"mrope Shard({shard}) rank {rank}"
+        what = f"mrope Shard({shard}) rank {rank} ({compiled or 'not compiled'})"
+        graphs = []
+        run = _compiled(lambda t: rd.apply(t, angles, spec, positions=streams, backend="eager"),
+                        compiled, graphs)
 
         def both():
-            out = rd.apply(xd, angles, spec, positions=streams, backend="eager")
+            out = run(xd)
             return out, torch.autograd.grad(out, xd, gd)[0]
 
-        out, grad = _no_comm(both, what)
+        out, grad = _no_comm(both, what) if compiled is None else both()
+        if compiled == "graphs":
+            _assert_no_collective(graphs, what)
         assert tuple(out.placements) == tuple(placements), what
         assert_matches(out.full_tensor(), ref_out.detach(), F32, f"{what} forward")
         assert_matches(grad.full_tensor(), ref_grad, F32, f"{what} backward")
@@ -517,6 +523,8 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             for case, in_place in ((NORMED[2], False), (IN_PLACE[1], True)):
                 torch._dynamo.reset()
                 _check_normed(mesh, case, rank, "graphs", in_place=in_place)
+            torch._dynamo.reset()
+            _check_multimodal(mesh, rank, "graphs")
             torch._dynamo.reset()  # Inductor's code for one case: it compiles C++ on the CPU
             _check_single(mesh, COMPILED[0], rank, "inductor")
         dist.barrier()
