@@ -11,7 +11,9 @@ through the same checks, backend choice and plans as any tensor, its norm stage 
 What the shard cannot know, its tokens' global positions, travels as a per-token positions
 tensor built on each rank from the shard's offset (no communication), a DTensor sharded like
 the tokens: a rank holding tokens ``o .. o + n`` of the sequence reads table rows ``o .. o + n``
-(plus ``start_positions``), exactly the rows the unsharded call reads. An angle table sharded
+(plus ``start_positions``), exactly the rows the unsharded call reads (``thd``: each token's
+place in its packed sequence, from the global ``cu_seqlens``; multimodal RoPE: the three position
+streams, sharded one dim later, each shard lowering its own). An angle table sharded
 with the sequence (``Shard(0)`` on the mesh dims that shard the tokens' sequence, as torch's
 context-parallel buffers are) is read at the shard's own rows instead. The op's backward is the
 same op with the transposed rotation, so gradients keep the placements too; after a norm stage
@@ -229,7 +231,7 @@ def _refuse(why: str) -> RoPEError:
     return RoPEError(f"DTensor call: {why}")
 
 
-def _check_placements(x: DTensor, name: str, layout: str) -> None:
+def _check_placements(x: DTensor, name: str) -> None:
     last = x.dim() - 1
     for i, p in enumerate(x.placements):
         if isinstance(p, Partial):
@@ -491,12 +493,12 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
     rank = 3 if spec.layout == "thd" else 4
     if t.dim() != rank:
         raise RoPEError(f"t must have {rank} dims for layout {spec.layout!r}, got {tuple(t.shape)}")
-    _check_placements(t, "t", spec.layout)
+    _check_placements(t, "t")
     if k is not None:
         if not isinstance(k, DTensor) or (k.device_mesh is not t.device_mesh
                                           and k.device_mesh != t.device_mesh):
             raise _refuse("q is a DTensor, so k must be a DTensor on the same mesh")
-        _check_placements(k, "k", spec.layout)
+        _check_placements(k, "k")
         if list(k.placements) != list(t.placements):
             raise _refuse(f"k has placements {k.placements} but q {t.placements}; expected the same")
     if in_place:
