@@ -63,9 +63,10 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
   workers=${TEST_WORKERS:-8}
   python3 -c "import xdist" 2>/dev/null || workers=0
   # SIGINT at the time limit: pytest stops as on Ctrl-C and still lists what failed so far (-rfE);
-  # killed outright it prints no summary, and which tests failed is lost
+  # killed outright it prints no summary, and which tests failed is lost. pytest.xml names every
+  # test that ran, so a cut run's remainder is known (its node ids against a --collect-only list)
   timeout -s INT -k 30 ${TEST_TIMEOUT:-420} python3 -m pytest ${TESTS:-tests} -q -rfE \
-    -m "gpu or not slow" -p no:cacheprovider \
+    -m "gpu or not slow" -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
     $([[ "$workers" != 0 ]] && echo "-n $workers") ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
   status=$?
   grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$OUT/pytest.log" | tail -30
