@@ -812,3 +812,30 @@ def small_append_caches(attention):
     if attention == "mla":
         return (torch.zeros(4, 4, 4, **fp8), torch.zeros(4, 4, 8, **fp8))
     return (torch.zeros(4, 4, 2, 12, **fp8), torch.zeros(4, 4, 2, 12, **fp8))
+
+
+def test_parity_plugin_paging_helpers_follow_flashinfers_definition():
+    """scripts/flashinfer_parity.py (FlashInfer's own tests against our doors on the GPU
+    machine) builds their inputs with its own ``get_seq_lens`` and
+    ``get_batch_indices_positions``: FlashInfer's documented example, and a padded batch whose
+    entries past the appended tokens get request -1 and keep their positions."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "flashinfer_parity.py"
+    spec = importlib.util.spec_from_file_location("flashinfer_parity", path)
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    indptr = torch.tensor([0, 1, 3, 6, 10], dtype=torch.int32)
+    batch, positions = plugin.get_batch_indices_positions(indptr, torch.tensor([5, 5, 5, 5]), 10)
+    assert batch.tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
+    assert positions.tolist() == [4, 3, 4, 2, 3, 4, 1, 2, 3, 4]
+    kept_batch = torch.zeros(12, dtype=torch.int32)
+    kept_positions = torch.full((12,), 7, dtype=torch.int32)
+    plugin.get_batch_indices_positions(indptr, torch.tensor([5, 5, 5, 5]), 12, kept_batch,
+                                       kept_positions)
+    assert kept_batch.tolist() == batch.tolist() + [-1, -1]
+    assert kept_positions.tolist() == positions.tolist() + [7, 7]
+    # pages of 4: 3 pages with 2 in the last, no pages, 1 page with 4 in it
+    seq_lens = plugin.get_seq_lens(torch.tensor([0, 3, 3, 4]), torch.tensor([2, 0, 4]), 4)
+    assert seq_lens.tolist() == [10, 0, 4]
