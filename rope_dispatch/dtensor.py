@@ -329,11 +329,15 @@ def _local_tokens(t: DTensor, tokens: int) -> tuple[tuple[int, ...], tuple[int, 
 def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
                table_sharded: bool) -> DTensor | None:
     """Each local token's table row as a DTensor sharded like the tokens (``None``: the shard's
-    own index serves, rows local to a sharded table or an unsharded sequence from 0)."""
+    own index serves, rows local to a sharded table or an unsharded sequence from 0); for
+    multimodal RoPE the three position streams ``[3, *tokens]``, sharded one dim later, which
+    each shard's call lowers for its own tokens."""
     layout, mesh = spec.layout, t.device_mesh
     tokens = t.dim() - 2
     local_tokens, token_offset = _local_tokens(t, tokens)
-    placements = [p if p.is_shard() and p.dim < tokens else Replicate() for p in t.placements]
+    lead = () if spec.mrope_section is None else (3,)  # the position streams
+    placements = [Shard(p.dim + len(lead)) if p.is_shard() and p.dim < tokens else Replicate()
+                  for p in t.placements]
     if table_sharded:
         if start_positions is not None or positions is not None:
             raise _refuse(
@@ -341,18 +345,26 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
                 "start_positions or positions would need rows of other ranks; replicate it"
             )
         return None
-    if spec.mrope_section is not None:
-        return _stream_positions(t, start_positions, positions, placements, local_tokens,
-                                 token_offset)
+    shape = (*lead, *t.shape[:tokens])
+    if lead:
+        if start_positions is not None or positions is None:
+            raise RoPEError(
+                "spec.mrope_section needs positions [3, *t.shape[:-2]] (the temporal, height "
+                "and width position of every token) and no start_positions"
+            )
+        if tuple(positions.shape) != shape:
+            raise RoPEError(f"positions must be [{', '.join(map(str, shape))}] for "
+                            f"spec.mrope_section, got {tuple(positions.shape)}")
     if positions is not None:
         if isinstance(positions, DTensor) and any(isinstance(p, Shard) for p in positions.placements):
             if list(positions.placements) != placements:
                 raise _refuse(
                     f"positions has placements {positions.placements}, expected {placements} "
-                    "(sharded as the tokens of t)"
+                    "(sharded as the tokens of t" + (", after the stream dim)" if lead else ")")
                 )
             return positions
-        local = _local_index(positions, token_offset, local_tokens, "positions", t.device)
+        local = _local_index(positions, (0,) * len(lead) + token_offset, lead + local_tokens,
+                             "positions", t.device)
     elif layout == "thd":  # every token's row from the global cu_seqlens, then this rank's
         from rope_dispatch.backends.eager import positions as token_rows
 
@@ -372,32 +384,8 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
                                   (local_tokens[batch],), "start_positions", t.device).long()
             rows = rows + (starts[None, :] if batch == 1 else starts[:, None])
         local = rows.expand(local_tokens).contiguous()
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape[:tokens],
-                              stride=_contiguous_strides(t.shape[:tokens]))
-
-
-def _stream_positions(t: DTensor, start_positions, positions, placements: list,
-                      local_tokens: tuple, token_offset: tuple) -> DTensor:
-    """A multimodal call's three position streams ``[3, *tokens]`` as a DTensor sharded like
-    the tokens, one dim later: each shard's call lowers its own tokens' streams."""
-    tokens = t.shape[:t.dim() - 2]
-    if start_positions is not None or positions is None:
-        raise RoPEError(
-            "spec.mrope_section needs positions [3, *t.shape[:-2]] (the temporal, height and "
-            "width position of every token) and no start_positions"
-        )
-    streams = [Shard(p.dim + 1) if p.is_shard() else p for p in placements]
-    if tuple(positions.shape) != (3, *tokens):
-        raise RoPEError(f"positions must be [3, {', '.join(map(str, tokens))}] for "
-                        f"spec.mrope_section, got {tuple(positions.shape)}")
-    if isinstance(positions, DTensor) and any(isinstance(p, Shard) for p in positions.placements):
-        if list(positions.placements) != streams:
-            raise _refuse(f"positions has placements {positions.placements}, expected {streams} "
-                          "(sharded as the tokens of t, after the stream dim)")
-        return positions
-    local = _local_index(positions, (0, *token_offset), (3, *local_tokens), "positions", t.device)
-    return DTensor.from_local(local, t.device_mesh, streams, run_check=False,
-                              shape=(3, *tokens), stride=_contiguous_strides((3, *tokens)))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=_contiguous_strides(shape))
 
 
 def _check_spec(spec: RoPESpec) -> None:
