@@ -1,6 +1,6 @@
 """Hugging Face transformers models on rope-dispatch: their RoPE call, mapped onto ours.
 
-One line moves a model of any family in :data:`SUPPORTED_MODELS` over (145 families: Llama,
+One line moves a model of any family in :data:`SUPPORTED_MODELS` over (148 families: Llama,
 Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE, DeepSeek-V3, Qwen2-VL,
 Qwen2.5-VL, Llama 4, Qwen3-VL, Qwen3-VL-MoE and those of :mod:`.hf_families`; docs/hf.md)::
 
@@ -133,12 +133,9 @@ QK_NORM_MODELS.update({
     "Qwen3-VL-MoE": ("Qwen3VLMoeTextRMSNorm", 0.0, "head"),
 })
 SUPPORTED_MODELS.update({
-    family: (f"transformers.models.{folder}.modeling_{folder}", attention, _PLAIN)
-    for family, (folder, attention) in STANDARD_FAMILIES.items()
-})
-SUPPORTED_MODELS.update({
-    family: (f"transformers.models.{folder}.modeling_{folder}", attention, _INTERLEAVE)
-    for family, (folder, attention) in MLA_FAMILIES.items()
+    family: (f"transformers.models.{folder}.modeling_{folder}", attention, names)
+    for families, names in ((STANDARD_FAMILIES, _PLAIN), (MLA_FAMILIES, _INTERLEAVE))
+    for family, (folder, attention) in families.items()
 })
 
 _STREAMS = 3

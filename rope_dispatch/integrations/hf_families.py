@@ -7,14 +7,16 @@ A family is listed when, in transformers 5.23.0, (1) its modeling module defines
 k, with ``rotate_half`` the half-swap ``cat(-x2, x1)``, optionally on the first ``cos.shape[-1]``
 channels only with the rest passed through (partial rotary), optionally in float32 or cast back
 to q's dtype; (2) every class of the module that calls it passes q and k with per-token
-``[b, s, d2]`` cos and sin (or cos and sin our call reads the same way: NeuCodec's and XCodec2's
-one row per head with ``unsqueeze_dim=2``, Pixtral's ``[s, d2]`` with ``unsqueeze_dim=0``); and (3) a tiny random model of the family from its config gives the
+``[b, s, d2]`` cos and sin (or cos and sin our call reads the same way: NeuCodec's and
+XCodec2's one row per head with ``unsqueeze_dim=2``, Pixtral's ``[s, d2]`` with
+``unsqueeze_dim=0``); and (3) a tiny random model of the family from its config gives the
 same outputs and gradients patched and unpatched (tests/test_hf_families.py: where the family's
 default model is multimodal or full size, its text model from a text sub-config or text model
 class; another model of the module whose attention calls the function too, such as a vision or
 audio encoder on random embeddings, run the same way; audio, image and time-series encoders on
-random features, waveforms, pixels and series). Families that pass the first two but
-could not be run cheaply are left out (docs/hf.md lists them and why).
+random features, waveforms, pixels and series). A family that passed the first two but could
+not be run cheaply would be left out (tests/test_hf_families.py's ``LEFT_OUT``, docs/hf.md);
+in 5.23.0 none is.
 """
 
 from __future__ import annotations
@@ -166,6 +168,5 @@ query head) and ``k_rot`` (one key head shared by all); DeepSeek-V3.2's and AXK2
 ``apply_rotary_pos_emb`` too, with ``unsqueeze_dim=2``. Dots 3 Note's text model (whose audio
 encoder is :data:`STANDARD_FAMILIES`' ``Dots3Note``) calls ``apply_rotary_pos_emb_interleave`` in
 its attention, of full and sliding-window layers alike, and in its indexer (``unsqueeze_dim=2``).
-Listed as
-:data:`STANDARD_FAMILIES` is, after the same check on a tiny model (both ``rope_interleave``
-settings where the config has one)."""
+Listed as :data:`STANDARD_FAMILIES` is, after the same check on a tiny model (both
+``rope_interleave`` settings where the config has one)."""
