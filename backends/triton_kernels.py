@@ -585,7 +585,7 @@ def _copy_program(
     scale=1.0, CACHE: tl.constexpr = 0, PAGE_SIZE: tl.constexpr = 1, QUANT: tl.constexpr = False,
 ):
     """Copy ``token_block``'s tokens x ``head_group``'s heads of ``WIDTH`` channels (v of a
-    packed qkv call). With a cache stage (``CACHE``, :func:`_cache_rows`) each token's heads go
+    packed qkv call), ``BLOCK_W`` channels at a time. With a cache stage (``CACHE``, :func:`_cache_rows`) each token's heads go
     to its slot of the cache ``out_ptr`` (strides ``so0`` a page, ``so1`` an entry), divided by
     ``scale`` and cast where ``QUANT`` (an FP8 cache, :func:`_store_chunk`)."""
     tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
@@ -595,22 +595,22 @@ def _copy_program(
     o_row, write = _cache_rows(tok, tok_mask, o_row, out_ptr, so0, so1, slot_ptr, place_ptr,
                                indptr_ptr, indices_ptr, n_pages, n_requests, n_indices, CACHE,
                                PAGE_SIZE)
-    w = tl.arange(0, BLOCK_W).to(tl.int64)
-    w_mask = w < WIDTH
     for it in range(HEAD_ITERS):
         x_h, o_h, row_mask = _chunk_rows(
             x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, BLOCK_H, True
         )
-        mask = row_mask[:, :, None] & w_mask[None, None, :]
-        values = tl.load(x_h[:, :, None] + (w * sxd)[None, None, :], mask=mask)
-        if CACHE != 0:  # skipped tokens (padding, a slot outside the cache) write nothing
-            mask = mask & write[:, None, None]
-        if QUANT:
-            values = tl.math.div_rn(values.to(tl.float32), scale).to(o_row.dtype.element_ty)
-        at = o_h[:, :, None] + (w * sod)[None, None, :]
-        if QUANT and BLOCK_W > FP8_RUN:
-            at = tl.max_contiguous(at, [1, 1, FP8_RUN])
-        tl.store(at, values, mask=mask)
+        for w0 in tl.static_range(0, WIDTH, BLOCK_W):
+            w = w0 + tl.arange(0, BLOCK_W).to(tl.int64)
+            mask = row_mask[:, :, None] & (w < WIDTH)[None, None, :]
+            values = tl.load(x_h[:, :, None] + (w * sxd)[None, None, :], mask=mask)
+            if CACHE != 0:  # skipped tokens (padding, a slot outside the cache) write nothing
+                mask = mask & write[:, None, None]
+            if QUANT:
+                values = tl.math.div_rn(values.to(tl.float32), scale).to(o_row.dtype.element_ty)
+            at = o_h[:, :, None] + (w * sod)[None, None, :]
+            if QUANT and BLOCK_W > FP8_RUN:
+                at = tl.max_contiguous(at, [1, 1, FP8_RUN])
+            tl.store(at, values, mask=mask)
 
 
 @triton.jit(do_not_specialize=[

@@ -566,7 +566,10 @@ def _segment_arguments(
     """:func:`_single_arguments` of a q and k or packed qkv launch (``rope_qkv_kernel``), or of
     any launch with a norm stage (``rope_norm_kernel``)."""
     kernels = _load_kernels()
-    has_v = launch.tensors == "qkv" or launch.store is not None
+    # v's heads have their own width: a packed qkv's are k's, a cache stage's v (MLA's
+    # compressed kv) may be wider, or of no channels at all (then no v programs)
+    v_width = pairs[2][0][2][-1]
+    has_v = (launch.tensors == "qkv" or launch.store is not None) and v_width > 0
     norm = launch.norm
     table, sin, cu_seqlens, positions = tabs[:4]
     k_rows = table.shape[0] if tabs.k_table is None else tabs.k_table.shape[0]
@@ -630,7 +633,10 @@ def _segment_arguments(
         BLOCK_H=block_h, HEAD_ITERS=head_iters, BLOCK_R=block_r, BLOCK_P=block_p,
         FAST_TRIG=not kernels.INTERPRETED,
         SEQ_BLOCK=tiles.next_pow2(n_seqs + 1) if 0 < n_seqs < tiles.SEQ_SCAN_LIMIT else 0,
-        HAS_V=has_v, V_WIDTH=head_dim, BLOCK_W=tiles.next_pow2(head_dim), SCALE=launch.scale,
+        # a v wider than q's heads (MLA's compressed kv) is copied a q head's width at a time,
+        # so its tile is the one sized for q's and k's heads (wider, it spilled registers)
+        HAS_V=has_v, V_WIDTH=v_width,
+        BLOCK_W=min(tiles.next_pow2(v_width), tiles.next_pow2(head_dim)), SCALE=launch.scale,
         HALVES=not thd and cu_seqlens is not None,
     )
     if norm is None and launch.store is None:

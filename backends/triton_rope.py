@@ -510,6 +510,7 @@ class TritonBackend(Backend):
     supports_rotary_offset = True
     supports_deinterleave = True
     supports_cache_write = True
+    supports_cache_v_head_dim = True
     supports_positions = True
     tables = frozenset(
         {"angles", "cos_sin_cache", "pair_cos_sin_cache", "rates", "precise_rates"}

@@ -27,9 +27,9 @@ def test_every_kernel_family_compiles_for_sm_90():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     # 12 variants of rope_kernel and rope_qkv_kernel, 8 of rope_lean_kernel (no thd, cp or
-    # channel stage), its two layouts of two channels a thread and a batch of one, 5 of
-    # rope_norm_kernel (norms, cache stages) and the two table-check kernels
-    assert len(lines) == 42 and all(line.startswith("ok ") for line in lines), proc.stdout
+    # channel stage), its two layouts of two channels a thread and a batch of one, 6 of
+    # rope_norm_kernel (norms, cache stages, MLA's wide v) and the two table-check kernels
+    assert len(lines) == 43 and all(line.startswith("ok ") for line in lines), proc.stdout
     assert "ok rope_qkv_kernel deinterleave, offset, cos/sin cache" in lines
     assert "ok rope_kernel deinterleave, backward" in lines
     assert "ok rope_kernel linear table, pairs, backward" in lines

@@ -89,6 +89,8 @@ def assert_rounds_like(got: torch.Tensor, ref64: torch.Tensor, scale: float, wha
 def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """A tensor of random bytes (any pattern, NaNs too): what a cache held before the call."""
     size = torch.empty((), dtype=dtype).element_size()
+    if shape[-1] == 0:  # no bytes (a v of no channels); a view of none would not reshape
+        return torch.empty(shape, dtype=dtype)
     raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), dtype=torch.uint8, generator=gen)
     return raw.view(dtype)
 
@@ -602,6 +604,27 @@ def test_triton_without_norms_writes_what_its_apply_qk_gives(layout, interleaved
         rotary=12, interleaved=interleaved, norms=False,
         padded=[False, False, True, False, False, True],
         q_mode="into-q" if interleaved else "model", backend="triton", device=DEVICE)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cache_dtype,kv_heads,dim,v_dim", [
+    (torch.bfloat16, 1, 16, 64), (torch.bfloat16, 1, 8, 320), (torch.float16, 2, 16, 8),
+    (torch.bfloat16, 2, 16, 0),
+    pytest.param(torch.float8_e4m3fn, 1, 64, 512, marks=gpu),
+    pytest.param(torch.float8_e5m2, 2, 32, 0, marks=gpu)],
+    ids=["bf16-v64", "bf16-v320", "fp16-v8", "bf16-v0", "e4m3-mla-v512", "e5m2-v0"])
+def test_triton_v_with_a_head_dim_of_its_own(layout, cache_dtype, kv_heads, dim, v_dim):
+    """The fused launch writes a v wider or narrower than k, or none (MLA's compressed kv beside
+    the rotated key part, FlashInfer's k_nope of no channels): k rotated, v as it is, every
+    other byte of both caches untouched."""
+    check_call_against_reference(
+        layout, cache_dtype if cache_dtype not in FP8 else torch.bfloat16, cache_dtype,
+        tokens=7, kv_heads=kv_heads, group=4, dim=dim, rotary=dim,
+        interleaved=kv_heads == 2, norms=False,
+        padded=[False, True, False, False, False, True, False],
+        q_mode="fp8-scale" if cache_dtype in FP8 else "model", v_dim=v_dim, backend="triton",
+        device=DEVICE)
 
 
 @pytest.mark.usefixtures("triton_backend")
