@@ -79,8 +79,17 @@ def pytest_configure(config) -> None:
     package.get_seq_lens = get_seq_lens
     package.get_batch_indices_positions = get_batch_indices_positions
     package.__version__ = "rope_dispatch.compat.flashinfer"
-    sys.modules["flashinfer"] = package
-    sys.modules["flashinfer.rope"] = rope
+    # FlashInfer's cuTile kernels are not served: the file's cuTile cases ask
+    # ``is_cuda_tile_available()`` and skip, as they do on a FlashInfer without cuda.tile
+    cutile = types.ModuleType("flashinfer.cutile")
+    cutile_common = types.ModuleType("flashinfer.cutile.cutile_common")
+    cutile_common.is_cuda_tile_available = lambda: False
+    cutile.cutile_common = cutile_common
+    package.cutile = cutile
+    package.__path__ = []  # a package, so ``from flashinfer.cutile... import`` resolves
+    sys.modules.update({"flashinfer": package, "flashinfer.rope": rope,
+                        "flashinfer.cutile": cutile,
+                        "flashinfer.cutile.cutile_common": cutile_common})
 
 
 def pytest_collection_modifyitems(config, items) -> None:
