@@ -683,6 +683,33 @@ def test_the_paged_door_keeps_one_descriptor_for_the_same_tensors():
     assert other.view(torch.uint8).any(), "the new cache was written"
 
 
+def test_the_mla_door_keeps_one_descriptor_and_writes_each_cache_given():
+    """MLA's ``(ckv_cache, kpe_cache)``: one descriptor for the same tensors, call after call;
+    other caches get their own, and each call writes the caches it was given."""
+    from rope_dispatch.compat import flashinfer as doors
+
+    gen = torch.Generator().manual_seed(12)
+    fp8 = torch.float8_e4m3fn
+    q_rope, k_rope = torch.randn(3, 4, 16, generator=gen).bfloat16(), torch.randn(3, 16, generator=gen).bfloat16()
+    q_nope, k_nope = torch.randn(3, 4, 24, generator=gen).bfloat16(), torch.randn(3, 24, generator=gen).bfloat16()
+    cos_sin = torch.rand(32, 16, generator=gen)
+    index = (torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.tensor([0, 2, 4], dtype=torch.int32),
+             torch.tensor([0, 0, 1], dtype=torch.int32), torch.tensor([0, 1, 5], dtype=torch.int32))
+    made, real = [], doors.FlashInferPagedKVCache
+    layers = [(torch.zeros(4, 4, 24, dtype=fp8), torch.zeros(4, 4, 16, dtype=fp8)) for _ in range(2)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(doors, "FlashInferPagedKVCache",
+                      lambda *a, **k: made.append(1) or real(*a, **k))
+        for caches in (layers[0], layers[0], layers[1]):
+            doors.rope_quantize_fp8_append_paged_kv_cache(
+                q_rope, k_rope, q_nope, k_nope, None, cos_sin, torch.tensor([1, 2, 3]), caches,
+                *index, page_size=4)
+    assert len(made) == 2
+    for ckv, kpe in layers:  # token 0 at page 0 entry 0: its compressed kv as it is, in FP8
+        assert torch.equal(ckv[0, 0].view(torch.uint8), k_nope[0].to(fp8).view(torch.uint8))
+        assert kpe[0, 0].view(torch.uint8).any()
+
+
 CORE_ERRORS = [
     (lambda: quant(pos_ids=torch.arange(6)), "rope_quantize_fp8",
      "q=q_rope, k=k_rope, v=k_nope, freqs=cos_sin_cache, positions=pos_ids, a FlatKVCache of "
@@ -839,3 +866,55 @@ def test_parity_plugin_paging_helpers_follow_flashinfers_definition():
     # pages of 4: 3 pages with 2 in the last, no pages, 1 page with 4 in it
     seq_lens = plugin.get_seq_lens(torch.tensor([0, 3, 3, 4]), torch.tensor([2, 0, 4]), 4)
     assert seq_lens.tolist() == [10, 0, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; runs on the GPU "
+                    "machine (scripts/device_check.sh)")
+def test_the_mla_door_replays_in_a_cuda_graph_and_after_it():
+    """FlashInfer's MLA append captured in a CUDA graph while the door holds no q_nope divisor:
+    the replay, and an eager call after it, write what a call outside any graph writes (a
+    divisor made during capture is filled only by the graph's replay, so the door keeps
+    none)."""
+    from rope_dispatch.compat import flashinfer as doors
+
+    gen = torch.Generator().manual_seed(13)
+    fp8, dev = torch.float8_e4m3fn, "cuda"
+    q_rope = torch.randn(5, 16, 64, generator=gen).bfloat16().to(dev)
+    q_nope = torch.randn(5, 16, 512, generator=gen).bfloat16().to(dev)
+    k_rope = torch.randn(5, 64, generator=gen).bfloat16().to(dev)
+    k_nope = torch.randn(5, 512, generator=gen).bfloat16().to(dev)
+    cos_sin = torch.rand(64, 64, generator=gen).to(dev)
+    index = [torch.tensor(x, dtype=torch.int32, device=dev)
+             for x in ([0, 1, 2, 3], [0, 2, 4], [0, 0, 1, 1, -1], [0, 1, 2, 9, 0])]
+    pos = torch.tensor([3, 1, 4, 1, 5], device=dev)
+
+    def step(caches, outs):
+        return doors.rope_quantize_fp8_append_paged_kv_cache(
+            q_rope, k_rope, q_nope, k_nope, None, cos_sin, pos, caches, *index,
+            quant_scale_q=0.37, quant_scale_kv=0.73, page_size=16, q_rope_out=outs[0],
+            q_nope_out=outs[1])
+
+    def fresh():
+        return ((torch.zeros(4, 16, 512, dtype=fp8, device=dev),
+                 torch.zeros(4, 16, 64, dtype=fp8, device=dev)),
+                (torch.empty(5, 16, 64, dtype=fp8, device=dev),
+                 torch.empty(5, 16, 512, dtype=fp8, device=dev)))
+
+    step(*fresh())  # the first call's checks, outside the graph
+    torch.cuda.synchronize()
+    doors._DIVISORS.clear()  # q_nope's divisor is made under capture
+    captured, graph = fresh(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(*captured)
+    graph.replay()
+    after = fresh()
+    step(*after)
+    torch.cuda.synchronize()
+    want = fresh()
+    doors._DIVISORS.clear()
+    step(*want)
+    torch.cuda.synchronize()
+    for got in (captured, after):
+        for g, w in zip((*got[0], *got[1]), (*want[0], *want[1])):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))

@@ -80,7 +80,7 @@ __all__ = ["apply_rope_with_cos_sin_cache_inplace", "mla_rope_quantize_fp8", "ro
 _specs: dict[tuple, RoPESpec] = {}
 _caches: dict[int, PairCosSinCache] = {}
 _MAX_CACHES = 4
-_paged: dict[tuple, FlashInferPagedKVCache] = {}
+_paged: dict[tuple, tuple[FlashInferPagedKVCache, tuple]] = {}
 _MAX_PAGED = 64
 
 
@@ -98,22 +98,26 @@ def _pair_cache(cos_sin_cache: torch.Tensor) -> PairCosSinCache:
 
 def _paged_cache(caches: tuple[torch.Tensor, torch.Tensor], kv_indices: torch.Tensor,
                  kv_indptr: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
-                 kv_layout: str, page_size: int, scale: float) -> FlashInferPagedKVCache:
+                 kv_layout: str, page_size: int, scale: float,
+                 mla: bool = False) -> FlashInferPagedKVCache:
     """The same descriptor for the same tensors and settings, call after call: an engine passes
     each layer its own cache and every layer the step's index buffers, and a descriptor is
     checked, and works out what a planned call reads of it, when it is made (several us of
-    host time). The last few stay referenced here: a kept descriptor holds its tensors, so
-    the ids in its key name no other tensor while it is kept."""
-    key = (id(caches[0]), id(caches[1]), id(kv_indices), id(kv_indptr), id(batch_indices),
-           id(positions), kv_layout, page_size, scale)
-    cache = _paged.get(key) if type(page_size) is int else None  # a bad page_size: the checks
-    if cache is None:
-        cache = FlashInferPagedKVCache(caches, kv_indices, kv_indptr, batch_indices, positions,
-                                       kv_layout=kv_layout, page_size=page_size, k_scale=scale,
-                                       v_scale=scale)
-        if len(_paged) >= _MAX_PAGED:
-            _paged.clear()
-        _paged[key] = cache
+    host time). MLA's ``(ckv_cache, kpe_cache)`` become one kv head each, the key part's cache
+    as k. The last few stay referenced here with the tensors given, so the ids in a kept
+    descriptor's key name no other tensor while it is kept."""
+    given = (*caches, kv_indices, kv_indptr, batch_indices, positions)
+    key = (*map(id, given), kv_layout, page_size, scale, mla)
+    kept = _paged.get(key) if type(page_size) is int else None  # a bad page_size: the checks
+    if kept is not None:
+        return kept[0]
+    pages = (caches[1].unsqueeze(2), caches[0].unsqueeze(2)) if mla else caches
+    cache = FlashInferPagedKVCache(pages, kv_indices, kv_indptr, batch_indices, positions,
+                                   kv_layout=kv_layout, page_size=page_size, k_scale=scale,
+                                   v_scale=scale)
+    if len(_paged) >= _MAX_PAGED:
+        _paged.clear()
+    _paged[key] = (cache, given)
     return cache
 
 
@@ -341,12 +345,9 @@ def rope_quantize_fp8_append_paged_kv_cache(
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise RoPEError(
                 f"v must be None for MLA (2-D k_rope: k_nope is the compressed kv), got {got}")
-        ckv_cache, kpe_cache = caches
         try:
-            cache = FlashInferPagedKVCache((kpe_cache.unsqueeze(2), ckv_cache.unsqueeze(2)),
-                                           kv_indices, kv_indptr, batch_indices, positions,
-                                           page_size=page_size, k_scale=kv_scale,
-                                           v_scale=kv_scale)
+            cache = _paged_cache(caches, kv_indices, kv_indptr, batch_indices, positions, "NHD",
+                                 page_size, kv_scale, mla=True)
             rope_to_cache(q_rope, _one_head(k_rope), _one_head(k_nope), table, spec,
                           positions=pos_ids, cache=cache, q_out=q_rope_out, q_scale=q_scale)
         except RoPEError as error:
@@ -573,8 +574,19 @@ def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -
     ``out`` has no channels."""
     if out.numel() == 0:
         return
-    divisor = torch.full((), scale, dtype=torch.float32, device=x.device)
-    out.copy_(x.float() / divisor)  # copy_ casts as .to() does (.to() is a new tensor's copy_)
+    key = (scale, x.device)
+    divisor = _DIVISORS.get(key)
+    if divisor is None:  # a 0-d tensor: torch turns a division by a number into a product
+        divisor = torch.full((), scale, dtype=torch.float32, device=x.device)
+        # one made under CUDA graph capture is filled only when the graph replays: not kept
+        if x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _DIVISORS[key] = divisor
+    out.copy_(x.float().div_(divisor))  # copy_ casts as .to() does (.to() is a new tensor's copy_)
+
+
+_DIVISORS: dict[tuple[float, torch.device], torch.Tensor] = {}
+"""The q_nope quantization's float32 divisors by scale and device, made once (a launch each
+call otherwise); never written."""
 
 
 # How each door maps its arguments onto rope_to_cache's, for the core's errors (_mapped).
