@@ -3,6 +3,7 @@ or not, in one launch) against ``apply_qk_`` alone and the composition it replac
 FlashInfer's fused call where FlashInfer is installed.
 
     python -m benchmarks.serving_cache [--tokens 1 16 64 256] [--prefill 4096 16384 32768]
+                                       [--mla-tokens 1 64 256] [--mla-prefill 4096 16384]
 
 Decode (q 32 heads, k and v 8, d 128, bf16, pages of 16, positions and slots on the GPU; q
 new, rotated in place as ``apply_qk_`` does, or into a buffer the engine keeps): end
@@ -10,6 +11,12 @@ to end us per call on the host clock (the larger of host and GPU time; every cal
 interleaved in each round, :func:`benchmarks.bench.host_us_interleaved`), and each call's ratio
 to ``apply_qk_`` alone. Prefill: the launch's GPU time (``do_bench``, L2 flushed) against a
 device copy of the bytes it must move (read q, k, v; write q out and k, v into the cache).
+
+MLA (DeepSeek-V3's shapes: q's rope part 128 heads x 64, one shared 64-channel key part and a
+512-channel compressed kv per token, bf16 in, FP8 e4m3 out and caches, FlashInfer's pages of
+16): FlashInfer's door (rotate q and k, write the key part and the compressed kv, quantize q's
+rope and nope parts) on the fused Triton launch against the same call composed by the eager
+backend; end to end at decode, and the launch's share of a copy at prefill.
 """
 
 from __future__ import annotations
@@ -139,15 +146,99 @@ def run_prefill(token_counts: list[int]) -> None:
                   f"{100 * copy / ms:5.1f}% of copy")
 
 
+MLA_HEADS, MLA_ROPE, MLA_KV = 128, 64, 512
+
+
+def mla_inputs(tokens: int) -> dict[str, Any]:
+    """One MLA step of ``tokens`` tokens (one request each) into FlashInfer's MLA caches."""
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16).cuda()
+
+    pages = 4 * tokens + 4
+    rot = MLA_ROPE // 2
+    angles = rd.tables.angle_table(rd.tables.inverse_frequencies(MLA_ROPE, 10000.0), 4096)
+    pair = angles.view(4096, MLA_ROPE)[:, :rot]
+    return dict(
+        q_rope=rand(tokens, MLA_HEADS, MLA_ROPE), q_nope=rand(tokens, MLA_HEADS, MLA_KV),
+        k_rope=rand(tokens, MLA_ROPE), k_nope=rand(tokens, MLA_KV),
+        cos_sin=torch.cat((pair.cos(), pair.sin()), -1).cuda(),
+        positions=torch.randint(0, 4096, (tokens,), generator=gen).cuda(),
+        ckv=torch.zeros(pages, PAGE, MLA_KV, dtype=FP8, device="cuda"),
+        kpe=torch.zeros(pages, PAGE, MLA_ROPE, dtype=FP8, device="cuda"),
+        indices=torch.randperm(pages, generator=gen)[: 4 * tokens].int().cuda(),
+        indptr=(torch.arange(tokens + 1) * 4).int().cuda(),
+        batch=torch.arange(tokens).int().cuda(),
+        place=torch.randint(0, 4 * PAGE, (tokens,), generator=gen).int().cuda())
+
+
+def mla_call(m: dict[str, Any], backend: str | None) -> Callable[[], Any]:
+    """FlashInfer's MLA door on ``m`` (``backend``: forced for the call, else dispatch's)."""
+    q_rope_out = torch.empty(m["q_rope"].shape, dtype=FP8, device="cuda")
+    q_nope_out = torch.empty(m["q_nope"].shape, dtype=FP8, device="cuda")
+    args = (m["q_rope"], m["k_rope"], m["q_nope"], m["k_nope"], None, m["cos_sin"],
+            m["positions"], (m["ckv"], m["kpe"]), m["indices"], m["indptr"], m["batch"],
+            m["place"])
+    options = dict(quantize_dtype=FP8, quant_scale_q=1.0, quant_scale_kv=1.0, page_size=PAGE,
+                   q_rope_out=q_rope_out, q_nope_out=q_nope_out)
+
+    def call() -> None:
+        with rd.use_backend(backend):  # None: dispatch chooses
+            doors.rope_quantize_fp8_append_paged_kv_cache(*args, **options)
+    return call
+
+
+def run_mla(token_counts: list[int], prefill: list[int], rounds: int) -> None:
+    print(f"MLA decode, end to end us per call (ratio to the eager composition), "
+          f"{torch.cuda.get_device_name()}")
+    for tokens in token_counts:
+        m = mla_inputs(tokens)
+        calls = {"door, fused (dispatch)": mla_call(m, None),
+                 "door, eager composition": mla_call(m, "eager")}
+        for fn in calls.values():
+            fn()
+        torch.cuda.synchronize()
+        times = host_us_interleaved(calls, calls=100, rounds=rounds)
+        base = times["door, eager composition"][1]
+        for name, (host, total) in times.items():
+            print(f"  T{tokens:<5} {name:<28} {total:7.1f} us (host {host:5.1f}) "
+                  f"{total / base:5.2f}x")
+    print("MLA prefill, GPU time (do_bench, L2 flushed) against a copy of the bytes moved")
+    for tokens in prefill:
+        m = mla_inputs(tokens)
+        cache = rd.FlashInferPagedKVCache(
+            (m["kpe"].unsqueeze(2), m["ckv"].unsqueeze(2)), m["indices"], m["indptr"],
+            m["batch"], m["place"], page_size=PAGE)
+        table, spec = rd.PairCosSinCache(m["cos_sin"]), rd.RoPESpec(layout="thd",
+                                                                    dtype=torch.bfloat16)
+        q_out = torch.empty(m["q_rope"].shape, dtype=FP8, device="cuda")
+        k, v = m["k_rope"].unsqueeze(1), m["k_nope"].unsqueeze(1)
+        read = (m["q_rope"].numel() + k.numel() + v.numel()) * 2
+        written = m["q_rope"].numel() + k.numel() + v.numel()  # FP8 q and caches
+        copy = device_copy_ms(read + written)
+        ms = bench_ms(lambda: rd.rope_to_cache(m["q_rope"], k, v, table, spec,
+                                               positions=m["positions"], cache=cache,
+                                               q_out=q_out))
+        print(f"  T{tokens:<6} rope_to_cache (q rope part, key part, compressed kv) "
+              f"{ms * 1e3:8.1f} us, copy of {(read + written) / 1e6:.0f} MB {copy * 1e3:8.1f} us: "
+              f"{100 * copy / ms:5.1f}% of copy")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 64, 256])
     parser.add_argument("--prefill", type=int, nargs="*", default=[4096, 16384, 32768])
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--mla-tokens", type=int, nargs="*", default=[1, 64, 256])
+    parser.add_argument("--mla-prefill", type=int, nargs="*", default=[4096, 16384])
+    parser.add_argument("--only-mla", action="store_true", help="the MLA section alone")
     args = parser.parse_args()
     with torch.inference_mode():
-        run_decode(args.tokens, args.rounds)
-        run_prefill(args.prefill)
+        if not args.only_mla:
+            run_decode(args.tokens, args.rounds)
+            run_prefill(args.prefill)
+        run_mla(args.mla_tokens, args.mla_prefill, args.rounds)
 
 
 if __name__ == "__main__":
