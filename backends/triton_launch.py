@@ -634,7 +634,7 @@ def _segment_arguments(
         FAST_TRIG=not kernels.INTERPRETED,
         SEQ_BLOCK=tiles.next_pow2(n_seqs + 1) if 0 < n_seqs < tiles.SEQ_SCAN_LIMIT else 0,
         # a v wider than q's heads (MLA's compressed kv) is copied a q head's width at a time,
-        # so its tile is the one sized for q's and k's heads (wider, it spilled registers)
+        # so its tile is the one sized for q's and k's heads (docs/tuning.md)
         HAS_V=has_v, V_WIDTH=v_width,
         BLOCK_W=min(tiles.next_pow2(v_width), tiles.next_pow2(head_dim)), SCALE=launch.scale,
         HALVES=not thd and cu_seqlens is not None,
