@@ -105,23 +105,30 @@ def decode_calls(tokens: int, cache_dtype: torch.dtype) -> dict[str, Callable[[]
     return calls
 
 
+def print_interleaved(calls: dict[str, Callable[[], Any]], base: str, label: str,
+                      rounds: int, width: int) -> None:
+    """Each call once (one that fails is reported and dropped: a peer's failure is not
+    fatal), then end to end us per call interleaved (:func:`host_us_interleaved`), with each
+    call's ratio to ``base``'s."""
+    for name, fn in list(calls.items()):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            print(f"  {name}: {type(exc).__name__}: {exc}")
+            del calls[name]
+    torch.cuda.synchronize()
+    times = host_us_interleaved(calls, calls=100, rounds=rounds)
+    for name, (host, total) in times.items():
+        print(f"  {label} {name:<{width}} {total:7.1f} us (host {host:5.1f}) "
+              f"{total / times[base][1]:5.2f}x")
+
+
 def run_decode(token_counts: list[int], rounds: int) -> None:
     print(f"decode, end to end us per call (ratio to apply_qk_ alone), {torch.cuda.get_device_name()}")
     for cache_dtype in (torch.bfloat16, FP8):
         for tokens in token_counts:
-            calls = decode_calls(tokens, cache_dtype)
-            for name, fn in list(calls.items()):
-                try:
-                    fn()
-                except Exception as exc:  # noqa: BLE001 (a peer that fails is reported, not fatal)
-                    print(f"  {name}: {type(exc).__name__}: {exc}")
-                    del calls[name]
-            torch.cuda.synchronize()
-            times = host_us_interleaved(calls, calls=100, rounds=rounds)
-            base = times["apply_qk_ alone"][1]
-            for name, (host, total) in times.items():
-                print(f"  {str(cache_dtype)[6:]:>13} T{tokens:<4} {name:<62} {total:7.1f} us "
-                      f"(host {host:5.1f}) {total / base:5.2f}x")
+            print_interleaved(decode_calls(tokens, cache_dtype), "apply_qk_ alone",
+                              f"{str(cache_dtype)[6:]:>13} T{tokens:<4}", rounds, 62)
 
 
 def run_prefill(token_counts: list[int]) -> None:
@@ -196,14 +203,7 @@ def run_mla(token_counts: list[int], prefill: list[int], rounds: int) -> None:
         m = mla_inputs(tokens)
         calls = {"door, fused (dispatch)": mla_call(m, None),
                  "door, eager composition": mla_call(m, "eager")}
-        for fn in calls.values():
-            fn()
-        torch.cuda.synchronize()
-        times = host_us_interleaved(calls, calls=100, rounds=rounds)
-        base = times["door, eager composition"][1]
-        for name, (host, total) in times.items():
-            print(f"  T{tokens:<5} {name:<28} {total:7.1f} us (host {host:5.1f}) "
-                  f"{total / base:5.2f}x")
+        print_interleaved(calls, "door, eager composition", f"T{tokens:<5}", rounds, 28)
     print("MLA prefill, GPU time (do_bench, L2 flushed) against a copy of the bytes moved")
     for tokens in prefill:
         m = mla_inputs(tokens)
