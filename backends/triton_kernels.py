@@ -585,9 +585,10 @@ def _copy_program(
     scale=1.0, CACHE: tl.constexpr = 0, PAGE_SIZE: tl.constexpr = 1, QUANT: tl.constexpr = False,
 ):
     """Copy ``token_block``'s tokens x ``head_group``'s heads of ``WIDTH`` channels (v of a
-    packed qkv call), ``BLOCK_W`` channels at a time. With a cache stage (``CACHE``, :func:`_cache_rows`) each token's heads go
-    to its slot of the cache ``out_ptr`` (strides ``so0`` a page, ``so1`` an entry), divided by
-    ``scale`` and cast where ``QUANT`` (an FP8 cache, :func:`_store_chunk`)."""
+    packed qkv call), ``BLOCK_W`` channels at a time. With a cache stage (``CACHE``,
+    :func:`_cache_rows`) each token's heads go to its slot of the cache ``out_ptr`` (strides
+    ``so0`` a page, ``so1`` an entry), divided by ``scale`` and cast where ``QUANT`` (an FP8
+    cache, :func:`_store_chunk`)."""
     tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
         token_block, head_group, x_ptr, out_ptr, n_tokens, dim1,
         sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,

@@ -9,8 +9,9 @@ padded CUDA-graph batches included) compare each call with the file's own torch 
 two paging helpers the tests build their inputs with (``get_seq_lens``,
 ``get_batch_indices_positions``) are written here from FlashInfer's documented semantics. The
 file's other tests (FlashInfer's own ``apply_rope*`` and ``apply_llama31_rope*`` functions, its
-cuTile backend) are deselected. Run it from a FlashInfer checkout (the tests import
-``tests.test_helpers``), without its conftest (which imports all of FlashInfer):
+cuTile backend) are deselected, and the cuTile cases of the tests kept skip (no cuda.tile).
+Run it from a FlashInfer checkout (the tests import ``tests.test_helpers``), without its
+conftest (which imports all of FlashInfer):
 
     PYTHONPATH=.:/path/to/rope-dispatch/scripts python -m pytest -p flashinfer_parity \
         --noconftest tests/attention/test_rope.py

@@ -690,13 +690,14 @@ def test_the_mla_door_keeps_one_descriptor_and_writes_each_cache_given():
 
     gen = torch.Generator().manual_seed(12)
     fp8 = torch.float8_e4m3fn
-    q_rope, k_rope = torch.randn(3, 4, 16, generator=gen).bfloat16(), torch.randn(3, 16, generator=gen).bfloat16()
-    q_nope, k_nope = torch.randn(3, 4, 24, generator=gen).bfloat16(), torch.randn(3, 24, generator=gen).bfloat16()
+    q_rope, k_rope, q_nope, k_nope = (torch.randn(*shape, generator=gen).bfloat16()
+                                      for shape in ((3, 4, 16), (3, 16), (3, 4, 24), (3, 24)))
     cos_sin = torch.rand(32, 16, generator=gen)
-    index = (torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.tensor([0, 2, 4], dtype=torch.int32),
-             torch.tensor([0, 0, 1], dtype=torch.int32), torch.tensor([0, 1, 5], dtype=torch.int32))
+    index = tuple(torch.tensor(x, dtype=torch.int32)
+                  for x in ([0, 1, 2, 3], [0, 2, 4], [0, 0, 1], [0, 1, 5]))
     made, real = [], doors.FlashInferPagedKVCache
-    layers = [(torch.zeros(4, 4, 24, dtype=fp8), torch.zeros(4, 4, 16, dtype=fp8)) for _ in range(2)]
+    layers = [(torch.zeros(4, 4, 24, dtype=fp8), torch.zeros(4, 4, 16, dtype=fp8))
+              for _ in range(2)]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(doors, "FlashInferPagedKVCache",
                       lambda *a, **k: made.append(1) or real(*a, **k))

@@ -82,6 +82,9 @@ _caches: dict[int, PairCosSinCache] = {}
 _MAX_CACHES = 4
 _paged: dict[tuple, tuple[FlashInferPagedKVCache, tuple]] = {}
 _MAX_PAGED = 64
+_DIVISORS: dict[tuple[float, torch.device], torch.Tensor] = {}
+"""q_nope's float32 divisors by scale and device (a launch each call otherwise); never
+written, the last few kept."""
 
 
 def _pair_cache(cos_sin_cache: torch.Tensor) -> PairCosSinCache:
@@ -580,13 +583,10 @@ def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -
         divisor = torch.full((), scale, dtype=torch.float32, device=x.device)
         # one made under CUDA graph capture is filled only when the graph replays: not kept
         if x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            if len(_DIVISORS) >= _MAX_CACHES:
+                _DIVISORS.clear()
             _DIVISORS[key] = divisor
     out.copy_(x.float().div_(divisor))  # copy_ casts as .to() does (.to() is a new tensor's copy_)
-
-
-_DIVISORS: dict[tuple[float, torch.device], torch.Tensor] = {}
-"""The q_nope quantization's float32 divisors by scale and device, made once (a launch each
-call otherwise); never written."""
 
 
 # How each door maps its arguments onto rope_to_cache's, for the core's errors (_mapped).
