@@ -847,13 +847,7 @@ def test_parity_plugin_paging_helpers_follow_flashinfers_definition():
     machine) builds their inputs with its own ``get_seq_lens`` and
     ``get_batch_indices_positions``: FlashInfer's documented example, and a padded batch whose
     entries past the appended tokens get request -1 and keep their positions."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "flashinfer_parity.py"
-    spec = importlib.util.spec_from_file_location("flashinfer_parity", path)
-    plugin = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plugin)
+    plugin = parity_plugin()
     indptr = torch.tensor([0, 1, 3, 6, 10], dtype=torch.int32)
     batch, positions = plugin.get_batch_indices_positions(indptr, torch.tensor([5, 5, 5, 5]), 10)
     assert batch.tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
@@ -867,6 +861,36 @@ def test_parity_plugin_paging_helpers_follow_flashinfers_definition():
     # pages of 4: 3 pages with 2 in the last, no pages, 1 page with 4 in it
     seq_lens = plugin.get_seq_lens(torch.tensor([0, 3, 3, 4]), torch.tensor([2, 0, 4]), 4)
     assert seq_lens.tolist() == [10, 0, 4]
+
+
+def parity_plugin():
+    """scripts/flashinfer_parity.py, loaded as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "flashinfer_parity.py"
+    spec = importlib.util.spec_from_file_location("flashinfer_parity", path)
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    return plugin
+
+
+def test_parity_plugin_stands_our_doors_in_and_says_there_is_no_cutile(monkeypatch):
+    """The plugin's ``flashinfer`` serves our doors, and its ``flashinfer.cutile`` answers the
+    file's availability check with False, so the file's cuTile cases skip (they failed on the
+    import before)."""
+    import sys
+
+    names = ("flashinfer", "flashinfer.rope", "flashinfer.cutile",
+             "flashinfer.cutile.cutile_common")
+    for name in names:  # put back as they were after the test
+        monkeypatch.setitem(sys.modules, name, None)
+    parity_plugin().pytest_configure(None)
+    from flashinfer.cutile.cutile_common import is_cuda_tile_available
+    from flashinfer.rope import rope_quantize_fp8_append_paged_kv_cache
+
+    assert is_cuda_tile_available() is False
+    assert rope_quantize_fp8_append_paged_kv_cache is fi.rope_quantize_fp8_append_paged_kv_cache
 
 
 @pytest.mark.gpu
