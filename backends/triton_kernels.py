@@ -596,12 +596,13 @@ def _copy_program(
     o_row, write = _cache_rows(tok, tok_mask, o_row, out_ptr, so0, so1, slot_ptr, place_ptr,
                                indptr_ptr, indices_ptr, n_pages, n_requests, n_indices, CACHE,
                                PAGE_SIZE)
+    chunk = tl.arange(0, BLOCK_W).to(tl.int64)  # made once, outside the loops
     for it in range(HEAD_ITERS):
         x_h, o_h, row_mask = _chunk_rows(
             x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, BLOCK_H, True
         )
         for w0 in tl.static_range(0, WIDTH, BLOCK_W):
-            w = w0 + tl.arange(0, BLOCK_W).to(tl.int64)
+            w = w0 + chunk
             mask = row_mask[:, :, None] & (w < WIDTH)[None, None, :]
             values = tl.load(x_h[:, :, None] + (w * sxd)[None, None, :], mask=mask)
             if CACHE != 0:  # skipped tokens (padding, a slot outside the cache) write nothing
