@@ -6,8 +6,8 @@ one C++ call beat the pair (docs/benchmarks.md, run AQ). ``direct_launch.c`` hol
 constant parameters and, per call, reads its inputs' addresses, allocates its outputs with
 ``new_empty`` and launches through the CUDA driver. It is built at first use by Triton's own C
 build (the compiler and Python headers Triton's launchers already need) and cached by Triton;
-where it cannot be built or bound, :func:`bind` returns ``None`` and callers keep their
-two-call launch.
+where it cannot be built or bound, :func:`bind` returns ``None`` and the call is not
+planned.
 """
 
 from __future__ import annotations
@@ -120,5 +120,5 @@ def bind(
         )
     except RuntimeError:  # no CUDA context current on this thread: Triton's launcher serves
         return None
-    except ValueError:  # more arguments than its slots hold (the norm kernel's): the twin serves
+    except ValueError:  # more arguments or addresses than its slots hold: not planned
         return None

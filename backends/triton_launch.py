@@ -1,11 +1,10 @@
 """The Triton backend's launcher: one launch descriptor, one cache of compiled launches.
 
-A call becomes a :class:`Launch`, the named description of one launch (which tensors: one, q
-and k, or packed qkv; direction, an inverse spec's included; in place or not; table and
-position kind; the stages around the rotation), and its :class:`Tables`. :func:`launch` picks
-kernel, tile and constants from them, keeps what Triton compiled under a :class:`LaunchKey`,
-and launches it again from addresses alone. :func:`slots` and :func:`bound` bind a compiled launch to a call's form for
-plans: one call into C (``direct_launch``) or its Python twin :class:`BoundLaunch`.
+A call becomes a :class:`Launch` (what the launch does) and its :class:`Tables` (what it reads
+besides the data). :func:`launch` picks kernel, tile and constants from them, keeps what Triton
+compiled under a :class:`LaunchKey` and launches it again from addresses alone.
+:func:`bind_compiled` binds a compiled launch to a call's form for plans: one call into C
+(``direct_launch``) that allocates the outputs and launches.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ def _load_kernels() -> ModuleType:
 
 class Launch(NamedTuple):
     """What one launch does. Every path (eager, autograd, the custom op, plans) describes its
-    launch so, and the launcher picks kernel, tile and arguments from it and the tensors."""
+    launch so; the launcher picks kernel, tile and arguments from it and the tensors."""
 
     tensors: str  # "t" one tensor, "qk" q and k, "qkv" a packed qkv tensor (TENSOR_KINDS)
     layout: str
@@ -50,33 +49,21 @@ class Launch(NamedTuple):
     scale: float
     cp_size: int
     cp_rank: int
-    table: str = "angles"  # the user's table kind; a flag may refine it per launch
+    table: str = "angles"  # the user's table kind
     positions: int = 0  # 0 by index, 1 start positions (one per sequence), 2 per token
     split: tuple[int, int, int] | None = None  # a packed qkv's (q, k, v) channels a group
-    backward: bool = False  # the transpose (packed qkv: three gradients in, one packed out)
+    backward: bool = False  # gradients in (a packed qkv: three in, one packed out)
     in_place: bool = False  # rotary channels rewritten, pass-through channels untouched
     grad_in_place: bool = False  # the backward may rotate its incoming gradients in place
-    norm: tuple | None = None
-    """The stage before the rotation: q's (``t``'s) and k's :class:`NormForm` (``None`` for a
-    side without), or ``None``; such a launch moves whole heads (``rope_norm_kernel``)."""
-    store: StoreForm | None = None
-    """The stage after the rotation (:func:`~rope_dispatch.rope_to_cache`): k and v written into
-    a KV cache at each token's slot, quantized where FP8, or ``None``; such a launch takes
-    ``rope_norm_kernel`` (with or without a norm stage)."""
-    inverse: bool = False
-    """The call's spec is inverse (rotate by minus the angle): its forward launch applies the
-    transpose, its backward the rotation. ``backward`` still says which way the data flows
-    (a packed qkv's gradients in, one packed gradient out)."""
-    offset: int = 0
-    """The spec's ``rotary_offset``: the rotary channels start there, the others pass."""
-    deinterleave: bool = False
-    """The spec's ``deinterleave``: pairs read, halves written (the transpose: halves read,
-    pairs written; backends/triton_channels.py)."""
+    norm: tuple | None = None  # the stage before the rotation: q's (t's) and k's NormForm
+    store: StoreForm | None = None  # the stage after it: k and v into a KV cache
+    inverse: bool = False  # rotate by minus the angle: the forward applies the transpose
+    offset: int = 0  # the spec's rotary_offset: where the rotary channels start
+    deinterleave: bool = False  # pairs read, halves written (backends/triton_channels.py)
 
     @property
     def transposes(self) -> bool:
-        """Whether the kernels apply the transpose (their ``BACKWARD``): a backward launch or an
-        inverse call's forward, not both."""
+        """Whether the kernels apply the transpose: a backward or an inverse forward."""
         return self.backward != self.inverse
 
     def transposed(self, in_place: bool = False) -> Launch:
@@ -88,66 +75,47 @@ class Tables(NamedTuple):
 
     table: torch.Tensor
     sin: torch.Tensor | None
-    cu: torch.Tensor | None
-    """thd: ``cu_seqlens``; sbhd and bshd: a cos/sin cache's halves flag, or ``None``."""
-    index: torch.Tensor | None
-    """Start positions (1-D) or per-token positions (2-D, token order), as the kernels read."""
-    k_table: torch.Tensor | None = None
-    """A packed qkv's own k table (``None``: ``table`` rotates k)."""
+    cu: torch.Tensor | None  # thd: cu_seqlens; sbhd and bshd: a cos/sin cache's halves flag
+    index: torch.Tensor | None  # start positions (1-D) or per-token positions (2-D)
+    k_table: torch.Tensor | None = None  # a packed qkv's own k table (None: table rotates k)
     k_sin: torch.Tensor | None = None
     norm: NormTensors | None = None
-    """A launch with a norm stage: its weights, and backward the forward's inputs and the
-    weights' partial gradients."""
     store: CacheTensors | None = None
-    """A launch with a cache stage: the cache's index tensors and the FP8 scales."""
 
 
 class StoreForm(NamedTuple):
-    """What a cache stage compiles into the kernel: the launch's outputs are q's (``q_out``)
-    and the cache's k and v pages ``[pages, page_size, kv_heads, head_dim]``."""
+    """What a cache stage compiles into the kernel; the launch's outputs are q's and the
+    cache's k and v pages ``[pages, page_size, kv_heads, head_dim]``."""
 
-    cache: int
-    """How a token's slot is found: 1 one slot per token (vLLM's paged cache, SGLang's flat
-    one: pages of one entry), 2 FlashInfer's pages of each request."""
+    cache: int  # a token's slot: 1 its own (vLLM's paged, SGLang's flat), 2 FlashInfer's pages
     page_size: int
-    quant: tuple[int, int, int]
-    """q's, k's and v's store: 0 as computed (cast to the output's dtype), 1 divided by a
-    number, 2 by a float32 device scalar, then cast (FP8)."""
-    dtypes: tuple[torch.dtype, torch.dtype]
-    """q's output dtype, the cache's."""
+    quant: tuple[int, int, int]  # q's, k's, v's store: 0 cast, 1 / a number, 2 / a device scalar
+    dtypes: tuple[torch.dtype, torch.dtype]  # q's output dtype, the cache's
 
 
 class CacheTensors(NamedTuple):
-    """What a cache stage reads besides the data (its k and v pages are the launch's outputs)."""
+    """What a cache stage reads besides the data."""
 
-    index: tuple[torch.Tensor, ...]
-    """Per token its slot (``StoreForm.cache`` 1), or its request and place in the request's
-    cache, then ``kv_indptr`` and ``kv_indices`` (2)."""
-    scales: tuple[float | torch.Tensor | None, float | torch.Tensor | None,
-                  float | torch.Tensor | None]
-    """q's, k's and v's FP8 scales (``None``: not quantized)."""
+    index: tuple[torch.Tensor, ...]  # slots; or request, place, kv_indptr, kv_indices
+    scales: tuple  # q's, k's and v's FP8 scales (None: not quantized)
 
 
 class NormTensors(NamedTuple):
     """What a norm stage reads and writes besides the data."""
 
-    weights: tuple[torch.Tensor | None, torch.Tensor | None]
-    """q's (``t``'s) and k's weight (``None``: that side has no norm)."""
-    sources: tuple[torch.Tensor, ...] | None = None
-    """Backward: the forward's inputs (``t``; q and k; or the packed qkv)."""
+    weights: tuple[torch.Tensor | None, torch.Tensor | None]  # q's (t's), k's; None: no norm
+    sources: tuple[torch.Tensor, ...] | None = None  # backward: the forward's inputs
     partials: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
-    """Backward: float32 ``[rows, width]`` per side, one row per program
-    (:func:`norm_partials`); their column sums are the weights' gradients."""
+    """Backward: float32 ``[programs, width]`` per side (:func:`norm_partials`), whose column
+    sums are the weights' gradients."""
 
 
 class LaunchKey(NamedTuple):
     """Everything a compiled launch depends on besides addresses."""
 
     launch: Launch
-    layouts: tuple
-    """Each input's and output's shape and strides, in order."""
-    dtypes: tuple
-    """The data's dtype and each table's dtype, shape class and form."""
+    layouts: tuple  # each input's and output's shape and strides
+    dtypes: tuple  # the data's dtype and each table's dtype, shape class and form
     aligned: int  # bit i: pointer argument i lies on a 16-byte boundary
     device: int
 
@@ -162,33 +130,25 @@ class Compiled(NamedTuple):
 
 
 _compiled: dict[LaunchKey, Compiled] = {}
-kernel_types: dict[int, tuple[str, ...]] = {}
-"""Each compiled kernel's argument types (Triton's signature) by its CUfunction handle."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Describing a call
+kernel_types: dict[int, tuple[str, ...]] = {}  # each kernel's Triton signature by CUfunction
 
 
 def describe(call: RoPECall) -> Launch:
     """The forward launch of a checked call."""
     spec = call.spec
-    return Launch(
-        call.tensors, spec.layout, spec.interleaved, float(spec.cos_sin_scale), spec.cp_size,
-        spec.cp_rank, call.table_kind, 0 if call.start_positions is None and call.positions is None
-        else 1 if call.positions is None else 2, call.split, False, call.in_place,
-        call.grad_in_place, call.norms,
-        None if call.cache_write is None else store_form(call.cache_write), inverse=spec.inverse,
-        offset=spec.rotary_offset, deinterleave=spec.deinterleave,
-    )
+    positions = (0 if call.start_positions is None and call.positions is None
+                 else 1 if call.positions is None else 2)
+    return Launch(call.tensors, spec.layout, spec.interleaved, float(spec.cos_sin_scale),
+                  spec.cp_size, spec.cp_rank, call.table_kind, positions, call.split, False,
+                  call.in_place, call.grad_in_place, call.norms,
+                  None if call.cache_write is None else store_form(call.cache_write),
+                  spec.inverse, spec.rotary_offset, spec.deinterleave)
 
 
 def _store_scales(write: Any) -> tuple:
     """q's, k's and v's FP8 scales of a cache stage (``None`` where not quantized)."""
     cache = write.cache
-    if not cache.quantized:
-        return write.q_scale, None, None
-    return write.q_scale, cache.k_scale, cache.v_scale
+    return (write.q_scale, *((cache.k_scale, cache.v_scale) if cache.quantized else (None,) * 2))
 
 
 def store_form(write: Any) -> StoreForm:
@@ -200,15 +160,10 @@ def store_form(write: Any) -> StoreForm:
                      quant, (write.q_dtype, cache.dtype))
 
 
-def cache_tensors(write: Any) -> CacheTensors:
-    """The :class:`CacheTensors` of a :class:`~rope_dispatch.kv_cache.CacheWrite`."""
-    return CacheTensors(cache_index(write.cache), _store_scales(write))
-
-
 def call_tables(call: RoPECall) -> Tables:
-    """A checked call's tables with their flags (:mod:`backends.triton_tables`), and its norm
-    weights where it has a norm stage; q and k of a packed call with a table each read both
-    alike, flagged or not."""
+    """A checked call's tables with their flags (:mod:`backends.triton_tables`), its norm
+    weights and its cache's index tensors and scales; q and k of a packed call with a table
+    each read both alike, flagged or not."""
     spec, index = call.spec, position_index(call)
     rows = tt.rows_read(call.t, spec.layout, index)
     norm = None if call.norm is None and call.k_norm is None else NormTensors(
@@ -216,7 +171,9 @@ def call_tables(call: RoPECall) -> Tables:
     if call.k_table is None:
         tab, sin, cu = tt.launch_tables(call.table, rows, spec.cu_seqlens, spec.layout,
                                         spec.interleaved)
-        store = None if call.cache_write is None else cache_tensors(call.cache_write)
+        write = call.cache_write
+        store = None if write is None else CacheTensors(cache_index(write.cache),
+                                                        _store_scales(write))
         return Tables(tab, sin, cu, index, norm=norm, store=store)
     q_tables = tt.flagged_tables(call.table, rows)
     k_tables = tt.flagged_tables(call.k_table, rows)
@@ -252,19 +209,17 @@ def outputs(launch: Launch, inputs: Sequence[torch.Tensor],
             strides: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, ...]:
     """New outputs of an out-of-place launch: like each input (in ``strides`` where given,
     else contiguous); a packed qkv's q ``[.., h * q/d, d]``, k and v, or its packed gradient."""
+    strides = strides or (None,) * len(inputs)
     if launch.tensors == "qkv":
         q_len, d, v_len = launch.split
         if launch.backward:
-            gk = inputs[1]
-            shape = (*gk.shape[:-1], q_len + d + v_len)
-            given = None if strides is None else strides[0]
-            return (gk.new_empty(shape) if given is None else gk.new_empty_strided(shape, given),)
+            shape = (*inputs[1].shape[:-1], q_len + d + v_len)
+            return (inputs[1].new_empty(shape) if strides[0] is None
+                    else inputs[1].new_empty_strided(shape, strides[0]),)
         qkv = inputs[0]
         lead, heads = qkv.shape[:-2], qkv.shape[-2]
         return (qkv.new_empty(*lead, heads * (q_len // d), d), qkv.new_empty(*lead, heads, d),
                 qkv.new_empty(*lead, heads, v_len))
-    if strides is None:
-        return tuple(x.new_empty(x.shape) for x in inputs)
     return tuple(x.new_empty(x.shape) if s is None else x.new_empty_strided(x.shape, s)
                  for x, s in zip(inputs, strides))
 
@@ -276,35 +231,18 @@ def dense_strides(x: torch.Tensor) -> list[int] | None:
         return None
     expected = 1
     for dim in sorted(range(x.dim()), key=lambda i: x.stride(i)):
-        size = x.shape[dim]
-        if size == 1:
+        if x.shape[dim] == 1:
             continue
         if x.stride(dim) != expected:
             return None
-        expected *= size
+        expected *= x.shape[dim]
     return list(x.stride())
 
 
-# ---------------------------------------------------------------------------------------------
-# The launcher
-
 Segment = tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...]]
-"""One of q, k, v as the segment kernel sees it: ``(base tensor, element offset, shape,
-strides)`` of a grouped view ``[n0, n1, groups, group, d]`` (``[T, groups, group, d]`` for
-thd), where head ``g * group + j`` lies at ``g * s_group + j * s_head``."""
-
-
-def packed_segments(qkv: torch.Tensor, split: Sequence[int]) -> tuple[Segment, Segment, Segment]:
-    """q, k and v of a packed ``[.., h, q + k + v]`` tensor (``d = k``)."""
-    q_len, d, v_len = split
-    *lead, heads, _ = qkv.shape
-    *lead_strides, s_head, s_chan = qkv.stride()
-    strides = (*lead_strides, s_head, d * s_chan, s_chan)
-    return (
-        (qkv, 0, (*lead, heads, q_len // d, d), strides),
-        (qkv, q_len * s_chan, (*lead, heads, 1, d), strides),
-        (qkv, (q_len + d) * s_chan, (*lead, heads, v_len // d, d), strides),
-    )
+"""q, k or v as the segment kernels see it: ``(base tensor, element offset, shape, strides)``
+of a grouped view ``[n0, n1, groups, group, d]`` (``[T, groups, group, d]`` for thd), where
+head ``g * group + j`` lies at ``g * s_group + j * s_head``."""
 
 
 def head_segment(t: torch.Tensor, group: int) -> Segment:
@@ -314,26 +252,34 @@ def head_segment(t: torch.Tensor, group: int) -> Segment:
     return (t, 0, (*lead, heads // group, group, d), (*lead_strides, group * s_head, s_head, s_chan))
 
 
+def width_segment(t: torch.Tensor, d: int, offset: int = 0, width: int | None = None) -> Segment:
+    """Channels ``offset`` to ``offset + width`` of a ``[.., h, channels]`` tensor as ``h``
+    groups of ``width / d`` heads (a packed qkv's q, k or v)."""
+    *lead, heads, channels = t.shape
+    *lead_strides, s_head, s_chan = t.stride()
+    width = channels if width is None else width
+    return (t, offset * s_chan, (*lead, heads, width // d, d), (*lead_strides, s_head, d * s_chan, s_chan))
+
+
 def page_segment(pages: torch.Tensor) -> Segment:
-    """A cache's ``[pages, page_size, kv_heads, d]`` k or v as the segment a cache stage writes:
-    ``[pages, page_size, kv_heads, 1, d]``, whose leading strides (a page, an entry) the kernel
-    takes where a thd segment's are a token's and 0."""
+    """A cache's ``[pages, page_size, kv_heads, d]`` k or v as a cache stage writes it: its
+    leading strides (a page, an entry) stand where a thd segment's are a token's and 0."""
     n_pages, page_size, heads, d = pages.shape
     s_page, s_entry, s_head, s_chan = pages.stride()
     return (pages, 0, (n_pages, page_size, heads, 1, d), (s_page, s_entry, s_head, s_head, s_chan))
 
 
-def width_segment(t: torch.Tensor, d: int) -> Segment:
-    """A ``[.., h, n * d]`` tensor (k or v of a packed call) as ``h`` groups of ``n`` heads."""
-    *lead, heads, width = t.shape
-    *lead_strides, s_head, s_chan = t.stride()
-    return (t, 0, (*lead, heads, width // d, d), (*lead_strides, s_head, d * s_chan, s_chan))
+def packed_segments(qkv: torch.Tensor, split: Sequence[int]) -> tuple[Segment, ...]:
+    """q, k and v of a packed ``[.., h, q + k + v]`` tensor (``d = k``)."""
+    q_len, d, v_len = split
+    return (width_segment(qkv, d, 0, q_len), width_segment(qkv, d, q_len, d),
+            width_segment(qkv, d, q_len + d, v_len))
 
 
 def _segments(launch: Launch, inputs: Sequence[torch.Tensor],
               outs: Sequence[torch.Tensor]) -> tuple[tuple[Segment, Segment], ...]:
-    """(input, output) segment pairs of a q and k or packed qkv launch: q, k and v (k again
-    where there is no v: the kernel's v programs then do nothing)."""
+    """(input, output) segment pairs of a segment launch: q, k and v (k again where there is
+    no v: the kernel's v programs then do nothing)."""
     if launch.store is not None:  # k and v into the cache's pages
         return ((head_segment(inputs[0], 1), head_segment(outs[0], 1)),
                 (head_segment(inputs[1], 1), page_segment(outs[1])),
@@ -352,59 +298,43 @@ def _segments(launch: Launch, inputs: Sequence[torch.Tensor],
     return tuple(zip(packed_segments(inputs[0], launch.split), made))
 
 
-def pointers(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-             tabs: Tables) -> tuple[tuple[torch.Tensor, int], ...]:
-    """The kernel's pointer arguments as ``(tensor, byte offset)``: the data's (one tensor: in,
-    out; segments: q, k, v in and out), then the tables', cu_seqlens' and index's (absent ones
-    point at the table)."""
-    table = tabs.table
-    k_table = table if tabs.k_table is None else tabs.k_table
-    k_sin = tabs.sin if tabs.k_table is None else tabs.k_sin
-    tail = (
-        (table, 0), (table if tabs.sin is None else tabs.sin, 0),
-        *(((k_table, 0), (k_table if k_sin is None else k_sin, 0))
-          if launch.tensors != "t" or launch.norm is not None else ()),
-        (table if tabs.cu is None else tabs.cu, 0), (table if tabs.index is None else tabs.index, 0),
-    )
-    if launch.norm is not None or launch.store is not None:  # rope_norm_kernel
-        tail += _norm_pointers(launch, tabs.norm or NormTensors((None, None)), table)
-        tail += _store_pointers(tabs.store, table)
-    elif launch.tensors == "t":
-        return ((inputs[0], 0), (outs[0], 0), *tail)
-    size = inputs[0].element_size()
-    data = tuple((seg[0], seg[1] * size) for pair in _segments(launch, inputs, outs) for seg in pair)
-    return (*data, *tail)
-
-
-def _source_segments(launch: Launch, sources: Sequence[torch.Tensor]) -> tuple[Segment, Segment]:
+def _source_segments(launch: Launch, sources: Sequence[torch.Tensor]) -> tuple[Segment, ...]:
     """q's and k's segments of a norm backward's forward inputs."""
     if launch.tensors == "qkv":
         return packed_segments(sources[0], launch.split)[:2]
     return head_segment(sources[0], 1), head_segment(sources[-1], 1)
 
 
-def _norm_pointers(launch: Launch, norm: NormTensors, table: torch.Tensor
-                   ) -> tuple[tuple[torch.Tensor, int], ...]:
-    """A norm launch's weights, sources and partials as ``(tensor, byte offset)`` (absent ones
-    point at the table)."""
-    weights = tuple((table if w is None else w, 0) for w in norm.weights)
-    if norm.sources is None:
-        return (*weights, (table, 0), (table, 0), (table, 0), (table, 0))
-    size = norm.sources[0].element_size()
-    sources = tuple((seg[0], seg[1] * size) for seg in _source_segments(launch, norm.sources))
-    partials = tuple((table if p is None else p, 0) for p in norm.partials)
-    return (*weights, *sources, *partials)
-
-
-def _store_pointers(store: CacheTensors | None, table: torch.Tensor
-                    ) -> tuple[tuple[torch.Tensor, int], ...]:
-    """``rope_norm_kernel``'s cache-stage pointers as ``(tensor, byte offset)``: four index
-    tensors, then q's, k's and v's scale (absent ones point at the table)."""
-    if store is None:
-        return ((table, 0),) * 7
-    index = (*store.index, *(table,) * (4 - len(store.index)))
-    scales = tuple(s if isinstance(s, torch.Tensor) else table for s in store.scales)
-    return tuple((t, 0) for t in (*index, *scales))
+def pointers(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+             tabs: Tables) -> tuple[tuple[torch.Tensor, int], ...]:
+    """The kernel's pointer arguments as ``(tensor, byte offset)``: the data's (one tensor: in,
+    out; segments: q, k, v in and out), the tables', cu_seqlens' and index's, and a norm or
+    cache stage's (absent ones point at the table)."""
+    table = tabs.table
+    k_table, k_sin = (table, tabs.sin) if tabs.k_table is None else (tabs.k_table, tabs.k_sin)
+    segmented = launch.tensors != "t" or launch.norm is not None
+    tail = (table, table if tabs.sin is None else tabs.sin,
+            *((k_table, k_table if k_sin is None else k_sin) if segmented else ()),
+            table if tabs.cu is None else tabs.cu, table if tabs.index is None else tabs.index)
+    tail = tuple((t, 0) for t in tail)
+    if launch.norm is not None or launch.store is not None:  # rope_norm_kernel's stages
+        norm, store = tabs.norm or NormTensors((None, None)), tabs.store
+        tail += tuple((table if w is None else w, 0) for w in norm.weights)
+        if norm.sources is None:
+            tail += ((table, 0),) * 4
+        else:
+            size = norm.sources[0].element_size()
+            tail += tuple((s[0], s[1] * size) for s in _source_segments(launch, norm.sources))
+            tail += tuple((table if p is None else p, 0) for p in norm.partials)
+        stage = () if store is None else (*store.index, *(table,) * (4 - len(store.index)),
+                                          *(s if isinstance(s, torch.Tensor) else table
+                                            for s in store.scales))
+        tail += tuple((t, 0) for t in stage or (table,) * 7)
+    elif launch.tensors == "t":
+        return ((inputs[0], 0), (outs[0], 0), *tail)
+    size = inputs[0].element_size()
+    data = tuple((seg[0], seg[1] * size) for pair in _segments(launch, inputs, outs) for seg in pair)
+    return (*data, *tail)
 
 
 def _store_ints(store: CacheTensors | None, pages: Segment) -> tuple:
@@ -419,13 +349,6 @@ def _store_ints(store: CacheTensors | None, pages: Segment) -> tuple:
     return (pages[2][0], requests, indices, *numbers)
 
 
-def _store_key(store: CacheTensors) -> tuple:
-    """What of a cache stage's tensors and numbers a compiled launch depends on: the index
-    tensors' dtypes and lengths (its integer arguments) and the scales given as numbers."""
-    return (tuple((x.dtype, x.shape[0]) for x in store.index),
-            tuple("tensor" if isinstance(s, torch.Tensor) else s for s in store.scales))
-
-
 def _table_form(table: torch.Tensor, sin: torch.Tensor | None) -> tuple:
     """What of a table pair a compiled launch depends on."""
     if sin is None:
@@ -433,31 +356,64 @@ def _table_form(table: torch.Tensor, sin: torch.Tensor | None) -> tuple:
     return table.dtype, table.shape[1], sin.dtype, sin.shape[-1], tt.is_rates(table, sin)
 
 
-def _norm_form(norm: NormTensors) -> tuple:
-    """What of a norm's tensors a compiled launch depends on (the sources' strides are among
-    its integer arguments)."""
-    weights = tuple(None if w is None else w.dtype for w in norm.weights)
-    if norm.sources is None:
-        return weights
-    return (weights, tuple((x.shape, x.stride()) for x in norm.sources),
-            tuple(None if p is None else p.shape for p in norm.partials))
-
-
 def launch_key(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
                tabs: Tables, addresses: Sequence[int]) -> LaunchKey:
-    """The key of a launch's compiled kernel (``addresses``: its pointers', for alignment)."""
-    layouts = tuple((x.shape, x.stride()) for x in (*inputs, *outs))
+    """The key of a launch's compiled kernel (``addresses``: its pointers', for alignment):
+    besides the tensors' layouts, the tables' forms, a norm's weight dtypes (and backward its
+    sources' layouts and partials' shapes), a cache's index dtypes and lengths and the scales
+    given as numbers."""
+    norm, store = tabs.norm, tabs.store
     forms = (
         inputs[0].dtype, tabs.table.shape[0], _table_form(tabs.table, tabs.sin),
         None if tabs.k_table is None else (tabs.k_table.shape[0],
                                            _table_form(tabs.k_table, tabs.k_sin)),
         None if tabs.cu is None else (tabs.cu.dtype, tabs.cu.shape),
         None if tabs.index is None else (tabs.index.dtype, tabs.index.dim()),
-        None if tabs.norm is None else _norm_form(tabs.norm),
-        None if tabs.store is None else _store_key(tabs.store),
+        None if norm is None else (
+            tuple(None if w is None else w.dtype for w in norm.weights),
+            None if norm.sources is None else tuple((x.shape, x.stride()) for x in norm.sources),
+            None if norm.partials is None else tuple(None if p is None else p.shape
+                                                     for p in norm.partials)),
+        None if store is None else (tuple((x.dtype, x.shape[0]) for x in store.index),
+                                    tuple("tensor" if isinstance(s, torch.Tensor) else s
+                                          for s in store.scales)),
     )
     aligned = sum(1 << i for i, a in enumerate(addresses) if not a & 15)
+    layouts = tuple((x.shape, x.stride()) for x in (*inputs, *outs))
     return LaunchKey(launch, layouts, forms, aligned, inputs[0].get_device())
+
+
+def _tokens(layout: str, shape: Sequence[int], cu_seqlens: torch.Tensor | None
+            ) -> tuple[int, int, int, int]:
+    """``(tokens, dim 1, sequence length, sequences)`` of data of ``shape``; thd counts its
+    sequences from ``cu_seqlens`` (none: per-token positions)."""
+    if layout == "thd":
+        return shape[0], 1, shape[0], 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return shape[0] * shape[1], shape[1], shape[0] if layout == "sbhd" else shape[1], 0
+
+
+def _consts(launch: Launch, config: tiles.Config, rotary_dim: int, width: int, flags: tuple,
+            positions: torch.Tensor | None, n_seqs: int, halves: bool) -> dict[str, Any]:
+    """The constants the general and the segment kernels share (``width``: the channels a
+    head moves)."""
+    block_t, block_h, head_iters, block_r, block_p, _ = config
+    use_cache, paired, rates, linear = flags
+    return dict(
+        LAYOUT=LAYOUT_CODES[launch.layout], ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim,
+        INTERLEAVED=launch.interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates,
+        LINEAR=linear, POSITIONS=tt.position_kind(positions),
+        CONTEXT_PARALLEL=launch.cp_size > 1, BACKWARD=launch.transposes, BLOCK_T=block_t,
+        BLOCK_H=block_h, HEAD_ITERS=head_iters, BLOCK_R=block_r, BLOCK_P=block_p,
+        FAST_TRIG=not _kernels.INTERPRETED, SCALE=launch.scale, HALVES=halves,
+        SEQ_BLOCK=tiles.next_pow2(n_seqs + 1) if 0 < n_seqs < tiles.SEQ_SCAN_LIMIT else 0,
+    )
+
+
+def _channel_stage(launch: Launch) -> dict[str, int]:
+    """Where the rotary channels start, and 0, or 1 (pairs read, halves written) or 2 (the
+    transpose: halves read, pairs written) for a deinterleaving spec."""
+    return dict(ROT_OFFSET=launch.offset,
+                DEINTERLEAVE=0 if not launch.deinterleave else 2 if launch.transposes else 1)
 
 
 def _single_arguments(
@@ -467,71 +423,42 @@ def _single_arguments(
     kernel where it fits (``LEAN_MAX_BYTES``), else the general one."""
     kernels = _load_kernels()
     table, sin, cu_seqlens, positions = tabs[:4]
-    shape = x.shape
-    heads, head_dim = shape[-2], shape[-1]
-    code = LAYOUT_CODES[launch.layout]
-    if code == 2:
-        n_tokens, dim1, seq_len = shape[0], 1, shape[0]
-        sx0, sxh, sxd = x.stride()
-        so0, soh, sod = out.stride()
-        sx1 = so1 = 0
-        n_seqs = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1  # none: per-token positions
-    else:
-        n0, dim1 = shape[0], shape[1]
-        n_tokens = n0 * dim1
-        sx0, sx1, sxh, sxd = x.stride()
-        so0, so1, soh, sod = out.stride()
-        seq_len = n0 if code == 0 else dim1
-        n_seqs = 0
+    heads, head_dim = x.shape[-2], x.shape[-1]
+    n_tokens, dim1, seq_len, n_seqs = _tokens(launch.layout, x.shape, cu_seqlens)
     if n_tokens == 0 or heads == 0:
         return None
+    thd = launch.layout == "thd"
     rotary_dim = table.shape[1]
     width = rotary_dim if launch.in_place else head_dim  # the channels a token moves
     flags = tt.table_flags(table, sin)
-    use_cache, paired, rates, linear = flags
-    backward, interleaved, scale = launch.transposes, launch.interleaved, launch.scale
     if config is None and (
-        code != 2 and positions is None and launch.cp_size == 1 and seq_len <= table.shape[0]
+        not thd and positions is None and launch.cp_size == 1 and seq_len <= table.shape[0]
         and not launch.offset and not launch.deinterleave
         and x.numel() * x.element_size() <= tiles.LEAN_MAX_BYTES
         and x.is_contiguous() and (out is x or out.is_contiguous())
     ):
         grid, ints, consts = _lean_arguments(
-            n_tokens, dim1, heads, head_dim, width, rotary_dim, x.element_size(), code,
-            interleaved, flags, backward, scale, kernels.INTERPRETED)
+            n_tokens, dim1, heads, head_dim, width, rotary_dim, x.element_size(),
+            LAYOUT_CODES[launch.layout], launch.interleaved, flags, launch.transposes,
+            launch.scale, kernels.INTERPRETED)
         return kernels.rope_lean_kernel, grid, ints, consts, tiles.WARPS
     if config is None:
         sms = 1 if kernels.INTERPRETED else tiles.sm_count(x.device.index)
         config = tiles.choose_config(
-            n_tokens, heads, width, rotary_dim, x.element_size(), interleaved, sms,
-            tiles.tile_tokens(flags, table, rotary_dim, interleaved), tiles.reads_cache_rows(flags),
-            span_dim=head_dim, sines=not use_cache,
-        )
-    block_t, block_h, head_iters, block_r, block_p, num_warps = config
-    halves = code != 2 and cu_seqlens is not None  # the halves flag (the lean kernel reads rows)
+            n_tokens, heads, width, rotary_dim, x.element_size(), launch.interleaved, sms,
+            tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
+            tiles.reads_cache_rows(flags), span_dim=head_dim, sines=not flags[0])
+    block_t, block_h, head_iters = config[:3]
+    halves = not thd and cu_seqlens is not None  # the halves flag (the lean kernel reads rows)
     grid = tiles.launch_grid(-(-heads // (block_h * head_iters)), -(-n_tokens // block_t))
-    ints = (n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs,
-            launch.cp_size, launch.cp_rank, sx0, sx1, sxh, sxd, so0, so1, soh, sod)
-    consts = dict(
-        LAYOUT=code, ROT_DIM=rotary_dim, PASS_DIM=width - rotary_dim, INTERLEAVED=interleaved,
-        USE_CACHE=use_cache, PAIRED=paired, RATES=rates, LINEAR=linear,
-        POSITIONS=tt.position_kind(positions), CONTEXT_PARALLEL=launch.cp_size > 1,
-        BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h, HEAD_ITERS=head_iters,
-        BLOCK_R=block_r, BLOCK_P=block_p, FAST_TRIG=not kernels.INTERPRETED,
-        SEQ_BLOCK=tiles.next_pow2(n_seqs + 1) if 0 < n_seqs < tiles.SEQ_SCAN_LIMIT else 0,
-        SCALE=scale,
-        SHARED_ROWS=tiles.shared_rows(block_t, block_h, use_cache, lean=False) and not halves,
-        HALVES=halves, **_channel_stage(launch),
-    )
-    return kernels.rope_kernel, grid, ints, consts, num_warps
-
-
-def _channel_stage(launch: Launch) -> dict[str, int]:
-    """The rotation's channel constants (backends/triton_channels.py): where the rotary
-    channels start, and 0, or 1 (pairs read, halves written) or 2 (the transpose's halves read,
-    pairs written) for a deinterleaving spec."""
-    return dict(ROT_OFFSET=launch.offset,
-                DEINTERLEAVE=0 if not launch.deinterleave else 2 if launch.transposes else 1)
+    strides = tuple(s for t in (x, out)
+                    for s in ((t.stride(0), 0, *t.stride()[1:]) if thd else t.stride()))
+    ints = (n_tokens, dim1, seq_len, table.shape[0], heads, n_seqs, launch.cp_size,
+            launch.cp_rank, *strides)
+    consts = _consts(launch, config, rotary_dim, width, flags, positions, n_seqs, halves)
+    consts.update(_channel_stage(launch), SHARED_ROWS=not halves and tiles.shared_rows(
+        block_t, block_h, flags[0], lean=False))
+    return kernels.rope_kernel, grid, ints, consts, config[5]
 
 
 def _lean_arguments(
@@ -564,7 +491,7 @@ def _segment_arguments(
     config: tiles.Config | None,
 ) -> tuple[Any, tuple, tuple, dict, int] | None:
     """:func:`_single_arguments` of a q and k or packed qkv launch (``rope_qkv_kernel``), or of
-    any launch with a norm stage (``rope_norm_kernel``)."""
+    any launch with a norm or cache stage (``rope_norm_kernel``)."""
     kernels = _load_kernels()
     # v's heads have their own width: a packed qkv's are k's, a cache stage's v (MLA's
     # compressed kv) may be wider, or of no channels at all (then no v programs)
@@ -572,15 +499,9 @@ def _segment_arguments(
     has_v = (launch.tensors == "qkv" or launch.store is not None) and v_width > 0
     norm = launch.norm
     table, sin, cu_seqlens, positions = tabs[:4]
-    k_rows = table.shape[0] if tabs.k_table is None else tabs.k_table.shape[0]
     shape = pairs[0][0][2]
     thd = launch.layout == "thd"
-    if thd:
-        n_seqs = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1  # none: per-token positions
-        n_tokens, dim1, seq_len = shape[0], 1, shape[0]
-    else:
-        n_tokens, dim1, n_seqs = shape[0] * shape[1], shape[1], 0
-        seq_len = shape[0] if launch.layout == "sbhd" else shape[1]
+    n_tokens, dim1, seq_len, n_seqs = _tokens(launch.layout, shape, cu_seqlens)
     heads = tuple(x[2][-3] * x[2][-2] for x, _ in pairs)
     if launch.tensors == "t":
         heads = (heads[0], 0, 0)
@@ -591,7 +512,6 @@ def _segment_arguments(
         stride for x, out in pairs for seg in (x, out)
         for stride in ((seg[3][0], 0, *seg[3][1:]) if thd and len(seg[3]) == 4 else seg[3])
     )
-    size = pairs[0][0][0].element_size()
     rotary_dim = table.shape[1]
     # the channels a token moves: a norm reads and writes every channel
     head_dim = rotary_dim if launch.in_place and norm is None else shape[-1]
@@ -603,12 +523,13 @@ def _segment_arguments(
         config = tiles.norm_backward_config(counts, rotary_dim, head_dim, launch.interleaved)
     if config is None:
         config = tiles.choose_config(
-            n_tokens, counts, head_dim, rotary_dim, size,
+            n_tokens, counts, head_dim, rotary_dim, pairs[0][0][0].element_size(),
             launch.interleaved, sms, tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
             tiles.reads_cache_rows(flags), span_dim=shape[-1], sines=not flags[0])
-    block_t, block_h, head_iters, block_r, block_p, num_warps = config
+    block_t, block_h, head_iters = config[:3]
     if whole:  # a norm over a token's heads: one program holds them all
         head_iters = max(head_iters, -(-max(whole) // block_h))
+        config = (block_t, block_h, head_iters, *config[3:])
     groups = [-(-n // (block_h * head_iters)) for n in heads]
     head_groups = sum(groups) if has_v else groups[0] + groups[1]
     token_iters = 1
@@ -621,27 +542,19 @@ def _segment_arguments(
                >= tiles.MIN_PROGRAMS_PER_SM * sms):
             token_iters *= 2
     grid = tiles.launch_grid(head_groups, -(-n_tokens // (block_t * token_iters)))
+    k_rows = table.shape[0] if tabs.k_table is None else tabs.k_table.shape[0]
     ints = (n_tokens, dim1, seq_len, table.shape[0], k_rows, n_seqs,
             launch.cp_size, launch.cp_rank,
             *(n for (x, _), count in zip(pairs, heads) for n in (count, x[2][-2])), *strides)
-    use_cache, paired, rates, linear = flags
-    consts = dict(
-        LAYOUT=LAYOUT_CODES[launch.layout], ROT_DIM=rotary_dim, PASS_DIM=head_dim - rotary_dim,
-        INTERLEAVED=launch.interleaved, USE_CACHE=use_cache, PAIRED=paired, RATES=rates,
-        LINEAR=linear, POSITIONS=tt.position_kind(positions),
-        CONTEXT_PARALLEL=launch.cp_size > 1, BACKWARD=launch.transposes, BLOCK_T=block_t,
-        BLOCK_H=block_h, HEAD_ITERS=head_iters, BLOCK_R=block_r, BLOCK_P=block_p,
-        FAST_TRIG=not kernels.INTERPRETED,
-        SEQ_BLOCK=tiles.next_pow2(n_seqs + 1) if 0 < n_seqs < tiles.SEQ_SCAN_LIMIT else 0,
-        # a v wider than q's heads (MLA's compressed kv) is copied a q head's width at a time,
-        # so its tile is the one sized for q's and k's heads (docs/tuning.md)
-        HAS_V=has_v, V_WIDTH=v_width,
-        BLOCK_W=min(tiles.next_pow2(v_width), tiles.next_pow2(head_dim)), SCALE=launch.scale,
-        HALVES=not thd and cu_seqlens is not None,
-    )
+    consts = _consts(launch, config, rotary_dim, head_dim, flags, positions, n_seqs,
+                     not thd and cu_seqlens is not None)
+    # a v wider than q's heads (MLA's compressed kv) is copied a q head's width at a time, so
+    # its tile is the one sized for q's and k's heads (docs/tuning.md)
+    consts.update(HAS_V=has_v, V_WIDTH=v_width,
+                  BLOCK_W=min(tiles.next_pow2(v_width), tiles.next_pow2(head_dim)))
     if norm is None and launch.store is None:
         consts.update(_channel_stage(launch))
-        return kernels.rope_qkv_kernel, grid, ints, consts, num_warps
+        return kernels.rope_qkv_kernel, grid, ints, consts, config[5]
     if launch.backward:
         sources = _source_segments(launch, tabs.norm.sources)
         ints += tuple(stride for seg in sources
@@ -653,15 +566,14 @@ def _segment_arguments(
         consts.update({f"{side}_NORM": 0 if form is None else 1 if form.scope == "head" else 2,
                        f"{side}_EPS": 0.0 if form is None else form.eps,
                        f"{side}_OFFSET": 0.0 if form is None else form.offset})
-    consts["TOKEN_ITERS"] = token_iters
     store = launch.store
-    consts.update(CACHE=0 if store is None else store.cache,
+    consts.update(TOKEN_ITERS=token_iters, CACHE=0 if store is None else store.cache,
                   PAGE_SIZE=1 if store is None else store.page_size,
-                  **{f"{side}_QUANT": 0 if store is None else code
+                  **{f"{side}_QUANT": code
                      for side, code in zip("QKV", store.quant if store else (0, 0, 0))})
     from .triton_norm_kernels import rope_norm_kernel
 
-    return rope_norm_kernel, grid, ints, consts, num_warps
+    return rope_norm_kernel, grid, ints, consts, config[5]
 
 
 def norm_partials(described: Launch, inputs: Sequence[torch.Tensor],
@@ -703,11 +615,11 @@ def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
         q_width = q_part.shape[1] if live[0] else 0
         k_width = k_part.shape[1] if live[1] else 0
         grid = (-(-q_width // tiles.WEIGHT_GRAD_COLS) + -(-k_width // tiles.WEIGHT_GRAD_COLS),)
+        rows = max(q_part.shape[0], k_part.shape[0])
         weight_grad_kernel[grid](q_part, q_grad, k_part, k_grad, q_part.shape[0], k_part.shape[0],
                                  q_width, k_width, BLOCK_ROWS=tiles.WEIGHT_GRAD_ROWS,
-                                 BLOCK_COLS=tiles.WEIGHT_GRAD_COLS, ROW_ITERS=tiles.next_pow2(
-                                     -(-max(q_part.shape[0], k_part.shape[0])
-                                       // tiles.WEIGHT_GRAD_ROWS)),
+                                 BLOCK_COLS=tiles.WEIGHT_GRAD_COLS,
+                                 ROW_ITERS=tiles.next_pow2(-(-rows // tiles.WEIGHT_GRAD_ROWS)),
                                  num_warps=tiles.WEIGHT_GRAD_WARPS)
     return tuple(g for g in grads if g is not None)
 
@@ -763,6 +675,16 @@ def launch(
     return key
 
 
+def run(described: Launch, inputs: Sequence[torch.Tensor], tabs: Tables,
+        strides: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, ...]:
+    """``described`` on ``inputs``, in place or into new outputs (:func:`outputs`), with the
+    inputs' device current; returns the outputs."""
+    outs = inputs if described.in_place else outputs(described, inputs, strides)
+    with tt.on_device(inputs[0]):
+        launch(described, inputs, outs, tabs)
+    return outs
+
+
 def _hooks_active() -> bool:
     """Whether a profiler registered Triton launch hooks (then launch the documented way)."""
     from triton import knobs
@@ -796,38 +718,6 @@ def _direct_launcher(compiled: Any) -> tuple[Any, tuple]:
         )
         return launch_c, prefix
     return runner, (compiled.function, compiled.packed_metadata, None, None, None)
-
-
-# ---------------------------------------------------------------------------------------------
-# Bound launches: a compiled launch with its constant arguments, run from a call's tensors
-
-
-class BoundLaunch:
-    """``bound(stream, *tensors)`` runs a compiled launch whose per-call pointers come from
-    ``tensors`` (the call's inputs, then its index tensor or an address standing for none):
-    allocates the outputs, fills their addresses and launches; returns the one output, a
-    tuple, or ``None`` in place, or ``NotImplemented`` (launching nothing) where a tensor is
-    not 16-byte aligned. The C launcher (``direct_launch``) does it in one call where it can
-    be built; this class is its Python twin."""
-
-    __slots__ = ("run", "prefix", "grid", "args", "takes", "makes", "fills")
-
-    def __init__(self, entry: Compiled, args: tuple, takes: tuple, makes: tuple, fills: tuple):
-        self.run, self.prefix, self.grid = entry.run, entry.prefix, entry.grid
-        self.args, self.takes, self.makes, self.fills = args, takes, makes, fills
-
-    def __call__(self, stream: int, *tensors: Any) -> Any:
-        addresses = [t if type(t) is int else t.data_ptr() for t in tensors]
-        if any(a & 15 for t, a in zip(tensors, addresses) if type(t) is not int):
-            return NotImplemented
-        made = tuple(tensors[i].new_empty(shape) for i, shape in self.makes)
-        args = list(self.args)
-        for i, slot, offset in self.takes:
-            args[slot] = addresses[i] + offset
-        for i, slot, offset in self.fills:
-            args[slot] = made[i].data_ptr() + offset
-        self.run(*self.grid, stream, *self.prefix, *args)
-        return made[0] if len(made) == 1 else made or None
 
 
 class Slots(NamedTuple):
@@ -870,22 +760,24 @@ def bind_compiled(described: Launch, inputs: Sequence[torch.Tensor],
     """The compiled launch that ran ``described`` from ``inputs`` into ``outs`` with ``tabs``,
     bound (:func:`bound`) to take the addresses of tensors passed like ``given`` and make new
     ones like ``made`` each call (:func:`slots`): ``(the bound launch, its key)``, or ``None``
-    where no such launch is compiled or one of its pointers is not 16-byte aligned."""
+    where no such launch is compiled, one of its pointers is not 16-byte aligned or the C
+    launcher cannot bind it."""
     sources = pointers(described, inputs, outs, tabs)
     key = launch_key(described, inputs, outs, tabs,
                      tuple(t.data_ptr() + offset for t, offset in sources))
     entry = _compiled.get(key)
     if entry is None or key.aligned != (1 << len(sources)) - 1:
         return None
-    return bound(entry, slots(sources, given, made, like)), key
+    made_launch = bound(entry, slots(sources, given, made, like))
+    return None if made_launch is None else (made_launch, key)
 
 
-def bound(entry: Compiled, where: Slots) -> Any:
-    """``entry`` bound to ``where``: the C launcher's one call where it can be built, else
-    :class:`BoundLaunch`."""
-    args = where.pointers + entry.tail
-    direct = direct_launch.bind(entry.prefix, entry.grid, kernel_types.get(entry.prefix[0]),
-                                args, where.tensors, where.takes, where.makes, where.fills)
-    if direct is not None:
-        return direct
-    return BoundLaunch(entry, args, where.takes, where.makes, where.fills)
+def bound(entry: Compiled, where: Slots) -> Any | None:
+    """``entry`` bound to ``where`` by the C launcher (:func:`direct_launch.bind`):
+    ``run(stream, *tensors)`` allocates the outputs, fills their addresses and launches; it
+    returns the one output, a tuple, or ``None`` in place, or ``NotImplemented`` (launching
+    nothing) where a tensor is not 16-byte aligned. ``None`` where it cannot be bound (the C
+    build is where Triton builds its own launchers)."""
+    return direct_launch.bind(entry.prefix, entry.grid, kernel_types.get(entry.prefix[0]),
+                              where.pointers + entry.tail, where.tensors, where.takes,
+                              where.makes, where.fills)

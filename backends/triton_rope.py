@@ -1,29 +1,27 @@
 """The Triton backend: our kernels (backends/triton_kernels.py) through one op path.
 
-Every way in ends in the launcher (backends/triton_launch.py: one descriptor, one cache of
-compiled launches):
+Every way in ends in the launcher (backends/triton_launch.py):
 
-- eager, no gradient: the outputs are allocated and :func:`launch` runs;
+- eager, no gradient: outputs allocated, :func:`launch`;
 - eager with a gradient: :class:`RoPEFunction`, the one ``torch.autograd.Function``, whose
-  backward is the transposed launch;
-- ``torch.compile`` or tensor subclasses: the custom op ``rope_dispatch::triton_rope``, with
-  its fake and its autograd formula (the same op transposed), so ``fullgraph=True`` holds;
-- a repeated call: its plan (:func:`plan`) binds the compiled kernel with its constant
-  arguments: a decode-size call is one call into C;
-- a call with a cache stage (:func:`~rope_dispatch.rope_to_cache`, :func:`rope_to_cache`): one
-  launch that norms (optionally), rotates, quantizes (FP8) and writes q to its output and k
-  and v into the KV cache; forward only, never planned.
+  backward is the transposed launch (a norm stage's backward also sums the weights' gradients);
+- ``torch.compile`` or tensor subclasses: the custom op ``rope_dispatch::triton_rope`` with its
+  fake and its autograd formula (the op transposed), so ``fullgraph=True`` holds;
+- a repeated call: its plan binds the compiled launch with its constant arguments, one call
+  into C;
+- a call with a cache stage (:func:`rope_to_cache`): one launch that norms (optionally),
+  rotates, quantizes (FP8) and writes q to its output and k and v into the KV cache.
 
-The backward saves only the tables and index tensors (a launch with a norm stage: its inputs
-too, which the norm's gradient reads), and returns each gradient in its input's layout where
-that layout is dense. Triton is imported lazily; with
-``TRITON_INTERPRET=1`` set before the first use the kernels run on the CPU (for CI).
+The backward keeps only tables and index tensors (and a norm stage's inputs) and returns each
+gradient in its input's layout where that is dense. With ``TRITON_INTERPRET=1`` set before the
+first use the kernels run on the CPU (for CI).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,6 +38,7 @@ from . import triton_launch as tl
 from . import triton_tables as tt
 from .triton_launch import (
     Launch, LaunchKey, NormTensors, Slots, Tables, bound, call_tables, describe, launch, outputs,
+    run,
 )
 from .eager import rope_eager, rope_to_cache_eager
 from .triton_tables import current_stream, on_device
@@ -77,12 +76,7 @@ class Rotation:
             if made is not NotImplemented:
                 return made if isinstance(made, tuple) else (made,)
             self.tables()  # an unaligned tensor: the generic launch
-        if self.launch.in_place:
-            launch(self.launch, inputs, inputs, self.tabs)
-            return inputs
-        outs = outputs(self.launch, inputs)
-        launch(self.launch, inputs, outs, self.tabs)
-        return outs
+        return run(self.launch, inputs, self.tabs)
 
     def backward(self, grads: tuple[torch.Tensor, ...], strides: tuple,
                  sources: tuple[torch.Tensor, ...] = ()) -> tuple:
@@ -102,9 +96,7 @@ class Rotation:
             return self._norm_backward(grads, strides, sources)
         if not grad_enabled and forward.grad_in_place and all(
                 expanded_dim(g) is None for g in grads):
-            with on_device(grads[0]):
-                launch(forward.transposed(in_place=True), grads, grads, self.tables())
-            return grads
+            return run(forward.transposed(in_place=True), grads, self.tables())
         if not grad_enabled and planned is not None and planned.back_ready(grads, self.per_call):
             index = self.per_call[1]
             made = planned.back(self.per_call[3], *grads,
@@ -115,10 +107,7 @@ class Rotation:
         if grad_enabled:  # double backward: the transpose must be differentiable
             made = RoPEFunction.apply(Rotation(back, self.tables()), *grads)
             return made if isinstance(made, tuple) else (made,)
-        outs = outputs(back, grads, strides)
-        with on_device(grads[0]):
-            launch(back, grads, outs, self.tables())
-        return outs
+        return run(back, grads, self.tables(), strides)
 
     def _norm_backward(self, grads: tuple[torch.Tensor, ...], strides: tuple,
                        sources: tuple[torch.Tensor, ...]) -> tuple:
@@ -170,61 +159,44 @@ def c_apply(function: type[torch.autograd.Function]) -> Any:
 # One custom op, for tracing
 
 
+@functools.lru_cache(maxsize=512)
+def _decoded(described: str) -> Launch:
+    return Launch(**ast.literal_eval(described))
+
+
+def op_launch(described: Launch) -> str:
+    """``described`` as the custom op takes it: its fields, out of place, with no stage."""
+    return repr(described._replace(in_place=False, grad_in_place=False, norm=None,
+                                   store=None)._asdict())
+
+
 @torch.library.custom_op("rope_dispatch::triton_rope", mutates_args=())
 def triton_rope_op(
     inputs: list[torch.Tensor], table: torch.Tensor, sin: torch.Tensor | None,
     k_table: torch.Tensor | None, k_sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-    index: torch.Tensor | None, tensors: str, layout: str, interleaved: bool, scale: float,
-    cp_size: int, cp_rank: int, split: Sequence[int] | None, backward: bool, inverse: bool,
-    offset: int, deinterleave: bool,
+    index: torch.Tensor | None, described: str,
 ) -> list[torch.Tensor]:
-    """A launch as an opaque op for torch.compile: new contiguous outputs."""
-    described = _op_launch(tensors, layout, interleaved, scale, cp_size, cp_rank, split, backward,
-                           inverse, offset, deinterleave, (table, sin, index))
-    outs = outputs(described, inputs)
-    with on_device(inputs[0]):
-        launch(described, inputs, outs, Tables(table, sin, cu_seqlens, index, k_table, k_sin))
-    return list(outs)
-
-
-def _op_launch(tensors: str, layout: str, interleaved: bool, scale: float, cp_size: int,
-               cp_rank: int, split: Sequence[int] | None, backward: bool, inverse: bool,
-               offset: int, deinterleave: bool, tabs: tuple | None = None) -> Launch:
-    """The op's launch; with its ``(table, sin, index)`` (not on fake tensors) the table and
-    position kinds read from their kernel form."""
-    kind, positions = "angles", 0
-    if tabs is not None:
-        use_cache, paired, rates, _ = tt.table_flags(*tabs[:2])
-        kind = ("pair_cos_sin_cache" if paired else "cos_sin_cache" if use_cache
-                else ("precise_rates" if tabs[0].dtype == torch.float64 else "rates") if rates
-                else "angles")
-        positions = tt.position_kind(tabs[2])
-    return Launch(tensors, layout, interleaved, scale, cp_size, cp_rank, kind, positions,
-                  None if split is None else tuple(split), backward, inverse=inverse, offset=offset,
-                  deinterleave=deinterleave)
+    """A launch (:func:`op_launch`) as an opaque op for torch.compile: new contiguous outputs."""
+    return list(run(_decoded(described), inputs,
+                    Tables(table, sin, cu_seqlens, index, k_table, k_sin)))
 
 
 @triton_rope_op.register_fake
-def _triton_rope_fake(inputs, table, sin, k_table, k_sin, cu_seqlens, index, tensors, layout,
-                      interleaved, scale, cp_size, cp_rank, split, backward, inverse, offset,
-                      deinterleave):
-    described = _op_launch(tensors, layout, interleaved, scale, cp_size, cp_rank, split, backward,
-                           inverse, offset, deinterleave)
-    return list(outputs(described, inputs))
+def _triton_rope_fake(inputs, table, sin, k_table, k_sin, cu_seqlens, index, described):
+    return list(outputs(_decoded(described), inputs))
 
 
 def _op_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.save_for_backward(*inputs[1:7])
-    ctx.settings = inputs[7:]
-    ctx.shapes = [(o.shape, o.dtype, o.device) for o in output]
+    ctx.described = inputs[7]
+    ctx.likes = [(o.shape, o.dtype, o.device) for o in output]
 
 
 def _op_backward(ctx: Any, grads: list[torch.Tensor | None]):
-    grads = [torch.zeros(*like) if g is None else g for g, like in zip(grads, ctx.shapes)]
-    *settings, backward, inverse, offset, deinterleave = ctx.settings
-    made = triton_rope_op(grads, *ctx.saved_tensors, *settings, not backward, inverse, offset,
-                          deinterleave)
-    return (made,) + (None,) * 17
+    grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+             for g, (shape, dtype, device) in zip(grads, ctx.likes)]
+    back = op_launch(_decoded(ctx.described).transposed())
+    return (triton_rope_op(grads, *ctx.saved_tensors, back),) + (None,) * 7
 
 
 triton_rope_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -260,11 +232,8 @@ def rope(call: RoPECall) -> Any:
         k_table, k_sin = (None, None) if call.k_table is None else kernel_tables(call.k_table)
         if described.tensors == "qkv" and k_table is None:
             k_table, k_sin = table, sin
-        made = triton_rope_op(
-            list(inputs), table, sin, k_table, k_sin, call.spec.cu_seqlens, position_index(call),
-            described.tensors, described.layout, described.interleaved, described.scale,
-            described.cp_size, described.cp_rank, described.split, False, described.inverse,
-            described.offset, described.deinterleave)
+        made = triton_rope_op(list(inputs), table, sin, k_table, k_sin, call.spec.cu_seqlens,
+                              position_index(call), op_launch(described))
         if described.in_place:
             made = [x.copy_(out) for x, out in zip(inputs, made)]
         return _result(described, made)
@@ -279,16 +248,13 @@ def rope(call: RoPECall) -> Any:
                                         k_norm=None))
                      for x, n in zip(inputs, (call.norm, call.k_norm)))
     tabs = call_tables(call)
-    with on_device(inputs[0]):
-        if grad:
+    if grad:
+        with on_device(inputs[0]):
             return RoPEFunction.apply(Rotation(described, tabs), *inputs, *weights)
-        if described.in_place:
-            launch(described, inputs, inputs, tabs)
-            for x in inputs:
-                increment_version(x)
-            return _result(described, inputs)
-        made = outputs(described, inputs)
-        launch(described, inputs, made, tabs)
+    made = run(described, inputs, tabs)
+    if described.in_place:
+        for x in inputs:
+            increment_version(x)
     return _result(described, made)
 
 
@@ -350,10 +316,8 @@ class Planned:
             return False
         if self.back is None:
             entry = tl._compiled.get(self.back_key)
-            if entry is None:
-                return False
-            self.back = bound(entry, self.back_slots)
-        return True
+            self.back = None if entry is None else bound(entry, self.back_slots)
+        return self.back is not None
 
 
 def plan(call: RoPECall, generic: Plan) -> Plan:

@@ -229,13 +229,14 @@ def test_triton_double_backward():
 @pytest.mark.usefixtures("triton_backend")
 def test_triton_custom_op_and_its_autograd():
     """The traced path's op takes ``inverse``; its autograd formula is the op transposed."""
-    from rope_dispatch.backends.triton_rope import triton_rope_op
+    from rope_dispatch.backends.triton_launch import Launch
+    from rope_dispatch.backends.triton_rope import op_launch, triton_rope_op
 
     t, table, spec, _, angles = build(fixed_case(interleaved=True, seed=7), DEVICE)
     spec = inverted(spec)
+    described = op_launch(Launch("t", "sbhd", True, 1.0, 1, 0, inverse=True))
     (out,) = triton_rope_op([t], table.reshape(table.shape[0], -1), None, None, None, None, None,
-                            "t", "sbhd", True, 1.0, 1, 0, None, False, True, 0,
-                            False)
+                            described)
     grad_out = grad_like(out, 5)
     (grad,) = torch.autograd.grad(out, t, grad_out)
     ref_out, ref_grad = reference_forward_backward(t, angles, spec, grad_out)

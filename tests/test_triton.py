@@ -250,19 +250,23 @@ def test_opcheck_contiguous_and_permuted():
     packed = torch.randn(6, 3, 16, device=DEVICE, requires_grad=True)  # 12 global tokens, cp 2
     q, k = torch.randn(6, 2, 4, 16, device=DEVICE), torch.randn(6, 2, 1, 16, device=DEVICE)
     qkv = torch.randn(6, 2, 2, 64, device=DEVICE, requires_grad=True)
-    for args in (  # ..., backward, inverse, rotary offset, deinterleave
-        ([contiguous], angles, None, None, None, None, None, "t", "sbhd", False, 1.0, 1, 0, None,
-         False, False, 0, False),
-        ([permuted], angles.cos(), angles.sin(), None, None, None, None, "t", "sbhd", True, 1.25,
-         1, 0, None, False, True, 0, False),
-        ([packed], angles, None, None, None, cu, None, "t", "thd", False, 1.0, 2, 1, None, False,
-         False, 0, False),
+    from rope_dispatch.backends.triton_launch import Launch
+    from rope_dispatch.backends.triton_rope import op_launch
+
+    def described(tensors, layout, interleaved=False, scale=1.0, cp=(1, 0), **fields):
+        return op_launch(Launch(tensors, layout, interleaved, scale, *cp, **fields))
+
+    for args in (
+        ([contiguous], angles, None, None, None, None, None, described("t", "sbhd")),
+        ([permuted], angles.cos(), angles.sin(), None, None, None, None,
+         described("t", "sbhd", True, 1.25, inverse=True)),
+        ([packed], angles, None, None, None, cu, None, described("t", "thd", cp=(2, 1))),
         ([q.requires_grad_(True), k.requires_grad_(True)], angles, None, None, None, None, None,
-         "qk", "bshd", False, 1.0, 1, 0, None, False, True, 0, False),
-        ([qkv], angles, None, angles, None, None, None, "qkv", "sbhd", False, 1.0, 1, 0,
-         [32, 16, 16], False, False, 0, False),
-        ([contiguous], angles[:, :4], None, None, None, None, None, "t", "sbhd", False, 1.0, 1,
-         0, None, False, False, 4, True),
+         described("qk", "bshd", inverse=True)),
+        ([qkv], angles, None, angles, None, None, None,
+         described("qkv", "sbhd", split=(32, 16, 16))),
+        ([contiguous], angles[:, :4], None, None, None, None, None,
+         described("t", "sbhd", offset=4, deinterleave=True)),
     ):
         opcheck(op, args)
 
