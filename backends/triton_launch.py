@@ -525,7 +525,8 @@ def _segment_arguments(
         config = tiles.choose_config(
             n_tokens, counts, head_dim, rotary_dim, pairs[0][0][0].element_size(),
             launch.interleaved, sms, tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
-            tiles.reads_cache_rows(flags), span_dim=shape[-1], sines=not flags[0])
+            tiles.reads_cache_rows(flags), span_dim=shape[-1], sines=not flags[0],
+            wide_v=launch.store is not None and v_width > shape[-1])
     block_t, block_h, head_iters = config[:3]
     if whole:  # a norm over a token's heads: one program holds them all
         head_iters = max(head_iters, -(-max(whole) // block_h))

@@ -86,6 +86,12 @@ QK_TOKEN_TILE_BYTES = 6144
 power of two), take one token x all heads a tile reading a cos/sin cache's rows."""
 WIDE_HEAD_CACHE_TILE = (8, 4)
 """The q and k tile on a 16-bit cos/sin cache's rows with heads of 256 channels or more."""
+NARROW_HEAD_BYTES = 128
+"""A cache stage's launch whose heads are at most this wide beside a wider v (MLA: 128 heads of
+64 rope channels, a 512-channel compressed kv) takes ``WIDE_V_TILE``."""
+WIDE_V_TILE = (16, 1)
+"""Tokens and heads of that tile: one head (1.5-3.3x the heads-first tile's speed at 64-16k
+tokens; GQA heads of 64 channels lose 3-5 points with it, docs/tuning.md)."""
 GRID_AXIS_MAX = 65535
 """The most blocks a CUDA grid's axes 1 and 2 take: token blocks spread over both past it."""
 
@@ -156,7 +162,7 @@ def choose_config(
     n_tokens: int, heads: int | tuple[int, ...], head_dim: int, rotary_dim: int,
     element_size: int, interleaved: bool, sms: int, tile_tokens: int = TOKENS_PER_TILE,
     cache_rows: bool = False, span_dim: int | None = None, sines: bool = True,
-    min_rows: int = MIN_TILE_ROWS,
+    min_rows: int = MIN_TILE_ROWS, wide_v: bool = False,
 ) -> Config:
     """Tile sizes for a call: tokens per program, heads per tile and per program, widths.
 
@@ -189,6 +195,9 @@ def choose_config(
     (``BLOCK_R``) is narrower than the program's 128 threads takes two tokens, at half the
     programs.
 
+    A cache stage writing a v wider than its heads (``wide_v``, MLA) takes ``WIDE_V_TILE`` for
+    heads of at most ``NARROW_HEAD_BYTES``, where every SM gets its programs.
+
     ``head_dim`` is the channels a head moves; ``span_dim``, where larger, the channels it
     spans in memory (in place on partial rotary: the rotary channels of a wider head). A call
     the L2 holds then takes tokens first, one head at a time and ``SPAN_HEAD_ITERS`` heads a
@@ -203,6 +212,10 @@ def choose_config(
     pass_dim = head_dim - rotary_dim
     block_p = next_pow2(pass_dim) if pass_dim else 1
     wanted = MIN_PROGRAMS_PER_SM * sms
+    if wide_v and head_dim * element_size <= NARROW_HEAD_BYTES:
+        block_t, block_h = min(WIDE_V_TILE[0], next_pow2(n_tokens)), WIDE_V_TILE[1]
+        if programs(n_tokens, counts, block_t, block_h) >= wanted:
+            return block_t, block_h, 1, block_r, block_p, WARPS
     heads_first = (
         tile_tokens == TOKENS_PER_TILE  # a cos/sin cache's row loads want their tokens
         and rotary_dim == head_dim  # pass-through channels copied: 8 x 4 ran faster warm
