@@ -579,14 +579,16 @@ def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -
         return
     key = (scale, x.device)
     divisor = _DIVISORS.get(key)
-    if divisor is None:  # a 0-d tensor: torch turns a division by a number into a product
-        divisor = torch.full((), scale, dtype=torch.float32, device=x.device)
+    if divisor is None:  # a tensor: torch turns a division by a number into a product
+        divisor = torch.full((1,), scale, dtype=torch.float32, device=x.device)
         # one made under CUDA graph capture is filled only when the graph replays: not kept
         if x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             if len(_DIVISORS) >= _MAX_CACHES:
                 _DIVISORS.clear()
             _DIVISORS[key] = divisor
-    out.copy_(x.float().div_(divisor))  # copy_ casts as .to() does (.to() is a new tensor's copy_)
+    # one kernel: a 1-element float32 divisor makes the division float32 (a 0-d one would leave
+    # it in x's dtype), and the quotient is cast to out's FP8 as it is stored, as .to() casts
+    torch.div(x, divisor, out=out)
 
 
 # How each door maps its arguments onto rope_to_cache's, for the core's errors (_mapped).
