@@ -53,10 +53,10 @@ registry.on_invalidate(clear_decisions)
 
 def forget_plans() -> None:
     """Forget every plan (the next calls are checked again and planned anew)."""
-    global _recent, _recent_run
+    global _recent, _recent_run, _recent_cache
     _plans.clear()
     _met_once.clear()
-    _recent = _recent_run = None
+    _recent = _recent_run = _recent_cache = None
 
 
 @functools.cache
@@ -257,6 +257,8 @@ _recent: _PlanSet | None = None
 # The same for _run's calls (in place, q+k, packed qkv, index tensors), compared by their form
 # too: a set of its own, so apply's check, whose calls have no form, compares none.
 _recent_run: _PlanSet | None = None
+# The same for rope_to_cache's calls (a serving step's), compared by their form.
+_recent_cache: _PlanSet | None = None
 _MAX_PLANS = 256  # keys
 _MAX_PLANS_PER_KEY = 8
 
@@ -652,7 +654,7 @@ def _keep_plan(
     moved). A key is planned the second time it is met: a spec or table made for one call
     (a new spec per step, say) would pay for a plan, about 6 us on the development CPU, and
     never use it."""
-    global _recent, _recent_run
+    global _recent, _recent_run, _recent_cache
     if table_requires_grad(freqs):
         return  # needs a backend that differentiates the table while grad is on: never planned
     entry = _plans.get(key)
@@ -686,7 +688,7 @@ def _keep_plan(
     if run is None:  # a cache stage the backend does not bind: checked every call
         return
     _plans[key] = entry._replace(plans=(_Plan(guard, address, address(freqs), run), *kept))
-    _recent = _recent_run = None
+    _recent = _recent_run = _recent_cache = None
 
 
 def rope_to_cache(
@@ -722,6 +724,7 @@ def rope_to_cache(
     same layouts; their data and the cache's index values may change) runs its plan, as
     :func:`apply`'s do: keep the descriptor, or rebuild it per step, as the engine does.
     """
+    global _recent_cache
     key = None
     if not _dynamo_compiling():
         inputs = _cache_form(q, k, v, positions, cache, q_out, q_scale)
@@ -730,11 +733,17 @@ def rope_to_cache(
         if inputs is not None:
             tensors, form = inputs
             forced = backend if backend is not None else (_forced_get() or _env_backend_raw())
-            key = (id(spec), id(freqs), forced, form)
-            try:
-                entry = _plans.get(key)
-            except TypeError:  # an unhashable backend=: the checks name it
-                entry, key = None, None
+            entry, hashable = _recent_cache, True  # as _run's lookup: a repeated step's
+            if (  # needs neither the key's ids nor its hash
+                entry is None or entry.refs[0]() is not spec or entry.refs[1]() is not freqs
+                or entry.forced is not forced or entry.form != form
+            ):
+                try:
+                    entry = _plans.get((id(spec), id(freqs), forced, form))
+                except TypeError:  # an unhashable backend=: the checks name it
+                    entry, hashable = None, False
+                if entry is not None:
+                    _recent_cache = entry
             if entry is not None:
                 for guard, address, planned_address, run in entry.plans:
                     if guard(*tensors) and address(freqs) == planned_address:
@@ -742,6 +751,8 @@ def rope_to_cache(
                         if out is not NotImplemented:
                             return out
                         break
+            if hashable:
+                key = (id(spec), id(freqs), forced, form)
     if any(type(x) is not _Tensor and _distributed(x) for x in (q, k, v)):
         raise RoPEError(
             "DTensor call: rope_to_cache writes into a KV cache of plain tensors, a serving "

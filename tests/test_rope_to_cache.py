@@ -918,3 +918,71 @@ def test_triton_repeated_steps_run_their_plan(layout, cache_dtype, q_mode, monke
             assert_same_or_neighbour(cache.k_cache, k_copy, "k cache")
             assert torch.equal(cache.v_cache.view(torch.uint8), v_copy.view(torch.uint8))
     assert len(checked) == 5 + 2  # every eager call; triton's first two (met, then planned)
+
+
+def test_repeated_steps_are_served_by_the_recent_plan_set(monkeypatch):
+    """dispatch keeps rope_to_cache's most recent plan set, as apply's: a repeated step (same
+    spec, table, backend and form) is served from it without looking its key up; steps
+    alternating between two forms (q new, q in place) each get their own plans; after
+    ``forget_plans`` no step is served from it. On the CPU (whose caches are checked every
+    call, their index values read) the cache is given the planned form a GPU cache has, and
+    the eager backend a plan that checks the step's tensors anew and runs eagerly."""
+    from rope_dispatch import dispatch
+    from rope_dispatch.backends.eager import EagerBackend, rope_to_cache_eager
+
+    class CountedPlans(dict):
+        lookups = 0
+
+        def get(self, key, default=None):
+            CountedPlans.lookups += 1
+            return super().get(key, default)
+
+    monkeypatch.setattr(dispatch, "_plans", CountedPlans())
+    monkeypatch.setattr(dispatch, "_recent_cache", None)
+    checks, runs = [], []
+    real_check = dispatch.check_cache_call
+
+    def counted_check(*args, **kwargs):
+        checks.append(1)
+        return real_check(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "check_cache_call", counted_check)
+    monkeypatch.setattr(rd.call, "_reads", lambda index: False)  # positions as a GPU's
+    q, k, v, table, spec, positions, built = small_call()
+    cache = built.cache
+    cache.plan_parts = ((cache.k_cache, cache.v_cache, cache.slot_mapping),
+                        (type(cache), None, 1.0, 1.0))
+
+    def plan(self, call):
+        def run(freqs, tensors):
+            runs.append(1)
+            q_now, k_now, v_now, positions_now = tensors[:4]
+            return rope_to_cache_eager(real_check(
+                q_now, k_now, v_now, freqs, spec, positions=positions_now, cache=cache,
+                q_out=q_now if call.cache_write.q_out is call.t else None))
+        return run
+
+    monkeypatch.setattr(EagerBackend, "plan", plan)
+
+    def step(seed, in_place):
+        gen = torch.Generator().manual_seed(seed)
+        q_step = torch.randn(q.shape, generator=gen).bfloat16()
+        want = reference_rope(q_step.double(), table, positions, False)
+        got = rd.rope_to_cache(q_step, k, v, table, spec, positions=positions, cache=cache,
+                               q_out=q_step if in_place else None, backend="eager")
+        assert (got is q_step) is in_place
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+    for seed in range(3):  # checked, checked and planned, then served
+        for in_place in (False, True):
+            step(10 * seed + in_place, in_place)
+    assert len(checks) == 4 and len(runs) == 2
+    lookups = CountedPlans.lookups
+    step(40, True)
+    assert len(runs) == 3 and CountedPlans.lookups == lookups, "looked up again"
+    step(41, False)  # the other form: looked up once, then its set is the recent one
+    step(42, False)
+    assert len(runs) == 5 and CountedPlans.lookups == lookups + 1
+    dispatch.forget_plans()
+    step(43, False)
+    assert len(checks) == 5 and len(runs) == 5, "a forgotten plan set served a step"
