@@ -253,8 +253,7 @@ def rope(call: RoPECall) -> Any:
             return RoPEFunction.apply(Rotation(described, tabs), *inputs, *weights)
     made = run(described, inputs, tabs)
     if described.in_place:
-        for x in inputs:
-            increment_version(x)
+        increment_version(inputs)
     return _result(described, made)
 
 
@@ -273,9 +272,8 @@ def rope_to_cache(call: RoPECall) -> torch.Tensor:
     k_pages, v_pages = write.cache.pages()
     with on_device(q):
         launch(describe(call), (q, k, v), (q_out, k_pages, v_pages), call_tables(call))
-    for written in (write.cache.k_cache, write.cache.v_cache, q_out):
-        if not written.is_inference():
-            increment_version(written)
+    # one call for the three; tensors made under inference mode have no counter to move
+    increment_version((write.cache.k_cache, write.cache.v_cache, q_out))
     return q_out
 
 
@@ -365,10 +363,10 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
                 return generic(x, freqs, spec, start_positions, positions, k)
             if not in_place:
                 return made
-            increment_version(x)
             if not pair:
+                increment_version(x)
                 return x
-            increment_version(k)
+            increment_version((x, k))
             return x, k
 
         return run
@@ -451,9 +449,7 @@ def plan_cache(call: RoPECall) -> Any:
         if made is NotImplemented:
             return made
         out = made if new else tensors[at]
-        for written in (tensors[4], tensors[5], out):
-            if not written.is_inference():
-                increment_version(written)
+        increment_version((tensors[4], tensors[5], out))  # the caches and q's output
         return out
 
     return run

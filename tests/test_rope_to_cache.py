@@ -986,3 +986,31 @@ def test_repeated_steps_are_served_by_the_recent_plan_set(monkeypatch):
     dispatch.forget_plans()
     step(43, False)
     assert len(checks) == 5 and len(runs) == 5, "a forgotten plan set served a step"
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("q_mode", ["new", "given", "in-place"])
+def test_triton_stage_moves_the_version_of_what_it_writes(q_mode):
+    """The caches and q's output are written by a kernel torch does not see, so their version
+    counters move at every call, planned ones (on a GPU, from the third) included; tensors made
+    under inference mode have none, and their calls write all the same."""
+    q, k, v, table, spec, positions, built = small_call(device=DEVICE)
+    cache = built.cache
+    for step in range(4):
+        q_step = q.clone()
+        q_out = {"new": None, "given": torch.empty_like(q), "in-place": q_step}[q_mode]
+        before = [cache.k_cache._version, cache.v_cache._version,
+                  None if q_out is None else q_out._version]
+        out = rd.rope_to_cache(q_step, k, v, table, spec, positions=positions, cache=cache,
+                               q_out=q_out, backend="triton")
+        assert cache.k_cache._version > before[0] and cache.v_cache._version > before[1], step
+        assert q_out is None or (out is q_out and out._version > before[2]), step
+    with torch.inference_mode():
+        q, k, v, table, spec, positions, built = small_call(device=DEVICE)
+        want = reference_rope(q.double().cpu(), table.cpu(), positions.cpu(), False)
+        for _ in range(3):
+            q_step = q.clone()
+            out = rd.rope_to_cache(q_step, k, v, table, spec, positions=positions,
+                                   cache=built.cache, backend="triton",
+                                   q_out=q_step if q_mode == "in-place" else None)
+            torch.testing.assert_close(out.double().cpu(), want, atol=2e-2, rtol=2e-2)
