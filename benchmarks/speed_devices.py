@@ -5,7 +5,7 @@ Each variant runs in a process of its own (compiled launches, flags and plans st
 the variants in turn for ``--rounds`` rounds; the table shows each figure's median over rounds:
 
 - ``shipped``: everything on;
-- ``no-direct``: the C direct launcher off (plans keep torch's allocation and Triton's launcher);
+- ``no-direct``: the C direct launcher off (then nothing is planned: every call is checked);
 - ``no-flags``: ``ROPE_DISPATCH_LINEAR_TABLES=0`` (no linear-table or halves flag: rows read);
 
 - ``tree=PATH``: the package imported from the source tree at ``PATH`` (its ``rope_dispatch``
