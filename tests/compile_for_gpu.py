@@ -87,9 +87,9 @@ NORM_VARIANTS = [
     ("cache slots e5m2, scales by number, interleaved partial", dict(
         CACHE=1, K_QUANT=1, V_QUANT=1, INTERLEAVED=True, ROT_DIM=64, PASS_DIM=64, BLOCK_R=64,
         BLOCK_P=64), "*bf16", "*fp8e5", "*i64"),
-    ("cache pages e4m3, MLA (the key part, a 512-channel compressed kv in chunks)", dict(
-        CACHE=2, PAGE_SIZE=16, Q_NORM=0, K_NORM=0, Q_QUANT=1, K_QUANT=1, V_QUANT=1, ROT_DIM=64,
-        BLOCK_R=32, V_WIDTH=512, BLOCK_W=64, BLOCK_T=16, BLOCK_H=4, HEAD_ITERS=1), "*fp8e4nv",
+    ("cache pages e4m3, MLA (the key part, a 512-channel compressed kv in chunks; WIDE_V_TILE)",
+     dict(CACHE=2, PAGE_SIZE=16, Q_NORM=0, K_NORM=0, Q_QUANT=1, K_QUANT=1, V_QUANT=1, ROT_DIM=64,
+          BLOCK_R=32, V_WIDTH=512, BLOCK_W=64, BLOCK_T=16, BLOCK_H=1, HEAD_ITERS=1), "*fp8e4nv",
      "*fp8e4nv", "*i32"),
 ]
 
