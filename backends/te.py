@@ -456,9 +456,10 @@ class TEBackend(Backend):
         def run_te(
             t: torch.Tensor, freqs: torch.Tensor, spec: RoPESpec,
             start_positions: torch.Tensor | None, positions: torch.Tensor | None, k: None,
+            norms: tuple,
         ) -> torch.Tensor:
             if not freqs.is_contiguous() or (several and current_device() != device_index):
-                return generic(t, freqs, spec, start_positions, positions, k)
+                return generic(t, freqs, spec, start_positions, positions, k, norms)
             table = freqs if freqs.dim() == 4 else freqs.view(shape_4d)
             if per_call == (False, False):
                 return fn(t, table, **fixed)

@@ -343,7 +343,9 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
         return generic
     tabs = tl.current_tables(tabs, described.layout)
     outs = inputs if described.in_place else outputs(described, inputs)
-    binding = tl.bind_compiled(described, inputs, outs, tabs, (*inputs, tabs.index),
+    # a norm stage's weights are taken from the call's norms, as its data and index
+    weights = () if tabs.norm is None else tuple(w for w in tabs.norm.weights if w is not None)
+    binding = tl.bind_compiled(described, inputs, outs, tabs, (*inputs, tabs.index, *weights),
                                () if described.in_place else outs)
     if binding is None:
         return generic
@@ -354,18 +356,27 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
         tt.several_gpus(), torch.cuda.current_device, current_stream, tt.flag_stale)
     in_place, pair = described.in_place, described.tensors == "qk"
 
+    sides = [i for i, w in enumerate(tabs.norm.weights if tabs.norm else ()) if w is not None]
+    one = sides[0] if len(sides) == 1 else None  # a single norm's side
+
     if not grad:
         def run(x: torch.Tensor, freqs: object, spec: Any, start_positions: Any, positions: Any,
-                k: Any) -> Any:
+                k: Any, norms: tuple) -> Any:
             given = positions if start_positions is None else start_positions
             s = stream(device)
             if (several and current_device() != device) or (
                     flag is not None and stale(flag, freqs, s)):
-                return generic(x, freqs, spec, start_positions, positions, k)
+                return generic(x, freqs, spec, start_positions, positions, k, norms)
             index = address if given is None else given
-            made = forward(s, x, k, index) if pair else forward(s, x, index)
+            if not sides:
+                made = forward(s, x, k, index) if pair else forward(s, x, index)
+            elif one is None:
+                made = forward(s, x, k, index, norms[0].weight, norms[1].weight)
+            else:
+                w = norms[one].weight
+                made = forward(s, x, k, index, w) if pair else forward(s, x, index, w)
             if made is NotImplemented:  # an unaligned tensor
-                return generic(x, freqs, spec, start_positions, positions, k)
+                return generic(x, freqs, spec, start_positions, positions, k, norms)
             if not in_place:
                 return made
             if not pair:
@@ -388,12 +399,12 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     transforms_active = torch._C._are_functorch_transforms_active
 
     def run_grad(x: torch.Tensor, freqs: object, spec: Any, start_positions: Any, positions: Any,
-                 k: Any) -> Any:
+                 k: Any, norms: tuple) -> Any:
         given = positions if start_positions is None else start_positions
         s = stream(device)
         if (several and current_device() != device) or transforms_active() or (
                 flag is not None and stale(flag, freqs, s)):
-            return generic(x, freqs, spec, start_positions, positions, k)
+            return generic(x, freqs, spec, start_positions, positions, k, norms)
         rotation = Rotation(described, None, planned, (freqs, given, spec.cu_seqlens, s))
         return apply(rotation, x, k) if pair else apply(rotation, x)
 

@@ -198,7 +198,8 @@ def _runner(backend: Backend, call: RoPECall) -> Callable[[RoPECall], Any]:
     ):
         return backend.apply
     run = backend.plan(call)
-    return lambda c: run(c.t, c.table, c.spec, c.start_positions, c.positions, c.k)
+    return lambda c: run(c.t, c.table, c.spec, c.start_positions, c.positions, c.k,
+                         (c.norm, c.k_norm))
 
 
 def _prepared(backend: Backend, call: RoPECall, needs_grad: bool) -> tuple[Callable[[], None], float]:

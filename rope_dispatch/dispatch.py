@@ -238,6 +238,7 @@ def _dropper(key: tuple) -> Callable[[weakref.ref], None]:
 _data_ptr = torch.Tensor.data_ptr
 _Tensor = torch.Tensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NO_NORMS = (None, None)
 _grad_enabled = torch.is_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
 # Dynamo knows this function (True while it traces); at run time it is one frame returning
@@ -317,7 +318,7 @@ def apply(
         if entry is not None:
             for guard, address, planned_address, run in entry.plans:
                 if guard(t) and address(freqs) == planned_address:
-                    return run(t, freqs, spec, None, None, None)
+                    return run(t, freqs, spec, None, None, None, _NO_NORMS)
     return _run(t, freqs, spec, start_positions, backend, False, False, None, None, positions,
                 norms=(norm, None))
 
@@ -469,36 +470,34 @@ def _planned_form(
     return tensors, form
 
 
-_NO_NORMS = (None, None)
-
-
 def _with_norms(inputs: tuple, norms: tuple) -> tuple | None:
     """A planned form (:func:`_planned_form`) with the call's norm stages: their weights join
-    the guarded tensors (the plan reads them where they lay when it was made, and its guard
-    checks they still lie there) and their forms the key. ``None`` (checked every time) where a
-    gradient may be wanted: the weights are then inputs of the autograd graph."""
+    the guarded tensors (a plan takes their addresses each call, as its other tensors') and
+    their forms and identities the key. ``None`` (checked every time) where a gradient may be
+    wanted: the weights are then inputs of the autograd graph."""
     tensors, form = inputs
     q_norm, k_norm = norms
     if q_norm is None and k_norm is None:
-        weights, key = (), (*form, _NO_NORMS, ())
-    elif q_norm is not None and k_norm is not None:  # a decode step's host path: spelled out
-        if (type(q_norm) is not HeadNorm or type(k_norm) is not HeadNorm
-                or type(q_norm.weight) not in _PLAIN or type(k_norm.weight) not in _PLAIN):
+        return tensors, (*form, None, None)
+    if k_norm is not None and q_norm is not None:  # a decode step's host path: spelled out
+        if type(q_norm) is not HeadNorm or type(k_norm) is not HeadNorm:
             return None
-        weights = (q_norm.weight, k_norm.weight)
-        key = (*form, (q_norm.form, k_norm.form), (id(weights[0]), id(weights[1])))
+        q_weight, k_weight = q_norm.weight, k_norm.weight
+        if type(q_weight) not in _PLAIN or type(k_weight) not in _PLAIN:
+            return None
+        tensors = (*tensors, q_weight, k_weight)
+        key = (*form, q_norm.form, k_norm.form, id(q_weight), id(k_weight))
     else:
         n = q_norm if k_norm is None else k_norm
         if type(n) is not HeadNorm or type(n.weight) not in _PLAIN:
             return None
-        weights = (n.weight,)
-        forms = (n.form, None) if k_norm is None else (None, n.form)
-        key = (*form, forms, (id(n.weight),))
+        tensors = (*tensors, n.weight)
+        key = (*form, n.form, k_norm is None, id(n.weight))
     if _grad_enabled():
-        for x in (*tensors, *weights):
+        for x in tensors:
             if x.requires_grad:
                 return None
-    return ((*tensors, *weights) if weights else tensors), key
+    return tensors, key
 
 
 def _run(
@@ -510,7 +509,7 @@ def _run(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Every public call's path: its plan when one matches (see :func:`apply`), else the
     checks, the choice and the backend, then a plan for the next such call. ``norms``: q's
-    (or ``t``'s) and k's :class:`~rope_dispatch.HeadNorm`; calls with one are not planned."""
+    (or ``t``'s) and k's :class:`~rope_dispatch.HeadNorm`, passed to a plan with each call."""
     global _recent_run
     if type(t) is not _Tensor and _distributed(t):
         return _dtensor().rotate(t, freqs, spec, start_positions, positions, backend,
@@ -547,7 +546,7 @@ def _run(
             if entry is not None:
                 for guard, address, planned_address, run in entry.plans:
                     if guard(*tensors) and address(freqs) == planned_address:
-                        return run(t, freqs, spec, start_positions, positions, k)
+                        return run(t, freqs, spec, start_positions, positions, k, norms)
             key = (id(spec), id(freqs), forced, form)
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place,
@@ -625,26 +624,6 @@ def _apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor) -> Guard:
     return check
 
 
-def _weights_where_planned(guard: Guard, call: RoPECall) -> Guard:
-    """``guard``, and the norm weights (the last tensors a planned call passes) still at the
-    addresses they had: a plan may read them there (a module's ``.to()`` moves a parameter's
-    storage and keeps the object)."""
-    planned = tuple(n.weight.data_ptr() for n in (call.norm, call.k_norm) if n is not None)
-    if len(planned) == 1:
-        (only,) = planned
-
-        def check(*tensors: torch.Tensor) -> bool:
-            return guard(*tensors) and _data_ptr(tensors[-1]) == only
-    else:
-        first, second = planned
-
-        def check(*tensors: torch.Tensor) -> bool:
-            return (guard(*tensors) and _data_ptr(tensors[-2]) == first
-                    and _data_ptr(tensors[-1]) == second)
-
-    return check
-
-
 def _keep_plan(
     key: tuple, tensors: tuple[torch.Tensor, ...], spec: RoPESpec, freqs: object,
     chosen: Backend, call: RoPECall,
@@ -682,8 +661,6 @@ def _keep_plan(
         guard = _in_grad_state(guard, enabled, leaves, weakref.ref(freqs))
     if call.in_place and call.k is not None:
         guard = _apart_as_planned(guard, call.t, call.k)
-    if call.norms is not None:
-        guard = _weights_where_planned(guard, call)
     run = chosen.plan(call)
     if run is None:  # a cache stage the backend does not bind: checked every call
         return

@@ -15,7 +15,6 @@ A check returns a list of sentences with the actual values; an empty list means 
 from __future__ import annotations
 
 import importlib
-import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import ClassVar
@@ -24,14 +23,13 @@ import torch
 
 from .call import TENSOR_KINDS, RoPECall, table_grad_wanted
 from .errors import UnknownBackendError
-from .norm import HeadNorm
 from .spec import RoPESpec, dtype_name
 from .tables import angles_2d, table_kind
 from .tracing import constant_while_tracing
 
 ALL_LAYOUTS = frozenset({"sbhd", "bshd", "thd"})
 Plan = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
-"""``run(t, freqs, spec, start_positions, positions, k)``: see :meth:`Backend.plan`."""
+"""``run(t, freqs, spec, start_positions, positions, k, norms)``: see :meth:`Backend.plan`."""
 ALL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
@@ -97,12 +95,12 @@ class Backend:
         raise NotImplementedError
 
     def plan(self, call: RoPECall) -> Plan | None:
-        """A function ``run(t, freqs, spec, start_positions, positions, k)`` that runs this
-        backend on a call equal to ``call`` but for its tensors' data (same spec and table
-        objects; same shapes, strides, dtypes, devices and gradient mode of ``t``, ``k`` and the
-        index tensor, whose values are not read), which dispatch keeps for repeated calls. It
-        gets the spec and table with each call and keeps no tensor of the call: a plan must not
-        keep a table alive. The default rebuilds the call around the new tensors; a backend may
+        """A function ``run(t, freqs, spec, start_positions, positions, k, norms)`` that runs
+        this backend on a call equal to ``call`` but for its tensors' data (same spec and table
+        objects; same shapes, strides, dtypes, devices and gradient mode of ``t``, ``k``, the
+        index tensor, whose values are not read, and the norm weights), which dispatch keeps for
+        repeated calls. It gets the spec, the table and the call's ``(q_norm, k_norm)`` with
+        each call and keeps no tensor of the call: a plan must not keep a table alive. The default rebuilds the call around the new tensors; a backend may
         prepare more (the Triton backend binds its launch). A call with a cache stage
         (:func:`~rope_dispatch.rope_to_cache`) gets ``run(freqs, tensors)``, ``tensors`` as
         dispatch's ``_cache_form`` orders them, then the norm weights, from a
@@ -111,27 +109,19 @@ class Backend:
         assert call.k_table is None, "calls with a separate k table are never planned"
         if call.cache_write is not None:
             return None  # a backend binds a cache stage's plan itself, or the call is checked
-        # the sizes and settings the plan's key fixes, without the call's tensors (a plan keeps
-        # no tensor alive: norm weights by weak reference, the guard having checked them)
+        # the sizes and settings the plan's key fixes, without the call's tensors
         form = call._replace(t=None, table=None, spec=None, start_positions=None, positions=None,
                              k=None, norm=None, k_norm=None)
-        norms = tuple(None if n is None else (weakref.ref(n.weight), n.eps, n.offset, n.scope)
-                      for n in (call.norm, call.k_norm))
         run = self.apply
 
         def run_call(
             t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None,
-            positions: torch.Tensor | None, k: torch.Tensor | None,
+            positions: torch.Tensor | None, k: torch.Tensor | None, norms: tuple,
         ) -> torch.Tensor | tuple[torch.Tensor, ...]:
             # an angle table as [s2, d2]; caches and rate tables pass as they are
             table = angles_2d(freqs) if table_kind(freqs) == "angles" else freqs  # type: ignore[arg-type]
-            made = form._replace(t=t, table=table, spec=spec, start_positions=start_positions,
-                                 positions=positions, k=k)
-            if norms != (None, None):
-                made = made._replace(**{
-                    name: HeadNorm(n[0](), n[1], offset=n[2], scope=n[3])
-                    for name, n in zip(("norm", "k_norm"), norms) if n is not None})
-            return run(made)
+            return run(form._replace(t=t, table=table, spec=spec, start_positions=start_positions,
+                                     positions=positions, k=k, norm=norms[0], k_norm=norms[1]))
 
         return run_call
 

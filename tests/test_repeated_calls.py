@@ -807,10 +807,10 @@ class LayoutBound(EagerBackend):
         expected = self.layout(call.t, call.start_positions, call.positions, call.k)
         run = super().plan(call)
 
-        def bound(t, freqs, spec, start_positions, positions, k):
+        def bound(t, freqs, spec, start_positions, positions, k, norms):
             got = self.layout(t, start_positions, positions, k)
             assert got == expected, f"a plan made for {expected} served {got}"
-            return run(t, freqs, spec, start_positions, positions, k)
+            return run(t, freqs, spec, start_positions, positions, k, norms)
 
         return bound
 

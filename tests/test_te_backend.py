@@ -274,7 +274,7 @@ def test_a_plan_hands_te_the_users_table_and_this_calls_index_tensors(layout, st
     rd.check_call(call.t, table_4d, call.spec, call.start_positions)  # the dispatch's check
     run = backend.plan(call)
     new_starts = torch.tensor([5, 0]) if starts else None
-    assert run(call.t, table_4d, call.spec, new_starts, None, None) is call.t
+    assert run(call.t, table_4d, call.spec, new_starts, None, None, (None, None)) is call.t
     freqs, kwargs = seen[-1]
     assert freqs is table_4d
     expected = {"tensor_format", "fused"} | ({"start_positions"} if starts else set()) | (
@@ -286,7 +286,7 @@ def test_a_plan_hands_te_the_users_table_and_this_calls_index_tensors(layout, st
     if layout == "thd":
         assert kwargs["cu_seqlens"].dtype == torch.int32
         assert kwargs["cu_seqlens"].tolist() == call.spec.cu_seqlens.tolist()
-    run(call.t, call.table, call.spec, new_starts, None, None)  # a [s2, d2] table: a view
+    run(call.t, call.table, call.spec, new_starts, None, None, (None, None))  # a [s2, d2] table: a view
     freqs, _ = seen[-1]
     assert freqs.shape == (16, 1, 1, 8) and freqs.data_ptr() == call.table.data_ptr()
 
@@ -307,7 +307,7 @@ def test_a_plan_hands_te_a_strided_table_as_a_contiguous_copy():
     call = make_call("sbhd", starts=False)
     call = rd.check_call(call.t, table, call.spec)
     run = backend.plan(call)
-    run(call.t, table, call.spec, None, None, None)
+    run(call.t, table, call.spec, None, None, None, (None, None))
     (given,) = seen
     assert given.is_contiguous() and given.shape == (16, 1, 1, 8)
     assert torch.equal(given.view(16, 8), table)
@@ -320,7 +320,7 @@ def test_a_plan_with_a_cos_sin_scale_scales_tes_output():
     t = torch.randn(4, 2, 2, 8)
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=1.5)
     call = rd.check_call(t, torch.rand(16, 8), spec)
-    out = backend.plan(call)(t, call.table, spec, None, None, None)
+    out = backend.plan(call)(t, call.table, spec, None, None, None, (None, None))
     torch.testing.assert_close(out, t * 1.5)
 
 
