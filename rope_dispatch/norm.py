@@ -59,7 +59,9 @@ class HeadNorm:
         if scope not in SCOPES:
             raise RoPEError(f"HeadNorm scope must be one of {SCOPES}, got {scope!r}")
         self.weight, self.eps, self.offset, self.scope = weight, eps, offset, scope
-        self.form = _new_form(NormForm, (scope, eps, offset))  # what a launch depends on
+        # what a launch depends on; one object per form, so a plan's key compares by identity
+        form = _new_form(NormForm, (scope, eps, offset))
+        self.form = _FORMS.setdefault(form, form) if len(_FORMS) < 1024 else _FORMS.get(form, form)
 
     def __repr__(self) -> str:
         return (f"HeadNorm(weight[{self.weight.shape[0]}], eps={self.eps}, offset={self.offset}, "
@@ -67,6 +69,7 @@ class HeadNorm:
 
 
 _new_form = tuple.__new__
+_FORMS: dict[NormForm, NormForm] = {}
 
 
 def _finite(name: str, value: object) -> float:

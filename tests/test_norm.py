@@ -282,8 +282,10 @@ def test_explain_names_the_norm_and_the_refusals():
 def test_repeated_inference_calls_are_planned_and_follow_the_weights(backend):
     """Without grad, a repeated norm call runs its plan (decode's host path): the same numbers
     as a checked call, a weight whose storage moved (``.data =``, a module's ``.to()``) read
-    where it now lies, and the plans gone with the weights."""
+    where it now lies, another layer's weights of the same form served by the same plan, and
+    no weight kept alive by it."""
     import gc
+    import weakref
 
     case = fixed_case(layout="bshd", heads=4, head_dim=16, rotary_dim=8, seq=3, batch=2)
     q, table, spec, _, angles = build(case, DEVICE, requires_grad=False)
@@ -312,7 +314,15 @@ def test_repeated_inference_calls_are_planned_and_follow_the_weights(backend):
         w["q"].data = w["q"].data * 3  # new storage, same parameter object
         for a, r in zip(call(), want()):
             assert_matches(a, r, case.dtype)
-    planned = len(rd.dispatch._plans)
+        planned = len(rd.dispatch._plans)
+        # another layer's weights of the same form and layout: the same plan, their numbers
+        w.update({side: torch.nn.Parameter(weight(16, s, torch.float32, DEVICE).detach())
+                  for side, s in (("q", 3), ("k", 4))})
+        for _ in range(2):
+            for a, r in zip(call(), want()):
+                assert_matches(a, r, case.dtype)
+        assert len(rd.dispatch._plans) == planned, "one plan serves every layer of one form"
+    gone = weakref.ref(w["q"])
     del w["q"]
     gc.collect()
-    assert len(rd.dispatch._plans) == planned - 1, "the plans go with the weight"
+    assert gone() is None, "a plan keeps no weight alive"
