@@ -279,6 +279,51 @@ def test_explain_names_the_norm_and_the_refusals():
 
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("sides", ["q", "k", "shared"])
+def test_repeated_one_sided_and_shared_norms_follow_each_calls_weights(backend, sides):
+    """A plan made for a call with q's norm only, k's only, or one weight object for both is
+    served to later calls with other weights (one plan per key), and their numbers are those
+    weights'; a later call with two distinct weights where the plan saw one shared weight is
+    checked again, and right too."""
+    case = fixed_case(layout="bshd", heads=4, head_dim=16, rotary_dim=8, seq=3, batch=2)
+    q, table, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    k = q[..., :2, :].clone()
+
+    def weights(seed):
+        return [weight(16, seed + i, torch.float32, DEVICE).detach() for i in range(2)]
+
+    def norms(ws):
+        if sides == "shared":
+            return ws[0], ws[0]
+        return (ws[0], None) if sides == "q" else (None, ws[1])
+
+    def check(ws):
+        qw, kw = norms(ws)
+        got = rd.apply_qk_(q.clone(), k.clone(), table, spec, backend=backend,
+                           q_norm=None if qw is None else rd.HeadNorm(qw, 1e-5),
+                           k_norm=None if kw is None else rd.HeadNorm(kw, 1e-5))
+        for x, w, out in zip((q, k), (qw, kw), got):
+            norm = None if w is None else _Norm(w.cpu(), 1e-5, 0.0, "head")
+            assert_matches(out, reference(x.cpu(), norm, angles, spec, None, None), case.dtype)
+
+    with torch.no_grad():
+        for seed in (1, 1, 1):  # planned at the second call
+            check(weights(seed))
+        planned = len(rd.dispatch._plans)
+        for seed in (11, 21, 31):  # other weight objects and values, of the same form
+            check(weights(seed))
+        assert len(rd.dispatch._plans) == planned, "one plan serves other weights of one form"
+        if sides == "shared":  # two weights where the plan saw one: checked again
+            ws = weights(41)
+            got = rd.apply_qk_(q.clone(), k.clone(), table, spec, backend=backend,
+                               q_norm=rd.HeadNorm(ws[0], 1e-5), k_norm=rd.HeadNorm(ws[1], 1e-5))
+            for x, w, out in zip((q, k), ws, got):
+                assert_matches(out, reference(x.cpu(), _Norm(w.cpu(), 1e-5, 0.0, "head"), angles,
+                                              spec, None, None), case.dtype)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 def test_repeated_inference_calls_are_planned_and_follow_the_weights(backend):
     """Without grad, a repeated norm call runs its plan (decode's host path): the same numbers
     as a checked call, a weight whose storage moved (``.data =``, a module's ``.to()``) read
