@@ -370,11 +370,13 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
             index = address if given is None else given
             if not sides:
                 made = forward(s, x, k, index) if pair else forward(s, x, index)
-            elif one is None:
-                made = forward(s, x, k, index, norms[0].weight, norms[1].weight)
-            else:
+            elif one is not None:
                 w = norms[one].weight
                 made = forward(s, x, k, index, w) if pair else forward(s, x, index, w)
+            elif pair:
+                made = forward(s, x, k, index, norms[0].weight, norms[1].weight)
+            else:  # a packed qkv's q and k norms
+                made = forward(s, x, index, norms[0].weight, norms[1].weight)
             if made is NotImplemented:  # an unaligned tensor
                 return generic(x, freqs, spec, start_positions, positions, k, norms)
             if not in_place:

@@ -600,7 +600,8 @@ def run_host(report: Report) -> None:
             "check_call": lambda: rd.check_call(t, freqs, spec),
             "dispatch.choose": lambda: rd.dispatch.choose(call, "triton"),
             "triton rope (generic path)": lambda: triton_rope.rope(call),
-            "triton bound launch (plan)": lambda: bound(t, freqs, spec, None, None, None, (None, None)),
+            "triton bound launch (plan)": lambda: bound(t, freqs, spec, None, None, None,
+                                                        (None, None)),
             "output allocation (empty_like)": lambda: torch.empty_like(t),
             "triton launch": lambda: triton_rope.launch(described, (t,), (out,), tabs),
         })

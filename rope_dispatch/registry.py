@@ -100,11 +100,12 @@ class Backend:
         objects; same shapes, strides, dtypes, devices and gradient mode of ``t``, ``k``, the
         index tensor, whose values are not read, and the norm weights), which dispatch keeps for
         repeated calls. It gets the spec, the table and the call's ``(q_norm, k_norm)`` with
-        each call and keeps no tensor of the call: a plan must not keep a table alive. The default rebuilds the call around the new tensors; a backend may
-        prepare more (the Triton backend binds its launch). A call with a cache stage
+        each call and keeps no tensor of the call: a plan must not keep a table alive. The
+        default rebuilds the call around the new tensors; a backend may prepare more (the
+        Triton backend binds its launch). A call with a cache stage
         (:func:`~rope_dispatch.rope_to_cache`) gets ``run(freqs, tensors)``, ``tensors`` as
-        dispatch's ``_cache_form`` orders them, then the norm weights, from a
-        backend that binds one, else ``None`` (the default: such calls are checked each time).
+        dispatch's ``_cache_form`` orders them, then the norm weights, from a backend that
+        binds one, else ``None`` (the default: such calls are checked each time).
         """
         assert call.k_table is None, "calls with a separate k table are never planned"
         if call.cache_write is not None:

@@ -323,6 +323,80 @@ def test_repeated_one_sided_and_shared_norms_follow_each_calls_weights(backend, 
 
 
 @pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("kind", ["t", "qk", "qk, k's norm only", "qkv"])
+def test_a_bound_norm_plan_passes_each_calls_weights_in_its_slots(monkeypatch, kind):
+    """The Triton backend's plan of a norm call hands its bound launch exactly the tensors the
+    launch's slots were made for, in their order: the data, the index (an address where there
+    is none), then the weights of the call being served, not those of the call it was made for.
+    A stand-in binder records them and declines, so the call's numbers come from the generic
+    path (the real binder needs a GPU's compiled launch)."""
+    import types
+
+    from rope_dispatch.backends import triton_launch, triton_rope
+
+    seen = {}
+
+    def binder(described, inputs, outs, tabs, given, made=(), like=None):
+        seen["slots"] = len(given)
+
+        def forward(stream, *tensors):
+            seen["passed"] = tensors
+            return NotImplemented
+
+        return forward, types.SimpleNamespace(device=0)
+
+    monkeypatch.setattr(triton_launch, "bind_compiled", binder)
+    monkeypatch.setattr(triton_rope, "current_stream", lambda device: 0)
+    case = fixed_case(layout="sbhd", heads=2, head_dim=32 if kind == "qkv" else 8, rotary_dim=4,
+                      seq=3, batch=2)
+    x, table, spec, _, _ = build(case, DEVICE, requires_grad=False)
+    split = (16, 8, 8) if kind == "qkv" else None
+    k = None if kind in ("t", "qkv") else x[..., :1, :].clone()
+    width = 8
+
+    def norms(seed):
+        ws = [rd.HeadNorm(weight(width, seed + i, torch.float32, DEVICE).detach()) for i in (0, 1)]
+        return (ws[0], None) if kind == "t" else (None, ws[1]) if "only" in kind else tuple(ws)
+
+    first, later = norms(1), norms(7)
+    with torch.no_grad():
+        call = rd.check_call(x, table, spec, k=k, split=split, q_norm=first[0], k_norm=first[1])
+        run = triton_rope.plan(call, lambda *args: "generic")
+        assert run(x, table, spec, None, None, k, later) == "generic"
+    weights = tuple(n.weight for n in later if n is not None)
+    data = (x,) if k is None else (x, k)
+    passed = seen["passed"]
+    assert len(passed) == seen["slots"] == len(data) + 1 + len(weights)
+    assert all(a is b for a, b in zip(passed, data)), "the data first"
+    assert isinstance(passed[len(data)], int), "an address standing for no index"
+    assert all(a is b for a, b in zip(passed[len(data) + 1:], weights)), "the call's weights"
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_repeated_packed_calls_with_norms_are_planned_and_right(backend):
+    """A packed qkv call with q's and k's norms, repeated without grad, runs its plan (one
+    tensor and two weights per call) with each call's weights: the float64 reference's
+    numbers at every call."""
+    case = fixed_case(layout="sbhd", heads=2, head_dim=32, rotary_dim=4, seq=3, batch=2)
+    split = (16, 8, 8)
+    qkv, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
+    with torch.no_grad():
+        before = len(rd.dispatch._plans)
+        for seed in (1, 1, 2, 3):
+            wq, wk = (weight(8, seed + i, torch.float32, DEVICE).detach() for i in (0, 10))
+            outs = rd.apply_qkv(qkv, table, spec, split, q_norm=rd.HeadNorm(wq, offset=1.0),
+                                k_norm=rd.HeadNorm(wk), backend=backend)
+            q, k, v = split_qkv(qkv.double().cpu(), split)
+            refs = (reference(q, _Norm(wq.cpu(), 1e-6, 1.0, "head"), angles, spec, starts, None),
+                    reference(k, _Norm(wk.cpu(), 1e-6, 0.0, "head"), angles, spec, starts, None),
+                    v)
+            for o, r, name in zip(outs, refs, "qkv"):
+                assert_matches(o, r, case.dtype, name)
+        assert len(rd.dispatch._plans) == before + 1, "a repeated packed call is planned"
+
+
+@pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("backend", ["eager", "triton"])
 def test_repeated_inference_calls_are_planned_and_follow_the_weights(backend):
     """Without grad, a repeated norm call runs its plan (decode's host path): the same numbers

@@ -286,7 +286,8 @@ def test_a_plan_hands_te_the_users_table_and_this_calls_index_tensors(layout, st
     if layout == "thd":
         assert kwargs["cu_seqlens"].dtype == torch.int32
         assert kwargs["cu_seqlens"].tolist() == call.spec.cu_seqlens.tolist()
-    run(call.t, call.table, call.spec, new_starts, None, None, (None, None))  # a [s2, d2] table: a view
+    # a [s2, d2] table: a view
+    run(call.t, call.table, call.spec, new_starts, None, None, (None, None))
     freqs, _ = seen[-1]
     assert freqs.shape == (16, 1, 1, 8) and freqs.data_ptr() == call.table.data_ptr()
 
