@@ -1014,3 +1014,71 @@ def test_triton_stage_moves_the_version_of_what_it_writes(q_mode):
                                    cache=built.cache, backend="triton",
                                    q_out=q_step if q_mode == "in-place" else None)
             torch.testing.assert_close(out.double().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+@pytest.mark.parametrize("q_out", ["new", "q", "buffer"])
+@pytest.mark.parametrize("quant", ["none", "numbers", "tensors"])
+@pytest.mark.parametrize("norms", ["none", "both", "k"])
+def test_a_bound_cache_plan_takes_the_tensors_dispatch_guards_in_its_slots(
+        monkeypatch, layout, q_out, quant, norms):
+    """The Triton backend's plan of a rope_to_cache call binds its launch to take, in order,
+    the tensors dispatch guards and passes for a repeated step (q, k, v, positions, the cache's
+    plan parts, q's scale tensor, q's output unless new or q itself, the norm weights): each
+    slot names the tensor dispatch passes there, or a view of its memory. A stand-in binder
+    records the slots and the tensors a served step hands over (the real binder needs a GPU's
+    compiled launch)."""
+    import types
+
+    from rope_dispatch import dispatch
+    from rope_dispatch.backends import triton_launch, triton_rope
+
+    seen = {}
+
+    def binder(described, inputs, outs, tabs, given, made=(), like=None):
+        seen["given"] = given
+
+        def forward(stream, *tensors):
+            seen["passed"] = tensors
+            return NotImplemented
+
+        return forward, types.SimpleNamespace(device=0)
+
+    monkeypatch.setattr(triton_launch, "bind_compiled", binder)
+    monkeypatch.setattr(triton_rope, "current_stream", lambda device: 0)
+    monkeypatch.setattr(rd.call, "_reads", lambda index: False)  # positions as a GPU's
+    cache_dtype = torch.bfloat16 if quant == "none" else torch.float8_e4m3fn
+    scales = {"none": (1.0, 1.0), "numbers": (0.5, 0.25),
+              "tensors": (torch.tensor(0.5), torch.tensor(0.25))}[quant]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(5, h, 8, generator=gen).bfloat16() for h in (4, 2, 2))
+    spec = rd.RoPESpec(layout="thd", dtype="bf16")
+    positions = torch.arange(5)
+    cache = build_cache(layout, 5, 2, 8, cache_dtype, [False] * 5, gen, scales).cache
+    # a GPU cache's plan parts (a CPU cache has none: its index values are read): the caches,
+    # their index tensors, the scales given as tensors, in the order kv_cache documents
+    cache.plan_parts = ((cache.k_cache, cache.v_cache, *rd.kv_cache.cache_index(cache),
+                         *(s for s in scales if isinstance(s, torch.Tensor))), ("cpu", quant))
+    # q quantized where its output can be FP8: new, or a buffer of FP8
+    quantized_q = quant != "none" and q_out != "q"
+    out = {"new": None, "q": q, "buffer": torch.empty(
+        q.shape, dtype=torch.float8_e4m3fn if quantized_q else q.dtype)}[q_out]
+    q_scale = (None if not quantized_q else torch.tensor([2.0]) if quant == "tensors" else 2.0)
+    weights = [rd.HeadNorm(torch.rand(8, generator=gen) + 0.5) for _ in range(2)]
+    q_norm, k_norm = {"none": (None, None), "both": tuple(weights), "k": (None, weights[1])}[norms]
+    table = angle_table(32, 8, False)
+    with torch.no_grad():
+        call = rd.kv_cache.check_cache_call(q, k, v, table, spec, positions=positions, cache=cache,
+                                            q_norm=q_norm, k_norm=k_norm, q_out=out,
+                                            q_scale=q_scale)
+        run = triton_rope.plan_cache(call)
+        assert run is not None
+        form = dispatch._cache_form(q, k, v, positions, cache, out, q_scale)
+        tensors, _ = dispatch._with_norms(form, (q_norm, k_norm))
+        assert run(table, tensors) is NotImplemented  # the stand-in declined: checked instead
+    given, passed = seen["given"], seen["passed"]
+    assert passed == tensors
+    assert len(given) == len(tensors)
+    for slot, (named, sent) in enumerate(zip(given, tensors)):
+        assert named is sent or named.data_ptr() == sent.data_ptr(), f"slot {slot}"
