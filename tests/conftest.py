@@ -71,6 +71,32 @@ def triton_backend():
 
 
 @pytest.fixture
+def stand_in_binder(monkeypatch):
+    """The Triton backend's plans bound by a stand-in for ``bind_compiled`` (the real one needs a
+    GPU's compiled launch): it records the tensors each pointer slot was made for (``"given"``)
+    and, when a plan serves a call, the tensors that call hands the bound launch
+    (``"passed"``), then declines it (``NotImplemented``) so the call takes the generic path."""
+    import types
+
+    from rope_dispatch.backends import triton_launch, triton_rope
+
+    seen = {}
+
+    def binder(described, inputs, outs, tabs, given, made=(), like=None):
+        seen["given"] = tuple(given)
+
+        def forward(stream, *tensors):
+            seen["passed"] = tensors
+            return NotImplemented
+
+        return forward, types.SimpleNamespace(device=0)
+
+    monkeypatch.setattr(triton_launch, "bind_compiled", binder)
+    monkeypatch.setattr(triton_rope, "current_stream", lambda device: 0)
+    return seen
+
+
+@pytest.fixture
 def hf_modules_restored():
     """Leaves transformers' modeling modules as the test found them, whatever it patched: each
     supported family's module-level RoPE names, and the integration's record of originals."""

@@ -324,29 +324,13 @@ def test_repeated_one_sided_and_shared_norms_follow_each_calls_weights(backend, 
 
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("kind", ["t", "qk", "qk, k's norm only", "qkv"])
-def test_a_bound_norm_plan_passes_each_calls_weights_in_its_slots(monkeypatch, kind):
+def test_a_bound_norm_plan_passes_each_calls_weights_in_its_slots(stand_in_binder, kind):
     """The Triton backend's plan of a norm call hands its bound launch exactly the tensors the
     launch's slots were made for, in their order: the data, the index (an address where there
-    is none), then the weights of the call being served, not those of the call it was made for.
-    A stand-in binder records them and declines, so the call's numbers come from the generic
-    path (the real binder needs a GPU's compiled launch)."""
-    import types
+    is none), then the weights of the call being served, not those of the call it was made for
+    (the stand-in binder declines it: the numbers come from the generic path)."""
+    from rope_dispatch.backends import triton_rope
 
-    from rope_dispatch.backends import triton_launch, triton_rope
-
-    seen = {}
-
-    def binder(described, inputs, outs, tabs, given, made=(), like=None):
-        seen["slots"] = len(given)
-
-        def forward(stream, *tensors):
-            seen["passed"] = tensors
-            return NotImplemented
-
-        return forward, types.SimpleNamespace(device=0)
-
-    monkeypatch.setattr(triton_launch, "bind_compiled", binder)
-    monkeypatch.setattr(triton_rope, "current_stream", lambda device: 0)
     case = fixed_case(layout="sbhd", heads=2, head_dim=32 if kind == "qkv" else 8, rotary_dim=4,
                       seq=3, batch=2)
     x, table, spec, _, _ = build(case, DEVICE, requires_grad=False)
@@ -365,8 +349,8 @@ def test_a_bound_norm_plan_passes_each_calls_weights_in_its_slots(monkeypatch, k
         assert run(x, table, spec, None, None, k, later) == "generic"
     weights = tuple(n.weight for n in later if n is not None)
     data = (x,) if k is None else (x, k)
-    passed = seen["passed"]
-    assert len(passed) == seen["slots"] == len(data) + 1 + len(weights)
+    passed = stand_in_binder["passed"]
+    assert len(passed) == len(stand_in_binder["given"]) == len(data) + 1 + len(weights)
     assert all(a is b for a, b in zip(passed, data)), "the data first"
     assert isinstance(passed[len(data)], int), "an address standing for no index"
     assert all(a is b for a, b in zip(passed[len(data) + 1:], weights)), "the call's weights"

@@ -1022,31 +1022,14 @@ def test_triton_stage_moves_the_version_of_what_it_writes(q_mode):
 @pytest.mark.parametrize("quant", ["none", "numbers", "tensors"])
 @pytest.mark.parametrize("norms", ["none", "both", "k"])
 def test_a_bound_cache_plan_takes_the_tensors_dispatch_guards_in_its_slots(
-        monkeypatch, layout, q_out, quant, norms):
+        monkeypatch, stand_in_binder, layout, q_out, quant, norms):
     """The Triton backend's plan of a rope_to_cache call binds its launch to take, in order,
     the tensors dispatch guards and passes for a repeated step (q, k, v, positions, the cache's
     plan parts, q's scale tensor, q's output unless new or q itself, the norm weights): each
-    slot names the tensor dispatch passes there, or a view of its memory. A stand-in binder
-    records the slots and the tensors a served step hands over (the real binder needs a GPU's
-    compiled launch)."""
-    import types
-
+    slot names the tensor dispatch passes there, or a view of its memory."""
     from rope_dispatch import dispatch
-    from rope_dispatch.backends import triton_launch, triton_rope
+    from rope_dispatch.backends import triton_rope
 
-    seen = {}
-
-    def binder(described, inputs, outs, tabs, given, made=(), like=None):
-        seen["given"] = given
-
-        def forward(stream, *tensors):
-            seen["passed"] = tensors
-            return NotImplemented
-
-        return forward, types.SimpleNamespace(device=0)
-
-    monkeypatch.setattr(triton_launch, "bind_compiled", binder)
-    monkeypatch.setattr(triton_rope, "current_stream", lambda device: 0)
     monkeypatch.setattr(rd.call, "_reads", lambda index: False)  # positions as a GPU's
     cache_dtype = torch.bfloat16 if quant == "none" else torch.float8_e4m3fn
     scales = {"none": (1.0, 1.0), "numbers": (0.5, 0.25),
@@ -1077,7 +1060,7 @@ def test_a_bound_cache_plan_takes_the_tensors_dispatch_guards_in_its_slots(
         form = dispatch._cache_form(q, k, v, positions, cache, out, q_scale)
         tensors, _ = dispatch._with_norms(form, (q_norm, k_norm))
         assert run(table, tensors) is NotImplemented  # the stand-in declined: checked instead
-    given, passed = seen["given"], seen["passed"]
+    given, passed = stand_in_binder["given"], stand_in_binder["passed"]
     assert passed == tensors
     assert len(given) == len(tensors)
     for slot, (named, sent) in enumerate(zip(given, tensors)):
