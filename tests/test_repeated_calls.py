@@ -923,3 +923,51 @@ def test_plans_of_tensors_that_require_grad_follow_the_gradient_mode(counted_che
         assert not out.requires_grad
         assert_matches(out, ref_out, torch.float32, f"no grad needed, step {step}")
     assert len(counted_checks) == 4  # planned at its first call (its key had plans): both modes
+
+
+@pytest.mark.skipif(CUDA, reason="stands in for the compiled-launch cache, which CUDA launches use")
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("index", ["none", "start_positions", "positions"])
+def test_a_bound_gradient_plan_hands_its_launches_each_calls_tensors(
+        stand_in_binder, monkeypatch, index):
+    """The Triton backend's plan of a call that wants a gradient hands its bound forward the
+    call's input and index (an address where there is none), and at the first backward that
+    finds the transposed launch compiled binds it and hands it the gradient and the same
+    index. Both bound launches are stand-ins that decline, so the numbers come from the
+    generic launches, checked against the float64 reference."""
+    from rope_dispatch.backends import triton_launch, triton_rope
+
+    back = {}
+
+    def bound(entry, where):
+        back["slots"] = where.tensors
+
+        def run(stream, *tensors):
+            back["passed"] = tensors
+            return NotImplemented
+
+        return run
+
+    class EveryLaunchCompiled(dict):
+        def get(self, key, default=None):
+            return "compiled"
+
+    monkeypatch.setattr(triton_rope, "bound", bound)
+    monkeypatch.setattr(triton_launch, "_compiled", EveryLaunchCompiled())
+    freqs, spec = _table(), rd.RoPESpec(layout="sbhd", dtype="fp32")
+    kwargs = _index_kwargs(index, 1, 6, (4, 6), 4)
+    x = _data((4, 6, 3, D), seed=1).requires_grad_(True)
+    grad_out = _data(x.shape, seed=2)
+    call = rd.check_call(x, freqs, spec, **kwargs)
+    run = triton_rope.plan(call, lambda *args: pytest.fail("the generic plan served the call"))
+    out = run(x, freqs, spec, kwargs.get("start_positions"), kwargs.get("positions"), None,
+              (None, None))
+    (grad,) = torch.autograd.grad(out, x, grad_out)
+    want_out, want_grad = reference_forward_backward(x.detach(), freqs, spec, grad_out, **kwargs)
+    assert_matches(out, want_out, torch.float32, "output")
+    assert_matches(grad, want_grad, torch.float32, "gradient")
+    given = next(iter(kwargs.values()), None)
+    for passed, first in ((stand_in_binder["passed"], x), (back["passed"], grad_out)):
+        assert passed[0].data_ptr() == first.data_ptr()
+        assert passed[1] is given if given is not None else isinstance(passed[1], int)
+    assert len(back["passed"]) == back["slots"] == 2
