@@ -343,8 +343,9 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
         return generic
     tabs = tl.current_tables(tabs, described.layout)
     outs = inputs if described.in_place else outputs(described, inputs)
-    # a norm stage's weights are taken from the call's norms, as its data and index
-    weights = () if tabs.norm is None else tuple(w for w in tabs.norm.weights if w is not None)
+    # a norm stage's weights (q's, k's: its sides) are taken from the call's norms, as its data
+    sides = [i for i, w in enumerate(tabs.norm.weights if tabs.norm else ()) if w is not None]
+    weights = tuple(tabs.norm.weights[i] for i in sides)
     binding = tl.bind_compiled(described, inputs, outs, tabs, (*inputs, tabs.index, *weights),
                                () if described.in_place else outs)
     if binding is None:
@@ -356,7 +357,6 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
         tt.several_gpus(), torch.cuda.current_device, current_stream, tt.flag_stale)
     in_place, pair = described.in_place, described.tensors == "qk"
 
-    sides = [i for i, w in enumerate(tabs.norm.weights if tabs.norm else ()) if w is not None]
     one = sides[0] if len(sides) == 1 else None  # a single norm's side
 
     if not grad:

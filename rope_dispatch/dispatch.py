@@ -706,15 +706,15 @@ def rope_to_cache(
         if inputs is not None:
             tensors, form = inputs
             forced = backend if backend is not None else (_forced_get() or _env_backend_raw())
-            entry, hashable = _recent_cache, True  # as _run's lookup: a repeated step's
-            if (  # needs neither the key's ids nor its hash
+            entry = _recent_cache  # as _run's lookup: a repeated step's needs neither the
+            if (  # key's ids nor its hash
                 entry is None or entry.refs[0]() is not spec or entry.refs[1]() is not freqs
                 or entry.forced is not forced or entry.form != form
             ):
                 try:
                     entry = _plans.get((id(spec), id(freqs), forced, form))
                 except TypeError:  # an unhashable backend=: the checks name it
-                    entry, hashable = None, False
+                    entry = None
                 if entry is not None:
                     _recent_cache = entry
             if entry is not None:
@@ -724,8 +724,7 @@ def rope_to_cache(
                         if out is not NotImplemented:
                             return out
                         break
-            if hashable:
-                key = (id(spec), id(freqs), forced, form)
+            key = (id(spec), id(freqs), forced, form)
     if any(type(x) is not _Tensor and _distributed(x) for x in (q, k, v)):
         raise RoPEError(
             "DTensor call: rope_to_cache writes into a KV cache of plain tensors, a serving "
