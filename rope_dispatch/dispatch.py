@@ -432,12 +432,14 @@ def _planned_form(
     t: torch.Tensor, freqs: object, start_positions: torch.Tensor | None,
     positions: torch.Tensor | None, k: torch.Tensor | None, k_freqs: object,
     split: tuple[int, int, int] | None, in_place: bool, grad_in_place: bool,
+    q_norm: object = None, k_norm: object = None,
 ) -> tuple[tuple[torch.Tensor, ...], tuple] | None:
     """For any call but a plain single tensor's: the tensors a plan's guard checks (``t``, then
-    ``k``, then the index tensor) and the call's form (which arguments it has, and for an
-    in-place call whether inference mode is on), the last part of a plan's key; ``None`` when
-    the call must be checked every time (index values read on the host, tensor subclasses, a
-    separate k table, arguments that check_call refuses).
+    ``k``, then the index tensor, then the norm weights) and the call's form (which arguments
+    it has, for an in-place call whether inference mode is on, and the norms' forms), the last
+    part of a plan's key; ``None`` when the call must be checked every time (index values read
+    on the host, tensor subclasses, a separate k table, arguments that check_call refuses;
+    norms as :func:`_with_norm_weights` says, whose checks the two-norm case inlines).
 
     The form reads no tensor: what else an in-place call's checks read of its tensors is implied
     by the guarded metadata (a tensor that needs no grad is a leaf) or checked by the plan's
@@ -463,41 +465,52 @@ def _planned_form(
         ):
             return None
         tensors += (index,)
+    if q_norm is None and k_norm is None:
+        q_form = k_form = None
+    elif type(q_norm) is HeadNorm and type(k_norm) is HeadNorm:  # decode with QK-norm: inline
+        q_weight, k_weight = q_norm.weight, k_norm.weight
+        if type(q_weight) not in _PLAIN or type(k_weight) not in _PLAIN or (
+                _grad_enabled() and (any(x.requires_grad for x in tensors)
+                                     or q_weight.requires_grad or k_weight.requires_grad)):
+            return None
+        tensors += (q_weight, k_weight)
+        q_form, k_form = q_norm.form, k_norm.form
+    else:
+        normed = _with_norm_weights(tensors, q_norm, k_norm)
+        if normed is None:
+            return None
+        tensors, q_form, k_form = normed
     form = (
         in_place, in_place and _inference_mode(), grad_in_place, start_positions is None,
-        positions is None, k is None, split,
+        positions is None, k is None, split, q_form, k_form,
     )
     return tensors, form
 
 
-def _with_norms(inputs: tuple, norms: tuple) -> tuple | None:
-    """A planned form (:func:`_planned_form`) with the call's norm stages: their weights join
-    the guarded tensors and their forms the key. A plan takes the weights with each call, as
-    its other tensors, so the key holds no weight's identity (no ``id()``: 0.18 us a call on
-    Python 3.12) and the layers of a model share one plan. ``None`` (checked every time) where
-    a gradient may be wanted: the weights are then inputs of the autograd graph."""
-    tensors, form = inputs
-    q_norm, k_norm = norms
-    if q_norm is None and k_norm is None:
-        return tensors, (*form, None, None)
-    if k_norm is not None and q_norm is not None:  # a decode step's host path: spelled out
-        if type(q_norm) is not HeadNorm or type(k_norm) is not HeadNorm:
+def _with_norm_weights(tensors: tuple, q_norm: object, k_norm: object) -> tuple | None:
+    """``(tensors and the norm weights, q's norm form, k's)`` for a planned form (at least one
+    norm given; q's weight first): a plan takes the weights with each call, as its other
+    tensors, so its key holds the norms' forms and no weight's identity (no ``id()``: 0.18 us a
+    call on Python 3.12), and the layers of a model share one plan. ``None`` (checked every
+    time) for what is not a :class:`HeadNorm` of a plain weight, and where a gradient may be
+    wanted: the weights are then inputs of the autograd graph. Tuples grow by ``+``: on a
+    decode step's host path unpacking into a new tuple costs more."""
+    q_form = k_form = None
+    if q_norm is not None:
+        if type(q_norm) is not HeadNorm or type(q_norm.weight) not in _PLAIN:
             return None
-        q_weight, k_weight = q_norm.weight, k_norm.weight
-        if type(q_weight) not in _PLAIN or type(k_weight) not in _PLAIN:
+        tensors += (q_norm.weight,)
+        q_form = q_norm.form
+    if k_norm is not None:
+        if type(k_norm) is not HeadNorm or type(k_norm.weight) not in _PLAIN:
             return None
-        tensors = (*tensors, q_weight, k_weight)
-    else:
-        n = q_norm if k_norm is None else k_norm
-        if type(n) is not HeadNorm or type(n.weight) not in _PLAIN:
-            return None
-        tensors = (*tensors, n.weight)
+        tensors += (k_norm.weight,)
+        k_form = k_norm.form
     if _grad_enabled():
         for x in tensors:
             if x.requires_grad:
                 return None
-    return tensors, (*form, None if q_norm is None else q_norm.form,
-                     None if k_norm is None else k_norm.form)
+    return tensors, q_form, k_form
 
 
 def _run(
@@ -524,10 +537,9 @@ def _run(
             inputs = (t,), None  # a plain single tensor: the form apply's own lookup uses
         else:
             inputs = _planned_form(
-                t, freqs, start_positions, positions, k, k_freqs, split, in_place, grad_in_place
+                t, freqs, start_positions, positions, k, k_freqs, split, in_place, grad_in_place,
+                norms[0], norms[1],
             )
-            if inputs is not None and normed:
-                inputs = _with_norms(inputs, norms)
         if inputs is not None:
             tensors, form = inputs
             # the forced name as set (use_backend's, else ROPE_BACKEND's stored value)
@@ -700,9 +712,7 @@ def rope_to_cache(
     global _recent_cache
     key = None
     if not _dynamo_compiling():
-        inputs = _cache_form(q, k, v, positions, cache, q_out, q_scale)
-        if inputs is not None:
-            inputs = _with_norms(inputs, (q_norm, k_norm))
+        inputs = _cache_form(q, k, v, positions, cache, q_out, q_scale, q_norm, k_norm)
         if inputs is not None:
             tensors, form = inputs
             forced = backend if backend is not None else (_forced_get() or _env_backend_raw())
@@ -741,14 +751,13 @@ def rope_to_cache(
 
 def _cache_form(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-    q_out: torch.Tensor | None, q_scale: object,
+    q_out: torch.Tensor | None, q_scale: object, q_norm: object, k_norm: object,
 ) -> tuple[tuple[torch.Tensor, ...], tuple] | None:
     """A :func:`rope_to_cache` call's planned form, as :func:`_planned_form`'s: the guarded
     tensors (q, k, v, positions, the cache's ``plan_parts``, q's scale tensor, ``q_out`` unless
-    it is q) and
-    what the key fixes (the cache's part, worked out when it was made; q's scale and output);
-    ``None`` where it is checked every time (tensor subclasses, values read on the host,
-    arguments the checks refuse)."""
+    it is q, the norm weights) and what the key fixes (the cache's part, worked out when it was
+    made; q's scale and output; the norms' forms); ``None`` where it is checked every time
+    (tensor subclasses, values read on the host, arguments the checks refuse)."""
     parts = getattr(cache, "plan_parts", None)
     if (
         parts is None or type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor
@@ -756,17 +765,26 @@ def _cache_form(
         or call_module._reads(positions)
     ):
         return None
+    tensors = (q, k, v, positions) + parts[0]
     scale = type(q_scale)
     if scale is _Tensor:
-        tensors = (q, k, v, positions, *parts[0], q_scale)
+        tensors += (q_scale,)
         scale = "tensor"
     elif q_scale is None or scale is float or scale is int:
-        tensors, scale = (q, k, v, positions, *parts[0]), q_scale
+        scale = q_scale
     else:
         return None
     if q_out is not None and q_out is not q:  # q in place: the key says so, q is guarded
         tensors += (q_out,)
-    return tensors, ("cache", parts[1], scale, q_out is None, q_out is q, _inference_mode())
+    if q_norm is None and k_norm is None:
+        q_form = k_form = None
+    else:
+        normed = _with_norm_weights(tensors, q_norm, k_norm)
+        if normed is None:
+            return None
+        tensors, q_form, k_form = normed
+    return tensors, ("cache", parts[1], scale, q_out is None, q_out is q, _inference_mode(),
+                     q_form, k_form)
 
 
 @dataclass

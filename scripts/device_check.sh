@@ -21,8 +21,11 @@
 # tests/test_helpers/rope_reference.py (with their __init__.py files; not in this repository):
 # the file's tests of the functions rope_dispatch.compat.flashinfer serves run against our doors
 # (scripts/flashinfer_parity.py; no FlashInfer needed), after our tests, with FI_WORKERS
-# pytest-xdist workers (default 4), FI_TIMEOUT seconds and FI_K a pytest -k expression; a
-# failure is one line of its log (thousands of long tracebacks made it too large to bring back).
+# pytest-xdist workers (default 4), FI_TIMEOUT seconds and FI_K a pytest -k expression, or
+# FI_IDS a file (its path from the repository root) of node ids, one a line, relative to
+# FI_TESTS, to run instead of the whole file; a failure is one line of its log (thousands of
+# long tracebacks made it too large to bring back), and flashinfer_parity.xml names every case
+# that ran (so a cut run's remainder is known).
 # The benchmark (python3 -m benchmarks.bench; benchmarks/ is not installed, so the repository
 # root is the working directory) runs with --serving (decode q+k with GPU positions, prefill
 # q+k) unless BENCH_ARGS says otherwise.
@@ -82,10 +85,14 @@ fi
 
 if [[ -n "${FI_TESTS:-}" ]]; then
   root=$PWD
+  fi_cases=(tests/attention/test_rope.py)
+  [[ -n "${FI_IDS:-}" ]] && mapfile -t fi_cases <"$FI_IDS"
   (cd "$FI_TESTS" && ROPE_BACKEND=triton PYTHONPATH=".:$root/scripts${PYTHONPATH:+:$PYTHONPATH}" \
     timeout -s INT -k 30 "${FI_TIMEOUT:-420}" python3 -m pytest -p flashinfer_parity --noconftest \
     -p no:cacheprovider -q -rfE --tb=line -n "${FI_WORKERS:-4}" ${FI_K:+-k "$FI_K"} \
-    tests/attention/test_rope.py >"$OUT/flashinfer_parity.log" 2>&1
+    --junitxml="$OUT/flashinfer_parity.xml" \
+    "${fi_cases[@]}" \
+    >"$OUT/flashinfer_parity.log" 2>&1
   echo "FlashInfer test file exit code $?" >>"$OUT/flashinfer_parity.log")
   echo "--- FlashInfer's test_rope.py through rope_dispatch.compat.flashinfer (flashinfer_parity.log)"
   grep -E "^flashinfer_parity:|^(FAILED|ERROR)|passed|failed|exit code" "$OUT/flashinfer_parity.log" | tail -15

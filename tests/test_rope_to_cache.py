@@ -1057,8 +1057,7 @@ def test_a_bound_cache_plan_takes_the_tensors_dispatch_guards_in_its_slots(
                                             q_scale=q_scale)
         run = triton_rope.plan_cache(call)
         assert run is not None
-        form = dispatch._cache_form(q, k, v, positions, cache, out, q_scale)
-        tensors, _ = dispatch._with_norms(form, (q_norm, k_norm))
+        tensors, _ = dispatch._cache_form(q, k, v, positions, cache, out, q_scale, q_norm, k_norm)
         assert run(table, tensors) is NotImplemented  # the stand-in declined: checked instead
     given, passed = stand_in_binder["given"], stand_in_binder["passed"]
     assert passed == tensors
