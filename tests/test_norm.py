@@ -429,3 +429,40 @@ def test_repeated_inference_calls_are_planned_and_follow_the_weights(backend):
     del w["q"]
     gc.collect()
     assert gone() is None, "a plan keeps no weight alive"
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("wants", ["weights", "data"])
+def test_repeated_calls_wanting_a_gradient_are_checked_each_time(backend, wants):
+    """A training step's norm call, repeated with the same tensors' layouts: where the weights
+    (or q and k) want a gradient it is never planned (the weights are inputs of the autograd
+    graph), and every step's weight gradients match the float64 reference's."""
+    case = fixed_case(layout="bshd", heads=4, head_dim=16, rotary_dim=8, seq=3, batch=2)
+    q0, table, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    k0 = q0[..., :2, :].clone()
+    gen = torch.Generator().manual_seed(7)
+    before = len(rd.dispatch._plans)
+    for step in range(3):
+        w = [weight(16, 11 + 2 * step + i, torch.float32, DEVICE) for i in range(2)]
+        if wants == "data":
+            w = [x.detach() for x in w]
+        q, k = (x.clone().requires_grad_(wants == "data") for x in (q0, k0))
+        q_norm, k_norm = rd.HeadNorm(w[0]), rd.HeadNorm(w[1], offset=1.0)
+        outs = rd.apply_qk(q, k, table, spec, q_norm=q_norm, k_norm=k_norm, backend=backend)
+        grads_out = [torch.randn(o.shape, generator=gen).to(o.dtype).to(DEVICE) for o in outs]
+        wrt = w if wants == "weights" else [q, k]
+        got = torch.autograd.grad(outs, wrt, grads_out)
+        xs = [x.detach().cpu().double().requires_grad_(wants == "data") for x in (q0, k0)]
+        ws = [x.detach().cpu().double().requires_grad_(wants == "weights") for x in w]
+        ref = [reference(x, _Norm(wt, 1e-6, off, "head"), angles, spec, None, None)
+               for x, wt, off in zip(xs, ws, (0.0, 1.0))]
+        want = torch.autograd.grad(ref, ws if wants == "weights" else xs,
+                                   [g.cpu().double() for g in grads_out])
+        for a, b in zip(got, want):
+            if wants == "weights":  # a sum over every token and head: compared at its scale
+                scale = 1.0 + float(b.abs().max())
+                assert_matches(a / scale, b / scale, torch.float32, f"step {step} dw")
+            else:
+                assert_matches(a, b, case.dtype, f"step {step} dq, dk")
+    assert len(rd.dispatch._plans) == before, "a call wanting a gradient through norms is unplanned"
