@@ -432,7 +432,7 @@ def _planned_form(
     t: torch.Tensor, freqs: object, start_positions: torch.Tensor | None,
     positions: torch.Tensor | None, k: torch.Tensor | None, k_freqs: object,
     split: tuple[int, int, int] | None, in_place: bool, grad_in_place: bool,
-    q_norm: object = None, k_norm: object = None,
+    q_norm: object, k_norm: object,
 ) -> tuple[tuple[torch.Tensor, ...], tuple] | None:
     """For any call but a plain single tensor's: the tensors a plan's guard checks (``t``, then
     ``k``, then the index tensor, then the norm weights) and the call's form (which arguments
