@@ -130,6 +130,11 @@ def _norm_rope_program(
     and ``QUANT`` divides what is stored by ``scale`` before the cast to the output's FP8 dtype.
     """
     HEAD_DIM: tl.constexpr = ROT_DIM + PASS_DIM
+    # a tile of one head group loads its data before the table: the loads' latencies overlap
+    # where the table's rows wait on the positions (docs/tuning.md, the norm kernel's rows)
+    EARLY: tl.constexpr = HEAD_ITERS == 1 and NORM != 2
+    # a tile of several tokens and heads reads each table row once for all its heads
+    SHARED: tl.constexpr = BLOCK_T > 1 and BLOCK_H > 1
     c = tl.arange(0, BLOCK_R)
     if INTERLEAVED:
         c_mask = c < ROT_DIM
@@ -150,6 +155,11 @@ def _norm_rope_program(
                                    indptr_ptr, indices_ptr, n_pages, n_requests, n_indices, CACHE,
                                    PAGE_SIZE)
         s_row = src_ptr + (i0.to(tl.int64) * ss0 + i1.to(tl.int64) * ss1)
+        if EARLY:
+            x_a0, x_b0, kept0 = _load_chunk(
+                x_row, o_row, tok_mask, head_lo, 0, heads, group, sxg, sxh, sog, soh, sxd, c_mask,
+                p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
+            )
         pos = _positions(
             tok, tok_mask, i0, i1, seq_len, table_len, cu_ptr, pos_ptr, n_seqs, cp_size, cp_rank,
             LAYOUT, POSITIONS, CONTEXT_PARALLEL, SEQ_BLOCK,
@@ -158,7 +168,7 @@ def _norm_rope_program(
         cos_a, cos_b, coef_a, coef_b = _coefficients(
             tab_ptr, sin_ptr, pos, pos.to(tl.int64), inside, c, c_mask, ROT_DIM, INTERLEAVED,
             USE_CACHE, PAIRED, RATES, LINEAR, BACKWARD, BLOCK_T, BLOCK_R, FAST_TRIG, SCALE,
-            False, cu_ptr, HALVES,
+            SHARED, cu_ptr, HALVES,
         )
         width = heads * HEAD_DIM
         if NORM == 2:  # the token's statistics over all its heads, before any head is written
@@ -192,10 +202,14 @@ def _norm_rope_program(
             token_r = tl.rsqrt(squares / width + EPS)[:, :, None]
             token_k = (token_r * token_r * token_r * (dots / width)[:, :, None])
         for it in range(HEAD_ITERS):
-            x_a, x_b, kept = _load_chunk(
-                x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd, c_mask,
-                p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
-            )
+            if EARLY:
+                x_a, x_b, kept = x_a0, x_b0, kept0
+            else:
+                x_a, x_b, kept = _load_chunk(
+                    x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, sxd,
+                    c_mask, p_mask, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P,
+                    GROUPED,
+                )
             hh = head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)
             if NORM == 0:
                 if BACKWARD:
