@@ -12,6 +12,11 @@ SLOTS: tl.constexpr = tl.constexpr(1)  # cache stage: a slot per token (vLLM pag
 PAGES: tl.constexpr = tl.constexpr(2)  # cache stage: FlashInfer's pages of each request
 SCALE_VALUE: tl.constexpr = tl.constexpr(1)  # FP8 store: divided by a number (an argument)
 SCALE_POINTER: tl.constexpr = tl.constexpr(2)  # FP8 store: by a float32 scalar in memory
+# :func:`_divided`: the scales it multiplies by their reciprocal lie between _RECIPROCAL_MIN
+# (2^-79) and _RECIPROCAL_MAX (2^126); the x it corrects are at least _EXACT_MIN (2^-99)
+_RECIPROCAL_MIN: tl.constexpr = tl.constexpr(1.6543612251060553e-24)
+_RECIPROCAL_MAX: tl.constexpr = tl.constexpr(8.507059173023462e37)
+_EXACT_MIN: tl.constexpr = tl.constexpr(1.5777218104420236e-30)
 
 
 @triton.jit
@@ -66,3 +71,31 @@ def _quant_scale(scale_ptr, value, QUANT: tl.constexpr):
     else:
         scale = value
     return scale
+
+
+@triton.jit
+def _divided(x, scale):
+    """``x / scale`` in float32 for an FP8 store, as the cast after it sees IEEE division's
+    quotient, without the division's slow path (zeros, subnormals: up to three times the
+    store, docs/tuning.md). For a scale in (2^-79, 2^126) whose significand is not all ones:
+    ``q = x r`` with ``r = 1 / scale`` rounded, and for ``|x| >= 2^-99`` one correction
+    ``q + (x - q scale) r`` (two fused multiply-adds), which is the correctly rounded quotient
+    wherever that is a normal number (Markstein's theorem: from 2^-99 the remainder
+    ``x - q scale`` is exact, and ``r`` is within the error the theorem needs; an all-ones
+    significand is its one exception). Every other quotient is below 2^-20 or 2^-126, where
+    both store zero of ``x``'s sign, as ``q`` does; ``q`` also keeps inf and NaN, and where it
+    overflows the quotient's cast saturates too. Other scales take the division. Every float32
+    ``x`` at 69 scales stored the FP8 bytes the division gives (e4m3 and e5m2, H200,
+    2026-11-29); tests/test_rope_to_cache.py checks the values next to each rounding boundary."""
+    x = x.to(tl.float32)
+    bits = scale.to(tl.uint32, bitcast=True)
+    if ((tl.abs(scale) > _RECIPROCAL_MIN) & (tl.abs(scale) < _RECIPROCAL_MAX)
+            & ((bits & 0x7FFFFF) != 0x7FFFFF)):
+        r = tl.math.div_rn(1.0, scale)
+        q = x * r
+        corrected = tl.fma(tl.fma(-q, scale, x), r, q)
+        out = tl.where((tl.abs(x) >= _EXACT_MIN) & (tl.abs(corrected) < float("inf")),
+                       corrected, q)
+    else:
+        out = tl.math.div_rn(x, scale)
+    return out

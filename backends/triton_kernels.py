@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_cache_kernels import _cache_rows
+from .triton_cache_kernels import _cache_rows, _divided
 from .triton_channels import PAIRS_IN, PAIRS_OUT, pair_channels, pass_channels, rotary_channels
 from .triton_trig import _cos_sin, _rate_cos_sin
 from triton.runtime.interpreter import InterpretedFunction
@@ -336,19 +336,19 @@ def _store_chunk(
 ):
     """Store head chunk ``it``'s rotary channels (two halves, or the whole interleaved tile as
     ``out_a``) and its pass-through channels, each rounded once to the output's dtype.
-    ``QUANT`` (an FP8 output): each value divided by ``scale`` first, in float32 with IEEE
-    rounding (``/`` is an approximate division on the GPU), then cast."""
+    ``QUANT`` (an FP8 output): each value divided by ``scale`` first, as IEEE division rounds
+    it for the cast (:func:`_divided`; ``/`` is an approximate division on the GPU), then cast."""
     _, o_h, row_mask = _chunk_rows(
         x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh, BLOCK_H, GROUPED
     )
     mask = row_mask[:, :, None] & c_mask[None, None, :]
     out_ty = o_row.dtype.element_ty
     if QUANT:
-        out_a = tl.math.div_rn(out_a.to(tl.float32), scale)
+        out_a = _divided(out_a, scale)
         if not INTERLEAVED:
-            out_b = tl.math.div_rn(out_b.to(tl.float32), scale)
+            out_b = _divided(out_b, scale)
         if PASS_DIM > 0:
-            kept = tl.math.div_rn(kept.to(tl.float32), scale)
+            kept = _divided(kept, scale)
     # FP8 (QUANT): each store told its channels run 8 at a time (FP8_RUN, docs/tuning.md),
     # here beside the store: set in a helper that returns the pointers, the hint was lost
     if DEINTERLEAVE == PAIRS_OUT:  # the pairs joined and written as one run of channels
@@ -608,7 +608,7 @@ def _copy_program(
             if CACHE != 0:  # skipped tokens (padding, a slot outside the cache) write nothing
                 mask = mask & write[:, None, None]
             if QUANT:
-                values = tl.math.div_rn(values.to(tl.float32), scale).to(o_row.dtype.element_ty)
+                values = _divided(values, scale).to(o_row.dtype.element_ty)
             at = o_h[:, :, None] + (w * sod)[None, None, :]
             if QUANT and BLOCK_W > FP8_RUN:
                 at = tl.max_contiguous(at, [1, 1, FP8_RUN])

@@ -762,6 +762,69 @@ def test_triton_fp8_stores_saturate_past_the_range(dtype, largest):
         assert stored[2].isnan().all()
 
 
+
+def fp8_midpoints(dtype: torch.dtype) -> torch.Tensor:
+    """The float64 midpoints between neighbouring finite values of an FP8 dtype, both signs:
+    where a quotient one float32 ulp off would round to the other neighbour."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).double()
+    finite = values[values.isfinite() & (values >= 0)].unique()
+    mid = (finite[1:] + finite[:-1]) / 2
+    return torch.cat((mid, -mid))
+
+
+def ieee_quotients_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` divided in float32 as IEEE rounds it (on the CPU), cast to ``dtype``
+    saturating past its range, NaN kept: what an FP8 store of the fused stage must hold."""
+    largest = torch.finfo(dtype).max
+    quotient = x.cpu() / torch.tensor(scale, dtype=torch.float32)
+    return torch.where(quotient.isnan(), quotient, quotient.clamp(-largest, largest)).to(dtype)
+
+
+@gpu
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("tensor_scale", [False, True])
+def test_triton_fp8_stores_round_as_ieee_division(dtype, tensor_scale):
+    """Every FP8 store holds the cast of the IEEE float32 quotient, byte for byte: every
+    bfloat16 value widened, and for each scale the float32 values nearest to each FP8 rounding
+    midpoint times the scale (where a quotient one ulp off would round the other way), zeros,
+    subnormals, infinities and NaN; scales ordinary, with an all-ones significand, tiny and
+    huge. v is copied into the cache; k's channels past its 2 rotary ones are stored as they
+    are (the rotation's pass-through)."""
+    widened = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16).view(
+        torch.bfloat16).float()
+    ones = torch.tensor([0x3C7FFFFF, 0x3FFFFFFF], dtype=torch.int32).view(torch.float32).tolist()
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45,
+                             -1e-45, 1e-40, 2.0 ** -126, 2.0 ** -99, -(2.0 ** -100), 3e38])
+    for scale in (0.05, 0.3629, 1 / 3, 7.4e-6, 8360.37, *ones, 1.5 * 2.0 ** -79, 1e-25,
+                  1e-35, 1e30, 1.7 * 2.0 ** 125):
+        near = (fp8_midpoints(dtype) * scale).float()
+        bits = near.view(torch.int32)
+        x = torch.cat((widened, specials, *((bits + step).view(torch.float32)
+                                            for step in (-2, -1, 0, 1, 2))))
+        x = torch.cat((x, x[: -len(x) % 64]))
+        tokens = len(x) // 64
+        k = torch.cat((torch.zeros(tokens, 1, 2), x.view(tokens, 1, 64)[:, :, 2:]), -1)
+        v = x.view(tokens, 1, 64)
+        pages = torch.zeros(tokens, 1, 1, 64, dtype=dtype, device="cuda")
+        value = torch.tensor(scale, device="cuda") if tensor_scale else scale
+        cache = rd.PagedKVCache(pages, torch.zeros_like(pages),
+                                torch.arange(tokens, device="cuda"), k_scale=value, v_scale=value)
+        rd.rope_to_cache(torch.zeros(tokens, 1, 64, device="cuda"), k.cuda(), v.cuda(),
+                         torch.zeros(4, 2, device="cuda"),
+                         rd.RoPESpec(layout="thd", dtype="fp32", rotary_dim=2),
+                         positions=torch.zeros(tokens, dtype=torch.int64, device="cuda"),
+                         cache=cache, backend="triton")
+        for stored, source in ((cache.v_cache[:, 0, 0], v[:, 0]), (pages[:, 0, 0, 2:], k[:, 0, 2:])):
+            want = ieee_quotients_cast(source, scale, dtype)
+            got = stored.cpu()
+            both_nan = got.float().isnan() & want.float().isnan()
+            differ = (got.view(torch.uint8) != want.view(torch.uint8)) & ~both_nan
+            assert not differ.any(), (
+                f"scale {scale}: {int(differ.sum())} stores differ, first x "
+                f"{source[differ][:4].tolist()} stored {got[differ][:4].float().tolist()} "
+                f"want {want[differ][:4].float().tolist()}")
+
 def serving_step(layout: str, tokens: int = 8, dtype: torch.dtype = torch.float8_e4m3fn):
     """A decode step's static tensors on the GPU: q, k, v, table, spec, positions, the cache
     (tensor scales), and a function that writes a new step's values into the index tensors."""
