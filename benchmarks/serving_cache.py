@@ -10,7 +10,8 @@ new, rotated in place as ``apply_qk_`` does, or into a buffer the engine keeps):
 to end us per call on the host clock (the larger of host and GPU time; every call's turn
 interleaved in each round, :func:`benchmarks.bench.host_us_interleaved`), and each call's ratio
 to ``apply_qk_`` alone. Prefill: the launch's GPU time (``do_bench``, L2 flushed) against a
-device copy of the bytes it must move (read q, k, v; write q out and k, v into the cache).
+device copy of the bytes it must move (read q, k, v; write q out and k, v into the cache), for
+each table kind: angles (made under inference mode, so read as rows), a cos/sin cache, rates.
 
 MLA (DeepSeek-V3's shapes: q's rope part 128 heads x 64, one shared 64-channel key part and a
 512-channel compressed kv per token, bf16 in, FP8 e4m3 out and caches, FlashInfer's pages of
@@ -132,11 +133,16 @@ def run_decode(token_counts: list[int], rounds: int) -> None:
 
 
 def run_prefill(token_counts: list[int]) -> None:
+    """Prefill into a paged cache, each table kind an engine passes: the angle table (made
+    here under inference mode, as an engine's would be, so read as rows), the cos/sin cache
+    (vLLM's ``cos_sin_cache``) and a rate table."""
     print("prefill, GPU time (do_bench, L2 flushed) against a copy of the bytes moved")
     for tokens in token_counts:
         d = serving_inputs(tokens)
-        q, k, pos, freqs, spec = d["q"].contiguous(), d["k"].contiguous(), d["positions"], d["freqs"], d["thd"]
+        q, k, pos, spec = d["q"].contiguous(), d["k"].contiguous(), d["positions"], d["thd"]
         v = torch.randn_like(k)
+        tables = {"angles": d["freqs"], "cos/sin cache": d["pair_cache"],
+                  "rates": d["rate_table"]}
         for cache_dtype in (torch.bfloat16, FP8):
             k_cache = torch.zeros(tokens // PAGE + 1, PAGE, *k.shape[1:], dtype=cache_dtype,
                                   device="cuda")
@@ -147,10 +153,13 @@ def run_prefill(token_counts: list[int]) -> None:
             read = (q.numel() + k.numel() + v.numel()) * q.element_size()
             written = q.numel() * q.element_size() + 2 * k.numel() * k_cache.element_size()
             copy = device_copy_ms(read + written)
-            ms = bench_ms(lambda: rd.rope_to_cache(q, k, v, freqs, spec, positions=pos, cache=cache))
-            print(f"  T{tokens:<6} {str(cache_dtype)[6:]:>13} rope_to_cache {ms * 1e3:8.1f} us, "
-                  f"copy of {(read + written) / 1e6:.0f} MB {copy * 1e3:8.1f} us: "
-                  f"{100 * copy / ms:5.1f}% of copy")
+            row = []
+            for name, table in tables.items():
+                ms = bench_ms(lambda t=table: rd.rope_to_cache(q, k, v, t, spec, positions=pos,
+                                                               cache=cache))
+                row.append(f"{name} {ms * 1e3:6.1f} us {100 * copy / ms:5.1f}%")
+            print(f"  T{tokens:<6} {str(cache_dtype)[6:]:>13} copy of {(read + written) / 1e6:.0f} MB "
+                  f"{copy * 1e3:6.1f} us | " + " | ".join(row))
 
 
 MLA_HEADS, MLA_ROPE, MLA_KV = 128, 64, 512
