@@ -17,8 +17,8 @@ nor per thread.
 
 A rate table (``RATES``) gives the rates instead of a table: pair ``k``'s angle is the float32
 product ``position * rate[k]``, as an angle table's entry is, so no table row is read per
-token. A precise rate table's rates are float64 (the float32 rates widened): its angle is the
-exact product, reduced modulo 2*pi in float64 before its sine and cosine (``triton_trig.py``).
+token. A precise rate table gives each rate as its fraction of a turn (int64 fixed point): its
+angle is the exact product modulo 2*pi, from integer products (``triton_trig.py``).
 An angle table whose every row ``p`` is ``float32(p) * row 1`` bit for bit (``LINEAR``:
 what a model's ``outer(arange, inv_freq)`` makes, found by ``linear_table_kernel`` and kept in
 an int32 flag on the device) is read the same way, from row 1, while its flag says so.

@@ -185,9 +185,8 @@ class RateTable:
     the rotation is right to float32 rounding at every position, where the float32 product
     is off by up to 0.03 rad at 2^20 and 0.38 rad at 2^24 - 1 (d 128, base 10000). Not what
     models trained on float32 products saw; ``rows`` is then at most 2^24 (every position a
-    float32 whole number) and each ``|rate|`` should be at most 64 (every RoPE family's is at
-    most 1). The kernels read the rates as float64; :meth:`angle_table` holds the reduced
-    angles, in ``[-pi, pi]``.
+    float32 whole number). The kernels read each rate as its fraction of a turn
+    (:func:`turn_fractions`); :meth:`angle_table` holds the reduced angles, in ``[-pi, pi]``.
     """
 
     inv_freq: torch.Tensor
@@ -236,18 +235,16 @@ class RateTable:
                 f"(positions from 2**24 on are not all float32 whole numbers, and the exact "
                 f"angle is promised below it), got rows={rows}"
             )
-        # What the kernels read: the rates twice over, [d2], and a [rows, d2] view of it with
-        # a row stride of 0 (its shape gives the launcher the table length and the rotary dim);
-        # float64 for a precise table (each float32 rate exactly), which tells the kernels.
+        # The rates twice over, [d2], and what the kernels read: a [rows, d2] view of them with
+        # a row stride of 0 (its shape gives the launcher the table length and the rotary dim),
+        # for a precise table of their fractions of a turn (int64, which tells the kernels).
         # Constants, like an angle table's entries: no graph back to inv_freq, and a normal
         # tensor even when made under inference mode (autograd may save it later).
         with _normal_tensors():
-            doubled = torch.cat((rates.detach(), rates.detach()))
-            doubled = (doubled.double() if precise else doubled).contiguous()
+            doubled = torch.cat((rates.detach(), rates.detach())).contiguous()
+            read = turn_fractions(doubled) if precise else doubled
         object.__setattr__(self, "_kernel_rates", doubled)
-        object.__setattr__(
-            self, "_kernel_view", doubled.as_strided((rows, doubled.shape[0]), (0, 1))
-        )
+        object.__setattr__(self, "_kernel_view", read.as_strided((rows, read.shape[0]), (0, 1)))
         object.__setattr__(self, "_angles", {})
 
     @property
@@ -288,6 +285,43 @@ class RateTable:
 
 PRECISE_MAX_ROWS = 1 << 24
 """The most rows a precise :class:`RateTable` has: positions below 2^24."""
+
+
+def _two_pi_scaled(bits: int) -> int:
+    """``round(2 * pi * 2**bits)``, from Machin's ``pi = 16 atan(1/5) - 4 atan(1/239)`` in
+    integers (16 guard bits cover the truncation of each series term)."""
+    guard = bits + 16
+
+    def atan_inverse(x: int) -> int:  # atan(1 / x) * 2**guard
+        term = total = (1 << guard) // x
+        n, sign = 1, 1
+        while term:
+            term //= x * x
+            n, sign = n + 2, -sign
+            total += sign * (term // n)
+        return total
+
+    pi = 16 * atan_inverse(5) - 4 * atan_inverse(239)
+    return (2 * pi + (1 << 15)) >> 16
+
+
+_TWO_PI_BITS = 192
+_TWO_PI = _two_pi_scaled(_TWO_PI_BITS)
+
+
+def turn_fractions(rates: torch.Tensor) -> torch.Tensor:
+    """Each float32 rate's fraction of a turn, ``rate / (2 * pi)`` modulo 1, rounded to 64-bit
+    fixed point: int64 (the bits of the unsigned fraction), on ``rates``' device. A whole
+    position times it modulo 2^64 is that position's angle modulo 2*pi, in units of 2^-64
+    turn, off by at most the position times 2^-65 (what a precise :class:`RateTable`'s kernels
+    read)."""
+    fractions = []
+    for rate in rates.tolist():
+        num, den = float(rate).as_integer_ratio()
+        twice = (num << (65 + _TWO_PI_BITS)) // (den * _TWO_PI)  # 2 * rate / 2pi * 2^64
+        unsigned = ((twice + 1) >> 1) % (1 << 64)
+        fractions.append(unsigned - (1 << 64) if unsigned >> 63 else unsigned)
+    return torch.tensor(fractions, dtype=torch.int64, device=rates.device)
 
 
 RotaryTable = torch.Tensor | CosSinCache | PairCosSinCache | RateTable
@@ -402,8 +436,8 @@ def _pair_address(table: PairCosSinCache) -> int:
 
 
 def _rates_address(table: RateTable) -> int:
-    """The address of the doubled rates the kernels read."""
-    return table._kernel_rates.data_ptr()  # type: ignore[attr-defined]
+    """The address of the doubled rates (or fractions of a turn) the kernels read."""
+    return table._kernel_view.data_ptr()  # type: ignore[attr-defined]
 
 
 def _tensor_address(table: torch.Tensor) -> int:

@@ -13,6 +13,7 @@ from .table_kinds import (
     PRECISE_MAX_ROWS, TABLE_KINDS, CosSinCache, PairCosSinCache, RateTable, RotaryTable,
     address_reader, angle_table, angles_2d, cos_sin_cache, inverse_frequencies, kernel_tables,
     multimodal_rows, reduced_angle_table, table_address, table_cos_sin, table_kind, table_requires_grad, table_shape,
+    turn_fractions,
 )
 
 __all__ = [
@@ -22,5 +23,6 @@ __all__ = [
     "from_te_options", "inverse_frequencies", "kernel_tables", "linear_frequencies",
     "llama3_frequencies", "longrope_frequencies", "multimodal_rows", "reduced_angle_table",
     "table_address",
-    "table_cos_sin", "table_kind", "table_requires_grad", "table_shape", "yarn_frequencies",
+    "table_cos_sin", "table_kind", "table_requires_grad", "table_shape", "turn_fractions",
+    "yarn_frequencies",
 ]

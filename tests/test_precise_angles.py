@@ -109,6 +109,13 @@ def test_triton_is_exact_at_every_rate_of_a_head():
     check_precise("triton", tables.inverse_frequencies(64), False, DEVICE)
 
 
+@pytest.mark.usefixtures("triton_backend")
+def test_triton_is_exact_at_rates_of_any_sign_and_size():
+    """Rates past one turn a position and negative ones: the kernels reduce a rate modulo a
+    turn before the position multiplies it, which is exact for whole positions."""
+    check_precise("triton", float32_rates([-3.0, 64.0, 1000.0 / 3.0, -0.1]), False, DEVICE)
+
+
 def test_compile_is_exact():
     backend = rd.get_backend("compile")
     if not backend.available:
@@ -219,8 +226,15 @@ def test_default_is_the_float32_products(backend, request):
 def test_precise_angle_table_is_reduced_and_kept():
     rates = float32_rates(FAST_RATES)
     table = rd.RateTable(rates, 64, precise=True)
-    assert table._kernel_rates.dtype == torch.float64  # the kernels' sign of a precise table
-    assert torch.equal(table._kernel_rates, torch.cat((rates, rates)).double())
+    # what the kernels read: each rate's fraction of a turn, 64-bit fixed point (int64 bits)
+    read, _ = tables.kernel_tables(table)
+    assert read.dtype == torch.int64 and read.shape == (64, 4) and read.stride() == (0, 1)
+    turns = [(x % 2**64) / 2**64 for x in read[0].tolist()]
+    for got, rate in zip(turns, [float(r) for r in torch.cat((rates, rates))]):
+        assert abs(got - (rate / (2 * math.pi)) % 1.0) < 1e-15
+    # a negative rate turns the other way: the two fractions sum to a whole turn, to rounding
+    both = tables.turn_fractions(float32_rates([0.7, -0.7])).tolist()
+    assert (both[0] + both[1]) % 2**64 in (0, 1, 2**64 - 1)
     for interleaved in (False, True):
         angles = table.angle_table(interleaved)
         assert angles is table.angle_table(interleaved) and angles.dtype == torch.float32
