@@ -5,8 +5,11 @@ path Megatron takes for MLA).
 
     python -m benchmarks.mla [--tokens 1 1024 4096 16384]
 
-GPU time (``do_bench``, L2 flushed), bf16, sbhd with one sequence of T tokens. Bytes: read the
-rope channels of q and k_rot and write them (the forward's outputs, the backward's gradients).
+bf16, sbhd with one sequence of T tokens. Bytes: read the rope channels of q and k_rot and
+write them (the forward's outputs, the backward's gradients). Kernel time: the kernels' own
+GPU time after an L2 flush (``benchmarks.bench.cold_kernel_us``, every call of a row in turn in
+one trace), against a device copy of those bytes timed the same way. End to end: ``do_bench``
+of the call (host included), and of ``torch.autograd.grad`` of it for forward+backward.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import argparse
 import torch
 
 import rope_dispatch as rd
-from benchmarks.bench import bench_ms, device_copy_ms
+from benchmarks.bench import bench_ms, cold_kernel_us
 
 HEADS, NOPE, ROPE = 128, 128, 64
 
@@ -32,22 +35,37 @@ def run(tokens: int, deinterleave: bool) -> None:
     spec = rd.RoPESpec(layout="sbhd", dtype=torch.bfloat16, deinterleave=deinterleave)
     grads = (torch.randn(q_rot.shape, generator=gen).bfloat16().cuda(),
              torch.randn(k_rot.shape, generator=gen).bfloat16().cuda())
-    copy = device_copy_ms(2 * (q_rot.numel() + k_rot.numel()) * 2)
-    label = f"T{tokens:<6} {'deinterleave' if deinterleave else 'halves':>12}"
-    for backend in ("triton", "eager"):
-        def forward(backend=backend):
-            return rd.apply_qk(q_rot, k_rot, freqs, spec, backend=backend)
+    src = torch.empty((q_rot.numel() + k_rot.numel()) * 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
 
-        outs = forward()
-        fwd = bench_ms(lambda: forward())
-        both = bench_ms(lambda: torch.autograd.grad(forward(), (q_rot, k_rot), grads))
-        bwd = both - fwd
+    def forward(backend: str = "triton"):
+        return rd.apply_qk(q_rot, k_rot, freqs, spec, backend=backend)
+
+    held = forward()  # the backward alone: its graph kept between calls
+
+    def backward():
+        return torch.autograd.grad(held, (q_rot, k_rot), grads, retain_graph=True)
+
+    def in_place():
         with torch.no_grad():
-            in_place = bench_ms(lambda: rd.apply_qk_(q[..., NOPE:], k, freqs, spec, backend=backend))
-        del outs
-        print(f"  {label} {backend:>6}: fwd {fwd * 1e3:8.1f} us ({100 * copy / fwd:5.1f}% of copy), "
-              f"bwd {bwd * 1e3:8.1f} us ({100 * copy / bwd:5.1f}%), in place {in_place * 1e3:8.1f} us "
-              f"({100 * copy / in_place:5.1f}%); copy {copy * 1e3:.1f} us")
+            return rd.apply_qk_(q[..., NOPE:], k, freqs, spec, backend="triton")
+
+    def no_grad(fn):
+        def call():
+            with torch.no_grad():
+                return fn()
+        return call
+
+    kernel = cold_kernel_us({"copy": lambda: dst.copy_(src), "fwd": no_grad(forward),
+                             "bwd": backward, "in place": in_place,
+                             "eager fwd": no_grad(lambda: forward("eager"))}, 50, copies=True)
+    copy = kernel.pop("copy")
+    fwd_e2e = 1e3 * bench_ms(no_grad(forward))
+    both_e2e = 1e3 * bench_ms(lambda: torch.autograd.grad(forward(), (q_rot, k_rot), grads))
+    label = f"T{tokens:<6} {'deinterleave' if deinterleave else 'halves':>12}"
+    print(f"  {label}: kernel time, % of copy ({copy:.1f} us): "
+          + ", ".join(f"{name} {us:.1f} us ({100 * copy / us:.0f}%)" for name, us in kernel.items())
+          + f"; end to end fwd {fwd_e2e:.1f} us, fwd+bwd {both_e2e:.1f} us")
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ call; the percentage of copy is on this) and end to end (``do_bench``, host incl
 host path is longer than the kernels, it sets the pace).
 
 Then decode: ``apply_qk_`` in place with per-token positions on the GPU, with and without the
-norms, end to end on the host clock. Prints a markdown table; ``--out`` also writes JSON.
+norms, under ``no_grad`` and under ``inference_mode`` (how serving code runs a decode step),
+end to end on the host clock. Prints a markdown table; ``--out`` also writes JSON.
 
     python -m benchmarks.qk_norm                      # b1 s4096, b4 s4096, b1 s32768; decode
     python -m benchmarks.qk_norm --shapes 1x4096 --no-decode --device cpu   # smoke (eager)
@@ -217,7 +218,8 @@ def run_shape(batch: int, seq: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def run_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``apply_qk_`` with per-token positions on the GPU, one token per sequence, with and
-    without norms: host and end-to-end us per call."""
+    without norms, under ``torch.no_grad`` (as transformers' ``generate`` runs) and under
+    ``torch.inference_mode`` (as vLLM and SGLang run): host and end-to-end us per call."""
     device, dtype, d = args.device, getattr(torch, args.dtype), args.head_dim
     table = angles(4096, d, device)
     rows = []
@@ -228,11 +230,19 @@ def run_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
         spec = rd.RoPESpec(layout="bshd", dtype=dtype)
         q_norm = rd.HeadNorm(torch.rand(d, device=device, dtype=dtype) + 0.5, EPS)
         k_norm = rd.HeadNorm(torch.rand(d, device=device, dtype=dtype) + 0.5, EPS)
-        fns = {
-            "rope": lambda: rd.apply_qk_(q, k, table, spec, positions=pos),
-            "norm+rope": lambda: rd.apply_qk_(q, k, table, spec, positions=pos,
-                                             q_norm=q_norm, k_norm=k_norm),
-        }
+        def rope(mode=torch.no_grad):
+            with mode():
+                return rd.apply_qk_(q, k, table, spec, positions=pos)
+
+        def norm_rope(mode=torch.no_grad):
+            with mode():
+                return rd.apply_qk_(q, k, table, spec, positions=pos, q_norm=q_norm,
+                                    k_norm=k_norm)
+
+        inference = torch.inference_mode
+        fns = {"rope": rope, "norm+rope": norm_rope,
+               "rope (inference)": lambda: rope(inference),
+               "norm+rope (inference)": lambda: norm_rope(inference)}
         for fn in fns.values():
             for _ in range(3):
                 fn()
@@ -259,12 +269,15 @@ def format_report(rows: list[dict[str, Any]], decode: list[dict[str, Any]]) -> s
                 f"{m['forward_us']:.1f} / {m['backward_us']:.1f} / {m['fwd_bwd_us']:.1f} | "
                 f"{m['error']:.1e} |")
     if decode:
-        lines += ["", "| decode batch | apply_qk_ us (host / end to end) | with norms |",
-                  "|---|---|---|"]
+        lines += ["", "| decode batch | mode | apply_qk_ us (host / end to end) | with norms | "
+                  "norms / none, end to end |", "|---|---|---|---|---|"]
         for row in decode:
-            a, b = row["rope"], row["norm+rope"]
-            lines.append(f"| {row['batch']} | {a['host_us']:.1f} / {a['end_to_end_us']:.1f} | "
-                         f"{b['host_us']:.1f} / {b['end_to_end_us']:.1f} |")
+            for mode, suffix in (("no_grad", ""), ("inference_mode", " (inference)")):
+                a, b = row["rope" + suffix], row["norm+rope" + suffix]
+                lines.append(
+                    f"| {row['batch']} | {mode} | {a['host_us']:.1f} / {a['end_to_end_us']:.1f} | "
+                    f"{b['host_us']:.1f} / {b['end_to_end_us']:.1f} | "
+                    f"{b['end_to_end_us'] / a['end_to_end_us']:.2f}x |")
     return "\n".join(lines)
 
 

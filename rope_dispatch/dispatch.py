@@ -469,8 +469,10 @@ def _planned_form(
         q_form = k_form = None
     elif type(q_norm) is HeadNorm and type(k_norm) is HeadNorm:  # decode with QK-norm: inline
         q_weight, k_weight = q_norm.weight, k_norm.weight
+        # (an index tensor is an integer one: it cannot require grad; no generator: a decode
+        # step's host path)
         if type(q_weight) not in _PLAIN or type(k_weight) not in _PLAIN or (
-                _grad_enabled() and (any(x.requires_grad for x in tensors)
+                _grad_enabled() and (t.requires_grad or (k is not None and k.requires_grad)
                                      or q_weight.requires_grad or k_weight.requires_grad)):
             return None
         tensors += (q_weight, k_weight)
