@@ -29,13 +29,39 @@ def _total(x, axis: tl.constexpr):
 @triton.jit
 def _channel_sum(a1, b1, p1, a2, b2, p2, INTERLEAVED: tl.constexpr, PASS_DIM: tl.constexpr):
     """Per head row, the sum over its channels of the products of two chunks, each given as
-    its rotary halves (or interleaved tile, ``b`` unused) and pass-through channels."""
-    total = _total(a1 * a2, 2)
-    if not INTERLEAVED:
-        total += _total(b1 * b2, 2)
+    its rotary halves (or interleaved tile, ``b`` unused) and pass-through channels; the
+    halves' products added before one reduction."""
+    if INTERLEAVED:
+        total = _total(a1 * a2, 2)
+    else:
+        total = _total(a1 * a2 + b1 * b2, 2)
     if PASS_DIM > 0:
         total += _total(p1 * p2, 2)
     return total
+
+
+@triton.jit
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _squares_and_dots(s_a, s_b, s_p, u_a, u_b, u_p, INTERLEAVED: tl.constexpr,
+                      PASS_DIM: tl.constexpr):
+    """Per head row, ``sum(s * s)`` and ``sum(u * s)`` over its channels (chunks as
+    :func:`_channel_sum` takes them) in one reduction of pairs: a backward's statistics, whose
+    two reductions' shuffles then interleave instead of running one after the other."""
+    squares = s_a * s_a
+    dots = u_a * s_a
+    if not INTERLEAVED:
+        squares += s_b * s_b
+        dots += u_b * s_b
+    squares, dots = tl.reduce((squares, dots), 2, _add_pairs)
+    if PASS_DIM > 0:
+        p_squares, p_dots = tl.reduce((s_p * s_p, u_p * s_p), 2, _add_pairs)
+        squares += p_squares
+        dots += p_dots
+    return squares, dots
 
 
 @triton.jit
@@ -107,6 +133,7 @@ def _norm_rope_program(
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FAST_TRIG: tl.constexpr,
     SEQ_BLOCK: tl.constexpr, GROUPED: tl.constexpr, SCALE: tl.constexpr, HALVES: tl.constexpr,
     NORM: tl.constexpr, EPS: tl.constexpr, OFFSET: tl.constexpr, TOKEN_ITERS: tl.constexpr,
+    TOKEN_STAGES: tl.constexpr,
     slot_ptr, place_ptr, indptr_ptr, indices_ptr, n_pages, n_requests, n_indices, scale,
     CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr,
 ):
@@ -122,8 +149,10 @@ def _norm_rope_program(
     heads, for ``NORM == 1``); the host sums the rows. Every head's channels are read and
     written, the pass-through ones too. A program takes ``TOKEN_ITERS`` token blocks in turn
     (``super_block``'s), summing the weight's gradient elementwise over all of them and reducing
-    it once: a reduction across the tile per block cost a third of the backward's time. A norm
-    over a token's heads keeps one token block a program.
+    it once: a reduction across the tile per block cost a third of the backward's time; with
+    ``TOKEN_STAGES`` above 1 the loop is software-pipelined (Triton copies the next blocks' data
+    into shared memory while this one is worked on). A norm over a token's heads keeps one token
+    block a program.
 
     The cache stage after the rotation (forward): ``CACHE`` writes each token's heads at its
     slot of the cache ``out_ptr`` instead (:func:`_cache_rows`; skipped tokens write nothing),
@@ -146,7 +175,7 @@ def _norm_rope_program(
         acc_a = (rows + c[None, None, :] * 0).to(tl.float32)
         acc_b = (rows + c[None, None, :] * 0).to(tl.float32)
         acc_p = (rows + tl.arange(0, BLOCK_P)[None, None, :] * 0).to(tl.float32)
-    for tb in range(TOKEN_ITERS):
+    for tb in tl.range(TOKEN_ITERS, num_stages=TOKEN_STAGES):
         tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
             super_block * TOKEN_ITERS + tb, head_group, x_ptr, out_ptr, n_tokens, dim1,
             sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
@@ -189,10 +218,10 @@ def _norm_rope_program(
                     hh = head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)
                     w_a, w_b, w_p = _norm_weights(w_ptr, hh, heads, c, c_mask, p_mask, NORM, OFFSET,
                                                   ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_P)
-                    squares += _total(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
-                                                   PASS_DIM), 1)[:, None]
-                    dots += _total(_channel_sum(z_a * w_a, z_b * w_b, z_p * w_p,
-                                                s_a, s_b, s_p, INTERLEAVED, PASS_DIM), 1)[:, None]
+                    row_squares, row_dots = _squares_and_dots(
+                        s_a, s_b, s_p, z_a * w_a, z_b * w_b, z_p * w_p, INTERLEAVED, PASS_DIM)
+                    squares += _total(row_squares, 1)[:, None]
+                    dots += _total(row_dots, 1)[:, None]
                 else:
                     x_a = x_a.to(tl.float32)
                     x_b = x_b.to(tl.float32)
@@ -233,11 +262,10 @@ def _norm_rope_program(
                         INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED,
                     )
                     if NORM == 1:
-                        r = tl.rsqrt(_channel_sum(s_a, s_b, s_p, s_a, s_b, s_p, INTERLEAVED,
-                                                  PASS_DIM) / HEAD_DIM + EPS)[:, :, None]
-                        dots = _channel_sum(z_a * w_a, z_b * w_b, z_p * w_p, s_a, s_b, s_p,
-                                            INTERLEAVED, PASS_DIM)[:, :, None]
-                        k = r * r * r * (dots / HEAD_DIM)
+                        row_squares, row_dots = _squares_and_dots(
+                            s_a, s_b, s_p, z_a * w_a, z_b * w_b, z_p * w_p, INTERLEAVED, PASS_DIM)
+                        r = tl.rsqrt(row_squares / HEAD_DIM + EPS)[:, :, None]
+                        k = r * r * r * (row_dots / HEAD_DIM)[:, :, None]
                     else:
                         r = token_r
                         k = token_k
@@ -313,6 +341,7 @@ def rope_norm_kernel(
     SCALE: tl.constexpr, HALVES: tl.constexpr,
     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, Q_EPS: tl.constexpr, K_EPS: tl.constexpr,
     Q_OFFSET: tl.constexpr, K_OFFSET: tl.constexpr, TOKEN_ITERS: tl.constexpr,
+    TOKEN_STAGES: tl.constexpr,
     CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, Q_QUANT: tl.constexpr, K_QUANT: tl.constexpr,
     V_QUANT: tl.constexpr,
 ):
@@ -344,7 +373,7 @@ def rope_norm_kernel(
             block * q_per + r,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
-            SEQ_BLOCK, True, SCALE, HALVES, Q_NORM, Q_EPS, Q_OFFSET, TOKEN_ITERS,
+            SEQ_BLOCK, True, SCALE, HALVES, Q_NORM, Q_EPS, Q_OFFSET, TOKEN_ITERS, TOKEN_STAGES,
             slot_ptr, place_ptr, indptr_ptr, indices_ptr, n_pages, n_requests, n_indices,
             _quant_scale(q_scale_ptr, q_scale, Q_QUANT), 0, PAGE_SIZE, Q_QUANT != 0,
         )
@@ -357,7 +386,7 @@ def rope_norm_kernel(
             block * k_per + r - q_per,
             LAYOUT, ROT_DIM, PASS_DIM, INTERLEAVED, USE_CACHE, PAIRED, RATES, LINEAR, POSITIONS,
             CONTEXT_PARALLEL, BACKWARD, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, FAST_TRIG,
-            SEQ_BLOCK, True, SCALE, HALVES, K_NORM, K_EPS, K_OFFSET, TOKEN_ITERS,
+            SEQ_BLOCK, True, SCALE, HALVES, K_NORM, K_EPS, K_OFFSET, TOKEN_ITERS, TOKEN_STAGES,
             slot_ptr, place_ptr, indptr_ptr, indices_ptr, n_pages, n_requests, n_indices,
             _quant_scale(k_scale_ptr, k_scale, K_QUANT), CACHE, PAGE_SIZE, K_QUANT != 0,
         )

@@ -13,6 +13,15 @@ import torch
 NORM_TOKEN_ITERS = 16
 """At most this many token blocks a program in a norm backward (backends/triton_norm_kernels.py),
 each program's weight gradient summed over them before one reduction."""
+NORM_TOKEN_STAGES = 4
+"""Software-pipelining stages of a norm backward's token loop (``tl.range``'s ``num_stages``):
+its loads go to shared memory by asynchronous copies this many token blocks ahead."""
+NORM_PIPELINE_BLOCKS_PER_SM = 32
+"""A norm backward of at least this many (token block, head group) tiles an SM pipelines its
+token loop (``NORM_TOKEN_STAGES``); a smaller one runs it plainly, more programs resident."""
+NORM_MIN_PROGRAMS_PER_SM = 8
+"""A pipelined norm backward's token blocks a program stop doubling where fewer programs an SM
+would be left (two are resident at a time: a short last wave)."""
 NORM_BACKWARD_ROWS = 32
 """A norm backward's tile: this many (token, head) rows, heads first, up to 8 heads."""
 WEIGHT_GRAD_ROWS = 512
