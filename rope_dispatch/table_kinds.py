@@ -317,6 +317,11 @@ def turn_fractions(rates: torch.Tensor) -> torch.Tensor:
     read)."""
     fractions = []
     for rate in rates.tolist():
+        if not math.isfinite(rate):
+            raise RoPEError(
+                f"a precise RateTable's inv_freq must be finite (each rate's fraction of a turn "
+                f"is computed exactly), got {rate!r} among its rates"
+            )
         num, den = float(rate).as_integer_ratio()
         twice = (num << (65 + _TWO_PI_BITS)) // (den * _TWO_PI)  # 2 * rate / 2pi * 2^64
         unsigned = ((twice + 1) >> 1) % (1 << 64)

@@ -305,6 +305,13 @@ def test_precise_must_be_a_bool(value):
         tables.default_frequencies(8).rate_table(8, precise=value)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_precise_rates_must_be_finite(bad):
+    with pytest.raises(RoPEError, match="inv_freq must be finite"):
+        rd.RateTable(float32_rates([0.5, bad]), 8, precise=True)
+    rd.RateTable(float32_rates([0.5, bad]), 8)  # the default keeps its float32 products as given
+
+
 def test_precise_rows_stop_at_2_to_the_24():
     rates = float32_rates(FAST_RATES)
     assert rd.RateTable(rates, TOP, precise=True).rows == TOP
