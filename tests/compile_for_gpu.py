@@ -42,6 +42,8 @@ VARIANTS = [
     ("cos/sin cache, halves flag", dict(USE_CACHE=True, HALVES=True), "*fp32"),
     ("pair cache, per-token positions", dict(USE_CACHE=True, PAIRED=True, POSITIONS=2), "*fp32"),
     ("rate table, scaled", dict(RATES=True, SCALE=1.25), "*fp32"),
+    # a precise rate table: int64 fractions of a turn, read through both table pointers
+    ("precise rate table", dict(RATES=True), "*i64"),
     # rotary channels from an offset (DeepSeek's last 64 of 192), pass-through on both sides
     ("rotary offset", dict(ROT_OFFSET=96, ROT_DIM=64, BLOCK_R=32, PASS_DIM=128, BLOCK_P=128),
      "*fp32"),
@@ -73,14 +75,17 @@ LEAN_DROPPED = ("POSITIONS", "CONTEXT_PARALLEL", "SEQ_BLOCK", "HEAD_ITERS", "HAL
 # per-token positions) into each kind of cache, FP8 stores by a number or a device scalar
 NORM = dict(
     ROPE, LAYOUT=2, POSITIONS=2, HAS_V=True, V_WIDTH=128, BLOCK_W=128, HALVES=False, Q_NORM=1,
-    K_NORM=1, Q_EPS=1e-6, K_EPS=1e-6, Q_OFFSET=0.0, K_OFFSET=0.0, TOKEN_ITERS=1, CACHE=0,
-    PAGE_SIZE=1, Q_QUANT=0, K_QUANT=0, V_QUANT=0,
+    K_NORM=1, Q_EPS=1e-6, K_EPS=1e-6, Q_OFFSET=0.0, K_OFFSET=0.0, TOKEN_ITERS=1, TOKEN_STAGES=1,
+    CACHE=0, PAGE_SIZE=1, Q_QUANT=0, K_QUANT=0, V_QUANT=0,
 )
 # (name, changes to NORM, q's output type, the cache's type, the index tensors' type)
 NORM_VARIANTS = [
     ("norm", {}, "*bf16", "*bf16", "*i64"),
     ("norm over the heads, backward", dict(Q_NORM=2, LAYOUT=0, POSITIONS=0, BACKWARD=True,
                                            TOKEN_ITERS=2), "*bf16", "*bf16", "*i64"),
+    ("norm, backward, pipelined token loop", dict(LAYOUT=1, POSITIONS=0, BACKWARD=True,
+                                                  HAS_V=False, TOKEN_ITERS=16, TOKEN_STAGES=4),
+     "*bf16", "*bf16", "*i64"),
     ("cache slots", dict(CACHE=1, PAGE_SIZE=16, Q_NORM=0, K_NORM=0), "*bf16", "*bf16", "*i64"),
     ("cache pages e4m3, device scales, q e4m3", dict(CACHE=2, PAGE_SIZE=16, Q_QUANT=1, K_QUANT=2,
                                                      V_QUANT=2), "*fp8e4nv", "*fp8e4nv", "*i32"),
@@ -129,22 +134,29 @@ def compiles(label: str, fn, pointers: dict[str, str], consts: dict) -> bool:
     return True
 
 
+def table_type(sin_type: str) -> str:
+    """The table pointer's type beside a sin pointer of ``sin_type``: a precise rate table's
+    int64 fractions of a turn are both, every other table's values float32."""
+    return sin_type if sin_type == "*i64" else "*fp32"
+
+
 def lean_pointers(sin_type: str) -> dict[str, str]:
     """rope_lean_kernel's pointer types (cu_ptr and pos_ptr unused: any type)."""
-    return {"x_ptr": "*bf16", "out_ptr": "*bf16", "tab_ptr": "*fp32", "sin_ptr": sin_type,
-            "cu_ptr": "*fp32", "pos_ptr": "*fp32"}
+    return {"x_ptr": "*bf16", "out_ptr": "*bf16", "tab_ptr": table_type(sin_type),
+            "sin_ptr": sin_type, "cu_ptr": "*fp32", "pos_ptr": "*fp32"}
 
 
 def main() -> int:
     for name, changes, sin_type in VARIANTS:
         consts = {**ROPE, **changes}
         for kernel, pointers, extra in (
-            (K.rope_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "tab_ptr": "*fp32",
+            (K.rope_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "tab_ptr": table_type(sin_type),
                              "sin_ptr": sin_type, "cu_ptr": "*i32", "pos_ptr": "*i64"},
              dict(SHARED_ROWS=not changes.get("HALVES", False))),
             (K.rope_qkv_kernel, {
                 **{p: "*bf16" for p in ("q_x", "q_out", "k_x", "k_out", "v_x", "v_out")},
-                "q_tab": "*fp32", "k_tab": "*fp32", "q_sin": sin_type, "k_sin": sin_type,
+                "q_tab": table_type(sin_type), "k_tab": table_type(sin_type), "q_sin": sin_type,
+                "k_sin": sin_type,
                 "cu_ptr": "*i32", "pos_ptr": "*i64",
             }, dict(HAS_V=True, V_WIDTH=128, BLOCK_W=128)),
         ):
