@@ -26,10 +26,13 @@ def test_every_kernel_family_compiles_for_sm_90():
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    # 12 variants of rope_kernel and rope_qkv_kernel, 8 of rope_lean_kernel (no thd, cp or
-    # channel stage), its two layouts of two channels a thread and a batch of one, 6 of
-    # rope_norm_kernel (norms, cache stages, MLA's wide v) and the two table-check kernels
-    assert len(lines) == 43 and all(line.startswith("ok ") for line in lines), proc.stdout
+    # 13 variants of rope_kernel and rope_qkv_kernel, 9 of rope_lean_kernel (no thd, cp or
+    # channel stage), its two layouts of two channels a thread and a batch of one, 7 of
+    # rope_norm_kernel (norms, a pipelined backward, cache stages, MLA's wide v) and the two
+    # table-check kernels
+    assert len(lines) == 47 and all(line.startswith("ok ") for line in lines), proc.stdout
+    assert "ok rope_kernel precise rate table" in lines
+    assert "ok rope_norm_kernel norm, backward, pipelined token loop" in lines
     assert "ok rope_qkv_kernel deinterleave, offset, cos/sin cache" in lines
     assert "ok rope_kernel deinterleave, backward" in lines
     assert "ok rope_kernel linear table, pairs, backward" in lines
