@@ -27,16 +27,16 @@ def _total(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _channel_sum(a1, b1, p1, a2, b2, p2, INTERLEAVED: tl.constexpr, PASS_DIM: tl.constexpr):
-    """Per head row, the sum over its channels of the products of two chunks, each given as
-    its rotary halves (or interleaved tile, ``b`` unused) and pass-through channels; the
-    halves' products added before one reduction."""
+def _channel_squares(a, b, p, INTERLEAVED: tl.constexpr, PASS_DIM: tl.constexpr):
+    """Per head row, the sum of its channels' squares, the chunk given as its rotary halves (or
+    interleaved tile, ``b`` unused) and pass-through channels; the halves' squares added before
+    one reduction (a forward's statistics; a backward's are :func:`_squares_and_dots`)."""
     if INTERLEAVED:
-        total = _total(a1 * a2, 2)
+        total = _total(a * a, 2)
     else:
-        total = _total(a1 * a2 + b1 * b2, 2)
+        total = _total(a * a + b * b, 2)
     if PASS_DIM > 0:
-        total += _total(p1 * p2, 2)
+        total += _total(p * p, 2)
     return total
 
 
@@ -49,7 +49,7 @@ def _add_pairs(a0, a1, b0, b1):
 def _squares_and_dots(s_a, s_b, s_p, u_a, u_b, u_p, INTERLEAVED: tl.constexpr,
                       PASS_DIM: tl.constexpr):
     """Per head row, ``sum(s * s)`` and ``sum(u * s)`` over its channels (chunks as
-    :func:`_channel_sum` takes them) in one reduction of pairs: a backward's statistics, whose
+    :func:`_channel_squares` takes them) in one reduction of pairs: a backward's statistics, whose
     two reductions' shuffles then interleave instead of running one after the other."""
     squares = s_a * s_a
     dots = u_a * s_a
@@ -226,8 +226,8 @@ def _norm_rope_program(
                     x_a = x_a.to(tl.float32)
                     x_b = x_b.to(tl.float32)
                     kept = kept.to(tl.float32)
-                    squares += _total(_channel_sum(x_a, x_b, kept, x_a, x_b, kept, INTERLEAVED,
-                                                   PASS_DIM), 1)[:, None]
+                    squares += _total(_channel_squares(x_a, x_b, kept, INTERLEAVED, PASS_DIM),
+                                      1)[:, None]
             token_r = tl.rsqrt(squares / width + EPS)[:, :, None]
             token_k = (token_r * token_r * token_r * (dots / width)[:, :, None])
         for it in range(HEAD_ITERS):
@@ -297,8 +297,8 @@ def _norm_rope_program(
                     x_b = x_b.to(tl.float32)
                     kept = kept.to(tl.float32)
                     if NORM == 1:
-                        r = tl.rsqrt(_channel_sum(x_a, x_b, kept, x_a, x_b, kept, INTERLEAVED,
-                                                  PASS_DIM) / HEAD_DIM + EPS)[:, :, None]
+                        r = tl.rsqrt(_channel_squares(x_a, x_b, kept, INTERLEAVED, PASS_DIM)
+                                     / HEAD_DIM + EPS)[:, :, None]
                     else:
                         r = token_r
                     _rotate_store(x_a * r * w_a, x_b * r * w_b, kept * r * w_p, x_row, o_row, write,

@@ -762,7 +762,6 @@ def test_triton_fp8_stores_saturate_past_the_range(dtype, largest):
         assert stored[2].isnan().all()
 
 
-
 def fp8_midpoints(dtype: torch.dtype) -> torch.Tensor:
     """The float64 midpoints between neighbouring finite values of an FP8 dtype, both signs:
     where a quotient one float32 ulp off would round to the other neighbour."""
@@ -824,6 +823,7 @@ def test_triton_fp8_stores_round_as_ieee_division(dtype, tensor_scale):
                 f"scale {scale}: {int(differ.sum())} stores differ, first x "
                 f"{source[differ][:4].tolist()} stored {got[differ][:4].float().tolist()} "
                 f"want {want[differ][:4].float().tolist()}")
+
 
 def serving_step(layout: str, tokens: int = 8, dtype: torch.dtype = torch.float8_e4m3fn):
     """A decode step's static tensors on the GPU: q, k, v, table, spec, positions, the cache
