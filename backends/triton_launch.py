@@ -533,18 +533,8 @@ def _segment_arguments(
         config = (block_t, block_h, head_iters, *config[3:])
     groups = [-(-n // (block_h * head_iters)) for n in heads]
     head_groups = sum(groups) if has_v else groups[0] + groups[1]
-    token_iters = stages = 1
-    if norm is not None and launch.backward and not whole:
-        # each program sums the weights' gradient over several token blocks, while every SM
-        # keeps its programs; a large call pipelines them (loads several blocks ahead, two
-        # programs resident an SM), keeping more programs so that its last wave is short
-        blocks = -(-n_tokens // block_t)
-        pipelined = blocks * head_groups >= tiles.NORM_PIPELINE_BLOCKS_PER_SM * sms
-        per_sm = tiles.NORM_MIN_PROGRAMS_PER_SM if pipelined else tiles.MIN_PROGRAMS_PER_SM
-        while (2 * token_iters <= min(blocks, tiles.NORM_TOKEN_ITERS)
-               and -(-blocks // (2 * token_iters)) * head_groups >= per_sm * sms):
-            token_iters *= 2
-        stages = tiles.NORM_TOKEN_STAGES if pipelined and token_iters > 1 else 1
+    token_iters, stages = (tiles.norm_token_loop(-(-n_tokens // block_t), head_groups, sms)
+                           if norm is not None and launch.backward and not whole else (1, 1))
     grid = tiles.launch_grid(head_groups, -(-n_tokens // (block_t * token_iters)))
     k_rows = table.shape[0] if tabs.k_table is None else tabs.k_table.shape[0]
     ints = (n_tokens, dim1, seq_len, table.shape[0], k_rows, n_seqs,

@@ -10,18 +10,20 @@ import functools
 import torch
 
 
-NORM_TOKEN_ITERS = 16
+NORM_TOKEN_ITERS = 32
 """At most this many token blocks a program in a norm backward (backends/triton_norm_kernels.py),
 each program's weight gradient summed over them before one reduction."""
-NORM_TOKEN_STAGES = 4
-"""Software-pipelining stages of a norm backward's token loop (``tl.range``'s ``num_stages``):
-its loads go to shared memory by asynchronous copies this many token blocks ahead."""
-NORM_PIPELINE_BLOCKS_PER_SM = 32
+NORM_PIPELINE_BLOCKS_PER_SM = 8
 """A norm backward of at least this many (token block, head group) tiles an SM pipelines its
-token loop (``NORM_TOKEN_STAGES``); a smaller one runs it plainly, more programs resident."""
-NORM_MIN_PROGRAMS_PER_SM = 8
-"""A pipelined norm backward's token blocks a program stop doubling where fewer programs an SM
-would be left (two are resident at a time: a short last wave)."""
+token loop; a smaller one runs it plainly, ``MIN_PROGRAMS_PER_SM`` programs an SM."""
+NORM_TOKEN_STAGES = 3
+"""Software-pipelining stages of that loop (``tl.range``'s ``num_stages``): its loads go to
+shared memory by asynchronous copies this many token blocks ahead."""
+NORM_RESIDENT_PROGRAMS = 2
+"""Programs of the pipelined backward an SM holds at once (its registers)."""
+NORM_PIPELINE_FILL = 2
+"""What filling its pipeline costs a program, in token blocks (the loop's length is chosen so
+that the launch runs whole waves of resident programs)."""
 NORM_BACKWARD_ROWS = 32
 """A norm backward's tile: this many (token, head) rows, heads first, up to 8 heads."""
 WEIGHT_GRAD_ROWS = 512
@@ -97,7 +99,10 @@ WIDE_HEAD_CACHE_TILE = (8, 4)
 """The q and k tile on a 16-bit cos/sin cache's rows with heads of 256 channels or more."""
 NARROW_HEAD_BYTES = 128
 """A cache stage's launch whose heads are at most this wide beside a wider v (MLA: 128 heads of
-64 rope channels, a 512-channel compressed kv) takes ``WIDE_V_TILE``."""
+64 rope channels, a 512-channel compressed kv) takes ``WIDE_V_TILE``. A launch of such heads
+beside a single head (MLA's rope part and its one key head) takes tiles of half ``TILE_BYTES``
+on ``STREAM_WARPS`` warps, and shrinks them for latency to ``NARROW_MIN_ROWS`` rows at least."""
+NARROW_MIN_ROWS = 8
 WIDE_V_TILE = (16, 1)
 """Tokens and heads of that tile: one head (1.5-3.3x the heads-first tile's speed at 64-16k
 tokens; GQA heads of 64 channels lose 3-5 points with it, docs/tuning.md)."""
@@ -167,6 +172,30 @@ def norm_backward_config(counts: tuple[int, ...], rotary_dim: int, head_dim: int
     return NORM_BACKWARD_ROWS // block_h, block_h, 1, block_r, block_p, WARPS
 
 
+def norm_token_loop(blocks: int, head_groups: int, sms: int) -> tuple[int, int]:
+    """A norm backward's ``(TOKEN_ITERS, TOKEN_STAGES)`` over ``blocks`` token blocks of
+    ``head_groups`` head groups: each program sums the weights' gradient over several token
+    blocks. A call of ``NORM_PIPELINE_BLOCKS_PER_SM`` tiles an SM pipelines the loop and takes
+    the length that runs its programs in the fewest whole waves of ``NORM_RESIDENT_PROGRAMS``
+    an SM, counting ``NORM_PIPELINE_FILL`` blocks a program for the pipeline's start (at most
+    ``NORM_TOKEN_ITERS`` lengths, each compiled once); a smaller call doubles the length while
+    every SM keeps ``MIN_PROGRAMS_PER_SM`` programs."""
+    if blocks * head_groups >= NORM_PIPELINE_BLOCKS_PER_SM * sms:
+        slots = NORM_RESIDENT_PROGRAMS * sms
+
+        def cost(iters: int) -> int:
+            waves = -(-head_groups * -(-blocks // iters) // slots)
+            return waves * (iters + NORM_PIPELINE_FILL)
+
+        iters = min(range(1, min(blocks, NORM_TOKEN_ITERS) + 1), key=cost)
+        return iters, NORM_TOKEN_STAGES if iters > 1 else 1
+    iters = 1
+    while (2 * iters <= blocks
+           and -(-blocks // (2 * iters)) * head_groups >= MIN_PROGRAMS_PER_SM * sms):
+        iters *= 2
+    return iters, 1
+
+
 def choose_config(
     n_tokens: int, heads: int | tuple[int, ...], head_dim: int, rotary_dim: int,
     element_size: int, interleaved: bool, sms: int, tile_tokens: int = TOKENS_PER_TILE,
@@ -205,7 +234,9 @@ def choose_config(
     programs.
 
     A cache stage writing a v wider than its heads (``wide_v``, MLA) takes ``WIDE_V_TILE`` for
-    heads of at most ``NARROW_HEAD_BYTES``, where every SM gets its programs.
+    heads of at most ``NARROW_HEAD_BYTES``, where every SM gets its programs. Heads that narrow
+    beside a single head (MLA's rope part) take half-size tiles on ``STREAM_WARPS`` warps, shrunk
+    for latency to ``NARROW_MIN_ROWS`` rows at the least.
 
     ``head_dim`` is the channels a head moves; ``span_dim``, where larger, the channels it
     spans in memory (in place on partial rotary: the rotary channels of a wider head). A call
@@ -221,6 +252,10 @@ def choose_config(
     pass_dim = head_dim - rotary_dim
     block_p = next_pow2(pass_dim) if pass_dim else 1
     wanted = MIN_PROGRAMS_PER_SM * sms
+    narrow = (not wide_v and head_dim * element_size <= NARROW_HEAD_BYTES
+              and min(counts) == 1 < max(counts))
+    if narrow:
+        min_rows = max(min_rows, NARROW_MIN_ROWS)
     if wide_v and head_dim * element_size <= NARROW_HEAD_BYTES:
         block_t, block_h = min(WIDE_V_TILE[0], next_pow2(n_tokens)), WIDE_V_TILE[1]
         if programs(n_tokens, counts, block_t, block_h) >= wanted:
@@ -246,7 +281,8 @@ def choose_config(
         if programs(n_tokens, counts, block_t, head_iters) >= wanted:
             return block_t, 1, head_iters, block_r, block_p, WARPS
     counted = max(head_dim, span_dim or 0) if heads_first and resident else head_dim
-    rows = tile_rows(STREAM_TILE_BYTES if streamed else TILE_BYTES, counted * element_size)
+    rows = tile_rows(STREAM_TILE_BYTES if streamed else TILE_BYTES // 2 if narrow
+                     else TILE_BYTES, counted * element_size)
     if heads_first and resident and not streamed:
         fits = tile_rows(2 * TILE_BYTES, counted * element_size)
         rows = max(rows, min(RESIDENT_ROWS * 2 // element_size, fits))
@@ -267,7 +303,7 @@ def choose_config(
                 block_t, block_h = 2, block_h // 2
             elif block_h == 1 and block_r < 32 * WARPS:  # a half head narrower than the threads
                 block_t = 2
-    warps = STREAM_WARPS if streamed and block_h >= STREAM_WARPS_HEADS else WARPS
+    warps = STREAM_WARPS if narrow or (streamed and block_h >= STREAM_WARPS_HEADS) else WARPS
     return block_t, block_h, 1, block_r, block_p, warps
 
 

@@ -84,7 +84,7 @@ NORM_VARIANTS = [
     ("norm over the heads, backward", dict(Q_NORM=2, LAYOUT=0, POSITIONS=0, BACKWARD=True,
                                            TOKEN_ITERS=2), "*bf16", "*bf16", "*i64"),
     ("norm, backward, pipelined token loop", dict(LAYOUT=1, POSITIONS=0, BACKWARD=True,
-                                                  HAS_V=False, TOKEN_ITERS=16, TOKEN_STAGES=4),
+                                                  HAS_V=False, TOKEN_ITERS=20, TOKEN_STAGES=3),
      "*bf16", "*bf16", "*i64"),
     ("cache slots", dict(CACHE=1, PAGE_SIZE=16, Q_NORM=0, K_NORM=0), "*bf16", "*bf16", "*i64"),
     ("cache pages e4m3, device scales, q e4m3", dict(CACHE=2, PAGE_SIZE=16, Q_QUANT=1, K_QUANT=2,
