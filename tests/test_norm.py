@@ -133,6 +133,28 @@ def test_triton_bf16_model_weights(w_dtype):
 
 
 @pytest.mark.usefixtures("triton_backend")
+def test_triton_backward_loop_with_a_short_last_program(monkeypatch):
+    """A backward whose programs each take several token blocks, the last fewer than the rest
+    (the loop's length runs whole waves, so it need not divide the blocks): gradients and the
+    weights' partial sums against the reference."""
+    from rope_dispatch.backends import triton_tiles
+
+    chosen = []
+    loop = triton_tiles.norm_token_loop
+
+    def spy(blocks, head_groups, sms):
+        chosen.append((blocks, loop(blocks, head_groups, sms)[0]))
+        return loop(blocks, head_groups, sms)
+
+    monkeypatch.setattr(triton_tiles, "norm_token_loop", spy)
+    monkeypatch.setattr(triton_tiles, "sm_count", lambda device: 1)  # a GPU's as the CPU's
+    case = fixed_case(layout="bshd", heads=4, head_dim=16, rotary_dim=16, seq=104, batch=1,
+                      dtype=torch.float32)
+    check_pair(case, NormCase("head", 0.0, 1e-6, True, 2, "contiguous"), "triton")
+    assert any(iters > 1 and blocks % iters for blocks, iters in chosen), chosen
+
+
+@pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("scope", ["head", "heads"])
 def test_in_place_rewrites_whole_heads(backend, scope):
