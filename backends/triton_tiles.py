@@ -103,9 +103,11 @@ NARROW_HEAD_BYTES = 128
 beside a single head (MLA's rope part and its one key head) takes tiles of half ``TILE_BYTES``
 on ``STREAM_WARPS`` warps, and shrinks them for latency to ``NARROW_MIN_ROWS`` rows at least."""
 NARROW_MIN_ROWS = 8
-WIDE_V_TILE = (16, 1)
-"""Tokens and heads of that tile: one head (1.5-3.3x the heads-first tile's speed at 64-16k
-tokens; GQA heads of 64 channels lose 3-5 points with it, docs/tuning.md)."""
+WIDE_V_TILE = (8, 2)
+WIDE_V_WARPS = 2
+"""Tokens and heads of that tile, and its warps: 8 x 2 on 2 warps led ten tiles at 4k and 16k
+tokens; only a v wider than the heads selects it (GQA heads of 64 channels lost 3-5 points on
+the one-head tile before it; docs/tuning.md)."""
 GRID_AXIS_MAX = 65535
 """The most blocks a CUDA grid's axes 1 and 2 take: token blocks spread over both past it."""
 
@@ -259,7 +261,7 @@ def choose_config(
     if wide_v and head_dim * element_size <= NARROW_HEAD_BYTES:
         block_t, block_h = min(WIDE_V_TILE[0], next_pow2(n_tokens)), WIDE_V_TILE[1]
         if programs(n_tokens, counts, block_t, block_h) >= wanted:
-            return block_t, block_h, 1, block_r, block_p, WARPS
+            return block_t, block_h, 1, block_r, block_p, WIDE_V_WARPS
     heads_first = (
         tile_tokens == TOKENS_PER_TILE  # a cos/sin cache's row loads want their tokens
         and rotary_dim == head_dim  # pass-through channels copied: 8 x 4 ran faster warm

@@ -94,7 +94,7 @@ NORM_VARIANTS = [
         BLOCK_P=64), "*bf16", "*fp8e5", "*i64"),
     ("cache pages e4m3, MLA (the key part, a 512-channel compressed kv in chunks; WIDE_V_TILE)",
      dict(CACHE=2, PAGE_SIZE=16, Q_NORM=0, K_NORM=0, Q_QUANT=1, K_QUANT=1, V_QUANT=1, ROT_DIM=64,
-          BLOCK_R=32, V_WIDTH=512, BLOCK_W=64, BLOCK_T=16, BLOCK_H=1, HEAD_ITERS=1), "*fp8e4nv",
+          BLOCK_R=32, V_WIDTH=512, BLOCK_W=64, BLOCK_T=8, BLOCK_H=2, HEAD_ITERS=1), "*fp8e4nv",
      "*fp8e4nv", "*i32"),
 ]
 

@@ -628,12 +628,12 @@ def test_triton_v_with_a_head_dim_of_its_own(layout, cache_dtype, kv_heads, dim,
 
 
 @pytest.mark.usefixtures("triton_backend")
-@pytest.mark.parametrize("heads,kv_heads,v_dim,one_head", [
+@pytest.mark.parametrize("heads,kv_heads,v_dim,wide_v", [
     (16, 1, 256, True), (8, 2, 64, False), (16, 1, 64, False)], ids=["mla", "gqa", "mqa"])
-def test_triton_mla_shapes_take_tiles_of_one_head(monkeypatch, heads, kv_heads, v_dim, one_head):
+def test_triton_mla_shapes_take_the_wide_v_tile(monkeypatch, heads, kv_heads, v_dim, wide_v):
     """A v wider than the heads (MLA: narrow rope heads beside the compressed kv) takes
-    ``WIDE_V_TILE``, one head a tile; GQA and MQA heads of the same width keep the heads-first
-    tile. Both against the float64 reference."""
+    ``WIDE_V_TILE``; GQA and MQA heads of the same width keep their own tiles. Both against the
+    float64 reference."""
     from kernel_spy import KernelSpy
 
     from rope_dispatch.backends import triton_norm_kernels, triton_tiles
@@ -648,7 +648,7 @@ def test_triton_mla_shapes_take_tiles_of_one_head(monkeypatch, heads, kv_heads, 
         group=heads // kv_heads, dim=64, rotary=64, interleaved=False, norms=False,
         padded=[False] * tokens, v_dim=v_dim, backend="triton", device=DEVICE)
     assert len(tiles) == 1
-    assert (tiles[0] == triton_tiles.WIDE_V_TILE) is one_head, tiles
+    assert (tiles[0] == triton_tiles.WIDE_V_TILE) is wide_v, tiles
 
 
 @pytest.mark.usefixtures("triton_backend")
