@@ -129,6 +129,16 @@ class Compiled(NamedTuple):
     tail: tuple  # the integer arguments, then the constants in the kernel's order
 
 
+class Arguments(NamedTuple):
+    """What a launch passes its kernel: the kernel, grid, integer arguments, constants, warps."""
+
+    kernel: Any
+    grid: tuple[int, int, int]
+    ints: tuple
+    consts: dict[str, Any]
+    warps: int
+
+
 _compiled: dict[LaunchKey, Compiled] = {}
 kernel_types: dict[int, tuple[str, ...]] = {}  # each kernel's Triton signature by CUfunction
 
@@ -418,9 +428,9 @@ def _channel_stage(launch: Launch) -> dict[str, int]:
 
 def _single_arguments(
     launch: Launch, x: torch.Tensor, out: torch.Tensor, tabs: Tables, config: tiles.Config | None,
-) -> tuple[Any, tuple, tuple, dict, int] | None:
-    """The kernel, grid, integer arguments, constants and warps of a one-tensor launch: the lean
-    kernel where it fits (``LEAN_MAX_BYTES``), else the general one."""
+) -> Arguments | None:
+    """The :class:`Arguments` of a one-tensor launch: the lean kernel where it fits
+    (``LEAN_MAX_BYTES``), else the general one."""
     kernels = _load_kernels()
     table, sin, cu_seqlens, positions = tabs[:4]
     heads, head_dim = x.shape[-2], x.shape[-1]
@@ -441,14 +451,14 @@ def _single_arguments(
             n_tokens, dim1, heads, head_dim, width, rotary_dim, x.element_size(),
             LAYOUT_CODES[launch.layout], launch.interleaved, flags, launch.transposes,
             launch.scale, kernels.INTERPRETED)
-        return kernels.rope_lean_kernel, grid, ints, consts, tiles.WARPS
+        return Arguments(kernels.rope_lean_kernel, grid, ints, consts, tiles.WARPS)
     if config is None:
         sms = 1 if kernels.INTERPRETED else tiles.sm_count(x.device.index)
         config = tiles.choose_config(
             n_tokens, heads, width, rotary_dim, x.element_size(), launch.interleaved, sms,
             tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
             tiles.reads_cache_rows(flags), span_dim=head_dim, sines=not flags[0])
-    block_t, block_h, head_iters = config[:3]
+    block_t, block_h, head_iters = config.block_t, config.block_h, config.head_iters
     halves = not thd and cu_seqlens is not None  # the halves flag (the lean kernel reads rows)
     grid = tiles.launch_grid(-(-heads // (block_h * head_iters)), -(-n_tokens // block_t))
     strides = tuple(s for t in (x, out)
@@ -458,7 +468,7 @@ def _single_arguments(
     consts = _consts(launch, config, rotary_dim, width, flags, positions, n_seqs, halves)
     consts.update(_channel_stage(launch), SHARED_ROWS=not halves and tiles.shared_rows(
         block_t, block_h, flags[0], lean=False))
-    return kernels.rope_kernel, grid, ints, consts, config[5]
+    return Arguments(kernels.rope_kernel, grid, ints, consts, config.warps)
 
 
 def _lean_arguments(
@@ -489,7 +499,7 @@ def _lean_arguments(
 def _segment_arguments(
     launch: Launch, pairs: tuple[tuple[Segment, Segment], ...], tabs: Tables,
     config: tiles.Config | None,
-) -> tuple[Any, tuple, tuple, dict, int] | None:
+) -> Arguments | None:
     """:func:`_single_arguments` of a q and k or packed qkv launch (``rope_qkv_kernel``), or of
     any launch with a norm or cache stage (``rope_norm_kernel``)."""
     kernels = _load_kernels()
@@ -527,10 +537,10 @@ def _segment_arguments(
             launch.interleaved, sms, tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
             tiles.reads_cache_rows(flags), span_dim=shape[-1], sines=not flags[0],
             wide_v=launch.store is not None and v_width > shape[-1])
-    block_t, block_h, head_iters = config[:3]
+    block_t, block_h, head_iters = config.block_t, config.block_h, config.head_iters
     if whole:  # a norm over a token's heads: one program holds them all
         head_iters = max(head_iters, -(-max(whole) // block_h))
-        config = (block_t, block_h, head_iters, *config[3:])
+        config = config._replace(head_iters=head_iters)
     groups = [-(-n // (block_h * head_iters)) for n in heads]
     head_groups = sum(groups) if has_v else groups[0] + groups[1]
     token_iters, stages = (tiles.norm_token_loop(-(-n_tokens // block_t), head_groups, sms)
@@ -548,7 +558,7 @@ def _segment_arguments(
                   BLOCK_W=min(tiles.next_pow2(v_width), tiles.next_pow2(head_dim)))
     if norm is None and launch.store is None:
         consts.update(_channel_stage(launch))
-        return kernels.rope_qkv_kernel, grid, ints, consts, config[5]
+        return Arguments(kernels.rope_qkv_kernel, grid, ints, consts, config.warps)
     if launch.backward:
         sources = _source_segments(launch, tabs.norm.sources)
         ints += tuple(stride for seg in sources
@@ -568,7 +578,7 @@ def _segment_arguments(
                      for side, code in zip("QKV", store.quant if store else (0, 0, 0))})
     from .triton_norm_kernels import rope_norm_kernel
 
-    return rope_norm_kernel, grid, ints, consts, config[5]
+    return Arguments(rope_norm_kernel, grid, ints, consts, config.warps)
 
 
 def norm_partials(described: Launch, inputs: Sequence[torch.Tensor],
@@ -584,10 +594,11 @@ def norm_partials(described: Launch, inputs: Sequence[torch.Tensor],
         if form is None or chosen is None:
             made.append(None)
             continue
-        consts = chosen[3]
+        consts = chosen.consts
         heads, d = x[2][-3] * x[2][-2], x[2][-1]
         per = consts["BLOCK_H"] * consts["HEAD_ITERS"]
-        rows = -(-heads // per) * -(-chosen[2][0] // (consts["BLOCK_T"] * consts["TOKEN_ITERS"]))
+        tokens = chosen.ints[0]
+        rows = -(-heads // per) * -(-tokens // (consts["BLOCK_T"] * consts["TOKEN_ITERS"]))
         made.append(x[0].new_empty(rows, d if form.scope == "head" else heads * d,
                                    dtype=torch.float32))
     return made[0], made[1]

@@ -54,13 +54,16 @@ _bump = getattr(torch._C, "_increment_version", increment_version)
 
 class Rotation:
     """One call's launch for autograd: its descriptor and tables, or for a planned call the
-    plan's bound launches (:class:`Planned`) with the call's own table and index."""
+    plan's bound launches (:class:`Planned`) with the call's own table (``freqs``), start or
+    per-token positions (``index``; ``None``: by index), ``cu_seqlens`` and stream."""
 
-    __slots__ = ("launch", "tabs", "planned", "per_call")
+    __slots__ = ("launch", "tabs", "planned", "freqs", "index", "cu_seqlens", "stream")
 
     def __init__(self, launch: Launch, tabs: Tables | None, planned: Planned | None = None,
-                 per_call: tuple | None = None):
-        self.launch, self.tabs, self.planned, self.per_call = launch, tabs, planned, per_call
+                 freqs: object = None, index: torch.Tensor | None = None,
+                 cu_seqlens: torch.Tensor | None = None, stream: int = 0):
+        self.launch, self.tabs, self.planned = launch, tabs, planned
+        self.freqs, self.index, self.cu_seqlens, self.stream = freqs, index, cu_seqlens, stream
 
     @property
     def data_count(self) -> int:
@@ -70,14 +73,13 @@ class Rotation:
 
     def tables(self) -> Tables:
         if self.tabs is None:
-            self.tabs = self.planned.tables(*self.per_call[:3])
+            self.tabs = self.planned.tables(self.freqs, self.index, self.cu_seqlens)
         return self.tabs
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if self.planned is not None:
-            index, stream = self.per_call[1], self.per_call[3]
-            made = self.planned.forward(stream, *inputs, self.planned.address if index is None
-                                        else index)
+            index = self.planned.address if self.index is None else self.index
+            made = self.planned.forward(self.stream, *inputs, index)
             if made is not NotImplemented:
                 return made if isinstance(made, tuple) else (made,)
             self.tables()  # an unaligned tensor: the generic launch
@@ -102,10 +104,10 @@ class Rotation:
         if not grad_enabled and forward.grad_in_place and all(
                 expanded_dim(g) is None for g in grads):
             return run(forward.transposed(in_place=True), grads, self.tables())
-        if not grad_enabled and planned is not None and planned.back_ready(grads, self.per_call):
-            index = self.per_call[1]
-            made = planned.back(self.per_call[3], *grads,
-                                planned.address if index is None else index)
+        if not grad_enabled and planned is not None and planned.back_ready(grads, self.freqs,
+                                                                           self.stream):
+            made = planned.back(self.stream, *grads,
+                                planned.address if self.index is None else self.index)
             if made is not NotImplemented:
                 return made if isinstance(made, tuple) else (made,)
         back = forward.transposed()
@@ -311,11 +313,11 @@ class Planned:
             index = index.unsqueeze(-1)
         return Tables(tab, sin, cu, index)
 
-    def back_ready(self, grads: tuple[torch.Tensor, ...], per_call: tuple) -> bool:
+    def back_ready(self, grads: tuple[torch.Tensor, ...], freqs: object, stream: int) -> bool:
         """Whether the bound transposed launch may serve ``grads``: contiguous, as the forward's
         outputs were, the flag fresh, and the transposed kernel compiled (bound here once)."""
         if not all(g.is_contiguous() for g in grads) or (
-                self.flag is not None and tt.flag_stale(self.flag, per_call[0], per_call[3])):
+                self.flag is not None and tt.flag_stale(self.flag, freqs, stream)):
             return False
         if self.back is None:
             entry = tl._compiled.get(self.back_key)
@@ -407,7 +409,7 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
         if (several and current_device() != device) or transforms_active() or (
                 flag is not None and stale(flag, freqs, s)):
             return generic(x, freqs, spec, start_positions, positions, k, norms)
-        rotation = Rotation(described, None, planned, (freqs, given, spec.cu_seqlens, s))
+        rotation = Rotation(described, None, planned, freqs, given, spec.cu_seqlens, s)
         return apply(rotation, x, k) if pair else apply(rotation, x)
 
     return run_grad

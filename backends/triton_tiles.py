@@ -6,6 +6,7 @@ one line each in docs/tuning.md, under the constant's name.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -50,8 +51,17 @@ def sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-Config = tuple[int, int, int, int, int, int]
-"""A general launch's ``(BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_R, BLOCK_P, num_warps)``."""
+class Config(NamedTuple):
+    """A general launch's tile: ``BLOCK_T`` tokens x ``BLOCK_H`` heads, ``HEAD_ITERS`` such head
+    blocks a program, ``BLOCK_R`` and ``BLOCK_P`` (the rotary and pass-through widths), warps."""
+
+    block_t: int
+    block_h: int
+    head_iters: int
+    block_r: int
+    block_p: int
+    warps: int
+
 
 TILE_BYTES = 8192
 """A program's bytes of input: 16-byte accesses for every thread of 4 warps, many programs an SM."""
@@ -171,7 +181,7 @@ def norm_backward_config(counts: tuple[int, ...], rotary_dim: int, head_dim: int
     block_h = min(8, next_pow2(min(counts)))
     block_r = next_pow2(rotary_dim) if interleaved else next_pow2(rotary_dim // 2)
     block_p = next_pow2(head_dim - rotary_dim) if head_dim > rotary_dim else 1
-    return NORM_BACKWARD_ROWS // block_h, block_h, 1, block_r, block_p, WARPS
+    return Config(NORM_BACKWARD_ROWS // block_h, block_h, 1, block_r, block_p, WARPS)
 
 
 def norm_token_loop(blocks: int, head_groups: int, sms: int) -> tuple[int, int]:
@@ -261,7 +271,7 @@ def choose_config(
     if wide_v and head_dim * element_size <= NARROW_HEAD_BYTES:
         block_t, block_h = min(WIDE_V_TILE[0], next_pow2(n_tokens)), WIDE_V_TILE[1]
         if programs(n_tokens, counts, block_t, block_h) >= wanted:
-            return block_t, block_h, 1, block_r, block_p, WIDE_V_WARPS
+            return Config(block_t, block_h, 1, block_r, block_p, WIDE_V_WARPS)
     heads_first = (
         tile_tokens == TOKENS_PER_TILE  # a cos/sin cache's row loads want their tokens
         and rotary_dim == head_dim  # pass-through channels copied: 8 x 4 ran faster warm
@@ -271,7 +281,7 @@ def choose_config(
     if cache_rows and not interleaved and rotary_dim == head_dim:
         tile = qk_cache_row_tile(n_tokens, counts, head_dim, element_size, resident)
         if tile is not None and programs(n_tokens, counts, *tile) >= wanted:
-            return (*tile, 1, block_r, block_p, WARPS)
+            return Config(*tile, 1, block_r, block_p, WARPS)
     streamed = (
         heads_first and (not resident or counts == (1,)) and not cache_rows
         and STREAM_TILE_BYTES and token_bytes < TILE_BYTES
@@ -281,7 +291,7 @@ def choose_config(
                       next_pow2(n_tokens))
         head_iters = min(SPAN_HEAD_ITERS, next_pow2(min(counts)))
         if programs(n_tokens, counts, block_t, head_iters) >= wanted:
-            return block_t, 1, head_iters, block_r, block_p, WARPS
+            return Config(block_t, 1, head_iters, block_r, block_p, WARPS)
     counted = max(head_dim, span_dim or 0) if heads_first and resident else head_dim
     rows = tile_rows(STREAM_TILE_BYTES if streamed else TILE_BYTES // 2 if narrow
                      else TILE_BYTES, counted * element_size)
@@ -306,7 +316,7 @@ def choose_config(
             elif block_h == 1 and block_r < 32 * WARPS:  # a half head narrower than the threads
                 block_t = 2
     warps = STREAM_WARPS if narrow or (streamed and block_h >= STREAM_WARPS_HEADS) else WARPS
-    return block_t, block_h, 1, block_r, block_p, warps
+    return Config(block_t, block_h, 1, block_r, block_p, warps)
 
 
 def launch_grid(head_groups: int, token_blocks: int) -> tuple[int, int, int]:

@@ -941,7 +941,7 @@ def run_sweep(report: Report, shapes: list[Shape], device: str = "cuda") -> None
         )
         results = []
         for bt, bh, hi, w in [default[:3] + default[5:]] + sweep_configs(heads):
-            config = (bt, bh, hi, block_r, block_p, w)
+            config = triton_tiles.Config(bt, bh, hi, block_r, block_p, w)
 
             def fn(config=config):
                 triton_rope.launch(

@@ -118,7 +118,8 @@ def test_launch_configurations(config, layout):
     t, table, spec, starts, angles = build(case, DEVICE, requires_grad=False)
     bt, bh, hi, warps = config
     rot = angles.shape[1]
-    full = (bt, bh, hi, triton_tiles.next_pow2(rot // 2), triton_tiles.next_pow2(16 - rot), warps)
+    full = triton_tiles.Config(bt, bh, hi, triton_tiles.next_pow2(rot // 2),
+                               triton_tiles.next_pow2(16 - rot), warps)
     out = torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEVICE)
     triton_rope.launch(
         triton_rope.Launch("t", layout, False, 1.0, 1, 0), (t,), (out,),
@@ -139,7 +140,7 @@ def test_token_blocks_spread_over_two_grid_axes(monkeypatch, axis_max, layout):
 
     monkeypatch.setattr(triton_tiles, "GRID_AXIS_MAX", axis_max)
     choose = triton_tiles.choose_config
-    one_token_tiles = lambda *a, **kw: (1, 1) + choose(*a, **kw)[2:]  # noqa: E731
+    one_token_tiles = lambda *a, **kw: choose(*a, **kw)._replace(block_t=1, block_h=1)  # noqa: E731
     monkeypatch.setattr(triton_tiles, "choose_config", one_token_tiles)
     monkeypatch.setattr(triton_launch, "_compiled", {})
     case = fixed_case(layout=layout, heads=2, seq=5, batch=3, seqlens=(4, 0, 3), with_starts=True)
@@ -424,7 +425,7 @@ def test_gpu_token_blocks_past_65535(monkeypatch):
     from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
 
     choose = triton_tiles.choose_config
-    one_token_tiles = lambda *a, **kw: (1, 1) + choose(*a, **kw)[2:]  # noqa: E731
+    one_token_tiles = lambda *a, **kw: choose(*a, **kw)._replace(block_t=1, block_h=1)  # noqa: E731
     monkeypatch.setattr(triton_tiles, "choose_config", one_token_tiles)
     monkeypatch.setattr(triton_launch, "_compiled", {})
     freqs = _te_freqs(72_000, 32)
