@@ -19,7 +19,7 @@ NORM_PIPELINE_BLOCKS_PER_SM = 8
 token loop; a smaller one runs it plainly, ``MIN_PROGRAMS_PER_SM`` programs an SM."""
 NORM_TOKEN_STAGES = 3
 """Software-pipelining stages of that loop (``tl.range``'s ``num_stages``): its loads go to
-shared memory by asynchronous copies this many token blocks ahead."""
+shared memory by asynchronous copies, up to this many token blocks in flight."""
 NORM_RESIDENT_PROGRAMS = 2
 """Programs of the pipelined backward an SM holds at once (its registers)."""
 NORM_PIPELINE_FILL = 2
