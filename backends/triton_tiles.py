@@ -184,6 +184,7 @@ def norm_backward_config(counts: tuple[int, ...], rotary_dim: int, head_dim: int
     return Config(NORM_BACKWARD_ROWS // block_h, block_h, 1, block_r, block_p, WARPS)
 
 
+@functools.lru_cache(maxsize=256)
 def norm_token_loop(blocks: int, head_groups: int, sms: int) -> tuple[int, int]:
     """A norm backward's ``(TOKEN_ITERS, TOKEN_STAGES)`` over ``blocks`` token blocks of
     ``head_groups`` head groups: each program sums the weights' gradient over several token
@@ -191,7 +192,8 @@ def norm_token_loop(blocks: int, head_groups: int, sms: int) -> tuple[int, int]:
     the length that runs its programs in the fewest whole waves of ``NORM_RESIDENT_PROGRAMS``
     an SM, counting ``NORM_PIPELINE_FILL`` blocks a program for the pipeline's start (at most
     ``NORM_TOKEN_ITERS`` lengths, each compiled once); a smaller call doubles the length while
-    every SM keeps ``MIN_PROGRAMS_PER_SM`` programs."""
+    every SM keeps ``MIN_PROGRAMS_PER_SM`` programs. Cached: every norm backward asks again
+    (:func:`~backends.triton_launch.norm_partials`), and the search takes a few microseconds."""
     if blocks * head_groups >= NORM_PIPELINE_BLOCKS_PER_SM * sms:
         slots = NORM_RESIDENT_PROGRAMS * sms
 
@@ -264,11 +266,11 @@ def choose_config(
     pass_dim = head_dim - rotary_dim
     block_p = next_pow2(pass_dim) if pass_dim else 1
     wanted = MIN_PROGRAMS_PER_SM * sms
-    narrow = (not wide_v and head_dim * element_size <= NARROW_HEAD_BYTES
-              and min(counts) == 1 < max(counts))
+    narrow_heads = head_dim * element_size <= NARROW_HEAD_BYTES
+    narrow = not wide_v and narrow_heads and min(counts) == 1 < max(counts)
     if narrow:
         min_rows = max(min_rows, NARROW_MIN_ROWS)
-    if wide_v and head_dim * element_size <= NARROW_HEAD_BYTES:
+    if wide_v and narrow_heads:
         block_t, block_h = min(WIDE_V_TILE[0], next_pow2(n_tokens)), WIDE_V_TILE[1]
         if programs(n_tokens, counts, block_t, block_h) >= wanted:
             return Config(block_t, block_h, 1, block_r, block_p, WIDE_V_WARPS)

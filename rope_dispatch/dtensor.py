@@ -90,7 +90,8 @@ def _rate_table(rates: torch.Tensor, rows: int, precise: bool) -> RateTable:
     if entry is None:
         if len(_rate_tables) >= 4:
             _rate_tables.clear()
-        # the doubled rates hold each float32 rate exactly (float64 ones too, for a precise table)
+        # the doubled rates hold each float32 rate exactly (a precise table's too: its kernels'
+        # fractions of a turn are made from them)
         table = RateTable(rates[: rates.shape[0] // 2].float(), rows, precise)
         entry = _rate_tables[key] = (rates, table)
     return entry[1]
