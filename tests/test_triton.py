@@ -534,6 +534,24 @@ def test_tiles_give_every_sm_programs_unless_the_call_is_too_small(tokens, heads
         assert bt * bh * 128 * 2 == triton_tiles.TILE_BYTES  # a full tile: 8 KB
 
 
+@pytest.mark.parametrize("tokens", [1, 4, 16, 32, 64, 1024, 16384])
+def test_narrow_heads_beside_one_head_share_a_token_row_across_heads(tokens):
+    """MLA's rope part (128 query heads of 64 bf16 channels beside one key head): a tile holds
+    more of a token's heads than of its tokens (one table row serves them), at least 8 rows, as
+    many programs as two an SM where the tokens allow it, and no more than 32 rows."""
+    from rope_dispatch.backends import triton_tiles
+
+    counts, sms = (128, 1), 132
+    bt, bh, iters, _, _, warps = triton_tiles.choose_config(tokens, counts, 64, 64, 2, False, sms)
+    assert iters == 1 and bh >= 8 * bt and 8 <= bt * bh <= 32
+    assert warps * 16 <= max(16, bt * bh)  # a warp per 16 rows
+    programs = triton_tiles.programs(tokens, counts, bt, bh)
+    assert programs >= min(2 * sms, tokens * 17)  # 8-row tiles: 17 programs a token
+    if programs > 2 * sms and bt * bh < 32:  # shrunk only as far as the programs need
+        assert triton_tiles.programs(tokens, counts, *((2 * bt, bh) if bt < tokens else
+                                                       (bt, 2 * bh))) < 2 * sms
+
+
 @pytest.mark.parametrize("tokens, heads, sines, tile", [
     (64, (32, 8), False, (1, 8)),  # a decode step's q and k on a cache: one token of 8 heads
     (128, 8, False, (1, 2)),
