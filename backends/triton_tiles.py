@@ -110,11 +110,13 @@ WIDE_HEAD_CACHE_TILE = (8, 4)
 NARROW_HEAD_BYTES = 128
 """A cache stage's launch whose heads are at most this wide beside a wider v (MLA: 128 heads of
 64 rope channels, a 512-channel compressed kv) takes ``WIDE_V_TILE``. A launch of such heads
-beside a single head (MLA's rope part and its one key head) takes ``NARROW_TILE``."""
+beside a single head (MLA's rope part and its one key head) takes ``NARROW_TILE`` where the
+kernel computes the sines, tiles of half ``TILE_BYTES`` on ``STREAM_WARPS`` warps on a cache."""
 NARROW_TILE = (2, 16)
+NARROW_WARP_ROWS = 16
 NARROW_MIN_ROWS = 8
-"""Tokens and heads of that tile, on a warp per 16 rows: heads first, so a token's table row
-serves 16 heads; shrunk for latency to ``NARROW_MIN_ROWS`` rows at least (docs/tuning.md)."""
+"""Tokens and heads of that tile, and rows a warp: heads first, so a token's table row serves
+16 heads; shrunk for latency to ``NARROW_MIN_ROWS`` rows at least (docs/tuning.md)."""
 WIDE_V_TILE = (8, 2)
 WIDE_V_WARPS = 2
 """Tokens and heads of that tile, and its warps: 8 x 2 on 2 warps led ten tiles at 4k and 16k
@@ -251,7 +253,9 @@ def choose_config(
 
     A cache stage writing a v wider than its heads (``wide_v``, MLA) takes ``WIDE_V_TILE`` for
     heads of at most ``NARROW_HEAD_BYTES``, where every SM gets its programs. Heads that narrow
-    beside a single head (MLA's rope part) take ``NARROW_TILE``.
+    beside a single head (MLA's rope part) take ``NARROW_TILE`` where the kernel computes the
+    sines (angles, rates), and on a cos/sin cache half-size tiles on ``STREAM_WARPS`` warps;
+    both shrink for latency to ``NARROW_MIN_ROWS`` rows at the least.
 
     ``head_dim`` is the channels a head moves; ``span_dim``, where larger, the channels it
     spans in memory (in place on partial rotary: the rotary channels of a wider head). A call
@@ -268,11 +272,15 @@ def choose_config(
     block_p = next_pow2(pass_dim) if pass_dim else 1
     wanted = MIN_PROGRAMS_PER_SM * sms
     narrow_heads = head_dim * element_size <= NARROW_HEAD_BYTES
-    if not wide_v and narrow_heads and min(counts) == 1 < max(counts):
+    narrow = not wide_v and narrow_heads and min(counts) == 1 < max(counts)
+    if narrow and sines:  # measured where the kernel computes the sines (docs/tuning.md)
         block_t, block_h = shrink_to_programs(
             n_tokens, counts, min(NARROW_TILE[0], next_pow2(n_tokens)), NARROW_TILE[1], wanted,
             NARROW_MIN_ROWS)
-        return Config(block_t, block_h, 1, block_r, block_p, max(1, block_t * block_h // 16))
+        return Config(block_t, block_h, 1, block_r, block_p,
+                      max(1, block_t * block_h // NARROW_WARP_ROWS))
+    if narrow:
+        min_rows = max(min_rows, NARROW_MIN_ROWS)
     if wide_v and narrow_heads:
         block_t, block_h = min(WIDE_V_TILE[0], next_pow2(n_tokens)), WIDE_V_TILE[1]
         if programs(n_tokens, counts, block_t, block_h) >= wanted:
@@ -298,7 +306,8 @@ def choose_config(
         if programs(n_tokens, counts, block_t, head_iters) >= wanted:
             return Config(block_t, 1, head_iters, block_r, block_p, WARPS)
     counted = max(head_dim, span_dim or 0) if heads_first and resident else head_dim
-    rows = tile_rows(STREAM_TILE_BYTES if streamed else TILE_BYTES, counted * element_size)
+    rows = tile_rows(STREAM_TILE_BYTES if streamed else TILE_BYTES // 2 if narrow
+                     else TILE_BYTES, counted * element_size)
     if heads_first and resident and not streamed:
         fits = tile_rows(2 * TILE_BYTES, counted * element_size)
         rows = max(rows, min(RESIDENT_ROWS * 2 // element_size, fits))
@@ -319,7 +328,7 @@ def choose_config(
                 block_t, block_h = 2, block_h // 2
             elif block_h == 1 and block_r < 32 * WARPS:  # a half head narrower than the threads
                 block_t = 2
-    warps = STREAM_WARPS if streamed and block_h >= STREAM_WARPS_HEADS else WARPS
+    warps = STREAM_WARPS if narrow or (streamed and block_h >= STREAM_WARPS_HEADS) else WARPS
     return Config(block_t, block_h, 1, block_r, block_p, warps)
 
 
