@@ -19,7 +19,7 @@ import torch
 
 import rope_dispatch as rd
 from reference import assert_matches, reference_cache_rope, reference_positions
-from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
+from rope_dispatch.backends import triton_tables, triton_tiles
 
 pytest.importorskip("triton", reason="triton is not installed; the triton backend is unavailable")
 

@@ -25,7 +25,7 @@ from cases import build, cases, positions_for
 from reference import assert_matches, reference_for, reference_forward_backward
 from rope_dispatch import call as call_module
 from rope_dispatch import tables
-from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
+from rope_dispatch.backends import triton_tables
 from test_rate_table import definition_angles, random_rates
 
 pytest.importorskip("triton", reason="triton is not installed; the triton backend is unavailable")

@@ -288,7 +288,7 @@ def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
     """The launcher hands the kernels ``RATES=True`` (and no cache flag) for a rate table, and
     ``RATES=False`` for the angle table and a cos/sin cache of the same shape: the lean kernel
     for these small contiguous calls, the general one with the lean kernel turned off."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_launch, triton_tiles
 
     seen: list[tuple[str, bool, bool, bool]] = []
     spy_kernels(monkeypatch, ("rope_kernel", "rope_lean_kernel", "rope_qkv_kernel"),

@@ -490,7 +490,7 @@ def test_points_have_model_tables_and_the_rows_series_reads_them(triton_backend,
     """A point's angle table is a model's (row p is float32(p) x row 1, bit for bit), so ours
     reads it as rates (its flag is found); the "rows read" series, the same numbers, never
     looks for a flag, and leaves the threshold as it found it."""
-    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tables
     from benchmarks.bench import _ours
 
     monkeypatch.setattr(triton_tables, "LINEAR_MIN_ROWS_READ", 0)  # tiny shapes look too

@@ -39,7 +39,7 @@ def _tables(device: str) -> dict[str, object]:
 @pytest.fixture
 def flags_everywhere(monkeypatch, triton_backend):
     """The linear-table and halves flags looked up for every call, as at a model's sizes."""
-    from rope_dispatch.backends import triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tables
 
     monkeypatch.setattr(triton_tables, "LINEAR_MIN_ROWS_READ", 1)
     monkeypatch.setattr(triton_tables, "HALVES_MIN_ROWS_READ", 1)

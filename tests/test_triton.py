@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("triton_backend")
 def general_kernel(monkeypatch):
     """Every call runs the general kernel, whose tile rule (``choose_config``) a test checks:
     small contiguous calls would otherwise take the lean kernel (``LEAN_MAX_BYTES``)."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_launch, triton_tiles
 
     monkeypatch.setattr(triton_tiles, "LEAN_MAX_BYTES", 0)
     monkeypatch.setattr(triton_launch, "_compiled", {})
@@ -93,7 +93,7 @@ def test_start_positions_with_context_parallelism(case):
 def test_thd_sequence_lookup_both_ways(monkeypatch, scan_limit, cp_size, cp_rank, with_starts):
     """A token's sequence found by comparing it with every cu_seqlens offset (few sequences) or
     by binary search (``scan_limit`` 0) gives the reference's result, empty sequences included."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_launch, triton_tiles
 
     monkeypatch.setattr(triton_tiles, "SEQ_SCAN_LIMIT", scan_limit)
     monkeypatch.setattr(triton_launch, "_compiled", {})
@@ -111,7 +111,7 @@ LAUNCH_CONFIGS = [(2, 1, 1, 1), (4, 2, 1, 2), (1, 4, 1, 1), (2, 2, 2, 4), (8, 1,
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 def test_launch_configurations(config, layout):
     """Every way of cutting tokens and heads into programs gives the reference's result."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_rope, triton_tiles
 
     case = fixed_case(layout=layout, heads=5, seq=7, batch=3, seqlens=(5, 1, 9), rotary_dim=12,
                      with_starts=True, strides="channel-strided")
@@ -135,7 +135,7 @@ def test_token_blocks_spread_over_two_grid_axes(monkeypatch, axis_max, layout):
     """Token blocks past grid axis 1's limit go on along axis 2 (here a limit of 1 or 2 blocks
     instead of 65,535, with one-token tiles: with 2, the last program of an odd count has no
     token): every token is rotated once, for one tensor and for q and k in one launch."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_launch, triton_tiles
     from test_qk import check_qk
 
     monkeypatch.setattr(triton_tiles, "GRID_AXIS_MAX", axis_max)
@@ -306,7 +306,7 @@ def test_unavailable_without_cuda_or_interpreter(monkeypatch):
 
 
 def test_cpu_tensor_refused_without_interpreter(triton_backend):
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_launch
 
     if triton_launch._kernels.INTERPRETED:
         assert "cpu" in triton_backend.devices
@@ -321,7 +321,7 @@ def test_wide_heads_the_l2_holds_match_the_reference(dtype, tile):
     """Head dim 256 in a call the L2 holds takes RESIDENT_ROWS rows a tile (16 KiB), and
     rotates forward and backward, out of place and in place, as the reference does: on the GPU
     the sweep's 2,048 tokens of 8 heads, on the interpreter 16 tokens."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     tokens = 2048 if CUDA else 16
     sms = triton_tiles.sm_count(0) if CUDA else 1
@@ -422,7 +422,7 @@ def test_gpu_past_65535_tokens_and_batch():
 @gpu
 def test_gpu_token_blocks_past_65535(monkeypatch):
     """One-token tiles on 70,000 tokens: 70,000 token blocks, over grid axes 1 and 2."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_launch, triton_tiles
 
     choose = triton_tiles.choose_config
     one_token_tiles = lambda *a, **kw: choose(*a, **kw)._replace(block_t=1, block_h=1)  # noqa: E731
@@ -520,7 +520,7 @@ def test_tiles_give_every_sm_programs_unless_the_call_is_too_small(tokens, heads
     """On a 132-SM GPU a call runs as at least two programs per SM, unless it has fewer tokens x
     heads than that (then one program per token and head, or, where it computes sines, per two
     tokens of one head of d 128: see the next test); large calls keep the full tile."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     sms = 132
     bt, bh, iters, _, _, _ = triton_tiles.choose_config(tokens, heads, 128, 128, 2, False, sms)
@@ -574,7 +574,7 @@ def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(
     half the heads (each head's threads of a one-token tile compute its sines again), with no
     fewer programs; one token of one head of d 128 (64 channels a half for 128 threads) takes
     two tokens at half the programs."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     counts = heads if isinstance(heads, tuple) else (heads,)
     bt, bh, *_ = triton_tiles.choose_config(tokens, heads, 128, 128, 2, False, 132, sines=sines)
@@ -595,7 +595,7 @@ def test_small_calls_keep_a_tokens_heads_together_before_splitting_them(
 def test_the_shrink_keeps_min_rows_a_program(tokens, heads, min_rows, tile):
     """``min_rows`` (the probe's knob, ``MIN_TILE_ROWS`` = 1 as shipped) stops the shrink for
     small calls before a program would hold fewer rows (a token's head each) than it asks."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     bt, bh, *_ = triton_tiles.choose_config(tokens, heads, 128, 128, 2, False, 132,
                                            min_rows=min_rows)
@@ -615,7 +615,7 @@ def test_a_one_head_key_leaves_the_query_tiles_of_several_heads(
     """In a launch over q and an MQA k (one head), q's tile holds at least ``MIN_HEAD_BYTES``
     of a token's heads (256-byte pieces of one head ran at two thirds of a copy's speed), k's
     programs masking the heads it lacks; every head of every tensor is covered."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     bt, bh, iters, *_ = triton_tiles.choose_config(tokens, heads, head_dim, head_dim,
                                                   element_size, False, 132)
@@ -631,7 +631,7 @@ def test_streamed_tiles_of_a_one_head_key_keep_one_head(tokens):
     """Streamed from DRAM (tokens smaller than a tile, more than the L2 holds), a launch over 8
     query heads and one key head keeps 2 KiB tiles of one head (8 x 1 ran at 92-98% of a copy,
     2 heads a tile at 85-89%)."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     bt, bh, *_ = triton_tiles.choose_config(tokens, (8, 1), 128, 128, 2, False, 132)
     assert (bt, bh) == (triton_tiles.STREAM_TILE_BYTES // 256, 1)
@@ -643,7 +643,7 @@ def test_cache_row_tiles_take_two_heads_of_the_widest_tensor(tokens, counts):
     """A launch reading a cos/sin cache's rows reads each token's whole cos and sin rows per
     program: beside a one-head key, q's tile takes two heads where ``MIN_HEAD_BYTES`` alone
     would give it one (float32 heads of d 128); a lone one-head tensor keeps one."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     tile_tokens = triton_tiles.TABLE_TILE_BYTES // (64 * 4)
     _, bh, iters, *_ = triton_tiles.choose_config(tokens, counts, 128, 128, 4, False, 132,
@@ -657,7 +657,7 @@ def _qk_cache_tile(tokens: int, counts: tuple[int, ...], head_dim: int, size: in
                    rotary_dim: int | None = None, interleaved: bool = False) -> tuple[int, int]:
     """(tokens, heads) of the tile of a launch over ``counts`` heads reading a cos/sin cache
     of ``size``-byte entries as row tiles, as launch_qkv asks for it."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     rotary_dim = rotary_dim or head_dim
     width = rotary_dim if interleaved else rotary_dim // 2
@@ -680,7 +680,7 @@ def test_streamed_qk_cache_rows_of_one_head_count_take_one_token_of_all_heads(
     """q and k of one head count reading a cos/sin cache's rows from DRAM take one token x all
     their heads (their rows read once a token, not once every two heads) while a token's heads
     take at most ``QK_TOKEN_TILE_BYTES``; the rule leaves alone what it was not measured on."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     assert _qk_cache_tile(tokens, (heads, heads), head_dim) == tile
     two_heads = (16 if head_dim > 64 else 32, triton_tiles.CACHE_ROW_MIN_HEADS)
@@ -694,7 +694,7 @@ def test_streamed_qk_cache_rows_of_one_head_count_take_one_token_of_all_heads(
 
 def test_qk_cache_rows_of_wide_tokens_keep_two_heads():
     """At 32 heads of d 128 (8 KiB a token) one token x 32 heads ran slower than 16 x 2."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     assert _qk_cache_tile(16384, (32, 32), 128) == (16, triton_tiles.CACHE_ROW_MIN_HEADS)
 
@@ -706,7 +706,7 @@ def test_qk_cache_rows_of_heads_of_256_channels_take_wide_head_tiles(tokens, cou
     takes ``WIDE_HEAD_CACHE_TILE``, its heads capped by the widest tensor's; float32 heads
     and a lone tensor keep the earlier rules, and a call too small for every SM's programs
     shrinks as any other."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     block_t, block_h = triton_tiles.WIDE_HEAD_CACHE_TILE
     wide = (block_t, min(block_h, max(counts)))
@@ -721,7 +721,7 @@ def test_qk_cache_rows_of_heads_of_256_channels_take_wide_head_tiles(tokens, cou
 @pytest.mark.parametrize("heads", [1, 3, 8, 32])
 def test_one_tensor_takes_its_own_heads(heads):
     """A launch over one tensor (or tensors of one head count) fits its tile to its heads."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     for counts in ((heads,), (heads, heads)):
         assert triton_tiles.tile_heads(counts, 128, 2) == 1 << (heads - 1).bit_length()
@@ -730,7 +730,7 @@ def test_one_tensor_takes_its_own_heads(heads):
 def test_launches_say_whether_they_compute_sines(monkeypatch, general_kernel):
     """The tile rule hears whether a launch computes sines: an angle table does, a cos/sin cache
     and a pair cache are read; for one tensor and for q and k in one launch."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_launch, triton_tiles
 
     seen = []
     choose = triton_tiles.choose_config
@@ -760,7 +760,7 @@ def test_two_token_tiles_of_small_calls_match_the_reference(monkeypatch, layout,
     head, two tokens) and rotates forward and backward, out of place and in place, as the
     reference does: on the GPU the sweep's 512 tokens of 8 heads (2 x 4) or one (2 x 1), on the
     interpreter 16 tokens counted against 8 SMs (the same cuts)."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_launch, triton_tiles
 
     tokens = 512 if CUDA else 16
     sms = triton_tiles.sm_count(0) if CUDA else 8
@@ -812,7 +812,7 @@ def test_tiles_put_a_tokens_heads_first(tokens, heads, head_dim, rotary_dim, til
     RESIDENT_ROWS rows, up to 16 KiB), above it in a STREAM_TILE_BYTES tile where a token is
     smaller than 8 KiB, as a tensor of one head at every size. Larger tokens, and calls that
     copy pass-through channels, keep 8 tokens per tile."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     config = triton_tiles.choose_config(tokens, heads, head_dim, rotary_dim, 2, False, 132)
     bt, bh = config[:2]
@@ -850,7 +850,7 @@ def test_tiles_the_l2_holds_keep_their_rows_up_to_16_kib(heads, head_dim, elemen
     per tile, half as many of float32, where they fit in 16 KiB: wide heads would otherwise get
     few rows per program (2 x 8 at head dim 256 in bf16, 4.45-4.56 us warm against 4.25-4.30
     for 4 x 8 on the H200)."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     config = triton_tiles.choose_config(2048, heads, head_dim, head_dim, element_size, False, 132)
     assert config[:3] == (*tile, 1)
@@ -865,7 +865,7 @@ def test_in_place_partial_rotary_tiles_count_heads_by_their_span(monkeypatch, ge
     the kernel computes sines). Streamed calls keep the moved bytes'
     tile, and out of place (the head moved whole) nothing changes. ``apply_`` passes the
     span, and its rotation still matches the reference."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     choose = triton_tiles.choose_config
     assert choose(2048, 32, 64, 64, 2, False, 132, span_dim=128)[:3] == (16, 1, 4)
@@ -899,7 +899,7 @@ def test_in_place_partial_rotary_tiles_count_heads_by_their_span(monkeypatch, ge
 def test_streamed_tiles_can_be_turned_off(monkeypatch):
     """``STREAM_TILE_BYTES = 0`` gives a call above RESIDENT_BYTES the 8-token tile it had
     before (the probe compares both rules)."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     monkeypatch.setattr(triton_tiles, "STREAM_TILE_BYTES", 0)
     config = triton_tiles.choose_config(32768, 8, 128, 128, 2, False, 132)
@@ -910,7 +910,7 @@ def test_cos_sin_cache_row_tiles_keep_their_tokens_when_streamed():
     """A cos/sin cache read as row tiles keeps 8 tokens per tile above RESIDENT_BYTES (its row
     loads want them), where an angle table or a pair cache of the same call streams whole
     tokens."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tiles
 
     call = (32768, 8, 256, 256, 2, False, 132, triton_tiles.TOKENS_PER_TILE)
     rows = triton_tiles.choose_config(*call, cache_rows=True)
@@ -937,7 +937,7 @@ def test_cos_sin_caches_get_tiles_whose_row_loads_fill_16_bytes_a_thread(
     for ``TABLE_TILE_BYTES`` of each, with its heads halved to keep the tile's bytes; the
     other tables keep ``TOKENS_PER_TILE``. A launch picks its kind's tile (a cache's tokens
     even where the L2 could hold the call)."""
-    from rope_dispatch.backends import triton_launch, triton_rope, triton_tables, triton_tiles
+    from rope_dispatch.backends import triton_tables, triton_tiles
     from rope_dispatch.tables import kernel_tables
 
     # enough programs for every SM of a GPU at full tiles (the interpreter counts one SM)
