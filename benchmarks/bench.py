@@ -932,16 +932,15 @@ def run_sweep(report: Report, shapes: list[Shape], device: str = "cuda") -> None
         table = inp.freqs.view(inp.freqs.shape[0], -1)
         out = torch.empty_like(inp.t)
         heads, d, rot = shape.heads, shape.head_dim, shape.rotary_dim
-        block_r = triton_tiles.next_pow2(rot // 2)
-        block_p = triton_tiles.next_pow2(d - rot) if d > rot else 1
         copy_us = report.copy_us.get(shape.name)
         default = triton_tiles.choose_config(
             inp.t.numel() // (heads * d), heads, d, rot, inp.t.element_size(), False,
             triton_tiles.sm_count(inp.t.device.index),
         )
         results = []
-        for bt, bh, hi, w in [default[:3] + default[5:]] + sweep_configs(heads):
-            config = triton_tiles.Config(bt, bh, hi, block_r, block_p, w)
+        tried = [(default.block_t, default.block_h, default.head_iters, default.warps)]
+        for bt, bh, hi, w in tried + sweep_configs(heads):
+            config = default._replace(block_t=bt, block_h=bh, head_iters=hi, warps=w)
 
             def fn(config=config):
                 triton_rope.launch(
