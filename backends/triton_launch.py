@@ -139,7 +139,8 @@ class Arguments(NamedTuple):
     warps: int
 
 
-_compiled: dict[LaunchKey, Compiled] = {}
+_compiled: dict[LaunchKey | tuple, Compiled] = {}  # tuple: a weight-gradient sum's key
+_partial_shapes: dict[tuple, tuple] = {}  # norm_partials' shapes by the launch's form
 kernel_types: dict[int, tuple[str, ...]] = {}  # each kernel's Triton signature by CUfunction
 
 
@@ -586,22 +587,33 @@ def norm_partials(described: Launch, inputs: Sequence[torch.Tensor],
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """New float32 buffers for a norm backward's partial weight gradients, q's and k's: one
     row per program of that side (as :func:`_segment_arguments` tiles the launch), as wide as
-    the weight."""
-    pairs = _segments(described, inputs, outs)
-    chosen = _segment_arguments(described, pairs, current_tables(tabs, described.layout), None)
-    made = []
-    for (x, _), form in zip(pairs, described.norm):
-        if form is None or chosen is None:
-            made.append(None)
-            continue
-        consts = chosen.consts
-        heads, d = x[2][-3] * x[2][-2], x[2][-1]
-        per = consts["BLOCK_H"] * consts["HEAD_ITERS"]
-        tokens = chosen.ints[0]
-        rows = -(-heads // per) * -(-tokens // (consts["BLOCK_T"] * consts["TOKEN_ITERS"]))
-        made.append(x[0].new_empty(rows, d if form.scope == "head" else heads * d,
-                                   dtype=torch.float32))
-    return made[0], made[1]
+    the weight. Their shapes are worked out once for each form of the launch: the tile follows
+    from the launch, the tensors' shapes and dtype, the table's form and the SM count."""
+    tabs = current_tables(tabs, described.layout)
+    x = inputs[0]
+    sms = 1 if _load_kernels().INTERPRETED else tiles.sm_count(x.device.index)
+    key = (described, x.dtype, tuple(t.shape for t in (*inputs, *outs)), tabs.table.shape,
+           tabs.table.dtype, tt.table_flags(tabs.table, tabs.sin), x.device, sms)
+    shapes = _partial_shapes.get(key)
+    if shapes is None:
+        pairs = _segments(described, inputs, outs)
+        chosen = _segment_arguments(described, pairs, tabs, None)
+        found = []
+        for (segment, _), form in zip(pairs, described.norm):
+            if form is None or chosen is None:
+                found.append(None)
+                continue
+            consts = chosen.consts
+            heads, d = segment[2][-3] * segment[2][-2], segment[2][-1]
+            per = consts["BLOCK_H"] * consts["HEAD_ITERS"]
+            tokens = chosen.ints[0]
+            rows = -(-heads // per) * -(-tokens // (consts["BLOCK_T"] * consts["TOKEN_ITERS"]))
+            found.append((rows, d if form.scope == "head" else heads * d))
+        if len(_partial_shapes) > 4096:
+            _partial_shapes.clear()
+        shapes = _partial_shapes[key] = tuple(found)
+    return tuple(None if shape is None else x.new_empty(shape, dtype=torch.float32)
+                 for shape in shapes)
 
 
 def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
@@ -620,13 +632,21 @@ def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
         (q_part, q_grad), (k_part, k_grad) = (x or shared for x in live)
         q_width = q_part.shape[1] if live[0] else 0
         k_width = k_part.shape[1] if live[1] else 0
-        grid = (-(-q_width // tiles.WEIGHT_GRAD_COLS) + -(-k_width // tiles.WEIGHT_GRAD_COLS),)
-        rows = max(q_part.shape[0], k_part.shape[0])
-        weight_grad_kernel[grid](q_part, q_grad, k_part, k_grad, q_part.shape[0], k_part.shape[0],
-                                 q_width, k_width, BLOCK_ROWS=tiles.WEIGHT_GRAD_ROWS,
-                                 BLOCK_COLS=tiles.WEIGHT_GRAD_COLS,
-                                 ROW_ITERS=tiles.next_pow2(-(-rows // tiles.WEIGHT_GRAD_ROWS)),
-                                 num_warps=tiles.WEIGHT_GRAD_WARPS)
+        tensors = (q_part, q_grad, k_part, k_grad)
+        ints = (q_part.shape[0], k_part.shape[0], q_width, k_width)
+        addresses = tuple(t.data_ptr() for t in tensors)
+        key = ("weight_grads", ints, sum(1 << i for i, a in enumerate(addresses) if not a & 15),
+               q_part.get_device())
+        if not _run_kept(key, addresses):
+            grid = (-(-q_width // tiles.WEIGHT_GRAD_COLS) + -(-k_width // tiles.WEIGHT_GRAD_COLS),
+                    1, 1)  # all three axes: a kept launch passes each
+            rows = max(ints[:2])
+            consts = dict(BLOCK_ROWS=tiles.WEIGHT_GRAD_ROWS, BLOCK_COLS=tiles.WEIGHT_GRAD_COLS,
+                          ROW_ITERS=tiles.next_pow2(-(-rows // tiles.WEIGHT_GRAD_ROWS)))
+            compiled = weight_grad_kernel[grid](*tensors, *ints,
+                                                num_warps=tiles.WEIGHT_GRAD_WARPS, **consts)
+            if not _load_kernels().INTERPRETED:
+                _keep(key, weight_grad_kernel, compiled, grid, 4, ints, consts)
     return tuple(g for g in grads if g is not None)
 
 
@@ -656,10 +676,7 @@ def launch(
     key = None
     if config is None and not kernels.INTERPRETED:
         key = launch_key(described, inputs, outs, tabs, addresses)
-        entry = _compiled.get(key)
-        if entry is not None:
-            entry.run(*entry.grid, current_stream(key.device), *entry.prefix, *addresses,
-                      *entry.tail)
+        if _run_kept(key, addresses):
             return key
     if described.tensors == "t" and described.norm is None:
         chosen = _single_arguments(described, inputs[0], outs[0], tabs, config)
@@ -673,12 +690,32 @@ def launch(
         return None
     kernel, grid, ints, consts, num_warps = chosen
     compiled = kernel[grid](*tensors, *ints, num_warps=num_warps, **consts)
-    if key is not None and compiled is not None and not _hooks_active():
-        ordered = tuple(consts[name] for name in kernel.arg_names[len(tensors) + len(ints):])
-        if len(_compiled) > 4096:
-            _compiled.clear()
-        _compiled[key] = Compiled(*_direct_launcher(compiled), grid, ints + ordered)
+    if key is not None:
+        _keep(key, kernel, compiled, grid, len(tensors), ints, consts)
     return key
+
+
+def _run_kept(key: LaunchKey | tuple, addresses: Sequence[int]) -> bool:
+    """Launch the compiled launch kept under ``key`` (its last field: the device) on
+    ``addresses``; ``False`` where none is kept."""
+    entry = _compiled.get(key)
+    if entry is None:
+        return False
+    entry.run(*entry.grid, current_stream(key[-1]), *entry.prefix, *addresses, *entry.tail)
+    return True
+
+
+def _keep(key: LaunchKey | tuple, kernel: Any, compiled: Any, grid: tuple, pointers: int,
+          ints: tuple, consts: dict[str, Any]) -> None:
+    """Keep what Triton compiled for ``kernel``'s launch (``pointers`` pointer arguments, then
+    ``ints``, then ``consts``) under ``key``, to launch it again from addresses alone; not
+    while a profiler's launch hooks are set."""
+    if compiled is None or _hooks_active():
+        return
+    ordered = tuple(consts[name] for name in kernel.arg_names[pointers + len(ints):])
+    if len(_compiled) > 4096:
+        _compiled.clear()
+    _compiled[key] = Compiled(*_direct_launcher(compiled), grid, ints + ordered)
 
 
 def run(described: Launch, inputs: Sequence[torch.Tensor], tabs: Tables,

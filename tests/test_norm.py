@@ -155,6 +155,48 @@ def test_triton_backward_loop_with_a_short_last_program(monkeypatch):
 
 
 @pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("scope", ["head", "heads"])
+def test_triton_backward_sizes_its_partial_sums_once_per_form(monkeypatch, scope):
+    """The buffers of the weights' partial sums are sized from the launch's tiling the first
+    time a backward of that form runs; a repeated backward (a training step's) takes the kept
+    shapes and only the launch itself works out its arguments, with the same gradients. A
+    backward of another sequence length sizes its own."""
+    from rope_dispatch.backends import triton_launch
+
+    tiled = []
+    segment_arguments = triton_launch._segment_arguments
+
+    def spy(*args):
+        tiled.append(args[0].backward)
+        return segment_arguments(*args)
+
+    monkeypatch.setattr(triton_launch, "_segment_arguments", spy)
+    monkeypatch.setattr(triton_launch, "_partial_shapes", {})
+    widths = (16, 16) if scope == "head" else (4 * 16, 2 * 16)
+    spec = rd.RoPESpec(layout="bshd", dtype=torch.float32)
+    grads = []
+    for seq in (6, 6, 9):
+        torch.manual_seed(seq)  # the repeated backward's inputs equal the first's
+        q = torch.randn(2, seq, 4, 16, device=DEVICE, requires_grad=True)
+        k = torch.randn(2, seq, 2, 16, device=DEVICE, requires_grad=True)
+        qw, kw = ((torch.rand(n, device=DEVICE) + 0.5).requires_grad_() for n in widths)
+        table = rd.tables.angle_table(rd.tables.inverse_frequencies(16, 10000.0), seq).to(DEVICE)
+        out = rd.apply_qk(q, k, table, spec, q_norm=rd.HeadNorm(qw, scope=scope),
+                          k_norm=rd.HeadNorm(kw, scope=scope), backend="triton")
+        tiled.clear()
+        grads.append(torch.autograd.grad(out, (q, k, qw, kw), (torch.ones_like(out[0]),
+                                                                torch.cos(out[1]))))
+        backward_tilings = sum(tiled)
+        if len(grads) != 2:
+            assert backward_tilings >= 1, (seq, tiled)
+        else:  # the interpreter's launch works out its arguments each time, a kept one not
+            assert backward_tilings == (0 if torch.cuda.is_available() else 1), tiled
+    for a, b in zip(grads[0], grads[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert grads[2][0].shape[1] == 9
+
+
+@pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("scope", ["head", "heads"])
 def test_in_place_rewrites_whole_heads(backend, scope):
