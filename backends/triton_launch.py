@@ -638,8 +638,7 @@ def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
         key = ("weight_grads", ints, sum(1 << i for i, a in enumerate(addresses) if not a & 15),
                q_part.get_device())
         if not _run_kept(key, addresses):
-            grid = (-(-q_width // tiles.WEIGHT_GRAD_COLS) + -(-k_width // tiles.WEIGHT_GRAD_COLS),
-                    1, 1)  # all three axes: a kept launch passes each
+            grid = (-(-q_width // tiles.WEIGHT_GRAD_COLS) + -(-k_width // tiles.WEIGHT_GRAD_COLS),)
             rows = max(ints[:2])
             consts = dict(BLOCK_ROWS=tiles.WEIGHT_GRAD_ROWS, BLOCK_COLS=tiles.WEIGHT_GRAD_COLS,
                           ROW_ITERS=tiles.next_pow2(-(-rows // tiles.WEIGHT_GRAD_ROWS)))
@@ -715,6 +714,7 @@ def _keep(key: LaunchKey | tuple, kernel: Any, compiled: Any, grid: tuple, point
     ordered = tuple(consts[name] for name in kernel.arg_names[pointers + len(ints):])
     if len(_compiled) > 4096:
         _compiled.clear()
+    grid = (*grid, 1, 1)[:3]  # the C launcher takes all three axes
     _compiled[key] = Compiled(*_direct_launcher(compiled), grid, ints + ordered)
 
 

@@ -287,3 +287,30 @@ def test_planned_calls_launch_through_one_direct_call(layout, tensors, needs_gra
     # by the last step the plan binds both launches: one direct call each way
     assert len(calls) == (2 if needs_grad else 1), (
         f"{len(calls)} direct calls in the last step; {direct_launch.unavailable_reason()}")
+
+
+def test_a_kept_launch_passes_three_grid_axes_then_its_arguments(monkeypatch):
+    """What Triton compiled, kept under a key (``_keep``), is launched again from addresses
+    alone (``_run_kept``) with the C launch's layout: three grid axes (a one-axis grid padded
+    with 1s), the stream, the launcher's prefix, the pointers, the integers and the constants
+    in the kernel's argument order."""
+    pytest.importorskip("triton")
+    from rope_dispatch.backends import triton_launch
+
+    seen = []
+
+    class Kernel:
+        arg_names = ["a", "b", "n", "m", "BLOCK", "ITERS"]
+
+    monkeypatch.setattr(triton_launch, "_direct_launcher",
+                        lambda compiled: (lambda *args: seen.append(args), ("fn", "meta")))
+    monkeypatch.setattr(triton_launch, "_hooks_active", lambda: False)
+    monkeypatch.setattr(triton_launch, "current_stream", lambda device: 77)
+    monkeypatch.setattr(triton_launch, "_compiled", {})
+    key = ("test", 3)
+    assert not triton_launch._run_kept(key, (100, 200))  # nothing kept yet
+    triton_launch._keep(key, Kernel, object(), (5,), 2, (7, 8), {"ITERS": 4, "BLOCK": 16})
+    assert triton_launch._run_kept(key, (100, 200))
+    assert seen == [(5, 1, 1, 77, "fn", "meta", 100, 200, 7, 8, 16, 4)]
+    triton_launch._keep(("none",), Kernel, None, (5,), 2, (7, 8), {"ITERS": 4, "BLOCK": 16})
+    assert ("none",) not in triton_launch._compiled  # Triton launched nothing it returned
