@@ -635,8 +635,8 @@ def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
         tensors = (q_part, q_grad, k_part, k_grad)
         ints = (q_part.shape[0], k_part.shape[0], q_width, k_width)
         addresses = tuple(t.data_ptr() for t in tensors)
-        key = ("weight_grads", ints, sum(1 << i for i, a in enumerate(addresses) if not a & 15),
-               q_part.get_device())
+        key = ("weight_grads", ints, q_grad.dtype, k_grad.dtype,
+               sum(1 << i for i, a in enumerate(addresses) if not a & 15), q_part.get_device())
         if not _run_kept(key, addresses):
             grid = (-(-q_width // tiles.WEIGHT_GRAD_COLS) + -(-k_width // tiles.WEIGHT_GRAD_COLS),)
             rows = max(ints[:2])

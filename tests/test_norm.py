@@ -155,6 +155,31 @@ def test_triton_backward_loop_with_a_short_last_program(monkeypatch):
 
 
 @pytest.mark.usefixtures("triton_backend")
+def test_weight_gradient_sums_of_each_dtype_keep_their_own_launch(monkeypatch):
+    """The weights' gradients are summed from the partial rows by a launch kept for reuse
+    (on a GPU): weights of another dtype with the same shapes take a launch of their own, whose
+    sums are right in that dtype (float64 column sums of the rows as the reference)."""
+    from rope_dispatch.backends import triton_launch
+
+    keys = []
+    run_kept = triton_launch._run_kept
+
+    def spy(key, addresses):
+        keys.append(key)
+        return run_kept(key, addresses)
+
+    monkeypatch.setattr(triton_launch, "_run_kept", spy)
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(7, 16, generator=gen).to(DEVICE), torch.randn(3, 16, generator=gen).to(DEVICE)
+    for dtype in (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16):
+        weights = tuple(torch.ones(16, dtype=dtype, device=DEVICE) for _ in rows)
+        for got, part in zip(triton_launch.weight_grads(rows, weights), rows):
+            assert got.dtype == dtype
+            assert_matches(got, part.double().sum(0).cpu(), dtype, f"{dtype} weight gradient")
+    assert keys[0] != keys[1] and keys[0] == keys[2] and keys[1] == keys[3], keys
+
+
+@pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("scope", ["head", "heads"])
 def test_triton_backward_sizes_its_partial_sums_once_per_form(monkeypatch, scope):
     """The buffers of the weights' partial sums are sized from the launch's tiling the first
