@@ -110,8 +110,9 @@ WIDE_HEAD_CACHE_TILE = (8, 4)
 NARROW_HEAD_BYTES = 128
 """A cache stage's launch whose heads are at most this wide beside a wider v (MLA: 128 heads of
 64 rope channels, a 512-channel compressed kv) takes ``WIDE_V_TILE``. A launch of such heads
-beside a single head (MLA's rope part and its one key head) takes ``NARROW_TILE`` where the
-kernel computes the sines, tiles of half ``TILE_BYTES`` on ``STREAM_WARPS`` warps on a cache."""
+beside a single head (MLA's rope part and its one key head) takes ``NARROW_TILE``; where that
+leaves too few programs a cos/sin cache takes tiles of half ``TILE_BYTES`` on ``STREAM_WARPS``
+warps (docs/tuning.md)."""
 NARROW_TILE = (2, 16)
 NARROW_WARP_ROWS = 16
 NARROW_MIN_ROWS = 8
@@ -253,9 +254,10 @@ def choose_config(
 
     A cache stage writing a v wider than its heads (``wide_v``, MLA) takes ``WIDE_V_TILE`` for
     heads of at most ``NARROW_HEAD_BYTES``, where every SM gets its programs. Heads that narrow
-    beside a single head (MLA's rope part) take ``NARROW_TILE`` where the kernel computes the
-    sines (angles, rates), and on a cos/sin cache half-size tiles on ``STREAM_WARPS`` warps;
-    both shrink for latency to ``NARROW_MIN_ROWS`` rows at the least.
+    beside a single head (MLA's rope part) take ``NARROW_TILE``, shrunk for latency to
+    ``NARROW_MIN_ROWS`` rows at the least where the kernel computes the sines (angles, rates);
+    a cos/sin cache takes it where it needs no shrinking, else half-size tiles on
+    ``STREAM_WARPS`` warps.
 
     ``head_dim`` is the channels a head moves; ``span_dim``, where larger, the channels it
     spans in memory (in place on partial rotary: the rotary channels of a wider head). A call
@@ -273,7 +275,7 @@ def choose_config(
     wanted = MIN_PROGRAMS_PER_SM * sms
     narrow_heads = head_dim * element_size <= NARROW_HEAD_BYTES
     narrow = not wide_v and narrow_heads and min(counts) == 1 < max(counts)
-    if narrow and sines:  # measured where the kernel computes the sines (docs/tuning.md)
+    if narrow and (sines or programs(n_tokens, counts, *NARROW_TILE) >= wanted):
         block_t, block_h = shrink_to_programs(
             n_tokens, counts, min(NARROW_TILE[0], next_pow2(n_tokens)), NARROW_TILE[1], wanted,
             NARROW_MIN_ROWS)

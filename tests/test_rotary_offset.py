@@ -404,3 +404,41 @@ def test_rope_to_cache_refuses_with_the_value():
                            torch.tensor([0, 1]))
     with pytest.raises(rd.RoPEError, match="rope_to_cache does not take spec.rotary_offset=6"):
         rd.rope_to_cache(q, k, v, angles(3), spec, positions=torch.tensor([0, 1]), cache=cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("table", ["angles", "cache", "bf16 cache", "pair cache"])
+def test_mla_rope_part_at_model_size_on_each_table_kind(table):
+    """MLA's rope part as a model runs it: 512 tokens of 128 query heads, the last 64 of 192
+    channels (a view of the projection), beside one key head, bf16: forward, gradients into
+    the projections and in place, on angles and on a cos/sin cache of each kind, against the
+    float64 reference (the tile of narrow heads beside one head)."""
+    tokens, heads, nope, rot = 512, 128, 128, 64
+    gen = torch.Generator().manual_seed(7)
+    a = (torch.rand(tokens, rot // 2, generator=gen) * 12 - 6).repeat(1, 2).float().to(DEVICE)
+    cos, sin = a.double().cos(), a.double().sin()
+    freqs = {"angles": a, "cache": rd.CosSinCache(cos.float(), sin.float()),
+             "bf16 cache": rd.CosSinCache(cos.bfloat16(), sin.bfloat16()),
+             "pair cache": rd.PairCosSinCache(  # vLLM's: each pair's cosine, then its sine
+                 torch.cat([cos[:, :rot // 2], sin[:, :rot // 2]], -1).float())}[table]
+    q_proj = torch.randn(tokens, 1, heads, nope + rot, generator=gen).bfloat16().to(DEVICE)
+    k_proj = torch.randn(tokens, 1, 1, rot, generator=gen).bfloat16().to(DEVICE)
+    q_proj.requires_grad_(True)
+    k_proj.requires_grad_(True)
+    q = q_proj[..., nope:]
+    spec = rd.RoPESpec(layout="sbhd", dtype=torch.bfloat16)
+    q_out, k_out = rd.apply_qk(q, k_proj, freqs, spec, backend="triton")
+    gq, gk = grad_like(q_out, 3), grad_like(k_out, 4)
+    torch.autograd.backward((q_out, k_out), (gq, gk))
+    for name, x, out, g, grad in (("q", q, q_out, gq, q_proj.grad[..., nope:]),
+                                  ("k", k_proj, k_out, gk, k_proj.grad)):
+        ref_out, ref_grad = reference_forward_backward(x, a, spec, g)
+        assert_matches(out, ref_out, torch.bfloat16, f"{name} forward on {table}")
+        assert_matches(grad, ref_grad, torch.bfloat16, f"{name} gradient on {table}")
+    assert torch.count_nonzero(q_proj.grad[..., :nope]) == 0
+    with torch.no_grad():
+        q2, k2 = q_proj.detach().clone(), k_proj.detach().clone()
+        rd.apply_qk_(q2[..., nope:], k2, freqs, spec, backend="triton")
+    assert torch.equal(q2[..., nope:], q_out.detach()) and torch.equal(k2, k_out.detach())
+    assert torch.equal(q2[..., :nope], q_proj.detach()[..., :nope])
