@@ -110,14 +110,13 @@ WIDE_HEAD_CACHE_TILE = (8, 4)
 NARROW_HEAD_BYTES = 128
 """A cache stage's launch whose heads are at most this wide beside a wider v (MLA: 128 heads of
 64 rope channels, a 512-channel compressed kv) takes ``WIDE_V_TILE``. A launch of such heads
-beside a single head (MLA's rope part and its one key head) takes ``NARROW_TILE``; where that
-leaves too few programs a cos/sin cache takes tiles of half ``TILE_BYTES`` on ``STREAM_WARPS``
-warps (docs/tuning.md)."""
+beside a single head (MLA's rope part and its one key head) takes ``NARROW_TILE``."""
 NARROW_TILE = (2, 16)
 NARROW_WARP_ROWS = 16
 NARROW_MIN_ROWS = 8
 """Tokens and heads of that tile, and rows a warp: heads first, so a token's table row serves
-16 heads; shrunk for latency to ``NARROW_MIN_ROWS`` rows at least (docs/tuning.md)."""
+16 heads; shrunk for latency to ``NARROW_MIN_ROWS`` rows at least, on ``STREAM_WARPS`` warps
+at least where a cos/sin cache's rows are loaded (docs/tuning.md)."""
 WIDE_V_TILE = (8, 2)
 WIDE_V_WARPS = 2
 """Tokens and heads of that tile, and its warps: 8 x 2 on 2 warps led ten tiles at 4k and 16k
@@ -255,9 +254,8 @@ def choose_config(
     A cache stage writing a v wider than its heads (``wide_v``, MLA) takes ``WIDE_V_TILE`` for
     heads of at most ``NARROW_HEAD_BYTES``, where every SM gets its programs. Heads that narrow
     beside a single head (MLA's rope part) take ``NARROW_TILE``, shrunk for latency to
-    ``NARROW_MIN_ROWS`` rows at the least where the kernel computes the sines (angles, rates);
-    a cos/sin cache takes it where it needs no shrinking, else half-size tiles on
-    ``STREAM_WARPS`` warps.
+    ``NARROW_MIN_ROWS`` rows at the least, a warp for ``NARROW_WARP_ROWS`` rows but at least
+    ``STREAM_WARPS`` on a cos/sin cache.
 
     ``head_dim`` is the channels a head moves; ``span_dim``, where larger, the channels it
     spans in memory (in place on partial rotary: the rotary channels of a wider head). A call
@@ -275,14 +273,12 @@ def choose_config(
     wanted = MIN_PROGRAMS_PER_SM * sms
     narrow_heads = head_dim * element_size <= NARROW_HEAD_BYTES
     narrow = not wide_v and narrow_heads and min(counts) == 1 < max(counts)
-    if narrow and (sines or programs(n_tokens, counts, *NARROW_TILE) >= wanted):
+    if narrow:
         block_t, block_h = shrink_to_programs(
             n_tokens, counts, min(NARROW_TILE[0], next_pow2(n_tokens)), NARROW_TILE[1], wanted,
             NARROW_MIN_ROWS)
         return Config(block_t, block_h, 1, block_r, block_p,
-                      max(1, block_t * block_h // NARROW_WARP_ROWS))
-    if narrow:
-        min_rows = max(min_rows, NARROW_MIN_ROWS)
+                      max(1 if sines else STREAM_WARPS, block_t * block_h // NARROW_WARP_ROWS))
     if wide_v and narrow_heads:
         block_t, block_h = min(WIDE_V_TILE[0], next_pow2(n_tokens)), WIDE_V_TILE[1]
         if programs(n_tokens, counts, block_t, block_h) >= wanted:
@@ -308,8 +304,7 @@ def choose_config(
         if programs(n_tokens, counts, block_t, head_iters) >= wanted:
             return Config(block_t, 1, head_iters, block_r, block_p, WARPS)
     counted = max(head_dim, span_dim or 0) if heads_first and resident else head_dim
-    rows = tile_rows(STREAM_TILE_BYTES if streamed else TILE_BYTES // 2 if narrow
-                     else TILE_BYTES, counted * element_size)
+    rows = tile_rows(STREAM_TILE_BYTES if streamed else TILE_BYTES, counted * element_size)
     if heads_first and resident and not streamed:
         fits = tile_rows(2 * TILE_BYTES, counted * element_size)
         rows = max(rows, min(RESIDENT_ROWS * 2 // element_size, fits))
@@ -330,7 +325,7 @@ def choose_config(
                 block_t, block_h = 2, block_h // 2
             elif block_h == 1 and block_r < 32 * WARPS:  # a half head narrower than the threads
                 block_t = 2
-    warps = STREAM_WARPS if narrow or (streamed and block_h >= STREAM_WARPS_HEADS) else WARPS
+    warps = STREAM_WARPS if streamed and block_h >= STREAM_WARPS_HEADS else WARPS
     return Config(block_t, block_h, 1, block_r, block_p, warps)
 
 
