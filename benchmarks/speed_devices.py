@@ -7,6 +7,7 @@ the variants in turn for ``--rounds`` rounds; the table shows each figure's medi
 - ``shipped``: everything on;
 - ``no-direct``: the C direct launcher off (then nothing is planned: every call is checked);
 - ``no-flags``: ``ROPE_DISPATCH_LINEAR_TABLES=0`` (no linear-table or halves flag: rows read);
+- ``no-lean``: the lean kernel off (small contiguous calls take the general kernel);
 
 - ``tree=PATH``: the package imported from the source tree at ``PATH`` (its ``rope_dispatch``
   with ``backends`` copied or linked inside it), e.g. a checkout of the commit before a change.
@@ -29,7 +30,7 @@ import sys
 import time
 
 
-VARIANTS = ("shipped", "no-direct", "no-flags", "shipped")
+VARIANTS = ("shipped", "no-direct", "no-flags", "no-lean", "shipped")
 
 
 def _patch(variant: str) -> None:
@@ -37,6 +38,10 @@ def _patch(variant: str) -> None:
         from rope_dispatch.backends import direct_launch
 
         direct_launch._unavailable = "turned off for the A/B"
+    elif variant == "no-lean":
+        from rope_dispatch.backends import triton_tiles
+
+        triton_tiles.LEAN_MAX_BYTES = 0
 
 
 def _host_us(fn, calls: int = 2000, repeats: int = 7) -> float:
@@ -78,6 +83,17 @@ def measure() -> dict[str, float]:
         p = torch.randint(0, 8000, (tokens, 1), device=dev)
         results[f"decode apply_qk_ T{tokens} (us)"] = _host_us(
             lambda q=q, k=k, p=p: rd.apply_qk_(q, k, freqs, spec, positions=p))
+
+    # decode as Hugging Face calls it: one token, a cos/sin cache read by index
+    hf = rd.RoPESpec(layout="bshd", dtype="bf16")
+    x1 = torch.randn(1, 1, 32, 128, device=dev, dtype=bf16)
+    rows = freqs.view(8192, 128)[:1]
+    one = rd.CosSinCache(rows.cos().to(bf16), rows.sin().to(bf16))
+    results["decode apply T1 HF cache (us)"] = _host_us(lambda: rd.apply(x1, one, hf))
+    small = torch.randn(128, 1, 8, 128, device=dev, dtype=bf16)  # 256 KiB
+    sbhd = rd.RoPESpec(layout="sbhd", dtype="bf16")
+    results["kernel 256 KiB fwd (us)"] = 1e3 * triton.testing.do_bench(
+        lambda: rd.apply(small, freqs, sbhd), warmup=25, rep=200)
 
     # forward + backward end to end, sbhd
     spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
