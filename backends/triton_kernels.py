@@ -683,7 +683,7 @@ def rope_lean_kernel(
     sizes, one grid axis numbers the programs heads first (``BLOCK_H`` of a token block's
     heads each), and no position is checked against the table: 66 SASS instructions at 2
     tokens x 1 head reading angle rows, where :func:`rope_kernel` has 104 (89 and 137 through
-    a linear table's flag). Timings: ``backends.triton_rope.LEAN_MAX_BYTES``. The table kinds,
+    a linear table's flag). Timings: docs/tuning.md (``LEAN_MAX_BYTES``). The table kinds,
     pairings and arithmetic are :func:`rope_kernel`'s own (:func:`_coefficients`,
     :func:`_rotated`), so both give the same bits. ``SHARED_ROWS``: a rotate-half row read
     (and its sines computed) once for all the tile's heads (:func:`_row_cos_sin`'s
