@@ -458,7 +458,8 @@ def _single_arguments(
         config = tiles.choose_config(
             n_tokens, heads, width, rotary_dim, x.element_size(), launch.interleaved, sms,
             tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
-            tiles.reads_cache_rows(flags), span_dim=head_dim, sines=not flags[0])
+            tiles.reads_cache_rows(flags), span_dim=head_dim, sines=not flags[0],
+            gathered=tt.position_kind(positions) == 2)
     block_t, block_h, head_iters = config.block_t, config.block_h, config.head_iters
     halves = not thd and cu_seqlens is not None  # the halves flag (the lean kernel reads rows)
     grid = tiles.launch_grid(-(-heads // (block_h * head_iters)), -(-n_tokens // block_t))
@@ -537,7 +538,8 @@ def _segment_arguments(
             n_tokens, counts, head_dim, rotary_dim, pairs[0][0][0].element_size(),
             launch.interleaved, sms, tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
             tiles.reads_cache_rows(flags), span_dim=shape[-1], sines=not flags[0],
-            wide_v=launch.store is not None and v_width > shape[-1])
+            wide_v=launch.store is not None and v_width > shape[-1],
+            gathered=tt.position_kind(positions) == 2)
     block_t, block_h, head_iters = config.block_t, config.block_h, config.head_iters
     if whole:  # a norm over a token's heads: one program holds them all
         head_iters = max(head_iters, -(-max(whole) // block_h))

@@ -117,8 +117,8 @@ NARROW_MIN_ROWS = 8
 NARROW_CACHE_WARP_ROWS = 8
 """Tokens and heads of that tile, and rows a warp: heads first, so a token's table row serves
 16 heads; shrunk for latency to ``NARROW_MIN_ROWS`` rows at least. Where a cos/sin cache's
-rows are loaded, a warp takes ``NARROW_CACHE_WARP_ROWS`` rows, on ``STREAM_WARPS`` warps at
-least (docs/tuning.md)."""
+rows are loaded, on ``STREAM_WARPS`` warps at least, and a warp takes
+``NARROW_CACHE_WARP_ROWS`` rows unless per-token positions gather them (docs/tuning.md)."""
 WIDE_V_TILE = (8, 2)
 WIDE_V_WARPS = 2
 """Tokens and heads of that tile, and its warps: 8 x 2 on 2 warps led ten tiles at 4k and 16k
@@ -220,7 +220,7 @@ def choose_config(
     n_tokens: int, heads: int | tuple[int, ...], head_dim: int, rotary_dim: int,
     element_size: int, interleaved: bool, sms: int, tile_tokens: int = TOKENS_PER_TILE,
     cache_rows: bool = False, span_dim: int | None = None, sines: bool = True,
-    min_rows: int = MIN_TILE_ROWS, wide_v: bool = False,
+    min_rows: int = MIN_TILE_ROWS, wide_v: bool = False, gathered: bool = False,
 ) -> Config:
     """Tile sizes for a call: tokens per program, heads per tile and per program, widths.
 
@@ -256,8 +256,9 @@ def choose_config(
     A cache stage writing a v wider than its heads (``wide_v``, MLA) takes ``WIDE_V_TILE`` for
     heads of at most ``NARROW_HEAD_BYTES``, where every SM gets its programs. Heads that narrow
     beside a single head (MLA's rope part) take ``NARROW_TILE``, shrunk for latency to
-    ``NARROW_MIN_ROWS`` rows at the least, a warp for ``NARROW_WARP_ROWS`` rows, or on a cos/sin
-    cache for ``NARROW_CACHE_WARP_ROWS`` and at least ``STREAM_WARPS``.
+    ``NARROW_MIN_ROWS`` rows at the least, a warp for ``NARROW_WARP_ROWS`` rows; on a cos/sin
+    cache at least ``STREAM_WARPS``, and a warp for ``NARROW_CACHE_WARP_ROWS`` rows where its
+    rows are not gathered by per-token positions (``gathered``).
 
     ``head_dim`` is the channels a head moves; ``span_dim``, where larger, the channels it
     spans in memory (in place on partial rotary: the rotary channels of a wider head). A call
@@ -279,7 +280,7 @@ def choose_config(
         block_t, block_h = shrink_to_programs(
             n_tokens, counts, min(NARROW_TILE[0], next_pow2(n_tokens)), NARROW_TILE[1], wanted,
             NARROW_MIN_ROWS)
-        per_warp = NARROW_WARP_ROWS if sines else NARROW_CACHE_WARP_ROWS
+        per_warp = NARROW_WARP_ROWS if sines or gathered else NARROW_CACHE_WARP_ROWS
         return Config(block_t, block_h, 1, block_r, block_p,
                       max(1 if sines else STREAM_WARPS, block_t * block_h // per_warp))
     if wide_v and narrow_heads:

@@ -555,7 +555,8 @@ def test_narrow_heads_beside_one_head_share_a_token_row_across_heads(tokens):
 @pytest.mark.parametrize("tokens", [1, 4, 16, 32, 64, 1024, 16384])
 def test_narrow_heads_on_a_cache_take_the_same_tile_with_more_warps(tokens):
     """The same heads on a cos/sin cache (its rows loaded, not computed): the tile they take
-    on angles, with a warp for every 8 rows and at least 2."""
+    on angles, on at least 2 warps, a warp for every 8 rows (16 where per-token positions
+    gather the rows, as on angles)."""
     from rope_dispatch.backends import triton_tiles
 
     counts, sms = (128, 1), 132
@@ -563,6 +564,9 @@ def test_narrow_heads_on_a_cache_take_the_same_tile_with_more_warps(tokens):
     on_cache = triton_tiles.choose_config(tokens, counts, 64, 64, 2, False, sms, sines=False)
     assert on_cache._replace(warps=0) == on_angles._replace(warps=0)
     assert on_cache.warps == max(2, on_cache.block_t * on_cache.block_h // 8)
+    gathered = triton_tiles.choose_config(tokens, counts, 64, 64, 2, False, sms, sines=False,
+                                          gathered=True)
+    assert gathered == on_cache._replace(warps=max(2, on_angles.warps))
 
 
 @pytest.mark.parametrize("tokens, heads, sines, tile", [
