@@ -120,6 +120,15 @@ class LaunchKey(NamedTuple):
     device: int
 
 
+class WeightGradKey(NamedTuple):
+    """What a weight-gradient sum's compiled launch depends on besides addresses."""
+
+    ints: tuple  # q's and k's partial rows, then their widths
+    grad_dtypes: tuple  # q's and k's weight gradients' dtypes
+    aligned: int
+    device: int
+
+
 class Compiled(NamedTuple):
     """A compiled launch, run as ``run(*grid, stream, *prefix, *pointers, *tail)``."""
 
@@ -139,7 +148,7 @@ class Arguments(NamedTuple):
     warps: int
 
 
-_compiled: dict[LaunchKey | tuple, Compiled] = {}  # tuple: a weight-gradient sum's key
+_compiled: dict[LaunchKey | WeightGradKey, Compiled] = {}
 _partial_shapes: dict[tuple, tuple] = {}  # norm_partials' shapes by the launch's form
 kernel_types: dict[int, tuple[str, ...]] = {}  # each kernel's Triton signature by CUfunction
 
@@ -637,8 +646,9 @@ def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
         tensors = (q_part, q_grad, k_part, k_grad)
         ints = (q_part.shape[0], k_part.shape[0], q_width, k_width)
         addresses = tuple(t.data_ptr() for t in tensors)
-        key = ("weight_grads", ints, q_grad.dtype, k_grad.dtype,
-               sum(1 << i for i, a in enumerate(addresses) if not a & 15), q_part.get_device())
+        key = WeightGradKey(ints, (q_grad.dtype, k_grad.dtype),
+                            sum(1 << i for i, a in enumerate(addresses) if not a & 15),
+                            q_part.get_device())
         if not _run_kept(key, addresses):
             grid = (-(-q_width // tiles.WEIGHT_GRAD_COLS) + -(-k_width // tiles.WEIGHT_GRAD_COLS),)
             rows = max(ints[:2])
@@ -696,17 +706,17 @@ def launch(
     return key
 
 
-def _run_kept(key: LaunchKey | tuple, addresses: Sequence[int]) -> bool:
-    """Launch the compiled launch kept under ``key`` (its last field: the device) on
-    ``addresses``; ``False`` where none is kept."""
+def _run_kept(key: LaunchKey | WeightGradKey, addresses: Sequence[int]) -> bool:
+    """Launch the compiled launch kept under ``key`` on ``addresses``; ``False`` where none is
+    kept."""
     entry = _compiled.get(key)
     if entry is None:
         return False
-    entry.run(*entry.grid, current_stream(key[-1]), *entry.prefix, *addresses, *entry.tail)
+    entry.run(*entry.grid, current_stream(key.device), *entry.prefix, *addresses, *entry.tail)
     return True
 
 
-def _keep(key: LaunchKey | tuple, kernel: Any, compiled: Any, grid: tuple, pointers: int,
+def _keep(key: LaunchKey | WeightGradKey, kernel: Any, compiled: Any, grid: tuple, pointers: int,
           ints: tuple, consts: dict[str, Any]) -> None:
     """Keep what Triton compiled for ``kernel``'s launch (``pointers`` pointer arguments, then
     ``ints``, then ``consts``) under ``key``, to launch it again from addresses alone; not

@@ -305,12 +305,16 @@ def test_a_kept_launch_passes_three_grid_axes_then_its_arguments(monkeypatch):
     monkeypatch.setattr(triton_launch, "_direct_launcher",
                         lambda compiled: (lambda *args: seen.append(args), ("fn", "meta")))
     monkeypatch.setattr(triton_launch, "_hooks_active", lambda: False)
-    monkeypatch.setattr(triton_launch, "current_stream", lambda device: 77)
+    streams = []
+    monkeypatch.setattr(triton_launch, "current_stream",
+                        lambda device: streams.append(device) or 77)
     monkeypatch.setattr(triton_launch, "_compiled", {})
-    key = ("test", 3)
+    key = triton_launch.WeightGradKey((7, 8), ("a", "b"), 3, device=5)
     assert not triton_launch._run_kept(key, (100, 200))  # nothing kept yet
     triton_launch._keep(key, Kernel, object(), (5,), 2, (7, 8), {"ITERS": 4, "BLOCK": 16})
     assert triton_launch._run_kept(key, (100, 200))
     assert seen == [(5, 1, 1, 77, "fn", "meta", 100, 200, 7, 8, 16, 4)]
-    triton_launch._keep(("none",), Kernel, None, (5,), 2, (7, 8), {"ITERS": 4, "BLOCK": 16})
-    assert ("none",) not in triton_launch._compiled  # Triton launched nothing it returned
+    assert streams == [5]  # the key's device's current stream
+    none = key._replace(aligned=0)
+    triton_launch._keep(none, Kernel, None, (5,), 2, (7, 8), {"ITERS": 4, "BLOCK": 16})
+    assert none not in triton_launch._compiled  # Triton launched nothing it returned
