@@ -1,13 +1,11 @@
 """One C call that allocates a compiled Triton kernel's outputs and launches it.
 
-A planned backward made two calls into C, torch's allocation and Triton's launcher; on the
-autograd engine's thread each costs about twice its main-thread time, and TransformerEngine's
-one C++ call beat the pair (docs/benchmarks.md, run AQ). ``direct_launch.c`` holds a launch's
-constant parameters and, per call, reads its inputs' addresses, allocates its outputs with
-``new_empty`` and launches through the CUDA driver. It is built at first use by Triton's own C
-build (the compiler and Python headers Triton's launchers already need) and cached by Triton;
-where it cannot be built or bound, :func:`bind` returns ``None`` and the call is not
-planned.
+On the autograd engine's thread each call into C costs about twice its main-thread time, so a
+planned launch is one call: ``direct_launch.c`` holds the launch's constant parameters and,
+per call, reads its inputs' addresses, allocates its outputs with ``new_empty`` and launches
+through the CUDA driver (docs/tuning.md). It is built at first use by Triton's own C build
+and cached by Triton; where it cannot be built or bound, :func:`bind` returns ``None`` and the
+call is not planned.
 """
 
 from __future__ import annotations

@@ -486,7 +486,7 @@ def check_call(
             "build the spec with the tensor's dtype"
         )
     # t.shape, t.device and table.shape are each read once: every read builds a new object, and
-    # at decode size these checks are a measurable share of the call (docs/benchmarks.md).
+    # at decode size these checks are a measurable share of the call.
     shape = t.shape
     layout = spec.layout
     rank = 3 if layout == "thd" else 4
