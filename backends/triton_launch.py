@@ -281,12 +281,15 @@ def width_segment(t: torch.Tensor, d: int, offset: int = 0, width: int | None = 
     return (t, offset * s_chan, (*lead, heads, width // d, d), (*lead_strides, s_head, d * s_chan, s_chan))
 
 
-def page_segment(pages: torch.Tensor) -> Segment:
-    """A cache's ``[pages, page_size, kv_heads, d]`` k or v as a cache stage writes it: its
-    leading strides (a page, an entry) stand where a thd segment's are a token's and 0."""
-    n_pages, page_size, heads, d = pages.shape
+def page_segment(pages: torch.Tensor, d: int | None = None) -> Segment:
+    """A cache's ``[pages, page_size, kv_heads, width]`` k or v as a cache stage writes it, each
+    head as ``width / d`` heads of ``d`` channels (default: ``d = width``): its leading strides
+    (a page, an entry) stand where a thd segment's are a token's and 0."""
+    n_pages, page_size, heads, width = pages.shape
     s_page, s_entry, s_head, s_chan = pages.stride()
-    return (pages, 0, (n_pages, page_size, heads, 1, d), (s_page, s_entry, s_head, s_head, s_chan))
+    d = d or width
+    return (pages, 0, (n_pages, page_size, heads, width // d if d else 1, d),
+            (s_page, s_entry, s_head, d * s_chan, s_chan))
 
 
 def packed_segments(qkv: torch.Tensor, split: Sequence[int]) -> tuple[Segment, ...]:
@@ -301,9 +304,14 @@ def _segments(launch: Launch, inputs: Sequence[torch.Tensor],
     """(input, output) segment pairs of a segment launch: q, k and v (k again where there is
     no v: the kernel's v programs then do nothing)."""
     if launch.store is not None:  # k and v into the cache's pages
+        # a v a whole number of q's heads wide (MLA's compressed kv) as heads of q's width, so
+        # the tile that suits q's heads suits v's (docs/tuning.md)
+        d, v_width = inputs[0].shape[-1], inputs[2].shape[-1]
+        v = ((width_segment(inputs[2], d), page_segment(outs[2], d))
+             if v_width > d and v_width % d == 0 else
+             (head_segment(inputs[2], 1), page_segment(outs[2])))
         return ((head_segment(inputs[0], 1), head_segment(outs[0], 1)),
-                (head_segment(inputs[1], 1), page_segment(outs[1])),
-                (head_segment(inputs[2], 1), page_segment(outs[2])))
+                (head_segment(inputs[1], 1), page_segment(outs[1])), v)
     if launch.tensors != "qkv":  # a single tensor (norm launches) is q with no k heads
         q, k = (head_segment(x, 1) for x in (inputs[0], inputs[-1]))
         q_out, k_out = (head_segment(x, 1) for x in (outs[0], outs[-1]))
@@ -514,8 +522,9 @@ def _segment_arguments(
     """:func:`_single_arguments` of a q and k or packed qkv launch (``rope_qkv_kernel``), or of
     any launch with a norm or cache stage (``rope_norm_kernel``)."""
     kernels = _load_kernels()
-    # v's heads have their own width: a packed qkv's are k's, a cache stage's v (MLA's
-    # compressed kv) may be wider, or of no channels at all (then no v programs)
+    # v's heads have their own width: a packed qkv's are k's, a cache stage's v may be wider
+    # (where not split into q's heads: :func:`_segments`), or of no channels at all (then no v
+    # programs)
     v_width = pairs[2][0][2][-1]
     has_v = (launch.tensors == "qkv" or launch.store is not None) and v_width > 0
     norm = launch.norm
@@ -547,7 +556,7 @@ def _segment_arguments(
             n_tokens, counts, head_dim, rotary_dim, pairs[0][0][0].element_size(),
             launch.interleaved, sms, tiles.tile_tokens(flags, table, rotary_dim, launch.interleaved),
             tiles.reads_cache_rows(flags), span_dim=shape[-1], sines=not flags[0],
-            wide_v=launch.store is not None and v_width > shape[-1],
+            wide_v=launch.store is not None and pairs[2][0][2][-2] > 1,  # v split
             gathered=tt.position_kind(positions) == 2)
     block_t, block_h, head_iters = config.block_t, config.block_h, config.head_iters
     if whole:  # a norm over a token's heads: one program holds them all
@@ -564,8 +573,7 @@ def _segment_arguments(
             *(n for (x, _), count in zip(pairs, heads) for n in (count, x[2][-2])), *strides)
     consts = _consts(launch, config, rotary_dim, head_dim, flags, positions, n_seqs,
                      not thd and cu_seqlens is not None)
-    # a v wider than q's heads (MLA's compressed kv) is copied a q head's width at a time, so
-    # its tile is the one sized for q's and k's heads (docs/tuning.md)
+    # a v wider than q's heads is copied a q head's width at a time (docs/tuning.md)
     consts.update(HAS_V=has_v, V_WIDTH=v_width,
                   BLOCK_W=min(tiles.next_pow2(v_width), tiles.next_pow2(head_dim)))
     if norm is None and launch.store is None:

@@ -108,9 +108,10 @@ power of two), take one token x all heads a tile reading a cos/sin cache's rows.
 WIDE_HEAD_CACHE_TILE = (8, 4)
 """The q and k tile on a 16-bit cos/sin cache's rows with heads of 256 channels or more."""
 NARROW_HEAD_BYTES = 128
-"""A cache stage's launch whose heads are at most this wide beside a wider v (MLA: 128 heads of
-64 rope channels, a 512-channel compressed kv) takes ``WIDE_V_TILE``. A launch of such heads
-beside a single head (MLA's rope part and its one key head) takes ``NARROW_TILE``."""
+"""A cache stage's launch whose heads are at most this wide beside a v split into heads of their
+width (MLA: 128 heads of 64 rope channels, a 512-channel compressed kv as 8 such heads) takes
+``WIDE_V_TILE``. A launch of such heads beside a single head (MLA's rope part and its one key
+head) takes ``NARROW_TILE``."""
 NARROW_TILE = (2, 16)
 NARROW_WARP_ROWS = 16
 NARROW_MIN_ROWS = 8
@@ -119,11 +120,11 @@ NARROW_CACHE_WARP_ROWS = 8
 16 heads; shrunk for latency to ``NARROW_MIN_ROWS`` rows at least. Where a cos/sin cache's
 rows are loaded, on ``STREAM_WARPS`` warps at least, and a warp takes
 ``NARROW_CACHE_WARP_ROWS`` rows unless per-token positions gather them (docs/tuning.md)."""
-WIDE_V_TILE = (8, 2)
+WIDE_V_TILE = (4, 8)
 WIDE_V_WARPS = 2
-"""Tokens and heads of that tile, and its warps: 8 x 2 on 2 warps led ten tiles at 4k and 16k
-tokens; only a v wider than the heads selects it (GQA heads of 64 channels lost 3-5 points on
-the one-head tile before it; docs/tuning.md)."""
+"""Tokens and heads of that tile, and its warps: with v split, 4 x 8 and 8 x 4 on 2 warps led
+nine tiles from 1k tokens; only a split v selects it (GQA heads of 64 channels lost 3-5 points
+on the one-head tile before it; docs/tuning.md)."""
 GRID_AXIS_MAX = 65535
 """The most blocks a CUDA grid's axes 1 and 2 take: token blocks spread over both past it."""
 
@@ -253,8 +254,9 @@ def choose_config(
     (``BLOCK_R``) is narrower than the program's 128 threads takes two tokens, at half the
     programs.
 
-    A cache stage writing a v wider than its heads (``wide_v``, MLA) takes ``WIDE_V_TILE`` for
-    heads of at most ``NARROW_HEAD_BYTES``, where every SM gets its programs. Heads that narrow
+    A cache stage writing a v split into heads of its heads' width (``wide_v``, MLA) takes
+    ``WIDE_V_TILE`` for heads of at most ``NARROW_HEAD_BYTES``, where every SM gets its
+    programs, else the narrow tile shrunk as below. Heads that narrow
     beside a single head (MLA's rope part) take ``NARROW_TILE``, shrunk for latency to
     ``NARROW_MIN_ROWS`` rows at the least, a warp for ``NARROW_WARP_ROWS`` rows; on a cos/sin
     cache at least ``STREAM_WARPS``, and a warp for ``NARROW_CACHE_WARP_ROWS`` rows where its
@@ -275,18 +277,17 @@ def choose_config(
     block_p = next_pow2(pass_dim) if pass_dim else 1
     wanted = MIN_PROGRAMS_PER_SM * sms
     narrow_heads = head_dim * element_size <= NARROW_HEAD_BYTES
-    narrow = not wide_v and narrow_heads and min(counts) == 1 < max(counts)
-    if narrow:
+    if wide_v and narrow_heads:
+        block_t, block_h = min(WIDE_V_TILE[0], next_pow2(n_tokens)), WIDE_V_TILE[1]
+        if programs(n_tokens, counts, block_t, block_h) >= wanted:
+            return Config(block_t, block_h, 1, block_r, block_p, WIDE_V_WARPS)
+    if narrow_heads and min(counts) == 1 < max(counts):
         block_t, block_h = shrink_to_programs(
             n_tokens, counts, min(NARROW_TILE[0], next_pow2(n_tokens)), NARROW_TILE[1], wanted,
             NARROW_MIN_ROWS)
         per_warp = NARROW_WARP_ROWS if sines or gathered else NARROW_CACHE_WARP_ROWS
         return Config(block_t, block_h, 1, block_r, block_p,
                       max(1 if sines else STREAM_WARPS, block_t * block_h // per_warp))
-    if wide_v and narrow_heads:
-        block_t, block_h = min(WIDE_V_TILE[0], next_pow2(n_tokens)), WIDE_V_TILE[1]
-        if programs(n_tokens, counts, block_t, block_h) >= wanted:
-            return Config(block_t, block_h, 1, block_r, block_p, WIDE_V_WARPS)
     heads_first = (
         tile_tokens == TOKENS_PER_TILE  # a cos/sin cache's row loads want their tokens
         and rotary_dim == head_dim  # pass-through channels copied: 8 x 4 ran faster warm

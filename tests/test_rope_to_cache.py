@@ -628,27 +628,32 @@ def test_triton_v_with_a_head_dim_of_its_own(layout, cache_dtype, kv_heads, dim,
 
 
 @pytest.mark.usefixtures("triton_backend")
-@pytest.mark.parametrize("heads,kv_heads,v_dim,wide_v", [
-    (16, 1, 256, True), (8, 2, 64, False), (16, 1, 64, False)], ids=["mla", "gqa", "mqa"])
-def test_triton_mla_shapes_take_the_wide_v_tile(monkeypatch, heads, kv_heads, v_dim, wide_v):
-    """A v wider than the heads (MLA: narrow rope heads beside the compressed kv) takes
-    ``WIDE_V_TILE``; GQA and MQA heads of the same width keep their own tiles. Both against the
+@pytest.mark.parametrize("heads,kv_heads,v_dim,wide_v,v_width", [
+    (16, 1, 256, True, 64), (16, 1, 96, False, 96), (8, 2, 64, False, 64),
+    (16, 1, 64, False, 64)], ids=["mla", "v-not-whole-heads", "gqa", "mqa"])
+def test_triton_mla_shapes_take_the_wide_v_tile(monkeypatch, heads, kv_heads, v_dim, wide_v,
+                                                v_width):
+    """A v a whole number of heads wide (MLA: narrow rope heads beside the compressed kv) is
+    copied as heads of q's width and takes ``WIDE_V_TILE``; a v of another width is copied
+    whole, and GQA and MQA heads of the same width keep their own tiles. All against the
     float64 reference."""
     from kernel_spy import KernelSpy
 
     from rope_dispatch.backends import triton_norm_kernels, triton_tiles
 
-    tiles = []
+    seen = []
     monkeypatch.setattr(triton_norm_kernels, "rope_norm_kernel", KernelSpy(
         "rope_norm_kernel", triton_norm_kernels.rope_norm_kernel,
-        lambda name, kwargs: tiles.append((kwargs["BLOCK_T"], kwargs["BLOCK_H"]))))
+        lambda name, kwargs: seen.append((kwargs["BLOCK_T"], kwargs["BLOCK_H"],
+                                          kwargs["V_WIDTH"]))))
     tokens = 33 if DEVICE == "cpu" else 512  # the rule leaves every SM its programs
     check_call_against_reference(
         "vllm", torch.bfloat16, torch.bfloat16, tokens=tokens, kv_heads=kv_heads,
         group=heads // kv_heads, dim=64, rotary=64, interleaved=False, norms=False,
         padded=[False] * tokens, v_dim=v_dim, backend="triton", device=DEVICE)
-    assert len(tiles) == 1
-    assert (tiles[0] == triton_tiles.WIDE_V_TILE) is wide_v, tiles
+    assert len(seen) == 1
+    assert (seen[0][:2] == triton_tiles.WIDE_V_TILE) is wide_v, seen
+    assert seen[0][2] == v_width, seen
 
 
 @pytest.mark.usefixtures("triton_backend")
