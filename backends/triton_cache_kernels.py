@@ -89,7 +89,9 @@ def _divided(x, scale):
     2026-11-29); tests/test_rope_to_cache.py checks the values next to each rounding boundary."""
     x = x.to(tl.float32)
     bits = scale.to(tl.uint32, bitcast=True)
-    if ((tl.abs(scale) > _RECIPROCAL_MIN) & (tl.abs(scale) < _RECIPROCAL_MAX)
+    if scale == 1.0:  # the quotient is x (every float32: zeros, subnormals, inf and NaN)
+        out = x
+    elif ((tl.abs(scale) > _RECIPROCAL_MIN) & (tl.abs(scale) < _RECIPROCAL_MAX)
             & ((bits & 0x7FFFFF) != 0x7FFFFF)):
         r = tl.math.div_rn(1.0, scale)
         q = x * r

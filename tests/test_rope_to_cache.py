@@ -792,15 +792,15 @@ def test_triton_fp8_stores_round_as_ieee_division(dtype, tensor_scale):
     """Every FP8 store holds the cast of the IEEE float32 quotient, byte for byte: every
     bfloat16 value widened, and for each scale the float32 values nearest to each FP8 rounding
     midpoint times the scale (where a quotient one ulp off would round the other way), zeros,
-    subnormals, infinities and NaN; scales ordinary, with an all-ones significand, tiny and
-    huge. v is copied into the cache; k's channels past its 2 rotary ones are stored as they
+    subnormals, infinities and NaN; scales one (the quotient x itself), ordinary, with an
+    all-ones significand, tiny and huge. v is copied into the cache; k's channels past its 2 rotary ones are stored as they
     are (the rotation's pass-through)."""
     widened = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16).view(
         torch.bfloat16).float()
     ones = torch.tensor([0x3C7FFFFF, 0x3FFFFFFF], dtype=torch.int32).view(torch.float32).tolist()
     specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45,
                              -1e-45, 1e-40, 2.0 ** -126, 2.0 ** -99, -(2.0 ** -100), 3e38])
-    for scale in (0.05, 0.3629, 1 / 3, 7.4e-6, 8360.37, *ones, 1.5 * 2.0 ** -79, 1e-25,
+    for scale in (1.0, 0.05, 0.3629, 1 / 3, 7.4e-6, 8360.37, *ones, 1.5 * 2.0 ** -79, 1e-25,
                   1e-35, 1e30, 1.7 * 2.0 ** 125):
         near = (fp8_midpoints(dtype) * scale).float()
         bits = near.view(torch.int32)
