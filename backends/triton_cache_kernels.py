@@ -1,6 +1,7 @@
 """The cache stage's kernel pieces (``rope_to_cache``): where each token's k and v go in a KV
 cache, found on the device from the cache's index tensors, and the FP8 stores' scales. Used by
-the v copy (backends/triton_kernels.py) and the norm kernel (backends/triton_norm_kernels.py).
+the v copy (backends/triton_kernels.py) and the norm kernel (backends/triton_norm_kernels.py);
+:func:`quantize_kernel` stores a tensor into FP8 by the same formula.
 """
 
 from __future__ import annotations
@@ -101,3 +102,19 @@ def _divided(x, scale):
     else:
         out = tl.math.div_rn(x, scale)
     return out
+
+
+@triton.jit(do_not_specialize=["rows"])
+def quantize_kernel(x_ptr, out_ptr, rows, cols, sx, so, scale, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    """Rows of ``x`` (``sx`` apart, channels contiguous) divided by ``scale`` (:func:`_divided`)
+    and cast to ``out``'s FP8 dtype (rows ``so`` apart): the FP8 stores' formula for a tensor
+    the cache stage does not read (FlashInfer's ``q_nope``). Program ``(i, j)`` takes rows
+    ``i * BLOCK_R`` on, channels ``j * BLOCK_C`` on."""
+    scale = tl.cast(scale, tl.float32)  # the interpreter passes a number as it is
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    x = tl.load(x_ptr + r[:, None] * sx + c[None, :], mask=mask)
+    tl.store(out_ptr + r[:, None] * so + c[None, :],
+             _divided(x, scale).to(out_ptr.dtype.element_ty), mask=mask)

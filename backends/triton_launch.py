@@ -120,11 +120,13 @@ class LaunchKey(NamedTuple):
     device: int
 
 
-class WeightGradKey(NamedTuple):
-    """What a weight-gradient sum's compiled launch depends on besides addresses."""
+class KernelKey(NamedTuple):
+    """What a compiled launch of a kernel of its own (the weight-gradient sum, the FP8
+    quantizing copy) depends on besides addresses."""
 
-    ints: tuple  # q's and k's partial rows, then their widths
-    grad_dtypes: tuple  # q's and k's weight gradients' dtypes
+    kernel: str
+    args: tuple  # its integer and float arguments
+    dtypes: tuple  # its tensors' dtypes
     aligned: int
     device: int
 
@@ -148,8 +150,9 @@ class Arguments(NamedTuple):
     warps: int
 
 
-_compiled: dict[LaunchKey | WeightGradKey, Compiled] = {}
+_compiled: dict[LaunchKey | KernelKey, Compiled] = {}
 _partial_shapes: dict[tuple, tuple] = {}  # norm_partials' shapes by the launch's form
+_quantize_launches: dict[tuple, Any] = {}  # quantize's bound launches by its tensors' form
 kernel_types: dict[int, tuple[str, ...]] = {}  # each kernel's Triton signature by CUfunction
 
 
@@ -654,9 +657,9 @@ def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
         tensors = (q_part, q_grad, k_part, k_grad)
         ints = (q_part.shape[0], k_part.shape[0], q_width, k_width)
         addresses = tuple(t.data_ptr() for t in tensors)
-        key = WeightGradKey(ints, (q_grad.dtype, k_grad.dtype),
-                            sum(1 << i for i, a in enumerate(addresses) if not a & 15),
-                            q_part.get_device())
+        key = KernelKey("weight_grad", ints, (q_grad.dtype, k_grad.dtype),
+                        sum(1 << i for i, a in enumerate(addresses) if not a & 15),
+                        q_part.get_device())
         if not _run_kept(key, addresses):
             grid = (-(-q_width // tiles.WEIGHT_GRAD_COLS) + -(-k_width // tiles.WEIGHT_GRAD_COLS),)
             rows = max(ints[:2])
@@ -667,6 +670,59 @@ def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
             if not _load_kernels().INTERPRETED:
                 _keep(key, weight_grad_kernel, compiled, grid, 4, ints, consts)
     return tuple(g for g in grads if g is not None)
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The stride between ``t``'s rows (its last dim) where they are evenly spaced and their
+    channels contiguous; ``None`` otherwise."""
+    if t.dim() < 2 or (t.stride(-1) != 1 and t.shape[-1] > 1):
+        return None
+    step, span = t.stride(-2), 1
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size != 1 and stride != step * span:
+            return None
+        span *= size
+    return step
+
+
+def quantize(x: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
+    """``out[...] = x / scale`` cast to ``out``'s FP8 dtype in one launch (``quantize_kernel``),
+    as the cache stage's stores divide and cast; ``False``, doing nothing, where rows of ``x``
+    or ``out`` are not evenly spaced with contiguous channels. A form seen before (shapes,
+    strides, dtypes, scale, device) launches bound, one call into C."""
+    form = (x.shape, x.stride(), out.shape, out.stride(), x.dtype, out.dtype, scale, x.device,
+            out.device)
+    run = _quantize_launches.get(form)
+    if run is not None and run(current_stream(x.get_device()), x, out) is not NotImplemented:
+        return True
+    sx, so = _row_stride(x), _row_stride(out)
+    if sx is None or so is None or x.shape != out.shape or x.device != out.device:
+        return False
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    if not rows:
+        return True
+    block_c = min(tiles.next_pow2(cols), tiles.QUANTIZE_TILE)
+    block_r = tiles.QUANTIZE_TILE // block_c
+    args = (rows, cols, sx, so, float(scale))
+    addresses = (x.data_ptr(), out.data_ptr())
+    key = KernelKey("quantize", args, (x.dtype, out.dtype),
+                    sum(1 << i for i, a in enumerate(addresses) if not a & 15), x.get_device())
+    with tt.on_device(x):
+        if not _run_kept(key, addresses):
+            from .triton_cache_kernels import quantize_kernel
+
+            grid = (-(-rows // block_r), -(-cols // block_c))
+            consts = dict(BLOCK_R=block_r, BLOCK_C=block_c)
+            compiled = quantize_kernel[grid](x, out, *args, num_warps=tiles.WARPS, **consts)
+            if not _load_kernels().INTERPRETED:
+                _keep(key, quantize_kernel, compiled, grid, 2, args, consts)
+        entry = _compiled.get(key)
+        if entry is not None and key.aligned == 3 and form not in _quantize_launches:
+            if len(_quantize_launches) > 256:
+                _quantize_launches.clear()
+            _quantize_launches[form] = bound(entry, slots(((x, 0), (out, 0)), (x, out)))
+    return True
 
 
 def _at(t: torch.Tensor, offset: int) -> torch.Tensor:
@@ -714,7 +770,7 @@ def launch(
     return key
 
 
-def _run_kept(key: LaunchKey | WeightGradKey, addresses: Sequence[int]) -> bool:
+def _run_kept(key: LaunchKey | KernelKey, addresses: Sequence[int]) -> bool:
     """Launch the compiled launch kept under ``key`` on ``addresses``; ``False`` where none is
     kept."""
     entry = _compiled.get(key)
@@ -724,7 +780,7 @@ def _run_kept(key: LaunchKey | WeightGradKey, addresses: Sequence[int]) -> bool:
     return True
 
 
-def _keep(key: LaunchKey | WeightGradKey, kernel: Any, compiled: Any, grid: tuple, pointers: int,
+def _keep(key: LaunchKey | KernelKey, kernel: Any, compiled: Any, grid: tuple, pointers: int,
           ints: tuple, consts: dict[str, Any]) -> None:
     """Keep what Triton compiled for ``kernel``'s launch (``pointers`` pointer arguments, then
     ``ints``, then ``consts``) under ``key``, to launch it again from addresses alone; not

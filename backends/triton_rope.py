@@ -574,3 +574,8 @@ class TritonBackend(Backend):
         if call.cache_write is not None:
             return rope_to_cache(call)
         return rope(call)
+
+    def quantize(self, x: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
+        """``out[...] = x / scale`` cast to ``out``'s FP8 dtype, as the cache stage stores
+        (:func:`triton_launch.quantize`); ``False`` where it does not serve."""
+        return x.device.type in self.devices and tl.quantize(x, out, scale)

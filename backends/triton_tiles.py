@@ -32,6 +32,9 @@ WEIGHT_GRAD_COLS = 16
 WEIGHT_GRAD_WARPS = 8
 """The tile of the norm weights' final sum (``weight_grad_kernel``): a program's columns, read
 this many partial rows at a time, on this many warps."""
+QUANTIZE_TILE = 2048
+"""Elements a program of the FP8 quantizing copy (``quantize_kernel``) takes on ``WARPS`` warps:
+rows of up to this many channels, as many rows as fit."""
 
 
 def next_pow2(n: int) -> int:

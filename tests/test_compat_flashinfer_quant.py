@@ -943,3 +943,46 @@ def test_the_mla_door_replays_in_a_cuda_graph_and_after_it():
     for got in (captured, after):
         for g, w in zip((*got[0], *got[1]), (*want[0], *want[1])):
             assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; runs on the GPU "
+                    "machine (scripts/device_check.sh)")
+@pytest.mark.parametrize("quant_scale_q", [1.0, 0.37])
+def test_the_mla_door_quantizes_q_nope_in_a_triton_launch_unless_another_backend_is_forced(
+        monkeypatch, quant_scale_q):
+    """On a GPU the MLA door stores q_nope (here a slice of q's projection, into a slice of one
+    q output) by the Triton backend's quantizing copy, bound after its first call: the bytes
+    torch's division stores, which serves where another backend is forced."""
+    triton = rd.get_backend("triton")
+    if not triton.available:
+        pytest.skip(f"the triton backend is unavailable: {triton.availability}")
+    served = []
+    quantize = type(triton).quantize
+    monkeypatch.setattr(type(triton), "quantize",
+                        lambda self, x, out, scale: served.append(scale) or quantize(self, x, out,
+                                                                                     scale))
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(7, 128, 576, generator=gen).bfloat16().cuda() * 8
+    k = torch.randn(7, 576, generator=gen).bfloat16().cuda()
+    cos_sin = engine_cache(64, gen).cuda()
+
+    def door(backend):
+        q_out = torch.zeros(7, 128, 576, dtype=torch.float8_e4m3fn, device="cuda")
+        k_out = torch.zeros(7, 576, dtype=torch.float8_e4m3fn, device="cuda")
+        with rd.use_backend(backend):
+            mla_rope_quantize_fp8(
+                q[..., 512:], k[..., 512:], q[..., :512], k[..., :512], cos_sin,
+                torch.arange(7, device="cuda"), is_neox=False, quant_scale_q=quant_scale_q,
+                q_rope_out=q_out[..., 512:], k_rope_out=k_out[..., 512:],
+                q_nope_out=q_out[..., :512], k_nope_out=k_out[..., :512])
+        return q_out.view(torch.uint8), k_out.view(torch.uint8)
+
+    fused, again = door(None), door(None)  # the second by the launch bound at the first
+    assert served == [1 / quant_scale_q] * 2
+    eager = door("eager")
+    assert served == [1 / quant_scale_q] * 2  # torch's division, not the Triton launch
+    assert torch.equal(fused[0], again[0])
+    assert torch.equal(fused[0][..., :512], eager[0][..., :512])
+    assert torch.equal(fused[1][..., :512], eager[1][..., :512])
+    assert fused[0][..., :512].any()

@@ -309,7 +309,7 @@ def test_a_kept_launch_passes_three_grid_axes_then_its_arguments(monkeypatch):
     monkeypatch.setattr(triton_launch, "current_stream",
                         lambda device: streams.append(device) or 77)
     monkeypatch.setattr(triton_launch, "_compiled", {})
-    key = triton_launch.WeightGradKey((7, 8), ("a", "b"), 3, device=5)
+    key = triton_launch.KernelKey("weight_grad", (7, 8), ("a", "b"), 3, device=5)
     assert not triton_launch._run_kept(key, (100, 200))  # nothing kept yet
     triton_launch._keep(key, Kernel, object(), (5,), 2, (7, 8), {"ITERS": 4, "BLOCK": 16})
     assert triton_launch._run_kept(key, (100, 200))

@@ -18,6 +18,7 @@ refuses FP8 there and its FP8 cases are GPU tests; the eager composition is chec
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -828,6 +829,36 @@ def test_triton_fp8_stores_round_as_ieee_division(dtype, tensor_scale):
                 f"scale {scale}: {int(differ.sum())} stores differ, first x "
                 f"{source[differ][:4].tolist()} stored {got[differ][:4].float().tolist()} "
                 f"want {want[differ][:4].float().tolist()}")
+
+
+@pytest.mark.parametrize("cols,scale", [(24, 1.0), (600, 0.37), (512, 3e-3)])
+def test_triton_quantizing_copy_divides_and_casts_as_the_stores(triton_backend, cols, scale):
+    """The quantizing copy (FlashInfer's q_nope) stores the cast of the IEEE float32 quotient:
+    rows of a slice of a wider tensor into a slice of another, wider rows taking two column
+    blocks; zeros, infinities and NaN among them. On a GPU into each FP8 dtype byte for byte;
+    on the CPU into float32, the quotient itself (exact at scale 1; within an ulp otherwise:
+    the interpreter's fused multiply-add rounds twice). Channels that are not contiguous are
+    left to the caller (``False``, out untouched)."""
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(3, 5, cols + 8, generator=gen) * 4
+    wide[0, 0, :6] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40])
+    # each form twice, the second time (other values) by the launch bound the first time
+    for source_dtype, sign, dtype in itertools.product(
+            (torch.float32, torch.bfloat16), (1, -1), FP8 if CUDA else (torch.float32,)):
+        x = (sign * wide.to(DEVICE)).to(source_dtype)[..., 8:]
+        out = torch.zeros(3, 5, cols + 2, dtype=dtype, device=DEVICE)[..., 1:-1]
+        assert triton_backend.quantize(x, out, scale)
+        want, got = ieee_quotients_cast(x.float(), scale, dtype), out.cpu()
+        if CUDA or scale == 1.0:
+            both_nan = got.float().isnan() & want.float().isnan()
+            bits = torch.uint8 if dtype.itemsize == 1 else torch.int32
+            differ = (got.view(bits) != want.view(bits)) & ~both_nan
+            assert not differ.any(), (source_dtype, dtype, got[differ][:4], want[differ][:4])
+        else:
+            torch.testing.assert_close(got, want, rtol=2.0 ** -23, atol=0, equal_nan=True)
+    out = torch.zeros(3, 5, cols // 2, dtype=torch.float32, device=DEVICE)
+    assert not triton_backend.quantize(wide.to(DEVICE)[..., ::2][..., : cols // 2], out, scale)
+    assert not out.any()
 
 
 def serving_step(layout: str, tokens: int = 8, dtype: torch.dtype = torch.float8_e4m3fn):

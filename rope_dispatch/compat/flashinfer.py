@@ -28,7 +28,8 @@ are only quantized. ``quant_scale_q`` and ``quant_scale_kv`` multiply (FlashInfe
 - ``rope_quantize_fp8`` / ``mla_rope_quantize_fp8``: ``q_rope`` is q, ``k_rope`` k and
   ``k_nope`` v of a :class:`~rope_dispatch.FlatKVCache` whose k and v caches are ``k_rope_out``
   and ``k_nope_out`` (token ``i`` at slot ``i``); ``q_rope_out`` is ``q_out``. ``q_nope`` is
-  quantized into ``q_nope_out`` here, by the same formula. MLA's 2-D ``k_rope``/``k_nope`` are
+  quantized into ``q_nope_out`` beside that call, by the same formula (on a GPU one launch of
+  the Triton backend's quantizing copy, unless another backend is forced). MLA's 2-D ``k_rope``/``k_nope`` are
   one kv head (``[nnz, 1, dim]`` views).
 - ``rope_quantize_fp8_append_paged_kv_cache``, MLA (2-D ``k_rope``): a
   :class:`~rope_dispatch.FlashInferPagedKVCache` whose k cache is ``kpe_cache`` and v cache
@@ -49,9 +50,10 @@ Where FlashInfer's kernels and these doors differ:
   a power of two (the default 1.0 too); for other scales a value may land on the neighbouring
   FP8 value where float32 rounding of ``1 / s`` moves it across a rounding boundary.
 - Overflow: FlashInfer's cast saturates (``__NV_SATFINITE``: past the largest finite FP8 value
-  it stores that value); ours casts as torch casts, which (torch 2.13) saturates
-  ``float8_e4m3fn`` at 448 too but rounds ``float8_e5m2`` values from 61440 up to inf
-  (FlashInfer: 57344). A scale that keeps values in range gives the same bytes.
+  it stores that value), and so do the Triton backend's stores (``q_nope``'s too); the eager
+  composition casts as torch casts, which (torch 2.13) saturates ``float8_e4m3fn`` at 448 too
+  but rounds ``float8_e5m2`` values from 61440 up to inf (FlashInfer: 57344). A scale that
+  keeps values in range gives the same bytes.
 - Padding (``batch_indices`` negative): FlashInfer's kernel skips the whole token, its q rows
   too; here only the cache write is skipped and its q rows are written (rotated).
 - Wider than FlashInfer: float32 inputs, any strides (FlashInfer: the last dim contiguous),
@@ -68,9 +70,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..dispatch import apply_qk_, rope_to_cache
+from ..dispatch import _scoped_or_env_backend, apply_qk_, rope_to_cache
 from ..errors import RoPEError, RoPETypeError
 from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache
+from ..registry import get_backend
 from ..spec import RoPESpec, dtype_name
 from ..tables import PairCosSinCache
 
@@ -574,9 +577,14 @@ def _joined(name: str, rope: torch.Tensor, nope: Optional[torch.Tensor],
 def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -> None:
     """``out[...] = (x / scale)`` cast to ``out``'s FP8 dtype, the division in float32 (the
     core's formula: ``scale`` is ``1 / quant_scale``). ``x`` ``None``: a None nope part, whose
-    ``out`` has no channels."""
+    ``out`` has no channels. On a GPU the Triton backend's quantizing copy stores it, unless
+    another backend is forced (torch's division into FP8 ran at 15-28% of copy; the same bytes)."""
     if out.numel() == 0:
         return
+    if x.device.type == "cuda" and _scoped_or_env_backend()[0] in (None, "triton"):
+        triton = get_backend("triton")
+        if triton.available and triton.quantize(x, out, scale):
+            return
     key = (scale, x.device)
     divisor = _DIVISORS.get(key)
     if divisor is None:  # a tensor: torch turns a division by a number into a product
