@@ -87,7 +87,7 @@ def rope_tensors(
     With ``transpose=True`` it applies the transposed map instead, which is the backward:
     ``rotate`` is a quarter turn, so its transpose is ``-rotate`` and the gradient of ``g`` is
     ``g cos - rotate(g sin)`` (each channel meets its partner's sine). ``cos``/``sin`` are
-    float32 ``[s2, d2]``. Pure in its tensor arguments, so the compile backend traces exactly
+    ``[s2, d2]``, float32 or a cache's 16-bit dtype (widened by the math). Pure in its tensor arguments, so the compile backend traces exactly
     this math. ``dtype``: the output's (default ``t``'s; a normalized ``t`` comes in float32).
 
     ``offset``: the rotary channels are ``[offset, offset + d2)``, every other one is copied.
@@ -97,8 +97,8 @@ def rope_tensors(
     dtype = t.dtype if dtype is None else dtype
     pos = positions(t.shape, layout, cu_seqlens, index, cp_size, cp_rank, t.device)
     cos, sin = table_rows(cos, pos).unsqueeze(-2), table_rows(sin, pos).unsqueeze(-2)
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
+    if scale != 1.0:  # in float32: a 16-bit cos/sin cache's product would round to 16 bits
+        cos, sin = cos.float() * scale, sin.float() * scale
     d2 = cos.shape[-1]
     x = t[..., offset:offset + d2].float()
     if deinterleave and not transpose:

@@ -77,6 +77,30 @@ def test_angle_table_with_the_spec_scale_equals_the_cache_with_the_factor(backen
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_cos_sin_cache_is_scaled_in_float32(backend, cache_dtype, request):
+    """A model's 16-bit cos and sin under a scale that is not a power of two: the scale
+    multiplies the cache's values widened to float32 (a product rounded to 16 bits first was
+    off by up to 6e-3), forward and backward, against float64 on the cache's own values."""
+    _use(backend, request)
+    gen = torch.Generator().manual_seed(11)
+    angles = torch.rand(8, 8, generator=gen, dtype=torch.float64) * 40 - 20
+    cache = rd.CosSinCache(angles.cos().to(cache_dtype).to(DEVICE),
+                           angles.sin().to(cache_dtype).to(DEVICE))
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=1.25)
+    x = torch.randn(8, 2, 3, 8, generator=gen).to(DEVICE).requires_grad_(True)
+    grad_out = torch.randn(8, 2, 3, 8, generator=gen).to(DEVICE)
+    out = rd.apply(x, cache, spec, backend=backend)
+    (grad,) = torch.autograd.grad(out, x, grad_out)
+    x64 = x.detach().double().requires_grad_(True)
+    cos, sin = (c.double()[:, None, None, :] for c in (cache.cos, cache.sin))
+    want = 1.25 * (x64 * cos + torch.cat((-x64[..., 4:], x64[..., :4]), -1) * sin)
+    (want_grad,) = torch.autograd.grad(want, x64, grad_out.double())
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("kind", ["angles", "cache", "in_place", "partial_interleaved"])
 def test_every_table_and_call_kind_scales_the_rotated_channels_only(backend, kind, request):
     _use(backend, request)
