@@ -759,6 +759,8 @@ def launch(
     else:
         pairs = _segments(described, inputs, outs)
         chosen = _segment_arguments(described, pairs, tabs, config)
+        if chosen is None:  # nothing to launch (and an empty tensor has no element to point at)
+            return None
         tensors = (*(_view(seg) for pair in pairs for seg in pair),
                    *(t if not offset else _at(t, offset) for t, offset in sources[6:]))
     if chosen is None:

@@ -555,3 +555,25 @@ def test_repeated_calls_wanting_a_gradient_are_checked_each_time(backend, wants)
             else:
                 assert_matches(a, b, case.dtype, f"step {step} dq, dk")
     assert len(rd.dispatch._plans) == before, "a call wanting a gradient through norms is unplanned"
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_packed_qkv_with_norms_and_no_tokens(backend, layout):
+    """A packed qkv of no tokens (a batch of empty sequences) with q and k norms: empty outputs
+    and gradients, zero weight gradients, forward and backward (the backward once pointed a
+    view past the empty storage)."""
+    shape = (2, 0, 1, 8) if layout == "bshd" else (0, 1, 8)
+    qkv = torch.randn(shape, device=DEVICE, requires_grad=True)
+    cu = None if layout == "bshd" else torch.tensor([0, 0, 0], dtype=torch.int32, device=DEVICE)
+    spec = rd.RoPESpec(layout=layout, dtype="fp32", cu_seqlens=cu)
+    norms = [rd.HeadNorm(weight(2, seed, torch.float32, DEVICE)) for seed in (4, 5)]
+    outs = rd.apply_qkv(qkv, torch.rand(4, 2, device=DEVICE), spec, (4, 2, 2), q_norm=norms[0],
+                        k_norm=norms[1], backend=backend)
+    assert [tuple(o.shape) for o in outs] == [(*shape[:-2], 2, 2), (*shape[:-2], 1, 2),
+                                              (*shape[:-2], 1, 2)]
+    grads = torch.autograd.grad(sum(o.sum() for o in outs), (qkv, *(n.weight for n in norms)))
+    assert grads[0].shape == qkv.shape
+    for g in grads[1:]:
+        torch.testing.assert_close(g, torch.zeros(2, device=DEVICE), rtol=0, atol=0)
