@@ -87,8 +87,9 @@ def rope_tensors(
     With ``transpose=True`` it applies the transposed map instead, which is the backward:
     ``rotate`` is a quarter turn, so its transpose is ``-rotate`` and the gradient of ``g`` is
     ``g cos - rotate(g sin)`` (each channel meets its partner's sine). ``cos``/``sin`` are
-    ``[s2, d2]``, float32 or a cache's 16-bit dtype (widened by the math). Pure in its tensor arguments, so the compile backend traces exactly
-    this math. ``dtype``: the output's (default ``t``'s; a normalized ``t`` comes in float32).
+    ``[s2, d2]``, float32 or a cache's 16-bit dtype (widened by the math). Pure in its tensor
+    arguments, so the compile backend traces exactly this math. ``dtype``: the output's
+    (default ``t``'s; a normalized ``t`` comes in float32).
 
     ``offset``: the rotary channels are ``[offset, offset + d2)``, every other one is copied.
     ``deinterleave``: their pairs ``(2k, 2k+1)`` are first moved to ``(k, k + d2/2)`` (then
