@@ -240,18 +240,11 @@ def _norm_rope_program(
                     GROUPED,
                 )
             hh = head_lo + it * BLOCK_H + tl.arange(0, BLOCK_H)
-            if NORM == 0:
-                if BACKWARD:
-                    z_a, z_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED,
-                                        BLOCK_T, BLOCK_H, BLOCK_R)
-                    _store_chunk(z_a, z_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group,
-                                 sxg, sxh, sog, soh, sod, c_mask, p_mask, ROT_DIM, PASS_DIM,
-                                 INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P, GROUPED)
-                else:
-                    _rotate_store(x_a, x_b, kept, x_row, o_row, write, head_lo, it, heads, group,
-                                  sxg, sxh, sog, soh, sod, c_mask, p_mask, cos_a, cos_b, coef_a,
-                                  coef_b, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R,
-                                  BLOCK_P, GROUPED, scale, QUANT)
+            if NORM == 0:  # (the transpose too: an inverse rotation's cache stage, a backward)
+                _rotate_store(x_a, x_b, kept, x_row, o_row, write, head_lo, it, heads, group,
+                              sxg, sxh, sog, soh, sod, c_mask, p_mask, cos_a, cos_b, coef_a,
+                              coef_b, ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_R,
+                              BLOCK_P, GROUPED, scale, QUANT)
             else:
                 w_a, w_b, w_p = _norm_weights(w_ptr, hh, heads, c, c_mask, p_mask, NORM, OFFSET,
                                               ROT_DIM, PASS_DIM, INTERLEAVED, BLOCK_P)

@@ -165,12 +165,12 @@ def check_call_against_reference(
     layout: str, model: torch.dtype, cache_dtype: torch.dtype, *, tokens: int, kv_heads: int,
     group: int, dim: int, rotary: int, interleaved: bool, norms: bool, padded: list[bool],
     q_mode: str = "model", seed: int = 0, v_dim: int | None = None, backend: str = "eager",
-    device: str = "cpu", tensor_scales: bool = False,
+    device: str = "cpu", tensor_scales: bool = False, inverse: bool = False,
 ) -> None:
     """One call of every feature asked, run by ``backend`` on ``device`` and checked against the
     float64 reference: q out, each written token's k and v, and every other byte of both
     caches. ``v_dim``: v's head dim (default k's); ``tensor_scales``: an FP8 cache's scales as
-    float32 device scalars (else numbers)."""
+    float32 device scalars (else numbers); ``inverse``: the spec's inverse rotation."""
     gen = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     q = torch.randn(tokens, heads, dim, generator=gen).to(model)
@@ -195,7 +195,7 @@ def check_call_against_reference(
         q_out = q_on = q.to(device)
     q_in = q.clone()
 
-    spec = rd.RoPESpec(layout="thd", dtype=model, interleaved=interleaved)
+    spec = rd.RoPESpec(layout="thd", dtype=model, interleaved=interleaved, inverse=inverse)
     on = {"device": device}
     out = rd.rope_to_cache(
         q_on if q_mode == "into-q" else q.to(**on), k.to(**on), v.to(**on), angles.to(**on), spec,
@@ -206,8 +206,9 @@ def check_call_against_reference(
     )
 
     truncated = backend == "triton" and device == "cpu"  # the interpreter's bfloat16 cast
-    q_ref = reference_rope(norm64(q_in, q_weight), angles, positions, interleaved)
-    k_ref = reference_rope(norm64(k, k_weight), angles, positions, interleaved)
+    q_ref = reference_rope(norm64(q_in, q_weight), angles, positions, interleaved,
+                           inverse=inverse)
+    k_ref = reference_rope(norm64(k, k_weight), angles, positions, interleaved, inverse=inverse)
     if q_out is not None:
         assert out is q_out
     want_q = {"model": model, "into-q": model, "fp8-scale": torch.float8_e4m3fn,
@@ -626,6 +627,21 @@ def test_triton_v_with_a_head_dim_of_its_own(layout, cache_dtype, kv_heads, dim,
         padded=[False, True, False, False, False, True, False],
         q_mode="fp8-scale" if cache_dtype in FP8 else "model", v_dim=v_dim, backend="triton",
         device=DEVICE)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_inverse_rotation_into_the_cache(backend, layout, request):
+    """``inverse=True``: q and k rotated by minus the angle; padded tokens write nothing (the
+    Triton kernel's transposed rotation once wrote them to the cache's first entry, unscaled),
+    FP8 stores scaled on a GPU."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    cache_dtype = torch.float8_e4m3fn if CUDA else torch.float32
+    check_call_against_reference(
+        layout, torch.float32, cache_dtype, tokens=6, kv_heads=2, group=2, dim=16, rotary=16,
+        interleaved=False, norms=False, padded=[False, True, False, False, True, False],
+        q_mode="fp8-scale" if CUDA else "model", backend=backend, device=DEVICE, inverse=True)
 
 
 @pytest.mark.usefixtures("triton_backend")
