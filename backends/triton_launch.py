@@ -121,8 +121,7 @@ class LaunchKey(NamedTuple):
 
 
 class KernelKey(NamedTuple):
-    """What a compiled launch of a kernel of its own (the weight-gradient sum, the FP8
-    quantizing copy) depends on besides addresses."""
+    """What a kernel's launch (the weight-gradient sum, the FP8 quantizing copy) depends on."""
 
     kernel: str
     args: tuple  # its integer and float arguments
@@ -672,39 +671,34 @@ def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
     return tuple(g for g in grads if g is not None)
 
 
-def _row_stride(t: torch.Tensor) -> int | None:
-    """The stride between ``t``'s rows (its last dim) where they are evenly spaced and their
-    channels contiguous; ``None`` otherwise."""
-    if t.dim() < 2 or (t.stride(-1) != 1 and t.shape[-1] > 1):
+def _rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as ``[rows, channels]``, a view with contiguous channels; ``None`` where none is."""
+    try:
+        rows = t.view(-1, t.shape[-1]) if t.dim() > 1 else None
+    except RuntimeError:  # rows not evenly spaced
         return None
-    step, span = t.stride(-2), 1
-    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
-        if size != 1 and stride != step * span:
-            return None
-        span *= size
-    return step
+    return rows if rows is not None and (rows.stride(1) == 1 or rows.shape[1] < 2) else None
 
 
 def quantize(x: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
     """``out[...] = x / scale`` cast to ``out``'s FP8 dtype in one launch (``quantize_kernel``),
-    as the cache stage's stores divide and cast; ``False``, doing nothing, where rows of ``x``
-    or ``out`` are not evenly spaced with contiguous channels. A form seen before (shapes,
-    strides, dtypes, scale, device) launches bound, one call into C."""
+    as the cache stage's stores divide and cast; ``False``, doing nothing, where ``x`` or
+    ``out`` is not rows with contiguous channels. A form seen before (shapes, strides, dtypes,
+    scale, devices) launches bound, one call into C."""
     form = (x.shape, x.stride(), out.shape, out.stride(), x.dtype, out.dtype, scale, x.device,
             out.device)
     run = _quantize_launches.get(form)
     if run is not None and run(current_stream(x.get_device()), x, out) is not NotImplemented:
         return True
-    sx, so = _row_stride(x), _row_stride(out)
-    if sx is None or so is None or x.shape != out.shape or x.device != out.device:
+    x_rows, out_rows = _rows(x), _rows(out)
+    if x_rows is None or out_rows is None or x.shape != out.shape or x.device != out.device:
         return False
-    cols = x.shape[-1]
-    rows = x.numel() // cols if cols else 0
+    rows, cols = x_rows.shape
     if not rows:
         return True
     block_c = min(tiles.next_pow2(cols), tiles.QUANTIZE_TILE)
     block_r = tiles.QUANTIZE_TILE // block_c
-    args = (rows, cols, sx, so, float(scale))
+    args = (rows, cols, x_rows.stride(0), out_rows.stride(0), float(scale))
     addresses = (x.data_ptr(), out.data_ptr())
     key = KernelKey("quantize", args, (x.dtype, out.dtype),
                     sum(1 << i for i, a in enumerate(addresses) if not a & 15), x.get_device())
