@@ -768,21 +768,25 @@ def expanded_dim(t: torch.Tensor) -> int | None:
 _OVERLAP_SEARCH_LIMIT = 10_000
 
 
-def shared_element(a: torch.Tensor, b: torch.Tensor, width: int) -> bool | None:
-    """Whether ``a[..., :width]`` and ``b[..., :width]`` (same dtype) address a common element:
+def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
+                   b_width: int | None = None) -> bool | None:
+    """Whether ``a[..., :width]`` and ``b[..., :b_width]`` (same dtype; ``b_width`` defaults to
+    ``width``) address a common element:
     True or False, or None where the search for one gives up (strides that do not nest), which
     torch's own in-place checks call too hard to tell. Exact for any strides: it looks for
     index offsets, within both tensors' bounds, whose strided sum is the distance between the
     two starts, from the largest stride down, keeping only offsets the smaller strides can
     still complete."""
-    if a.numel() == 0 or b.numel() == 0 or width == 0:
+    b_width = width if b_width is None else b_width
+    if a.numel() == 0 or b.numel() == 0 or width == 0 or b_width == 0:
         return False
     distance, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
     if rest:
         return None
     ranges: dict[int, list[int]] = {}  # stride -> [lowest, highest] summed index offset
-    for shape, strides, sign in ((a.shape, a.stride(), 1), (b.shape, b.stride(), -1)):
-        sizes = (*shape[:-1], width)
+    for shape, strides, sign, w in ((a.shape, a.stride(), 1, width),
+                                    (b.shape, b.stride(), -1, b_width)):
+        sizes = (*shape[:-1], w)
         for n, s in zip(sizes, strides):
             if n > 1:
                 span = ranges.setdefault(s, [0, 0])

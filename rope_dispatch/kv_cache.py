@@ -30,7 +30,9 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from .call import RoPECall, _host_reads_allowed, _reads, check_call, expanded_dim
+from .call import (
+    RoPECall, _host_reads_allowed, _reads, check_call, expanded_dim, shared_element,
+)
 from .errors import RoPEError, RoPETypeError
 from .spec import dtype_name
 
@@ -519,6 +521,26 @@ def _check_q_out(q: torch.Tensor, q_out: object, q_scale: object) -> tuple[torch
     return dtype, check_scale(1.0 if q_scale is None else q_scale, "q_scale", q.device)
 
 
+def _check_apart_from_kv(q_out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q's given output (q itself in place) must share no element with k or v: one launch reads
+    k and v while it writes it. Tensors of different element sizes count as sharing where
+    their bytes overlap."""
+    for name, x in (("k", k), ("v", v)):
+        if x.numel() == 0 or q_out.numel() == 0 or (
+                q_out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()):
+            continue
+        if q_out.element_size() == x.element_size():
+            shared = shared_element(q_out, x, q_out.shape[-1], x.shape[-1])
+        else:
+            shared = torch._C._overlaps(q_out, x)
+        if shared:
+            raise RoPEError(
+                f"q_out shares memory with {name} (q_out {tuple(q_out.shape)} strides "
+                f"{q_out.stride()}, {name} {tuple(x.shape)} strides {x.stride()}): rope_to_cache "
+                f"writes q's output while it reads {name}; give q_out memory of its own"
+            )
+
+
 def check_cache_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, freqs: object, spec: object, *,
     positions: torch.Tensor, cache: object, q_norm: object = None, k_norm: object = None,
@@ -552,6 +574,8 @@ def check_cache_call(
     v = _check_v(v, k)
     cache = _check_cache(cache, k, v)
     q_dtype, q_scale = _check_q_out(q, q_out, q_scale)
+    if q_out is not None:
+        _check_apart_from_kv(q_out, k, v)
     if _host_reads_allowed() and any(_reads(getattr(cache, f)) for f in cache.index_names):
         cache.check_values()
     v_head_dim = v.shape[-1] if v.shape[-1] != k.shape[-1] else None

@@ -541,6 +541,39 @@ def test_bad_arguments_are_named():
         call(q=q.clone().requires_grad_())
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_a_q_out_sharing_memory_with_k_or_v_is_refused(backend, request):
+    """One launch reads k and v while it writes q's output, so a q_out (or q in place) that
+    shares an element with k or v is refused, naming it; q, k and v as disjoint views of one
+    projection, q rotated in place, are served and agree with the eager composition."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(5, 8, 8, generator=gen).to(DEVICE)
+    table, spec = angle_table(16, 8, False).to(DEVICE), rd.RoPESpec(layout="thd", dtype="fp32")
+    positions = torch.arange(5, device=DEVICE)
+
+    def call(q, k, v, q_out):
+        cache = rd.FlatKVCache(torch.zeros(5, 2, 8, device=DEVICE),
+                               torch.zeros(5, 2, 8, device=DEVICE), positions)
+        out = rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=cache,
+                               q_out=q_out, backend=backend)
+        return out, cache.k_cache, cache.v_cache
+
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    for q_out, name in ((qkv[:, 2:6], "k"), (qkv[:, ::2], "k"), (qkv[:, 3:7], "k")):
+        with pytest.raises(rd.RoPEError, match=f"q_out shares memory with {name}"):
+            call(q, k, v, q_out)
+    with pytest.raises(rd.RoPEError, match="q_out shares memory with v"):
+        call(qkv[:, 4:], qkv[:, :2], qkv[:, 2:4], qkv[:, 2:6])
+    with pytest.raises(rd.RoPEError, match="q_out shares memory with k"):
+        call(q, qkv[:, 2:4], v, q)  # q in place, k among its heads
+    expected = call(q.clone(), k, v, None)
+    got = call(q, k, v, q)  # q in place beside k and v: apart
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=2e-5, atol=2e-5)
+
+
 def test_other_backends_say_why_they_refuse_and_explain_shows_the_stage(triton_backend):
     q, k, v, table, spec, positions, built = small_call(device=triton_device())
     text = str(rd.explain(q, table, spec, k=k, v=v, positions=positions, cache=built.cache))
