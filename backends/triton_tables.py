@@ -232,6 +232,8 @@ def halves_flag(table: CosSinCache) -> torch.Tensor | None:
     ):
         return None
     flag = _halves.get(table)
+    if flag is not None and flag.device != cos.device:  # moved by ``.data = ...``
+        flag = None
     if flag is None:
         if table not in _halves_met or _capturing(cos):
             _halves_met.add(table)
@@ -246,12 +248,14 @@ def halves_flag(table: CosSinCache) -> torch.Tensor | None:
 
 def current_halves(cos: torch.Tensor, sin: torch.Tensor, flag: torch.Tensor) -> torch.Tensor | None:
     """``flag``, checked again when ``cos`` or ``sin`` was written since its last check (the
-    sum of their version counters moved: each only grows); ``None`` under CUDA graph capture or
-    with ``ROPE_DISPATCH_LINEAR_TABLES=0``, where the kernels read whole rows."""
+    sum of their version counters moved: each only grows) or given new memory (``.data = ...``,
+    which moves no counter); ``None`` under CUDA graph capture or with
+    ``ROPE_DISPATCH_LINEAR_TABLES=0``, where the kernels read whole rows."""
     if _capturing(cos) or _linear_tables_raw() == _LINEAR_TABLES_OFF:
         return None
-    version = cos._version + sin._version
-    if flag._rope_version != version:  # type: ignore[attr-defined]
+    version, address = cos._version + sin._version, (cos.data_ptr(), sin.data_ptr(), cos.shape)
+    if (flag._rope_version != version  # type: ignore[attr-defined]
+            or getattr(flag, "_rope_address", None) != address):
         from . import triton_kernels as kernels
         rows, d2 = cos.shape
         bits = _BITS[cos.element_size()]
@@ -264,6 +268,7 @@ def current_halves(cos: torch.Tensor, sin: torch.Tensor, flag: torch.Tensor) -> 
                 BLOCK_C=block_c,
             )
         flag._rope_version = version  # type: ignore[attr-defined]
+        flag._rope_address = address  # type: ignore[attr-defined]
     return flag
 
 

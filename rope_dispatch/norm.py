@@ -39,9 +39,11 @@ class HeadNorm:
     (``scope="heads"``), on the tensor's device, any float dtype; it gets a gradient where it
     requires one. ``offset=1.0`` is Gemma's ``x * (1 + w)``. The whole head is normalized, the
     channels past the rotary dim too (and rewritten in place by ``apply_`` and ``apply_qk_``).
+    ``eps``, ``offset`` and ``scope`` are fixed when it is made (the launches are compiled for
+    them); the weight may be replaced or written.
     """
 
-    __slots__ = ("weight", "eps", "offset", "scope", "form")
+    __slots__ = ("weight", "form")
 
     def __init__(self, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0,
                  scope: str = "head"):
@@ -58,10 +60,22 @@ class HeadNorm:
             raise RoPEError(f"HeadNorm eps must be positive, got {eps!r}")
         if scope not in SCOPES:
             raise RoPEError(f"HeadNorm scope must be one of {SCOPES}, got {scope!r}")
-        self.weight, self.eps, self.offset, self.scope = weight, eps, offset, scope
+        self.weight = weight
         # what a launch depends on; one object per form, so a plan's key compares by identity
         form = _new_form(NormForm, (scope, eps, offset))
         self.form = _FORMS.setdefault(form, form) if len(_FORMS) < 1024 else _FORMS.get(form, form)
+
+    @property
+    def eps(self) -> float:
+        return self.form.eps
+
+    @property
+    def offset(self) -> float:
+        return self.form.offset
+
+    @property
+    def scope(self) -> str:
+        return self.form.scope
 
     def __repr__(self) -> str:
         return (f"HeadNorm(weight[{self.weight.shape[0]}], eps={self.eps}, offset={self.offset}, "

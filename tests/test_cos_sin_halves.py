@@ -227,6 +227,24 @@ def test_a_write_is_seen_by_the_next_call(written):
     assert_matches(q_out, expected(x, cache, spec), torch.bfloat16, "after the second write")
 
 
+@pytest.mark.parametrize("replaced", ["cos", "sin"])
+def test_new_memory_given_with_data_is_seen_by_the_next_call(replaced):
+    """``cache.cos.data = ...`` moves no version counter; the flag is checked again for the
+    new memory (it was kept, and the kernels read only the halves of rows that differ)."""
+    cache = halves_cache()
+    spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
+    x = inputs("sbhd")
+    for _ in range(2):
+        rd.apply(x, cache, spec, backend="triton")
+    assert held_flags() == [1]
+    other = getattr(halves_cache(seed=8), replaced).clone()
+    other[:, D // 2:] = other[:, : D // 2].flip(-1)  # halves that differ
+    getattr(cache, replaced).data = other
+    out = rd.apply(x, cache, spec, backend="triton")
+    assert held_flags() == [0]
+    assert_matches(out, expected(x, cache, spec), torch.bfloat16, "after .data")
+
+
 @pytest.mark.parametrize("entry", ["apply", "qk"])
 def test_a_write_between_forward_and_backward_is_seen_by_the_backward(entry):
     spec = rd.RoPESpec(layout="bshd", dtype="bf16")

@@ -577,3 +577,28 @@ def test_packed_qkv_with_norms_and_no_tokens(backend, layout):
     assert grads[0].shape == qkv.shape
     for g in grads[1:]:
         torch.testing.assert_close(g, torch.zeros(2, device=DEVICE), rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_a_head_norms_eps_offset_and_scope_are_fixed_and_its_weight_is_read_each_call():
+    """What the launches are compiled for (eps, offset, scope) cannot be changed on a HeadNorm
+    (a changed eps once left the Triton backend on the old one); a weight written or replaced
+    is read by the next call, planned or not, on every backend."""
+    norm = rd.HeadNorm(weight(8, 6, torch.float32, DEVICE).detach(), 1e-6, offset=1.0)
+    for name, value in (("eps", 1.0), ("offset", 0.0), ("scope", "heads")):
+        with pytest.raises(AttributeError):
+            setattr(norm, name, value)
+    assert (norm.eps, norm.offset, norm.scope) == (1e-6, 1.0, "head")
+    case = fixed_case(heads=2, head_dim=8, rotary_dim=8)
+    t, table, spec, starts, angles = build(case, DEVICE)
+    x = t.detach()
+    for step in range(4):
+        if step == 2:
+            norm.weight.mul_(0.5)  # written in place
+        if step == 3:
+            norm.weight = norm.weight + 1  # replaced
+        want = reference(x.double().cpu(), _Norm(norm.weight.double().cpu(), 1e-6, 1.0, "head"),
+                         angles, spec, starts, None)
+        for backend in ("eager", "triton"):
+            got = rd.apply(x, table, spec, start_positions=starts, norm=norm, backend=backend)
+            assert_matches(got, want, case.dtype, f"step {step} {backend}")
