@@ -386,6 +386,10 @@ def _table_form(table: torch.Tensor, sin: torch.Tensor | None) -> tuple:
     return table.dtype, table.shape[1], sin.dtype, sin.shape[-1], tt.is_rates(table, sin)
 
 
+def _aligned(addresses: Sequence[int]) -> int:  # a key's: bit i for a 16-byte aligned pointer i
+    return sum(1 << i for i, a in enumerate(addresses) if not a & 15)
+
+
 def launch_key(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
                tabs: Tables, addresses: Sequence[int]) -> LaunchKey:
     """The key of a launch's compiled kernel (``addresses``: its pointers', for alignment):
@@ -408,9 +412,8 @@ def launch_key(launch: Launch, inputs: Sequence[torch.Tensor], outs: Sequence[to
                                     tuple("tensor" if isinstance(s, torch.Tensor) else s
                                           for s in store.scales)),
     )
-    aligned = sum(1 << i for i, a in enumerate(addresses) if not a & 15)
     layouts = tuple((x.shape, x.stride()) for x in (*inputs, *outs))
-    return LaunchKey(launch, layouts, forms, aligned, inputs[0].get_device())
+    return LaunchKey(launch, layouts, forms, _aligned(addresses), inputs[0].get_device())
 
 
 def _tokens(layout: str, shape: Sequence[int], cu_seqlens: torch.Tensor | None
@@ -657,8 +660,7 @@ def weight_grads(partials: tuple[torch.Tensor | None, torch.Tensor | None],
         ints = (q_part.shape[0], k_part.shape[0], q_width, k_width)
         addresses = tuple(t.data_ptr() for t in tensors)
         key = KernelKey("weight_grad", ints, (q_grad.dtype, k_grad.dtype),
-                        sum(1 << i for i, a in enumerate(addresses) if not a & 15),
-                        q_part.get_device())
+                        _aligned(addresses), q_part.get_device())
         if not _run_kept(key, addresses):
             grid = (-(-q_width // tiles.WEIGHT_GRAD_COLS) + -(-k_width // tiles.WEIGHT_GRAD_COLS),)
             rows = max(ints[:2])
@@ -700,8 +702,7 @@ def quantize(x: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
     block_r = tiles.QUANTIZE_TILE // block_c
     args = (rows, cols, x_rows.stride(0), out_rows.stride(0), float(scale))
     addresses = (x.data_ptr(), out.data_ptr())
-    key = KernelKey("quantize", args, (x.dtype, out.dtype),
-                    sum(1 << i for i, a in enumerate(addresses) if not a & 15), x.get_device())
+    key = KernelKey("quantize", args, (x.dtype, out.dtype), _aligned(addresses), x.get_device())
     with tt.on_device(x):
         if not _run_kept(key, addresses):
             from .triton_cache_kernels import quantize_kernel

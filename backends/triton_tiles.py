@@ -259,11 +259,11 @@ def choose_config(
 
     A cache stage writing a v split into heads of its heads' width (``wide_v``, MLA) takes
     ``WIDE_V_TILE`` for heads of at most ``NARROW_HEAD_BYTES``, where every SM gets its
-    programs, else the narrow tile shrunk as below. Heads that narrow
-    beside a single head (MLA's rope part) take ``NARROW_TILE``, shrunk for latency to
-    ``NARROW_MIN_ROWS`` rows at the least, a warp for ``NARROW_WARP_ROWS`` rows; on a cos/sin
-    cache at least ``STREAM_WARPS``, and a warp for ``NARROW_CACHE_WARP_ROWS`` rows where its
-    rows are not gathered by per-token positions (``gathered``).
+    programs, else the narrow tile shrunk as below. Heads that narrow beside a single head
+    (MLA's rope part) take ``NARROW_TILE``, shrunk for latency to ``NARROW_MIN_ROWS`` rows at
+    the least, a warp for ``NARROW_WARP_ROWS`` rows; on a cos/sin cache at least
+    ``STREAM_WARPS``, and a warp for ``NARROW_CACHE_WARP_ROWS`` rows where its rows are not
+    gathered by per-token positions (``gathered``).
 
     ``head_dim`` is the channels a head moves; ``span_dim``, where larger, the channels it
     spans in memory (in place on partial rotary: the rotary channels of a wider head). A call

@@ -772,10 +772,10 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
                    b_width: int | None = None) -> bool | None:
     """Whether ``a[..., :width]`` and ``b[..., :b_width]`` (same dtype; ``b_width`` defaults to
     ``width``) address a common element: True or False, or None where the search for one gives
-    up (strides that do not nest), which torch's own in-place checks call too hard to tell. Exact for any strides: it looks for
-    index offsets, within both tensors' bounds, whose strided sum is the distance between the
-    two starts, from the largest stride down, keeping only offsets the smaller strides can
-    still complete."""
+    up (strides that do not nest), which torch's own in-place checks call too hard to tell.
+    Exact for any strides: it looks for index offsets, within both tensors' bounds, whose
+    strided sum is the distance between the two starts, from the largest stride down, keeping
+    only offsets the smaller strides can still complete."""
     b_width = width if b_width is None else b_width
     if a.numel() == 0 or b.numel() == 0 or width == 0 or b_width == 0:
         return False

@@ -29,8 +29,8 @@ are only quantized. ``quant_scale_q`` and ``quant_scale_kv`` multiply (FlashInfe
   ``k_nope`` v of a :class:`~rope_dispatch.FlatKVCache` whose k and v caches are ``k_rope_out``
   and ``k_nope_out`` (token ``i`` at slot ``i``); ``q_rope_out`` is ``q_out``. ``q_nope`` is
   quantized into ``q_nope_out`` beside that call, by the same formula (on a GPU one launch of
-  the Triton backend's quantizing copy, unless another backend is forced). MLA's 2-D ``k_rope``/``k_nope`` are
-  one kv head (``[nnz, 1, dim]`` views).
+  the Triton backend's quantizing copy, unless another backend is forced). MLA's 2-D
+  ``k_rope``/``k_nope`` are one kv head (``[nnz, 1, dim]`` views).
 - ``rope_quantize_fp8_append_paged_kv_cache``, MLA (2-D ``k_rope``): a
   :class:`~rope_dispatch.FlashInferPagedKVCache` whose k cache is ``kpe_cache`` and v cache
   ``ckv_cache`` (``[max_pages, page_size, 1, dim]`` views), ``k_rope`` its k and ``k_nope``
