@@ -32,7 +32,7 @@ from rope_dispatch.errors import RoPEError
 from rope_dispatch.kv_cache import FP8_DTYPES
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import dtype_name
-from rope_dispatch.tables import angles_2d, kernel_tables
+from rope_dispatch.tables import angles_2d, kernel_tables, table_tensors
 
 from . import triton_launch as tl
 from . import triton_tables as tt
@@ -69,6 +69,16 @@ class Rotation:
         """How many of the Function's inputs are data (the rest: norm weights)."""
         kind = self.launch.tensors
         return 2 if kind == "qk" else 3 if kind == "qkv" and self.launch.backward else 1
+
+    def kept_tables(self) -> tuple[torch.Tensor, ...]:
+        """The table tensors the backward reads again that have a version counter (the call's,
+        or copies made for it): the Function saves them, so one written in place before the
+        backward raises, as any tensor autograd keeps does (eager keeps cos and sin instead)."""
+        tabs = self.tabs
+        held = (table_tensors(self.freqs) if tabs is None
+                else (tabs.table, tabs.sin, tabs.k_table, tabs.k_sin))
+        return tuple(t for t in held
+                     if t is not None and t.dtype is not tt.FLAG and not t.is_inference())
 
     def tables(self) -> Tables:
         if self.tabs is None:
@@ -141,7 +151,8 @@ class RoPEFunction(torch.autograd.Function):
         sources = ()
         if rotation.launch.norm is not None:  # the norm's backward reads the forward's inputs
             sources = tuple(x.clone() for x in data) if rotation.launch.in_place else data
-            ctx.save_for_backward(*sources)
+        ctx.save_for_backward(*sources, *rotation.kept_tables())
+        ctx.sources = len(sources)
         made = rotation.forward(data)
         if rotation.launch.in_place:
             ctx.mark_dirty(*data)
@@ -151,7 +162,14 @@ class RoPEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        return (None, *ctx.rotation.backward(grads, ctx.strides, ctx.saved_tensors))
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as error:  # a saved tensor's version moved
+            raise RoPEError(
+                "a table (freqs) or a norm stage's input was modified in place between the "
+                f"forward and the backward of the triton backend's RoPE: {error}"
+            ) from error
+        return (None, *ctx.rotation.backward(grads, ctx.strides, saved[:ctx.sources]))
 
 
 def c_apply(function: type[torch.autograd.Function]) -> Any:

@@ -472,6 +472,18 @@ def table_requires_grad(table: object) -> bool:
     return False
 
 
+def table_tensors(table: object) -> tuple[torch.Tensor, ...]:
+    """The caller's tensors a table holds: an angle table, a cache's members (a RateTable's
+    rates are copied constants: none)."""
+    if isinstance(table, torch.Tensor):
+        return (table,)
+    if isinstance(table, CosSinCache):
+        return table.cos, table.sin
+    if isinstance(table, PairCosSinCache):
+        return (table.table,)
+    return ()
+
+
 def table_address(table: object) -> int | tuple[int, int]:
     """Where a table's memory is (a plan checks it was not replaced with ``.data = ...``)."""
     return address_reader(table)(table)

@@ -12,8 +12,8 @@ from .frequencies import (
 from .table_kinds import (
     PRECISE_MAX_ROWS, TABLE_KINDS, CosSinCache, PairCosSinCache, RateTable, RotaryTable,
     address_reader, angle_table, angles_2d, cos_sin_cache, inverse_frequencies, kernel_tables,
-    multimodal_rows, reduced_angle_table, table_address, table_cos_sin, table_kind, table_requires_grad, table_shape,
-    turn_fractions,
+    multimodal_rows, reduced_angle_table, table_address, table_cos_sin, table_kind,
+    table_requires_grad, table_shape, table_tensors, turn_fractions,
 )
 
 __all__ = [
@@ -22,7 +22,6 @@ __all__ = [
     "cos_sin_cache", "default_frequencies", "dynamic_ntk_frequencies", "from_hf_config",
     "from_te_options", "inverse_frequencies", "kernel_tables", "linear_frequencies",
     "llama3_frequencies", "longrope_frequencies", "multimodal_rows", "reduced_angle_table",
-    "table_address",
-    "table_cos_sin", "table_kind", "table_requires_grad", "table_shape", "turn_fractions",
-    "yarn_frequencies",
+    "table_address", "table_cos_sin", "table_kind", "table_requires_grad", "table_shape",
+    "table_tensors", "turn_fractions", "yarn_frequencies",
 ]

@@ -1013,6 +1013,9 @@ class _Tripling:
         in_place = False
         norm = None
 
+    def kept_tables(self):
+        return ()
+
     def forward(self, inputs):
         return (inputs[0] * 3,)
 
@@ -1039,3 +1042,38 @@ def test_the_c_entry_of_the_function_records_the_same_graph():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     torch.testing.assert_close(results[1][1], 3 * grad_out, rtol=0, atol=0)
     torch.testing.assert_close(results[1][2], torch.full((3, 4), 3.0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["angles", "cos/sin cache", "pair cache"])
+@pytest.mark.parametrize("calls", [1, 3])  # the third call of one spec and table is planned
+def test_a_table_written_between_forward_and_backward_raises(kind, calls):
+    """The backward reads the table again: one written in place after the forward raises (as
+    autograd does for any tensor it keeps) instead of differentiating a rotation that never
+    ran; the same backward with the table untouched matches the reference."""
+    from rope_dispatch import dispatch
+
+    dispatch.forget_plans()
+    half = torch.rand(8, 4, generator=torch.Generator().manual_seed(5)) * 6
+    angles = torch.cat((half, half), -1).view(8, 1, 1, 8)
+    if kind == "angles":
+        freqs, written = angles.clone().to(DEVICE), None
+    elif kind == "cos/sin cache":
+        freqs = rd.cos_sin_cache(angles.to(DEVICE))
+        written = freqs.sin
+    else:
+        freqs = rd.PairCosSinCache(torch.cat((half.cos(), half.sin()), -1).to(DEVICE))
+        written = freqs.table
+    written = freqs if written is None else written
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    t = torch.randn(8, 2, 2, 8, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    t.requires_grad_(True)
+    grad_out = torch.randn(t.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    for _ in range(calls):
+        out = rd.apply(t, freqs, spec, backend="triton")
+    (grad,) = torch.autograd.grad(out, t, grad_out, retain_graph=True)
+    _, expected = reference_forward_backward(t.detach().cpu(), angles, spec, grad_out.cpu())
+    assert_matches(grad, expected, torch.float32, "backward, table untouched")
+    with torch.no_grad():
+        written.mul_(0.5)
+    with pytest.raises(rd.RoPEError, match="modified in place between the forward and the backward"):
+        torch.autograd.grad(out, t, grad_out)
