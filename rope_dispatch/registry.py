@@ -15,6 +15,7 @@ A check returns a list of sentences with the actual values; an empty list means 
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import ClassVar
@@ -230,6 +231,8 @@ class BackendInfo:
 
 _REGISTRY: dict[str, Backend] = {}
 _BUILT_INS_LOADED = False
+_loading = False  # the importing thread's own register() calls come back to _load_built_ins
+_LOAD_LOCK = threading.RLock()
 
 
 @constant_while_tracing
@@ -237,16 +240,19 @@ def _load_built_ins() -> bool:
     """Register the built-in backends (importing :mod:`rope_dispatch.backends` does) before the
     registry's first use. ``import rope_dispatch`` loads nothing by itself, so a program that
     imports a submodule directly (``from rope_dispatch.compat.te import ...``) still finds them.
-    Opaque to torch.compile, where a process's first call may be traced: the import would break
-    the graph."""
-    global _BUILT_INS_LOADED
+    Other threads' first calls (``nn.DataParallel`` replicas, a serving thread pool) wait for
+    the import rather than find the registry empty. Opaque to torch.compile, where a process's
+    first call may be traced: the import would break the graph."""
+    global _BUILT_INS_LOADED, _loading
     if not _BUILT_INS_LOADED:
-        _BUILT_INS_LOADED = True  # their own register() calls come back here
-        try:
-            importlib.import_module("rope_dispatch.backends")
-        except BaseException:
-            _BUILT_INS_LOADED = False
-            raise
+        with _LOAD_LOCK:
+            if not (_BUILT_INS_LOADED or _loading):
+                _loading = True
+                try:
+                    importlib.import_module("rope_dispatch.backends")
+                    _BUILT_INS_LOADED = True
+                finally:
+                    _loading = False
     return True
 
 

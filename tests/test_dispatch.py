@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import weakref
 
 import pytest
@@ -309,3 +314,55 @@ def test_a_table_that_requires_grad_gets_its_gradient():
         y = t.detach().clone()
         rd.apply_(y, freqs, spec)
         assert_matches(y, want_out, torch.float32, "in place, no grad")
+
+
+FIRST_CALLS_IN_THREADS = textwrap.dedent(
+    """
+    import json, threading
+    import torch
+    from rope_dispatch.dispatch import apply  # as the doors import it: no backend loaded yet
+    from rope_dispatch.spec import RoPESpec
+
+    spec = RoPESpec(layout="sbhd", dtype="fp32")
+    threads, errors, worst = 8, [], [0.0]
+    start = threading.Barrier(threads)
+    x = torch.randn(6, 2, 3, 8, generator=torch.Generator().manual_seed(0))
+    angles = torch.rand(6, 1, 1, 8, generator=torch.Generator().manual_seed(1)) * 6
+    # x cos + rotate_half(x) sin, from the formula, in float64
+    a, c, s = x.double(), angles.double().cos(), angles.double().sin()
+    expected = a * c + torch.cat((-a[..., 4:], a[..., :4]), -1) * s
+
+    def first_call():
+        start.wait()  # every thread's first call at once, before any backend is loaded
+        try:
+            out = apply(x, angles, spec)
+            worst[0] = max(worst[0], (out.double() - expected).abs().max().item())
+        except Exception as error:
+            errors.append(f"{type(error).__name__}: {error}")
+
+    workers = [threading.Thread(target=first_call) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    print(json.dumps({"errors": errors, "worst": worst[0]}))
+    """
+)
+
+
+@pytest.mark.parametrize("forced", [None, "eager"])
+def test_first_calls_from_several_threads_find_the_backends(tmp_path, forced):
+    """Threads whose first calls come at once (``nn.DataParallel`` replicas, a serving thread
+    pool) each get the right result: none finds the registry empty while another imports the
+    built-in backends."""
+    env = {**os.environ, "ROPE_DISPATCH_CACHE_DIR": str(tmp_path)}
+    for name in ("ROPE_BACKEND", "TRITON_INTERPRET"):
+        env.pop(name, None)
+    if forced:
+        env["ROPE_BACKEND"] = forced
+    done = subprocess.run([sys.executable, "-c", FIRST_CALLS_IN_THREADS], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["errors"] == [], report
+    assert report["worst"] < 1e-5, report
