@@ -43,7 +43,7 @@ from rope_dispatch.norm import head_norm, head_norm_backward
 from rope_dispatch.registry import Backend
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import CosSinCache, RateTable
-from rope_dispatch.tracing import import_dynamo
+from rope_dispatch.tracing import import_dynamo, memoryless
 
 from .eager import rope_eager, rope_tensors
 
@@ -410,7 +410,9 @@ class CompileBackend(Backend):
         torch.autograd.grad(out, x, torch.ones_like(out))
 
     def apply(self, call: RoPECall) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # inside an outer graph: let it trace the math
+        # inside an outer graph: let it trace the math; under a torch.func transform (grad, jvp,
+        # vmap), torch ops, which every transform knows (a failure there is no compile failure)
+        if memoryless():
             return rope_eager(call)
         return self._run(call, fallback=True)
 

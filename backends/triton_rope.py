@@ -33,6 +33,7 @@ from rope_dispatch.kv_cache import FP8_DTYPES
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import angles_2d, kernel_tables, table_tensors
+from rope_dispatch.tracing import transformed
 
 from . import triton_launch as tl
 from . import triton_tables as tt
@@ -249,6 +250,8 @@ def rope(call: RoPECall) -> Any:
     inputs = (call.t,) if call.k is None else (call.t, call.k)
     weights = () if described.norm is None else tuple(
         n.weight for n in (call.norm, call.k_norm) if n is not None)
+    if transformed():  # torch.func's wrappers have no memory to launch on: torch ops, which
+        return rope_eager(call)  # every transform knows
     if _traced(*inputs, *weights):
         if described.norm is not None:  # traced: the float32 composition, for Inductor to fuse
             return rope_eager(call)
@@ -290,7 +293,7 @@ def rope_to_cache(call: RoPECall) -> torch.Tensor:
     write = call.cache_write
     q, k, v = call.t, call.k, write.v
     weights = tuple(n.weight for n in (call.norm, call.k_norm) if n is not None)
-    if _traced(q, k, v, *weights):
+    if transformed() or _traced(q, k, v, *weights):
         return rope_to_cache_eager(call)
     q_out = write.q_out if write.q_out is not None else q.new_empty(q.shape, dtype=write.q_dtype)
     k_pages, v_pages = write.cache.pages()
@@ -417,13 +420,12 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
                       address, flag, tt.rows_read(call.t, call.spec.layout, position_index(call)),
                       call.positions is not None, described)
     apply = c_apply(RoPEFunction)
-    transforms_active = torch._C._are_functorch_transforms_active
 
     def run_grad(x: torch.Tensor, freqs: object, spec: Any, start_positions: Any, positions: Any,
                  k: Any, norms: tuple) -> Any:
         given = positions if start_positions is None else start_positions
         s = stream(device)
-        if (several and current_device() != device) or transforms_active() or (
+        if (several and current_device() != device) or transformed() or (
                 flag is not None and stale(flag, freqs, s)):
             return generic(x, freqs, spec, start_positions, positions, k, norms)
         rotation = Rotation(described, None, planned, freqs, given, spec.cu_seqlens, s)

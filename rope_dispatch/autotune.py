@@ -43,7 +43,7 @@ from .autotune_cache import (
 )
 from .call import RoPECall, reads_values, wants_grad
 from .registry import Backend
-from .tracing import constant_while_tracing
+from .tracing import constant_while_tracing, transformed
 
 __all__ = [
     "HOT_CALLS", "MEASURE_BUDGET_SECONDS", "SCHEMA_VERSION", "CacheKey", "autotune_enabled",
@@ -145,6 +145,8 @@ def _measuring_blocked(t: torch.Tensor) -> str | None:
     """Why the call's tensors cannot be timed now (``None`` when they can)."""
     if torch.compiler.is_compiling():
         return "torch.compile is tracing"
+    if transformed():
+        return "a torch.func transform runs"
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return "a CUDA graph is being captured"
     if type(t) not in (torch.Tensor, torch.nn.Parameter):

@@ -28,6 +28,7 @@ from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
     table_requires_grad, table_shape,
 )
+from .tracing import memoryless
 
 
 TENSOR_KINDS = {
@@ -248,7 +249,7 @@ def _strict_values() -> bool:
 
 
 def _host_reads_allowed() -> bool:
-    if torch.compiler.is_compiling():
+    if memoryless():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
@@ -867,8 +868,8 @@ def _check_writable(t: torch.Tensor, name: str) -> None:
             f"{entry} cannot rotate {name} in place: dim {dim} (size {t.shape[dim]}) has stride "
             f"0, so its elements share memory (an expanded tensor); use rope_dispatch.{out_of_place}"
         )
-    if torch.compiler.is_compiling():
-        return  # inference tensors never reach a traced graph
+    if memoryless():
+        return  # inference tensors never reach a traced graph or a torch.func transform
     if t.is_inference() and not torch.is_inference_mode_enabled():
         raise RoPEError(
             f"{entry} cannot rotate {name} in place: {name} is an inference tensor and inference "

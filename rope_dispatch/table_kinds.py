@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .errors import RoPEError, RoPETypeError
+from .tracing import memoryless
 
 
 @dataclass(frozen=True, eq=False)
@@ -510,7 +511,7 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
     (while it is the same object over the same memory and shape: ``freqs.data = ...`` or
     ``resize_`` start afresh).
     """
-    if torch.compiler.is_compiling():
+    if memoryless():
         return _angles_2d(freqs, argument)
     key = id(freqs)
     hit = _recent_tables.get(key)

@@ -13,7 +13,19 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TypeVar
 
+import torch
+
 F = TypeVar("F", bound=Callable)
+
+transformed = torch._C._are_functorch_transforms_active
+"""Whether a ``torch.func`` transform (grad, jvp, vmap) runs: its tensors are wrappers with no
+memory of their own (no ``data_ptr``, no inference flag to read)."""
+
+
+def memoryless() -> bool:
+    """Whether a call's tensors may have no memory to read: fake tensors while torch.compile
+    traces, or a ``torch.func`` transform's wrappers. Checks that read addresses skip then."""
+    return torch.compiler.is_compiling() or transformed()
 
 
 def constant_while_tracing(fn: F) -> F:

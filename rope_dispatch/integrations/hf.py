@@ -67,6 +67,7 @@ from ..errors import RoPEError
 from ..norm import HeadNorm
 from ..spec import RoPESpec
 from ..tables import CosSinCache
+from ..tracing import memoryless
 from .hf_families import MLA_FAMILIES, STANDARD_FAMILIES
 
 __all__ = [
@@ -395,7 +396,7 @@ def _take_norms(q: torch.Tensor, k: torch.Tensor) -> tuple[HeadNorm | None, Head
     none did), taken out of :data:`_window`; a :class:`~rope_dispatch.RoPEError` when q or k
     is not the tensor its norm got (the norm would otherwise be lost). Checked by memory (the
     models reshape and transpose the norm's input, never copy it); not while torch.compile
-    traces, whose fake tensors have no memory."""
+    traces or a ``torch.func`` transform runs, whose tensors have no memory of their own."""
     handed, _window.handed = _window.handed, [None, None]
     norms = []
     for name, t, entry in (("q", q, handed[0]), ("k", k, handed[1])):
@@ -403,7 +404,7 @@ def _take_norms(q: torch.Tensor, k: torch.Tensor) -> tuple[HeadNorm | None, Head
             norms.append(None)
             continue
         x, norm = entry
-        if not torch.compiler.is_compiling() and (
+        if not memoryless() and (
             x.data_ptr() != t.data_ptr() or x.numel() != t.numel()
         ):
             raise RoPEError(

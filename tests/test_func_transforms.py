@@ -1,0 +1,110 @@
+"""Calls under ``torch.func``'s transforms (``grad``, ``jvp``, ``vmap``: per-sample gradients,
+forward-mode derivatives, Hessian-vector products of a model): every backend that takes the
+call gives the float64 reference's values, and a patched Hugging Face model with QK norms has
+the unpatched model's ``torch.func.grad``. The transforms' tensors are wrappers with no memory:
+nothing on the way may read an address or launch a kernel on them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import rope_dispatch as rd
+from reference import assert_matches, reference_for, reference_head_norm
+from rope_dispatch.integrations import hf
+
+SPEC = rd.RoPESpec(layout="sbhd", dtype="fp32")
+BACKENDS = ["eager", "triton", "compile"]
+
+
+def _inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randn(6, 2, 3, 8, generator=gen)
+    angles = torch.rand(6, 1, 1, 8, generator=gen) * 6
+    weight = torch.randn(8, generator=gen) * 0.5 + 1.0
+    return t, angles, weight
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    if request.param == "triton":  # on Triton's CPU interpreter without CUDA (conftest.py)
+        request.getfixturevalue("triton_backend")
+    return request.param
+
+
+def _rotated(t, angles, weight=None):
+    """float64 reference of one call: an optional head norm (eps 1e-6), then the rotation."""
+    x = t if weight is None else reference_head_norm(t, weight, 1e-6, 0.0, "head")
+    return reference_for(x, angles, SPEC)
+
+
+def test_grad_is_the_transposed_rotation(backend):
+    t, angles, _ = _inputs()
+    w = torch.randn(t.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.func.grad(lambda x: (rd.apply(x, angles, SPEC, backend=backend) * w).sum())(t)
+    x = t.double().requires_grad_(True)
+    (expected,) = torch.autograd.grad((_rotated(x, angles) * w.double()).sum(), x)
+    assert_matches(got, expected, torch.float32, "torch.func.grad")
+
+
+def test_jvp_of_a_linear_map_is_the_map(backend):
+    t, angles, _ = _inputs()
+    tangent = torch.randn(t.shape, generator=torch.Generator().manual_seed(2))
+    out, derivative = torch.func.jvp(lambda x: rd.apply(x, angles, SPEC, backend=backend),
+                                     (t,), (tangent,))
+    assert_matches(out, _rotated(t, angles), torch.float32, "jvp's value")
+    assert_matches(derivative, _rotated(tangent, angles), torch.float32, "jvp's derivative")
+
+
+def test_vmap_over_the_batch_rotates_each_sample(backend):
+    t, angles, _ = _inputs()
+    per_sample = torch.func.vmap(
+        lambda x: rd.apply(x.unsqueeze(1), angles, SPEC, backend=backend).squeeze(1),
+        in_dims=1, out_dims=1)
+    assert_matches(per_sample(t), _rotated(t, angles), torch.float32, "vmap")
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"], indirect=True)
+def test_per_sample_gradients_through_q_and_k_norms(backend):
+    """vmap of grad (per-sample gradients) of apply_qk with both norms: the weights' gradient
+    of each sample, against the float64 composition's."""
+    t, angles, weight = _inputs()
+    k = t[:, :, :1].clone()
+
+    def loss(w, q_one, k_one):
+        q_out, k_out = rd.apply_qk(q_one.unsqueeze(1), k_one.unsqueeze(1), angles, SPEC,
+                                   q_norm=rd.HeadNorm(w), k_norm=rd.HeadNorm(w), backend=backend)
+        return (q_out * q_out).sum() + k_out.sum()
+
+    got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 1, 1))(weight, t, k)
+    for b in range(t.shape[1]):
+        w = weight.double().requires_grad_(True)
+        q_ref = _rotated(t[:, b:b + 1].double(), angles, w)
+        k_ref = _rotated(k[:, b:b + 1].double(), angles, w)
+        (expected,) = torch.autograd.grad((q_ref * q_ref).sum() + k_ref.sum(), w)
+        assert_matches(got[b], expected, torch.float32, f"sample {b}'s weight gradient")
+
+
+def test_a_patched_qk_norm_model_has_the_unpatched_models_functional_gradient(triton_backend):
+    """torch.func.grad of a tiny Qwen3's loss over its parameters (functional_call), patched
+    (q_norm, k_norm and RoPE as one call; the default backend, triton where it runs) and not."""
+    config = transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p):
+        return torch.func.functional_call(model, p, (), dict(input_ids=ids, labels=ids)).loss
+
+    expected = torch.func.grad(loss)(params)
+    hf.patch(model)
+    try:
+        got = torch.func.grad(loss)(params)
+    finally:
+        hf.unpatch(model)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
