@@ -177,6 +177,12 @@ def test_other_unsqueeze_dims_are_refused():
         hf.apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)
 
 
+def test_a_dtype_rope_dispatch_does_not_compute_in_is_refused_by_name():
+    q, k, cos, sin = (x.double() for x in inputs(torch.float32, 1))
+    with pytest.raises(rd.RoPEError, match="q is torch.float64: .* hf.unpatch the model"):
+        hf.apply_rotary_pos_emb(q, k, cos, sin)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_unsqueeze_dim_0_takes_a_cos_shared_by_batch_and_heads(dtype):
     """Pixtral's call: q and k ``[b, heads, s, d]`` with cos and sin ``[s, d2]``

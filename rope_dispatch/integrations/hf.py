@@ -220,6 +220,9 @@ def apply_rotary_pos_emb_interleave(
     return _rotate_qk(q, k, cos, sin, unsqueeze_dim, True)
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                unsqueeze_dim: int, deinterleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_rotary_pos_emb`'s mapping onto :func:`rope_dispatch.apply_qk`."""
@@ -234,6 +237,11 @@ def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
             f"cos must be [batch, seq, rotary_dim], or [seq, rotary_dim] with unsqueeze_dim=0 "
             f"(Pixtral's call, shared by the batch), seq being q's sequence length; got cos "
             f"{tuple(cos.shape)}, q {tuple(q.shape)}, unsqueeze_dim={unsqueeze_dim}"
+        )
+    if q.dtype not in _DTYPES:
+        raise RoPEError(
+            f"q is {q.dtype}: rope-dispatch computes in float32, bfloat16 and float16 only; "
+            "hf.unpatch the model to run it in another dtype"
         )
     q_norm, k_norm = _take_norms(q, k) if _window.attention is not None else (None, None)
     if heads_dim == 1:
@@ -283,9 +291,10 @@ def _select_streams(
     A model hands the same cos and sin to every layer, so the latest result is handed out again
     for the same objects with unchanged values (their version counters), and the layers after
     the first reuse its table and plan (:func:`_token_table`). Not kept while torch.compile
-    traces, nor for inference-mode tensors, which have no version counter."""
+    traces or a torch.func transform runs, nor for inference-mode tensors, which have no
+    version counter."""
     sections = _check_streams(cos, sin, mrope_section, batch)
-    cacheable = not (torch.compiler.is_compiling() or cos.is_inference() or sin.is_inference())
+    cacheable = not (memoryless() or cos.is_inference() or sin.is_inference())
     if cacheable:
         key = (sections, cos._version, sin._version)
         if _last_streams[0] is cos and _last_streams[1] is sin and _last_streams[2] == key:
@@ -339,9 +348,9 @@ def _token_table(cos: torch.Tensor, sin: torch.Tensor) -> CosSinCache:
     decision (its plan, kept per table object) for the other layers. Only the latest pair is
     kept, so a finished forward's values are released by the next one. Only contiguous values
     are kept (the table is then a view: values rewritten in place are seen), never while
-    torch.compile traces."""
+    torch.compile traces or a torch.func transform runs."""
     d2 = cos.shape[-1]
-    if torch.compiler.is_compiling() or not (cos.is_contiguous() and sin.is_contiguous()):
+    if memoryless() or not (cos.is_contiguous() and sin.is_contiguous()):
         return CosSinCache(cos.reshape(-1, d2).contiguous(), sin.reshape(-1, d2).contiguous())
     table = _last_table[0]
     if table is not None and _last_table[1] is cos and _last_table[2] is sin:

@@ -32,6 +32,7 @@ from ..errors import RoPEError
 from ..norm import HeadNorm
 from ..spec import RoPESpec
 from ..tables import PairCosSinCache
+from ..tracing import memoryless
 
 MODULE = "transformers.models.llama4.modeling_llama4"
 ATTENTION, NORM, ROTARY = "Llama4TextAttention", "Llama4TextL2Norm", "Llama4TextRotaryEmbedding"
@@ -95,7 +96,7 @@ def _pair_table(freqs_cis: torch.Tensor) -> PairCosSinCache:
     sines). The model hands the same ``freqs_cis`` to every layer, so the latest table is handed
     out again while the tensor is the same object with unchanged values (not while
     torch.compile traces, nor for inference-mode tensors, which have no version counter)."""
-    cacheable = not (torch.compiler.is_compiling() or freqs_cis.is_inference())
+    cacheable = not (memoryless() or freqs_cis.is_inference())
     if cacheable and _last_table[1] is freqs_cis and _last_table[2] == freqs_cis._version:
         return _last_table[0]
     pairs = freqs_cis.shape[-1]
