@@ -172,16 +172,17 @@ GRID_AXIS_LIMIT = 65536
 def call_key(call: RoPECall, size_limits: Sequence[int] = ()) -> CallKey:
     """The :class:`CallKey` of a checked call (traceable: plain values, sizes compared);
     ``size_limits``: the sorted element-count limits backends declare."""
-    t = call.t
+    t, traced = call.t, torch.compiler.is_compiling()
     return CallKey(
         (*call.spec.static_key, call.rotary_dim), t.device.type, t.device.index,
-        tuple(size_bucket(n) for n in t.shape), size_bucket(call.batch), stride_class(t),
+        tuple(size_bucket(n, traced) for n in t.shape), size_bucket(call.batch, traced),
+        stride_class(t),
         call.table_kind, call.start_positions is not None, call.positions is not None,
         wants_grad(call), call.in_place, call.split,
-        None if call.k is None else tuple(size_bucket(n) for n in call.k.shape),
+        None if call.k is None else tuple(size_bucket(n, traced) for n in call.k.shape),
         call.positions_bounded, table_grad_wanted(call.table, call.k_table),
         bisect.bisect_left(size_limits, t.numel()) if size_limits else 0,
-        max(call.seq_len, call.batch) >= GRID_AXIS_LIMIT,
+        True if max(call.seq_len, call.batch) >= GRID_AXIS_LIMIT else False,  # a guard, not a symbol
         None if call.norm is None and call.k_norm is None else
         tuple(None if n is None else n.scope for n in (call.norm, call.k_norm)),
         None if call.cache_write is None else call.cache_write.form,
@@ -424,10 +425,11 @@ def _check_start_positions(
     return starts
 
 
-def size_bucket(n: object) -> int:
-    """The power of two at or above ``n``: the size classes dispatch and autotune key on. A
-    symbolic size (under torch.compile) is compared, never specialised to one value."""
-    if isinstance(n, int):
+def size_bucket(n: object, traced: bool = False) -> int:
+    """The power of two at or above ``n``: the size classes dispatch and autotune key on.
+    ``traced`` (torch.compile tracing, where a symbolic size passes for an int): ``n`` is
+    compared, never specialised to one value."""
+    if not traced:
         return 1 << max(n - 1, 0).bit_length()
     bucket = 1
     while bucket < n:
@@ -773,13 +775,16 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
                    b_width: int | None = None) -> bool | None:
     """Whether ``a[..., :width]`` and ``b[..., :b_width]`` (same dtype; ``b_width`` defaults to
     ``width``) address a common element: True or False, or None where the search for one gives
-    up (strides that do not nest), which torch's own in-place checks call too hard to tell.
+    up (strides that do not nest), which torch's own in-place checks call too hard to tell, or
+    where the tensors have no memory to compare (:func:`~rope_dispatch.tracing.memoryless`).
     Exact for any strides: it looks for index offsets, within both tensors' bounds, whose
     strided sum is the distance between the two starts, from the largest stride down, keeping
     only offsets the smaller strides can still complete."""
     b_width = width if b_width is None else b_width
     if a.numel() == 0 or b.numel() == 0 or width == 0 or b_width == 0:
         return False
+    if memoryless():
+        return None
     distance, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
     if rest:
         return None

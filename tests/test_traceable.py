@@ -1,5 +1,6 @@
-"""``rope_dispatch.apply`` and ``apply_`` inside ``torch.compile(fullgraph=True)``: dispatch itself never breaks
-the graph (the backends' own kernels are tested in their files)."""
+"""``rope_dispatch.apply``, ``apply_`` and ``apply_qk_`` inside ``torch.compile(fullgraph=True)``,
+with static and dynamic shapes: dispatch itself never breaks the graph (the backends' own
+kernels are tested in their files)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,49 @@ def test_fullgraph_in_place_forward_backward():
     ref_out, ref_grad = reference_forward_backward(2 * t.detach(), freqs.view(12, 8), spec, grad_out)
     assert_matches(out, ref_out + 1, torch.float32)
     assert_matches(grad, 2 * ref_grad, torch.float32)
+
+
+def test_fullgraph_pair_in_place_on_views_of_one_projection():
+    """apply_qk_ traces: q and k rotated in place as disjoint views of one projection (their
+    overlap check reads no address while tracing), and the projection's gradient."""
+    torch._dynamo.reset()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    freqs = torch.rand(12, 1, 1, 16) * 10
+
+    def step(proj):
+        y = proj * 2
+        q, k = y[..., :32].unflatten(-1, (2, 16)), y[..., 32:48].unflatten(-1, (1, 16))
+        q, k = rd.apply_qk_(q, k, freqs, spec, backend="eager")
+        return torch.cat((q, k), -2)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    proj = torch.randn(9, 2, 64, requires_grad=True)
+    out = compiled(proj)
+    grad_out = torch.randn(out.shape)
+    (grad,) = torch.autograd.grad(out, proj, grad_out)
+    heads = (2 * proj.detach()[..., :48]).unflatten(-1, (3, 16))
+    ref_out, ref_grad = reference_forward_backward(heads, freqs.view(12, 16), spec, grad_out)
+    assert_matches(out, ref_out, torch.float32)
+    assert_matches(grad[..., :48], 2 * ref_grad.flatten(-2), torch.float32, "q's and k's gradient")
+    assert torch.equal(grad[..., 48:], torch.zeros(9, 2, 16))
+
+
+@pytest.mark.parametrize("dynamic", ["mark_dynamic", "new lengths"])
+def test_fullgraph_default_choice_with_a_dynamic_sequence_length(dynamic):
+    """The default backend choice under dynamic shapes (a dimension marked dynamic, or the
+    recompile Dynamo makes dynamic after a second length): the key it decides from holds no
+    symbolic size, and no size is specialised to one value."""
+    torch._dynamo.reset()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    freqs = torch.rand(64, 1, 1, 16) * 10
+    compiled = torch.compile(lambda x: rd.apply(x * 2, freqs, spec), fullgraph=True,
+                             backend="aot_eager")
+    for length in (8, 12, 20):
+        t = torch.randn(length, 2, 3, 16)
+        if dynamic == "mark_dynamic":
+            torch._dynamo.mark_dynamic(t, 0)
+        assert_matches(compiled(t), reference_forward_backward(
+            2 * t, freqs.view(64, 16), spec, torch.ones(t.shape))[0], torch.float32, f"s {length}")
 
 
 def test_overrides_are_read_at_trace_time(monkeypatch):
