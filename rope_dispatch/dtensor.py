@@ -172,6 +172,7 @@ def _setup_context(ctx, inputs, output) -> None:
     # the input is read again only by a norm stage's backward
     ctx.save_for_backward(None if weight is None else t, table, sin, positions, weight)
     ctx.settings = inputs[5:]
+    ctx.placements = t.placements  # the gradient's (see _placed)
 
 
 def _backward(ctx, grad):
@@ -181,9 +182,17 @@ def _backward(ctx, grad):
     if weight is None:  # the transpose: the same channels (and pairing) turned the other way
         made = rope_shard(grad, table, sin, positions, None, *s._replace(inverse=not s.inverse),
                           backend)
-        return (made, None, None, None, None) + none
+        return (_placed(made, ctx.placements), None, None, None, None) + none
     dx, dweight = rope_shard_norm_backward(grad, t, table, sin, positions, weight, *s, backend)
-    return (dx, None, None, None, dweight if ctx.needs_input_grad[4] else None) + none
+    return (_placed(dx, ctx.placements), None, None, None,
+            dweight if ctx.needs_input_grad[4] else None) + none
+
+
+def _placed(x: DTensor, placements: tuple) -> DTensor:
+    """``x`` placed as given: DTensor replicates a dim sharded over more ranks than it has
+    entries (one head on two ranks) before the op, and the result is sliced back (no
+    communication), so outputs, gradients and in-place writes keep the input's layout."""
+    return x if x.placements == placements else x.redistribute(x.device_mesh, placements)
 
 
 rope_shard.register_autograd(_backward, setup_context=_setup_context)
@@ -545,12 +554,15 @@ def _op_table(freqs: object, name: str, t: DTensor, spec: RoPESpec) -> tuple:
 
 
 def _one(x: DTensor, p: _Prepared, stage: tuple | None, backend: str | None) -> DTensor:
-    """The op on one DTensor, after its norm stage where ``stage`` is given."""
+    """The op on one DTensor, after its norm stage where ``stage`` is given, placed as ``x``
+    (:func:`_placed`)."""
     if stage is None:
-        return rope_shard(x, p.table, p.sin, p.positions, None, *p.settings, backend)
-    weight, (scope, eps, offset) = stage
-    settings = p.settings._replace(norm_scope=scope, eps=eps, norm_offset=offset)
-    return rope_shard(x, p.table, p.sin, p.positions, weight, *settings, backend)
+        out = rope_shard(x, p.table, p.sin, p.positions, None, *p.settings, backend)
+    else:
+        weight, (scope, eps, offset) = stage
+        settings = p.settings._replace(norm_scope=scope, eps=eps, norm_offset=offset)
+        out = rope_shard(x, p.table, p.sin, p.positions, weight, *settings, backend)
+    return _placed(out, x.placements)
 
 
 def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions,
@@ -569,6 +581,16 @@ def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions
     from .call import _check_split
 
     q_len, k_len, _ = _check_split(split, t.shape[-1])
+    groups = t.dim() - 2
+    for i, placement in enumerate(t.placements):
+        if (isinstance(placement, Shard) and placement.dim in (groups, -2) and q_len > k_len
+                and t.shape[groups] % t.device_mesh.size(i)):
+            raise _refuse(
+                f"apply_qkv's tensor is sharded on its {t.shape[groups]} head groups (mesh dim "
+                f"{i}, {t.device_mesh.size(i)} ranks), which do not divide evenly: its q heads "
+                f"({q_len // k_len} a group) cannot be laid out as one sharded head dim; use a "
+                "number of groups the mesh divides, or split q, k and v and call apply_qk"
+            )
     q = t[..., :q_len]
     q = q.reshape(*q.shape[:-2], q.shape[-2] * (q_len // k_len), k_len)
     k_part = t[..., q_len:q_len + k_len]

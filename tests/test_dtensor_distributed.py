@@ -446,6 +446,33 @@ def _check_context_parallel(mesh, rank):
     assert_matches(grad_full, ref_grad, F32, f"context_parallel rank {rank} backward")
 
 
+def _check_small_shards(mesh, rank):
+    """A dim sharded over more ranks than it has entries (one head on every rank of the mesh):
+    DTensor replicates it for the op (its rule, the one collective allowed here), and the
+    outputs and gradients still come back placed as the inputs, values as the reference; in
+    place with a gradient too (the write needs the input's placements)."""
+    gen = torch.Generator().manual_seed(13)
+    spec = rd.RoPESpec(layout="sbhd", dtype=F32)
+    angles = torch.rand(8, 8, generator=gen) * 10
+    placements = _placements([2])
+    q, k = (torch.randn(8, 2, 1, 8, generator=gen) for _ in range(2))
+    qd, kd = (_shard(x, mesh, placements).requires_grad_(True) for x in (q, k))
+    g = torch.randn(q.shape, generator=gen)
+    outs = rd.apply_qk(qd, kd, angles, spec, backend="eager")
+    grads = torch.autograd.grad(outs, (qd, kd), (_shard(g, mesh, placements),) * 2)
+    for x, out, grad in zip((q, k), outs, grads):
+        assert out.placements == qd.placements and grad.placements == qd.placements, rank
+        ref_out, ref_grad = reference_forward_backward(x, angles, spec, g)
+        assert_matches(out.full_tensor(), ref_out, F32, "one head on every rank: forward")
+        assert_matches(grad.full_tensor(), ref_grad, F32, "one head on every rank: backward")
+    y = qd * 1.0  # a non-leaf, rotated in place with a gradient
+    assert rd.apply_(y, angles, spec, backend="eager") is y and y.placements == qd.placements
+    (grad,) = torch.autograd.grad(y, qd, _shard(g, mesh, placements))
+    ref_out, ref_grad = reference_forward_backward(q, angles, spec, g)
+    assert_matches(y.full_tensor(), ref_out, F32, "one head on every rank, in place")
+    assert_matches(grad.full_tensor(), ref_grad, F32, "one head on every rank, in place: backward")
+
+
 def _check_refusals(mesh):
     """What a DTensor call refuses, with its reason."""
     spec = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 4, 8]))
@@ -470,6 +497,9 @@ def _check_refusals(mesh):
     with pytest.raises(rd.RoPEError, match=r"norm.weight has placement S\(0\).*expected Replicate"):
         rd.apply(heads, angles, rd.RoPESpec(layout="sbhd", dtype=F32),
                  norm=rd.HeadNorm(weight), backend="eager")
+    one_group = _shard(torch.randn(8, 1, 32), mesh, _placements([1]))
+    with pytest.raises(rd.RoPEError, match="sharded on its 1 head groups .* do not divide"):
+        rd.apply_qkv(one_group, angles, spec, (16, 8, 8), backend="eager")
     with pytest.raises(rd.RoPEError, match="cp_size"):
         rd.apply(z, angles, rd.RoPESpec(layout="sbhd", dtype=F32, cp_size=2), backend="eager")
     learned = torch.rand(8, 8, requires_grad=True)  # its gradient would be dropped: refused
@@ -502,6 +532,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             _check_normed(mesh, case, rank, in_place=True)
             _check_normed(mesh, case, rank, in_place=True, grad=False)
         _check_refusals(mesh)
+        _check_small_shards(mesh, rank)
         _check_context_parallel(mesh, rank)
         _check_caches_and_positions(mesh, rank)
         _check_multimodal(mesh, rank)
