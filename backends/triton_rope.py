@@ -357,8 +357,8 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     described = describe(call)
     inputs = (call.t,) if call.k is None else (call.t, call.k)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-    if call.k_table is not None or (described.norm is not None and grad) or (grad and (
-            described.in_place or any(tl.dense_strides(x) is not None for x in inputs))):
+    if transformed() or call.k_table is not None or (described.norm is not None and grad) or (
+            grad and (described.in_place or any(tl.dense_strides(x) is not None for x in inputs))):
         return generic  # (a dense permuted input's gradient keeps its layout: the generic path)
     tabs = call_tables(call)  # a norm stage's weights too (a plan binds their addresses)
     if not _reads_given_tables(call, tabs):
@@ -451,6 +451,8 @@ def plan_cache(call: RoPECall) -> Any:
     a stale table flag, a tensor not aligned)."""
     write = call.cache_write
     q, k, v = call.t, call.k, write.v
+    if transformed():
+        return None
     described, tabs = describe(call), call_tables(call)
     if not _reads_given_tables(call, tabs):
         return None

@@ -182,7 +182,7 @@ def call_key(call: RoPECall, size_limits: Sequence[int] = ()) -> CallKey:
         None if call.k is None else tuple(size_bucket(n, traced) for n in call.k.shape),
         call.positions_bounded, table_grad_wanted(call.table, call.k_table),
         bisect.bisect_left(size_limits, t.numel()) if size_limits else 0,
-        True if max(call.seq_len, call.batch) >= GRID_AXIS_LIMIT else False,  # a guard, not a symbol
+        True if max(call.seq_len, call.batch) >= GRID_AXIS_LIMIT else False,  # a guard, no symbol
         None if call.norm is None and call.k_norm is None else
         tuple(None if n is None else n.scope for n in (call.norm, call.k_norm)),
         None if call.cache_write is None else call.cache_write.form,

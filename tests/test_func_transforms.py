@@ -42,10 +42,11 @@ def _rotated(t, angles, weight=None):
 def test_grad_is_the_transposed_rotation(backend):
     t, angles, _ = _inputs()
     w = torch.randn(t.shape, generator=torch.Generator().manual_seed(1))
-    got = torch.func.grad(lambda x: (rd.apply(x, angles, SPEC, backend=backend) * w).sum())(t)
     x = t.double().requires_grad_(True)
     (expected,) = torch.autograd.grad((_rotated(x, angles) * w.double()).sum(), x)
-    assert_matches(got, expected, torch.float32, "torch.func.grad")
+    for call in range(3):  # a call met again is planned
+        got = torch.func.grad(lambda x: (rd.apply(x, angles, SPEC, backend=backend) * w).sum())(t)
+        assert_matches(got, expected, torch.float32, f"torch.func.grad {call}")
 
 
 def test_jvp_of_a_linear_map_is_the_map(backend):
@@ -57,12 +58,16 @@ def test_jvp_of_a_linear_map_is_the_map(backend):
     assert_matches(derivative, _rotated(tangent, angles), torch.float32, "jvp's derivative")
 
 
-def test_vmap_over_the_batch_rotates_each_sample(backend):
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_vmap_over_the_batch_rotates_each_sample(backend, grad_mode):
+    """Repeated (a call met again is planned), with and without grad mode."""
     t, angles, _ = _inputs()
     per_sample = torch.func.vmap(
         lambda x: rd.apply(x.unsqueeze(1), angles, SPEC, backend=backend).squeeze(1),
         in_dims=1, out_dims=1)
-    assert_matches(per_sample(t), _rotated(t, angles), torch.float32, "vmap")
+    with torch.set_grad_enabled(grad_mode):
+        for call in range(3):
+            assert_matches(per_sample(t), _rotated(t, angles), torch.float32, f"vmap {call}")
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"], indirect=True)
