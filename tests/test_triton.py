@@ -1075,5 +1075,5 @@ def test_a_table_written_between_forward_and_backward_raises(kind, calls):
     assert_matches(grad, expected, torch.float32, "backward, table untouched")
     with torch.no_grad():
         written.mul_(0.5)
-    with pytest.raises(rd.RoPEError, match="modified in place between the forward and the backward"):
+    with pytest.raises(rd.RoPEError, match="modified in place between the forward and the"):
         torch.autograd.grad(out, t, grad_out)
