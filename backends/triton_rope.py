@@ -71,14 +71,15 @@ class Rotation:
         kind = self.launch.tensors
         return 2 if kind == "qk" else 3 if kind == "qkv" and self.launch.backward else 1
 
-    def kept_tables(self) -> tuple[torch.Tensor, ...]:
-        """The table tensors the backward reads again that have a version counter (the call's,
-        or copies made for it): the Function saves them, so one written in place before the
-        backward raises, as any tensor autograd keeps does (eager keeps cos and sin instead)."""
+    def table_versions(self) -> tuple[int, ...]:
+        """The version counters of the table tensors the backward reads again (the call's, or
+        copies made for it; tensors made under inference mode have none): the Function's
+        backward raises where one moved since the forward, as autograd does for any tensor it
+        keeps (eager's backward uses the cos and sin its forward computed)."""
         tabs = self.tabs
         held = (table_tensors(self.freqs) if tabs is None
                 else (tabs.table, tabs.sin, tabs.k_table, tabs.k_sin))
-        return tuple(t for t in held
+        return tuple(t._version for t in held
                      if t is not None and t.dtype is not tt.FLAG and not t.is_inference())
 
     def tables(self) -> Tables:
@@ -152,8 +153,8 @@ class RoPEFunction(torch.autograd.Function):
         sources = ()
         if rotation.launch.norm is not None:  # the norm's backward reads the forward's inputs
             sources = tuple(x.clone() for x in data) if rotation.launch.in_place else data
-        ctx.save_for_backward(*sources, *rotation.kept_tables())
-        ctx.sources = len(sources)
+            ctx.save_for_backward(*sources)
+        ctx.versions = rotation.table_versions()
         made = rotation.forward(data)
         if rotation.launch.in_place:
             ctx.mark_dirty(*data)
@@ -163,14 +164,14 @@ class RoPEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        try:
-            saved = ctx.saved_tensors
-        except RuntimeError as error:  # a saved tensor's version moved
+        rotation = ctx.rotation
+        if rotation.table_versions() != ctx.versions:
             raise RoPEError(
-                "a table (freqs) or a norm stage's input was modified in place between the "
-                f"forward and the backward of the triton backend's RoPE: {error}"
-            ) from error
-        return (None, *ctx.rotation.backward(grads, ctx.strides, saved[:ctx.sources]))
+                "the table (freqs) was modified in place between the forward and the backward "
+                "of the triton backend's RoPE, which reads it again: rotate again, or write a "
+                "copy of the table"
+            )
+        return (None, *rotation.backward(grads, ctx.strides, ctx.saved_tensors))
 
 
 def c_apply(function: type[torch.autograd.Function]) -> Any:

@@ -1013,7 +1013,7 @@ class _Tripling:
         in_place = False
         norm = None
 
-    def kept_tables(self):
+    def table_versions(self):
         return ()
 
     def forward(self, inputs):
