@@ -246,12 +246,17 @@ def test_new_memory_given_with_data_is_seen_by_the_next_call(replaced):
 
 
 @pytest.mark.parametrize("entry", ["apply", "qk"])
-def test_a_write_between_forward_and_backward_is_seen_by_the_backward(entry):
+def test_a_write_between_forward_and_backward_makes_the_backward_raise(entry):
+    """The backward reads the cache again: after a write that breaks its halves (or any write)
+    it raises rather than differentiate a rotation the forward never made; before, and after
+    a write the next forward saw, its gradient is the reference's on the cache as written."""
     spec = rd.RoPESpec(layout="bshd", dtype="bf16")
     x, k = inputs("bshd"), inputs("bshd", heads=1, seed=10)
     grad_out = inputs("bshd", seed=11)
     cache = halves_cache()
-    for step in range(3):
+    for step in range(4):
+        if step == 3:  # written before the forward: read by both passes
+            cache.cos[4, D // 2] += 0.25
         leaf = x.clone().requires_grad_(True)
         if entry == "qk":
             out, _ = rd.apply_qk(leaf, k, cache, spec, backend="triton")
@@ -259,6 +264,9 @@ def test_a_write_between_forward_and_backward_is_seen_by_the_backward(entry):
             out = rd.apply(leaf, cache, spec, backend="triton")
         if step == 2:
             cache.cos[3, D // 2] += 0.5
+            with pytest.raises(rd.RoPEError, match="modified in place between the forward"):
+                torch.autograd.grad(out, leaf, grad_out)
+            continue
         (grad,) = torch.autograd.grad(out, leaf, grad_out)
         assert_matches(grad, grad_expected(x, cache, spec, grad_out), torch.bfloat16,
                        f"step {step}")
@@ -341,12 +349,16 @@ def test_planned_calls_see_writes_into_the_cache():
     q_out, _ = rd.apply_qk(q, k, cache, spec, backend="triton")
     assert_matches(q_out, expected(q, cache, spec), q.dtype, "no grad")
     leaf = q.clone().requires_grad_(True)
-    for _ in range(3):
+    for call in range(3):
+        if call == 2:  # after planned calls: the plan's forward and backward read the write
+            cache.cos[11, 99] += 1.0
         q_out, _ = rd.apply_qk(leaf, k, cache, spec, backend="triton")
-    cache.cos[11, 99] += 1.0
     grad_out = torch.randn_like(q)
-    (grad,) = torch.autograd.grad(q_out, leaf, grad_out)
+    (grad,) = torch.autograd.grad(q_out, leaf, grad_out, retain_graph=True)
     assert_matches(grad, grad_expected(q, cache, spec, grad_out), q.dtype, "backward")
+    cache.sin[12, 98] += 1.0  # between the forward and the backward
+    with pytest.raises(rd.RoPEError, match="modified in place between the forward"):
+        torch.autograd.grad(q_out, leaf, grad_out)
 
 
 @gpu

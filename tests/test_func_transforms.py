@@ -15,6 +15,7 @@ from reference import assert_matches, reference_for, reference_head_norm
 from rope_dispatch.integrations import hf
 
 SPEC = rd.RoPESpec(layout="sbhd", dtype="fp32")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["eager", "triton", "compile"]
 
 
@@ -23,7 +24,7 @@ def _inputs(seed: int = 0):
     t = torch.randn(6, 2, 3, 8, generator=gen)
     angles = torch.rand(6, 1, 1, 8, generator=gen) * 6
     weight = torch.randn(8, generator=gen) * 0.5 + 1.0
-    return t, angles, weight
+    return t.to(DEVICE), angles.to(DEVICE), weight.to(DEVICE)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -41,7 +42,7 @@ def _rotated(t, angles, weight=None):
 
 def test_grad_is_the_transposed_rotation(backend):
     t, angles, _ = _inputs()
-    w = torch.randn(t.shape, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     x = t.double().requires_grad_(True)
     (expected,) = torch.autograd.grad((_rotated(x, angles) * w.double()).sum(), x)
     for call in range(3):  # a call met again is planned
@@ -51,7 +52,7 @@ def test_grad_is_the_transposed_rotation(backend):
 
 def test_jvp_of_a_linear_map_is_the_map(backend):
     t, angles, _ = _inputs()
-    tangent = torch.randn(t.shape, generator=torch.Generator().manual_seed(2))
+    tangent = torch.randn(t.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     out, derivative = torch.func.jvp(lambda x: rd.apply(x, angles, SPEC, backend=backend),
                                      (t,), (tangent,))
     assert_matches(out, _rotated(t, angles), torch.float32, "jvp's value")
@@ -98,8 +99,8 @@ def test_a_patched_qk_norm_model_has_the_unpatched_models_functional_gradient(tr
         hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=128, attn_implementation="eager")
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    model = transformers.Qwen3ForCausalLM(config).eval().to(DEVICE)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     params = {name: p.detach() for name, p in model.named_parameters()}
 
     def loss(p):
