@@ -249,28 +249,40 @@ def test_a_write_into_the_table_is_seen_by_the_next_call():
 
 
 @pytest.mark.parametrize("kind", ["apply", "qk"])
-def test_a_write_between_forward_and_backward_is_seen_by_the_backward(kind):
-    """The backward reads the table as it is when it runs, flag or rows alike."""
+def test_a_write_that_breaks_linearity_is_read_by_both_passes(kind):
+    """A write after the table's first sight that makes it no longer linear: the next forward
+    checks the flag again and both passes read the rows, as with the flag switched off; a
+    write between that forward and its backward makes the backward raise (it reads the table
+    again and would differentiate a rotation that never ran)."""
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(30, 2, 2, 8, generator=gen).to(DEVICE)
     grad_out = torch.randn(30, 2, 2, 8, generator=gen).to(DEVICE)
 
-    def run():
+    def run(write_between: bool = False):
         freqs = linear_table(30, 4, False)
         leaf = x.clone().requires_grad_(True)
-        if kind == "apply":
-            rd.apply(leaf, freqs, spec, backend="triton")  # first sight
-            out = rd.apply(leaf, freqs, spec, backend="triton")
-        else:
-            rd.apply_qk(leaf, leaf * 2, freqs, spec, backend="triton")
-            out = rd.apply_qk(leaf, leaf * 2, freqs, spec, backend="triton")[0]
-        freqs[4, 0, 0, 1] += 0.25
+
+        def call():
+            if kind == "apply":
+                return rd.apply(leaf, freqs, spec, backend="triton")
+            return rd.apply_qk(leaf, leaf * 2, freqs, spec, backend="triton")[0]
+
+        call()  # first sight
+        if not write_between:
+            freqs[4, 0, 0, 1] += 0.25
+        out = call()
+        if write_between:
+            freqs[4, 0, 0, 1] += 0.25
+            with pytest.raises(rd.RoPEError, match="modified in place between the forward"):
+                torch.autograd.grad(out, leaf, grad_out)
+            return None, freqs
         (grad,) = torch.autograd.grad(out, leaf, grad_out)
         return grad, freqs
 
+    run(write_between=True)
     grad, freqs = run()
-    assert 0 in held_flags()  # checked again by the backward
+    assert 0 in held_flags()  # checked again by the forward after the write
     expected, _ = rows_read(run)
     assert torch.equal(grad, expected)
     if kind == "apply":
@@ -480,13 +492,17 @@ def test_planned_calls_see_writes_into_the_table():
     out = rd.apply(x, freqs, spec, backend="triton")
     assert_matches(out, reference_for(x.cpu(), freqs.view(64, -1).cpu(), spec), x.dtype)
     leaf = x.clone().requires_grad_(True)
-    for _ in range(3):
+    for call in range(3):
+        if call == 2:  # after planned calls: the plan's forward and backward read the write
+            freqs[11, 0, 0, 5] += 1.0
         out = rd.apply(leaf, freqs, spec, backend="triton")
-    freqs[11, 0, 0, 5] += 1.0
-    (grad,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
+    (grad,) = torch.autograd.grad(out, leaf, torch.ones_like(out), retain_graph=True)
     _, ref_grad = reference_forward_backward(x.cpu(), freqs.view(64, -1).cpu(), spec,
                                              torch.ones(out.shape, dtype=x.dtype))
     assert_matches(grad, ref_grad, x.dtype, "backward")
+    freqs[12, 0, 0, 5] += 1.0  # between the forward and the backward
+    with pytest.raises(rd.RoPEError, match="modified in place between the forward"):
+        torch.autograd.grad(out, leaf, torch.ones_like(out))
 
 
 @gpu
