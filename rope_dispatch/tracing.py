@@ -3,7 +3,8 @@
 Importing ``torch._dynamo`` takes about 1 s on a development CPU and 4.5 s on the GPU
 machine's host (sympy and the tracer's modules), more than ``import torch`` itself there. A
 program that never compiles should not pay it for ``import rope_dispatch``; one that compiles
-imports Dynamo anyway, and the marks below are read when it traces.
+imports Dynamo anyway, and the marks below are read when it traces. It also says when a
+call's tensors have no memory to read (:func:`memoryless`: traced, or ``torch.func``'s).
 """
 
 from __future__ import annotations
