@@ -52,6 +52,9 @@ from rope_dispatch.call import RoPECall
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import RoPESpec
 from rope_dispatch.tables import RateTable
+from rope_dispatch.tracing import transformed
+
+from .eager import rope_eager
 
 # Where apply_rotary_pos_emb lives, newest first.
 MODULE_PATHS = (
@@ -404,6 +407,8 @@ class TEBackend(Backend):
     def apply(self, call: RoPECall) -> torch.Tensor:
         if self._info is None and self.availability:
             raise RuntimeError(f"the te backend is unavailable: {'; '.join(self.availability)}")
+        if transformed():  # TE's autograd.Function has no setup_context, which torch.func
+            return rope_eager(call)  # needs: the same math in torch ops
         offset = call.spec.rotary_offset
         if offset:  # exact: TE rotates the view from the offset on, the channels before it copied
             spec = call.spec.model_copy(update={"rotary_offset": 0})

@@ -16,7 +16,7 @@ from rope_dispatch.integrations import hf
 
 SPEC = rd.RoPESpec(layout="sbhd", dtype="fp32")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["eager", "triton", "compile"]
+BACKENDS = ["eager", "triton", "compile", "te"]
 
 
 def _inputs(seed: int = 0):
@@ -31,6 +31,8 @@ def _inputs(seed: int = 0):
 def backend(request):
     if request.param == "triton":  # on Triton's CPU interpreter without CUDA (conftest.py)
         request.getfixturevalue("triton_backend")
+    if request.param == "te" and not rd.get_backend("te").available:
+        pytest.skip("TransformerEngine is not installed (runs on the GPU machine)")
     return request.param
 
 
