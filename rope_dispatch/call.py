@@ -684,8 +684,10 @@ def _positions_in_table(
         raise RoPEError(
             f"positions is on {positions.device} but t is on {device}; expected the same device"
         )
-    if not _host_reads_allowed() or not _reads(positions) or positions.numel() == 0:
-        return positions.numel() == 0
+    if positions.numel() == 0:
+        return True  # nothing to read (a branch: a traced size gives a guard, not a symbol)
+    if not _host_reads_allowed() or not _reads(positions):
+        return False
     low, high = int(positions.min()), int(positions.max())
     if low < 0 or high >= table_len:
         raise RoPEError(

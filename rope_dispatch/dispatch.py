@@ -33,7 +33,7 @@ from .norm import HeadNorm
 from .registry import Backend
 from .spec import RoPESpec
 from .tables import RotaryTable, address_reader, table_requires_grad
-from .tracing import constant_while_tracing
+from .tracing import constant_while_tracing, transformed
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rope_backend", default=None)
 _decisions: dict[tuple, tuple[Backend, str]] = {}
@@ -650,6 +650,8 @@ def _keep_plan(
     global _recent, _recent_run, _recent_cache
     if table_requires_grad(freqs):
         return  # needs a backend that differentiates the table while grad is on: never planned
+    if transformed():
+        return  # torch.func's wrappers: no addresses to guard on
     entry = _plans.get(key)
     if entry is None:
         if key not in _met_once:

@@ -73,6 +73,28 @@ def test_vmap_over_the_batch_rotates_each_sample(backend, grad_mode):
             assert_matches(per_sample(t), _rotated(t, angles), torch.float32, f"vmap {call}")
 
 
+@pytest.mark.parametrize("transform", ["vmap", "jvp"])
+def test_q_and_k_in_place_under_a_transform(backend, transform):
+    """apply_qk_ on views of one tensor, repeated (a call met again keeps a plan, whose guard
+    would compare q's and k's addresses)."""
+    if backend == "compile":
+        pytest.skip("the compile backend serves single tensors only")
+    t, angles, _ = _inputs()
+
+    def rotated(x):
+        q, k = x[..., :2, :].clone(), x[..., 2:, :].clone()
+        rd.apply_qk_(q, k, angles, SPEC, backend=backend)
+        return torch.cat((q, k), -2)
+
+    for call in range(3):
+        if transform == "vmap":
+            got = torch.func.vmap(lambda x: rotated(x.unsqueeze(1)).squeeze(1), in_dims=1,
+                                  out_dims=1)(t)
+        else:
+            got = torch.func.jvp(rotated, (t,), (t,))[1]
+        assert_matches(got, _rotated(t, angles), torch.float32, f"{transform} {call}")
+
+
 @pytest.mark.parametrize("backend", ["eager", "triton"], indirect=True)
 def test_per_sample_gradients_through_q_and_k_norms(backend):
     """vmap of grad (per-sample gradients) of apply_qk with both norms: the weights' gradient

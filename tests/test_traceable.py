@@ -83,22 +83,31 @@ def test_fullgraph_pair_in_place_on_views_of_one_projection():
     assert torch.equal(grad[..., 48:], torch.zeros(9, 2, 16))
 
 
+@pytest.mark.parametrize("positions", [False, True])
 @pytest.mark.parametrize("dynamic", ["mark_dynamic", "new lengths"])
-def test_fullgraph_default_choice_with_a_dynamic_sequence_length(dynamic):
+def test_fullgraph_default_choice_with_a_dynamic_sequence_length(dynamic, positions):
     """The default backend choice under dynamic shapes (a dimension marked dynamic, or the
-    recompile Dynamo makes dynamic after a second length): the key it decides from holds no
-    symbolic size, and no size is specialised to one value."""
+    recompile Dynamo makes dynamic after a second length), by index or with per-token
+    positions: the key it decides from holds no symbolic size or flag, and no size is
+    specialised to one value."""
     torch._dynamo.reset()
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     freqs = torch.rand(64, 1, 1, 16) * 10
-    compiled = torch.compile(lambda x: rd.apply(x * 2, freqs, spec), fullgraph=True,
-                             backend="aot_eager")
+
+    def step(x, index):
+        return rd.apply(x * 2, freqs, spec, positions=index)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     for length in (8, 12, 20):
         t = torch.randn(length, 2, 3, 16)
+        index = torch.randint(0, 64, (length, 2)) if positions else None
         if dynamic == "mark_dynamic":
             torch._dynamo.mark_dynamic(t, 0)
-        assert_matches(compiled(t), reference_forward_backward(
-            2 * t, freqs.view(64, 16), spec, torch.ones(t.shape))[0], torch.float32, f"s {length}")
+            if positions:
+                torch._dynamo.mark_dynamic(index, 0)
+        expected = reference_forward_backward(2 * t, freqs.view(64, 16), spec,
+                                              torch.ones(t.shape), positions=index)[0]
+        assert_matches(compiled(t, index), expected, torch.float32, f"s {length}")
 
 
 def test_overrides_are_read_at_trace_time(monkeypatch):
