@@ -35,6 +35,7 @@ from .call import (
 )
 from .errors import RoPEError, RoPETypeError
 from .spec import dtype_name
+from .tracing import memoryless
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """The quantized cache (and q output) dtypes: values stored as ``x / scale``."""
@@ -109,7 +110,7 @@ def _cache_pair(k_cache: object, v_cache: object, names: tuple[str, str], dims: 
             f"{tuple(k_cache.shape)} {dtype_name(k_cache.dtype)} on {k_cache.device} and "
             f"{tuple(v_cache.shape)} {dtype_name(v_cache.dtype)} on {v_cache.device}"
         )
-    if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
+    if k_cache.numel() and not memoryless() and k_cache.data_ptr() == v_cache.data_ptr():
         raise RoPEError(f"{names[0]} and {names[1]} are the same memory; v would overwrite k")
 
 
@@ -524,7 +525,9 @@ def _check_q_out(q: torch.Tensor, q_out: object, q_scale: object) -> tuple[torch
 def _check_apart_from_kv(q_out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """q's given output (q itself in place) must share no element with k or v: one launch reads
     k and v while it writes it. Tensors of different element sizes count as sharing where
-    their bytes overlap."""
+    their bytes overlap. Not asked of tensors with no memory to compare (traced)."""
+    if memoryless():
+        return
     for name, x in (("k", k), ("v", v)):
         if x.numel() == 0 or q_out.numel() == 0 or (
                 q_out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()):

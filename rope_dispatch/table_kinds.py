@@ -270,7 +270,7 @@ class RateTable:
             n = self.inv_freq.shape[0]
             rates = self._kernel_rates[:n]  # type: ignore[attr-defined]
             build = reduced_angle_table if self.precise else angle_table
-            if torch.compiler.is_compiling():  # a traced graph computes it; nothing kept
+            if memoryless():  # a traced graph (or a torch.func transform) computes it: not kept
                 return build(rates, self.rows, interleaved=bool(interleaved))
             with _normal_tensors():  # a first call under inference mode keeps no inference tensor
                 angles = build(rates, self.rows, interleaved=bool(interleaved))

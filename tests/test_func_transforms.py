@@ -95,6 +95,23 @@ def test_q_and_k_in_place_under_a_transform(backend, transform):
         assert_matches(got, _rotated(t, angles), torch.float32, f"{transform} {call}")
 
 
+@pytest.mark.parametrize("precise", [False, True])
+def test_hessian_vector_products_on_a_rate_table(backend, precise):
+    """jvp of grad (a Hessian-vector product) on a RateTable, repeated, then a plain call: the
+    angle table the rates make under the transform is not kept on the table (it would hold the
+    transform's wrappers past it). For L = sum(rope(x)^2) = sum(x^2), Hv = 2v."""
+    t, _, _ = _inputs()
+    rates = torch.rand(4, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    table = rd.RateTable(rates, 6, precise=precise)
+    v = torch.randn(t.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    loss = torch.func.grad(lambda x: rd.apply(x, table, SPEC, backend=backend).pow(2).sum())
+    for call in range(3):
+        _, hv = torch.func.jvp(loss, (t,), (v,))
+        assert_matches(hv, 2 * v.double(), torch.float32, f"Hv {call}")
+    assert_matches(rd.apply(t, table, SPEC, backend=backend),
+                   _rotated(t, table.angle_table()), torch.float32, "a plain call after")
+
+
 @pytest.mark.parametrize("backend", ["eager", "triton"], indirect=True)
 def test_per_sample_gradients_through_q_and_k_norms(backend):
     """vmap of grad (per-sample gradients) of apply_qk with both norms: the weights' gradient

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rope_dispatch as rd
-from reference import assert_matches, reference_forward_backward
+from reference import assert_matches, reference_for, reference_forward_backward
 
 
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
@@ -81,6 +81,30 @@ def test_fullgraph_pair_in_place_on_views_of_one_projection():
     assert_matches(out, ref_out, torch.float32)
     assert_matches(grad[..., :48], 2 * ref_grad.flatten(-2), torch.float32, "q's and k's gradient")
     assert torch.equal(grad[..., 48:], torch.zeros(9, 2, 16))
+
+
+def test_fullgraph_cache_write_with_the_descriptor_made_in_the_step():
+    """rope_to_cache with its cache descriptor rebuilt inside the compiled step (as a serving
+    step may make it): the descriptor's checks compare no addresses while tracing."""
+    torch._dynamo.reset()
+    spec = rd.RoPESpec(layout="thd", dtype="fp32")
+    angles = torch.rand(32, 8) * 6
+    k_cache, v_cache = torch.zeros(40, 1, 8), torch.zeros(40, 1, 8)
+
+    def step(q, k, v, positions, slots):
+        cache = rd.FlatKVCache(k_cache, v_cache, slots)
+        return rd.rope_to_cache(q, k, v, angles, spec, positions=positions, cache=cache,
+                                backend="eager")
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(4, h, 8, generator=gen) for h in (2, 1, 1))
+    positions, slots = torch.tensor([3, 0, 31, 7]), torch.tensor([5, 9, 0, 39])
+    q_out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, positions, slots)
+    thd = rd.RoPESpec(layout="thd", dtype="fp32")
+    assert_matches(q_out, reference_for(q, angles, thd, positions=positions), torch.float32, "q")
+    assert_matches(k_cache[slots], reference_for(k, angles, thd, positions=positions),
+                   torch.float32, "k in the cache")
+    assert torch.equal(v_cache[slots], v)
 
 
 @pytest.mark.parametrize("positions", [False, True])
