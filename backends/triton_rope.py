@@ -247,12 +247,12 @@ def _result(launch: Launch, made: tuple) -> Any:
 def rope(call: RoPECall) -> Any:
     """A checked call through the kernels: new outputs, or the inputs rotated in place (a
     packed qkv call returns ``(q, k, v)``, a pair ``(q, k)``)."""
+    if transformed():  # torch.func's wrappers have no memory to launch on: torch ops, which
+        return rope_eager(call)  # every transform knows
     described = describe(call)
     inputs = (call.t,) if call.k is None else (call.t, call.k)
     weights = () if described.norm is None else tuple(
         n.weight for n in (call.norm, call.k_norm) if n is not None)
-    if transformed():  # torch.func's wrappers have no memory to launch on: torch ops, which
-        return rope_eager(call)  # every transform knows
     if _traced(*inputs, *weights):
         if described.norm is not None:  # traced: the float32 composition, for Inductor to fuse
             return rope_eager(call)
@@ -358,8 +358,8 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
     described = describe(call)
     inputs = (call.t,) if call.k is None else (call.t, call.k)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-    if transformed() or call.k_table is not None or (described.norm is not None and grad) or (
-            grad and (described.in_place or any(tl.dense_strides(x) is not None for x in inputs))):
+    if call.k_table is not None or (described.norm is not None and grad) or (grad and (
+            described.in_place or any(tl.dense_strides(x) is not None for x in inputs))):
         return generic  # (a dense permuted input's gradient keeps its layout: the generic path)
     tabs = call_tables(call)  # a norm stage's weights too (a plan binds their addresses)
     if not _reads_given_tables(call, tabs):
@@ -452,8 +452,6 @@ def plan_cache(call: RoPECall) -> Any:
     a stale table flag, a tensor not aligned)."""
     write = call.cache_write
     q, k, v = call.t, call.k, write.v
-    if transformed():
-        return None
     described, tabs = describe(call), call_tables(call)
     if not _reads_given_tables(call, tabs):
         return None

@@ -706,9 +706,10 @@ def rope_to_cache(
     :class:`~rope_dispatch.FlashInferPagedKVCache` or a :class:`~rope_dispatch.FlatKVCache`
     (SGLang), of the model's dtype or FP8 (``x / scale``, the division in float32, cast as
     torch casts within the range; past it the Triton kernels saturate); with partial rotary,
-    the channels past it go into the cache as they are. A token the cache skips (a negative slot, CUDA-graph padding) is still rotated in q. q comes back
-    new in q's dtype, or written into ``q_out`` (q's dtype or FP8); an FP8 ``q_out`` or a
-    ``q_scale`` (default ``float8_e4m3fn``) stores ``q / q_scale``. No host sync on a GPU; not
+    the channels past it go into the cache as they are. A token the cache skips (a negative
+    slot, CUDA-graph padding) is still rotated in q. q comes back new in q's dtype, or written
+    into ``q_out`` (q's dtype or FP8); an FP8 ``q_out`` or a ``q_scale`` (default
+    ``float8_e4m3fn``) stores ``q / q_scale``. No host sync on a GPU; not
     differentiable. A repeated call (same spec, table, cache kind and scales, tensors of the
     same layouts; their data and the cache's index values may change) runs its plan, as
     :func:`apply`'s do: keep the descriptor, or rebuild it per step, as the engine does.

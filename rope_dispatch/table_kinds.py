@@ -461,18 +461,6 @@ def address_reader(table: object) -> Callable[[Any], int | tuple[int, int]]:
     return _ADDRESS_READERS.get(type(table), _tensor_address)
 
 
-def table_requires_grad(table: object) -> bool:
-    """Whether a gradient is asked of the table: an angle table, or a cos/sin cache member, that
-    requires grad (a RateTable's rates are copied constants)."""
-    if isinstance(table, torch.Tensor):
-        return table.requires_grad
-    if isinstance(table, CosSinCache):
-        return table.cos.requires_grad or table.sin.requires_grad
-    if isinstance(table, PairCosSinCache):
-        return table.table.requires_grad
-    return False
-
-
 def table_tensors(table: object) -> tuple[torch.Tensor, ...]:
     """The caller's tensors a table holds: an angle table, a cache's members (a RateTable's
     rates are copied constants: none)."""
@@ -483,6 +471,15 @@ def table_tensors(table: object) -> tuple[torch.Tensor, ...]:
     if isinstance(table, PairCosSinCache):
         return (table.table,)
     return ()
+
+
+def table_requires_grad(table: object) -> bool:
+    """Whether a gradient is asked of the table: one of its tensors (:func:`table_tensors`)
+    requires grad."""
+    for t in table_tensors(table):
+        if t.requires_grad:
+            return True
+    return False
 
 
 def table_address(table: object) -> int | tuple[int, int]:

@@ -65,7 +65,7 @@ import torch
 from ..dispatch import apply_qk
 from ..errors import RoPEError
 from ..norm import HeadNorm
-from ..spec import RoPESpec
+from ..spec import SUPPORTED_DTYPES, RoPESpec
 from ..tables import CosSinCache
 from ..tracing import memoryless
 from .hf_families import MLA_FAMILIES, STANDARD_FAMILIES
@@ -220,9 +220,6 @@ def apply_rotary_pos_emb_interleave(
     return _rotate_qk(q, k, cos, sin, unsqueeze_dim, True)
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                unsqueeze_dim: int, deinterleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_rotary_pos_emb`'s mapping onto :func:`rope_dispatch.apply_qk`."""
@@ -238,7 +235,7 @@ def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
             f"(Pixtral's call, shared by the batch), seq being q's sequence length; got cos "
             f"{tuple(cos.shape)}, q {tuple(q.shape)}, unsqueeze_dim={unsqueeze_dim}"
         )
-    if q.dtype not in _DTYPES:
+    if q.dtype not in SUPPORTED_DTYPES:
         raise RoPEError(
             f"q is {q.dtype}: rope-dispatch computes in float32, bfloat16 and float16 only; "
             "hf.unpatch the model to run it in another dtype"
