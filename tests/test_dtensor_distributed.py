@@ -1,4 +1,5 @@
-"""DTensor inputs across processes: 2 and 4 gloo ranks on the CPU, one DeviceMesh.
+"""DTensor inputs across processes: 2 and 4 gloo ranks on the CPU, and 2 NCCL ranks of one GPU
+each (tensors on the GPUs, the Triton kernels, Inductor), one DeviceMesh.
 
 Every rank builds the same full tensors, cuts its shard locally (``src_data_rank=None``: no
 communication), and calls the public API on the DTensor. Inside a ``CommDebugMode`` the forward
@@ -96,9 +97,11 @@ def _compiled(call, compiled, graphs):
                          fullgraph=True)
 
 
-def _check_single(mesh, case, rank, compiled=None, backend="eager", table="angles"):
+def _check_single(mesh, case, rank, compiled=None, backend="eager", table="angles",
+                  device="cpu"):
     """One ``apply`` case: forward and backward against the float64 reference. ``table``: the
-    kind of ``freqs`` (an angle table, or what :func:`_table_of_kind` makes)."""
+    kind of ``freqs`` (an angle table, or what :func:`_table_of_kind` makes); ``device``: where
+    the call's tensors live (the mesh's device)."""
     layout, shape, shard, table_sharded, with_starts, rotary, interleaved, *extra = case
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(shape, generator=gen)
@@ -113,20 +116,23 @@ def _check_single(mesh, case, rank, compiled=None, backend="eager", table="angle
     starts = torch.randint(0, 5, (seqs,), generator=gen) if with_starts else None
     rows = longest if table_sharded else longest + 6
     angles = torch.rand(rows, rotary, generator=gen) * 40 - 20
-    spec = rd.RoPESpec(layout=layout, dtype=F32, interleaved=interleaved, cu_seqlens=cu,
+    spec = rd.RoPESpec(layout=layout, dtype=F32, interleaved=interleaved,
+                       cu_seqlens=None if cu is None else cu.to(device),
                        **(extra[0] if extra else {}))
     placements = _placements(shard)
-    xd = _shard(x, mesh, placements).requires_grad_(True)
-    gd = _shard(grad_out, mesh, placements)
-    freqs = angles.view(rows, 1, 1, rotary)
+    xd = _shard(x.to(device), mesh, placements).requires_grad_(True)
+    gd = _shard(grad_out.to(device), mesh, placements)
+    freqs = angles.view(rows, 1, 1, rotary).to(device)
     if table != "angles":
         freqs, angles = _table_of_kind(table, rows, rotary, interleaved, gen)
     if table_sharded:
         seq = 0 if layout == "sbhd" else 1
-        freqs = _shard(angles, mesh, _placements([0 if s == seq else None for s in shard]))
+        freqs = _shard(angles.to(device), mesh,
+                       _placements([0 if s == seq else None for s in shard]))
+    at = None if starts is None else starts.to(device)
 
     def call(t):
-        return rd.apply(t, freqs, spec, start_positions=starts, backend=backend)
+        return rd.apply(t, freqs, spec, start_positions=at, backend=backend)
 
     graphs = []
     run = _compiled(call, compiled, graphs)
@@ -188,7 +194,8 @@ IN_PLACE = [
 ]
 
 
-def _check_normed(mesh, case, rank, compiled=None, in_place=False, grad=True, backend="eager"):
+def _check_normed(mesh, case, rank, compiled=None, in_place=False, grad=True, backend="eager",
+                  device="cpu"):
     """Normalize, then rotate (Qwen3's q_norm and k_norm): ``apply`` with ``norm=`` or
     ``apply_qk`` with ``q_norm=``/``k_norm=`` (``in_place``: ``apply_``/``apply_qk_`` on
     non-leaf copies, which come back as the same objects), forward and backward, the weights'
@@ -196,7 +203,7 @@ def _check_normed(mesh, case, rank, compiled=None, in_place=False, grad=True, ba
     Partial where the tensor is sharded (each rank's part of the sum, as DTensor leaves a
     parameter's), a plain weight's the whole sum, all-reduced by the backward (its only
     collective). ``grad=False``: under no_grad, forward only (in place: each rank's own
-    memory written, the version counters moved)."""
+    memory written, the version counters moved). ``device``: as :func:`_check_single`'s."""
     from reference import reference_for, reference_head_norm
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -214,10 +221,11 @@ def _check_normed(mesh, case, rank, compiled=None, in_place=False, grad=True, ba
         freqs, angles = _table_of_kind(kind, longest + 6, rotary, False, gen)
     spec = rd.RoPESpec(layout=layout, dtype=F32)
     placements = _placements(shard)
-    leaves = [_shard(x, mesh, placements).requires_grad_(grad) for x in xs]
-    params = [w.clone() if weight == "plain" else
-              _shard(w, mesh, [Replicate()] * mesh.ndim) for w in ws]
+    leaves = [_shard(x.to(device), mesh, placements).requires_grad_(grad) for x in xs]
+    params = [w.clone().to(device) if weight == "plain" else
+              _shard(w.to(device), mesh, [Replicate()] * mesh.ndim) for w in ws]
     params = [w.requires_grad_(grad) for w in params]
+    at, table = starts.to(device), freqs.to(device) if kind == "angles" else freqs
 
     def call(*ts):
         norms = [rd.HeadNorm(w, 1e-5, offset=offset, scope=scope) for w in params] or [None]
@@ -225,10 +233,10 @@ def _check_normed(mesh, case, rank, compiled=None, in_place=False, grad=True, ba
             ts = [t.clone() for t in ts]  # non-leaf tensors, which may be written
         if k_heads is None:
             outs = ((rd.apply_ if in_place else rd.apply)(
-                ts[0], freqs, spec, start_positions=starts, norm=norms[0], backend=backend),)
+                ts[0], table, spec, start_positions=at, norm=norms[0], backend=backend),)
         else:
             outs = (rd.apply_qk_ if in_place else rd.apply_qk)(
-                *ts, freqs, spec, start_positions=starts, q_norm=norms[0], k_norm=norms[1],
+                *ts, table, spec, start_positions=at, q_norm=norms[0], k_norm=norms[1],
                 backend=backend)
         if in_place and compiled is None:
             assert all(o is t for o, t in zip(outs, ts)), "in place: not the same objects"
@@ -251,7 +259,7 @@ def _check_normed(mesh, case, rank, compiled=None, in_place=False, grad=True, ba
             outs = run(*leaves)
             return outs, torch.autograd.grad(outs, leaves + params, grads)
 
-        grads = [_shard(g, mesh, placements) for g in gs]
+        grads = [_shard(g.to(device), mesh, placements) for g in gs]
         if compiled is None:
             from torch.distributed.tensor.debug import CommDebugMode
 
@@ -566,3 +574,46 @@ def _worker(rank: int, world: int, init_file: str) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_dtensor_across_processes(world, tmp_path):
     join_ranks(_worker, world, (world, str(tmp_path / "store")), "gloo job", JOB_DEADLINE_S)
+
+
+def _gpu_worker(rank: int, world: int, init_file: str) -> None:
+    """The mesh on one GPU a rank, NCCL between them (torchtitan's and FSDP2 + tensor parallel
+    runs): each shard through the Triton kernels and the eager backend, a fused norm, in place
+    under no_grad, and torch.compile of the DTensor op (its graphs, and Inductor's GPU code)."""
+    os.environ.pop("ROPE_BACKEND", None)
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT, device_id=device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        mesh = init_device_mesh("cuda", (world,))
+        backends = ["eager"] + (["triton"] if rd.get_backend("triton").available else [])
+        for backend in backends:
+            for case in ONE_DIM:
+                _check_single(mesh, case, rank, backend=backend, device=device)
+            for case in NORMED:
+                _check_normed(mesh, case, rank, backend=backend, device=device)
+            heads = (*IN_PLACE[1][:-1], "angles")  # Qwen3's q and k, heads sharded, in place
+            _check_normed(mesh, heads, rank, in_place=True, grad=False, backend=backend,
+                          device=device)
+        for case in COMPILED:
+            torch._dynamo.reset()
+            _check_single(mesh, case, rank, "graphs", device=device)
+        torch._dynamo.reset()
+        _check_single(mesh, COMPILED[2], rank, "inductor", device=device)
+        torch._dynamo.reset()
+        _check_normed(mesh, NORMED[2], rank, "inductor", device=device)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_dtensor_on_two_gpus_over_nccl(tmp_path, monkeypatch):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices for NCCL, found {torch.cuda.device_count()}")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (inherited by the ranks)
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    join_ranks(_gpu_worker, 2, (2, str(tmp_path / "store")), "nccl job", JOB_DEADLINE_S)
