@@ -260,6 +260,9 @@ def _entry_problem(entry: Any, digest: str | None) -> str | None:
         and isinstance(fields.get("candidates"), list)
     ):
         return "it has no key fields"
+    named = set(fields["candidates"])
+    if choice not in named or not set(pending or ()) <= named:
+        return "its choice or deferred names a backend that is not one of its candidates"
     return None
 
 

@@ -131,7 +131,7 @@ def _format_rejections(rejected: dict[str, list[str]]) -> str:
 
 def _decide(call: RoPECall, forced: str | None, source: str) -> tuple[Backend, str]:
     if forced is not None:
-        b = registry.get_backend(forced)
+        b = registry.get_backend(forced, source)
         reasons = b.not_supported_reasons(call)
         if reasons:
             raise BackendNotSupportedError(
@@ -187,7 +187,7 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
         # mutating them or calling C helpers such as bisect would break the graph.
         return _decide(call, forced, source)[0], False
     if forced is not None and type(forced) is not str:
-        registry.get_backend(forced)  # refused by name, before it keys a memo
+        registry.get_backend(forced, source)  # refused by name, before it keys a memo
     key = decision_key(call, forced)
     decision = _decisions.get(key)
     if decision is None:
@@ -865,7 +865,7 @@ def explain(
     supported, rejected = capable_backends(call)
     notes = {b.name: n for b in registry.backends() if (n := getattr(b, "explain_note", lambda c: "")(call))}
     if forced is not None:
-        b = registry.get_backend(forced)
+        b = registry.get_backend(forced, source)
         if b.name in rejected:
             return Explanation(
                 _describe(call), None, f"{forced!r} was forced by {source} but cannot serve it",

@@ -329,15 +329,20 @@ def backends() -> list[Backend]:
     return sorted(_REGISTRY.values(), key=lambda b: -b.priority)
 
 
-def get_backend(name: str) -> Backend:
-    """The backend registered as ``name``; an unknown name lists the known ones."""
+def get_backend(name: str, source: str | None = None) -> Backend:
+    """The backend registered as ``name``; an unknown name lists the known ones (and says
+    where the name came from: ``source``, such as "the ROPE_BACKEND environment variable")."""
     backend = _REGISTRY.get(name) if isinstance(name, str) else None
     if backend is None:
         _load_built_ins()
         backend = _REGISTRY.get(name) if isinstance(name, str) else None
     if backend is None:  # no try/except: `raise ... from None` breaks torch.compile tracing
         known = ", ".join(sorted(_REGISTRY))
-        raise UnknownBackendError(f"unknown backend {name!r}; known backends: {known}")
+        given = "" if source is None else f" (forced by {source})"
+        close = name.strip().lower() if isinstance(name, str) else None
+        hint = f"; did you mean {close!r}?" if close in _REGISTRY and close != name else ""
+        raise UnknownBackendError(
+            f"unknown backend {name!r}{given}; known backends: {known}{hint}")
     return backend
 
 

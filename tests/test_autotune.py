@@ -186,6 +186,10 @@ CORRUPT = {  # name -> the bad file's bytes, made from the good entry
     "nested-past-the-parser": lambda entry: b"[" * 100_000,
     "spec-not-a-mapping": lambda entry: json.dumps(
         {**entry, "fields": {**entry["fields"], "spec": "sbhd"}}).encode(),
+    "choice-not-a-candidate": lambda entry: json.dumps(
+        {**entry, "choice": "other", "times_us": {**entry["times_us"], "other": 1.0}}).encode(),
+    "deferred-not-a-candidate": lambda entry: json.dumps(
+        {**entry, "deferred": ["other"]}).encode(),
 }
 
 

@@ -483,6 +483,24 @@ def test_a_non_tensor_input_is_named():
         apply_fused_qkv_rotary_pos_emb([1.0, 2.0], q, k, list(split))
 
 
+def test_flags_of_the_wrong_type_are_refused_after_valid_calls():
+    """``interleaved=1``, ``cp_size=True`` and ``cp_rank=0.0`` are refused as the spec refuses
+    them, also after valid calls whose equal values (``1 == True``) made the door's specs; a
+    ``cp_size`` that is no number is named, not compared."""
+    x, freqs = torch.randn(SEQ, BATCH, HEADS, HEAD_DIM), random_angles(SEQ, 8)
+    bad = (dict(interleaved=1), dict(cp_size=True), dict(cp_rank=0.0))
+    for valid in (None, dict(interleaved=True), dict()):
+        if valid is not None:
+            apply_rotary_pos_emb(x, freqs, **valid)
+        for kwargs in bad:
+            with pytest.raises(rd.RoPEError, match=next(iter(kwargs))):
+                apply_rotary_pos_emb(x, freqs, **kwargs)
+    qkv, q, k, split, _ = _qkv_inputs()
+    with pytest.raises(rd.RoPEError, match="cp_size"):
+        apply_fused_qkv_rotary_pos_emb(qkv, q, k, list(split), cp_size="2",
+                                       start_positions=torch.zeros(qkv.shape[1], dtype=torch.long))
+
+
 def test_core_errors_are_rope_errors():
     t, cu, rows = make_input("thd", torch.float32, 1, requires_grad=False)
     freqs = random_angles(rows, 8)

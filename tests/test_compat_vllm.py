@@ -165,6 +165,20 @@ def test_a_half_cache_is_copied_once_and_again_after_a_write():
     assert tables[0] is tables[1] is not tables[2]
 
 
+def test_a_half_cache_given_new_memory_is_copied_again():
+    """``cache.data = ...`` (new memory, no write torch counts) makes the float32 copy again,
+    as a table given new memory is checked again (docs/semantics.md)."""
+    cache = engine_cache(16, 8, 3, torch.bfloat16)
+    positions = torch.tensor([1, 2, 3])
+    for step in range(2):
+        if step:
+            cache.data = engine_cache(16, 8, 4, torch.bfloat16)
+        query = torch.randn(3, 16)
+        want = vllm_rope(query, positions, 8, cache, True)
+        rotary_embedding(positions, query, None, 8, cache, True)
+        assert err(query, want) <= 2e-6, step
+
+
 def test_under_inference_mode():
     """vLLM runs its model under inference mode: the doors work there, on an inference-tensor
     bfloat16 cache too (which has no version counter), and the cache's copy is a normal tensor."""
@@ -299,6 +313,7 @@ def test_signatures_are_vllms():
         (dict(cos_sin_cache=torch.rand(8, 20)), ["rotary dim d2=20", "head dim d=16"]),
         (dict(rope_dim_offset=4), ["rope_dim_offset=4 + rot_dim=16 must be <= head_size=16"]),
         (dict(is_neox=1), ["is_neox must be a bool, got 1"]),
+        (dict(key=torch.randn(4, 0)), ["key has 0 heads", "does not divide"]),
         (dict(positions=torch.tensor([0, 1, 2])), ["positions must have shape [T] = [4]"]),
     ],
 )

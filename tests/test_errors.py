@@ -107,7 +107,9 @@ def test_spec_is_frozen_and_hashable():
         (dict(start_positions=[0, 1]), ["start_positions", "list"]),
         (dict(spec=rd.RoPESpec(**SBHD, cp_size=2), freqs=torch.rand(16, 16), start_positions=torch.tensor([0, 1])),
          ["16 positions", "start_positions max 1", "sequence length 8 x cp_size=2", "needs 17"]),
-        (dict(backend="nope"), ["unknown backend 'nope'", "eager"]),
+        (dict(backend="nope"), ["unknown backend 'nope'", "(forced by the backend= argument)",
+                                "eager"]),
+        (dict(backend="Eager "), ["unknown backend 'Eager '", "did you mean 'eager'?"]),
         (dict(backend=["eager"]), ["unknown backend ['eager']", "known backends"]),
         (dict(t=[1.0]), ["t must be a torch.Tensor", "list"]),
         (dict(freqs="angles"), ["freqs", "str"]),
@@ -337,3 +339,17 @@ def test_a_bad_hot_calls_setting_names_the_variable(monkeypatch):
     monkeypatch.setenv("ROPE_AUTOTUNE_HOT_CALLS", "soon")
     with pytest.raises(rd.RoPEError, match="ROPE_AUTOTUNE_HOT_CALLS.*positive integer.*'soon'"):
         autotune.hot_calls()
+
+
+@pytest.mark.parametrize("value", ["Eager ", "nope", "eager,triton"])
+@pytest.mark.parametrize("entry", ["apply", "explain"])
+def test_an_unknown_rope_backend_names_the_variable(monkeypatch, value, entry):
+    """An unknown ROPE_BACKEND is refused naming the variable and its value, as a known one
+    that cannot serve is; a near miss says what it may have meant."""
+    monkeypatch.setenv("ROPE_BACKEND", value)
+    run = rd.apply if entry == "apply" else rd.explain
+    with pytest.raises(rd.UnknownBackendError) as info:
+        run(torch.randn(4, 1, 2, 8), torch.rand(4, 8), rd.RoPESpec(layout="sbhd", dtype="fp32"))
+    message = str(info.value)
+    assert f"unknown backend {value!r}" in message and "ROPE_BACKEND" in message, message
+    assert ("did you mean 'eager'?" in message) == (value == "Eager "), message

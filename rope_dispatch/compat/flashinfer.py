@@ -96,9 +96,14 @@ def _pair_cache(cos_sin_cache: torch.Tensor) -> PairCosSinCache:
     referenced here (an engine keeps one per model for its lifetime anyway)."""
     wrapper = _caches.get(id(cos_sin_cache))
     if wrapper is None or wrapper.table is not cos_sin_cache:
+        try:
+            made = PairCosSinCache(cos_sin_cache)
+        except RoPEError as error:  # the wrapper's complaint, told of the door's argument
+            raise type(error)(str(error).replace("PairCosSinCache's table", "cos_sin_cache")
+                              ) from error
         if len(_caches) >= _MAX_CACHES:
             _caches.clear()
-        wrapper = _caches[id(cos_sin_cache)] = PairCosSinCache(cos_sin_cache)
+        wrapper = _caches[id(cos_sin_cache)] = made
     return wrapper
 
 
@@ -499,10 +504,7 @@ def _reciprocal(name: str, scale: object) -> float:
 def _rope_table(cos_sin_cache: object, q_rope: torch.Tensor) -> PairCosSinCache:
     """The engine's cache as the table, one column per rope channel (FlashInfer's rope dim is
     q_rope's last dim: the whole rope part turns, none passes through)."""
-    try:
-        table = _pair_cache(cos_sin_cache)  # checks the tensor itself
-    except RoPEError as error:
-        raise type(error)(str(error).replace("PairCosSinCache's table", "cos_sin_cache")) from error
+    table = _pair_cache(cos_sin_cache)  # checks the tensor itself
     if table.rotary_dim != q_rope.shape[-1]:
         raise RoPEError(
             f"cos_sin_cache must be [max_pos, rope_dim] with rope_dim = q_rope.shape[-1] = "

@@ -68,7 +68,9 @@ def _spec(
     thd = tensor_format == "thd"
     if not thd:
         cu_seqlens = None
-    key = (tensor_format, dtype, interleaved, cp_size, cp_rank)
+    # the types too: 1 == True and 1.0 == 1 hash alike, and the spec refuses interleaved=1
+    key = (tensor_format, dtype, interleaved, cp_size, cp_rank,
+           type(interleaved), type(cp_size), type(cp_rank))
     try:
         spec = _specs.get(key)
     except TypeError:  # an unhashable argument: validation below names it
@@ -168,8 +170,9 @@ def apply_fused_qkv_rotary_pos_emb(
     ``start_positions`` with ``cp_size > 1``, a non-contiguous ``qkv``, ``q_freqs`` or
     ``k_freqs``); :func:`rope_dispatch.apply_qkv` accepts all of these.
     """
-    # TransformerEngine's asserts, mirrored: the adapter's only checks of its own.
-    if cp_size > 1 and start_positions is not None:
+    # TransformerEngine's asserts, mirrored: the adapter's only checks of its own (a cp_size
+    # that is no int is left to the spec's check, which names it)
+    if start_positions is not None and type(cp_size) is int and cp_size > 1:
         raise _te_refuses(f"start_positions given with cp_size={cp_size} (> 1)")
     if tensor_format == "thd":
         raise _te_refuses("tensor_format='thd' (TE takes 'sbhd' and 'bshd' only)")

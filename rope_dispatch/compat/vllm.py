@@ -60,7 +60,7 @@ __all__ = ["rotary_embedding", "fused_qk_norm_rope"]
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _specs: dict[tuple, RoPESpec] = {}
-_copies: dict[int, tuple[torch.Tensor, Optional[int], PairCosSinCache]] = {}
+_copies: dict[int, tuple[torch.Tensor, tuple, PairCosSinCache]] = {}
 _MAX_COPIES = 4
 
 
@@ -85,16 +85,18 @@ def _named(argument: str):
         raise type(error)(message) from error
 
 
-def _version(t: torch.Tensor) -> Optional[int]:
-    return None if t.is_inference() else t._version
+def _version(t: torch.Tensor) -> tuple:
+    """What a float32 copy of ``t`` stays valid for: its version counter (``None`` for an
+    inference tensor, which has none) and its memory, shape and strides (``t.data = ...`` gives
+    it new memory with no write torch counts)."""
+    return (None if t.is_inference() else t._version, t.data_ptr(), t.shape, t.stride())
 
 
 def _table(cos_sin_cache: object) -> PairCosSinCache:
     """The engine's cache as a PairCosSinCache: itself when float32 (no copy), else a float32
     copy, kept while the cache is unchanged."""
     if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dtype == torch.float32:
-        with _named("cos_sin_cache"):
-            return _pair_cache(cos_sin_cache)
+        return _pair_cache(cos_sin_cache)
     key = id(cos_sin_cache)
     entry = _copies.get(key)
     if entry is not None and entry[0] is cos_sin_cache and entry[1] == _version(cos_sin_cache):
@@ -188,7 +190,7 @@ def rotary_embedding(
     lead = positions.shape
     q = _heads("query", query, lead, head_size)
     k = None if key is None else _heads("key", key, lead, head_size)
-    if k is not None and q.shape[-2] % k.shape[-2]:
+    if k is not None and (not k.shape[-2] or q.shape[-2] % k.shape[-2]):
         raise RoPEError(
             f"key has {k.shape[-2]} heads, which does not divide query's {q.shape[-2]}; vLLM's "
             "rotary_embedding requires num_heads % num_kv_heads == 0"
