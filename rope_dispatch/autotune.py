@@ -82,6 +82,10 @@ _PROVISIONAL = "provisional"
 _OFF = "autotune off (ROPE_AUTOTUNE=0)"
 _NOT_MEASURED = "would measure on first call"
 _PENDING = "pending"
+_HELD = (
+    "held (met under saved-tensor hooks, as activation checkpointing sets: its forward and "
+    "recomputation must run one backend, so no later measurement changes it in this process)"
+)
 _CACHE_STAGE = (
     "a KV-cache write is not measured (timing it would write the caller's cache, and rotate q "
     "again where q_out is q)"
@@ -139,6 +143,20 @@ def _call_key(call: RoPECall, candidates: list[Backend]) -> CacheKey:
 
 # ---------------------------------------------------------------------------------------------
 # Measuring
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _hooks_set() -> bool:
+    """Whether saved-tensor hooks are set: activation checkpointing (``use_reentrant=False``)
+    or offloading, whose forward and recomputation must save the same tensors, so run the same
+    backend."""
+    return _top_hooks is not None and _top_hooks(False) is not None
 
 
 def _measuring_blocked(t: torch.Tensor) -> str | None:
@@ -263,7 +281,10 @@ def _time_backends(
     failed: dict[str, Exception] = {}
     samples: dict[str, list[float]] = {}
     rounds = _ROUNDS
-    with torch.enable_grad() if needs_grad else torch.no_grad():
+    # the measured runs keep their saved tensors to themselves: a checkpoint's hooks would
+    # count them as its region's (and stop its recomputation on them)
+    with torch.enable_grad() if needs_grad else torch.no_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(_same, _same):
         for backend in backends:
             try:
                 once, estimate = _prepared(backend, call, needs_grad)
@@ -462,6 +483,10 @@ def _select(
         if picked is not None:
             if key.digest not in _pending:
                 return picked
+            if _hooks_set():  # a checkpointed region: its recomputation must choose alike,
+                del _pending[key.digest]  # so the choice holds from here on
+                _memory[key.digest] = (picked[0].name, f"{_HELD}: {picked[1]}")
+                return picked[0], _memory[key.digest][1]
             _pending[key.digest] += 1
             if blocked is not None or not (complete or _pending[key.digest] >= hot_calls()):
                 return picked

@@ -512,6 +512,37 @@ def compiling(fakes):
     return backend
 
 
+@pytest.mark.parametrize("first_outside", [False, True])
+def test_checkpointed_calls_measure_apart_and_hold_their_choice(
+    compiling, fakes, monkeypatch, measurements, first_outside
+):
+    """Under ``torch.utils.checkpoint(use_reentrant=False)`` (Hugging Face's gradient
+    checkpointing): a first call measures without its runs' saved tensors reaching the
+    checkpoint's count, and a key whose compiling candidate is pending holds its choice there
+    (measured at a hot call inside the region, the recomputation could choose otherwise than
+    the forward did) for the rest of the process; every step's gradient is the reference's."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setenv("ROPE_AUTOTUNE_HOT_CALLS", "3")
+    t, freqs = inputs(requires_grad=True)
+    g = torch.randn(t.shape, generator=torch.Generator().manual_seed(5))
+    want_out, want_grad = reference_forward_backward(t, freqs, SPEC, g)
+    if first_outside:  # measured (compiling pending) before any checkpointed call
+        rd.apply(t, freqs, SPEC).backward(g)
+        t.grad = None
+    for step in range(5):
+        out = checkpoint(lambda x: rd.apply(x * 1.0, freqs, SPEC), t, use_reentrant=False)
+        out.backward(g)
+        assert_matches(out, want_out, torch.float32, f"step {step}")
+        assert_matches(t.grad, want_grad, torch.float32, f"gradient, step {step}")
+        t.grad = None
+    assert compiling.calls == 0 and measurements() == 1
+    why = rd.explain(t, freqs, SPEC).why
+    assert why.startswith("held (met under saved-tensor hooks") and "pending (compiling" in why
+    rd.apply(t, freqs, SPEC).backward(g)  # outside the region too: held, nothing measured
+    assert compiling.calls == 0 and measurements() == 1
+
+
 def test_a_first_call_leaves_out_backends_that_compile_until_the_key_is_hot(
     compiling, fakes, cache, monkeypatch, measurements
 ):
