@@ -427,14 +427,24 @@ def _check_start_positions(
 
 def size_bucket(n: object, traced: bool = False) -> int:
     """The power of two at or above ``n``: the size classes dispatch and autotune key on.
-    ``traced`` (torch.compile tracing, where a symbolic size passes for an int): ``n`` is
-    compared, never specialised to one value."""
+    ``traced`` (torch.compile or torch.export tracing, where a symbolic size passes for an
+    int): the least power of two the size is known to stay at or below (0 where nothing bounds
+    it), found without guarding on it, so a dynamic size is neither specialised nor narrowed
+    (``torch.export`` refuses a guard narrowing a ``Dim``'s range, and each narrowed range
+    would be a recompile of its own)."""
     if not traced:
         return 1 << max(n - 1, 0).bit_length()
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     bucket = 1
-    while bucket < n:
+    while not statically_known_true(n <= bucket):
+        if bucket >= _UNBOUNDED:
+            return 0
         bucket *= 2
     return bucket
+
+
+_UNBOUNDED = 1 << 48
 
 
 _new_call = tuple.__new__

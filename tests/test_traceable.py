@@ -186,3 +186,29 @@ def test_import_leaves_dynamo_unimported():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", "False", "None", "True"]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("backend", [None, "eager"])
+def test_export_with_a_dynamic_sequence_length(strict, backend):
+    """``torch.export`` of a module calling ``apply`` with a dynamic sequence length (a
+    bounded ``Dim``), the default choice or a forced one: the program serves every length
+    in the range, as the reference says."""
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+
+    class Rotate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("freqs", torch.rand(64, 1, 1, 8) * 6)
+
+        def forward(self, x):
+            return rd.apply(x * 2, self.freqs, spec, backend=backend)
+
+    module = Rotate()
+    seq = torch.export.Dim("seq", min=2, max=48)
+    program = torch.export.export(module, (torch.randn(6, 2, 2, 8),),
+                                  dynamic_shapes={"x": {0: seq}}, strict=strict)
+    for length in (3, 6, 20, 48):
+        x = torch.randn(length, 2, 2, 8)
+        assert_matches(program.module()(x), reference_for(2 * x, module.freqs, spec),
+                       torch.float32, f"s {length}")
