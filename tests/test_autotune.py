@@ -752,3 +752,35 @@ def test_large_calls_are_timed_one_candidate_at_a_time(monkeypatch):
     autotune._time_backends(candidates, call, needs_grad=False)
     second = events.index("prepare", 1)
     assert "call" in events[:second] and events.count("prepare") == 2
+
+
+@pytest.mark.gpu
+def test_checkpointed_training_steps_with_the_real_backends(cache, monkeypatch):
+    """On a GPU, autotune on, the real candidates (triton, eager; compile pending): a
+    Qwen3-style q and k norm with RoPE inside ``checkpoint(use_reentrant=False)``, first steps
+    from an empty cache; each step's gradients (the weights' too) are the float64 reference's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from reference import reference_head_norm
+
+    monkeypatch.setenv("ROPE_AUTOTUNE", "1")
+    gen = torch.Generator().manual_seed(3)
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    freqs = (torch.rand(16, 1, 1, 32, generator=gen) * 10).cuda()
+    q, k = (torch.randn(2, 16, h, 32, generator=gen).cuda().requires_grad_(True) for h in (4, 2))
+    wq, wk = (torch.randn(32, generator=gen).cuda().requires_grad_(True) for _ in range(2))
+    gq, gk = (torch.randn(x.shape, generator=gen).cuda() for x in (q, k))
+
+    def region(q, k, wq, wk):
+        return rd.apply_qk(q * 1.0, k * 1.0, freqs, spec, q_norm=rd.HeadNorm(wq),
+                           k_norm=rd.HeadNorm(wk))
+
+    leaves = [x.detach().cpu().double().requires_grad_(True) for x in (q, k, wq, wk)]
+    want = [reference_for(reference_head_norm(x, w, 1e-6, 0.0, "head"), freqs.cpu(), spec)
+            for x, w in ((leaves[0], leaves[2]), (leaves[1], leaves[3]))]
+    want_grads = torch.autograd.grad(want, leaves, (gq.cpu().double(), gk.cpu().double()))
+    for step in range(4):
+        outs = checkpoint(region, q, k, wq, wk, use_reentrant=False)
+        grads = torch.autograd.grad(outs, (q, k, wq, wk), (gq, gk))
+        for name, got, ref in zip(("dq", "dk", "dwq", "dwk"), grads, want_grads):
+            assert torch.allclose(got.double().cpu(), ref, rtol=1e-4, atol=1e-4), (step, name)
