@@ -562,6 +562,7 @@ def _run(
                     if guard(*tensors) and address(freqs) == planned_address:
                         return run(t, freqs, spec, start_positions, positions, k, norms)
             key = (id(spec), id(freqs), forced, form)
+    _refuse_torchscript()
     call = check_call(
         t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place,
         split=split, k_freqs=k_freqs, positions=positions, k=k, q_norm=norms[0], k_norm=norms[1],
@@ -572,6 +573,18 @@ def _run(
         # planned after the call ran, so a backend can bind what that call compiled
         _keep_plan(key, tensors, spec, freqs, chosen, call)
     return out
+
+
+def _refuse_torchscript() -> None:
+    """TorchScript records torch ops only: a kernel launched by a backend would be missing from
+    its graph (wrong outputs), so ``torch.jit.trace`` is refused by name. (A plan's guard
+    fails under it, so every traced call comes here.)"""
+    if torch.jit.is_tracing():
+        raise RoPEError(
+            "torch.jit.trace cannot record rope-dispatch's calls (its backends launch kernels "
+            "TorchScript does not see); use torch.export.export (a bounded Dim for a dynamic "
+            "length) or torch.compile, which trace them"
+        )
 
 
 def _distributed(t: object) -> bool:
@@ -745,6 +758,7 @@ def rope_to_cache(
             "DTensor call: rope_to_cache writes into a KV cache of plain tensors, a serving "
             "step's; pass each rank's local tensors (DTensor.to_local())"
         )
+    _refuse_torchscript()
     call = check_cache_call(q, k, v, freqs, spec, positions=positions, cache=cache,
                             q_norm=q_norm, k_norm=k_norm, q_out=q_out, q_scale=q_scale)
     chosen, final = _choose(call, backend)

@@ -212,3 +212,23 @@ def test_export_with_a_dynamic_sequence_length(strict, backend):
         x = torch.randn(length, 2, 2, 8)
         assert_matches(program.module()(x), reference_for(2 * x, module.freqs, spec),
                        torch.float32, f"s {length}")
+
+
+@pytest.mark.parametrize("backend", [None, "eager", "triton"])
+def test_torch_jit_trace_is_refused_by_name(backend, request):
+    """TorchScript's tracer sees no kernel launch: refused with the tracers that work, also
+    after eager calls made plans for the same call (on a GPU the triton backend's bound
+    launches)."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    freqs = torch.rand(16, 1, 1, 8) * 6
+
+    def rotate(x):
+        return rd.apply(x * 2, freqs, spec, backend=backend)
+
+    x = torch.randn(6, 2, 2, 8)
+    for _ in range(3):
+        rotate(x)
+    with pytest.raises(rd.RoPEError, match="torch.jit.trace cannot record.*torch.export"):
+        torch.jit.trace(rotate, (x,))
