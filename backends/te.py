@@ -454,7 +454,7 @@ class TEBackend(Backend):
         fixed.pop("start_positions", None)
         fixed.pop("cu_seqlens", None)
         device_index = call.t.device.index
-        several = torch.cuda.device_count() > 1
+        several = call.t.is_cuda and torch.cuda.device_count() > 1
         current_device = torch.cuda.current_device
         shape_4d = (call.table.shape[0], 1, 1, call.table.shape[1])
 

@@ -221,13 +221,14 @@ def test_torch_jit_trace_is_refused_by_name(backend, request):
     launches)."""
     if backend == "triton":
         request.getfixturevalue("triton_backend")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
-    freqs = torch.rand(16, 1, 1, 8) * 6
+    freqs = torch.rand(16, 1, 1, 8, device=device) * 6
 
     def rotate(x):
         return rd.apply(x * 2, freqs, spec, backend=backend)
 
-    x = torch.randn(6, 2, 2, 8)
+    x = torch.randn(6, 2, 2, 8, device=device)
     for _ in range(3):
         rotate(x)
     with pytest.raises(rd.RoPEError, match="torch.jit.trace cannot record.*torch.export"):
