@@ -436,10 +436,12 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
 
 
 def _reads_given_tables(call: RoPECall, tabs: Tables) -> bool:
-    """Whether the launch reads the call's own table, cu_seqlens and index (none copied for
-    the call): a bound launch takes their addresses from the tensors a repeated call passes."""
+    """Whether the launch reads the call's own table, cu_seqlens and index, and a cache stage's
+    own index tensors (none copied for the call): a bound launch takes their addresses from the
+    tensors a repeated call passes."""
+    store = () if tabs.store is None else tabs.store.index
     return tabs.table.data_ptr() == tt.user_table_address(call) and all(
-        t is None or t.is_contiguous() for t in (tabs.cu, tabs.index))
+        t is None or t.is_contiguous() for t in (tabs.cu, tabs.index, *store))
 
 
 def plan_cache(call: RoPECall) -> Any:

@@ -35,6 +35,7 @@ from .call import (
 )
 from .errors import RoPEError, RoPETypeError
 from .spec import dtype_name
+from .table_kinds import table_requires_grad
 from .tracing import memoryless
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -62,7 +63,7 @@ def check_scale(value: object, name: str, device: torch.device) -> Scale:
                 f"{name} is on {value.device} but the cache is on {device}; expected the same "
                 "device"
             )
-        if value.is_cpu and not float(value) > 0:
+        if value.is_cpu and not 0 < float(value) < math.inf:
             raise RoPEError(f"{name} must be positive, got {float(value)}")
         return value.reshape(())
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -112,6 +113,34 @@ def _cache_pair(k_cache: object, v_cache: object, names: tuple[str, str], dims: 
         )
     if k_cache.numel() and not memoryless() and k_cache.data_ptr() == v_cache.data_ptr():
         raise RoPEError(f"{names[0]} and {names[1]} are the same memory; v would overwrite k")
+    if _shares(k_cache, v_cache):
+        raise RoPEError(
+            f"{names[0]} {tuple(k_cache.shape)} strides {k_cache.stride()} and {names[1]} "
+            f"{tuple(v_cache.shape)} strides {v_cache.stride()} share memory; v would overwrite k"
+        )
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` address a common element (of different element sizes: whether
+    their bytes overlap, as torch's own checks tell it). False where that cannot be told
+    (traced tensors, strides that do not nest). Tensors whose byte ranges lie apart (views of
+    one ``[2, ...]`` cache, say) are told so from their addresses alone."""
+    # torch's test is True for any two views of one storage, False for two storages
+    if memoryless() or not torch._C._overlaps(a, b) or a.numel() == 0 or b.numel() == 0:
+        return False
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    if start_a + _span(a) <= start_b or start_b + _span(b) <= start_a:
+        return False
+    if a.element_size() == b.element_size():
+        return bool(shared_element(a, b, a.shape[-1], b.shape[-1]))
+    return bool(torch._C._overlaps(a, b))
+
+
+def _span(x: torch.Tensor) -> int:
+    """Bytes from ``x``'s first element to past its last (``x`` not empty, strides >= 0)."""
+    if x.is_contiguous():
+        return x.numel() * x.element_size()
+    return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
 
 
 class KVCache:
@@ -524,24 +553,30 @@ def _check_q_out(q: torch.Tensor, q_out: object, q_scale: object) -> tuple[torch
 
 def _check_apart_from_kv(q_out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """q's given output (q itself in place) must share no element with k or v: one launch reads
-    k and v while it writes it. Tensors of different element sizes count as sharing where
-    their bytes overlap. Not asked of tensors with no memory to compare (traced)."""
-    if memoryless():
-        return
+    k and v while it writes it (:func:`_shares`; not asked of traced tensors)."""
     for name, x in (("k", k), ("v", v)):
-        if x.numel() == 0 or q_out.numel() == 0 or (
-                q_out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()):
-            continue
-        if q_out.element_size() == x.element_size():
-            shared = shared_element(q_out, x, q_out.shape[-1], x.shape[-1])
-        else:
-            shared = torch._C._overlaps(q_out, x)
-        if shared:
+        if _shares(q_out, x):
             raise RoPEError(
                 f"q_out shares memory with {name} (q_out {tuple(q_out.shape)} strides "
                 f"{q_out.stride()}, {name} {tuple(x.shape)} strides {x.stride()}): rope_to_cache "
                 f"writes q's output while it reads {name}; give q_out memory of its own"
             )
+
+
+def _check_apart_from_cache(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            q_out: torch.Tensor | None) -> None:
+    """q, k, v and q's output must share no element with the k or v cache: the call writes the
+    cache while it reads them (the eager composition first, the fused launch at once)."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("q_out", q_out)):
+        if x is None or (name == "q_out" and x is q):
+            continue
+        for cache_name, c in (("k_cache", cache.k_cache), ("v_cache", cache.v_cache)):
+            if _shares(x, c):
+                raise RoPEError(
+                    f"{name} {tuple(x.shape)} shares memory with {type(cache).__name__} "
+                    f"{cache_name} {tuple(c.shape)}: rope_to_cache writes the cache while it "
+                    f"reads q, k and v and writes q's output; give {name} memory of its own"
+                )
 
 
 def check_cache_call(
@@ -568,17 +603,28 @@ def check_cache_call(
             "from a head's first channel, pairs in place; rotate with rope_dispatch.apply_qk "
             "and write the cache yourself"
         )
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)
-                                       if isinstance(x, torch.Tensor)):
+    if torch.is_grad_enabled() and (
+            any(x.requires_grad for x in (q, k, v) if isinstance(x, torch.Tensor))
+            or any(n is not None and n.weight is not None and n.weight.requires_grad
+                   for n in (call.norm, call.k_norm))
+            or table_requires_grad(call.table)):
         raise RoPEError(
-            "rope_to_cache writes a KV cache and has no backward, but q, k or v requires grad; "
-            "call it under torch.no_grad() or torch.inference_mode()"
+            "rope_to_cache writes a KV cache and has no backward, but q, k, v, a norm weight or "
+            "the table requires grad; call it under torch.no_grad() or torch.inference_mode()"
         )
     v = _check_v(v, k)
     cache = _check_cache(cache, k, v)
     q_dtype, q_scale = _check_q_out(q, q_out, q_scale)
     if q_out is not None:
         _check_apart_from_kv(q_out, k, v)
+        if q_out is not q and _shares(q_out, q) and not (
+                q_out.data_ptr() == q.data_ptr() and q_out.stride() == q.stride()):
+            raise RoPEError(
+                f"q_out shares memory with q but is not q (q_out {tuple(q_out.shape)} strides "
+                f"{q_out.stride()}, q strides {q.stride()}): rope_to_cache reads q while it "
+                "writes q's output; pass q_out=q to rotate in place, or memory of its own"
+            )
+    _check_apart_from_cache(cache, q, k, v, q_out)
     if _host_reads_allowed() and any(_reads(getattr(cache, f)) for f in cache.index_names):
         cache.check_values()
     v_head_dim = v.shape[-1] if v.shape[-1] != k.shape[-1] else None

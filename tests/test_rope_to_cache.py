@@ -534,11 +534,32 @@ def test_bad_arguments_are_named():
          "kv_layout must be 'NHD' or 'HND'"),
         (lambda: rd.FlatKVCache(kc, vc, slots), r"\[num_slots, kv_heads, head_dim\]"),
     ]
+    kv = torch.zeros(2, 4, 4, 2, 8, dtype=torch.bfloat16)  # one [2, ...] buffer: its views
+    flat = torch.zeros(kc.numel() + 8, dtype=torch.bfloat16)  # k and v 8 elements apart
+    q_flat = torch.zeros(q.numel() + 8, dtype=q.dtype)  # q and a q_out 8 elements apart
+    q_in_flat = q_flat[:q.numel()].view(q.shape).copy_(q)
+    cases += [
+        (lambda: paged(k_scale=torch.tensor(float("inf"))), "k_scale must be positive, got inf"),
+        (lambda: paged(flat[:kc.numel()].view(kc.shape), flat[8:].view(kc.shape)),
+         "share memory; v would overwrite k"),
+        (lambda: call(q=q_in_flat, q_out=q_flat[8:].view(q.shape)),
+         "q_out shares memory with q but is not q"),
+        (lambda: call(q=kc.view(-1)[:q.numel()].view(q.shape)),
+         r"q \(5, 4, 8\) shares memory with PagedKVCache k_cache"),
+    ]
     for make, message in cases:
         with pytest.raises(rd.RoPEError, match=message):
             make()
-    with torch.enable_grad(), pytest.raises(rd.RoPEError, match="has no backward"):
-        call(q=q.clone().requires_grad_())
+    k_view, v_view = kv[0], kv[1]
+    assert paged(k_view, v_view).k_cache is k_view  # views of one buffer, apart: served
+    split = torch.zeros(4, 4, 2, 16, dtype=torch.bfloat16)  # k | v in each row: apart too
+    assert paged(split[..., :8], split[..., 8:]).v_cache.shape == kc.shape
+    with torch.enable_grad():
+        for changes in (dict(q=q.clone().requires_grad_()),
+                        dict(freqs=table.clone().requires_grad_()),
+                        dict(q_norm=rd.HeadNorm(torch.ones(8, requires_grad=True)))):
+            with pytest.raises(rd.RoPEError, match="has no backward"):
+                call(**changes)
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
@@ -1212,3 +1233,37 @@ def test_a_bound_cache_plan_takes_the_tensors_dispatch_guards_in_its_slots(
     assert len(given) == len(tensors)
     for slot, (named, sent) in enumerate(zip(given, tensors)):
         assert named is sent or named.data_ptr() == sent.data_ptr(), f"slot {slot}"
+
+
+@gpu
+@pytest.mark.usefixtures("triton_backend")
+def test_repeated_calls_with_a_strided_slot_mapping():
+    """A slot mapping that is a strided view (a column of an engine's ``[T, 2]`` buffer),
+    rewritten in place each step: every step, the planned ones too, writes k rotated (the
+    float64 reference's) and v to the slots its values name, and no other slot."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, d = 6, 16
+    spec, table = rd.RoPESpec(layout="thd", dtype="bf16"), angle_table(64, d, False)
+    k_cache = torch.zeros(8, 4, 2, d, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.full((tokens, 2), -1, dtype=torch.int64, device="cuda")[:, 0]
+    cache = rd.PagedKVCache(k_cache, v_cache, slots)
+    tol = dict(rtol=1.6e-2, atol=1.6e-2)
+    for step in range(5):
+        slots.copy_(torch.randperm(32, generator=gen)[:tokens])
+        positions = torch.randint(0, 64, (tokens,), generator=gen)
+        q, k, v = (torch.randn(tokens, h, d, generator=gen).bfloat16() for h in (4, 2, 2))
+        before_k, before_v = k_cache.view(-1, 2, d).cpu(), v_cache.view(-1, 2, d).cpu()
+        got = rd.rope_to_cache(q.cuda(), k.cuda(), v.cuda(), table.cuda(), spec,
+                               positions=positions.cuda(), cache=cache, backend="triton")
+        at = slots.cpu()
+        others = torch.ones(before_k.shape[0], dtype=torch.bool)
+        others[at] = False
+        after_k, after_v = k_cache.view(-1, 2, d).cpu(), v_cache.view(-1, 2, d).cpu()
+        torch.testing.assert_close(got.cpu().double(), reference_rope(q, table, positions, False),
+                                   **tol, msg=f"q, step {step}")
+        torch.testing.assert_close(after_k[at].double(), reference_rope(k, table, positions, False),
+                                   **tol, msg=f"k, step {step}")
+        assert torch.equal(after_v[at], v), f"v, step {step}"
+        assert torch.equal(after_k[others], before_k[others]), f"other k slots, step {step}"
+        assert torch.equal(after_v[others], before_v[others]), f"other v slots, step {step}"
