@@ -111,21 +111,19 @@ def _cache_pair(k_cache: object, v_cache: object, names: tuple[str, str], dims: 
             f"{tuple(k_cache.shape)} {dtype_name(k_cache.dtype)} on {k_cache.device} and "
             f"{tuple(v_cache.shape)} {dtype_name(v_cache.dtype)} on {v_cache.device}"
         )
-    if k_cache.numel() and not memoryless() and k_cache.data_ptr() == v_cache.data_ptr():
-        raise RoPEError(f"{names[0]} and {names[1]} are the same memory; v would overwrite k")
     if _shares(k_cache, v_cache):
-        raise RoPEError(
-            f"{names[0]} {tuple(k_cache.shape)} strides {k_cache.stride()} and {names[1]} "
-            f"{tuple(v_cache.shape)} strides {v_cache.stride()} share memory; v would overwrite k"
-        )
+        shared = ("are the same memory" if k_cache.data_ptr() == v_cache.data_ptr() else
+                  f"{tuple(k_cache.shape)} strides {k_cache.stride()} and "
+                  f"{tuple(v_cache.shape)} strides {v_cache.stride()} share memory")
+        raise RoPEError(f"{names[0]} and {names[1]} {shared}; v would overwrite k")
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` address a common element (of different element sizes: whether
-    their bytes overlap, as torch's own checks tell it). False where that cannot be told
+    their byte ranges meet). False where that cannot be told
     (traced tensors, strides that do not nest). Tensors whose byte ranges lie apart (views of
     one ``[2, ...]`` cache, say) are told so from their addresses alone."""
-    # torch's test is True for any two views of one storage, False for two storages
+    # torch's test: False for two storages, True for any two views of one
     if memoryless() or not torch._C._overlaps(a, b) or a.numel() == 0 or b.numel() == 0:
         return False
     start_a, start_b = a.data_ptr(), b.data_ptr()
@@ -133,7 +131,7 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.element_size() == b.element_size():
         return bool(shared_element(a, b, a.shape[-1], b.shape[-1]))
-    return bool(torch._C._overlaps(a, b))
+    return True  # bytes of other sizes whose ranges meet
 
 
 def _span(x: torch.Tensor) -> int:
