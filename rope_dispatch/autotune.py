@@ -556,8 +556,9 @@ def peek(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
         )
     deferring = f"; {', '.join(later)} only once the key is hot" if later else ""
     return quick[0], (
-        f"{_NOT_MEASURED} (no cached measurement of {names} for this key{deferring}); "
-        f"until then the priority order picks {quick[0].name}"
+        f"{_NOT_MEASURED} (no cached measurement of {names} for this key{deferring}): that "
+        f"call measures them and runs the fastest, which explain cannot know "
+        f"({quick[0].name} is only the first in priority order)"
     )
 
 

@@ -16,6 +16,7 @@ calls shard inputs, labels, position ids and gradients. See docs/context-paralle
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,14 @@ from .spec import check_cu_seqlens_tensor
 __all__ = ["gather", "pad_cu_seqlens", "shard", "unshard", "zigzag_index"]
 
 _SEQ_DIM = {"sbhd": 0, "bshd": 1, "thd": 0}
+
+
+def _integer(value: object) -> object:
+    """``value`` as a Python int where it is a NumPy (or other ``numbers.Integral``) integer,
+    as RoPESpec takes sizes; anything else (bools too) as it is, for the checks to refuse."""
+    if isinstance(value, (bool, int)) or not isinstance(value, numbers.Integral):
+        return value
+    return int(value)
 
 
 def _check_cp(cp_size: object, cp_rank: object = 0) -> None:
@@ -113,6 +122,7 @@ def zigzag_index(
     """int64 global indices (``0 .. seq_len-1``) of the tokens rank ``cp_rank`` holds, in local
     order: chunks ``cp_rank`` and ``2*cp_size-1-cp_rank`` of ``2*cp_size``. ``seq_len`` must be
     divisible by ``2*cp_size`` (any length when ``cp_size == 1``: the identity)."""
+    seq_len, cp_size, cp_rank = _integer(seq_len), _integer(cp_size), _integer(cp_rank)
     _check_cp(cp_size, cp_rank)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
         raise RoPEError(f"seq_len must be an integer >= 0, got {seq_len!r}")
@@ -131,6 +141,7 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
     non-decreasing) only when ``cu_seqlens`` is on the CPU.
     """
     check_cu_seqlens_tensor(cu_seqlens)
+    cp_size = _integer(cp_size)
     _check_cp(cp_size)
     if cu_seqlens.device.type == "cpu":
         _offsets(cu_seqlens, 1)
@@ -153,6 +164,7 @@ def shard(
     host (one small copy when they live on a GPU): a data-loader step.
     """
     dim = _seq_dim(layout, cu_seqlens)
+    cp_size, cp_rank = _integer(cp_size), _integer(cp_rank)
     _check_cp(cp_size, cp_rank)
     x = _check_tensor(x, "x", layout)
     if layout == "thd":

@@ -566,12 +566,21 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
                           "startup_s": report["startup_s"], "checks_s": report["checks_s"]})
     backends = [infos[name] for name in registered if name in infos]
     available = [info["name"] for info in backends if info["available"]]
+    override = os.environ.get("ROPE_BACKEND") or None
+    override_problem = None
+    if override is not None and override not in infos:
+        override_problem = (f"unknown backend (known: {', '.join(registered)}): every call "
+                            "without backend= raises UnknownBackendError")
+    elif override is not None and override not in available:
+        override_problem = ("unavailable here: every call without backend= raises "
+                            "BackendNotSupportedError")
     order = {name: i for i, name in enumerate(available)}
     checks.sort(key=lambda c: (devices.index(c["device"]), order.get(c["backend"], len(order))))
     return {
         "versions": versions(),
         "backends": backends,
-        "override": os.environ.get("ROPE_BACKEND") or None,
+        "override": override,
+        "override_problem": override_problem,
         "plan_guards": guard_kind(),
         "planned_launches": direct_launch_state(devices, available),
         "cache": _cache_report(cache_entries),
@@ -579,7 +588,8 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         "startup_s": startup,
         "checks_s": time.perf_counter() - checks_began,
         "workers": processes,
-        "ok": all(c["status"] != "FAIL" for c in checks) and bool(checks),
+        "ok": all(c["status"] != "FAIL" for c in checks) and bool(checks)
+        and override_problem is None,
     }
 
 
@@ -648,7 +658,8 @@ def _print_report(report: dict) -> None:
     for b in report["backends"]:
         state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
         print(f"  {b['name']:10s} {state}")
-    print(f"\noverride: ROPE_BACKEND={report['override'] or '(unset)'}")
+    print(f"\noverride: ROPE_BACKEND={report['override'] or '(unset)'}"
+          + (f" (FAIL: {report['override_problem']})" if report.get("override_problem") else ""))
     print("repeated calls: plans checked by " + (
         "torch's C++ tensor guards" if report["plan_guards"] == "torch"
         else "Python metadata comparisons (this torch release's C++ guards are not verified; "
@@ -682,6 +693,8 @@ def _print_report(report: dict) -> None:
         else:
             print(f"{c['backend']:10s} {c['device']:6s} {c['case']:40s} {c['status']:14s} {c['detail']}")
     failed = sum(c["status"] == "FAIL" for c in report["checks"])
+    for device, why in report.get("not_checked", {}).items():
+        print(f"\n{device}: not checked ({why})")
     startup = report["startup_s"]
     began = "" if startup is None else (
         f" (begun {startup:.1f} s after the process started: interpreter, imports, backend probes)"
@@ -718,6 +731,8 @@ def main(argv: list[str] | None = None, started: dict[str, subprocess.Popen] | N
 
     report = run(devices, progress, args.thorough, started=started,
                  cache_entries=args.cache_entries)
+    if args.device == "all" and "cuda" not in devices:
+        report["not_checked"] = {"cuda": "no CUDA device is visible to torch"}
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

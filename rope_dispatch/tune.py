@@ -99,10 +99,55 @@ def _job_from_json(item: Any, where: str) -> Job:
     values = dict(item)
     for name in ("shape", "cu_seqlens"):
         if values.get(name) is not None:
-            if not isinstance(values[name], list) or not all(isinstance(v, int) for v in values[name]):
+            if not isinstance(values[name], list) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in values[name]):
                 raise ValueError(f"{where}: {name} must be a list of integers, got {values[name]!r}")
             values[name] = tuple(values[name])
-    return Job(**values)
+    for name, value in values.items():  # JSON's types exactly (a bool is no integer here)
+        kind = _KEY_TYPES.get(name)
+        if kind is not None and type(value) is not kind and not (
+                value is None and name == "rotary_dim"):
+            raise ValueError(f"{where}: {name} must be {_TYPE_NAMES[kind]}, got {value!r}")
+    job = Job(**values)
+    problem = job_problem(job, lambda option: option)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
+    return job
+
+
+_KEY_TYPES = {
+    **dict.fromkeys(("layout", "dtype", "device"), str),
+    **dict.fromkeys(("interleaved", "grad", "cos_sin_cache", "start_positions", "qkv_slice"), bool),
+    **dict.fromkeys(("rotary_dim", "cp_size", "cp_rank"), int),
+}
+_TYPE_NAMES = {str: "a string", bool: "true or false", int: "an integer"}
+
+
+def job_problem(job: Job, named: Any) -> str | None:
+    """What is wrong with ``job``'s values, the option or key named by ``named(key)``; ``None``
+    when they make a call (checked before any shape is tuned: a bad argument, not a failed
+    shape)."""
+    if any(n < 1 for n in job.shape):
+        return f"{named('shape')} {job.shape}: every size must be a positive integer"
+    if job.cu_seqlens is not None and job.layout != "thd":
+        return f"{named('cu_seqlens')} is only for layout thd, got layout {job.layout!r}"
+    try:
+        torch.device(job.device)
+    except (RuntimeError, TypeError) as exc:
+        return f"{named('device')} {job.device!r}: {exc}"
+    layout = "sbhd" if job.layout == "thd" else job.layout
+    for name, args in (
+        ("layout", {"layout": job.layout} if job.layout != "thd" else {}),
+        ("dtype", {"dtype": job.dtype}),
+        ("rotary_dim", {"rotary_dim": job.rotary_dim}),
+        ("cp_size", {"cp_size": job.cp_size}),
+        ("cp_rank", {"cp_size": job.cp_size, "cp_rank": job.cp_rank}),
+    ):
+        try:
+            RoPESpec(**{"layout": layout, "dtype": "fp32", **args})
+        except RoPEError as exc:
+            return f"{named(name)}: {exc}"
+    return None
 
 
 def load_specs(path: str) -> list[Job]:
@@ -159,6 +204,12 @@ def tune_job(job: Job, retune: bool = False) -> str:
         if len(supported) == 1:
             return f"{supported[0].name} (the only backend that can serve it; nothing to measure)"
         chosen, why = autotune.tune(call, supported, retune=retune)
+        path = autotune._call_key(call, supported).path
+    if not path.exists():  # the cache could not be written (one warning said why)
+        raise RuntimeError(
+            f"chose {chosen.name} ({why}), but the choice was not stored in the cache ({path} "
+            "was not written), so later processes will not read it"
+        )
     return f"{chosen.name} ({why})"
 
 
@@ -255,12 +306,16 @@ def parse_args(argv: Iterable[str] | None = None) -> tuple[argparse.Namespace, l
     jobs = []
     for shape in args.shape:
         extra = {} if args.device is None else {"device": args.device}
-        jobs.append(Job(
+        job = Job(
             layout=args.layout, dtype=args.dtype, shape=shape, rotary_dim=args.rotary_dim,
             interleaved=args.interleaved, grad=args.grad, cos_sin_cache=args.cos_sin_cache,
             start_positions=args.start_positions, cu_seqlens=args.cu_seqlens,
             cp_size=args.cp_size, cp_rank=args.cp_rank, qkv_slice=args.qkv_slice, **extra,
-        ))
+        )
+        problem = job_problem(job, lambda key: "--" + key.replace("_", "-"))
+        if problem is not None:
+            parser.error(problem)
+        jobs.append(job)
     for path in args.specs:
         try:
             jobs.extend(load_specs(path))

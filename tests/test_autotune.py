@@ -431,7 +431,9 @@ def test_clear_cache_removes_only_its_own_files(fakes, cache, measurements):
     foreign.write_text("{}")
     assert rd.clear_cache() == 2  # the entry and environment.json
     assert keep.exists() and foreign.exists() and rd.cache_entries() == []
-    assert rd.explain(t, freqs, SPEC).why.startswith("would measure on first call")
+    why = rd.explain(t, freqs, SPEC).why
+    assert why.startswith("would measure on first call") and "runs the fastest" in why, why
+    assert "priority order picks" not in why  # the call measures: priority does not decide
     rd.apply(t, freqs, SPEC)
     assert measurements() == 2
 
@@ -473,6 +475,52 @@ def test_tune_cli_warms_the_cache(fakes, cache, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setenv("ROPE_AUTOTUNE", "0")
     assert tune.main(shape) == 2
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--dtype", "fp64"], "--dtype"), (["--device", "bogus"], "--device"),
+    (["--rotary-dim", "0"], "--rotary-dim"), (["--cp-size", "0"], "--cp-size"),
+    (["--cp-size", "2", "--cp-rank", "2"], "--cp-rank"), (["--shape=-4,2,2,8"], "--shape"),
+    (["--shape=0,2,2,8"], "--shape"), (["--cu-seqlens", "0,8"], "--cu-seqlens"),
+])
+def test_tune_cli_refuses_bad_options_by_name(fakes, capsys, extra, named):
+    """A bad option is a bad argument (exit 2, the option named), found before any shape is
+    tuned, not a failed shape (exit 1)."""
+    shape = [] if any(a.startswith("--shape") for a in extra) else ["--shape", "8,2,2,8"]
+    with pytest.raises(SystemExit) as info:
+        tune.main(["--layout", "sbhd", *extra, *shape])
+    assert info.value.code == 2
+    assert named in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("entry, named", [
+    ({"cp_size": "2"}, "cp_size must be an integer"),
+    ({"shape": [8, True, 2, 8]}, "shape must be a list of integers"),
+    ({"grad": "false"}, "grad must be true or false"),
+    ({"layout": 1}, "layout must be a string"),
+    ({"cu_seqlens": [0, 8]}, "cu_seqlens is only for layout thd"),
+])
+def test_tune_specs_are_checked_by_key(fakes, tmp_path, capsys, entry, named):
+    """A ``--specs`` entry of the wrong type or value is refused naming its key (exit 2)."""
+    specs = tmp_path / "shapes.json"
+    specs.write_text(json.dumps([{"layout": "sbhd", "dtype": "fp32", "shape": [8, 2, 2, 8],
+                                  "device": "cpu", **entry}]))
+    with pytest.raises(SystemExit) as info:
+        tune.main(["--specs", str(specs)])
+    assert info.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_tune_cli_fails_where_the_cache_cannot_be_written(fakes, tmp_path, capsys, monkeypatch):
+    """Warming the cache is the tool's job: a choice it could not store fails the shape."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("ROPE_DISPATCH_CACHE_DIR", str(blocker / "cache"))
+    autotune.clear_cache(memory_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = tune.main(["--layout", "sbhd", "--dtype", "fp32", "--device", "cpu",
+                          "--shape", "8,2,2,16"])
+    assert code == 1 and "was not stored in the cache" in capsys.readouterr().out
 
 
 def test_real_compile_backend_is_timed_without_its_compile_time(cache, measurements):

@@ -58,6 +58,18 @@ def test_zigzag_index_literal():
     assert cp.zigzag_index(5, 1, 0).tolist() == [0, 1, 2, 3, 4]
 
 
+def test_sizes_take_numpy_integers():
+    """Sizes and ranks as NumPy integers, as RoPESpec takes them; bools are still refused."""
+    np = pytest.importorskip("numpy")
+    assert cp.zigzag_index(np.int64(8), np.int32(2), np.int64(1)).tolist() == [2, 3, 4, 5]
+    x = torch.arange(8.0).reshape(8, 1, 1, 1)
+    assert cp.shard(x, "sbhd", np.int64(2), np.int64(0)).flatten().tolist() == [0, 1, 6, 7]
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    assert cp.pad_cu_seqlens(cu, np.int64(2)).tolist() == cp.pad_cu_seqlens(cu, 2).tolist()
+    with pytest.raises(rd.RoPEError, match="cp_size must be an integer"):
+        cp.zigzag_index(8, True, 0)
+
+
 @given(cp_size=cp_sizes, chunk=st.integers(0, 6), data=st.data())
 def test_zigzag_index_matches_reference(cp_size, chunk, data):
     cp_rank = data.draw(st.integers(0, cp_size - 1))

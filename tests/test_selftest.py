@@ -339,6 +339,27 @@ def test_selftest_fails_on_a_wrong_backend(monkeypatch, capsys):
     assert "wrong-sign" in out and "FAIL" in out
 
 
+@pytest.mark.parametrize("value", ["bogus", "te"])
+def test_selftest_fails_on_an_override_no_call_could_use(monkeypatch, capsys, value):
+    """ROPE_BACKEND naming an unknown backend, or one unavailable here, makes every call
+    without ``backend=`` raise: the selftest says so and fails."""
+    if value == "te" and rd.get_backend("te").available:
+        pytest.skip("TransformerEngine is available here")
+    monkeypatch.setenv("ROPE_BACKEND", value)
+    monkeypatch.setattr(selftest, "QUICK", selftest.QUICK[:2])
+    assert selftest.main(["--device", "cpu"]) == 1
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("override:"))
+    assert f"ROPE_BACKEND={value} (FAIL: " in line
+
+
+def test_device_all_says_what_it_did_not_check(monkeypatch, capsys):
+    """``--device all`` without a CUDA device checks the CPU and says CUDA was not checked."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(selftest, "QUICK", selftest.QUICK[:2])
+    selftest.main(["--device", "all"])
+    assert "cuda: not checked (no CUDA device is visible to torch)" in capsys.readouterr().out
+
+
 def test_selftest_checks_apply_in_place(monkeypatch, capsys):
     monkeypatch.setitem(registry._REGISTRY, "in-place-no-op", InPlaceNoOp())
     monkeypatch.setattr(selftest, "QUICK", selftest.QUICK[:2])
