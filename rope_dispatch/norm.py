@@ -63,7 +63,14 @@ class HeadNorm:
         self.weight = weight
         # what a launch depends on; one object per form, so a plan's key compares by identity
         form = _new_form(NormForm, (scope, eps, offset))
-        self.form = _FORMS.setdefault(form, form) if len(_FORMS) < 1024 else _FORMS.get(form, form)
+        if torch.compiler.is_compiling():
+            # not interned while tracing: traced code reading _FORMS makes Dynamo guard on it,
+            # and the interning, replayed after the graph, fails that guard at the next call (a
+            # recompile); traced calls compare forms by value, never by identity
+            self.form = form
+        else:
+            self.form = (_FORMS.setdefault(form, form) if len(_FORMS) < 1024
+                         else _FORMS.get(form, form))
 
     @property
     def eps(self) -> float:
@@ -90,7 +97,10 @@ def _finite(name: str, value: object) -> float:
     """``value`` as a float, where it is a finite real number (not a bool)."""
     if type(value) is not float and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
         raise RoPEError(f"HeadNorm {name} must be a finite number, got {value!r}")
-    value = float(value)
+    # __float__, not float(): under torch.compile(dynamic=True) a module's float attribute (an
+    # RMSNorm's epsilon) is traced as a symbolic float, which float() keeps symbolic (math.isfinite
+    # and hashing it then fail); __float__ specializes it to its value, guarded
+    value = value.__float__()
     if not math.isfinite(value):
         raise RoPEError(f"HeadNorm {name} must be a finite number, got {value!r}")
     return value

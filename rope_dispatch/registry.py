@@ -131,10 +131,13 @@ class Backend:
     def availability(self) -> tuple[str, ...]:
         """:meth:`unavailable_reasons`, evaluated once per process; a crash in the probe is a
         reason too."""
+        if _REGISTRY.get(self.name) is self:
+            # read through _probe, constant while tracing: traced code must not branch on the
+            # cache, which the probe fills at trace time (a restarted trace, as Dynamo's for a
+            # dynamic float, would take the other branch: SpeculationLog divergence)
+            return _probe(self.name)
         cached = self.__dict__.get("_availability")
-        if cached is None:
-            cached = _probe(self.name) if _REGISTRY.get(self.name) is self else _run_probe(self)
-        return cached
+        return _run_probe(self) if cached is None else cached
 
     @property
     def available(self) -> bool:
@@ -311,7 +314,9 @@ def unregister(name: str) -> Backend:
 def _probe(name: str) -> tuple[str, ...]:
     """Run a backend's availability probe once; opaque to torch.compile, which would otherwise
     trace the optional imports inside it."""
-    return _run_probe(_REGISTRY[name])
+    backend = _REGISTRY[name]
+    cached = backend.__dict__.get("_availability")
+    return _run_probe(backend) if cached is None else cached
 
 
 def _run_probe(backend: Backend) -> tuple[str, ...]:
@@ -332,10 +337,11 @@ def backends() -> list[Backend]:
 def get_backend(name: str, source: str | None = None) -> Backend:
     """The backend registered as ``name``; an unknown name lists the known ones (and says
     where the name came from: ``source``, such as "the ROPE_BACKEND environment variable")."""
+    # loaded before the registry is first read, and unconditionally: traced code that read
+    # _REGISTRY before the load (constant while tracing, run behind Dynamo's back) would keep
+    # seeing it empty, and a branch on the loaded state would diverge on a restarted trace
+    _load_built_ins()
     backend = _REGISTRY.get(name) if isinstance(name, str) else None
-    if backend is None:
-        _load_built_ins()
-        backend = _REGISTRY.get(name) if isinstance(name, str) else None
     if backend is None:  # no try/except: `raise ... from None` breaks torch.compile tracing
         known = ", ".join(sorted(_REGISTRY))
         given = "" if source is None else f" (forced by {source})"

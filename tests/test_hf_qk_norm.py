@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -313,3 +317,108 @@ def test_a_wrong_norm_would_be_caught(family, wrong, monkeypatch):
     hf.patch(model)
     logits, _ = step(model)
     assert (logits - expected[0]).abs().max() > 0.01 * expected[0].abs().max()
+
+
+def _tiny_qwen3(layers: int = 2) -> transformers.Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=layers, head_dim=8,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=64, rms_norm_eps=0.25)
+    model = transformers.Qwen3ForCausalLM(config)
+    random_norm_weights(model)
+    return model
+
+
+def test_a_checkpointed_training_step_compiles_with_fullgraph():
+    """Gradient checkpointing (``use_reentrant=False``) under ``torch.compile(fullgraph=True)``:
+    the patched model's logits and gradients are the unpatched model's (the norms' hand-over
+    to the RoPE call would be a side effect Dynamo refuses inside a checkpointed layer)."""
+    base = _tiny_qwen3()
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.train()
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(1)).to(MODEL_DEVICE)
+
+    def step(patched):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if patched:
+            hf.patch(model)
+        try:
+            out = torch.compile(model, backend="aot_eager", fullgraph=True)(
+                input_ids=ids, labels=ids, use_cache=False)
+            out.loss.backward()
+        finally:
+            hf.unpatch(model)
+        return out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    want_logits, want_grads = step(False)
+    logits, grads = step(True)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_fullgraph_forward_compiles_once():
+    """The same input three times under ``fullgraph=True`` makes one graph, as unpatched (a
+    norm form first met while tracing, interned after the graph, failed its guard once)."""
+    model = _tiny_qwen3(1).eval()
+    for layer in model.model.layers:
+        layer.self_attn.q_norm.variance_epsilon = 1.2345e-5  # a form no earlier test made
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(2)).to(MODEL_DEVICE)
+    hf.patch(model)
+    try:
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounter()
+        compiled = torch.compile(model, backend=counter, fullgraph=True)
+        with torch.no_grad():
+            for _ in range(3):
+                compiled(input_ids=ids)
+        assert counter.frame_count == 1
+    finally:
+        hf.unpatch(model)
+
+
+def test_a_norm_epsilon_traced_as_a_dynamic_float():
+    """``torch.compile(dynamic=True)`` traces a float argument as a symbolic float: a
+    ``HeadNorm`` made from it inside the graph normalizes with its value."""
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(2, 4, 3, 8, generator=gen), torch.rand(8, generator=gen) + 0.5
+    angles = torch.rand(4, 8, generator=gen) * 6
+
+    def call(x, weight, eps):
+        return rd.apply(x, angles, spec, norm=rd.HeadNorm(weight, eps), backend="eager")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, dynamic=True, fullgraph=True, backend="aot_eager")
+    for eps in (0.25, 0.5):
+        torch.testing.assert_close(compiled(x, weight, eps), call(x, weight, eps))
+
+
+@pytest.mark.parametrize("forced", [None, "eager"])
+def test_a_first_call_traced_in_a_fresh_process(forced):
+    """A process whose first rope-dispatch call is compiled (``dynamic=True``: Dynamo traces
+    twice; or with ``ROPE_BACKEND`` set): the backends' probe and load run at trace time,
+    and the two traces and the registry agree."""
+    code = textwrap.dedent("""
+        import torch, transformers
+        from rope_dispatch.integrations import hf
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+        model = transformers.LlamaForCausalLM(config).eval()
+        ids = torch.randint(3, 64, (2, 6))
+        with torch.no_grad():
+            want = model(input_ids=ids).logits
+            hf.patch(model)
+            got = torch.compile(model, backend="aot_eager", dynamic=True,
+                                fullgraph=True)(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        print("same logits")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "ROPE_BACKEND"}
+    if forced:
+        env["ROPE_BACKEND"] = forced
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0 and "same logits" in proc.stdout, proc.stderr[-3000:]

@@ -432,7 +432,9 @@ def _fused_forward(attention: torch.nn.Module, module_name: str, previous: Calla
     the modeling module's (else nothing would apply them: another model's :func:`unpatch`, or
     another library's rebinding); a norm handed on and never taken raises."""
     run = previous or functools.partial(type(attention).forward, attention)
-    if getattr(sys.modules[module_name], "apply_rotary_pos_emb", None) is not apply_rotary_pos_emb:
+    if _traced_with_grad() or getattr(
+        sys.modules[module_name], "apply_rotary_pos_emb", None
+    ) is not apply_rotary_pos_emb:
         return run(*args, **kwargs)
     outer = _window.attention, _window.handed
     _window.attention, _window.handed = attention, [None, None]
@@ -448,6 +450,14 @@ def _fused_forward(attention: torch.nn.Module, module_name: str, previous: Calla
     finally:
         _window.attention, _window.handed = outer
     return result
+
+
+def _traced_with_grad() -> bool:
+    """Whether torch.compile traces a step that may be activation-checkpointed (grad enabled):
+    there the norms run unfused (their class's forward, the rotation ours), since the
+    hand-over mutates ``_window``, which Dynamo refuses inside a checkpointed layer (an error
+    under ``fullgraph=True``, else a graph break). Traced without grad (generation) they fuse."""
+    return torch.compiler.is_compiling() and torch.is_grad_enabled()
 
 
 def _deferred_norm(norm: torch.nn.Module, attention: torch.nn.Module, slot: int, offset: float,

@@ -125,7 +125,7 @@ def _fused_forward(attention: torch.nn.Module, eps: float, previous, *args, **kw
     an output normalized and never handed on by ``qk_norm`` raises."""
     run = previous or functools.partial(type(attention).forward, attention)
     module = sys.modules[MODULE]
-    if getattr(module, "apply_rotary_emb", None) is not apply_rotary_emb:
+    if _hf._traced_with_grad() or getattr(module, "apply_rotary_emb", None) is not apply_rotary_emb:
         return run(*args, **kwargs)
     outer = _window.attention, _window.eps, _window.normalized
     _window.attention, _window.eps, _window.normalized = attention, eps, []
