@@ -353,8 +353,10 @@ def get_backend(name: str, source: str | None = None) -> Backend:
 
 
 def list_backends(names: Collection[str] | None = None) -> list[BackendInfo]:
-    """Every registered backend (or those of ``names``), whether it is available here, and why
-    not; only the backends listed are probed."""
+    """Every registered backend (or those of ``names``: one name or several), whether it is
+    available here, and why not; only the backends listed are probed."""
+    if isinstance(names, str):  # one name, not its letters
+        names = (names,)
     return [
         BackendInfo(b.name, b.available, b.availability, b.priority, b.description)
         for b in backends() if names is None or b.name in names

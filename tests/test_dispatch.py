@@ -85,6 +85,8 @@ def test_list_backends_of_some_names_probes_only_those(monkeypatch):
     assert not info.available and info.reasons == ("never available: a test backend",)
     assert ProbeCounted.probes == 1
     assert [b.name for b in registry.backends()] == [i.name for i in rd.list_backends()]
+    assert [i.name for i in rd.list_backends("eager")] == ["eager"]  # one name, not letters
+    assert rd.list_backends("eagerte") == []
 
 
 def test_priority_then_capability(picky):
