@@ -32,10 +32,10 @@ import torch
 
 from .call import (
     RoPECall, _host_reads_allowed, _reads, check_call, expanded_dim, shared_element,
+    table_grad_wanted, wants_grad,
 )
 from .errors import RoPEError, RoPETypeError
 from .spec import dtype_name
-from .table_kinds import table_requires_grad
 from .tracing import memoryless
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -601,11 +601,8 @@ def check_cache_call(
             "from a head's first channel, pairs in place; rotate with rope_dispatch.apply_qk "
             "and write the cache yourself"
         )
-    if torch.is_grad_enabled() and (
-            any(x.requires_grad for x in (q, k, v) if isinstance(x, torch.Tensor))
-            or any(n is not None and n.weight is not None and n.weight.requires_grad
-                   for n in (call.norm, call.k_norm))
-            or table_requires_grad(call.table)):
+    if wants_grad(call) or table_grad_wanted(call.table, None) or (
+            torch.is_grad_enabled() and isinstance(v, torch.Tensor) and v.requires_grad):
         raise RoPEError(
             "rope_to_cache writes a KV cache and has no backward, but q, k, v, a norm weight or "
             "the table requires grad; call it under torch.no_grad() or torch.inference_mode()"
