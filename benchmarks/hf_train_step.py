@@ -91,6 +91,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, ...)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--compile", action="store_true",
+                   help="run each variant's model under torch.compile (compiled before timing)")
     p.add_argument("--warmup", type=int, default=3, help="steps per variant before timing")
     p.add_argument("--steps", type=int, default=5, help="steps per timed block")
     p.add_argument("--repeats", type=int, default=10, help="timed blocks per variant")
@@ -191,37 +193,32 @@ Variant = tuple[Callable[[], contextlib.AbstractContextManager], torch.nn.Module
 
 
 def variants(
-    family: Family, model: torch.nn.Module, liger: Callable | None, liger_model: torch.nn.Module | None
+    family: Family, model: torch.nn.Module, patched: torch.nn.Module, liger: Callable | None,
+    liger_model: torch.nn.Module | None,
 ) -> dict[str, Variant]:
-    """Each variant as a context that installs its RoPE in the family's modeling module (and
-    restores transformers' own on exit), and the model it trains."""
+    """Each variant as a context that installs its ``apply_rotary_pos_emb`` in the family's
+    modeling module (and restores transformers' own on exit), and the model it trains. Ours
+    trains ``patched``, a copy patched once (its fused attention and norm forwards stay, so a
+    compiled step is not invalidated by patching again), and only the module's global changes."""
+    original = family.module.apply_rotary_pos_emb
 
-    @contextlib.contextmanager
-    def transformers_rope():
-        yield
+    def installs(function: Callable) -> Callable[[], contextlib.AbstractContextManager]:
+        @contextlib.contextmanager
+        def installed():
+            family.module.apply_rotary_pos_emb = function
+            try:
+                yield
+            finally:
+                family.module.apply_rotary_pos_emb = original
 
-    @contextlib.contextmanager
-    def rope_dispatch_rope():
-        hf.patch(model)
-        try:
-            yield
-        finally:
-            hf.unpatch(model)
-
-    @contextlib.contextmanager
-    def liger_rope_installed():
-        original = family.module.apply_rotary_pos_emb
-        family.module.apply_rotary_pos_emb = liger
-        try:
-            yield
-        finally:
-            family.module.apply_rotary_pos_emb = original
+        return installed
 
     chosen = {
-        "transformers": (transformers_rope, model), "rope-dispatch": (rope_dispatch_rope, model)
+        "transformers": (installs(original), model),
+        "rope-dispatch": (installs(hf.apply_rotary_pos_emb), patched),
     }
     if liger is not None:
-        chosen["Liger"] = (liger_rope_installed, liger_model if liger_model is not None else model)
+        chosen["Liger"] = (installs(liger), liger_model if liger_model is not None else model)
     return chosen
 
 
@@ -274,7 +271,10 @@ def main() -> None:
     liger, liger_model, liger_note = liger_patch(family, lambda: build_model(args, family))
     if liger_model is not None:
         liger_model.load_state_dict(model.state_dict())
-    variant_list = variants(family, model, liger, liger_model)
+    original = family.module.apply_rotary_pos_emb
+    patched = hf.patch(copy.deepcopy(model))
+    family.module.apply_rotary_pos_emb = original  # each variant installs its own (variants)
+    variant_list = variants(family, model, patched, liger, liger_model)
     optimizers = {
         id(m): torch.optim.AdamW(m.parameters(), lr=1e-5, fused=args.device.startswith("cuda"))
         for m in {id(m): m for _, m in variant_list.values()}.values()
@@ -284,11 +284,12 @@ def main() -> None:
 
     errors = logit_errors(reference, variant_list, ids[:1])
     del reference
+    runs = {name: torch.compile(m) if args.compile else m for name, (_, m) in variant_list.items()}
 
-    for installed, m in variant_list.values():
+    for name, (installed, m) in variant_list.items():
         with installed():
             for _ in range(args.warmup):
-                train_step(m, optimizers[id(m)], ids)
+                train_step(runs[name], optimizers[id(m)], ids)
     synchronize(args.device)
 
     blocks: dict[str, list[float]] = {name: [] for name in variant_list}
@@ -301,7 +302,7 @@ def main() -> None:
                 synchronize(args.device)
                 start = time.perf_counter()
                 for _ in range(args.steps):
-                    train_step(m, optimizers[id(m)], ids)
+                    train_step(runs[name], optimizers[id(m)], ids)
                 synchronize(args.device)
             blocks[name].append((time.perf_counter() - start) * 1e3 / args.steps)
 
@@ -316,7 +317,7 @@ def main() -> None:
     print(
         f"{family.label}-shaped: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / "
         f"{args.kv_heads} kv heads{head_dim}, batch {args.batch} x seq {args.seq}, {args.dtype}, "
-        f"attention {args.attn}; {device_name}\n"
+        f"attention {args.attn}{', torch.compile' if args.compile else ''}; {device_name}\n"
     )
     print(
         f"| {family.column} | ms / step (median) | spread | speedup | "
