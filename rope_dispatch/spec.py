@@ -317,9 +317,20 @@ class RoPESpec(BaseModel):
         check_cu_seqlens_tensor(cu_seqlens)
         if max_seqlen is not None and max_seqlen < 1:
             raise RoPEError(f"max_seqlen must be >= 1, got {max_seqlen}")
-        new = self.model_copy(update={"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen})
+        new = super().model_copy(update={"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen})
         new._set_static_key()
         return new
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> RoPESpec:
+        """A copy, with the fields in ``update`` changed: validated as a new spec (pydantic's
+        own copy skips validation and keeps the old :attr:`static_key`, which dispatch keys
+        its decisions on, so a changed field would run on the original's decision)."""
+        if not update:
+            return super().model_copy(deep=deep)
+        fields = {name: getattr(self, name) for name in type(self).model_fields}
+        fields.update(update)
+        new = type(self)(**fields)
+        return super(RoPESpec, new).model_copy(deep=True) if deep else new
 
     def __hash__(self) -> int:
         return hash(self.static_key) ^ id(self.cu_seqlens)

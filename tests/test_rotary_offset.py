@@ -345,6 +345,36 @@ def test_spec_errors_name_the_argument_and_value():
         rd.apply(t, odd, spec_for("deinterleave"))
 
 
+def test_a_spec_copied_with_an_update_is_validated_and_keyed_anew(request):
+    """pydantic's ``model_copy(update=...)`` skips validation and kept the original's static key:
+    a copy given an offset ran on the decision made for the spec without one (Triton, which
+    cannot place a norm stage's rotation at an offset: wrong numbers), and bad values reached
+    the kernels (a negative offset crashed in torch, cp_size=0 rotated at wrong positions)."""
+    request.getfixturevalue("triton_backend")
+    plain = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    a = angles(3)
+    t = torch.randn(3, 2, 2, D)
+    weight = torch.rand(D, generator=torch.Generator().manual_seed(2)) + 0.5
+    norm = rd.HeadNorm(weight, 1e-6)
+    rd.apply(t, a, plain, norm=norm, backend="triton")  # decided (and kept) for the plain spec
+    copied = plain.model_copy(update={"rotary_offset": 4})
+    assert copied.static_key == rd.RoPESpec(layout="sbhd", dtype="fp32", rotary_offset=4).static_key
+    try:
+        out = rd.apply(t, a, copied, norm=norm, backend="triton")
+    except rd.BackendNotSupportedError as error:
+        assert "rotary_offset=4" in str(error)
+    else:
+        normed = reference_head_norm(t, weight, 1e-6, 0.0, "head")
+        assert_matches(out, reference_for(normed, a, copied), torch.float32)
+    for update, words in (({"rotary_offset": -2}, "rotary_offset must be >= 0"),
+                          ({"cp_size": 0}, "cp_size must be >= 1"),
+                          ({"cos_sin_scale": float("nan")}, "cos_sin_scale"),
+                          ({"colour": 1}, "colour")):
+        with pytest.raises(rd.RoPEError, match=words):
+            plain.model_copy(update=update)
+    assert plain.model_copy() == plain and plain.model_copy(deep=True) == plain
+
+
 def test_keys_and_repr_name_the_fields_only_when_set():
     plain = rd.RoPESpec(layout="sbhd", dtype="fp32")
     assert "rotary_offset" not in repr(plain) and "deinterleave" not in repr(plain)
