@@ -316,6 +316,7 @@ class CompileBackend(Backend):
         self._compiled: dict[tuple[CompileKey, bool], Callable] = {}
         self._ready: set[tuple[CompileKey, bool]] = set()  # (key, transpose) that ran compiled
         self._failed: dict[CompileKey, str] = {}
+        self._over_limit: set[tuple[CompileKey, bool]] = set()  # warned: recompile limit hit
         self._device_problems: dict[tuple[str, int | None], str | None] = {}
         self._confirmed: dict[str, str | None] = {}  # device type -> confirm()'s answer
 
@@ -447,7 +448,23 @@ class CompileBackend(Backend):
         slot = (key, transpose)
         fn = self._compiled.get(slot)
         if slot in self._ready:
-            return fn(*args)
+            try:
+                return fn(*args)
+            except Exception as exc:
+                # a layout met after Dynamo's per-function recompile limit (sizes of 0 and 1
+                # and strides are specialised: an expanded or empty input each adds a graph);
+                # fullgraph=True makes that a hard error. The graphs compiled so far still
+                # serve their layouts; this one runs the eager math.
+                if not (fallback and _recompile_limit_hit(exc)):
+                    raise
+                if slot not in self._over_limit:
+                    self._over_limit.add(slot)
+                    warnings.warn(
+                        f"rope_dispatch: {_key_name(key, transpose)} reached Dynamo's recompile "
+                        f"limit ({_summary(exc)}); inputs of layouts not compiled yet run the "
+                        "eager math", RuntimeWarning, stacklevel=4,
+                    )
+                return _math(key, transpose)(*args)
         try:
             if fn is None:
                 problem = self.confirm(args[0].device)
@@ -500,6 +517,12 @@ class _CompiledRoPE(torch.autograd.Function):
         grad_t, grad_weight = grads
         return (None, None, None, None, grad_t if ctx.needs_input_grad[4] else None, None, None,
                 None, None, grad_weight if ctx.needs_input_grad[9] else None)
+
+
+def _recompile_limit_hit(exc: BaseException) -> bool:
+    """Whether ``exc`` is Dynamo refusing a new graph past its recompile limit."""
+    return any(type(e).__name__ in ("FailOnRecompileLimitHit", "RecompileLimitExceeded")
+               for e in (exc, exc.__cause__) if e is not None)
 
 
 def _summary(exc: BaseException) -> str:

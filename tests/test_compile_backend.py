@@ -254,6 +254,32 @@ def test_compile_failure_falls_back_with_a_warning_and_is_then_refused(monkeypat
         backend.apply(call)  # later calls run eager without warning again
 
 
+@needs_compile
+def test_a_layout_past_the_recompile_limit_runs_the_eager_math():
+    """Dynamo specialises sizes of 0 and 1 and strides: an expanded or empty input each adds a
+    graph to the spec's function, and past its recompile limit (8) fullgraph=True made the
+    next new layout fail with FailOnRecompileLimitHit. It runs the eager math (one warning);
+    the layouts compiled before still run compiled. The limit is lowered to 1 here."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=1.375)  # a function of its own
+    angles = torch.rand(6, 1, 1, 16) * 6 - 3
+    contiguous = torch.randn(4, 2, 3, 16)
+    expanded = torch.randn(4, 1, 3, 16).expand(4, 2, 3, 16)
+    with dynamo.config.patch(recompile_limit=1):
+        out = rd.apply(contiguous, angles, spec, backend="compile")
+        assert_matches(out, reference_for(contiguous, angles, spec), torch.float32)
+        with pytest.warns(RuntimeWarning, match="recompile limit"):
+            out = rd.apply(expanded, angles, spec, backend="compile")
+        assert_matches(out, reference_for(expanded, angles, spec), torch.float32)
+        x = expanded.clone().requires_grad_(True)  # the backward's graph is a function too
+        out = rd.apply(x, angles, spec, backend="compile")
+        grad_out = torch.randn(out.shape)
+        (grad,) = torch.autograd.grad(out, x, grad_out)
+        ref_out, ref_grad = reference_forward_backward(x, angles, spec, grad_out)
+        assert_matches(out, ref_out, torch.float32, "forward")
+        assert_matches(grad, ref_grad, torch.float32, "backward")
+
+
 def test_bad_inputs_are_not_blamed_on_the_compiler(monkeypatch):
     broken = raising(IndexError("index 40 is out of bounds"))
     monkeypatch.setattr(compiled, "_build", broken)
