@@ -43,7 +43,7 @@ from rope_dispatch.norm import head_norm, head_norm_backward
 from rope_dispatch.registry import Backend
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import CosSinCache, RateTable
-from rope_dispatch.tracing import import_dynamo, memoryless
+from rope_dispatch.tracing import fake, import_dynamo, memoryless
 
 from .eager import rope_eager, rope_tensors
 
@@ -413,7 +413,7 @@ class CompileBackend(Backend):
     def apply(self, call: RoPECall) -> torch.Tensor:
         # inside an outer graph: let it trace the math; under a torch.func transform (grad, jvp,
         # vmap), torch ops, which every transform knows (a failure there is no compile failure)
-        if memoryless():
+        if memoryless() or fake(call.t):
             return rope_eager(call)
         return self._run(call, fallback=True)
 

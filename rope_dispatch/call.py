@@ -28,7 +28,7 @@ from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
     table_requires_grad, table_shape,
 )
-from .tracing import memoryless
+from .tracing import fake, memoryless
 
 
 TENSOR_KINDS = {
@@ -314,8 +314,12 @@ def _check_table(table: object, device: torch.device, argument: str = "freqs") -
 
 
 def _reads(index: torch.Tensor) -> bool:
-    """Whether an index tensor's values are read on the host: on the CPU, or in strict mode."""
-    return index.is_cpu or _strict_values()
+    """Whether an index tensor's values are read on the host: on the CPU, or in strict mode;
+    never a fake tensor's (it has none)."""
+    return (index.is_cpu or _strict_values()) and (type(index) in _PLAIN or not fake(index))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def reads_values(spec: RoPESpec) -> bool:

@@ -9,6 +9,7 @@ call's tensors have no memory to read (:func:`memoryless`: traced, or ``torch.fu
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -25,8 +26,24 @@ memory of their own (no ``data_ptr``, no inference flag to read)."""
 
 def memoryless() -> bool:
     """Whether a call's tensors may have no memory to read: fake tensors while torch.compile
-    traces, or a ``torch.func`` transform's wrappers. Checks that read addresses skip then."""
-    return torch.compiler.is_compiling() or transformed()
+    traces or a ``FakeTensorMode`` is active (shape propagation, memory estimation), or a
+    ``torch.func`` transform's wrappers. Checks that read addresses or values skip then."""
+    return torch.compiler.is_compiling() or transformed() or fake()
+
+
+_FAKE_MODE = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+
+
+def fake(*tensors: object) -> bool:
+    """Whether a ``FakeTensorMode`` is active, or one of ``tensors`` is a fake tensor: tensors
+    without memory, on which no kernel may launch and no value may be read (a compiled kernel
+    given their addresses crashed the process)."""
+    module = sys.modules.get("torch._subclasses.fake_tensor")
+    if module is None:  # no fake tensor can exist yet
+        return False
+    if _FAKE_MODE is not None and torch._C._get_dispatch_mode(_FAKE_MODE) is not None:
+        return True
+    return any(isinstance(t, torch.Tensor) and module.is_fake(t) for t in tensors)
 
 
 def constant_while_tracing(fn: F) -> F:
