@@ -502,14 +502,20 @@ class _CompiledRoPE(torch.autograd.Function):
                 *weight):
         ctx.backend, ctx.key, ctx.fallback, ctx.inverse = backend, key, fallback, inverse
         norm_saved = (*weight, t) if weight else ()  # the backward's norm arguments
-        ctx.save_for_backward(a, b, cu_seqlens, start_positions, *norm_saved)
+        saved = (a, b, cu_seqlens, start_positions, *norm_saved)
+        # autograd refuses to save an inference tensor (a table made under
+        # torch.inference_mode, then used in training); it has no version to check: kept as is
+        ctx.inference = tuple(x if x is not None and x.is_inference() else None for x in saved)
+        ctx.save_for_backward(*(None if kept is not None else x
+                                for x, kept in zip(saved, ctx.inference)))
         return backend.run_compiled(
             key, inverse, fallback, (t, a, b, cu_seqlens, start_positions, *weight)
         )
 
     @staticmethod
     def backward(ctx, grad):
-        saved = ctx.saved_tensors
+        saved = tuple(x if kept is None else kept
+                      for x, kept in zip(ctx.saved_tensors, ctx.inference))
         grads = ctx.backend.run_compiled(ctx.key, not ctx.inverse, ctx.fallback, (grad, *saved),
                                          backward=True)
         if ctx.key.norm is None:

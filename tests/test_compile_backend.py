@@ -280,6 +280,27 @@ def test_a_layout_past_the_recompile_limit_runs_the_eager_math():
         assert_matches(grad, ref_grad, torch.float32, "backward")
 
 
+@needs_compile
+def test_a_table_made_in_inference_mode_serves_a_training_call():
+    """A table (and start positions) made under torch.inference_mode, then used by a call
+    that requires grad: the backward's saved tables are inference tensors, which autograd
+    refuses to save ("Inference tensors cannot be saved for backward"); eager and Triton take
+    them."""
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=1.25)  # a function of its own
+    with torch.inference_mode():
+        angles = torch.rand(8, 1, 1, 16) * 6 - 3
+        starts = torch.tensor([1, 3])
+    for kw in ({}, {"start_positions": starts}):
+        x = torch.randn(4, 2, 3, 16, requires_grad=True)
+        out = rd.apply(x, angles, spec, backend="compile", **kw)
+        grad_out = torch.randn(out.shape)
+        (grad,) = torch.autograd.grad(out, x, grad_out)
+        ref_out, ref_grad = reference_forward_backward(x, angles, spec, grad_out,
+                                                       kw.get("start_positions"))
+        assert_matches(out, ref_out, torch.float32, "forward")
+        assert_matches(grad, ref_grad, torch.float32, "backward")
+
+
 def test_bad_inputs_are_not_blamed_on_the_compiler(monkeypatch):
     broken = raising(IndexError("index 40 is out of bounds"))
     monkeypatch.setattr(compiled, "_build", broken)
