@@ -315,6 +315,10 @@ class RoPESpec(BaseModel):
         if self.layout != "thd":
             raise RoPEError(f"with_cu_seqlens needs layout 'thd', this spec has {self.layout!r}")
         check_cu_seqlens_tensor(cu_seqlens)
+        try:  # as the field takes it: an integer (not a bool, a float or a string) or None
+            max_seqlen = _integer(max_seqlen)
+        except ValueError as exc:
+            raise RoPEError(f"max_seqlen: {exc}") from None
         if max_seqlen is not None and max_seqlen < 1:
             raise RoPEError(f"max_seqlen must be >= 1, got {max_seqlen}")
         new = super().model_copy(update={"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen})

@@ -245,6 +245,9 @@ def test_with_cu_seqlens_checks_tensor():
         rd.RoPESpec(**SBHD).with_cu_seqlens(torch.tensor([0, 10]))
     new = spec.with_cu_seqlens(torch.tensor([0, 4, 10]), max_seqlen=6)
     assert new.max_seqlen == 6 and new.cu_seqlens.tolist() == [0, 4, 10]
+    for bad in ("6", 6.0, True):  # refused by name, as the field refuses them (a str was a
+        with pytest.raises(rd.RoPEError, match=f"max_seqlen: expected an integer, got {bad!r}"):
+            spec.with_cu_seqlens(torch.tensor([0, 4, 10]), max_seqlen=bad)  # bare TypeError)
     assert rd.apply(THD_T, torch.rand(6, 8), new).shape == THD_T.shape
 
 
