@@ -146,7 +146,8 @@ def _spec_problem(exc: ValidationError) -> str:
     problems = []
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"])
-        message = error["msg"].removeprefix("Value error, ")
+        # (model_validate runs __init__ inside pydantic's validation: its RoPEError, prefixed)
+        message = error["msg"].removeprefix("Value error, ").removeprefix("invalid RoPESpec: ")
         if error["type"] != "value_error":  # pydantic's own words: add what it got
             message = f"{message} (got {repr(error['input'])[:80]})"
         if field and not message.startswith(field):
@@ -229,6 +230,23 @@ class RoPESpec(BaseModel):
         """Validate ``fields``; a bad one raises :class:`~rope_dispatch.RoPEError` naming it."""
         try:
             super().__init__(**fields)
+        except ValidationError as exc:
+            raise RoPEError(_spec_problem(exc)) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> RoPESpec:
+        """A spec from a dict (a config's), validated as the constructor validates: a bad field
+        raises :class:`~rope_dispatch.RoPEError` naming it, not pydantic's error."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise RoPEError(_spec_problem(exc)) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: Any, **kwargs: Any) -> RoPESpec:
+        """:meth:`model_validate` from JSON text."""
+        try:
+            return super().model_validate_json(json_data, **kwargs)
         except ValidationError as exc:
             raise RoPEError(_spec_problem(exc)) from None
 

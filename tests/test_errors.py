@@ -58,6 +58,28 @@ def test_bad_spec(fields, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+@pytest.mark.parametrize("fields, words", [
+    (dict(layout="sbhd", dtype="int8"), ["dtype", "int8"]),
+    (dict(layout="sbhd", dtype="fp32", cp_size="2"), ["cp_size", "'2'", "integer"]),
+    (dict(layout="sbhd", dtype="fp32", colour="red"), ["colour"]),
+])
+def test_bad_spec_from_a_config(fields, words):
+    """model_validate and model_validate_json (a spec from a config) refuse as the constructor
+    does, with a RoPEError (pydantic's ValidationError before), the prefix said once."""
+    import json
+
+    from_json = lambda f: rd.RoPESpec.model_validate_json(json.dumps(f))  # noqa: E731
+    for make in (rd.RoPESpec.model_validate, from_json):
+        with pytest.raises(rd.RoPEError) as info:
+            make(fields)
+        text = str(info.value)
+        assert text.startswith("invalid RoPESpec: ") and text.count("invalid RoPESpec") == 1, text
+        for word in words:
+            assert word in text, (word, text)
+    spec = rd.RoPESpec.model_validate(dict(layout="sbhd", dtype="fp32", rotary_dim=16))
+    assert spec == rd.RoPESpec(layout="sbhd", dtype="fp32", rotary_dim=16)
+
+
 def test_spec_takes_numpy_numbers():
     """Sizes read from NumPy arrays or configs are NumPy scalars: taken as the numbers they are."""
     np = pytest.importorskip("numpy")
