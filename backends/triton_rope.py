@@ -436,12 +436,14 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
 
 
 def _reads_given_tables(call: RoPECall, tabs: Tables) -> bool:
-    """Whether the launch reads the call's own table, cu_seqlens and index, and a cache stage's
-    own index tensors (none copied for the call): a bound launch takes their addresses from the
-    tensors a repeated call passes."""
+    """Whether the launch reads the call's own table, cu_seqlens and index, a cache stage's
+    own index tensors and the norms' own weights (none copied for the call): a bound launch
+    takes their addresses from the tensors a repeated call passes."""
     store = () if tabs.store is None else tabs.store.index
+    weights = (None, None) if tabs.norm is None else tabs.norm.weights
     return tabs.table.data_ptr() == tt.user_table_address(call) and all(
-        t is None or t.is_contiguous() for t in (tabs.cu, tabs.index, *store))
+        t is None or t.is_contiguous() for t in (tabs.cu, tabs.index, *store)) and all(
+        w is None or w is n.weight for w, n in zip(weights, (call.norm, call.k_norm)))
 
 
 def plan_cache(call: RoPECall) -> Any:

@@ -133,6 +133,53 @@ def test_triton_bf16_model_weights(w_dtype):
 
 
 @pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_weights_that_are_not_dense(backend, layout):
+    """A norm weight that is a strided view (every other entry of a parameter) or expanded (one
+    value for every channel): the Triton kernels read a weight as one dense row, so its entries
+    were read at the wrong places (silently wrong numbers); it is copied for the launch. Three
+    calls each way (the plans of the repeated ones), forward and the weight's gradient, and the
+    q and k pair, packed qkv and in-place forms."""
+    gen = torch.Generator().manual_seed(5)
+    source = (torch.rand(32, generator=gen) + 0.5).requires_grad_(True)
+    w = source[::2] if layout == "strided" else source[:1].expand(16)
+    spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
+    angles = torch.rand(8, 16, generator=gen) * 6 - 3
+
+    def ref(x, weight=w):
+        return reference_for(reference_head_norm(x, weight, 1e-6, 0.0, "head"), angles, spec)
+
+    for _ in range(3):
+        x = torch.randn(4, 2, 2, 16, generator=gen)
+        k = torch.randn(4, 2, 1, 16, generator=gen)
+        qkv = torch.randn(4, 2, 1, 48, generator=gen)
+        with torch.no_grad():
+            norm = rd.HeadNorm(w, 1e-6)
+            assert_matches(rd.apply(x, angles, spec, norm=norm, backend=backend), ref(x),
+                           torch.float32, "apply")
+            q_out, k_out = rd.apply_qk(x, k, angles, spec, q_norm=norm, k_norm=norm,
+                                       backend=backend)
+            assert_matches(q_out, ref(x), torch.float32, "q")
+            assert_matches(k_out, ref(k), torch.float32, "k")
+            y = x.clone()
+            rd.apply_(y, angles, spec, norm=norm, backend=backend)
+            assert_matches(y, ref(x), torch.float32, "apply_")
+            q3, k3, _ = rd.apply_qkv(qkv, angles, spec, (16, 16, 16), q_norm=norm, k_norm=norm,
+                                     backend=backend)
+            assert_matches(q3, ref(qkv[..., :16]), torch.float32, "qkv q")
+            assert_matches(k3, ref(qkv[..., 16:32]), torch.float32, "qkv k")
+        out = rd.apply(x, angles, spec, norm=rd.HeadNorm(w, 1e-6), backend=backend)
+        grad_out = torch.randn(out.shape, generator=gen)
+        (grad,) = torch.autograd.grad(out, source, grad_out)
+        s64 = source.detach().double().requires_grad_(True)
+        expected = ref(x, s64[::2] if layout == "strided" else s64[:1].expand(16))
+        (expected_grad,) = torch.autograd.grad(expected, s64, grad_out.double())
+        assert_matches(out, expected, torch.float32, "forward with grad")
+        assert_matches(grad, expected_grad, torch.float32, "weight gradient")
+
+
+@pytest.mark.usefixtures("triton_backend")
 def test_triton_backward_loop_with_a_short_last_program(monkeypatch):
     """A backward whose programs each take several token blocks, the last fewer than the rest
     (the loop's length runs whole waves, so it need not divide the blocks): gradients and the
