@@ -316,10 +316,7 @@ def _check_table(table: object, device: torch.device, argument: str = "freqs") -
 def _reads(index: torch.Tensor) -> bool:
     """Whether an index tensor's values are read on the host: on the CPU, or in strict mode;
     never a fake tensor's (it has none)."""
-    return (index.is_cpu or _strict_values()) and (type(index) in _PLAIN or not fake(index))
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+    return (index.is_cpu or _strict_values()) and not fake(index)
 
 
 def reads_values(spec: RoPESpec) -> bool:
