@@ -14,6 +14,7 @@ range. Nothing is read while ``torch.compile`` traces or a CUDA graph is capture
 from __future__ import annotations
 
 import bisect
+import numbers
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -455,12 +456,12 @@ def _check_split(split: object, channels: int) -> tuple[int, int, int]:
     """``split`` as three ints ``(q, k, v)`` that cut a packed qkv group of ``channels``."""
     if (
         not isinstance(split, (tuple, list)) or len(split) != 3
-        or not all(isinstance(n, int) and not isinstance(n, bool) for n in split)
+        or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in split)
     ):
         raise RoPEError(
             f"split must be three ints (q, k, v channels per head group), got {split!r}"
         )
-    q_len, k_len, v_len = split
+    q_len, k_len, v_len = split = tuple(int(n) for n in split)
     if q_len <= 0 or k_len <= 0 or v_len <= 0:
         raise RoPEError(f"split must be positive (q, k, v channels), got {tuple(split)}")
     if q_len + k_len + v_len != channels:

@@ -67,18 +67,21 @@ def test_triton_gqa_start_positions_context_parallel(layout):
     check_qkv(QKVCase(base, q_heads=4, v_heads=2, own_k_table=True), "triton", DEVICE)
 
 
+@pytest.mark.parametrize("form", ["list", "numpy"])
 @pytest.mark.parametrize("backend", ["eager", "triton"])
-def test_split_as_a_list(backend, request):
-    """``split`` as a list, the form of TE's ``qkv_split_arg_list``: the checked call, the
-    call that plans and the planned call all match the reference (a list cannot key a plan
-    as it is)."""
+def test_split_as_a_list(backend, form, request):
+    """``split`` as a list, the form of TE's ``qkv_split_arg_list``, or of NumPy integers (the
+    sizes a config computes): the checked call, the call that plans and the planned call all
+    match the reference."""
     if backend == "triton":
         request.getfixturevalue("triton_backend")
     case = QKVCase(fixed_case(heads=2, head_dim=8, rotary_dim=8), 2, 1, False)
     qkv, table, _, spec, _, angles, _ = build_qkv(case, DEVICE)
+    split = (list(case.split) if form == "list"
+             else tuple(pytest.importorskip("numpy").int64(n) for n in case.split))
     grad_outs = None
     for _ in range(3):
-        outs = rd.apply_qkv(qkv, table, spec, list(case.split), backend=backend)
+        outs = rd.apply_qkv(qkv, table, spec, split, backend=backend)
         if grad_outs is None:
             grad_outs = [torch.randn_like(o) for o in outs]
             ref_outs, ref_grad = reference_qkv_forward_backward(
