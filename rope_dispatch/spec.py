@@ -7,7 +7,10 @@ import numbers
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_serializer,
+    model_validator,
+)
 
 from .errors import RoPEError
 
@@ -249,6 +252,17 @@ class RoPESpec(BaseModel):
             return super().model_validate_json(json_data, **kwargs)
         except ValidationError as exc:
             raise RoPEError(_spec_problem(exc)) from None
+
+    @field_serializer("dtype", when_used="json")
+    def _dtype_text(self, dtype: torch.dtype) -> str:
+        """JSON holds the dtype's name (``"bfloat16"``), which the field takes back."""
+        return dtype_name(dtype)
+
+    @field_serializer("cu_seqlens", when_used="json")
+    def _offsets_text(self, cu_seqlens: torch.Tensor | None) -> list[int] | None:
+        """JSON holds the offsets as numbers (for a log); a spec takes them back as a tensor
+        only (:meth:`with_cu_seqlens`)."""
+        return None if cu_seqlens is None else cu_seqlens.tolist()
 
     @model_validator(mode="after")
     def _check(self) -> RoPESpec:

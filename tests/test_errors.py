@@ -97,6 +97,25 @@ def test_spec_takes_numpy_numbers():
     assert all(type(n) is int for n in multimodal.mrope_section)
 
 
+def test_spec_to_json_and_back():
+    """A spec written as JSON (a config, a log) reads back as the same spec: its dtype as its
+    name; cu_seqlens as numbers, which a spec takes back only as a tensor."""
+    spec = rd.RoPESpec(layout="sbhd", dtype=torch.bfloat16, rotary_dim=16, cos_sin_scale=0.5,
+                       mrope_section=(2, 3, 3), rotary_offset=4, inverse=True)
+    assert rd.RoPESpec.model_validate_json(spec.model_copy(update=dict(
+        mrope_section=None, cp_size=2, cp_rank=1, interleaved=True)).model_dump_json()).cp_rank == 1
+    text = spec.model_dump_json()
+    assert '"dtype":"bfloat16"' in text
+    back = rd.RoPESpec.model_validate_json(text)
+    assert back == spec and back.static_key == spec.static_key and back.dtype is torch.bfloat16
+    packed = rd.RoPESpec(layout="thd", dtype="fp16").with_cu_seqlens(
+        torch.tensor([0, 3, 5], dtype=torch.int32), max_seqlen=3)
+    text = packed.model_dump_json()
+    assert '"cu_seqlens":[0,3,5]' in text and '"max_seqlen":3' in text
+    with pytest.raises(rd.RoPEError, match="cu_seqlens"):
+        rd.RoPESpec.model_validate_json(text)
+
+
 def test_spec_is_frozen_and_hashable():
     spec = rd.RoPESpec(layout="bshd", dtype="bfloat16", rotary_dim=64)
     with pytest.raises(ValidationError):
