@@ -239,14 +239,17 @@ FAKE_MODE_CALLS = """
 import torch, rope_dispatch as rd
 from torch._subclasses.fake_tensor import FakeTensorMode
 spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
-with FakeTensorMode():
-    x, freqs = torch.randn(4, 2, 2, 8), torch.rand(8, 1, 1, 8)
-    for backend in ("compile", "eager", None):
-        for _ in range(2):
-            assert rd.apply(x, freqs, spec, backend=backend).shape == x.shape
-            starts = torch.tensor([1, 2])
-            out = rd.apply(x, freqs, spec, backend=backend, start_positions=starts)
-            assert out.shape == x.shape
+gpu = ["cuda"] if torch.cuda.is_available() else []
+for device, backends in [("cpu", ("compile", "eager", None))] + [(d, ("triton", "compile", None))
+                                                                 for d in gpu]:
+    with FakeTensorMode():
+        x, freqs = torch.randn(4, 2, 2, 8, device=device), torch.rand(8, 1, 1, 8, device=device)
+        for backend in backends:
+            for _ in range(2):
+                assert rd.apply(x, freqs, spec, backend=backend).shape == x.shape
+                starts = torch.tensor([1, 2], device=device)
+                out = rd.apply(x, freqs, spec, backend=backend, start_positions=starts)
+                assert out.shape == x.shape
 print("ok")
 """
 
@@ -256,7 +259,8 @@ def test_fake_tensor_mode_runs_no_kernel_and_reads_no_value(request):
     memory: the compile backend ran its compiled C++ kernel on them (a segmentation fault: in
     a process of its own here) and the checks read start_positions' values
     (DataDependentOutputException), also of fake tensors used outside their mode (the Triton
-    backend's op takes those). After them a real call still gives the reference's numbers."""
+    backend's op takes those); on a GPU machine CUDA's fake tensors too. After them a real call
+    still gives the reference's numbers."""
     proc = subprocess.run([sys.executable, "-c", FAKE_MODE_CALLS], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr[-2000:]
