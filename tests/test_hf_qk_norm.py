@@ -263,6 +263,22 @@ def test_a_forward_that_moves_q_off_the_norms_input_is_refused():
         step(model)
 
 
+@pytest.mark.parametrize("family, part", [("Qwen3", "q"), ("OLMo2", "k")])
+def test_a_hook_that_edits_the_norms_output_in_place_is_refused(family, part):
+    """A forward hook writing the norm's output in place (steering, say) writes the norm's
+    input there, which the RoPE call would normalize, edit and all: the unpatched model's
+    result is out of reach, so the call raises instead of returning another one."""
+    model = tiny_model(family)
+    norm = getattr(attentions(model)[0], f"{part}_norm")
+    norm.register_forward_hook(lambda m, args, out: out.add_(1.0))
+    expected = step(model)
+    hf.patch(model)
+    with pytest.raises(rd.RoPEError, match=f"{part} was written in place after .*{part}_norm"):
+        step(model)
+    hf.unpatch(model)
+    check_same(step(model), expected)
+
+
 def test_a_norm_that_no_rope_call_takes_is_refused(monkeypatch):
     """An attention forward that normalizes q and then calls no RoPE: the forward raises."""
     model = tiny_model("Gemma3")

@@ -166,7 +166,8 @@ _originals: dict[tuple[str, str], object] = {}
 class _Window(threading.local):
     """Per thread: the fused attention whose forward runs (``None`` outside one) and what its
     q_norm and k_norm handed on to :func:`apply_rotary_pos_emb`, ``[q's, k's]``, each ``None``
-    or ``(input, HeadNorm)``. Per thread, so models run in several threads keep theirs apart."""
+    or ``(input, HeadNorm, input's version or None)``. Per thread, so models run in several
+    threads keep theirs apart."""
 
     def __init__(self):
         self.attention: torch.nn.Module | None = None
@@ -400,16 +401,19 @@ def _spec(dtype: torch.dtype, deinterleave: bool = False) -> RoPESpec:
 def _take_norms(q: torch.Tensor, k: torch.Tensor) -> tuple[HeadNorm | None, HeadNorm | None]:
     """The norms an attention's q_norm and k_norm handed on for this call (``None`` where
     none did), taken out of :data:`_window`; a :class:`~rope_dispatch.RoPEError` when q or k
-    is not the tensor its norm got (the norm would otherwise be lost). Checked by memory (the
-    models reshape and transpose the norm's input, never copy it); not while torch.compile
-    traces or a ``torch.func`` transform runs, whose tensors have no memory of their own."""
+    is not the tensor its norm got (the norm would otherwise be lost), or was written in place
+    since (a forward hook editing the norm's "output", which is its input: the edit would be
+    normalized away). Checked by memory and version counter (the models reshape and transpose
+    the norm's input, never copy or write it); not while torch.compile traces or a
+    ``torch.func`` transform runs, whose tensors have no memory of their own, nor the version of
+    an inference-mode tensor, which has none."""
     handed, _window.handed = _window.handed, [None, None]
     norms = []
     for name, t, entry in (("q", q, handed[0]), ("k", k, handed[1])):
         if entry is None:
             norms.append(None)
             continue
-        x, norm = entry
+        x, norm, version = entry
         if not memoryless() and (
             x.data_ptr() != t.data_ptr() or x.numel() != t.numel()
         ):
@@ -418,6 +422,13 @@ def _take_norms(q: torch.Tensor, k: torch.Tensor) -> tuple[HeadNorm | None, Head
                 f"handed on ({tuple(x.shape)} at {x.data_ptr():#x}, got {tuple(t.shape)} at "
                 f"{t.data_ptr():#x}): this attention's forward is not the one rope-dispatch "
                 "knows; hf.unpatch the model"
+            )
+        if version is not None and t._version != version:
+            raise RoPEError(
+                f"{name} was written in place after {type(_window.attention).__name__}."
+                f"{name}_norm handed it on (a forward hook editing the norm's output in place?): "
+                "the norm runs in the RoPE call, so the edit would reach its input, not its "
+                "output; hf.unpatch the model, or return an edited copy from the hook"
             )
         norms.append(norm)
     return norms[0], norms[1]
@@ -467,7 +478,10 @@ def _deferred_norm(norm: torch.nn.Module, attention: torch.nn.Module, slot: int,
     norm's class's forward."""
     if _window.attention is not attention or _window.handed[slot] is not None:
         return type(norm).forward(norm, x)
-    _window.handed[slot] = (x, HeadNorm(norm.weight, _norm_eps(norm), offset=offset, scope=scope))
+    version = None if memoryless() or x.is_inference() else x._version
+    _window.handed[slot] = (
+        x, HeadNorm(norm.weight, _norm_eps(norm), offset=offset, scope=scope), version
+    )
     return x
 
 
