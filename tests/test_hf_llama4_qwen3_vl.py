@@ -150,6 +150,21 @@ def test_llama4_output_that_skips_qk_norm_is_refused():
         step(model)
 
 
+def test_llama4_pre_hook_that_edits_qk_norms_input_in_place_is_refused():
+    """A forward pre-hook writing ``qk_norm``'s input in place (steering, say): transformers
+    normalizes the edited tensor, but the fused call normalized before the edit, so the call
+    raises instead of returning another result."""
+    model = llama4()
+    attention = next(m for m in model.modules() if type(m).__name__ == "Llama4TextAttention")
+    attention.qk_norm.register_forward_pre_hook(lambda m, args: args[0].add_(0.5))
+    expected = step(model)
+    hf.patch(model)
+    with pytest.raises(rd.RoPEError, match="qk_norm's input was written in place"):
+        step(model)
+    hf.unpatch(model)
+    check_same(step(model), expected)
+
+
 def test_llama4_complex_table_is_required():
     q = torch.randn(1, 4, 2, 16)
     with pytest.raises(rd.RoPEError, match="freqs_cis must be the complex"):

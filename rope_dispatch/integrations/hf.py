@@ -478,11 +478,16 @@ def _deferred_norm(norm: torch.nn.Module, attention: torch.nn.Module, slot: int,
     norm's class's forward."""
     if _window.attention is not attention or _window.handed[slot] is not None:
         return type(norm).forward(norm, x)
-    version = None if memoryless() or x.is_inference() else x._version
     _window.handed[slot] = (
-        x, HeadNorm(norm.weight, _norm_eps(norm), offset=offset, scope=scope), version
+        x, HeadNorm(norm.weight, _norm_eps(norm), offset=offset, scope=scope), _version(x)
     )
     return x
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, to catch an in-place write later; ``None`` while torch.compile
+    traces or a ``torch.func`` transform runs, and for an inference-mode tensor (none kept)."""
+    return None if memoryless() or t.is_inference() else t._version
 
 
 def _norm_eps(norm: torch.nn.Module) -> object:

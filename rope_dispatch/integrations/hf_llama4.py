@@ -51,7 +51,7 @@ _unit: dict[tuple, torch.Tensor] = {}
 class _Window(threading.local):
     """Per thread: the fused Llama 4 attention whose forward runs (``None`` outside one), its
     L2 norm's epsilon, and the RoPE outputs already normalized that its ``qk_norm`` is still
-    to hand on."""
+    to hand on (each with its version, or ``None``)."""
 
     def __init__(self):
         self.attention: torch.nn.Module | None = None
@@ -87,7 +87,7 @@ def apply_rotary_emb(
         start_positions=_hf._sequence_starts(freqs_cis, xq), q_norm=norm, k_norm=norm,
     )
     if norm is not None:
-        _window.normalized += [q_out, k_out]
+        _window.normalized += [(t, _hf._version(t)) for t in (q_out, k_out)]
     return q_out, k_out
 
 
@@ -144,10 +144,19 @@ def _fused_forward(attention: torch.nn.Module, eps: float, previous, *args, **kw
 
 def _handed_on_norm(norm: torch.nn.Module, attention: torch.nn.Module, x: torch.Tensor):
     """The fused attention's ``qk_norm``: an output of our RoPE call, already normalized, passes
-    unchanged; anything else is normalized by the class's forward."""
+    unchanged; anything else is normalized by the class's forward. An output written in place
+    since (a forward pre-hook on ``qk_norm`` editing its input) raises: the model would
+    normalize the edit, which the call cannot (it normalized before)."""
     if _window.attention is attention:
-        for i, done in enumerate(_window.normalized):
+        for i, (done, version) in enumerate(_window.normalized):
             if done is x:
+                if version is not None and x._version != version:
+                    raise RoPEError(
+                        f"{type(attention).__name__}.qk_norm's input was written in place after "
+                        "the RoPE call had normalized it (a forward pre-hook editing it?): the "
+                        "edit would not be normalized; hf.unpatch the model, or return an "
+                        "edited copy from the hook"
+                    )
                 del _window.normalized[i]
                 return x
     return type(norm).forward(norm, x)
