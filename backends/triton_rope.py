@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from rope_dispatch.call import TENSOR_KINDS, RoPECall, expanded_dim, position_index
+from rope_dispatch.call import (
+    TENSOR_KINDS, RoPECall, exact_size, expanded_dim, position_index,
+)
 from rope_dispatch.errors import RoPEError
 from rope_dispatch.kv_cache import FP8_DTYPES
 from rope_dispatch.registry import Backend, Plan
@@ -240,6 +242,16 @@ def _traced(*tensors: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or any(type(t) not in tt.PLAIN_TENSORS for t in tensors)
 
 
+def _constants(described: Launch, call: RoPECall) -> Launch:
+    """A traced call's launch with plain numbers: Dynamo (``dynamic=True``) reads the numbers
+    an object holds as symbols, which the op's text argument cannot hold."""
+    split = described.split
+    return described._replace(
+        scale=float(call.spec.scale_text), cp_size=exact_size(described.cp_size),
+        cp_rank=exact_size(described.cp_rank), offset=exact_size(described.offset),
+        split=None if split is None else tuple(exact_size(n) for n in split))
+
+
 def _result(launch: Launch, made: tuple) -> Any:
     return made[0] if launch.tensors == "t" else tuple(made)
 
@@ -261,7 +273,7 @@ def rope(call: RoPECall) -> Any:
         if described.tensors == "qkv" and k_table is None:
             k_table, k_sin = table, sin
         made = triton_rope_op(list(inputs), table, sin, k_table, k_sin, call.spec.cu_seqlens,
-                              position_index(call), op_launch(described))
+                              position_index(call), op_launch(_constants(described, call)))
         if described.in_place:
             made = [x.copy_(out) for x, out in zip(inputs, made)]
         return _result(described, made)

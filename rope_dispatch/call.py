@@ -13,6 +13,7 @@ range. Nothing is read while ``torch.compile`` traces or a CUDA graph is capture
 
 from __future__ import annotations
 
+import ast
 import bisect
 import numbers
 import sys
@@ -114,7 +115,8 @@ class CallKey(NamedTuple):
     and the environment. Sizes enter as power-of-two buckets."""
 
     spec: tuple
-    """The spec's static key (``RoPESpec.static_key``), then the table's rotary dim."""
+    """The spec's static key (``RoPESpec.static_key``), then the table's rotary dim; traced,
+    the key as text (``static_text``), then the rotary dim."""
     device_type: str
     device_index: int | None
     shape_bucket: tuple
@@ -145,8 +147,11 @@ class CallKey(NamedTuple):
         """The named JSON fields autotune stores (``in_place``, ``qkv_split``, per-token
         ``positions`` and ``k_shape_bucket`` only when set, so single-tensor calls that
         return a new tensor keep the keys of earlier versions)."""
+        spec = self.spec
+        if len(spec) == 2:  # a traced call's: the spec's key as text, then the rotary dim
+            spec = (*ast.literal_eval(spec[0]), spec[1])
         fields = {
-            "spec": named_fields(self.spec),  # inverse only when set
+            "spec": named_fields(spec),  # inverse only when set
             "shape_bucket": list(self.shape_bucket),
             "sequences_bucket": self.sequences_bucket, "stride": self.stride,
             "table": self.table, "start_positions": self.start_positions,
@@ -174,12 +179,16 @@ def call_key(call: RoPECall, size_limits: Sequence[int] = ()) -> CallKey:
     """The :class:`CallKey` of a checked call (traceable: plain values, sizes compared);
     ``size_limits``: the sorted element-count limits backends declare."""
     t, traced = call.t, torch.compiler.is_compiling()
+    spec = ((call.spec.static_text, exact_size(call.rotary_dim)) if traced
+            else (*call.spec.static_key, call.rotary_dim))
+    split = (tuple(exact_size(n) for n in call.split) if traced and call.split is not None
+             else call.split)
     return CallKey(
-        (*call.spec.static_key, call.rotary_dim), t.device.type, t.device.index,
+        spec, t.device.type, t.device.index,
         tuple(size_bucket(n, traced) for n in t.shape), size_bucket(call.batch, traced),
         stride_class(t),
         call.table_kind, call.start_positions is not None, call.positions is not None,
-        wants_grad(call), call.in_place, call.split,
+        wants_grad(call), call.in_place, split,
         None if call.k is None else tuple(size_bucket(n, traced) for n in call.k.shape),
         call.positions_bounded, table_grad_wanted(call.table, call.k_table),
         bisect.bisect_left(size_limits, t.numel()) if size_limits else 0,
@@ -447,6 +456,26 @@ def size_bucket(n: object, traced: bool = False) -> int:
 
 
 _UNBOUNDED = 1 << 48
+
+
+def exact_size(n: object) -> int:
+    """A count (``n >= 0``) as a plain int while Dynamo traces, where ``dynamic=True`` makes a
+    table's last dim, and an int an object holds, a symbol: found by comparisons, each a guard,
+    so the graph is specialised to it (a rotary dim, a split or a rank never changes in a
+    model)."""
+    if n < 1:
+        return 0
+    high = 1
+    while n > high:
+        high *= 2
+    low = high // 2  # low < n <= high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if n > middle:
+            low = middle
+        else:
+            high = middle
+    return high
 
 
 _new_call = tuple.__new__

@@ -174,6 +174,10 @@ class RoPESpec(BaseModel):
 
     static_key: ClassVar[tuple]
     """Hashable tuple of every field but the ``cu_seqlens`` tensor, set once at validation."""
+    static_text: ClassVar[str]
+    """``repr(static_key)``: the key traced code passes on (:func:`~rope_dispatch.call.call_key`)."""
+    scale_text: ClassVar[str]
+    """``repr(cos_sin_scale)``: the scale a traced launch passes on."""
 
     layout: Layout = Field(description="sbhd, bshd or thd (packed sequences with cu_seqlens)")
     dtype: Annotated[torch.dtype, BeforeValidator(parse_dtype)] = Field(
@@ -334,6 +338,10 @@ class RoPESpec(BaseModel):
             dtype_name(self.dtype) if name == "dtype" else getattr(self, name)
             for name in STATIC_FIELDS
         )
+        # as text, which Dynamo reads as constants: with dynamic=True it reads a float held by
+        # an object as a symbol, which a key or an op's constant argument cannot hold
+        self.__dict__["static_text"] = repr(self.static_key)
+        self.__dict__["scale_text"] = repr(float(self.cos_sin_scale))
 
     def static_fields(self) -> dict[str, Any]:
         """The static fields as JSON-friendly values (for cache keys and reports); a later

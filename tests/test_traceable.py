@@ -108,20 +108,22 @@ def test_fullgraph_cache_write_with_the_descriptor_made_in_the_step():
 
 
 @pytest.mark.parametrize("positions", [False, True])
-@pytest.mark.parametrize("dynamic", ["mark_dynamic", "new lengths"])
+@pytest.mark.parametrize("dynamic", ["mark_dynamic", "new lengths", "dynamic=True"])
 def test_fullgraph_default_choice_with_a_dynamic_sequence_length(dynamic, positions):
-    """The default backend choice under dynamic shapes (a dimension marked dynamic, or the
-    recompile Dynamo makes dynamic after a second length), by index or with per-token
-    positions: the key it decides from holds no symbolic size or flag, and no size is
-    specialised to one value."""
+    """The default backend choice under dynamic shapes (a dimension marked dynamic, the
+    recompile Dynamo makes dynamic after a second length, or ``dynamic=True``, where every
+    size, the table's too, and the spec's float are symbols), by index or with per-token
+    positions: the key it decides from and the kernel launch it traces hold no symbolic
+    size, flag or float, and no sequence length is specialised to one value."""
     torch._dynamo.reset()
-    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=0.75)
     freqs = torch.rand(64, 1, 1, 16) * 10
 
     def step(x, index):
         return rd.apply(x * 2, freqs, spec, positions=index)
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager",
+                             dynamic=True if dynamic == "dynamic=True" else None)
     for length in (8, 12, 20):
         t = torch.randn(length, 2, 3, 16)
         index = torch.randint(0, 64, (length, 2)) if positions else None
@@ -132,6 +134,35 @@ def test_fullgraph_default_choice_with_a_dynamic_sequence_length(dynamic, positi
         expected = reference_forward_backward(2 * t, freqs.view(64, 16), spec,
                                               torch.ones(t.shape), positions=index)[0]
         assert_matches(compiled(t, index), expected, torch.float32, f"s {length}")
+
+
+@pytest.mark.parametrize("fields, rotary_dim", [
+    (dict(cos_sin_scale=0.75), 8), (dict(cp_size=2, cp_rank=1), 8), (dict(rotary_offset=2), 4),
+])
+@pytest.mark.usefixtures("triton_backend")
+def test_triton_launch_traced_with_dynamic_true(fields, rotary_dim):
+    """``torch.compile(dynamic=True)`` of Triton calls with a spec scale other than 1, context
+    parallelism or an offset: Dynamo reads the numbers the spec holds (and the table's last
+    dim) as symbols, which the launch's constant argument and the decision's key cannot hold
+    (it failed to trace); q and k, forward and backward, match the reference."""
+    torch._dynamo.reset()
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32", **fields)
+    freqs = torch.rand(32, rotary_dim) * 10
+
+    def step(q, k):
+        return rd.apply_qk(q, k, freqs, spec, backend="triton")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
+    for length in (8, 12):
+        q = torch.randn(2, length, 4, 8, requires_grad=True)
+        k = torch.randn(2, length, 2, 8, requires_grad=True)
+        outs = compiled(q, k)
+        grads = [torch.randn(o.shape) for o in outs]
+        got = torch.autograd.grad(outs, (q, k), grads)
+        for x, out, grad_out, grad in zip((q, k), outs, grads, got):
+            ref_out, ref_grad = reference_forward_backward(x.detach(), freqs, spec, grad_out)
+            assert_matches(out, ref_out, torch.float32)
+            assert_matches(grad, ref_grad, torch.float32)
 
 
 def test_overrides_are_read_at_trace_time(monkeypatch):
