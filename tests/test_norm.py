@@ -142,18 +142,18 @@ def test_weights_that_are_not_dense(backend, layout):
     calls each way (the plans of the repeated ones), forward and the weight's gradient, and the
     q and k pair, packed qkv and in-place forms."""
     gen = torch.Generator().manual_seed(5)
-    source = (torch.rand(32, generator=gen) + 0.5).requires_grad_(True)
+    source = (torch.rand(32, generator=gen) + 0.5).to(DEVICE).requires_grad_(True)
     w = source[::2] if layout == "strided" else source[:1].expand(16)
     spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
-    angles = torch.rand(8, 16, generator=gen) * 6 - 3
+    angles = (torch.rand(8, 16, generator=gen) * 6 - 3).to(DEVICE)
 
     def ref(x, weight=w):
         return reference_for(reference_head_norm(x, weight, 1e-6, 0.0, "head"), angles, spec)
 
     for _ in range(3):
-        x = torch.randn(4, 2, 2, 16, generator=gen)
-        k = torch.randn(4, 2, 1, 16, generator=gen)
-        qkv = torch.randn(4, 2, 1, 48, generator=gen)
+        x = torch.randn(4, 2, 2, 16, generator=gen).to(DEVICE)
+        k = torch.randn(4, 2, 1, 16, generator=gen).to(DEVICE)
+        qkv = torch.randn(4, 2, 1, 48, generator=gen).to(DEVICE)
         with torch.no_grad():
             norm = rd.HeadNorm(w, 1e-6)
             assert_matches(rd.apply(x, angles, spec, norm=norm, backend=backend), ref(x),
@@ -170,7 +170,7 @@ def test_weights_that_are_not_dense(backend, layout):
             assert_matches(q3, ref(qkv[..., :16]), torch.float32, "qkv q")
             assert_matches(k3, ref(qkv[..., 16:32]), torch.float32, "qkv k")
         out = rd.apply(x, angles, spec, norm=rd.HeadNorm(w, 1e-6), backend=backend)
-        grad_out = torch.randn(out.shape, generator=gen)
+        grad_out = torch.randn(out.shape, generator=gen).to(DEVICE)
         (grad,) = torch.autograd.grad(out, source, grad_out)
         s64 = source.detach().double().requires_grad_(True)
         expected = ref(x, s64[::2] if layout == "strided" else s64[:1].expand(16))

@@ -352,9 +352,9 @@ def test_a_spec_copied_with_an_update_is_validated_and_keyed_anew(request):
     the kernels (a negative offset crashed in torch, cp_size=0 rotated at wrong positions)."""
     request.getfixturevalue("triton_backend")
     plain = rd.RoPESpec(layout="sbhd", dtype="fp32")
-    a = angles(3)
-    t = torch.randn(3, 2, 2, D)
-    weight = torch.rand(D, generator=torch.Generator().manual_seed(2)) + 0.5
+    a = angles(3).to(DEVICE)
+    t = torch.randn(3, 2, 2, D, device=DEVICE)
+    weight = (torch.rand(D, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEVICE)
     norm = rd.HeadNorm(weight, 1e-6)
     rd.apply(t, a, plain, norm=norm, backend="triton")  # decided (and kept) for the plain spec
     copied = plain.model_copy(update={"rotary_offset": 4})

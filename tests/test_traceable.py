@@ -13,6 +13,8 @@ import torch
 import rope_dispatch as rd
 from reference import assert_matches, reference_for, reference_forward_backward
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 def test_fullgraph_forward_backward(layout):
@@ -147,17 +149,17 @@ def test_triton_launch_traced_with_dynamic_true(fields, rotary_dim):
     (it failed to trace); q and k, forward and backward, match the reference."""
     torch._dynamo.reset()
     spec = rd.RoPESpec(layout="bshd", dtype="fp32", **fields)
-    freqs = torch.rand(32, rotary_dim) * 10
+    freqs = torch.rand(32, rotary_dim, device=DEVICE) * 10
 
     def step(q, k):
         return rd.apply_qk(q, k, freqs, spec, backend="triton")
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
     for length in (8, 12):
-        q = torch.randn(2, length, 4, 8, requires_grad=True)
-        k = torch.randn(2, length, 2, 8, requires_grad=True)
+        q = torch.randn(2, length, 4, 8, device=DEVICE, requires_grad=True)
+        k = torch.randn(2, length, 2, 8, device=DEVICE, requires_grad=True)
         outs = compiled(q, k)
-        grads = [torch.randn(o.shape) for o in outs]
+        grads = [torch.randn(o.shape, device=DEVICE) for o in outs]
         got = torch.autograd.grad(outs, (q, k), grads)
         for x, out, grad_out, grad in zip((q, k), outs, grads, got):
             ref_out, ref_grad = reference_forward_backward(x.detach(), freqs, spec, grad_out)
@@ -299,7 +301,9 @@ def test_fake_tensor_mode_runs_no_kernel_and_reads_no_value(request):
 
     request.getfixturevalue("triton_backend")
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
-    x, freqs, starts = torch.randn(4, 2, 2, 8), torch.rand(8, 1, 1, 8) * 6, torch.tensor([1, 3])
+    x, freqs, starts = (torch.randn(4, 2, 2, 8, device=DEVICE),
+                        torch.rand(8, 1, 1, 8, device=DEVICE) * 6,
+                        torch.tensor([1, 3], device=DEVICE))
     mode = FakeTensorMode()
     fake_x, fake_freqs, fake_starts = (mode.from_tensor(a) for a in (x, freqs, starts))
     for backend in ("eager", "triton"):
