@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import math
 import numbers
 from typing import Annotated, Any, ClassVar, Literal
@@ -13,6 +14,7 @@ from pydantic import (
 )
 
 from .errors import RoPEError
+from .tracing import constant_while_tracing
 
 Layout = Literal["sbhd", "bshd", "thd"]
 
@@ -142,6 +144,14 @@ def check_cu_seqlens_tensor(cu_seqlens: Any) -> None:
             "cu_seqlens must be a 1-D tensor of at least 2 offsets [0, end_0, ..., total], "
             f"got shape {tuple(cu_seqlens.shape)}"
         )
+
+
+@constant_while_tracing
+def _text_with(static_text: str, at: int, value: object) -> str:
+    """``static_text`` (a spec's key as text) with entry ``at`` replaced by ``value``: run
+    once at trace time, its result a constant (:meth:`RoPESpec.with_cu_seqlens` traced)."""
+    key = ast.literal_eval(static_text)
+    return repr((*key[:at], value, *key[at + 1:]))
 
 
 def _spec_problem(exc: ValidationError) -> str:
@@ -361,6 +371,17 @@ class RoPESpec(BaseModel):
             raise RoPEError(f"max_seqlen: {exc}") from None
         if max_seqlen is not None and max_seqlen < 1:
             raise RoPEError(f"max_seqlen must be >= 1, got {max_seqlen}")
+        if torch.compiler.is_compiling():
+            # pydantic's copy (its object's __dict__ copied in C) and its frozen __setattr__
+            # cannot be traced: Dynamo traces a new object given this one's fields
+            new = object.__new__(RoPESpec)
+            new.__dict__.update(self.__dict__)
+            key = self.static_key  # (its float a symbol with dynamic=True: not repr'd here)
+            at = STATIC_FIELDS.index("max_seqlen")
+            new.__dict__.update(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                static_key=(*key[:at], max_seqlen, *key[at + 1:]),
+                                static_text=_text_with(self.static_text, at, max_seqlen))
+            return new
         new = super().model_copy(update={"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen})
         new._set_static_key()
         return new
@@ -391,3 +412,4 @@ class RoPESpec(BaseModel):
         return f"RoPESpec({fields}{cu})"
 
     __str__ = __repr__
+
