@@ -413,3 +413,11 @@ class RoPESpec(BaseModel):
 
     __str__ = __repr__
 
+
+@constant_while_tracing
+def constant_spec(**fields: Any) -> RoPESpec:
+    """``RoPESpec(**fields)`` for code that makes a spec while ``torch.compile`` traces it (the
+    compat doors, on a first call): Dynamo cannot trace pydantic's validation, so it runs once
+    at trace time and the spec enters the graph as a constant. ``fields``: plain values, no
+    tensor (a thd spec's ``cu_seqlens`` comes by :meth:`RoPESpec.with_cu_seqlens`)."""
+    return RoPESpec(**fields)

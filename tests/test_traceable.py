@@ -194,6 +194,53 @@ def test_with_cu_seqlens_inside_the_compiled_step(dynamic):
         assert_matches(grad, ref_grad, torch.float32, f"cu {offsets}")
 
 
+@pytest.mark.parametrize("door", ["te sbhd", "te thd", "vllm", "flashinfer"])
+def test_compat_doors_traced_with_no_spec_made_yet(door, monkeypatch):
+    """A compat door's first call in a process inside ``torch.compile(fullgraph=True)``: the
+    door makes its spec there (its cache is empty), and pydantic's validation cannot be traced
+    (Dynamo raised Unsupported on SchemaValidator.validate_python, so every compiled model on
+    a door failed unless an eager call had come first). Matches the reference."""
+    from rope_dispatch.compat import flashinfer, te, vllm
+
+    torch._dynamo.reset()
+    for module in (te, vllm, flashinfer):
+        monkeypatch.setattr(module, "_specs", {})
+    freqs = torch.rand(32, 1, 1, 8) * 10
+    if door.startswith("te"):
+        thd = door == "te thd"
+        cu = torch.tensor([0, 5, 12]) if thd else None
+        t = torch.randn(12, 3, 8) if thd else torch.randn(8, 2, 3, 8)
+
+        def step(x, cu):
+            return te.apply_rotary_pos_emb(x, freqs, "thd" if thd else "sbhd", cu_seqlens=cu,
+                                           cp_size=1, cp_rank=0)
+
+        out = torch.compile(step, fullgraph=True, backend="aot_eager")(t, cu)
+        spec = rd.RoPESpec(layout="thd" if thd else "sbhd", dtype="fp32", cu_seqlens=cu)
+        assert_matches(out, reference_for(t, freqs, spec), torch.float32)
+        return
+    angles = (torch.rand(32, 4) * 6).double()
+    cache = torch.cat((angles.cos(), angles.sin()), -1).float()
+    positions = torch.tensor([3, 0, 31, 7])
+    q, k = torch.randn(4, 2 * 8), torch.randn(4, 8)
+
+    def step(q, k, positions):
+        q, k = q.clone(), k.clone()
+        if door == "vllm":
+            vllm.rotary_embedding(positions, q, k, 8, cache, True)
+        else:
+            flashinfer.apply_rope_with_cos_sin_cache_inplace(positions, q, k, 8, cache, True)
+        return q, k
+
+    q_out, k_out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, positions)
+    spec = rd.RoPESpec(layout="thd", dtype="fp32")
+    table = torch.cat((angles, angles), -1).float()
+    for x, out, name in ((q, q_out, "q"), (k, k_out, "k")):
+        heads = x.unflatten(-1, (-1, 8))
+        expected = reference_for(heads, table, spec, positions=positions)
+        assert_matches(out.unflatten(-1, (-1, 8)), expected, torch.float32, name)
+
+
 def test_overrides_are_read_at_trace_time(monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setenv("ROPE_AUTOTUNE", "0")

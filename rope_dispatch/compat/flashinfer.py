@@ -74,7 +74,7 @@ from ..dispatch import _scoped_or_env_backend, apply_qk_, rope_to_cache
 from ..errors import RoPEError, RoPETypeError
 from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache
 from ..registry import get_backend
-from ..spec import RoPESpec, dtype_name
+from ..spec import RoPESpec, constant_spec, dtype_name
 from ..tables import PairCosSinCache
 
 __all__ = ["apply_rope_with_cos_sin_cache_inplace", "mla_rope_quantize_fp8", "rope_quantize_fp8",
@@ -138,6 +138,8 @@ def _spec(dtype: torch.dtype, interleaved: bool) -> RoPESpec:
     key = (dtype, interleaved)
     spec = _specs.get(key)
     if spec is None:
+        if torch.compiler.is_compiling():  # the trace's own (pydantic is not traced)
+            return constant_spec(layout="thd", dtype=dtype, interleaved=interleaved)
         spec = _specs[key] = RoPESpec(layout="thd", dtype=dtype, interleaved=interleaved)
     return spec
 

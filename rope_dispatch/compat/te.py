@@ -46,7 +46,7 @@ import torch
 
 from ..dispatch import apply, apply_qkv
 from ..errors import RoPEError, RoPETypeError
-from ..spec import RoPESpec
+from ..spec import RoPESpec, constant_spec
 from ..tables import angle_table, inverse_frequencies
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_fused_qkv_rotary_pos_emb"]
@@ -77,6 +77,12 @@ def _spec(
         spec, key = None, None
     if spec is not None and spec.cu_seqlens is cu_seqlens:
         return spec
+    if torch.compiler.is_compiling():  # the cache is left alone: a spec made here is the trace's
+        if spec is None:
+            spec = constant_spec(layout=tensor_format, dtype=dtype, interleaved=interleaved,
+                                 cp_size=cp_size, cp_rank=cp_rank)
+        # (called on the class: Dynamo cannot look a method up on a constant spec)
+        return spec if cu_seqlens is None else RoPESpec.with_cu_seqlens(spec, cu_seqlens)
     if spec is not None and cu_seqlens is not None:
         spec = spec.with_cu_seqlens(cu_seqlens)
     else:  # full validation; thd without cu_seqlens raises here

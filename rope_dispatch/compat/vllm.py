@@ -51,7 +51,7 @@ import torch
 from ..dispatch import apply_, apply_qk_
 from ..errors import RoPEError, RoPETypeError
 from ..norm import HeadNorm
-from ..spec import RoPESpec, dtype_name
+from ..spec import RoPESpec, constant_spec, dtype_name
 from ..table_kinds import _normal_tensors
 from ..tables import PairCosSinCache
 from .flashinfer import _pair_cache
@@ -70,6 +70,9 @@ def _spec(layout: str, dtype: torch.dtype, interleaved: bool,
     key = (layout, dtype, interleaved, inverse)
     spec = _specs.get(key)
     if spec is None:
+        if torch.compiler.is_compiling():  # the trace's own (pydantic is not traced)
+            return constant_spec(layout=layout, dtype=dtype, interleaved=interleaved,
+                                 inverse=inverse)
         spec = _specs[key] = RoPESpec(layout=layout, dtype=dtype, interleaved=interleaved,
                                       inverse=inverse)
     return spec
