@@ -228,7 +228,8 @@ def synchronize(device: str) -> None:
 
 
 def train_step(model, optimizer, ids) -> None:
-    loss = model(input_ids=ids, labels=ids).loss
+    # no KV cache, as training runs (under torch.compile a new cache a step recompiled its code)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
