@@ -27,15 +27,13 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from rope_dispatch.call import (
-    TENSOR_KINDS, RoPECall, exact_size, expanded_dim, position_index,
-)
+from rope_dispatch.call import TENSOR_KINDS, RoPECall, expanded_dim, position_index
 from rope_dispatch.errors import RoPEError
 from rope_dispatch.kv_cache import FP8_DTYPES
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import angles_2d, kernel_tables, table_tensors
-from rope_dispatch.tracing import transformed
+from rope_dispatch.tracing import exact_size, transformed
 
 from . import triton_launch as tl
 from . import triton_tables as tt

@@ -30,7 +30,7 @@ from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
     table_requires_grad, table_shape,
 )
-from .tracing import fake, memoryless
+from .tracing import exact_size, fake, memoryless
 
 
 TENSOR_KINDS = {
@@ -456,26 +456,6 @@ def size_bucket(n: object, traced: bool = False) -> int:
 
 
 _UNBOUNDED = 1 << 48
-
-
-def exact_size(n: object) -> int:
-    """A count (``n >= 0``) as a plain int while Dynamo traces, where ``dynamic=True`` makes a
-    table's last dim, and an int an object holds, a symbol: found by comparisons, each a guard,
-    so the graph is specialised to it (a rotary dim, a split or a rank never changes in a
-    model)."""
-    if n < 1:
-        return 0
-    high = 1
-    while n > high:
-        high *= 2
-    low = high // 2  # low < n <= high
-    while high - low > 1:
-        middle = (low + high) // 2
-        if n > middle:
-            low = middle
-        else:
-            high = middle
-    return high
 
 
 _new_call = tuple.__new__

@@ -14,7 +14,7 @@ from pydantic import (
 )
 
 from .errors import RoPEError
-from .tracing import constant_while_tracing
+from .tracing import constant_while_tracing, exact_size
 
 Layout = Literal["sbhd", "bshd", "thd"]
 
@@ -378,6 +378,8 @@ class RoPESpec(BaseModel):
             new.__dict__.update(self.__dict__)
             key = self.static_key  # (its float a symbol with dynamic=True: not repr'd here)
             at = STATIC_FIELDS.index("max_seqlen")
+            if max_seqlen is not None:  # a plain int (dynamic=True: a caller's int is a symbol)
+                max_seqlen = exact_size(max_seqlen)
             new.__dict__.update(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                 static_key=(*key[:at], max_seqlen, *key[at + 1:]),
                                 static_text=_text_with(self.static_text, at, max_seqlen))

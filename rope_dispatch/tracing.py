@@ -56,6 +56,26 @@ def fake(*tensors: object) -> bool:
     return False
 
 
+def exact_size(n: object) -> int:
+    """A count (``n >= 0``) as a plain int while Dynamo traces, where ``dynamic=True`` makes a
+    table's last dim, and an int an object holds, a symbol: found by comparisons, each a guard,
+    so the graph is specialised to it (a rotary dim, a split or a rank never changes in a
+    model)."""
+    if n < 1:
+        return 0
+    high = 1
+    while n > high:
+        high *= 2
+    low = high // 2  # low < n <= high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if n > middle:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
 def constant_while_tracing(fn: F) -> F:
     """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it: Dynamo calls it once
     at trace time and keeps its result in the graph instead of tracing its body (a ContextVar,

@@ -172,20 +172,21 @@ def test_with_cu_seqlens_inside_the_compiled_step(dynamic):
     """A thd step that makes its spec for the batch's offsets inside the compiled function
     (``spec.with_cu_seqlens(cu)``, as the README's loop does): pydantic's copy cannot be traced
     (Dynamo raised Unsupported on dict.copy), and with ``dynamic=True`` the spec's float is a
-    symbol the traced copy's key text may not repr. Output and gradient match the reference."""
+    symbol the traced copy's key text may not repr, nor may the longest sequence passed in (a
+    symbol too). Output and gradient match the reference."""
     torch._dynamo.reset()
     base = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=torch.tensor([0, 1]),
                        max_seqlen=1, cos_sin_scale=0.5)
     freqs = torch.rand(32, 1, 1, 8) * 10
 
-    def step(x, cu):
-        return rd.apply(x, freqs, base.with_cu_seqlens(cu, 16))
+    def step(x, cu, longest):
+        return rd.apply(x, freqs, base.with_cu_seqlens(cu, longest))
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
     for offsets in ([0, 5, 12], [0, 10, 16]):
         cu = torch.tensor(offsets)
         t = torch.randn(offsets[-1], 3, 8, requires_grad=True)
-        out = compiled(t, cu)
+        out = compiled(t, cu, 16)
         grad_out = torch.randn(out.shape)
         (grad,) = torch.autograd.grad(out, t, grad_out)
         spec = base.with_cu_seqlens(cu, 16)
