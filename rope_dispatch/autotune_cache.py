@@ -54,6 +54,10 @@ _ENVIRONMENT_DIR = re.compile(r"^[a-z0-9_]+-.+-[0-9a-f]{16}$")  # <device type>-
 lock = threading.RLock()
 """Held while the cache changes, in memory or on disk: autotune's choosing and
 :func:`clear_cache` alike, so a clear never interleaves with a measurement being stored."""
+if hasattr(os, "register_at_fork"):
+    # a child forked while another thread held it (measuring a key) has no thread to release
+    # it: its first call of a new key would wait forever
+    os.register_at_fork(after_in_child=lock._at_fork_reinit)
 _warned: set[str] = set()  # files and directories already warned about
 _unwritable: set[str] = set()  # directories where writing failed: memory only from then on
 _on_clear: list[Callable[[], None]] = []  # what clear_cache also empties (on_clear)

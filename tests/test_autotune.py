@@ -341,6 +341,44 @@ def test_concurrent_processes_lose_no_entries(fakes, cache, tmp_path):
     assert not list(cache.glob("*/.tmp-*")), "a temporary file was left behind"
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX's")
+def test_a_child_forked_while_another_thread_measures_measures_too(fakes, measurements):
+    """A process forked while another of its threads held the cache lock (measuring a key),
+    as a DataLoader's workers or a server's may be: the child's first call of a new key runs,
+    where it waited forever on a lock no thread of the child could release."""
+    import threading
+
+    from rope_dispatch import autotune_cache
+
+    rd.apply(*inputs(), SPEC)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with autotune_cache.lock:
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(30)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exits 3 if the call hangs, 0 if it runs
+            import signal
+
+            signal.signal(signal.SIGALRM, lambda *_: os._exit(3))
+            signal.alarm(20)
+            try:
+                rd.apply(*inputs(seq=64), SPEC)
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        thread.join()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_rope_autotune_0_measures_nothing_and_ignores_the_cache(fakes, cache, monkeypatch, measurements):
     t, freqs = inputs()
     rd.apply(t, freqs, SPEC)  # an entry choosing fast now exists
