@@ -42,6 +42,7 @@ from .autotune_cache import (
     dist_version, environment_dir, installed_versions, key_fields, lock, read_entry, store_entry,
 )
 from .call import RoPECall, reads_values, wants_grad
+from .errors import RoPEError
 from .registry import Backend
 from .tracing import constant_while_tracing, transformed
 
@@ -79,7 +80,9 @@ measured (``ROPE_AUTOTUNE_HOT_CALLS`` overrides it): a key called this often is 
 seconds of compilation once per machine can pay; a script's few calls never pay them."""
 
 _PROVISIONAL = "provisional"
-_OFF = "autotune off (ROPE_AUTOTUNE=0)"
+_OFF = "autotune off"  # the start of an off decision's why (_off_why)
+_OFF_VALUES = frozenset({"0", "false", "off", "no"})
+_ON_VALUES = frozenset({"", "1", "true", "on", "yes"})
 _NOT_MEASURED = "would measure on first call"
 _PENDING = "pending"
 _HELD = (
@@ -107,8 +110,28 @@ autotune_cache.on_clear(_forget)
 
 
 def autotune_enabled() -> bool:
-    """False when ``ROPE_AUTOTUNE`` is ``0`` (or ``false``/``off``/``no``)."""
-    return os.environ.get("ROPE_AUTOTUNE", "1").strip().lower() not in {"0", "false", "off", "no"}
+    """False when ``ROPE_AUTOTUNE`` is ``0`` (or ``false``/``off``/``no``), True when it is
+    unset, empty or ``1`` (``true``/``on``/``yes``), any case; any other value is refused by
+    name: a misspelt off (``disabled``) must not measure as if it were on."""
+    raw = os.environ.get("ROPE_AUTOTUNE")
+    value = "" if raw is None else raw.strip().lower()
+    if value in _OFF_VALUES:
+        return False
+    if value in _ON_VALUES:
+        return True
+    raise RoPEError(
+        f"ROPE_AUTOTUNE must be 0, false, off or no (measuring off) or 1, true, on or yes "
+        f"(on; the default); got {raw!r}"
+    )
+
+
+def _off_text() -> str:
+    """``autotune off (ROPE_AUTOTUNE='no')``: the value that turned measuring off."""
+    return f"{_OFF} (ROPE_AUTOTUNE={os.environ.get('ROPE_AUTOTUNE')!r})"
+
+
+def _off_why(candidates: list[Backend]) -> str:
+    return f"{_off_text()}: {_priority(candidates)}"
 
 
 def hot_calls() -> int:
@@ -122,8 +145,6 @@ def hot_calls() -> int:
     except ValueError:
         value = 0
     if value < 1:
-        from .errors import RoPEError
-
         raise RoPEError(
             f"ROPE_AUTOTUNE_HOT_CALLS must be a positive integer (the call of a key at which "
             f"backends that compile are measured); got {raw!r}"
@@ -417,11 +438,11 @@ def _decide_while_tracing(device: str, signature: tuple) -> tuple[str | None, st
     """Run for real by Dynamo once at trace time (the graph keeps the answer), so reading the
     environment, hashing and file reads never enter traced code.
 
-    ``(name, why)`` of a remembered choice; ``(None, why)`` when measuring is off; ``(None,
-    None)`` when nothing is remembered.
+    ``(name, why)`` of a remembered choice; ``(None, why)`` when measuring is off (``why``
+    without the candidates: its start); ``(None, None)`` when nothing is remembered.
     """
     if not autotune_enabled():
-        return None, _OFF
+        return None, _off_text()
     hit = _remembered(cache_key(torch.device(device), signature))
     return (None, None) if hit is None else hit
 
@@ -470,11 +491,11 @@ def _select(
         return candidates[0], f"{_CACHE_STAGE}: {_priority(candidates)}"
     if torch.compiler.is_compiling():
         name, why = _decide_while_tracing(str(call.t.device), call_signature(call, candidates))
-        if why == _OFF:
-            return candidates[0], f"{_OFF}: {_priority(candidates)}"
+        if name is None and why is not None:
+            return candidates[0], f"{why}: {_priority(candidates)}"
         return _pick(candidates, (name, why)) or _provisional(candidates, "torch.compile is tracing")
     if not autotune_enabled():
-        return candidates[0], f"{_OFF}: {_priority(candidates)}"
+        return candidates[0], _off_why(candidates)
     blocked = _measuring_blocked(call.t)
     with lock:
         key = _call_key(call, candidates)
@@ -535,10 +556,10 @@ def peek(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
     if torch.compiler.is_compiling():
         name, why = _decide_while_tracing(str(call.t.device), call_signature(call, candidates))
         hit = None if name is None else (name, why)
-        if why == _OFF:
-            return candidates[0], f"{_OFF}: {_priority(candidates)}"
+        if name is None and why is not None:
+            return candidates[0], f"{why}: {_priority(candidates)}"
     elif not autotune_enabled():
-        return candidates[0], f"{_OFF}: {_priority(candidates)}"
+        return candidates[0], _off_why(candidates)
     else:
         with lock:
             hit = _remembered(_call_key(call, candidates))

@@ -116,6 +116,7 @@ with warnings.catch_warnings():
 
 import rope_dispatch as rd  # noqa: E402
 from rope_dispatch import autotune, autotune_cache, registry  # noqa: E402
+from rope_dispatch.errors import RoPEError  # noqa: E402
 from rope_dispatch.guards import guard_kind  # noqa: E402
 from rope_dispatch.reference import max_error, reference_apply  # noqa: E402
 from rope_dispatch.tables import cos_sin_cache  # noqa: E402
@@ -410,7 +411,10 @@ def direct_launch_state(devices: list[str], available: list[str]) -> str | None:
 def _cache_report(entries: bool = False) -> dict:
     """Whether autotune is on, the cache's path and how many entries it holds (files named as
     entries, not read); with ``entries`` every valid entry too (``cache_entries``)."""
-    report = {"autotune": autotune.autotune_enabled()}
+    try:
+        report = {"autotune": autotune.autotune_enabled()}
+    except RoPEError as exc:  # a value neither on nor off: every call that measures raises
+        report = {"autotune": False, "autotune_problem": str(exc)}
     try:
         root = autotune.cache_dir()
         report["cache_dir"] = str(root)
@@ -575,6 +579,7 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         override_problem = ("unavailable here: every call without backend= raises "
                             "BackendNotSupportedError")
     order = {name: i for i, name in enumerate(available)}
+    cache = _cache_report(cache_entries)
     checks.sort(key=lambda c: (devices.index(c["device"]), order.get(c["backend"], len(order))))
     return {
         "versions": versions(),
@@ -583,13 +588,13 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         "override_problem": override_problem,
         "plan_guards": guard_kind(),
         "planned_launches": direct_launch_state(devices, available),
-        "cache": _cache_report(cache_entries),
+        "cache": cache,
         "checks": checks,
         "startup_s": startup,
         "checks_s": time.perf_counter() - checks_began,
         "workers": processes,
         "ok": all(c["status"] != "FAIL" for c in checks) and bool(checks)
-        and override_problem is None,
+        and override_problem is None and "autotune_problem" not in cache,
     }
 
 
@@ -669,6 +674,8 @@ def _print_report(report: dict) -> None:
         print(f"planned launches on the GPU (allocation and launch): {report['planned_launches']}")
     cache = report["cache"]
     off = f"off (ROPE_AUTOTUNE={os.environ.get('ROPE_AUTOTUNE', '')})"
+    if "autotune_problem" in cache:
+        off = f"FAIL ({cache['autotune_problem']})"
     print(f"autotune: {'on' if cache['autotune'] else off}", end="")
     if "cache_dir" in cache:
         count = cache.get("cache_entry_count")

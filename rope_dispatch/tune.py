@@ -327,8 +327,14 @@ def parse_args(argv: Iterable[str] | None = None) -> tuple[argparse.Namespace, l
 def main(argv: Iterable[str] | None = None) -> int:
     """Tune every job; 0 when all succeeded, 1 when one failed, 2 when measuring is off."""
     args, jobs = parse_args(argv)
-    if not autotune.autotune_enabled():
-        print("ROPE_AUTOTUNE=0 turns measuring off; unset it to tune", file=sys.stderr)
+    try:
+        enabled = autotune.autotune_enabled()
+    except RoPEError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if not enabled:
+        print(f"ROPE_AUTOTUNE={os.environ.get('ROPE_AUTOTUNE')!r} turns measuring off; unset it "
+              "to tune", file=sys.stderr)
         return 2
     failures = 0
     for _, job in _progress(jobs):

@@ -391,8 +391,39 @@ def test_rope_autotune_0_measures_nothing_and_ignores_the_cache(fakes, cache, mo
     assert measurements() == 1
     assert calls(fakes) == {"fast": before["fast"], "slow": before["slow"] + 2}
     assert_matches(out, reference_for(t, freqs, SPEC), torch.float32)
-    assert rd.explain(t, freqs, SPEC).why.startswith("autotune off (ROPE_AUTOTUNE=0)")
+    assert rd.explain(t, freqs, SPEC).why.startswith("autotune off (ROPE_AUTOTUNE='0')")
     assert len(entry_files(cache)) == 1
+
+
+@pytest.mark.parametrize("value", ["disabled", "O", "2", "nope"])
+def test_a_rope_autotune_value_neither_on_nor_off_is_refused_by_name(
+        fakes, cache, monkeypatch, measurements, capsys, value):
+    """A misspelt off (``disabled``) measured and read the cache as if autotune were on: the
+    priority order the user asked for silently did not decide. It is refused, naming the value,
+    as ``ROPE_AUTOTUNE_HOT_CALLS`` is; the tool exits 2 with the reason."""
+    monkeypatch.setenv("ROPE_AUTOTUNE", value)
+    t, freqs = inputs()
+    with pytest.raises(rd.RoPEError, match=f"ROPE_AUTOTUNE.*{value!r}"):
+        rd.apply(t, freqs, SPEC)
+    with pytest.raises(rd.RoPEError, match=f"ROPE_AUTOTUNE.*{value!r}"):
+        rd.explain(t, freqs, SPEC)
+    assert measurements() == 0 and entry_files(cache) == []
+    assert tune.main(["--layout", "sbhd", "--dtype", "fp32", "--device", "cpu",
+                      "--shape", "8,2,2,16"]) == 2
+    assert repr(value) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["off", "No", " FALSE "])
+def test_autotune_off_names_the_value_it_was_set_to(fakes, cache, monkeypatch, capsys, value):
+    monkeypatch.setenv("ROPE_AUTOTUNE", value)
+    t, freqs = inputs()
+    assert rd.explain(t, freqs, SPEC).why.startswith(f"autotune off (ROPE_AUTOTUNE={value!r})")
+    assert tune.main(["--layout", "sbhd", "--dtype", "fp32", "--device", "cpu",
+                      "--shape", "8,2,2,16"]) == 2
+    assert f"ROPE_AUTOTUNE={value!r}" in capsys.readouterr().err
+    monkeypatch.setenv("ROPE_AUTOTUNE", " On ")
+    autotune.clear_cache(memory_only=True)
+    assert rd.explain(t, freqs, SPEC).why.startswith("would measure on first call")
 
 
 def test_forced_backend_ignores_the_cache(fakes, cache, monkeypatch, measurements):

@@ -71,6 +71,20 @@ def test_the_report_says_whether_autotune_is_on(monkeypatch, value, on):
     assert selftest._cache_report()["autotune"] is on
 
 
+def test_a_rope_autotune_value_neither_on_nor_off_fails_the_selftest(monkeypatch, capsys):
+    """``ROPE_AUTOTUNE=disabled`` makes every call that measures raise: the selftest says so
+    and fails, as for an override no call could use (it crashed with the library's error)."""
+    monkeypatch.setenv("ROPE_AUTOTUNE", "disabled")
+    report = selftest._cache_report()
+    assert report["autotune"] is False and "'disabled'" in report["autotune_problem"]
+    monkeypatch.setattr(selftest, "check_jobs", lambda jobs, finished: [
+        {"backend": "eager", "device": "cpu", "case": "c", "status": "ok", "detail": ""}])
+    full = selftest.run(["cpu"], lambda line: None, False)
+    assert not full["ok"]
+    selftest._print_report(full)
+    assert "autotune: FAIL (ROPE_AUTOTUNE must be" in capsys.readouterr().out
+
+
 def test_process_age_counts_from_the_process_start():
     code = (
         "import time; time.sleep(0.6); from rope_dispatch.selftest import process_age_s; "
