@@ -193,6 +193,16 @@ def build(job: Job):
     return check_call(t, table, spec, starts)
 
 
+def _file_identity(path: Any) -> tuple[int, int] | None:
+    """``path``'s inode and modification time (a write through ``os.replace`` changes both);
+    ``None`` when it cannot be found."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
 def tune_job(job: Job, retune: bool = False) -> str:
     """Tune one job; the line that reports what was chosen and why."""
     with torch.enable_grad():
@@ -203,12 +213,21 @@ def tune_job(job: Job, retune: bool = False) -> str:
             raise RuntimeError(f"no backend can serve it ({reasons})")
         if len(supported) == 1:
             return f"{supported[0].name} (the only backend that can serve it; nothing to measure)"
+        key = autotune._call_key(call, supported)
+        # a complete choice this process remembers (a shape given twice) is not stored again
+        remembered = (not retune and key.digest in autotune._memory
+                      and key.digest not in autotune._pending)
+        before = _file_identity(key.path)
         chosen, why = autotune.tune(call, supported, retune=retune)
-        path = autotune._call_key(call, supported).path
-    if not path.exists():  # the cache could not be written (one warning said why)
+    after = _file_identity(key.path)
+    measured = not remembered and not why.startswith("cached measurement")
+    if after is None or (measured and after == before):
+        # the cache could not be written (one warning said why): a file there is an earlier
+        # measurement (--retune, or a first call's pending entry), not this one
+        held = "" if after is None else "; it holds an earlier measurement"
         raise RuntimeError(
-            f"chose {chosen.name} ({why}), but the choice was not stored in the cache ({path} "
-            "was not written), so later processes will not read it"
+            f"chose {chosen.name} ({why}), but the choice was not stored in the cache ({key.path} "
+            f"was not written{held}), so later processes will not read it"
         )
     return f"{chosen.name} ({why})"
 

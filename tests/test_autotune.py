@@ -592,6 +592,35 @@ def test_tune_cli_fails_where_the_cache_cannot_be_written(fakes, tmp_path, capsy
     assert code == 1 and "was not stored in the cache" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("first", ["tool", "apply"])
+def test_tune_cli_fails_where_an_earlier_entry_could_not_be_replaced(
+        compiling, cache, capsys, monkeypatch, first):
+    """A cache that can no longer be written (a shared one, read-only here) holding an earlier
+    entry: a --retune's measurement, or the complete one for a first call's pending entry, was
+    reported tuned (exit 0), as a file existed, though later processes read the old entry."""
+    shape = ["--layout", "sbhd", "--dtype", "fp32", "--device", "cpu", "--shape", "8,2,2,16"]
+    if first == "tool":
+        assert tune.main(shape) == 0
+    else:
+        rd.apply(*inputs(), SPEC)  # pending: compiling not measured yet
+    capsys.readouterr()
+    autotune.clear_cache(memory_only=True)
+
+    def refused(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", refused)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = tune.main([*shape, *(["--retune"] if first == "tool" else [])])
+    out = capsys.readouterr().out
+    assert code == 1 and "was not stored in the cache" in out and "earlier measurement" in out
+    monkeypatch.setattr(os, "replace", real_replace)
+    autotune.clear_cache(memory_only=True)
+    assert tune.main([*shape, *shape[-2:]]) == 0  # a shape given twice is stored once
+
+
 def test_real_compile_backend_is_timed_without_its_compile_time(cache, measurements):
     """rd.tune measures the compile backend (a first apply leaves it out), its compile kept out
     of its time."""
