@@ -127,10 +127,15 @@ def job_problem(job: Job, named: Any) -> str | None:
     """What is wrong with ``job``'s values, the option or key named by ``named(key)``; ``None``
     when they make a call (checked before any shape is tuned: a bad argument, not a failed
     shape)."""
+    if not job.shape:
+        return f"{named('shape')} must not be empty"
     if any(n < 1 for n in job.shape):
         return f"{named('shape')} {job.shape}: every size must be a positive integer"
     if job.cu_seqlens is not None and job.layout != "thd":
         return f"{named('cu_seqlens')} is only for layout thd, got layout {job.layout!r}"
+    if job.cu_seqlens is not None and len(job.cu_seqlens) < 2:
+        return (f"{named('cu_seqlens')} {list(job.cu_seqlens)}: give every sequence's start "
+                "and the end of the last, at least two offsets such as 0,4096")
     try:
         torch.device(job.device)
     except (RuntimeError, TypeError) as exc:

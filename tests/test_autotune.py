@@ -551,6 +551,7 @@ def test_tune_cli_warms_the_cache(fakes, cache, tmp_path, capsys, monkeypatch):
     (["--rotary-dim", "0"], "--rotary-dim"), (["--cp-size", "0"], "--cp-size"),
     (["--cp-size", "2", "--cp-rank", "2"], "--cp-rank"), (["--shape=-4,2,2,8"], "--shape"),
     (["--shape=0,2,2,8"], "--shape"), (["--cu-seqlens", "0,8"], "--cu-seqlens"),
+    (["--layout", "thd", "--shape", "8,2,8", "--cu-seqlens", "8"], "--cu-seqlens"),
 ])
 def test_tune_cli_refuses_bad_options_by_name(fakes, capsys, extra, named):
     """A bad option is a bad argument (exit 2, the option named), found before any shape is
@@ -568,6 +569,9 @@ def test_tune_cli_refuses_bad_options_by_name(fakes, capsys, extra, named):
     ({"grad": "false"}, "grad must be true or false"),
     ({"layout": 1}, "layout must be a string"),
     ({"cu_seqlens": [0, 8]}, "cu_seqlens is only for layout thd"),
+    ({"shape": []}, "shape must not be empty"),
+    ({"layout": "thd", "shape": [8, 2, 8], "cu_seqlens": [8]}, "cu_seqlens [8]: give every"),
+    ({"layout": "thd", "shape": [8, 2, 8], "cu_seqlens": []}, "cu_seqlens []: give every"),
 ])
 def test_tune_specs_are_checked_by_key(fakes, tmp_path, capsys, entry, named):
     """A ``--specs`` entry of the wrong type or value is refused naming its key (exit 2)."""
