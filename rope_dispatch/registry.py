@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from .call import TENSOR_KINDS, RoPECall, table_grad_wanted
-from .errors import UnknownBackendError
+from .errors import RoPETypeError, UnknownBackendError
 from .spec import RoPESpec, dtype_name
 from .tables import angles_2d, table_kind
 from .tracing import constant_while_tracing
@@ -295,7 +295,21 @@ def invalidate() -> None:
 
 def register(backend: Backend) -> Backend:
     """Add a backend instance under its ``name`` (a later registration replaces an earlier one,
-    a built-in one included)."""
+    a built-in one included). Anything else is refused by name here: once registered, it would
+    fail every call of the process (a class's methods want an instance)."""
+    if not isinstance(backend, Backend):
+        hint = (f"; register an instance: register({backend.__name__}())"
+                if isinstance(backend, type) and issubclass(backend, Backend) else "")
+        raise RoPETypeError(
+            f"register() takes an instance of rope_dispatch.Backend, got {backend!r}{hint}")
+    name, priority = getattr(backend, "name", None), getattr(backend, "priority", None)
+    if type(name) is not str or not name:
+        raise RoPETypeError(
+            f"a backend's name must be a non-empty string, got {name!r} ({type(backend).__name__})")
+    if type(priority) not in (int, float):
+        raise RoPETypeError(
+            f"backend {name!r}: priority must be a number (higher is tried first), "
+            f"got {priority!r}")
     _load_built_ins()
     _REGISTRY[backend.name] = backend
     invalidate()

@@ -267,6 +267,34 @@ def test_registering_a_backend_replaces_planned_choices(monkeypatch):
     assert Picky.runs == 1
 
 
+def test_registering_what_is_no_backend_instance_is_refused_by_name(monkeypatch):
+    """A backend class (not an instance), a nameless backend or a priority of the wrong type
+    is refused at register(): accepted, it failed every later call of the process with an
+    internal TypeError (an unbound method, or the registry's sort by name or priority)."""
+    monkeypatch.delenv("ROPE_BACKEND", raising=False)
+
+    class Nameless(rd.Backend):
+        pass
+
+    class Named(Picky):
+        name = "named"
+
+    for bad, match in ((Picky, r"register an instance: register\(Picky\(\)\)"),
+                       (Nameless(), "name must be a non-empty string, got None"),
+                       (object(), "takes an instance of rope_dispatch.Backend")):
+        with pytest.raises(rd.RoPETypeError, match=match):
+            rd.register(bad)
+    monkeypatch.setattr(Named, "priority", "100")
+    with pytest.raises(rd.RoPETypeError, match="'named': priority must be a number"):
+        rd.register(Named())
+    monkeypatch.setattr(Named, "name", 5)
+    with pytest.raises(rd.RoPETypeError, match="non-empty string, got 5"):
+        rd.register(Named())
+    assert {"picky", "named", 5, None} & {b.name for b in registry.backends()} == set()
+    t, f, spec = inputs("bshd")
+    rd.apply(t, f, spec)
+
+
 def test_plans_and_remembered_tables_keep_no_table_alive(picky):
     t = torch.randn(2, 6, 3, 8)
     spec = rd.RoPESpec(layout="bshd", dtype="fp32")
