@@ -324,7 +324,12 @@ def _write_json_atomic(path: Path, value: Any, attempts: int = 2) -> bool:
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
         return True
-    except OSError as exc:
+    except BaseException as exc:
+        if not isinstance(exc, OSError):  # an interrupt (Ctrl-C) mid-write: no temporary left
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            raise
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)

@@ -266,6 +266,26 @@ def test_clear_cache_spares_a_write_in_flight_and_the_writer_writes_on(fakes, ca
     assert removed and len(rd.cache_entries()) == 2
 
 
+def test_an_interrupted_write_leaves_no_temporary_and_the_next_run_writes(
+        fakes, cache, monkeypatch):
+    """Ctrl-C while an entry is written (the tune tool, a training script) left its
+    temporary file behind in the cache directory."""
+    real_fsync = os.fsync
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    t, freqs = inputs()
+    with pytest.raises(KeyboardInterrupt):
+        rd.apply(t, freqs, SPEC)
+    assert not list(cache.glob("*/.tmp-*")) and entry_files(cache) == []
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    autotune.clear_cache(memory_only=True)
+    rd.apply(t, freqs, SPEC)
+    assert len(entry_files(cache)) == 1
+
+
 def test_unsearchable_cache_directory_keeps_choices_in_memory(fakes, cache, monkeypatch,
                                                               measurements):
     """A cache directory below one this user cannot search (another user's, mode 0700):
