@@ -17,7 +17,7 @@ A specs file is a JSON list of objects with the same names as the options: ``lay
 ``cos_sin_cache``, ``start_positions``, ``cu_seqlens`` (a list), ``cp_size``, ``cp_rank``,
 ``qkv_slice``.
 Exit status: 0 when every shape was tuned (or needed no tuning), 1 when one failed, 2 for bad
-arguments or when ``ROPE_AUTOTUNE=0`` forbids measuring.
+arguments or when ``ROPE_AUTOTUNE=0`` forbids measuring, 130 when interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -360,15 +360,21 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"ROPE_AUTOTUNE={os.environ.get('ROPE_AUTOTUNE')!r} turns measuring off; unset it "
               "to tune", file=sys.stderr)
         return 2
-    failures = 0
-    for _, job in _progress(jobs):
-        try:
-            line = tune_job(job, retune=args.retune)
-        except Exception as exc:  # report every shape, then fail at the end
-            failures += 1
-            _emit(f"{job.describe()}: FAILED: {type(exc).__name__}: {exc}")
-        else:
-            _emit(f"{job.describe()}: {line}")
+    failures = done = 0
+    try:
+        for done, job in _progress(jobs):
+            try:
+                line = tune_job(job, retune=args.retune)
+            except Exception as exc:  # report every shape, then fail at the end
+                failures += 1
+                _emit(f"{job.describe()}: FAILED: {type(exc).__name__}: {exc}")
+            else:
+                _emit(f"{job.describe()}: {line}")
+    except KeyboardInterrupt:  # Ctrl-C: what was stored stays (every write is whole or none)
+        print(f"\ninterrupted while tuning shape {done} of {len(jobs)} ({job.describe()}); "
+              f"the {done - 1} before it are in the cache, {autotune.cache_dir()}",
+              file=sys.stderr)
+        return 130
     print(f"cache: {autotune.cache_dir()} ({len(autotune.cache_entries())} entries)", flush=True)
     if failures:
         print(f"{failures} of {len(jobs)} shapes failed", file=sys.stderr)

@@ -566,6 +566,24 @@ def test_tune_cli_warms_the_cache(fakes, cache, tmp_path, capsys, monkeypatch):
     assert tune.main(shape) == 2
 
 
+def test_tune_cli_interrupted_says_what_it_kept(fakes, cache, capsys, monkeypatch):
+    """Ctrl-C during a shape: exit 130 and one line naming the shape, where a traceback of
+    whatever was running (Inductor's compile, a kernel) came out."""
+    real = tune.tune_job
+
+    def second_interrupted(job, retune=False):
+        if job.shape[0] == 16:
+            raise KeyboardInterrupt
+        return real(job, retune)
+
+    monkeypatch.setattr(tune, "tune_job", second_interrupted)
+    code = tune.main(["--layout", "sbhd", "--dtype", "fp32", "--device", "cpu",
+                      "--shape", "8,2,2,16", "--shape", "16,2,2,16", "--shape", "32,2,2,16"])
+    err = capsys.readouterr().err
+    assert code == 130 and "interrupted while tuning shape 2 of 3 (sbhd fp32 16x2x2x16" in err
+    assert "the 1 before it are in the cache" in err and len(entry_files(cache)) == 1
+
+
 @pytest.mark.parametrize("extra, named", [
     (["--dtype", "fp64"], "--dtype"), (["--device", "bogus"], "--device"),
     (["--rotary-dim", "0"], "--rotary-dim"), (["--cp-size", "0"], "--cp-size"),
