@@ -374,15 +374,18 @@ class RoPESpec(BaseModel):
         if torch.compiler.is_compiling():
             # pydantic's copy (its object's __dict__ copied in C) and its frozen __setattr__
             # cannot be traced: Dynamo traces a new object given this one's fields
-            new = object.__new__(RoPESpec)
-            new.__dict__.update(self.__dict__)
+            # (attribute by attribute: torch 2.11's Dynamo cannot update an object's __dict__)
             key = self.static_key  # (its float a symbol with dynamic=True: not repr'd here)
             at = STATIC_FIELDS.index("max_seqlen")
             if max_seqlen is not None:  # a plain int (dynamic=True: a caller's int is a symbol)
                 max_seqlen = exact_size(max_seqlen)
-            new.__dict__.update(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                static_key=(*key[:at], max_seqlen, *key[at + 1:]),
-                                static_text=_text_with(self.static_text, at, max_seqlen))
+            changed = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen,
+                       "static_key": (*key[:at], max_seqlen, *key[at + 1:]),
+                       "static_text": _text_with(self.static_text, at, max_seqlen)}
+            new = object.__new__(RoPESpec)
+            for name in _ATTRIBUTES:
+                object.__setattr__(new, name, changed[name] if name in changed
+                                   else getattr(self, name))
             return new
         new = super().model_copy(update={"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen})
         new._set_static_key()
@@ -423,3 +426,7 @@ def constant_spec(**fields: Any) -> RoPESpec:
     at trace time and the spec enters the graph as a constant. ``fields``: plain values, no
     tensor (a thd spec's ``cu_seqlens`` comes by :meth:`RoPESpec.with_cu_seqlens`)."""
     return RoPESpec(**fields)
+
+
+_ATTRIBUTES = (*RoPESpec.model_fields, "static_key", "static_text", "scale_text")
+"""What a spec's methods and the calls read of it (a traced copy is given these)."""
