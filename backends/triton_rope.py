@@ -33,7 +33,7 @@ from rope_dispatch.kv_cache import FP8_DTYPES
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import angles_2d, kernel_tables, table_tensors
-from rope_dispatch.tracing import exact_size, transformed
+from rope_dispatch.tracing import PLAIN_TENSORS, exact_size, transformed
 
 from . import triton_launch as tl
 from . import triton_tables as tt
@@ -237,7 +237,7 @@ def _traced(*tensors: torch.Tensor) -> bool:
     subclasses. Asked before anything reads a tensor's host-side state (``is_inference``,
     ``data_ptr``, ``_version``, a table's flag), which a trace refuses; the op then takes the
     table's plain kernel form."""
-    return torch.compiler.is_compiling() or any(type(t) not in tt.PLAIN_TENSORS for t in tensors)
+    return torch.compiler.is_compiling() or any(type(t) not in PLAIN_TENSORS for t in tensors)
 
 
 def _constants(described: Launch, call: RoPECall) -> Launch:

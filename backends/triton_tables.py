@@ -316,9 +316,6 @@ def rows_read(t: torch.Tensor, layout: str, index: torch.Tensor | None) -> int:
 _NO_GUARD = contextlib.nullcontext()
 
 
-PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 @functools.lru_cache(maxsize=1)
 def several_gpus() -> bool:
     return torch.cuda.device_count() > 1

@@ -44,7 +44,7 @@ from .autotune_cache import (
 from .call import RoPECall, reads_values, wants_grad
 from .errors import RoPEError
 from .registry import Backend
-from .tracing import constant_while_tracing, transformed
+from .tracing import PLAIN_TENSORS, constant_while_tracing, transformed
 
 __all__ = [
     "HOT_CALLS", "MEASURE_BUDGET_SECONDS", "SCHEMA_VERSION", "CacheKey", "autotune_enabled",
@@ -188,7 +188,7 @@ def _measuring_blocked(t: torch.Tensor) -> str | None:
         return "a torch.func transform runs"
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return "a CUDA graph is being captured"
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+    if type(t) not in PLAIN_TENSORS:
         return f"t is a {type(t).__name__}, not a plain tensor"
     if t.device.type == "meta":
         return "t is on the meta device"

@@ -33,7 +33,7 @@ from .norm import HeadNorm
 from .registry import Backend
 from .spec import RoPESpec
 from .tables import RotaryTable, address_reader, table_requires_grad
-from .tracing import constant_while_tracing, transformed
+from .tracing import PLAIN_TENSORS, constant_while_tracing, transformed
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rope_backend", default=None)
 _decisions: dict[tuple, tuple[Backend, str]] = {}
@@ -237,7 +237,6 @@ def _dropper(key: tuple) -> Callable[[weakref.ref], None]:
 
 _data_ptr = torch.Tensor.data_ptr
 _Tensor = torch.Tensor
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NO_NORMS = (None, None)
 _grad_enabled = torch.is_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
@@ -471,7 +470,7 @@ def _planned_form(
         q_weight, k_weight = q_norm.weight, k_norm.weight
         # (an index tensor is an integer one: it cannot require grad; no generator: a decode
         # step's host path)
-        if type(q_weight) not in _PLAIN or type(k_weight) not in _PLAIN or (
+        if type(q_weight) not in PLAIN_TENSORS or type(k_weight) not in PLAIN_TENSORS or (
                 _grad_enabled() and (t.requires_grad or (k is not None and k.requires_grad)
                                      or q_weight.requires_grad or k_weight.requires_grad)):
             return None
@@ -499,12 +498,12 @@ def _with_norm_weights(tensors: tuple, q_norm: object, k_norm: object) -> tuple 
     decode step's host path unpacking into a new tuple costs more."""
     q_form = k_form = None
     if q_norm is not None:
-        if type(q_norm) is not HeadNorm or type(q_norm.weight) not in _PLAIN:
+        if type(q_norm) is not HeadNorm or type(q_norm.weight) not in PLAIN_TENSORS:
             return None
         tensors += (q_norm.weight,)
         q_form = q_norm.form
     if k_norm is not None:
-        if type(k_norm) is not HeadNorm or type(k_norm.weight) not in _PLAIN:
+        if type(k_norm) is not HeadNorm or type(k_norm.weight) not in PLAIN_TENSORS:
             return None
         tensors += (k_norm.weight,)
         k_form = k_norm.form
