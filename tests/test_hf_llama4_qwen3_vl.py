@@ -165,6 +165,17 @@ def test_llama4_pre_hook_that_edits_qk_norms_input_in_place_is_refused():
     check_same(step(model), expected)
 
 
+def test_llama4_pre_hook_that_returns_an_edited_copy_is_refused():
+    """The in-place refusal's message says to unpatch, not to return a copy: a pre-hook
+    handing ``qk_norm`` a new tensor leaves the call's outputs unreceived, also refused."""
+    model = llama4()
+    hf.patch(model)
+    attention = next(m for m in model.modules() if type(m).__name__ == "Llama4TextAttention")
+    attention.qk_norm.register_forward_pre_hook(lambda m, args: (args[0] + 0.5,))
+    with pytest.raises(rd.RoPEError, match="qk_norm did not receive them"):
+        step(model)
+
+
 def test_llama4_complex_table_is_required():
     q = torch.randn(1, 4, 2, 16)
     with pytest.raises(rd.RoPEError, match="freqs_cis must be the complex"):

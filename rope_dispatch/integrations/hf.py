@@ -428,7 +428,8 @@ def _take_norms(q: torch.Tensor, k: torch.Tensor) -> tuple[HeadNorm | None, Head
                 f"{name} was written in place after {type(_window.attention).__name__}."
                 f"{name}_norm handed it on (a forward hook editing the norm's output in place?): "
                 "the norm runs in the RoPE call, so the edit would reach its input, not its "
-                "output; hf.unpatch the model, or return an edited copy from the hook"
+                "output (a hook returning an edited copy is refused too); hf.unpatch the model "
+                "to run such a hook"
             )
         norms.append(norm)
     return norms[0], norms[1]

@@ -154,8 +154,8 @@ def _handed_on_norm(norm: torch.nn.Module, attention: torch.nn.Module, x: torch.
                     raise RoPEError(
                         f"{type(attention).__name__}.qk_norm's input was written in place after "
                         "the RoPE call had normalized it (a forward pre-hook editing it?): the "
-                        "edit would not be normalized; hf.unpatch the model, or return an "
-                        "edited copy from the hook"
+                        "edit would not be normalized (nor is an edited copy: qk_norm would "
+                        "not receive the call's outputs); hf.unpatch the model to run such a hook"
                     )
                 del _window.normalized[i]
                 return x
