@@ -17,7 +17,8 @@ A specs file is a JSON list of objects with the same names as the options: ``lay
 ``cos_sin_cache``, ``start_positions``, ``cu_seqlens`` (a list), ``cp_size``, ``cp_rank``,
 ``qkv_slice``.
 Exit status: 0 when every shape was tuned (or needed no tuning), 1 when one failed, 2 for bad
-arguments or when ``ROPE_AUTOTUNE=0`` forbids measuring, 130 when interrupted (Ctrl-C).
+arguments or when ``ROPE_AUTOTUNE`` is off (``0``) or neither on nor off, 130 when
+interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -349,7 +350,8 @@ def parse_args(argv: Iterable[str] | None = None) -> tuple[argparse.Namespace, l
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    """Tune every job; 0 when all succeeded, 1 when one failed, 2 when measuring is off."""
+    """Tune every job; 0 when all succeeded, 1 when one failed, 2 when measuring is off or
+    ``ROPE_AUTOTUNE`` is not valid."""
     args, jobs = parse_args(argv)
     try:
         enabled = autotune.autotune_enabled()
