@@ -20,6 +20,9 @@ Layout = Literal["sbhd", "bshd", "thd"]
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, float32's smallest normal number
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
@@ -315,6 +318,13 @@ class RoPESpec(BaseModel):
         if not (math.isfinite(self.cos_sin_scale) and self.cos_sin_scale > 0):
             raise ValueError(
                 f"cos_sin_scale must be a finite number > 0, got {self.cos_sin_scale}"
+            )
+        if not _FLOAT32_TINY <= self.cos_sin_scale <= _FLOAT32_MAX:
+            # the backends multiply cos and sin by it in float32: beyond float32's largest
+            # number it would be inf (NaN outputs), below its smallest normal one 0 or inexact
+            raise ValueError(
+                f"cos_sin_scale must lie in float32's normal range [{_FLOAT32_TINY}, "
+                f"{_FLOAT32_MAX}] (cos and sin are scaled in float32), got {self.cos_sin_scale}"
             )
         if self.max_seqlen is not None and self.max_seqlen < 1:
             raise ValueError(f"max_seqlen must be >= 1, got {self.max_seqlen}")

@@ -29,6 +29,34 @@ def test_spec_refuses_a_scale_that_is_not_a_finite_positive_number(bad):
         rd.RoPESpec(layout="sbhd", dtype="bf16", cos_sin_scale=bad)
 
 
+
+@pytest.mark.parametrize("bad", [1e39, 1e300, 1e-39, 1e-46, 1e-300])
+def test_spec_refuses_a_scale_float32_cannot_hold(bad):
+    """cos and sin are scaled in float32: a scale past its largest number became inf (every
+    output NaN, where the formula is finite), one below its smallest normal number 0 or
+    inexact (outputs 0 where the formula is not)."""
+    with pytest.raises(rd.RoPEError, match=r"cos_sin_scale must lie in float32's normal range"):
+        rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=bad)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("scale, magnitude", [(torch.finfo(torch.float32).max, 1e-38),
+                                              (torch.finfo(torch.float32).tiny, 1e37)])
+def test_the_extreme_scales_float32_holds_give_the_formula(backend, scale, magnitude, request):
+    """The largest and smallest scales the spec takes, on inputs they bring to unit size: the
+    float64 formula's numbers, forward and backward."""
+    _use(backend, request)
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 1, 2, 8, generator=gen) * magnitude).to(DEVICE).requires_grad_(True)
+    grad_out = (torch.randn(4, 1, 2, 8, generator=gen) * magnitude).to(DEVICE)
+    freqs = rd.tables.default_frequencies(8).angle_table(4, device=DEVICE)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=scale)
+    out = rd.apply(x, freqs, spec, backend=backend)
+    (grad,) = torch.autograd.grad(out, x, grad_out)
+    ref_out, ref_grad = reference_forward_backward(x.cpu(), freqs, spec, grad_out.cpu())
+    assert_matches(out, ref_out, torch.float32, "forward")
+    assert_matches(grad, ref_grad, torch.float32, "backward")
+
 def test_scale_is_part_of_the_static_key():
     plain = rd.RoPESpec(layout="sbhd", dtype="bf16")
     scaled = rd.RoPESpec(layout="sbhd", dtype="bf16", cos_sin_scale=1.25)
