@@ -133,6 +133,24 @@ def test_triton_bf16_model_weights(w_dtype):
 
 
 @pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "compile", "triton"])
+def test_the_smallest_eps_float32_holds_normalizes_a_zero_head_to_zero(backend):
+    """eps at float32's smallest normal number (the smallest HeadNorm takes): an all-zero head
+    comes out 0 as the float64 formula gives it, not 0 / 0 (a smaller eps was 0 in float32)."""
+    eps = torch.finfo(torch.float32).tiny
+    x = torch.randn(3, 1, 2, 8, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    x[1, 0, 0] = 0.0
+    w = torch.linspace(0.5, 1.5, 8).to(DEVICE)
+    spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
+    angles = rd.tables.default_frequencies(8).angle_table(3, device=DEVICE)
+    for _ in range(3):  # the repeated calls' plans too
+        with torch.no_grad():
+            out = rd.apply(x, angles, spec, norm=rd.HeadNorm(w, eps), backend=backend)
+        assert_matches(out, reference_for(reference_head_norm(x.cpu(), w, eps, 0.0, "head"),
+                                          angles.cpu(), spec), torch.float32)
+
+
+@pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("layout", ["strided", "expanded"])
 def test_weights_that_are_not_dense(backend, layout):
@@ -382,6 +400,12 @@ def test_bad_norms_are_named():
         rd.HeadNorm(torch.ones(8), scope="tokens")
     with pytest.raises(rd.RoPEError, match="eps must be positive, got 0"):
         rd.HeadNorm(torch.ones(8), eps=0)
+    # float32 cannot hold them: eps 0 there (a zero head normalized to NaN, not 0), offset inf
+    for eps in (1e-46, 1e-40, 1e39):
+        with pytest.raises(rd.RoPEError, match="eps must lie in float32's normal range"):
+            rd.HeadNorm(torch.ones(8), eps=eps)
+    with pytest.raises(rd.RoPEError, match="offset must be a number float32 holds"):
+        rd.HeadNorm(torch.ones(8), offset=-1e39)
     with pytest.raises(rd.RoPEError, match="1-D float tensor"):
         rd.HeadNorm(torch.ones(8, dtype=torch.int64))
     with pytest.raises(rd.RoPETypeError, match="q_norm must be a rope_dispatch.HeadNorm"):
