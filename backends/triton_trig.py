@@ -67,7 +67,12 @@ def _turn_cos_sin(pos, turns, ok, FAST_TRIG: tl.constexpr):
 @triton.jit
 def _cos_sin(angle, FAST_TRIG: tl.constexpr):
     """float32 cos and sin of float32 angles: the angle is first reduced to [-pi, pi] exactly
-    enough (see _TWO_PI_*), where :func:`_reduced_cos_sin` is accurate and cheap."""
+    enough (see _TWO_PI_*), where :func:`_reduced_cos_sin` is accurate and cheap. The
+    reduction needs a fused multiply-add (its first product is exact only inside one): the
+    interpreter's tl.fma rounds the product first (0.04 rad off at angles near 1e6), so there
+    (``FAST_TRIG`` off) tl.cos/tl.sin, NumPy's, reduce the angle themselves."""
+    if not FAST_TRIG:
+        return tl.cos(angle), tl.sin(angle)
     turns = tl.floor(angle * _INV_TWO_PI + 0.5)
     r = tl.fma(turns, -_TWO_PI_A, angle)
     r = tl.fma(turns, -_TWO_PI_B, r)

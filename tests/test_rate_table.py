@@ -284,6 +284,29 @@ def test_bit_identical_to_the_angle_table(backend, interleaved, kind, request):
 
 
 @pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("kind", ["rates", "angles"])
+def test_triton_long_positions_match_reference(kind):
+    """Angles near 1e6 rad (positions near 2^20, rate 1): the Triton kernels' float32 angle
+    reduction needs a true fused multiply-add, which the interpreter's tl.fma is not (it gave
+    errors of 0.04); the interpreter takes NumPy's reducing cos/sin instead."""
+    rows, d2 = (1 << 20) + 8, 4
+    inv_freq = tables.inverse_frequencies(d2, 10000.0)  # rates 1 and 1/100
+    rates = rd.RateTable(inv_freq.to(DEVICE), rows)
+    table = rates if kind == "rates" else rates.angle_table()
+    spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    t = torch.randn(4, 2, 2, 8, generator=gen).to(DEVICE).requires_grad_(True)
+    starts = torch.tensor([1_000_003, 999_000], device=DEVICE)
+    out = rd.apply(t, table, spec, start_positions=starts, backend="triton")
+    grad_out = torch.randn(out.shape, generator=gen).to(DEVICE)
+    (grad,) = torch.autograd.grad(out, t, grad_out)
+    angles = definition_angles(inv_freq, rows, False)
+    ref_out, ref_grad = reference_forward_backward(t, angles, spec, grad_out, starts)
+    assert_matches(out, ref_out, t.dtype, "forward")
+    assert_matches(grad, ref_grad, t.dtype, "backward")
+
+
+@pytest.mark.usefixtures("triton_backend")
 def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
     """The launcher hands the kernels ``RATES=True`` (and no cache flag) for a rate table, and
     ``RATES=False`` for the angle table and a cos/sin cache of the same shape: the lean kernel
