@@ -363,6 +363,7 @@ def main(argv: Iterable[str] | None = None) -> int:
               "to tune", file=sys.stderr)
         return 2
     failures = done = 0
+    job = None
     try:
         for done, job in _progress(jobs):
             try:
@@ -373,9 +374,10 @@ def main(argv: Iterable[str] | None = None) -> int:
             else:
                 _emit(f"{job.describe()}: {line}")
     except KeyboardInterrupt:  # Ctrl-C: what was stored stays (every write is whole or none)
-        print(f"\ninterrupted while tuning shape {done} of {len(jobs)} ({job.describe()}); "
-              f"the {done - 1} before it are in the cache, {autotune.cache_dir()}",
-              file=sys.stderr)
+        where = ("before the first shape" if job is None
+                 else f"while tuning shape {done} of {len(jobs)} ({job.describe()})")
+        print(f"\ninterrupted {where}; the shapes tuned before it are kept in the cache, "
+              f"{autotune.cache_dir()}", file=sys.stderr)
         return 130
     print(f"cache: {autotune.cache_dir()} ({len(autotune.cache_entries())} entries)", flush=True)
     if failures:

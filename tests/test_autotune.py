@@ -581,7 +581,21 @@ def test_tune_cli_interrupted_says_what_it_kept(fakes, cache, capsys, monkeypatc
                       "--shape", "8,2,2,16", "--shape", "16,2,2,16", "--shape", "32,2,2,16"])
     err = capsys.readouterr().err
     assert code == 130 and "interrupted while tuning shape 2 of 3 (sbhd fp32 16x2x2x16" in err
-    assert "the 1 before it are in the cache" in err and len(entry_files(cache)) == 1
+    assert "the shapes tuned before it are kept in the cache" in err
+    assert len(entry_files(cache)) == 1
+
+
+def test_tune_cli_interrupted_before_its_first_shape(fakes, cache, capsys, monkeypatch):
+    """Ctrl-C before the first shape starts (its progress line): still exit 130 and one line,
+    where the message named a shape not yet taken (a NameError)."""
+    def interrupted(jobs):
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(tune, "_progress", interrupted)
+    code = tune.main(["--layout", "sbhd", "--dtype", "fp32", "--device", "cpu",
+                      "--shape", "8,2,2,16"])
+    assert code == 130 and "interrupted before the first shape" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, named", [
