@@ -188,7 +188,7 @@ class RoPESpec(BaseModel):
     static_key: ClassVar[tuple]
     """Hashable tuple of every field but the ``cu_seqlens`` tensor, set once at validation."""
     static_text: ClassVar[str]
-    """``repr(static_key)``: the key traced code passes on (:func:`~rope_dispatch.call.call_key`)."""
+    """``repr(static_key)``: the key traced code passes on (:func:`.call.call_key`)."""
     scale_text: ClassVar[str]
     """``repr(cos_sin_scale)``: the scale a traced launch passes on."""
 
