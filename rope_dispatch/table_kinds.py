@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .errors import RoPEError, RoPETypeError
-from .tracing import memoryless
+from .tracing import fake, memoryless
 
 
 @dataclass(frozen=True, eq=False)
@@ -519,6 +519,8 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
         if not hit[2] and len(shape) == 2 and freqs.is_contiguous():
             return freqs
     table = _angles_2d(freqs, argument)
+    if fake(freqs):  # a fake tensor used outside its mode: no memory, nothing to remember
+        return table
     if table.data_ptr() == freqs.data_ptr():  # a view, not a copy: worth remembering
         if len(_recent_tables) >= 8:
             _recent_tables.clear()
