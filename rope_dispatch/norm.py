@@ -17,10 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .errors import RoPEError, RoPETypeError
-from .spec import dtype_name
-
-_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, float32's smallest normal number
-_FLOAT32_MAX = torch.finfo(torch.float32).max
+from .spec import FLOAT32_MAX, FLOAT32_TINY, dtype_name
 
 SCOPES = ("head", "heads")
 """``"head"``: each head over its ``head_dim`` channels (one weight per channel, shared by the
@@ -59,16 +56,16 @@ class HeadNorm:
                 f"and dtype {dtype_name(weight.dtype)}"
             )
         eps, offset = _finite("eps", eps), _finite("offset", offset)
-        if not _FLOAT32_TINY <= eps <= _FLOAT32_MAX:
+        if not FLOAT32_TINY <= eps <= FLOAT32_MAX:
             if eps <= 0:
                 raise RoPEError(f"HeadNorm eps must be positive, got {eps!r}")
             # added in float32: below its smallest normal number it is 0 (an all-zero head
             # then comes out NaN, 0 / 0) or a denormal the GPU's rsqrt flushes to 0
-            raise RoPEError(f"HeadNorm eps must lie in float32's normal range [{_FLOAT32_TINY}, "
-                            f"{_FLOAT32_MAX}] (the norm adds it in float32), got {eps!r}")
-        if not -_FLOAT32_MAX <= offset <= _FLOAT32_MAX:  # float32 inf: every output NaN
+            raise RoPEError(f"HeadNorm eps must lie in float32's normal range [{FLOAT32_TINY}, "
+                            f"{FLOAT32_MAX}] (the norm adds it in float32), got {eps!r}")
+        if not -FLOAT32_MAX <= offset <= FLOAT32_MAX:  # float32 inf: every output NaN
             raise RoPEError(f"HeadNorm offset must be a number float32 holds (|offset| <= "
-                            f"{_FLOAT32_MAX}), got {offset!r}")
+                            f"{FLOAT32_MAX}), got {offset!r}")
         if scope not in SCOPES:
             raise RoPEError(f"HeadNorm scope must be one of {SCOPES}, got {scope!r}")
         self.weight = weight

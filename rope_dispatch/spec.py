@@ -20,8 +20,8 @@ Layout = Literal["sbhd", "bshd", "thd"]
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
-_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, float32's smallest normal number
-_FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, float32's smallest normal number
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -188,7 +188,7 @@ class RoPESpec(BaseModel):
     static_key: ClassVar[tuple]
     """Hashable tuple of every field but the ``cu_seqlens`` tensor, set once at validation."""
     static_text: ClassVar[str]
-    """``repr(static_key)``: the key traced code passes on (:func:`.call.call_key`)."""
+    """``repr(static_key)``: the key traced code passes on (:func:`.call_keys.call_key`)."""
     scale_text: ClassVar[str]
     """``repr(cos_sin_scale)``: the scale a traced launch passes on."""
 
@@ -319,12 +319,12 @@ class RoPESpec(BaseModel):
             raise ValueError(
                 f"cos_sin_scale must be a finite number > 0, got {self.cos_sin_scale}"
             )
-        if not _FLOAT32_TINY <= self.cos_sin_scale <= _FLOAT32_MAX:
+        if not FLOAT32_TINY <= self.cos_sin_scale <= FLOAT32_MAX:
             # the backends multiply cos and sin by it in float32: beyond float32's largest
             # number it would be inf (NaN outputs), below its smallest normal one 0 or inexact
             raise ValueError(
-                f"cos_sin_scale must lie in float32's normal range [{_FLOAT32_TINY}, "
-                f"{_FLOAT32_MAX}] (cos and sin are scaled in float32), got {self.cos_sin_scale}"
+                f"cos_sin_scale must lie in float32's normal range [{FLOAT32_TINY}, "
+                f"{FLOAT32_MAX}] (cos and sin are scaled in float32), got {self.cos_sin_scale}"
             )
         if self.max_seqlen is not None and self.max_seqlen < 1:
             raise ValueError(f"max_seqlen must be >= 1, got {self.max_seqlen}")
