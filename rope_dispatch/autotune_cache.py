@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from . import registry
-from .call import CallKey, RoPECall, call_key
+from .call import RoPECall
+from .call_keys import CallKey, call_key
 from .registry import Backend
 
 SCHEMA_VERSION = 2
@@ -197,7 +198,7 @@ def environment_dir(device: torch.device | str) -> Path:
 
 
 def call_signature(call: RoPECall, candidates: list[Backend]) -> tuple[CallKey, tuple[str, ...]]:
-    """The call-dependent part of the key: the call's :class:`~rope_dispatch.call.CallKey`
+    """The call-dependent part of the key: the call's :class:`~rope_dispatch.call_keys.CallKey`
     (dispatch's key too) and the candidates' names (traceable by Dynamo)."""
     return call_key(call), tuple(sorted(b.name for b in candidates))
 
@@ -325,14 +326,11 @@ def _write_json_atomic(path: Path, value: Any, attempts: int = 2) -> bool:
         os.replace(tmp, path)
         return True
     except BaseException as exc:
-        if not isinstance(exc, OSError):  # an interrupt (Ctrl-C) mid-write: no temporary left
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-            raise
-        if tmp is not None:
+        if tmp is not None:  # no temporary left, after an interrupt (Ctrl-C) mid-write too
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        if not isinstance(exc, OSError):
+            raise
         if isinstance(exc, FileNotFoundError) and attempts > 1:
             return _write_json_atomic(path, value, attempts - 1)
         _unwritable.add(str(folder))
