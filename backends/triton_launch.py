@@ -188,11 +188,9 @@ def call_tables(call: RoPECall) -> Tables:
     each read both alike, flagged or not."""
     spec, index = call.spec, position_index(call)
     rows = tt.rows_read(call.t, spec.layout, index)
-    # the kernels read a weight's entries as one dense row: a strided (or expanded) one is
-    # copied for the call
+    # the kernels read a weight as one dense row: a strided (or expanded) one is copied
     norm = None if call.norm is None and call.k_norm is None else NormTensors(
-        tuple(None if n is None else n.weight if n.weight.is_contiguous()
-              else n.weight.contiguous() for n in (call.norm, call.k_norm)))
+        tuple(None if n is None else n.weight.contiguous() for n in (call.norm, call.k_norm)))
     if call.k_table is None:
         tab, sin, cu = tt.launch_tables(call.table, rows, spec.cu_seqlens, spec.layout,
                                         spec.interleaved)
