@@ -4,7 +4,7 @@ Order of choice: ``backend=`` argument > :func:`use_backend` scope > ``ROPE_BACK
 autotune cache (a one-time measurement) > priority. A forced backend that cannot serve the call
 raises with its reasons; it never falls back silently.
 
-A decision is cached per :func:`decision_key` (the call's :class:`~rope_dispatch.call.CallKey`,
+A decision is cached per :func:`decision_key` (the call's :class:`~rope_dispatch.call_keys.CallKey`,
 which autotune's measurements are stored under too), so a call that is not planned pays the
 key and a dict lookup, not the checks; planned calls (the second of a form on) pay neither.
 """
@@ -24,7 +24,8 @@ import torch
 
 from . import autotune, registry
 from . import call as call_module
-from .call import CallKey, RoPECall, call_key, check_call, grad_leaf, reads_values
+from .call import RoPECall, check_call, grad_leaf, reads_values
+from .call_keys import CallKey, call_key
 from .env import env_raw_reader, env_reader
 from .errors import BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError
 from .guards import Guard, tensor_guard
@@ -106,7 +107,7 @@ _env_backend_raw, _ = env_raw_reader("ROPE_BACKEND")
 
 
 def decision_key(call: RoPECall, forced: str | None) -> tuple[CallKey, str | None]:
-    """What a backend choice may depend on: the call's :class:`~rope_dispatch.call.CallKey`
+    """What a backend choice may depend on: the call's :class:`~rope_dispatch.call_keys.CallKey`
     (with which side of every declared size limit it is on, so a limit is never hidden by a
     cached choice) and the backend forced, if any. Equal keys get the same backend."""
     return call_key(call, _size_limits()), forced

@@ -16,7 +16,8 @@ from reference import (
     assert_matches, max_error, reference_forward_backward, reference_qkv_forward_backward,
 )
 from rope_dispatch import selftest
-from rope_dispatch.call import call_key, check_call
+from rope_dispatch.call import check_call
+from rope_dispatch.call_keys import call_key
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -21,7 +21,7 @@ import rope_dispatch as rd
 from reference import reference_cache_rope
 from rope_dispatch import tables
 from te_fake import recording_te
-from rope_dispatch.call import call_key
+from rope_dispatch.call_keys import call_key
 from rope_dispatch.errors import RoPEError, RoPETypeError
 
 CUDA = torch.cuda.is_available()

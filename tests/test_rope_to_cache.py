@@ -317,14 +317,14 @@ def test_a_v_head_dim_of_its_own_is_a_capability_and_part_of_the_key():
     assert SameHeadDims().not_supported_reasons(call) == [
         "a v head dim of its own in the KV-cache write (v 12, k 8) is not supported"]
     assert rd.get_backend("eager").not_supported_reasons(call) == []
-    assert rd.call.call_key(call).fields()["cache"] == ["flat", "float8_e4m3fn", "bfloat16", 12]
+    assert rd.call_keys.call_key(call).fields()["cache"] == ["flat", "float8_e4m3fn", "bfloat16", 12]
     text = str(rd.explain(q, table, spec, k=k, v=v, positions=positions, cache=built.cache))
     assert "flat KV cache of float8_e4m3fn (v head dim 12), q out bfloat16" in text
     same = build_cache("flat", 5, 1, 8, torch.float8_e4m3fn, [False] * 5, gen)
     plain = rd.kv_cache.check_cache_call(q, k, v[..., :8], table, spec, positions=positions,
                                          cache=same.cache)
     assert not SameHeadDims().not_supported_reasons(plain)
-    assert rd.call.call_key(plain) != rd.call.call_key(call)
+    assert rd.call_keys.call_key(plain) != rd.call_keys.call_key(call)
 
 
 def small_call(cache_dtype=torch.bfloat16, tokens=5, layout="vllm", padded=None, device="cpu"):
@@ -623,8 +623,8 @@ def test_other_backends_say_why_they_refuse_and_explain_shows_the_stage(triton_b
     assert not RotationOnly().not_supported_reasons(call._replace(cache_write=None))
     # a decision made for apply_qk is never reused for the same tensors with a cache stage
     plain = rd.check_call(q, table, spec, positions=positions, k=k)
-    assert rd.call.call_key(call) != rd.call.call_key(plain)
-    assert rd.call.call_key(call).fields()["cache"] == ["paged", "float8_e4m3fn", "bfloat16"]
+    assert rd.call_keys.call_key(call) != rd.call_keys.call_key(plain)
+    assert rd.call_keys.call_key(call).fields()["cache"] == ["paged", "float8_e4m3fn", "bfloat16"]
 
 
 # ---------------------------------------------------------------------------------------------
