@@ -466,11 +466,13 @@ def _coefficients(
             tab_ptr, sin_ptr, row, inside, c, c_mask, ROT_DIM, INTERLEAVED, USE_CACHE, BLOCK_T,
             BLOCK_R, FAST_TRIG, SHARED, flag_ptr, HALVES,
         )
+    # negated as a product: Triton's unary minus is ``0 - x``, which makes +0 of a zero sine
+    # (angle 0) and so a +0 output where the formula's ``-x sin`` gives -0 (eager's, TE's)
     if BACKWARD:  # the transpose: each channel takes its partner's sine
         coef_a = sin_b
-        coef_b = -sin_a
+        coef_b = sin_a * -1.0
     else:
-        coef_a = -sin_a
+        coef_a = sin_a * -1.0
         coef_b = sin_b
     if SCALE != 1.0:  # the spec's cos_sin_scale (an attention factor) on cos and sin alike
         cos_a = cos_a * SCALE

@@ -221,6 +221,35 @@ def test_large_angles_keep_float32_accuracy():
     assert_matches(out, reference_for(x.cpu(), freqs.cpu(), spec), torch.float32)
 
 
+@pytest.mark.parametrize("kernel", ["lean", "general"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("kind", ["angles", "cache", "rates"])
+def test_signed_zeros_come_out_as_the_formula_gives_them(request, kernel, interleaved, kind):
+    """Inputs and gradients of signed zeros (angle 0 at row 0, so ``-x sin`` is a zero whose
+    sign is the formula's): each output's sign bit is the float64 formula's, forward and
+    backward (Triton's unary minus, ``0 - sin``, once made +0 of a zero sine)."""
+    if kernel == "general":
+        request.getfixturevalue("general_kernel")
+    gen = torch.Generator().manual_seed(7)
+    sign = lambda shape: torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0)
+    x = (sign((4, 1, 2, 8)) * 0.0).to(DEVICE).requires_grad_(True)
+    grad_out = (sign((4, 1, 2, 8)) * 0.0).to(DEVICE)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 8, 2) / 8)
+    rates = rd.RateTable(inv_freq.to(DEVICE), 4)
+    angles = rd.tables.angle_table(inv_freq, 4, interleaved=interleaved).reshape(4, 8)
+    table = {"angles": angles.to(DEVICE), "cache": rd.cos_sin_cache(angles.to(DEVICE)),
+             "rates": rates}[kind]
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32", interleaved=interleaved)
+    out = rd.apply(x, table, spec, backend="triton")
+    (grad,) = torch.autograd.grad(out, x, grad_out)
+    pos = torch.arange(4)[:, None]
+    expected = reference_rope(x.detach().cpu(), angles, pos, interleaved)
+    expected_grad = reference_rope(grad_out.cpu(), angles, pos, interleaved, inverse=True)
+    assert not out.detach().cpu().any() and not grad.cpu().any()
+    assert torch.equal(out.detach().cpu().signbit(), expected.signbit()), "forward"
+    assert torch.equal(grad.cpu().signbit(), expected_grad.signbit()), "backward"
+
+
 @pytest.mark.parametrize("apart", [None, (5, 3), (0, 7)])
 def test_each_half_of_a_row_gets_its_own_angles(apart):
     """A model's table repeats its angles in both halves; an entry of the second half that
