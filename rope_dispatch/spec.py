@@ -247,7 +247,25 @@ class RoPESpec(BaseModel):
     )
 
     def __init__(self, **fields: Any) -> None:
-        """Validate ``fields``; a bad one raises :class:`~rope_dispatch.RoPEError` naming it."""
+        """Validate ``fields``; a bad one raises :class:`~rope_dispatch.RoPEError` naming it.
+        While ``torch.compile`` traces, the spec is validated once at trace time (pydantic's
+        validation does not trace) and this object given its attributes."""
+        if torch.compiler.is_compiling():
+            cu_seqlens = fields.pop("cu_seqlens", None)
+            # a size taken from a tensor is a symbol with dynamic=True: the spec's is a number
+            # (Dynamo takes a symbolic size for an int)
+            fields = {name: (exact_size(v) if v >= 0 else -exact_size(-v))
+                      if isinstance(v, int) and not isinstance(v, bool) else v
+                      for name, v in fields.items()}
+            made = constant_spec(**fields)
+            if cu_seqlens is not None:  # (on the class: Dynamo finds no method of a constant)
+                made = RoPESpec.with_cu_seqlens(made, cu_seqlens, fields.get("max_seqlen"))
+            for name in _ATTRIBUTES:
+                object.__setattr__(self, name, getattr(made, name))
+        else:
+            self._validate(fields)
+
+    def _validate(self, fields: dict[str, Any]) -> None:
         try:
             super().__init__(**fields)
         except ValidationError as exc:
@@ -435,7 +453,9 @@ def constant_spec(**fields: Any) -> RoPESpec:
     compat doors, on a first call): Dynamo cannot trace pydantic's validation, so it runs once
     at trace time and the spec enters the graph as a constant. ``fields``: plain values, no
     tensor (a thd spec's ``cu_seqlens`` comes by :meth:`RoPESpec.with_cu_seqlens`)."""
-    return RoPESpec(**fields)
+    spec = object.__new__(RoPESpec)  # (the constructor, traced, comes here)
+    spec._validate(fields)
+    return spec
 
 
 _ATTRIBUTES = (*RoPESpec.model_fields, "static_key", "static_text", "scale_text")

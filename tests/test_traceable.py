@@ -195,6 +195,45 @@ def test_with_cu_seqlens_inside_the_compiled_step(dynamic):
         assert_matches(grad, ref_grad, torch.float32, f"cu {offsets}")
 
 
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_spec_made_inside_the_compiled_step(layout, dynamic):
+    """``RoPESpec(...)`` written in the step itself (its dtype the input's, its rotary dim a
+    size of the input: a symbol with ``dynamic=True``; thd with the batch's ``cu_seqlens``):
+    pydantic's validation cannot be traced (Dynamo raised Unsupported on ``validate_python``).
+    Outputs and gradients match the reference at two sizes, and a bad field still raises its
+    message."""
+    torch._dynamo.reset()
+    freqs = torch.rand(24, 1, 1, 8) * 10
+
+    def step(x, cu):
+        extra = {} if cu is None else {"cu_seqlens": cu, "max_seqlen": 16}
+        spec = rd.RoPESpec(layout=layout, dtype=x.dtype, rotary_dim=x.shape[-1] // 2,
+                           cos_sin_scale=0.5, **extra)
+        return rd.apply(x, freqs, spec)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for n in (12, 16):
+        cu = torch.tensor([0, 5, n]) if layout == "thd" else None
+        shape = (n, 3, 16) if layout == "thd" else (2, n, 3, 16)
+        t = torch.randn(*shape, requires_grad=True)
+        out = compiled(t, cu)
+        grad_out = torch.randn(out.shape)
+        (grad,) = torch.autograd.grad(out, t, grad_out)
+        spec = rd.RoPESpec(layout=layout, dtype=torch.float32, rotary_dim=8, cos_sin_scale=0.5,
+                           **({} if cu is None else {"cu_seqlens": cu}))
+        ref_out, ref_grad = reference_forward_backward(t, freqs, spec, grad_out)
+        assert_matches(out, ref_out, torch.float32, f"{n} tokens")
+        assert_matches(grad, ref_grad, torch.float32, f"{n} tokens")
+
+    def bad(x):
+        return rd.apply(x, freqs, rd.RoPESpec(layout="bhsd", dtype=x.dtype))
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="layout: Input should be 'sbhd', 'bshd' or 'thd'"):
+        torch.compile(bad, fullgraph=True, backend="aot_eager")(torch.randn(2, 4, 3, 16))
+
+
 @pytest.mark.parametrize("door", ["te sbhd", "te thd", "vllm", "flashinfer"])
 def test_compat_doors_traced_with_no_spec_made_yet(door, monkeypatch):
     """A compat door's first call in a process inside ``torch.compile(fullgraph=True)``: the
