@@ -36,3 +36,19 @@ def random_norm_weights(model: torch.nn.Module) -> torch.nn.Module:
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.normal_(0.5, 0.5)
     return model.to(MODEL_DEVICE)
+
+
+def replicate(model: torch.nn.Module) -> torch.nn.Module:
+    """A replica of ``model`` made as ``torch.nn.parallel.replicate`` makes ``nn.DataParallel``'s
+    (each module's ``_replicate_for_data_parallel()``, children linked to their replicas, every
+    parameter replaced by a copy: the broadcast to another GPU), on ``model``'s device."""
+    modules = list(model.modules())
+    replicas = {module: module._replicate_for_data_parallel() for module in modules}
+    for module, replica in replicas.items():
+        for name, child in module._modules.items():
+            replica._modules[name] = None if child is None else replicas[child]
+        for name, param in module._parameters.items():
+            replica._parameters[name] = (
+                None if param is None else param.detach().clone().requires_grad_()
+            )
+    return replicas[model]

@@ -12,7 +12,9 @@ import torch
 import transformers
 
 import rope_dispatch as rd
-from hf_steps import MODEL_DEVICE, SAME, check_same, lm_step, random_norm_weights
+from hf_steps import (
+    MODEL_DEVICE, SAME, check_same, lm_step, random_norm_weights, replicate,
+)
 from rope_dispatch.integrations import hf, hf_llama4
 
 TOKENS = 12
@@ -91,6 +93,19 @@ def test_llama4_gives_the_same_logits_and_gradients(use_qk_norm, monkeypatch):
     hf.unpatch(model)
     assert module.apply_rotary_emb is original and own_forwards(model) == []
     check_same(step(model), expected, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Calling .zero_grad.. from a module created with")
+def test_llama4_data_parallel_replica_runs_its_own_weights_fused(monkeypatch):
+    """An ``nn.DataParallel`` replica of a fused attention runs the replica's weights, its norm
+    still fused (tests/test_hf_qk_norm.py has the other families')."""
+    model = llama4()
+    expected = step(replicate(model))
+    calls = spy(monkeypatch, hf_llama4)
+    hf.patch(model)
+    check_same(step(replicate(model)), expected)
+    assert not [name for name, p in model.named_parameters() if p.grad is not None]
+    assert [call["q_norm"] is not None for call in calls] == [True]
 
 
 def test_llama4_fused_norm_is_the_one_the_model_would_apply(monkeypatch):

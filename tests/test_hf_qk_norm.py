@@ -21,7 +21,7 @@ import torch
 import transformers
 
 import rope_dispatch as rd
-from hf_steps import MODEL_DEVICE, check_same, lm_step, random_norm_weights
+from hf_steps import MODEL_DEVICE, check_same, lm_step, random_norm_weights, replicate
 from rope_dispatch.integrations import hf
 
 TOKENS = 12
@@ -244,12 +244,33 @@ def test_a_copy_of_a_patched_model_runs_its_own_weights():
     twin = copy.deepcopy(model)
     attention = attentions(twin)[0]
     assert vars(attention)["forward"].args[0] is attention
-    assert vars(attention.q_norm)["forward"].args[:2] == (attention.q_norm, attention)
+    assert vars(attention.q_norm)["forward"].args[0] is attention.q_norm
     expected = step(model)
     with torch.no_grad():
         attention.q_norm.weight.mul_(2)
     with pytest.raises(AssertionError):
         check_same(step(twin), expected)
+
+
+@pytest.mark.filterwarnings("ignore:Calling .zero_grad.. from a module created with")
+@pytest.mark.parametrize("family", ["Qwen3", "OLMo2"])
+def test_a_data_parallel_replica_runs_its_own_weights_fused(family, monkeypatch):
+    """``nn.DataParallel`` copies each module's ``__dict__`` into its replicas: the replica of a
+    patched attention and of its norms must run the replica's weights (on its own GPU), still
+    fused, and the gradients reach the replica's parameters, as unpatched."""
+    model = tiny_model(family)
+    expected = step(replicate(model))
+    calls = spy(monkeypatch)
+    hf.patch(model)
+    twin = replicate(model)
+    check_same(step(twin), expected)
+    assert not [name for name, p in model.named_parameters() if p.grad is not None]
+    assert len(calls) == 2 and all(call["q_norm"] is not None for call in calls)
+    assert calls[0]["q_norm"].weight is attentions(twin)[0].q_norm.weight
+    hf.unpatch(model)
+    assert own_forwards(model) == [] and not [
+        m for m in model.modules() if "_replicate_for_data_parallel" in vars(m)
+    ]
 
 
 def test_a_forward_that_moves_q_off_the_norms_input_is_refused():

@@ -472,12 +472,14 @@ def _traced_with_grad() -> bool:
     return torch.compiler.is_compiling() and torch.is_grad_enabled()
 
 
-def _deferred_norm(norm: torch.nn.Module, attention: torch.nn.Module, slot: int, offset: float,
-                   scope: str, x: torch.Tensor) -> torch.Tensor:
-    """A q_norm's (``slot`` 0) or k_norm's (1) forward: inside its attention's fused forward,
-    ``x`` unchanged, its :class:`~rope_dispatch.HeadNorm` kept for the RoPE call; elsewhere the
-    norm's class's forward."""
-    if _window.attention is not attention or _window.handed[slot] is not None:
+def _deferred_norm(norm: torch.nn.Module, slot: int, offset: float, scope: str,
+                   x: torch.Tensor) -> torch.Tensor:
+    """A q_norm's (``slot`` 0) or k_norm's (1) forward: inside the fused forward of the attention
+    holding it, ``x`` unchanged, its :class:`~rope_dispatch.HeadNorm` kept for the RoPE call;
+    elsewhere the norm's class's forward. The attention is found by what it holds, not kept, so
+    a replica's norm (:func:`_replicate`) serves the replica's attention."""
+    if (getattr(_window.attention, ("q_norm", "k_norm")[slot], None) is not norm
+            or _window.handed[slot] is not None):
         return type(norm).forward(norm, x)
     _window.handed[slot] = (
         x, HeadNorm(norm.weight, _norm_eps(norm), offset=offset, scope=scope), _version(x)
@@ -548,9 +550,30 @@ def _fuse(attention: torch.nn.Module, module_name: str, offset: float, scope: st
     if _is_ours(_own_forward(attention)):
         return
     for slot, norm in ((0, attention.q_norm), (1, attention.k_norm)):
-        norm.forward = functools.partial(_deferred_norm, norm, attention, slot, offset, scope)
-    attention.forward = functools.partial(_fused_forward, attention, module_name,
-                                          _own_forward(attention))
+        _set_forward(norm, functools.partial(_deferred_norm, norm, slot, offset, scope))
+    _set_forward(attention, functools.partial(_fused_forward, attention, module_name,
+                                             _own_forward(attention)))
+
+
+def _set_forward(module: torch.nn.Module, forward: functools.partial) -> None:
+    """Give ``module`` our instance ``forward`` (a partial whose first argument is ``module``)
+    and a ``_replicate_for_data_parallel`` that gives each replica a forward of its own:
+    ``nn.DataParallel`` (which the Trainer uses on several GPUs of one process) makes its
+    replicas from a copy of the module's ``__dict__``, whose forward would run the original's
+    weights (on another device)."""
+    module.forward = forward
+    module._replicate_for_data_parallel = functools.partial(_replicate, module)
+
+
+def _replicate(module: torch.nn.Module) -> torch.nn.Module:
+    """``module``'s data-parallel replica, its forward (while ours) bound to the replica."""
+    replica = type(module)._replicate_for_data_parallel(module)
+    forward = _own_forward(replica)
+    if _is_ours(forward):
+        _set_forward(replica, functools.partial(forward.func, replica, *forward.args[1:]))
+    else:
+        replica._replicate_for_data_parallel = functools.partial(_replicate, replica)
+    return replica
 
 
 def _unfuse(model: torch.nn.Module) -> None:
@@ -560,6 +583,7 @@ def _unfuse(model: torch.nn.Module) -> None:
         forward = _own_forward(module)
         if not _is_ours(forward):
             continue
+        del module._replicate_for_data_parallel
         previous = (forward.args[2] if forward.func in (_fused_forward, hf_llama4.FORWARDS[0])
                     else None)
         if previous is None:

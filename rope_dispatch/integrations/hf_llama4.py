@@ -142,12 +142,13 @@ def _fused_forward(attention: torch.nn.Module, eps: float, previous, *args, **kw
     return result
 
 
-def _handed_on_norm(norm: torch.nn.Module, attention: torch.nn.Module, x: torch.Tensor):
+def _handed_on_norm(norm: torch.nn.Module, x: torch.Tensor):
     """The fused attention's ``qk_norm``: an output of our RoPE call, already normalized, passes
     unchanged; anything else is normalized by the class's forward. An output written in place
     since (a forward pre-hook on ``qk_norm`` editing its input) raises: the model would
     normalize the edit, which the call cannot (it normalized before)."""
-    if _window.attention is attention:
+    attention = _window.attention
+    if getattr(attention, "qk_norm", None) is norm:
         for i, (done, version) in enumerate(_window.normalized):
             if done is x:
                 if version is not None and x._version != version:
@@ -196,9 +197,9 @@ def l2_fusable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, float]]:
 
 def fuse(attention: torch.nn.Module, eps: float) -> None:
     """Give a Llama 4 attention and its ``qk_norm`` the forwards that fuse the norm."""
-    attention.qk_norm.forward = functools.partial(_handed_on_norm, attention.qk_norm, attention)
-    attention.forward = functools.partial(_fused_forward, attention, eps,
-                                          _hf._own_forward(attention))
+    _hf._set_forward(attention.qk_norm, functools.partial(_handed_on_norm, attention.qk_norm))
+    _hf._set_forward(attention, functools.partial(_fused_forward, attention, eps,
+                                                 _hf._own_forward(attention)))
 
 
 _hf._REPLACEMENTS["apply_rotary_emb"] = apply_rotary_emb
