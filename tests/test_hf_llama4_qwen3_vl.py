@@ -197,6 +197,14 @@ def test_llama4_complex_table_is_required():
         hf_llama4.apply_rotary_emb(q, q, torch.ones(1, 4, 8))
 
 
+def test_llama4_dtype_rope_dispatch_does_not_compute_in_is_refused_by_name():
+    """As the other families' call (docs/hf.md): a float64 model's call says to unpatch it."""
+    q = torch.randn(1, 4, 2, 16, dtype=torch.float64)
+    freqs_cis = torch.polar(torch.ones(1, 4, 8), torch.rand(1, 4, 8))
+    with pytest.raises(rd.RoPEError, match="xq is torch.float64: .* hf.unpatch the model"):
+        hf_llama4.apply_rotary_emb(q, q, freqs_cis)
+
+
 def qwen3_vl(family: str, sections=(3, 3, 2)) -> torch.nn.Module:
     """A Qwen3-VL (or Qwen3-VL-MoE) model with a two-layer language model (head dim 16, so the
     interleaved ``mrope_section`` covers 8 pairs) and a one-block vision tower, random

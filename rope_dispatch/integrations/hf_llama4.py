@@ -78,10 +78,15 @@ def apply_rotary_emb(
             f"freqs_cis must be the complex [batch, seq, rotary_dim / 2] tensor of Llama 4's "
             f"rotary embedding, got {freqs_cis.dtype} {tuple(freqs_cis.shape)}"
         )
+    spec = _specs.get(xq.dtype)
+    if spec is None:
+        raise RoPEError(
+            f"xq is {xq.dtype}: rope-dispatch computes in float32, bfloat16 and float16 only; "
+            "hf.unpatch the model to run it in another dtype"
+        )
     norm = None
     if _window.attention is not None and _window.eps is not None:
         norm = HeadNorm(_unit_weight(xq.shape[-1], xq.device), _window.eps)
-    spec = _specs.get(xq.dtype) or RoPESpec(layout="bshd", dtype=xq.dtype, interleaved=True)
     q_out, k_out = apply_qk(
         xq, xk, _pair_table(freqs_cis), spec,
         start_positions=_hf._sequence_starts(freqs_cis, xq), q_norm=norm, k_norm=norm,
