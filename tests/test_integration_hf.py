@@ -257,6 +257,18 @@ def test_cos_of_another_sequence_length_is_refused(shape):
         hf.apply_rotary_pos_emb(q, k, bad, bad, 2)
 
 
+@pytest.mark.parametrize("rows, width", [(1, 16), (BATCH, 8)])
+def test_sin_of_another_shape_than_cos_is_refused_by_name(rows, width):
+    """The model's sin always has its cos's shape; another one is named as the caller passed
+    it, not as the flattened table it would have become."""
+    q, k, cos, sin = inputs(torch.float32, 1)
+    bad = sin[:rows, :, :width]
+    expected = (rf"sin must have cos's shape \({BATCH}, {TOKENS}, 16\), "
+                rf"got \({rows}, {TOKENS}, {width}\)")
+    with pytest.raises(rd.RoPEError, match=expected):
+        hf.apply_rotary_pos_emb(q, k, cos, bad)
+
+
 def stream_of_channels(d2: int, mrope_section) -> list[int]:
     """The stream (0 temporal, 1 height, 2 width) each of the ``d2`` rotary channels reads: in
     both halves, the first ``t`` channels temporal, then ``h`` height, then ``w`` width."""

@@ -236,6 +236,8 @@ def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
             f"(Pixtral's call, shared by the batch), seq being q's sequence length; got cos "
             f"{tuple(cos.shape)}, q {tuple(q.shape)}, unsqueeze_dim={unsqueeze_dim}"
         )
+    if sin.shape != cos.shape:
+        raise RoPEError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise RoPEError(
             f"q is {q.dtype}: rope-dispatch computes in float32, bfloat16 and float16 only; "
