@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 
+from reference import assert_matches
 from rope_dispatch.integrations import hf
 from rope_dispatch.integrations.hf_families import MLA_FAMILIES, STANDARD_FAMILIES
 
@@ -532,3 +533,31 @@ def test_left_out_families_are_not_listed():
     for left in LEFT_OUT.values():
         assert not folders & set(left)
     assert set(OTHER_CALLERS.values()) | set(VARIANTS.values()) <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", ["GlmAsr", "Nemotron3_5Transcribe", "Nemotron3Diarization"])
+def test_a_module_function_taking_position_ids_keeps_its_signature(family):
+    """These modules' own ``apply_rotary_pos_emb`` takes ``position_ids`` fifth (unused):
+    patched, a caller passing it by position (with ``unsqueeze_dim`` sixth) gets the module's
+    own results, not a refused ``unsqueeze_dim``; unpatch restores the module's function."""
+    model = tiny_model(family)
+    module = modeling(folder_of(family))
+    own = module.apply_rotary_pos_emb
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 5, 4, 16, generator=gen), torch.randn(2, 5, 2, 16, generator=gen)
+    angles = torch.rand(2, 5, 8, generator=gen) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    position_ids = torch.arange(5).expand(2, 5)
+    hf.patch(model)
+    try:
+        patched = module.apply_rotary_pos_emb
+        assert patched is not own
+        got = patched(q, k, cos, sin, position_ids, 2)
+    finally:
+        hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is own
+    for x, out in zip((q, k), got):
+        x64, c, s = x.double(), cos.double().unsqueeze(2), sin.double().unsqueeze(2)
+        half = x64.shape[-1] // 2
+        rotated = torch.cat((-x64[..., half:], x64[..., :half]), -1)
+        assert_matches(out, x64 * c + rotated * s, torch.float32)

@@ -136,6 +136,34 @@ def test_gradients_flow_to_q_and_k_as_in_transformers(dtype, unsqueeze_dim):
                     modeling("Llama").apply_rotary_pos_emb)
 
 
+def test_gradients_flow_to_cos_and_sin_made_from_inputs():
+    """cos and sin computed from something that requires grad (ESMFold 2 makes them from its
+    reference positions): its gradient through our call equals the float64 formula's."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 6, 16, generator=gen), torch.randn(2, 2, 6, 16, generator=gen)
+    grad_q, grad_k = torch.randn(q.shape, generator=gen), torch.randn(k.shape, generator=gen)
+    base = torch.rand(2, 6, 8, generator=gen, dtype=torch.float64) * 4
+
+    def angle_grad(fn, dtype):
+        angles = base.to(dtype).requires_grad_(True)
+        doubled = torch.cat((angles, angles), -1)
+        out_q, out_k = fn(q.to(dtype), k.to(dtype), doubled.cos(), doubled.sin())
+        torch.autograd.backward((out_q, out_k), (grad_q.to(dtype), grad_k.to(dtype)))
+        return angles.grad
+
+    def formula(q, k, cos, sin):
+        def turn(x):
+            half = x.shape[-1] // 2
+            rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+            return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+        return turn(q), turn(k)
+
+    got = angle_grad(hf.apply_rotary_pos_emb, torch.float32)
+    assert got is not None and got.abs().max() > 0
+    torch.testing.assert_close(got.double(), angle_grad(formula, torch.float64),
+                               rtol=1e-5, atol=1e-5)
+
+
 def check_gradients(q, k, args: tuple, ours, exact, theirs) -> None:
     """q's and k's gradients through ``ours(q, k, *args)`` match the float64 ``exact`` within
     the dtype's tolerance, and transformers' ``theirs`` closely in float32."""

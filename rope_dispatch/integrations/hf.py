@@ -54,6 +54,7 @@ modules from ``sys.modules`` and never imports transformers itself.
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 import sys
 import threading
@@ -72,7 +73,8 @@ from .hf_families import MLA_FAMILIES, STANDARD_FAMILIES
 
 __all__ = [
     "QK_NORM_MODELS", "SUPPORTED_MODELS", "apply_multimodal_rotary_pos_emb",
-    "apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "patch", "unpatch",
+    "apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave",
+    "apply_rotary_pos_emb_with_position_ids", "patch", "unpatch",
 ]
 
 _PLAIN = ("apply_rotary_pos_emb",)
@@ -193,13 +195,28 @@ def apply_rotary_pos_emb(
     per-token ``[b, s, d2]`` (or ``[1, s, d2]``, shared by the batch), as its rotary embedding
     returns them (attention factor included). Returns ``(q_embed, k_embed)`` with q's and k's
     shapes and dtype: views of new tensors contiguous in ``[b, s, heads, d]``. The math is
-    float32, rounded once. Gradients flow to q and k (the models compute cos and sin without
-    gradients). With ``d2 < d`` the first ``d2`` channels are rotated and the rest passed
+    float32, rounded once. Gradients flow to q and k, and to cos and sin where they require
+    grad (most models make them without). With ``d2 < d`` the first ``d2`` channels are rotated and the rest passed
     through, where transformers' function would fail to broadcast.
 
     Inside the forward of an attention whose norms :func:`patch` fused, q and k arrive as the
     norms' inputs and are normalized in the same call (the whole head, then the rotation).
     """
+    return _rotate_qk(q, k, cos, sin, unsqueeze_dim, False)
+
+
+def apply_rotary_pos_emb_with_position_ids(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: object = None,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rotary_pos_emb` with the signature of the modeling modules whose own takes
+    ``position_ids`` fifth (GlmAsr, Nemotron 3 speech; transformers 4.x): unused, as in
+    theirs (cos and sin are already per token). :func:`patch` rebinds those modules' name to
+    it, so a caller passing ``position_ids`` by position keeps working."""
     return _rotate_qk(q, k, cos, sin, unsqueeze_dim, False)
 
 
@@ -664,8 +681,23 @@ def _targets(model: object) -> dict[tuple[str, str], Callable]:
                 f"{module_name} defines none of {', '.join(names)}, which {family} attention "
                 f"called in the transformers versions rope-dispatch knows; cannot patch it"
             )
-        targets.update({(module_name, name): _REPLACEMENTS[name] for name in present})
+        module = sys.modules[module_name]
+        targets.update({(module_name, name): _replacement(name, getattr(module, name))
+                        for name in present})
     return targets
+
+
+def _replacement(name: str, current: Callable) -> Callable:
+    """Our function for global ``name`` of a modeling module, whose object is ``current`` (the
+    module's own, or ours once patched): the one whose signature matches."""
+    if name == "apply_rotary_pos_emb":
+        try:
+            parameters = list(inspect.signature(current).parameters)
+        except (TypeError, ValueError):  # no signature to read: the module's 5.x form
+            parameters = []
+        if parameters[4:5] == ["position_ids"]:
+            return apply_rotary_pos_emb_with_position_ids
+    return _REPLACEMENTS[name]
 
 
 _REPLACEMENTS: dict[str, Callable] = {
