@@ -166,6 +166,7 @@ def rope_eager(
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def quantize(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -182,12 +183,17 @@ def store(pages: torch.Tensor, page: torch.Tensor, entry: torch.Tensor, valid: t
     """``pages[page[i], entry[i]] = values[i]`` for the tokens ``valid`` marks, bit for bit,
     with no host read: a token not written repeats the first written token's write (the same
     bytes to the same place), and when no token is written every write puts back the bytes of
-    entry (0, 0)."""
+    entry (0, 0). Traced, a cache of a model dtype is written in its own dtype: Inductor
+    (torch 2.13) stores a write through a 16-bit integer view of a bfloat16 or float16 cache
+    as a conversion of the integer's value (1.5's bits, 16320, stored as 16320.0)."""
     tokens = values.shape[0]
     if tokens == 0:
         return
-    bits = _BITS[values.element_size()]
-    target, values = pages.view(bits), values.view(bits)
+    if torch.compiler.is_compiling() and pages.dtype in _MODEL_DTYPES:
+        target = pages
+    else:
+        bits = _BITS[values.element_size()]
+        target, values = pages.view(bits), values.view(bits)
     first = torch.argmax(valid.int())  # the first written token, or 0 when none is
     source = torch.where(valid, torch.arange(tokens, device=valid.device), first)
     written = valid[first.reshape(1)]  # [1]: a 0-d index would be read on the host

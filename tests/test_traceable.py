@@ -109,6 +109,36 @@ def test_fullgraph_cache_write_with_the_descriptor_made_in_the_step():
     assert torch.equal(v_cache[slots], v)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_inductor_writes_a_half_precision_cache_by_value(dtype):
+    """rope_to_cache compiled by Inductor, the default torch.compile backend, into a bfloat16
+    or float16 vLLM cache (a padded token skipped): the cache holds k rotated and v as they
+    are. Inductor stored a write through an int16 view of the cache as the integers' values
+    (1.5 came out 16320.0)."""
+    torch._dynamo.reset()
+    spec = rd.RoPESpec(layout="thd", dtype=dtype)
+    angles = torch.rand(32, 8) * 6
+    k_cache, v_cache = (torch.zeros(5, 4, 1, 8, dtype=dtype) for _ in range(2))
+
+    def step(q, k, v, positions, slots):
+        cache = rd.PagedKVCache(k_cache, v_cache, slots)
+        return rd.rope_to_cache(q, k, v, angles, spec, positions=positions, cache=cache,
+                                backend="eager")
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(4, h, 8, generator=gen).to(dtype) for h in (2, 1, 1))
+    positions, slots = torch.tensor([3, 0, 31, 7]), torch.tensor([5, 19, -1, 0])
+    q_out = torch.compile(step, fullgraph=True, backend="inductor")(q, k, v, positions, slots)
+    thd = rd.RoPESpec(layout="thd", dtype="fp32")
+    kept = torch.tensor([0, 1, 3])
+    k_ref = reference_for(k.float(), angles, thd, positions=positions)
+    assert_matches(q_out, reference_for(q.float(), angles, thd, positions=positions), dtype, "q")
+    written = k_cache.flatten(0, 1)[slots[kept]]
+    assert_matches(written, k_ref[kept], dtype, "k in the cache")
+    assert torch.equal(v_cache.flatten(0, 1)[slots[kept]], v[kept])
+    assert int(k_cache.count_nonzero()) == int(written.count_nonzero())
+
+
 @pytest.mark.parametrize("positions", [False, True])
 @pytest.mark.parametrize("dynamic", ["mark_dynamic", "new lengths", "dynamic=True"])
 def test_fullgraph_default_choice_with_a_dynamic_sequence_length(dynamic, positions):
