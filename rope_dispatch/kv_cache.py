@@ -35,7 +35,7 @@ from .call import (
     table_grad_wanted, wants_grad,
 )
 from .errors import RoPEError, RoPETypeError
-from .spec import dtype_name
+from .spec import RoPESpec, dtype_name
 from .tracing import memoryless
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -585,7 +585,8 @@ def check_cache_call(
     """The checks of :func:`~rope_dispatch.rope_to_cache`: the call's (q, k, positions, table,
     norms, by :func:`~rope_dispatch.check_call`), then v, the cache and q's output. Returns the
     call with its :class:`CacheWrite` stage."""
-    if getattr(spec, "layout", "thd") != "thd":
+    # not getattr with a default: Dynamo cannot guard it on a spec made while tracing (a door's)
+    if isinstance(spec, RoPESpec) and spec.layout != "thd":
         raise RoPEError(
             f"rope_to_cache takes a batch of tokens: layout 'thd' (q [T, heads, head_dim]), got "
             f"{spec.layout!r}"

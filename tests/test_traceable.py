@@ -311,6 +311,46 @@ def test_compat_doors_traced_with_no_spec_made_yet(door, monkeypatch):
         assert_matches(out.unflatten(-1, (-1, 8)), expected, torch.float32, name)
 
 
+@pytest.mark.parametrize("door", ["rope_quantize_fp8", "paged append"])
+def test_flashinfer_fp8_doors_traced_with_no_spec_made_yet(door, monkeypatch):
+    """FlashInfer's FP8 doors on a first call inside ``torch.compile(fullgraph=True)``: their
+    spec is made at trace time, and rope_to_cache's layout check read it by ``getattr`` with a
+    default, which Dynamo cannot guard on such a spec (InternalTorchDynamoError). q and the
+    cache's k hold the rotation times the scale in FP8."""
+    from rope_dispatch.compat import flashinfer
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(flashinfer, "_specs", {})
+    fp8 = torch.float8_e4m3fn
+    angles = (torch.rand(32, 4) * 6).double()
+    cos_sin = torch.cat((angles.cos(), angles.sin()), -1).float()
+    positions = torch.tensor([3, 0, 31, 7])
+    gen = torch.Generator().manual_seed(9)
+    q, k = torch.randn(4, 2, 8, generator=gen), torch.randn(4, 1, 8, generator=gen)
+    k_cache, v_cache = (torch.zeros(2, 4, 1, 8, dtype=fp8) for _ in range(2))
+    index = dict(dtype=torch.int32)
+
+    def step(q, k, positions):
+        if door == "rope_quantize_fp8":
+            q_out, k_out, _, _ = flashinfer.rope_quantize_fp8(
+                q, k, None, None, cos_sin, positions, quant_scale_q=0.5, quant_scale_kv=0.5)
+            return q_out, k_out
+        q_out, _ = flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+            q, k, None, None, k.clone(), cos_sin, positions, (k_cache, v_cache),
+            torch.tensor([0, 1], **index), torch.tensor([0, 2], **index),
+            torch.zeros(4, **index), torch.tensor([4, 0, 1, 7], **index), page_size=4,
+            quant_scale_q=0.5, quant_scale_kv=0.5)
+        return q_out, k_cache.flatten(0, 1)[torch.tensor([4, 0, 1, 7])]
+
+    q_out, k_out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, positions)
+    spec = rd.RoPESpec(layout="thd", dtype="fp32")
+    table = torch.cat((angles, angles), -1).float()
+    for x, out, name in ((q, q_out, "q"), (k, k_out, "k")):
+        expected = (reference_for(x, table, spec, positions=positions).float() * 0.5).to(fp8)
+        assert out.dtype == fp8, name
+        torch.testing.assert_close(out.float(), expected.float(), rtol=0.13, atol=2e-3, msg=name)
+
+
 def test_overrides_are_read_at_trace_time(monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setenv("ROPE_AUTOTUNE", "0")
