@@ -179,6 +179,33 @@ def test_a_half_cache_given_new_memory_is_copied_again():
         assert err(query, want) <= 2e-6, step
 
 
+@pytest.mark.parametrize("eager_first", [False, True])
+def test_a_half_cache_traced_by_torch_compile(eager_first):
+    """Both ops inside ``torch.compile(fullgraph=True)`` on a bfloat16 cache, before or after an
+    eager call kept its float32 copy: the traced call makes its own copy (Dynamo raised
+    Unsupported on the version counter and address the kept copy is checked by)."""
+    torch._dynamo.reset()
+    cache = engine_cache(16, 8, 6, torch.bfloat16)
+    positions = torch.tensor([3, 0, 15])
+    if eager_first:
+        rotary_embedding(positions, torch.randn(3, 8), None, 8, cache, True)
+
+    def step(query, key, qkv, positions):
+        query, key, qkv = query.clone(), key.clone(), qkv.clone()
+        rotary_embedding(positions, query, key, 8, cache, False)
+        weight = torch.ones(8)
+        fused_qk_norm_rope(qkv, 1, 1, 1, 8, 1e-6, weight, weight, cache, True, positions)
+        return query, key, qkv
+
+    query, key, qkv = torch.randn(3, 2 * 8), torch.randn(3, 8), torch.randn(3, 3 * 8)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(query, key, qkv, positions)
+    normed = rms_normed(qkv.view(3, 3, 8)[:, :2], torch.ones(8), 1e-6).reshape(3, 16)
+    wants = (vllm_rope(query, positions, 8, cache, False), vllm_rope(key, positions, 8, cache,
+             False), torch.cat((vllm_rope(normed, positions, 8, cache, True), qkv[:, 16:]), -1))
+    for name, out, want in zip(("query", "key", "qkv"), got, wants):
+        assert err(out, want) <= 2e-6, name
+
+
 def test_under_inference_mode():
     """vLLM runs its model under inference mode: the doors work there, on an inference-tensor
     bfloat16 cache too (which has no version counter), and the cache's copy is a normal tensor."""
