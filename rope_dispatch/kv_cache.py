@@ -63,7 +63,7 @@ def check_scale(value: object, name: str, device: torch.device) -> Scale:
                 f"{name} is on {value.device} but the cache is on {device}; expected the same "
                 "device"
             )
-        if value.is_cpu and not 0 < float(value) < math.inf:
+        if value.is_cpu and not memoryless() and not 0 < float(value) < math.inf:
             raise RoPEError(f"{name} must be positive, got {float(value)}")
         return value.reshape(())
     if isinstance(value, numbers.Real) and not isinstance(value, bool):

@@ -109,6 +109,32 @@ def test_fullgraph_cache_write_with_the_descriptor_made_in_the_step():
     assert torch.equal(v_cache[slots], v)
 
 
+def test_fullgraph_cache_write_with_scale_tensors_on_the_cpu():
+    """An FP8 cache descriptor with float32 scale tensors (vLLM's ``layer._k_scale``) made in
+    the compiled step on the CPU: the scales' values are not read while tracing (their check
+    raised Dynamo's data-dependent guard error). The cache stores k rotated and v, divided."""
+    torch._dynamo.reset()
+    fp8 = torch.float8_e4m3fn
+    spec = rd.RoPESpec(layout="thd", dtype="fp32")
+    angles = torch.rand(32, 8) * 6
+    k_cache, v_cache = (torch.zeros(40, 1, 8, dtype=fp8) for _ in range(2))
+    k_scale, v_scale = torch.tensor(0.5), torch.tensor([0.25])
+
+    def step(q, k, v, positions, slots):
+        cache = rd.FlatKVCache(k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+        return rd.rope_to_cache(q, k, v, angles, spec, positions=positions, cache=cache,
+                                q_scale=k_scale, backend="eager")
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(4, h, 8, generator=gen) for h in (2, 1, 1))
+    positions, slots = torch.tensor([3, 0, 31, 7]), torch.tensor([5, 9, 0, 39])
+    q_out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, positions, slots)
+    for got, x, scale, name in ((q_out, q, 0.5, "q"), (k_cache[slots], k, 0.5, "k")):
+        expected = (reference_for(x, angles, spec, positions=positions).float() / scale).to(fp8)
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0.13, atol=2e-3, msg=name)
+    assert torch.equal(v_cache[slots].float(), (v / 0.25).to(fp8).float())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_inductor_writes_a_half_precision_cache_by_value(dtype):
     """rope_to_cache compiled by Inductor, the default torch.compile backend, into a bfloat16
