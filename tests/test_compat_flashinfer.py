@@ -169,3 +169,30 @@ def test_repeated_calls_reuse_one_plan_and_caches_are_not_hoarded(monkeypatch):
         apply_rope_with_cos_sin_cache_inplace(positions, torch.randn(4, 16), torch.randn(4, 16), 16, other)
     gc.collect()
     assert dropped() is None
+
+
+def test_an_fp8_door_on_fake_tensors_leaves_no_divisor_for_later_calls(monkeypatch):
+    """``rope_quantize_fp8`` on fake tensors (shape propagation, memory estimation) makes
+    q_nope's divisor as a fake tensor too: it is not kept, so the next real call with the same
+    scale stores ``q_nope * quant_scale_q`` (the kept fake divisor gave values off by up to 5)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from rope_dispatch.compat import flashinfer
+    from rope_dispatch.compat.flashinfer import rope_quantize_fp8
+
+    monkeypatch.setattr(flashinfer, "_DIVISORS", {})
+    gen = torch.Generator().manual_seed(19)
+    cache = engine_cache(64, 16, gen)
+
+    def parts():
+        return [torch.randn(4, heads, dim, generator=gen).bfloat16()
+                for heads, dim in ((2, 16), (1, 16), (2, 8), (1, 8))]
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        rope_quantize_fp8(*map(mode.from_tensor, parts()), cache, torch.arange(4),
+                          quant_scale_q=2.0)
+    q_rope, k_rope, q_nope, k_nope = parts()
+    out = rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cache, torch.arange(4),
+                            quant_scale_q=2.0)
+    expected = (q_nope.float() * 2.0).to(torch.float8_e4m3fn)  # a power of two: exact
+    assert torch.equal(out[2].view(torch.uint8), expected.view(torch.uint8))

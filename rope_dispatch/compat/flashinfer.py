@@ -76,6 +76,7 @@ from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache
 from ..registry import get_backend
 from ..spec import RoPESpec, constant_spec, dtype_name
 from ..tables import PairCosSinCache
+from ..tracing import memoryless
 
 __all__ = ["apply_rope_with_cos_sin_cache_inplace", "mla_rope_quantize_fp8", "rope_quantize_fp8",
            "rope_quantize_fp8_append_paged_kv_cache"]
@@ -593,8 +594,10 @@ def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -
     divisor = _DIVISORS.get(key)
     if divisor is None:  # a tensor: torch turns a division by a number into a product
         divisor = torch.full((1,), scale, dtype=torch.float32, device=x.device)
-        # one made under CUDA graph capture is filled only when the graph replays: not kept
-        if x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        # one made under CUDA graph capture is filled only when the graph replays, and one
+        # made on fake tensors (shape propagation, tracing) holds no value: neither is kept
+        if not memoryless() and (
+                x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
             if len(_DIVISORS) >= _MAX_CACHES:
                 _DIVISORS.clear()
             _DIVISORS[key] = divisor
