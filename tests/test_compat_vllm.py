@@ -206,6 +206,28 @@ def test_a_half_cache_traced_by_torch_compile(eager_first):
         assert err(out, want) <= 2e-6, name
 
 
+def test_a_half_cache_met_on_fake_tensors_is_not_kept():
+    """A call under FakeTensorMode (shape propagation) on a bfloat16 cache makes its float32
+    copy as a fake tensor: not kept, and no fake address read, so the next real call on that
+    cache rotates by the cache's values (the kept fake copy gave errors near 3)."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = engine_cache(16, 8, 7, torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns of a fake tensor's address read
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            rotary_embedding(torch.tensor([0, 1, 2]), mode.from_tensor(torch.randn(3, 8)), None,
+                             8, mode.from_tensor(cache), True)
+            rotary_embedding(torch.tensor([0, 1, 2]), mode.from_tensor(torch.randn(3, 8)), None,
+                             8, cache, True)
+    positions, query = torch.tensor([3, 0, 15]), torch.randn(3, 16)
+    want = vllm_rope(query, positions, 8, cache, True)
+    rotary_embedding(positions, query, None, 8, cache, True)
+    assert err(query, want) <= 2e-6
+
+
 def test_under_inference_mode():
     """vLLM runs its model under inference mode: the doors work there, on an inference-tensor
     bfloat16 cache too (which has no version counter), and the cache's copy is a normal tensor."""

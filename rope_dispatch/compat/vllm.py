@@ -20,10 +20,10 @@ Decisions, where vLLM's op and ours could differ:
 - A float32 cache is read as it is. A bfloat16 or float16 one (vLLM's ``RotaryEmbedding``
   hands its kernel the cache in the query's dtype) is widened to a float32 copy, made once per
   cache tensor and made again when the cache is written in place (not seen for an inference
-  tensor, which has no version counter; a call traced by ``torch.compile`` makes it in its
-  graph): exact, as vLLM's kernels widen each entry too. ``inverse=True`` is the spec's
-  ``inverse`` (the rotation by minus the angle, exact: the transpose, whose pair shares one
-  sine), on the same table.
+  tensor, which has no version counter; a call traced by ``torch.compile``, on fake tensors or
+  under a ``torch.func`` transform makes one of its own and keeps none): exact, as vLLM's
+  kernels widen each entry too. ``inverse=True`` is the spec's ``inverse`` (the rotation by
+  minus the angle, exact: the transpose, whose pair shares one sine), on the same table.
 - The fused op keeps the normalized value in float32 until the rotation, as vLLM's kernel does
   (its unfused path, ``RMSNorm`` then ``rotary_embedding``, rounds twice). Ours computes
   ``x * rsqrt(mean(x**2) + eps) * w``; vLLM's ``x * (rsqrtf(..) * w)`` with a warp-tree sum:
@@ -55,6 +55,7 @@ from ..norm import HeadNorm
 from ..spec import RoPESpec, constant_spec, dtype_name
 from ..table_kinds import _normal_tensors
 from ..tables import PairCosSinCache
+from ..tracing import memoryless
 from .flashinfer import _pair_cache
 
 __all__ = ["rotary_embedding", "fused_qk_norm_rope"]
@@ -101,8 +102,10 @@ def _table(cos_sin_cache: object) -> PairCosSinCache:
     copy, kept while the cache is unchanged."""
     if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dtype == torch.float32:
         return _pair_cache(cos_sin_cache)
-    traced = torch.compiler.is_compiling()  # the copy is the graph's own: Dynamo cannot read
-    key = id(cos_sin_cache)                  # a version counter or an address
+    # traced, fake or under torch.func: the copy is the call's own (it may hold no values, and
+    # Dynamo cannot read a version counter or an address)
+    traced = memoryless()
+    key = id(cos_sin_cache)
     entry = None if traced else _copies.get(key)
     if entry is not None and entry[0] is cos_sin_cache and entry[1] == _version(cos_sin_cache):
         return entry[2]
