@@ -196,3 +196,36 @@ def test_an_fp8_door_on_fake_tensors_leaves_no_divisor_for_later_calls(monkeypat
                             quant_scale_q=2.0)
     expected = (q_nope.float() * 2.0).to(torch.float8_e4m3fn)  # a power of two: exact
     assert torch.equal(out[2].view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; runs on the GPU machine "
+                    "(scripts/device_check.sh)")
+def test_the_mla_door_on_fake_or_traced_gpu_tensors_quantizes_q_nope_by_division(monkeypatch):
+    """On a GPU, q_nope's Triton quantizing copy reads its tensors' addresses: on fake tensors
+    (shape propagation) it must not launch, and inside torch.compile(fullgraph=True) it cannot be
+    traced, so both take torch's division: compiled, every output within one FP8 step of the
+    eager call's (Inductor's float32 math may round differently)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from rope_dispatch.compat.flashinfer import mla_rope_quantize_fp8
+
+    triton = rd.get_backend("triton")
+    if not triton.available:
+        pytest.skip(f"the triton backend is unavailable: {triton.availability}")
+    gen = torch.Generator().manual_seed(23)
+    parts = [torch.randn(5, *shape, generator=gen).bfloat16().cuda()
+             for shape in ((16, 64), (64,), (16, 512), (512,))]
+    cache, pos = engine_cache(32, 64, gen).cuda(), torch.arange(5, device="cuda")
+
+    def door(*parts):
+        return mla_rope_quantize_fp8(*parts, cache, pos, is_neox=False, quant_scale_q=0.37)
+
+    eager = door(*parts)
+    compiled = torch.compile(door, fullgraph=True)(*parts)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.13, atol=2e-3)
+    monkeypatch.setattr(type(triton), "quantize", lambda *args: pytest.fail("launched on fakes"))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        shapes = [tuple(x.shape) for x in door(*map(mode.from_tensor, parts))]
+    assert shapes == [tuple(x.shape) for x in eager]

@@ -583,10 +583,12 @@ def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -
     """``out[...] = (x / scale)`` cast to ``out``'s FP8 dtype, the division in float32 (the
     core's formula: ``scale`` is ``1 / quant_scale``). ``x`` ``None``: a None nope part, whose
     ``out`` has no channels. On a GPU the Triton backend's quantizing copy stores it, unless
-    another backend is forced (torch's division into FP8 ran at 15-28% of copy; the same bytes)."""
+    another backend is forced (torch's division into FP8 ran at 15-28% of copy; the same bytes),
+    or the tensors are fake or traced (the launch reads addresses; the division traces)."""
     if out.numel() == 0:
         return
-    if x.device.type == "cuda" and _scoped_or_env_backend()[0] in (None, "triton"):
+    memory = not memoryless()
+    if memory and x.device.type == "cuda" and _scoped_or_env_backend()[0] in (None, "triton"):
         triton = get_backend("triton")
         if triton.available and triton.quantize(x, out, scale):
             return
@@ -596,8 +598,7 @@ def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -
         divisor = torch.full((1,), scale, dtype=torch.float32, device=x.device)
         # one made under CUDA graph capture is filled only when the graph replays, and one
         # made on fake tensors (shape propagation, tracing) holds no value: neither is kept
-        if not memoryless() and (
-                x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
+        if memory and (x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
             if len(_DIVISORS) >= _MAX_CACHES:
                 _DIVISORS.clear()
             _DIVISORS[key] = divisor
