@@ -229,3 +229,13 @@ def test_the_mla_door_on_fake_or_traced_gpu_tensors_quantizes_q_nope_by_division
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         shapes = [tuple(x.shape) for x in door(*map(mode.from_tensor, parts))]
     assert shapes == [tuple(x.shape) for x in eager]
+
+
+def test_core_errors_say_how_the_door_mapped_its_arguments():
+    """A cache wider than the head is refused by the core, in its own names (t, freqs): the
+    error says which of FlashInfer's arguments those are."""
+    with pytest.raises(rd.RoPEError, match=r"exceeds the head dim .*"
+                       r"apply_rope_with_cos_sin_cache_inplace calls rope_dispatch\.apply_qk_ "
+                       r"with t=query, k=key.*freqs=cos_sin_cache"):
+        apply_rope_with_cos_sin_cache_inplace(torch.arange(3), torch.randn(3, 32),
+                                              torch.randn(3, 16), 16, torch.randn(16, 32))

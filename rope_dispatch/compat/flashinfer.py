@@ -168,8 +168,12 @@ def apply_rope_with_cos_sin_cache_inplace(
     if type(is_neox) is not bool:
         raise RoPEError(f"is_neox must be a bool, got {is_neox!r}")
     q, k = _heads("query", query, head_size), _heads("key", key, head_size)
-    apply_qk_(q, k, _pair_cache(cos_sin_cache), _spec(query.dtype, not is_neox),
-              positions=positions)
+    try:
+        apply_qk_(q, k, _pair_cache(cos_sin_cache), _spec(query.dtype, not is_neox),
+                  positions=positions)
+    except RoPEError as error:
+        raise _mapped(error, "apply_rope_with_cos_sin_cache_inplace", _INPLACE_MAPPING,
+                      "apply_qk_") from error
 
 
 def _heads(name: str, x: object, head_size: object) -> torch.Tensor:
@@ -618,12 +622,17 @@ _PAGED_MAPPING = ("q=q_rope joined with q_nope, k=k_rope joined with k_nope, v=v
                   "paged_kv_cache, positions=positions, q_out=q_rope_out joined with q_nope_out")
 
 
-def _mapped(error: RoPEError, function: str, mapping: str) -> RoPEError:
+_INPLACE_MAPPING = ("t=query, k=key (each as [nnz, heads, head_size]), freqs=cos_sin_cache, "
+                    "positions=positions")
+
+
+def _mapped(error: RoPEError, function: str, mapping: str,
+            core: str = "rope_to_cache") -> RoPEError:
     """An error of the core's, about its own argument names, with how ``function`` mapped its
-    arguments onto them (raised from the core's). A door catches the core's errors with a plain
-    ``try`` (free where nothing is raised) rather than a generator context manager, which cost
-    about 2 us a call."""
-    return type(error)(f"{error} ({function} calls rope_dispatch.rope_to_cache with {mapping})")
+    arguments onto ``core``'s (raised from the core's). A door catches the core's errors with a
+    plain ``try`` (free where nothing is raised) rather than a generator context manager, which
+    cost about 2 us a call."""
+    return type(error)(f"{error} ({function} calls rope_dispatch.{core} with {mapping})")
 
 
 def _described(x: object) -> str:

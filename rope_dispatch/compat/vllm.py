@@ -56,7 +56,7 @@ from ..spec import RoPESpec, constant_spec, dtype_name
 from ..table_kinds import _normal_tensors
 from ..tables import PairCosSinCache
 from ..tracing import memoryless
-from .flashinfer import _pair_cache
+from .flashinfer import _mapped, _pair_cache
 
 __all__ = ["rotary_embedding", "fused_qk_norm_rope"]
 
@@ -215,10 +215,14 @@ def rotary_embedding(
         q = q[..., offset:]
         k = None if k is None else k[..., offset:]
     spec = _spec("thd" if len(lead) == 1 else "bshd", query.dtype, not is_neox, inverse)
-    if k is None:
-        apply_(q, table, spec, positions=positions)
-    else:
-        apply_qk_(q, k, table, spec, positions=positions)
+    try:
+        if k is None:
+            apply_(q, table, spec, positions=positions)
+        else:
+            apply_qk_(q, k, table, spec, positions=positions)
+    except RoPEError as error:
+        raise _mapped(error, "rotary_embedding", _ROTARY_MAPPING,
+                      "apply_" if k is None else "apply_qk_") from error
 
 
 def _weight(name: str, weight: object, head_dim: int, dtype: torch.dtype) -> HeadNorm:
@@ -273,6 +277,16 @@ def fused_qk_norm_rope(
     q_norm = HeadNorm(_weight("q_weight", q_weight, head_dim, qkv.dtype), eps)
     k_norm = HeadNorm(_weight("k_weight", k_weight, head_dim, qkv.dtype), eps)
     heads = qkv.view(qkv.shape[0], hq + hk + hv, head_dim)
-    apply_qk_(heads[:, :hq], heads[:, hq : hq + hk], _table(cos_sin_cache),
-              _spec("thd", qkv.dtype, not is_neox), positions=positions, q_norm=q_norm,
-              k_norm=k_norm)
+    try:
+        apply_qk_(heads[:, :hq], heads[:, hq : hq + hk], _table(cos_sin_cache),
+                  _spec("thd", qkv.dtype, not is_neox), positions=positions, q_norm=q_norm,
+                  k_norm=k_norm)
+    except RoPEError as error:
+        raise _mapped(error, "fused_qk_norm_rope", _FUSED_MAPPING, "apply_qk_") from error
+
+
+# How each door maps its arguments onto the core's, for the core's errors (_mapped).
+_ROTARY_MAPPING = ("t=query, k=key (each as heads of head_size, from rope_dim_offset), "
+                   "freqs=cos_sin_cache, positions=positions")
+_FUSED_MAPPING = ("t=qkv's q heads, k=qkv's k heads (each [num_tokens, heads, head_dim]), "
+                  "freqs=cos_sin_cache, positions=position_ids, q_norm=q_weight, k_norm=k_weight")
