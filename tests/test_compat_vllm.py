@@ -161,7 +161,7 @@ def test_a_half_cache_is_copied_once_and_again_after_a_write():
         want = vllm_rope(query, positions, 8, cache, True)
         rotary_embedding(positions, query, None, 8, cache, True)
         assert err(query, want) <= 2e-6, step
-        tables.append(vllm._table(cache))
+        tables.append(vllm._table(cache, positions)[0])
     assert tables[0] is tables[1] is not tables[2]
 
 
@@ -228,6 +228,35 @@ def test_a_half_cache_met_on_fake_tensors_is_not_kept():
     assert err(query, want) <= 2e-6
 
 
+def test_a_traced_half_cache_widens_only_the_rows_read():
+    """Traced, a bfloat16 cache of 4,096 positions is widened only at the call's rows (a
+    float32 copy of it all on every call would cost more than the rotation): no float32 value
+    of the graph has the cache's rows. A position past the cache gives a NaN row (its rotary
+    channels NaN, the rest untouched), as the kernels give."""
+    torch._dynamo.reset()
+    cache = engine_cache(4096, 6, 7, torch.bfloat16)
+    rows = []
+
+    def backend(graph, inputs):
+        for node in graph.graph.nodes:
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                rows.append(tuple(value.shape))
+        return graph
+
+    def step(query, positions):
+        query = query.clone()
+        rotary_embedding(positions, query, None, 8, cache, True)
+        return query
+
+    query, positions = torch.randn(3, 16), torch.tensor([3, 4095, 4096])
+    got = torch.compile(step, fullgraph=True, backend=backend)(query, positions)
+    assert rows and all(4096 not in shape for shape in rows), rows
+    assert err(got[:2], vllm_rope(query[:2], positions[:2], 8, cache, True)) <= 2e-6
+    heads = got[2].view(2, 8)
+    assert heads[:, :6].isnan().all() and torch.equal(heads[:, 6:], query[2].view(2, 8)[:, 6:])
+
+
 def test_under_inference_mode():
     """vLLM runs its model under inference mode: the doors work there, on an inference-tensor
     bfloat16 cache too (which has no version counter), and the cache's copy is a normal tensor."""
@@ -243,7 +272,7 @@ def test_under_inference_mode():
         assert err(query, want_q) <= 1.6e-2 and err(key, want_k) <= 1.6e-2
         qkv, weight = torch.randn(3, 3 * 8).bfloat16(), torch.ones(8).bfloat16()
         fused_qk_norm_rope(qkv, 1, 1, 1, 8, 1e-6, weight, weight, cache, False, positions)
-        assert cache.is_inference() and not vllm._table(cache).table.is_inference()
+        assert cache.is_inference() and not vllm._table(cache, positions)[0].table.is_inference()
 
 
 # ---- fused_qk_norm_rope -------------------------------------------------------------------

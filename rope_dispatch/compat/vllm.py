@@ -21,8 +21,8 @@ Decisions, where vLLM's op and ours could differ:
   hands its kernel the cache in the query's dtype) is widened to a float32 copy, made once per
   cache tensor and made again when the cache is written in place (not seen for an inference
   tensor, which has no version counter; a call traced by ``torch.compile``, on fake tensors or
-  under a ``torch.func`` transform makes one of its own and keeps none): exact, as vLLM's
-  kernels widen each entry too. ``inverse=True`` is the spec's ``inverse`` (the rotation by
+  under a ``torch.func`` transform widens the rows it reads and keeps nothing): exact, as
+  vLLM's kernels widen each entry too. ``inverse=True`` is the spec's ``inverse`` (the rotation by
   minus the angle, exact: the transpose, whose pair shares one sine), on the same table.
 - The fused op keeps the normalized value in float32 until the rotation, as vLLM's kernel does
   (its unfused path, ``RMSNorm`` then ``rotary_embedding``, rounds twice). Ours computes
@@ -97,18 +97,30 @@ def _version(t: torch.Tensor) -> tuple:
     return (None if t.is_inference() else t._version, t.data_ptr(), t.shape, t.stride())
 
 
-def _table(cos_sin_cache: object) -> PairCosSinCache:
-    """The engine's cache as a PairCosSinCache: itself when float32 (no copy), else a float32
-    copy, kept while the cache is unchanged."""
+def _table(cos_sin_cache: object,
+           positions: torch.Tensor) -> tuple[PairCosSinCache, torch.Tensor]:
+    """The engine's cache as a PairCosSinCache, and the positions to read it at: itself when
+    float32 (no copy), else a float32 copy, kept while the cache is unchanged. Traced, on fake
+    tensors or under torch.func (no version counter or address to read, perhaps no values to
+    keep) the call's own rows are widened instead, each token's at index ``i``: a copy of the
+    whole cache (10^5 positions in vLLM's models) on every call would cost more than the
+    rotation. A position outside the cache gives a NaN row there, as the kernels do."""
     if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dtype == torch.float32:
-        return _pair_cache(cos_sin_cache)
-    # traced, fake or under torch.func: the copy is the call's own (it may hold no values, and
-    # Dynamo cannot read a version counter or an address)
+        return _pair_cache(cos_sin_cache), positions
     traced = memoryless()
+    if traced and isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 2 and (
+            cos_sin_cache.dtype in _CACHE_DTYPES and cos_sin_cache.shape[0]):
+        flat = positions.reshape(-1)
+        inside = ((flat >= 0) & (flat < cos_sin_cache.shape[0])).unsqueeze(-1)
+        rows = cos_sin_cache[flat.clamp(0, cos_sin_cache.shape[0] - 1)].float()
+        with _named("cos_sin_cache"), _normal_tensors():
+            table = PairCosSinCache(torch.where(inside, rows, torch.nan)).table
+        index = torch.arange(flat.shape[0], device=positions.device).view(positions.shape)
+        return PairCosSinCache(table), index
     key = id(cos_sin_cache)
     entry = None if traced else _copies.get(key)
     if entry is not None and entry[0] is cos_sin_cache and entry[1] == _version(cos_sin_cache):
-        return entry[2]
+        return entry[2], positions
     if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dtype not in _CACHE_DTYPES:
         got = (f"{tuple(cos_sin_cache.shape)} {dtype_name(cos_sin_cache.dtype)}"
                if isinstance(cos_sin_cache, torch.Tensor) else type(cos_sin_cache).__name__)
@@ -120,11 +132,11 @@ def _table(cos_sin_cache: object) -> PairCosSinCache:
         table = PairCosSinCache(cos_sin_cache.float()).table  # checks shape, width, strides
     wrapper = PairCosSinCache(table)
     if traced:
-        return wrapper
+        return wrapper, positions
     if len(_copies) >= _MAX_COPIES:
         _copies.clear()
     _copies[key] = (cos_sin_cache, _version(cos_sin_cache), wrapper)
-    return wrapper
+    return wrapper, positions
 
 
 def _flag(name: str, value: object) -> bool:
@@ -205,7 +217,7 @@ def rotary_embedding(
             f"key has {k.shape[-2]} heads, which does not divide query's {q.shape[-2]}; vLLM's "
             "rotary_embedding requires num_heads % num_kv_heads == 0"
         )
-    table = _table(cos_sin_cache)
+    table, positions = _table(cos_sin_cache, positions)
     if offset:
         if offset + table.rotary_dim > head_size:
             raise RoPEError(
@@ -278,7 +290,8 @@ def fused_qk_norm_rope(
     k_norm = HeadNorm(_weight("k_weight", k_weight, head_dim, qkv.dtype), eps)
     heads = qkv.view(qkv.shape[0], hq + hk + hv, head_dim)
     try:
-        apply_qk_(heads[:, :hq], heads[:, hq : hq + hk], _table(cos_sin_cache),
+        table, positions = _table(cos_sin_cache, positions)
+        apply_qk_(heads[:, :hq], heads[:, hq : hq + hk], table,
                   _spec("thd", qkv.dtype, not is_neox), positions=positions, q_norm=q_norm,
                   k_norm=k_norm)
     except RoPEError as error:
