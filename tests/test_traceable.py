@@ -135,16 +135,19 @@ def test_fullgraph_cache_write_with_scale_tensors_on_the_cpu():
     assert torch.equal(v_cache[slots].float(), (v / 0.25).to(fp8).float())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_inductor_writes_a_half_precision_cache_by_value(dtype):
+def test_inductor_writes_a_half_precision_cache_by_value(dtype, cache_dtype, device):
     """rope_to_cache compiled by Inductor, the default torch.compile backend, into a bfloat16
-    or float16 vLLM cache (a padded token skipped): the cache holds k rotated and v as they
-    are. Inductor stored a write through an int16 view of the cache as the integers' values
-    (1.5 came out 16320.0)."""
+    or float16 vLLM cache (a padded token skipped), or an FP8 one (written through its bytes):
+    the cache holds k rotated and v as they are (cast to FP8). Inductor stored a write through
+    an int16 view of the cache as the integers' values (1.5 came out 16320.0)."""
     torch._dynamo.reset()
     spec = rd.RoPESpec(layout="thd", dtype=dtype)
-    angles = torch.rand(32, 8) * 6
-    k_cache, v_cache = (torch.zeros(5, 4, 1, 8, dtype=dtype) for _ in range(2))
+    angles = torch.rand(32, 8, device=device) * 6
+    stored = cache_dtype or dtype
+    k_cache, v_cache = (torch.zeros(5, 4, 1, 8, dtype=stored, device=device) for _ in range(2))
 
     def step(q, k, v, positions, slots):
         cache = rd.PagedKVCache(k_cache, v_cache, slots)
@@ -152,17 +155,26 @@ def test_inductor_writes_a_half_precision_cache_by_value(dtype):
                                 backend="eager")
 
     gen = torch.Generator().manual_seed(8)
-    q, k, v = (torch.randn(4, h, 8, generator=gen).to(dtype) for h in (2, 1, 1))
-    positions, slots = torch.tensor([3, 0, 31, 7]), torch.tensor([5, 19, -1, 0])
+    q, k, v = (torch.randn(4, h, 8, generator=gen).to(dtype).to(device) for h in (2, 1, 1))
+    positions = torch.tensor([3, 0, 31, 7], device=device)
+    slots = torch.tensor([5, 19, -1, 0], device=device)
     q_out = torch.compile(step, fullgraph=True, backend="inductor")(q, k, v, positions, slots)
     thd = rd.RoPESpec(layout="thd", dtype="fp32")
     kept = torch.tensor([0, 1, 3])
-    k_ref = reference_for(k.float(), angles, thd, positions=positions)
-    assert_matches(q_out, reference_for(q.float(), angles, thd, positions=positions), dtype, "q")
-    written = k_cache.flatten(0, 1)[slots[kept]]
-    assert_matches(written, k_ref[kept], dtype, "k in the cache")
-    assert torch.equal(v_cache.flatten(0, 1)[slots[kept]], v[kept])
-    assert int(k_cache.count_nonzero()) == int(written.count_nonzero())
+    angles, positions = angles.cpu(), positions.cpu()
+    k_ref = reference_for(k.float().cpu(), angles, thd, positions=positions)[kept]
+    assert_matches(q_out.cpu(), reference_for(q.float().cpu(), angles, thd, positions=positions),
+                   dtype, "q")
+    written = k_cache.cpu().flatten(0, 1)[slots.cpu()[kept]]
+    v_written = v_cache.cpu().flatten(0, 1)[slots.cpu()[kept]]
+    if cache_dtype is None:
+        assert_matches(written, k_ref, dtype, "k in the cache")
+        assert torch.equal(v_written, v.cpu()[kept])
+    else:  # within FP8's rounding of the float64 value (3 mantissa bits), v cast as it is
+        err = (written.double() - k_ref).abs() / k_ref.abs().clamp_min(1)
+        assert float(err.max()) <= 2 ** -3, float(err.max())
+        assert torch.equal(v_written.float(), v.cpu()[kept].float().to(cache_dtype).float())
+    assert int(k_cache.float().count_nonzero()) == int(written.float().count_nonzero())
 
 
 @pytest.mark.parametrize("positions", [False, True])
