@@ -107,10 +107,18 @@ def _table(kind: str, table: torch.Tensor, sin: torch.Tensor | None, rows: int) 
     return table
 
 
+def _no_rows(kind: str, table: torch.Tensor) -> bool:
+    """Whether this rank's part of a table sharded with the sequence is empty: it holds no
+    tokens (an uneven split), so there is nothing to rotate, and no table a call could take."""
+    return table.shape[0] == 0 and kind not in ("rates", "precise_rates")
+
+
 def _local_call(t: torch.Tensor, table: torch.Tensor, sin: torch.Tensor | None,
                 positions: torch.Tensor | None, weight: torch.Tensor | None, s: _Settings,
                 backend: str | None) -> torch.Tensor:
     """The ordinary call on one shard's local tensors (a new, contiguous output)."""
+    if _no_rows(s.kind, table):
+        return t.new_empty(t.shape)
     spec = _local_spec(s, t.dtype)
     norm = None if weight is None else HeadNorm(weight, s.eps, offset=s.norm_offset,
                                                 scope=s.norm_scope)
@@ -616,9 +624,10 @@ def _rotate_in_place(t: DTensor, k: DTensor | None, p: _Prepared, backend: str |
     weights = [stage[0] for stage in p.norms if stage is not None]
     wanted = torch.is_grad_enabled() and any(x.requires_grad for x in (*targets, *weights))
     if not wanted and not torch.compiler.is_compiling():
-        local, table, spec, pos, local_k, local_norms = _local_parts(t, k, p)
-        call_entry()(local, table, spec, None, backend, True, False, positions=pos, k=local_k,
-                     norms=local_norms)
+        if not _no_rows(p.settings.kind, p.table.to_local()):
+            local, table, spec, pos, local_k, local_norms = _local_parts(t, k, p)
+            call_entry()(local, table, spec, None, backend, True, False, positions=pos,
+                         k=local_k, norms=local_norms)
         torch.autograd.graph.increment_version(targets)
         return t if k is None else (t, k)
     if k is not None and not torch.compiler.is_compiling():

@@ -481,6 +481,30 @@ def _check_small_shards(mesh, rank):
     assert_matches(grad.full_tensor(), ref_grad, F32, "one head on every rank, in place: backward")
 
 
+def _check_empty_table_shard(mesh, rank):
+    """A table sharded with an uneven sequence: the last rank holds no tokens and no rows (1
+    token on 2 ranks, 5 on 4), and its call rotates nothing (out of place with a gradient, and
+    in place under no_grad) instead of refusing its empty table."""
+    gen = torch.Generator().manual_seed(17)
+    seq = 2 * mesh.size() - 3
+    x, grad_out = (torch.randn(seq, 2, 2, 8, generator=gen) for _ in range(2))
+    angles = torch.rand(seq, 8, generator=gen) * 40 - 20
+    spec = rd.RoPESpec(layout="sbhd", dtype=F32)
+    placements = _placements([0])
+    table = _shard(angles, mesh, placements)
+    xd = _shard(x, mesh, placements).requires_grad_(True)
+    out = rd.apply(xd, table, spec, backend="eager")
+    (grad,) = torch.autograd.grad(out, xd, _shard(grad_out, mesh, placements))
+    ref_out, ref_grad = reference_forward_backward(x, angles, spec, grad_out)
+    what = f"a table's empty shard, rank {rank}"
+    assert_matches(out.full_tensor(), ref_out, F32, f"{what}: forward")
+    assert_matches(grad.full_tensor(), ref_grad, F32, f"{what}: backward")
+    y = _shard(x, mesh, placements)
+    with torch.no_grad():
+        rd.apply_(y, table, spec, backend="eager")
+    assert_matches(y.full_tensor(), ref_out, F32, f"{what}: in place")
+
+
 def _check_refusals(mesh):
     """What a DTensor call refuses, with its reason."""
     spec = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 4, 8]))
@@ -540,6 +564,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             _check_normed(mesh, case, rank, in_place=True)
             _check_normed(mesh, case, rank, in_place=True, grad=False)
         _check_refusals(mesh)
+        _check_empty_table_shard(mesh, rank)
         _check_small_shards(mesh, rank)
         _check_context_parallel(mesh, rank)
         _check_caches_and_positions(mesh, rank)
