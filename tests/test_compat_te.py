@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
 
@@ -456,6 +457,21 @@ def test_mirrored_te_assert_raises_rope_error(name):
     *args, kwargs = core_args(*inputs)
     q, k, v = rd.apply_qkv(*args, **kwargs)
     assert q.shape[-2] == 4 * HEADS and k.shape[-1] == QKV_D
+
+
+def test_numpy_cp_size_with_start_positions_is_refused_as_te_refuses_it():
+    """A NumPy integer cp_size (which the spec takes as the int) meets TE's assert on
+    start_positions with cp_size > 1 as a Python int does; cp_size 1 of either kind passes."""
+    qkv, q, k, split, _ = _qkv_inputs()
+    starts = torch.tensor([1, 0])
+    for cp_size in (np.int64(2), np.int32(2)):
+        with pytest.raises(rd.RoPEError, match="start_positions given with cp_size=2"):
+            apply_fused_qkv_rotary_pos_emb(qkv, q, k, list(split), "sbhd", starts, False, None,
+                                           cp_size, 1)
+    expected = apply_fused_qkv_rotary_pos_emb(qkv, q, k, list(split), start_positions=starts)
+    got = apply_fused_qkv_rotary_pos_emb(qkv, q, k, list(split), start_positions=starts,
+                                         cp_size=np.int64(1))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_bf16_freqs_converted_before_contiguity_assert():

@@ -40,6 +40,7 @@ make: ``tensor_format="thd"``, ``start_positions`` with ``cp_size > 1``, and a n
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -177,8 +178,10 @@ def apply_fused_qkv_rotary_pos_emb(
     ``k_freqs``); :func:`rope_dispatch.apply_qkv` accepts all of these.
     """
     # TransformerEngine's asserts, mirrored: the adapter's only checks of its own (a cp_size
-    # that is no int is left to the spec's check, which names it)
-    if start_positions is not None and type(cp_size) is int and cp_size > 1:
+    # that is no integer is left to the spec's check, which names it; a NumPy one the spec
+    # takes, so it counts here too)
+    integer = isinstance(cp_size, numbers.Integral) and not isinstance(cp_size, bool)
+    if start_positions is not None and integer and cp_size > 1:
         raise _te_refuses(f"start_positions given with cp_size={cp_size} (> 1)")
     if tensor_format == "thd":
         raise _te_refuses("tensor_format='thd' (TE takes 'sbhd' and 'bshd' only)")
