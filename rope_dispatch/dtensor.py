@@ -344,6 +344,16 @@ def _local_tokens(t: DTensor, tokens: int) -> tuple[tuple[int, ...], tuple[int, 
     return tuple(sizes), tuple(offsets)
 
 
+def _token_dim(p: object, tokens: int) -> int | None:
+    """The token dim (of the first ``tokens``) that placement ``p`` shards, ``None`` for none,
+    as a plain int: under ``torch.compile(dynamic=True)`` a placement's ``dim`` is traced as a
+    symbol, which a new ``Shard`` does not take."""
+    for d in range(tokens):
+        if p.is_shard(d):
+            return d
+    return None
+
+
 def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
                table_sharded: bool) -> DTensor | None:
     """Each local token's table row as a DTensor sharded like the tokens (``None``: the shard's
@@ -354,8 +364,8 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
     tokens = t.dim() - 2
     local_tokens, token_offset = _local_tokens(t, tokens)
     lead = () if spec.mrope_section is None else (3,)  # the position streams
-    placements = [Shard(p.dim + len(lead)) if p.is_shard() and p.dim < tokens else Replicate()
-                  for p in t.placements]
+    placements = [Replicate() if d is None else Shard(d + len(lead))
+                  for d in (_token_dim(p, tokens) for p in t.placements)]
     if table_sharded:
         if start_positions is not None or positions is not None:
             raise _refuse(

@@ -505,6 +505,29 @@ def _check_empty_table_shard(mesh, rank):
     assert_matches(y.full_tensor(), ref_out, F32, f"{what}: in place")
 
 
+def _check_dynamic_shapes(mesh, rank):
+    """``torch.compile(dynamic=True)``: the placements' dims are traced as symbols; the call
+    traces (fullgraph) and serves two sequence lengths, uneven shards, forward and backward."""
+    gen = torch.Generator().manual_seed(19)
+    angles = torch.rand(24, 8, generator=gen) * 40 - 20
+    spec = rd.RoPESpec(layout="bshd", dtype=F32)
+    starts = torch.tensor([3, 1])
+    run = torch.compile(lambda t: rd.apply(t, angles, spec, start_positions=starts,
+                                           backend="eager"),
+                        backend="aot_eager", fullgraph=True, dynamic=True)
+    placements = _placements([1])
+    for seq in (7, 10):
+        x, grad_out = (torch.randn(2, seq, 2, 8, generator=gen) for _ in range(2))
+        xd = _shard(x, mesh, placements).requires_grad_(True)
+        out = run(xd)
+        (grad,) = torch.autograd.grad(out, xd, _shard(grad_out, mesh, placements))
+        assert out.placements == xd.placements and grad.placements == xd.placements
+        ref_out, ref_grad = reference_forward_backward(x, angles, spec, grad_out, starts)
+        what = f"dynamic shapes, s={seq}, rank {rank}"
+        assert_matches(out.full_tensor(), ref_out, F32, f"{what}: forward")
+        assert_matches(grad.full_tensor(), ref_grad, F32, f"{what}: backward")
+
+
 def _check_refusals(mesh):
     """What a DTensor call refuses, with its reason."""
     spec = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 4, 8]))
@@ -589,6 +612,8 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                 _check_normed(mesh, case, rank, "graphs", in_place=in_place)
             torch._dynamo.reset()
             _check_multimodal(mesh, rank, "graphs")
+            torch._dynamo.reset()
+            _check_dynamic_shapes(mesh, rank)
             torch._dynamo.reset()  # Inductor's code for one case: it compiles C++ on the CPU
             _check_single(mesh, COMPILED[0], rank, "inductor")
         dist.barrier()
