@@ -304,16 +304,52 @@ def _table_tensors(freqs: object) -> tuple[str, torch.Tensor, torch.Tensor | Non
     return "angles", freqs, None, 0
 
 
+def _whole(x: object, name: str) -> object:
+    """A global index tensor given plain or as a replicated DTensor, as a plain tensor."""
+    if isinstance(x, DTensor):
+        if not all(p.is_replicate() for p in x.placements):
+            raise _refuse(f"{name} must be a plain tensor or a replicated DTensor")
+        return x.to_local()
+    return x
+
+
+def _check_whole(t: DTensor, spec: RoPESpec, start_positions: object, positions: object,
+                 table_len: int) -> None:
+    """The plain call's checks of ``start_positions``, ``positions`` and ``cu_seqlens`` (plain
+    tensors), made against ``t``'s global shape on every rank alike: a shard's call sees only
+    its part, so a wrong size passed unnoticed (or failed on some ranks only, naming rows)."""
+    from .call import _check_cu_seqlens, _check_positions, _check_start_positions
+
+    device, shape = t.device, t.shape
+    if positions is not None:
+        _check_positions(positions, start_positions, spec, shape, table_len, device, "freqs")
+        return
+    if spec.layout == "thd":
+        if spec.cu_seqlens is None:
+            raise RoPEError("layout 'thd' needs cu_seqlens in the spec, or per-token positions")
+        seq, batch = shape[0], spec.cu_seqlens.numel() - 1
+    else:
+        seq, batch = shape[_SEQ_DIM[spec.layout]], shape[_BATCH_DIM[spec.layout]]
+        if seq > table_len:
+            raise RoPEError(
+                f"freqs has {table_len} positions but the sequence needs {seq} (s={seq}); "
+                f"expected freqs.shape[0] >= {seq}"
+            )
+    starts = None
+    if start_positions is not None:
+        starts = _check_start_positions(start_positions, spec, batch, seq, table_len, device,
+                                        "freqs")
+    if spec.layout == "thd":
+        _check_cu_seqlens(spec, seq, table_len, starts, "freqs")
+
+
 def _local_index(x: torch.Tensor | None, offsets: tuple, sizes: tuple, name: str,
                  device: torch.device) -> torch.Tensor | None:
     """This rank's part of a global index tensor (plain, or a replicated DTensor), gathered
     by index: under torch.compile the offsets are symbols, one graph for every rank."""
     if x is None:
         return None
-    if isinstance(x, DTensor):
-        if not all(p.is_replicate() for p in x.placements):
-            raise _refuse(f"{name} must be a plain tensor or a replicated DTensor")
-        x = x.to_local()
+    x = _whole(x, name)
     for d, (o, n) in enumerate(zip(offsets, sizes)):
         x = x.index_select(d, torch.arange(n, device=device) + o)
     return x
@@ -355,7 +391,7 @@ def _token_dim(p: object, tokens: int) -> int | None:
 
 
 def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
-               table_sharded: bool) -> DTensor | None:
+               table_sharded: bool, table_len: int) -> DTensor | None:
     """Each local token's table row as a DTensor sharded like the tokens (``None``: the shard's
     own index serves, rows local to a sharded table or an unsharded sequence from 0); for
     multimodal RoPE the three position streams ``[3, *tokens]``, sharded one dim later, which
@@ -383,8 +419,13 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
         if tuple(positions.shape) != shape:
             raise RoPEError(f"positions must be [{', '.join(map(str, shape))}] for "
                             f"spec.mrope_section, got {tuple(positions.shape)}")
+    start_positions = _whole(start_positions, "start_positions")
+    sharded = isinstance(positions, DTensor) and any(p.is_shard() for p in positions.placements)
+    if not (lead or sharded):
+        positions = _whole(positions, "positions")
+        _check_whole(t, spec, start_positions, positions, table_len)
     if positions is not None:
-        if isinstance(positions, DTensor) and any(isinstance(p, Shard) for p in positions.placements):
+        if sharded:
             if list(positions.placements) != placements:
                 raise _refuse(
                     f"positions has placements {positions.placements}, expected {placements} "
@@ -528,7 +569,11 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
         if k_sharded != table_sharded:
             raise _refuse("k_freqs and freqs must both be sharded with the sequence, or neither")
         k_table = (k_tab, k_sin, k_kind, k_rows)
-    pos = _positions(t, spec, start_positions, positions, table_sharded)
+    table_len = rows if kind in ("rates", "precise_rates") else table.shape[0]
+    if k_table is not None:
+        table_len = min(table_len, k_rows if k_kind in ("rates", "precise_rates")
+                        else k_tab.shape[0])
+    pos = _positions(t, spec, start_positions, positions, table_sharded, table_len)
     settings = _Settings(t.dim() - 2, spec.layout, kind, rows, spec.interleaved,
                          float(spec.cos_sin_scale), spec.inverse, spec.rotary_offset,
                          spec.deinterleave, None, 0.0, 0.0, _sections(spec.mrope_section),

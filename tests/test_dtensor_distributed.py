@@ -528,6 +528,31 @@ def _check_dynamic_shapes(mesh, rank):
         assert_matches(grad.full_tensor(), ref_grad, F32, f"{what}: backward")
 
 
+def _check_index_refusals(mesh):
+    """start_positions, positions, cu_seqlens and the table's length are checked against the
+    global shape on every rank, as the plain call checks them (a shard saw only its part: a
+    wrong size passed, or failed on some ranks only with a message about rows)."""
+    spec = rd.RoPESpec(layout="bshd", dtype=F32)
+    angles = torch.rand(16, 8)
+    for shard in (1, 0, 2):  # the sequence, the batch, the heads
+        x = _shard(torch.randn(2, 5, 2, 8), mesh, _placements([shard]))
+        with pytest.raises(rd.RoPEError, match=r"positions must have shape \[b, s\] = \[2, 5\]"):
+            rd.apply(x, angles, spec, positions=torch.zeros(2, 7, dtype=torch.long),
+                     backend="eager")
+        with pytest.raises(rd.RoPEError, match=r"start_positions must have shape \[2\]"):
+            rd.apply(x, angles, spec, start_positions=torch.tensor([1, 2, 3]), backend="eager")
+        with pytest.raises(rd.RoPEError, match="start_positions must be int32 or int64"):
+            rd.apply(x, angles, spec, start_positions=torch.tensor([1.0, 2.0]), backend="eager")
+        with pytest.raises(rd.RoPEError, match="start_positions max 12 .* needs 17"):
+            rd.apply(x, angles, spec, start_positions=torch.tensor([12, 0]), backend="eager")
+        with pytest.raises(rd.RoPEError, match="freqs has 4 positions but the sequence needs 5"):
+            rd.apply(x, angles[:4], spec, backend="eager")
+        tokens = _shard(torch.randn(5, 2, 8), mesh, _placements([0 if shard == 1 else 1]))
+        thd = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 3, 7]))
+        with pytest.raises(rd.RoPEError, match=r"cu_seqlens\[-1\]=7 must equal the total"):
+            rd.apply(tokens, angles, thd, backend="eager")
+
+
 def _check_refusals(mesh):
     """What a DTensor call refuses, with its reason."""
     spec = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 4, 8]))
@@ -587,6 +612,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             _check_normed(mesh, case, rank, in_place=True)
             _check_normed(mesh, case, rank, in_place=True, grad=False)
         _check_refusals(mesh)
+        _check_index_refusals(mesh)
         _check_empty_table_shard(mesh, rank)
         _check_small_shards(mesh, rank)
         _check_context_parallel(mesh, rank)
