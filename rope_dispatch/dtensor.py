@@ -555,6 +555,9 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
         if not isinstance(k, DTensor) or (k.device_mesh is not t.device_mesh
                                           and k.device_mesh != t.device_mesh):
             raise _refuse("q is a DTensor, so k must be a DTensor on the same mesh")
+        from .call import _check_k
+
+        _check_k(t, k, in_place)  # the plain call's check, of the global shapes
         _check_placements(k, "k")
         if list(k.placements) != list(t.placements):
             raise _refuse(f"k has placements {k.placements} but q {t.placements}; expected the same")

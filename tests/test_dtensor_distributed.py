@@ -553,6 +553,23 @@ def _check_index_refusals(mesh):
             rd.apply(tokens, angles, thd, backend="eager")
 
 
+def _check_k_refusals(mesh):
+    """apply_qk's k must match q in dtype and every dim but the heads, as with plain tensors:
+    each rank's k was rotated by q's positions, so some ranks accepted a k of other tokens
+    (or of another dtype) and others failed naming rows."""
+    spec = rd.RoPESpec(layout="bshd", dtype=F32)
+    angles = torch.rand(16, 8)
+    for shard in (1, 0, 2):
+        placements = _placements([shard])
+        q = _shard(torch.randn(2, 5, 2, 8), mesh, placements)
+        for k in (torch.randn(2, 6, 2, 8), torch.randn(3, 5, 2, 8)):
+            with pytest.raises(rd.RoPEError, match=r"k \(.*\) must match q \(2, 5, 2, 8\)"):
+                rd.apply_qk(q, _shard(k, mesh, placements), angles, spec, backend="eager")
+        with pytest.raises(rd.RoPEError, match="k is bfloat16 on cpu but q is float32"):
+            rd.apply_qk(q, _shard(torch.randn(2, 5, 2, 8, dtype=torch.bfloat16), mesh,
+                                  placements), angles, spec, backend="eager")
+
+
 def _check_refusals(mesh):
     """What a DTensor call refuses, with its reason."""
     spec = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 4, 8]))
@@ -613,6 +630,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             _check_normed(mesh, case, rank, in_place=True, grad=False)
         _check_refusals(mesh)
         _check_index_refusals(mesh)
+        _check_k_refusals(mesh)
         _check_empty_table_shard(mesh, rank)
         _check_small_shards(mesh, rank)
         _check_context_parallel(mesh, rank)
