@@ -25,7 +25,7 @@ from .norm import HeadNorm, NormForm, check_norm
 from .spec import RoPESpec, dtype_name
 from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
-    table_requires_grad, table_shape,
+    table_requires_grad, table_shape, table_tensors,
 )
 from .tracing import fake, memoryless
 
@@ -361,6 +361,27 @@ def _check_split(split: object, channels: int) -> tuple[int, int, int]:
             "be multiples of it"
         )
     return q_len, k_len, v_len
+
+
+def refuse_dtensors_beside(error: Exception, t: object, freqs: object, k_freqs: object,
+                           k: object, start_positions: object, positions: object,
+                           norms: tuple) -> None:
+    """Raised from ``error`` (torch's, deep in a check or a backend, naming an aten op): a
+    DTensor among a plain ``t``'s arguments, refused by name; a distributed call passes ``t``
+    as a DTensor too. Asked only once a call failed, so a call that runs pays nothing."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or isinstance(t, module.DTensor) or isinstance(error, RoPEError):
+        return
+    named = (("freqs", freqs), ("k_freqs", k_freqs), ("k", k),
+             ("start_positions", start_positions), ("positions", positions),
+             ("q_norm", norms[0]), ("k_norm", norms[1]))
+    for name, x in named:
+        held = (x.weight,) if isinstance(x, HeadNorm) else table_tensors(x)
+        if any(isinstance(h, module.DTensor) for h in held):
+            raise RoPEError(
+                f"{name} is a DTensor but t is a plain tensor; pass t (and k) as DTensors on "
+                f"the same mesh (docs/context-parallel.md), or plain local tensors throughout"
+            ) from error
 
 
 def check_call(

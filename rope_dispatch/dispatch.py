@@ -24,7 +24,7 @@ import torch
 
 from . import autotune, registry
 from . import call as call_module
-from .call import RoPECall, check_call, grad_leaf, reads_values
+from .call import RoPECall, check_call, grad_leaf, reads_values, refuse_dtensors_beside
 from .call_keys import CallKey, call_key
 from .env import env_raw_reader, env_reader
 from .errors import BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError
@@ -563,12 +563,15 @@ def _run(
                         return run(t, freqs, spec, start_positions, positions, k, norms)
             key = (id(spec), id(freqs), forced, form)
     _refuse_torchscript()
-    call = check_call(
-        t, freqs, spec, start_positions, in_place=in_place, grad_in_place=grad_in_place,
-        split=split, k_freqs=k_freqs, positions=positions, k=k, q_norm=norms[0], k_norm=norms[1],
-    )
-    chosen, final = _choose(call, backend)
-    out = chosen.apply(call)
+    try:
+        call = check_call(t, freqs, spec, start_positions, in_place=in_place,
+                          grad_in_place=grad_in_place, split=split, k_freqs=k_freqs,
+                          positions=positions, k=k, q_norm=norms[0], k_norm=norms[1])
+        chosen, final = _choose(call, backend)
+        out = chosen.apply(call)
+    except (RuntimeError, NotImplementedError, TypeError) as error:  # a DTensor beside t?
+        refuse_dtensors_beside(error, t, freqs, k_freqs, k, start_positions, positions, norms)
+        raise
     if key is not None and final and not reads_values(spec) and spec.mrope_section is None:
         # planned after the call ran, so a backend can bind what that call compiled
         _keep_plan(key, tensors, spec, freqs, chosen, call)

@@ -12,6 +12,7 @@ global positions. A spawned job that hangs is killed at a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 
@@ -570,6 +571,28 @@ def _check_k_refusals(mesh):
                                   placements), angles, spec, backend="eager")
 
 
+def _check_plain_t_beside_dtensors(mesh):
+    """A plain t (or q) with a DTensor table, index, k or norm weight is refused by name (torch
+    raised 'got mixed torch.Tensor and DTensor' from inside a backend, or a tolist error)."""
+    spec = rd.RoPESpec(layout="bshd", dtype=F32)
+    q, angles = torch.randn(2, 4, 2, 8), torch.rand(8, 8)
+    replicated = _placements([None])
+    cases = (
+        ("freqs", lambda: rd.apply(q, _shard(angles, mesh, _placements([0])), spec)),
+        ("start_positions", lambda: rd.apply(q, angles, spec, start_positions=_shard(
+            torch.tensor([0, 1]), mesh, replicated))),
+        ("k", lambda: rd.apply_qk(q, _shard(torch.randn(2, 4, 1, 8), mesh, replicated), angles,
+                                  spec)),
+        ("q_norm", lambda: rd.apply_qk(q, q.clone(), angles, spec, q_norm=rd.HeadNorm(
+            _shard(torch.ones(8), mesh, replicated)))),
+    )
+    for name, call in cases:
+        for backend in (None, "eager"):
+            with rd.use_backend(backend) if backend else contextlib.nullcontext():
+                with pytest.raises(rd.RoPEError, match=f"{name} is a DTensor but t is a plain"):
+                    call()
+
+
 def _check_refusals(mesh):
     """What a DTensor call refuses, with its reason."""
     spec = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 4, 8]))
@@ -631,6 +654,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         _check_refusals(mesh)
         _check_index_refusals(mesh)
         _check_k_refusals(mesh)
+        _check_plain_t_beside_dtensors(mesh)
         _check_empty_table_shard(mesh, rank)
         _check_small_shards(mesh, rank)
         _check_context_parallel(mesh, rank)
