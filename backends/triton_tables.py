@@ -179,11 +179,15 @@ def current_flag(table: torch.Tensor, flag: torch.Tensor) -> torch.Tensor | None
         d2 = table.shape[1]
         block_c = next_pow2(d2)
         block_rows = max(1, 4096 // block_c)
-        flag.fill_(kernels.LINEAR_HALVES | kernels.LINEAR_PAIRS)
+        # checked apart, then copied in: a launch another thread queues meanwhile on the
+        # stream reads the flag as it was or as checked, never the check's starting guess
+        checked = torch.full_like(flag, kernels.LINEAR_HALVES | kernels.LINEAR_PAIRS)
         with on_device(table):
             kernels.linear_table_kernel[(-(-table.shape[0] // block_rows),)](
-                table, flag, table.shape[0], ROT_DIM=d2, BLOCK_ROWS=block_rows, BLOCK_C=block_c,
+                table, checked, table.shape[0], ROT_DIM=d2, BLOCK_ROWS=block_rows,
+                BLOCK_C=block_c,
             )
+        flag.copy_(checked)
         flag._rope_version = version  # type: ignore[attr-defined]
     return flag
 
@@ -261,12 +265,13 @@ def current_halves(cos: torch.Tensor, sin: torch.Tensor, flag: torch.Tensor) -> 
         bits = _BITS[cos.element_size()]
         block_c = next_pow2(d2 // 2)
         block_rows = max(1, 4096 // block_c)
-        flag.fill_(1)
+        checked = torch.ones_like(flag)  # checked apart, then copied in (current_flag)
         with on_device(cos):
             kernels.halves_table_kernel[(-(-rows // block_rows),)](
-                cos.view(bits), sin.view(bits), flag, rows, ROT_DIM=d2, BLOCK_ROWS=block_rows,
-                BLOCK_C=block_c,
+                cos.view(bits), sin.view(bits), checked, rows, ROT_DIM=d2,
+                BLOCK_ROWS=block_rows, BLOCK_C=block_c,
             )
+        flag.copy_(checked)
         flag._rope_version = version  # type: ignore[attr-defined]
         flag._rope_address = address  # type: ignore[attr-defined]
     return flag

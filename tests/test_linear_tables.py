@@ -248,6 +248,34 @@ def test_a_write_into_the_table_is_seen_by_the_next_call():
     assert_matches(out, reference_for(x.cpu(), freqs.view(30, -1).cpu(), spec), x.dtype, "back")
 
 
+def test_a_flag_being_checked_shows_no_guess(monkeypatch):
+    """While a written table's flag is checked again, the flag the kernels read holds its last
+    checked value: a launch another thread queues then (on the same stream) read the check's
+    starting guess, 'linear', of a table no longer linear."""
+    from rope_dispatch.backends import triton_kernels
+
+    freqs = linear_table(30, 4, False)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    x = torch.randn(30, 2, 2, 8).to(DEVICE)
+    rd.apply(x, freqs, spec, backend="triton")
+    rd.apply(x, freqs, spec, backend="triton")
+    freqs[9, 0, 0, 2] += 0.5  # no longer linear: its flag is checked at the next call
+    seen = []
+    kernel = triton_kernels.linear_table_kernel
+
+    class Watched:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(held_flags())  # what a launch queued now would read
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_kernels, "linear_table_kernel", Watched())
+    out = rd.apply(x, freqs, spec, backend="triton")
+    assert seen == [[HALVES]] and held_flags() == [0]
+    assert_matches(out, reference_for(x.cpu(), freqs.view(30, -1).cpu(), spec), x.dtype)
+
+
 @pytest.mark.parametrize("kind", ["apply", "qk"])
 def test_a_write_that_breaks_linearity_is_read_by_both_passes(kind):
     """A write after the table's first sight that makes it no longer linear: the next forward
