@@ -183,13 +183,14 @@ def store(pages: torch.Tensor, page: torch.Tensor, entry: torch.Tensor, valid: t
     """``pages[page[i], entry[i]] = values[i]`` for the tokens ``valid`` marks, bit for bit,
     with no host read: a token not written repeats the first written token's write (the same
     bytes to the same place), and when no token is written every write puts back the bytes of
-    entry (0, 0). Traced, a cache of a model dtype is written in its own dtype: Inductor
-    (torch 2.13) stores a write through a 16-bit integer view of a bfloat16 or float16 cache
-    as a conversion of the integer's value (1.5's bits, 16320, stored as 16320.0)."""
+    entry (0, 0). Traced, a cache of a model dtype, and any cache on a GPU, is written in its
+    own dtype: Inductor stores a write through an integer view of the cache as a conversion of
+    the integer's value (torch 2.13 on the CPU: 1.5's bits, 16320, stored as 16320.0; torch
+    2.11 on a GPU: no conversion of uint8 to FP8 compiles)."""
     tokens = values.shape[0]
     if tokens == 0:
         return
-    if torch.compiler.is_compiling() and pages.dtype in _MODEL_DTYPES:
+    if torch.compiler.is_compiling() and (pages.dtype in _MODEL_DTYPES or pages.is_cuda):
         target = pages
     else:
         bits = _BITS[values.element_size()]

@@ -119,14 +119,17 @@ def _paged_cache(caches: tuple[torch.Tensor, torch.Tensor], kv_indices: torch.Te
     as k. The last few stay referenced here with the tensors given, so the ids in a kept
     descriptor's key name no other tensor while it is kept."""
     given = (*caches, kv_indices, kv_indptr, batch_indices, positions)
-    key = (*map(id, given), kv_layout, page_size, scale, mla)
-    kept = _paged.get(key) if type(page_size) is int else None  # a bad page_size: the checks
+    traced = torch.compiler.is_compiling()  # the trace's own (Dynamo may not id() a tensor)
+    key = None if traced else (*map(id, given), kv_layout, page_size, scale, mla)
+    kept = _paged.get(key) if type(page_size) is int and key else None  # (bad: the checks)
     if kept is not None:
         return kept[0]
     pages = (caches[1].unsqueeze(2), caches[0].unsqueeze(2)) if mla else caches
     cache = FlashInferPagedKVCache(pages, kv_indices, kv_indptr, batch_indices, positions,
                                    kv_layout=kv_layout, page_size=page_size, k_scale=scale,
                                    v_scale=scale)
+    if traced:
+        return cache
     if len(_paged) >= _MAX_PAGED:
         _paged.clear()
     _paged[key] = (cache, given)
