@@ -487,10 +487,11 @@ def table_address(table: object) -> int | tuple[int, int]:
     return address_reader(table)(table)
 
 
-# id(freqs) -> (weak reference to freqs, its address, whether it is [s2, 1, 1, d2]): tables
-# checked lately. No tensor is held (a view would keep its base alive), so a table is freed as
-# soon as its owner drops it, and its entry with it.
-_recent_tables: dict[int, tuple[weakref.ref, int, bool]] = {}
+# id(freqs) -> (weak reference to freqs, its address, its checked shape): tables checked
+# lately. No tensor is held (a view would keep its base alive), so a table is freed as soon as
+# its owner drops it, and its entry with it. The shape is part of the entry: resize_ to fewer
+# elements keeps the address.
+_recent_tables: dict[int, tuple[weakref.ref, int, torch.Size]] = {}
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
@@ -514,10 +515,8 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
     hit = _recent_tables.get(key)
     if hit is not None and hit[0]() is freqs and hit[1] == freqs.data_ptr():
         shape = freqs.shape
-        if hit[2] and len(shape) == 4 and freqs.is_contiguous():
-            return freqs.view(shape[0], shape[3])
-        if not hit[2] and len(shape) == 2 and freqs.is_contiguous():
-            return freqs
+        if shape == hit[2] and freqs.is_contiguous():
+            return freqs.view(shape[0], shape[3]) if len(shape) == 4 else freqs
     table = _angles_2d(freqs, argument)
     if fake(freqs):  # a fake tensor used outside its mode: no memory, nothing to remember
         return table
@@ -525,7 +524,7 @@ def angles_2d(freqs: torch.Tensor, argument: str = "freqs") -> torch.Tensor:
         if len(_recent_tables) >= 8:
             _recent_tables.clear()
         _recent_tables[key] = (
-            weakref.ref(freqs, lambda ref: _forget(key, ref)), freqs.data_ptr(), freqs.dim() == 4
+            weakref.ref(freqs, lambda ref: _forget(key, ref)), freqs.data_ptr(), freqs.shape
         )
     return table
 

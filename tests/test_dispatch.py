@@ -309,6 +309,28 @@ def test_plans_and_remembered_tables_keep_no_table_alive(picky):
         assert ref() is None, "a plan or the table memo kept the table alive"
 
 
+def test_a_remembered_table_resized_in_place_is_checked_again():
+    """``resize_`` to fewer elements keeps a table's address: the table memo, which spares a
+    table passed to every layer its checks, must not serve the new shape unchecked."""
+    from rope_dispatch import tables
+
+    t = torch.randn(2, 10, 3, 8)
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    for new_shape, words in (((10, 1, 1, 5), r"even rotary dim d2 >= 2, got shape \(10, 5\)"),
+                             ((10, 1, 2, 4), r"shape \[s2, 1, 1, d2\], got \(10, 1, 2, 4\)")):
+        f = torch.rand(10, 1, 1, 8)
+        for _ in range(3):
+            rd.apply(t, f, spec)
+        assert tables.angles_2d(f).shape == (10, 8)
+        address = f.data_ptr()
+        f.resize_(new_shape)
+        assert f.data_ptr() == address
+        with pytest.raises(rd.RoPEError, match=words):
+            tables.angles_2d(f)
+        with pytest.raises(rd.RoPEError, match=words):
+            rd.apply(t, f, spec)
+
+
 def test_a_table_that_requires_grad_gets_its_gradient():
     """A learnable table (freqs.requires_grad): the call goes to a backend that differentiates
     the table (eager), with t's and the table's gradients as the float64 reference's; a backend
