@@ -274,10 +274,12 @@ def yarn_frequencies(
     if ramp_start == ramp_end:
         ramp_end += 0.001  # a ramp of width 0 would divide by zero
 
-    wavelength_terms = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    pairs = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu")
+    wavelength_terms = base ** (pairs / dim)
     kept = 1.0 / wavelength_terms
     interpolated = 1.0 / (factor * wavelength_terms)
-    ramp = (torch.arange(dim // 2, dtype=torch.float32) - ramp_start) / (ramp_end - ramp_start)
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device="cpu") - ramp_start
+    ramp = ramp / (ramp_end - ramp_start)
     kept_share = 1 - ramp.clamp(0, 1)
     rates = interpolated * (1 - kept_share) + kept * kept_share
     return RotaryFrequencies(rates, attention_factor=attention_factor, rope_type="yarn")
@@ -291,7 +293,7 @@ def _factor_list(argument: str, values: object, count: int) -> torch.Tensor:
         or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)
     ):
         raise RoPEError(f"{argument} must be {count} positive numbers (one per pair), got {values!r}")
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor(values, dtype=torch.float32, device="cpu")
 
 
 def longrope_frequencies(
@@ -326,7 +328,7 @@ def longrope_frequencies(
             )
         else:
             attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
-    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
     rates = 1.0 / (pair_factors * base ** exponents)
     return RotaryFrequencies(
         rates, attention_factor=attention_factor, rope_type="longrope", max_positions=length

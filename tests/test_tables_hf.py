@@ -587,3 +587,19 @@ def test_numpy_numbers_and_bad_helper_arguments():
     with pytest.raises(RoPEError, match=r"inv_freq must be a 1-D floating-point tensor of rates, got torch.float32 \(2, 4\)"):
         tables.angle_table(torch.ones(2, 4), 3)
     assert tables.angle_table(tables.inverse_frequencies(8), 0).shape == (0, 1, 1, 8)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_rates_are_made_on_the_cpu_under_a_default_device(case):
+    """The Hugging Face builders compute their rates on the CPU, as transformers does when a
+    model is built, whatever torch's default device: under ``with torch.device("meta")``
+    (models built empty, then materialised) every family gives the same real rates, and its
+    tables can be made."""
+    _, make_config, module_class, length = case
+    config = make_config()
+    expected, _ = hf_rates(config, module_class, length)
+    with torch.device("meta"):
+        f = from_hf_config(config, length)
+    assert f.inv_freq.device == torch.device("cpu")
+    torch.testing.assert_close(f.inv_freq, expected, rtol=RATES_RTOL, atol=0)
+    assert f.cos_sin_cache(length).cos.device == torch.device("cpu")
