@@ -586,6 +586,16 @@ def cos_sin_cache(freqs: torch.Tensor) -> CosSinCache:
     Evaluated in float64 and rounded once, so the cache is at least as accurate as the float32
     ``sincos`` a kernel would do; every backend gives the same results from either form.
     """
+    if isinstance(freqs, (CosSinCache, PairCosSinCache, RateTable)):
+        what = (
+            "its angles are rates.angle_table(interleaved=...), in the layout of the calls"
+            if isinstance(freqs, RateTable)
+            else "it is a cos/sin table already: pass it as freqs as it is"
+        )
+        raise RoPETypeError(
+            "cos_sin_cache takes an angle table (a float32 tensor [s2, 1, 1, d2] or [s2, d2]), "
+            f"got a {type(freqs).__name__}; {what}"
+        )
     angles = angles_2d(freqs).double()
     return CosSinCache(torch.cos(angles).float().contiguous(), torch.sin(angles).float().contiguous())
 
