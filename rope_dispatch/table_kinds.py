@@ -218,11 +218,13 @@ class RateTable:
                 "inv_freq.contiguous()"
             )
         rows = self.rows
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows < 1:
             raise RoPEError(
                 f"RateTable's rows must be a positive int (positions 0 .. rows - 1 are inside "
                 f"the table), got {rows!r}"
             )
+        rows = int(rows)  # a NumPy integer, as sizes elsewhere
+        object.__setattr__(self, "rows", rows)
         precise = self.precise
         if type(precise) is not bool:
             raise RoPETypeError(

@@ -424,6 +424,21 @@ def test_construction_errors(inv_freq, rows, words):
         rd.RateTable(inv_freq, rows)
 
 
+def test_numpy_rows_are_a_size_like_any_other():
+    """Sizes take Python or NumPy integers (as RoPESpec's, f.rate_table's and angle_table's
+    do): a NumPy row count is the same table, kept as a Python int."""
+    np = pytest.importorskip("numpy")
+    inv_freq = torch.tensor([1.0, 0.25])
+    for precise in (False, True):
+        table = rd.RateTable(inv_freq, np.int64(9), precise=precise)
+        assert type(table.rows) is int and table.rows == 9 and table.seq_len == 9
+        assert torch.equal(table.angle_table(), rd.RateTable(inv_freq, 9, precise=precise).angle_table())
+    t = torch.randn(1, 9, 2, 4)
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    assert torch.equal(rd.apply(t, rd.RateTable(inv_freq, np.int32(9)), spec),
+                       rd.apply(t, tables.angle_table(inv_freq, 9), spec))
+
+
 def test_properties_and_kept_angle_tables():
     inv_freq = torch.tensor([1.0, 0.5, 0.25])
     table = rd.RateTable(inv_freq, 7)
