@@ -675,6 +675,18 @@ def _autocast_off(device_type: str):
     return torch.autocast(device_type=device_type, enabled=False)
 
 
+def _check_rates(inv_freq: object) -> None:
+    """Refuse anything but a 1-D floating-point tensor of rates, naming ``inv_freq``."""
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1 or not (
+        inv_freq.is_floating_point()
+    ):
+        raise RoPEError(
+            "inv_freq must be a 1-D floating-point tensor of rates, got "
+            + (f"{inv_freq.dtype} {tuple(inv_freq.shape)}" if isinstance(inv_freq, torch.Tensor)
+               else type(inv_freq).__name__)
+        )
+
+
 def angle_table(
     inv_freq: torch.Tensor, length: int, *, offset: int | float = 0, scale: float = 1.0,
     interleaved: bool = False,
@@ -687,14 +699,7 @@ def angle_table(
     interpolation: ``1 / factor``); ``1.0`` leaves them unscaled. The result has ``inv_freq``'s
     dtype and device, is contiguous, and is computed with autocast off.
     """
-    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1 or not (
-        inv_freq.is_floating_point()
-    ):
-        raise RoPEError(
-            "inv_freq must be a 1-D floating-point tensor of rates, got "
-            + (f"{inv_freq.dtype} {tuple(inv_freq.shape)}" if isinstance(inv_freq, torch.Tensor)
-               else type(inv_freq).__name__)
-        )
+    _check_rates(inv_freq)
     if isinstance(length, bool) or not isinstance(length, (numbers.Integral, torch.SymInt)) or (
         length < 0
     ):
@@ -720,6 +725,7 @@ def reduced_angle_table(
     then rounded to float32 once: its sine and cosine are right to float32 rounding where the
     float32 product's are not (a precise :class:`RateTable`'s angles). Computed with autocast
     off, on ``inv_freq``'s device."""
+    _check_rates(inv_freq)
     if isinstance(length, bool) or not isinstance(length, (numbers.Integral, torch.SymInt)) or (
         length < 0
     ):

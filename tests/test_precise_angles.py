@@ -312,6 +312,18 @@ def test_precise_rates_must_be_finite(bad):
     rd.RateTable(float32_rates([0.5, bad]), 8)  # the default keeps its float32 products as given
 
 
+@pytest.mark.parametrize(("rates", "shown"), [
+    ([1.0, 0.5], "list"), (torch.ones(2, 3), r"torch.float32 \(2, 3\)"),
+    (torch.ones(3, dtype=torch.int64), r"torch.int64 \(3,\)"),
+])
+def test_reduced_angle_table_names_bad_rates(rates, shown):
+    """reduced_angle_table (public, as angle_table) checks its rates as angle_table does."""
+    words = f"inv_freq must be a 1-D floating-point tensor of rates, got {shown}"
+    for build in (tables.reduced_angle_table, tables.angle_table):
+        with pytest.raises(RoPEError, match=words):
+            build(rates, 4)
+
+
 def test_precise_rows_stop_at_2_to_the_24():
     rates = float32_rates(FAST_RATES)
     assert rd.RateTable(rates, TOP, precise=True).rows == TOP
