@@ -97,6 +97,7 @@ class RotaryFrequencies:
         (use :meth:`cos_sin_cache`) unless ``without_attention_factor=True`` says the caller
         applies it, as ``RoPESpec(cos_sin_scale=attention_factor)`` does in every backend.
         """
+        _check_flag("without_attention_factor", without_attention_factor)
         if self.attention_factor != 1.0 and not without_attention_factor:
             raise RoPEError(
                 f"this {self.rope_type!r} table has attention_factor={self.attention_factor:.6g}, "
@@ -105,8 +106,7 @@ class RotaryFrequencies:
                 f"cos_sin_scale={self.attention_factor!r}"
             )
         length = self._checked_length(max_positions)
-        if not isinstance(interleaved, bool):
-            raise RoPEError(f"interleaved must be a bool, got {interleaved!r}")
+        _check_flag("interleaved", interleaved)
         rates = self.inv_freq if device is None else self.inv_freq.to(device)
         return angle_table(rates, length, scale=self.position_scale, interleaved=interleaved)
 
@@ -134,6 +134,7 @@ class RotaryFrequencies:
                 "which a RateTable cannot carry (its angle is one product position * rate); "
                 "use angle_table()"
             )
+        _check_flag("without_attention_factor", without_attention_factor)
         if self.attention_factor != 1.0 and not without_attention_factor:
             raise RoPEError(
                 f"this {self.rope_type!r} table has attention_factor={self.attention_factor:.6g}, "
@@ -171,6 +172,12 @@ class RotaryFrequencies:
                 f"build them again for {length} positions"
             )
         return length
+
+
+def _check_flag(argument: str, value: object) -> None:
+    """Refuse a flag that is not a bool (a truthy string or number would pass for True)."""
+    if not isinstance(value, bool):
+        raise RoPEError(f"{argument} must be a bool, got {value!r}")
 
 
 def _cpu_rates(dim: int, base: float) -> torch.Tensor:

@@ -467,6 +467,20 @@ def test_builders_and_result_check_their_arguments():
         from_te_options(64, 16, rotary_percent=2.0)
 
 
+@pytest.mark.parametrize("value", ["False", 1.5, None])
+def test_without_attention_factor_must_be_a_bool(value):
+    """A YaRN table's attention factor is dropped only on an explicit True: a truthy string or
+    number (the factor itself passed by mistake) is refused, not read as True."""
+    f = tables.yarn_frequencies(64, factor=4.0, original_max_position_embeddings=64)
+    assert f.attention_factor != 1.0
+    words = f"without_attention_factor must be a bool, got {value!r}"
+    with pytest.raises(RoPEError, match=words):
+        f.angle_table(8, without_attention_factor=value)
+    with pytest.raises(RoPEError, match=words):
+        f.rate_table(8, without_attention_factor=value)
+    assert f.angle_table(8, without_attention_factor=True).shape == (8, 1, 1, 64)
+
+
 class _PerLayerConfig:
     """A heterogeneous config as transformers 5.23 lays one out: rope parameters per layer
     type, each layer type's own config in ``per_layer_config``, and a global ``head_dim`` that
