@@ -432,7 +432,8 @@ def test_numpy_rows_are_a_size_like_any_other():
     for precise in (False, True):
         table = rd.RateTable(inv_freq, np.int64(9), precise=precise)
         assert type(table.rows) is int and table.rows == 9 and table.seq_len == 9
-        assert torch.equal(table.angle_table(), rd.RateTable(inv_freq, 9, precise=precise).angle_table())
+        same = rd.RateTable(inv_freq, 9, precise=precise)
+        assert torch.equal(table.angle_table(), same.angle_table())
     t = torch.randn(1, 9, 2, 4)
     spec = rd.RoPESpec(layout="bshd", dtype="fp32")
     assert torch.equal(rd.apply(t, rd.RateTable(inv_freq, np.int32(9)), spec),
