@@ -196,8 +196,8 @@ def apply_rotary_pos_emb(
     returns them (attention factor included). Returns ``(q_embed, k_embed)`` with q's and k's
     shapes and dtype: views of new tensors contiguous in ``[b, s, heads, d]``. The math is
     float32, rounded once. Gradients flow to q and k, and to cos and sin where they require
-    grad (most models make them without). With ``d2 < d`` the first ``d2`` channels are rotated and the rest passed
-    through, where transformers' function would fail to broadcast.
+    grad (most models make them without). With ``d2 < d`` the first ``d2`` channels are
+    rotated and the rest passed through, where transformers' function would fail to broadcast.
 
     Inside the forward of an attention whose norms :func:`patch` fused, q and k arrive as the
     norms' inputs and are normalized in the same call (the whole head, then the rotation).
