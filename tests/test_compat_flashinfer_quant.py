@@ -511,6 +511,17 @@ def test_append_of_no_tokens_writes_nothing(attention):
     assert all(bool((c.float() == 1).all()) for c in args["paged_kv_cache"])
 
 
+@pytest.mark.parametrize("given", ["q_nope", "k_nope"])
+def test_append_with_one_nope_part_is_refused_by_name(given):
+    """GQA/MHA joins each side's parts into one head: a nope part on one side only was refused
+    as k's and q's joined shapes, which the caller never passed."""
+    other = "k_nope" if given == "q_nope" else "q_nope"
+    widths = (4, 0) if given == "q_nope" else (0, 4)
+    with pytest.raises(rd.RoPEError, match=f"q_nope has {widths[0]} channels a head but "
+                       f"k_nope {widths[1]}"):
+        small_append(**{other: None})
+
+
 # ---------------------------------------------------------------------------- the signatures
 
 

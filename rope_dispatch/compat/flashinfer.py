@@ -380,6 +380,10 @@ def rope_quantize_fp8_append_paged_kv_cache(
             f"v must be a tensor [nnz, num_kv_heads, head_dim] for GQA/MHA (3-D k_rope), got "
             f"{type(v).__name__}"
         )
+    widths = tuple(0 if x is None else x.shape[-1] for x in (q_nope, k_nope))
+    if widths[0] != widths[1]:  # q's and k's heads are joined to one head dim
+        raise RoPEError(f"q_nope has {widths[0]} channels a head but k_nope {widths[1]} (None: "
+                        "0); with GQA/MHA their nope parts must be equally wide")
     q, k = _joined("q", q_rope, q_nope), _joined("k", k_rope, k_nope)
     q_out = _joined("q_out", q_rope_out, q_nope_out, copy=False)
     if q_out is None:  # outputs apart: the core writes one, copied into them below
