@@ -63,6 +63,7 @@ def check_scale(value: object, name: str, device: torch.device) -> Scale:
                 f"{name} is on {value.device} but the cache is on {device}; expected the same "
                 "device"
             )
+        value = value.detach()  # a constant of the cache write, which has no backward
         if value.is_cpu and not memoryless() and not 0 < float(value) < math.inf:
             raise RoPEError(f"{name} must be positive, got {float(value)}")
         return value.reshape(())

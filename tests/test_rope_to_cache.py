@@ -385,6 +385,27 @@ def test_an_engine_cos_sin_cache_and_scale_tensors():
     assert not flat_k[[1, 2, 4, 5, 7, 8, 9, 10]].float().any()
 
 
+def test_scales_that_require_grad_are_taken_as_constants(recwarn):
+    """Scale tensors that require grad (a module's parameters), grad mode on: the write has no
+    backward, so they are its constants: no grad_fn on q's FP8 output, no warning from reading
+    a CPU scale's value, the stores as with plain scales."""
+    q, k, v, _, spec, positions, _ = small_call()
+    table = angle_table(16, 8, False)
+    kv = torch.zeros(2, 3, 4, 2, 8, dtype=torch.float8_e4m3fn)
+    slots = torch.tensor([3, 0, -1, 11, 6])
+    scale = torch.nn.Parameter(torch.tensor(0.5))
+    cache = rd.PagedKVCache(kv[0], kv[1], slots, k_scale=scale, v_scale=scale)
+    out = rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=cache,
+                           q_out=torch.empty(q.shape, dtype=torch.float8_e4m3fn), q_scale=scale)
+    assert out.grad_fn is None and not out.requires_grad
+    assert not [w for w in recwarn if "requires_grad" in str(w.message)]
+    assert_rounds_like(out, reference_rope(q, table, positions, False), 0.5, "q")
+    k_ref = reference_rope(k, table, positions, False)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert_rounds_like(kv[0].view(12, 2, 8)[slot], k_ref[token], 0.5, "k")
+
+
 def places_from_indices(cache: rd.KVCache) -> dict[int, tuple[int, int]]:
     """Where each token is written, read from the descriptor's index values in plain Python
     (tokens whose indices fall outside the cache are not written)."""
