@@ -82,6 +82,19 @@ class Rotation:
         return tuple(t._version for t in held
                      if t is not None and t.dtype is not tt.FLAG and not t.is_inference())
 
+    def versions(self) -> tuple[tuple, ...]:
+        """What the Function's backward compares with its forward's: the tables' and the norm
+        weights' version counters."""
+        return self.table_versions(), self.weight_versions()
+
+    def weight_versions(self) -> tuple[int, ...]:
+        """The version counters of the norm weights the backward reads again (the call's, or
+        the dense copies made for it): a weight written in place since the forward would give
+        the gradients of other weights than the forward's."""
+        norm = None if self.tabs is None else self.tabs.norm
+        return () if norm is None else tuple(
+            w._version for w in norm.weights if w is not None and not w.is_inference())
+
     def tables(self) -> Tables:
         if self.tabs is None:
             self.tabs = self.planned.tables(self.freqs, self.index, self.cu_seqlens)
@@ -154,7 +167,7 @@ class RoPEFunction(torch.autograd.Function):
         if rotation.launch.norm is not None:  # the norm's backward reads the forward's inputs
             sources = tuple(x.clone() for x in data) if rotation.launch.in_place else data
             ctx.save_for_backward(*sources)
-        ctx.versions = rotation.table_versions()
+        ctx.versions = rotation.versions()
         made = rotation.forward(data)
         if rotation.launch.in_place:
             ctx.mark_dirty(*data)
@@ -165,11 +178,18 @@ class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         rotation = ctx.rotation
-        if rotation.table_versions() != ctx.versions:
+        tables, weights = rotation.versions()
+        if tables != ctx.versions[0]:
             raise RoPEError(
                 "the table (freqs) was modified in place between the forward and the backward "
                 "of the triton backend's RoPE, which reads it again: rotate again, or write a "
                 "copy of the table"
+            )
+        if weights != ctx.versions[1]:
+            raise RoPEError(
+                "a norm weight (HeadNorm.weight) was modified in place between the forward and "
+                "the backward of the triton backend's RoPE, whose backward reads it again: run "
+                "the forward again, or write a copy of the weight"
             )
         return (None, *rotation.backward(grads, ctx.strides, ctx.saved_tensors))
 

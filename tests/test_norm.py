@@ -673,3 +673,51 @@ def test_a_head_norms_eps_offset_and_scope_are_fixed_and_its_weight_is_read_each
         for backend in ("eager", "triton"):
             got = rd.apply(x, table, spec, start_positions=starts, norm=norm, backend=backend)
             assert_matches(got, want, case.dtype, f"step {step} {backend}")
+
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("call", ["apply", "apply_qk", "apply_qkv"])
+@pytest.mark.parametrize("layout", ["dense", "strided"])
+def test_a_weight_written_between_forward_and_backward(call, layout):
+    """A norm weight written in place after the forward: eager's backward gives the gradients
+    of the forward's weight (the float64 reference's); the Triton backend's backward reads the
+    weight again, so it once returned the gradients of the new weight (input gradients off by
+    3.5 after doubling it). It now raises RoPEError naming the weight, as for the table, where
+    it reads the written tensor, and follows eager where it read a dense copy."""
+    gen = torch.Generator().manual_seed(9)
+    source = (torch.rand(16, generator=gen) + 0.5).to(DEVICE).requires_grad_(True)
+    spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
+    angles = (torch.rand(6, 8, generator=gen) * 6 - 3).to(DEVICE)
+    width = 24 if call == "apply_qkv" else 8  # packed: q, k and v of 8 channels each
+    data = torch.randn(3, 2, 2, width, generator=gen).to(DEVICE).requires_grad_(True)
+    k = torch.randn(3, 2, 1, 8, generator=gen).to(DEVICE)
+    for backend in ("eager", "triton"):
+        norm = rd.HeadNorm(source[:8] if layout == "dense" else source[::2], 1e-6)
+        if call == "apply":
+            out = rd.apply(data, angles, spec, norm=norm, backend=backend)
+        elif call == "apply_qk":
+            out = rd.apply_qk(data, k, angles, spec, q_norm=norm, backend=backend)[0]
+        else:
+            out = rd.apply_qkv(data, angles, spec, (8, 8, 8), q_norm=norm, backend=backend)[0]
+        grad_out = torch.randn(out.shape, generator=gen).to(DEVICE)
+        saved = source.detach().clone()
+        with torch.no_grad():
+            source.mul_(2.0)
+        if backend == "triton" and layout == "dense":
+            with pytest.raises(rd.RoPEError, match=r"norm weight \(HeadNorm.weight\) was "
+                                                   r"modified in place"):
+                torch.autograd.grad(out, (data, source), grad_out)
+        else:
+            got = torch.autograd.grad(out, (data, source), grad_out)
+            d64 = data.detach().double().requires_grad_(True)
+            s64 = saved.double().requires_grad_(True)
+            w64 = s64[:8] if layout == "dense" else s64[::2]
+            x64 = d64[..., :8] if call == "apply_qkv" else d64
+            ref = reference_for(reference_head_norm(x64, w64, 1e-6, 0.0, "head"), angles, spec)
+            want = torch.autograd.grad(ref, (d64, s64), grad_out.double())
+            assert_matches(got[0], want[0], torch.float32, f"{backend} dx")
+            scale = 1.0 + float(want[1].abs().max())
+            assert_matches(got[1] / scale, want[1] / scale, torch.float32, f"{backend} dw")
+        with torch.no_grad():
+            source.copy_(saved)

@@ -1042,8 +1042,8 @@ class _Tripling:
         in_place = False
         norm = None
 
-    def table_versions(self):
-        return ()
+    def versions(self):
+        return (), ()
 
     def forward(self, inputs):
         return (inputs[0] * 3,)
