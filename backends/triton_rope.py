@@ -83,9 +83,25 @@ class Rotation:
                      if t is not None and t.dtype is not tt.FLAG and not t.is_inference())
 
     def versions(self) -> tuple[tuple, ...]:
-        """What the Function's backward compares with its forward's: the tables' and the norm
-        weights' version counters."""
-        return self.table_versions(), self.weight_versions()
+        """What the Function's backward compares with its forward's: the tables', the norm
+        weights' and the index tensors' version counters."""
+        return self.table_versions(), self.weight_versions(), self.index_versions()
+
+    def index_versions(self) -> tuple[tuple[str, int], ...]:
+        """The names and version counters of the index tensors the backward reads again
+        (``start_positions`` or per-token ``positions``, thd's ``cu_seqlens``): one written in
+        place since the forward would place the gradient's tokens at other rows."""
+        planned = self.planned
+        if planned is not None:
+            index, cu, per_token = self.index, self.cu_seqlens, planned.per_token
+        else:
+            index, per_token = self.tabs.index, self.tabs.index is not None and (
+                self.tabs.index.dim() == 2)
+            cu = self.tabs.cu if self.launch.layout == "thd" else None  # else a halves flag
+        named = (("positions" if per_token else "start_positions", index),
+                 ("spec.cu_seqlens", cu))
+        return tuple((name, t._version) for name, t in named
+                     if t is not None and not t.is_inference())
 
     def weight_versions(self) -> tuple[int, ...]:
         """The version counters of the norm weights the backward reads again (the call's, or
@@ -178,7 +194,7 @@ class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         rotation = ctx.rotation
-        tables, weights = rotation.versions()
+        tables, weights, indices = rotation.versions()
         if tables != ctx.versions[0]:
             raise RoPEError(
                 "the table (freqs) was modified in place between the forward and the backward "
@@ -190,6 +206,13 @@ class RoPEFunction(torch.autograd.Function):
                 "a norm weight (HeadNorm.weight) was modified in place between the forward and "
                 "the backward of the triton backend's RoPE, whose backward reads it again: run "
                 "the forward again, or write a copy of the weight"
+            )
+        moved = [name for (name, v), (_, w) in zip(ctx.versions[2], indices) if v != w]
+        if moved:
+            raise RoPEError(
+                f"{moved[0]} was modified in place between the forward and the backward of the "
+                f"triton backend's RoPE, whose backward reads it again to place each token's "
+                f"gradient: run the forward again, or write a copy of {moved[0]}"
             )
         return (None, *rotation.backward(grads, ctx.strides, ctx.saved_tensors))
 

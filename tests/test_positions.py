@@ -110,3 +110,52 @@ def test_compile_backend_takes_positions():
         pytest.skip("compile backend unavailable: " + "; ".join(rd.get_backend("compile").availability))
     case = fixed_case(layout="thd", seqlens=(3, 6, 4), per_token=True, interleaved=True, rotary_dim=10)
     check_positions(case, "compile", "cpu", drop_offsets=True)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("index", ["positions", "start_positions", "spec.cu_seqlens"])
+@pytest.mark.parametrize("call", ["apply", "apply_qk", "apply_"])
+def test_an_index_written_between_forward_and_backward(index, call):
+    """An index tensor written in place after the forward (a buffer of positions or offsets
+    reused for the next micro-batch): eager's backward gives the forward's gradient (the float64
+    reference's); the Triton backend's backward reads the index again, so it once placed each
+    token's gradient at the new rows (off by 4). It now raises RoPEError naming the tensor, as
+    for the table."""
+    gen = torch.Generator().manual_seed(3)
+    angles = (torch.rand(16, 8, generator=gen) * 6 - 3).to(DEVICE)
+    if index == "spec.cu_seqlens":
+        given = torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE)
+        spec = rd.RoPESpec(layout="thd", dtype=torch.float32, cu_seqlens=given)
+        shape, kwargs = (6, 2, 8), {}
+    else:
+        spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
+        shape = (3, 2, 2, 8)
+        given = (torch.randint(0, 8, (3, 2), generator=gen) if index == "positions"
+                 else torch.tensor([1, 2])).to(DEVICE)
+        kwargs = {index: given}
+    saved = given.clone()
+    x = torch.randn(shape, generator=gen).to(DEVICE).requires_grad_(True)
+    for backend in ("eager", "triton"):
+        if call == "apply":
+            out = rd.apply(x, angles, spec, backend=backend, **kwargs)
+        elif call == "apply_qk":
+            out = rd.apply_qk(x, x.detach(), angles, spec, backend=backend, **kwargs)[0]
+        else:
+            out = rd.apply_(x * 1, angles, spec, backend=backend, **kwargs)
+        grad_out = torch.randn(out.shape, generator=gen).to(DEVICE)
+        with torch.no_grad():
+            given[1] += 2
+        if backend == "triton":
+            with pytest.raises(rd.RoPEError, match=f"{index} was modified in place"):
+                torch.autograd.grad(out, x, grad_out)
+        else:
+            (got,) = torch.autograd.grad(out, x, grad_out)
+            x64 = x.detach().double().requires_grad_(True)
+            if index == "spec.cu_seqlens":
+                ref = reference_for(x64, angles, spec.with_cu_seqlens(saved.cpu()))
+            else:
+                ref = reference_for(x64, angles, spec, **{index: saved.cpu()})
+            (want,) = torch.autograd.grad(ref, x64, grad_out.double())
+            assert_matches(got, want, torch.float32, f"{backend} gradient")
+        with torch.no_grad():
+            given.copy_(saved)
