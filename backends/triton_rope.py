@@ -71,45 +71,28 @@ class Rotation:
         kind = self.launch.tensors
         return 2 if kind == "qk" else 3 if kind == "qkv" and self.launch.backward else 1
 
-    def table_versions(self) -> tuple[int, ...]:
-        """The version counters of the table tensors the backward reads again (the call's, or
-        copies made for it; tensors made under inference mode have none): the Function's
-        backward raises where one moved since the forward, as autograd does for any tensor it
-        keeps (eager's backward uses the cos and sin its forward computed)."""
-        tabs = self.tabs
-        held = (table_tensors(self.freqs) if tabs is None
-                else (tabs.table, tabs.sin, tabs.k_table, tabs.k_sin))
-        return tuple(t._version for t in held
-                     if t is not None and t.dtype is not tt.FLAG and not t.is_inference())
-
-    def versions(self) -> tuple[tuple, ...]:
-        """What the Function's backward compares with its forward's: the tables', the norm
-        weights' and the index tensors' version counters."""
-        return self.table_versions(), self.weight_versions(), self.index_versions()
-
-    def index_versions(self) -> tuple[tuple[str, int], ...]:
-        """The names and version counters of the index tensors the backward reads again
-        (``start_positions`` or per-token ``positions``, thd's ``cu_seqlens``): one written in
-        place since the forward would place the gradient's tokens at other rows."""
-        planned = self.planned
+    def versions(self) -> tuple[tuple[str, int], ...]:
+        """The names and version counters of the tensors the backward reads again: the table's
+        (the call's, or copies made for it), the norm weights' and the index tensors' (tensors
+        made under inference mode have none). The Function's backward raises where one moved
+        since the forward, as autograd does for any tensor it keeps (eager's backward keeps the
+        cos and sin its forward gathered, and the forward's weights)."""
+        tabs, planned = self.tabs, self.planned
+        held = [("the table (freqs)", t) for t in (
+            table_tensors(self.freqs) if tabs is None
+            else (tabs.table, tabs.sin, tabs.k_table, tabs.k_sin))
+            if t is not None and t.dtype is not tt.FLAG]
+        if tabs is not None and tabs.norm is not None:
+            held += [("a norm weight (HeadNorm.weight)", w) for w in tabs.norm.weights]
         if planned is not None:
             index, cu, per_token = self.index, self.cu_seqlens, planned.per_token
-        else:
-            index, per_token = self.tabs.index, self.tabs.index is not None and (
-                self.tabs.index.dim() == 2)
-            cu = self.tabs.cu if self.launch.layout == "thd" else None  # else a halves flag
-        named = (("positions" if per_token else "start_positions", index),
-                 ("spec.cu_seqlens", cu))
-        return tuple((name, t._version) for name, t in named
+        else:  # (on sbhd and bshd a halves flag rides in cu_seqlens' slot)
+            index, cu = tabs.index, tabs.cu if self.launch.layout == "thd" else None
+            per_token = index is not None and index.dim() == 2
+        held += [("positions" if per_token else "start_positions", index),
+                 ("spec.cu_seqlens", cu)]
+        return tuple((name, t._version) for name, t in held
                      if t is not None and not t.is_inference())
-
-    def weight_versions(self) -> tuple[int, ...]:
-        """The version counters of the norm weights the backward reads again (the call's, or
-        the dense copies made for it): a weight written in place since the forward would give
-        the gradients of other weights than the forward's."""
-        norm = None if self.tabs is None else self.tabs.norm
-        return () if norm is None else tuple(
-            w._version for w in norm.weights if w is not None and not w.is_inference())
 
     def tables(self) -> Tables:
         if self.tabs is None:
@@ -194,25 +177,12 @@ class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         rotation = ctx.rotation
-        tables, weights, indices = rotation.versions()
-        if tables != ctx.versions[0]:
-            raise RoPEError(
-                "the table (freqs) was modified in place between the forward and the backward "
-                "of the triton backend's RoPE, which reads it again: rotate again, or write a "
-                "copy of the table"
-            )
-        if weights != ctx.versions[1]:
-            raise RoPEError(
-                "a norm weight (HeadNorm.weight) was modified in place between the forward and "
-                "the backward of the triton backend's RoPE, whose backward reads it again: run "
-                "the forward again, or write a copy of the weight"
-            )
-        moved = [name for (name, v), (_, w) in zip(ctx.versions[2], indices) if v != w]
+        moved = [name for (name, v), (_, w) in zip(ctx.versions, rotation.versions()) if v != w]
         if moved:
             raise RoPEError(
                 f"{moved[0]} was modified in place between the forward and the backward of the "
-                f"triton backend's RoPE, whose backward reads it again to place each token's "
-                f"gradient: run the forward again, or write a copy of {moved[0]}"
+                "triton backend's RoPE, whose backward reads it again: run the forward again, "
+                "or write a copy"
             )
         return (None, *rotation.backward(grads, ctx.strides, ctx.saved_tensors))
 

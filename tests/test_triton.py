@@ -1043,7 +1043,7 @@ class _Tripling:
         norm = None
 
     def versions(self):
-        return (), (), ()
+        return ()
 
     def forward(self, inputs):
         return (inputs[0] * 3,)
