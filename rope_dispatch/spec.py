@@ -344,8 +344,8 @@ class RoPESpec(BaseModel):
                 f"cos_sin_scale must lie in float32's normal range [{FLOAT32_TINY}, "
                 f"{FLOAT32_MAX}] (cos and sin are scaled in float32), got {self.cos_sin_scale}"
             )
-        if self.max_seqlen is not None and self.max_seqlen < 1:
-            raise ValueError(f"max_seqlen must be >= 1, got {self.max_seqlen}")
+        if self.max_seqlen is not None and self.max_seqlen < 0:  # (0: a batch of no tokens)
+            raise ValueError(f"max_seqlen must be >= 0, got {self.max_seqlen}")
         if self.mrope_section is not None:
             if min(self.mrope_section) < 0 or sum(self.mrope_section) == 0:
                 raise ValueError(
@@ -397,8 +397,8 @@ class RoPESpec(BaseModel):
             max_seqlen = _integer(max_seqlen)
         except ValueError as exc:
             raise RoPEError(f"max_seqlen: {exc}") from None
-        if max_seqlen is not None and max_seqlen < 1:
-            raise RoPEError(f"max_seqlen must be >= 1, got {max_seqlen}")
+        if max_seqlen is not None and max_seqlen < 0:
+            raise RoPEError(f"max_seqlen must be >= 0, got {max_seqlen}")
         if torch.compiler.is_compiling():
             # pydantic's copy (its object's __dict__ copied in C) and its frozen __setattr__
             # cannot be traced: Dynamo traces a new object given this one's fields

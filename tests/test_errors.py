@@ -174,6 +174,7 @@ THD_T = torch.randn(10, 2, 8)
         ([1, 6, 10], {}, ["start at 0", "1"]),
         ([0, 6, 12], {}, ["cu_seqlens[-1]=12", "t.shape[0]=10"]),
         ([0, 6, 10], dict(max_seqlen=5), ["max_seqlen=5", "length 6"]),
+        ([0, 0, 10], dict(max_seqlen=0), ["max_seqlen=0", "length 10"]),
         ([0, 10, 20], dict(cp_size=2), ["divisible by 2*cp_size=4", "length 10"]),
         ([0, 3, 10], dict(freqs_len=6), ["6 positions", "up to 6", ">= 7"]),
     ],
@@ -290,6 +291,21 @@ def test_with_cu_seqlens_checks_tensor():
         with pytest.raises(rd.RoPEError, match=f"max_seqlen: expected an integer, got {bad!r}"):
             spec.with_cu_seqlens(torch.tensor([0, 4, 10]), max_seqlen=bad)  # bare TypeError)
     assert rd.apply(THD_T, torch.rand(6, 8), new).shape == THD_T.shape
+    with pytest.raises(rd.RoPEError, match="max_seqlen must be >= 0, got -1"):
+        spec.with_cu_seqlens(torch.tensor([0, 10]), max_seqlen=-1)
+
+
+def test_a_batch_of_no_tokens_takes_max_seqlen_0():
+    """A caller's max(lengths) of a batch whose sequences are all empty: nothing to rotate."""
+    empty = torch.tensor([0, 0, 0], dtype=torch.int32)
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=empty, max_seqlen=0)
+    for backend in ("eager", "triton"):
+        if not rd.get_backend(backend).available:
+            continue
+        out = rd.apply(torch.randn(0, 2, 8), torch.rand(4, 8), spec, backend=backend)
+        assert out.shape == (0, 2, 8)
+    again = spec.with_cu_seqlens(empty, max_seqlen=0)
+    assert again.max_seqlen == 0
 
 
 def test_errors_are_value_errors():
