@@ -526,7 +526,8 @@ def test_core_errors_are_rope_errors():
     with pytest.raises(rd.RoPEError, match="thd.*cu_seqlens"):
         apply_rotary_pos_emb(t, freqs, "thd")
     x = torch.randn(SEQ, BATCH, HEADS, HEAD_DIM)
-    with pytest.raises(rd.RoPEError, match="sbdh"):
+    bad_format = "tensor_format must be 'sbhd', 'bshd' or 'thd', got 'sbdh'"  # TE's name
+    with pytest.raises(rd.RoPEError, match=bad_format):
         apply_rotary_pos_emb(x, freqs, "sbdh")
     with pytest.raises(rd.RoPEError, match="needs 8"):
         apply_rotary_pos_emb(x, freqs[:SEQ], cp_size=2)
@@ -537,7 +538,7 @@ def test_core_errors_are_rope_errors():
     with pytest.raises(rd.RoPEError, match="cp_rank"):
         apply_rotary_pos_emb(x, freqs, cp_size=2, cp_rank=2)
     qkv, q, k, split, _ = _qkv_inputs()
-    with pytest.raises(rd.RoPEError, match="sbdh"):
+    with pytest.raises(rd.RoPEError, match=bad_format):
         apply_fused_qkv_rotary_pos_emb(qkv, q, k, list(split), "sbdh")
     with pytest.raises(rd.RoPEError, match="split"):
         apply_fused_qkv_rotary_pos_emb(qkv, q, k, [4 * QKV_D, QKV_D, QKV_D + 1])

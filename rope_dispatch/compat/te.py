@@ -59,6 +59,7 @@ __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_fused_qkv_r
 # it keeps that small offsets tensor alive until another one arrives.
 _specs: dict[tuple, RoPESpec] = {}
 _MAX_SPECS = 64
+_FORMATS = ("sbhd", "bshd", "thd")
 
 
 def _spec(
@@ -78,6 +79,9 @@ def _spec(
         spec, key = None, None
     if spec is not None and spec.cu_seqlens is cu_seqlens:
         return spec
+    if spec is None and not (isinstance(tensor_format, str) and tensor_format in _FORMATS):
+        # the spec would name its own field, layout, which a caller of TE's API never passed
+        raise RoPEError(f"tensor_format must be 'sbhd', 'bshd' or 'thd', got {tensor_format!r}")
     if torch.compiler.is_compiling():  # the cache is left alone: a spec made here is the trace's
         if spec is None:
             spec = constant_spec(layout=tensor_format, dtype=dtype, interleaved=interleaved,
