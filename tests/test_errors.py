@@ -297,12 +297,14 @@ def test_with_cu_seqlens_checks_tensor():
 
 def test_a_batch_of_no_tokens_takes_max_seqlen_0():
     """A caller's max(lengths) of a batch whose sequences are all empty: nothing to rotate."""
-    empty = torch.tensor([0, 0, 0], dtype=torch.int32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    empty = torch.tensor([0, 0, 0], dtype=torch.int32, device=device)
     spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=empty, max_seqlen=0)
     for backend in ("eager", "triton"):
         if not rd.get_backend(backend).available:
             continue
-        out = rd.apply(torch.randn(0, 2, 8), torch.rand(4, 8), spec, backend=backend)
+        out = rd.apply(torch.randn(0, 2, 8, device=device), torch.rand(4, 8, device=device),
+                       spec, backend=backend)
         assert out.shape == (0, 2, 8)
     again = spec.with_cu_seqlens(empty, max_seqlen=0)
     assert again.max_seqlen == 0
