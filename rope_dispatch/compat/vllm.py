@@ -22,8 +22,8 @@ Decisions, where vLLM's op and ours could differ:
   cache tensor and made again when the cache is written in place (not seen for an inference
   tensor, which has no version counter; a call traced by ``torch.compile``, on fake tensors or
   under a ``torch.func`` transform widens the rows it reads and keeps nothing): exact, as
-  vLLM's kernels widen each entry too. ``inverse=True`` is the spec's ``inverse`` (the rotation by
-  minus the angle, exact: the transpose, whose pair shares one sine), on the same table.
+  vLLM's kernels widen each entry too. ``inverse=True`` is the spec's ``inverse`` (the rotation
+  by minus the angle, exact: the transpose, whose pair shares one sine), on the same table.
 - The fused op keeps the normalized value in float32 until the rotation, as vLLM's kernel does
   (its unfused path, ``RMSNorm`` then ``rotary_embedding``, rounds twice). Ours computes
   ``x * rsqrt(mean(x**2) + eps) * w``; vLLM's ``x * (rsqrtf(..) * w)`` with a warp-tree sum:
@@ -289,8 +289,8 @@ def fused_qk_norm_rope(
     q_norm = HeadNorm(_weight("q_weight", q_weight, head_dim, qkv.dtype), eps)
     k_norm = HeadNorm(_weight("k_weight", k_weight, head_dim, qkv.dtype), eps)
     heads = qkv.view(qkv.shape[0], hq + hk + hv, head_dim)
+    table, positions = _table(cos_sin_cache, positions)
     try:
-        table, positions = _table(cos_sin_cache, positions)
         apply_qk_(heads[:, :hq], heads[:, hq : hq + hk], table,
                   _spec("thd", qkv.dtype, not is_neox), positions=positions, q_norm=q_norm,
                   k_norm=k_norm)
