@@ -477,14 +477,15 @@ def check_patched_equals_unpatched(family, monkeypatch, rebind):
     real = hf.apply_qk
     monkeypatch.setattr(hf, "apply_qk", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     rebind(model, module)
+    replaced = {name: hf._replacement(name, originals[name]) for name in names}
     for name in names:
-        assert getattr(module, name) is hf._REPLACEMENTS[name]
-        setattr(module, name, recording(hf._REPLACEMENTS[name], ours))
+        assert getattr(module, name) is replaced[name]
+        setattr(module, name, recording(replaced[name], ours))
     try:
         hidden, grads = step(model, family)
     finally:
         for name in names:
-            setattr(module, name, hf._REPLACEMENTS[name])
+            setattr(module, name, replaced[name])
     assert calls, "the patched model made no RoPE call"
     assert len(ours) == len(theirs) == len(calls)
     for index, (got, want) in enumerate(zip(ours, theirs)):
@@ -524,7 +525,8 @@ def test_other_callers_of_the_function_give_the_same_outputs_and_gradients(calle
     check_patched_equals_unpatched(
         caller, monkeypatch,
         lambda model, module: monkeypatch.setattr(
-            module, "apply_rotary_pos_emb", hf.apply_rotary_pos_emb),
+            module, "apply_rotary_pos_emb",
+            hf._replacement("apply_rotary_pos_emb", module.apply_rotary_pos_emb)),
     )
 
 
