@@ -273,6 +273,34 @@ def test_a_data_parallel_replica_runs_its_own_weights_fused(family, monkeypatch)
     ]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices; runs on the "
+                    "two-GPU machine (scripts/device_check.sh)")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_data_parallel_on_two_gpus_gives_the_unpatched_results():
+    """A patched Qwen3 under a real ``nn.DataParallel`` over two GPUs (one row each): the
+    replica on the second GPU runs its own weights there, fused, and the logits and every
+    gradient (summed back onto the first GPU) are those of the unpatched model."""
+    model = tiny_model("Qwen3").cuda(0)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        wrapped = torch.nn.DataParallel(model, device_ids=[0, 1])
+        out = wrapped(input_ids=IDS.cuda(0), position_ids=POSITIONS.cuda(0),
+                      labels=IDS.cuda(0))
+        out.loss.mean().backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                     if p.grad is not None}
+
+    expected = run()
+    hf.patch(model)
+    try:
+        got = run()
+    finally:
+        hf.unpatch(model)
+    check_same(got, expected)
+
+
 def test_a_forward_that_moves_q_off_the_norms_input_is_refused():
     """Something between the norm and the RoPE call that copies q (a later transformers, a
     hook): the norm cannot be applied where it was left out, so the call raises."""
