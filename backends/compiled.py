@@ -43,7 +43,7 @@ from rope_dispatch.norm import head_norm, head_norm_backward
 from rope_dispatch.registry import Backend
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import CosSinCache, RateTable
-from rope_dispatch.tracing import fake, import_dynamo, memoryless
+from rope_dispatch.tracing import fake, import_dynamo, memoryless, recompile_limit_hit
 
 from .eager import rope_eager, rope_tensors
 
@@ -455,7 +455,7 @@ class CompileBackend(Backend):
                 # and strides are specialised: an expanded or empty input each adds a graph);
                 # fullgraph=True makes that a hard error. The graphs compiled so far still
                 # serve their layouts; this one runs the eager math.
-                if not (fallback and _recompile_limit_hit(exc)):
+                if not (fallback and recompile_limit_hit(exc)):
                     raise
                 if slot not in self._over_limit:
                     self._over_limit.add(slot)
@@ -523,12 +523,6 @@ class _CompiledRoPE(torch.autograd.Function):
         grad_t, grad_weight = grads
         return (None, None, None, None, grad_t if ctx.needs_input_grad[4] else None, None, None,
                 None, None, grad_weight if ctx.needs_input_grad[9] else None)
-
-
-def _recompile_limit_hit(exc: BaseException) -> bool:
-    """Whether ``exc`` is Dynamo refusing a new graph past its recompile limit."""
-    return any(type(e).__name__ in ("FailOnRecompileLimitHit", "RecompileLimitExceeded")
-               for e in (exc, exc.__cause__) if e is not None)
 
 
 def _summary(exc: BaseException) -> str:

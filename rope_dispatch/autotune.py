@@ -44,7 +44,7 @@ from .autotune_cache import (
 from .call import RoPECall, reads_values, wants_grad
 from .errors import RoPEError
 from .registry import Backend
-from .tracing import PLAIN_TENSORS, constant_while_tracing, transformed
+from .tracing import PLAIN_TENSORS, constant_while_tracing, recompile_limit_hit, transformed
 
 __all__ = [
     "HOT_CALLS", "MEASURE_BUDGET_SECONDS", "SCHEMA_VERSION", "CacheKey", "autotune_enabled",
@@ -365,13 +365,14 @@ def _measure(call: RoPECall, candidates: list[Backend], key: CacheKey) -> dict[s
     """Time every candidate; the entry that records the fastest."""
     needs_grad = wants_grad(call)
     failed: dict[str, str] = {}
-    out_of_memory = False
+    transient = False  # a failure of this process's state, not of the key: kept from the file
     seconds, raised = _time_backends(candidates, call, needs_grad)
     times = {name: sec * 1e6 for name, sec in seconds.items()}
     for name, exc in raised.items():  # a candidate that fails here would fail the real call too
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
         failed[name] = error
-        out_of_memory |= isinstance(exc, torch.OutOfMemoryError)
+        # out of memory, or Dynamo's recompile limit reached by this process's earlier calls
+        transient |= isinstance(exc, torch.OutOfMemoryError) or recompile_limit_hit(exc)
         if name not in _failed_backends:
             _failed_backends.add(name)
             warnings.warn(
@@ -394,7 +395,7 @@ def _measure(call: RoPECall, candidates: list[Backend], key: CacheKey) -> dict[s
         "failed": failed,
         "measured": "forward+backward" if needs_grad else "forward",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "transient_failure": out_of_memory,
+        "transient_failure": transient,
     }
 
 

@@ -38,6 +38,13 @@ PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 """Tensor types that are never fake (asked before the fake tensor module's own test)."""
 
 
+def recompile_limit_hit(exc: BaseException) -> bool:
+    """Whether ``exc`` is Dynamo refusing a new graph past its recompile limit: a state of this
+    process (the graphs its earlier calls compiled), not of the call."""
+    return any(type(e).__name__ in ("FailOnRecompileLimitHit", "RecompileLimitExceeded")
+               for e in (exc, exc.__cause__) if e is not None)
+
+
 def _fake_mode_active() -> bool:
     return torch._C._get_dispatch_mode(_FAKE_MODE) is not None
 

@@ -509,6 +509,32 @@ def test_a_backend_that_raises_is_skipped_with_one_warning(fakes, measurements):
     assert measurements() == 2
 
 
+def test_a_recompile_limit_met_while_measured_is_not_stored(fakes, measurements):
+    """Dynamo's recompile limit is reached by the layouts this process compiled before, not by
+    the key: a later process would compile the candidate, so nothing is written for it."""
+
+    class FailOnRecompileLimitHit(RuntimeError):  # the name Dynamo's error goes by
+        pass
+
+    class LimitHit(autotune_fakes.FakeBackend):
+        def apply(self, call):
+            raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+
+    registry.register(LimitHit("limited", 100, 0.0))
+    t, freqs = inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = rd.apply(t, freqs, SPEC)
+    assert_matches(out, reference_for(t, freqs, SPEC), torch.float32)
+    assert rd.cache_entries() == []  # kept in memory only
+    assert rd.explain(t, freqs, SPEC).chosen == "fast"
+    autotune.clear_cache(memory_only=True)  # as a later process would start
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rd.apply(t, freqs, SPEC)
+    assert measurements() == 2  # measured again
+
+
 def test_clear_cache_removes_only_its_own_files(fakes, cache, measurements):
     t, freqs = inputs()
     rd.apply(t, freqs, SPEC)
