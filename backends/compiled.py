@@ -369,13 +369,14 @@ class CompileBackend(Backend):
         return reasons
 
     def explain_note(self, call: RoPECall) -> str:
-        """Whether this call's spec is compiled yet; the first call of a spec compiles."""
+        """Whether what this call runs (its backward too, where autograd records it) is
+        compiled yet; the first call of a spec compiles."""
         if not self.available:
             return ""
         key = compile_key(call)
         if key in self._failed:
             return f"compiling this spec failed in this process, it runs eager: {self._failed[key]}"
-        if (key, call.spec.inverse) in self._ready:
+        if self.is_compiled(call):
             return (
                 "torch.compile: this spec is already compiled in this process; new sequence "
                 "lengths and batch sizes reuse it"

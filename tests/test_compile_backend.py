@@ -138,6 +138,8 @@ def test_warm_up_compiles_so_later_calls_do_not(grad):
     other = _call(9, 2, grad=not grad)
     # Training compiles the forward and its transpose; inference shares that forward.
     assert backend.is_compiled(other) == grad
+    # a training call after inference ones still compiles its backward: explain says so
+    assert ("already compiled" in backend.explain_note(other)) == grad
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     later = _call(9, 2, grad=grad)
     if grad:
