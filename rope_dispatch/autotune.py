@@ -563,7 +563,18 @@ def peek(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
         return candidates[0], _off_why(candidates)
     else:
         with lock:
-            hit = _remembered(_call_key(call, candidates))
+            key = _call_key(call, candidates)
+            hit = _remembered(key)
+            calls = _pending.get(key.digest)
+            if calls is not None and calls + 1 >= hot_calls() and (
+                    _measuring_blocked(call.t) is None):
+                picked = _pick(candidates, hit)
+                if picked is not None:  # select's count reaches the hot call: it measures
+                    return picked[0], (
+                        f"the next call is this key's call {hot_calls()} in this process, which "
+                        "measures every candidate and runs the fastest (explain cannot know "
+                        f"which); until then: {picked[1]}"
+                    )
     picked = _pick(candidates, hit)
     if picked is not None:
         return picked

@@ -793,6 +793,9 @@ def test_a_first_call_leaves_out_backends_that_compile_until_the_key_is_hot(
     for _ in range(2):  # calls 2 and 3: counted, nothing measured
         assert_matches(rd.apply(t, freqs, SPEC), expected, torch.float32)
     assert compiling.calls == 0 and measurements() == 1
+    why = rd.explain(t, freqs, SPEC).why  # the next call measures: explain says so
+    assert why.startswith("the next call is this key's call 4") and "pending (" in why, why
+    assert compiling.calls == 0 and measurements() == 1
     assert_matches(rd.apply(t, freqs, SPEC), expected, torch.float32)  # call 4: hot
     assert compiling.calls > 0 and measurements() == 2
     (entry,) = rd.cache_entries()
