@@ -229,7 +229,8 @@ def _norm_rope_program(
                     squares += _total(_channel_squares(x_a, x_b, kept, INTERLEAVED, PASS_DIM),
                                       1)[:, None]
             token_r = tl.rsqrt(squares / width + EPS)[:, :, None]
-            token_k = (token_r * token_r * token_r * (dots / width)[:, :, None])
+            # r * (r * r * mean): r cubed overflows float32 where eps is tiny (r up to 2**63)
+            token_k = token_r * (token_r * token_r * (dots / width)[:, :, None])
         for it in range(HEAD_ITERS):
             if EARLY:
                 x_a, x_b, kept = x_a0, x_b0, kept0
@@ -258,7 +259,7 @@ def _norm_rope_program(
                         row_squares, row_dots = _squares_and_dots(
                             s_a, s_b, s_p, z_a * w_a, z_b * w_b, z_p * w_p, INTERLEAVED, PASS_DIM)
                         r = tl.rsqrt(row_squares / HEAD_DIM + EPS)[:, :, None]
-                        k = r * r * r * (row_dots / HEAD_DIM)[:, :, None]
+                        k = r * (r * r * (row_dots / HEAD_DIM)[:, :, None])
                     else:
                         r = token_r
                         k = token_k

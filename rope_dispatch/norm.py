@@ -153,7 +153,9 @@ def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
     shape = x.shape
     if scope == "heads":
         x = x.flatten(-2)
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)
+    # 1 / sqrt, not rsqrt: rsqrt's autograd backward takes r**3, which overflows float32 where
+    # eps is tiny (r up to 2**63), and a zero head's gradient came out NaN (inf * 0)
+    y = x * (1 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * (weight.float() + offset)
     return y.reshape(shape)
 
 

@@ -152,6 +152,33 @@ def test_the_smallest_eps_float32_holds_normalizes_a_zero_head_to_zero(backend):
 
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("scope", ["head", "heads"])
+def test_the_smallest_eps_gives_a_zero_head_a_finite_gradient(backend, scope):
+    """eps at float32's smallest normal number: an all-zero head's gradient is ``r * grad * w``
+    (r = 2**63), finite in float32; the backward took r**3 (2**189, inf in float32) times the
+    head's zero mean of grad * x, and the input's gradient came out NaN on both backends."""
+    eps = torch.finfo(torch.float32).tiny
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 1, 2, 8, generator=gen)
+    x[1] = 0.0  # the whole token: a zero group for either scope
+    x = x.to(DEVICE).requires_grad_(True)
+    w = torch.linspace(0.5, 1.5, 8 if scope == "head" else 16).to(DEVICE).requires_grad_(True)
+    spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32)
+    angles = rd.tables.default_frequencies(8).angle_table(2, device=DEVICE)
+    grad = (torch.randn(x.shape, generator=gen) * 1e-20).to(DEVICE)
+    out = rd.apply(x, angles, spec, norm=rd.HeadNorm(w, eps, scope=scope), backend=backend)
+    dx, dw = torch.autograd.grad(out, (x, w), grad)
+    x64 = x.detach().cpu().double().requires_grad_(True)
+    w64 = w.detach().cpu().double().requires_grad_(True)
+    want = reference_for(reference_head_norm(x64, w64, eps, 0.0, scope), angles.cpu(), spec)
+    want_dx, want_dw = torch.autograd.grad(want, (x64, w64), grad.cpu().double())
+    assert torch.isfinite(dx).all()
+    torch.testing.assert_close(dx.cpu().double(), want_dx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.cpu().double(), want_dw, rtol=1e-5, atol=1e-25)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("layout", ["strided", "expanded"])
 def test_weights_that_are_not_dense(backend, layout):
     """A norm weight that is a strided view (every other entry of a parameter) or expanded (one
