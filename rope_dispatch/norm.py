@@ -124,6 +124,11 @@ def check_norm(norm: object, argument: str, heads: int, head_dim: int,
             f"{argument} must be a rope_dispatch.HeadNorm or None, got {type(norm).__name__}"
         )
     weight = norm.weight
+    # the weight may be replaced after the norm is made: what the constructor checks, again
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not weight.is_floating_point():
+        got = (f"shape {tuple(weight.shape)} and dtype {dtype_name(weight.dtype)}"
+               if isinstance(weight, torch.Tensor) else type(weight).__name__)
+        raise RoPEError(f"{argument}.weight must be a 1-D float tensor, got {got}")
     want = head_dim if norm.scope == "head" else heads * head_dim
     if weight.shape[0] != want:
         over = ("head_dim" if norm.scope == "head"

@@ -702,6 +702,29 @@ def test_a_head_norms_eps_offset_and_scope_are_fixed_and_its_weight_is_read_each
             assert_matches(got, want, case.dtype, f"step {step} {backend}")
 
 
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_a_replaced_weight_is_checked_as_the_constructor_checks_it(backend):
+    """A weight replaced after the norm was made, by what HeadNorm refuses (integers, complex
+    numbers, 2-D, not a tensor), is refused naming the argument, planned or not: an integer
+    weight was used, a complex one lost its imaginary part on eager and raised KeyError on
+    triton, a 2-D one was said to have the wrong number of entries and a list AttributeError."""
+    case = fixed_case(heads=2, head_dim=8, rotary_dim=8)
+    t, table, spec, starts, _ = build(case, DEVICE)
+    x = t.detach()
+    for bad in (torch.ones(8, dtype=torch.int64, device=DEVICE),
+                torch.ones(8, dtype=torch.complex64, device=DEVICE),
+                torch.ones(2, 4, device=DEVICE), [1.0] * 8):
+        norm = rd.HeadNorm(torch.ones(8, device=DEVICE))
+        for _ in range(2):  # the repeated call's plan
+            rd.apply(x, table, spec, start_positions=starts, norm=norm, backend=backend)
+        norm.weight = bad
+        with pytest.raises(rd.RoPEError, match=r"norm\.weight must be a 1-D float tensor"):
+            rd.apply(x, table, spec, start_positions=starts, norm=norm, backend=backend)
+        with pytest.raises(rd.RoPEError, match=r"k_norm\.weight must be a 1-D float tensor"):
+            rd.apply_qk(x, x, table, spec, start_positions=starts, k_norm=norm, backend=backend)
+
+
 
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("call", ["apply", "apply_qk", "apply_qkv"])
