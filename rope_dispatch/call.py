@@ -384,6 +384,58 @@ def refuse_dtensors_beside(error: Exception, t: object, freqs: object, k_freqs: 
             ) from error
 
 
+def check_index(spec: RoPESpec, shape: torch.Size, table_len: int, start_positions: object,
+                positions: object, device: torch.device,
+                table_name: str) -> tuple[int, int, bool]:
+    """The checks of a call's ``cu_seqlens``, ``start_positions`` or ``positions`` against
+    ``t``'s shape and a table of ``table_len`` positions: ``(sequence length, batch, whether
+    every position is known inside the table)``."""
+    layout, rank = spec.layout, len(shape)
+    cp = spec.cp_size
+    cu = spec.cu_seqlens
+    if rank == 3:
+        seq_len = shape[0]
+        if cu is None and positions is None:
+            raise RoPEError(
+                "layout 'thd' needs cu_seqlens in the spec (the [n+1] sequence offsets), or "
+                "per-token positions with every call"
+            )
+        if cu is not None and cu.device != device:
+            raise RoPEError(
+                f"cu_seqlens is on {cu.device} but t is on {device}; expected the same device"
+            )
+        batch = 1 if cu is None else cu.numel() - 1
+    else:
+        seq_len, batch = (shape[0], shape[1]) if layout == "sbhd" else (shape[1], shape[0])
+        if cp > 1 and seq_len % 2:
+            raise RoPEError(
+                f"with cp_size={cp} the local sequence length must be even (two chunks), got "
+                f"{seq_len}"
+            )
+        needed = seq_len * cp
+        if positions is None and needed > table_len:
+            raise RoPEError(
+                f"{table_name} has {table_len} positions but the sequence needs {needed} "
+                f"(s={seq_len}" + (f" x cp_size={cp}" if cp > 1 else "") + "); expected "
+                f"{table_name}.shape[0] >= {needed}"
+            )
+    if positions is not None:
+        bounded = _check_positions(positions, start_positions, spec, shape, table_len, device,
+                                   table_name)
+        if cu is not None and reads_values(spec) and _host_reads_allowed():
+            _check_cu_seqlens(spec, seq_len, None, None, table_name)
+    else:
+        starts = None
+        if start_positions is not None:
+            starts = _check_start_positions(
+                start_positions, spec, batch, seq_len, table_len, device, table_name
+            )
+        bounded = start_positions is None or starts is not None
+        if rank == 3:
+            bounded = _check_cu_seqlens(spec, seq_len, table_len, starts, table_name) and bounded
+    return seq_len, batch, bounded
+
+
 def check_call(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None = None,
     *, in_place: bool = False, grad_in_place: bool = False,
@@ -476,48 +528,8 @@ def check_call(
             spec, table, k_table, positions, start_positions, shape, device, table_name
         )
         table_len = table_shape(table)[0]
-    cp = spec.cp_size
-    cu = spec.cu_seqlens
-    if rank == 3:
-        seq_len = shape[0]
-        if cu is None and positions is None:
-            raise RoPEError(
-                "layout 'thd' needs cu_seqlens in the spec (the [n+1] sequence offsets), or "
-                "per-token positions with every call"
-            )
-        if cu is not None and cu.device != device:
-            raise RoPEError(
-                f"cu_seqlens is on {cu.device} but t is on {device}; expected the same device"
-            )
-        batch = 1 if cu is None else cu.numel() - 1
-    else:
-        seq_len, batch = (shape[0], shape[1]) if layout == "sbhd" else (shape[1], shape[0])
-        if cp > 1 and seq_len % 2:
-            raise RoPEError(
-                f"with cp_size={cp} the local sequence length must be even (two chunks), got "
-                f"{seq_len}"
-            )
-        needed = seq_len * cp
-        if positions is None and needed > table_len:
-            raise RoPEError(
-                f"{table_name} has {table_len} positions but the sequence needs {needed} "
-                f"(s={seq_len}" + (f" x cp_size={cp}" if cp > 1 else "") + "); expected "
-                f"{table_name}.shape[0] >= {needed}"
-            )
-    if positions is not None:
-        bounded = _check_positions(positions, start_positions, spec, shape, table_len, device,
-                                   table_name)
-        if cu is not None and reads_values(spec) and _host_reads_allowed():
-            _check_cu_seqlens(spec, seq_len, None, None, table_name)
-    else:
-        starts = None
-        if start_positions is not None:
-            starts = _check_start_positions(
-                start_positions, spec, batch, seq_len, table_len, device, table_name
-            )
-        bounded = start_positions is None or starts is not None
-        if rank == 3:
-            bounded = _check_cu_seqlens(spec, seq_len, table_len, starts, table_name) and bounded
+    seq_len, batch, bounded = check_index(spec, shape, table_len, start_positions, positions,
+                                          device, table_name)
     if in_place:
         if table_grad_wanted(table, k_table):
             raise RoPEError(

@@ -313,36 +313,6 @@ def _whole(x: object, name: str) -> object:
     return x
 
 
-def _check_whole(t: DTensor, spec: RoPESpec, start_positions: object, positions: object,
-                 table_len: int) -> None:
-    """The plain call's checks of ``start_positions``, ``positions`` and ``cu_seqlens`` (plain
-    tensors), made against ``t``'s global shape on every rank alike: a shard's call sees only
-    its part, so a wrong size passed unnoticed (or failed on some ranks only, naming rows)."""
-    from .call import _check_cu_seqlens, _check_positions, _check_start_positions
-
-    device, shape = t.device, t.shape
-    if positions is not None:
-        _check_positions(positions, start_positions, spec, shape, table_len, device, "freqs")
-        return
-    if spec.layout == "thd":
-        if spec.cu_seqlens is None:
-            raise RoPEError("layout 'thd' needs cu_seqlens in the spec, or per-token positions")
-        seq, batch = shape[0], spec.cu_seqlens.numel() - 1
-    else:
-        seq, batch = shape[_SEQ_DIM[spec.layout]], shape[_BATCH_DIM[spec.layout]]
-        if seq > table_len:
-            raise RoPEError(
-                f"freqs has {table_len} positions but the sequence needs {seq} (s={seq}); "
-                f"expected freqs.shape[0] >= {seq}"
-            )
-    starts = None
-    if start_positions is not None:
-        starts = _check_start_positions(start_positions, spec, batch, seq, table_len, device,
-                                        "freqs")
-    if spec.layout == "thd":
-        _check_cu_seqlens(spec, seq, table_len, starts, "freqs")
-
-
 def _local_index(x: torch.Tensor | None, offsets: tuple, sizes: tuple, name: str,
                  device: torch.device) -> torch.Tensor | None:
     """This rank's part of a global index tensor (plain, or a replicated DTensor), gathered
@@ -423,7 +393,11 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
     sharded = isinstance(positions, DTensor) and any(p.is_shard() for p in positions.placements)
     if not (lead or sharded):
         positions = _whole(positions, "positions")
-        _check_whole(t, spec, start_positions, positions, table_len)
+        from .call import check_index
+
+        # the plain call's checks, against the global shape on every rank alike: a shard's
+        # call sees only its part (a wrong size passed unnoticed, or failed on some ranks only)
+        check_index(spec, t.shape, table_len, start_positions, positions, t.device, "freqs")
     if positions is not None:
         if sharded:
             if list(positions.placements) != placements:
