@@ -48,13 +48,7 @@ class HeadNorm:
     def __init__(self, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0,
                  scope: str = "head"):
         # built per call by integrations (a decode step's host path): plain floats checked first
-        if not isinstance(weight, torch.Tensor):
-            raise RoPETypeError(f"HeadNorm weight must be a torch.Tensor, got {type(weight).__name__}")
-        if weight.dim() != 1 or not weight.is_floating_point():
-            raise RoPEError(
-                f"HeadNorm weight must be a 1-D float tensor, got shape {tuple(weight.shape)} "
-                f"and dtype {dtype_name(weight.dtype)}"
-            )
+        _check_weight(weight, "HeadNorm weight")
         eps, offset = _finite("eps", eps), _finite("offset", offset)
         if not FLOAT32_TINY <= eps <= FLOAT32_MAX:
             if eps <= 0:
@@ -114,6 +108,17 @@ def _finite(name: str, value: object) -> float:
     return value
 
 
+def _check_weight(weight: object, name: str) -> None:
+    """A norm weight: a 1-D float tensor, or an error naming it ``name``."""
+    if not isinstance(weight, torch.Tensor):
+        raise RoPETypeError(f"{name} must be a 1-D float tensor, got {type(weight).__name__}")
+    if weight.dim() != 1 or not weight.is_floating_point():
+        raise RoPEError(
+            f"{name} must be a 1-D float tensor, got shape {tuple(weight.shape)} and dtype "
+            f"{dtype_name(weight.dtype)}"
+        )
+
+
 def check_norm(norm: object, argument: str, heads: int, head_dim: int,
                device: torch.device) -> HeadNorm | None:
     """``norm`` (a :class:`HeadNorm` or ``None``) checked against the tensor it normalizes."""
@@ -125,10 +130,7 @@ def check_norm(norm: object, argument: str, heads: int, head_dim: int,
         )
     weight = norm.weight
     # the weight may be replaced after the norm is made: what the constructor checks, again
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not weight.is_floating_point():
-        got = (f"shape {tuple(weight.shape)} and dtype {dtype_name(weight.dtype)}"
-               if isinstance(weight, torch.Tensor) else type(weight).__name__)
-        raise RoPEError(f"{argument}.weight must be a 1-D float tensor, got {got}")
+    _check_weight(weight, f"{argument}.weight")
     want = head_dim if norm.scope == "head" else heads * head_dim
     if weight.shape[0] != want:
         over = ("head_dim" if norm.scope == "head"
