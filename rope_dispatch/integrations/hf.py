@@ -238,6 +238,12 @@ def apply_rotary_pos_emb_interleave(
     return _rotate_qk(q, k, cos, sin, unsqueeze_dim, True)
 
 
+def unsupported_dtype(name: str, dtype: torch.dtype) -> RoPEError:
+    """The error of a patched call on ``name`` of a dtype rope-dispatch does not compute in."""
+    return RoPEError(f"{name} is {dtype}: rope-dispatch computes in float32, bfloat16 and "
+                     "float16 only; hf.unpatch the model to run it in another dtype")
+
+
 def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                unsqueeze_dim: int, deinterleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_rotary_pos_emb`'s mapping onto :func:`rope_dispatch.apply_qk`."""
@@ -256,10 +262,7 @@ def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if sin.shape != cos.shape:
         raise RoPEError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     if q.dtype not in SUPPORTED_DTYPES:
-        raise RoPEError(
-            f"q is {q.dtype}: rope-dispatch computes in float32, bfloat16 and float16 only; "
-            "hf.unpatch the model to run it in another dtype"
-        )
+        raise unsupported_dtype("q", q.dtype)
     q_norm, k_norm = _take_norms(q, k) if _window.attention is not None else (None, None)
     if heads_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)

@@ -80,10 +80,7 @@ def apply_rotary_emb(
         )
     spec = _specs.get(xq.dtype)
     if spec is None:
-        raise RoPEError(
-            f"xq is {xq.dtype}: rope-dispatch computes in float32, bfloat16 and float16 only; "
-            "hf.unpatch the model to run it in another dtype"
-        )
+        raise _hf.unsupported_dtype("xq", xq.dtype)
     norm = None
     if _window.attention is not None and _window.eps is not None:
         norm = HeadNorm(_unit_weight(xq.shape[-1], xq.device), _window.eps)
