@@ -554,6 +554,7 @@ def peek(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
     """What :func:`select` would choose, without measuring anything."""
     if call.cache_write is not None:
         return candidates[0], f"{_CACHE_STAGE}: {_priority(candidates)}"
+    hot = False  # a pending key whose next call is its hot call
     if torch.compiler.is_compiling():
         name, why = _decide_while_tracing(str(call.t.device), call_signature(call, candidates))
         hit = None if name is None else (name, why)
@@ -566,16 +567,15 @@ def peek(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
             key = _call_key(call, candidates)
             hit = _remembered(key)
             calls = _pending.get(key.digest)
-            if calls is not None and calls + 1 >= hot_calls() and (
-                    _measuring_blocked(call.t) is None):
-                picked = _pick(candidates, hit)
-                if picked is not None:  # select's count reaches the hot call: it measures
-                    return picked[0], (
-                        f"the next call is this key's call {hot_calls()} in this process, which "
-                        "measures every candidate and runs the fastest (explain cannot know "
-                        f"which); until then: {picked[1]}"
-                    )
+            hot = calls is not None and calls + 1 >= hot_calls() and (
+                _measuring_blocked(call.t) is None)
     picked = _pick(candidates, hit)
+    if picked is not None and hot:  # select's count reaches the hot call: it measures
+        return picked[0], (
+            f"the next call is this key's call {hot_calls()} in this process, which measures "
+            f"every candidate and runs the fastest (explain cannot know which); until then: "
+            f"{picked[1]}"
+        )
     if picked is not None:
         return picked
     later = deferred(candidates)
