@@ -130,14 +130,13 @@ def _math(key: CompileKey, transpose: bool) -> Callable:
     backward, ``(grad, .., weight, t)``, returns ``(dt, dweight)``: the rotation's transpose in
     float32, then the norm's gradient, each rounded to its input's dtype.
     """
-    from_angles = key.table in ("angles", "rates", "precise_rates")  # else cos/sin tables
     rotation = dict(layout=key.layout, interleaved=key.interleaved, cp_size=key.cp_size,
                     cp_rank=key.cp_rank, scale=key.scale, transpose=transpose,
                     offset=key.offset, deinterleave=key.deinterleave)
     norm = key.norm
 
-    def rope_compiled(t, a, b, cu_seqlens, start_positions, *norm_args):
-        cos, sin = (torch.cos(a), torch.sin(a)) if from_angles else (a, b)
+    def rope_compiled(t, cos, sin, cu_seqlens, start_positions, *norm_args):
+        # an angle table comes as cos with sin None: rope_tensors takes the rows' sines
         if norm is None:
             return rope_tensors(t, cos, sin, cu_seqlens, start_positions, **rotation)
         weight = norm_args[0]

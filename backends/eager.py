@@ -7,12 +7,15 @@ exact transpose (each channel's gradient uses its partner's sine).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from rope_dispatch.call import RoPECall, k_call, position_index, qkv_parts
 from rope_dispatch.norm import normalized
 from rope_dispatch.registry import Backend
-from rope_dispatch.tables import table_cos_sin
+from rope_dispatch.tables import RateTable, table_cos_sin
 
 
 def zigzag_positions(local: torch.Tensor, local_len: torch.Tensor | int, cp_size: int, cp_rank: int):
@@ -80,6 +83,7 @@ def rope_tensors(
     index: torch.Tensor | None, *, layout: str, interleaved: bool, cp_size: int,
     cp_rank: int, scale: float = 1.0, transpose: bool = False, dtype: torch.dtype | None = None,
     offset: int = 0, deinterleave: bool = False,
+    angles_at: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``out = x cos + rotate(x) sin`` on the first d2 channels in float32, the rest copied;
     ``scale`` (the spec's ``cos_sin_scale``) multiplies cos and sin.
@@ -89,7 +93,10 @@ def rope_tensors(
     ``g cos - rotate(g sin)`` (each channel meets its partner's sine). ``cos``/``sin`` are
     ``[s2, d2]``, float32 or a cache's 16-bit dtype (widened by the math). Pure in its tensor
     arguments, so the compile backend traces exactly this math. ``dtype``: the output's
-    (default ``t``'s; a normalized ``t`` comes in float32).
+    (default ``t``'s; a normalized ``t`` comes in float32). With ``sin`` None, ``cos`` is an
+    angle table ``[s2, d2]``: the cosines and sines of the rows read, not of the whole table;
+    ``angles_at`` (a rate table's :meth:`~rope_dispatch.tables.RateTable.angles_at`) gives
+    those rows' angles from the positions instead.
 
     ``offset``: the rotary channels are ``[offset, offset + d2)``, every other one is copied.
     ``deinterleave``: their pairs ``(2k, 2k+1)`` are first moved to ``(k, k + d2/2)`` (then
@@ -97,7 +104,11 @@ def rope_tensors(
     """
     dtype = t.dtype if dtype is None else dtype
     pos = positions(t.shape, layout, cu_seqlens, index, cp_size, cp_rank, t.device)
-    cos, sin = table_rows(cos, pos).unsqueeze(-2), table_rows(sin, pos).unsqueeze(-2)
+    if sin is None:  # angles: only the rows read get a sine and a cosine
+        angles = table_rows(cos, pos) if angles_at is None else angles_at(pos)
+        cos, sin = torch.cos(angles).unsqueeze(-2), torch.sin(angles).unsqueeze(-2)
+    else:
+        cos, sin = table_rows(cos, pos).unsqueeze(-2), table_rows(sin, pos).unsqueeze(-2)
     if scale != 1.0:  # in float32: a 16-bit cos/sin cache's product would round to 16 bits
         cos, sin = cos.float() * scale, sin.float() * scale
     d2 = cos.shape[-1]
@@ -146,7 +157,14 @@ def rope_eager(
         return (rope_eager(call._replace(tensors="t", k=None, k_norm=None)),
                 rope_eager(k_call(call)))
     spec = call.spec
-    cos, sin = table_cos_sin(call.table, spec.interleaved)
+    table, angles_at = call.table, None
+    if isinstance(table, RateTable):  # a long rate table's angle table is never made here
+        cos, sin = None, None
+        angles_at = functools.partial(table.angles_at, interleaved=spec.interleaved)
+    elif isinstance(table, torch.Tensor):
+        cos, sin = table, None
+    else:
+        cos, sin = table_cos_sin(table, spec.interleaved)
     offset = spec.rotary_offset
     sliced = call.in_place and call.norm is None  # only the rotary channels are written
     t = call.t[..., offset:offset + call.rotary_dim] if sliced else call.t
@@ -157,7 +175,7 @@ def rope_eager(
         position_index(call), layout=spec.layout, interleaved=spec.interleaved,
         cp_size=spec.cp_size, cp_rank=spec.cp_rank, scale=spec.cos_sin_scale,
         dtype=t.dtype if dtype is None or call.in_place else dtype, transpose=spec.inverse,
-        offset=0 if sliced else offset, deinterleave=spec.deinterleave,
+        offset=0 if sliced else offset, deinterleave=spec.deinterleave, angles_at=angles_at,
     )
     if call.in_place:
         (call.t if call.norm is not None else t).copy_(out)

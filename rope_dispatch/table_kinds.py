@@ -177,9 +177,10 @@ class RateTable:
     The rates are copied at construction (``inv_freq`` twice over, ``[d2]``, the form the
     kernels read); changing ``inv_freq`` in place afterwards changes nothing: build a new
     RateTable. They are constants, as an angle table's entries are: no gradient flows to
-    ``inv_freq``. Backends that read whole angle tables (eager, compile, TransformerEngine) get
+    ``inv_freq``. Backends that read whole angle tables (compile, TransformerEngine) get
     :meth:`angle_table`, made on first use and kept on the object: ``rows x d2`` float32
-    values per layout (halves, interleaved) used.
+    values per layout (halves, interleaved) used; eager computes the angles of the positions a
+    call reads (:meth:`angles_at`).
 
     ``precise=True`` (opt-in; its table kind is ``"precise_rates"``): each angle is the exact
     float64 product ``p * inv_freq[k]``, reduced modulo 2*pi before its sine and cosine, so
@@ -278,6 +279,20 @@ class RateTable:
                 angles = build(rates, self.rows, interleaved=bool(interleaved))
             self._angles[bool(interleaved)] = angles  # type: ignore[attr-defined]
         return angles
+
+    def angles_at(self, pos: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+        """float32 angles ``[..., d2]`` at integer positions ``pos`` ``[...]``: rows ``pos`` of
+        :meth:`angle_table` (the same products, bit for bit) without making the table, NaN at
+        positions outside ``0 .. rows - 1``."""
+        rates = self._kernel_rates[: self.inv_freq.shape[0]]  # type: ignore[attr-defined]
+        with _autocast_off(pos.device.type):
+            if self.precise:
+                angles = _reduced(pos.double().unsqueeze(-1) * rates.double())
+            else:
+                angles = pos.float().unsqueeze(-1) * rates
+        angles = _layout(angles, interleaved)
+        inside = (pos >= 0) & (pos < self.rows)
+        return torch.where(inside.unsqueeze(-1), angles, float("nan"))
 
     def angle_rows(self, interleaved: bool = False) -> torch.Tensor:
         """:meth:`angle_table` as ``[rows, d2]`` (a view): what backends that gather table rows
@@ -709,11 +724,21 @@ def angle_table(
         if scale != 1.0:
             positions = positions * scale
         angles = torch.outer(positions, inv_freq)  # one float32 multiply per entry
-    if interleaved:
-        angles = angles.repeat_interleave(2, dim=-1)
-    else:
-        angles = torch.cat((angles, angles), dim=-1)
+    angles = _layout(angles, interleaved)
     return angles.reshape(length, 1, 1, angles.shape[-1])
+
+
+def _layout(angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """One angle per rate ``[..., n]`` as one per channel ``[..., 2n]``: the two halves (NeoX
+    style) or, ``interleaved``, each rate twice in a row."""
+    if interleaved:
+        return angles.repeat_interleave(2, dim=-1)
+    return torch.cat((angles, angles), dim=-1)
+
+
+def _reduced(angles: torch.Tensor) -> torch.Tensor:
+    """float64 angles reduced modulo 2*pi to ``[-pi, pi]``, then rounded to float32 once."""
+    return (angles - torch.round(angles * (1 / math.tau)) * math.tau).float()
 
 
 def reduced_angle_table(
@@ -732,11 +757,6 @@ def reduced_angle_table(
         raise RoPEError(f"length must be an int >= 0 (the table's rows), got {length!r}")
     with _autocast_off(inv_freq.device.type):
         positions = torch.arange(length, device=inv_freq.device, dtype=torch.float64)
-        angles = torch.outer(positions, inv_freq.double())
-        angles = angles - torch.round(angles * (1 / math.tau)) * math.tau
-        angles = angles.float()
-    if interleaved:
-        angles = angles.repeat_interleave(2, dim=-1)
-    else:
-        angles = torch.cat((angles, angles), dim=-1)
+        angles = _reduced(torch.outer(positions, inv_freq.double()))
+    angles = _layout(angles, interleaved)
     return angles.reshape(length, 1, 1, angles.shape[-1])

@@ -97,6 +97,32 @@ def test_eager_is_exact(interleaved):
     check_precise("eager", float32_rates(FAST_RATES), interleaved)
 
 
+@pytest.mark.parametrize("precise", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_eager_never_makes_a_long_tables_angles(precise, interleaved, monkeypatch):
+    """Eager computes a rate table's angles at the positions a call reads: a precise table of
+    2^24 rows and d 128 would otherwise make 8 GiB of angles (and float64 products twice that)."""
+    def whole_table(*args, **kwargs):
+        raise AssertionError("eager made the rate table's whole angle table")
+
+    monkeypatch.setattr(rd.RateTable, "angle_table", whole_table)
+    rates = float32_rates([1.0 / 10000.0 ** (2 * k / 128) for k in range(64)])
+    table = rd.RateTable(rates, TOP, precise=precise)
+    t = torch.randn(2, SEQ, 3, 128, dtype=torch.float64).float()
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32", interleaved=interleaved)
+    out = rd.apply(t, table, spec, start_positions=torch.tensor(STARTS), backend="eager")
+    positions = [start + i for start in STARTS for i in range(SEQ)]
+    if precise:
+        cos, sin = exact_cos_sin(positions, rates, interleaved)
+    else:  # each angle the float32 product of the position and the rate
+        angles = torch.tensor(positions, dtype=torch.float32)[:, None] * rates[None, :]
+        angles = angles.repeat_interleave(2, -1) if interleaved else torch.cat((angles,) * 2, -1)
+        cos, sin = torch.cos(angles.double()), torch.sin(angles.double())
+    rows = torch.arange(len(positions)).view(2, SEQ)
+    want = reference_cache_rope(t, cos, sin, rows, interleaved)
+    assert (out.double() - want).abs().max().item() < 1e-5
+
+
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_triton_is_exact(interleaved):
