@@ -516,13 +516,12 @@ def test_unpatch_leaves_a_later_patch_alone():
 
 
 def test_unsupported_model_is_refused_by_name():
-    # Cohere rotates interleaved pairs with its own rotate_half: left alone (docs/hf.md)
-    config = transformers.CohereConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, pad_token_id=0,
+    # GPT-J rotates one tensor at a time, (tensor, sin, cos): left alone (docs/hf.md)
+    config = transformers.GPTJConfig(
+        n_embd=64, n_layer=1, n_head=4, rotary_dim=8, vocab_size=128, n_positions=64,
     )
-    cohere = transformers.CohereForCausalLM(config)
-    for model in (cohere, torch.nn.Linear(2, 2)):
+    gptj = transformers.GPTJForCausalLM(config)
+    for model in (gptj, torch.nn.Linear(2, 2)):
         with pytest.raises(rd.RoPEError) as err:
             hf.patch(model)
         message = str(err.value)

@@ -1,6 +1,6 @@
 """Hugging Face transformers models on rope-dispatch: their RoPE call, mapped onto ours.
 
-One line moves a model of any family in :data:`SUPPORTED_MODELS` over (148 families: Llama,
+One line moves a model of any family in :data:`SUPPORTED_MODELS` over (156 families: Llama,
 Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE, DeepSeek-V3, Qwen2-VL,
 Qwen2.5-VL, Llama 4, Qwen3-VL, Qwen3-VL-MoE and those of :mod:`.hf_families`; docs/hf.md)::
 
@@ -13,10 +13,14 @@ modeling module: it reaches every model of the family in the process, not only t
 
 The names, per family (:data:`SUPPORTED_MODELS`):
 
-- ``apply_rotary_pos_emb`` -> :func:`apply_rotary_pos_emb`, in every family but Llama 4.
+- ``apply_rotary_pos_emb`` -> :func:`apply_rotary_pos_emb`, in every family but Llama 4 and
+  those below.
   Qwen2-VL and Qwen2.5-VL call it too in transformers 5.23: their rotary embedding already picks each
   channel's position stream (temporal, height, width) and returns per-token ``[b, s, d]``
   cos/sin.
+- ``apply_rotary_pos_emb`` -> :func:`apply_rotary_pos_emb_pairs` or
+  :func:`apply_rotary_pos_emb_pairs_of_halves` in the families that rotate interleaved pairs
+  (Cohere, GLM, GLM-4, ERNIE 4.5, Helium: :data:`.hf_families.PAIR_FAMILIES`).
 - ``apply_rotary_pos_emb_interleave`` -> :func:`apply_rotary_pos_emb_interleave`, for
   DeepSeek-V3 and the other multi-head latent attention families (:data:`.hf_families.MLA_FAMILIES`)
   with ``rope_interleave`` (its rotary channels in interleaved pairs, rotated into
@@ -69,12 +73,13 @@ from ..norm import HeadNorm
 from ..spec import SUPPORTED_DTYPES, RoPESpec
 from ..tables import CosSinCache
 from ..tracing import memoryless
-from .hf_families import MLA_FAMILIES, STANDARD_FAMILIES
+from .hf_families import MLA_FAMILIES, PAIR_FAMILIES, STANDARD_FAMILIES
 
 __all__ = [
     "QK_NORM_MODELS", "SUPPORTED_MODELS", "apply_multimodal_rotary_pos_emb",
-    "apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave",
-    "apply_rotary_pos_emb_with_position_ids", "patch", "unpatch",
+    "apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb_pairs",
+    "apply_rotary_pos_emb_pairs_of_halves", "apply_rotary_pos_emb_with_position_ids", "patch",
+    "unpatch",
 ]
 
 _PLAIN = ("apply_rotary_pos_emb",)
@@ -140,6 +145,10 @@ SUPPORTED_MODELS.update({
     for families, names in ((STANDARD_FAMILIES, _PLAIN), (MLA_FAMILIES, _INTERLEAVE))
     for family, (folder, attention) in families.items()
 })
+SUPPORTED_MODELS.update({
+    family: (f"transformers.models.{folder}.modeling_{folder}", attention, _PLAIN)
+    for family, (folder, attention, _) in PAIR_FAMILIES.items()
+})
 
 _STREAMS = 3
 """Position streams of multimodal RoPE: temporal, height, width."""
@@ -147,13 +156,19 @@ _HEADS_DIM = {0: 1, 1: 1, -3: 1, 2: 2, -2: 2}
 """``unsqueeze_dim`` -> where q's heads are: 1 for ``[b, heads, s, d]``, 2 for ``[b, s, heads, d]``;
 0 is Pixtral's ``[b, heads, s, d]`` with a ``[s, d2]`` cos shared by the batch."""
 
-_specs: dict[tuple[torch.dtype, bool], RoPESpec] = {
-    (dtype, deinterleave): RoPESpec(layout="bshd", dtype=dtype, deinterleave=deinterleave)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16) for deinterleave in (False, True)
+_PAIRINGS = ((False, False), (True, False), (False, True))
+"""(deinterleave, interleaved): halves, DeepSeek's ``rope_interleave``, interleaved pairs."""
+_specs: dict[tuple[torch.dtype, bool, bool], RoPESpec] = {
+    (dtype, deinterleave, interleaved): RoPESpec(
+        layout="bshd", dtype=dtype, deinterleave=deinterleave, interleaved=interleaved)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16)
+    for deinterleave, interleaved in _PAIRINGS
 }
-"""The bshd spec of each dtype a model runs in, plain or deinterleaving (DeepSeek's
-``rope_interleave``), made at import: pydantic's validation cannot be traced, so a first call
-inside ``torch.compile(fullgraph=True)`` must find its spec made."""
+"""The bshd spec of each dtype a model runs in, for each pairing (:data:`_PAIRINGS`), made at
+import: pydantic's validation cannot be traced, so a first call inside
+``torch.compile(fullgraph=True)`` must find its spec made."""
+_last_pairs: list = [None]
+"""The latest ``(cos, sin, their versions, (cos, sin) of pairs)`` of :func:`_pairs_of_halves`."""
 _last_table: list = [None, None, None]
 """The latest ``[table, cos, sin]`` of :func:`_token_table`."""
 _starts: dict[tuple, torch.Tensor] = {}
@@ -238,6 +253,58 @@ def apply_rotary_pos_emb_interleave(
     return _rotate_qk(q, k, cos, sin, unsqueeze_dim, True)
 
 
+def apply_rotary_pos_emb_pairs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` of the families that rotate interleaved pairs
+    ``(2j, 2j+1)`` with each pair's angle repeated in ``cos`` and ``sin`` (Cohere, Cohere 2:
+    :data:`.hf_families.PAIR_FAMILIES`), in one launch: ``RoPESpec(interleaved=True)`` on the
+    per-channel values as given. Arguments, outputs and rounding as
+    :func:`apply_rotary_pos_emb`."""
+    return _rotate_qk(q, k, cos, sin, unsqueeze_dim, False, interleaved=True)
+
+
+def apply_rotary_pos_emb_pairs_of_halves(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` of the families that rotate interleaved pairs
+    ``(2j, 2j+1)`` by the standard rotary embedding's halves ``cos`` and ``sin`` (GLM, GLM-4,
+    Helium, ERNIE 4.5: :data:`.hf_families.PAIR_FAMILIES`): pair ``j`` turns by the angle of
+    the first half's entry ``j``, on the first ``cos.shape[-1]`` channels, the rest passed
+    through (GLM's partial rotary). One launch; arguments, outputs and rounding as
+    :func:`apply_rotary_pos_emb` (GLM, GLM-4 and Helium compute in q's dtype, rounding at each
+    step; this rounds once)."""
+    if sin.shape != cos.shape:
+        raise RoPEError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    cos, sin = _pairs_of_halves(cos, sin)
+    return _rotate_qk(q, k, cos, sin, unsqueeze_dim, False, interleaved=True)
+
+
+def _pairs_of_halves(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Halves ``cos`` and ``sin`` ``[.., d2]`` as one value per channel of interleaved pairs
+    (entry ``j`` of the first half at channels ``2j`` and ``2j+1``). A model passes the same
+    two to every layer of a forward, so the latest pair's values are kept (never while tracing,
+    nor for tensors that require grad, whose graph is the forward's) and given again while
+    neither tensor changed."""
+    versions = (cos._version, sin._version) if not memoryless() else None
+    last = _last_pairs[0]
+    if last is not None and last[0] is cos and last[1] is sin and last[2] == versions:
+        return last[3]
+    half = cos.shape[-1] // 2
+    pairs = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+    if versions is not None and not (cos.requires_grad or sin.requires_grad):
+        _last_pairs[0] = (cos, sin, versions, pairs)
+    return pairs
+
+
 def unsupported_dtype(name: str, dtype: torch.dtype) -> RoPEError:
     """The error of a patched call on ``name`` of a dtype rope-dispatch does not compute in."""
     return RoPEError(f"{name} is {dtype}: rope-dispatch computes in float32, bfloat16 and "
@@ -245,7 +312,8 @@ def unsupported_dtype(name: str, dtype: torch.dtype) -> RoPEError:
 
 
 def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               unsqueeze_dim: int, deinterleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               unsqueeze_dim: int, deinterleave: bool, interleaved: bool = False,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_rotary_pos_emb`'s mapping onto :func:`rope_dispatch.apply_qk`."""
     heads_dim = _HEADS_DIM.get(unsqueeze_dim)
     if heads_dim is None:
@@ -267,7 +335,7 @@ def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if heads_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     q_out, k_out = apply_qk(
-        q, k, _token_table(cos, sin), _spec(q.dtype, deinterleave),
+        q, k, _token_table(cos, sin), _spec(q.dtype, deinterleave, interleaved),
         start_positions=None if unsqueeze_dim == 0 else _sequence_starts(cos, q),
         q_norm=q_norm, k_norm=k_norm,
     )
@@ -410,13 +478,13 @@ def _sequence_starts(cos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
     return starts
 
 
-def _spec(dtype: torch.dtype, deinterleave: bool = False) -> RoPESpec:
-    """The bshd spec of a dtype, from :data:`_specs` (pydantic validation costs microseconds,
-    and a model calls this once per layer; other dtypes get the spec's error)."""
-    spec = _specs.get((dtype, deinterleave))
+def _spec(dtype: torch.dtype, deinterleave: bool = False, interleaved: bool = False) -> RoPESpec:
+    """The bshd spec of a dtype and pairing, from :data:`_specs` (pydantic validation costs
+    microseconds, and a model calls this once per layer; other dtypes get the spec's error)."""
+    spec = _specs.get((dtype, deinterleave, interleaved))
     if spec is None:
-        spec = _specs[dtype, deinterleave] = RoPESpec(layout="bshd", dtype=dtype,
-                                                      deinterleave=deinterleave)
+        spec = _specs[dtype, deinterleave, interleaved] = RoPESpec(
+            layout="bshd", dtype=dtype, deinterleave=deinterleave, interleaved=interleaved)
     return spec
 
 
@@ -692,8 +760,14 @@ def _targets(model: object) -> dict[tuple[str, str], Callable]:
 
 def _replacement(name: str, current: Callable) -> Callable:
     """Our function for global ``name`` of a modeling module, whose object is ``current`` (the
-    module's own, or ours once patched): the one whose signature matches."""
+    module's own, or ours once patched): the one whose signature matches, or the pairing of the
+    module's family (:data:`.hf_families.PAIR_FAMILIES`)."""
     if name == "apply_rotary_pos_emb":
+        if current in _PAIR_FUNCTIONS.values():
+            return current
+        paired = _PAIR_FUNCTIONS.get(getattr(current, "__module__", None))
+        if paired is not None:
+            return paired
         try:
             parameters = list(inspect.signature(current).parameters)
         except (TypeError, ValueError):  # no signature to read: the module's 5.x form
@@ -709,6 +783,13 @@ _REPLACEMENTS: dict[str, Callable] = {
     "apply_rotary_pos_emb_interleave": apply_rotary_pos_emb_interleave,
 }
 """Each global name :func:`patch` rebinds -> our function of that name."""
+_PAIR_FUNCTIONS: dict[str, Callable] = {
+    f"transformers.models.{folder}.modeling_{folder}": (
+        apply_rotary_pos_emb_pairs_of_halves if halves else apply_rotary_pos_emb_pairs)
+    for folder, _, halves in PAIR_FAMILIES.values()
+}
+"""The modeling module of each family of :data:`.hf_families.PAIR_FAMILIES` -> our function
+for its ``apply_rotary_pos_emb``."""
 
 # Llama 4's call and norm fusion: the module reads this one's helpers and adds its call to
 # _REPLACEMENTS when it is loaded, so either module may be imported first.

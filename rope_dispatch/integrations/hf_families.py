@@ -170,3 +170,23 @@ encoder is :data:`STANDARD_FAMILIES`' ``Dots3Note``) calls ``apply_rotary_pos_em
 its attention, of full and sliding-window layers alike, and in its indexer (``unsqueeze_dim=2``).
 Listed as :data:`STANDARD_FAMILIES` is, after the same check on a tiny model (both
 ``rope_interleave`` settings where the config has one)."""
+
+PAIR_FAMILIES: dict[str, tuple[str, str, bool]] = {
+    "Cohere": ("cohere", "CohereAttention", False),
+    "Cohere2": ("cohere2", "Cohere2Attention", False),
+    "Cohere2Moe": ("cohere2_moe", "Cohere2MoeAttention", False),
+    "Ernie4_5": ("ernie4_5", "Ernie4_5Attention", True),
+    "Ernie4_5_Moe": ("ernie4_5_moe", "Ernie4_5_MoeAttention", True),
+    "Glm": ("glm", "GlmAttention", True),
+    "Glm4": ("glm4", "Glm4Attention", True),
+    "Helium": ("helium", "HeliumAttention", True),
+}
+"""The families whose ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` rotates
+interleaved pairs ``(2j, 2j+1)`` (their ``rotate_half`` is ``stack((-x[1::2], x[::2]))``):
+family -> (folder, attention class, whether cos and sin come in halves). Cohere's rotary
+embedding repeats each pair's angle in place, so its cos and sin are the per-channel values of
+``RoPESpec(interleaved=True)``; the others get the standard halves and take pair ``j``'s value
+from the first half (``cos[..., :d2/2].repeat_interleave(2)``), rotating the first
+``cos.shape[-1]`` channels (GLM's partial rotary). Served by
+:func:`~rope_dispatch.integrations.hf.apply_rotary_pos_emb_pairs` after the check on a tiny
+model that :data:`STANDARD_FAMILIES` passed."""
