@@ -1,6 +1,6 @@
 """Hugging Face transformers models on rope-dispatch: their RoPE call, mapped onto ours.
 
-One line moves a model of any family in :data:`SUPPORTED_MODELS` over (156 families: Llama,
+One line moves a model of any family in :data:`SUPPORTED_MODELS` over (158 families: Llama,
 Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma3, OLMo2, GLM-4-MoE, DeepSeek-V3, Qwen2-VL,
 Qwen2.5-VL, Llama 4, Qwen3-VL, Qwen3-VL-MoE and those of :mod:`.hf_families`; docs/hf.md)::
 
@@ -20,7 +20,7 @@ The names, per family (:data:`SUPPORTED_MODELS`):
   cos/sin.
 - ``apply_rotary_pos_emb`` -> :func:`apply_rotary_pos_emb_pairs` or
   :func:`apply_rotary_pos_emb_pairs_of_halves` in the families that rotate interleaved pairs
-  (Cohere, GLM, GLM-4, ERNIE 4.5, Helium: :data:`.hf_families.PAIR_FAMILIES`).
+  (Cohere, GLM, GLM-4, GLM-4V, ERNIE 4.5, Helium: :data:`.hf_families.PAIR_FAMILIES`).
 - ``apply_rotary_pos_emb_interleave`` -> :func:`apply_rotary_pos_emb_interleave`, for
   DeepSeek-V3 and the other multi-head latent attention families (:data:`.hf_families.MLA_FAMILIES`)
   with ``rope_interleave`` (its rotary channels in interleaved pairs, rotated into

@@ -180,13 +180,17 @@ PAIR_FAMILIES: dict[str, tuple[str, str, bool]] = {
     "Glm": ("glm", "GlmAttention", True),
     "Glm4": ("glm4", "Glm4Attention", True),
     "Helium": ("helium", "HeliumAttention", True),
+    "Glm4v": ("glm4v", "Glm4vTextAttention", False),
+    "GlmOcr": ("glm_ocr", "GlmOcrTextAttention", False),
 }
 """The families whose ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` rotates
 interleaved pairs ``(2j, 2j+1)`` (their ``rotate_half`` is ``stack((-x[1::2], x[::2]))``):
 family -> (folder, attention class, whether cos and sin come in halves). Cohere's rotary
-embedding repeats each pair's angle in place, so its cos and sin are the per-channel values of
-``RoPESpec(interleaved=True)``; the others get the standard halves and take pair ``j``'s value
-from the first half (``cos[..., :d2/2].repeat_interleave(2)``), rotating the first
-``cos.shape[-1]`` channels (GLM's partial rotary). Served by
-:func:`~rope_dispatch.integrations.hf.apply_rotary_pos_emb_pairs` after the check on a tiny
-model that :data:`STANDARD_FAMILIES` passed."""
+embedding (and GLM-4V's and GLM-OCR's M-RoPE) repeats each pair's angle in place, so its cos
+and sin are the per-channel values of ``RoPESpec(interleaved=True)``; the others get the
+standard halves and take pair ``j``'s value from the first half
+(``cos[..., :d2/2].repeat_interleave(2)``). Either form rotates the first ``cos.shape[-1]``
+channels (GLM's partial rotary). Served by
+:func:`~rope_dispatch.integrations.hf.apply_rotary_pos_emb_pairs` and
+:func:`~rope_dispatch.integrations.hf.apply_rotary_pos_emb_pairs_of_halves` after the check on
+a tiny model that :data:`STANDARD_FAMILIES` passed."""
