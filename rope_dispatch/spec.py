@@ -71,7 +71,11 @@ def _real(value: Any) -> float:
     """A float field's value: a Python or NumPy number that is not a bool (``"1.5"`` and
     ``True`` are refused)."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int or a Fraction past float64's range, let alone float32's
+            raise ValueError(f"expected a number float32 holds, got {value!r} (beyond float64's "
+                             "range)") from None
     raise ValueError(f"expected a number, got {value!r} ({type(value).__name__})")
 
 

@@ -43,6 +43,8 @@ def call(t=None, freqs=None, spec=None, **kw):
         (dict(layout="thd", dtype="fp32", max_seqlen=8.0), ["max_seqlen", "8.0", "integer"]),
         (dict(layout="sbhd", dtype="fp32", cos_sin_scale="1.5"), ["cos_sin_scale", "'1.5'", "number"]),
         (dict(layout="sbhd", dtype="fp32", cos_sin_scale=True), ["cos_sin_scale", "True"]),
+        # an int past float64's range: float() raised OverflowError, naming nothing
+        (dict(layout="sbhd", dtype="fp32", cos_sin_scale=10**400), ["cos_sin_scale", "float32"]),
         (dict(layout="sbhd", dtype="fp32", interleaved="yes"), ["interleaved", "'yes'", "True or False"]),
         (dict(layout="sbhd", dtype="fp32", interleaved=1), ["interleaved", "1", "True or False"]),
         (dict(layout="sbhd", dtype="fp32", mrope_section=(16, 24.0, 24)), ["mrope_section", "24.0"]),
@@ -62,6 +64,7 @@ def test_bad_spec(fields, words):
     (dict(layout="sbhd", dtype="int8"), ["dtype", "int8"]),
     (dict(layout="sbhd", dtype="fp32", cp_size="2"), ["cp_size", "'2'", "integer"]),
     (dict(layout="sbhd", dtype="fp32", colour="red"), ["colour"]),
+    (dict(layout="sbhd", dtype="fp32", cos_sin_scale=10**400), ["cos_sin_scale", "float32"]),
 ])
 def test_bad_spec_from_a_config(fields, words):
     """model_validate and model_validate_json (a spec from a config) refuse as the constructor
