@@ -102,7 +102,10 @@ def _finite(name: str, value: object) -> float:
     # __float__, not float(): under torch.compile(dynamic=True) a module's float attribute (an
     # RMSNorm's epsilon) is traced as a symbolic float, which float() keeps symbolic (math.isfinite
     # and hashing it then fail); __float__ specializes it to its value, guarded
-    value = value.__float__()
+    try:
+        value = value.__float__()
+    except OverflowError:  # an int past float64's range (float() names no argument)
+        raise RoPEError(f"HeadNorm {name} must be a number float32 holds, got {value!r}") from None
     if not math.isfinite(value):
         raise RoPEError(f"HeadNorm {name} must be a finite number, got {value!r}")
     return value

@@ -433,6 +433,9 @@ def test_bad_norms_are_named():
             rd.HeadNorm(torch.ones(8), eps=eps)
     with pytest.raises(rd.RoPEError, match="offset must be a number float32 holds"):
         rd.HeadNorm(torch.ones(8), offset=-1e39)
+    for name in ("eps", "offset"):  # ints past float64's range: float()'s OverflowError before
+        with pytest.raises(rd.RoPEError, match=f"HeadNorm {name} must be a number float32 holds"):
+            rd.HeadNorm(torch.ones(8), **{name: 10**400})
     with pytest.raises(rd.RoPEError, match="1-D float tensor"):
         rd.HeadNorm(torch.ones(8, dtype=torch.int64))
     with pytest.raises(rd.RoPETypeError, match="q_norm must be a rope_dispatch.HeadNorm"):
