@@ -651,11 +651,15 @@ def _count(argument: str, value: object) -> int:
 def _positive(argument: str, value: object) -> float:
     """``value`` as a finite float > 0 (a Python or NumPy number), or a RoPEError naming
     ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-        0 < float(value) < float("inf")
-    ):
+    number = float("nan")
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float64's range: no finite float either
+            pass
+    if not 0 < number < float("inf"):
         raise RoPEError(f"{argument} must be a finite number > 0, got {value!r}")
-    return float(value)
+    return number
 
 
 def _rotary_dim(dim: object, argument: str = "dim (the rotary dim)") -> int:

@@ -421,6 +421,11 @@ def _config(**rope_parameters):
         (_config(rope_type="linear", factor=-2.0), 8,
          r"config.rope_parameters \(rope_type 'linear'\): factor must be a finite number > 0, got -2.0"),
         (_config(rope_type="default", rope_theta=0.0), 8, r"rope_theta must be a finite number > 0, got 0.0"),
+        # an int past float64's range (a JSON config's digits): float()'s OverflowError before
+        (_config(rope_type="default", rope_theta=10**400), 8,
+         r"rope_theta must be a finite number > 0, got 1000"),
+        (_config(rope_type="yarn", factor=4.0, attention_factor=-(10**400)), 8,
+         r"attention_factor must be a finite number > 0, got -1000"),
         (_config(rope_type="default", partial_rotary_factor=1.5), 8,
          r"config.rope_parameters\['partial_rotary_factor'\] must be in \(0, 1\], got 1.5"),
         (_config(rope_type="default", partial_rotary_factor=0.01), 8,
