@@ -219,10 +219,12 @@ class RateTable:
                 "inv_freq.contiguous()"
             )
         rows = self.rows
-        if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows < 1:
+        if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or not (
+            1 <= rows < 1 << 63  # (a tensor's size, which the kernels' view takes, is an int64)
+        ):
             raise RoPEError(
-                f"RateTable's rows must be a positive int (positions 0 .. rows - 1 are inside "
-                f"the table), got {rows!r}"
+                f"RateTable's rows must be a positive int below 2**63 (positions 0 .. rows - 1 "
+                f"are inside the table, int64 positions), got {rows!r}"
             )
         rows = int(rows)  # a NumPy integer, as sizes elsewhere
         object.__setattr__(self, "rows", rows)

@@ -418,6 +418,9 @@ def test_unread_positions_past_the_rows_give_nan_rows(backend, monkeypatch, requ
     (torch.ones(2), -3, "got -3"),
     (torch.ones(2), 4.0, "got 4.0"),
     (torch.ones(2), True, "got True"),
+    # past an int64 size: as_strided's TypeError (a C++ trace) before
+    (torch.ones(2), 1 << 63,
+     "rows must be a positive int below 2\\*\\*63 .* got 9223372036854775808"),
 ])
 def test_construction_errors(inv_freq, rows, words):
     with pytest.raises(rd.RoPEError, match=words):
