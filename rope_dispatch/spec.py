@@ -292,6 +292,12 @@ class RoPESpec(BaseModel):
         except ValidationError as exc:
             raise RoPEError(_spec_problem(exc)) from None
 
+    @classmethod
+    def model_construct(cls, _fields_set: set[str] | None = None, **values: Any) -> RoPESpec:
+        """A spec validated as the constructor validates: pydantic's own skips validation and
+        leaves out :attr:`static_key`, which every call reads."""
+        return cls(**values)
+
     @field_serializer("dtype", when_used="json")
     def _dtype_text(self, dtype: torch.dtype) -> str:
         """JSON holds the dtype's name (``"bfloat16"``), which the field takes back."""

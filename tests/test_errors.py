@@ -128,6 +128,21 @@ def test_spec_is_frozen_and_hashable():
     assert {spec: 1}[spec] == 1
 
 
+def test_spec_model_construct_validates_as_the_constructor():
+    """pydantic's model_construct skips validation: its spec had no static_key, so every call
+    with it raised AttributeError. It is validated as a new spec, as model_copy's copies are."""
+    from reference import assert_matches, reference_for
+
+    spec = rd.RoPESpec.model_construct(layout="sbhd", dtype="fp32", rotary_dim=16, inverse=True)
+    assert spec == rd.RoPESpec(layout="sbhd", dtype=torch.float32, rotary_dim=16, inverse=True)
+    assert spec.dtype is torch.float32
+    t, freqs = torch.randn(8, 2, 3, 16), torch.rand(8, 1, 1, 16) * 6
+    assert_matches(rd.apply(t, freqs, spec, backend="eager"), reference_for(t, freqs, spec),
+                   torch.float32)
+    with pytest.raises(rd.RoPEError, match="rotary_dim must be a positive even integer, got 3"):
+        rd.RoPESpec.model_construct(layout="sbhd", dtype="fp32", rotary_dim=3)
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [
