@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import math
 import numbers
+from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
@@ -448,6 +449,11 @@ class RoPESpec(BaseModel):
         if not isinstance(other, RoPESpec):
             return NotImplemented
         return self.static_key == other.static_key and self.cu_seqlens is other.cu_seqlens
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        """``(name, value)`` of each field, as ``dict(spec)`` takes them (pydantic's iteration
+        walks ``__dict__``, which holds :attr:`static_key` and its texts too)."""
+        return ((name, getattr(self, name)) for name in type(self).model_fields)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.static_fields().items())

@@ -128,6 +128,18 @@ def test_spec_is_frozen_and_hashable():
     assert {spec: 1}[spec] == 1
 
 
+def test_a_spec_iterates_over_its_fields():
+    """``dict(spec)`` (pydantic's iteration) gives the fields, which make the same spec again;
+    it gave static_key and its texts too, which the constructor refuses as extra inputs."""
+    packed = rd.RoPESpec(layout="thd", dtype="fp16", cu_seqlens=torch.tensor([0, 3, 5]),
+                         max_seqlen=3, cos_sin_scale=0.5, rotary_offset=2)
+    for spec in (packed, rd.RoPESpec(layout="sbhd", dtype="bf16", mrope_section=(2, 3, 3))):
+        fields = dict(spec)
+        assert list(fields) == list(rd.RoPESpec.model_fields)
+        assert fields == spec.model_dump()
+        assert rd.RoPESpec(**fields) == spec
+
+
 def test_spec_model_construct_validates_as_the_constructor():
     """pydantic's model_construct skips validation: its spec had no static_key, so every call
     with it raised AttributeError. It is validated as a new spec, as model_copy's copies are."""
