@@ -441,6 +441,13 @@ class RoPESpec(BaseModel):
         new = type(self)(**fields)
         return super(RoPESpec, new).model_copy(deep=True) if deep else new
 
+    def copy(self, **kwargs: Any) -> RoPESpec:  # type: ignore[override]
+        """pydantic's deprecated ``copy`` (``include``, ``exclude``, ``update``, ``deep``), its
+        result validated as a new spec, as :meth:`model_copy`'s (pydantic's skips validation)."""
+        copied = super().copy(**kwargs)
+        return type(self)(**{name: value for name, value in vars(copied).items()
+                             if name in type(self).model_fields})
+
     def __hash__(self) -> int:
         return hash(self.static_key) ^ id(self.cu_seqlens)
 

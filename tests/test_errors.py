@@ -128,6 +128,19 @@ def test_spec_is_frozen_and_hashable():
     assert {spec: 1}[spec] == 1
 
 
+@pytest.mark.filterwarnings("ignore:The `copy` method is deprecated")
+def test_pydantics_deprecated_copy_validates_the_copy():
+    """pydantic's deprecated ``copy(update=...)`` skipped validation and kept the original's
+    static_key: the copy took rotary_dim=3, and an interleaved copy read as the original."""
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32", rotary_dim=16)
+    changed = spec.copy(update={"interleaved": True})
+    assert changed == rd.RoPESpec(layout="sbhd", dtype="fp32", rotary_dim=16, interleaved=True)
+    assert changed.static_key != spec.static_key and "interleaved=True" in repr(changed)
+    with pytest.raises(rd.RoPEError, match="rotary_dim must be a positive even integer, got 3"):
+        spec.copy(update={"rotary_dim": 3})
+    assert spec.copy() == spec and spec.copy(exclude={"rotary_dim"}).rotary_dim is None
+
+
 def test_a_spec_iterates_over_its_fields():
     """``dict(spec)`` (pydantic's iteration) gives the fields, which make the same spec again;
     it gave static_key and its texts too, which the constructor refuses as extra inputs."""
