@@ -86,9 +86,20 @@ class HeadNorm:
     def scope(self) -> str:
         return self.form.scope
 
+    def __reduce__(self) -> tuple:
+        """Pickled and copied as its constructor's arguments: at every pickle protocol (below
+        2, a class with ``__slots__`` and no ``__getstate__`` cannot be pickled), checked
+        again and its form interned where it is loaded."""
+        return _made, (self.weight, self.eps, self.offset, self.scope)
+
     def __repr__(self) -> str:
         return (f"HeadNorm(weight[{self.weight.shape[0]}], eps={self.eps}, offset={self.offset}, "
                 f"scope={self.scope!r})")
+
+
+def _made(weight: torch.Tensor, eps: float, offset: float, scope: str) -> HeadNorm:
+    """A pickled :class:`HeadNorm` again."""
+    return HeadNorm(weight, eps, offset=offset, scope=scope)
 
 
 _new_form = tuple.__new__

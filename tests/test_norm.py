@@ -4,7 +4,9 @@ weights' gradients too; its in-place forms; its errors; the backends that refuse
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -440,6 +442,24 @@ def test_bad_norms_are_named():
         rd.HeadNorm(torch.ones(8, dtype=torch.int64))
     with pytest.raises(rd.RoPETypeError, match="q_norm must be a rope_dispatch.HeadNorm"):
         rd.apply_qk(q, k, table, spec, q_norm=torch.ones(8))
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_a_pickled_or_copied_norm_normalizes_as_the_original(protocol):
+    """A HeadNorm pickled at any protocol (protocols 0 and 1 raised TypeError: a class with
+    __slots__ and no __getstate__) or copied keeps its weight, eps, offset and scope."""
+    gen = torch.Generator().manual_seed(31)
+    x, angles = torch.randn(5, 2, 3, 8, generator=gen), torch.rand(5, 8, generator=gen) * 6
+    norm = rd.HeadNorm(torch.rand(24, generator=gen) + 0.5, 0.125, offset=1.0, scope="heads")
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    want = reference_for(reference_head_norm(x, norm.weight, 0.125, 1.0, "heads"), angles, spec)
+    for copied in (pickle.loads(pickle.dumps(norm, protocol)), copy.copy(norm),
+                   copy.deepcopy(norm)):
+        assert (copied.eps, copied.offset, copied.scope) == (0.125, 1.0, "heads")
+        assert copied.form is norm.form
+        assert_matches(rd.apply(x, angles, spec, norm=copied, backend="eager"), want,
+                       torch.float32)
+    assert copy.copy(norm).weight is norm.weight
 
 
 def test_backends_without_the_stage_refuse_it():
