@@ -63,6 +63,20 @@ def own_forwards(model) -> list[str]:
     return [name for name, m in model.named_modules() if "forward" in vars(m)]
 
 
+def test_llama4_norm_epsilon_set_after_the_patch_is_the_one_used():
+    """The fused L2 norm reads qk_norm's eps at each call, as the other families' fused norms
+    read theirs: an eps set after patch (it was kept from patch time) gives the unpatched
+    model's results with that eps."""
+    model = llama4()
+    norm = next(m for m in model.modules() if type(m).__name__ == "Llama4TextL2Norm")
+    expected = step(model)
+    norm.eps = 1e-6
+    hf.patch(model)
+    norm.eps = EPS
+    check_same(step(model), expected)
+    hf.unpatch(model)
+
+
 @pytest.mark.parametrize("use_qk_norm", [True, False])
 def test_llama4_gives_the_same_logits_and_gradients(use_qk_norm, monkeypatch):
     model = llama4(use_qk_norm=use_qk_norm)

@@ -130,6 +130,8 @@ def _fused_forward(attention: torch.nn.Module, eps: float, previous, *args, **kw
     if _hf._traced_with_grad() or getattr(module, "apply_rotary_emb", None) is not apply_rotary_emb:
         return run(*args, **kwargs)
     outer = _window.attention, _window.eps, _window.normalized
+    # the norm's epsilon as it is now, not at the patch (the other families' too)
+    eps = getattr(attention.qk_norm, "eps", eps)
     _window.attention, _window.eps, _window.normalized = attention, eps, []
     try:
         result = run(*args, **kwargs)
