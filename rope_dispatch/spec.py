@@ -10,8 +10,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from pydantic import (
-    BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_serializer,
-    model_validator,
+    BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
+    field_serializer, model_validator,
 )
 
 from .errors import RoPEError
@@ -114,6 +114,15 @@ def _check_interleaved_sections(sections: tuple[int, int, int]) -> None:
         )
 
 
+# JSON schemas of the two fields pydantic has none for: the dtype's name; cu_seqlens, which
+# JSON holds as numbers and a spec takes back only as a tensor (RoPESpec.with_cu_seqlens)
+_TEXT = WithJsonSchema({"type": "string"})
+_NO_OFFSETS = WithJsonSchema({"type": "null"}, mode="validation")
+_OFFSETS = WithJsonSchema(
+    {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "null"}]},
+    mode="serialization",
+)
+
 Integer = Annotated[int, BeforeValidator(_integer)]
 Real = Annotated[float, BeforeValidator(_real)]
 Boolean = Annotated[bool, BeforeValidator(_boolean)]
@@ -198,14 +207,14 @@ class RoPESpec(BaseModel):
     """``repr(cos_sin_scale)``: the scale a traced launch passes on."""
 
     layout: Layout = Field(description="sbhd, bshd or thd (packed sequences with cu_seqlens)")
-    dtype: Annotated[torch.dtype, BeforeValidator(parse_dtype)] = Field(
+    dtype: Annotated[torch.dtype, BeforeValidator(parse_dtype), _TEXT] = Field(
         description="dtype of the input tensor: float32, float16 or bfloat16"
     )
     rotary_dim: Integer | None = Field(
         default=None, description="channels rotated; must equal the table's last dim when given"
     )
     interleaved: Boolean = Field(default=False, description="rotate pairs (2k, 2k+1), not halves")
-    cu_seqlens: torch.Tensor | None = Field(
+    cu_seqlens: Annotated[torch.Tensor | None, _NO_OFFSETS, _OFFSETS] = Field(
         default=None,
         description="int32/int64 [n+1] global sequence offsets, thd only (optional when every "
         "call passes per-token positions)",

@@ -119,6 +119,25 @@ def test_spec_to_json_and_back():
         rd.RoPESpec.model_validate_json(text)
 
 
+def test_spec_json_schema_describes_what_json_holds():
+    """model_json_schema (config tools, API docs) raised PydanticInvalidForJsonSchema for the
+    torch.dtype and the tensor field; it describes the dtype's name and cu_seqlens as JSON
+    holds them (numbers written, none read back)."""
+    import json
+
+    read, written = (rd.RoPESpec.model_json_schema(mode=mode)
+                     for mode in ("validation", "serialization"))
+    assert list(read["properties"]) == list(rd.RoPESpec.model_fields) == list(
+        written["properties"])
+    assert read["properties"]["dtype"]["type"] == "string" == written["properties"]["dtype"]["type"]
+    assert read["properties"]["cu_seqlens"]["type"] == "null"
+    packed = rd.RoPESpec(layout="thd", dtype="bf16", cu_seqlens=torch.tensor([0, 3, 5]))
+    values = json.loads(packed.model_dump_json())
+    assert isinstance(values["dtype"], str) and values["cu_seqlens"] == [0, 3, 5]
+    assert {"type": "array", "items": {"type": "integer"}} in (
+        written["properties"]["cu_seqlens"]["anyOf"])
+
+
 def test_spec_is_frozen_and_hashable():
     spec = rd.RoPESpec(layout="bshd", dtype="bfloat16", rotary_dim=64)
     with pytest.raises(ValidationError):
