@@ -313,11 +313,12 @@ def rope_to_cache(call: RoPECall) -> torch.Tensor:
     q into ``q_out`` (new where none was given), k rotated and v into the cache's pages at each
     token's slot. No host read of any index or scale, no allocation but q's output (and copies
     of index tensors that are not contiguous): capturable in a CUDA graph. Traced by
-    ``torch.compile`` (or on tensor subclasses) it is the eager composition."""
+    ``torch.compile`` (or on tensor subclasses) it is the eager composition, as is a call whose
+    q or k has no heads (the launch tiles both sides, and launches nothing where one is empty)."""
     write = call.cache_write
     q, k, v = call.t, call.k, write.v
     weights = tuple(n.weight for n in (call.norm, call.k_norm) if n is not None)
-    if transformed() or _traced(q, k, v, *weights):
+    if transformed() or _traced(q, k, v, *weights) or not (q.shape[-2] and k.shape[-2]):
         return rope_to_cache_eager(call)
     q_out = write.q_out if write.q_out is not None else q.new_empty(q.shape, dtype=write.q_dtype)
     k_pages, v_pages = write.cache.pages()

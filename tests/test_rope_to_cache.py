@@ -363,6 +363,30 @@ def test_every_token_padded_writes_nothing_and_still_rotates_q(backend, request)
     assert torch.equal(out, rd.apply(q, table, spec, positions=positions, backend=backend))
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("side", ["q", "kv"])
+def test_a_side_with_no_heads_leaves_the_other_served(backend, side, request):
+    """q with no heads still writes k and v into the cache; k and v with no heads still give q
+    rotated. The fused launch tiles both sides, so one without heads must not cancel it."""
+    backend, device = backend_param(backend, request)
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads = (0, 2) if side == "q" else (4, 0)
+    q, k, v = (torch.randn(5, h, 8, generator=gen).to(device) for h in (heads, kv_heads, kv_heads))
+    table, spec = angle_table(16, 8, False).to(device), rd.RoPESpec(layout="thd", dtype="fp32")
+    positions = torch.tensor([3, 0, 7, 1, 2], device=device)
+    slots = torch.tensor([4, 0, -1, 9, 2], device=device)
+    k_cache, v_cache = (torch.zeros(12, kv_heads, 8, device=device) for _ in range(2))
+    out = rd.rope_to_cache(q, k, v, table, spec, positions=positions,
+                           cache=rd.FlatKVCache(k_cache, v_cache, slots), backend=backend)
+    assert_rounds_like(out, reference_rope(q, table, positions, False), 1.0, "q")
+    k_ref = reference_rope(k, table, positions, False)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert_rounds_like(k_cache[slot], k_ref[token], 1.0, "k")
+            assert torch.equal(v_cache[slot], v[token])
+    assert not k_cache[[1, 3, 5, 6, 7, 8, 10, 11]].any()
+
+
 def test_an_engine_cos_sin_cache_and_scale_tensors():
     """vLLM's own forms: its float32 cos/sin cache, tensor scales, views of one kv tensor."""
     q, k, v, _, spec, positions, _ = small_call()
