@@ -170,6 +170,13 @@ class RoPEFunction(torch.autograd.Function):
         made = rotation.forward(data)
         if rotation.launch.in_place:
             ctx.mark_dirty(*data)
+        if rotation.launch.tensors == "qk":  # a side that wants no gradient gets none, as apply
+            weights, idle = iter(inputs[len(data):]), []
+            for x, out, form in zip(data, made, rotation.launch.norm or (None, None)):
+                weight = None if form is None else next(weights)
+                if not (x.requires_grad or (weight is not None and weight.requires_grad)):
+                    idle.append(out)
+            ctx.mark_non_differentiable(*idle)
         ctx.rotation = rotation
         ctx.strides = tuple(tl.dense_strides(x) for x in data)
         return made[0] if len(made) == 1 else made

@@ -187,6 +187,34 @@ def test_in_place_pair_of_views_with_a_gradient(request, backend):
         assert_matches(grad.unflatten(-1, src.shape[-2:]), ref_grad, x.dtype, f"{name} backward")
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("frozen", ["q", "k"])
+def test_a_side_without_a_gradient_stays_without_one(request, backend, in_place, frozen):
+    """Only one of q and k requires grad (a frozen projection: LoRA on q alone, say): the other
+    side comes out as apply gives it, with no gradient and no graph, its original untouched in
+    place; the gradient of the side that has one is the reference's."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    case = fixed_case(heads=2, head_dim=8, rotary_dim=8)
+    x, table, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    leaf = x.clone().requires_grad_(True)
+    live, still = leaf * 1, x[..., :1, :].clone()
+    q, k = (still, live) if frozen == "q" else (live, still)
+    call = rd.apply_qk_ if in_place else rd.apply_qk
+    outs = call(q, k, table, spec, backend=backend)
+    out, frozen_out = (outs[1], outs[0]) if frozen == "q" else outs
+    assert not frozen_out.requires_grad and frozen_out.grad_fn is None
+    assert not still.requires_grad and still.is_leaf
+    g = torch.randn(out.shape).to(DEVICE)
+    (grad,) = torch.autograd.grad(out, leaf, g)
+    ref_out, ref_grad = reference_forward_backward(x, angles, spec, g)
+    assert_matches(out, ref_out, x.dtype, "forward")
+    assert_matches(grad, ref_grad, x.dtype, "backward")
+    assert_matches(frozen_out, reference_forward_backward(
+        x[..., :1, :], angles, spec, torch.zeros(frozen_out.shape))[0], x.dtype, "frozen side")
+
+
 def test_a_pair_without_k_is_refused():
     q = torch.randn(5, 2, 3, 16)
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
