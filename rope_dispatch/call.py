@@ -545,6 +545,16 @@ def check_call(
                 _check_apart(t, k, d2, offset)
             else:
                 _check_apart(t, k, head_dim)
+        written = (("t", t),) if k is None else (("q", t), ("k", k))
+        out_of_place = "apply" if k is None else "apply_qk"
+        for name, norm in (("norm" if k is None else "q_norm", q_norm), ("k_norm", k_norm)):
+            for x_name, x in written if norm is not None else ():
+                if _shares(norm.weight, x):
+                    raise RoPEError(
+                        f"{name}.weight shares memory with {x_name} {tuple(x.shape)}, which the "
+                        "call rotates in place while it reads the weight; pass a weight of its "
+                        f"own (a clone), or use rope_dispatch.{out_of_place}"
+                    )
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,
@@ -757,6 +767,29 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
         return None if unknown else False
 
     return reach(0, distance)
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` address a common element (of different element sizes: whether
+    their byte ranges meet). False where that cannot be told
+    (traced tensors, strides that do not nest). Tensors whose byte ranges lie apart (views of
+    one ``[2, ...]`` cache, say) are told so from their addresses alone."""
+    # torch's test: False for two storages, True for any two views of one
+    if memoryless() or not torch._C._overlaps(a, b) or a.numel() == 0 or b.numel() == 0:
+        return False
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    if start_a + _span(a) <= start_b or start_b + _span(b) <= start_a:
+        return False
+    if a.element_size() == b.element_size():
+        return bool(shared_element(a, b, a.shape[-1], b.shape[-1]))
+    return True  # bytes of other sizes whose ranges meet
+
+
+def _span(x: torch.Tensor) -> int:
+    """Bytes from ``x``'s first element to past its last (``x`` not empty, strides >= 0)."""
+    if x.is_contiguous():
+        return x.numel() * x.element_size()
+    return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
 
 
 def _check_apart(q: torch.Tensor, k: torch.Tensor, d2: int, offset: int = 0) -> None:

@@ -31,8 +31,8 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from .call import (
-    RoPECall, _host_reads_allowed, _reads, check_call, expanded_dim, shared_element,
-    table_grad_wanted, wants_grad,
+    RoPECall, _host_reads_allowed, _reads, _shares, check_call, expanded_dim, table_grad_wanted,
+    wants_grad,
 )
 from .errors import RoPEError, RoPETypeError
 from .spec import RoPESpec, dtype_name
@@ -117,29 +117,6 @@ def _cache_pair(k_cache: object, v_cache: object, names: tuple[str, str], dims: 
                   f"{tuple(k_cache.shape)} strides {k_cache.stride()} and "
                   f"{tuple(v_cache.shape)} strides {v_cache.stride()} share memory")
         raise RoPEError(f"{names[0]} and {names[1]} {shared}; v would overwrite k")
-
-
-def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` address a common element (of different element sizes: whether
-    their byte ranges meet). False where that cannot be told
-    (traced tensors, strides that do not nest). Tensors whose byte ranges lie apart (views of
-    one ``[2, ...]`` cache, say) are told so from their addresses alone."""
-    # torch's test: False for two storages, True for any two views of one
-    if memoryless() or not torch._C._overlaps(a, b) or a.numel() == 0 or b.numel() == 0:
-        return False
-    start_a, start_b = a.data_ptr(), b.data_ptr()
-    if start_a + _span(a) <= start_b or start_b + _span(b) <= start_a:
-        return False
-    if a.element_size() == b.element_size():
-        return bool(shared_element(a, b, a.shape[-1], b.shape[-1]))
-    return True  # bytes of other sizes whose ranges meet
-
-
-def _span(x: torch.Tensor) -> int:
-    """Bytes from ``x``'s first element to past its last (``x`` not empty, strides >= 0)."""
-    if x.is_contiguous():
-        return x.numel() * x.element_size()
-    return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
 
 
 class KVCache:

@@ -353,6 +353,32 @@ def test_in_place_rewrites_whole_heads(backend, scope):
 
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("written", ["t", "q", "k"])
+def test_in_place_refuses_a_weight_in_the_memory_it_writes(backend, written):
+    """A norm weight that shares memory with a tensor rotated in place would be overwritten
+    while the call still reads it: refused, naming both; a weight beside it, in the same
+    buffer but apart from every written element, is served."""
+    buffer = torch.rand(2, 3, 4, 8) + 0.5  # bshd: q's 2 heads, k's 1, a spare head
+    q, k, spare = buffer[..., :2, :], buffer[..., 2:3, :], buffer[0, 0, 3]
+    table, spec = torch.rand(4, 8), rd.RoPESpec(layout="bshd", dtype="fp32")
+    inside = {"t": q[0, 1, 1], "q": q[1, 2, 0], "k": k[0, 0, 0]}[written]
+    if written == "t":
+        def call(w):
+            return rd.apply_(q, table, spec, norm=rd.HeadNorm(w), backend=backend)
+    else:
+        def call(w):
+            norms = dict(q_norm=rd.HeadNorm(w)) if written == "k" else dict(k_norm=rd.HeadNorm(w))
+            return rd.apply_qk_(q, k, table, spec, backend=backend, **norms)
+    name = "norm" if written == "t" else "q_norm" if written == "k" else "k_norm"
+    before = buffer.clone()
+    with pytest.raises(rd.RoPEError, match=f"{name}.weight shares memory with {written} "):
+        call(inside)
+    assert torch.equal(buffer, before)
+    call(spare)  # the spare head: apart from q and k
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 def test_single_tensor_and_packed_qkv(backend, layout):
     """``apply(norm=)``, ``apply_(norm=)`` and ``apply_qkv(q_norm=, k_norm=)`` against the
