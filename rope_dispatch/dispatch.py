@@ -28,7 +28,7 @@ from .call import RoPECall, check_call, grad_leaf, reads_values, refuse_dtensors
 from .call_keys import CallKey, call_key
 from .env import env_raw_reader, env_reader
 from .errors import BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError
-from .guards import Guard, tensor_guard
+from .guards import Guard, apart_as_planned, tensor_guard
 from .kv_cache import KVCache, check_cache_call
 from .norm import HeadNorm
 from .registry import Backend
@@ -635,25 +635,6 @@ def _in_grad_state(
     return check
 
 
-def _apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor) -> Guard:
-    """``guard`` for an in-place q and k pair, and k placed as far from q as in the planned
-    call (its checks found them apart) or so far that their bytes cannot meet: with the same
-    shapes and strides, that settles that they share no element. Elsewhere the call is checked
-    again (check_call refuses q and k that share one)."""
-    def end(x: torch.Tensor) -> int:  # bytes from x's first element to past its last
-        return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
-
-    planned, q_end, k_end = k.data_ptr() - q.data_ptr(), end(q), end(k)
-
-    def check(q: torch.Tensor, k: torch.Tensor, *index: torch.Tensor) -> bool:
-        if not guard(q, k, *index):
-            return False
-        distance = k.data_ptr() - q.data_ptr()
-        return distance == planned or distance >= q_end or distance <= -k_end
-
-    return check
-
-
 def _keep_plan(
     key: tuple, tensors: tuple[torch.Tensor, ...], spec: RoPESpec, freqs: object,
     chosen: Backend, call: RoPECall,
@@ -687,8 +668,9 @@ def _keep_plan(
         enabled = _grad_enabled()
         leaves = tuple(grad_leaf(x) for x in tensors) if enabled and call.in_place else None
         guard = _in_grad_state(guard, enabled, leaves, weakref.ref(freqs))
-    if call.in_place and call.k is not None:
-        guard = _apart_as_planned(guard, call.t, call.k)
+    weights = (call.norm is not None) + (call.k_norm is not None)
+    if call.in_place and (call.k is not None or weights):
+        guard = apart_as_planned(guard, call.t, call.k, weights)
     run = chosen.plan(call)
     if run is None:  # a cache stage the backend does not bind: checked every call
         return

@@ -117,3 +117,32 @@ def tensor_guard(*tensors: torch.Tensor) -> Guard:
 def guard_kind() -> str:
     """``"torch"`` (one C call per check) or ``"python"`` (the fallback), for reports."""
     return "torch" if _guard_maker() is _torch_guard else "python"
+
+
+def apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor | None,
+                     weights: int) -> Guard:
+    """``guard`` for an in-place call, whose checks found what it writes apart from what it
+    reads: k (of a pair) placed as far from q as in the planned call or so far that their bytes
+    cannot meet (with the same shapes and strides, that settles that they share no element),
+    and the last ``weights`` tensors (norm weights) in memory of their own, apart from q's and
+    k's. Elsewhere the call is checked again (check_call refuses q and k that share an element,
+    and a weight that shares one with either)."""
+    def end(x: torch.Tensor) -> int:  # bytes from x's first element to past its last
+        return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+    written = 1 if k is None else 2
+    planned = None if k is None else k.data_ptr() - q.data_ptr()
+    q_end, k_end = end(q), None if k is None else end(k)
+    overlaps = torch._C._overlaps
+
+    def check(*tensors: torch.Tensor) -> bool:
+        if not guard(*tensors):
+            return False
+        if planned is not None:
+            distance = tensors[1].data_ptr() - tensors[0].data_ptr()
+            if not (distance == planned or distance >= q_end or distance <= -k_end):
+                return False
+        return not weights or not any(overlaps(w, x) for w in tensors[len(tensors) - weights:]
+                                      for x in tensors[:written])
+
+    return check

@@ -356,8 +356,8 @@ def test_in_place_rewrites_whole_heads(backend, scope):
 @pytest.mark.parametrize("written", ["t", "q", "k"])
 def test_in_place_refuses_a_weight_in_the_memory_it_writes(backend, written):
     """A norm weight that shares memory with a tensor rotated in place would be overwritten
-    while the call still reads it: refused, naming both; a weight beside it, in the same
-    buffer but apart from every written element, is served."""
+    while the call still reads it: refused, naming both, by a repeated (planned) call too; a
+    weight beside it, in the same buffer but apart from every written element, is served."""
     buffer = torch.rand(2, 3, 4, 8) + 0.5  # bshd: q's 2 heads, k's 1, a spare head
     q, k, spare = buffer[..., :2, :], buffer[..., 2:3, :], buffer[0, 0, 3]
     table, spec = torch.rand(4, 8), rd.RoPESpec(layout="bshd", dtype="fp32")
@@ -370,11 +370,15 @@ def test_in_place_refuses_a_weight_in_the_memory_it_writes(backend, written):
             norms = dict(q_norm=rd.HeadNorm(w)) if written == "k" else dict(k_norm=rd.HeadNorm(w))
             return rd.apply_qk_(q, k, table, spec, backend=backend, **norms)
     name = "norm" if written == "t" else "q_norm" if written == "k" else "k_norm"
+    for _ in range(3):  # planned: a repeat with a weight inside what it writes is checked again
+        with torch.no_grad():
+            call(spare)  # the spare head: apart from q and k
     before = buffer.clone()
-    with pytest.raises(rd.RoPEError, match=f"{name}.weight shares memory with {written} "):
-        call(inside)
-    assert torch.equal(buffer, before)
-    call(spare)  # the spare head: apart from q and k
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(
+                rd.RoPEError, match=f"{name}.weight shares memory with {written} "):
+            call(inside)
+        assert torch.equal(buffer, before)
 
 
 @pytest.mark.usefixtures("triton_backend")
