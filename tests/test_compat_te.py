@@ -546,6 +546,25 @@ def test_core_errors_are_rope_errors():
         apply_fused_qkv_rotary_pos_emb(qkv, q, k[:SEQ - 1], list(split))
 
 
+def test_qkv_core_errors_say_how_the_door_mapped_its_arguments():
+    """The core names its own arguments (t, freqs, split); a caller of TE's API passed qkv,
+    q_freqs and qkv_split_arg_list, so each such error says how the door mapped them."""
+    qkv, q, k, split, _ = _qkv_inputs()
+    bad = {
+        "split": lambda: apply_fused_qkv_rotary_pos_emb(qkv, q, k, [4 * QKV_D, QKV_D, 1]),
+        "freqs": lambda: apply_fused_qkv_rotary_pos_emb(qkv, q[:SEQ - 1], k, list(split)),
+        "t": lambda: apply_fused_qkv_rotary_pos_emb(qkv[0], q, k, list(split)),
+    }
+    for core_name, call in bad.items():
+        with pytest.raises(rd.RoPEError) as info:
+            call()
+        message = str(info.value)
+        assert message.startswith(core_name), message
+        for part in ("rope_dispatch.apply_qkv", "t=qkv", "freqs=q_freqs",
+                     "split=qkv_split_arg_list"):
+            assert part in message, (part, message)
+
+
 # --- RotaryPositionEmbedding -------------------------------------------------------------------
 
 def te_table(dim, max_seq_len, offset=0, rotary_percent=1.0, seq_len_interpolation_factor=None,

@@ -25,7 +25,9 @@ This module is an adapter: it maps arguments and runs no kernel of its own. ``te
 once per layer; ``freqs`` that are not float32 are converted with ``.float()``, as TE's fused
 path does; then :func:`rope_dispatch.apply` or :func:`rope_dispatch.apply_qkv` checks the call,
 picks the backend and runs it. Bad arguments raise :class:`~rope_dispatch.RoPEError` from those
-checks (where TE asserts, the core raises for the same condition).
+checks (where TE asserts, the core raises for the same condition); those of ``apply_qkv``, which
+names its own arguments, say how the door mapped them (``t=qkv``, ``freqs=q_freqs``,
+``split=qkv_split_arg_list``).
 
 ``fused`` is accepted and changes nothing: every rope-dispatch backend computes what TE's fused
 kernel computes (float32 math, one rounding), so ``fused=False`` gives those values too, not
@@ -49,6 +51,7 @@ from ..dispatch import apply, apply_qkv
 from ..errors import RoPEError, RoPETypeError
 from ..spec import RoPESpec, constant_spec
 from ..tables import angle_table, inverse_frequencies
+from .flashinfer import _mapped
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_fused_qkv_rotary_pos_emb"]
 
@@ -202,7 +205,16 @@ def apply_fused_qkv_rotary_pos_emb(
     split = qkv_split_arg_list
     if isinstance(split, (list, tuple)):
         split = tuple(split)  # anything else goes to apply_qkv's checks as it is
-    return apply_qkv(qkv, q_freqs, spec, split, k_freqs=k_freqs, start_positions=start_positions)
+    try:
+        return apply_qkv(qkv, q_freqs, spec, split, k_freqs=k_freqs,
+                         start_positions=start_positions)
+    except RoPEError as error:  # the core names its own arguments: t, freqs, split
+        raise _mapped(error, "apply_fused_qkv_rotary_pos_emb", _QKV_MAPPING,
+                      "apply_qkv") from error
+
+
+# How apply_fused_qkv_rotary_pos_emb maps its arguments onto apply_qkv's, for the core's errors.
+_QKV_MAPPING = "t=qkv, freqs=q_freqs, split=qkv_split_arg_list, k_freqs=k_freqs"
 
 
 class RotaryPositionEmbedding(torch.nn.Module):
