@@ -499,6 +499,18 @@ def test_a_non_tensor_input_is_named():
         apply_fused_qkv_rotary_pos_emb([1.0, 2.0], q, k, list(split))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+def test_an_input_of_an_unsupported_dtype_is_named(dtype):
+    """t and qkv of a dtype no backend takes are refused under TE's names, not as the spec's
+    field dtype, which a caller of TE's API never passed."""
+    x, freqs = torch.randn(SEQ, BATCH, HEADS, HEAD_DIM).to(dtype), random_angles(SEQ, 8)
+    with pytest.raises(rd.RoPEError, match=f"^t must be .*got {rd.spec.dtype_name(dtype)}"):
+        apply_rotary_pos_emb(x, freqs)
+    qkv, q, k, split, _ = _qkv_inputs()
+    with pytest.raises(rd.RoPEError, match=f"^qkv must be .*got {rd.spec.dtype_name(dtype)}"):
+        apply_fused_qkv_rotary_pos_emb(qkv.to(dtype), q, k, list(split))
+
+
 def test_flags_of_the_wrong_type_are_refused_after_valid_calls():
     """``interleaved=1``, ``cp_size=True`` and ``cp_rank=0.0`` are refused as the spec refuses
     them, also after valid calls whose equal values (``1 == True``) made the door's specs; a

@@ -49,7 +49,7 @@ import torch
 
 from ..dispatch import apply, apply_qkv
 from ..errors import RoPEError, RoPETypeError
-from ..spec import RoPESpec, constant_spec
+from ..spec import SUPPORTED_DTYPES, RoPESpec, constant_spec, dtype_name
 from ..tables import angle_table, inverse_frequencies
 from .flashinfer import _mapped
 
@@ -105,9 +105,13 @@ def _spec(
 
 def _dtype(argument: str, t: Any) -> torch.dtype:
     """``t``'s dtype, which the spec takes; anything but a tensor is refused as ``apply``
-    refuses it, naming the argument."""
+    refuses it, and a dtype the spec refuses is refused here, naming the argument (the spec
+    would name its own field, dtype)."""
     if not isinstance(t, torch.Tensor):
         raise RoPETypeError(f"{argument} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise RoPEError(f"{argument} must be float32, float16 or bfloat16, got "
+                        f"{dtype_name(t.dtype)}")
     return t.dtype
 
 
