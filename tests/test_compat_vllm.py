@@ -393,6 +393,10 @@ def test_signatures_are_vllms():
         (dict(is_neox=1), ["is_neox must be a bool, got 1"]),
         (dict(key=torch.randn(4, 0)), ["key has 0 heads", "does not divide"]),
         (dict(positions=torch.tensor([0, 1, 2])), ["positions must have shape [T] = [4]"]),
+        (dict(query=torch.randn(4, 32).double(), key=torch.randn(4, 16).double()),
+         ["query must be float32, float16 or bfloat16, got float64"]),
+        (dict(query=torch.ones(4, 32, dtype=torch.int32), key=torch.ones(4, 16, dtype=torch.int32)),
+         ["query must be float32, float16 or bfloat16, got int32"]),
     ],
 )
 def test_rotary_embedding_bad_arguments(kwargs, words):
@@ -420,6 +424,9 @@ def test_rotary_embedding_bad_arguments(kwargs, words):
         (dict(k_weight=torch.ones(8).bfloat16()), ["k_weight must be", "float32", "bfloat16"]),
         (dict(cos_sin_cache=torch.rand(8, 7)), ["cos_sin_cache must have", "(8, 7)"]),
         (dict(cos_sin_cache=torch.rand(8, 10)), ["rotary dim d2=10", "head dim d=8"]),
+        (dict(qkv=torch.randn(4, 32).double(), q_weight=torch.ones(8).double(),
+              k_weight=torch.ones(8).double()),
+         ["qkv must be float32, float16 or bfloat16, got float64"]),
     ],
 )
 def test_fused_bad_arguments(kwargs, words):

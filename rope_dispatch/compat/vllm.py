@@ -31,7 +31,8 @@ Decisions, where vLLM's op and ours could differ:
 - vLLM's argument checks are kept where the core would accept more: int64 ``positions``, a
   ``key`` head count dividing ``query``'s (``rotary_embedding``), ``q_weight``/``k_weight``
   ``[head_dim]`` of ``qkv``'s dtype, ``qkv`` ``[num_tokens, (hq + hk + hv) * head_dim]``. Each
-  raises :class:`~rope_dispatch.RoPEError` naming the argument.
+  raises :class:`~rope_dispatch.RoPEError` naming the argument, and so does a ``query`` or
+  ``qkv`` of a dtype the core refuses (float32, float16 and bfloat16 are taken).
 - Limits of vLLM's kernels are not copied: the fused op takes any ``head_dim`` (vLLM: 64, 128,
   256), float32 ``qkv`` (vLLM: float16 and bfloat16) and any row stride (vLLM: contiguous);
   ``forced_token_heads_per_warp`` (a launch setting) is accepted and ignored.
@@ -52,7 +53,7 @@ import torch
 from ..dispatch import apply_, apply_qk_
 from ..errors import RoPEError, RoPETypeError
 from ..norm import HeadNorm
-from ..spec import RoPESpec, constant_spec, dtype_name
+from ..spec import SUPPORTED_DTYPES, RoPESpec, constant_spec, dtype_name
 from ..table_kinds import _normal_tensors
 from ..tables import PairCosSinCache
 from ..tracing import memoryless
@@ -152,6 +153,12 @@ def _count(name: str, value: object, least: int) -> int:
     return value
 
 
+def _floating(name: str, x: torch.Tensor) -> None:
+    """A dtype the spec refuses, refused naming the argument (the spec names its field)."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise RoPEError(f"{name} must be float32, float16 or bfloat16, got {dtype_name(x.dtype)}")
+
+
 def _positions(name: str, positions: object, dims: tuple[int, ...]) -> torch.Tensor:
     """``positions`` checked as vLLM's op takes them: an int64 tensor of one of ``dims``."""
     if not isinstance(positions, torch.Tensor):
@@ -211,6 +218,7 @@ def rotary_embedding(
     positions = _positions("positions", positions, (1, 2))
     lead = positions.shape
     q = _heads("query", query, lead, head_size)
+    _floating("query", q)
     k = None if key is None else _heads("key", key, lead, head_size)
     if k is not None and (not k.shape[-2] or q.shape[-2] % k.shape[-2]):
         raise RoPEError(
@@ -285,6 +293,7 @@ def fused_qk_norm_rope(
             f"[num_tokens, ({hq} + {hk} + {hv}) * {head_dim}] = [num_tokens, {width}], got "
             f"{tuple(qkv.shape)}"
         )
+    _floating("qkv", qkv)
     positions = _positions("position_ids", position_ids, (1,))
     q_norm = HeadNorm(_weight("q_weight", q_weight, head_dim, qkv.dtype), eps)
     k_norm = HeadNorm(_weight("k_weight", k_weight, head_dim, qkv.dtype), eps)
