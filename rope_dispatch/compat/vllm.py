@@ -122,7 +122,8 @@ def _table(cos_sin_cache: object,
     entry = None if traced else _copies.get(key)
     if entry is not None and entry[0] is cos_sin_cache and entry[1] == _version(cos_sin_cache):
         return entry[2], positions
-    if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dtype not in _CACHE_DTYPES:
+    if (not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dtype not in _CACHE_DTYPES
+            or cos_sin_cache.dim() != 2):  # (checked on the copy, the error would say float32)
         got = (f"{tuple(cos_sin_cache.shape)} {dtype_name(cos_sin_cache.dtype)}"
                if isinstance(cos_sin_cache, torch.Tensor) else type(cos_sin_cache).__name__)
         raise (RoPEError if isinstance(cos_sin_cache, torch.Tensor) else RoPETypeError)(
