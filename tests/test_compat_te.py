@@ -698,6 +698,19 @@ def test_rotary_position_embedding_device(monkeypatch):
     assert module(5).device.type == "meta" and module(5).shape == (5, 1, 1, 16)
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda: RotaryPositionEmbedding(16, rotary_base=0.0), "^rotary_base must be .*got 0.0"),
+    (lambda: RotaryPositionEmbedding(16, rotary_base=-2), "^rotary_base must be .*got -2"),
+    (lambda: RotaryPositionEmbedding(16)(-1), "^max_seq_len must be .*got -1"),
+    (lambda: RotaryPositionEmbedding(16)(5.5, offset=2), "^max_seq_len must be .*got 5.5"),
+])
+def test_rotary_position_embedding_errors_name_tes_arguments(make, message):
+    """A bad rotary_base or max_seq_len is refused under TE's names, not those of the table
+    functions the module calls (base, length)."""
+    with pytest.raises(rd.RoPEError, match=message):
+        make()
+
+
 def test_table_feeds_apply_rotary_pos_emb():
     """The two halves of the API together, as a TE model uses them."""
     module = RotaryPositionEmbedding(HEAD_DIM, rotary_percent=2 / 3, interleaved=True)

@@ -50,6 +50,7 @@ import torch
 from ..dispatch import apply, apply_qkv
 from ..errors import RoPEError, RoPETypeError
 from ..spec import SUPPORTED_DTYPES, RoPESpec, constant_spec, dtype_name
+from ..table_kinds import _positive
 from ..tables import angle_table, inverse_frequencies
 from .flashinfer import _mapped
 
@@ -259,6 +260,7 @@ class RotaryPositionEmbedding(torch.nn.Module):
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
         self.rotary_base = rotary_base
         self.interleaved = interleaved
+        _positive("rotary_base", rotary_base)  # inverse_frequencies would call it base
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.register_buffer("inv_freq", inverse_frequencies(dim, rotary_base, device=device))
 
@@ -275,10 +277,14 @@ class RotaryPositionEmbedding(torch.nn.Module):
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         """The angle table for positions ``offset .. offset + max_seq_len - 1``, float32
         ``[max_seq_len, 1, 1, dim']`` on ``inv_freq``'s device."""
-        return angle_table(
-            self.inv_freq, max_seq_len, offset=offset, scale=self._position_scale(max_seq_len),
-            interleaved=self.interleaved,
-        )
+        try:
+            return angle_table(
+                self.inv_freq, max_seq_len, offset=offset,
+                scale=self._position_scale(max_seq_len), interleaved=self.interleaved,
+            )
+        except RoPEError as error:  # angle_table calls max_seq_len length
+            raise type(error)(str(error).replace("length must", "max_seq_len must", 1)
+                              ) from error
 
     def extra_repr(self) -> str:
         return (
