@@ -74,6 +74,9 @@ def _spec(
     thd = tensor_format == "thd"
     if not thd:
         cu_seqlens = None
+    elif cu_seqlens is None:  # the spec's error would offer per-token positions, not TE's
+        raise RoPEError("tensor_format='thd' needs cu_seqlens (the [n + 1] offsets of the "
+                        "packed sequences), got None")
     # the types too: 1 == True and 1.0 == 1 hash alike, and the spec refuses interleaved=1
     key = (tensor_format, dtype, interleaved, cp_size, cp_rank,
            type(interleaved), type(cp_size), type(cp_rank))
