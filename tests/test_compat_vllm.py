@@ -428,12 +428,16 @@ def test_rotary_embedding_bad_arguments(kwargs, words):
         (dict(k_weight=torch.ones(8).bfloat16()), ["k_weight must be", "float32", "bfloat16"]),
         (dict(cos_sin_cache=torch.rand(8, 7)), ["cos_sin_cache must have", "(8, 7)"]),
         (dict(cos_sin_cache=torch.rand(8, 10)), ["rotary dim d2=10", "head dim d=8"]),
+        (dict(eps=-1e-6), ["eps must be positive, got -1e-06"]),
+        (dict(eps=float("nan")), ["eps must be a finite number, got nan"]),
+        (dict(eps="1e-6"), ["eps must be a finite number, got '1e-6'"]),
         (dict(qkv=torch.randn(4, 32).double(), q_weight=torch.ones(8).double(),
               k_weight=torch.ones(8).double()),
          ["qkv must be float32, float16 or bfloat16, got float64"]),
     ],
 )
 def test_fused_bad_arguments(kwargs, words):
+    """Each error names vLLM's argument (eps, not the HeadNorm the door makes of it)."""
     args = dict(qkv=torch.randn(4, 32), num_heads_q=2, num_heads_k=1, num_heads_v=1,
                 head_dim=8, eps=1e-6, q_weight=torch.ones(8), k_weight=torch.ones(8),
                 cos_sin_cache=torch.rand(8, 8), is_neox=True, position_ids=torch.arange(4))
@@ -442,6 +446,7 @@ def test_fused_bad_arguments(kwargs, words):
         fused_qk_norm_rope(**args)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+    assert "HeadNorm" not in str(info.value), str(info.value)
 
 
 def test_core_errors_say_how_the_door_mapped_its_arguments():

@@ -296,8 +296,11 @@ def fused_qk_norm_rope(
         )
     _floating("qkv", qkv)
     positions = _positions("position_ids", position_ids, (1,))
-    q_norm = HeadNorm(_weight("q_weight", q_weight, head_dim, qkv.dtype), eps)
-    k_norm = HeadNorm(_weight("k_weight", k_weight, head_dim, qkv.dtype), eps)
+    try:
+        q_norm = HeadNorm(_weight("q_weight", q_weight, head_dim, qkv.dtype), eps)
+        k_norm = HeadNorm(_weight("k_weight", k_weight, head_dim, qkv.dtype), eps)
+    except RoPEError as error:  # HeadNorm's complaint about eps, told of the op's argument
+        raise type(error)(str(error).replace("HeadNorm eps", "eps")) from error
     heads = qkv.view(qkv.shape[0], hq + hk + hv, head_dim)
     table, positions = _table(cos_sin_cache, positions)
     try:
