@@ -111,6 +111,8 @@ def test_signature_is_flashinfers():
         (dict(positions=torch.tensor([0, 1, 2, 8])), ["positions must lie in [0, 8)", "0 to 8"]),
         (dict(positions=torch.tensor([0, 1, 2])), ["positions must have shape [T] = [4]", "(3,)"]),
         (dict(cos_sin_cache=torch.rand(8, 20)), ["rotary dim d2=20", "head dim d=16"]),
+        (dict(query=torch.randn(4, 32).double(), key=torch.randn(4, 16).double()),
+         ["query must be float32, float16 or bfloat16, got float64"]),
     ],
 )
 def test_bad_arguments(kwargs, words):

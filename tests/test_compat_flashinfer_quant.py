@@ -654,6 +654,13 @@ BAD = [
     (lambda: small_append(v=torch.zeros(5, 2, 12, dtype=torch.float16)), r"v must be .*v=v"),
     (lambda: small_append(q_rope_out=torch.zeros(5, 4, 8, dtype=torch.float8_e5m2)),
      "paged_kv_cache holds float8_e4m3fn and float8_e4m3fn but quantize_dtype is float8_e5m2"),
+    # q_rope's dtype makes the spec's: refused under q_rope's name, not the spec field's
+    (lambda: quant(q_rope=torch.zeros(5, 4, 8, dtype=torch.float64),
+                   k_rope=torch.zeros(5, 2, 8, dtype=torch.float64)),
+     "^q_rope must be float32, float16 or bfloat16, got float64$"),
+    (lambda: small_append("mla", q_rope=torch.zeros(5, 4, 8, dtype=torch.float64),
+                          k_rope=torch.zeros(5, 8, dtype=torch.float64)),
+     "^q_rope must be float32, float16 or bfloat16, got float64$"),
 ]
 
 

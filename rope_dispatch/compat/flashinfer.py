@@ -74,7 +74,7 @@ from ..dispatch import _scoped_or_env_backend, apply_qk_, rope_to_cache
 from ..errors import RoPEError, RoPETypeError
 from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache
 from ..registry import get_backend
-from ..spec import RoPESpec, constant_spec, dtype_name
+from ..spec import SUPPORTED_DTYPES, RoPESpec, constant_spec, dtype_name
 from ..tables import PairCosSinCache
 from ..tracing import memoryless
 
@@ -171,12 +171,19 @@ def apply_rope_with_cos_sin_cache_inplace(
     if type(is_neox) is not bool:
         raise RoPEError(f"is_neox must be a bool, got {is_neox!r}")
     q, k = _heads("query", query, head_size), _heads("key", key, head_size)
+    _floating("query", q)
     try:
         apply_qk_(q, k, _pair_cache(cos_sin_cache), _spec(query.dtype, not is_neox),
                   positions=positions)
     except RoPEError as error:
         raise _mapped(error, "apply_rope_with_cos_sin_cache_inplace", _INPLACE_MAPPING,
                       "apply_qk_") from error
+
+
+def _floating(name: str, x: torch.Tensor) -> None:
+    """A dtype the spec refuses, refused naming the argument (the spec names its field)."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise RoPEError(f"{name} must be float32, float16 or bfloat16, got {dtype_name(x.dtype)}")
 
 
 def _heads(name: str, x: object, head_size: object) -> torch.Tensor:
@@ -246,6 +253,7 @@ def rope_quantize_fp8(
     if backend not in ("cuda", "cutile"):
         raise RoPEError(f"backend must be 'cuda' or 'cutile' (FlashInfer's), got {backend!r}")
     q_rope, k_rope, mla = _rope_parts(q_rope, k_rope)
+    _floating("q_rope", q_rope)
     # a None q_nope stays None (only q_nope_out is made like it); k_nope is the core's v
     q_nope, k_nope = _nope("q_nope", q_nope, q_rope), _nope("k_nope", k_nope, k_rope, make=True)
     dtype = _quantize_dtype(quantize_dtype, (("q_rope_out", q_rope_out),
@@ -349,6 +357,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
     if kv_layout not in ("NHD", "HND"):
         raise RoPEError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
     q_rope, k_rope, mla = _rope_parts(q_rope, k_rope)
+    _floating("q_rope", q_rope)
     # None nope parts stay None but MLA's k_nope, the core's v (GQA/MHA: the rope part alone
     # is joined, and q_nope_out is made like a q_nope of no channels)
     q_nope = _nope("q_nope", q_nope, q_rope)

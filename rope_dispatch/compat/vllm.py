@@ -53,11 +53,11 @@ import torch
 from ..dispatch import apply_, apply_qk_
 from ..errors import RoPEError, RoPETypeError
 from ..norm import HeadNorm
-from ..spec import SUPPORTED_DTYPES, RoPESpec, constant_spec, dtype_name
+from ..spec import RoPESpec, constant_spec, dtype_name
 from ..table_kinds import _normal_tensors
 from ..tables import PairCosSinCache
 from ..tracing import memoryless
-from .flashinfer import _mapped, _pair_cache
+from .flashinfer import _floating, _mapped, _pair_cache
 
 __all__ = ["rotary_embedding", "fused_qk_norm_rope"]
 
@@ -152,12 +152,6 @@ def _count(name: str, value: object, least: int) -> int:
         kind = "a positive int" if least == 1 else f"an int >= {least}"
         raise RoPEError(f"{name} must be {kind}, got {value!r}")
     return value
-
-
-def _floating(name: str, x: torch.Tensor) -> None:
-    """A dtype the spec refuses, refused naming the argument (the spec names its field)."""
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise RoPEError(f"{name} must be float32, float16 or bfloat16, got {dtype_name(x.dtype)}")
 
 
 def _positions(name: str, positions: object, dims: tuple[int, ...]) -> torch.Tensor:
