@@ -706,6 +706,12 @@ def test_rotary_position_embedding_device(monkeypatch):
     (lambda: RotaryPositionEmbedding(16, rotary_base=-2), "^rotary_base must be .*got -2"),
     (lambda: RotaryPositionEmbedding(16)(-1), "^max_seq_len must be .*got -1"),
     (lambda: RotaryPositionEmbedding(16)(5.5, offset=2), "^max_seq_len must be .*got 5.5"),
+    (lambda: RotaryPositionEmbedding(16, seq_len_interpolation_factor=2,
+                                     pretrained_max_position_embeddings=4)("8"),
+     "^max_seq_len must be .*got '8'"),
+    (lambda: RotaryPositionEmbedding(16, seq_len_interpolation_factor=2,
+                                     pretrained_max_position_embeddings=4)(None),
+     "^max_seq_len must be .*got None"),
 ])
 def test_rotary_position_embedding_errors_name_tes_arguments(make, message):
     """A bad rotary_base or max_seq_len is refused under TE's names, not those of the table

@@ -271,8 +271,9 @@ class RotaryPositionEmbedding(torch.nn.Module):
         """TE's position interpolation as a factor on positions (1.0: none)."""
         factor = self.seq_len_interpolation_factor
         pretrained = self.pretrained_max_position_embeddings
-        if factor is None or pretrained is None:
-            return 1.0
+        if factor is None or pretrained is None or not isinstance(
+                max_seq_len, (numbers.Real, torch.SymInt)):
+            return 1.0  # (a max_seq_len that is no number is named by angle_table's check)
         if max_seq_len > pretrained * factor:
             return 1 / (max_seq_len / pretrained)  # dynamic: longer than interpolation covers
         return 1 / factor  # fixed
