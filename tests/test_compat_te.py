@@ -497,6 +497,10 @@ def test_a_non_tensor_input_is_named():
     _, q, k, split, _ = _qkv_inputs()
     with pytest.raises(TypeError, match="qkv must be a torch.Tensor, got list"):
         apply_fused_qkv_rotary_pos_emb([1.0, 2.0], q, k, list(split))
+    # k's table is TE's required argument: None is refused, not replaced by q's table
+    with pytest.raises(TypeError, match=r"k_freqs must be a tensor .*got None"):
+        apply_fused_qkv_rotary_pos_emb(torch.randn(SEQ, BATCH, HEADS, 6 * QKV_D), q, None,
+                                       list(split))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32])

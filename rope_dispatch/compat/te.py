@@ -201,6 +201,8 @@ def apply_fused_qkv_rotary_pos_emb(
     if tensor_format == "thd":
         raise _te_refuses("tensor_format='thd' (TE takes 'sbhd' and 'bshd' only)")
     dtype = _dtype("qkv", qkv)
+    if k_freqs is None:  # apply_qkv would rotate k by q_freqs; TE's k_freqs has no default
+        raise RoPETypeError("k_freqs must be a tensor [s2, 1, 1, d2] (k's angle table), got None")
     q_freqs, k_freqs = _float(q_freqs), _float(k_freqs)  # TE converts before its checks too
     if not qkv.is_contiguous():
         raise _not_contiguous("qkv", qkv)
