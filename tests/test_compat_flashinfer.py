@@ -113,6 +113,7 @@ def test_signature_is_flashinfers():
         (dict(cos_sin_cache=torch.rand(8, 20)), ["rotary dim d2=20", "head dim d=16"]),
         (dict(query=torch.randn(4, 32).double(), key=torch.randn(4, 16).double()),
          ["query must be float32, float16 or bfloat16, got float64"]),
+        (dict(positions=None), ["positions must be an int32 or int64 tensor [nnz], got None"]),
     ],
 )
 def test_bad_arguments(kwargs, words):

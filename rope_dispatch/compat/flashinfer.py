@@ -172,6 +172,8 @@ def apply_rope_with_cos_sin_cache_inplace(
         raise RoPEError(f"is_neox must be a bool, got {is_neox!r}")
     q, k = _heads("query", query, head_size), _heads("key", key, head_size)
     _floating("query", q)
+    if positions is None:  # the core would ask for a thd spec's cu_seqlens instead
+        raise RoPETypeError("positions must be an int32 or int64 tensor [nnz], got None")
     try:
         apply_qk_(q, k, _pair_cache(cos_sin_cache), _spec(query.dtype, not is_neox),
                   positions=positions)
