@@ -668,7 +668,7 @@ def _keep_plan(
         enabled = _grad_enabled()
         leaves = tuple(grad_leaf(x) for x in tensors) if enabled and call.in_place else None
         guard = _in_grad_state(guard, enabled, leaves, weakref.ref(freqs))
-    weights = (call.norm is not None) + (call.k_norm is not None)
+    weights = tuple(n.weight for n in (call.norm, call.k_norm) if n is not None)
     if call.in_place and (call.k is not None or weights):
         guard = apart_as_planned(guard, call.t, call.k, weights)
     run = chosen.plan(call)

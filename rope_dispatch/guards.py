@@ -120,29 +120,37 @@ def guard_kind() -> str:
 
 
 def apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor | None,
-                     weights: int) -> Guard:
+                     weights: tuple[torch.Tensor, ...]) -> Guard:
     """``guard`` for an in-place call, whose checks found what it writes apart from what it
     reads: k (of a pair) placed as far from q as in the planned call or so far that their bytes
     cannot meet (with the same shapes and strides, that settles that they share no element),
-    and the last ``weights`` tensors (norm weights) in memory of their own, apart from q's and
+    and the norm ``weights`` (the last tensors guarded) with bytes that meet neither q's nor
     k's. Elsewhere the call is checked again (check_call refuses q and k that share an element,
-    and a weight that shares one with either)."""
+    and a weight that shares one with either). Address reads and comparisons only: this runs
+    on every planned call."""
     def end(x: torch.Tensor) -> int:  # bytes from x's first element to past its last
         return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
 
-    written = 1 if k is None else 2
     planned = None if k is None else k.data_ptr() - q.data_ptr()
     q_end, k_end = end(q), None if k is None else end(k)
-    overlaps = torch._C._overlaps
+    w_ends = tuple(end(w) for w in weights)
+    first = -len(weights)
 
     def check(*tensors: torch.Tensor) -> bool:
         if not guard(*tensors):
             return False
+        q_at = tensors[0].data_ptr()
         if planned is not None:
-            distance = tensors[1].data_ptr() - tensors[0].data_ptr()
+            k_at = tensors[1].data_ptr()
+            distance = k_at - q_at
             if not (distance == planned or distance >= q_end or distance <= -k_end):
                 return False
-        return not weights or not any(overlaps(w, x) for w in tensors[len(tensors) - weights:]
-                                      for x in tensors[:written])
+        for w, w_end in zip(tensors[first:] if w_ends else (), w_ends):
+            w_at = w.data_ptr()
+            if not (w_at + w_end <= q_at or w_at >= q_at + q_end):
+                return False
+            if planned is not None and not (w_at + w_end <= k_at or w_at >= k_at + k_end):
+                return False
+        return True
 
     return check
