@@ -164,6 +164,43 @@ def test_gradients_flow_to_cos_and_sin_made_from_inputs():
                                rtol=1e-5, atol=1e-5)
 
 
+def test_cos_and_sin_gradients_survive_reentrant_checkpointing():
+    """A layer under ``checkpoint(use_reentrant=True)`` with cos and sin passed in by keyword
+    (as transformers' layers take ``position_embeddings``): its forward runs without grad and
+    its recomputation with grad, on the same cos and sin; the gradient of the angles they are
+    made from equals the float64 formula's, as without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 4, 6, 16, generator=gen), torch.randn(2, 2, 6, 16, generator=gen)
+    base = torch.rand(2, 6, 8, generator=gen, dtype=torch.float64) * 4
+
+    def angle_grad(dtype, layer):
+        angles = base.to(dtype).requires_grad_(True)
+        doubled = torch.cat((angles, angles), -1)
+        cos, sin = doubled.cos(), doubled.sin()
+        x = q.to(dtype).requires_grad_(True)
+        out_q, out_k = layer(x, cos=cos, sin=sin)
+        (out_q.square().sum() + out_k.square().sum()).backward()
+        return angles.grad
+
+    def ours(x, cos, sin):
+        return checkpoint(lambda x: hf.apply_rotary_pos_emb(x, k, cos, sin), x,
+                          use_reentrant=True)
+
+    def formula(x, cos, sin):
+        def turn(t):
+            half = t.shape[-1] // 2
+            return t * cos.unsqueeze(1) + torch.cat((-t[..., half:], t[..., :half]), -1) * (
+                sin.unsqueeze(1))
+        return turn(x), turn(k.double())
+
+    got = angle_grad(torch.float32, ours)
+    assert got is not None
+    torch.testing.assert_close(got.double(), angle_grad(torch.float64, formula),
+                               rtol=1e-5, atol=1e-5)
+
+
 def check_gradients(q, k, args: tuple, ours, exact, theirs) -> None:
     """q's and k's gradients through ``ours(q, k, *args)`` match the float64 ``exact`` within
     the dtype's tolerance, and transformers' ``theirs`` closely in float32."""

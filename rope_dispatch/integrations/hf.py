@@ -169,8 +169,8 @@ import: pydantic's validation cannot be traced, so a first call inside
 ``torch.compile(fullgraph=True)`` must find its spec made."""
 _last_pairs: list = [None]
 """The latest ``(cos, sin, their versions, (cos, sin) of pairs)`` of :func:`_pairs_of_halves`."""
-_last_table: list = [None, None, None]
-"""The latest ``[table, cos, sin]`` of :func:`_token_table`."""
+_last_table: list = [None, None, None, None]
+"""The latest ``[table, cos, sin, grad mode]`` of :func:`_token_table`."""
 _starts: dict[tuple, torch.Tensor] = {}
 """Start positions of :func:`_sequence_starts` by (batch, sequence length, device)."""
 _MAX_STARTS = 64
@@ -436,15 +436,18 @@ def _token_table(cos: torch.Tensor, sin: torch.Tensor) -> CosSinCache:
     decision (its plan, kept per table object) for the other layers. Only the latest pair is
     kept, so a finished forward's values are released by the next one. Only contiguous values
     are kept (the table is then a view: values rewritten in place are seen), never while
-    torch.compile traces or a torch.func transform runs."""
+    torch.compile traces or a torch.func transform runs. It is kept per grad mode: views made
+    without it (a reentrant checkpoint's forward) carry no gradient back to cos and sin when
+    the recomputation, with grad, reads them."""
     d2 = cos.shape[-1]
     if memoryless() or not (cos.is_contiguous() and sin.is_contiguous()):
         return CosSinCache(cos.reshape(-1, d2).contiguous(), sin.reshape(-1, d2).contiguous())
-    table = _last_table[0]
-    if table is not None and _last_table[1] is cos and _last_table[2] is sin:
+    table, grad = _last_table[0], torch.is_grad_enabled()
+    if (table is not None and _last_table[1] is cos and _last_table[2] is sin
+            and _last_table[3] is grad):
         return table
     table = CosSinCache(cos.view(-1, d2), sin.view(-1, d2))
-    _last_table[:] = [table, cos, sin]
+    _last_table[:] = [table, cos, sin, grad]
     return table
 
 
