@@ -407,6 +407,33 @@ def test_multimodal_gradients_flow_to_q_and_k_as_in_transformers(dtype, unsqueez
                     transformers_multimodal)
 
 
+def test_multimodal_cos_and_sin_gradients_survive_reentrant_checkpointing():
+    """``[3, b, s, d2]`` cos and sin made from angles that require grad, the call under
+    ``checkpoint(use_reentrant=True)`` (forward without grad, recomputation with grad, the
+    same cos and sin): the angles' gradient equals the float64 reference's."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, _, _ = inputs(torch.float32, 1, seed=9)
+    base = torch.rand(3, BATCH, TOKENS, 8, generator=torch.Generator().manual_seed(9),
+                      dtype=torch.float64) * 4
+
+    def angle_grad(dtype, call):
+        angles = base.to(dtype).requires_grad_(True)
+        doubled = torch.cat((angles, angles), -1)
+        out_q, out_k = call(q.detach().to(dtype).requires_grad_(True), doubled.cos(),
+                            doubled.sin())
+        (out_q.square().sum() + out_k.square().sum()).backward()
+        return angles.grad
+
+    got = angle_grad(torch.float32, lambda x, cos, sin: checkpoint(
+        lambda x: hf.apply_multimodal_rotary_pos_emb(x, k, cos, sin, (2, 3, 3)), x,
+        use_reentrant=True))
+    want = angle_grad(torch.float64, lambda x, cos, sin: multimodal_reference(
+        x, k, cos, sin, (2, 3, 3), 1))
+    assert got is not None
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_multimodal_sections_apply_to_each_half_of_any_table():
     """Streams whose two halves differ: each half takes its own channels of the picked stream
     (transformers' function splits the whole rotary dim by the doubled list)."""

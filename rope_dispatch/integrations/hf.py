@@ -380,11 +380,12 @@ def _select_streams(
     for the same objects with unchanged values (their version counters), and the layers after
     the first reuse its table and plan (:func:`_token_table`). Not kept while torch.compile
     traces or a torch.func transform runs, nor for inference-mode tensors, which have no
-    version counter."""
+    version counter. Kept per grad mode, as :func:`_token_table` is (a reentrant checkpoint's
+    forward picks without grad, its recomputation needs the pick's gradient)."""
     sections = _check_streams(cos, sin, mrope_section, batch)
     cacheable = not (memoryless() or cos.is_inference() or sin.is_inference())
     if cacheable:
-        key = (sections, cos._version, sin._version)
+        key = (sections, cos._version, sin._version, torch.is_grad_enabled())
         if _last_streams[0] is cos and _last_streams[1] is sin and _last_streams[2] == key:
             return _last_streams[3]
     runs, start = [], 0
