@@ -309,6 +309,30 @@ def test_triton_backend_serves_the_llama4_call(triton_backend, fused):
         torch.testing.assert_close(got.double(), exact.detach().double(), rtol=2**-7, atol=1e-4)
 
 
+def test_llama4_freqs_cis_gradient_survives_reentrant_checkpointing():
+    """``freqs_cis`` made from angles that require grad, the call under
+    ``checkpoint(use_reentrant=True)`` (its forward without grad, its recomputation with grad,
+    on the same ``freqs_cis``): the angles' gradient equals the float64 reference's."""
+    from torch.utils.checkpoint import checkpoint
+
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(BATCH, TOKENS, 4, 16, generator=gen)
+    k = torch.randn(BATCH, TOKENS, 2, 16, generator=gen)
+    base = torch.rand(BATCH, TOKENS, 8, generator=gen, dtype=torch.float64) * 4
+
+    def angle_grad(dtype, call):
+        angles = base.to(dtype).requires_grad_(True)
+        out = call(q.to(dtype).requires_grad_(True), torch.polar(torch.ones_like(angles), angles))
+        sum(o.square().sum() for o in out).backward()
+        return angles.grad
+
+    got = angle_grad(torch.float32, lambda x, freqs_cis: checkpoint(
+        lambda x: hf_llama4.apply_rotary_emb(x, k, freqs_cis), x, use_reentrant=True))
+    want = angle_grad(torch.float64, lambda x, freqs_cis: llama4_reference(x, k, freqs_cis))
+    assert got is not None
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_llama4_module_imports_first():
     """``hf_llama4`` reads ``hf``'s helpers and ``hf`` loads ``hf_llama4``: either may be imported
     first, and ``hf`` then rebinds Llama 4's name to the one function."""

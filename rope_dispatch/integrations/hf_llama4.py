@@ -43,7 +43,7 @@ _specs: dict[torch.dtype, RoPESpec] = {
 }
 """The interleaved bshd spec of each model dtype, made at import (see ``hf._specs``)."""
 _last_table: list = [None, None, None]
-"""The latest ``[table, freqs_cis, its version]`` of :func:`_pair_table`."""
+"""The latest ``[table, freqs_cis, (its version, the grad mode)]`` of :func:`_pair_table`."""
 _unit: dict[tuple, torch.Tensor] = {}
 """Unit norm weights by (head dim, device)."""
 
@@ -97,16 +97,19 @@ def _pair_table(freqs_cis: torch.Tensor) -> PairCosSinCache:
     """``freqs_cis`` ``[b, s, d2 / 2]`` as a float32 pair cache of ``b * s`` rows (cosines, then
     sines). The model hands the same ``freqs_cis`` to every layer, so the latest table is handed
     out again while the tensor is the same object with unchanged values (not while
-    torch.compile traces, nor for inference-mode tensors, which have no version counter)."""
+    torch.compile traces, nor for inference-mode tensors, which have no version counter), in
+    the grad mode it was made in (a reentrant checkpoint's recomputation, with grad, needs a
+    table with a graph to ``freqs_cis``, which its forward, without, did not make)."""
     cacheable = not (memoryless() or freqs_cis.is_inference())
-    if cacheable and _last_table[1] is freqs_cis and _last_table[2] == freqs_cis._version:
+    key = None if not cacheable else (freqs_cis._version, torch.is_grad_enabled())
+    if cacheable and _last_table[1] is freqs_cis and _last_table[2] == key:
         return _last_table[0]
     pairs = freqs_cis.shape[-1]
     table = PairCosSinCache(
         torch.cat((freqs_cis.real, freqs_cis.imag), dim=-1).float().reshape(-1, 2 * pairs)
     )
     if cacheable:
-        _last_table[:] = [table, freqs_cis, freqs_cis._version]
+        _last_table[:] = [table, freqs_cis, key]
     return table
 
 
