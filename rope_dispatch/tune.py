@@ -153,6 +153,15 @@ def job_problem(job: Job, named: Any) -> str | None:
             RoPESpec(**{"layout": layout, "dtype": "fp32", **args})
         except RoPEError as exc:
             return f"{named(name)}: {exc}"
+    rank = 3 if job.layout == "thd" else 4
+    if len(job.shape) != rank:
+        return (f"{named('shape')} {list(job.shape)}: layout {job.layout} needs {rank} sizes "
+                f"([{', '.join(job.layout)}])")
+    try:  # the call's own checks: head dim, cu_seqlens' values, cp chunks
+        build(job, check_only=True)
+    except (ValueError, TypeError, RuntimeError, MemoryError) as exc:  # ours; torch: too large
+        first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+        return f"{named('shape')} {list(job.shape)} makes no valid {job.layout} call: {first}"
     return None
 
 
@@ -165,9 +174,12 @@ def load_specs(path: str) -> list[Job]:
     return [_job_from_json(item, f"{path} item {i}") for i, item in enumerate(data)]
 
 
-def build(job: Job):
-    """A checked call for ``job``: random input, an angle table long enough for every position."""
-    device = torch.device(job.device)
+def build(job: Job, check_only: bool = False):
+    """A checked call for ``job``: random input, an angle table long enough for every position.
+    ``check_only`` builds it on the CPU from one-element tensors expanded to the sizes (no
+    memory of the shape's size; the angle table stands for a cos/sin cache, which would be
+    computed), to check the job before anything is tuned."""
+    device = torch.device("cpu" if check_only else job.device)
     spec_args: dict[str, Any] = {
         "layout": job.layout, "dtype": job.dtype, "rotary_dim": job.rotary_dim,
         "interleaved": job.interleaved, "cp_size": job.cp_size, "cp_rank": job.cp_rank,
@@ -177,7 +189,7 @@ def build(job: Job):
         tokens = shape[0]
         cu = job.cu_seqlens or (0, tokens * job.cp_size)
         spec_args["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
-        positions = max(b - a for a, b in zip(cu, cu[1:]))
+        positions = max(1, *(b - a for a, b in zip(cu, cu[1:])))  # checked in check_call
         sequences = len(cu) - 1
     else:
         seq = shape[0] if job.layout == "sbhd" else shape[1]
@@ -185,13 +197,22 @@ def build(job: Job):
         sequences = shape[1] if job.layout == "sbhd" else shape[0]
     spec = RoPESpec(**spec_args)
     rotary_dim = job.rotary_dim or shape[-1]
-    freqs = torch.rand(positions, 1, 1, rotary_dim, device=device) * 100
-    table = cos_sin_cache(freqs) if job.cos_sin_cache else freqs
+
+    def random(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if check_only:
+            return torch.zeros((), dtype=dtype).expand(size)
+        return torch.randn(size, dtype=dtype, device=device)
+
+    if check_only:
+        freqs = random((positions, 1, 1, rotary_dim), torch.float32)
+    else:
+        freqs = torch.rand(positions, 1, 1, rotary_dim, device=device) * 100
+    table = cos_sin_cache(freqs) if job.cos_sin_cache and not check_only else freqs
     if job.qkv_slice:  # the q of a fused qkv projection: heads strided, channels packed
         fused = (*shape[:-2], 3 * shape[-2], shape[-1])
-        t = torch.randn(fused, dtype=spec.dtype, device=device)[..., : shape[-2], :]
+        t = random(fused, spec.dtype)[..., : shape[-2], :]
     else:
-        t = torch.randn(shape, dtype=spec.dtype, device=device)
+        t = random(shape, spec.dtype)
     t.requires_grad_(job.grad)
     starts = (
         torch.zeros(sequences, dtype=torch.int32, device=device) if job.start_positions else None
