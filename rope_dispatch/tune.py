@@ -137,10 +137,11 @@ def job_problem(job: Job, named: Any) -> str | None:
     if job.cu_seqlens is not None and len(job.cu_seqlens) < 2:
         return (f"{named('cu_seqlens')} {list(job.cu_seqlens)}: give every sequence's start "
                 "and the end of the last, at least two offsets such as 0,4096")
-    try:
-        torch.device(job.device)
-    except (RuntimeError, TypeError) as exc:
-        return f"{named('device')} {job.device!r}: {exc}"
+    try:  # a name torch does not know, or a device this machine lacks ("cuda" on a CPU build)
+        torch.empty(0, device=torch.device(job.device))
+    except Exception as exc:
+        first = (str(exc).strip() or type(exc).__name__).splitlines()[0].split(". ")[0]
+        return f"{named('device')} {job.device!r} cannot be used here: {first}"
     layout = "sbhd" if job.layout == "thd" else job.layout
     for name, args in (
         ("layout", {"layout": job.layout} if job.layout != "thd" else {}),

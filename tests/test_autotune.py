@@ -637,6 +637,9 @@ def test_tune_cli_interrupted_before_its_first_shape(fakes, cache, capsys, monke
     (["--layout", "thd", "--shape", "8,2,8", "--cu-seqlens", "5,3"], "must start at 0"),
     (["--shape", f"{2**40},{2**40},2,8"], "--shape [1099511627776, 1099511627776, 2, 8] makes"),
     (["--shape", f"{10**20},1,2,8"], f"--shape [{10**20}, 1, 2, 8] makes no valid sbhd call"),
+    *([(["--device", "cuda"], "--device 'cuda' cannot be used here")]
+      if not torch.cuda.is_available() else []),
+    (["--device", f"cuda:{torch.cuda.device_count() + 1}"], "--device 'cuda:"),
 ])
 def test_tune_cli_refuses_bad_options_by_name(fakes, capsys, extra, named):
     """A bad option is a bad argument (exit 2, the option named), found before any shape is
