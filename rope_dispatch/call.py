@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .env import env_raw_reader
+from .env import env_raw_reader, env_reader, switch_value
 from .errors import RoPEError, RoPETypeError
 from .norm import HeadNorm, NormForm, check_norm
 from .spec import RoPESpec, dtype_name
@@ -150,12 +150,19 @@ def qkv_parts(call: RoPECall) -> tuple[RoPECall, RoPECall, torch.Tensor]:
 
 
 _check_values_raw, _encode_env = env_raw_reader("ROPE_DISPATCH_CHECK_VALUES")
-_CHECK_VALUES_ON = _encode_env("1")
+_CHECK_VALUES_ON, _CHECK_VALUES_OFF = _encode_env("1"), _encode_env("0")
+_check_values = env_reader("ROPE_DISPATCH_CHECK_VALUES")
 
 
 def _strict_values() -> bool:
-    """``ROPE_DISPATCH_CHECK_VALUES=1``: read and check device index values too (a sync per call)."""
-    return _check_values_raw() == _CHECK_VALUES_ON
+    """``ROPE_DISPATCH_CHECK_VALUES=1``: read and check device index values too (a sync per call).
+    Unset, ``1`` and ``0`` are one comparison each; other spellings are parsed (``true``,
+    ``off``, ...) and a value neither on nor off is refused by name (:func:`switch_value`)."""
+    raw = _check_values_raw()
+    return raw == _CHECK_VALUES_ON or (
+        raw is not None and raw != _CHECK_VALUES_OFF
+        and switch_value("ROPE_DISPATCH_CHECK_VALUES", _check_values(), False)
+    )
 
 
 def _host_reads_allowed() -> bool:

@@ -6,6 +6,11 @@ import functools
 import os
 from collections.abc import Callable
 
+from .errors import RoPEError
+
+SWITCH_ON = ("1", "true", "on", "yes")
+SWITCH_OFF = ("0", "false", "off", "no")
+
 
 def env_raw_reader(name: str) -> tuple[Callable[[], object], Callable[[str], object]]:
     """``(get, encode)``: ``get()`` is environment variable ``name`` as the mapping stores it
@@ -32,3 +37,18 @@ def env_reader(name: str) -> Callable[[], str | None]:
         return None if value is None else decode(value)
 
     return read
+
+
+def switch_value(name: str, raw: str | None, default: bool) -> bool:
+    """The value of on/off environment variable ``name`` read as ``raw``: :data:`SWITCH_ON` or
+    :data:`SWITCH_OFF`, any case, spaces around ignored; ``default`` when unset or empty. Any
+    other value is refused by name: a misspelt switch must not act as if it were unset."""
+    value = "" if raw is None else raw.strip().lower()
+    if not value:
+        return default
+    if value in SWITCH_ON or value in SWITCH_OFF:
+        return value in SWITCH_ON
+    raise RoPEError(
+        f"{name} must be {', '.join(SWITCH_ON[:-1])} or {SWITCH_ON[-1]} (on) or "
+        f"{', '.join(SWITCH_OFF[:-1])} or {SWITCH_OFF[-1]} (off), any case; got {raw!r}"
+    )

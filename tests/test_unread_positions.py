@@ -148,6 +148,16 @@ def test_strict_mode_reads_device_values(monkeypatch):
     assert not call_module._strict_values()
     monkeypatch.delenv("ROPE_DISPATCH_CHECK_VALUES")
     assert not call_module._strict_values()  # the default: no sync
+    for on in ("true", " ON ", "yes", "True"):  # the spellings ROPE_AUTOTUNE takes
+        monkeypatch.setenv("ROPE_DISPATCH_CHECK_VALUES", on)
+        assert call_module._strict_values(), on
+    for off in ("false", "Off", "no", "", " 0"):
+        monkeypatch.setenv("ROPE_DISPATCH_CHECK_VALUES", off)
+        assert not call_module._strict_values(), off
+    for bad in ("2", "enabled", "strict"):  # neither on nor off: refused, not read as off
+        monkeypatch.setenv("ROPE_DISPATCH_CHECK_VALUES", bad)
+        with pytest.raises(rd.RoPEError, match=f"ROPE_DISPATCH_CHECK_VALUES must be .*'{bad}'"):
+            call_module._strict_values()
 
 
 @pytest.mark.gpu
