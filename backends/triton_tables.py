@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from rope_dispatch.call import RoPECall
-from rope_dispatch.env import env_raw_reader
+from rope_dispatch.env import env_raw_reader, env_reader, switch_value
 from rope_dispatch.tables import CosSinCache, RotaryTable, kernel_tables, table_address
 
 from .triton_tiles import next_pow2
@@ -89,9 +89,18 @@ of float32 rows read without one): below it rows the L2 serves beat computing th
 rows are those a call can read (:func:`rows_read`), not its tokens."""
 
 # ROPE_DISPATCH_LINEAR_TABLES as the environment stores it (one C call, no Python frame), and
-# its "0" in that form: 0 turns both flags off
+# the values that leave the flags on in that form (unset, "1", ""); any other value is read by
+# _linear_tables_off: 0 (or false, off, no) turns both flags off, a value neither on nor off
+# is refused
 _linear_tables_raw, _encode_env = env_raw_reader("ROPE_DISPATCH_LINEAR_TABLES")
-_LINEAR_TABLES_OFF = _encode_env("0")
+_LINEAR_TABLES_ON = frozenset({None, _encode_env("1"), _encode_env("")})
+_linear_tables = env_reader("ROPE_DISPATCH_LINEAR_TABLES")
+
+
+def _linear_tables_off() -> bool:
+    """Whether ``ROPE_DISPATCH_LINEAR_TABLES`` turns the flags off (:func:`switch_value`)."""
+    return _linear_tables_raw() not in _LINEAR_TABLES_ON and not switch_value(
+        "ROPE_DISPATCH_LINEAR_TABLES", _linear_tables(), True)
 
 
 # (id of the table's base tensor, address, shape, device index) -> the table's flag: an int32
@@ -144,7 +153,7 @@ def linear_flag(table: torch.Tensor) -> torch.Tensor | None:
     CUDA graph capture, and with ``ROPE_DISPATCH_LINEAR_TABLES=0``."""
     if (
         torch.compiler.is_compiling() or table.shape[0] < 2 or table.is_inference()
-        or _linear_tables_raw() == _LINEAR_TABLES_OFF
+        or _linear_tables_off()
     ):
         return None
     base = table._base if table._base is not None else table
@@ -171,7 +180,7 @@ def current_flag(table: torch.Tensor, flag: torch.Tensor) -> torch.Tensor | None
     """``flag``, checked again when ``table`` was written since its last check (its version
     counter moved); ``None`` under CUDA graph capture or with ``ROPE_DISPATCH_LINEAR_TABLES=0``
     (set since the flag was made: a backward, say), where the kernels read the rows."""
-    if _capturing(table) or _linear_tables_raw() == _LINEAR_TABLES_OFF:
+    if _capturing(table) or _linear_tables_off():
         return None
     version = table._version
     if flag._rope_version != version:  # type: ignore[attr-defined]
@@ -232,7 +241,7 @@ def halves_flag(table: CosSinCache) -> torch.Tensor | None:
     cos, sin = table.cos, table.sin
     if (
         torch.compiler.is_compiling() or cos.is_inference() or sin.is_inference()
-        or _linear_tables_raw() == _LINEAR_TABLES_OFF
+        or _linear_tables_off()
     ):
         return None
     flag = _halves.get(table)
@@ -255,7 +264,7 @@ def current_halves(cos: torch.Tensor, sin: torch.Tensor, flag: torch.Tensor) -> 
     sum of their version counters moved: each only grows) or given new memory (``.data = ...``,
     which moves no counter); ``None`` under CUDA graph capture or with
     ``ROPE_DISPATCH_LINEAR_TABLES=0``, where the kernels read whole rows."""
-    if _capturing(cos) or _linear_tables_raw() == _LINEAR_TABLES_OFF:
+    if _capturing(cos) or _linear_tables_off():
         return None
     version, address = cos._version + sin._version, (cos.data_ptr(), sin.data_ptr(), cos.shape)
     if (flag._rope_version != version  # type: ignore[attr-defined]
@@ -351,5 +360,5 @@ def flag_stale(flag: torch.Tensor, freqs: torch.Tensor, stream: int) -> bool:
     return (
         flag._rope_version != freqs._version  # type: ignore[attr-defined]
         or (stream != 0 and _stream_capturing())
-        or _linear_tables_raw() == _LINEAR_TABLES_OFF
+        or _linear_tables_raw() not in _LINEAR_TABLES_ON
     )

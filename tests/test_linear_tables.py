@@ -378,6 +378,26 @@ def test_the_switch_stops_flags_already_made(monkeypatch):
                    x.dtype, "next call")
 
 
+def test_the_switch_takes_the_spellings_of_an_on_off_variable(monkeypatch):
+    """``ROPE_DISPATCH_LINEAR_TABLES`` reads as ``ROPE_AUTOTUNE`` does: false, off, no (any
+    case) turn the flags off like 0, where they left them on; a value neither on nor off is
+    refused by name, on the generic path and on a plan's (which goes to the generic path)."""
+    freqs = tables.angle_table(tables.inverse_frequencies(16, 10000.0), 50).to(DEVICE)
+    for on in ("1", "true", " Yes ", ""):
+        monkeypatch.setenv("ROPE_DISPATCH_LINEAR_TABLES", on)
+        triton_tables._flags.clear()
+        assert flag_value(freqs) == HALVES, on
+    (flag,) = triton_tables._flags.values()
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("ROPE_DISPATCH_LINEAR_TABLES", off)
+        assert flag_value(freqs) is None, off
+        assert triton_tables.flag_stale(flag, tables.angles_2d(freqs), 0), off
+    monkeypatch.setenv("ROPE_DISPATCH_LINEAR_TABLES", "disabled")
+    with pytest.raises(rd.RoPEError, match="ROPE_DISPATCH_LINEAR_TABLES must be .*'disabled'"):
+        flag_value(freqs)
+    assert triton_tables.flag_stale(flag, tables.angles_2d(freqs), 0)
+
+
 def test_capture_is_asked_about_only_off_the_legacy_default_stream(monkeypatch):
     """A plan's check of its flag, and the generic path's, ask the driver whether a graph is
     being captured only where one can be: never on the legacy default stream (raw address 0),
