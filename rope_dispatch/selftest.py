@@ -415,6 +415,11 @@ def _cache_report(entries: bool = False) -> dict:
         report = {"autotune": autotune.autotune_enabled()}
     except RoPEError as exc:  # a value neither on nor off: every call that measures raises
         report = {"autotune": False, "autotune_problem": str(exc)}
+    try:  # not a positive integer: every call of a key still pending raises
+        if report["autotune"]:
+            autotune.hot_calls()
+    except RoPEError as exc:
+        report["autotune_problem"] = str(exc)
     try:
         root = autotune.cache_dir()
         report["cache_dir"] = str(root)
@@ -676,7 +681,8 @@ def _print_report(report: dict) -> None:
     off = f"off (ROPE_AUTOTUNE={os.environ.get('ROPE_AUTOTUNE', '')})"
     if "autotune_problem" in cache:
         off = f"FAIL ({cache['autotune_problem']})"
-    print(f"autotune: {'on' if cache['autotune'] else off}", end="")
+    print(f"autotune: {'on' if cache['autotune'] and 'autotune_problem' not in cache else off}",
+          end="")
     if "cache_dir" in cache:
         count = cache.get("cache_entry_count")
         print(f", cache {cache['cache_dir']} ({count} entries"

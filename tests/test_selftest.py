@@ -85,6 +85,24 @@ def test_a_rope_autotune_value_neither_on_nor_off_fails_the_selftest(monkeypatch
     assert "autotune: FAIL (ROPE_AUTOTUNE must be" in capsys.readouterr().out
 
 
+def test_a_hot_calls_value_not_a_positive_integer_fails_the_selftest(monkeypatch, capsys):
+    """``ROPE_AUTOTUNE_HOT_CALLS=abc`` makes every call of a key whose compiling candidate is
+    pending raise (every first CPU call with measuring on): the selftest says so and fails,
+    where it passed."""
+    monkeypatch.setenv("ROPE_AUTOTUNE", "1")
+    monkeypatch.setenv("ROPE_AUTOTUNE_HOT_CALLS", "abc")
+    report = selftest._cache_report()
+    assert "ROPE_AUTOTUNE_HOT_CALLS must be a positive integer" in report["autotune_problem"]
+    monkeypatch.setattr(selftest, "check_jobs", lambda jobs, finished: [
+        {"backend": "eager", "device": "cpu", "case": "c", "status": "ok", "detail": ""}])
+    full = selftest.run(["cpu"], lambda line: None, False)
+    assert not full["ok"]
+    selftest._print_report(full)
+    assert "autotune: FAIL (ROPE_AUTOTUNE_HOT_CALLS must be" in capsys.readouterr().out
+    monkeypatch.setenv("ROPE_AUTOTUNE", "0")  # measuring off: the count is never read
+    assert "autotune_problem" not in selftest._cache_report()
+
+
 def test_process_age_counts_from_the_process_start():
     code = (
         "import time; time.sleep(0.6); from rope_dispatch.selftest import process_age_s; "
