@@ -263,6 +263,7 @@ def _entry_problem(entry: Any, digest: str | None) -> str | None:
     if not isinstance(fields, dict) or not (
         isinstance(fields.get("spec"), dict) and isinstance(fields.get("shape_bucket"), list)
         and isinstance(fields.get("candidates"), list)
+        and all(type(v) is str for v in fields["candidates"])
     ):
         return "it has no key fields"
     named = set(fields["candidates"])

@@ -190,6 +190,8 @@ CORRUPT = {  # name -> the bad file's bytes, made from the good entry
         {**entry, "choice": "other", "times_us": {**entry["times_us"], "other": 1.0}}).encode(),
     "deferred-not-a-candidate": lambda entry: json.dumps(
         {**entry, "deferred": ["other"]}).encode(),
+    "candidates-not-names": lambda entry: json.dumps(
+        {**entry, "fields": {**entry["fields"], "candidates": [["fast"], "slow"]}}).encode(),
 }
 
 
