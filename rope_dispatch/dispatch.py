@@ -845,8 +845,13 @@ def explain(
     would measure the candidates. With a ``cache`` (and ``v``, ``q_out``, ``q_scale``) it
     explains :func:`rope_to_cache` of q ``t``, ``k`` and ``v``.
     """
-    if cache is None and not (v is None and q_out is None and q_scale is None):
-        raise RoPEError("v, q_out and q_scale are rope_to_cache's: explain it with cache= too")
+    foreign = ((("start_positions", start_positions), ("split", split), ("k_freqs", k_freqs),
+                ("in_place", in_place or None)) if cache is not None
+               else (("v", v), ("q_out", q_out), ("q_scale", q_scale)))
+    if named := [name for name, value in foreign if value is not None]:  # refused, not ignored
+        raise RoPEError(f"{', '.join(named)} given with cache=: rope_to_cache takes none of "
+                        "start_positions, split, k_freqs, in_place" if cache is not None else
+                        "v, q_out and q_scale are rope_to_cache's: explain it with cache= too")
     if type(t) is not _Tensor and _distributed(t) and cache is None:  # this rank's shard call
         t, freqs, spec, positions, k, (q_norm, k_norm) = _dtensor().shard_call(
             t, freqs, spec, start_positions, positions, in_place=in_place, k_freqs=k_freqs, k=k,
@@ -856,27 +861,21 @@ def explain(
         call = check_cache_call(t, k, v, freqs, spec, positions=positions, cache=cache,
                                 q_norm=q_norm, k_norm=k_norm, q_out=q_out, q_scale=q_scale)
     else:
-        call = check_call(
-            t, freqs, spec, start_positions, in_place=in_place, split=split, k_freqs=k_freqs,
-            positions=positions, k=k, q_norm=q_norm, k_norm=k_norm,
-        )
+        call = check_call(t, freqs, spec, start_positions, in_place=in_place, split=split,
+                          k_freqs=k_freqs, positions=positions, k=k, q_norm=q_norm, k_norm=k_norm)
     forced, source = requested_backend(backend)
     supported, rejected = capable_backends(call)
     notes = {b.name: n for b in registry.backends() if (n := getattr(b, "explain_note", lambda c: "")(call))}
     if forced is not None:
         b = registry.get_backend(forced, source)
         if b.name in rejected:
-            return Explanation(
-                _describe(call), None, f"{forced!r} was forced by {source} but cannot serve it",
-                rejected, [], notes,
-            )
+            why = f"{forced!r} was forced by {source} but cannot serve it"
+            return Explanation(_describe(call), None, why, rejected, [], notes)
         others = [s.name for s in supported if s is not b]
         return Explanation(_describe(call), b.name, f"forced by {source}", rejected, others, notes)
     if not supported:
         return Explanation(_describe(call), None, "every backend refused", rejected, [], notes)
-    if len(supported) == 1:
-        chosen, why = supported[0], "the only backend that supports this call"
-    else:
-        chosen, why = autotune.peek(call, supported)
+    chosen, why = ((supported[0], "the only backend that supports this call")
+                   if len(supported) == 1 else autotune.peek(call, supported))
     others = [s.name for s in supported if s is not chosen]
     return Explanation(_describe(call), chosen.name, why, rejected, others, notes)

@@ -327,6 +327,22 @@ def test_a_v_head_dim_of_its_own_is_a_capability_and_part_of_the_key():
     assert rd.call_keys.call_key(plain) != rd.call_keys.call_key(call)
 
 
+@pytest.mark.parametrize("name, value", [
+    ("in_place", True), ("split", (8, 8, 8)), ("start_positions", torch.zeros(1, dtype=torch.long)),
+    ("k_freqs", "table"),
+])
+def test_explain_refuses_apply_arguments_beside_a_cache(name, value):
+    """``explain(..., cache=)`` explains rope_to_cache, which takes no in_place, split,
+    k_freqs or start_positions: given one, it is refused by name, where explain ignored it
+    and explained a call other than the one asked about."""
+    q, k, v, table, spec, positions, built = small_call()
+    extra = {name: table if value == "table" else value}
+    with pytest.raises(rd.RoPEError, match=f"{name} given with cache=: rope_to_cache takes none"):
+        rd.explain(q, table, spec, k=k, v=v, positions=positions, cache=built.cache, **extra)
+    with pytest.raises(rd.RoPEError, match="v, q_out and q_scale are rope_to_cache's"):
+        rd.explain(q, table, spec, k=k, v=v, positions=positions)
+
+
 def small_call(cache_dtype=torch.bfloat16, tokens=5, layout="vllm", padded=None, device="cpu"):
     """q, k, v, table, spec, positions and a cache on ``device`` for error and backend tests."""
     gen = torch.Generator().manual_seed(1)
