@@ -488,6 +488,9 @@ def check_call(
     if split is not None:
         if in_place:
             raise RoPEError("a packed qkv call writes new q, k and v; it has no in-place form")
+        if k is not None:
+            raise RoPEError("k is for q and k pairs (apply_qk); a packed qkv call (split=) takes "
+                            "its k from t's channels")
         kind, split = "qkv", _check_split(split, shape[-1])
         head_dim = split[1]
         q_heads, k_heads = heads * (split[0] // head_dim), heads

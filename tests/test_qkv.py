@@ -173,6 +173,17 @@ def test_k_freqs_only_with_split():
                       rd.RoPESpec(layout="sbhd", dtype="fp32"), k_freqs=torch.rand(4, 8))
 
 
+def test_k_is_refused_beside_a_split():
+    """A packed qkv call takes its k from t: a k given beside ``split`` is refused by name,
+    where check_call (and so explain) ignored it."""
+    qkv, spec = torch.randn(4, 1, 2, 24), rd.RoPESpec(layout="sbhd", dtype="fp32")
+    k = torch.randn(4, 1, 2, 8)
+    with pytest.raises(rd.RoPEError, match=r"k is for q and k pairs \(apply_qk\)"):
+        rd.check_call(qkv, torch.rand(4, 8), spec, split=(8, 8, 8), k=k)
+    with pytest.raises(rd.RoPEError, match=r"k is for q and k pairs \(apply_qk\)"):
+        rd.explain(qkv, torch.rand(4, 8), spec, split=(8, 8, 8), k=k)
+
+
 def test_autotune_key_names_the_split():
     from rope_dispatch import autotune
 
