@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from .call import TENSOR_KINDS, RoPECall, table_grad_wanted
-from .errors import RoPETypeError, UnknownBackendError
+from .errors import RoPEError, RoPETypeError, UnknownBackendError
 from .spec import RoPESpec, dtype_name
 from .tables import angles_2d, table_kind
 from .tracing import constant_while_tracing
@@ -310,6 +310,9 @@ def register(backend: Backend) -> Backend:
         raise RoPETypeError(
             f"backend {name!r}: priority must be a number (higher is tried first), "
             f"got {priority!r}")
+    if priority != priority:  # NaN: unordered, it would misplace other backends in the order
+        raise RoPEError(f"backend {name!r}: priority must be a number (higher is tried first), "
+                        f"got {priority!r}")
     _load_built_ins()
     _REGISTRY[backend.name] = backend
     invalidate()

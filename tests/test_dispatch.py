@@ -287,6 +287,9 @@ def test_registering_what_is_no_backend_instance_is_refused_by_name(monkeypatch)
     monkeypatch.setattr(Named, "priority", "100")
     with pytest.raises(rd.RoPETypeError, match="'named': priority must be a number"):
         rd.register(Named())
+    monkeypatch.setattr(Named, "priority", float("nan"))  # unordered: would misplace others
+    with pytest.raises(rd.RoPEError, match="'named': priority must be a number .*got nan"):
+        rd.register(Named())
     monkeypatch.setattr(Named, "name", 5)
     with pytest.raises(rd.RoPETypeError, match="non-empty string, got 5"):
         rd.register(Named())
