@@ -560,14 +560,19 @@ class TritonBackend(Backend):
 
     def unavailable_reasons(self) -> list[str]:
         try:
-            import triton  # noqa: F401
+            import triton
         except ImportError as exc:
             return [f"triton is not importable ({exc}); install it with pip install 'rope-dispatch[triton]'"]
-        interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        # as Triton reads it (1, true, on, yes, any case: its knobs, Triton 3.4 on), since
+        # Triton's decorator decides from it whether the kernels are interpreted
+        knobs = getattr(triton, "knobs", None)
+        raw = os.environ.get("TRITON_INTERPRET")
+        interpret = bool(knobs.runtime.interpret) if knobs is not None else raw == "1"
         if not interpret and not torch.cuda.is_available():
             return [
-                "no CUDA device (torch.cuda.is_available() is False) and TRITON_INTERPRET is not "
-                "set to 1, so the kernels have nowhere to run"
+                "no CUDA device (torch.cuda.is_available() is False) and TRITON_INTERPRET is "
+                + ("unset" if raw is None else f"{raw!r}, which Triton reads as off")
+                + " (1 runs the kernels on the CPU), so the kernels have nowhere to run"
             ]
         kernels = tl._load_kernels()
         if interpret and not kernels.INTERPRETED:

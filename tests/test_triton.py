@@ -334,6 +334,18 @@ def test_unavailable_without_cuda_or_interpreter(monkeypatch):
     assert len(reasons) == 1 and "no CUDA device" in reasons[0] and "TRITON_INTERPRET" in reasons[0]
 
 
+@pytest.mark.parametrize("value, on", [("true", True), ("ON", True), ("yes", True),
+                                       ("0", False), ("nope", False)])
+def test_the_interpreter_switch_reads_as_triton_reads_it(monkeypatch, value, on):
+    """Triton interprets its kernels for TRITON_INTERPRET=true, on or yes too (any case); the
+    backend read only 1, and said a switch Triton had honoured was "not set"."""
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    reasons = TritonBackend().unavailable_reasons()
+    nowhere = [r for r in reasons if "no CUDA device" in r]
+    assert not nowhere if on else nowhere and f"TRITON_INTERPRET is {value!r}" in nowhere[0]
+
+
 def test_cpu_tensor_refused_without_interpreter(triton_backend):
     from rope_dispatch.backends import triton_launch
 
