@@ -116,6 +116,7 @@ with warnings.catch_warnings():
 
 import rope_dispatch as rd  # noqa: E402
 from rope_dispatch import autotune, autotune_cache, registry  # noqa: E402
+from rope_dispatch.env import switch_value  # noqa: E402
 from rope_dispatch.errors import RoPEError  # noqa: E402
 from rope_dispatch.guards import guard_kind  # noqa: E402
 from rope_dispatch.reference import max_error, reference_apply  # noqa: E402
@@ -585,12 +586,20 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
                             "BackendNotSupportedError")
     order = {name: i for i, name in enumerate(available)}
     cache = _cache_report(cache_entries)
+    switches = []  # on/off variables neither on nor off: the calls that read them raise
+    for name, default in (("ROPE_DISPATCH_CHECK_VALUES", False),
+                          ("ROPE_DISPATCH_LINEAR_TABLES", True)):
+        try:
+            switch_value(name, os.environ.get(name), default)
+        except RoPEError as exc:
+            switches.append(str(exc))
     checks.sort(key=lambda c: (devices.index(c["device"]), order.get(c["backend"], len(order))))
     return {
         "versions": versions(),
         "backends": backends,
         "override": override,
         "override_problem": override_problem,
+        "switch_problems": switches,
         "plan_guards": guard_kind(),
         "planned_launches": direct_launch_state(devices, available),
         "cache": cache,
@@ -599,7 +608,7 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         "checks_s": time.perf_counter() - checks_began,
         "workers": processes,
         "ok": all(c["status"] != "FAIL" for c in checks) and bool(checks)
-        and override_problem is None and "autotune_problem" not in cache,
+        and override_problem is None and "autotune_problem" not in cache and not switches,
     }
 
 
@@ -670,6 +679,8 @@ def _print_report(report: dict) -> None:
         print(f"  {b['name']:10s} {state}")
     print(f"\noverride: ROPE_BACKEND={report['override'] or '(unset)'}"
           + (f" (FAIL: {report['override_problem']})" if report.get("override_problem") else ""))
+    for problem in report.get("switch_problems", []):
+        print(f"FAIL: {problem}")
     print("repeated calls: plans checked by " + (
         "torch's C++ tensor guards" if report["plan_guards"] == "torch"
         else "Python metadata comparisons (this torch release's C++ guards are not verified; "

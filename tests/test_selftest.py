@@ -103,6 +103,21 @@ def test_a_hot_calls_value_not_a_positive_integer_fails_the_selftest(monkeypatch
     assert "autotune_problem" not in selftest._cache_report()
 
 
+@pytest.mark.parametrize("name", ["ROPE_DISPATCH_CHECK_VALUES", "ROPE_DISPATCH_LINEAR_TABLES"])
+def test_an_on_off_switch_neither_on_nor_off_fails_the_selftest(monkeypatch, capsys, name):
+    """A switch the library refuses (its calls that read it raise: device index values, large
+    Triton calls, which the selftest's CPU checks never make) fails the selftest by name."""
+    monkeypatch.setattr(selftest, "check_jobs", lambda jobs, finished: [
+        {"backend": "eager", "device": "cpu", "case": "c", "status": "ok", "detail": ""}])
+    monkeypatch.setenv(name, "Off")  # a spelling it takes
+    assert selftest.run(["cpu"], lambda line: None, False)["ok"]
+    monkeypatch.setenv(name, "maybe")
+    full = selftest.run(["cpu"], lambda line: None, False)
+    assert not full["ok"]
+    selftest._print_report(full)
+    assert f"FAIL: {name} must be" in capsys.readouterr().out
+
+
 def test_process_age_counts_from_the_process_start():
     code = (
         "import time; time.sleep(0.6); from rope_dispatch.selftest import process_age_s; "
