@@ -365,9 +365,12 @@ def parse_args(argv: Iterable[str] | None = None) -> tuple[argparse.Namespace, l
         jobs.append(job)
     for path in args.specs:
         try:
-            jobs.extend(load_specs(path))
+            loaded = load_specs(path)
         except (OSError, ValueError, TypeError) as exc:
             parser.error(f"--specs {path}: {exc}")
+        if not loaded:  # a file emptied by mistake must not pass as a cache warmed
+            parser.error(f"--specs {path}: the list holds no shapes, so there is nothing to tune")
+        jobs.extend(loaded)
     return args, jobs
 
 

@@ -677,6 +677,17 @@ def test_tune_specs_are_checked_by_key(fakes, tmp_path, capsys, entry, named):
     assert info.value.code == 2 and named in capsys.readouterr().err
 
 
+def test_tune_specs_file_of_no_shapes_is_refused(fakes, tmp_path, capsys):
+    """A ``--specs`` file holding an empty list tunes nothing: a bad argument (exit 2), where
+    the tool printed the cache's line and exited 0 as if it had warmed the cache."""
+    specs = tmp_path / "shapes.json"
+    specs.write_text("[]")
+    with pytest.raises(SystemExit) as info:
+        tune.main(["--specs", str(specs)])
+    assert info.value.code == 2
+    assert f"--specs {specs}: the list holds no shapes" in capsys.readouterr().err
+
+
 def test_tune_cli_fails_where_the_cache_cannot_be_written(fakes, tmp_path, capsys, monkeypatch):
     """Warming the cache is the tool's job: a choice it could not store fails the shape."""
     blocker = tmp_path / "a-file"
