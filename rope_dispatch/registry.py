@@ -374,6 +374,10 @@ def list_backends(names: Collection[str] | None = None) -> list[BackendInfo]:
     available here, and why not; only the backends listed are probed."""
     if isinstance(names, str):  # one name, not its letters
         names = (names,)
+    elif names is not None and (isinstance(names, (bytes, bytearray))
+                                or not isinstance(names, Collection)):
+        raise RoPETypeError(
+            f"list_backends() takes a backend name or a collection of names, got {names!r}")
     return [
         BackendInfo(b.name, b.available, b.availability, b.priority, b.description)
         for b in backends() if names is None or b.name in names

@@ -87,6 +87,9 @@ def test_list_backends_of_some_names_probes_only_those(monkeypatch):
     assert [b.name for b in registry.backends()] == [i.name for i in rd.list_backends()]
     assert [i.name for i in rd.list_backends("eager")] == ["eager"]  # one name, not letters
     assert rd.list_backends("eagerte") == []
+    for bad in (5, b"eager"):  # crashed inside the filter ("argument of type 'int' ...")
+        with pytest.raises(rd.RoPETypeError, match="takes a backend name or a collection"):
+            rd.list_backends(bad)
 
 
 def test_priority_then_capability(picky):
