@@ -140,10 +140,8 @@ def hot_calls() -> int:
     raw = os.environ.get("ROPE_AUTOTUNE_HOT_CALLS", "").strip()
     if not raw:
         return HOT_CALLS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
+    # decimal digits only: int() also takes 1_000, +5 and other scripts' digits
+    value = int(raw) if raw.isascii() and raw.isdigit() else 0
     if value < 1:
         raise RoPEError(
             f"ROPE_AUTOTUNE_HOT_CALLS must be a positive integer (the call of a key at which "
