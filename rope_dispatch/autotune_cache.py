@@ -120,12 +120,14 @@ def installed_versions() -> dict[str, str | None]:
 
 @functools.lru_cache(maxsize=1)
 def _kernel_sources_sha() -> str:
-    """sha256 over the backends' source files of the installed package (name and bytes)."""
+    """sha256 over the backends' source files of the installed package (name and bytes): the
+    Python modules and the direct launcher's C source (``direct_launch.c``), built at first use,
+    whose host path the timings of planned launches include."""
     from . import backends
 
     digest = hashlib.sha256()
     for folder in backends.__path__:
-        for path in sorted(Path(folder).glob("*.py")):
+        for path in sorted(p for p in Path(folder).iterdir() if p.suffix in (".py", ".c")):
             digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 

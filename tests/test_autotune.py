@@ -123,6 +123,29 @@ def run_second_process(
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def test_the_environment_hash_covers_every_source_file_of_the_backends(tmp_path, monkeypatch):
+    """Editing a backend's source invalidates its measurements (docs/autotune.md): the
+    direct launcher's C source, whose host path planned launches are timed on, counts too."""
+    from rope_dispatch import autotune_cache, backends
+
+    for name, text in (("kernels.py", "x = 1\n"), ("direct_launch.c", "int f(void);\n"),
+                       ("notes.txt", "not a source\n")):
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(backends, "__path__", [str(tmp_path)])
+    autotune_cache._kernel_sources_sha.cache_clear()
+    try:
+        digests = [autotune_cache._kernel_sources_sha()]
+        for name, text in (("notes.txt", "edited\n"), ("direct_launch.c", "int g(void);\n"),
+                           ("kernels.py", "x = 2\n")):
+            (tmp_path / name).write_text(text)
+            autotune_cache._kernel_sources_sha.cache_clear()
+            digests.append(autotune_cache._kernel_sources_sha())
+    finally:
+        autotune_cache._kernel_sources_sha.cache_clear()
+    assert digests[1] == digests[0]  # not a source file
+    assert len(set(digests[1:])) == 3  # the C source and the module each change it
+
+
 def test_measured_once_then_read_from_disk_by_a_second_process(fakes, cache, measurements):
     t, freqs = inputs(requires_grad=True)
     before = t.detach().clone()
