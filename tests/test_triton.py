@@ -1051,6 +1051,7 @@ class _Tripling:
     data_count = 1
 
     class launch:
+        tensors = "t"
         in_place = False
         norm = None
 
