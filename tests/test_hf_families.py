@@ -571,39 +571,3 @@ def test_a_module_function_taking_position_ids_keeps_its_signature(family):
         rotated = torch.cat((-x64[..., half:], x64[..., :half]), -1)
         assert_matches(out, x64 * c + rotated * s, torch.float32)
 
-
-def pairs_reference(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """float64 rotation of interleaved pairs: channels ``(2j, 2j+1)`` of each ``[b, s, heads,
-    d]`` head turn by ``angles[b, s, j]``, the channels past ``2 * angles.shape[-1]`` copied."""
-    x = x.double()
-    n = angles.shape[-1]
-    c, s = angles.double().cos()[:, :, None], angles.double().sin()[:, :, None]
-    even, odd = x[..., 0:2 * n:2], x[..., 1:2 * n:2]
-    rotated = torch.stack((even * c - odd * s, odd * c + even * s), -1).flatten(-2)
-    return torch.cat((rotated, x[..., 2 * n:]), -1)
-
-
-@pytest.mark.parametrize("halves", [False, True])
-def test_pair_functions_rotate_interleaved_pairs(halves):
-    """Both pair functions against the formula, q and k ``[b, heads, s, d]`` with 6 of 8
-    channels rotated; the halves form sees cos and sin rewritten in place between calls (it
-    keeps the latest pair's conversion while they are unchanged)."""
-    gen = torch.Generator().manual_seed(5)
-    q, k = torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
-    angles = torch.rand(2, 5, 3, generator=gen) * 6
-    function = (hf.apply_rotary_pos_emb_pairs_of_halves if halves
-                else hf.apply_rotary_pos_emb_pairs)
-    per_channel = (torch.cat((angles, angles), -1) if halves
-                   else angles.repeat_interleave(2, -1))
-    cos, sin = per_channel.cos(), per_channel.sin()
-    for turn in range(2):
-        if turn:  # new angles in the same tensors
-            angles = angles * 0.5
-            per_channel = (torch.cat((angles, angles), -1) if halves
-                           else angles.repeat_interleave(2, -1))
-            cos.copy_(per_channel.cos())
-            sin.copy_(per_channel.sin())
-        got = function(q, k, cos, sin)
-        for x, out in zip((q, k), got):
-            want = pairs_reference(x.transpose(1, 2), angles).transpose(1, 2)
-            assert_matches(out, want, torch.float32)
