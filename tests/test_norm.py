@@ -358,9 +358,10 @@ def test_in_place_refuses_a_weight_in_the_memory_it_writes(backend, written):
     """A norm weight that shares memory with a tensor rotated in place would be overwritten
     while the call still reads it: refused, naming both, by a repeated (planned) call too; a
     weight beside it, in the same buffer but apart from every written element, is served."""
-    buffer = torch.rand(2, 3, 4, 8) + 0.5  # bshd: q's 2 heads, k's 1, a spare head
+    device = DEVICE if backend == "triton" else "cpu"
+    buffer = torch.rand(2, 3, 4, 8, device=device) + 0.5  # bshd: q's 2 heads, k's 1, a spare
     q, k, spare = buffer[..., :2, :], buffer[..., 2:3, :], buffer[0, 0, 3]
-    table, spec = torch.rand(4, 8), rd.RoPESpec(layout="bshd", dtype="fp32")
+    table, spec = torch.rand(4, 8, device=device), rd.RoPESpec(layout="bshd", dtype="fp32")
     inside = {"t": q[0, 1, 1], "q": q[1, 2, 0], "k": k[0, 0, 0]}[written]
     if written == "t":
         def call(w):

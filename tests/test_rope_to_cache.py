@@ -394,8 +394,9 @@ def test_a_side_with_no_heads_leaves_the_other_served(backend, side, request):
     k_cache, v_cache = (torch.zeros(12, kv_heads, 8, device=device) for _ in range(2))
     out = rd.rope_to_cache(q, k, v, table, spec, positions=positions,
                            cache=rd.FlatKVCache(k_cache, v_cache, slots), backend=backend)
-    assert_rounds_like(out, reference_rope(q, table, positions, False), 1.0, "q")
-    k_ref = reference_rope(k, table, positions, False)
+    reference = (table.cpu(), positions.cpu(), False)
+    assert_rounds_like(out, reference_rope(q.cpu(), *reference), 1.0, "q")
+    k_ref = reference_rope(k.cpu(), *reference)
     for token, slot in enumerate(slots.tolist()):
         if slot >= 0:
             assert_rounds_like(k_cache[slot], k_ref[token], 1.0, "k")
