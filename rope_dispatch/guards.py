@@ -124,33 +124,39 @@ def apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor | None,
     """``guard`` for an in-place call, whose checks found what it writes apart from what it
     reads: k (of a pair) placed as far from q as in the planned call or so far that their bytes
     cannot meet (with the same shapes and strides, that settles that they share no element),
-    and the norm ``weights`` (the last tensors guarded) with bytes that meet neither q's nor
-    k's. Elsewhere the call is checked again (check_call refuses q and k that share an element,
-    and a weight that shares one with either). Address reads and comparisons only: this runs
-    on every planned call."""
+    and the norm ``weights`` (at most two, the last tensors guarded) with bytes outside the span
+    from the first byte written to the last. Elsewhere the call is checked again (check_call
+    refuses q and k that share an element, and a weight that shares one with either). A few
+    address reads and comparisons: this runs on every planned call (decode)."""
     def end(x: torch.Tensor) -> int:  # bytes from x's first element to past its last
         return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
 
     planned = None if k is None else k.data_ptr() - q.data_ptr()
     q_end, k_end = end(q), None if k is None else end(k)
-    w_ends = tuple(end(w) for w in weights)
-    first = -len(weights)
+    count = len(weights)
+    last_end = end(weights[-1]) if count else 0
+    first_end = end(weights[0]) if count == 2 else 0
 
     def check(*tensors: torch.Tensor) -> bool:
         if not guard(*tensors):
             return False
-        q_at = tensors[0].data_ptr()
+        low = tensors[0].data_ptr()
+        high = low + q_end
         if planned is not None:
             k_at = tensors[1].data_ptr()
-            distance = k_at - q_at
+            distance = k_at - low
             if not (distance == planned or distance >= q_end or distance <= -k_end):
                 return False
-        for w, w_end in zip(tensors[first:] if w_ends else (), w_ends):
-            w_at = w.data_ptr()
-            if not (w_at + w_end <= q_at or w_at >= q_at + q_end):
+            low = k_at if k_at < low else low
+            high = k_at + k_end if k_at + k_end > high else high
+        if count:
+            at = tensors[-1].data_ptr()
+            if not (at + last_end <= low or at >= high):
                 return False
-            if planned is not None and not (w_at + w_end <= k_at or w_at >= k_at + k_end):
-                return False
+            if count == 2:
+                at = tensors[-2].data_ptr()
+                if not (at + first_end <= low or at >= high):
+                    return False
         return True
 
     return check
