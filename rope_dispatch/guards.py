@@ -124,10 +124,10 @@ def apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor | None,
     """``guard`` for an in-place call, whose checks found what it writes apart from what it
     reads: k (of a pair) placed as far from q as in the planned call or so far that their bytes
     cannot meet (with the same shapes and strides, that settles that they share no element),
-    and the norm ``weights`` (at most two, the last tensors guarded) with bytes outside the span
-    from the first byte written to the last. Elsewhere the call is checked again (check_call
-    refuses q and k that share an element, and a weight that shares one with either). A few
-    address reads and comparisons: this runs on every planned call (decode)."""
+    and the norm ``weights`` (at most two, the last tensors guarded) with bytes that meet neither
+    q's nor k's. Elsewhere the call is checked again (check_call refuses q and k that share an
+    element, and a weight that shares one with either). A few address reads and comparisons:
+    this runs on every planned call (decode)."""
     def end(x: torch.Tensor) -> int:  # bytes from x's first element to past its last
         return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
 
@@ -140,22 +140,22 @@ def apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor | None,
     def check(*tensors: torch.Tensor) -> bool:
         if not guard(*tensors):
             return False
-        low = tensors[0].data_ptr()
-        high = low + q_end
+        q_at = tensors[0].data_ptr()
         if planned is not None:
             k_at = tensors[1].data_ptr()
-            distance = k_at - low
+            distance = k_at - q_at
             if not (distance == planned or distance >= q_end or distance <= -k_end):
                 return False
-            low = k_at if k_at < low else low
-            high = k_at + k_end if k_at + k_end > high else high
-        if count:
+        if count:  # each weight's bytes apart from q's and from k's (not their span: q and k
+            # may be two allocations, with other tensors, the weights too, between them)
             at = tensors[-1].data_ptr()
-            if not (at + last_end <= low or at >= high):
+            if not (at + last_end <= q_at or at >= q_at + q_end) or planned is not None and not (
+                    at + last_end <= k_at or at >= k_at + k_end):
                 return False
             if count == 2:
                 at = tensors[-2].data_ptr()
-                if not (at + first_end <= low or at >= high):
+                if not (at + first_end <= q_at or at >= q_at + q_end) or not (
+                        at + first_end <= k_at or at >= k_at + k_end):
                     return False
         return True
 

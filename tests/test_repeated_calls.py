@@ -971,3 +971,25 @@ def test_a_bound_gradient_plan_hands_its_launches_each_calls_tensors(
         assert passed[0].data_ptr() == first.data_ptr()
         assert passed[1] is given if given is not None else isinstance(passed[1], int)
     assert len(back["passed"]) == back["slots"] == 2
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_in_place_norms_between_q_and_k_stay_planned(counted_checks, unread):
+    """Decode with both norms in place: norm weights whose bytes lie between q's and k's (two
+    allocations with other tensors between them, as the caching allocator places them) but
+    meet neither keep the call planned; a weight inside q is checked again and refused."""
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    table = torch.rand(TABLE_LEN, D, device=DEVICE)
+    buffer = torch.rand(2 * 4 * D + 2 * D + 2 * D, device=DEVICE) + 0.5
+    q = buffer[: 4 * D].view(1, 1, 4, D)  # q, then the two weights, then k: one buffer
+    q_weight, k_weight = buffer[4 * D: 5 * D], buffer[5 * D: 6 * D]
+    k = buffer[6 * D: 8 * D].view(1, 1, 2, D)
+    starts = torch.tensor([3], device=DEVICE)
+    norms = dict(q_norm=rd.HeadNorm(q_weight), k_norm=rd.HeadNorm(k_weight))
+    with torch.no_grad():
+        for _ in range(CHECKED + 3):
+            rd.apply_qk_(q, k, table, spec, start_positions=starts, backend="triton", **norms)
+    assert len(counted_checks) == CHECKED
+    inside = dict(norms, q_norm=rd.HeadNorm(buffer[:D]))
+    with torch.no_grad(), pytest.raises(rd.RoPEError, match="q_norm.weight shares memory"):
+        rd.apply_qk_(q, k, table, spec, start_positions=starts, backend="triton", **inside)
