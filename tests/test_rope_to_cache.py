@@ -1329,3 +1329,21 @@ def test_repeated_calls_with_a_strided_slot_mapping():
         assert torch.equal(after_v[at], v), f"v, step {step}"
         assert torch.equal(after_k[others], before_k[others]), f"other k slots, step {step}"
         assert torch.equal(after_v[others], before_v[others]), f"other v slots, step {step}"
+
+
+@pytest.mark.parametrize("target", ["q in place", "q_out", "k_cache"])
+def test_a_norm_weight_in_written_memory_is_refused(target):
+    """A norm weight inside what rope_to_cache writes (q rotated in place, a separate q_out,
+    the cache) would be read while it is overwritten: refused, naming both; a weight of its
+    own is served."""
+    q, k, v, table, spec, positions, built = small_call(cache_dtype=torch.bfloat16, layout="flat")
+    q_out = torch.empty_like(q)
+    weight = {"q in place": q[0, 1], "q_out": q_out[2, 0], "k_cache": built.cache.k_cache.view(
+        -1, 8)[0]}[target]
+    written = "q_out" if target != "k_cache" else "k_cache"
+    given = dict(q_out=q if target == "q in place" else q_out)
+    with pytest.raises(rd.RoPEError, match=f"q_norm.weight shares memory with {written} "):
+        rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=built.cache,
+                         q_norm=rd.HeadNorm(weight), **given)
+    rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=built.cache,
+                     q_norm=rd.HeadNorm(weight.clone()), **given)
