@@ -555,16 +555,11 @@ def check_call(
                 _check_apart(t, k, d2, offset)
             else:
                 _check_apart(t, k, head_dim)
-        written = (("t", t),) if k is None else (("q", t), ("k", k))
-        out_of_place = "apply" if k is None else "apply_qk"
-        for name, norm in (("norm" if k is None else "q_norm", q_norm), ("k_norm", k_norm)):
-            for x_name, x in written if norm is not None else ():
-                if _shares(norm.weight, x):
-                    raise RoPEError(
-                        f"{name}.weight shares memory with {x_name} {tuple(x.shape)}, which the "
-                        "call rotates in place while it reads the weight; pass a weight of its "
-                        f"own (a clone), or use rope_dispatch.{out_of_place}"
-                    )
+        refuse_weights_in(
+            (("norm" if k is None else "q_norm", q_norm), ("k_norm", k_norm)),
+            (("t", t),) if k is None else (("q", t), ("k", k)), "the call rotates in place",
+            f", or use rope_dispatch.{'apply' if k is None else 'apply_qk'}",
+        )
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,
@@ -779,6 +774,22 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
     return reach(0, distance)
 
 
+def refuse_weights_in(norms: tuple[tuple[str, HeadNorm | None], ...],
+                      written: tuple[tuple[str, torch.Tensor | None], ...], writer: str,
+                      remedy: str = "") -> None:
+    """A norm weight must share no element with what the call writes (``written``: names and
+    tensors, ``None`` skipped): it would be read while it is overwritten. ``writer`` says who
+    writes them, ``remedy`` ends the error's advice."""
+    for name, norm in norms:
+        for target, x in written if norm is not None else ():
+            if x is not None and _shares(norm.weight, x):
+                raise RoPEError(
+                    f"{name}.weight shares memory with {target} {tuple(x.shape)}, which "
+                    f"{writer} while it reads the weight; pass a weight of its own (a clone)"
+                    f"{remedy}"
+                )
+
+
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` address a common element (of different element sizes: whether
     their byte ranges meet). False where that cannot be told
@@ -788,15 +799,16 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
     if memoryless() or not torch._C._overlaps(a, b) or a.numel() == 0 or b.numel() == 0:
         return False
     start_a, start_b = a.data_ptr(), b.data_ptr()
-    if start_a + _span(a) <= start_b or start_b + _span(b) <= start_a:
+    if start_a + byte_span(a) <= start_b or start_b + byte_span(b) <= start_a:
         return False
     if a.element_size() == b.element_size():
         return bool(shared_element(a, b, a.shape[-1], b.shape[-1]))
     return True  # bytes of other sizes whose ranges meet
 
 
-def _span(x: torch.Tensor) -> int:
-    """Bytes from ``x``'s first element to past its last (``x`` not empty, strides >= 0)."""
+def byte_span(x: torch.Tensor) -> int:
+    """Bytes from ``x``'s first element to past its last (strides >= 0; 0 for an empty
+    ``x`` that is contiguous)."""
     if x.is_contiguous():
         return x.numel() * x.element_size()
     return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()

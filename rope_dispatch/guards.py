@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from .call import byte_span
+
 Guard = Callable[..., bool]
 """``guard(*tensors) -> bool``: whether ``tensors`` match, one for one, the tensors the guard
 was made from (called with as many tensors as it was made from)."""
@@ -128,14 +130,11 @@ def apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor | None,
     q's nor k's. Elsewhere the call is checked again (check_call refuses q and k that share an
     element, and a weight that shares one with either). A few address reads and comparisons:
     this runs on every planned call (decode)."""
-    def end(x: torch.Tensor) -> int:  # bytes from x's first element to past its last
-        return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
-
     planned = None if k is None else k.data_ptr() - q.data_ptr()
-    q_end, k_end = end(q), None if k is None else end(k)
+    q_end, k_end = byte_span(q), None if k is None else byte_span(k)
     count = len(weights)
-    last_end = end(weights[-1]) if count else 0
-    first_end = end(weights[0]) if count == 2 else 0
+    last_end = byte_span(weights[-1]) if count else 0
+    first_end = byte_span(weights[0]) if count == 2 else 0
 
     def check(*tensors: torch.Tensor) -> bool:
         if not guard(*tensors):

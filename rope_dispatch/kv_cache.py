@@ -31,8 +31,8 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from .call import (
-    RoPECall, _host_reads_allowed, _reads, _shares, check_call, expanded_dim, table_grad_wanted,
-    wants_grad,
+    RoPECall, _host_reads_allowed, _reads, _shares, check_call, expanded_dim, refuse_weights_in,
+    table_grad_wanted, wants_grad,
 )
 from .errors import RoPEError, RoPETypeError
 from .spec import RoPESpec, dtype_name
@@ -555,20 +555,6 @@ def _check_apart_from_cache(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v:
                 )
 
 
-def _check_weights_apart(call: RoPECall, cache: KVCache, q_out: torch.Tensor | None) -> None:
-    """A norm weight must share no element with what the call writes (q's output, which may be
-    q itself, and the caches): it would be read while it is overwritten."""
-    written = (("q_out", q_out), ("k_cache", cache.k_cache), ("v_cache", cache.v_cache))
-    for name, norm in (("q_norm", call.norm), ("k_norm", call.k_norm)):
-        for target, x in written if norm is not None else ():
-            if x is not None and _shares(norm.weight, x):
-                raise RoPEError(
-                    f"{name}.weight shares memory with {target} {tuple(x.shape)}, which "
-                    "rope_to_cache writes while it reads the weight; pass a weight of its own "
-                    "(a clone)"
-                )
-
-
 def check_cache_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, freqs: object, spec: object, *,
     positions: torch.Tensor, cache: object, q_norm: object = None, k_norm: object = None,
@@ -613,7 +599,9 @@ def check_cache_call(
                 "writes q's output; pass q_out=q to rotate in place, or memory of its own"
             )
     _check_apart_from_cache(cache, q, k, v, q_out)
-    _check_weights_apart(call, cache, q_out)
+    refuse_weights_in((("q_norm", call.norm), ("k_norm", call.k_norm)),
+                      (("q_out", q_out), ("k_cache", cache.k_cache), ("v_cache", cache.v_cache)),
+                      "rope_to_cache writes")
     if _host_reads_allowed() and any(_reads(getattr(cache, f)) for f in cache.index_names):
         cache.check_values()
     v_head_dim = v.shape[-1] if v.shape[-1] != k.shape[-1] else None
