@@ -282,10 +282,7 @@ def apply_rotary_pos_emb_pairs_of_halves(
     through (GLM's partial rotary). One launch; arguments, outputs and rounding as
     :func:`apply_rotary_pos_emb` (GLM, GLM-4 and Helium compute in q's dtype, rounding at each
     step; this rounds once)."""
-    if sin.shape != cos.shape:
-        raise RoPEError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
-    cos, sin = _pairs_of_halves(cos, sin)
-    return _rotate_qk(q, k, cos, sin, unsqueeze_dim, False, interleaved=True)
+    return _rotate_qk(q, k, cos, sin, unsqueeze_dim, False, interleaved=True, of_halves=True)
 
 
 def _pairs_of_halves(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,8 +310,9 @@ def unsupported_dtype(name: str, dtype: torch.dtype) -> RoPEError:
 
 def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                unsqueeze_dim: int, deinterleave: bool, interleaved: bool = False,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`apply_rotary_pos_emb`'s mapping onto :func:`rope_dispatch.apply_qk`."""
+               of_halves: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rotary_pos_emb`'s mapping onto :func:`rope_dispatch.apply_qk`; ``of_halves``:
+    cos and sin come in halves and are read as interleaved pairs (:func:`_pairs_of_halves`)."""
     heads_dim = _HEADS_DIM.get(unsqueeze_dim)
     if heads_dim is None:
         raise RoPEError(
@@ -329,6 +327,8 @@ def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         )
     if sin.shape != cos.shape:
         raise RoPEError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    if of_halves:
+        cos, sin = _pairs_of_halves(cos, sin)
     if q.dtype not in SUPPORTED_DTYPES:
         raise unsupported_dtype("q", q.dtype)
     q_norm, k_norm = _take_norms(q, k) if _window.attention is not None else (None, None)
