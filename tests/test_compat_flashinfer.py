@@ -100,7 +100,10 @@ def test_signature_is_flashinfers():
         (dict(query=[[0.0] * 32] * 4), ["query must be [nnz, heads * head_size]", "got list"]),
         (dict(query=torch.randn(128)), ["query must be [nnz, heads * head_size]", "(128,)"]),
         (dict(key=torch.randn(4, 1, 8)), ["key must be [nnz, heads * head_size]", "(4, 1, 8)"]),
-        (dict(key=torch.randn(4, 1, 1, 16)), ["key must be", "head_size=16", "(4, 1, 1, 16)"]),
+        (dict(key=torch.randn(4, 1, 1, 24)), ["key must be", "head_size=16", "(4, 1, 1, 24)"]),
+        (dict(key=torch.randn(4, 2, 3, 16)[:, :, :2]),
+         ["key (4, 2, 2, 16) with strides (96, 48, 16, 1) cannot be viewed as [nnz, heads, "
+          "head_size=16] without a copy"]),
         (dict(query=torch.randn(4, 2, 8)), ["query must be [nnz, heads * head_size]", "(4, 2, 8)"]),
         (dict(is_neox=None), ["is_neox must be a bool, got None"]),
         (dict(query=torch.randn(4, 32, requires_grad=True)),
@@ -242,3 +245,17 @@ def test_core_errors_say_how_the_door_mapped_its_arguments():
                        r"with t=query, k=key.*freqs=cos_sin_cache"):
         apply_rope_with_cos_sin_cache_inplace(torch.arange(3), torch.randn(3, 32),
                                               torch.randn(3, 16), 16, torch.randn(16, 32))
+
+
+def test_four_dim_query_and_key_as_flashinfer_views_them():
+    """FlashInfer views query and key as ``view(nnz, -1, head_size)``: a 4-D
+    [nnz, groups, heads, head_size] query (and a [nnz, 1, 2 * head_size] key) are its heads."""
+    gen = torch.Generator().manual_seed(7)
+    cache = engine_cache(16, 8, gen)
+    positions = torch.tensor([3, 0, 15])
+    query, key = torch.randn(3, 2, 2, 8, generator=gen), torch.randn(3, 1, 16, generator=gen)
+    want_q = flashinfer_reference(positions, query.flatten(1), 8, cache, False)
+    want_k = flashinfer_reference(positions, key.flatten(1), 8, cache, False)
+    apply_rope_with_cos_sin_cache_inplace(positions, query, key, 8, cache, False)
+    torch.testing.assert_close(query.flatten(1).double(), want_q, rtol=0, atol=2e-6)
+    torch.testing.assert_close(key.flatten(1).double(), want_k, rtol=0, atol=2e-6)

@@ -8,10 +8,10 @@ One changed import moves such code over::
     from rope_dispatch.compat.flashinfer import apply_rope_with_cos_sin_cache_inplace
 
 ``apply_rope_with_cos_sin_cache_inplace`` is an adapter: it maps arguments and checks only that
-they can be mapped (``query`` and ``key`` 2-D with ``head_size`` dividing their width, or
-already 3-D with ``head_size`` last, as FlashInfer's own view accepts them); the core checks
-the rest. ``query`` ``[nnz, heads * head_size]``
-and ``key`` ``[nnz, kv_heads * head_size]`` become ``[nnz, heads, head_size]`` views (no copy,
+they can be mapped (``query`` and ``key`` 2-D with ``head_size`` dividing their width, already
+3-D with ``head_size`` last, or of more dims as FlashInfer's own ``view(nnz, -1, head_size)``
+views them); the core checks the rest. ``query`` ``[nnz, heads * head_size]`` and ``key``
+``[nnz, kv_heads * head_size]`` become ``[nnz, heads, head_size]`` views (no copy,
 any row stride: slices of a fused qkv projection work), ``positions`` the per-token
 positions of a thd call without offsets, ``cos_sin_cache`` a
 :class:`~rope_dispatch.PairCosSinCache` (no copy), ``is_neox`` the spec's ``interleaved``
@@ -190,7 +190,9 @@ def _floating(name: str, x: torch.Tensor) -> None:
 
 def _heads(name: str, x: object, head_size: object) -> torch.Tensor:
     """``x`` ``[nnz, heads * head_size]`` as a ``[nnz, heads, head_size]`` view, or ``x``
-    itself when it is already ``[nnz, heads, head_size]`` (SGLang passes some so)."""
+    itself when it is already ``[nnz, heads, head_size]`` (SGLang passes some so). Any other
+    ``x`` of 2 or more dims whose last dim ``head_size`` divides is viewed as FlashInfer views
+    it, ``x.view(nnz, -1, head_size)`` (a 4-D ``[nnz, groups, heads, head_size]`` too)."""
     if type(head_size) is int and head_size > 0 and isinstance(x, torch.Tensor):
         shape = x.shape  # once: each .shape and .dim() costs ~0.1 us
         if len(shape) == 3 and shape[2] == head_size:
@@ -201,13 +203,19 @@ def _heads(name: str, x: object, head_size: object) -> torch.Tensor:
         raise RoPEError(f"head_size must be a positive int, got {head_size!r}")
     if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[2] == head_size:
         return x
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] % head_size:
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] % head_size:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise RoPEError(
-            f"{name} must be [nnz, heads * head_size] or [nnz, heads, head_size] with "
-            f"head_size={head_size}, got {got}"
+            f"{name} must be [nnz, heads * head_size] or [nnz, heads, head_size] (or [nnz, ..., "
+            f"n * head_size], as FlashInfer views it) with head_size={head_size}, got {got}"
         )
-    return x.view(x.shape[0], x.shape[1] // head_size, head_size)  # Tensor.unflatten costs more
+    try:  # FlashInfer's own view: [nnz, -1, head_size]; in place, so never a copy
+        return x.view(x.shape[0], math.prod(x.shape[1:]) // head_size, head_size)
+    except RuntimeError:
+        raise RoPEError(
+            f"{name} {tuple(x.shape)} with strides {x.stride()} cannot be viewed as [nnz, heads, "
+            f"head_size={head_size}] without a copy (rotated in place, it must be)"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
