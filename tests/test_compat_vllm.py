@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -447,6 +448,28 @@ def test_fused_bad_arguments(kwargs, words):
     for word in words:
         assert word in str(info.value), (word, str(info.value))
     assert "HeadNorm" not in str(info.value), str(info.value)
+
+
+def test_numpy_integer_counts_are_taken_as_vllm_takes_them():
+    """head_size, rope_dim_offset and the fused op's head counts read from a NumPy config are
+    integers vLLM takes; a bool (NumPy's too) is not a count."""
+    cache, positions = engine_cache(16, 8, 3), torch.tensor([5, 0, 15])
+    query, key = torch.randn(3, 32), torch.randn(3, 16)
+    want_q = vllm_rope(query, positions, 16, cache, True, offset=4)
+    want_k = vllm_rope(key, positions, 16, cache, True, offset=4)
+    rotary_embedding(positions, query, key, np.int64(16), cache, True, np.int32(4))
+    assert err(query, want_q) <= TOL[torch.float32] and err(key, want_k) <= TOL[torch.float32]
+    qkv, weight = torch.randn(3, 24), torch.rand(8) + 0.5
+    heads = qkv.double().view(3, 3, 8)
+    want = [vllm_rope(rms_normed(heads[:, h : h + 1], weight, 1e-6), positions, 8, cache, True)
+            for h in (0, 1)]
+    fused_qk_norm_rope(qkv, np.int64(1), np.int64(1), np.uint8(1), np.int16(8), 1e-6, weight,
+                       weight, cache, True, positions)
+    for h in (0, 1):
+        assert err(qkv.view(3, 3, 8)[:, h : h + 1], want[h]) <= TOL[torch.float32]
+    for bad in (np.True_, True, 16.0):
+        with pytest.raises(rd.RoPEError, match="head_size must be a positive int, got"):
+            rotary_embedding(positions, query, key, bad, cache, True)
 
 
 def test_core_errors_say_how_the_door_mapped_its_arguments():

@@ -46,6 +46,7 @@ Decisions, where vLLM's op and ours could differ:
 from __future__ import annotations
 
 import contextlib
+import numbers
 from typing import Optional
 
 import torch
@@ -148,10 +149,12 @@ def _flag(name: str, value: object) -> bool:
 
 
 def _count(name: str, value: object, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    """``value`` as an int: any integral number (a NumPy one from a config too), not a bool."""
+    if (type(value) is not int and (isinstance(value, bool)
+                                    or not isinstance(value, numbers.Integral))) or value < least:
         kind = "a positive int" if least == 1 else f"an int >= {least}"
         raise RoPEError(f"{name} must be {kind}, got {value!r}")
-    return value
+    return int(value)
 
 
 def _positions(name: str, positions: object, dims: tuple[int, ...]) -> torch.Tensor:
