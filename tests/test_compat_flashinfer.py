@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -95,6 +96,8 @@ def test_signature_is_flashinfers():
                               "head_size=12", "(4, 32)"]),
         (dict(head_size=0), ["head_size must be a positive int", "0"]),
         (dict(head_size=True), ["head_size must be a positive int, got True"]),
+        (dict(head_size=np.True_), ["head_size must be a positive int, got"]),
+        (dict(head_size=np.int64(12)), ["query must be [nnz, heads * head_size]", "=12"]),
         (dict(head_size=16.0), ["head_size must be a positive int, got 16.0"]),
         (dict(head_size=-16), ["head_size must be a positive int, got -16"]),
         (dict(query=[[0.0] * 32] * 4), ["query must be [nnz, heads * head_size]", "got list"]),
@@ -245,6 +248,17 @@ def test_core_errors_say_how_the_door_mapped_its_arguments():
                        r"with t=query, k=key.*freqs=cos_sin_cache"):
         apply_rope_with_cos_sin_cache_inplace(torch.arange(3), torch.randn(3, 32),
                                               torch.randn(3, 16), 16, torch.randn(16, 32))
+
+
+def test_a_numpy_integer_head_size_as_flashinfer_takes_it():
+    gen = torch.Generator().manual_seed(3)
+    cache, positions = engine_cache(16, 8, gen), torch.tensor([9, 0, 15])
+    query, key = torch.randn(3, 32, generator=gen), torch.randn(3, 16, generator=gen)
+    want_q = flashinfer_reference(positions, query, 16, cache, True)
+    want_k = flashinfer_reference(positions, key, 16, cache, True)
+    apply_rope_with_cos_sin_cache_inplace(positions, query, key, np.int64(16), cache)
+    torch.testing.assert_close(query.double(), want_q, rtol=0, atol=2e-6)
+    torch.testing.assert_close(key.double(), want_k, rtol=0, atol=2e-6)
 
 
 def test_four_dim_query_and_key_as_flashinfer_views_them():

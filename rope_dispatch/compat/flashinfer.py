@@ -199,8 +199,10 @@ def _heads(name: str, x: object, head_size: object) -> torch.Tensor:
             return x
         if len(shape) == 2 and not shape[1] % head_size:
             return x.view(shape[0], shape[1] // head_size, head_size)
-    if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size <= 0:
+    if (isinstance(head_size, bool) or not isinstance(head_size, numbers.Integral)
+            or head_size <= 0):  # a NumPy integer is taken, as FlashInfer's view takes it
         raise RoPEError(f"head_size must be a positive int, got {head_size!r}")
+    head_size = int(head_size)
     if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[2] == head_size:
         return x
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] % head_size:
