@@ -273,3 +273,27 @@ def test_four_dim_query_and_key_as_flashinfer_views_them():
     apply_rope_with_cos_sin_cache_inplace(positions, query, key, 8, cache, False)
     torch.testing.assert_close(query.flatten(1).double(), want_q, rtol=0, atol=2e-6)
     torch.testing.assert_close(key.flatten(1).double(), want_k, rtol=0, atol=2e-6)
+
+
+def test_a_cache_that_requires_grad_is_read_as_a_constant():
+    """FlashInfer's in-place op does not differentiate its cache and takes one that requires
+    grad (an engine's nn.Parameter): so does the door, in grad mode too, call after call from
+    one wrapper; a query that requires grad (not a leaf) gets the rotation's gradient."""
+    gen = torch.Generator().manual_seed(11)
+    cache = engine_cache(16, 8, gen).requires_grad_()
+    positions = torch.tensor([4, 15, 0])
+    base = torch.randn(3, 16, generator=gen, requires_grad=True)
+    for _ in range(2):
+        query, key = base * 1.0, torch.randn(3, 8, generator=gen)
+        want_q = flashinfer_reference(positions, base, 8, cache, True)
+        want_k = flashinfer_reference(positions, key, 8, cache, True)
+        apply_rope_with_cos_sin_cache_inplace(positions, query, key, 8, cache)
+        torch.testing.assert_close(query.detach().double(), want_q, rtol=0, atol=2e-6)
+        torch.testing.assert_close(key.double(), want_k, rtol=0, atol=2e-6)
+    grad = torch.randn(3, 16, generator=gen, dtype=torch.float64)
+    query.backward(grad.float())
+    # the gradient of a rotation is the inverse rotation: the reference's with sines negated
+    inverse = torch.cat((cache[:, :4], -cache[:, 4:]), -1).detach()
+    want_grad = flashinfer_reference(positions, grad, 8, inverse, True)
+    torch.testing.assert_close(base.grad.double(), want_grad, rtol=0, atol=2e-6)
+    assert cache.grad is None

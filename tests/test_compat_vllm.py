@@ -472,6 +472,26 @@ def test_numpy_integer_counts_are_taken_as_vllm_takes_them():
             rotary_embedding(positions, query, key, bad, cache, True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cache_that_requires_grad_is_read_as_a_constant(dtype):
+    """vLLM's ops do not differentiate their cache and take one that requires grad: so do the
+    doors, in grad mode too (a float32 cache as it is, a bfloat16 one widened to a copy that
+    keeps no graph)."""
+    cache = engine_cache(16, 8, 6, dtype).requires_grad_()
+    positions = torch.tensor([5, 0, 15])
+    query, key = torch.randn(3, 32), torch.randn(3, 16)
+    want_q = vllm_rope(query, positions, 16, cache.detach(), False)
+    want_k = vllm_rope(key, positions, 16, cache.detach(), False)
+    rotary_embedding(positions, query, key, 16, cache, False)
+    assert err(query, want_q) <= TOL[torch.float32] and err(key, want_k) <= TOL[torch.float32]
+    qkv, weight = torch.randn(3, 24), torch.rand(8) + 0.5
+    heads = qkv.double().view(3, 3, 8)
+    want = vllm_rope(rms_normed(heads[:, :2], weight, 1e-6), positions, 8, cache.detach(), True)
+    fused_qk_norm_rope(qkv, 1, 1, 1, 8, 1e-6, weight, weight, cache, True, positions)
+    assert err(qkv.view(3, 3, 8)[:, :2], want) <= TOL[torch.float32]
+    assert cache.grad is None
+
+
 def test_core_errors_say_how_the_door_mapped_its_arguments():
     """A cache wider than the head is refused by the core, in its own names (t, freqs): the
     error says which of vLLM's arguments those are."""

@@ -82,7 +82,7 @@ __all__ = ["apply_rope_with_cos_sin_cache_inplace", "mla_rope_quantize_fp8", "ro
            "rope_quantize_fp8_append_paged_kv_cache"]
 
 _specs: dict[tuple, RoPESpec] = {}
-_caches: dict[int, PairCosSinCache] = {}
+_caches: dict[int, tuple[torch.Tensor, PairCosSinCache]] = {}
 _MAX_CACHES = 4
 _paged: dict[tuple, tuple[FlashInferPagedKVCache, tuple]] = {}
 _MAX_PAGED = 64
@@ -94,18 +94,23 @@ written, the last few kept."""
 def _pair_cache(cos_sin_cache: torch.Tensor) -> PairCosSinCache:
     """The same wrapper for the same cache tensor, call after call, so rope-dispatch's plan for
     the call (kept per table object) serves every layer and step. The last few caches seen stay
-    referenced here (an engine keeps one per model for its lifetime anyway)."""
-    wrapper = _caches.get(id(cos_sin_cache))
-    if wrapper is None or wrapper.table is not cos_sin_cache:
-        try:
-            made = PairCosSinCache(cos_sin_cache)
-        except RoPEError as error:  # the wrapper's complaint, told of the door's argument
-            raise type(error)(str(error).replace("PairCosSinCache's table", "cos_sin_cache")
-                              ) from error
-        if len(_caches) >= _MAX_CACHES:
-            _caches.clear()
-        wrapper = _caches[id(cos_sin_cache)] = made
-    return wrapper
+    referenced here (an engine keeps one per model for its lifetime anyway). A cache that
+    requires grad is read as a constant (``detach()``, the same memory): the engines' ops
+    never differentiate it, and take it as it is."""
+    entry = _caches.get(id(cos_sin_cache))
+    if entry is not None and entry[0] is cos_sin_cache:
+        return entry[1]
+    constant = (cos_sin_cache.detach() if isinstance(cos_sin_cache, torch.Tensor)
+                and cos_sin_cache.requires_grad else cos_sin_cache)
+    try:
+        made = PairCosSinCache(constant)
+    except RoPEError as error:  # the wrapper's complaint, told of the door's argument
+        raise type(error)(str(error).replace("PairCosSinCache's table", "cos_sin_cache")
+                          ) from error
+    if len(_caches) >= _MAX_CACHES:
+        _caches.clear()
+    _caches[id(cos_sin_cache)] = (cos_sin_cache, made)
+    return made
 
 
 def _paged_cache(caches: tuple[torch.Tensor, torch.Tensor], kv_indices: torch.Tensor,
@@ -161,7 +166,8 @@ def apply_rope_with_cos_sin_cache_inplace(
     ``positions`` ``[nnz]`` int32/int64 (one per token); ``query`` ``[nnz, heads * head_size]``;
     ``key`` ``[nnz, kv_heads * head_size]``; ``cos_sin_cache`` float32 ``[max_pos, rotary_dim]``
     holding, per position, the cosines of the ``rotary_dim / 2`` pair angles and then their
-    sines. The rotary dim is the cache's last dim; channels past it are left untouched.
+    sines (read as a constant where it requires grad: FlashInfer's op does not differentiate
+    it). The rotary dim is the cache's last dim; channels past it are left untouched.
     ``is_neox=True`` rotates the two halves of the rotary channels (pairs ``i``, ``i +
     rotary_dim/2``), ``False`` adjacent pairs (``2i``, ``2i + 1``). Returns ``None``.
 

@@ -17,12 +17,13 @@ one rounding to the tensor's dtype.
 
 Decisions, where vLLM's op and ours could differ:
 
-- A float32 cache is read as it is. A bfloat16 or float16 one (vLLM's ``RotaryEmbedding``
-  hands its kernel the cache in the query's dtype) is widened to a float32 copy, made once per
-  cache tensor and made again when the cache is written in place (not seen for an inference
-  tensor, which has no version counter; a call traced by ``torch.compile``, on fake tensors or
-  under a ``torch.func`` transform widens the rows it reads and keeps nothing): exact, as
-  vLLM's kernels widen each entry too. ``inverse=True`` is the spec's ``inverse`` (the rotation
+- A float32 cache is read as it is; one that requires grad as a constant (vLLM's ops do not
+  differentiate it). A bfloat16 or float16 one (vLLM's ``RotaryEmbedding`` hands its kernel
+  the cache in the query's dtype) is widened to a float32 copy, made once per cache tensor
+  and made again when the cache is written in place (not seen for an inference tensor, which
+  has no version counter; a call traced by ``torch.compile``, on fake tensors or under a
+  ``torch.func`` transform widens the rows it reads and keeps nothing): exact, as vLLM's
+  kernels widen each entry too. ``inverse=True`` is the spec's ``inverse`` (the rotation
   by minus the angle, exact: the transpose, whose pair shares one sine), on the same table.
 - The fused op keeps the normalized value in float32 until the rotation, as vLLM's kernel does
   (its unfused path, ``RMSNorm`` then ``rotary_embedding``, rounds twice). Ours computes
@@ -114,7 +115,7 @@ def _table(cos_sin_cache: object,
             cos_sin_cache.dtype in _CACHE_DTYPES and cos_sin_cache.shape[0]):
         flat = positions.reshape(-1)
         inside = ((flat >= 0) & (flat < cos_sin_cache.shape[0])).unsqueeze(-1)
-        rows = cos_sin_cache[flat.clamp(0, cos_sin_cache.shape[0] - 1)].float()
+        rows = cos_sin_cache.detach()[flat.clamp(0, cos_sin_cache.shape[0] - 1)].float()
         with _named("cos_sin_cache"), _normal_tensors():
             table = PairCosSinCache(torch.where(inside, rows, torch.nan)).table
         index = torch.arange(flat.shape[0], device=positions.device).view(positions.shape)
@@ -132,7 +133,8 @@ def _table(cos_sin_cache: object,
             f"(cosines, then sines), got {got}"
         )
     with _named("cos_sin_cache"), _normal_tensors():  # a copy autograd may save later
-        table = PairCosSinCache(cos_sin_cache.float()).table  # checks shape, width, strides
+        # a constant (vLLM's ops never differentiate the cache): no graph kept with the copy
+        table = PairCosSinCache(cos_sin_cache.detach().float()).table  # checks shape, strides
     wrapper = PairCosSinCache(table)
     if traced:
         return wrapper, positions
