@@ -303,6 +303,14 @@ class RoPESpec(BaseModel):
             raise RoPEError(_spec_problem(exc)) from None
 
     @classmethod
+    def model_validate_strings(cls, obj: Any, **kwargs: Any) -> RoPESpec:
+        """:meth:`model_validate` in pydantic's strings mode."""
+        try:
+            return super().model_validate_strings(obj, **kwargs)
+        except ValidationError as exc:
+            raise RoPEError(_spec_problem(exc)) from None
+
+    @classmethod
     def model_construct(cls, _fields_set: set[str] | None = None, **values: Any) -> RoPESpec:
         """A spec validated as the constructor validates: pydantic's own skips validation and
         leaves out :attr:`static_key`, which every call reads."""

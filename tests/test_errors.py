@@ -67,12 +67,13 @@ def test_bad_spec(fields, words):
     (dict(layout="sbhd", dtype="fp32", cos_sin_scale=10**400), ["cos_sin_scale", "float32"]),
 ])
 def test_bad_spec_from_a_config(fields, words):
-    """model_validate and model_validate_json (a spec from a config) refuse as the constructor
-    does, with a RoPEError (pydantic's ValidationError before), the prefix said once."""
+    """model_validate, model_validate_json and model_validate_strings (a spec from a config)
+    refuse as the constructor does, with a RoPEError (pydantic's ValidationError before), the
+    prefix said once."""
     import json
 
     from_json = lambda f: rd.RoPESpec.model_validate_json(json.dumps(f))  # noqa: E731
-    for make in (rd.RoPESpec.model_validate, from_json):
+    for make in (rd.RoPESpec.model_validate, from_json, rd.RoPESpec.model_validate_strings):
         with pytest.raises(rd.RoPEError) as info:
             make(fields)
         text = str(info.value)
@@ -81,6 +82,8 @@ def test_bad_spec_from_a_config(fields, words):
             assert word in text, (word, text)
     spec = rd.RoPESpec.model_validate(dict(layout="sbhd", dtype="fp32", rotary_dim=16))
     assert spec == rd.RoPESpec(layout="sbhd", dtype="fp32", rotary_dim=16)
+    with pytest.raises(rd.RoPEError, match="^invalid RoPESpec: .*got 'sbhd'"):
+        rd.RoPESpec.model_validate_strings("sbhd")
 
 
 def test_spec_takes_numpy_numbers():
