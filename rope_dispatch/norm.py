@@ -40,10 +40,24 @@ class HeadNorm:
     requires one. ``offset=1.0`` is Gemma's ``x * (1 + w)``. The whole head is normalized, the
     channels past the rotary dim too (and rewritten in place by ``apply_`` and ``apply_qk_``).
     ``eps``, ``offset`` and ``scope`` are fixed when it is made (the launches are compiled for
-    them); the weight may be replaced or written.
+    them); the weight may be replaced or written, the form not.
     """
 
     __slots__ = ("weight", "form")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """``form`` is read-only (a slot, so reads on the decode path stay as fast as any)."""
+        if name == "form":
+            raise AttributeError(
+                "HeadNorm.form is fixed when the norm is made (its eps, offset and scope are "
+                "compiled into the launches); make a new HeadNorm for another form"
+            )
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name == "form":
+            raise AttributeError("HeadNorm.form is fixed when the norm is made")
+        object.__delattr__(self, name)
 
     def __init__(self, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0,
                  scope: str = "head"):
@@ -62,17 +76,19 @@ class HeadNorm:
                             f"{FLOAT32_MAX}), got {offset!r}")
         if scope not in SCOPES:
             raise RoPEError(f"HeadNorm scope must be one of {SCOPES}, got {scope!r}")
-        self.weight = weight
         # what a launch depends on; one object per form, so a plan's key compares by identity
         form = _new_form(NormForm, (scope, eps, offset))
         if torch.compiler.is_compiling():
             # not interned while tracing: traced code reading _FORMS makes Dynamo guard on it,
             # and the interning, replayed after the graph, fails that guard at the next call (a
-            # recompile); traced calls compare forms by value, never by identity
-            self.form = form
-        else:
-            self.form = (_FORMS.setdefault(form, form) if len(_FORMS) < 1024
-                         else _FORMS.get(form, form))
+            # recompile); traced calls compare forms by value, never by identity. (Dynamo
+            # traces object.__setattr__, not the slots' setters.)
+            object.__setattr__(self, "weight", weight)
+            object.__setattr__(self, "form", form)
+        else:  # the slots' own setters: no trip through __setattr__
+            _set_weight(self, weight)
+            _set_form(self, _FORMS.setdefault(form, form) if len(_FORMS) < 1024
+                      else _FORMS.get(form, form))
 
     @property
     def eps(self) -> float:
@@ -95,6 +111,10 @@ class HeadNorm:
     def __repr__(self) -> str:
         return (f"HeadNorm(weight[{self.weight.shape[0]}], eps={self.eps}, offset={self.offset}, "
                 f"scope={self.scope!r})")
+
+
+_set_form = HeadNorm.form.__set__  # the slots' own setters (HeadNorm.__setattr__ refuses form)
+_set_weight = HeadNorm.weight.__set__
 
 
 def _made(weight: torch.Tensor, eps: float, offset: float, scope: str) -> HeadNorm:

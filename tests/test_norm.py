@@ -475,6 +475,26 @@ def test_bad_norms_are_named():
         rd.apply_qk(q, k, table, spec, q_norm=torch.ones(8))
 
 
+def test_a_norms_form_is_read_only_and_its_weight_replaceable():
+    """eps, offset and scope are fixed when a HeadNorm is made (its launches and plans are
+    compiled for its form): assigning or deleting ``form`` raised nothing and left the norm
+    computing with one form while reporting another. The weight may still be replaced."""
+    gen = torch.Generator().manual_seed(37)
+    x, angles = torch.randn(5, 2, 3, 8, generator=gen), torch.rand(5, 8, generator=gen) * 6
+    norm = rd.HeadNorm(torch.rand(8, generator=gen) + 0.5, 0.25)
+    form = norm.form
+    with pytest.raises(AttributeError, match="HeadNorm.form is fixed when the norm is made"):
+        norm.form = form._replace(eps=1e-6)
+    with pytest.raises(AttributeError, match="HeadNorm.form is fixed"):
+        del norm.form
+    assert norm.form is form and norm.eps == 0.25
+    norm.weight = weight = torch.rand(8, generator=gen) + 0.5
+    assert norm.weight is weight
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    want = reference_for(reference_head_norm(x, weight, 0.25, 0.0, "head"), angles, spec)
+    assert_matches(rd.apply(x, angles, spec, norm=norm, backend="eager"), want, torch.float32)
+
+
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 def test_a_pickled_or_copied_norm_normalizes_as_the_original(protocol):
     """A HeadNorm pickled at any protocol (protocols 0 and 1 raised TypeError: a class with
