@@ -268,6 +268,10 @@ def _entry_problem(entry: Any, digest: str | None) -> str | None:
         and all(type(v) is str for v in fields["candidates"])
     ):
         return "it has no key fields"
+    for name in ("shape_bucket", "k_shape_bucket", "qkv_split"):  # (the last two only when set)
+        sizes = fields.get(name, [])
+        if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes):
+            return f"its {name} is not a list of sizes"
     named = set(fields["candidates"])
     if choice not in named or not set(pending or ()) <= named:
         return "its choice or deferred names a backend that is not one of its candidates"

@@ -520,3 +520,41 @@ def test_the_cache_is_a_count_and_a_path_unless_its_entries_are_asked_for(
     out = capsys.readouterr().out
     assert f"cache {tmp_path / 'cache'} (3 entries)" in out
     assert sum(line.startswith("  sbhd float32 <= ") for line in out.splitlines()) == 3
+
+
+@pytest.mark.parametrize("change", [{"k_shape_bucket": 512}, {"qkv_split": None},
+                                    {"qkv_split": [512, "128"]}, {"shape_bucket": [2, [1], 2, 8]}])
+def test_a_hand_edited_cache_entry_is_reported_invalid_and_the_rest_listed(
+    tmp_path, monkeypatch, capsys, change
+):
+    """--cache-entries crashed (TypeError) on an entry whose k_shape_bucket or qkv_split was
+    edited to something not a list of sizes: such an entry is invalid (a warning names its file
+    and why), and the other entries are listed."""
+    import json
+
+    import autotune_fakes
+    from rope_dispatch import autotune
+
+    monkeypatch.setenv("ROPE_DISPATCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("ROPE_AUTOTUNE", raising=False)
+    autotune.clear_cache(memory_only=True)
+    removed, _ = autotune_fakes.install()
+    try:
+        spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+        for seq in (2, 4):
+            rd.apply(torch.randn(seq, 1, 2, 8), torch.rand(seq, 1, 1, 8), spec)
+    finally:
+        autotune_fakes.restore(removed)
+        autotune.clear_cache(memory_only=True)
+    edited = next(entry["path"] for entry in selftest._cache_report(entries=True)["cache_entries"])
+    with open(edited, encoding="utf-8") as f:
+        entry = json.load(f)
+    entry["fields"].update(change)
+    with open(edited, "w", encoding="utf-8") as f:
+        json.dump(entry, f)
+    monkeypatch.setattr(selftest, "QUICK", selftest.QUICK[:1])
+    with pytest.warns(RuntimeWarning, match=f"ignoring cache file {edited}: its "
+                      f"{next(iter(change))} is not a list of sizes"):
+        assert selftest.main(["--device", "cpu", "--cache-entries"]) == 0
+    out = capsys.readouterr().out
+    assert sum(line.startswith("  sbhd float32 <= ") for line in out.splitlines()) == 1
