@@ -261,6 +261,29 @@ def test_a_numpy_integer_head_size_as_flashinfer_takes_it():
     torch.testing.assert_close(key.double(), want_k, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("is_neox", [np.True_, np.False_])
+def test_a_numpy_bool_is_neox_as_flashinfer_takes_it(is_neox):
+    """A NumPy bool (a flag read from an array or config) is the bool it holds, as the spec
+    takes flags; FlashInfer reads it with ``not is_neox``. Other types stay refused."""
+    from rope_dispatch.compat.flashinfer import rope_quantize_fp8
+
+    gen = torch.Generator().manual_seed(13)
+    cache, positions = engine_cache(16, 8, gen), torch.tensor([9, 0, 15])
+    query, key = torch.randn(3, 16, generator=gen), torch.randn(3, 8, generator=gen)
+    want_q = flashinfer_reference(positions, query, 8, cache, bool(is_neox))
+    want_k = flashinfer_reference(positions, key, 8, cache, bool(is_neox))
+    apply_rope_with_cos_sin_cache_inplace(positions, query, key, 8, cache, is_neox)
+    torch.testing.assert_close(query.double(), want_q, rtol=0, atol=2e-6)
+    torch.testing.assert_close(key.double(), want_k, rtol=0, atol=2e-6)
+    parts = [torch.randn(3, heads, 8, generator=gen) for heads in (2, 1)]
+    got = rope_quantize_fp8(*parts, None, None, cache, positions, is_neox, enable_pdl=np.False_)
+    want = flashinfer_reference(positions, parts[0].flatten(1), 8, cache, bool(is_neox))
+    torch.testing.assert_close(got[0].float().flatten(1).double(),
+                               want.to(torch.float8_e4m3fn).double(), rtol=0.07, atol=0.02)
+    with pytest.raises(rd.RoPEError, match="is_neox must be a bool, got 1"):
+        apply_rope_with_cos_sin_cache_inplace(positions, query, key, 8, cache, 1)
+
+
 def test_four_dim_query_and_key_as_flashinfer_views_them():
     """FlashInfer views query and key as ``view(nnz, -1, head_size)``: a 4-D
     [nnz, groups, heads, head_size] query (and a [nnz, 1, 2 * head_size] key) are its heads."""

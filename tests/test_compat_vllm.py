@@ -472,6 +472,24 @@ def test_numpy_integer_counts_are_taken_as_vllm_takes_them():
             rotary_embedding(positions, query, key, bad, cache, True)
 
 
+@pytest.mark.parametrize("flag", [np.True_, np.False_])
+def test_numpy_bool_flags_are_taken_as_vllm_takes_them(flag):
+    """is_neox and inverse given as NumPy bools (torch's ops take them for bool arguments) are
+    the bools they hold, as the spec takes flags; other types stay refused."""
+    cache, positions = engine_cache(16, 8, 8), torch.tensor([5, 0, 15])
+    query = torch.randn(3, 32)
+    want = vllm_rope(query, positions, 16, cache, bool(flag), inverse=bool(flag))
+    rotary_embedding(positions, query, None, 16, cache, flag, 0, flag)
+    assert err(query, want) <= TOL[torch.float32]
+    qkv, weight = torch.randn(3, 24), torch.rand(8) + 0.5
+    want = vllm_rope(rms_normed(qkv.double().view(3, 3, 8)[:, :1], weight, 1e-6), positions, 8,
+                     cache, bool(flag))
+    fused_qk_norm_rope(qkv, 1, 1, 1, 8, 1e-6, weight, weight, cache, flag, positions)
+    assert err(qkv.view(3, 3, 8)[:, :1], want) <= TOL[torch.float32]
+    with pytest.raises(rd.RoPEError, match="inverse must be a bool, got 'yes'"):
+        rotary_embedding(positions, query, None, 16, cache, flag, 0, "yes")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_cache_that_requires_grad_is_read_as_a_constant(dtype):
     """vLLM's ops do not differentiate their cache and take one that requires grad: so do the

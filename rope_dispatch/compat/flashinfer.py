@@ -74,7 +74,7 @@ from ..dispatch import _scoped_or_env_backend, apply_qk_, rope_to_cache
 from ..errors import RoPEError, RoPETypeError
 from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache
 from ..registry import get_backend
-from ..spec import SUPPORTED_DTYPES, RoPESpec, constant_spec, dtype_name
+from ..spec import SUPPORTED_DTYPES, RoPESpec, _boolean, constant_spec, dtype_name
 from ..tables import PairCosSinCache
 from ..tracing import memoryless
 
@@ -175,7 +175,7 @@ def apply_rope_with_cos_sin_cache_inplace(
     on a GPU are not read: no host sync, CUDA-graph safe; see docs/semantics.md).
     """
     if type(is_neox) is not bool:
-        raise RoPEError(f"is_neox must be a bool, got {is_neox!r}")
+        is_neox = _flag("is_neox", is_neox)
     q, k = _heads("query", query, head_size), _heads("key", key, head_size)
     _floating("query", q)
     if positions is None:  # the core would ask for a thd spec's cu_seqlens instead
@@ -266,7 +266,7 @@ def rope_quantize_fp8(
     ``q_nope``'s quantization (see the module docstring).
     """
     name = "rope_quantize_fp8"
-    _flag("is_neox", is_neox)
+    is_neox = _flag("is_neox", is_neox)
     _flag("enable_pdl", enable_pdl)
     if backend not in ("cuda", "cutile"):
         raise RoPEError(f"backend must be 'cuda' or 'cutile' (FlashInfer's), got {backend!r}")
@@ -370,7 +370,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
     :class:`~rope_dispatch.FlashInferPagedKVCache` (see the module docstring).
     """
     name = "rope_quantize_fp8_append_paged_kv_cache"
-    _flag("is_neox", is_neox)
+    is_neox = _flag("is_neox", is_neox)
     _flag("enable_pdl", enable_pdl)
     if kv_layout not in ("NHD", "HND"):
         raise RoPEError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
@@ -431,9 +431,14 @@ def rope_quantize_fp8_append_paged_kv_cache(
     return q_rope_out, q_nope_out
 
 
-def _flag(name: str, value: object) -> None:
-    if type(value) is not bool:
-        raise RoPEError(f"{name} must be a bool, got {value!r}")
+def _flag(name: str, value: object) -> bool:
+    """``value`` as a bool: ``True``, ``False`` or a NumPy bool (as the spec takes flags)."""
+    if type(value) is bool:
+        return value
+    try:
+        return _boolean(value)
+    except ValueError:
+        raise RoPEError(f"{name} must be a bool, got {value!r}") from None
 
 
 def _rope_parts(q_rope: object, k_rope: object) -> tuple[torch.Tensor, torch.Tensor, bool]:

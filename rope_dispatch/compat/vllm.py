@@ -59,7 +59,7 @@ from ..spec import RoPESpec, constant_spec, dtype_name
 from ..table_kinds import _normal_tensors
 from ..tables import PairCosSinCache
 from ..tracing import memoryless
-from .flashinfer import _floating, _mapped, _pair_cache
+from .flashinfer import _flag, _floating, _mapped, _pair_cache
 
 __all__ = ["rotary_embedding", "fused_qk_norm_rope"]
 
@@ -144,10 +144,6 @@ def _table(cos_sin_cache: object,
     return wrapper, positions
 
 
-def _flag(name: str, value: object) -> bool:
-    if type(value) is not bool:
-        raise RoPEError(f"{name} must be a bool, got {value!r}")
-    return value
 
 
 def _count(name: str, value: object, least: int) -> int:
@@ -211,8 +207,7 @@ def rotary_embedding(
     rot_dim / 2``, else ``2i`` with ``2i + 1``; ``inverse`` rotates by minus the angle.
     Returns ``None``.
     """
-    _flag("is_neox", is_neox)
-    _flag("inverse", inverse)
+    is_neox, inverse = _flag("is_neox", is_neox), _flag("inverse", inverse)
     head_size = _count("head_size", head_size, 1)
     offset = _count("rope_dim_offset", rope_dim_offset, 0)
     positions = _positions("positions", positions, (1, 2))
@@ -279,7 +274,7 @@ def fused_qk_norm_rope(
     (int64 ``[num_tokens]``) as :func:`rotary_embedding` rotates, in float32 with one rounding;
     v is untouched. ``forced_token_heads_per_warp`` is ignored. Returns ``None``.
     """
-    _flag("is_neox", is_neox)
+    is_neox = _flag("is_neox", is_neox)
     hq = _count("num_heads_q", num_heads_q, 1)
     hk = _count("num_heads_k", num_heads_k, 1)
     hv = _count("num_heads_v", num_heads_v, 0)
