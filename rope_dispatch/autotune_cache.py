@@ -272,6 +272,13 @@ def _entry_problem(entry: Any, digest: str | None) -> str | None:
         sizes = fields.get(name, [])
         if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes):
             return f"its {name} is not a list of sizes"
+    norms, form = fields.get("norms", []), fields.get("cache", [])  # (only when set)
+    if not isinstance(norms, list) or not all(n is None or type(n) is str for n in norms):
+        return "its norms is not a list of norm scopes"
+    if not isinstance(form, list) or form and not (
+            len(form) in (3, 4) and all(type(v) is str for v in form[:3])
+            and all(type(v) is int for v in form[3:])):
+        return "its cache is not a cache form (kind, cache dtype, q's dtype, v's head dim)"
     named = set(fields["candidates"])
     if choice not in named or not set(pending or ()) <= named:
         return "its choice or deferred names a backend that is not one of its candidates"

@@ -650,10 +650,13 @@ def _entry_line(entry: dict) -> str:
         parts.append("qkv " + "+".join(str(n) for n in fields["qkv_split"]))
     parts.append(str(fields.get("stride", "")))
     parts.append(f"rotary {spec.get('rotary_dim')}")
+    if spec.get("rotary_offset"):
+        parts.append(f"from channel {spec['rotary_offset']}")
     if fields.get("table", "angles") != "angles":
         parts.append(str(fields["table"]))
     parts += [name for name, on in (
-        ("interleaved", spec.get("interleaved")), ("start positions", fields.get("start_positions")),
+        ("interleaved", spec.get("interleaved")), ("deinterleave", spec.get("deinterleave")),
+        ("start positions", fields.get("start_positions")),
         ("positions", fields.get("positions")), ("in place", fields.get("in_place")),
         ("grad", fields.get("requires_grad")), ("inverse", spec.get("inverse")),
     ) if on]
@@ -662,9 +665,18 @@ def _entry_line(entry: dict) -> str:
     if spec.get("cos_sin_scale", 1.0) != 1.0:
         parts.append(f"scale {spec.get('cos_sin_scale')}")
     if spec.get("mrope_section"):
-        parts.append(f"mrope {spec.get('mrope_section')}")
+        parts.append(f"mrope {spec.get('mrope_section')}"
+                     + (" interleaved" if spec.get("mrope_interleaved") else ""))
+    if fields.get("norms"):  # q's and k's norm scopes ("-": none)
+        parts.append("norms " + "/".join(str(n or "-") for n in fields["norms"]))
+    if fields.get("cache"):  # kind, cache dtype, q's output dtype (, v's head dim)
+        kind, cache_dtype, q_dtype, *v_dim = fields["cache"]
+        parts.append(f"to {kind} cache {cache_dtype}, q out {q_dtype}"
+                     + "".join(f", v dim {n}" for n in v_dim))
     if spec.get("layout") == "thd":
         parts.append(f"<= {fields.get('sequences_bucket')} sequences")
+        if spec.get("max_seqlen") is not None:
+            parts.append(f"max_seqlen {spec['max_seqlen']}")
     times = ", ".join(f"{name} {us:.0f} us" for name, us in sorted(entry.get("times_us", {}).items()))
     return f"{' '.join(parts)}: {entry.get('choice')} ({times})"
 

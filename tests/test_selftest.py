@@ -416,8 +416,10 @@ def test_selftest_checks_apply_in_place(monkeypatch, capsys):
 
 
 def test_autotune_entry_lines_name_what_tells_entries_apart():
-    """The report's cache listing: entries whose keys differ only in a spec flag, the table
-    kind, the positions or the tensors read as different lines naming that difference."""
+    """The report's cache listing: entries whose keys differ only in a spec field, the table
+    kind, the positions, the tensors, the norm stages or the KV cache written read as
+    different lines naming that difference (norms, cache, rotary_offset, deinterleave,
+    mrope_interleaved and max_seqlen were left out: such entries printed alike)."""
     spec = {"layout": "sbhd", "dtype": "bfloat16", "rotary_dim": 128, "interleaved": False,
             "cp_size": 1, "cp_rank": 0, "cos_sin_scale": 1.0, "mrope_section": None,
             "max_seqlen": None}
@@ -435,6 +437,19 @@ def test_autotune_entry_lines_name_what_tells_entries_apart():
         "grad": {"requires_grad": True},
         "k <= 512x1x2x128": {"k_shape_bucket": [512, 1, 2, 128]},
         "qkv 512+128+128": {"qkv_split": [512, 128, 128]},
+        "from channel 64": {"spec": {**spec, "rotary_offset": 64}},
+        "deinterleave": {"spec": {**spec, "deinterleave": True}},
+        "mrope [16, 24, 24]": {"spec": {**spec, "mrope_section": [16, 24, 24]}},
+        "mrope [16, 24, 24] interleaved": {"spec": {**spec, "mrope_section": [16, 24, 24],
+                                                     "mrope_interleaved": True}},
+        "norms head/-": {"norms": ["head", None]},
+        "norms head/head": {"norms": ["head", "head"]},
+        "to paged cache float8_e4m3fn, q out bfloat16": {
+            "cache": ["paged", "float8_e4m3fn", "bfloat16"]},
+        "to flat cache bfloat16, q out bfloat16, v dim 64": {
+            "cache": ["flat", "bfloat16", "bfloat16", 64]},
+        "<= 1 sequences": {"spec": {**spec, "layout": "thd"}},
+        "max_seqlen 4096": {"spec": {**spec, "layout": "thd", "max_seqlen": 4096}},
     }
     lines = {}
     for name, change in variants.items():
@@ -522,10 +537,17 @@ def test_the_cache_is_a_count_and_a_path_unless_its_entries_are_asked_for(
     assert sum(line.startswith("  sbhd float32 <= ") for line in out.splitlines()) == 3
 
 
-@pytest.mark.parametrize("change", [{"k_shape_bucket": 512}, {"qkv_split": None},
-                                    {"qkv_split": [512, "128"]}, {"shape_bucket": [2, [1], 2, 8]}])
+@pytest.mark.parametrize("change, problem", [
+    ({"k_shape_bucket": 512}, "its k_shape_bucket is not a list of sizes"),
+    ({"qkv_split": None}, "its qkv_split is not a list of sizes"),
+    ({"qkv_split": [512, "128"]}, "its qkv_split is not a list of sizes"),
+    ({"shape_bucket": [2, [1], 2, 8]}, "its shape_bucket is not a list of sizes"),
+    ({"norms": 5}, "its norms is not a list of norm scopes"),
+    ({"cache": ["paged", "bfloat16"]}, "its cache is not a cache form"),
+    ({"cache": "paged"}, "its cache is not a cache form"),
+])
 def test_a_hand_edited_cache_entry_is_reported_invalid_and_the_rest_listed(
-    tmp_path, monkeypatch, capsys, change
+    tmp_path, monkeypatch, capsys, change, problem
 ):
     """--cache-entries crashed (TypeError) on an entry whose k_shape_bucket or qkv_split was
     edited to something not a list of sizes: such an entry is invalid (a warning names its file
@@ -553,8 +575,7 @@ def test_a_hand_edited_cache_entry_is_reported_invalid_and_the_rest_listed(
     with open(edited, "w", encoding="utf-8") as f:
         json.dump(entry, f)
     monkeypatch.setattr(selftest, "QUICK", selftest.QUICK[:1])
-    with pytest.warns(RuntimeWarning, match=f"ignoring cache file {edited}: its "
-                      f"{next(iter(change))} is not a list of sizes"):
+    with pytest.warns(RuntimeWarning, match=f"ignoring cache file {edited}: {problem}"):
         assert selftest.main(["--device", "cpu", "--cache-entries"]) == 0
     out = capsys.readouterr().out
     assert sum(line.startswith("  sbhd float32 <= ") for line in out.splitlines()) == 1
