@@ -571,6 +571,9 @@ def check_cache_call(
         )
     if positions is None:
         raise RoPEError("rope_to_cache needs positions: one table row per token, [T]")
+    if k is None:  # check_call would take the call for one on q alone
+        raise RoPETypeError("k must be a torch.Tensor [T, kv_heads, head_dim], got None: "
+                            "rope_to_cache writes the rotated k into the cache")
     call = check_call(q, freqs, spec, positions=positions, k=k, q_norm=q_norm, k_norm=k_norm)
     if spec.rotary_offset or spec.deinterleave:
         named = (f"spec.rotary_offset={spec.rotary_offset}" if spec.rotary_offset

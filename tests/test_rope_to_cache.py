@@ -585,6 +585,7 @@ def test_bad_arguments_are_named():
                                    r"head dim, got \(5, 1, 8\)"),
         (lambda: call(cache=kc), "cache must be a rope_dispatch.PagedKVCache"),
         (lambda: call(positions=None), "rope_to_cache needs positions"),
+        (lambda: call(k=None), "k must be a torch.Tensor .* got None"),
         (lambda: call(spec=rd.RoPESpec(layout="bshd", dtype="bf16")), "layout 'thd'"),
         (lambda: call(q_scale=2.0, q_out=torch.empty_like(q)),
          "q_scale quantizes q to FP8, but q_out is bfloat16"),
