@@ -309,8 +309,10 @@ class FlashInferPagedKVCache(KVCache):
         self.k_cache, self.v_cache, self.kv_layout = k_cache, v_cache, kv_layout
         own = self.pages()[0].shape[1]
         if page_size is not None and (
-                not isinstance(page_size, numbers.Integral) or isinstance(page_size, bool)
-                or page_size != own):
+                not isinstance(page_size, numbers.Integral) or isinstance(page_size, bool)):
+            raise RoPETypeError(f"FlashInferPagedKVCache page_size must be an int or None (the "
+                                f"cache's: {own}), got {page_size!r}")
+        if page_size is not None and page_size != own:
             raise RoPEError(
                 f"FlashInferPagedKVCache page_size={page_size!r} but the {kv_layout} cache "
                 f"{tuple(k_cache.shape)} has pages of {own}"

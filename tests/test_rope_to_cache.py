@@ -593,6 +593,8 @@ def test_bad_arguments_are_named():
         (lambda: call(q_scale=torch.ones(3)), "q_scale must be a number or a float32 tensor"),
         (lambda: rd.FlashInferPagedKVCache((kc, vc), slots, slots, slots, slots, page_size=16),
          r"page_size=16 but the NHD cache \(4, 4, 2, 8\) has pages of 4"),
+        (lambda: rd.FlashInferPagedKVCache((kc, vc), slots, slots, slots, slots, page_size=4.0),
+         r"page_size must be an int or None \(the cache's: 4\), got 4.0"),
         (lambda: rd.FlashInferPagedKVCache((kc, vc), slots, slots, slots, slots, kv_layout="nhd"),
          "kv_layout must be 'NHD' or 'HND'"),
         (lambda: rd.FlatKVCache(kc, vc, slots), r"\[num_slots, kv_heads, head_dim\]"),
