@@ -670,6 +670,39 @@ def test_bad_input_names_the_argument(make, message):
         make()
 
 
+@pytest.mark.parametrize("door", ["rope_quantize_fp8", "mla_append"])
+@pytest.mark.parametrize("part", ["q_nope", "k_nope"])
+def test_a_nope_part_that_requires_grad_is_refused_before_anything_is_written(door, part):
+    """The doors have no backward: a nope part that requires grad (grad mode on) is refused by
+    name, as the rope parts are, before any output or cache is written. q_nope is quantized
+    beside the core's call, whose checks never see it: it used to fail in torch's division
+    (out= takes no gradient) after the cache had been written."""
+    args = small("mla")
+    args[part] = args[part].clone().requires_grad_()
+    if door == "mla_append":
+        caches = (torch.zeros(4, 4, 4, dtype=torch.float8_e4m3fn),
+                  torch.zeros(4, 4, 8, dtype=torch.float8_e4m3fn))
+        index = dict(dtype=torch.int32)
+        args.update(v=None, paged_kv_cache=caches, kv_indices=torch.tensor([2, 0, 1, 3], **index),
+                    kv_indptr=torch.tensor([0, 2, 4], **index),
+                    batch_indices=torch.tensor([0, 0, 1, 1, -1], **index),
+                    positions=torch.tensor([0, 5, 2, 3, 0], **index), page_size=4)
+        written = caches
+        call = rope_quantize_fp8_append_paged_kv_cache
+    else:
+        written = (torch.zeros(5, 8, dtype=torch.float8_e4m3fn),
+                   torch.zeros(5, 4, dtype=torch.float8_e4m3fn))
+        args.update(k_rope_out=written[0], k_nope_out=written[1])
+        call = rope_quantize_fp8
+    with pytest.raises(rd.RoPEError, match=f"^{part} requires grad, .* no backward"):
+        call(**args)
+    for x in written:
+        assert not x.view(torch.uint8).any(), "written before the refusal"
+    with torch.no_grad():
+        call(**args)
+    assert any(x.view(torch.uint8).any() for x in written)
+
+
 def test_the_paged_door_keeps_one_descriptor_for_the_same_tensors():
     """A serving step calls the door once per layer with the same index buffers: the descriptor
     (checked, its plan parts worked out) is made once for the same tensors and settings, and
