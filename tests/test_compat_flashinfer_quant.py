@@ -604,6 +604,14 @@ BAD = [
     (lambda: quant(q_nope=torch.zeros(5, 3, 4, dtype=torch.bfloat16)),
      r"q_nope must be None or a tensor \[nnz, heads, no_rope_dim\] with the rope part's leading "
      r"dims \(5, 4\), got \(5, 3, 4\)"),
+    # q_nope is quantized beside the core's call: of another dtype it was taken as numbers
+    # (int, bool) or failed after the cache was written (FP8: torch's promotion)
+    (lambda: quant(q_nope=torch.zeros(5, 4, 4, dtype=torch.int64)),
+     r"q_nope must have q_rope's dtype and device \(bfloat16 on cpu\), got \(5, 4, 4\) int64"),
+    (lambda: small_append("mla", q_nope=torch.zeros(5, 4, 4, dtype=torch.float8_e4m3fn)),
+     r"q_nope must have q_rope's dtype and device \(bfloat16 on cpu\), got .* float8_e4m3fn"),
+    (lambda: quant(mla=True, k_nope=torch.zeros(5, 4, dtype=torch.float16)),
+     r"k_nope must have k_rope's dtype and device \(bfloat16 on cpu\), got \(5, 4\) float16"),
     (lambda: quant(mla=True, k_nope=torch.zeros(5, 1, 4, dtype=torch.bfloat16)),
      r"k_nope must be None or a tensor \[nnz, no_rope_dim\] .* \(5,\), got \(5, 1, 4\)"),
     (lambda: quant(cos_sin_cache=torch.zeros(64, 16)),

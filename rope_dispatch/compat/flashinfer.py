@@ -476,6 +476,11 @@ def _nope(name: str, nope: object, rope: torch.Tensor,
             f"{name} must be None or a tensor {form} with the rope part's leading dims "
             f"{tuple(rope.shape[:-1])}, got {_described(nope)}"
         )
+    if nope.dtype != rope.dtype or nope.device != rope.device:  # one kernel dtype, FlashInfer's
+        raise RoPEError(
+            f"{name} must have {name.replace('nope', 'rope')}'s dtype and device "
+            f"({dtype_name(rope.dtype)} on {rope.device}), got {_described(nope)}"
+        )
     if nope.requires_grad and torch.is_grad_enabled():  # (q_nope's division would fail late)
         raise RoPEError(
             f"{name} requires grad, but the FP8 prologue writes outputs and caches and has no "
