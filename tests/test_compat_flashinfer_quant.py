@@ -628,6 +628,16 @@ BAD = [
     (lambda: quant(quantize_dtype=torch.float8_e5m2,
                    q_nope_out=torch.zeros(5, 4, 4, dtype=torch.float8_e4m3fn)),
      r"q_nope_out must be None or a tensor \(5, 4, 4\) float8_e5m2"),
+    # an output of one element broadcast: q_nope_out's (and the apart outputs' copies) failed
+    # in torch after the caches were written
+    (lambda: quant(q_nope_out=torch.zeros(1, 1, 4, dtype=torch.float8_e4m3fn).expand(5, 4, 4)),
+     r"^q_nope_out is an expanded tensor \(a dim of stride 0\); it cannot be written$"),
+    (lambda: small_append(
+        q_rope_out=torch.zeros(1, 4, 8, dtype=torch.float8_e4m3fn).expand(5, 4, 8)),
+     r"^q_rope_out is an expanded tensor"),
+    (lambda: small_append(
+        "mla", q_nope_out=torch.zeros(5, 1, 4, dtype=torch.float8_e4m3fn).expand(5, 4, 4)),
+     r"^q_nope_out is an expanded tensor"),
     (lambda: quant(quant_scale_q=0.0), r"quant_scale_q must be a positive finite number .* got 0.0"),
     (lambda: quant(quant_scale_kv=float("inf")), "quant_scale_kv must be a positive finite number"),
     (lambda: quant(quant_scale_kv="2"), "quant_scale_kv must be a positive finite number .* got '2'"),

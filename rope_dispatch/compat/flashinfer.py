@@ -70,6 +70,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..call import expanded_dim
 from ..dispatch import _scoped_or_env_backend, apply_qk_, rope_to_cache
 from ..errors import RoPEError, RoPETypeError
 from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache
@@ -529,6 +530,8 @@ def _out(name: str, out: object, like: Optional[torch.Tensor], dtype: torch.dtyp
             f"{name} must be None or a tensor {tuple(like.shape)} {dtype_name(dtype)} on "
             f"{like.device} (its input's shape and device, quantize_dtype), got {_described(out)}"
         )
+    if expanded_dim(out) is not None:  # (q_nope_out's division would fail after the writes)
+        raise RoPEError(f"{name} is an expanded tensor (a dim of stride 0); it cannot be written")
     return out
 
 
