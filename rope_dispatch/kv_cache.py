@@ -516,6 +516,12 @@ def _check_q_out(q: torch.Tensor, q_out: object, q_scale: object) -> tuple[torch
             )
         if expanded_dim(q_out) is not None:
             raise RoPEError("q_out is an expanded tensor (a dim of stride 0); it cannot be written")
+        if not memoryless() and q_out.is_inference() and not torch.is_inference_mode_enabled():
+            raise RoPEError(
+                "q_out is an inference tensor and inference mode is off (torch forbids updating it "
+                "there); call rope_to_cache under torch.inference_mode(), or pass a q_out made "
+                "outside it"
+            )
         dtype = q_out.dtype
     else:
         dtype = torch.float8_e4m3fn if q_scale is not None else q.dtype

@@ -1350,3 +1350,30 @@ def test_a_norm_weight_in_written_memory_is_refused(target):
                          q_norm=rd.HeadNorm(weight), **given)
     rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=built.cache,
                      q_norm=rd.HeadNorm(weight.clone()), **given)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("target", ["q in place", "q_out"])
+def test_an_inference_q_out_outside_inference_mode_is_refused_before_any_write(
+        backend, target, request):
+    """torch forbids writing an inference tensor outside inference mode (apply_ refuses to
+    rotate one in place there): q's output (q itself in place) made under inference mode is
+    refused by name when the call is not, before the cache is written (the eager composition
+    wrote k and v, then failed in torch's copy into q_out); under inference mode it is
+    served."""
+    backend, device = backend_param(backend, request)
+    q, k, v, table, spec, positions, built = small_call(device=device)
+    with torch.inference_mode():
+        q_inf = q.clone()
+        q_out = q_inf if target == "q in place" else torch.empty_like(q)
+    pages = built.k_pages.view(torch.uint8), built.v_pages.view(torch.uint8)  # (NaN bytes too)
+    before = pages[0].clone(), pages[1].clone()
+    with pytest.raises(rd.RoPEError, match="^q_out is an inference tensor and inference mode is "
+                                           "off"):
+        rd.rope_to_cache(q_inf, k, v, table, spec, positions=positions, cache=built.cache,
+                         q_out=q_out, backend=backend)
+    assert torch.equal(pages[0], before[0]) and torch.equal(pages[1], before[1])
+    with torch.inference_mode():
+        out = rd.rope_to_cache(q_inf, k, v, table, spec, positions=positions, cache=built.cache,
+                               q_out=q_out, backend=backend)
+    assert out is q_out and not torch.equal(pages[0], before[0])
