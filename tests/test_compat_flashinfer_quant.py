@@ -721,6 +721,45 @@ def test_a_nope_part_that_requires_grad_is_refused_before_anything_is_written(do
     assert any(x.view(torch.uint8).any() for x in written)
 
 
+@pytest.mark.parametrize("door", ["rope_quantize_fp8", "mla_append", "gqa_append"])
+def test_an_inference_q_nope_out_outside_inference_mode_is_refused_before_any_write(door):
+    """An output made under inference mode cannot be written outside it (torch forbids it, and
+    so does its dispatcher for FlashInfer's own ops): q_nope_out, which the doors write beside
+    the core's call, is refused by name before any cache is written (it failed in torch's
+    division after k and v were in the cache); under inference mode it is served."""
+    if door == "gqa_append":
+        args = small("gqa")
+        args.update(v=torch.randn(5, 2, 12, generator=torch.Generator().manual_seed(0)).bfloat16())
+        caches = tuple(torch.zeros(4, 4, 2, 12, dtype=torch.float8_e4m3fn) for _ in range(2))
+        args["q_rope"] = args["q_rope"].clone()  # q's parts apart: q_nope_out is copied into
+    else:
+        args = small("mla")
+        caches = (torch.zeros(4, 4, 4, dtype=torch.float8_e4m3fn),
+                  torch.zeros(4, 4, 8, dtype=torch.float8_e4m3fn))
+    if door == "rope_quantize_fp8":
+        call = rope_quantize_fp8
+        caches = (torch.zeros(5, 8, dtype=torch.float8_e4m3fn),
+                  torch.zeros(5, 4, dtype=torch.float8_e4m3fn))
+        args.update(k_rope_out=caches[0], k_nope_out=caches[1])
+    else:
+        call = rope_quantize_fp8_append_paged_kv_cache
+        index = dict(dtype=torch.int32)
+        args.update(v=args.get("v"), paged_kv_cache=caches,
+                    kv_indices=torch.tensor([2, 0, 1, 3], **index),
+                    kv_indptr=torch.tensor([0, 2, 4], **index),
+                    batch_indices=torch.tensor([0, 0, 1, 1, -1], **index),
+                    positions=torch.tensor([0, 5, 2, 3, 0], **index), page_size=4)
+    with torch.inference_mode():
+        args["q_nope_out"] = torch.zeros(5, 4, 4, dtype=torch.float8_e4m3fn)
+    with pytest.raises(rd.RoPEError, match="^q_nope_out is an inference tensor and inference "
+                                           "mode is off"):
+        call(**args)
+    assert not any(c.view(torch.uint8).any() for c in caches), "written before the refusal"
+    with torch.inference_mode():
+        call(**args)
+    assert all(c.view(torch.uint8).any() for c in caches)
+
+
 def test_the_paged_door_keeps_one_descriptor_for_the_same_tensors():
     """A serving step calls the door once per layer with the same index buffers: the descriptor
     (checked, its plan parts worked out) is made once for the same tensors and settings, and
