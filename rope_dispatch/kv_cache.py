@@ -591,11 +591,12 @@ def check_cache_call(
             "from a head's first channel, pairs in place; rotate with rope_dispatch.apply_qk "
             "and write the cache yourself"
         )
-    if wants_grad(call) or table_grad_wanted(call.table, None) or (
-            torch.is_grad_enabled() and isinstance(v, torch.Tensor) and v.requires_grad):
+    if wants_grad(call) or table_grad_wanted(call.table, None) or (torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in (v, q_out))):
         raise RoPEError(
-            "rope_to_cache writes a KV cache and has no backward, but q, k, v, a norm weight or "
-            "the table requires grad; call it under torch.no_grad() or torch.inference_mode()"
+            "rope_to_cache writes a KV cache and has no backward, but q, k, v, q_out, a norm "
+            "weight or the table requires grad; call it under torch.no_grad() or "
+            "torch.inference_mode()"
         )
     v = _check_v(v, k)
     cache = _check_cache(cache, k, v)

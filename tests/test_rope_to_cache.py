@@ -621,6 +621,8 @@ def test_bad_arguments_are_named():
     assert paged(split[..., :8], split[..., 8:]).v_cache.shape == kc.shape
     with torch.enable_grad():
         for changes in (dict(q=q.clone().requires_grad_()),
+                        dict(q_out=torch.zeros_like(q, requires_grad=True)),  # torch's copy_
+                        # into it failed after the cache write; the Triton stage wrote it
                         dict(freqs=table.clone().requires_grad_()),
                         dict(q_norm=rd.HeadNorm(torch.ones(8, requires_grad=True)))):
             with pytest.raises(rd.RoPEError, match="has no backward"):
