@@ -638,6 +638,14 @@ BAD = [
     (lambda: small_append(
         "mla", q_nope_out=torch.zeros(5, 1, 4, dtype=torch.float8_e4m3fn).expand(5, 4, 4)),
      r"^q_nope_out is an expanded tensor"),
+    # written beside the core's call, whose no-backward check never sees it: torch's division
+    # into it failed after the caches were written
+    (lambda: quant(q_nope_out=torch.zeros(5, 4, 4, dtype=torch.float8_e4m3fn,
+                                          requires_grad=True)),
+     r"^q_nope_out requires grad, but the FP8 prologue writes it and has no backward"),
+    (lambda: small_append("mla", q_nope_out=torch.zeros(5, 4, 4, dtype=torch.float8_e4m3fn,
+                                                        requires_grad=True)),
+     r"^q_nope_out requires grad"),
     (lambda: quant(quant_scale_q=0.0), r"quant_scale_q must be a positive finite number .* got 0.0"),
     (lambda: quant(quant_scale_kv=float("inf")), "quant_scale_kv must be a positive finite number"),
     (lambda: quant(quant_scale_kv="2"), "quant_scale_kv must be a positive finite number .* got '2'"),

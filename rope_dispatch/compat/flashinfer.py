@@ -532,6 +532,9 @@ def _out(name: str, out: object, like: Optional[torch.Tensor], dtype: torch.dtyp
         )
     if expanded_dim(out) is not None:  # (q_nope_out's division would fail after the writes)
         raise RoPEError(f"{name} is an expanded tensor (a dim of stride 0); it cannot be written")
+    if out.requires_grad and torch.is_grad_enabled():
+        raise RoPEError(f"{name} requires grad, but the FP8 prologue writes it and has no "
+                        "backward; call it under torch.no_grad() or torch.inference_mode()")
     if not memoryless() and out.is_inference() and not torch.is_inference_mode_enabled():
         raise RoPEError(f"{name} is an inference tensor and inference mode is off (torch forbids "
                         "updating it there); call under torch.inference_mode()")
