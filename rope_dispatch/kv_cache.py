@@ -600,6 +600,12 @@ def check_cache_call(
         )
     v = _check_v(v, k)
     cache = _check_cache(cache, k, v)
+    if torch.is_grad_enabled() and (cache.k_cache.requires_grad or cache.v_cache.requires_grad):
+        raise RoPEError(
+            f"{type(cache).__name__}'s k_cache or v_cache requires grad, but rope_to_cache writes "
+            "them in place and has no backward; call it under torch.no_grad() or "
+            "torch.inference_mode(), or keep the caches out of autograd"
+        )
     q_dtype, q_scale = _check_q_out(q, q_out, q_scale)
     if q_out is not None:
         _check_apart_from_kv(q_out, k, v)

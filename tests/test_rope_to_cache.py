@@ -624,6 +624,8 @@ def test_bad_arguments_are_named():
                         dict(q_out=torch.zeros_like(q, requires_grad=True)),  # torch's copy_
                         # into it failed after the cache write; the Triton stage wrote it
                         dict(freqs=table.clone().requires_grad_()),
+                        # a cache in autograd: written in place all the same, which torch forbids
+                        dict(cache=paged(v_cache=vc.clone().requires_grad_())),
                         dict(q_norm=rd.HeadNorm(torch.ones(8, requires_grad=True)))):
             with pytest.raises(rd.RoPEError, match="has no backward"):
                 call(**changes)
