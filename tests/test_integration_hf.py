@@ -913,7 +913,9 @@ def pairs_reference(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 def test_pair_functions_rotate_interleaved_pairs(halves):
     """Both pair functions against the formula, q and k ``[b, heads, s, d]`` with 6 of 8
     channels rotated; the halves form sees cos and sin rewritten in place between calls (it
-    keeps the latest pair's conversion while they are unchanged)."""
+    keeps the latest pair's conversion while they are unchanged), and takes inference-mode
+    cos and sin (no version counter: a GLM, GLM-4, Helium or ERNIE 4.5 model run under
+    ``torch.inference_mode``)."""
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 5, 8, generator=gen).to(MODEL_DEVICE)
     k = torch.randn(2, 2, 5, 8, generator=gen).to(MODEL_DEVICE)
@@ -934,3 +936,13 @@ def test_pair_functions_rotate_interleaved_pairs(halves):
         for x, out in zip((q, k), got):
             want = pairs_reference(x.transpose(1, 2), angles).transpose(1, 2)
             torch.testing.assert_close(out.double(), want, **tolerance(torch.float32))
+    with torch.inference_mode():
+        angles = angles * 0.5
+        per_channel = (torch.cat((angles, angles), -1) if halves
+                       else angles.repeat_interleave(2, -1))
+        cos, sin = per_channel.cos(), per_channel.sin()
+        for _ in range(2):  # a model's layers: the same cos and sin again
+            got = function(q, k, cos, sin)
+            for x, out in zip((q, k), got):
+                want = pairs_reference(x.transpose(1, 2), angles).transpose(1, 2)
+                torch.testing.assert_close(out.double(), want, **tolerance(torch.float32))

@@ -289,9 +289,10 @@ def _pairs_of_halves(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor
     """Halves ``cos`` and ``sin`` ``[.., d2]`` as one value per channel of interleaved pairs
     (entry ``j`` of the first half at channels ``2j`` and ``2j+1``). A model passes the same
     two to every layer of a forward, so the latest pair's values are kept (never while tracing,
-    nor for tensors that require grad, whose graph is the forward's) and given again while
-    neither tensor changed."""
-    versions = (cos._version, sin._version) if not memoryless() else None
+    nor for tensors that require grad, whose graph is the forward's, nor for inference-mode
+    tensors, which keep no version counter) and given again while neither tensor changed."""
+    cacheable = not (memoryless() or cos.is_inference() or sin.is_inference())
+    versions = (cos._version, sin._version) if cacheable else None
     last = _last_pairs[0]
     if last is not None and last[0] is cos and last[1] is sin and last[2] == versions:
         return last[3]
