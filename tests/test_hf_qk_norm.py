@@ -178,6 +178,16 @@ def test_glm_with_partial_rotary_normalizes_the_whole_head_and_rotates_half(monk
     assert all(call["q_norm"].weight.numel() == 16 for call in calls)
 
 
+def test_glm_with_no_rotary_channel_still_normalizes():
+    """GLM-4-MoE with ``partial_rotary_factor`` 0 (no channel rotated, as transformers allows):
+    the fused norms still apply, the whole head passed through."""
+    model = tiny_model("GLM-4-MoE", rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.0))
+    expected = step(model)
+    hf.patch(model)
+    check_same(step(model), expected)
+
+
 def test_glm_without_qk_norm_keeps_its_plain_rope_call(monkeypatch):
     model = tiny_model("GLM-4-MoE", use_qk_norm=False)
     expected = step(model)

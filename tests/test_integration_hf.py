@@ -232,6 +232,21 @@ def test_partial_rotary_passes_the_rest_through():
     assert torch.equal(out_q[..., 8:], q[..., 8:])
 
 
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_cos_of_no_channels_passes_q_and_k_through(unsqueeze_dim):
+    """``d2 = 0`` (GPT-NeoX or StableLM with a ``partial_rotary_factor`` under ``2 / d``, whose
+    transformers function passes every channel through): q and k come back unchanged, with
+    their gradients."""
+    q, k, cos, sin = inputs(torch.float32, unsqueeze_dim, seed=3)
+    cos, sin = cos[..., :0], sin[..., :0]
+    got = hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+    for out, x, want in zip(got, (q, k), reference(q, k, cos, sin, unsqueeze_dim)):
+        assert out.shape == x.shape
+        torch.testing.assert_close(out.double(), want.detach(), rtol=0, atol=0)
+    grads = torch.autograd.grad(got, (q, k), (torch.ones_like(q), torch.ones_like(k)))
+    assert all(torch.equal(g, torch.ones_like(g)) for g in grads)
+
+
 def test_other_unsqueeze_dims_are_refused():
     q, k, cos, sin = inputs(torch.float32, 1)
     with pytest.raises(rd.RoPEError, match="unsqueeze_dim must be 1"):

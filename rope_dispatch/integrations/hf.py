@@ -69,7 +69,7 @@ import torch
 
 from ..dispatch import apply_qk
 from ..errors import RoPEError
-from ..norm import HeadNorm
+from ..norm import HeadNorm, normalized
 from ..spec import SUPPORTED_DTYPES, RoPESpec
 from ..tables import CosSinCache
 from ..tracing import memoryless
@@ -212,7 +212,8 @@ def apply_rotary_pos_emb(
     shapes and dtype: views of new tensors contiguous in ``[b, s, heads, d]``. The math is
     float32, rounded once. Gradients flow to q and k, and to cos and sin where they require
     grad (most models make them without). With ``d2 < d`` the first ``d2`` channels are
-    rotated and the rest passed through, where transformers' function would fail to broadcast.
+    rotated and the rest passed through, where transformers' function would fail to broadcast
+    (``d2 = 0``: all of them, as in transformers).
 
     Inside the forward of an attention whose norms :func:`patch` fused, q and k arrive as the
     norms' inputs and are normalized in the same call (the whole head, then the rotation).
@@ -335,11 +336,15 @@ def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     q_norm, k_norm = _take_norms(q, k) if _window.attention is not None else (None, None)
     if heads_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q_out, k_out = apply_qk(
-        q, k, _token_table(cos, sin), _spec(q.dtype, deinterleave, interleaved),
-        start_positions=None if unsqueeze_dim == 0 else _sequence_starts(cos, q),
-        q_norm=q_norm, k_norm=k_norm,
-    )
+    starts = None if unsqueeze_dim == 0 else _sequence_starts(cos, q)
+    if cos.shape[-1] == 0:  # no rotary channel (a partial_rotary_factor under 2 / d): copies
+        q_out, k_out = (x.clone() if norm is None else normalized(x, norm).to(x.dtype)
+                        for x, norm in ((q, q_norm), (k, k_norm)))
+    else:
+        q_out, k_out = apply_qk(
+            q, k, _token_table(cos, sin), _spec(q.dtype, deinterleave, interleaved),
+            start_positions=starts, q_norm=q_norm, k_norm=k_norm,
+        )
     if heads_dim == 1:
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
     return q_out, k_out
