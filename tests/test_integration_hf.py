@@ -7,6 +7,7 @@ original objects back)."""
 from __future__ import annotations
 
 import importlib
+import re
 import types
 
 import pytest
@@ -255,6 +256,19 @@ def test_other_unsqueeze_dims_are_refused():
         hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)  # a [b, s, d2] cos
     with pytest.raises(rd.RoPEError, match=r"or \[seq, rotary_dim\] with unsqueeze_dim=0"):
         hf.apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("drop", ["q", "k"])
+def test_q_or_k_without_four_dims_is_refused_by_name(unsqueeze_dim, drop):
+    """q or k without its batch dim (``[heads, s, d]``): an error naming q and k, their shapes
+    and the layout expected, not one blaming cos with a batch read off the heads."""
+    q, k, cos, sin = inputs(torch.float32, unsqueeze_dim)
+    q, k = (q[0], k) if drop == "q" else (q, k[0])
+    layout = r"\[b, heads, s, d\]" if unsqueeze_dim == 1 else r"\[b, s, heads, d\]"
+    with pytest.raises(rd.RoPEError, match=rf"q and k must be 4-D, {layout}.*got q "
+                       rf"{re.escape(str(tuple(q.shape)))}, k {re.escape(str(tuple(k.shape)))}"):
+        hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
 
 def test_a_dtype_rope_dispatch_does_not_compute_in_is_refused_by_name():

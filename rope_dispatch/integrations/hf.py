@@ -321,6 +321,11 @@ def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
             f"unsqueeze_dim must be 1 (q, k [b, heads, s, d]), 2 ([b, s, heads, d]) or 0 ([b, "
             f"heads, s, d] with cos [s, d2]), got {unsqueeze_dim!r}"
         )
+    if q.dim() != 4 or k.dim() != 4:
+        raise RoPEError(
+            f"q and k must be 4-D, {'[b, s, heads, d]' if heads_dim == 2 else '[b, heads, s, d]'} "
+            f"for unsqueeze_dim={unsqueeze_dim}; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
     if (unsqueeze_dim == 0) != (cos.dim() == 2) or unsqueeze_dim == 0 and cos.shape[0] != q.shape[2]:
         raise RoPEError(
             f"cos must be [batch, seq, rotary_dim], or [seq, rotary_dim] with unsqueeze_dim=0 "
