@@ -6,6 +6,7 @@ every parameter gradient patched and unpatched, and ``unpatch`` restores every m
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -209,6 +210,26 @@ def test_llama4_complex_table_is_required():
     q = torch.randn(1, 4, 2, 16)
     with pytest.raises(rd.RoPEError, match="freqs_cis must be the complex"):
         hf_llama4.apply_rotary_emb(q, q, torch.ones(1, 4, 8))
+
+
+@pytest.mark.parametrize("case", ["short", "batch", "flat", "xq", "xk"])
+def test_llama4_shapes_are_refused_naming_its_own_arguments(case):
+    """A ``freqs_cis`` of another sequence length, batch or rank, and an ``xq`` or ``xk``
+    without its batch dim: errors naming ``freqs_cis``, ``xq`` and ``xk`` (the call has no
+    ``cos``), with the shapes expected and got."""
+    xq, xk = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
+    freqs_cis = torch.polar(torch.ones(2, 5, 8), torch.rand(2, 5, 8))
+    table = {"short": freqs_cis[:, :3], "batch": torch.cat((freqs_cis, freqs_cis)),
+             "flat": freqs_cis[0]}.get(case, freqs_cis)
+    if case in ("xq", "xk"):
+        xq, xk = (xq[0], xk) if case == "xq" else (xq, xk[0])
+        expected = (rf"xq and xk must be 4-D, \[b, s, heads, d\]; got xq "
+                    rf"{re.escape(str(tuple(xq.shape)))}, xk {re.escape(str(tuple(xk.shape)))}")
+    else:
+        expected = (r"freqs_cis must be \[batch, seq, rotary_dim / 2\] with batch 1 or q's batch 2 "
+                    rf"and q's sequence length 5, got {re.escape(str(tuple(table.shape)))}")
+    with pytest.raises(rd.RoPEError, match=expected):
+        hf_llama4.apply_rotary_emb(xq, xk, table)
 
 
 def test_llama4_dtype_rope_dispatch_does_not_compute_in_is_refused_by_name():

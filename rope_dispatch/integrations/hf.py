@@ -463,7 +463,8 @@ def _token_table(cos: torch.Tensor, sin: torch.Tensor) -> CosSinCache:
     return table
 
 
-def _sequence_starts(cos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
+def _sequence_starts(cos: torch.Tensor, q: torch.Tensor, name: str = "cos",
+                     width: str = "rotary_dim") -> torch.Tensor | None:
     """Where each sequence's rows begin in :func:`_token_table`, as start positions: none for
     ``cos`` ``[1, s, d2]`` (a token's row is its place in its sequence), else ``[b]`` int64
     ``i * s`` (token ``(i, j)`` reads row ``i * s + j``), cached per shape and device.
@@ -472,11 +473,12 @@ def _sequence_starts(cos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
     the row from one value per sequence, which the L2 holds, instead of first reading the
     token's own index from memory. At model shapes in bf16 on the H200 the q+k launch took
     3-12% less (Phi-3 mini at 4 x 4,096 tokens 101.7 / 98.5 us forward / backward against
-    113.2 / 107.8, within 3% of rows shared by the batch; run AS)."""
+    113.2 / 107.8, within 3% of rows shared by the batch; run AS). ``name`` and ``width``: the
+    caller's argument and its last dim, for the error (Llama 4's ``freqs_cis``)."""
     batch, seq_len = q.shape[0], q.shape[1]
     if cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1] != seq_len:
         raise RoPEError(
-            f"cos must be [batch, seq, rotary_dim] with batch 1 or q's batch {batch} and q's "
+            f"{name} must be [batch, seq, {width}] with batch 1 or q's batch {batch} and q's "
             f"sequence length {seq_len}, got {tuple(cos.shape)}"
         )
     if cos.shape[0] == 1:

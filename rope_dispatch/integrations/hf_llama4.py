@@ -78,6 +78,9 @@ def apply_rotary_emb(
             f"freqs_cis must be the complex [batch, seq, rotary_dim / 2] tensor of Llama 4's "
             f"rotary embedding, got {freqs_cis.dtype} {tuple(freqs_cis.shape)}"
         )
+    if xq.dim() != 4 or xk.dim() != 4:
+        raise RoPEError(f"xq and xk must be 4-D, [b, s, heads, d]; got xq {tuple(xq.shape)}, "
+                        f"xk {tuple(xk.shape)}")
     spec = _specs.get(xq.dtype)
     if spec is None:
         raise _hf.unsupported_dtype("xq", xq.dtype)
@@ -86,7 +89,8 @@ def apply_rotary_emb(
         norm = HeadNorm(_unit_weight(xq.shape[-1], xq.device), _window.eps)
     q_out, k_out = apply_qk(
         xq, xk, _pair_table(freqs_cis), spec,
-        start_positions=_hf._sequence_starts(freqs_cis, xq), q_norm=norm, k_norm=norm,
+        start_positions=_hf._sequence_starts(freqs_cis, xq, "freqs_cis", "rotary_dim / 2"),
+        q_norm=norm, k_norm=norm,
     )
     if norm is not None:
         _window.normalized += [(t, _hf._version(t)) for t in (q_out, k_out)]
