@@ -248,6 +248,22 @@ def test_cos_of_no_channels_passes_q_and_k_through(unsqueeze_dim):
     assert all(torch.equal(g, torch.ones_like(g)) for g in grads)
 
 
+@pytest.mark.parametrize("empty", ["batch", "seq"])
+@pytest.mark.parametrize("batch_cos", [BATCH, 1])
+def test_no_tokens_give_empty_outputs(empty, batch_cos):
+    """An empty batch or sequence (cos and sin of no rows, as the rotary embedding makes them
+    for no tokens): empty q and k come back, as from transformers' function."""
+    q, k, cos, sin = inputs(torch.float32, 1, batch_cos=batch_cos)
+    if empty == "batch":
+        q, k = q[:0], k[:0]
+        cos, sin = (cos, sin) if batch_cos == 1 else (cos[:0], sin[:0])
+    else:
+        q, k, cos, sin = q[:, :, :0], k[:, :, :0], cos[:, :0], sin[:, :0]
+    got = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    for out, x, want in zip(got, (q, k), reference(q, k, cos, sin, 1)):
+        assert out.shape == x.shape == want.shape and out.dtype == x.dtype
+
+
 def test_other_unsqueeze_dims_are_refused():
     q, k, cos, sin = inputs(torch.float32, 1)
     with pytest.raises(rd.RoPEError, match="unsqueeze_dim must be 1"):

@@ -342,7 +342,7 @@ def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if heads_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     starts = None if unsqueeze_dim == 0 else _sequence_starts(cos, q)
-    if cos.shape[-1] == 0:  # no rotary channel (a partial_rotary_factor under 2 / d): copies
+    if cos.numel() == 0:  # no token, or no rotary channel (partial_rotary_factor < 2 / d)
         q_out, k_out = (x.clone() if norm is None else normalized(x, norm).to(x.dtype)
                         for x, norm in ((q, q_norm), (k, k_norm)))
     else:
