@@ -268,6 +268,9 @@ def test_other_unsqueeze_dims_are_refused():
     q, k, cos, sin = inputs(torch.float32, 1)
     with pytest.raises(rd.RoPEError, match="unsqueeze_dim must be 1"):
         hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
+    for not_an_int in (1.0, True, "1", None):  # transformers' torch.unsqueeze refuses these
+        with pytest.raises(rd.RoPEError, match=rf"unsqueeze_dim must be 1 .*got {not_an_int!r}"):
+            hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=not_an_int)
     with pytest.raises(rd.RoPEError, match=r"or \[seq, rotary_dim\] with unsqueeze_dim=0"):
         hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)  # a [b, s, d2] cos
     with pytest.raises(rd.RoPEError, match=r"or \[seq, rotary_dim\] with unsqueeze_dim=0"):

@@ -315,8 +315,11 @@ def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                of_halves: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_rotary_pos_emb`'s mapping onto :func:`rope_dispatch.apply_qk`; ``of_halves``:
     cos and sin come in halves and are read as interleaved pairs (:func:`_pairs_of_halves`)."""
-    heads_dim = _HEADS_DIM.get(unsqueeze_dim)
-    if heads_dim is None:
+    try:  # an integer: a float or bool, which transformers' unsqueeze refuses, hashes as one
+        heads_dim = _HEADS_DIM.get(operator.index(unsqueeze_dim))
+    except TypeError:
+        heads_dim = None
+    if heads_dim is None or isinstance(unsqueeze_dim, bool):
         raise RoPEError(
             f"unsqueeze_dim must be 1 (q, k [b, heads, s, d]), 2 ([b, s, heads, d]) or 0 ([b, "
             f"heads, s, d] with cos [s, d2]), got {unsqueeze_dim!r}"
