@@ -499,6 +499,8 @@ def test_multimodal_sections_apply_to_each_half_of_any_table():
         ([2, 2, 2, 2], r"must be 3 non-negative integers .* got \[2, 2, 2, 2\]$"),
         ([10, -1, -1], r"got \[10, -1, -1\]"),
         ([2.0, 3, 3], r"got \[2.0, 3, 3\]"),
+        ([True, 3, 4], r"must be 3 non-negative integers .* got \[True, 3, 4\]$"),
+        ([2, 3, 3, False], r"must be 3 non-negative integers .* got \[2, 3, 3, False\]$"),
         (8, r"got 8$"),
     ],
 )

@@ -428,6 +428,8 @@ def _check_streams(
     if sin.shape != cos.shape:
         raise RoPEError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     try:
+        if any(isinstance(size, bool) for size in mrope_section):  # torch.split refuses them
+            raise TypeError
         sections = tuple(operator.index(size) for size in mrope_section)
     except TypeError:
         sections = ()
