@@ -736,6 +736,8 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
     distance, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
     if rest:
         return None
+    if _apart_in_rows(a, b, distance, width, b_width):
+        return False
     ranges: dict[int, list[int]] = {}  # stride -> [lowest, highest] summed index offset
     for shape, strides, sign, w in ((a.shape, a.stride(), 1, width),
                                     (b.shape, b.stride(), -1, b_width)):
@@ -772,6 +774,25 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
         return None if unknown else False
 
     return reach(0, distance)
+
+
+def _apart_in_rows(a: torch.Tensor, b: torch.Tensor, distance: int, width: int,
+                   b_width: int) -> bool:
+    """Whether ``a[..., :width]`` and ``b[..., :b_width]``, ``distance`` elements apart, are
+    told apart by the channels each row holds: where both have the same strides, the channels'
+    1 and every leading one a multiple of the least, ``period``, an element's offset modulo
+    ``period`` is its channel (plus ``distance`` for ``b``), so windows that fall in different
+    places of the period share nothing (slices of one projection's heads, the common case,
+    told without the search)."""
+    strides = a.stride()
+    if strides != b.stride() or len(strides) < 2 or strides[-1] != 1:
+        return False
+    lead = strides[:-1]
+    period = min(lead)
+    if period < max(width, b_width) or any(s % period for s in lead):
+        return False
+    start = distance % period
+    return start >= width and start + b_width <= period
 
 
 def refuse_weights_in(norms: tuple[tuple[str, HeadNorm | None], ...],

@@ -548,6 +548,58 @@ def test_signatures_are_flashinfers():
                                "rope_quantize_fp8_append_paged_kv_cache"}
 
 
+def _door_with_outputs(door: str, buf: torch.Tensor, q_rope_out, q_nope_out):
+    """``door``'s call (small shapes) with q's outputs given, and what it writes into caches."""
+    fp8 = dict(dtype=torch.float8_e4m3fn)
+    if door == "gqa_append":
+        args = small("gqa")
+        args.update(v=torch.randn(5, 2, 12, generator=torch.Generator().manual_seed(0)).bfloat16())
+        args["q_rope"] = args["q_rope"].clone()  # q's parts apart: its outputs are copied into
+        caches = tuple(torch.zeros(4, 4, 2, 12, **fp8) for _ in range(2))
+    else:
+        args = small("mla")
+        caches = (torch.zeros(4, 4, 4, **fp8), torch.zeros(4, 4, 8, **fp8))
+    if door == "rope_quantize_fp8":
+        caches = (torch.zeros(5, 8, **fp8), torch.zeros(5, 4, **fp8))
+        args.update(k_rope_out=caches[0], k_nope_out=caches[1])
+        call = rope_quantize_fp8
+    else:
+        index = dict(dtype=torch.int32)
+        args.update(v=args.get("v"), paged_kv_cache=caches,
+                    kv_indices=torch.tensor([2, 0, 1, 3], **index),
+                    kv_indptr=torch.tensor([0, 2, 4], **index),
+                    batch_indices=torch.tensor([0, 0, 1, 1, -1], **index),
+                    positions=torch.tensor([0, 5, 2, 3, 0], **index), page_size=4)
+        call = rope_quantize_fp8_append_paged_kv_cache
+    args.update(q_rope_out=q_rope_out, q_nope_out=q_nope_out)
+    return (lambda: call(**args)), caches
+
+
+@pytest.mark.parametrize("door", ["rope_quantize_fp8", "mla_append", "gqa_append"])
+def test_q_outputs_that_share_memory_are_refused_before_any_write(door):
+    """q_nope_out is written apart from the core's call (quantized beside it, or copied after
+    it): one sharing memory with q_rope_out overwrote q's rotated part silently. It is refused
+    by name before anything is written; disjoint slices of one buffer (how an engine lays q out)
+    give what separate outputs give."""
+    buf = torch.zeros(5, 4, 12, dtype=torch.float8_e4m3fn)
+    run, caches = _door_with_outputs(door, buf, buf[..., :8], buf[..., 4:8])
+    with pytest.raises(rd.RoPEError, match="^q_nope_out shares memory with q_rope_out"):
+        run()
+    assert not buf.view(torch.uint8).any(), "q written before the refusal"
+    assert not any(c.view(torch.uint8).any() for c in caches), "written before the refusal"
+    with torch.no_grad():
+        run, caches = _door_with_outputs(door, buf, buf[..., 4:], buf[..., :4])
+        run()
+        apart = tuple(torch.zeros(5, 4, n, dtype=torch.float8_e4m3fn) for n in (8, 4))
+        run_apart, caches_apart = _door_with_outputs(door, None, *apart)
+        run_apart()
+    assert torch.equal(buf[..., 4:].view(torch.uint8), apart[0].view(torch.uint8))
+    assert torch.equal(buf[..., :4].view(torch.uint8), apart[1].view(torch.uint8))
+    assert buf.view(torch.uint8).any()
+    for c, c_apart in zip(caches, caches_apart):
+        assert torch.equal(c.view(torch.uint8), c_apart.view(torch.uint8))
+
+
 def test_joined_parts_are_views_when_adjacent():
     """Slices of one tensor are joined without a copy; tensors of their own by a copy."""
     whole = torch.randn(5, 4, 24)

@@ -266,6 +266,28 @@ def test_shared_element_matches_enumeration(a_args, b_args, width):
     assert shared_element(a, b.clone(), width) is False
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 16), st.lists(st.integers(1, 3), min_size=1, max_size=3),
+       st.lists(st.integers(1, 3), min_size=1, max_size=3), st.integers(1, 16),
+       st.integers(1, 16), st.integers(0, 40), st.integers(0, 40))
+def test_shared_element_of_windows_in_rows(period, counts, multiples, a_width, b_width, a_offset,
+                                           b_offset):
+    """Windows of channels in rows of one buffer with the same strides (slices of one
+    projection's heads, whose check is told from each window's place in the row period) against
+    the views' elements listed one by one."""
+    from rope_dispatch.call import shared_element
+
+    buf = torch.zeros(2000)
+    strides = [period * m for m in multiples[: len(counts)]]
+    counts = counts[: len(strides)]
+    a_width, b_width = min(a_width, period), min(b_width, period)
+    a = buf.as_strided((*counts, a_width), (*strides, 1), a_offset)
+    b = buf.as_strided((*counts, b_width), (*strides, 1), b_offset)
+    want = bool(_elements(a, a_width) & _elements(b, b_width))
+    assert shared_element(a, b, a_width, b_width) is want
+    assert shared_element(b, a, b_width, a_width) is want
+
+
 def test_in_place_pair_sharing_memory_is_refused():
     """q and k whose rotary channels share elements would be rotated twice: refused with the
     layouts named, on the first call and on a planned one (same shapes and strides, k moved

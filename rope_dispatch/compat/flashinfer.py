@@ -70,7 +70,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..call import expanded_dim
+from ..call import _shares, expanded_dim
 from ..dispatch import _scoped_or_env_backend, apply_qk_, rope_to_cache
 from ..errors import RoPEError, RoPETypeError
 from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache
@@ -286,6 +286,8 @@ def rope_quantize_fp8(
     q_scale = _reciprocal("quant_scale_q", quant_scale_q)
     kv_scale = _reciprocal("quant_scale_kv", quant_scale_kv)
     table = _rope_table(cos_sin_cache, q_rope)
+    _written_apart("q_nope_out", q_nope_out, (("q_rope_out", q_rope_out),
+                   ("k_rope_out", k_rope_out), ("k_nope_out", k_nope_out), ("q_nope", q_nope)))
     if q_rope.shape[0]:
         heads = _one_head if mla else _as_is
         try:
@@ -394,6 +396,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise RoPEError(
                 f"v must be None for MLA (2-D k_rope: k_nope is the compressed kv), got {got}")
+        _written_apart("q_nope_out", q_nope_out, (("q_rope_out", q_rope_out),
+                       ("q_nope", q_nope), *zip(("ckv_cache", "kpe_cache"), caches)))
         try:
             cache = _paged_cache(caches, kv_indices, kv_indptr, batch_indices, positions, "NHD",
                                  page_size, kv_scale, mla=True)
@@ -415,6 +419,9 @@ def rope_quantize_fp8_append_paged_kv_cache(
     q, k = _joined("q", q_rope, q_nope), _joined("k", k_rope, k_nope)
     q_out = _joined("q_out", q_rope_out, q_nope_out, copy=False)
     if q_out is None:  # outputs apart: the core writes one, copied into them below
+        named = tuple(zip(("k_cache", "v_cache"), caches))
+        _written_apart("q_rope_out", q_rope_out, named)
+        _written_apart("q_nope_out", q_nope_out, (("q_rope_out", q_rope_out), *named))
         q_into = torch.empty_like(q, dtype=dtype)
     else:
         q_into = q_out
@@ -639,6 +646,23 @@ def _joined(name: str, rope: torch.Tensor, nope: Optional[torch.Tensor],
             f"{_described(rope)} and {_described(nope)}"
         )
     return torch.cat((rope, nope), dim=-1)
+
+
+def _written_apart(name: str, out: torch.Tensor,
+                   others: tuple[tuple[str, Optional[torch.Tensor]], ...]) -> None:
+    """``out``, written after the core's call (or read while written, for its input), must
+    share no element with what that call wrote or with its own input: else one write lands on
+    another's result, silently. Checked before anything is written."""
+    if out.numel() == 0:
+        return
+    for other, x in others:
+        if x is not None and x is not out and _shares(out, x):
+            raise RoPEError(
+                f"{name} shares memory with {other} ({name} {tuple(out.shape)} strides "
+                f"{out.stride()}, {other} {tuple(x.shape)} strides {x.stride()}): the prologue "
+                f"writes {name} apart from {other}, so one would overwrite the other; give "
+                f"{name} memory of its own"
+            )
 
 
 def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -> None:
