@@ -5,8 +5,9 @@ Every way in ends in the launcher (backends/triton_launch.py):
 - eager, no gradient: outputs allocated, :func:`launch`;
 - eager with a gradient: :class:`RoPEFunction`, the one ``torch.autograd.Function``, whose
   backward is the transposed launch (a norm stage's backward also sums the weights' gradients);
-- ``torch.compile`` or tensor subclasses: the custom op ``rope_dispatch::triton_rope`` with its
-  fake and its autograd formula (the op transposed), so ``fullgraph=True`` holds;
+- ``torch.compile``, tensor subclasses or a dispatch mode: the custom op
+  ``rope_dispatch::triton_rope`` with its fake and its autograd formula (the op transposed),
+  so ``fullgraph=True`` holds and a selective checkpoint policy sees one op;
 - a repeated call: its plan binds the compiled launch with its constant arguments, one call
   into C;
 - a call with a cache stage (:func:`rope_to_cache`): one launch that norms (optionally),
@@ -33,7 +34,7 @@ from rope_dispatch.kv_cache import FP8_DTYPES
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import angles_2d, kernel_tables, table_tensors
-from rope_dispatch.tracing import PLAIN_TENSORS, exact_size, transformed
+from rope_dispatch.tracing import PLAIN_TENSORS, _dispatch_modes, exact_size, transformed
 
 from . import triton_launch as tl
 from . import triton_tables as tt
@@ -253,11 +254,14 @@ triton_rope_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def _traced(*tensors: torch.Tensor) -> bool:
-    """Whether the call goes to the custom op: while ``torch.compile`` traces, or for tensor
-    subclasses. Asked before anything reads a tensor's host-side state (``is_inference``,
-    ``data_ptr``, ``_version``, a table's flag), which a trace refuses; the op then takes the
-    table's plain kernel form."""
-    return torch.compiler.is_compiling() or any(type(t) not in PLAIN_TENSORS for t in tensors)
+    """Whether the call goes to the custom op: while ``torch.compile`` traces, for tensor
+    subclasses, or under a torch dispatch mode (selective activation checkpointing's, whose
+    policy must see one op it can save or recompute, not the launch's allocations and the
+    interpreter's copies). Asked before anything reads a tensor's host-side state
+    (``is_inference``, ``data_ptr``, ``_version``, a table's flag), which a trace refuses; the
+    op then takes the table's plain kernel form."""
+    return torch.compiler.is_compiling() or _dispatch_modes() > 0 or any(
+        type(t) not in PLAIN_TENSORS for t in tensors)
 
 
 def _constants(described: Launch, call: RoPECall) -> Launch:
@@ -457,7 +461,7 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
                  k: Any, norms: tuple) -> Any:
         given = positions if start_positions is None else start_positions
         s = stream(device)
-        if (several and current_device() != device) or transformed() or (
+        if (several and current_device() != device) or transformed() or _dispatch_modes() or (
                 flag is not None and stale(flag, freqs, s)):
             return generic(x, freqs, spec, start_positions, positions, k, norms)
         rotation = Rotation(described, None, planned, freqs, given, spec.cu_seqlens, s)

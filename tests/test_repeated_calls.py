@@ -973,6 +973,33 @@ def test_a_bound_gradient_plan_hands_its_launches_each_calls_tensors(
     assert len(back["passed"]) == back["slots"] == 2
 
 
+@pytest.mark.skipif(CUDA, reason="stands in for the compiled-launch cache, which CUDA launches use")
+@pytest.mark.usefixtures("triton_backend")
+def test_a_bound_gradient_plan_leaves_a_call_under_a_dispatch_mode_to_the_generic_plan(
+        stand_in_binder):
+    """Under a torch dispatch mode (selective activation checkpointing's) a planned call that
+    wants a gradient is the generic plan's, which takes the custom op the mode sees as one op:
+    the bound launch's allocations, seen one by one, would be saved or recomputed apart."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rope_dispatch.backends import triton_rope
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    freqs, spec = _table(), rd.RoPESpec(layout="sbhd", dtype="fp32")
+    x = _data((4, 6, 3, D), seed=1).requires_grad_(True)
+    generic = []
+    run = triton_rope.plan(rd.check_call(x, freqs, spec),
+                           lambda *args: generic.append(args) or rd.apply(x, freqs, spec))
+    with PassThrough():
+        run(x, freqs, spec, None, None, None, (None, None))
+    assert len(generic) == 1
+    run(x, freqs, spec, None, None, None, (None, None))  # no mode: the bound launch's
+    assert len(generic) == 1
+
+
 @pytest.mark.usefixtures("triton_backend")
 def test_in_place_norms_between_q_and_k_stay_planned(counted_checks, unread):
     """Decode with both norms in place: norm weights whose bytes lie between q's and k's (two

@@ -4,6 +4,7 @@ kernels are tested in their files)."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 import rope_dispatch as rd
-from reference import assert_matches, reference_for, reference_forward_backward
+from reference import (
+    assert_matches, reference_for, reference_forward_backward, reference_head_norm,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -539,3 +542,57 @@ def test_fake_tensor_mode_runs_no_kernel_and_reads_no_value(request):
     for backend in ("eager", "triton"):
         out = rd.apply(x, freqs, spec, backend=backend, start_positions=starts)
         assert_matches(out, reference_for(x, freqs, spec, starts), torch.float32)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("save", ["everything", "rope", "nothing"])
+@pytest.mark.parametrize("backend", ["eager", "compile", "triton"])
+def test_selective_activation_checkpointing(backend, save, norm, request):
+    """``checkpoint(use_reentrant=False)`` with a selective policy (torchtitan's): every op saved,
+    ours saved and the rest recomputed, or all recomputed. The gradients of the input, the
+    norm weight and a factor used before and after the call equal the float64 formula's; the
+    policy sees the triton backend's call as its op ``rope_dispatch::triton_rope``, not the
+    launch's allocations (whose outputs the interpreter's copies then wrote: a cached tensor
+    "mutated" at the recomputation)."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+    )
+
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    gen = torch.Generator().manual_seed(3)
+    t, z = torch.randn(6, 2, 3, 8, generator=gen), torch.randn(6, 2, 3, 8, generator=gen)
+    freqs = torch.rand(6, 1, 1, 8, generator=gen) * 6
+    weight = torch.randn(8, generator=gen) * 0.5 + 1.0
+    grad_out = torch.randn(6, 2, 3, 8, generator=gen)
+    seen = []
+
+    def policy(ctx, op, *args, **kwargs):
+        seen.append(op)
+        if save == "everything" or (save == "rope" and op.namespace == "rope_dispatch"):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def region(x, w, factor):  # x * factor keeps both: the backward recomputes the region
+        head_norm = rd.HeadNorm(w, 1e-6) if norm else None
+        return rd.apply(x * factor, freqs, spec, backend=backend, norm=head_norm) * factor
+
+    inputs = [x.to(DEVICE).requires_grad_(True) for x in (t, weight, z)]
+    out = checkpoint(region, *inputs, use_reentrant=False,
+                     context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    grads = torch.autograd.grad(out, inputs, grad_out.to(DEVICE), allow_unused=True)
+    x64, w64, z64 = (x.double().requires_grad_(True) for x in (t, weight, z))
+    y = x64 * z64
+    if norm:
+        y = reference_head_norm(y, w64, 1e-6, 0.0, "head")
+    expected = reference_for(y, freqs, spec) * z64
+    wanted = torch.autograd.grad(expected, (x64, w64, z64), grad_out.double(), allow_unused=True)
+    assert_matches(out, expected, torch.float32, "forward")
+    for name, got, want in zip(("x", "weight", "factor"), grads, wanted):
+        if want is None:
+            assert got is None, name
+        else:
+            assert_matches(got, want, torch.float32, f"{name}'s gradient")
+    if backend == "triton" and not norm:  # (a norm stage's call is then the eager composition)
+        assert torch.ops.rope_dispatch.triton_rope.default in seen
