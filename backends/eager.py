@@ -46,7 +46,7 @@ def positions(
     if layout == "thd":
         cu = cu_seqlens.long() // cp_size
         token = torch.arange(shape[0], device=device)
-        seq = torch.searchsorted(cu[1:], token, right=True).clamp_(max=cu.numel() - 2)
+        seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=cu.numel() - 2)
         local = token - cu[seq]
         if cp_size > 1:
             local = zigzag_positions(local, cu[seq + 1] - cu[seq], cp_size, cp_rank)

@@ -544,28 +544,32 @@ def test_fake_tensor_mode_runs_no_kernel_and_reads_no_value(request):
         assert_matches(out, reference_for(x, freqs, spec, starts), torch.float32)
 
 
-@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("layout,norm", [("sbhd", False), ("sbhd", True), ("thd", False)])
 @pytest.mark.parametrize("save", ["everything", "rope", "nothing"])
 @pytest.mark.parametrize("backend", ["eager", "compile", "triton"])
-def test_selective_activation_checkpointing(backend, save, norm, request):
+def test_selective_activation_checkpointing(backend, save, layout, norm, request):
     """``checkpoint(use_reentrant=False)`` with a selective policy (torchtitan's): every op saved,
     ours saved and the rest recomputed, or all recomputed. The gradients of the input, the
     norm weight and a factor used before and after the call equal the float64 formula's; the
     policy sees the triton backend's call as its op ``rope_dispatch::triton_rope``, not the
     launch's allocations (whose outputs the interpreter's copies then wrote: a cached tensor
-    "mutated" at the recomputation)."""
+    "mutated" at the recomputation). thd: no op of the call writes in place into another's
+    output (a cached one would be found mutated)."""
     from torch.utils.checkpoint import (
         CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
     )
 
     if backend == "triton":
         request.getfixturevalue("triton_backend")
-    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    cu = {"cu_seqlens": torch.tensor([0, 5, 12], device=DEVICE)} if layout == "thd" else {}
+    spec = rd.RoPESpec(layout=layout, dtype="fp32", **cu)
+    shape = (12, 3, 8) if layout == "thd" else (6, 2, 3, 8)
     gen = torch.Generator().manual_seed(3)
-    t, z = torch.randn(6, 2, 3, 8, generator=gen), torch.randn(6, 2, 3, 8, generator=gen)
-    freqs = torch.rand(6, 1, 1, 8, generator=gen) * 6
+    t, z = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    freqs = torch.rand(7, 1, 1, 8, generator=gen) * 6
     weight = torch.randn(8, generator=gen) * 0.5 + 1.0
-    grad_out = torch.randn(6, 2, 3, 8, generator=gen)
+    grad_out = torch.randn(shape, generator=gen)
+    table = freqs.to(DEVICE)
     seen = []
 
     def policy(ctx, op, *args, **kwargs):
@@ -576,7 +580,7 @@ def test_selective_activation_checkpointing(backend, save, norm, request):
 
     def region(x, w, factor):  # x * factor keeps both: the backward recomputes the region
         head_norm = rd.HeadNorm(w, 1e-6) if norm else None
-        return rd.apply(x * factor, freqs, spec, backend=backend, norm=head_norm) * factor
+        return rd.apply(x * factor, table, spec, backend=backend, norm=head_norm) * factor
 
     inputs = [x.to(DEVICE).requires_grad_(True) for x in (t, weight, z)]
     out = checkpoint(region, *inputs, use_reentrant=False,
