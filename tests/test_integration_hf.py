@@ -590,6 +590,41 @@ def test_patched_model_gives_the_same_logits_and_gradients(family, attention, mo
     assert module.apply_rotary_pos_emb is original
 
 
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_selective_checkpointing_that_saves_every_op(family):
+    """Gradient checkpointing with a selective policy (``context_fn`` in
+    ``gradient_checkpointing_kwargs``) that saves every op: the recomputation is handed the
+    forward's saved outputs in the forward's order, so the first layer's recomputation must
+    make what its forward made (no cos/sin table or start positions kept from the forward,
+    nothing made and then written in place). Logits and gradients are the unpatched model's
+    without checkpointing, with cos shared by the batch and per row."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    model = tiny_model(family)
+    ids = torch.randint(0, 128, (BATCH, TOKENS), generator=torch.Generator().manual_seed(4))
+    position_ids = torch.arange(TOKENS)[None, :] + torch.tensor([[0], [5]])
+    expected = [step(model, ids, p) for p in (None, position_ids)]
+
+    def save_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+        "use_reentrant": False,
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, save_all)})
+    hf.patch(model)
+    try:
+        for p, (logits, grads) in zip((None, position_ids), expected):
+            got_logits, got_grads = step(model, ids, p)
+            torch.testing.assert_close(got_logits, logits, **SAME)
+            assert got_grads.keys() == grads.keys()
+            for name, grad in grads.items():
+                torch.testing.assert_close(got_grads[name], grad, msg=name, **SAME)
+    finally:
+        hf.unpatch(model)
+
+
 def test_patched_generation_is_unchanged():
     """Greedy decoding with a KV cache and a left-padded batch (per-row positions at every
     step): the same tokens and step logits patched and unpatched."""

@@ -72,7 +72,7 @@ from ..errors import RoPEError
 from ..norm import HeadNorm, normalized
 from ..spec import SUPPORTED_DTYPES, RoPESpec
 from ..tables import CosSinCache
-from ..tracing import memoryless
+from ..tracing import _dispatch_modes, memoryless
 from .hf_families import MLA_FAMILIES, PAIR_FAMILIES, STANDARD_FAMILIES
 
 __all__ = [
@@ -286,13 +286,22 @@ def apply_rotary_pos_emb_pairs_of_halves(
     return _rotate_qk(q, k, cos, sin, unsqueeze_dim, False, interleaved=True, of_halves=True)
 
 
+def _unkept() -> bool:
+    """Whether nothing made for one layer may be handed to the next: tensors without memory
+    (:func:`~rope_dispatch.tracing.memoryless`), or a torch dispatch mode (a selective
+    activation checkpoint's records the forward's ops and hands their saved outputs back in
+    order at the recomputation, which a kept table, made once in the forward, would shift)."""
+    return memoryless() or _dispatch_modes() > 0
+
+
 def _pairs_of_halves(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Halves ``cos`` and ``sin`` ``[.., d2]`` as one value per channel of interleaved pairs
     (entry ``j`` of the first half at channels ``2j`` and ``2j+1``). A model passes the same
     two to every layer of a forward, so the latest pair's values are kept (never while tracing,
     nor for tensors that require grad, whose graph is the forward's, nor for inference-mode
-    tensors, which keep no version counter) and given again while neither tensor changed."""
-    cacheable = not (memoryless() or cos.is_inference() or sin.is_inference())
+    tensors, which keep no version counter, nor under a dispatch mode: :func:`_unkept`) and
+    given again while neither tensor changed."""
+    cacheable = not (_unkept() or cos.is_inference() or sin.is_inference())
     versions = (cos._version, sin._version) if cacheable else None
     last = _last_pairs[0]
     if last is not None and last[0] is cos and last[1] is sin and last[2] == versions:
@@ -397,7 +406,7 @@ def _select_streams(
     version counter. Kept per grad mode, as :func:`_token_table` is (a reentrant checkpoint's
     forward picks without grad, its recomputation needs the pick's gradient)."""
     sections = _check_streams(cos, sin, mrope_section, batch)
-    cacheable = not (memoryless() or cos.is_inference() or sin.is_inference())
+    cacheable = not (_unkept() or cos.is_inference() or sin.is_inference())
     if cacheable:
         key = (sections, cos._version, sin._version, torch.is_grad_enabled())
         if _last_streams[0] is cos and _last_streams[1] is sin and _last_streams[2] == key:
@@ -457,7 +466,7 @@ def _token_table(cos: torch.Tensor, sin: torch.Tensor) -> CosSinCache:
     without it (a reentrant checkpoint's forward) carry no gradient back to cos and sin when
     the recomputation, with grad, reads them."""
     d2 = cos.shape[-1]
-    if memoryless() or not (cos.is_contiguous() and sin.is_contiguous()):
+    if _unkept() or not (cos.is_contiguous() and sin.is_contiguous()):
         return CosSinCache(cos.reshape(-1, d2).contiguous(), sin.reshape(-1, d2).contiguous())
     table, grad = _last_table[0], torch.is_grad_enabled()
     if (table is not None and _last_table[1] is cos and _last_table[2] is sin
@@ -488,8 +497,8 @@ def _sequence_starts(cos: torch.Tensor, q: torch.Tensor, name: str = "cos",
         )
     if cos.shape[0] == 1:
         return None
-    if torch.compiler.is_compiling():  # a traced graph makes its own
-        return torch.arange(batch, device=q.device).mul_(seq_len)
+    if _unkept():  # made each call, out of place (a checkpoint may save arange's output)
+        return torch.arange(batch, device=q.device) * seq_len
     key = (batch, seq_len, q.device)
     starts = _starts.get(key)
     if starts is None:

@@ -32,7 +32,6 @@ from ..errors import RoPEError
 from ..norm import HeadNorm
 from ..spec import RoPESpec
 from ..tables import PairCosSinCache
-from ..tracing import memoryless
 
 MODULE = "transformers.models.llama4.modeling_llama4"
 ATTENTION, NORM, ROTARY = "Llama4TextAttention", "Llama4TextL2Norm", "Llama4TextRotaryEmbedding"
@@ -104,7 +103,7 @@ def _pair_table(freqs_cis: torch.Tensor) -> PairCosSinCache:
     torch.compile traces, nor for inference-mode tensors, which have no version counter), in
     the grad mode it was made in (a reentrant checkpoint's recomputation, with grad, needs a
     table with a graph to ``freqs_cis``, which its forward, without, did not make)."""
-    cacheable = not (memoryless() or freqs_cis.is_inference())
+    cacheable = not (_hf._unkept() or freqs_cis.is_inference())
     key = None if not cacheable else (freqs_cis._version, torch.is_grad_enabled())
     if cacheable and _last_table[1] is freqs_cis and _last_table[2] == key:
         return _last_table[0]
