@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import autotune_cache
 from .autotune_cache import (
@@ -364,7 +365,10 @@ def _measure(call: RoPECall, candidates: list[Backend], key: CacheKey) -> dict[s
     needs_grad = wants_grad(call)
     failed: dict[str, str] = {}
     transient = False  # a failure of this process's state, not of the key: kept from the file
-    seconds, raised = _time_backends(candidates, call, needs_grad)
+    # no torch dispatch mode sees the measured runs: a selective activation checkpoint's would
+    # record their ops as its region's and hand their outputs to the recomputation's ops
+    with _disable_current_modes():
+        seconds, raised = _time_backends(candidates, call, needs_grad)
     times = {name: sec * 1e6 for name, sec in seconds.items()}
     for name, exc in raised.items():  # a candidate that fails here would fail the real call too
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]

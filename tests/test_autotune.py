@@ -824,6 +824,44 @@ def test_checkpointed_calls_measure_apart_and_hold_their_choice(
     assert compiling.calls == 0 and measurements() == 1
 
 
+def test_a_first_call_measured_inside_a_selective_checkpoint_leaves_its_record_alone(
+    fakes, measurements
+):
+    """A key's first call inside ``checkpoint(use_reentrant=False)`` with a selective policy
+    saving every op (``create_selective_checkpoint_contexts``): the measured runs are not seen
+    by the checkpoint's dispatch mode, which would record their ops as the region's and hand
+    their outputs to the recomputation's ops of the same name (a later ``mul``'s saved input
+    taken from a measured run: a wrong gradient). The gradients are the reference's."""
+    import functools
+
+    from torch.utils.checkpoint import (
+        CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+    )
+
+    t, freqs = inputs(requires_grad=True)
+    z = torch.randn(t.shape, generator=torch.Generator().manual_seed(6)).requires_grad_(True)
+    seen = []
+
+    def save_all(ctx, op, *args, **kwargs):
+        seen.append(op)
+        return CheckpointPolicy.MUST_SAVE
+
+    def region(x, factor):
+        return (rd.apply(x * factor, freqs, SPEC) * factor).square()
+
+    out = checkpoint(region, t, z, use_reentrant=False,
+                     context_fn=functools.partial(create_selective_checkpoint_contexts, save_all))
+    grads = torch.autograd.grad(out.sum(), (t, z))
+    assert measurements() == 1
+    x64, z64 = (v.detach().double().requires_grad_(True) for v in (t, z))
+    expected = (reference_for(x64 * z64, freqs, SPEC) * z64).square()
+    wanted = torch.autograd.grad(expected.sum(), (x64, z64))
+    assert_matches(out, expected, torch.float32, "forward")
+    for name, got, want in zip(("x", "factor"), grads, wanted):
+        assert_matches(got, want, torch.float32, f"{name}'s gradient")
+    assert len(seen) < 100  # the region's own ops, not the measured rounds'
+
+
 def test_a_first_call_leaves_out_backends_that_compile_until_the_key_is_hot(
     compiling, fakes, cache, monkeypatch, measurements
 ):
