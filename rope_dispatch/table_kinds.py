@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .errors import RoPEError, RoPETypeError
 from .tracing import fake, memoryless
@@ -277,7 +278,10 @@ class RateTable:
             build = reduced_angle_table if self.precise else angle_table
             if memoryless():  # a traced graph (or a torch.func transform) computes it: not kept
                 return build(rates, self.rows, interleaved=bool(interleaved))
-            with _normal_tensors():  # a first call under inference mode keeps no inference tensor
+            # a first call under inference mode keeps no inference tensor, and no dispatch mode
+            # sees it made (a selective checkpoint would count it as the first call's, which
+            # its recomputation, finding it kept, does not make again)
+            with _normal_tensors(), _disable_current_modes():
                 angles = build(rates, self.rows, interleaved=bool(interleaved))
             self._angles[bool(interleaved)] = angles  # type: ignore[attr-defined]
         return angles
@@ -414,7 +418,8 @@ def _streams_of_channels(sections: tuple[int, int, int], interleaved: bool,
                     for j in range(sum(sections))]
         else:
             half = [stream for stream, count in enumerate(sections) for _ in range(count)]
-        streams = torch.tensor(half + half, dtype=torch.long).to(device)
+        with contextlib.nullcontext() if memoryless() else _disable_current_modes():
+            streams = torch.tensor(half + half, dtype=torch.long).to(device)  # (as angle_table)
         _channel_streams[key] = streams
     return streams
 

@@ -22,6 +22,7 @@ from cases import QKVCase, build, build_qkv, cases, fixed_case, positions_for
 from kernel_spy import spy_kernels
 from reference import (
     assert_matches, reference_for, reference_forward_backward, reference_qkv_forward_backward,
+    reference_rope,
 )
 from rope_dispatch import call as call_module
 from rope_dispatch import tables
@@ -480,6 +481,61 @@ def test_rates_are_constants_and_kept_tables_normal_tensors(backend):
                                          torch.ones(4, 2, 1, 8))[1]
         assert_matches(t.grad, ref, torch.float32, "backward")
     assert inv_freq.grad is None
+
+
+@pytest.mark.parametrize("backend", ["compile", "eager"])
+def test_a_table_kept_at_a_first_call_inside_a_selective_checkpoint(backend):
+    """A first call inside ``checkpoint(use_reentrant=False)`` with a selective policy saving
+    every op makes the kept angle table (the compile backend's, multimodal rows' on eager):
+    the checkpoint's dispatch mode does not see it made, since the recomputation finds it kept
+    and makes nothing, and would otherwise be handed the table's ops' outputs in place of its
+    own (the compile backend fed a wrong shape, multimodal positions made float). The
+    gradients are the reference's."""
+    import functools
+
+    from torch.utils.checkpoint import (
+        CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+    )
+
+    if not rd.get_backend(backend).available:
+        pytest.skip(f"{backend} backend unavailable")
+    gen = torch.Generator().manual_seed(3)
+    inv_freq = random_rates(13, 4)
+    sections = (1, 1, 2) if backend == "eager" else None
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32", mrope_section=sections)
+    t, z = torch.randn(5, 2, 3, 8, generator=gen), torch.randn(5, 2, 3, 8, generator=gen)
+    streams = torch.randint(0, 9, (3, 5, 2), generator=gen)
+    positions = streams if sections else None
+
+    def save_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+
+    table = rd.RateTable(inv_freq, 9)
+
+    def region(x, factor):
+        out = rd.apply(x * factor, table, spec, positions=positions, backend=backend)
+        return (out * factor).square()
+
+    leaves = [v.clone().requires_grad_(True) for v in (t, z)]
+    out = checkpoint(region, *leaves, use_reentrant=False,
+                     context_fn=functools.partial(create_selective_checkpoint_contexts, save_all))
+    grads = torch.autograd.grad(out.sum(), leaves)
+    x64, z64 = (v.double().requires_grad_(True) for v in (t, z))
+    angles = definition_angles(inv_freq, 9, False)
+    if sections:  # channel c of token (i, j) at the position of its section's stream
+        stream = torch.tensor([0, 1, 2, 2] * 2)
+        rows = streams[stream][:, :, :, None]  # [d2, s, b, 1]
+        per_token = angles.double()[rows, torch.arange(8)[:, None, None, None]]
+        per_token = per_token[..., 0].permute(1, 2, 0).reshape(10, 8)
+        own = torch.arange(10).view(5, 2)
+        rotated = reference_rope(x64 * z64, per_token, own, False)
+    else:
+        rotated = reference_for(x64 * z64, angles, spec)
+    expected = (rotated * z64).square()
+    wanted = torch.autograd.grad(expected.sum(), (x64, z64))
+    assert_matches(out, expected, torch.float32, "forward")
+    for name, got, want in zip(("x", "factor"), grads, wanted):
+        assert_matches(got, want, torch.float32, f"{name}'s gradient")
 
 
 def test_k_freqs_of_another_kind_is_named():
