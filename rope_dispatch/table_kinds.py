@@ -418,8 +418,10 @@ def _streams_of_channels(sections: tuple[int, int, int], interleaved: bool,
                     for j in range(sum(sections))]
         else:
             half = [stream for stream, count in enumerate(sections) for _ in range(count)]
-        with contextlib.nullcontext() if memoryless() else _disable_current_modes():
-            streams = torch.tensor(half + half, dtype=torch.long).to(device)  # (as angle_table)
+        if memoryless():  # fake tensors (a FakeTensorMode's, a trace's): made here, not kept
+            return torch.tensor(half + half, dtype=torch.long).to(device)
+        with _disable_current_modes():  # (as RateTable.angle_table)
+            streams = torch.tensor(half + half, dtype=torch.long).to(device)
         _channel_streams[key] = streams
     return streams
 

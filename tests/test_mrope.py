@@ -176,3 +176,24 @@ def test_unread_stream_outside_the_table_is_nan_in_its_channels_only(monkeypatch
     mask = torch.ones_like(out, dtype=torch.bool)
     mask[2, 1, :, height] = False
     assert_matches(out[mask].view(-1), _expected(t, angles, streams)[mask.cpu()].view(-1), t.dtype)
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+def test_a_call_under_fake_tensor_mode_leaves_real_calls_alone(backend, monkeypatch):
+    """A first call under a ``FakeTensorMode`` (shape propagation, memory estimation): the
+    index of each channel's stream it makes is a fake tensor, made for that call and never
+    kept, so a later real call reads real values (it met the fake one: FakeTensorMode's
+    "convert all Tensors to FakeTensors first")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from rope_dispatch import table_kinds
+
+    monkeypatch.setattr(table_kinds, "_channel_streams", {})  # no stream index made yet
+    t, angles, streams, spec = _inputs("sbhd", seed=4)
+    with FakeTensorMode():
+        fake_t, fake_angles = torch.randn(t.shape), torch.rand(angles.shape)
+        fake_streams = torch.randint(0, TABLE_LEN, streams.shape)
+        assert rd.apply(fake_t, fake_angles, spec, positions=fake_streams,
+                        backend=backend).shape == t.shape
+    out = rd.apply(t, angles, spec, positions=streams, backend=backend)
+    assert_matches(out, _expected(t, angles, streams), t.dtype)
