@@ -20,6 +20,7 @@ import operator
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .call import byte_span
 
@@ -87,9 +88,11 @@ def _verified_torch() -> bool:
 
 @functools.cache
 def _guard_maker() -> Callable[..., Guard]:
-    try:
-        if _verified_torch() and _accepts_and_refuses_as_expected(_torch_guard):
-            return _torch_guard
+    try:  # the probe's tensors are its own: no dispatch mode sees them made (a selective
+        # checkpoint's recomputation refuses ops its forward did not record)
+        with _disable_current_modes():
+            if _verified_torch() and _accepts_and_refuses_as_expected(_torch_guard):
+                return _torch_guard
     except Exception:  # noqa: BLE001  (a private class: any change in it means the fallback)
         pass
     return metadata_guard

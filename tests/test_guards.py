@@ -146,3 +146,40 @@ def test_one_norm_for_q_and_k_is_planned(monkeypatch):
             rd.apply_qk_(q, k, table, spec, positions=positions, q_norm=norm, k_norm=norm,
                          backend="eager")
     assert len(checked) == 2
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_the_probe_is_made_out_of_sight_of_a_selective_checkpoint(save):
+    """The first plan of a process made inside ``checkpoint(use_reentrant=False)`` with a
+    selective policy: made at the recomputation (a key's second call), the probe's tensors
+    met the checkpoint's dispatch mode, which refuses ops its forward did not record, and the
+    process fell back to the Python guards for good (made in a forward, they would be recorded
+    as the region's). The C++ guards are kept and the gradient is the reference's."""
+    import functools
+
+    from torch.utils.checkpoint import (
+        CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+    )
+
+    import rope_dispatch as rd
+    from reference import assert_matches, reference_for
+
+    policy = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    freqs = torch.rand(6, 1, 1, 8) * 6
+    t = torch.randn(6, 2, 3, 8, requires_grad=True)
+    g = torch.randn(6, 2, 3, 8)
+    guards._guard_maker.cache_clear()
+    try:
+        for _ in range(2):
+            out = checkpoint(
+                lambda x: rd.apply(x * 2.0, freqs, spec, backend="eager") * x, t,
+                use_reentrant=False, context_fn=functools.partial(
+                    create_selective_checkpoint_contexts, lambda ctx, op, *a, **k: policy))
+            (grad,) = torch.autograd.grad(out, t, g)
+        assert guards.guard_kind() == "torch"
+    finally:
+        guards._guard_maker.cache_clear()
+    x = t.detach().double().requires_grad_(True)
+    (want,) = torch.autograd.grad(reference_for(2 * x, freqs, spec) * x, x, g.double())
+    assert_matches(grad, want, torch.float32, "gradient")
