@@ -274,15 +274,16 @@ class RateTable:
         angles = self._angles.get(interleaved)  # type: ignore[attr-defined]
         if angles is None:
             n = self.inv_freq.shape[0]
-            rates = self._kernel_rates[:n]  # type: ignore[attr-defined]
             build = reduced_angle_table if self.precise else angle_table
             if memoryless():  # a traced graph (or a torch.func transform) computes it: not kept
-                return build(rates, self.rows, interleaved=bool(interleaved))
+                return build(self._kernel_rates[:n], self.rows,  # type: ignore[attr-defined]
+                             interleaved=bool(interleaved))
             # a first call under inference mode keeps no inference tensor, and no dispatch mode
-            # sees it made (a selective checkpoint would count it as the first call's, which
-            # its recomputation, finding it kept, does not make again)
+            # sees it made, its rates' slice included (a selective checkpoint would count it
+            # as the first call's, which its recomputation, finding it kept, does not make)
             with _normal_tensors(), _disable_current_modes():
-                angles = build(rates, self.rows, interleaved=bool(interleaved))
+                angles = build(self._kernel_rates[:n], self.rows,  # type: ignore[attr-defined]
+                               interleaved=bool(interleaved))
             self._angles[bool(interleaved)] = angles  # type: ignore[attr-defined]
         return angles
 
