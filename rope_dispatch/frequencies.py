@@ -403,15 +403,14 @@ def from_te_options(
     ``pretrained / max_positions`` for a table longer than ``pretrained * factor``: the scale
     depends on ``max_positions``, so the result records that length.
     """
-    dim = _rotary_dim(dim)
+    dim = _rotary_dim(dim, least=1)  # an odd dim is rounded up, as TE's module rounds it
     length = _count("max_positions", max_positions)
     percent = _positive("rotary_percent", rotary_percent)
     if percent > 1.0:
         raise RoPEError(f"rotary_percent must be in (0, 1], got {rotary_percent!r}")
     if percent < 1.0:
-        dim = _rotary_dim(
-            int(dim * percent), f"the rotary dim int(dim * rotary_percent) = int({dim} * {percent})"
-        )
+        dim = _rotary_dim(int(dim * percent), "the rotary dim int(dim * rotary_percent) = "
+                          f"int({dim} * {percent})", least=1)
     if seq_len_interpolation_factor is not None:
         seq_len_interpolation_factor = _positive(
             "seq_len_interpolation_factor", seq_len_interpolation_factor

@@ -672,9 +672,9 @@ def _positive(argument: str, value: object) -> float:
     return number
 
 
-def _rotary_dim(dim: object, argument: str = "dim (the rotary dim)") -> int:
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 2:
-        raise RoPEError(f"{argument} must be an int >= 2, got {dim!r}")
+def _rotary_dim(dim: object, argument: str = "dim (the rotary dim)", least: int = 2) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < least:
+        raise RoPEError(f"{argument} must be an int >= {least}, got {dim!r}")
     return int(dim)
 
 
@@ -687,7 +687,7 @@ def inverse_frequencies(
     where the result lives (``None``: torch's default device). The exponent ``2k / dim`` and
     the power are float32, as in TransformerEngine.
     """
-    dim = _rotary_dim(dim)
+    dim = _rotary_dim(dim, least=1)  # an odd dim is rounded up: 1 gives one rate, as in TE
     base = _positive("base", base)
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
     return 1.0 / (base ** exponents)

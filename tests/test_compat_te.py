@@ -613,6 +613,8 @@ RPE_CASES = {
     "plain": (dict(dim=16), dict(max_seq_len=24)),
     "half rotary": (dict(dim=16, rotary_percent=0.5), dict(max_seq_len=24)),
     "odd rotary dim": (dict(dim=10, rotary_percent=0.5), dict(max_seq_len=7)),
+    "dim 1": (dict(dim=1), dict(max_seq_len=4)),
+    "rotary dim 1": (dict(dim=4, rotary_percent=0.25), dict(max_seq_len=4)),
     "interleaved": (dict(dim=16, interleaved=True), dict(max_seq_len=24)),
     "offset": (dict(dim=16, rotary_base=500000.0), dict(max_seq_len=24, offset=100)),
     "fixed interpolation": (dict(dim=16, seq_len_interpolation_factor=4,

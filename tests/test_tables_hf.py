@@ -381,8 +381,9 @@ def test_tables_module_never_imports_transformers():
         (dict(rotary_percent=0.5, rotary_base=500000.0), 64),
         (dict(seq_len_interpolation_factor=2, pretrained_max_position_embeddings=128), 200),
         (dict(seq_len_interpolation_factor=2, pretrained_max_position_embeddings=128), 300),
+        (dict(rotary_percent=1 / 128), 8),
     ],
-    ids=["plain", "percent-base", "interpolation-fixed", "interpolation-dynamic"],
+    ids=["plain", "percent-base", "interpolation-fixed", "interpolation-dynamic", "rotary-dim-1"],
 )
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
 def test_te_options_equal_rotary_position_embedding(options, length, interleaved):
@@ -595,9 +596,11 @@ def test_numpy_numbers_and_bad_helper_arguments():
     torch.testing.assert_close(f.inv_freq, tables.linear_frequencies(64, factor=2.0).inv_freq)
     with pytest.raises(RoPEError, match=r"layer_type must be a layer type's name \(a str\) or None, got \['x'\]"):
         from_hf_config(config, 16, layer_type=["x"])
-    with pytest.raises(RoPEError, match=r"int\(dim \* rotary_percent\) = int\(4 \* 0.25\) must be an int >= 2, got 1"):
-        from_te_options(4, 16, rotary_percent=0.25)
-    with pytest.raises(RoPEError, match=r"dim \(the rotary dim\) must be an int >= 2, got 3.5"):
+    with pytest.raises(RoPEError,
+                       match=r"int\(dim \* rotary_percent\) = int\(4 \* 0.2\) must be an int "
+                             r">= 1, got 0"):
+        from_te_options(4, 16, rotary_percent=0.2)
+    with pytest.raises(RoPEError, match=r"dim \(the rotary dim\) must be an int >= 1, got 3.5"):
         tables.inverse_frequencies(3.5)
     with pytest.raises(RoPEError, match=r"base must be a finite number > 0, got -1"):
         tables.inverse_frequencies(8, -1)
