@@ -718,6 +718,10 @@ def test_rotary_position_embedding_device(monkeypatch):
     (lambda: RotaryPositionEmbedding(16, seq_len_interpolation_factor=2,
                                      pretrained_max_position_embeddings=4)(None),
      "^max_seq_len must be .*got None"),
+    (lambda: RotaryPositionEmbedding(128, rotary_percent=0.0),
+     r"^the rotary dim int\(dim \* rotary_percent\) = int\(128 \* 0.0\) must be .*got 0"),
+    (lambda: RotaryPositionEmbedding(128, rotary_percent=-0.5),
+     r"^the rotary dim int\(dim \* rotary_percent\) = int\(128 \* -0.5\) must be .*got -64"),
 ])
 def test_rotary_position_embedding_errors_name_tes_arguments(make, message):
     """A bad rotary_base or max_seq_len is refused under TE's names, not those of the table

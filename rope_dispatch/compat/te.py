@@ -50,7 +50,7 @@ import torch
 from ..dispatch import apply, apply_qkv
 from ..errors import RoPEError, RoPETypeError
 from ..spec import SUPPORTED_DTYPES, RoPESpec, constant_spec, dtype_name
-from ..table_kinds import _positive
+from ..table_kinds import _positive, _rotary_dim
 from ..tables import angle_table, inverse_frequencies
 from .flashinfer import _mapped
 
@@ -259,8 +259,9 @@ class RotaryPositionEmbedding(torch.nn.Module):
         interleaved: bool = False,
     ):
         super().__init__()
-        if rotary_percent < 1.0:
-            dim = int(dim * rotary_percent)
+        if rotary_percent < 1.0:  # named here: inverse_frequencies would blame dim
+            dim = _rotary_dim(int(dim * rotary_percent), "the rotary dim int(dim * "
+                              f"rotary_percent) = int({dim} * {rotary_percent!r})", least=1)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
         self.rotary_base = rotary_base
