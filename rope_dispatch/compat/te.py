@@ -267,6 +267,13 @@ class RotaryPositionEmbedding(torch.nn.Module):
         self.rotary_base = rotary_base
         self.interleaved = interleaved
         _positive("rotary_base", rotary_base)  # inverse_frequencies would call it base
+        # 0 divides by zero in forward, a negative one turns positions negative; any other
+        # number serves TE's math (a length of 4096.0 too)
+        for name, value in (("seq_len_interpolation_factor", seq_len_interpolation_factor),
+                            ("pretrained_max_position_embeddings",
+                             pretrained_max_position_embeddings)):
+            if value is not None:
+                _positive(name, value)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.register_buffer("inv_freq", inverse_frequencies(dim, rotary_base, device=device))
 
