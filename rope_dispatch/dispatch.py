@@ -447,10 +447,10 @@ def _planned_form(
     tensor's dispatch keys read as an inference tensor's do outside it, so a guard made there
     would accept, outside, an inference tensor, which torch forbids writing there."""
     tensors = (t,)
-    # TE's qkv_split_arg_list is a list and a plan's key needs a tuple; a split that cannot be
-    # hashed misses the lookup (_run), and check_call names what is wrong with it
-    if type(split) is list:
-        split = tuple(split)
+    # a plan's key holds split as a tuple (TE's qkv_split_arg_list is a list) of exact ints: 8.0
+    # and tensor(8) equal 8 and would reuse its plan, so check_call sees any other split
+    if split is not None and (type(split) not in (list, tuple) or {*map(type, split)} != {int}):
+        return None
     if k is not None:
         if type(k) is not _Tensor or k is t:
             return None
@@ -484,7 +484,7 @@ def _planned_form(
         tensors, q_form, k_form = normed
     form = (
         in_place, in_place and _inference_mode(), grad_in_place, start_positions is None,
-        positions is None, k is None, split, q_form, k_form,
+        positions is None, k is None, split and tuple(split), q_form, k_form,
     )
     return tensors, form
 

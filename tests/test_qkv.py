@@ -167,6 +167,19 @@ def test_bad_qkv_calls(split, k_freqs, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+@pytest.mark.parametrize("bad", [(8.0, 8, 8), [8.0, 8, 8], (torch.tensor(8), 8, 8)],
+                         ids=["float", "float list", "tensor"])
+def test_a_planned_split_does_not_admit_equal_non_ints(bad):
+    """A split that compares equal to a planned one (8.0 == 8, tensor(8) == 8) is still
+    refused as on a first call, not run by that plan."""
+    qkv, table = torch.randn(4, 2, 2, 24), torch.rand(8, 8)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    for _ in range(3):  # checked, planned, run by the plan
+        rd.apply_qkv(qkv, table, spec, (8, 8, 8), backend="eager")
+    with pytest.raises(rd.RoPEError, match="split must be three ints"):
+        rd.apply_qkv(qkv, table, spec, bad, backend="eager")
+
+
 def test_k_freqs_only_with_split():
     with pytest.raises(rd.RoPEError, match="k_freqs is for packed qkv calls"):
         rd.check_call(torch.randn(4, 1, 2, 8), torch.rand(4, 8),
