@@ -365,15 +365,15 @@ def apply_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE of a packed qkv tensor, split and rotated in one pass: returns new ``(q, k, v)``.
 
-    ``qkv`` is ``[s, b, h, q + k + v]`` (``[b, s, ...]`` for bshd, ``[T, h, ...]`` for thd)
-    with ``split = (q, k, v)`` channels per head group, as a fused qkv projection lays them out
-    (TransformerEngine's ``apply_fused_qkv_rotary_pos_emb``). ``k`` is the head dim ``d``: a
-    group holds ``q / d`` query heads (GQA), one key head and ``v / d`` value heads. Returns q
-    ``[s, b, h * q / d, d]``, k ``[s, b, h, k]`` and v ``[s, b, h, v]``, contiguous; q is rotated
-    by ``freqs`` and k by ``k_freqs`` (default ``freqs``), v is copied. Positions, tables and
-    ``start_positions`` are as in :func:`apply`; the backward writes one packed gradient.
-    ``q_norm`` and ``k_norm`` (:class:`~rope_dispatch.HeadNorm`) normalize q and k first.
-    """
+    ``qkv`` is ``[s, b, h, q + k + v]`` (``[b, s, ...]`` for bshd, ``[T, h, ...]`` for thd) with
+    ``split = (q, k, v)`` channels per head group, as TE's ``apply_fused_qkv_rotary_pos_emb``
+    takes it. ``k`` is the head dim ``d``: a group holds ``q / d`` query heads (GQA), one key
+    head and ``v / d`` value heads. Returns q ``[s, b, h * q / d, d]``, k ``[s, b, h, k]`` and v
+    ``[s, b, h, v]``, contiguous: q rotated by ``freqs``, k by ``k_freqs`` (default ``freqs``), v
+    copied. Positions, tables and ``start_positions`` are as in :func:`apply`; the backward
+    writes one packed gradient. ``q_norm``, ``k_norm``: HeadNorms applied to q and k first."""
+    if split is None:  # _run would take it for a single tensor's call and return one tensor
+        raise RoPEError("split must be three ints (q, k, v channels per head group), got None")
     return _run(
         qkv, freqs, spec, start_positions, backend, False, False, split=split, k_freqs=k_freqs,
         positions=positions, norms=(q_norm, k_norm),

@@ -561,6 +561,9 @@ def test_core_errors_are_rope_errors():
         apply_fused_qkv_rotary_pos_emb(qkv, q, k, list(split), "sbdh")
     with pytest.raises(rd.RoPEError, match="split"):
         apply_fused_qkv_rotary_pos_emb(qkv, q, k, [4 * QKV_D, QKV_D, QKV_D + 1])
+    with pytest.raises(rd.RoPEError, match=r"^split must be three ints .*got None.* "
+                                           r"split=qkv_split_arg_list"):
+        apply_fused_qkv_rotary_pos_emb(qkv, q, k, None)
     with pytest.raises(rd.RoPEError, match="k_freqs has"):
         apply_fused_qkv_rotary_pos_emb(qkv, q, k[:SEQ - 1], list(split))
 

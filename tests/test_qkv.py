@@ -143,6 +143,7 @@ def test_explain_and_capabilities():
     "split, k_freqs, words",
     [
         ((32, 16), None, ["split must be three ints", "(32, 16)"]),
+        (None, None, ["split must be three ints", "got None"]),
         ((32, 16, 8.0), None, ["split must be three ints"]),
         ([32, 16, 8.0], None, ["split must be three ints", "[32, 16, 8.0]"]),
         ([32, [16], 16], None, ["split must be three ints", "[32, [16], 16]"]),
