@@ -219,13 +219,15 @@ class RateTable:
                 f"RateTable's inv_freq must be contiguous, got stride {rates.stride()}; pass "
                 "inv_freq.contiguous()"
             )
-        rows = self.rows
+        rows, d2 = self.rows, 2 * rates.numel()
+        most = ((1 << 63) - 1) // d2  # the kernels' [rows, d2] view counts its elements in int64
         if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or not (
-            1 <= rows < 1 << 63  # (a tensor's size, which the kernels' view takes, is an int64)
+            1 <= rows <= most
         ):
             raise RoPEError(
-                f"RateTable's rows must be a positive int below 2**63 (positions 0 .. rows - 1 "
-                f"are inside the table, int64 positions), got {rows!r}"
+                f"RateTable's rows must be a positive int with rows x d2 below 2**63 (positions "
+                f"0 .. rows - 1 are inside the table, int64 positions; the kernels' [rows, d2] "
+                f"view is an int64-sized tensor): at most {most} for d2 {d2}, got {rows!r}"
             )
         rows = int(rows)  # a NumPy integer, as sizes elsewhere
         object.__setattr__(self, "rows", rows)

@@ -421,7 +421,10 @@ def test_unread_positions_past_the_rows_give_nan_rows(backend, monkeypatch, requ
     (torch.ones(2), True, "got True"),
     # past an int64 size: as_strided's TypeError (a C++ trace) before
     (torch.ones(2), 1 << 63,
-     "rows must be a positive int below 2\\*\\*63 .* got 9223372036854775808"),
+     "rows must be a positive int with rows x d2 below 2\\*\\*63 .* got 9223372036854775808"),
+    # rows below 2**63 whose [rows, d2] view has more elements: numel's overflow before
+    (torch.ones(4), 1 << 62, "rows x d2 below 2\\*\\*63 .* at most 1152921504606846975 for d2 8, "
+     "got 4611686018427387904"),
 ])
 def test_construction_errors(inv_freq, rows, words):
     with pytest.raises(rd.RoPEError, match=words):
