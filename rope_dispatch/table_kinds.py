@@ -273,20 +273,21 @@ class RateTable:
         ``interleaved``), made from the rates copied at construction on first use and kept on
         the object (``rows x d2`` floats per layout): a precise table's angles reduced modulo
         2*pi from float64 (:func:`reduced_angle_table`). Do not write to it."""
+        _check_interleaved(interleaved)  # (before the lookup: 1 would find True's table)
         angles = self._angles.get(interleaved)  # type: ignore[attr-defined]
         if angles is None:
             n = self.inv_freq.shape[0]
             build = reduced_angle_table if self.precise else angle_table
             if memoryless():  # a traced graph (or a torch.func transform) computes it: not kept
                 return build(self._kernel_rates[:n], self.rows,  # type: ignore[attr-defined]
-                             interleaved=bool(interleaved))
+                             interleaved=interleaved)
             # a first call under inference mode keeps no inference tensor, and no dispatch mode
             # sees it made, its rates' slice included (a selective checkpoint would count it
             # as the first call's, which its recomputation, finding it kept, does not make)
             with _normal_tensors(), _disable_current_modes():
                 angles = build(self._kernel_rates[:n], self.rows,  # type: ignore[attr-defined]
-                               interleaved=bool(interleaved))
-            self._angles[bool(interleaved)] = angles  # type: ignore[attr-defined]
+                               interleaved=interleaved)
+            self._angles[interleaved] = angles  # type: ignore[attr-defined]
         return angles
 
     def angles_at(self, pos: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -744,9 +745,16 @@ def angle_table(
     return angles.reshape(length, 1, 1, angles.shape[-1])
 
 
+def _check_interleaved(interleaved: object) -> None:
+    """Refuse an ``interleaved`` that is not a bool (``"False"`` would pass for True)."""
+    if type(interleaved) is not bool:
+        raise RoPEError(f"interleaved must be a bool, got {interleaved!r}")
+
+
 def _layout(angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """One angle per rate ``[..., n]`` as one per channel ``[..., 2n]``: the two halves (NeoX
-    style) or, ``interleaved``, each rate twice in a row."""
+    style) or, ``interleaved`` (a bool), each rate twice in a row."""
+    _check_interleaved(interleaved)
     if interleaved:
         return angles.repeat_interleave(2, dim=-1)
     return torch.cat((angles, angles), dim=-1)

@@ -464,6 +464,24 @@ def test_properties_and_kept_angle_tables():
     assert torch.equal(tables.kernel_tables(table)[0][0], torch.tensor([1.0, 0.5, 0.25] * 2))
 
 
+@pytest.mark.parametrize("value", ["False", 1, None])
+def test_interleaved_must_be_a_bool(value):
+    """The angle tables' layout flag is refused unless a bool, as RotaryFrequencies and the
+    spec refuse it: ``"False"`` was read as True (pairs), and 1 found True's kept table."""
+    inv_freq = torch.tensor([1.0, 0.25])
+    for precise in (False, True):
+        table = rd.RateTable(inv_freq, 5, precise=precise)
+        table.angle_table(True)  # kept: a lookup by 1 would find it
+        words = f"interleaved must be a bool, got {value!r}"
+        for make in (table.angle_table, table.angle_rows,
+                     lambda flag: table.angles_at(torch.tensor([2]), flag)):
+            with pytest.raises(rd.RoPEError, match=words):
+                make(value)
+    for make in (tables.angle_table, tables.reduced_angle_table):
+        with pytest.raises(rd.RoPEError, match=words):
+            make(inv_freq, 5, interleaved=value)
+
+
 @pytest.mark.parametrize("backend", ["eager", "compile"])
 def test_rates_are_constants_and_kept_tables_normal_tensors(backend):
     """No gradient reaches ``inv_freq`` (and a second backward through the kept angle table
