@@ -223,7 +223,17 @@ def dynamic_ntk_frequencies(
     length = _count("seq_len", seq_len)
     base = _positive("rope_theta", rope_theta)
     if length > original:
-        base = base * (factor * length / original - (factor - 1)) ** (dim / (dim - 2))
+        try:
+            base = base * (factor * length / original - (factor - 1)) ** (dim / (dim - 2))
+        except OverflowError:  # float's power (or the division) past float64's range
+            base = math.inf
+        if not math.isfinite(base):
+            raise RoPEError(
+                f"factor={factor!r} and seq_len={length} grow the base past float64's range: "
+                f"rope_theta * (factor * seq_len / max_position_embeddings - factor + 1) ** "
+                f"(dim / (dim - 2)) with rope_theta={rope_theta!r}, max_position_embeddings="
+                f"{original} and dim={dim}"
+            )
     return RotaryFrequencies(_cpu_rates(dim, base), rope_type="dynamic", max_positions=length)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import inspect
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -471,6 +472,12 @@ def test_builders_and_result_check_their_arguments():
         f.angle_table(4, interleaved=1)
     with pytest.raises(RoPEError, match=r"rotary_percent must be in \(0, 1\], got 2.0"):
         from_te_options(64, 16, rotary_percent=2.0)
+    # a grown dynamic base past float64: float's OverflowError, or 'base' (no argument) named
+    for dim, factor, seq_len in ((4, 1e200, 1000), (128, 1e300, 1000), (4, 2.0, 10**400)):
+        words = re.escape(f"factor={factor!r} and seq_len={seq_len} grow the base past float64")
+        with pytest.raises(RoPEError, match=words + f".*dim={dim}$"):
+            tables.dynamic_ntk_frequencies(dim, factor=factor, max_position_embeddings=10,
+                                           seq_len=seq_len)
 
 
 @pytest.mark.parametrize("value", ["False", 1.5, None])
