@@ -270,13 +270,20 @@ def yarn_frequencies(
     if not isinstance(truncate, bool):
         raise RoPEError(f"truncate must be a bool, got {truncate!r}")
     for argument, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise RoPEError(f"{argument} must be a number or None, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            raise RoPEError(f"{argument} must be a finite number or None, got {value!r}")
     if attention_factor is None:
         if mscale and mscale_all_dim:
-            attention_factor = (
-                _yarn_magnitude(factor, mscale) / _yarn_magnitude(factor, mscale_all_dim)
-            )
+            above, below = _yarn_magnitude(factor, mscale), _yarn_magnitude(factor, mscale_all_dim)
+            if below == 0 or not above / below > 0:
+                raise RoPEError(
+                    f"mscale={mscale!r} and mscale_all_dim={mscale_all_dim!r} give YaRN's "
+                    f"attention factor (0.1 ln(factor) mscale + 1) / (0.1 ln(factor) "
+                    f"mscale_all_dim + 1) = {above:.6g} / {below:.6g} with factor={factor!r}; "
+                    "expected a number > 0"
+                )
+            attention_factor = above / below
         else:
             attention_factor = _yarn_magnitude(factor)
 

@@ -440,6 +440,15 @@ def _config(**rope_parameters):
          r"short_factor must be 32 positive numbers \(one per pair\), got \[1.0, 1.0, 1.0\]"),
         (_config(rope_type="yarn", factor=4.0, attention_factor=0.0), 8,
          r"attention_factor must be a finite number > 0, got 0.0"),
+        # DeepSeek's ratio with a zero denominator: a ZeroDivisionError before
+        (_config(rope_type="yarn", factor=math.e, mscale=1.0, mscale_all_dim=-10.0), 8,
+         r"mscale=1.0 and mscale_all_dim=-10.0 give YaRN's attention factor .* = 1.1 / 0 "
+         r"with factor=2.71828"),
+        # a negative ratio was named as the attention_factor the config does not give
+        (_config(rope_type="yarn", factor=4.0, mscale=-100.0, mscale_all_dim=1.0), 8,
+         r"mscale=-100.0 and mscale_all_dim=1.0 give .* = -12.8629 / 1.13863"),
+        (_config(rope_type="yarn", factor=4.0, mscale=math.nan, mscale_all_dim=1.0), 8,
+         r"mscale must be a finite number or None, got nan"),
         (_config(rope_type="dynamic", factor=2.0), -1, r"max_positions must be a positive int, got -1"),
         (SimpleNamespace(rope_parameters={"rope_type": "default"}), 8,
          r"config must have head_dim, or hidden_size and num_attention_heads"),
