@@ -314,9 +314,12 @@ def _factor_list(argument: str, values: object, count: int) -> torch.Tensor:
         values = values.tolist()
     if (
         not isinstance(values, (list, tuple)) or len(values) != count
-        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+                   for v in values)
     ):
-        raise RoPEError(f"{argument} must be {count} positive numbers (one per pair), got {values!r}")
+        raise RoPEError(
+            f"{argument} must be {count} finite positive numbers (one per pair), got {values!r}"
+        )
     return torch.tensor(values, dtype=torch.float32, device="cpu")
 
 

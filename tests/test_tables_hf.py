@@ -437,7 +437,12 @@ def _config(**rope_parameters):
         (_config(rope_type="llama3", factor=8.0, high_freq_factor=4.0), 8,
          r"has no 'low_freq_factor', which rope_type 'llama3' needs"),
         (_config(rope_type="longrope", short_factor=[1.0] * 3, long_factor=[1.0] * 32), 8,
-         r"short_factor must be 32 positive numbers \(one per pair\), got \[1.0, 1.0, 1.0\]"),
+         r"short_factor must be 32 finite positive numbers \(one per pair\), "
+         r"got \[1.0, 1.0, 1.0\]"),
+        # an infinite factor stopped its pair (rate 0) without a word
+        (_config(rope_type="longrope", short_factor=[1.0] * 32,
+                 long_factor=[1.0] * 31 + [math.inf]), 2048,
+         r"long_factor must be 32 finite positive numbers \(one per pair\), got \[1.0, .*inf\]"),
         (_config(rope_type="yarn", factor=4.0, attention_factor=0.0), 8,
          r"attention_factor must be a finite number > 0, got 0.0"),
         # DeepSeek's ratio with a zero denominator: a ZeroDivisionError before
