@@ -79,10 +79,10 @@ class Rotation:
         since the forward, as autograd does for any tensor it keeps (eager's backward keeps the
         cos and sin its forward gathered, and the forward's weights)."""
         tabs, planned = self.tabs, self.planned
-        held = [("the table (freqs)", t) for t in (
-            table_tensors(self.freqs) if tabs is None
-            else (tabs.table, tabs.sin, tabs.k_table, tabs.k_sin))
-            if t is not None and t.dtype is not tt.FLAG]
+        q_name, k_name = "the table (freqs)", "k's table (k_freqs)"
+        named = ([(q_name, t) for t in table_tensors(self.freqs)] if tabs is None else [
+            (q_name, tabs.table), (q_name, tabs.sin), (k_name, tabs.k_table), (k_name, tabs.k_sin)])
+        held = [(name, t) for name, t in named if t is not None and t.dtype is not tt.FLAG]
         if tabs is not None and tabs.norm is not None:
             held += [("a norm weight (HeadNorm.weight)", w) for w in tabs.norm.weights]
         if planned is not None:

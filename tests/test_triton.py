@@ -1119,3 +1119,26 @@ def test_a_table_written_between_forward_and_backward_raises(kind, calls):
         written.mul_(0.5)
     with pytest.raises(rd.RoPEError, match="modified in place between the forward and the"):
         torch.autograd.grad(out, t, grad_out)
+
+
+@pytest.mark.parametrize("kind", ["angles", "cos/sin cache"])
+def test_a_k_table_written_between_forward_and_backward_is_named(kind):
+    """Packed qkv with k's own table: a write into k_freqs after the forward makes the backward
+    raise naming k_freqs (it named freqs, which was untouched), and one into freqs names freqs."""
+    angles = torch.rand(8, 4, generator=torch.Generator().manual_seed(8)) * 6
+    angles = torch.cat((angles, angles), -1).view(8, 1, 1, 8).to(DEVICE)
+
+    def table():
+        return angles.clone() if kind == "angles" else rd.cos_sin_cache(angles)
+
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    qkv = torch.randn(8, 2, 1, 24, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    for written, name in (("k", "k's table \\(k_freqs\\)"), ("q", "the table \\(freqs\\)")):
+        freqs, k_freqs = table(), table()
+        x = qkv.clone().requires_grad_(True)
+        outs = rd.apply_qkv(x, freqs, spec, (8, 8, 8), k_freqs=k_freqs, backend="triton")
+        target = k_freqs if written == "k" else freqs
+        with torch.no_grad():
+            (target if kind == "angles" else target.sin).mul_(0.5)
+        with pytest.raises(rd.RoPEError, match=f"^{name} was modified in place between"):
+            sum(o.sum() for o in outs).backward()
