@@ -454,6 +454,8 @@ def multimodal_rows(
     :meth:`RateTable.angle_table`, halves: multimodal RoPE always rotates halves)."""
     channel_streams = _streams_of_channels(tuple(sections), interleaved, table.device)
     rows = streams.long()[channel_streams]  # [d2, tokens]
+    if rows.shape[1] == 0:  # no tokens: one row (a cache has at least one), which none reads
+        rows = rows.new_zeros(rows.shape[0], 1)
     if isinstance(table, CosSinCache):
         return CosSinCache(_gather_rows(table.cos, rows), _gather_rows(table.sin, rows))
     if isinstance(table, PairCosSinCache):

@@ -93,6 +93,29 @@ def test_pair_cache_in_place_and_a_scale(backend, request):
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("kind", ["angles", "cos_sin_cache", "pair_cos_sin_cache", "rates"])
+def test_no_tokens(backend, kind, request):
+    """A call of no tokens returns an empty tensor for every table kind, as without sections:
+    a cache's per-token rows were a cache of no rows, which its constructor refused."""
+    _use(backend, request)
+    angles = torch.rand(TABLE_LEN, D2 // 2, generator=torch.Generator().manual_seed(6)) * 9
+    if kind == "pair_cos_sin_cache":
+        halves = angles.double()
+        table = rd.PairCosSinCache(torch.cat((halves.cos(), halves.sin()), -1).float().to(DEVICE))
+    elif kind == "rates":
+        table = rd.RateTable(angles[1].contiguous().to(DEVICE), TABLE_LEN)
+    else:
+        table = _table(kind, torch.cat((angles, angles), -1))
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32", mrope_section=SECTIONS)
+    t = torch.randn(2, 0, 3, 20).to(DEVICE)
+    streams = torch.zeros(3, 2, 0, dtype=torch.long).to(DEVICE)
+    out = rd.apply(t, table, spec, positions=streams, backend=backend)
+    assert out.shape == t.shape
+    q_out, k_out = rd.apply_qk(t, t[..., :1, :], table, spec, positions=streams, backend=backend)
+    assert q_out.shape == t.shape and k_out.shape == (2, 0, 1, 20)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 def test_q_and_k_pair_and_packed_qkv(backend, request):
     _use(backend, request)
     gen = torch.Generator().manual_seed(4)
