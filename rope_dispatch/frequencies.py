@@ -5,6 +5,7 @@ from them (:class:`RotaryFrequencies`)."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 import torch
@@ -310,12 +311,12 @@ def yarn_frequencies(
 
 
 def _factor_list(argument: str, values: object, count: int) -> torch.Tensor:
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
+    if isinstance(values, torch.Tensor) or type(values).__module__ == "numpy":  # (an ndarray)
+        values = values.tolist()  # type: ignore[union-attr]
     if (
         not isinstance(values, (list, tuple)) or len(values) != count
-        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
-                   for v in values)
+        or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < math.inf
+                   for v in values)  # Python or NumPy numbers, as the other arguments
     ):
         raise RoPEError(
             f"{argument} must be {count} finite positive numbers (one per pair), got {values!r}"

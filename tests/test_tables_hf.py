@@ -615,6 +615,17 @@ def test_numpy_numbers_and_bad_helper_arguments():
     f = from_hf_config(config, 16)
     assert f.rotary_dim == 64
     torch.testing.assert_close(f.inv_freq, tables.linear_frequencies(64, factor=2.0).inv_freq)
+    # LongRoPE's per-pair factors as NumPy numbers or an array, as transformers takes them
+    factors = [1.0 + k / 8 for k in range(32)]
+    config.rope_parameters = {"rope_type": "longrope", "short_factor": np.array(factors),
+                              "long_factor": [np.float32(v) for v in factors],
+                              "original_max_position_embeddings": np.int64(1024)}
+    plain = SimpleNamespace(head_dim=64, max_position_embeddings=4096, rope_parameters={
+        "rope_type": "longrope", "short_factor": factors, "long_factor": factors,
+        "original_max_position_embeddings": 1024})
+    for length in (16, 2048):  # short_factor, then long_factor
+        torch.testing.assert_close(from_hf_config(config, length).inv_freq,
+                                   from_hf_config(plain, length).inv_freq, rtol=0, atol=0)
     with pytest.raises(RoPEError, match=r"layer_type must be a layer type's name \(a str\) or None, got \['x'\]"):
         from_hf_config(config, 16, layer_type=["x"])
     with pytest.raises(RoPEError,
