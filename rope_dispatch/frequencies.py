@@ -271,9 +271,11 @@ def yarn_frequencies(
     if not isinstance(truncate, bool):
         raise RoPEError(f"truncate must be a bool, got {truncate!r}")
     for argument, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                  or not math.isfinite(value)):  # (NumPy numbers too)
             raise RoPEError(f"{argument} must be a finite number or None, got {value!r}")
+    # as Python floats: NumPy float32 terms would compute the attention factor in float32
+    mscale, mscale_all_dim = (None if v is None else float(v) for v in (mscale, mscale_all_dim))
     if attention_factor is None:
         if mscale and mscale_all_dim:
             above, below = _yarn_magnitude(factor, mscale), _yarn_magnitude(factor, mscale_all_dim)

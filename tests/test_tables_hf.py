@@ -626,6 +626,15 @@ def test_numpy_numbers_and_bad_helper_arguments():
     for length in (16, 2048):  # short_factor, then long_factor
         torch.testing.assert_close(from_hf_config(config, length).inv_freq,
                                    from_hf_config(plain, length).inv_freq, rtol=0, atol=0)
+    # DeepSeek's YaRN mscale and mscale_all_dim as NumPy numbers
+    config.rope_parameters = {"rope_type": "yarn", "factor": np.float32(40.0),
+                              "mscale": np.float32(0.75), "mscale_all_dim": np.float64(1.0),
+                              "original_max_position_embeddings": 128}
+    plain.rope_parameters = {"rope_type": "yarn", "factor": 40.0, "mscale": 0.75,
+                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 128}
+    numpy_yarn, plain_yarn = from_hf_config(config, 64), from_hf_config(plain, 64)
+    assert numpy_yarn.attention_factor == plain_yarn.attention_factor != 1.0
+    assert torch.equal(numpy_yarn.inv_freq, plain_yarn.inv_freq)
     with pytest.raises(RoPEError, match=r"layer_type must be a layer type's name \(a str\) or None, got \['x'\]"):
         from_hf_config(config, 16, layer_type=["x"])
     with pytest.raises(RoPEError,
