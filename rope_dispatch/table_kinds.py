@@ -440,6 +440,20 @@ def _gather_rows(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.where(inside, picked, float("nan")).t().contiguous()
 
 
+def _rate_rows(table: RateTable, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`_gather_rows` of a rate table's halves :meth:`~RateTable.angle_rows`, each angle
+    computed from its channel's rate instead (the same values, bit for bit), so no table of
+    ``rows x d2`` floats is made: a rate table may have any number of rows."""
+    rates = table._kernel_rates[:, None]  # type: ignore[attr-defined]  # [d2, 1], halves
+    with _autocast_off(rows.device.type):
+        if table.precise:
+            angles = _reduced(rows.double() * rates.double())
+        else:
+            angles = rows.float() * rates
+    inside = (rows >= 0) & (rows < table.rows)
+    return torch.where(inside, angles, float("nan")).t().contiguous()
+
+
 def multimodal_rows(
     table: RotaryTable, streams: torch.Tensor, sections: tuple[int, int, int],
     interleaved: bool = False,
@@ -450,8 +464,8 @@ def multimodal_rows(
     counts of each half, summing to ``d2 / 2``; ``interleaved``: Qwen3-VL's order of the
     sections across the pairs, see :func:`_streams_of_channels`). ``streams`` is ``[3, tokens]``.
     A pair cache's cosine and sine of pair ``k`` share the stream, as the two channels of the
-    pair do. A rate table gives an angle table (rows gathered from its
-    :meth:`RateTable.angle_table`, halves: multimodal RoPE always rotates halves)."""
+    pair do. A rate table gives an angle table (the rows of its halves
+    :meth:`RateTable.angle_table`, computed from the rates: multimodal RoPE rotates halves)."""
     channel_streams = _streams_of_channels(tuple(sections), interleaved, table.device)
     rows = streams.long()[channel_streams]  # [d2, tokens]
     if rows.shape[1] == 0:  # no tokens: one row (a cache has at least one), which none reads
@@ -461,7 +475,7 @@ def multimodal_rows(
     if isinstance(table, PairCosSinCache):
         return PairCosSinCache(_gather_rows(table.table, rows))
     if isinstance(table, RateTable):
-        return _gather_rows(table.angle_rows(), rows)
+        return _rate_rows(table, rows)
     return _gather_rows(table, rows)
 
 

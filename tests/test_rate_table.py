@@ -206,6 +206,31 @@ def test_multimodal_rows_are_those_of_the_angle_table():
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_multimodal_rows_of_a_long_table(backend, request):
+    """A multimodal call on a rate table of 2^40 rows (precise: 2^24) computes each token's
+    angles from the rates, against the definition: it made the whole angle table to gather
+    them (4 TiB of floats, refused by the allocator)."""
+    _use(backend, request)
+    inv_freq = random_rates(10, 4)
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32", mrope_section=(2, 1, 1))
+    t = torch.randn(1, 3, 2, 10, generator=torch.Generator().manual_seed(11))
+    for precise, rows in ((False, 1 << 40), (True, 1 << 24)):
+        streams = torch.tensor([[[rows - 1, 5, rows // 3]], [[7, rows - 2, 0]],
+                                [[rows // 2, 1, rows - 3]]])
+        out = rd.apply(t.to(DEVICE), rd.RateTable(inv_freq.to(DEVICE), rows, precise=precise),
+                       spec, positions=streams.to(DEVICE), backend=backend)
+        stream_of = [0, 0, 1, 2] * 2  # each channel's section: halves of t 2, h 1, w 1
+        per_token = torch.empty(3, 8, dtype=torch.float64)
+        for token in range(3):
+            for c in range(8):
+                p, rate = int(streams[stream_of[c], 0, token]), inv_freq[c % 4]
+                exact = p * float(rate)  # exact: 24-bit position times a float32 rate
+                per_token[token, c] = exact if precise else float(torch.tensor(float(p)) * rate)
+        expected = reference_rope(t, per_token, torch.arange(3).view(1, 3), False)
+        assert_matches(out, expected, torch.float32, f"precise={precise}")
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 def test_compile_fullgraph(backend, request):
     """``apply`` with a rate table inside torch.compile(fullgraph=True): no graph break (the
     rate table's angle table is made while tracing for eager), forward and backward."""
