@@ -574,6 +574,8 @@ def from_hf_config(
     config = _hf_layer_config(config, layer_type)
     parameters, where = _hf_rope_parameters(config, layer_type)
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    if rope_type == "mrope":  # Qwen2-VL's checkpoints: default rates, as transformers reads them
+        rope_type = "default"
     if rope_type not in HF_ROPE_TYPES:
         raise RoPEError(
             f"{where}['rope_type'] is {rope_type!r}; rope-dispatch builds tables for the rope "

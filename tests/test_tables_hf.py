@@ -562,6 +562,22 @@ def test_heterogeneous_transformers_config_equals_its_rotary_embedding():
         torch.testing.assert_close(f.inv_freq, expected, rtol=RATES_RTOL, atol=0)
 
 
+def test_qwen2_vl_checkpoint_config_of_rope_type_mrope():
+    """Qwen2-VL's and Qwen2.5-VL's config.json name their rope type 'mrope' (default rates,
+    several position streams): read as a plain object, as transformers' config reads it."""
+    from transformers import Qwen2VLConfig
+
+    saved = {"hidden_size": 1536, "num_attention_heads": 12, "max_position_embeddings": 32768,
+             "rope_theta": 1000000.0,
+             "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}
+    f = from_hf_config(SimpleNamespace(**saved), 64)
+    assert f.rope_type == "default" and f.rotary_dim == 128
+    hf_config = Qwen2VLConfig(text_config=saved).get_text_config()
+    assert torch.equal(f.inv_freq, from_hf_config(hf_config, 64).inv_freq)
+    torch.testing.assert_close(f.inv_freq, tables.default_frequencies(128, rope_theta=1e6).inv_freq,
+                               rtol=0, atol=0)
+
+
 def test_composite_config_is_read_through_its_text_config():
     from transformers import Gemma3Config
 
