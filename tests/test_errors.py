@@ -486,3 +486,12 @@ def test_an_unknown_rope_backend_names_the_variable(monkeypatch, value, entry):
     message = str(info.value)
     assert f"unknown backend {value!r}" in message and "ROPE_BACKEND" in message, message
     assert ("did you mean 'eager'?" in message) == (value == "Eager "), message
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_explain_refuses_an_in_place_that_is_not_a_bool(value):
+    """explain(in_place=...) is refused by name, not read as truthy: "yes" explained an
+    in-place call, 0 and None an out-of-place one, whatever was meant."""
+    with pytest.raises(rd.RoPETypeError, match=f"in_place must be True or False, got {value!r}"):
+        rd.explain(torch.randn(4, 1, 2, 8), torch.rand(4, 8),
+                   rd.RoPESpec(layout="sbhd", dtype="fp32"), in_place=value)
