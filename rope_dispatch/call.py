@@ -461,8 +461,9 @@ def check_call(
         raise RoPETypeError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
     if not isinstance(t, torch.Tensor):
         raise RoPETypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
-    if type(in_place) is not bool:  # explain's argument: a truthy "yes" is no answer
-        raise RoPETypeError(f"in_place must be True or False, got {in_place!r}")
+    for name, flag in (("in_place", in_place), ("grad_in_place", grad_in_place)):
+        if type(flag) is not bool:  # a truthy "yes" is no answer
+            raise RoPETypeError(f"{name} must be True or False, got {flag!r}")
     if t.dtype != spec.dtype:
         raise RoPEError(
             f"t has dtype {dtype_name(t.dtype)} but spec.dtype is {dtype_name(spec.dtype)}; "

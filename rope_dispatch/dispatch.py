@@ -448,8 +448,10 @@ def _planned_form(
     would accept, outside, an inference tensor, which torch forbids writing there."""
     tensors = (t,)
     # a plan's key holds split as a tuple (TE's qkv_split_arg_list is a list) of exact ints: 8.0
-    # and tensor(8) equal 8 and would reuse its plan, so check_call sees any other split
-    if split is not None and (type(split) not in (list, tuple) or {*map(type, split)} != {int}):
+    # and tensor(8) equal 8 and would reuse its plan, so check_call sees any other split (and
+    # any grad_in_place but a bool: 1 == True would find its plan)
+    if split is not None and (type(split) not in (list, tuple) or {*map(type, split)} != {int}
+                              ) or type(grad_in_place) is not bool:
         return None
     if k is not None:
         if type(k) is not _Tensor or k is t:

@@ -495,3 +495,19 @@ def test_explain_refuses_an_in_place_that_is_not_a_bool(value):
     with pytest.raises(rd.RoPETypeError, match=f"in_place must be True or False, got {value!r}"):
         rd.explain(torch.randn(4, 1, 2, 8), torch.rand(4, 8),
                    rd.RoPESpec(layout="sbhd", dtype="fp32"), in_place=value)
+
+
+@pytest.mark.parametrize("entry", ["apply_", "apply_qk_"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_grad_in_place_that_is_not_a_bool_is_refused(entry, value):
+    """grad_in_place lets a backward overwrite the incoming gradient: a truthy "no" must not
+    switch that on, nor a falsy None stand for False; both are refused by name, also where
+    calls with grad_in_place=True and False were planned (1 == True as a plan's key)."""
+    spec, freqs = rd.RoPESpec(layout="sbhd", dtype="fp32"), torch.rand(4, 8)
+    q, k = torch.randn(4, 1, 2, 8), torch.randn(4, 1, 1, 8)
+    args = (q, freqs, spec) if entry == "apply_" else (q, k, freqs, spec)
+    for planned in (True, True, False, False):
+        getattr(rd, entry)(*args, grad_in_place=planned)
+    named = f"grad_in_place must be True or False, got {value!r}"
+    with pytest.raises(rd.RoPETypeError, match=named):
+        getattr(rd, entry)(*args, grad_in_place=value)
