@@ -36,7 +36,8 @@ from .spec import RoPESpec
 from .tables import RotaryTable, address_reader, table_requires_grad
 from .tracing import PLAIN_TENSORS, constant_while_tracing, transformed
 
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rope_backend", default=None)
+_forced: contextvars.ContextVar[object] = contextvars.ContextVar("rope_backend", default=None)
+_AUTOMATIC = object()  # use_backend(None)'s scope: no backend forced, ROPE_BACKEND's neither
 _decisions: dict[tuple, tuple[Backend, str]] = {}
 _MAX_DECISIONS = 4096
 _INT32_LIMIT = 2**31
@@ -69,10 +70,11 @@ def _size_limits() -> tuple[int, ...]:
 
 @contextlib.contextmanager
 def use_backend(name: str | None) -> Iterator[None]:
-    """Force backend ``name`` for the calls in this scope (``None`` lifts an outer override)."""
+    """Force backend ``name`` for the calls in this scope; ``None`` lifts every outer override,
+    an outer scope's and ``ROPE_BACKEND``'s (the automatic choice; ``backend=`` still forces)."""
     if name is not None:
         registry.get_backend(name)
-    token = _forced.set(name)
+    token = _forced.set(_AUTOMATIC if name is None else name)
     try:
         yield
     finally:
@@ -94,6 +96,8 @@ def _scoped_or_env_backend() -> tuple[str | None, str]:
     # Under torch.compile this is evaluated once at trace time and baked into the graph
     # (Dynamo cannot trace ContextVar.get), like the backend choice itself.
     scoped = _forced.get()
+    if scoped is _AUTOMATIC:
+        return None, "nothing"
     if scoped is not None:
         return scoped, "use_backend()"
     env = _env_backend() or None

@@ -122,9 +122,18 @@ def test_override_order(picky, monkeypatch):
         assert picky.runs == 1
         rd.apply(t, f, spec, backend="eager")
         assert picky.runs == 1
-        with rd.use_backend(None):
-            rd.apply(t, f, spec)  # ROPE_BACKEND=eager applies again
-            assert picky.runs == 1
+        with rd.use_backend(None):  # no backend forced in this scope: ROPE_BACKEND's neither
+            for _ in range(3):  # planned from the second call on
+                rd.apply(t, f, spec)
+            assert picky.runs == 4
+            explained = rd.explain(t, f, spec)
+            assert explained.chosen == "picky" and "forced" not in explained.why, explained
+            rd.apply(t, f, spec, backend="eager")
+            assert picky.runs == 4
+        rd.apply(t, f, spec)  # the outer scope's again
+        assert picky.runs == 5
+    rd.apply(t, f, spec)  # ROPE_BACKEND=eager applies again
+    assert picky.runs == 5
     assert rd.explain(t, f, spec).chosen == "eager"
     assert "ROPE_BACKEND" in rd.explain(t, f, spec).why
 
