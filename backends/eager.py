@@ -252,6 +252,9 @@ class EagerBackend(Backend):
     differentiates_table = True  # torch's autograd through cos and sin of the table
     description = "plain PyTorch ops (reference semantics, CPU and CUDA)"
     priority = 0
+    # a meta tensor (a model built on torch.device("meta")) gets its output's shape, dtype and
+    # strides from the same ops, as torch's own do; nothing is read
+    devices = frozenset({"cpu", "cuda", "meta"})
     supports_in_place = True
     supports_norm = True
     supports_inverse = True

@@ -231,8 +231,8 @@ def _check_table(table: object, device: torch.device, argument: str = "freqs") -
 
 def _reads(index: torch.Tensor) -> bool:
     """Whether an index tensor's values are read on the host: on the CPU, or in strict mode;
-    never a fake tensor's (it has none)."""
-    return (index.is_cpu or _strict_values()) and not fake(index)
+    never a fake or meta tensor's (it has none)."""
+    return (index.is_cpu or (_strict_values() and not index.is_meta)) and not fake(index)
 
 
 def reads_values(spec: RoPESpec) -> bool:
@@ -734,8 +734,8 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
     b_width = width if b_width is None else b_width
     if a.numel() == 0 or b.numel() == 0 or width == 0 or b_width == 0:
         return False
-    if memoryless():
-        return None
+    if memoryless() or (a.is_meta and not torch._C._overlaps(a, b)):  # each meta storage
+        return None if memoryless() else False  # starts at address 0: apart unless one
     distance, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
     if rest:
         return None

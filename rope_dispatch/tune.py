@@ -143,8 +143,8 @@ def job_problem(job: Job, named: Any) -> str | None:
         first = (str(exc).strip() or type(exc).__name__).splitlines()[0].split(". ")[0]
         return f"{named('device')} {job.device!r} cannot be used here: {first}"
     if torch.device(job.device).type not in ("cuda", "cpu"):  # meta: no data, nothing to time
-        return (f"{named('device')} {job.device!r} cannot be used here: the backends run on "
-                "cuda or cpu")
+        return (f"{named('device')} {job.device!r} cannot be used here: tuning times calls on "
+                "cuda or cpu (a meta tensor has no data to time)")
     layout = "sbhd" if job.layout == "thd" else job.layout
     for name, args in (
         ("layout", {"layout": job.layout} if job.layout != "thd" else {}),

@@ -650,7 +650,7 @@ def test_tune_cli_interrupted_before_its_first_shape(fakes, cache, capsys, monke
 
 @pytest.mark.parametrize("extra, named", [
     (["--dtype", "fp64"], "--dtype"), (["--device", "bogus"], "--device"),
-    (["--device", "meta"], "--device 'meta' cannot be used here: the backends run on cuda or cpu"),
+    (["--device", "meta"], "--device 'meta' cannot be used here: tuning times calls on cuda"),
     (["--rotary-dim", "0"], "--rotary-dim"), (["--cp-size", "0"], "--cp-size"),
     (["--cp-size", "2", "--cp-rank", "2"], "--cp-rank"), (["--shape=-4,2,2,8"], "--shape"),
     (["--shape=0,2,2,8"], "--shape"), (["--cu-seqlens", "0,8"], "--cu-seqlens"),
@@ -686,7 +686,7 @@ def test_tune_cli_refuses_bad_options_by_name(fakes, capsys, extra, named):
     ({"layout": 1}, "layout must be a string"),
     ({"cu_seqlens": [0, 8]}, "cu_seqlens is only for layout thd"),
     ({"shape": []}, "shape must not be empty"),
-    ({"device": "meta"}, "device 'meta' cannot be used here: the backends run on cuda or cpu"),
+    ({"device": "meta"}, "device 'meta' cannot be used here: tuning times calls on cuda"),
     ({"layout": "thd", "shape": [8, 2, 8], "cu_seqlens": [8]}, "cu_seqlens [8]: give every"),
     ({"layout": "thd", "shape": [8, 2, 8], "cu_seqlens": []}, "cu_seqlens []: give every"),
     ({"shape": [8, 2]}, "shape [8, 2]: layout sbhd needs 4 sizes"),

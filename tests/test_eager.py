@@ -81,3 +81,41 @@ def test_sbhd_and_bshd_agree():
     sb = rd.apply(t, freqs, rd.RoPESpec(layout="sbhd", dtype="fp32"), backend="eager")
     bs = rd.apply(t.transpose(0, 1), freqs, rd.RoPESpec(layout="bshd", dtype="fp32"), backend="eager")
     torch.testing.assert_close(sb, bs.transpose(0, 1))
+
+
+def test_meta_tensors_get_the_shapes_torch_ops_give(monkeypatch):
+    """A model built on torch.device("meta") (shape propagation, deferred init) runs its calls
+    as torch ops run there: outputs of the CPU call's shape, dtype and strides, on meta, with no
+    value read (not even in strict mode, whose checks read index tensors). In-place q and k of
+    two meta tensors are apart (every meta storage starts at address 0); views of one that
+    overlap are still refused."""
+    monkeypatch.setenv("ROPE_DISPATCH_CHECK_VALUES", "1")
+    table = rd.tables.default_frequencies(8, rope_theta=10000.0).angle_table(16)
+    spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
+    thd = rd.RoPESpec(layout="thd", dtype="bf16", cu_seqlens=torch.tensor([0, 3, 7]))
+
+    def calls(device):
+        q = torch.randn(2, 5, 4, 8, dtype=torch.bfloat16, device=device).transpose(0, 1)
+        k = torch.randn(2, 5, 2, 8, dtype=torch.bfloat16, device=device)
+        freqs, starts = table.to(device), torch.tensor([1, 3], device=device)
+        pos = torch.zeros(5, 2, dtype=torch.long, device=device)
+        packed = rd.RoPESpec(layout="thd", dtype="bf16", cu_seqlens=thd.cu_seqlens.to(device))
+        return [
+            rd.apply(q, freqs, spec, start_positions=starts),
+            rd.apply(k.transpose(0, 1), rd.cos_sin_cache(freqs), spec),
+            *rd.apply_qk_(q.clone(), k.transpose(0, 1).clone(), freqs, spec, positions=pos),
+            *rd.apply_qkv(torch.randn(5, 2, 1, 32, dtype=torch.bfloat16, device=device), freqs,
+                          spec, split=(16, 8, 8)),
+            rd.apply(q.reshape(10, 4, 8)[:7], freqs, packed),
+        ]
+
+    for _ in range(2):  # planned the second time
+        with rd.use_backend("eager"):  # the automatic choice compiles code on the CPU
+            on_cpu = calls("cpu")
+        for out, expected in zip(calls("meta"), on_cpu, strict=True):
+            assert out.device.type == "meta"
+            assert (out.shape, out.dtype, out.stride()) == (
+                expected.shape, expected.dtype, expected.stride())
+    x = torch.empty(5, 2, 4, 12, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(rd.RoPEError, match="share memory"):
+        rd.apply_qk_(x[..., :8], x[..., 4:], table.to("meta"), spec)
