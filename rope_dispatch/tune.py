@@ -36,7 +36,7 @@ import torch
 
 from . import autotune, dispatch
 from .call import check_call
-from .errors import NoBackendError, RoPEError
+from .errors import NoBackendError, RoPEError, RoPETypeError
 from .spec import RoPESpec
 from .tables import cos_sin_cache
 
@@ -278,6 +278,8 @@ def tune_call(
     copies: ``t`` is not touched. A key already measured in full is read, not measured again,
     unless ``retune``. Tunes forward+backward where ``t`` requires grad (under grad mode), as
     a training step's call does."""
+    if type(retune) is not bool:  # a truthy "no" would measure again and overwrite the entry
+        raise RoPETypeError(f"retune must be True or False, got {retune!r}")
     if not autotune.autotune_enabled():
         raise RoPEError(
             "ROPE_AUTOTUNE is off (got "

@@ -928,6 +928,10 @@ def test_tune_measures_backends_that_compile(compiling, fakes, measurements):
     rd.tune(t2, freqs2, SPEC)
     assert measurements() == 4
     assert all("deferred" not in e for e in rd.cache_entries())
+    for value in ("no", 0, None):  # "no" measured again, 0 and None stood for False
+        with pytest.raises(rd.RoPETypeError, match=f"retune must be True or False, got {value!r}"):
+            rd.tune(t, freqs, SPEC, retune=value)
+    assert measurements() == 4
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "many", "1.5", "1_000", "+5", "\u0663", "2 0"])
