@@ -41,6 +41,7 @@ import torch
 from . import registry
 from .call import RoPECall
 from .call_keys import CallKey, call_key
+from .errors import RoPETypeError
 from .registry import Backend
 
 SCHEMA_VERSION = 2
@@ -448,6 +449,8 @@ def clear_cache(memory_only: bool = False) -> int:
     Only this module's files are removed: entries, environment files and stale temporaries
     (written over ``_STALE_SECONDS`` ago; a younger one may be another process's write).
     """
+    if type(memory_only) is not bool:  # a truthy "false" would keep every file
+        raise RoPETypeError(f"memory_only must be True or False, got {memory_only!r}")
     with lock:
         for forget in _on_clear:
             forget()

@@ -577,6 +577,11 @@ def test_clear_cache_removes_only_its_own_files(fakes, cache, measurements):
     assert "priority order picks" not in why  # the call measures: priority does not decide
     rd.apply(t, freqs, SPEC)
     assert measurements() == 2
+    for value in ("false", 0, None):  # "false" kept the files, 0 and None removed them
+        named = f"memory_only must be True or False, got {value!r}"
+        with pytest.raises(rd.RoPETypeError, match=named):
+            rd.clear_cache(memory_only=value)
+    assert len(entry_files(cache)) == 1 and rd.explain(t, freqs, SPEC).why.startswith("autotuned")
 
 
 def test_tune_cli_warms_the_cache(fakes, cache, tmp_path, capsys, monkeypatch):
