@@ -28,7 +28,7 @@ from .call import RoPECall, check_call, grad_leaf, reads_values, refuse_dtensors
 from .call_keys import CallKey, call_key
 from .env import env_raw_reader, env_reader
 from .errors import BackendNotSupportedError, NoBackendError, RoPEError, RoPETypeError
-from .guards import Guard, apart_as_planned, tensor_guard
+from .guards import Guard, apart_as_planned, constant_table, tensor_guard
 from .kv_cache import KVCache, check_cache_call
 from .norm import HeadNorm
 from .registry import Backend
@@ -619,7 +619,7 @@ def _in_grad_state(
 ) -> Guard:
     """``guard``, and the gradient mode the plan was made in: what a plan runs for tensors that
     require grad depends on it (an autograd node or none). Tensors that need no grad run the
-    same either way, so their plans check no mode and a decode call reads none. With grad
+    same either way while the table needs none (:func:`~.guards.constant_table`). With grad
     enabled, the plan's table (by weak reference) must still not require grad: such calls need
     a backend that differentiates it, and are never planned. ``leaves``: for an in-place plan
     made with grad enabled, which tensors were leaves or views of one
@@ -674,6 +674,8 @@ def _keep_plan(
         enabled = _grad_enabled()
         leaves = tuple(grad_leaf(x) for x in tensors) if enabled and call.in_place else None
         guard = _in_grad_state(guard, enabled, leaves, weakref.ref(freqs))
+    else:  # no autograd node while the table needs no gradient either (it may come to)
+        guard = constant_table(guard, weakref.ref(freqs))
     weights = tuple(n.weight for n in (call.norm, call.k_norm) if n is not None)
     if call.in_place and (call.k is not None or weights):
         guard = apart_as_planned(guard, call.t, call.k, weights)

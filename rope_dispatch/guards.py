@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .call import byte_span
+from .tables import table_requires_grad
 
 Guard = Callable[..., bool]
 """``guard(*tensors) -> bool``: whether ``tensors`` match, one for one, the tensors the guard
@@ -160,5 +162,21 @@ def apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor | None,
                         at + first_end <= k_at or at >= k_at + k_end):
                     return False
         return True
+
+    return check
+
+
+_grad_enabled = torch.is_grad_enabled
+
+
+def constant_table(guard: Guard, table: weakref.ref) -> Guard:
+    """``guard`` for a plan made for tensors that need no grad, and its table (by weak
+    reference) still wanting no gradient where grad is enabled: such a plan runs no autograd
+    node, so a table set to require grad since (``requires_grad_()``: a frozen table made
+    learnable) is checked again and goes to a backend that differentiates it. Under
+    ``no_grad`` and inference mode (decode) it costs one C call more."""
+
+    def check(*tensors: torch.Tensor) -> bool:
+        return guard(*tensors) and not (_grad_enabled() and table_requires_grad(table()))
 
     return check

@@ -383,6 +383,43 @@ def test_a_table_that_requires_grad_gets_its_gradient():
         assert_matches(y, want_out, torch.float32, "in place, no grad")
 
 
+class ConstantTable(Picky):
+    """A kernel's view of the table: a constant (no gradient reaches it), as declared."""
+
+    def apply(self, call):
+        Picky.runs += 1
+        return rope_eager(call._replace(table=call.table.detach()))
+
+
+def test_a_table_made_learnable_after_calls_without_grad_were_planned_gets_its_gradient(
+        monkeypatch):
+    """A frozen model whose rotary table alone is then trained: t never requires grad, and the
+    table's requires_grad is set in place after calls were planned. The next calls must go to a
+    backend that differentiates the table (eager), not run the plan of one that treats it as a
+    constant (which gave an output with no autograd node: no gradient, no error)."""
+    monkeypatch.setitem(registry._REGISTRY, "picky", ConstantTable())
+    monkeypatch.setattr(Picky, "runs", 0)
+    monkeypatch.delenv("ROPE_BACKEND", raising=False)
+    dispatch.clear_decisions()
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    t, g = torch.randn(2, 6, 3, 8), torch.randn(2, 6, 3, 8)
+    freqs = torch.rand(6, 1, 1, 8) * 4
+    a = freqs.view(6, 8).double().requires_grad_()
+    (want,) = torch.autograd.grad(reference_for(t.double(), a, spec), a, g.double())
+    for _ in range(3):  # planned while the table is a constant
+        rd.apply(t, freqs, spec)
+    with torch.no_grad():  # and without grad
+        for _ in range(3):
+            rd.apply(t, freqs, spec)
+    assert Picky.runs == 6
+    freqs.requires_grad_()
+    for _ in range(2):
+        (got,) = torch.autograd.grad(rd.apply(t, freqs, spec), freqs, g)
+        assert_matches(got.view(6, 8), want, torch.float32, "the table's gradient")
+    assert Picky.runs == 6
+    dispatch.clear_decisions()
+
+
 FIRST_CALLS_IN_THREADS = textwrap.dedent(
     """
     import json, threading
