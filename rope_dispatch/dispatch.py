@@ -303,10 +303,11 @@ def apply(
     global _recent
     if (
         start_positions is None and positions is None and norm is None and type(t) is _Tensor
-        and not _dynamo_compiling()
+        and not _dynamo_compiling() and (backend is None or type(backend) is str)
     ):
         # _run's lookup for a plain call (the same key), inlined: the decode path saves a
-        # Python frame. The forced name as set (use_backend's, else ROPE_BACKEND's stored value)
+        # Python frame. The forced name as set (use_backend's, else ROPE_BACKEND's stored value,
+        # bytes on POSIX: a backend= that is not a str, equal to it, must miss, and be refused)
         forced = backend if backend is not None else (_forced_get() or _env_backend_raw())
         entry = _recent
         if (
@@ -537,7 +538,8 @@ def _run(
                                  in_place=in_place, split=split, k_freqs=k_freqs, k=k, norms=norms)
     key = None
     normed = norms[0] is not None or norms[1] is not None
-    if type(t) is _Tensor and not _dynamo_compiling():
+    if type(t) is _Tensor and not _dynamo_compiling() and (
+            backend is None or type(backend) is str):  # as apply's lookup
         if (
             start_positions is None and positions is None and k is None and split is None
             and not in_place and not normed
@@ -722,7 +724,7 @@ def rope_to_cache(
     """
     global _recent_cache
     key = None
-    if not _dynamo_compiling():
+    if not _dynamo_compiling() and (backend is None or type(backend) is str):  # as apply's
         inputs = _cache_form(q, k, v, positions, cache, q_out, q_scale, q_norm, k_norm)
         if inputs is not None:
             tensors, form = inputs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -152,6 +153,21 @@ def test_unknown_backend_lists_known(picky):
         with rd.use_backend("fastest"):
             pass
     assert isinstance(rd.UnknownBackendError("x"), rd.RoPEError)
+
+
+@pytest.mark.parametrize("entry", ["apply", "apply_"])
+def test_a_backend_name_in_bytes_is_refused_after_calls_forced_by_rope_backend(
+        picky, monkeypatch, entry):
+    """ROPE_BACKEND's value is kept as the environment stores it (bytes on POSIX) in a plan's
+    key: backend=b"eager" matched the plans of calls forced by ROPE_BACKEND=eager and ran them,
+    where a first call refuses it as no backend's name."""
+    monkeypatch.setenv("ROPE_BACKEND", "eager")
+    t, f, spec = inputs("bshd")
+    run = functools.partial(getattr(rd, entry), t, f, spec)
+    for _ in range(3):  # planned
+        run()
+    with pytest.raises(rd.UnknownBackendError, match="unknown backend b'eager'"):
+        run(backend=b"eager")
 
 
 def test_no_backend_lists_every_reason(picky, monkeypatch):
