@@ -540,6 +540,11 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
     q_name = "norm" if k is None and split is None else "q_norm"
     stages = (_norm_stage(norms[0], q_name, t), _norm_stage(norms[1], "k_norm", t))
     kind, table, sin, rows, table_sharded = _op_table(freqs, "freqs", t, spec)
+    d2 = table.shape[-1] if kind == "angles" else freqs.rotary_dim
+    if spec.rotary_dim is not None and spec.rotary_dim != d2:  # the local spec has none
+        raise RoPEError(
+            f"spec.rotary_dim={spec.rotary_dim} but freqs has last dim d2={d2}; they must be equal"
+        )
     k_table = None
     if k_freqs is not None and k_freqs is not freqs:  # apply_qkv's own k table
         k_kind, k_tab, k_sin, k_rows, k_sharded = _op_table(k_freqs, "k_freqs", t, spec)

@@ -627,6 +627,10 @@ def _check_refusals(mesh):
         rd.apply(z, learned, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
     with torch.no_grad():  # no gradient asked: served
         rd.apply(z, learned, rd.RoPESpec(layout="sbhd", dtype=F32), backend="eager")
+    for table in (angles, rd.RateTable(angles[0, :4], 8)):  # as the plain call refuses it
+        with pytest.raises(rd.RoPEError, match="spec.rotary_dim=4 but freqs has last dim d2=8"):
+            rd.apply(z, table, rd.RoPESpec(layout="sbhd", dtype=F32, rotary_dim=4),
+                     backend="eager")
 
 
 def _worker(rank: int, world: int, init_file: str) -> None:
