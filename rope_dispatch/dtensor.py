@@ -550,6 +550,10 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
         k_kind, k_tab, k_sin, k_rows, k_sharded = _op_table(k_freqs, "k_freqs", t, spec)
         if k_sharded != table_sharded:
             raise _refuse("k_freqs and freqs must both be sharded with the sequence, or neither")
+        k_d2 = k_tab.shape[-1] if k_kind == "angles" else k_freqs.rotary_dim
+        if k_d2 != d2:
+            raise RoPEError(f"k_freqs has rotary dim {k_d2} but freqs has {d2}; q and k must "
+                            "rotate the same number of channels")
         k_table = (k_tab, k_sin, k_kind, k_rows)
     table_len = rows if kind in ("rates", "precise_rates") else table.shape[0]
     if k_table is not None:

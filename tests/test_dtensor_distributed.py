@@ -620,6 +620,9 @@ def _check_refusals(mesh):
     one_group = _shard(torch.randn(8, 1, 32), mesh, _placements([1]))
     with pytest.raises(rd.RoPEError, match="sharded on its 1 head groups .* do not divide"):
         rd.apply_qkv(one_group, angles, spec, (16, 8, 8), backend="eager")
+    qkv = _shard(torch.randn(8, 2, 32), mesh, _placements([0]))  # k's table of other channels
+    with pytest.raises(rd.RoPEError, match="k_freqs has rotary dim 6 but freqs has 8"):
+        rd.apply_qkv(qkv, angles, spec, (16, 8, 8), k_freqs=angles[:, :6], backend="eager")
     with pytest.raises(rd.RoPEError, match="cp_size"):
         rd.apply(z, angles, rd.RoPESpec(layout="sbhd", dtype=F32, cp_size=2), backend="eager")
     learned = torch.rand(8, 8, requires_grad=True)  # its gradient would be dropped: refused
