@@ -391,6 +391,11 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
                             f"spec.mrope_section, got {tuple(positions.shape)}")
     start_positions = _whole(start_positions, "start_positions")
     sharded = isinstance(positions, DTensor) and any(p.is_shard() for p in positions.placements)
+    if sharded and start_positions is not None:  # as the plain call (check_index) refuses
+        raise RoPEError(
+            "positions and start_positions cannot be combined: per-token positions already "
+            "say each token's row; add the start to them instead"
+        )
     if not (lead or sharded):
         positions = _whole(positions, "positions")
         from .call import check_index

@@ -552,6 +552,11 @@ def _check_index_refusals(mesh):
         thd = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 3, 7]))
         with pytest.raises(rd.RoPEError, match=r"cu_seqlens\[-1\]=7 must equal the total"):
             rd.apply(tokens, angles, thd, backend="eager")
+    x = _shard(torch.randn(2, 5, 2, 8), mesh, _placements([1]))
+    sharded = _shard(torch.zeros(2, 5, dtype=torch.long), mesh, _placements([1]))  # as x's tokens
+    with pytest.raises(rd.RoPEError, match="positions and start_positions cannot be combined"):
+        rd.apply(x, angles, spec, positions=sharded, start_positions=torch.tensor([1, 2]),
+                 backend="eager")
 
 
 def _check_k_refusals(mesh):
