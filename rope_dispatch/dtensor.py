@@ -396,6 +396,9 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
             "positions and start_positions cannot be combined: per-token positions already "
             "say each token's row; add the start to them instead"
         )
+    if sharded and tuple(positions.shape) != shape:  # a shard's call sees only its part
+        raise RoPEError(f"positions must have shape {list(shape)} (t.shape[:-2], one per token) "
+                        f"for layout {layout!r}, got {tuple(positions.shape)}")
     if not (lead or sharded):
         positions = _whole(positions, "positions")
         from .call import check_index

@@ -557,6 +557,9 @@ def _check_index_refusals(mesh):
     with pytest.raises(rd.RoPEError, match="positions and start_positions cannot be combined"):
         rd.apply(x, angles, spec, positions=sharded, start_positions=torch.tensor([1, 2]),
                  backend="eager")
+    longer = _shard(torch.zeros(2, 6, dtype=torch.long), mesh, _placements([1]))
+    with pytest.raises(rd.RoPEError, match=r"positions must have shape \[2, 5\].*got \(2, 6\)"):
+        rd.apply(x, angles, spec, positions=longer, backend="eager")  # on every rank alike
 
 
 def _check_k_refusals(mesh):
