@@ -47,7 +47,7 @@ def _check_cp(cp_size: object, cp_rank: object = 0) -> None:
 
 
 def _seq_dim(layout: object, cu_seqlens: object) -> int:
-    if layout not in _SEQ_DIM:
+    if not isinstance(layout, str) or layout not in _SEQ_DIM:  # (a list is unhashable)
         raise RoPEError(f"layout must be one of {list(_SEQ_DIM)}, got {layout!r}")
     if layout == "thd" and cu_seqlens is None:
         raise RoPEError(

@@ -225,6 +225,8 @@ CU = torch.tensor([0, 4, 12])
         (lambda: cp.unshard([X[:4], X[:4]], "thd", cu_seqlens=CU),
          ["4 tokens each", "cu_seqlens[-1]=12"]),
         (lambda: cp.unshard([X, X], "bhsd"), ["layout", "'bhsd'"]),
+        (lambda: cp.shard(X, ["sbhd"], 2, 0), ["layout", "['sbhd']"]),
+        (lambda: cp.unshard([X, X], {"sbhd": 0}), ["layout", "{'sbhd': 0}"]),
         (lambda: cp.pad_cu_seqlens(CU, 0), ["cp_size", "0"]),
         (lambda: cp.pad_cu_seqlens(CU.float(), 2), ["cu_seqlens", "float32"]),
         (lambda: cp.pad_cu_seqlens(torch.tensor([0, 5, 3]), 2), ["non-decreasing", "3"]),
