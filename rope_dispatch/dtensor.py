@@ -406,6 +406,10 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
         # the plain call's checks, against the global shape on every rank alike: a shard's
         # call sees only its part (a wrong size passed unnoticed, or failed on some ranks only)
         check_index(spec, t.shape, table_len, start_positions, positions, t.device, "freqs")
+    elif not sharded:  # the streams' rows, on every rank alike (a shard lowers only its own)
+        from .call import _positions_in_table
+
+        _positions_in_table(_whole(positions, "positions"), table_len, t.device, "freqs")
     if positions is not None:
         if sharded:
             if list(positions.placements) != placements:

@@ -560,6 +560,12 @@ def _check_index_refusals(mesh):
     longer = _shard(torch.zeros(2, 6, dtype=torch.long), mesh, _placements([1]))
     with pytest.raises(rd.RoPEError, match=r"positions must have shape \[2, 5\].*got \(2, 6\)"):
         rd.apply(x, angles, spec, positions=longer, backend="eager")  # on every rank alike
+    streams = torch.zeros(3, 2, 8, dtype=torch.long)
+    streams[1, 0, 7] = 16  # a row past the table, of a token only the last rank holds
+    mrope = rd.RoPESpec(layout="bshd", dtype=F32, mrope_section=(2, 1, 1))
+    x = _shard(torch.randn(2, 8, 2, 8), mesh, _placements([1]))
+    with pytest.raises(rd.RoPEError, match=r"positions must lie in \[0, 16\).* 0 to 16"):
+        rd.apply(x, angles, mrope, positions=streams, backend="eager")
 
 
 def _check_k_refusals(mesh):
