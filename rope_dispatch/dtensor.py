@@ -210,15 +210,19 @@ def _placement_choices(t, table, positions, token_dims: int, layout: str):
     """Per mesh dim, the placements of ``t``, its table and its positions that need no
     communication: all replicated; the heads sharded, the rest replicated; a token dim sharded
     with its positions. A table sharded on its rows goes with the sequence dim (its rows are
-    then the shard's own tokens); a replicated table never does, so DTensor cannot pick a
-    strategy that reads the wrong rows."""
+    then the shard's own tokens); a replicated table never does, and without positions (each
+    shard's local index is then its position) neither does the sequence, so DTensor cannot
+    pick a strategy that reads the wrong rows (as it would redistributing one head on two
+    ranks to the sequence)."""
     seq, R = _SEQ_DIM[layout], Replicate()
     table_sharded = any(isinstance(p, Shard) for p in table.placements)
     streams = 0 if positions is None else len(positions.shape) - token_dims  # mrope's 3: 1
     choices = [(R, R, R), (Shard(len(t.shape) - 2), R, R)]
     for d in range(token_dims):
-        choices.append((Shard(d), Shard(0), R) if d == seq and table_sharded else
-                       (Shard(d), R, Shard(d + streams)))
+        if d == seq and table_sharded:
+            choices.append((Shard(d), Shard(0), R))
+        elif d != seq or positions is not None:
+            choices.append((Shard(d), R, Shard(d + streams)))
     return choices
 
 

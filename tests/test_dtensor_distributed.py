@@ -455,15 +455,16 @@ def _check_context_parallel(mesh, rank):
     assert_matches(grad_full, ref_grad, F32, f"context_parallel rank {rank} backward")
 
 
-def _check_small_shards(mesh, rank):
+def _check_small_shards(mesh, rank, shard=(2,)):
     """A dim sharded over more ranks than it has entries (one head on every rank of the mesh):
-    DTensor replicates it for the op (its rule, the one collective allowed here), and the
-    outputs and gradients still come back placed as the inputs, values as the reference; in
+    DTensor redistributes it for the op (its rule, the one collective allowed here; on a 2 x 2
+    mesh it may pick the sequence for the heads, whose shards then need their positions), and
+    the outputs and gradients still come back placed as the inputs, values as the reference; in
     place with a gradient too (the write needs the input's placements)."""
     gen = torch.Generator().manual_seed(13)
     spec = rd.RoPESpec(layout="sbhd", dtype=F32)
     angles = torch.rand(8, 8, generator=gen) * 10
-    placements = _placements([2])
+    placements = _placements(shard)
     q, k = (torch.randn(8, 2, 1, 8, generator=gen) for _ in range(2))
     qd, kd = (_shard(x, mesh, placements).requires_grad_(True) for x in (q, k))
     g = torch.randn(q.shape, generator=gen)
@@ -692,6 +693,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             for case in TWO_DIM:
                 _check_single(grid, case, rank)
             _check_normed(grid, NORMED_GRID, rank)
+            _check_small_shards(grid, rank, (2, None))
         else:  # torch.compile once, on the smaller job: the DTensor op traced, then run
             for case in COMPILED:
                 torch._dynamo.reset()
