@@ -403,6 +403,11 @@ def _positions(t: DTensor, spec: RoPESpec, start_positions, positions,
     if sharded and tuple(positions.shape) != shape:  # a shard's call sees only its part
         raise RoPEError(f"positions must have shape {list(shape)} (t.shape[:-2], one per token) "
                         f"for layout {layout!r}, got {tuple(positions.shape)}")
+    if sharded and layout == "thd" and spec.cu_seqlens is not None:
+        from .call import _check_cu_seqlens, _host_reads_allowed, reads_values
+
+        if reads_values(spec) and _host_reads_allowed():  # the plain call's check of them
+            _check_cu_seqlens(spec, t.shape[0], None, None, "freqs")
     if not (lead or sharded):
         positions = _whole(positions, "positions")
         from .call import check_index

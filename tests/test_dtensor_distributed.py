@@ -567,6 +567,11 @@ def _check_index_refusals(mesh):
     x = _shard(torch.randn(2, 8, 2, 8), mesh, _placements([1]))
     with pytest.raises(rd.RoPEError, match=r"positions must lie in \[0, 16\).* 0 to 16"):
         rd.apply(x, angles, mrope, positions=streams, backend="eager")
+    tokens = _shard(torch.randn(8, 2, 8), mesh, _placements([0]))
+    thd = rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=torch.tensor([0, 3, 9]))
+    rows = _shard(torch.arange(8), mesh, _placements([0]))  # positions sharded as the tokens
+    with pytest.raises(rd.RoPEError, match=r"cu_seqlens\[-1\]=9 must equal the total"):
+        rd.apply(tokens, angles, thd, positions=rows, backend="eager")
 
 
 def _check_k_refusals(mesh):
