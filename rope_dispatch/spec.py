@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import math
 import numbers
+import sys
 from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -152,6 +153,12 @@ def check_cu_seqlens_tensor(cu_seqlens: Any) -> None:
     """Static checks on ``cu_seqlens`` (type, rank, dtype, length); values are checked per call."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise RoPEError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    dtensors = sys.modules.get("torch.distributed.tensor")  # (loaded by any DTensor user)
+    if dtensors is not None and isinstance(cu_seqlens, dtensors.DTensor):
+        raise RoPEError(
+            "cu_seqlens must be a plain tensor of the global offsets (the same on every rank), "
+            "got a DTensor; pass a plain one (a replicated DTensor's to_local())"
+        )
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise RoPEError(
             f"cu_seqlens must have dtype int32 or int64, got {dtype_name(cu_seqlens.dtype)}"

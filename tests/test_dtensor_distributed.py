@@ -572,6 +572,11 @@ def _check_index_refusals(mesh):
     rows = _shard(torch.arange(8), mesh, _placements([0]))  # positions sharded as the tokens
     with pytest.raises(rd.RoPEError, match=r"cu_seqlens\[-1\]=9 must equal the total"):
         rd.apply(tokens, angles, thd, positions=rows, backend="eager")
+    offsets = _shard(torch.tensor([0, 3, 8]), mesh, _placements([None]))
+    with pytest.raises(rd.RoPEError, match="cu_seqlens must be a plain tensor .* got a DTensor"):
+        rd.RoPESpec(layout="thd", dtype=F32, cu_seqlens=offsets)
+    with pytest.raises(rd.RoPEError, match="cu_seqlens must be a plain tensor .* got a DTensor"):
+        thd.with_cu_seqlens(offsets)
 
 
 def _check_k_refusals(mesh):
