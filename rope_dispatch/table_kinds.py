@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,6 +202,13 @@ class RateTable:
         if not isinstance(rates, torch.Tensor):
             raise RoPEError(
                 f"RateTable's inv_freq must be a float32 tensor [d2 / 2], got {type(rates).__name__}"
+            )
+        dtensors = sys.modules.get("torch.distributed.tensor")  # (loaded by any DTensor user)
+        if dtensors is not None and isinstance(rates, dtensors.DTensor):
+            raise RoPEError(
+                "RateTable's inv_freq must be a plain tensor, got a DTensor; build it of a plain "
+                "tensor (every rank computes the same rows from the same rates), for DTensor "
+                "inputs too"
             )
         if rates.dtype != torch.float32:
             raise RoPEError(

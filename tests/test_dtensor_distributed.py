@@ -639,6 +639,8 @@ def _check_refusals(mesh):
         rd.apply(heads, angles, rd.RoPESpec(layout="sbhd", dtype=F32),
                  norm=rd.HeadNorm(torch.ones(16), scope="heads"), backend="eager")
     weight = _shard(torch.ones(8), mesh, _placements([0]))
+    with pytest.raises(rd.RoPEError, match="inv_freq must be a plain tensor, got a DTensor"):
+        rd.RateTable(_shard(torch.rand(4), mesh, _placements([None])), 8)
     with pytest.raises(rd.RoPEError, match=r"norm.weight has placement S\(0\).*expected Replicate"):
         rd.apply(heads, angles, rd.RoPESpec(layout="sbhd", dtype=F32),
                  norm=rd.HeadNorm(weight), backend="eager")
