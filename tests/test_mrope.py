@@ -214,9 +214,10 @@ def test_a_call_under_fake_tensor_mode_leaves_real_calls_alone(backend, monkeypa
     monkeypatch.setattr(table_kinds, "_channel_streams", {})  # no stream index made yet
     t, angles, streams, spec = _inputs("sbhd", seed=4)
     with FakeTensorMode():
-        fake_t, fake_angles = torch.randn(t.shape), torch.rand(angles.shape)
-        fake_streams = torch.randint(0, TABLE_LEN, streams.shape)
+        fake_t, fake_angles = torch.randn(t.shape, device=DEVICE), torch.rand(angles.shape,
+                                                                              device=DEVICE)
+        fake_streams = torch.randint(0, TABLE_LEN, streams.shape, device=DEVICE)
         assert rd.apply(fake_t, fake_angles, spec, positions=fake_streams,
                         backend=backend).shape == t.shape
-    out = rd.apply(t, angles, spec, positions=streams, backend=backend)
+    out = rd.apply(t, angles.to(DEVICE), spec, positions=streams.to(DEVICE), backend=backend)
     assert_matches(out, _expected(t, angles, streams), t.dtype)
