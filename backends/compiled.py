@@ -43,7 +43,9 @@ from rope_dispatch.norm import head_norm, head_norm_backward
 from rope_dispatch.registry import Backend
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import CosSinCache, RateTable
-from rope_dispatch.tracing import fake, import_dynamo, memoryless, recompile_limit_hit
+from rope_dispatch.tracing import (
+    _dispatch_modes, fake, import_dynamo, memoryless, recompile_limit_hit,
+)
 
 from .eager import rope_eager, rope_tensors
 
@@ -412,8 +414,9 @@ class CompileBackend(Backend):
 
     def apply(self, call: RoPECall) -> torch.Tensor:
         # inside an outer graph: let it trace the math; under a torch.func transform (grad, jvp,
-        # vmap), torch ops, which every transform knows (a failure there is no compile failure)
-        if memoryless() or fake(call.t):
+        # vmap), torch ops, which every transform knows (a failure there is no compile failure);
+        # under a dispatch mode (a selective checkpoint's), the ops, recorded alike each time
+        if memoryless() or fake(call.t) or _dispatch_modes():
             return rope_eager(call)
         return self._run(call, fallback=True)
 

@@ -34,7 +34,7 @@ from .norm import HeadNorm
 from .registry import Backend
 from .spec import RoPESpec
 from .tables import RotaryTable, address_reader, table_requires_grad
-from .tracing import PLAIN_TENSORS, constant_while_tracing, transformed
+from .tracing import PLAIN_TENSORS, _dispatch_modes, constant_while_tracing, transformed
 
 _forced: contextvars.ContextVar[object] = contextvars.ContextVar("rope_backend", default=None)
 _AUTOMATIC = object()  # use_backend(None)'s scope: no backend forced, ROPE_BACKEND's neither
@@ -655,8 +655,8 @@ def _keep_plan(
     global _recent, _recent_run, _recent_cache
     if table_requires_grad(freqs):
         return  # needs a backend that differentiates the table while grad is on: never planned
-    if transformed():
-        return  # torch.func's wrappers: no addresses to guard on
+    if transformed() or _dispatch_modes():  # torch.func's wrappers: no addresses to guard
+        return  # on; a dispatch mode (a selective checkpoint's) would record a plan's ops
     entry = _plans.get(key)
     if entry is None:
         if key not in _met_once:

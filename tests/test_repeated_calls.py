@@ -1020,3 +1020,26 @@ def test_in_place_norms_between_q_and_k_stay_planned(counted_checks, unread):
     inside = dict(norms, q_norm=rd.HeadNorm(buffer[:D]))
     with torch.no_grad(), pytest.raises(rd.RoPEError, match="q_norm.weight shares memory"):
         rd.apply_qk_(q, k, table, spec, start_positions=starts, backend="triton", **inside)
+
+
+def test_no_plan_is_made_under_a_dispatch_mode():
+    """Calls under a torch dispatch mode (a selective checkpoint's) are checked every time and
+    leave no plan: making one runs ops (a backend's output allocations) that the mode would
+    record at the recomputation but not in the forward, which it refuses."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    dispatch.forget_plans()
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    x, freqs = torch.randn(4, 2, 3, 8), torch.rand(6, 1, 1, 8)
+    with Seen():
+        for _ in range(3):
+            out = rd.apply(x, freqs, spec, backend="eager")
+    assert not dispatch._plans
+    assert_matches(out, reference_for(x, freqs, spec), torch.float32)
+    for _ in range(3):
+        rd.apply(x, freqs, spec, backend="eager")
+    assert len(dispatch._plans) == 1  # outside the mode, planned as usual
