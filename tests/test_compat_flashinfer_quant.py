@@ -548,7 +548,7 @@ def test_signatures_are_flashinfers():
                                "rope_quantize_fp8_append_paged_kv_cache"}
 
 
-def _door_with_outputs(door: str, buf: torch.Tensor, q_rope_out, q_nope_out):
+def _door_with_outputs(door: str, q_rope_out, q_nope_out):
     """``door``'s call (small shapes) with q's outputs given, and what it writes into caches."""
     fp8 = dict(dtype=torch.float8_e4m3fn)
     if door == "gqa_append":
@@ -582,16 +582,16 @@ def test_q_outputs_that_share_memory_are_refused_before_any_write(door):
     by name before anything is written; disjoint slices of one buffer (how an engine lays q out)
     give what separate outputs give."""
     buf = torch.zeros(5, 4, 12, dtype=torch.float8_e4m3fn)
-    run, caches = _door_with_outputs(door, buf, buf[..., :8], buf[..., 4:8])
+    run, caches = _door_with_outputs(door, buf[..., :8], buf[..., 4:8])
     with pytest.raises(rd.RoPEError, match="^q_nope_out shares memory with q_rope_out"):
         run()
     assert not buf.view(torch.uint8).any(), "q written before the refusal"
     assert not any(c.view(torch.uint8).any() for c in caches), "written before the refusal"
     with torch.no_grad():
-        run, caches = _door_with_outputs(door, buf, buf[..., 4:], buf[..., :4])
+        run, caches = _door_with_outputs(door, buf[..., 4:], buf[..., :4])
         run()
         apart = tuple(torch.zeros(5, 4, n, dtype=torch.float8_e4m3fn) for n in (8, 4))
-        run_apart, caches_apart = _door_with_outputs(door, None, *apart)
+        run_apart, caches_apart = _door_with_outputs(door, *apart)
         run_apart()
     assert torch.equal(buf[..., 4:].view(torch.uint8), apart[0].view(torch.uint8))
     assert torch.equal(buf[..., :4].view(torch.uint8), apart[1].view(torch.uint8))
@@ -787,36 +787,15 @@ def test_an_inference_q_nope_out_outside_inference_mode_is_refused_before_any_wr
     so does its dispatcher for FlashInfer's own ops): q_nope_out, which the doors write beside
     the core's call, is refused by name before any cache is written (it failed in torch's
     division after k and v were in the cache); under inference mode it is served."""
-    if door == "gqa_append":
-        args = small("gqa")
-        args.update(v=torch.randn(5, 2, 12, generator=torch.Generator().manual_seed(0)).bfloat16())
-        caches = tuple(torch.zeros(4, 4, 2, 12, dtype=torch.float8_e4m3fn) for _ in range(2))
-        args["q_rope"] = args["q_rope"].clone()  # q's parts apart: q_nope_out is copied into
-    else:
-        args = small("mla")
-        caches = (torch.zeros(4, 4, 4, dtype=torch.float8_e4m3fn),
-                  torch.zeros(4, 4, 8, dtype=torch.float8_e4m3fn))
-    if door == "rope_quantize_fp8":
-        call = rope_quantize_fp8
-        caches = (torch.zeros(5, 8, dtype=torch.float8_e4m3fn),
-                  torch.zeros(5, 4, dtype=torch.float8_e4m3fn))
-        args.update(k_rope_out=caches[0], k_nope_out=caches[1])
-    else:
-        call = rope_quantize_fp8_append_paged_kv_cache
-        index = dict(dtype=torch.int32)
-        args.update(v=args.get("v"), paged_kv_cache=caches,
-                    kv_indices=torch.tensor([2, 0, 1, 3], **index),
-                    kv_indptr=torch.tensor([0, 2, 4], **index),
-                    batch_indices=torch.tensor([0, 0, 1, 1, -1], **index),
-                    positions=torch.tensor([0, 5, 2, 3, 0], **index), page_size=4)
     with torch.inference_mode():
-        args["q_nope_out"] = torch.zeros(5, 4, 4, dtype=torch.float8_e4m3fn)
+        out = torch.zeros(5, 4, 4, dtype=torch.float8_e4m3fn)
+    run, caches = _door_with_outputs(door, None, out)
     with pytest.raises(rd.RoPEError, match="^q_nope_out is an inference tensor and inference "
                                            "mode is off"):
-        call(**args)
+        run()
     assert not any(c.view(torch.uint8).any() for c in caches), "written before the refusal"
     with torch.inference_mode():
-        call(**args)
+        run()
     assert all(c.view(torch.uint8).any() for c in caches)
 
 

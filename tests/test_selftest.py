@@ -491,6 +491,25 @@ def test_the_printed_report_names_the_planned_launch_path(monkeypatch, capsys):
     assert "planned launches" not in capsys.readouterr().out
 
 
+def _fill_cache(tmp_path, monkeypatch, seqs) -> None:
+    """An autotune cache in ``tmp_path / "cache"`` with one entry per sequence length in
+    ``seqs`` (each its own shape bucket), measured with the fake backends."""
+    import autotune_fakes
+    from rope_dispatch import autotune
+
+    monkeypatch.setenv("ROPE_DISPATCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("ROPE_AUTOTUNE", raising=False)
+    autotune.clear_cache(memory_only=True)
+    removed, _ = autotune_fakes.install()
+    try:
+        spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+        for seq in seqs:
+            rd.apply(torch.randn(seq, 1, 2, 8), torch.rand(seq, 1, 1, 8), spec)
+    finally:
+        autotune_fakes.restore(removed)
+        autotune.clear_cache(memory_only=True)
+
+
 def test_help_is_plain_text():
     proc = subprocess.run([sys.executable, "-m", "rope_dispatch.selftest", "--help"],
                           capture_output=True, text=True, timeout=120)
@@ -505,20 +524,7 @@ def test_the_cache_is_a_count_and_a_path_unless_its_entries_are_asked_for(
 ):
     """A cache of many entries (another process filled it) prints as one line; --cache-entries
     lists them, and only then does --json carry them."""
-    import autotune_fakes
-    from rope_dispatch import autotune
-
-    monkeypatch.setenv("ROPE_DISPATCH_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("ROPE_AUTOTUNE", raising=False)
-    autotune.clear_cache(memory_only=True)
-    removed, _ = autotune_fakes.install()
-    try:
-        spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
-        for seq in (2, 4, 8):  # three shape buckets: three entries
-            rd.apply(torch.randn(seq, 1, 2, 8), torch.rand(seq, 1, 1, 8), spec)
-    finally:
-        autotune_fakes.restore(removed)
-        autotune.clear_cache(memory_only=True)
+    _fill_cache(tmp_path, monkeypatch, (2, 4, 8))  # three shape buckets: three entries
     assert selftest._cache_report() == {
         "autotune": True, "cache_dir": str(tmp_path / "cache"), "cache_entry_count": 3,
     }
@@ -554,20 +560,7 @@ def test_a_hand_edited_cache_entry_is_reported_invalid_and_the_rest_listed(
     and why), and the other entries are listed."""
     import json
 
-    import autotune_fakes
-    from rope_dispatch import autotune
-
-    monkeypatch.setenv("ROPE_DISPATCH_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("ROPE_AUTOTUNE", raising=False)
-    autotune.clear_cache(memory_only=True)
-    removed, _ = autotune_fakes.install()
-    try:
-        spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
-        for seq in (2, 4):
-            rd.apply(torch.randn(seq, 1, 2, 8), torch.rand(seq, 1, 1, 8), spec)
-    finally:
-        autotune_fakes.restore(removed)
-        autotune.clear_cache(memory_only=True)
+    _fill_cache(tmp_path, monkeypatch, (2, 4))
     edited = next(entry["path"] for entry in selftest._cache_report(entries=True)["cache_entries"])
     with open(edited, encoding="utf-8") as f:
         entry = json.load(f)
