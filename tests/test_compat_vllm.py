@@ -258,6 +258,25 @@ def test_a_traced_half_cache_widens_only_the_rows_read():
     assert heads[:, :6].isnan().all() and torch.equal(heads[:, 6:], query[2].view(2, 8)[:, 6:])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_traced_half_cache_with_no_tokens(dtype):
+    """Traced with no tokens (an idle rank's empty batch), a half cache widens no rows: both
+    ops are no-ops, as in eager (the widened table had no row, and was refused as an empty
+    cos_sin_cache though the cache has 16)."""
+    torch._dynamo.reset()
+    cache, weight = engine_cache(16, 8, 9, dtype), torch.ones(8)
+
+    def step(query, key, qkv, positions):
+        query, key, qkv = query.clone(), key.clone(), qkv.clone()
+        rotary_embedding(positions, query, key, 8, cache, True)
+        fused_qk_norm_rope(qkv, 1, 1, 1, 8, 1e-6, weight, weight, cache, True, positions)
+        return query, key, qkv
+
+    empty = (torch.randn(0, 16), torch.randn(0, 8), torch.randn(0, 24), torch.zeros(0).long())
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*empty)
+    assert [tuple(t.shape) for t in got] == [(0, 16), (0, 8), (0, 24)]
+
+
 def test_under_inference_mode():
     """vLLM runs its model under inference mode: the doors work there, on an inference-tensor
     bfloat16 cache too (which has no version counter), and the cache's copy is a normal tensor."""

@@ -114,11 +114,13 @@ def _table(cos_sin_cache: object,
     if traced and isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 2 and (
             cos_sin_cache.dtype in _CACHE_DTYPES and cos_sin_cache.shape[0]):
         flat = positions.reshape(-1)
+        index = torch.arange(flat.shape[0], device=positions.device).view(positions.shape)
+        if not flat.shape[0]:  # no token reads a row, but a table has at least one
+            flat = flat.new_zeros(1)
         inside = ((flat >= 0) & (flat < cos_sin_cache.shape[0])).unsqueeze(-1)
         rows = cos_sin_cache.detach()[flat.clamp(0, cos_sin_cache.shape[0] - 1)].float()
         with _named("cos_sin_cache"), _normal_tensors():
             table = PairCosSinCache(torch.where(inside, rows, torch.nan)).table
-        index = torch.arange(flat.shape[0], device=positions.device).view(positions.shape)
         return PairCosSinCache(table), index
     key = id(cos_sin_cache)
     entry = None if traced else _copies.get(key)
