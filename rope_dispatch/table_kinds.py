@@ -149,8 +149,8 @@ def _check_pair_table(table: object) -> None:
         )
     if not table.is_contiguous():
         raise RoPEError(
-            f"PairCosSinCache's table must be contiguous, got strides {table.stride()}; pass "
-            "table.contiguous()"
+            f"PairCosSinCache's table must be contiguous, got strides {table.stride()}; pass a "
+            "contiguous one (.contiguous())"
         )
 
 

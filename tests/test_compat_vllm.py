@@ -412,6 +412,10 @@ def test_signatures_are_vllms():
          ["cos_sin_cache must be a float32, bfloat16 or float16 tensor [max_position, rot_dim]",
           "(128,) bfloat16"]),
         (dict(cos_sin_cache=torch.rand(8, 1, 16).half()), ["(8, 1, 16) float16"]),
+        (dict(cos_sin_cache=torch.rand(16, 8).t()),
+         ["cos_sin_cache must be contiguous", "(1, 8)", "(.contiguous())"]),
+        (dict(cos_sin_cache=torch.rand(16, 8).bfloat16().t()),
+         ["cos_sin_cache must be contiguous", "(1, 8)", "(.contiguous())"]),
         (dict(cos_sin_cache=torch.rand(8, 20)), ["rotary dim d2=20", "head dim d=16"]),
         (dict(rope_dim_offset=4), ["rope_dim_offset=4 + rot_dim=16 must be <= head_size=16"]),
         (dict(is_neox=1), ["is_neox must be a bool, got 1"]),
@@ -432,6 +436,7 @@ def test_rotary_embedding_bad_arguments(kwargs, words):
         rotary_embedding(**args)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+    assert "table" not in str(info.value), "names vLLM's argument, not the door's table"
 
 
 @pytest.mark.parametrize(
