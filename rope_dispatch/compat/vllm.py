@@ -238,8 +238,8 @@ def rotary_embedding(
         else:
             apply_qk_(q, k, table, spec, positions=positions)
     except RoPEError as error:
-        raise _mapped(error, "rotary_embedding", _ROTARY_MAPPING,
-                      "apply_" if k is None else "apply_qk_") from error
+        raise (_mapped(error, "rotary_embedding", _ROTARY_ALONE, "apply_") if k is None else
+               _mapped(error, "rotary_embedding", _ROTARY_MAPPING, "apply_qk_")) from error
 
 
 def _weight(name: str, weight: object, head_dim: int, dtype: torch.dtype) -> HeadNorm:
@@ -310,5 +310,7 @@ def fused_qk_norm_rope(
 # How each door maps its arguments onto the core's, for the core's errors (_mapped).
 _ROTARY_MAPPING = ("t=query, k=key (each as heads of head_size, from rope_dim_offset), "
                    "freqs=cos_sin_cache, positions=positions")
+_ROTARY_ALONE = ("t=query (as heads of head_size, from rope_dim_offset), freqs=cos_sin_cache, "
+                 "positions=positions")
 _FUSED_MAPPING = ("t=qkv's q heads, k=qkv's k heads (each [num_tokens, heads, head_dim]), "
                   "freqs=cos_sin_cache, positions=position_ids, q_norm=q_weight, k_norm=k_weight")
