@@ -474,6 +474,30 @@ def test_fused_bad_arguments(kwargs, words):
     assert "HeadNorm" not in str(info.value), str(info.value)
 
 
+def test_arguments_of_a_wrong_type_raise_rope_type_error():
+    """A wrong type is a RoPETypeError (a TypeError too), as README.md says of every error: a
+    non-tensor query or key, a count that is no integer; a count of the right type but a bad
+    value stays a plain RoPEError."""
+    args = dict(positions=torch.tensor([0, 1, 2, 3]), query=torch.randn(4, 32),
+                key=torch.randn(4, 16), head_size=16, cos_sin_cache=torch.rand(8, 16),
+                is_neox=True)
+    for bad in (dict(query=None), dict(key="key"), dict(query=[[0.0] * 32] * 4),
+                dict(head_size=16.0), dict(head_size=True), dict(rope_dim_offset=None)):
+        with pytest.raises(TypeError) as info:
+            rotary_embedding(**{**args, **bad})
+        assert isinstance(info.value, rd.RoPETypeError) and list(bad)[0] in str(info.value)
+    fused = dict(qkv=torch.randn(4, 32), num_heads_q=2, num_heads_k=1, num_heads_v=1,
+                 head_dim=8, eps=1e-6, q_weight=torch.ones(8), k_weight=torch.ones(8),
+                 cos_sin_cache=torch.rand(8, 8), is_neox=True, position_ids=torch.arange(4))
+    for bad in (dict(num_heads_q="2"), dict(head_dim=8.0), dict(num_heads_v=None)):
+        with pytest.raises(rd.RoPETypeError, match=list(bad)[0]):
+            fused_qk_norm_rope(**{**fused, **bad})
+    for bad in (dict(head_size=0), dict(rope_dim_offset=-1)):
+        with pytest.raises(rd.RoPEError) as info:
+            rotary_embedding(**{**args, **bad})
+        assert not isinstance(info.value, TypeError), info.value
+
+
 def test_numpy_integer_counts_are_taken_as_vllm_takes_them():
     """head_size, rope_dim_offset and the fused op's head counts read from a NumPy config are
     integers vLLM takes; a bool (NumPy's too) is not a count."""

@@ -150,10 +150,11 @@ def _table(cos_sin_cache: object,
 
 def _count(name: str, value: object, least: int) -> int:
     """``value`` as an int: any integral number (a NumPy one from a config too), not a bool."""
-    if (type(value) is not int and (isinstance(value, bool)
-                                    or not isinstance(value, numbers.Integral))) or value < least:
+    wrong_type = type(value) is not int and (isinstance(value, bool)
+                                             or not isinstance(value, numbers.Integral))
+    if wrong_type or value < least:
         kind = "a positive int" if least == 1 else f"an int >= {least}"
-        raise RoPEError(f"{name} must be {kind}, got {value!r}")
+        raise (RoPETypeError if wrong_type else RoPEError)(f"{name} must be {kind}, got {value!r}")
     return int(value)
 
 
@@ -182,7 +183,7 @@ def _heads(name: str, x: object, lead: torch.Size, head_size: int) -> torch.Tens
             return x.view(*x.shape[:-1], x.shape[-1] // head_size, head_size)
     got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
     tokens = "num_tokens" if len(lead) == 1 else "batch, seq"
-    raise RoPEError(
+    raise (RoPEError if isinstance(x, torch.Tensor) else RoPETypeError)(
         f"{name} must be [{tokens}, heads * head_size] or [{tokens}, heads, head_size] with "
         f"head_size={head_size} (positions {tuple(lead)}), got {got}"
     )
