@@ -558,6 +558,30 @@ def test_a_cache_that_requires_grad_is_read_as_a_constant(dtype):
     assert cache.grad is None
 
 
+def test_a_cache_that_requires_grad_is_read_at_its_memory_now():
+    """A float32 cache that requires grad is read through a detached constant: one made on fake
+    tensors is not kept, and one kept is made again when the cache gets new memory
+    (``cache.data = ...``), so each call reads the cache's values (the kept constant read the
+    old memory, or a fake tensor's, and errors near 2 came out)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = engine_cache(16, 8, 10).requires_grad_()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        rotary_embedding(torch.tensor([0, 1, 2]), mode.from_tensor(torch.randn(3, 8)), None, 8,
+                         cache, True)
+    positions = torch.tensor([3, 0, 15])
+    for step in range(3):
+        if step == 1:
+            cache.data = engine_cache(16, 8, 11)
+        if step == 2:
+            with torch.no_grad():
+                cache.mul_(-1)
+        query = torch.randn(3, 16)
+        want = vllm_rope(query, positions, 8, cache.detach(), True)
+        rotary_embedding(positions, query, None, 8, cache, True)
+        assert err(query, want) <= 2e-6, step
+
+
 def test_core_errors_say_how_the_door_mapped_its_arguments():
     """A cache wider than the head is refused by the core, in its own names (t, freqs): the
     error says which of vLLM's arguments those are."""

@@ -83,7 +83,7 @@ __all__ = ["apply_rope_with_cos_sin_cache_inplace", "mla_rope_quantize_fp8", "ro
            "rope_quantize_fp8_append_paged_kv_cache"]
 
 _specs: dict[tuple, RoPESpec] = {}
-_caches: dict[int, tuple[torch.Tensor, PairCosSinCache]] = {}
+_caches: dict[int, tuple[torch.Tensor, PairCosSinCache, Optional[tuple]]] = {}
 _MAX_CACHES = 4
 _paged: dict[tuple, tuple[FlashInferPagedKVCache, tuple]] = {}
 _MAX_PAGED = 64
@@ -97,21 +97,32 @@ def _pair_cache(cos_sin_cache: torch.Tensor) -> PairCosSinCache:
     the call (kept per table object) serves every layer and step. The last few caches seen stay
     referenced here (an engine keeps one per model for its lifetime anyway). A cache that
     requires grad is read as a constant (``detach()``, the same memory): the engines' ops
-    never differentiate it, and take it as it is."""
+    never differentiate it, and take it as it is. That constant is kept while it is the cache's
+    memory (``cache.data = ...`` gives the cache new memory), and never from a call with no
+    memory to read (traced, fake tensors, torch.func), whose constant is its own."""
     entry = _caches.get(id(cos_sin_cache))
-    if entry is not None and entry[0] is cos_sin_cache:
+    if entry is not None and entry[0] is cos_sin_cache and (
+            entry[1].table is cos_sin_cache
+            or (not memoryless() and entry[2] == _memory(cos_sin_cache))):
         return entry[1]
-    constant = (cos_sin_cache.detach() if isinstance(cos_sin_cache, torch.Tensor)
-                and cos_sin_cache.requires_grad else cos_sin_cache)
+    detached = isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.requires_grad
+    constant = cos_sin_cache.detach() if detached else cos_sin_cache
     try:
         made = PairCosSinCache(constant)
     except RoPEError as error:  # the wrapper's complaint, told of the door's argument
         raise type(error)(str(error).replace("PairCosSinCache's table", "cos_sin_cache")
                           ) from error
+    if detached and memoryless():
+        return made
     if len(_caches) >= _MAX_CACHES:
         _caches.clear()
-    _caches[id(cos_sin_cache)] = (cos_sin_cache, made)
+    _caches[id(cos_sin_cache)] = (cos_sin_cache, made,
+                                  _memory(cos_sin_cache) if detached else None)
     return made
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride()
 
 
 def _paged_cache(caches: tuple[torch.Tensor, torch.Tensor], kv_indices: torch.Tensor,
