@@ -3,6 +3,7 @@ their semantics (vLLM's CUDA kernels), written out here in float64."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import numpy as np
@@ -275,6 +276,23 @@ def test_a_traced_half_cache_with_no_tokens(dtype):
     empty = (torch.randn(0, 16), torch.randn(0, 8), torch.randn(0, 24), torch.zeros(0).long())
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(*empty)
     assert [tuple(t.shape) for t in got] == [(0, 16), (0, 8), (0, 24)]
+
+
+def test_a_traced_half_cache_is_checked_as_in_eager():
+    """A bfloat16 cache that eager refuses is refused traced too, in the same words: an odd
+    width with the cache's own shape (not that of the rows read), a transposed one as not
+    contiguous (it was taken, traced only)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for cache, words in ((torch.rand(16, 7).bfloat16(), "got shape (16, 7)"),
+                         (torch.rand(8, 16).bfloat16().t(), "must be contiguous")):
+        for fake in (False, True):
+            with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+                query = torch.randn(3, 16)
+                with pytest.raises(rd.RoPEError) as info:
+                    rotary_embedding(torch.tensor([0, 1, 2]), query, None, 8, cache, True)
+            assert "cos_sin_cache" in str(info.value) and words in str(info.value), (
+                fake, str(info.value))
 
 
 def test_under_inference_mode():

@@ -112,7 +112,9 @@ def _table(cos_sin_cache: object,
         return _pair_cache(cos_sin_cache), positions
     traced = memoryless()
     if traced and isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 2 and (
-            cos_sin_cache.dtype in _CACHE_DTYPES and cos_sin_cache.shape[0]):
+            cos_sin_cache.dtype in _CACHE_DTYPES and cos_sin_cache.shape[0]
+            and cos_sin_cache.shape[1] >= 2 and not cos_sin_cache.shape[1] % 2
+            and cos_sin_cache.is_contiguous()):  # else checked (and refused) as in eager
         flat = positions.reshape(-1)
         index = torch.arange(flat.shape[0], device=positions.device).view(positions.shape)
         if not flat.shape[0]:  # no token reads a row, but a table has at least one
