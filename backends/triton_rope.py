@@ -180,6 +180,9 @@ class RoPEFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(*idle)
         ctx.rotation = rotation
         ctx.strides = tuple(tl.dense_strides(x) for x in data)
+        if len(made) == 2:  # a side whose output is unused gets no gradient, as apply's
+            ctx.set_materialize_grads(False)
+            ctx.likes = tuple((x.shape, x.dtype, x.device) for x in made)
         return made[0] if len(made) == 1 else made
 
     @staticmethod
@@ -192,7 +195,16 @@ class RoPEFunction(torch.autograd.Function):
                 "triton backend's RoPE, whose backward reads it again: run the forward again, "
                 "or write a copy"
             )
-        return (None, *rotation.backward(grads, ctx.strides, ctx.saved_tensors))
+        unused = [g is None for g in grads]
+        if any(unused):  # q's or k's output unused (the Function gets no call when both are)
+            grads = tuple(torch.zeros(*like[:1], dtype=like[1], device=like[2]) if g is None
+                          else g for g, like in zip(grads, ctx.likes))
+        made = rotation.backward(grads, ctx.strides, ctx.saved_tensors)
+        if any(unused):  # that side's input and norm weight get None, as apply gives them
+            forms = rotation.launch.norm or ()
+            sides = unused + [unused[i] for i, form in enumerate(forms) if form is not None]
+            made = tuple(None if idle else g for g, idle in zip(made, sides))
+        return (None, *made)
 
 
 def c_apply(function: type[torch.autograd.Function]) -> Any:

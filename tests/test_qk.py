@@ -215,6 +215,33 @@ def test_a_side_without_a_gradient_stays_without_one(request, backend, in_place,
         x[..., :1, :], angles, spec, torch.zeros(frozen_out.shape))[0], x.dtype, "frozen side")
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("used", ["q", "k"])
+@pytest.mark.parametrize("norms", [False, True])
+def test_an_unused_side_gets_no_gradient(request, backend, used, norms):
+    """Only one of the pair's outputs reaches the loss: the other input (and its norm weight)
+    gets None, as two apply calls give it, not a zero tensor (an optimizer steps a zero
+    gradient: weight decay, moments); the used side's gradients are the reference's."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    case = fixed_case(heads=2, head_dim=8, rotary_dim=8)
+    x, table, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    q, k = x.clone().requires_grad_(True), x[..., :1, :].clone().requires_grad_(True)
+    w_q, w_k = (torch.ones(8, device=DEVICE, requires_grad=True) for _ in range(2))
+    kw = dict(q_norm=rd.HeadNorm(w_q, 1e-6), k_norm=rd.HeadNorm(w_k, 1e-6)) if norms else {}
+    outs = rd.apply_qk(q, k, table, spec, backend=backend, **kw)
+    out = outs[0] if used == "q" else outs[1]
+    g = torch.randn(out.shape).to(DEVICE)
+    grads = torch.autograd.grad(out, (q, k, w_q, w_k), g, allow_unused=True)
+    live, idle = (0, 1) if used == "q" else (1, 0)
+    assert grads[idle] is None and grads[2 + idle] is None, grads
+    assert (grads[2 + live] is not None) == norms
+    if not norms:
+        src = q if used == "q" else k
+        ref_grad = reference_forward_backward(src.detach(), angles, spec, g)[1]
+        assert_matches(grads[live], ref_grad, x.dtype, "backward")
+
+
 def test_a_pair_without_k_is_refused():
     q = torch.randn(5, 2, 3, 16)
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
