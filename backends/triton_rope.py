@@ -249,13 +249,18 @@ def _op_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.save_for_backward(*inputs[1:7])
     ctx.described = inputs[7]
     ctx.likes = [(o.shape, o.dtype, o.device) for o in output]
+    ctx.set_materialize_grads(False)  # an unused output's None reaches the backward
 
 
 def _op_backward(ctx: Any, grads: list[torch.Tensor | None]):
+    unused = [g is None for g in grads]  # an output unused: its input gets None, as apply's
     grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
              for g, (shape, dtype, device) in zip(grads, ctx.likes)]
     back = op_launch(_decoded(ctx.described).transposed())
-    return (triton_rope_op(grads, *ctx.saved_tensors, back),) + (None,) * 7
+    made = triton_rope_op(grads, *ctx.saved_tensors, back)
+    if len(made) == len(unused):  # (a packed qkv call: one input, its gradient in one piece)
+        made = [None if idle else g for g, idle in zip(made, unused)]
+    return (made,) + (None,) * 7
 
 
 triton_rope_op.register_autograd(_op_backward, setup_context=_op_setup_context)

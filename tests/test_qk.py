@@ -242,6 +242,37 @@ def test_an_unused_side_gets_no_gradient(request, backend, used, norms):
         assert_matches(grads[live], ref_grad, x.dtype, "backward")
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_an_unused_side_gets_no_gradient_under_selective_checkpointing(request, backend):
+    """Under a dispatch mode (selective activation checkpointing's) the triton backend runs
+    its custom op: k's output unused, k gets None there too, as two apply calls give it."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+    )
+
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    case = fixed_case(heads=2, head_dim=8, rotary_dim=8)
+    x, table, spec, _, angles = build(case, DEVICE, requires_grad=False)
+    q, k = x.clone().requires_grad_(True), x[..., :1, :].clone().requires_grad_(True)
+
+    def body(q, k):
+        return rd.apply_qk(q, k, table, spec, backend=backend)[0] * 1.0
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+
+    def context():
+        return create_selective_checkpoint_contexts(policy)
+
+    out = checkpoint(body, q, k, use_reentrant=False, context_fn=context)
+    g = torch.randn(out.shape).to(DEVICE)
+    grad_q, grad_k = torch.autograd.grad(out, (q, k), g, allow_unused=True)
+    assert grad_k is None, grad_k
+    ref_grad = reference_forward_backward(x, angles, spec, g)[1]
+    assert_matches(grad_q, ref_grad, x.dtype, "backward")
+
+
 def test_a_pair_without_k_is_refused():
     q = torch.randn(5, 2, 3, 16)
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
