@@ -873,7 +873,9 @@ def _check_writable(t: torch.Tensor, name: str) -> None:
     in-place ops require it."""
     entry, out_of_place = ("apply_", "apply") if name == "t" else ("apply_qk_", "apply_qk")
     if t.requires_grad and torch.is_grad_enabled() and grad_leaf(t):
-        what = "a leaf tensor" if t.is_leaf else "a view of a leaf tensor"
+        base = t._base  # a view made under no_grad of a non-leaf is a leaf of its own
+        what = ("a leaf tensor" if base is None else "a view of a leaf tensor" if base.is_leaf
+                else "a view made with grad disabled (torch.no_grad) of a tensor")
         raise RoPEError(
             f"{entry} rotates {name} in place, but {name} is {what} that requires grad "
             f"(autograd needs its value); use rope_dispatch.{out_of_place}, or pass a non-leaf "

@@ -140,6 +140,11 @@ def test_refusals_name_the_problem(backend):
         rd.apply_((t * 1).view(t.shape), table, spec, backend=backend)
     with pytest.raises(rd.RoPEError, match="t is a view of a leaf tensor that requires grad"):
         rd.apply_(t.view(t.shape), table, spec, backend=backend)  # torch would refuse it after the write
+    projection = t * 1
+    with torch.no_grad():  # a slice of a projection, taken under no_grad: not a leaf's view
+        part = projection[..., :8]
+    with pytest.raises(rd.RoPEError, match="t is a view made with grad disabled .* requires grad"):
+        rd.apply_(part, table, spec, backend=backend)
     expanded = torch.randn(1, 2, 3, 16, device=DEVICE).expand(6, 2, 3, 16)
     with pytest.raises(rd.RoPEError, match=r"dim 0 \(size 6\) has stride 0"):
         rd.apply_(expanded, table, spec, backend=backend)
