@@ -212,5 +212,5 @@ def head_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor
     r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     g = grad * (weight.float() + offset)
     dx = r * (g - x * (r * r) * (g * x).mean(-1, keepdim=True))
-    dweight = (grad * x * r).reshape(-1, x.shape[-1]).sum(0)
+    dweight = (grad * x * r).flatten(0, -2).sum(0)  # not reshape(-1, n): n may be 0
     return dx.reshape(shape), dweight

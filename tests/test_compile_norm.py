@@ -91,6 +91,17 @@ def test_only_the_gradients_asked_for(uncompiled, wants):
     check(out, t, angles, spec, starts, norm)
 
 
+@pytest.mark.parametrize("scope", ["head", "heads"])
+def test_a_tensor_with_no_heads_gets_zero_gradients(uncompiled, scope):
+    """No heads: a ``"heads"`` norm has no weights and its group no channels. The explicit
+    backward once reshaped the weight's gradient to ``[-1, 0]``, which torch refuses for an
+    empty tensor (eager's autograd gave empty gradients)."""
+    t, table, spec, starts, angles, norm = norm_case(scope, 1.0, seed=4, heads=0)
+    out = uncompiled.apply(rd.check_call(t, table, spec, starts, q_norm=norm))
+    assert out.shape == t.shape
+    check(out, t, angles, spec, starts, norm)
+
+
 def test_double_backward_differentiates_the_norm_backward(uncompiled):
     """Under ``create_graph=True`` the backward runs with autograd on, so t's gradient can be
     differentiated again (for t and the weight)."""
