@@ -384,6 +384,36 @@ def test_in_place_refuses_a_weight_in_the_memory_it_writes(backend, written):
 
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("normed", ["q", "k"])
+def test_in_place_serves_a_weight_in_the_pass_through_channels_of_a_tensor_without_a_norm(
+        backend, normed):
+    """Partial rotary: a tensor with no norm of its own has only its rotary channels written,
+    so a weight in its pass-through channels is read, never overwritten. It was refused, the
+    whole tensor taken for written; it is now served, with the float64 reference's numbers."""
+    device = DEVICE if backend == "triton" else "cpu"
+    gen = torch.Generator().manual_seed(12)
+    buffer = (torch.rand(1, 16, 3, 16, generator=gen) + 0.5).to(device)  # bshd: q 2 heads, k 1
+    q, k = buffer[..., :2, :], buffer[..., 2:3, :]
+    weight = (k if normed == "q" else q)[0, :, 0, 12]  # a pass-through channel of each token
+    table, spec = (torch.rand(16, 8, generator=gen) * 6 - 3).to(device), rd.RoPESpec(
+        layout="bshd", dtype="fp32")
+    w64 = weight.cpu().double()
+    norms = {f"{normed}_norm": rd.HeadNorm(weight, 1e-6)}
+    for _ in range(2):  # planned the second time
+        qd, kd = q.cpu().double(), k.cpu().double()
+        want_q = reference_for(reference_head_norm(qd, w64, 1e-6, 0.0, "head")
+                               if normed == "q" else qd, table.cpu(), spec)
+        want_k = reference_for(reference_head_norm(kd, w64, 1e-6, 0.0, "head")
+                               if normed == "k" else kd, table.cpu(), spec)
+        with torch.no_grad():
+            rd.apply_qk_(q, k, table, spec, backend=backend, **norms)
+        assert_matches(q, want_q, torch.float32, "q")
+        assert_matches(k, want_k, torch.float32, "k")
+        assert torch.equal(weight.cpu().double(), w64)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 def test_single_tensor_and_packed_qkv(backend, layout):
     """``apply(norm=)``, ``apply_(norm=)`` and ``apply_qkv(q_norm=, k_norm=)`` against the
