@@ -558,11 +558,11 @@ def check_call(
                 _check_apart(t, k, d2, offset)
             else:
                 _check_apart(t, k, head_dim)
-        rot = slice(offset, offset + d2)  # a tensor without a norm: only these are written
+        rot = slice(offset, offset + d2)  # a side without a norm writes only these
         refuse_weights_in(
             (("norm" if k is None else "q_norm", q_norm), ("k_norm", k_norm)),
-            (("t", t),) if k is None else (("q", t if q_norm else t[..., rot]),
-                                           ("k", k if k_norm else k[..., rot])),
+            (("t", t),) if k is None else (("q", t if q_norm or not k_norm else t[..., rot]),
+                                           ("k", k if k_norm or not q_norm else k[..., rot])),
             "the call rotates in place",
             f", or use rope_dispatch.{'apply' if k is None else 'apply_qk'}",
         )
