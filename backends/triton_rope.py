@@ -196,15 +196,21 @@ class RoPEFunction(torch.autograd.Function):
                 "or write a copy"
             )
         unused = [g is None for g in grads]
-        if any(unused):  # q's or k's output unused (the Function gets no call when both are)
-            grads = tuple(torch.zeros(*like[:1], dtype=like[1], device=like[2]) if g is None
-                          else g for g, like in zip(grads, ctx.likes))
+        if not any(unused):  # (the Function gets no call when both of a pair's are unused)
+            return (None, *rotation.backward(grads, ctx.strides, ctx.saved_tensors))
+        grads = tuple(_filled(grads, ctx.likes))
         made = rotation.backward(grads, ctx.strides, ctx.saved_tensors)
-        if any(unused):  # that side's input and norm weight get None, as apply gives them
-            forms = rotation.launch.norm or ()
-            sides = unused + [unused[i] for i, form in enumerate(forms) if form is not None]
-            made = tuple(None if idle else g for g, idle in zip(made, sides))
-        return (None, *made)
+        # the unused side's input and norm weight get None, as apply gives them
+        forms = rotation.launch.norm or ()
+        sides = unused + [unused[i] for i, form in enumerate(forms) if form is not None]
+        return (None, *(None if idle else g for g, idle in zip(made, sides)))
+
+
+def _filled(grads: Any, likes: Any) -> list[torch.Tensor]:
+    """``grads`` with an unused output's ``None`` as zeros like that output (``likes``: each
+    output's shape, dtype and device): the transposed launch takes every gradient."""
+    return [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+            for g, (shape, dtype, device) in zip(grads, likes)]
 
 
 def c_apply(function: type[torch.autograd.Function]) -> Any:
@@ -254,10 +260,8 @@ def _op_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
 
 def _op_backward(ctx: Any, grads: list[torch.Tensor | None]):
     unused = [g is None for g in grads]  # an output unused: its input gets None, as apply's
-    grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-             for g, (shape, dtype, device) in zip(grads, ctx.likes)]
     back = op_launch(_decoded(ctx.described).transposed())
-    made = triton_rope_op(grads, *ctx.saved_tensors, back)
+    made = triton_rope_op(_filled(grads, ctx.likes), *ctx.saved_tensors, back)
     if len(made) == len(unused):  # (a packed qkv call: one input, its gradient in one piece)
         made = [None if idle else g for g, idle in zip(made, unused)]
     return (made,) + (None,) * 7

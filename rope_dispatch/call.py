@@ -737,8 +737,10 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
     b_width = width if b_width is None else b_width
     if a.numel() == 0 or b.numel() == 0 or width == 0 or b_width == 0:
         return False
-    if memoryless() or (a.is_meta and not torch._C._overlaps(a, b)):  # each meta storage
-        return None if memoryless() else False  # starts at address 0: apart unless one
+    if memoryless():
+        return None
+    if a.is_meta and not torch._C._overlaps(a, b):  # meta storages all start at address 0
+        return False
     distance, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
     if rest:
         return None
@@ -785,11 +787,10 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
 def _apart_in_rows(a: torch.Tensor, b: torch.Tensor, distance: int, width: int,
                    b_width: int) -> bool:
     """Whether ``a[..., :width]`` and ``b[..., :b_width]``, ``distance`` elements apart, are
-    told apart by the channels each row holds: where both have the same strides, the channels'
-    1 and every leading one a multiple of the least, ``period``, an element's offset modulo
-    ``period`` is its channel (plus ``distance`` for ``b``), so windows that fall in different
-    places of the period share nothing (slices of one projection's heads, the common case,
-    told without the search)."""
+    told apart by their channels: with the same strides, the channels' 1 and every leading one
+    a multiple of the least, ``period``, an element's offset modulo ``period`` is its channel
+    (plus ``distance`` for ``b``), so windows in different places of the period share nothing
+    (slices of one projection's heads, the common case, told without the search)."""
     strides = a.stride()
     if strides != b.stride() or len(strides) < 2 or strides[-1] != 1:
         return False
@@ -804,9 +805,8 @@ def _apart_in_rows(a: torch.Tensor, b: torch.Tensor, distance: int, width: int,
 def refuse_weights_in(norms: tuple[tuple[str, HeadNorm | None], ...],
                       written: tuple[tuple[str, torch.Tensor | None], ...], writer: str,
                       remedy: str = "") -> None:
-    """A norm weight must share no element with what the call writes (``written``: names and
-    tensors, ``None`` skipped): it would be read while it is overwritten. ``writer`` says who
-    writes them, ``remedy`` ends the error's advice."""
+    """A norm weight must share no element (it would be read while overwritten) with what the
+    call writes (``written``: names and tensors, ``None`` skipped) by ``writer``."""
     for name, norm in norms:
         for target, x in written if norm is not None else ():
             if x is not None and _shares(norm.weight, x):

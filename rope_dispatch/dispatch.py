@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,7 +33,9 @@ from .norm import HeadNorm
 from .registry import Backend
 from .spec import RoPESpec
 from .tables import RotaryTable, address_reader, table_requires_grad
-from .tracing import PLAIN_TENSORS, _dispatch_modes, constant_while_tracing, transformed
+from .tracing import (
+    PLAIN_TENSORS, _dispatch_modes, constant_while_tracing, distributed, transformed,
+)
 
 _forced: contextvars.ContextVar[object] = contextvars.ContextVar("rope_backend", default=None)
 _AUTOMATIC = object()  # use_backend(None)'s scope: no backend forced, ROPE_BACKEND's neither
@@ -533,7 +534,7 @@ def _run(
     checks, the choice and the backend, then a plan for the next such call. ``norms``: q's
     (or ``t``'s) and k's :class:`~rope_dispatch.HeadNorm`, passed to a plan with each call."""
     global _recent_run
-    if type(t) is not _Tensor and _distributed(t):
+    if type(t) is not _Tensor and distributed(t):
         return _dtensor().rotate(t, freqs, spec, start_positions, positions, backend,
                                  in_place=in_place, split=split, k_freqs=k_freqs, k=k, norms=norms)
     key = None
@@ -596,13 +597,6 @@ def _refuse_torchscript() -> None:
             "TorchScript does not see); use torch.export.export (a bounded Dim for a dynamic "
             "length) or torch.compile, which trace them"
         )
-
-
-def _distributed(t: object) -> bool:
-    """Whether ``t`` is a DTensor: asked of tensor subclasses only, and only once torch's
-    DTensor module is loaded (a program without one never imports it through us)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
 
 
 def _dtensor():
@@ -748,7 +742,7 @@ def rope_to_cache(
                             return out
                         break
             key = (id(spec), id(freqs), forced, form)
-    if any(type(x) is not _Tensor and _distributed(x) for x in (q, k, v)):
+    if any(type(x) is not _Tensor and distributed(x) for x in (q, k, v)):
         raise RoPEError(
             "DTensor call: rope_to_cache writes into a KV cache of plain tensors, a serving "
             "step's; pass each rank's local tensors (DTensor.to_local())"
@@ -862,7 +856,7 @@ def explain(
         raise RoPEError(f"{', '.join(named)} given with cache=: rope_to_cache takes none of "
                         "start_positions, split, k_freqs, in_place" if cache is not None else
                         "v, q_out and q_scale are rope_to_cache's: explain it with cache= too")
-    if type(t) is not _Tensor and _distributed(t) and cache is None:  # this rank's shard call
+    if type(t) is not _Tensor and distributed(t) and cache is None:  # this rank's shard call
         t, freqs, spec, positions, k, (q_norm, k_norm) = _dtensor().shard_call(
             t, freqs, spec, start_positions, positions, in_place=in_place, k_freqs=k_freqs, k=k,
             norms=(q_norm, k_norm), split=split)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import math
 import numbers
-import sys
 from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -16,7 +15,7 @@ from pydantic import (
 )
 
 from .errors import RoPEError
-from .tracing import constant_while_tracing, exact_size
+from .tracing import constant_while_tracing, distributed, exact_size
 
 Layout = Literal["sbhd", "bshd", "thd"]
 
@@ -153,8 +152,7 @@ def check_cu_seqlens_tensor(cu_seqlens: Any) -> None:
     """Static checks on ``cu_seqlens`` (type, rank, dtype, length); values are checked per call."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise RoPEError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    dtensors = sys.modules.get("torch.distributed.tensor")  # (loaded by any DTensor user)
-    if dtensors is not None and isinstance(cu_seqlens, dtensors.DTensor):
+    if distributed(cu_seqlens):
         raise RoPEError(
             "cu_seqlens must be a plain tensor of the global offsets (the same on every rank), "
             "got a DTensor; pass a plain one (a replicated DTensor's to_local())"
@@ -176,6 +174,15 @@ def _text_with(static_text: str, at: int, value: object) -> str:
     once at trace time, its result a constant (:meth:`RoPESpec.with_cu_seqlens` traced)."""
     key = ast.literal_eval(static_text)
     return repr((*key[:at], value, *key[at + 1:]))
+
+
+def _checked(make: Any, *args: Any, **kwargs: Any) -> Any:
+    """``make(*args, **kwargs)`` (pydantic's validation of a spec), its ValidationError raised
+    as :class:`~rope_dispatch.RoPEError` naming the field (:func:`_spec_problem`)."""
+    try:
+        return make(*args, **kwargs)
+    except ValidationError as exc:
+        raise RoPEError(_spec_problem(exc)) from None
 
 
 def _spec_problem(exc: ValidationError) -> str:
@@ -287,35 +294,23 @@ class RoPESpec(BaseModel):
             self._validate(fields)
 
     def _validate(self, fields: dict[str, Any]) -> None:
-        try:
-            super().__init__(**fields)
-        except ValidationError as exc:
-            raise RoPEError(_spec_problem(exc)) from None
+        _checked(super().__init__, **fields)
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> RoPESpec:
         """A spec from a dict (a config's), validated as the constructor validates: a bad field
         raises :class:`~rope_dispatch.RoPEError` naming it, not pydantic's error."""
-        try:
-            return super().model_validate(obj, **kwargs)
-        except ValidationError as exc:
-            raise RoPEError(_spec_problem(exc)) from None
+        return _checked(super().model_validate, obj, **kwargs)
 
     @classmethod
     def model_validate_json(cls, json_data: Any, **kwargs: Any) -> RoPESpec:
         """:meth:`model_validate` from JSON text."""
-        try:
-            return super().model_validate_json(json_data, **kwargs)
-        except ValidationError as exc:
-            raise RoPEError(_spec_problem(exc)) from None
+        return _checked(super().model_validate_json, json_data, **kwargs)
 
     @classmethod
     def model_validate_strings(cls, obj: Any, **kwargs: Any) -> RoPESpec:
         """:meth:`model_validate` in pydantic's strings mode."""
-        try:
-            return super().model_validate_strings(obj, **kwargs)
-        except ValidationError as exc:
-            raise RoPEError(_spec_problem(exc)) from None
+        return _checked(super().model_validate_strings, obj, **kwargs)
 
     @classmethod
     def model_construct(cls, _fields_set: set[str] | None = None, **values: Any) -> RoPESpec:

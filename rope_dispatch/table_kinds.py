@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .errors import RoPEError, RoPETypeError
-from .tracing import fake, memoryless
+from .tracing import distributed, fake, memoryless
 
 
 @dataclass(frozen=True, eq=False)
@@ -203,8 +202,7 @@ class RateTable:
             raise RoPEError(
                 f"RateTable's inv_freq must be a float32 tensor [d2 / 2], got {type(rates).__name__}"
             )
-        dtensors = sys.modules.get("torch.distributed.tensor")  # (loaded by any DTensor user)
-        if dtensors is not None and isinstance(rates, dtensors.DTensor):
+        if distributed(rates):
             raise RoPEError(
                 "RateTable's inv_freq must be a plain tensor, got a DTensor; build it of a plain "
                 "tensor (every rank computes the same rows from the same rates), for DTensor "
@@ -303,14 +301,17 @@ class RateTable:
         :meth:`angle_table` (the same products, bit for bit) without making the table, NaN at
         positions outside ``0 .. rows - 1``."""
         rates = self._kernel_rates[: self.inv_freq.shape[0]]  # type: ignore[attr-defined]
+        return _layout(self._products(pos.unsqueeze(-1), rates), interleaved)
+
+    def _products(self, pos: torch.Tensor, rates: torch.Tensor) -> torch.Tensor:
+        """The table's float32 angles ``pos * rates`` (broadcast; a precise table's reduced
+        from float64), NaN where ``pos`` lies outside ``0 .. rows - 1``."""
         with _autocast_off(pos.device.type):
             if self.precise:
-                angles = _reduced(pos.double().unsqueeze(-1) * rates.double())
+                angles = _reduced(pos.double() * rates.double())
             else:
-                angles = pos.float().unsqueeze(-1) * rates
-        angles = _layout(angles, interleaved)
-        inside = (pos >= 0) & (pos < self.rows)
-        return torch.where(inside.unsqueeze(-1), angles, float("nan"))
+                angles = pos.float() * rates
+        return torch.where((pos >= 0) & (pos < self.rows), angles, float("nan"))
 
     def angle_rows(self, interleaved: bool = False) -> torch.Tensor:
         """:meth:`angle_table` as ``[rows, d2]`` (a view): what backends that gather table rows
@@ -453,13 +454,7 @@ def _rate_rows(table: RateTable, rows: torch.Tensor) -> torch.Tensor:
     computed from its channel's rate instead (the same values, bit for bit), so no table of
     ``rows x d2`` floats is made: a rate table may have any number of rows."""
     rates = table._kernel_rates[:, None]  # type: ignore[attr-defined]  # [d2, 1], halves
-    with _autocast_off(rows.device.type):
-        if table.precise:
-            angles = _reduced(rows.double() * rates.double())
-        else:
-            angles = rows.float() * rates
-    inside = (rows >= 0) & (rows < table.rows)
-    return torch.where(inside, angles, float("nan")).t().contiguous()
+    return table._products(rows, rates).t().contiguous()
 
 
 def multimodal_rows(

@@ -45,6 +45,13 @@ def recompile_limit_hit(exc: BaseException) -> bool:
                for e in (exc, exc.__cause__) if e is not None)
 
 
+def distributed(t: object) -> bool:
+    """Whether ``t`` is a DTensor, asked only once torch's DTensor module is loaded (a program
+    without one never imports it through us)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def _fake_mode_active() -> bool:
     return torch._C._get_dispatch_mode(_FAKE_MODE) is not None
 

@@ -148,8 +148,6 @@ def _table(cos_sin_cache: object,
     return wrapper, positions
 
 
-
-
 def _count(name: str, value: object, least: int) -> int:
     """``value`` as an int: any integral number (a NumPy one from a config too), not a bool."""
     wrong_type = type(value) is not int and (isinstance(value, bool)
