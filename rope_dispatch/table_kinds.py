@@ -748,13 +748,15 @@ def angle_table(
     rotated pair: ``[a_0 .. a_{n-1}, a_0 .. a_{n-1}]`` (the two halves, NeoX style) or, with
     ``interleaved``, ``[a_0, a_0, a_1, a_1, ...]``. ``scale`` shrinks positions (linear
     interpolation: ``1 / factor``); ``1.0`` leaves them unscaled. The result has ``inv_freq``'s
-    dtype and device, is contiguous, and is computed with autocast off.
+    dtype and device, is contiguous, and is computed with autocast off. ``offset`` must be a
+    finite number (negative ones too: TE takes any), ``scale`` a finite number > 0.
     """
     _check_rates(inv_freq)
     if isinstance(length, bool) or not isinstance(length, (numbers.Integral, torch.SymInt)) or (
         length < 0
     ):
         raise RoPEError(f"length must be an int >= 0 (the table's rows), got {length!r}")
+    _check_position_terms(offset, scale)
     with _autocast_off(inv_freq.device.type):
         positions = torch.arange(length, device=inv_freq.device, dtype=inv_freq.dtype) + offset
         if scale != 1.0:
@@ -762,6 +764,30 @@ def angle_table(
         angles = torch.outer(positions, inv_freq)  # one float32 multiply per entry
     angles = _layout(angles, interleaved)
     return angles.reshape(length, 1, 1, angles.shape[-1])
+
+
+def _check_position_terms(offset: object, scale: object) -> None:
+    """Refuse an ``offset`` that is not a finite number and a ``scale`` that is not a finite
+    number > 0 (NaN or infinity would fill the table with NaN, a string or None would fail
+    inside torch). Not while torch.compile traces (its ints and floats may be symbolic, which
+    the checks would specialize or break on), nor symbolic sizes."""
+    if torch.compiler.is_compiling():
+        return
+    symbolic = (torch.SymInt, torch.SymFloat)
+    if not isinstance(offset, symbolic):
+        if isinstance(offset, bool) or not isinstance(offset, numbers.Real) or not (
+            -(2**63) < offset < 2**63 and math.isfinite(offset)
+        ):
+            raise RoPEError(
+                f"offset must be a finite number (the first row's position), got {offset!r}"
+            )
+    if not isinstance(scale, symbolic):
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
+            0 < scale < math.inf
+        ):
+            raise RoPEError(
+                f"scale must be a finite number > 0 (the factor on positions), got {scale!r}"
+            )
 
 
 def _check_interleaved(interleaved: object) -> None:

@@ -682,3 +682,42 @@ def test_rates_are_made_on_the_cpu_under_a_default_device(case):
     assert f.inv_freq.device == torch.device("cpu")
     torch.testing.assert_close(f.inv_freq, expected, rtol=RATES_RTOL, atol=0)
     assert f.cos_sin_cache(length).cos.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("argument, value", [
+    ("scale", float("nan")), ("scale", float("inf")), ("scale", 0.0), ("scale", -0.5),
+    ("scale", "2"), ("scale", None), ("scale", True),
+    ("offset", float("nan")), ("offset", float("-inf")), ("offset", "1"), ("offset", None),
+    ("offset", False), ("offset", 2**70),
+])
+def test_angle_table_refuses_bad_offset_and_scale(argument, value):
+    """A NaN or infinite scale or offset filled the table with NaN (or infinity) silently; a
+    string, None or an int past int64 failed inside torch."""
+    expected = "a finite number > 0" if argument == "scale" else "a finite number"
+    message = rf"^{argument} must be {expected} .*got {re.escape(repr(value))}$"
+    with pytest.raises(RoPEError, match=message):
+        tables.angle_table(tables.inverse_frequencies(8), 4, **{argument: value})
+
+
+def test_te_module_with_checked_offset_compiles_with_dynamic_sizes():
+    """The offset and scale checks stay out of torch.compile's graph: TE's module traced with
+    dynamic lengths and offsets (symbolic ints) gives its eager tables, without a graph break."""
+    torch._dynamo.reset()
+    module = RotaryPositionEmbedding(16, seq_len_interpolation_factor=2,
+                                     pretrained_max_position_embeddings=8)
+    compiled = torch.compile(lambda n, offset: module(n, offset=offset), dynamic=True,
+                             fullgraph=True, backend="eager")
+    for n, offset in ((10, 1), (40, 3), (7, 0)):
+        assert torch.equal(compiled(n, offset), module(n, offset=offset))
+
+
+def test_angle_table_offset_and_scale_against_float64():
+    """Offsets (negative ones too, as TransformerEngine takes them) and scales that are finite
+    numbers, NumPy's included, give the angles of positions ``(p + offset) * scale``."""
+    np = pytest.importorskip("numpy")
+    rates = tables.inverse_frequencies(8)
+    for offset, scale in ((-3, 0.5), (2.5, np.float32(0.25)), (np.int64(7), 1.0)):
+        table = tables.angle_table(rates, 5, offset=offset, scale=scale)[:, 0, 0, :4].double()
+        positions = (torch.arange(5, dtype=torch.float64) + float(offset)) * float(scale)
+        expected = torch.outer(positions, rates.double())
+        torch.testing.assert_close(table, expected, rtol=2e-7, atol=1e-7)
