@@ -576,6 +576,8 @@ def from_hf_config(
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type == "mrope":  # Qwen2-VL's checkpoints: default rates, as transformers reads them
         rope_type = "default"
+    if rope_type == "su":  # Phi-3's first checkpoints: transformers' Phi-3 config renames it
+        rope_type = "longrope"
     if rope_type not in HF_ROPE_TYPES:
         raise RoPEError(
             f"{where}['rope_type'] is {rope_type!r}; rope-dispatch builds tables for the rope "

@@ -721,3 +721,33 @@ def test_angle_table_offset_and_scale_against_float64():
         positions = (torch.arange(5, dtype=torch.float64) + float(offset)) * float(scale)
         expected = torch.outer(positions, rates.double())
         torch.testing.assert_close(table, expected, rtol=2e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("length", [300, 2048], ids=["short", "long"])
+def test_phi3_su_rope_type_is_read_as_longrope(length):
+    """Phi-3's first checkpoints name LongRoPE "su"; transformers 5.23's Phi-3 config renames
+    it "longrope" (as "yarn" there), so a config read from such a checkpoint's JSON (a
+    ``rope_scaling`` of type "su") has LongRoPE's rates and attention factor. It was refused as
+    an unknown rope type."""
+    factors = {"short_factor": [1.0 + k / 40 for k in range(16)],
+               "long_factor": [1.0 + k ** 1.5 / 3 for k in range(16)],
+               "original_max_position_embeddings": 256}
+    sizes = dict(hidden_size=128, num_attention_heads=4, max_position_embeddings=4096,
+                 original_max_position_embeddings=256)
+    plain = SimpleNamespace(rope_theta=10000.0, rope_scaling={"type": "su", **factors}, **sizes)
+    transformers_config = Phi3Config(rope_scaling={"type": "su", **factors}, **sizes)
+    assert transformers_config.rope_parameters["rope_type"] == "longrope"  # transformers' rename
+    f = from_hf_config(plain, length)
+    assert f.rope_type == "longrope" and f.max_positions == length
+    expected_rates, expected_factor = hf_rates(transformers_config, Phi3RotaryEmbedding, length)
+    torch.testing.assert_close(f.inv_freq, expected_rates, rtol=RATES_RTOL, atol=0)
+    assert f.attention_factor == pytest.approx(expected_factor, rel=1e-12)
+    cos, sin = hf_cos_sin(transformers_config, Phi3RotaryEmbedding, length)
+    cache = f.cos_sin_cache(length)
+    torch.testing.assert_close(cache.cos, cos, rtol=0, atol=2e-6)
+    torch.testing.assert_close(cache.sin, sin, rtol=0, atol=2e-6)
+    # and against the float64 formula: default rates over the regime's per-pair factors
+    chosen = factors["long_factor" if length > 256 else "short_factor"]
+    rates = torch.tensor([10000.0 ** (-2 * k / 32) / chosen[k] for k in range(16)],
+                         dtype=torch.float64)
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=3e-6, atol=0)
