@@ -619,8 +619,13 @@ def from_hf_config(
         raise RoPEError(f"{where}['partial_rotary_factor'] must be in (0, 1], got {partial!r}")
     head_dim = _hf_head_dim(config)
     dim = int(head_dim * partial)
-    rotary_dim = _hf_attribute(config, "rotary_dim")
-    if rotary_dim is not None:  # GPT-J, CodeGen: the rotated channels, given outright
+    # GPT-J and CodeGen give their rotated channels outright (and no rope_parameters); where a
+    # config has rope_parameters, transformers' rotary modules read the partial factor, not a
+    # rotary_dim field beside it (MiniMax-M3's config keeps one that its model does not read).
+    rotary_dim = None if _hf_attribute(config, "rope_parameters") else (
+        _hf_attribute(config, "rotary_dim")
+    )
+    if rotary_dim is not None:
         dim = _count("config.rotary_dim", rotary_dim)
         if dim > head_dim:
             raise RoPEError(

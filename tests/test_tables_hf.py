@@ -599,9 +599,38 @@ def test_rotary_dim_field_gives_the_rotated_channels():
     torch.testing.assert_close(
         f.inv_freq.double(), torch.tensor([10000.0 ** (-2 * k / 64) for k in range(32)],
                                           dtype=torch.float64), rtol=RATES_RTOL, atol=0)
-    wide = SimpleNamespace(head_dim=32, rotary_dim=64, rope_parameters={"rope_type": "default"})
+    wide = SimpleNamespace(head_dim=32, rotary_dim=64, rope_theta=10000.0)
     with pytest.raises(RoPEError, match=r"config.rotary_dim=64 is more than the head dim 32"):
         from_hf_config(wide, 16)
+
+
+@pytest.mark.parametrize("partial", [None, 0.5])
+def test_rotary_dim_field_beside_rope_parameters_is_not_read(partial):
+    """MiniMax-M3's text config keeps a ``rotary_dim`` field (64) that its rotary embedding does
+    not read: transformers' module rotates ``head_dim * partial_rotary_factor`` channels of
+    ``rope_parameters``, as every module of a config with ``rope_parameters`` does. The table
+    had ``rotary_dim``'s 64 channels where the model rotates 128 (or 64 of a factor 0.5)."""
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import (
+        MiniMaxM3VLTextConfig,
+    )
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
+        MiniMaxM3VLRotaryEmbedding,
+    )
+
+    rope_parameters = {"rope_type": "default", "rope_theta": 5e6}
+    if partial is not None:
+        rope_parameters["partial_rotary_factor"] = partial
+    config = MiniMaxM3VLTextConfig(hidden_size=256, num_attention_heads=2, head_dim=128,
+                                   rotary_dim=64, rope_parameters=rope_parameters)
+    f = from_hf_config(config, 40)
+    dim = int(128 * (partial or 1.0))
+    assert f.rotary_dim == dim
+    rates = torch.tensor([5e6 ** (-2 * k / dim) for k in range(dim // 2)], dtype=torch.float64)
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=3e-6, atol=0)
+    cos, sin = hf_cos_sin(config, MiniMaxM3VLRotaryEmbedding, 40)
+    cache = f.cos_sin_cache(40)
+    torch.testing.assert_close(cache.cos, cos, rtol=0, atol=2e-6)
+    torch.testing.assert_close(cache.sin, sin, rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("length, mscale", [(64, 1.2432), (4096, 1.2432), (4097, 1.3)])
