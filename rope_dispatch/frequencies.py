@@ -610,13 +610,20 @@ def from_hf_config(
             found = parameters.get("original_max_position_embeddings")
         return max_position_embeddings() if found is None else found
 
+    # GPT-NeoX's configs (and transformers 4's GPTNeoXConfig) name the base and the partial
+    # factor rotary_emb_base and rotary_pct; transformers 5 reads them as these two.
     theta = value("rope_theta", _hf_attribute(config, "rope_theta"))
     if theta is None:
+        theta = _hf_attribute(config, "rotary_emb_base")
+    if theta is None:
         theta = _hf_attribute(config, "default_theta") or 10000.0
+    partial_name = f"{where}['partial_rotary_factor']"
     partial = value("partial_rotary_factor", _hf_attribute(config, "partial_rotary_factor"))
-    partial = 1.0 if partial is None else _positive(f"{where}['partial_rotary_factor']", partial)
+    if partial is None and _hf_attribute(config, "rotary_pct") is not None:
+        partial_name, partial = "config.rotary_pct", _hf_attribute(config, "rotary_pct")
+    partial = 1.0 if partial is None else _positive(partial_name, partial)
     if partial > 1.0:
-        raise RoPEError(f"{where}['partial_rotary_factor'] must be in (0, 1], got {partial!r}")
+        raise RoPEError(f"{partial_name} must be in (0, 1], got {partial!r}")
     head_dim = _hf_head_dim(config)
     dim = int(head_dim * partial)
     # GPT-J and CodeGen give their rotated channels outright (and no rope_parameters); where a

@@ -780,3 +780,24 @@ def test_phi3_su_rope_type_is_read_as_longrope(length):
     rates = torch.tensor([10000.0 ** (-2 * k / 32) / chosen[k] for k in range(16)],
                          dtype=torch.float64)
     torch.testing.assert_close(f.inv_freq.double(), rates, rtol=3e-6, atol=0)
+
+
+def test_gpt_neox_rotary_pct_and_rotary_emb_base():
+    """GPT-NeoX's config.json (Pythia's, and a transformers 4 GPTNeoXConfig's attributes) give
+    the partial factor and the base as ``rotary_pct`` and ``rotary_emb_base``, which
+    transformers 5.23's GPTNeoXConfig reads into ``rope_parameters``. A config with those names
+    got the full head dim and base 10000 (every channel rotated, at the wrong rates)."""
+    raw = dict(hidden_size=256, num_attention_heads=4, max_position_embeddings=2048,
+               rotary_pct=0.25, rotary_emb_base=20000)
+    transformers_config = GPTNeoXConfig(**raw)
+    assert transformers_config.rope_parameters["partial_rotary_factor"] == 0.25
+    f = from_hf_config(SimpleNamespace(**raw), 50)
+    assert f.rotary_dim == 16
+    rates = torch.tensor([20000.0 ** (-2 * k / 16) for k in range(8)], dtype=torch.float64)
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=3e-6, atol=0)
+    cos, sin = hf_cos_sin(transformers_config, GPTNeoXRotaryEmbedding, 50)
+    cache = f.cos_sin_cache(50)
+    torch.testing.assert_close(cache.cos, cos, rtol=0, atol=2e-6)
+    torch.testing.assert_close(cache.sin, sin, rtol=0, atol=2e-6)
+    with pytest.raises(RoPEError, match=r"config.rotary_pct must be in \(0, 1\], got 2.0"):
+        from_hf_config(SimpleNamespace(**{**raw, "rotary_pct": 2.0}), 50)
