@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import RoPEError
+from .tracing import fake
 from .table_kinds import (
     CosSinCache, RateTable, _count, _positive, _rotary_dim, add_frequency_type, angle_table,
     inverse_frequencies,
@@ -72,6 +73,16 @@ class RotaryFrequencies:
             raise RoPEError(f"inv_freq must be a float32 tensor [d2 / 2], got {shown}")
         if rates.numel() < 1:
             raise RoPEError("inv_freq must hold at least one rate, got an empty tensor")
+        # (rates without memory, meta or fake tensors, cannot be read: a table of them neither;
+        # nor while torch.compile traces, where reading them would break the graph)
+        unread = torch.compiler.is_compiling() or rates.is_meta or fake(rates)
+        finite = None if unread else torch.isfinite(rates)
+        if finite is not None and not bool(finite.all()):  # NaN or infinite angles everywhere
+            pair = int((~finite).nonzero()[0, 0])
+            raise RoPEError(
+                f"inv_freq must hold finite rates, got {rates[pair].item()!r} at pair {pair} "
+                f"of {rates.numel()}"
+            )
         for name in ("attention_factor", "position_scale"):
             object.__setattr__(self, name, _positive(name, getattr(self, name)))
         if not isinstance(self.rope_type, str):

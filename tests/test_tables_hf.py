@@ -801,3 +801,26 @@ def test_gpt_neox_rotary_pct_and_rotary_emb_base():
     torch.testing.assert_close(cache.sin, sin, rtol=0, atol=2e-6)
     with pytest.raises(RoPEError, match=r"config.rotary_pct must be in \(0, 1\], got 2.0"):
         from_hf_config(SimpleNamespace(**{**raw, "rotary_pct": 2.0}), 50)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_rotary_frequencies_refuse_rates_that_are_not_finite(bad):
+    """A RotaryFrequencies of a NaN or infinite rate gave angle tables, caches and rate tables
+    of NaN or infinite angles without a word (every token's pair rotated to NaN)."""
+    rates = torch.tensor([1.0, bad, 0.25])
+    with pytest.raises(RoPEError, match=rf"inv_freq must hold finite rates, got {bad!r} at "
+                                        r"pair 1 of 3$"):
+        RotaryFrequencies(rates)
+    # finite rates, zero and negative ones too, give the float64 products
+    f = RotaryFrequencies(torch.tensor([1.0, 0.0, -0.25]))
+    expected = torch.outer(torch.arange(4, dtype=torch.float64),
+                           torch.tensor([1.0, 0.0, -0.25], dtype=torch.float64))
+    torch.testing.assert_close(f.angle_table(4)[:, 0, 0, :3].double(), expected, rtol=0, atol=0)
+    # rates without memory (models built on the meta device) are not read, nor traced ones
+    with torch.device("meta"):
+        assert from_te_options(64, 16).inv_freq.is_meta
+    torch._dynamo.reset()
+    rates = tables.inverse_frequencies(16)
+    compiled = torch.compile(lambda x: RotaryFrequencies(rates * x).angle_table(8),
+                             fullgraph=True, backend="eager")
+    assert torch.equal(compiled(torch.ones(())), tables.angle_table(rates, 8))
