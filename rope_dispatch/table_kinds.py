@@ -748,10 +748,22 @@ def angle_table(
     rotated pair: ``[a_0 .. a_{n-1}, a_0 .. a_{n-1}]`` (the two halves, NeoX style) or, with
     ``interleaved``, ``[a_0, a_0, a_1, a_1, ...]``. ``scale`` shrinks positions (linear
     interpolation: ``1 / factor``); ``1.0`` leaves them unscaled. The result has ``inv_freq``'s
-    dtype and device, is contiguous, and is computed with autocast off. ``offset`` must be a
-    finite number (negative ones too: TE takes any), ``scale`` a finite number > 0.
+    dtype (float32, or float64; half-precision rates are refused: positions counted in them
+    would be rounded) and device, is contiguous, and is computed with autocast off.
+    ``offset`` must be a finite number (negative ones too: TE takes any), ``scale`` a finite
+    number > 0.
     """
     _check_rates(inv_freq)
+    if inv_freq.dtype not in (torch.float32, torch.float64):
+        # its positions would be counted in that dtype: bfloat16 holds whole numbers to 256,
+        # float16 to 2048, so later rows would hold the angles of rounded positions
+        raise RoPEError(
+            f"inv_freq must be float32 (or float64) rates, got "
+            f"{str(inv_freq.dtype).removeprefix('torch.')}: the table's positions would be "
+            "counted in that dtype, which rounds them; compute the rates in float32 (a model "
+            "cast to half precision casts its inv_freq buffer too: inv_freq.float() keeps its "
+            "rounded rates, inverse_frequencies() or tables.from_hf_config() gives them anew)"
+        )
     if isinstance(length, bool) or not isinstance(length, (numbers.Integral, torch.SymInt)) or (
         length < 0
     ):

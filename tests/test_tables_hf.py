@@ -824,3 +824,21 @@ def test_rotary_frequencies_refuse_rates_that_are_not_finite(bad):
     compiled = torch.compile(lambda x: RotaryFrequencies(rates * x).angle_table(8),
                              fullgraph=True, backend="eager")
     assert torch.equal(compiled(torch.ones(())), tables.angle_table(rates, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_angle_table_refuses_half_precision_rates(dtype):
+    """The table's positions were counted in the rates' dtype: bfloat16 rates (a model cast to
+    bfloat16 casts its inv_freq buffer, TE's module too) gave row 257 the angles of position
+    256, float16 rates row 2049 those of 2048, in a half-precision table."""
+    rates = tables.inverse_frequencies(8)
+    with pytest.raises(RoPEError, match=rf"inv_freq must be float32 \(or float64\) rates, got "
+                                        rf"{str(dtype).removeprefix('torch.')}"):
+        tables.angle_table(rates.to(dtype), 3000)
+    with pytest.raises(RoPEError, match=r"inv_freq must be float32 \(or float64\) rates"):
+        RotaryPositionEmbedding(8).to(dtype)(3000)
+    # float64 rates give a float64 table of the exact products
+    table = tables.angle_table(rates.double(), 3000)
+    assert table.dtype == torch.float64
+    expected = torch.outer(torch.arange(3000, dtype=torch.float64), rates.double())
+    torch.testing.assert_close(table[:, 0, 0, :4], expected, rtol=0, atol=0)
