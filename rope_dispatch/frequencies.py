@@ -13,8 +13,8 @@ import torch
 from .errors import RoPEError
 from .tracing import fake
 from .table_kinds import (
-    CosSinCache, RateTable, _count, _positive, _rotary_dim, add_frequency_type, angle_table,
-    inverse_frequencies,
+    FLOAT32_MAX, CosSinCache, RateTable, _base, _count, _positive, _rotary_dim, add_frequency_type,
+    angle_table, inverse_frequencies,
 )
 
 
@@ -200,7 +200,7 @@ def _cpu_rates(dim: int, base: float) -> torch.Tensor:
 def default_frequencies(dim: int, *, rope_theta: float = 10000.0) -> RotaryFrequencies:
     """The original RoPE rates ``1 / rope_theta ** (2k / dim)`` for a rotary dim ``dim``."""
     dim = _rotary_dim(dim)
-    return RotaryFrequencies(_cpu_rates(dim, _positive("rope_theta", rope_theta)))
+    return RotaryFrequencies(_cpu_rates(dim, _base("rope_theta", rope_theta)))
 
 
 def linear_frequencies(
@@ -210,7 +210,7 @@ def linear_frequencies(
     ``factor`` times, so ``factor`` times the trained length fits)."""
     dim = _rotary_dim(dim)
     factor = _positive("factor", factor)
-    rates = _cpu_rates(dim, _positive("rope_theta", rope_theta)) / factor
+    rates = _cpu_rates(dim, _base("rope_theta", rope_theta)) / factor
     return RotaryFrequencies(rates, rope_type="linear")
 
 
@@ -233,7 +233,7 @@ def dynamic_ntk_frequencies(
     factor = _positive("factor", factor)
     original = _count("max_position_embeddings", max_position_embeddings)
     length = _count("seq_len", seq_len)
-    base = _positive("rope_theta", rope_theta)
+    base = _base("rope_theta", rope_theta)
     if length > original:
         try:
             base = base * (factor * length / original - (factor - 1)) ** (dim / (dim - 2))
@@ -245,6 +245,13 @@ def dynamic_ntk_frequencies(
                 f"rope_theta * (factor * seq_len / max_position_embeddings - factor + 1) ** "
                 f"(dim / (dim - 2)) with rope_theta={rope_theta!r}, max_position_embeddings="
                 f"{original} and dim={dim}"
+            )
+        if base > FLOAT32_MAX:  # the rates are float32 powers of it: all but the first 0
+            raise RoPEError(
+                f"factor={factor!r} and seq_len={length} grow the base to {base:.6g}, past "
+                f"float32's largest number {FLOAT32_MAX:.6g} (the rates are float32 powers of "
+                f"it; every rate but the first would be 0), with rope_theta={rope_theta!r}, "
+                f"max_position_embeddings={original} and dim={dim}"
             )
     return RotaryFrequencies(_cpu_rates(dim, base), rope_type="dynamic", max_positions=length)
 
@@ -275,7 +282,7 @@ def yarn_frequencies(
         raise RoPEError(f"dim must be even for YaRN (one ramp value per pair), got {dim}")
     factor = _positive("factor", factor)
     original = _count("original_max_position_embeddings", original_max_position_embeddings)
-    base = _positive("rope_theta", rope_theta)
+    base = _base("rope_theta", rope_theta)
     if base == 1.0:
         raise RoPEError("rope_theta must not be 1 for YaRN (its ramp divides by log(rope_theta))")
     fast, slow = _positive("beta_fast", beta_fast), _positive("beta_slow", beta_slow)
@@ -354,7 +361,7 @@ def longrope_frequencies(
     original = _count("original_max_position_embeddings", original_max_position_embeddings)
     length = _count("seq_len", seq_len)
     factor = _positive("factor", factor)
-    base = _positive("rope_theta", rope_theta)
+    base = _base("rope_theta", rope_theta)
     if length > original:
         pair_factors = _factor_list("long_factor", long_factor, count)
     else:
@@ -394,7 +401,7 @@ def llama3_frequencies(
             f"high_freq_factor must be greater than low_freq_factor, got high_freq_factor={high} "
             f"and low_freq_factor={low}"
         )
-    rates = _cpu_rates(dim, _positive("rope_theta", rope_theta))
+    rates = _cpu_rates(dim, _base("rope_theta", rope_theta))
     wavelengths = 2 * math.pi / rates
     kept_below, scaled_above = original / high, original / low
     scaled = torch.where(wavelengths > scaled_above, rates / factor, rates)
@@ -457,7 +464,7 @@ def from_te_options(
     scale = _te_position_scale(
         length, seq_len_interpolation_factor, pretrained_max_position_embeddings
     )
-    rates = inverse_frequencies(dim, _positive("rotary_base", rotary_base), device=device)
+    rates = inverse_frequencies(dim, _base("rotary_base", rotary_base), device=device)
     return RotaryFrequencies(
         rates, rope_type="linear" if interpolating else "default", position_scale=scale,
         max_positions=length if interpolating else None,

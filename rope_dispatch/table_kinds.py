@@ -694,6 +694,23 @@ def _positive(argument: str, value: object) -> float:
     return number
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _base(argument: str, value: object) -> float:
+    """A rotary base: a finite number > 0 that float32 holds. The rates are float32 powers of
+    it; a larger one is infinite in float32 (every rate but the first would be 0), one below
+    float32's smallest number is 0 there (every rate but the first would be infinite)."""
+    base = _positive(argument, value)
+    if not 2.0**-149 <= base <= FLOAT32_MAX:
+        raise RoPEError(
+            f"{argument} must be within float32's range, {2.0**-149:.6g} to {FLOAT32_MAX:.6g} "
+            f"(the rates are float32 powers of it; beyond, every rate but the first is 0 or "
+            f"infinite), got {value!r}"
+        )
+    return base
+
+
 def _rotary_dim(dim: object, argument: str = "dim (the rotary dim)", least: int = 2) -> int:
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < least:
         raise RoPEError(f"{argument} must be an int >= {least}, got {dim!r}")
@@ -710,7 +727,7 @@ def inverse_frequencies(
     the power are float32, as in TransformerEngine.
     """
     dim = _rotary_dim(dim, least=1)  # an odd dim is rounded up: 1 gives one rate, as in TE
-    base = _positive("base", base)
+    base = _base("base", base)
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
     return 1.0 / (base ** exponents)
 

@@ -842,3 +842,46 @@ def test_angle_table_refuses_half_precision_rates(dtype):
     assert table.dtype == torch.float64
     expected = torch.outer(torch.arange(3000, dtype=torch.float64), rates.double())
     torch.testing.assert_close(table[:, 0, 0, :4], expected, rtol=0, atol=0)
+
+
+def test_a_base_past_float32_is_refused():
+    """The rates are float32 powers of the base: a base past float32's largest number is
+    infinite there, so every rate but the first was 0 (those pairs never turned), without a
+    word, from any builder, TE's options and a dynamic NTK base grown that far; one below its
+    smallest is 0 there, and those rates were infinite."""
+    big = 1e39
+    words = r"must be within float32's range, 1.4013e-45 to 3.40282e\+38 .* got 1e\+39$"
+    with pytest.raises(RoPEError, match="^base " + words):
+        tables.inverse_frequencies(8, big)
+    builders = {
+        "default": lambda: tables.default_frequencies(8, rope_theta=big),
+        "linear": lambda: tables.linear_frequencies(8, factor=2.0, rope_theta=big),
+        "yarn": lambda: tables.yarn_frequencies(8, factor=2.0, rope_theta=big,
+                                                original_max_position_embeddings=64),
+        "llama3": lambda: tables.llama3_frequencies(8, factor=8.0, rope_theta=big,
+                                                    original_max_position_embeddings=64),
+        "longrope": lambda: tables.longrope_frequencies(
+            8, short_factor=[1.0] * 4, long_factor=[1.0] * 4, original_max_position_embeddings=64,
+            seq_len=8, factor=2.0, rope_theta=big),
+        "dynamic": lambda: tables.dynamic_ntk_frequencies(
+            8, factor=2.0, max_position_embeddings=64, seq_len=8, rope_theta=big),
+    }
+    for name, build in builders.items():
+        with pytest.raises(RoPEError, match="rope_theta " + words):
+            build()
+    with pytest.raises(RoPEError, match="rotary_base " + words):
+        from_te_options(8, 4, rotary_base=big)
+    with pytest.raises(RoPEError, match="rotary_base " + words):
+        RotaryPositionEmbedding(8, rotary_base=big)
+    with pytest.raises(RoPEError, match=r"factor=1e\+35 and seq_len=1000 grow the base to "
+                                        r"[0-9.]+e\+4[0-9], past float32's largest number"):
+        tables.dynamic_ntk_frequencies(128, factor=1e35, max_position_embeddings=10,
+                                       seq_len=1000)
+    # one below float32's smallest number is 0 there: every rate but the first was infinite
+    with pytest.raises(RoPEError, match=r"base must be within float32's range.* got 1e-46$"):
+        tables.inverse_frequencies(8, 1e-46)
+    # the largest float32 base still gives its float32 powers (none of them 0 here)
+    top = torch.finfo(torch.float32).max
+    rates = tables.inverse_frequencies(8, top).double()
+    expected = torch.tensor([top ** (-k / 4) for k in range(4)], dtype=torch.float64)
+    torch.testing.assert_close(rates, expected, rtol=1e-5, atol=0)

@@ -50,7 +50,7 @@ import torch
 from ..dispatch import apply, apply_qkv
 from ..errors import RoPEError, RoPETypeError
 from ..spec import SUPPORTED_DTYPES, RoPESpec, constant_spec, dtype_name
-from ..table_kinds import _positive, _rotary_dim
+from ..table_kinds import _base, _positive, _rotary_dim
 from ..tables import angle_table, inverse_frequencies
 from .flashinfer import _mapped
 
@@ -266,7 +266,7 @@ class RotaryPositionEmbedding(torch.nn.Module):
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
         self.rotary_base = rotary_base
         self.interleaved = interleaved
-        _positive("rotary_base", rotary_base)  # inverse_frequencies would call it base
+        _base("rotary_base", rotary_base)  # inverse_frequencies would call it base
         # 0 divides by zero in forward, a negative one turns positions negative; any other
         # number serves TE's math (a length of 4096.0 too)
         for name, value in (("seq_len_interpolation_factor", seq_len_interpolation_factor),
