@@ -652,6 +652,21 @@ def test_longrope_short_and_long_mscale_are_the_attention_factor(length, mscale)
     torch.testing.assert_close(cache.cos[-1, :32].double(), mscale * torch.cos(angle), rtol=0, atol=2e-4)
 
 
+@pytest.mark.parametrize("length, key", [(64, "short_mscale"), (2048, "long_mscale")])
+@pytest.mark.parametrize("bad", [math.nan, "1.2", 0.0])
+def test_bad_longrope_mscale_is_named(length, key, bad):
+    """Phi-3.5-MoE's short_mscale and long_mscale are its attention factor; a bad one was
+    named ``attention_factor``, a field the config does not have."""
+    factors = [1.0] * 32
+    config = _config(rope_type="longrope", short_factor=factors, long_factor=factors,
+                     original_max_position_embeddings=1024, short_mscale=1.2, long_mscale=1.3)
+    config.rope_parameters[key] = bad
+    words = (rf"^config.rope_parameters \(rope_type 'longrope'\): {key} must be a finite "
+             rf"number > 0, got {re.escape(repr(bad))}$")
+    with pytest.raises(RoPEError, match=words):
+        from_hf_config(config, length)
+
+
 def test_numpy_numbers_and_bad_helper_arguments():
     np = pytest.importorskip("numpy")
     config = SimpleNamespace(head_dim=np.int64(64), max_position_embeddings=np.int64(4096),
