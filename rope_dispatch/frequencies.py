@@ -568,8 +568,9 @@ def from_hf_config(
     ``"sliding_attention"`` and ``"full_attention"``), and of a heterogeneous config (Gemma 4's,
     EmbeddingGemma 2's) that layer type's own config, with its own head dim. A composite
     (vision-language) config is read through its ``get_text_config()``. A config with a
-    ``rotary_dim`` field (GPT-J, CodeGen) rotates that many channels; those models rotate
-    interleaved pairs (``RoPESpec(interleaved=True)``). LongRoPE's ``short_mscale`` and
+    ``rotary_dim`` field and no ``rope_parameters`` (GPT-J, CodeGen) rotates that many
+    channels (an even number); those models rotate interleaved pairs
+    (``RoPESpec(interleaved=True)``). LongRoPE's ``short_mscale`` and
     ``long_mscale`` (Phi-3.5-MoE) are its attention factor up to and beyond
     ``original_max_position_embeddings``, as that model's rotary embedding applies them.
 
@@ -655,6 +656,11 @@ def from_hf_config(
         if dim > head_dim:
             raise RoPEError(
                 f"config.rotary_dim={dim} is more than the head dim {head_dim}; expected at most that"
+            )
+        if dim < 2 or dim % 2:  # GPT-J's and CodeGen's modules rotate pairs of those channels
+            raise RoPEError(
+                f"config.rotary_dim must be an even int >= 2 (the channels rotate in pairs), "
+                f"got {dim}"
             )
     if dim < 2:
         raise RoPEError(

@@ -604,6 +604,17 @@ def test_rotary_dim_field_gives_the_rotated_channels():
         from_hf_config(wide, 16)
 
 
+@pytest.mark.parametrize("rotary_dim", [1, 33])
+def test_odd_rotary_dim_is_named(rotary_dim):
+    """GPT-J's and CodeGen's modules rotate pairs of config.rotary_dim channels (an odd one
+    fails in transformers): 33 gave a table of 34 channels, and 1 an error about
+    ``int(head_dim * partial_rotary_factor)``, which the config did not use."""
+    config = SimpleNamespace(head_dim=64, rotary_dim=rotary_dim)
+    with pytest.raises(RoPEError, match=rf"^config.rotary_dim must be an even int >= 2 \(the "
+                                        rf"channels rotate in pairs\), got {rotary_dim}$"):
+        from_hf_config(config, 16)
+
+
 @pytest.mark.parametrize("partial", [None, 0.5])
 def test_rotary_dim_field_beside_rope_parameters_is_not_read(partial):
     """MiniMax-M3's text config keeps a ``rotary_dim`` field (64) that its rotary embedding does
