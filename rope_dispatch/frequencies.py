@@ -478,6 +478,14 @@ def from_te_options(
 # ROPE_INIT_FUNCTIONS).
 
 
+_FLAT_KEYS = frozenset((
+    "rope_type", "type", "rope_theta", "factor", "partial_rotary_factor",
+    "original_max_position_embeddings",
+))
+"""Fields of flat rope parameters: a mapping with one of them is not per layer type, whatever
+its values (None too)."""
+
+
 def _hf_rope_parameters(config: object, layer_type: str | None) -> tuple[dict, str]:
     """A copy of the config's flat rope parameters, and how to name them in messages."""
     where = "config.rope_parameters"
@@ -489,7 +497,7 @@ def _hf_rope_parameters(config: object, layer_type: str | None) -> tuple[dict, s
         raise RoPEError(f"{where} must be a mapping of rope parameters, got {parameters!r}")
     per_layer = bool(parameters) and all(
         value is None or isinstance(value, Mapping) for value in parameters.values()
-    )
+    ) and not any(key in _FLAT_KEYS for key in parameters)  # ({"rope_type": None} is flat)
     if layer_type is None:
         if per_layer:
             raise RoPEError(

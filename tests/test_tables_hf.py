@@ -461,6 +461,10 @@ def _config(**rope_parameters):
          r"config has no max_position_embeddings, which rope_type 'dynamic' needs"),
         (SimpleNamespace(head_dim=64, rope_parameters={"full": None}), 8,
          r"per layer type \('full'\); pass layer_type="),
+        # flat parameters whose values are all None were read as per layer type
+        (_config(rope_type=None), 8,
+         r"^config.rope_parameters\['rope_type'\] is None; rope-dispatch builds tables for "),
+        (_config(rope_type=None, factor=None), 8, r"\['rope_type'\] is None; rope-dispatch"),
     ],
 )
 def test_bad_configs_raise_rope_error_naming_the_field(config, max_positions, message):
