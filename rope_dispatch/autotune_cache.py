@@ -75,8 +75,10 @@ class CacheKey:
 
 
 def cache_dir() -> Path:
-    """The cache root: ``ROPE_DISPATCH_CACHE_DIR``, else the user cache directory."""
-    env = os.environ.get("ROPE_DISPATCH_CACHE_DIR")
+    """The cache root: ``ROPE_DISPATCH_CACHE_DIR``, else the user cache directory. Spaces
+    around the value are ignored (a blank one is unset): `` /shared/cache`` must not make a
+    directory named " " in the working directory."""
+    env = os.environ.get("ROPE_DISPATCH_CACHE_DIR", "").strip()
     if env:
         return Path(env).expanduser()
     import platformdirs

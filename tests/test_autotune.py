@@ -262,6 +262,21 @@ def test_unwritable_cache_directory_keeps_choices_in_memory(fakes, tmp_path, mon
     assert rd.cache_entries() == []
 
 
+@pytest.mark.parametrize("around", ["  ", " \t"])
+def test_spaces_around_the_cache_directory_are_ignored(fakes, tmp_path, monkeypatch, around):
+    root = tmp_path / "shared"
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("ROPE_DISPATCH_CACHE_DIR", f"{around}{root}{around}")
+    t, freqs = inputs()
+    assert_matches(rd.apply(t, freqs, SPEC), reference_for(t, freqs, SPEC), torch.float32)
+    assert autotune.cache_dir() == root
+    assert len(entry_files(root)) == 1 and list(work.iterdir()) == []
+    monkeypatch.setenv("ROPE_DISPATCH_CACHE_DIR", around)  # blank: the default, not cwd/"  "
+    assert autotune.cache_dir().is_absolute()
+
+
 def test_clear_cache_spares_a_write_in_flight_and_the_writer_writes_on(fakes, cache, monkeypatch):
     """Another process's clear_cache during a write: a fresh temporary is left alone, and a
     write whose temporary went anyway is made again, not taken for an unwritable directory."""
