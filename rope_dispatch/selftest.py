@@ -34,8 +34,11 @@ def command_line() -> argparse.ArgumentParser:
         prog="python -m rope_dispatch.selftest",
         description="What this machine can run, and proof that it is right: versions, every "
         "backend's availability with reasons, then every available backend checked against a "
-        "float64 reference, forward and backward, with timings. Exit status 1 when a check "
-        "fails.")
+        "float64 reference, forward and backward, with timings. Exit status: 0 when every "
+        "check passed; 1 when a check failed, none could run, or ROPE_BACKEND, ROPE_AUTOTUNE, "
+        "ROPE_AUTOTUNE_HOT_CALLS, ROPE_DISPATCH_CHECK_VALUES or ROPE_DISPATCH_LINEAR_TABLES "
+        "holds a value the calls refuse; 2 for bad arguments (--device cuda where torch sees "
+        "no GPU too).")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--cache-entries", action="store_true",
                         help="list every autotune cache entry (one line each, or in the JSON "

@@ -519,6 +519,16 @@ def test_help_is_plain_text():
         assert markup not in proc.stdout, proc.stdout
 
 
+def test_help_gives_every_exit_status():
+    """The report fails (exit status 1) on an environment variable the calls refuse, not only
+    on a failed check; the help said only the latter."""
+    text = " ".join(selftest.command_line().format_help().split())
+    assert "0 when every check passed" in text and "2 for bad arguments" in text
+    for name in ("ROPE_BACKEND", "ROPE_AUTOTUNE", "ROPE_AUTOTUNE_HOT_CALLS",
+                 "ROPE_DISPATCH_CHECK_VALUES", "ROPE_DISPATCH_LINEAR_TABLES"):
+        assert name in text, text
+
+
 def test_the_cache_is_a_count_and_a_path_unless_its_entries_are_asked_for(
     tmp_path, monkeypatch, capsys
 ):
