@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 from collections.abc import Callable
@@ -10,6 +11,27 @@ from .errors import RoPEError
 
 SWITCH_ON = ("1", "true", "on", "yes")
 SWITCH_OFF = ("0", "false", "off", "no")
+
+VARIABLES = (
+    "ROPE_BACKEND", "ROPE_AUTOTUNE", "ROPE_AUTOTUNE_HOT_CALLS", "ROPE_DISPATCH_CACHE_DIR",
+    "ROPE_DISPATCH_CHECK_VALUES", "ROPE_DISPATCH_LINEAR_TABLES",
+)
+"""Every environment variable rope-dispatch reads (names are case-sensitive)."""
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """A line for each variable of ``environ`` (default ``os.environ``) named like ours (``ROPE_``
+    in any case) that rope-dispatch does not read, with the name meant where one is close: a
+    misspelt ``ROPE_DISPATCH_AUTOTUNE=0`` is otherwise ignored without a word."""
+    lines = []
+    for name in sorted(os.environ if environ is None else environ):
+        if not name.upper().startswith("ROPE_") or name in VARIABLES:
+            continue
+        close = difflib.get_close_matches(name.upper(), VARIABLES, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        lines.append(f"{name} is not a variable rope-dispatch reads{hint} "
+                     f"(it reads {', '.join(VARIABLES)})")
+    return lines
 
 
 def env_raw_reader(name: str) -> tuple[Callable[[], object], Callable[[str], object]]:

@@ -119,7 +119,7 @@ with warnings.catch_warnings():
 
 import rope_dispatch as rd  # noqa: E402
 from rope_dispatch import autotune, autotune_cache, registry  # noqa: E402
-from rope_dispatch.env import switch_value  # noqa: E402
+from rope_dispatch.env import switch_value, unknown_variables  # noqa: E402
 from rope_dispatch.errors import RoPEError  # noqa: E402
 from rope_dispatch.guards import guard_kind  # noqa: E402
 from rope_dispatch.reference import max_error, reference_apply  # noqa: E402
@@ -603,6 +603,7 @@ def run(devices: list[str], progress: Callable[[str], None], thorough: bool = Fa
         "override": override,
         "override_problem": override_problem,
         "switch_problems": switches,
+        "unknown_variables": unknown_variables(),  # noted, not failed: ROPE_ may be another's
         "plan_guards": guard_kind(),
         "planned_launches": direct_launch_state(devices, available),
         "cache": cache,
@@ -696,6 +697,8 @@ def _print_report(report: dict) -> None:
           + (f" (FAIL: {report['override_problem']})" if report.get("override_problem") else ""))
     for problem in report.get("switch_problems", []):
         print(f"FAIL: {problem}")
+    for line in report.get("unknown_variables", []):
+        print(f"NOTE: {line}; ignored")
     print("repeated calls: plans checked by " + (
         "torch's C++ tensor guards" if report["plan_guards"] == "torch"
         else "Python metadata comparisons (this torch release's C++ guards are not verified; "

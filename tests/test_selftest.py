@@ -118,6 +118,29 @@ def test_an_on_off_switch_neither_on_nor_off_fails_the_selftest(monkeypatch, cap
     assert f"FAIL: {name} must be" in capsys.readouterr().out
 
 
+def test_a_misspelt_variable_is_named_with_the_one_meant(monkeypatch, capsys, tmp_path):
+    """``ROPE_DISPATCH_AUTOTUNE=0`` (for ROPE_AUTOTUNE) or a lower-case ``rope_backend`` is read
+    by nothing: the selftest said nothing of it, and measuring stayed on. It is named with the
+    variable meant, as a note (``ROPE_`` may be another program's), and the known ones not."""
+    monkeypatch.setattr(selftest, "check_jobs", lambda jobs, finished: [
+        {"backend": "eager", "device": "cpu", "case": "c", "status": "ok", "detail": ""}])
+    for name in list(os.environ):
+        if name.upper().startswith("ROPE_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ROPE_DISPATCH_AUTOTUNE", "0")
+    monkeypatch.setenv("rope_backend", "eager")
+    monkeypatch.setenv("ROPE_DISPATCH_CACHE_DIR", str(tmp_path))  # a known one: no note
+    full = selftest.run(["cpu"], lambda line: None, False)
+    assert full["ok"]
+    selftest._print_report(full)
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("NOTE")]
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("NOTE: ROPE_DISPATCH_AUTOTUNE is not a variable rope-dispatch "
+                               "reads; did you mean ROPE_AUTOTUNE?")
+    assert notes[1].startswith("NOTE: rope_backend is not a variable rope-dispatch reads; did "
+                               "you mean ROPE_BACKEND?")
+
+
 def test_process_age_counts_from_the_process_start():
     code = (
         "import time; time.sleep(0.6); from rope_dispatch.selftest import process_age_s; "
