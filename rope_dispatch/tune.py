@@ -314,9 +314,24 @@ def _emit(text: str) -> None:
     try:
         from tqdm import tqdm
     except ImportError:
-        print(text, flush=True)
-    else:
-        tqdm.write(text, file=sys.stdout)
+        tqdm = None
+    try:
+        if tqdm is None:
+            print(text, flush=True)
+        else:
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()  # each shape's line as it is tuned, piped too
+    except BrokenPipeError:  # the reader left (`| head`): tune the other shapes all the same
+        _drop_stdout()
+
+
+def _drop_stdout() -> None:
+    """Point stdout at the null device, so later writes (and the flush at exit) go nowhere."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, sys.stdout.fileno())
+    finally:
+        os.close(null)
 
 
 def parse_args(argv: Iterable[str] | None = None) -> tuple[argparse.Namespace, list[Job]]:
@@ -409,7 +424,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"\ninterrupted {where}; the shapes tuned before it are kept in the cache, "
               f"{autotune.cache_dir()}", file=sys.stderr)
         return 130
-    print(f"cache: {autotune.cache_dir()} ({len(autotune.cache_entries())} entries)", flush=True)
+    _emit(f"cache: {autotune.cache_dir()} ({len(autotune.cache_entries())} entries)")
     if failures:
         print(f"{failures} of {len(jobs)} shapes failed", file=sys.stderr)
     return 1 if failures else 0

@@ -636,6 +636,31 @@ def test_tune_cli_warms_the_cache(fakes, cache, tmp_path, capsys, monkeypatch):
     assert tune.main(shape) == 2
 
 
+@pytest.mark.parametrize("bar", [True, False], ids=["tqdm", "no-tqdm"])
+def test_tune_cli_tunes_every_shape_after_its_reader_left(fakes, cache, monkeypatch, bar):
+    """``python -m rope_dispatch.tune --specs shapes.json | head -1``: the reader gone, the
+    second shape's line raised BrokenPipeError out of the loop, so no later shape was tuned
+    (with tqdm, whose lines were not flushed, the flush at exit raised it). The lines go
+    nowhere; every shape is tuned."""
+    if not bar:
+        monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    read, write = os.pipe()
+    os.close(read)
+    out = os.fdopen(write, "w")
+    monkeypatch.setattr(sys, "stdout", out)
+    shapes = ["--layout", "sbhd", "--dtype", "fp32", "--device", "cpu"]
+    for seq in (8, 16, 32):
+        shapes += ["--shape", f"{seq},2,2,16"]
+    try:
+        assert tune.main(shapes) == 0
+    finally:
+        out.close()
+    assert len(rd.cache_entries()) == 3
+    autotune.clear_cache(memory_only=True)
+    t, freqs = inputs(seq=32)
+    assert rd.explain(t, freqs, SPEC).why.startswith("cached measurement")
+
+
 def test_tune_cli_interrupted_says_what_it_kept(fakes, cache, capsys, monkeypatch):
     """Ctrl-C during a shape: exit 130 and one line naming the shape, where a traceback of
     whatever was running (Inductor's compile, a kernel) came out."""
