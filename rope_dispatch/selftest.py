@@ -775,10 +775,16 @@ def main(argv: list[str] | None = None, started: dict[str, subprocess.Popen] | N
                  cache_entries=args.cache_entries)
     if args.device == "all" and "cuda" not in devices:
         report["not_checked"] = {"cuda": "no CUDA device is visible to torch"}
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        _print_report(report)
+    try:
+        if args.json:
+            print(json.dumps(report, indent=2, default=str))
+        else:
+            _print_report(report)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader left (`| head`): the exit status still says it all
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())  # what is left unwritten goes nowhere at exit
+        os.close(null)
     return 0 if report["ok"] else 1
 
 

@@ -374,6 +374,23 @@ def test_a_worker_compiles_without_inductors_process_pool_unless_told(monkeypatc
     assert all(env["ROPE_DISPATCH_SELFTEST_PROBE"] == "kept" for env in envs)
 
 
+@pytest.mark.parametrize("flags", [[], ["--json"]])
+def test_the_command_line_gives_the_reports_code_when_its_reader_left(monkeypatch, flags):
+    """``python -m rope_dispatch.selftest | head -2``: printing the report raised BrokenPipeError,
+    a traceback, and exit status 1 for a selftest that passed."""
+    monkeypatch.setattr(selftest, "check_jobs", lambda jobs, finished: [
+        {"backend": "eager", "device": "cpu", "case": "c", "status": "ok", "detail": ""}])
+    read, write = os.pipe()
+    os.close(read)
+    out = os.fdopen(write, "w")
+    monkeypatch.setattr(sys, "stdout", out)
+    try:
+        assert selftest.main(["--device", "cpu", *flags]) == 0
+        print("more", flush=True)  # later writes, and the flush at exit, go nowhere
+    finally:
+        out.close()
+
+
 def test_the_command_line_exits_with_the_reports_code_and_prints_it_whole():
     """``python -m rope_dispatch.selftest`` ends without the interpreter's teardown: its exit
     code and its whole report must still come out."""
