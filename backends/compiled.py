@@ -234,12 +234,18 @@ def dynamo_problem(full: bool | None = None) -> str | None:
 
 
 def _cxx_on_path() -> str | None:
-    names = [n for n in (os.environ.get("CXX"), "g++", "c++", "clang++") if n]
-    if any(shutil.which(n) for n in names):
+    """The compiler Inductor's default config will run, looked up on ``PATH``: ``$CXX`` when
+    set (whatever else is installed), else g++ (clang++ on macOS, cl on Windows)."""
+    if os.environ.get("TORCH_INDUCTOR_INSTALL_GXX"):
+        return None  # Inductor installs g++ from conda where none is found
+    default = {"darwin": "clang++", "win32": "cl"}.get(sys.platform, "g++")
+    name = os.environ.get("CXX", default)
+    if name and shutil.which(name):
         return None
+    source = f"CXX={name!r}" if "CXX" in os.environ else name
     return (
-        f"no C++ compiler for TorchInductor's CPU code: none of {', '.join(names)} is on "
-        "PATH; install g++ or set CXX"
+        f"no C++ compiler for TorchInductor's CPU code: {source} is not on PATH; install g++ "
+        "or set CXX to a working one"
     )
 
 

@@ -196,6 +196,25 @@ def test_unavailable_without_a_cpu_compiler_or_cuda(monkeypatch):
     assert any("C++ compiler" in r for r in reasons)
 
 
+def test_the_quick_compiler_probe_looks_for_what_inductor_runs(monkeypatch, tmp_path):
+    """The probe of a first call (no Inductor import) took any of $CXX, g++, c++ or clang++,
+    but Inductor runs $CXX when set, else g++: with CXX naming a missing compiler (or only c++
+    installed) the selftest listed the backend as available and its check was then refused."""
+    monkeypatch.delenv("TORCH_INDUCTOR_INSTALL_GXX", raising=False)
+    monkeypatch.setenv("CXX", "/nonexistent/rope-dispatch-g++")
+    problem = compiled.cpu_compiler_problem(full=False)
+    assert problem is not None and "CXX='/nonexistent/rope-dispatch-g++'" in problem
+    other = tmp_path / "c++"  # a C++ compiler Inductor does not look for
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX")
+    problem = compiled.cpu_compiler_problem(full=False)
+    assert problem is not None and "g++ is not on PATH" in problem
+    monkeypatch.setenv("CXX", str(other))
+    assert compiled.cpu_compiler_problem(full=False) is None
+
+
 def test_cpu_call_refused_without_compiler_when_cuda_works(monkeypatch):
     monkeypatch.setattr(compiled, "cpu_compiler_problem", lambda: "no C++ compiler (test)")
     monkeypatch.setattr(compiled, "cuda_problem", lambda index=None: None)
