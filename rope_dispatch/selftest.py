@@ -741,8 +741,11 @@ def _print_report(report: dict) -> None:
     began = "" if startup is None else (
         f" (begun {startup:.1f} s after the process started: interpreter, imports, backend probes)"
     )
-    print(f"\n{'PASS' if report['ok'] else 'FAIL'}: {len(report['checks']) - failed} checks passed, "
-          f"{failed} failed in {report['checks_s']:.1f} s{began}")
+    passed = sum(c["status"] == "ok" for c in report["checks"])
+    refused = len(report["checks"]) - passed - failed  # "not supported": checked nothing
+    refused_text = f", {refused} not supported" if refused else ""
+    print(f"\n{'PASS' if report['ok'] else 'FAIL'}: {passed} checks passed, {failed} failed"
+          f"{refused_text} in {report['checks_s']:.1f} s{began}")
     for worker in report["workers"]:
         if worker["checks_s"] is not None and any(c["backend"] in worker["backends"]
                                                   for c in report["checks"]):

@@ -141,6 +141,19 @@ def test_a_misspelt_variable_is_named_with_the_one_meant(monkeypatch, capsys, tm
                                "you mean ROPE_BACKEND?")
 
 
+def test_a_check_the_backend_refused_is_not_counted_as_passed(monkeypatch, capsys):
+    """A backend listed as available whose check it then refused ("not supported": a compile
+    that found no C++ compiler) was counted among the checks passed: "7 checks passed" where
+    six had run."""
+    monkeypatch.setattr(selftest, "check_jobs", lambda jobs, finished: [
+        {"backend": "eager", "device": "cpu", "case": "c", "status": "ok", "detail": ""},
+        {"backend": "compile", "device": "cpu", "case": "c", "status": "not supported",
+         "detail": "no C++ compiler"}])
+    report = selftest.run(["cpu"], lambda line: None, False)
+    selftest._print_report(report)
+    assert "PASS: 1 checks passed, 0 failed, 1 not supported in" in capsys.readouterr().out
+
+
 def test_process_age_counts_from_the_process_start():
     code = (
         "import time; time.sleep(0.6); from rope_dispatch.selftest import process_age_s; "
