@@ -15,8 +15,9 @@ A check returns a list of sentences with the actual values; an empty list means 
 from __future__ import annotations
 
 import importlib
+import inspect
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,6 +26,7 @@ import torch
 from .call import TENSOR_KINDS, RoPECall, table_grad_wanted
 from .errors import RoPEError, RoPETypeError, UnknownBackendError
 from .spec import RoPESpec, dtype_name
+from .table_kinds import TABLE_KINDS
 from .tables import angles_2d, table_kind
 from .tracing import constant_while_tracing
 
@@ -313,10 +315,53 @@ def register(backend: Backend) -> Backend:
     if priority != priority:  # NaN: unordered, it would misplace other backends in the order
         raise RoPEError(f"backend {name!r}: priority must be a number (higher is tried first), "
                         f"got {priority!r}")
+    problem = _declared_problem(backend)
+    if problem is not None:
+        raise RoPEError(f"backend {name!r}: {problem}")
     _load_built_ins()
     _REGISTRY[backend.name] = backend
     invalidate()
     return backend
+
+
+_TABLE_NAMES = frozenset({*TABLE_KINDS.values(), "precise_rates"})
+
+
+def _declared_problem(backend: Backend) -> str | None:
+    """What is wrong with the capabilities ``backend`` declares (``None``: nothing). A name
+    no call can have (``"SBHD"``, ``"bf16"`` for ``torch.bfloat16``, a tensor kind) refused
+    every call with a reason that contradicted itself ("dtype bfloat16 is not supported;
+    supports bf16"), or crashed each call (an unknown tensor kind)."""
+    def declared(attr: str) -> object:  # a property (triton's devices) is not run: it probes
+        value = inspect.getattr_static(backend, attr, None)
+        return _COMPUTED if isinstance(value, property) else value
+
+    def names_set(value: object) -> bool:
+        return value is _COMPUTED or isinstance(value, Collection) and not isinstance(
+            value, (str, bytes))
+
+    known = {
+        "layouts": (ALL_LAYOUTS, "layout names"), "tables": (_TABLE_NAMES, "table kinds"),
+        "tensors": (frozenset(TENSOR_KINDS), "call kinds"),
+    }
+    for attr, (allowed, what) in known.items():
+        value = declared(attr)
+        if not names_set(value) or value is not _COMPUTED and not all(
+                isinstance(v, Hashable) and v in allowed for v in value):
+            return f"{attr} must be a set of {what} among {sorted(allowed)}, got {value!r}"
+    dtypes = declared("dtypes")
+    if not names_set(dtypes) or dtypes is not _COMPUTED and not all(
+            isinstance(d, torch.dtype) for d in dtypes):
+        names = ", ".join(f"torch.{dtype_name(d)}" for d in sorted(ALL_DTYPES, key=str))
+        return f"dtypes must be a set of torch dtypes (of {names}), got {dtypes!r}"
+    devices = declared("devices")
+    if not names_set(devices) or devices is not _COMPUTED and not all(
+            type(d) is str and d == d.strip().lower() and d for d in devices):
+        return f"devices must be a set of device types such as 'cpu', 'cuda', got {devices!r}"
+    return None
+
+
+_COMPUTED = object()  # a capability a property computes (_declared_problem leaves it alone)
 
 
 def unregister(name: str) -> Backend:

@@ -6,6 +6,7 @@ import functools
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -324,6 +325,52 @@ def test_registering_what_is_no_backend_instance_is_refused_by_name(monkeypatch)
     assert {"picky", "named", 5, None} & {b.name for b in registry.backends()} == set()
     t, f, spec = inputs("bshd")
     rd.apply(t, f, spec)
+
+
+@pytest.mark.parametrize("attr, value, named", [
+    ("dtypes", frozenset({"bf16"}), "dtypes must be a set of torch dtypes"),
+    ("layouts", frozenset({"SBHD"}), "layouts must be a set of layout names"),
+    ("tensors", frozenset({"T"}), "tensors must be a set of call kinds"),
+    ("tables", frozenset({"angle"}), "tables must be a set of table kinds"),
+    ("devices", frozenset({"CPU"}), "devices must be a set of device types"),
+    ("devices", "cpu", "devices must be a set of device types"),
+])
+def test_a_backend_declaring_what_no_call_has_is_refused_by_name(
+        monkeypatch, attr, value, named):
+    """A capability no call can have was accepted: a dtype by name refused every call with a
+    reason that contradicted itself ("dtype bfloat16 is not supported; supports bf16"), and
+    an unknown call kind crashed each call with a KeyError while its reasons were listed."""
+    monkeypatch.delenv("ROPE_BACKEND", raising=False)
+
+    class Declared(rd.Backend):
+        name = "declared"
+        priority = 1000  # first in line: every call lists its reasons
+
+        def apply(self, call):
+            return rope_eager(call)
+
+    monkeypatch.setattr(Declared, attr, value)
+    with pytest.raises(rd.RoPEError, match=f"'declared': {named}.*got {re.escape(repr(value))}"):
+        rd.register(Declared())
+    assert "declared" not in {b.name for b in registry.backends()}
+    t, f, spec = inputs("bshd")
+    assert_matches(rd.apply(t, f, spec), reference_for(t, f, spec), torch.float32)
+    monkeypatch.setattr(Declared, attr, getattr(rd.Backend, attr))
+    try:
+        rd.register(Declared())  # as declared by default: accepted
+    finally:
+        registry.unregister("declared")
+    asked = []
+
+    class Computed(Declared):  # triton's devices: a property that runs the probe
+        @property
+        def devices(self):
+            asked.append(True)
+            return frozenset({"cpu"})
+
+    rd.register(Computed())  # not run at register: a probe there would import its packages
+    registry.unregister("declared")
+    assert asked == []
 
 
 def test_plans_and_remembered_tables_keep_no_table_alive(picky):
