@@ -369,7 +369,9 @@ class CompileBackend(Backend):
         reasons = []
         problem = self._device_problem(call.t.device)
         if problem is not None:
-            reasons.append(problem)
+            # alone: the compile that found it (confirm) failed with it too, and its failure
+            # would only say the same again
+            return [problem]
         failure = self._failed.get(compile_key(call))
         if failure is not None:
             reasons.append(f"compiling this spec failed earlier in this process: {failure}")

@@ -240,6 +240,23 @@ def test_a_problem_found_before_the_first_compile_makes_it_unavailable(monkeypat
     assert not backend._compiled
 
 
+def test_a_compiler_found_missing_at_the_first_compile_is_given_once(monkeypatch):
+    """The full compiler lookup before the first compile (confirm) failing refused later calls
+    with its problem and again as this spec's compile failure, the same sentence twice (the
+    selftest's check row showed both)."""
+    backend = CompileBackend()
+    monkeypatch.setattr(compiled, "cpu_compiler_problem", lambda full=None: (
+        "no C++ compiler (test)" if full else None))
+    assert backend.available
+    t, freqs = torch.randn(4, 2, 2, 8), torch.rand(4, 1, 1, 8)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    call = rd.check_call(t, freqs, spec)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler \\(test\\)"):
+        out = backend.apply(call)
+    assert_matches(out, reference_for(t, freqs, spec), torch.float32)
+    assert backend.not_supported_reasons(call) == ["no C++ compiler (test)"]
+
+
 def test_cuda_needs_triton(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton fails
