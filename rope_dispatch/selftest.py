@@ -434,6 +434,9 @@ def _cache_report(entries: bool = False) -> dict:
         )
         if entries:
             report["cache_entries"] = autotune.cache_entries()
+            ignored = report["cache_entry_count"] - len(report["cache_entries"])
+            if ignored:  # files named as entries that are not (each warned about)
+                report["cache_entries_ignored"] = ignored
     except Exception as exc:
         report["cache_dir"] = report.get("cache_dir", f"unreadable: {exc}")
         report["cache_entry_count"] = f"unreadable: {exc}"
@@ -715,7 +718,10 @@ def _print_report(report: dict) -> None:
     if "cache_dir" in cache:
         count = cache.get("cache_entry_count")
         print(f", cache {cache['cache_dir']} ({count} entries"
-              + (")" if "cache_entries" in cache or not count else "; --cache-entries lists them)"))
+              + (f", {cache['cache_entries_ignored']} of them invalid and ignored: the warnings "
+                 "above name them)" if cache.get("cache_entries_ignored")
+                 else ")" if "cache_entries" in cache or not count
+                 else "; --cache-entries lists them)"))
         for entry in cache.get("cache_entries", []):
             print(f"  {_entry_line(entry)}")
     else:

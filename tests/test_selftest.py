@@ -635,3 +635,5 @@ def test_a_hand_edited_cache_entry_is_reported_invalid_and_the_rest_listed(
         assert selftest.main(["--device", "cpu", "--cache-entries"]) == 0
     out = capsys.readouterr().out
     assert sum(line.startswith("  sbhd float32 <= ") for line in out.splitlines()) == 1
+    # the count said 2 entries above the one line listed
+    assert "(2 entries, 1 of them invalid and ignored: the warnings above name them)" in out
