@@ -383,7 +383,9 @@ def _probe(name: str) -> tuple[str, ...]:
 
 def _run_probe(backend: Backend) -> tuple[str, ...]:
     try:
-        reasons = tuple(backend.unavailable_reasons())
+        found = backend.unavailable_reasons()
+        # one sentence returned bare is one reason, not its letters
+        reasons = (found,) if isinstance(found, str) else tuple(str(r) for r in found)
     except Exception as exc:  # an optional package that is broken, not merely missing
         reasons = (f"probing it raised {type(exc).__name__}: {exc}",)
     backend.__dict__["_availability"] = reasons

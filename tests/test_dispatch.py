@@ -373,6 +373,28 @@ def test_a_backend_declaring_what_no_call_has_is_refused_by_name(
     assert asked == []
 
 
+def test_a_probe_returning_one_sentence_gives_it_as_one_reason(monkeypatch):
+    """A plugin's unavailable_reasons() returning a bare string ("no GPU here") was listed
+    letter by letter: "unavailable: n; o;  ; G; P; U; ..." in list_backends and the selftest."""
+    monkeypatch.delenv("ROPE_BACKEND", raising=False)
+
+    class Bare(rd.Backend):
+        name = "bare"
+
+        def unavailable_reasons(self):
+            return "no GPU here"
+
+        def apply(self, call):
+            return rope_eager(call)
+
+    rd.register(Bare())
+    try:
+        (info,) = rd.list_backends("bare")
+        assert not info.available and info.reasons == ("no GPU here",)
+    finally:
+        registry.unregister("bare")
+
+
 def test_plans_and_remembered_tables_keep_no_table_alive(picky):
     t = torch.randn(2, 6, 3, 8)
     spec = rd.RoPESpec(layout="bshd", dtype="fp32")
