@@ -215,7 +215,8 @@ class Backend:
         if self.max_numel is not None and t.numel() > self.max_numel:
             reasons.append(f"t has {t.numel():,} elements; at most {self.max_numel:,} supported")
         if not reasons:
-            reasons.extend(self.extra_reasons(call))
+            extra = self.extra_reasons(call)
+            reasons.extend((extra,) if isinstance(extra, str) and extra else extra)
         return reasons
 
 

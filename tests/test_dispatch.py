@@ -395,6 +395,33 @@ def test_a_probe_returning_one_sentence_gives_it_as_one_reason(monkeypatch):
         registry.unregister("bare")
 
 
+def test_a_per_call_reason_returned_bare_is_one_reason(monkeypatch):
+    """extra_reasons() returning one string refused the call with its letters as reasons
+    ("f; p; 1; 6; ..."), in explain and in the error of a forced call."""
+    monkeypatch.delenv("ROPE_BACKEND", raising=False)
+
+    class Bare(rd.Backend):
+        name = "bare-extra"
+
+        def extra_reasons(self, call):
+            return "fp16 only" if call.t.dtype != torch.float16 else ""
+
+        def apply(self, call):
+            return rope_eager(call)
+
+    rd.register(Bare())
+    try:
+        t, f, spec = inputs("bshd")
+        with pytest.raises(rd.BackendNotSupportedError, match=r"rotary dim 8\): fp16 only$"):
+            rd.apply(t, f, spec, backend="bare-extra")
+        assert rd.explain(t, f, spec).rejected["bare-extra"] == ["fp16 only"]
+        half = rd.RoPESpec(layout="bshd", dtype="fp16")
+        out = rd.apply(t.half(), f, half, backend="bare-extra")
+        assert_matches(out, reference_for(t.half(), f, half), torch.float16)
+    finally:
+        registry.unregister("bare-extra")
+
+
 def test_plans_and_remembered_tables_keep_no_table_alive(picky):
     t = torch.randn(2, 6, 3, 8)
     spec = rd.RoPESpec(layout="bshd", dtype="fp32")
