@@ -407,6 +407,10 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"ROPE_AUTOTUNE={os.environ.get('ROPE_AUTOTUNE')!r} turns measuring off; unset it "
               "to tune", file=sys.stderr)
         return 2
+    if forced := os.environ.get("ROPE_BACKEND"):  # tuned all the same: the job may not set it
+        print(f"note: ROPE_BACKEND={forced!r} is set here; the calls it forces neither read nor "
+              "write this cache, so the choices stored serve processes without it",
+              file=sys.stderr)
     failures = done = 0
     job = None
     try:

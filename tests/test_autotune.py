@@ -661,6 +661,22 @@ def test_tune_cli_tunes_every_shape_after_its_reader_left(fakes, cache, monkeypa
     assert rd.explain(t, freqs, SPEC).why.startswith("cached measurement")
 
 
+def test_tune_cli_says_that_rope_backend_keeps_its_calls_off_the_cache(
+        fakes, cache, capsys, monkeypatch):
+    """Tuning with ROPE_BACKEND set (exported in the shell that also runs the job) stored
+    choices that the job's calls, all forced, never read, and said nothing about it."""
+    shape = ["--layout", "sbhd", "--dtype", "fp32", "--device", "cpu", "--shape", "8,2,2,16"]
+    monkeypatch.setenv("ROPE_BACKEND", "slow")
+    assert tune.main(shape) == 0
+    err = capsys.readouterr().err
+    assert ("note: ROPE_BACKEND='slow' is set here; the calls it forces neither read nor "
+            "write this cache") in err
+    assert len(rd.cache_entries()) == 1  # tuned all the same
+    monkeypatch.delenv("ROPE_BACKEND")
+    assert tune.main(shape) == 0
+    assert "ROPE_BACKEND" not in capsys.readouterr().err
+
+
 def test_tune_cli_interrupted_says_what_it_kept(fakes, cache, capsys, monkeypatch):
     """Ctrl-C during a shape: exit 130 and one line naming the shape, where a traceback of
     whatever was running (Inductor's compile, a kernel) came out."""
