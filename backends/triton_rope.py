@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from rope_dispatch.call import TENSOR_KINDS, RoPECall, expanded_dim, position_index
+from rope_dispatch.call import TENSOR_KINDS, RoPECall, position_index
+from rope_dispatch.overlap import expanded_dim
 from rope_dispatch.errors import RoPEError
 from rope_dispatch.kv_cache import FP8_DTYPES
 from rope_dispatch.registry import Backend, Plan

@@ -693,7 +693,7 @@ def _rotate_in_place(t: DTensor, k: DTensor | None, p: _Prepared, backend: str |
         torch.autograd.graph.increment_version(targets)
         return t if k is None else (t, k)
     if k is not None and not torch.compiler.is_compiling():
-        from .call import _check_apart
+        from .overlap import _check_apart
 
         _check_apart(t.to_local(), k.to_local(), t.shape[-1])  # every channel is written
     # a norm stage's backward reads its input, which the copy below overwrites: it reads a copy

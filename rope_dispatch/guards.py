@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .call import byte_span
+from .overlap import byte_span
 from .tables import table_requires_grad
 
 Guard = Callable[..., bool]

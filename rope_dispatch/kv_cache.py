@@ -31,10 +31,10 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from .call import (
-    RoPECall, _host_reads_allowed, _reads, _shares, check_call, expanded_dim, refuse_weights_in,
-    table_grad_wanted, wants_grad,
+    RoPECall, _host_reads_allowed, _reads, check_call, table_grad_wanted, wants_grad,
 )
 from .errors import RoPEError, RoPETypeError
+from .overlap import _shares, expanded_dim, refuse_weights_in
 from .spec import RoPESpec, dtype_name
 from .tracing import memoryless
 

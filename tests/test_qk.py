@@ -310,7 +310,7 @@ view_args = st.tuples(
 @given(view_args, view_args, st.integers(0, 4))
 def test_shared_element_matches_enumeration(a_args, b_args, width):
     """The in-place pair check against the two views' elements listed one by one."""
-    from rope_dispatch.call import shared_element
+    from rope_dispatch.overlap import shared_element
 
     buf = torch.zeros(1000)
     (a_shape, a_strides, a_offset), (b_shape, b_strides, b_offset) = a_args, b_args
@@ -333,7 +333,7 @@ def test_shared_element_of_windows_in_rows(period, counts, multiples, a_width, b
     """Windows of channels in rows of one buffer with the same strides (slices of one
     projection's heads, whose check is told from each window's place in the row period) against
     the views' elements listed one by one."""
-    from rope_dispatch.call import shared_element
+    from rope_dispatch.overlap import shared_element
 
     buf = torch.zeros(2000)
     strides = [period * m for m in multiples[: len(counts)]]

@@ -70,7 +70,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..call import _shares, expanded_dim
+from ..overlap import _shares, expanded_dim
 from ..dispatch import _scoped_or_env_backend, apply_qk_, rope_to_cache
 from ..errors import RoPEError, RoPETypeError
 from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache

@@ -1,0 +1,155 @@
+"""Whether tensors a call writes address common elements: two tensors (q and k of an in-place
+pair, a norm weight and what it normalizes, an output and an input), or one tensor with itself
+(an expanded or overlapping view written in place). Exact for any strides where a bounded search
+can tell, from metadata and addresses only; nothing here is read on a planned call's path but
+:func:`byte_span` (its guard's spans, worked out when the plan is made)."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import RoPEError
+from .norm import HeadNorm
+from .tracing import memoryless
+
+def expanded_dim(t: torch.Tensor) -> int | None:
+    """The first dimension of ``t`` whose elements share memory (stride 0, size > 1), if any:
+    such a tensor cannot be written in place. An empty tensor has none to share."""
+    strides = t.stride()
+    if 0 not in strides or t.numel() == 0:  # the common case, in one C call
+        return None
+    return next((i for i, (n, s) in enumerate(zip(t.shape, strides)) if s == 0 and n > 1), None)
+
+
+_OVERLAP_SEARCH_LIMIT = 10_000
+
+
+def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
+                   b_width: int | None = None) -> bool | None:
+    """Whether ``a[..., :width]`` and ``b[..., :b_width]`` (same dtype; ``b_width`` defaults to
+    ``width``) address a common element: True or False, or None where the search for one gives
+    up (strides that do not nest), which torch's own in-place checks call too hard to tell, or
+    where the tensors have no memory to compare (:func:`~rope_dispatch.tracing.memoryless`).
+    Exact for any strides: it looks for index offsets, within both tensors' bounds, whose
+    strided sum is the distance between the two starts, from the largest stride down, keeping
+    only offsets the smaller strides can still complete."""
+    b_width = width if b_width is None else b_width
+    if a.numel() == 0 or b.numel() == 0 or width == 0 or b_width == 0:
+        return False
+    if memoryless():
+        return None
+    if a.is_meta and not torch._C._overlaps(a, b):  # meta storages all start at address 0
+        return False
+    distance, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
+    if rest:
+        return None
+    if _apart_in_rows(a, b, distance, width, b_width):
+        return False
+    ranges: dict[int, list[int]] = {}  # stride -> [lowest, highest] summed index offset
+    for shape, strides, sign, w in ((a.shape, a.stride(), 1, width),
+                                    (b.shape, b.stride(), -1, b_width)):
+        sizes = (*shape[:-1], w)
+        for n, s in zip(sizes, strides):
+            if n > 1:
+                span = ranges.setdefault(s, [0, 0])
+                span[0 if sign < 0 else 1] += sign * (n - 1)
+    dims = sorted(ranges.items(), reverse=True)
+    lows = [0] * (len(dims) + 1)  # the least and greatest sum the dims from i on can make
+    highs = [0] * (len(dims) + 1)
+    for i in range(len(dims) - 1, -1, -1):
+        s, (lo, hi) = dims[i]
+        lows[i], highs[i] = lows[i + 1] + lo * s, highs[i + 1] + hi * s
+    budget = [_OVERLAP_SEARCH_LIMIT]
+
+    def reach(i: int, target: int) -> bool | None:
+        if not lows[i] <= target <= highs[i]:
+            return False
+        if i == len(dims):
+            return True  # lows == highs == 0 there, so target is 0
+        s, (lo, hi) = dims[i]
+        first = max(lo, -((highs[i + 1] - target) // s))
+        last = min(hi, (target - lows[i + 1]) // s)
+        unknown = False
+        for c in range(first, last + 1):
+            budget[0] -= 1
+            if budget[0] < 0:
+                return None
+            found = reach(i + 1, target - c * s)
+            if found:
+                return True
+            unknown = unknown or found is None
+        return None if unknown else False
+
+    return reach(0, distance)
+
+
+def _apart_in_rows(a: torch.Tensor, b: torch.Tensor, distance: int, width: int,
+                   b_width: int) -> bool:
+    """Whether ``a[..., :width]`` and ``b[..., :b_width]``, ``distance`` elements apart, are
+    told apart by their channels: with the same strides, the channels' 1 and every leading one
+    a multiple of the least, ``period``, an element's offset modulo ``period`` is its channel
+    (plus ``distance`` for ``b``), so windows in different places of the period share nothing
+    (slices of one projection's heads, the common case, told without the search)."""
+    strides = a.stride()
+    if strides != b.stride() or len(strides) < 2 or strides[-1] != 1:
+        return False
+    lead = strides[:-1]
+    period = min(lead)
+    if period < max(width, b_width) or any(s % period for s in lead):
+        return False
+    start = distance % period
+    return start >= width and start + b_width <= period
+
+
+def refuse_weights_in(norms: tuple[tuple[str, HeadNorm | None], ...],
+                      written: tuple[tuple[str, torch.Tensor | None], ...], writer: str,
+                      remedy: str = "") -> None:
+    """A norm weight must share no element (it would be read while overwritten) with what the
+    call writes (``written``: names and tensors, ``None`` skipped) by ``writer``."""
+    for name, norm in norms:
+        for target, x in written if norm is not None else ():
+            if x is not None and _shares(norm.weight, x):
+                raise RoPEError(
+                    f"{name}.weight shares memory with {target} {tuple(x.shape)}, which "
+                    f"{writer} while it reads the weight; pass a weight of its own (a clone)"
+                    f"{remedy}"
+                )
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` address a common element (of different element sizes: whether
+    their byte ranges meet). False where that cannot be told
+    (traced tensors, strides that do not nest). Tensors whose byte ranges lie apart (views of
+    one ``[2, ...]`` cache, say) are told so from their addresses alone."""
+    # torch's test: False for two storages, True for any two views of one
+    if memoryless() or not torch._C._overlaps(a, b) or a.numel() == 0 or b.numel() == 0:
+        return False
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    if start_a + byte_span(a) <= start_b or start_b + byte_span(b) <= start_a:
+        return False
+    if a.element_size() == b.element_size():
+        return bool(shared_element(a, b, a.shape[-1], b.shape[-1]))
+    return True  # bytes of other sizes whose ranges meet
+
+
+def byte_span(x: torch.Tensor) -> int:
+    """Bytes from ``x``'s first element to past its last (strides >= 0; 0 for an empty
+    ``x`` that is contiguous)."""
+    if x.is_contiguous():
+        return x.numel() * x.element_size()
+    return (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+
+def _check_apart(q: torch.Tensor, k: torch.Tensor, d2: int, offset: int = 0) -> None:
+    """q and k rotated in place must not share a rotary element (``d2`` channels from
+    ``offset`` on): each would be rotated twice, or read after the other's write."""
+    if shared_element(q[..., offset:], k[..., offset:], d2):
+        where = (f"their first {d2} channels" if not offset
+                 else f"their {d2} rotary channels from channel {offset}")
+        raise RoPEError(
+            f"apply_qk_ cannot rotate q and k in place: they share memory (q {tuple(q.shape)} "
+            f"strides {q.stride()} and k {tuple(k.shape)} strides {k.stride()}, k starting "
+            f"{(k.data_ptr() - q.data_ptr()) // q.element_size()} elements after q, overlap in "
+            f"{where}), so some elements would be rotated twice; pass views "
+            "of disjoint channels, or use rope_dispatch.apply_qk"
+        )
