@@ -27,7 +27,7 @@ from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
     table_requires_grad, table_shape, table_tensors,
 )
-from .overlap import _check_apart, expanded_dim, refuse_weights_in
+from .overlap import _check_apart, expanded_dim, refuse_self_overlap, refuse_weights_in
 from .tracing import fake, memoryless
 
 
@@ -555,6 +555,13 @@ def check_call(
         _check_writable(t, "t" if k is None else "q")
         if k is not None:
             _check_writable(k, "k")
+        entry = "apply_" if k is None else "apply_qk_"
+        for name, x, norm in (("t" if k is None else "q", t, q_norm), ("k", k, k_norm)):
+            if x is not None:  # the channels written: the whole head where normalized
+                refuse_self_overlap(x, name, f"{entry} cannot rotate {name} in place",
+                                    f"use rope_dispatch.{entry[:-1]}", 0 if norm else offset,
+                                    None if norm else offset + d2)
+        if k is not None:
             if q_norm is None and k_norm is None:  # the channels written: the rotary ones
                 _check_apart(t, k, d2, offset)
             else:

@@ -153,3 +153,69 @@ def _check_apart(q: torch.Tensor, k: torch.Tensor, d2: int, offset: int = 0) -> 
             f"{where}), so some elements would be rotated twice; pass views "
             "of disjoint channels, or use rope_dispatch.apply_qk"
         )
+
+
+def self_overlap(t: torch.Tensor, start: int = 0, stop: int | None = None) -> bool | None:
+    """Whether two places of ``t[..., start:stop]`` address one element (an ``as_strided`` view
+    whose rows overlap, a stride 0): written in place, one write would land on another's
+    result. True or False, or None where the search gives up, as :func:`shared_element`'s
+    (and for tensors without memory). Strides that nest (each dim's stride past the span of
+    the smaller ones: every dense or sliced layout) are told without a search."""
+    if memoryless():
+        return None
+    stop = t.shape[-1] if stop is None else stop
+    if t.is_contiguous() or t.numel() == 0 or stop <= start:
+        return False
+    dims = sorted((s, n) for n, s in zip((*t.shape[:-1], stop - start), t.stride()) if n > 1)
+    span = 0  # the largest offset the smaller strides reach
+    for s, n in dims:  # ascending strides
+        if s <= span:
+            break
+        span += (n - 1) * s
+    else:
+        return False
+    if dims[0][0] == 0:
+        return True
+    dims.reverse()
+    # a nonzero index difference c (|c_i| < n_i) with sum(c_i s_i) == 0, its first nonzero
+    # entry positive; highs[i]: the most the dims from i on can sum to
+    highs = [0] * (len(dims) + 1)
+    for i in range(len(dims) - 1, -1, -1):
+        highs[i] = highs[i + 1] + (dims[i][1] - 1) * dims[i][0]
+    budget = [_OVERLAP_SEARCH_LIMIT]
+
+    def reach(i: int, target: int, started: bool) -> bool | None:
+        if not -highs[i] <= target <= highs[i]:
+            return False
+        if i == len(dims):
+            return started
+        s, n = dims[i]
+        first = max(0 if not started else 1 - n, -((highs[i + 1] - target) // s))
+        last = min(n - 1, (target + highs[i + 1]) // s)
+        unknown = False
+        for c in range(first, last + 1):
+            budget[0] -= 1
+            if budget[0] < 0:
+                return None
+            found = reach(i + 1, target - c * s, started or c != 0)
+            if found:
+                return True
+            unknown = unknown or found is None
+        return None if unknown else False
+
+    return reach(0, 0, False)
+
+
+def refuse_self_overlap(t: torch.Tensor, name: str, refusal: str, remedy: str,
+                        start: int = 0, stop: int | None = None) -> None:
+    """Refuse ``t`` (the argument ``name``; ``refusal`` says who cannot do what) where the
+    channels ``start:stop`` the call writes address one element twice (:func:`self_overlap`;
+    a search that gives up lets the call run, as torch's in-place checks do)."""
+    if self_overlap(t, start, stop):
+        whole = start == 0 and stop in (None, t.shape[-1])
+        where = "" if whole else f" in channels {start}..{stop}"
+        raise RoPEError(
+            f"{refusal}: {name} {tuple(t.shape)} with strides {t.stride()} overlaps itself (two "
+            f"of its places{where} are one element in memory, as an as_strided view can make "
+            f"them), so one write would land on another's result; {remedy}"
+        )

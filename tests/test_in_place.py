@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rope_dispatch as rd
 from cases import Case, build, cases, fixed_case
-from reference import assert_matches, reference_forward_backward
+from reference import assert_matches, reference_for, reference_forward_backward
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -154,6 +155,63 @@ def test_refusals_name_the_problem(backend):
         rd.apply_(frozen, table, spec, backend=backend)
     with torch.inference_mode():  # inside inference mode it is allowed
         assert rd.apply_(frozen, table, spec, backend=backend) is frozen
+
+
+def _offsets(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The storage offset of every element of ``t[..., start:stop]``, one by one."""
+    index = torch.zeros((), dtype=torch.int64) + t.storage_offset() + start * t.stride(-1)
+    for n, s in zip((*t.shape[:-1], stop - start), t.stride()):
+        index = index.unsqueeze(-1) + torch.arange(n) * s
+    return index.flatten()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 13)), min_size=1, max_size=4),
+       st.integers(0, 5), st.data())
+def test_self_overlap_matches_enumeration(dims, offset, data):
+    """Whether a view's window of channels addresses an element twice, against its elements
+    listed one by one."""
+    from rope_dispatch.overlap import self_overlap
+
+    t = torch.zeros(400).as_strided([n for n, _ in dims], [s for _, s in dims], offset)
+    start = data.draw(st.integers(0, t.shape[-1]))
+    stop = data.draw(st.integers(start, t.shape[-1]))
+    offsets = _offsets(t, start, stop)
+    assert self_overlap(t, start, stop) is (offsets.unique().numel() < offsets.numel())
+
+
+def test_overlapping_views_are_refused(backend):
+    """A view whose places share elements (overlapping rows, as as_strided makes them) cannot
+    be rotated in place: each write would land on another's result. Refused with the reason,
+    as an expanded tensor is, on the first call and after calls that were planned; a view
+    whose overlap lies only in channels the call neither reads nor writes is rotated."""
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    half = torch.rand(8, 2) * 3
+    table = torch.cat((half, half), dim=-1).view(8, 1, 1, 4).to(DEVICE)  # rotary dim 4 of 8
+    buffer = torch.randn(400, device=DEVICE)
+    for _ in range(3):  # planned from the second call on: the overlapping view is not
+        rd.apply_(buffer[:96].view(4, 3, 1, 8), table, spec, backend=backend)
+    rows = buffer.as_strided((4, 3, 1, 8), (8, 16, 8, 1))  # row s + 2 is row s's batch 1
+    with pytest.raises(rd.RoPEError, match=r"apply_ cannot rotate t in place: t \(4, 3, 1, 8\) "
+                       r"with strides \(8, 16, 8, 1\) overlaps itself"):
+        rd.apply_(rows, table, spec, backend=backend)
+    heads = buffer.as_strided((4, 3, 2, 8), (48, 16, 2, 1))  # head 1's channels 0, 1: head 0's 2, 3
+    with pytest.raises(rd.RoPEError, match="overlaps itself .* in channels 0..4"):
+        rd.apply_(heads, table, spec, backend=backend)
+    norm = rd.HeadNorm(torch.rand(8, device=DEVICE))
+    q = torch.randn(4, 3, 2, 8, device=DEVICE)
+    with pytest.raises(rd.RoPEError, match="apply_qk_ cannot rotate k in place"):
+        rd.apply_qk_(q, heads, table, spec, backend=backend)
+    passing = buffer.as_strided((4, 3, 2, 8), (48, 16, 6, 1))  # head 1 reads head 0's 6, 7
+    with pytest.raises(rd.RoPEError, match="apply_ cannot rotate t in place: t .* overlaps"):
+        rd.apply_(passing, table, spec, backend=backend, norm=norm)  # whole heads written
+    before = buffer.clone()
+    expected = reference_for(passing.cpu(), table.cpu(), spec)
+    rd.apply_(passing, table, spec, backend=backend)  # channels 6, 7 neither read nor written
+    assert_matches(passing[..., :4], expected[..., :4], torch.float32, "rotary channels")
+    untouched = torch.ones(400, dtype=torch.bool)
+    untouched[_offsets(passing, 0, 4)] = False
+    assert torch.equal(buffer.cpu()[untouched], before.cpu()[untouched])
 
 
 class OutOfPlaceOnly(rd.Backend):
