@@ -34,7 +34,7 @@ from .call import (
     RoPECall, _host_reads_allowed, _reads, check_call, table_grad_wanted, wants_grad,
 )
 from .errors import RoPEError, RoPETypeError
-from .overlap import _shares, expanded_dim, refuse_weights_in
+from .overlap import _shares, expanded_dim, refuse_self_overlap, refuse_weights_in
 from .spec import RoPESpec, dtype_name
 from .tracing import memoryless
 
@@ -104,6 +104,8 @@ def _cache_pair(k_cache: object, v_cache: object, names: tuple[str, str], dims: 
             )
         if expanded_dim(value) is not None:
             raise RoPEError(f"{name} is an expanded tensor (a dim of stride 0); it cannot be written")
+        refuse_self_overlap(value, name, "rope_to_cache cannot write into this cache",
+                            "give each slot memory of its own")
     if (k_cache.shape[:-1] != v_cache.shape[:-1] or k_cache.dtype != v_cache.dtype
             or k_cache.device != v_cache.device):
         raise RoPEError(
@@ -516,6 +518,8 @@ def _check_q_out(q: torch.Tensor, q_out: object, q_scale: object) -> tuple[torch
             )
         if expanded_dim(q_out) is not None:
             raise RoPEError("q_out is an expanded tensor (a dim of stride 0); it cannot be written")
+        refuse_self_overlap(q_out, "q_out", "rope_to_cache cannot write q's output",
+                            "give q_out memory of its own")
         if not memoryless() and q_out.is_inference() and not torch.is_inference_mode_enabled():
             raise RoPEError(
                 "q_out is an inference tensor and inference mode is off (torch forbids updating it "

@@ -1381,3 +1381,33 @@ def test_an_inference_q_out_outside_inference_mode_is_refused_before_any_write(
         out = rd.rope_to_cache(q_inf, k, v, table, spec, positions=positions, cache=built.cache,
                                q_out=q_out, backend=backend)
     assert out is q_out and not torch.equal(pages[0], before[0])
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_outputs_that_overlap_themselves_are_refused_before_any_write(backend, request):
+    """q's output (q itself in place) or a cache whose places share elements (an as_strided
+    view with overlapping rows) would take one write over another's: refused naming it, before
+    anything is written, on a first call and after calls that were planned."""
+    backend, device = backend_param(backend, request)
+    table, spec = angle_table(16, 8, False).to(device), rd.RoPESpec(layout="thd", dtype="fp32")
+    positions = torch.arange(4, device=device)
+    q, k, v = (torch.randn(4, heads, 8, device=device) for heads in (2, 1, 1))
+    k_cache, v_cache = torch.zeros(6, 1, 8, device=device), torch.zeros(6, 1, 8, device=device)
+    cache = rd.FlatKVCache(k_cache, v_cache, positions)
+    buffer = torch.randn(100, device=device)
+    for _ in range(3):  # planned from the second call on; an overlapping q_out's strides differ
+        rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=cache,
+                         q_out=buffer[:64].view(4, 2, 8), backend=backend)
+    rows = buffer.as_strided((4, 2, 8), (8, 8, 1))  # token i's head 1 is token i + 1's head 0
+    before = buffer.clone(), k_cache.clone()
+    k_cache.zero_()
+    for q_in, q_out in ((q, rows), (rows, rows)):
+        with pytest.raises(rd.RoPEError, match=r"^rope_to_cache cannot write q's output: q_out "
+                           r"\(4, 2, 8\) with strides \(8, 8, 1\) overlaps itself"):
+            rd.rope_to_cache(q_in, k, v, table, spec, positions=positions, cache=cache,
+                             q_out=q_out, backend=backend)
+        assert torch.equal(buffer, before[0]) and not k_cache.any()
+    slots = torch.zeros(100, device=device).as_strided((6, 1, 8), (4, 8, 1))
+    with pytest.raises(rd.RoPEError, match=r"^rope_to_cache cannot write into this cache: "
+                       r"FlatKVCache k_cache \(6, 1, 8\) with strides \(4, 8, 1\) overlaps"):
+        rd.FlatKVCache(slots, v_cache, positions)
