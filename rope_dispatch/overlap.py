@@ -161,10 +161,12 @@ def self_overlap(t: torch.Tensor, start: int = 0, stop: int | None = None) -> bo
     result. True or False, or None where the search gives up, as :func:`shared_element`'s
     (and for tensors without memory). Strides that nest (each dim's stride past the span of
     the smaller ones: every dense or sliced layout) are told without a search."""
+    if t.is_contiguous():  # the common case first: an output door's check on every call
+        return False
     if memoryless():
         return None
     stop = t.shape[-1] if stop is None else stop
-    if t.is_contiguous() or t.numel() == 0 or stop <= start:
+    if t.numel() == 0 or stop <= start:
         return False
     dims = sorted((s, n) for n, s in zip((*t.shape[:-1], stop - start), t.stride()) if n > 1)
     span = 0  # the largest offset the smaller strides reach

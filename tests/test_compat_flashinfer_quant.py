@@ -23,6 +23,7 @@ graph padding), at CPU token counts.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -1133,3 +1134,29 @@ def test_the_mla_door_quantizes_q_nope_in_a_triton_launch_unless_another_backend
     assert torch.equal(fused[0][..., :512], eager[0][..., :512])
     assert torch.equal(fused[1][..., :512], eager[1][..., :512])
     assert fused[0][..., :512].any()
+
+
+@pytest.mark.parametrize("door", ["rope_quantize_fp8", "gqa_append"])
+@pytest.mark.parametrize("name", ["q_rope_out", "q_nope_out"])
+def test_an_output_that_overlaps_itself_is_refused_before_any_write(door, name):
+    """An output whose places share elements (an as_strided view with overlapping rows: token
+    i's head 1 is token i + 1's head 0) would take one value over another's: refused by name
+    before anything is written (q_nope_out, quantized beside the core's call, was written so)."""
+    channels = 8 if name == "q_rope_out" else 4
+    out = torch.zeros(100, dtype=torch.float8_e4m3fn).as_strided((5, 4, channels),
+                                                                 (channels, channels, 1))
+    if door == "gqa_append":
+        caches = (torch.zeros(4, 4, 2, 12, dtype=torch.float8_e4m3fn),
+                  torch.zeros(4, 4, 2, 12, dtype=torch.float8_e4m3fn))
+        call = functools.partial(small_append, paged_kv_cache=caches)
+    else:
+        caches = (torch.zeros(5, 2, 8, dtype=torch.float8_e4m3fn),
+                  torch.zeros(5, 2, 4, dtype=torch.float8_e4m3fn))
+        call = functools.partial(quant, k_rope_out=caches[0], k_nope_out=caches[1])
+    with pytest.raises(rd.RoPEError, match=rf"^the FP8 prologue cannot write {name}: {name} "
+                       rf"\(5, 4, {channels}\) with strides \({channels}, {channels}, 1\) "
+                       "overlaps itself"):
+        call(**{name: out})
+    assert not any(x.view(torch.uint8).any() for x in (*caches, out)), "written before"
+    call(**{name: torch.zeros(5, 4, channels, dtype=torch.float8_e4m3fn)})
+    assert caches[0].view(torch.uint8).any()

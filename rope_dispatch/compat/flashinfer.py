@@ -70,7 +70,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..overlap import _shares, expanded_dim
+from ..overlap import _shares, expanded_dim, refuse_self_overlap
 from ..dispatch import _scoped_or_env_backend, apply_qk_, rope_to_cache
 from ..errors import RoPEError, RoPETypeError
 from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache
@@ -550,6 +550,8 @@ def _out(name: str, out: object, like: Optional[torch.Tensor], dtype: torch.dtyp
         )
     if expanded_dim(out) is not None:  # (q_nope_out's division would fail after the writes)
         raise RoPEError(f"{name} is an expanded tensor (a dim of stride 0); it cannot be written")
+    refuse_self_overlap(out, name, f"the FP8 prologue cannot write {name}",
+                        f"give {name} memory of its own")
     if out.requires_grad and torch.is_grad_enabled():
         raise RoPEError(f"{name} requires grad, but the FP8 prologue writes it and has no "
                         "backward; call it under torch.no_grad() or torch.inference_mode()")
