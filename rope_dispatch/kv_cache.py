@@ -613,8 +613,9 @@ def check_cache_call(
     q_dtype, q_scale = _check_q_out(q, q_out, q_scale)
     if q_out is not None:
         _check_apart_from_kv(q_out, k, v)
-        if q_out is not q and _shares(q_out, q) and not (
-                q_out.data_ptr() == q.data_ptr() and q_out.stride() == q.stride()):
+        if q_out is not q and _shares(q_out, q) and not (  # q itself: a view of its elements
+                q_out.data_ptr() == q.data_ptr() and q_out.stride() == q.stride()
+                and q_out.dtype == q.dtype):
             raise RoPEError(
                 f"q_out shares memory with q but is not q (q_out {tuple(q_out.shape)} strides "
                 f"{q_out.stride()}, q strides {q.stride()}): rope_to_cache reads q while it "

@@ -603,12 +603,16 @@ def test_bad_arguments_are_named():
     flat = torch.zeros(kc.numel() + 8, dtype=torch.bfloat16)  # k and v 8 elements apart
     q_flat = torch.zeros(q.numel() + 8, dtype=q.dtype)  # q and a q_out 8 elements apart
     q_in_flat = q_flat[:q.numel()].view(q.shape).copy_(q)
+    q_own = q.clone()  # and an FP8 q_out at q's address with q's strides: its bytes are others
+    fp8_over_q = torch.empty(0, dtype=torch.float8_e4m3fn).set_(
+        q_own.untyped_storage(), 0, q.shape, q.stride())
     cases += [
         (lambda: paged(k_scale=torch.tensor(float("inf"))), "k_scale must be positive, got inf"),
         (lambda: paged(flat[:kc.numel()].view(kc.shape), flat[8:].view(kc.shape)),
          "share memory; v would overwrite k"),
         (lambda: call(q=q_in_flat, q_out=q_flat[8:].view(q.shape)),
          "q_out shares memory with q but is not q"),
+        (lambda: call(q=q_own, q_out=fp8_over_q), "q_out shares memory with q but is not q"),
         (lambda: call(q=kc.view(-1)[:q.numel()].view(q.shape)),
          r"q \(5, 4, 8\) shares memory with PagedKVCache k_cache"),
     ]
