@@ -27,7 +27,9 @@ from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
     table_requires_grad, table_shape, table_tensors,
 )
-from .overlap import _check_apart, expanded_dim, refuse_self_overlap, refuse_weights_in
+from .overlap import (
+    _check_apart, expanded_dim, refuse_self_overlap, refuse_tables_in, refuse_weights_in,
+)
 from .tracing import fake, memoryless
 
 
@@ -567,13 +569,17 @@ def check_call(
             else:
                 _check_apart(t, k, head_dim)
         rot = slice(offset, offset + d2)  # a side without a norm writes only these
+        remedy = f", or use rope_dispatch.{'apply' if k is None else 'apply_qk'}"
         refuse_weights_in(
             (("norm" if k is None else "q_norm", q_norm), ("k_norm", k_norm)),
             (("t", t),) if k is None else (("q", t if q_norm or not k_norm else t[..., rot]),
                                            ("k", k if k_norm or not q_norm else k[..., rot])),
-            "the call rotates in place",
-            f", or use rope_dispatch.{'apply' if k is None else 'apply_qk'}",
+            "the call rotates in place", remedy,
         )
+        refuse_tables_in((("freqs", table),),  # (no k_freqs: a packed qkv call is never in place)
+                         (("t" if k is None else "q", t if q_norm else t[..., rot]),
+                          ("k", None if k is None else k if k_norm else k[..., rot])),
+                         "the call rotates in place", remedy)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,

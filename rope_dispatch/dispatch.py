@@ -32,7 +32,7 @@ from .kv_cache import KVCache, check_cache_call
 from .norm import HeadNorm
 from .registry import Backend
 from .spec import RoPESpec
-from .tables import RotaryTable, address_reader, table_requires_grad
+from .tables import RotaryTable, address_reader, table_requires_grad, table_tensors
 from .tracing import (
     PLAIN_TENSORS, _dispatch_modes, constant_while_tracing, distributed, transformed,
 )
@@ -673,8 +673,9 @@ def _keep_plan(
     else:  # no autograd node while the table needs no gradient either (it may come to)
         guard = constant_table(guard, weakref.ref(freqs))
     weights = tuple(n.weight for n in (call.norm, call.k_norm) if n is not None)
-    if call.in_place and (call.k is not None or weights):
-        guard = apart_as_planned(guard, call.t, call.k, weights)
+    tables = table_tensors(freqs) if call.in_place else ()  # the caller's (call.table: a copy?)
+    if call.in_place and (call.k is not None or weights or tables):
+        guard = apart_as_planned(guard, call.t, call.k, weights, tables)
     run = chosen.plan(call)
     if run is None:  # a cache stage the backend does not bind: checked every call
         return

@@ -127,19 +127,22 @@ def guard_kind() -> str:
 
 
 def apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor | None,
-                     weights: tuple[torch.Tensor, ...]) -> Guard:
+                     weights: tuple[torch.Tensor, ...],
+                     tables: tuple[torch.Tensor, ...] = ()) -> Guard:
     """``guard`` for an in-place call, whose checks found what it writes apart from what it
     reads: k (of a pair) placed as far from q as in the planned call or so far that their bytes
     cannot meet (with the same shapes and strides, that settles that they share no element),
-    and the norm ``weights`` (at most two, the last tensors guarded) with bytes that meet neither
-    q's nor k's. Elsewhere the call is checked again (check_call refuses q and k that share an
-    element, and a weight that shares one with either). A few address reads and comparisons:
-    this runs on every planned call (decode)."""
+    the norm ``weights`` (at most two, the last tensors guarded) with bytes that meet neither
+    q's nor k's, and the table's ``tables`` (a plan runs only while they hold the memory they
+    held) with bytes that meet neither either. Elsewhere the call is checked again (check_call
+    refuses q and k that share an element, and a weight or a table that shares one with
+    either). A few address reads and comparisons: this runs on every planned call (decode)."""
     planned = None if k is None else k.data_ptr() - q.data_ptr()
     q_end, k_end = byte_span(q), None if k is None else byte_span(k)
     count = len(weights)
     last_end = byte_span(weights[-1]) if count else 0
     first_end = byte_span(weights[0]) if count == 2 else 0
+    spans = tuple((x.data_ptr(), x.data_ptr() + byte_span(x)) for x in tables if x.numel())
 
     def check(*tensors: torch.Tensor) -> bool:
         if not guard(*tensors):
@@ -149,6 +152,10 @@ def apart_as_planned(guard: Guard, q: torch.Tensor, k: torch.Tensor | None,
             k_at = tensors[1].data_ptr()
             distance = k_at - q_at
             if not (distance == planned or distance >= q_end or distance <= -k_end):
+                return False
+        for low, high in spans:  # the table's bytes apart from q's and k's
+            if q_at < high and low < q_at + q_end or planned is not None and (
+                    k_at < high and low < k_at + k_end):
                 return False
         if count:  # each weight's bytes apart from q's and from k's (not their span: q and k
             # may be two allocations, with other tensors, the weights too, between them)

@@ -10,6 +10,7 @@ import torch
 
 from .errors import RoPEError
 from .norm import HeadNorm
+from .table_kinds import table_tensors
 from .tracing import memoryless
 
 def expanded_dim(t: torch.Tensor) -> int | None:
@@ -114,6 +115,22 @@ def refuse_weights_in(norms: tuple[tuple[str, HeadNorm | None], ...],
                     f"{writer} while it reads the weight; pass a weight of its own (a clone)"
                     f"{remedy}"
                 )
+
+
+def refuse_tables_in(tables: tuple[tuple[str, object], ...],
+                     written: tuple[tuple[str, torch.Tensor | None], ...], writer: str,
+                     remedy: str = "") -> None:
+    """A table's tensors (an angle table, a cache's members) must share no element with what
+    the call writes: a launch reads table rows while other programs write their tiles."""
+    for name, table in tables:
+        for tensor in table_tensors(table) if table is not None else ():
+            for target, x in written:
+                if x is not None and _shares(tensor, x):
+                    raise RoPEError(
+                        f"{name} shares memory with {target} {tuple(x.shape)}, which {writer} "
+                        f"while it reads the table; pass a table of its own ({name}.clone())"
+                        f"{remedy}"
+                    )
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -214,6 +214,32 @@ def test_overlapping_views_are_refused(backend):
     assert torch.equal(buffer.cpu()[untouched], before.cpu()[untouched])
 
 
+def test_a_table_in_the_memory_it_writes_is_refused(backend):
+    """A table whose memory the call writes (an angle table, a cache's cos or sin, laid over
+    the rotated tensor's elements) is read while other tokens' tiles are written: on a GPU the
+    Triton launch read rows already rotated (errors of order 1). Refused naming both, on a first
+    call and on a planned one whose tensor moved onto the table; a table in channels the call
+    neither reads nor writes is served, with the reference's numbers."""
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    buffer = torch.rand(2, 8, 1, 1, 8, device=DEVICE)  # two [8, 1, 1, 8] tensors
+    table = buffer[1].view(8, 8)  # the second one's memory, as rows of 8 angles
+    for _ in range(3):  # planned from the second call on, the tensor apart from the table
+        rd.apply_(buffer[0], table, spec, backend=backend)
+    before = buffer.clone()
+    with pytest.raises(rd.RoPEError, match=r"freqs shares memory with t \(8, 1, 1, 8\), which "
+                       r"the call rotates in place while it reads the table"):
+        rd.apply_(buffer[1], table, spec, backend=backend)  # the same strides, moved onto it
+    cache = rd.CosSinCache(table.cos(), buffer[0].view(8, 8))
+    with pytest.raises(rd.RoPEError, match=r"freqs shares memory with k \(8, 1, 1, 8\)"):
+        rd.apply_qk_(buffer[1].clone(), buffer[0], cache, spec, backend=backend)
+    assert torch.equal(buffer, before)
+    wide = torch.rand(1, 1, 1, 24, device=DEVICE)  # rotary dim 8 of 24; the table in 16..24
+    inside = wide.view(24)[16:].view(1, 8)
+    expected = reference_for(wide.cpu(), inside.cpu(), spec)
+    rd.apply_(wide, inside, spec, backend=backend)
+    assert_matches(wide, expected, torch.float32, "a table in the pass-through channels")
+
+
 class OutOfPlaceOnly(rd.Backend):
     """A backend that leaves ``supports_in_place`` at its default."""
 
