@@ -34,7 +34,9 @@ from .call import (
     RoPECall, _host_reads_allowed, _reads, check_call, table_grad_wanted, wants_grad,
 )
 from .errors import RoPEError, RoPETypeError
-from .overlap import _shares, expanded_dim, refuse_self_overlap, refuse_weights_in
+from .overlap import (
+    _shares, expanded_dim, refuse_self_overlap, refuse_tables_in, refuse_weights_in,
+)
 from .spec import RoPESpec, dtype_name
 from .tracing import memoryless
 
@@ -622,9 +624,10 @@ def check_cache_call(
                 "writes q's output; pass q_out=q to rotate in place, or memory of its own"
             )
     _check_apart_from_cache(cache, q, k, v, q_out)
-    refuse_weights_in((("q_norm", call.norm), ("k_norm", call.k_norm)),
-                      (("q_out", q_out), ("k_cache", cache.k_cache), ("v_cache", cache.v_cache)),
+    written = (("q_out", q_out), ("k_cache", cache.k_cache), ("v_cache", cache.v_cache))
+    refuse_weights_in((("q_norm", call.norm), ("k_norm", call.k_norm)), written,
                       "rope_to_cache writes")
+    refuse_tables_in((("freqs", call.table),), written, "rope_to_cache writes")
     if _host_reads_allowed() and any(_reads(getattr(cache, f)) for f in cache.index_names):
         cache.check_values()
     v_head_dim = v.shape[-1] if v.shape[-1] != k.shape[-1] else None

@@ -1415,3 +1415,31 @@ def test_outputs_that_overlap_themselves_are_refused_before_any_write(backend, r
     with pytest.raises(rd.RoPEError, match=r"^rope_to_cache cannot write into this cache: "
                        r"FlatKVCache k_cache \(6, 1, 8\) with strides \(4, 8, 1\) overlaps"):
         rd.FlatKVCache(slots, v_cache, positions)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("target", ["q in place", "q_out", "k_cache"])
+def test_a_table_in_written_memory_is_refused(backend, target, request):
+    """A table inside what rope_to_cache writes (q rotated in place, a separate q_out, the
+    cache) would be read while other tokens' results are written over it, as a norm weight
+    would: refused, naming both, before anything is written; a table of its own is served."""
+    backend, device = backend_param(backend, request)
+    spec, positions = rd.RoPESpec(layout="thd", dtype="fp32"), torch.arange(4, device=device)
+    q, k, v = (torch.randn(4, heads, 8, device=device) for heads in (2, 1, 1))
+    cache = rd.FlatKVCache(torch.zeros(8, 1, 8, device=device),
+                           torch.zeros(8, 1, 8, device=device), positions)
+    q_out = q if target == "q in place" else torch.zeros_like(q)
+    table = (cache.k_cache if target == "k_cache" else q_out).view(8, 8)
+    table.uniform_(0, 3)
+    before = q.clone(), q_out.clone(), cache.k_cache.clone()
+    written = "k_cache" if target == "k_cache" else "q_out"
+    with pytest.raises(rd.RoPEError, match=f"^freqs shares memory with {written} "):
+        rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=cache, q_out=q_out,
+                         backend=backend)
+    after = q, q_out, cache.k_cache
+    assert all(torch.equal(a, b) for a, b in zip(after, before)), "written before the refusal"
+    own = table.clone()
+    expected = reference_rope(q.cpu(), own.cpu(), positions.cpu(), False)
+    got = rd.rope_to_cache(q, k, v, own, spec, positions=positions, cache=cache, q_out=q_out,
+                           backend=backend)
+    torch.testing.assert_close(got.cpu().double(), expected, rtol=2e-5, atol=2e-5)
