@@ -29,7 +29,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from rope_dispatch.call import TENSOR_KINDS, RoPECall, position_index
-from rope_dispatch.overlap import expanded_dim
+from rope_dispatch.overlap import _shares, expanded_dim
 from rope_dispatch.errors import RoPEError
 from rope_dispatch.kv_cache import FP8_DTYPES
 from rope_dispatch.registry import Backend, Plan
@@ -127,7 +127,8 @@ class Rotation:
                 )
             return self._norm_backward(grads, strides, sources)
         if not grad_enabled and forward.grad_in_place and all(
-                expanded_dim(g) is None for g in grads):
+                expanded_dim(g) is None for g in grads) and not (
+                len(grads) == 2 and _shares(grads[0], grads[1])):  # one given to q and k
             return run(forward.transposed(in_place=True), grads, self.tables())
         if not grad_enabled and planned is not None and planned.back_ready(grads, self.freqs,
                                                                            self.stream):

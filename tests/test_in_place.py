@@ -111,6 +111,22 @@ def test_gradient_in_place_rotates_the_incoming_gradient(triton_backend):
     assert torch.equal(grad, expected)
 
 
+def test_gradient_in_place_with_one_gradient_for_q_and_k(backend):
+    """``q + k`` hands its one gradient to q and to k: rotating it in place for q and then for
+    k rotated it twice (the Triton backend's gradients were off by order 1). The backward makes
+    new gradients for such a pair, the float64 reference's."""
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    half = torch.rand(8, 4) * 3
+    table = torch.cat((half, half), dim=-1).to(DEVICE)
+    a, b = (torch.randn(4, 2, 2, 8, device=DEVICE, requires_grad=True) for _ in range(2))
+    q, k = rd.apply_qk_(a * 1, b * 1, table, spec, backend=backend, grad_in_place=True)
+    g = torch.randn(4, 2, 2, 8, device=DEVICE)
+    got = torch.autograd.grad(q + k, (a, b), g)
+    for x, grad in zip((a, b), got):
+        _, expected = reference_forward_backward(x.detach().cpu(), table.cpu(), spec, g.cpu())
+        assert_matches(grad, expected, torch.float32, "gradient")
+
+
 def test_double_backward_through_apply_(backend):
     """The gradient is differentiable with respect to the incoming gradient ``v``: the map is
     linear, so d<g, w>/dv is the forward of ``w`` (grad_in_place yields to create_graph)."""
