@@ -841,10 +841,12 @@ def explain(
     cache: KVCache | None = None,
     q_out: torch.Tensor | None = None,
     q_scale: float | torch.Tensor | None = None,
+    norm: HeadNorm | None = None,
 ) -> Explanation:
     """Which backend :func:`apply` (:func:`apply_` with ``in_place=True``, :func:`apply_qkv`
     with ``split``, :func:`apply_qk` with ``k``; ``q_norm`` is ``t``'s norm stage, ``k_norm``
-    k's) would run for this call, why, and why not the others.
+    k's; ``norm``, as :func:`apply` names it, is ``q_norm``) would run for this call, why, and
+    why not the others.
 
     It measures nothing: where the autotune cache holds no entry yet, it says the first call
     would measure the candidates. With a ``cache`` (and ``v``, ``q_out``, ``q_scale``) it
@@ -853,6 +855,11 @@ def explain(
     foreign = ((("start_positions", start_positions), ("split", split), ("k_freqs", k_freqs),
                 ("in_place", in_place or None)) if cache is not None
                else (("v", v), ("q_out", q_out), ("q_scale", q_scale)))
+    if norm is not None:  # apply's name for t's norm stage
+        if q_norm is not None:
+            raise RoPEError("norm and q_norm both given: norm is apply's name for q_norm; "
+                            "give one")
+        q_norm = norm
     if named := [name for name, value in foreign if value is not None]:  # refused, not ignored
         raise RoPEError(f"{', '.join(named)} given with cache=: rope_to_cache takes none of "
                         "start_positions, split, k_freqs, in_place" if cache is not None else

@@ -568,6 +568,15 @@ def test_explain_names_the_norm_and_the_refusals():
     assert chosen.startswith(("backend: eager", "backend: triton")), text
 
 
+def test_explain_takes_norm_as_apply_names_it():
+    """explain(..., norm=) explains apply(..., norm=): the same call's arguments work in both."""
+    t, table = torch.randn(2, 3, 4, 8), torch.randn(4, 8)
+    spec, norm = rd.RoPESpec(layout="bshd", dtype="fp32"), rd.HeadNorm(torch.ones(8), 1e-5)
+    assert "norm head (offset 0)" in str(rd.explain(t, table, spec, norm=norm))
+    with pytest.raises(rd.RoPEError, match="norm and q_norm both given"):
+        rd.explain(t, table, spec, norm=norm, q_norm=norm)
+
+
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("sides", ["q", "k", "shared"])
