@@ -9,7 +9,7 @@ COPY pyproject.toml README.md ./
 COPY rope_dispatch ./rope_dispatch
 COPY backends ./backends
 # --no-deps keeps the container's own torch, triton and transformer-engine builds.
-RUN python -m pip install --no-cache-dir "pydantic>=2" "platformdirs>=3" "filelock>=3.12" \
+RUN python -m pip install --no-cache-dir "pydantic>=2" "platformdirs>=3" \
  && python -m pip install --no-cache-dir --no-deps .
 
 CMD ["python", "-m", "rope_dispatch.selftest"]
