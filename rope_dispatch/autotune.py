@@ -98,6 +98,7 @@ _CACHE_STAGE = (
 _memory: dict[str, tuple[str, str]] = {}  # key digest -> (backend name, why)
 _failed_backends: set[str] = set()  # backends already warned about for raising while measured
 _pending: dict[str, int] = {}  # digest of a key whose deferred candidates are unmeasured -> calls
+_unread: set[str] = set()  # digests whose file held nothing when a blocked call read it
 
 
 def _forget() -> None:
@@ -105,6 +106,7 @@ def _forget() -> None:
     _memory.clear()
     _failed_backends.clear()
     _pending.clear()
+    _unread.clear()
 
 
 autotune_cache.on_clear(_forget)
@@ -502,7 +504,11 @@ def _select(
     blocked = _measuring_blocked(call.t)
     with lock:
         key = _call_key(call, candidates)
-        hit = _remembered(key) if use_cache else None
+        # a blocked call reads a key's file once: calls that cannot measure (under vmap, say)
+        # would otherwise read it on each call, none of them keeping a decision
+        hit = None if not use_cache else (
+            _memory.get(key.digest) if blocked is not None and key.digest in _unread
+            else _remembered(key))
         picked = _pick(candidates, hit)
         if picked is not None:
             if key.digest not in _pending:
@@ -515,6 +521,7 @@ def _select(
             if blocked is not None or not (complete or _pending[key.digest] >= hot_calls()):
                 return picked
         if blocked is not None:
+            _unread.add(key.digest)
             return _provisional(candidates, blocked)
         later = [] if complete or key.digest in _pending else deferred(candidates)
         quick = [b for b in candidates if b.name not in later]

@@ -533,6 +533,29 @@ def test_no_measuring_while_torch_compile_traces(fakes, cache, measurements):
         torch._dynamo.reset()
 
 
+def test_calls_that_cannot_measure_read_the_cache_file_once(fakes, cache, measurements,
+                                                             monkeypatch):
+    """Under vmap no call measures or keeps a decision, so each call read its key's file again
+    (disk I/O on every call); the file is read once, and a measurement made by a later plain
+    call still reaches the transformed calls."""
+    t, freqs = inputs()
+    reads = []
+    read = autotune.read_entry
+    monkeypatch.setattr(autotune, "read_entry", lambda key: reads.append(key) or read(key))
+    batched = torch.func.vmap(lambda x: rd.apply(x, freqs, SPEC))
+    for _ in range(4):
+        out = batched(t[None].expand(3, *t.shape))
+    assert len(reads) == 1 and measurements() == 0 and entry_files(cache) == []
+    assert_matches(out[1], reference_for(t, freqs, SPEC), torch.float32)
+    rd.apply(t, freqs, SPEC)  # a plain call measures
+    assert measurements() == 1
+    before = calls(fakes)
+    batched(t[None].expand(3, *t.shape))
+    assert len(reads) == 2  # the plain call read it before measuring
+    faster = calls(fakes)["fast"] > before["fast"] and calls(fakes)["slow"] == before["slow"]
+    assert faster  # the measured choice, fast, serves the transformed call
+
+
 def test_a_backend_that_raises_is_skipped_with_one_warning(fakes, measurements):
     registry.register(autotune_fakes.FailingBackend("broken", 100, 0.0))
     t, freqs = inputs()
