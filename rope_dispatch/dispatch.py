@@ -72,7 +72,8 @@ def _size_limits() -> tuple[int, ...]:
 @contextlib.contextmanager
 def use_backend(name: str | None) -> Iterator[None]:
     """Force backend ``name`` for the calls in this scope; ``None`` lifts every outer override,
-    an outer scope's and ``ROPE_BACKEND``'s (the automatic choice; ``backend=`` still forces)."""
+    an outer scope's and ``ROPE_BACKEND``'s (the automatic choice; ``backend=`` still forces).
+    The scope is a context variable's: threads started inside it do not inherit it."""
     if name is not None:
         registry.get_backend(name)
     token = _forced.set(_AUTOMATIC if name is None else name)
