@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from .errors import RoPEError
-from .tracing import constant_while_tracing, distributed, exact_size
+from .tracing import constant_while_tracing, distributed, exact_size, symbolic
 
 Layout = Literal["sbhd", "bshd", "thd"]
 
@@ -280,14 +280,23 @@ class RoPESpec(BaseModel):
         validation does not trace) and this object given its attributes."""
         if torch.compiler.is_compiling():
             cu_seqlens = fields.pop("cu_seqlens", None)
+            longest = fields.get("max_seqlen")
+            dynamic = _dynamic(longest)
+            if dynamic:  # validated as a number; the spec holds the symbol (_traced_copy)
+                fields["max_seqlen"] = 0
             # a size taken from a tensor is a symbol with dynamic=True: the spec's is a number
             # (Dynamo takes a symbolic size for an int)
             fields = {name: (exact_size(v) if v >= 0 else -exact_size(-v))
                       if isinstance(v, int) and not isinstance(v, bool) else v
                       for name, v in fields.items()}
             made = constant_spec(**fields)
+            longest = longest if dynamic else fields.get("max_seqlen")
             if cu_seqlens is not None:  # (on the class: Dynamo finds no method of a constant)
-                made = RoPESpec.with_cu_seqlens(made, cu_seqlens, fields.get("max_seqlen"))
+                made = RoPESpec.with_cu_seqlens(made, cu_seqlens, longest)
+            elif dynamic:
+                if longest < 0:
+                    raise RoPEError(f"max_seqlen must be >= 0, got {longest}")
+                made = _traced_copy(made, made.cu_seqlens, longest)
             for name in _ATTRIBUTES:
                 object.__setattr__(self, name, getattr(made, name))
         else:
@@ -430,21 +439,7 @@ class RoPESpec(BaseModel):
         if max_seqlen is not None and max_seqlen < 0:
             raise RoPEError(f"max_seqlen must be >= 0, got {max_seqlen}")
         if torch.compiler.is_compiling():
-            # pydantic's copy (its object's __dict__ copied in C) and its frozen __setattr__
-            # cannot be traced: Dynamo traces a new object given this one's fields
-            # (attribute by attribute: torch 2.11's Dynamo cannot update an object's __dict__)
-            key = self.static_key  # (its float a symbol with dynamic=True: not repr'd here)
-            at = STATIC_FIELDS.index("max_seqlen")
-            if max_seqlen is not None:  # a plain int (dynamic=True: a caller's int is a symbol)
-                max_seqlen = exact_size(max_seqlen)
-            changed = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen,
-                       "static_key": (*key[:at], max_seqlen, *key[at + 1:]),
-                       "static_text": _text_with(self.static_text, at, max_seqlen)}
-            new = object.__new__(RoPESpec)
-            for name in _ATTRIBUTES:
-                object.__setattr__(new, name, changed[name] if name in changed
-                                   else getattr(self, name))
-            return new
+            return _traced_copy(self, cu_seqlens, max_seqlen)
         new = super().model_copy(update={"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen})
         new._set_static_key()
         return new
@@ -502,3 +497,32 @@ def constant_spec(**fields: Any) -> RoPESpec:
 
 _ATTRIBUTES = (*RoPESpec.model_fields, "static_key", "static_text", "scale_text")
 """What a spec's methods and the calls read of it (a traced copy is given these)."""
+
+DYNAMIC_MAX_SEQLEN = "dynamic"
+"""What a traced spec's key holds for a symbolic ``max_seqlen`` (no choice depends on its value,
+and a key holds no symbol)."""
+
+
+def _dynamic(max_seqlen: Any) -> bool:
+    """Whether a traced spec's ``max_seqlen`` is a symbol: an int the caller passes a new value
+    of every step (a batch's longest sequence), or any with ``dynamic=True``."""
+    return isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and symbolic(
+        max_seqlen)
+
+
+def _traced_copy(spec: RoPESpec, cu_seqlens: Any, max_seqlen: Any) -> RoPESpec:
+    """``spec`` with ``cu_seqlens`` and ``max_seqlen`` while Dynamo traces: pydantic's copy (its
+    object's __dict__ copied in C) and its frozen __setattr__ cannot be traced, so Dynamo traces
+    a new object given the fields (attribute by attribute: torch 2.11's Dynamo cannot update an
+    object's __dict__). A symbolic ``max_seqlen`` stays a symbol (only the table's length
+    bounds it, a guard on a range): made a number, each new value was a recompile."""
+    key = spec.static_key  # (its float a symbol with dynamic=True: not repr'd here)
+    at = STATIC_FIELDS.index("max_seqlen")
+    keyed = DYNAMIC_MAX_SEQLEN if _dynamic(max_seqlen) else max_seqlen
+    changed = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen,
+               "static_key": (*key[:at], keyed, *key[at + 1:]),
+               "static_text": _text_with(spec.static_text, at, keyed)}
+    new = object.__new__(RoPESpec)
+    for name in _ATTRIBUTES:
+        object.__setattr__(new, name, changed[name] if name in changed else getattr(spec, name))
+    return new

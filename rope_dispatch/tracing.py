@@ -90,6 +90,29 @@ def exact_size(n: object) -> int:
     return high
 
 
+def symbolic(n: int) -> bool:
+    """Whether ``n``, an int met while Dynamo traces, is a symbol (a caller's int that changed
+    between calls, or any with ``dynamic=True``), found without a guard on its value (Dynamo
+    passes a symbol's ``isinstance(n, int)`` and ``type(n) is int``); a plain int's value is
+    known, so some power of two bounds it and it equals the bound's bisection."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if statically_known_true(n < 0):  # (a plain negative int)
+        return False
+    low, high = -1, 1
+    while not statically_known_true(n <= high):
+        if high >= 1 << 62:
+            return True
+        high *= 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if statically_known_true(n <= middle):
+            high = middle
+        else:
+            low = middle
+    return not statically_known_true(n == high)
+
+
 def constant_while_tracing(fn: F) -> F:
     """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it: Dynamo calls it once
     at trace time and keeps its result in the graph instead of tracing its body (a ContextVar,

@@ -600,3 +600,41 @@ def test_selective_activation_checkpointing(backend, save, layout, norm, request
             assert_matches(got, want, torch.float32, f"{name}'s gradient")
     if backend == "triton" and not norm:  # (a norm stage's call is then the eager composition)
         assert torch.ops.rope_dispatch.triton_rope.default in seen
+
+
+@pytest.mark.parametrize("made", ["RoPESpec", "with_cu_seqlens"])
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_a_new_max_seqlen_every_step_is_no_recompile(made, backend, request):
+    """A thd training loop passes each batch's longest sequence as ``max_seqlen``: the traced
+    spec kept it as a number (a guard on its value), so every step compiled a new graph (and
+    past Dynamo's cache limit ran uncompiled). Two graphs (the first step's static int, then a
+    symbol), outputs and gradients match the reference, and a max_seqlen the table cannot cover
+    is still refused."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    torch._dynamo.reset()
+    freqs = torch.rand(24, 1, 1, 8) * 10
+    base = rd.RoPESpec(layout="thd", dtype="fp32")
+
+    def step(x, cu, longest):
+        spec = (rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu, max_seqlen=longest)
+                if made == "RoPESpec" else base.with_cu_seqlens(cu, longest))
+        return rd.apply(x, freqs, spec, backend=backend)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for longest in range(3, 9):
+        cu = torch.tensor([0, longest, longest + 2])
+        t = torch.randn(longest + 2, 3, 8, requires_grad=True)
+        out = compiled(t, cu, longest)
+        grad_out = torch.randn(out.shape)
+        (grad,) = torch.autograd.grad(out, t, grad_out)
+        ref_out, ref_grad = reference_forward_backward(t, freqs, base.with_cu_seqlens(cu),
+                                                       grad_out)
+        assert_matches(out, ref_out, torch.float32, f"max_seqlen {longest}")
+        assert_matches(grad, ref_grad, torch.float32, f"max_seqlen {longest}")
+    assert counter.frame_count == 2
+    with pytest.raises(Exception, match="max_seqlen=30 needs 30"):
+        compiled(torch.randn(8, 3, 8), torch.tensor([0, 4, 8]), 30)
