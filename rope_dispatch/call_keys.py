@@ -22,7 +22,7 @@ class CallKey(NamedTuple):
 
     spec: tuple
     """The spec's static key (``RoPESpec.static_key``), then the table's rotary dim; traced,
-    the key as text (``static_text``), then the rotary dim."""
+    the key as text (``static_text``: ``max_seqlen`` only as set or not), then the rotary dim."""
     device_type: str
     device_index: int | None
     shape_bucket: tuple

@@ -168,6 +168,19 @@ def check_cu_seqlens_tensor(cu_seqlens: Any) -> None:
         )
 
 
+MAX_SEQLEN_SET = "set"
+"""What a traced call's key (a spec's ``static_text``) holds for a ``max_seqlen`` that is set,
+and a traced spec's ``static_key`` for a symbolic one: no choice depends on its value, which a
+thd loop changes every step, and a key read while Dynamo traces is a guard (a recompile per
+value)."""
+
+
+def _key_text(key: tuple) -> str:
+    """A spec's key as the text traced calls key on: ``max_seqlen`` only as set or not."""
+    at = STATIC_FIELDS.index("max_seqlen")
+    return repr((*key[:at], None if key[at] is None else MAX_SEQLEN_SET, *key[at + 1:]))
+
+
 @constant_while_tracing
 def _text_with(static_text: str, at: int, value: object) -> str:
     """``static_text`` (a spec's key as text) with entry ``at`` replaced by ``value``: run
@@ -417,7 +430,7 @@ class RoPESpec(BaseModel):
         )
         # as text, which Dynamo reads as constants: with dynamic=True it reads a float held by
         # an object as a symbol, which a key or an op's constant argument cannot hold
-        self.__dict__["static_text"] = repr(self.static_key)
+        self.__dict__["static_text"] = _key_text(self.static_key)
         self.__dict__["scale_text"] = repr(float(self.cos_sin_scale))
 
     def static_fields(self) -> dict[str, Any]:
@@ -498,10 +511,6 @@ def constant_spec(**fields: Any) -> RoPESpec:
 _ATTRIBUTES = (*RoPESpec.model_fields, "static_key", "static_text", "scale_text")
 """What a spec's methods and the calls read of it (a traced copy is given these)."""
 
-DYNAMIC_MAX_SEQLEN = "dynamic"
-"""What a traced spec's key holds for a symbolic ``max_seqlen`` (no choice depends on its value,
-and a key holds no symbol)."""
-
 
 def _dynamic(max_seqlen: Any) -> bool:
     """Whether a traced spec's ``max_seqlen`` is a symbol: an int the caller passes a new value
@@ -518,10 +527,11 @@ def _traced_copy(spec: RoPESpec, cu_seqlens: Any, max_seqlen: Any) -> RoPESpec:
     bounds it, a guard on a range): made a number, each new value was a recompile."""
     key = spec.static_key  # (its float a symbol with dynamic=True: not repr'd here)
     at = STATIC_FIELDS.index("max_seqlen")
-    keyed = DYNAMIC_MAX_SEQLEN if _dynamic(max_seqlen) else max_seqlen
+    keyed = MAX_SEQLEN_SET if _dynamic(max_seqlen) else max_seqlen
     changed = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen,
                "static_key": (*key[:at], keyed, *key[at + 1:]),
-               "static_text": _text_with(spec.static_text, at, keyed)}
+               "static_text": _text_with(spec.static_text, at,
+                                         None if max_seqlen is None else MAX_SEQLEN_SET)}
     new = object.__new__(RoPESpec)
     for name in _ATTRIBUTES:
         object.__setattr__(new, name, changed[name] if name in changed else getattr(spec, name))

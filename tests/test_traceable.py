@@ -638,3 +638,35 @@ def test_a_new_max_seqlen_every_step_is_no_recompile(made, backend, request):
     assert counter.frame_count == 2
     with pytest.raises(Exception, match="max_seqlen=30 needs 30"):
         compiled(torch.randn(8, 3, 8), torch.tensor([0, 4, 8]), 30)
+
+
+@pytest.mark.parametrize("made", ["RoPESpec", "with_cu_seqlens"])
+def test_a_spec_passed_in_with_a_new_max_seqlen_every_step_is_no_recompile(made):
+    """The thd spec made outside the compiled step for each batch (its longest sequence as
+    ``max_seqlen``) and passed in, the default backend choosing: the choice's key held the
+    spec's key text with max_seqlen's value, a constant Dynamo guards on, so every step compiled
+    a new graph. Two graphs (the first step's static int, then a symbol), and the outputs and
+    gradients match the reference."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    freqs = torch.rand(24, 1, 1, 8) * 10
+    base = rd.RoPESpec(layout="thd", dtype="fp32")
+
+    def step(x, spec):
+        return rd.apply(x, freqs, spec)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for longest in range(3, 9):
+        cu = torch.tensor([0, longest, longest + 2])
+        spec = (rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu, max_seqlen=longest)
+                if made == "RoPESpec" else base.with_cu_seqlens(cu, longest))
+        t = torch.randn(longest + 2, 3, 8, requires_grad=True)
+        out = compiled(t, spec)
+        grad_out = torch.randn(out.shape)
+        (grad,) = torch.autograd.grad(out, t, grad_out)
+        ref_out, ref_grad = reference_forward_backward(t, freqs, spec, grad_out)
+        assert_matches(out, ref_out, torch.float32, f"max_seqlen {longest}")
+        assert_matches(grad, ref_grad, torch.float32, f"max_seqlen {longest}")
+    assert counter.frame_count == 2
