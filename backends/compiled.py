@@ -44,7 +44,7 @@ from rope_dispatch.registry import Backend
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import CosSinCache, RateTable
 from rope_dispatch.tracing import (
-    _dispatch_modes, fake, import_dynamo, memoryless, recompile_limit_hit,
+    _dispatch_modes, fake, forward_ad, import_dynamo, memoryless, recompile_limit_hit,
 )
 
 from .eager import rope_eager, rope_tensors
@@ -423,8 +423,9 @@ class CompileBackend(Backend):
     def apply(self, call: RoPECall) -> torch.Tensor:
         # inside an outer graph: let it trace the math; under a torch.func transform (grad, jvp,
         # vmap), torch ops, which every transform knows (a failure there is no compile failure);
-        # under a dispatch mode (a selective checkpoint's), the ops, recorded alike each time
-        if memoryless() or fake(call.t) or _dispatch_modes():
+        # under a dispatch mode (a selective checkpoint's), the ops, recorded alike each time;
+        # with a forward-mode AD level open, the ops (a compiled function drops the tangents)
+        if memoryless() or fake(call.t) or _dispatch_modes() or forward_ad():
             return rope_eager(call)
         return self._run(call, fallback=True)
 

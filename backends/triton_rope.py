@@ -35,7 +35,9 @@ from rope_dispatch.kv_cache import FP8_DTYPES
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import dtype_name
 from rope_dispatch.tables import angles_2d, kernel_tables, table_tensors
-from rope_dispatch.tracing import PLAIN_TENSORS, _dispatch_modes, exact_size, transformed
+from rope_dispatch.tracing import (
+    PLAIN_TENSORS, _dispatch_modes, exact_size, forward_ad, transformed,
+)
 
 from . import triton_launch as tl
 from . import triton_tables as tt
@@ -304,8 +306,8 @@ def _result(launch: Launch, made: tuple) -> Any:
 def rope(call: RoPECall) -> Any:
     """A checked call through the kernels: new outputs, or the inputs rotated in place (a
     packed qkv call returns ``(q, k, v)``, a pair ``(q, k)``)."""
-    if transformed():  # torch.func's wrappers have no memory to launch on: torch ops, which
-        return rope_eager(call)  # every transform knows
+    if transformed() or forward_ad():  # torch.func's wrappers have no memory to launch on,
+        return rope_eager(call)  # a dual tensor's tangent no launch carries: torch ops
     described = describe(call)
     inputs = (call.t,) if call.k is None else (call.t, call.k)
     weights = () if described.norm is None else tuple(
@@ -445,7 +447,7 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
                 k: Any, norms: tuple) -> Any:
             given = positions if start_positions is None else start_positions
             s = stream(device)
-            if (several and current_device() != device) or (
+            if (several and current_device() != device) or forward_ad() or (
                     flag is not None and stale(flag, freqs, s)):
                 return generic(x, freqs, spec, start_positions, positions, k, norms)
             index = address if given is None else given
@@ -485,7 +487,7 @@ def plan(call: RoPECall, generic: Plan) -> Plan:
         given = positions if start_positions is None else start_positions
         s = stream(device)
         if (several and current_device() != device) or transformed() or _dispatch_modes() or (
-                flag is not None and stale(flag, freqs, s)):
+                forward_ad() or flag is not None and stale(flag, freqs, s)):
             return generic(x, freqs, spec, start_positions, positions, k, norms)
         rotation = Rotation(described, None, planned, freqs, given, spec.cu_seqlens, s)
         return apply(rotation, x, k) if pair else apply(rotation, x)

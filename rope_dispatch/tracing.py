@@ -23,6 +23,15 @@ transformed = torch._C._are_functorch_transforms_active
 """Whether a ``torch.func`` transform (grad, jvp, vmap) runs: its tensors are wrappers with no
 memory of their own (no ``data_ptr``, no inference flag to read)."""
 
+_FORWARD_AD = torch.autograd.forward_ad
+
+
+def forward_ad() -> bool:
+    """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``): any
+    tensor may carry a tangent, which only torch ops carry on (a kernel launch, a compiled
+    function, drops it: the output had none, or an in-place call's the input's, unrotated)."""
+    return _FORWARD_AD._current_level >= 0
+
 
 def memoryless() -> bool:
     """Whether a call's tensors may have no memory to read: fake tensors while torch.compile

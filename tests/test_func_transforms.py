@@ -160,3 +160,51 @@ def test_a_patched_qk_norm_model_has_the_unpatched_models_functional_gradient(tr
         hf.unpatch(model)
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("entry", ["apply", "apply norm", "apply_", "apply_qk", "apply_qkv"])
+def test_dual_tensors_of_forward_mode_ad_get_the_rotated_tangent(backend, entry):
+    """``torch.autograd.forward_ad`` (dual tensors, no torch.func wrapper): the Triton kernels
+    and the compile backend's compiled function dropped the tangent (the output had none, or an
+    in-place call kept the input's tangent unrotated). Every backend gives the float64
+    reference's derivative, on a first call and on calls met again (planned)."""
+    import torch.autograd.forward_ad as fwad
+
+    if backend in ("compile", "te") and entry != "apply" and entry != "apply norm":
+        pytest.skip(f"the {backend} backend serves single tensors out of place only")
+    t, angles, weight = _inputs()
+    gen = torch.Generator().manual_seed(3)
+    tangent = torch.randn(t.shape, generator=gen).to(DEVICE)
+    k, k_tangent = t[:, :, :1].clone(), torch.randn(6, 2, 1, 8, generator=gen).to(DEVICE)
+    qkv = torch.cat((t, k, k), -2).transpose(-2, -1).reshape(6, 2, 1, 40)  # 3 q heads, k, v
+    qkv_tangent = torch.randn(qkv.shape, generator=gen).to(DEVICE)
+
+    def call(x, k, packed):
+        if entry == "apply_qk":
+            return rd.apply_qk(x, k, angles, SPEC, backend=backend)
+        if entry == "apply_qkv":
+            return rd.apply_qkv(packed, angles, SPEC, split=(24, 8, 8), backend=backend)[:2]
+        if entry == "apply_":
+            return (rd.apply_(x.clone(), angles, SPEC, backend=backend),)
+        norm = rd.HeadNorm(weight, 1e-6) if entry == "apply norm" else None
+        return (rd.apply(x, angles, SPEC, backend=backend, norm=norm),)
+
+    def expected(x, k, packed):
+        if entry == "apply_qkv":
+            q = torch.stack([packed[..., 0, j * 8:(j + 1) * 8] for j in range(3)], -2)
+            return _rotated(q, angles), _rotated(packed[..., 24:32], angles)
+        w = weight if entry == "apply norm" else None
+        return (_rotated(x, angles, w),) + ((_rotated(k, angles),) if entry == "apply_qk" else ())
+
+    primals = (t.double(), k.double(), qkv.double())
+    tangents = (tangent.double(), k_tangent.double(), qkv_tangent.double())
+    _, wanted = torch.func.jvp(expected, primals, tangents)
+    for repeat in range(3):
+        call(t, k, qkv)  # (calls met outside forward AD: planned)
+        with fwad.dual_level():
+            outs = call(fwad.make_dual(t, tangent), fwad.make_dual(k, k_tangent),
+                        fwad.make_dual(qkv, qkv_tangent))
+            got = [fwad.unpack_dual(o).tangent for o in outs]
+        for i, (g, w) in enumerate(zip(got, wanted)):
+            assert g is not None, f"output {i}: no tangent (call {repeat})"
+            assert_matches(g, w, torch.float32, f"output {i}'s tangent (call {repeat})")

@@ -1043,3 +1043,32 @@ def test_no_plan_is_made_under_a_dispatch_mode():
     for _ in range(3):
         rd.apply(x, freqs, spec, backend="eager")
     assert len(dispatch._plans) == 1  # outside the mode, planned as usual
+
+
+@pytest.mark.skipif(CUDA, reason="stands in for the compiled-launch cache, which CUDA launches use")
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_bound_plan_leaves_a_call_with_a_dual_level_open_to_the_generic_plan(
+        stand_in_binder, grad):
+    """With a forward-mode AD level open (``torch.autograd.forward_ad``) a planned call is the
+    generic plan's, which runs torch ops: the bound launch would drop a dual tensor's tangent.
+    Outside the level the bound launch serves it again."""
+    import torch.autograd.forward_ad as fwad
+
+    from rope_dispatch.backends import triton_rope
+
+    freqs, spec = _table(), rd.RoPESpec(layout="sbhd", dtype="fp32")
+    x = _data((4, 6, 3, D), seed=1).requires_grad_(grad)
+    generic = []
+    run = triton_rope.plan(rd.check_call(x, freqs, spec),
+                           lambda *args: generic.append(args) or rd.apply(*args[:3]))
+    tangent = _data(x.shape, seed=2)
+    with fwad.dual_level():
+        out = run(fwad.make_dual(x, tangent), freqs, spec, None, None, None, (None, None))
+        got = fwad.unpack_dual(out).tangent
+    assert len(generic) == 1 and "passed" not in stand_in_binder
+    assert got is not None
+    assert_matches(got, reference_forward_backward(tangent, freqs, spec, tangent)[0],
+                   torch.float32, "tangent")
+    run(x, freqs, spec, None, None, None, (None, None))  # no level: handed the bound launch
+    assert "passed" in stand_in_binder
