@@ -52,7 +52,7 @@ from rope_dispatch.call import RoPECall
 from rope_dispatch.registry import Backend, Plan
 from rope_dispatch.spec import RoPESpec
 from rope_dispatch.tables import RateTable
-from rope_dispatch.tracing import transformed
+from rope_dispatch.tracing import forward_ad, transformed
 
 from .eager import rope_eager
 
@@ -407,8 +407,8 @@ class TEBackend(Backend):
     def apply(self, call: RoPECall) -> torch.Tensor:
         if self._info is None and self.availability:
             raise RuntimeError(f"the te backend is unavailable: {'; '.join(self.availability)}")
-        if transformed():  # TE's autograd.Function has no setup_context, which torch.func
-            return rope_eager(call)  # needs: the same math in torch ops
+        if transformed() or forward_ad():  # TE's autograd.Function has no setup_context,
+            return rope_eager(call)  # which torch.func needs, nor a jvp: torch ops
         offset = call.spec.rotary_offset
         if offset:  # exact: TE rotates the view from the offset on, the channels before it copied
             spec = call.spec.model_copy(update={"rotary_offset": 0})
@@ -463,7 +463,8 @@ class TEBackend(Backend):
             start_positions: torch.Tensor | None, positions: torch.Tensor | None, k: None,
             norms: tuple,
         ) -> torch.Tensor:
-            if not freqs.is_contiguous() or (several and current_device() != device_index):
+            if not freqs.is_contiguous() or (several and current_device() != device_index) or (
+                    forward_ad()):
                 return generic(t, freqs, spec, start_positions, positions, k, norms)
             table = freqs if freqs.dim() == 4 else freqs.view(shape_4d)
             if per_call == (False, False):

@@ -331,6 +331,30 @@ def test_apply_when_unavailable_raises_with_the_reasons():
         backend.apply(make_call())
 
 
+@pytest.mark.parametrize("planned", [False, True])
+def test_dual_tensors_of_forward_mode_ad_run_the_eager_math(planned):
+    """With a forward-mode AD level open (``torch.autograd.forward_ad``) a call, or a planned
+    call, takes the eager math, not TE's function (its autograd.Function has no jvp: the
+    tangent would be dropped or refused); the tangent is the rotated one."""
+    import torch.autograd.forward_ad as fwad
+    from te_fake import recording_te
+
+    seen: dict = {}
+    backend = recording_te(seen)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    x, tangent, freqs = torch.randn(4, 2, 2, 8), torch.randn(4, 2, 2, 8), torch.rand(8, 8) * 6
+    call = rd.check_call(x, freqs, spec)
+    run = backend.plan(call) if planned else None
+    with fwad.dual_level():
+        dual = fwad.make_dual(x, tangent)
+        out = (run(dual, freqs, spec, None, None, None, (None, None)) if planned
+               else backend.apply(call._replace(t=dual)))
+        got = fwad.unpack_dual(out).tangent
+    assert seen == {}
+    assert got is not None
+    assert_matches(got, reference_for(tangent, freqs, spec), torch.float32, "tangent")
+
+
 # --- on the GPU machine, with the installed TransformerEngine ---------------------------------
 
 @pytest.fixture(autouse=True)
