@@ -308,7 +308,7 @@ class RoPESpec(BaseModel):
                 made = RoPESpec.with_cu_seqlens(made, cu_seqlens, longest)
             elif dynamic:
                 if longest < 0:
-                    raise RoPEError(f"max_seqlen must be >= 0, got {longest}")
+                    raise RoPEError(f"max_seqlen must be >= 0, got {int(longest)}")
                 made = _traced_copy(made, made.cu_seqlens, longest)
             for name in _ATTRIBUTES:
                 object.__setattr__(self, name, getattr(made, name))

@@ -670,3 +670,30 @@ def test_a_spec_passed_in_with_a_new_max_seqlen_every_step_is_no_recompile(made)
         assert_matches(out, ref_out, torch.float32, f"max_seqlen {longest}")
         assert_matches(grad, ref_grad, torch.float32, f"max_seqlen {longest}")
     assert counter.frame_count == 2
+
+
+def test_a_symbolic_max_seqlen_of_a_spec_without_offsets_is_checked_by_name():
+    """A thd spec made in the step with per-token positions, no cu_seqlens, and a max_seqlen
+    that changes every step (a symbol from the second step): one more graph, the reference's
+    output, and a negative one refused by name (Dynamo could not format the symbol into the
+    message and raised its own error)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    freqs = torch.rand(24, 8) * 10
+
+    def step(x, positions, longest):
+        spec = rd.RoPESpec(layout="thd", dtype="fp32", max_seqlen=longest)
+        return rd.apply(x, freqs, spec, positions=positions)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    positions = torch.tensor([3, 0, 23, 7])
+    for longest in range(4, 8):
+        t = torch.randn(4, 2, 8)
+        expected = reference_for(t, freqs, rd.RoPESpec(layout="thd", dtype="fp32"),
+                                 positions=positions)
+        assert_matches(compiled(t, positions, longest), expected, torch.float32)
+    assert counter.frame_count == 2
+    with pytest.raises(Exception, match="max_seqlen must be >= 0, got -1"):
+        compiled(torch.randn(4, 2, 8), positions, -1)
