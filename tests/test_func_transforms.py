@@ -172,6 +172,8 @@ def test_dual_tensors_of_forward_mode_ad_get_the_rotated_tangent(backend, entry)
 
     if backend in ("compile", "te") and entry != "apply" and entry != "apply norm":
         pytest.skip(f"the {backend} backend serves single tensors out of place only")
+    if backend == "te" and entry == "apply norm":
+        pytest.skip("the te backend refuses a norm stage (tests/test_norm.py checks that)")
     t, angles, weight = _inputs()
     gen = torch.Generator().manual_seed(3)
     tangent = torch.randn(t.shape, generator=gen).to(DEVICE)

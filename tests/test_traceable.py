@@ -615,7 +615,8 @@ def test_a_new_max_seqlen_every_step_is_no_recompile(made, backend, request):
     if backend == "triton":
         request.getfixturevalue("triton_backend")
     torch._dynamo.reset()
-    freqs = torch.rand(24, 1, 1, 8) * 10
+    device = DEVICE if backend == "triton" else "cpu"
+    freqs = (torch.rand(24, 1, 1, 8) * 10).to(device)
     base = rd.RoPESpec(layout="thd", dtype="fp32")
 
     def step(x, cu, longest):
@@ -627,9 +628,9 @@ def test_a_new_max_seqlen_every_step_is_no_recompile(made, backend, request):
     compiled = torch.compile(step, fullgraph=True, backend=counter)
     for longest in range(3, 9):
         cu = torch.tensor([0, longest, longest + 2])
-        t = torch.randn(longest + 2, 3, 8, requires_grad=True)
-        out = compiled(t, cu, longest)
-        grad_out = torch.randn(out.shape)
+        t = torch.randn(longest + 2, 3, 8, device=device, requires_grad=True)
+        out = compiled(t, cu.to(device), longest)
+        grad_out = torch.randn(out.shape, device=device)
         (grad,) = torch.autograd.grad(out, t, grad_out)
         ref_out, ref_grad = reference_forward_backward(t, freqs, base.with_cu_seqlens(cu),
                                                        grad_out)
@@ -637,7 +638,7 @@ def test_a_new_max_seqlen_every_step_is_no_recompile(made, backend, request):
         assert_matches(grad, ref_grad, torch.float32, f"max_seqlen {longest}")
     assert counter.frame_count == 2
     with pytest.raises(Exception, match="max_seqlen=30 needs 30"):
-        compiled(torch.randn(8, 3, 8), torch.tensor([0, 4, 8]), 30)
+        compiled(torch.randn(8, 3, 8, device=device), torch.tensor([0, 4, 8], device=device), 30)
 
 
 @pytest.mark.parametrize("made", ["RoPESpec", "with_cu_seqlens"])
