@@ -486,6 +486,22 @@ _FLAT_KEYS = frozenset((
 its values (None too)."""
 
 
+def _hf_gemma3_parameters(config: object, parameters: Mapping) -> Mapping:
+    """A transformers 4 Gemma 3 config's flat fields as transformers 5.23's Gemma 3 configs
+    convert them: per layer type, ``rope_scaling`` and ``rope_theta`` (default 1e6) for
+    ``"full_attention"``, the default rates at ``rope_local_base_freq`` for
+    ``"sliding_attention"``. Any other config: ``parameters`` unchanged."""
+    local_theta = _hf_attribute(config, "rope_local_base_freq")
+    if local_theta is None:
+        return parameters
+    full = dict(parameters)
+    full.setdefault("rope_type", full.get("type", "default"))
+    theta = _hf_attribute(config, "rope_theta")
+    full.setdefault("rope_theta", 1_000_000.0 if theta is None else theta)
+    return {"sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+            "full_attention": full}
+
+
 def _hf_rope_parameters(config: object, layer_type: str | None) -> tuple[dict, str]:
     """A copy of the config's flat rope parameters, and how to name them in messages."""
     where = "config.rope_parameters"
@@ -495,6 +511,8 @@ def _hf_rope_parameters(config: object, layer_type: str | None) -> tuple[dict, s
     parameters = parameters or {}
     if not isinstance(parameters, Mapping):
         raise RoPEError(f"{where} must be a mapping of rope parameters, got {parameters!r}")
+    if where == "config.rope_scaling" or not parameters:
+        parameters = _hf_gemma3_parameters(config, parameters)
     per_layer = bool(parameters) and all(
         value is None or isinstance(value, Mapping) for value in parameters.values()
     ) and not any(key in _FLAT_KEYS for key in parameters)  # ({"rope_type": None} is flat)
@@ -573,7 +591,8 @@ def from_hf_config(
     defaults. The rotary dim is ``int(head_dim * partial_rotary_factor)``; every family honours
     ``partial_rotary_factor`` (as GPT-NeoX, Phi or GLM do; Llama's own default ignores it).
     ``layer_type`` picks one entry of per-layer-type parameters (Gemma 3's
-    ``"sliding_attention"`` and ``"full_attention"``), and of a heterogeneous config (Gemma 4's,
+    ``"sliding_attention"`` and ``"full_attention"``; a transformers 4 Gemma 3 config's
+    ``rope_local_base_freq`` is its sliding layers' base), and of a heterogeneous config (Gemma 4's,
     EmbeddingGemma 2's) that layer type's own config, with its own head dim. A composite
     (vision-language) config is read through its ``get_text_config()``. A config with a
     ``rotary_dim`` field and no ``rope_parameters`` (GPT-J, CodeGen) rotates that many
