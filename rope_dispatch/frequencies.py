@@ -427,6 +427,21 @@ def _te_position_scale(
     return 1 / seq_len_interpolation_factor
 
 
+def _length(argument: str, value: object) -> int:
+    """A length option as an int: a positive int, or a float that is a whole number (a JSON
+    config's ``4096.0``, which transformers' and TE's arithmetic take as 4096); anything else is
+    a RoPEError naming ``argument``."""
+    if isinstance(value, float) or (  # NumPy floats too; not bools, ints or NumPy ints
+            isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)):
+        number = float(value)
+        if not (math.isfinite(number) and number.is_integer() and number >= 1):
+            raise RoPEError(
+                f"{argument} must be a positive int (or a float of a whole number), got {value!r}"
+            )
+        return int(number)
+    return _count(argument, value)
+
+
 def from_te_options(
     dim: int, max_positions: int, *, rotary_percent: float = 1.0,
     seq_len_interpolation_factor: float | None = None,
@@ -456,8 +471,10 @@ def from_te_options(
         seq_len_interpolation_factor = _positive(
             "seq_len_interpolation_factor", seq_len_interpolation_factor
         )
-    if pretrained_max_position_embeddings is not None:
-        _count("pretrained_max_position_embeddings", pretrained_max_position_embeddings)
+    if pretrained_max_position_embeddings is not None:  # (4096.0 too, as TE's module takes)
+        pretrained_max_position_embeddings = _length(
+            "pretrained_max_position_embeddings", pretrained_max_position_embeddings
+        )
     interpolating = (
         seq_len_interpolation_factor is not None and pretrained_max_position_embeddings is not None
     )
@@ -645,16 +662,17 @@ def from_hf_config(
             raise RoPEError(
                 f"config has no max_position_embeddings, which rope_type {rope_type!r} needs"
             )
-        return _count("config.max_position_embeddings", found)
+        return _length("config.max_position_embeddings", found)
 
     def original_max_position_embeddings() -> int:
         # transformers gives a config attribute of this name priority (Phi-3 keeps it there).
-        found = None
+        found, name = None, "config.original_max_position_embeddings"
         if layer_type is None:
             found = _hf_attribute(config, "original_max_position_embeddings")
         if found is None:
             found = parameters.get("original_max_position_embeddings")
-        return max_position_embeddings() if found is None else found
+            name = f"{where}['original_max_position_embeddings']"
+        return max_position_embeddings() if found is None else _length(name, found)
 
     # GPT-NeoX's configs (and transformers 4's GPTNeoXConfig) name the base and the partial
     # factor rotary_emb_base and rotary_pct; transformers 5 reads them as these two.
@@ -713,7 +731,6 @@ def from_hf_config(
                 low_freq_factor=required("low_freq_factor"),
                 high_freq_factor=required("high_freq_factor"), rope_theta=theta,
             )
-        original = _count("original_max_position_embeddings", original)
         # yarn and longrope derive a missing factor from the two lengths.
         factor = value("factor")
         if factor is None:

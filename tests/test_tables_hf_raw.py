@@ -47,3 +47,88 @@ def test_transformers_4_gemma3_fields_per_layer_type(layer_type, scaling):
     with pytest.raises(RoPEError, match=r"per layer type \('sliding_attention', "
                                         r"'full_attention'\); pass layer_type="):
         from_hf_config(SimpleNamespace(**fields), length)
+
+
+# --- lengths written as JSON floats ------------------------------------------------------------
+
+def _llama3(original):
+    return {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+
+
+@pytest.mark.parametrize("parameters, max_position_embeddings, length", [
+    ({"type": "dynamic", "factor": 2.0}, 4096.0, 6000),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024.0}, 4096.0, 64),
+    ({"type": "yarn", "original_max_position_embeddings": 1024.0}, 4096.0, 64),  # factor 4
+    ({"type": "longrope", "short_factor": [1.0] * 16, "long_factor": [3.0] * 16,
+      "original_max_position_embeddings": 1024.0}, 4096, 2000),
+    (_llama3(8192.0), 4096, 64),
+])
+def test_whole_number_floats_are_read_as_their_ints(parameters, max_position_embeddings, length):
+    """A config.json may write a length as ``4096.0``; transformers' arithmetic takes it as
+    4096 (its 5.23 config warns on a float original_max_position_embeddings and keeps it)."""
+    def config(lengths):
+        return SimpleNamespace(head_dim=32, max_position_embeddings=lengths(
+            max_position_embeddings), rope_scaling={
+                k: lengths(v) if k == "original_max_position_embeddings" else v
+                for k, v in parameters.items()})
+    got = from_hf_config(config(lambda v: v), length)
+    want = from_hf_config(config(int), length)
+    assert torch.equal(got.inv_freq, want.inv_freq)
+    assert got.attention_factor == want.attention_factor
+    assert got.max_positions == want.max_positions
+
+
+def test_llama3_float_original_length_equals_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(hidden_size=128, num_attention_heads=4, max_position_embeddings=16384,
+                     rope_parameters=_llama3(8192.0))
+    rates, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    raw = SimpleNamespace(head_dim=32, max_position_embeddings=16384,
+                          rope_scaling=_llama3(8192.0))
+    torch.testing.assert_close(from_hf_config(raw, 64).inv_freq, rates, rtol=5e-7, atol=0)
+
+
+@pytest.mark.parametrize("config, message", [
+    (SimpleNamespace(head_dim=32, max_position_embeddings=4096.5,
+                     rope_scaling={"type": "dynamic", "factor": 2.0}),
+     r"config.max_position_embeddings must be a positive int \(or a float of a whole "
+     r"number\), got 4096.5"),
+    (SimpleNamespace(head_dim=32, max_position_embeddings=4096,
+                     rope_scaling={"type": "yarn", "original_max_position_embeddings": 1024.5}),
+     r"config.rope_scaling\['original_max_position_embeddings'\] must be a positive int "
+     r"\(or a float of a whole number\), got 1024.5"),
+    (SimpleNamespace(head_dim=32, max_position_embeddings=4096, original_max_position_embeddings=
+                     float("inf"), rope_scaling=_llama3(None)),
+     r"config.original_max_position_embeddings must be a positive int .*, got inf"),
+    (SimpleNamespace(head_dim=32, max_position_embeddings=0.0,
+                     rope_scaling={"type": "dynamic", "factor": 2.0}),
+     r"config.max_position_embeddings must be a positive int .*, got 0.0"),
+])
+def test_lengths_that_are_no_whole_number_are_named(config, message):
+    with pytest.raises(RoPEError, match=message):
+        from_hf_config(config, 8)
+
+
+@pytest.mark.parametrize("length", [100, 10000])  # within, then beyond pretrained * factor
+def test_te_pretrained_length_as_a_float(length):
+    from rope_dispatch.compat.te import RotaryPositionEmbedding
+    from rope_dispatch.tables import from_te_options
+
+    module = RotaryPositionEmbedding(64, 1.0, 2, 4096.0)  # on the current CUDA device if any
+    device = module.inv_freq.device
+    f = from_te_options(64, length, seq_len_interpolation_factor=2,
+                        pretrained_max_position_embeddings=4096.0, device=device)
+    assert torch.equal(f.angle_table(length, device=device), module(length))
+    # float64: positions times the scale, times theta ** (-2k / d)
+    scale = 0.5 if length <= 8192 else 4096 / length
+    rates = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    angles = (torch.arange(length, dtype=torch.float64) * scale)[:, None] * rates
+    torch.testing.assert_close(f.angle_table(length)[:, 0, 0, :32].cpu().double(), angles,
+                               rtol=1e-6, atol=1e-5 * length)
+    with pytest.raises(RoPEError, match=r"pretrained_max_position_embeddings must be a positive "
+                                        r"int \(or a float of a whole number\), got 4096.5"):
+        from_te_options(64, length, seq_len_interpolation_factor=2,
+                        pretrained_max_position_embeddings=4096.5)
