@@ -522,9 +522,10 @@ def _hf_gemma3_parameters(config: object, parameters: Mapping) -> Mapping:
 def _hf_rope_parameters(config: object, layer_type: str | None) -> tuple[dict, str]:
     """A copy of the config's flat rope parameters, and how to name them in messages."""
     where = "config.rope_parameters"
-    parameters = getattr(config, "rope_parameters", None)
-    if not parameters and getattr(config, "rope_scaling", None):  # a transformers 4 config
-        where, parameters = "config.rope_scaling", config.rope_scaling  # type: ignore[attr-defined]
+    parameters = _hf_attribute(config, "rope_parameters")
+    scaling = None if parameters else _hf_attribute(config, "rope_scaling")
+    if scaling:  # a transformers 4 config
+        where, parameters = "config.rope_scaling", scaling
     parameters = parameters or {}
     if not isinstance(parameters, Mapping):
         raise RoPEError(f"{where} must be a mapping of rope parameters, got {parameters!r}")
@@ -554,13 +555,18 @@ def _hf_rope_parameters(config: object, layer_type: str | None) -> tuple[dict, s
 
 def _hf_attribute(config: object, name: str) -> object:
     """``config.<name>``, ``None`` when unset; a RoPEError where the config holds it per layer
-    (transformers raises a RuntimeError when the global value of a per-layer attribute is read)."""
+    (transformers raises a RuntimeError when the global value of a per-layer attribute is read)
+    or reading it fails otherwise (a property of a config class raising)."""
     try:
         return getattr(config, name, None)
     except RuntimeError as error:
         raise RoPEError(
             f"config.{name} differs between layers ({error}); pass layer_type= or the layer's own "
             "config (config.per_layer_config[i])"
+        ) from error
+    except Exception as error:
+        raise RoPEError(
+            f"config.{name} could not be read: {type(error).__name__}: {error}"
         ) from error
 
 
@@ -569,11 +575,16 @@ def _hf_layer_config(config: object, layer_type: str | None) -> object:
     composite (vision-language) config, and of a heterogeneous config the one of
     ``layer_type``'s layers (``config.per_layer_config[layer_type]``), where head dims may
     differ between layer types."""
-    text_config = getattr(config, "get_text_config", None)
+    text_config = _hf_attribute(config, "get_text_config")
     if callable(text_config):
-        config = text_config() or config
+        try:
+            config = text_config() or config
+        except Exception as error:
+            raise RoPEError(
+                f"config.get_text_config() failed: {type(error).__name__}: {error}"
+            ) from error
     if layer_type is not None:
-        per_layer = getattr(config, "per_layer_config", None)
+        per_layer = _hf_attribute(config, "per_layer_config")
         if per_layer is not None:
             try:
                 return per_layer[layer_type]

@@ -132,3 +132,38 @@ def test_te_pretrained_length_as_a_float(length):
                                         r"int \(or a float of a whole number\), got 4096.5"):
         from_te_options(64, length, seq_len_interpolation_factor=2,
                         pretrained_max_position_embeddings=4096.5)
+
+
+# --- configs whose attributes cannot be read --------------------------------------------------
+
+def _raising(error: Exception):
+    def read(self):
+        raise error
+    return property(read)
+
+
+@pytest.mark.parametrize("name", ["rope_parameters", "rope_scaling", "head_dim", "rope_theta",
+                                  "partial_rotary_factor", "get_text_config",
+                                  "rope_local_base_freq"])
+@pytest.mark.parametrize("error", [ValueError("no value"), KeyError("no key"),
+                                   TypeError("no type")])
+def test_an_attribute_that_raises_is_named(name, error):
+    """A config class's property that raises (not the RuntimeError of transformers' per-layer
+    attributes) escaped from_hf_config as that error, naming no field."""
+    fields = {"head_dim": 64, "max_position_embeddings": 64, name: _raising(error)}
+    config = type("RaisingConfig", (), fields)()
+    with pytest.raises(RoPEError, match=rf"config.{name} could not be read: "
+                                        rf"{type(error).__name__}: .*no ") as caught:
+        from_hf_config(config, 16)
+    assert caught.value.__cause__ is error
+
+
+def test_get_text_config_that_raises_is_named():
+    class Composite:
+        head_dim, max_position_embeddings = 64, 64
+
+        def get_text_config(self):
+            raise ValueError("no text model")
+
+    with pytest.raises(RoPEError, match=r"config.get_text_config\(\) failed: ValueError: no text"):
+        from_hf_config(Composite(), 16)
