@@ -625,7 +625,8 @@ def from_hf_config(
     (vision-language) config is read through its ``get_text_config()``. A config with a
     ``rotary_dim`` field and no ``rope_parameters`` (GPT-J, CodeGen) rotates that many
     channels (an even number); those models rotate interleaved pairs
-    (``RoPESpec(interleaved=True)``). LongRoPE's ``short_mscale`` and
+    (``RoPESpec(interleaved=True)``). One with ``qk_rope_head_dim`` and no partial factor
+    (DeepSeek's latent attention) rotates that many channels, as transformers sets them. LongRoPE's ``short_mscale`` and
     ``long_mscale`` (Phi-3.5-MoE) are its attention factor up to and beyond
     ``original_max_position_embeddings``, as that model's rotary embedding applies them.
 
@@ -696,10 +697,17 @@ def from_hf_config(
     partial = value("partial_rotary_factor", _hf_attribute(config, "partial_rotary_factor"))
     if partial is None and _hf_attribute(config, "rotary_pct") is not None:
         partial_name, partial = "config.rotary_pct", _hf_attribute(config, "rotary_pct")
+    # DeepSeek's latent attention (MLA; Kimi K2, GLM-4.7-Flash, MiniCPM3 too) rotates
+    # qk_rope_head_dim channels of each head: transformers 5.23's configs set head_dim to it (or
+    # the partial factor to its share of head_dim); a config.json gives neither.
+    rope_head_dim = None if partial is not None else _hf_attribute(config, "qk_rope_head_dim")
     partial = 1.0 if partial is None else _positive(partial_name, partial)
     if partial > 1.0:
         raise RoPEError(f"{partial_name} must be in (0, 1], got {partial!r}")
-    head_dim = _hf_head_dim(config)
+    head_dim = (
+        _hf_head_dim(config) if rope_head_dim is None
+        else _count("config.qk_rope_head_dim", rope_head_dim)
+    )
     dim = int(head_dim * partial)
     # GPT-J and CodeGen give their rotated channels outright (and no rope_parameters); where a
     # config has rope_parameters, transformers' rotary modules read the partial factor, not a

@@ -167,3 +167,40 @@ def test_get_text_config_that_raises_is_named():
 
     with pytest.raises(RoPEError, match=r"config.get_text_config\(\) failed: ValueError: no text"):
         from_hf_config(Composite(), 16)
+
+
+# --- DeepSeek's latent attention ---------------------------------------------------------------
+
+DEEPSEEK_V3_FIELDS = {  # DeepSeek-V3's config.json, its attention and rotary fields
+    "hidden_size": 7168, "num_attention_heads": 128, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840,
+    "rope_theta": 10000.0, "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+
+
+@pytest.mark.parametrize("scaling", [DEEPSEEK_V3_FIELDS["rope_scaling"], None])
+def test_deepseek_config_json_rotates_qk_rope_head_dim_channels(scaling):
+    """A config.json of DeepSeek's MLA has no head_dim; hidden_size // num_attention_heads
+    (56) was read as the rotary dim, where transformers rotates qk_rope_head_dim (64)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    fields = dict(DEEPSEEK_V3_FIELDS, rope_scaling=scaling)
+    length = 64
+    module = DeepseekV3RotaryEmbedding(DeepseekV3Config(**fields))
+    cos, sin = module(torch.zeros(1, dtype=torch.float32), torch.arange(length)[None])
+    f = from_hf_config(SimpleNamespace(**fields), length)
+    assert f.rotary_dim == 64
+    cache = f.cos_sin_cache(length)
+    torch.testing.assert_close(cache.cos, cos[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(cache.sin, sin[0], rtol=0, atol=2e-6)
+    if scaling is None:  # float64: 10000 ** (-2k / 64)
+        rates = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+        torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
+    # a partial factor given beside it is transformers' (Mistral 4's share of head_dim)
+    shared = SimpleNamespace(head_dim=192, partial_rotary_factor=1 / 3, **fields)
+    assert from_hf_config(shared, length).rotary_dim == 64
+    with pytest.raises(RoPEError, match=r"config.qk_rope_head_dim must be a positive int, got 0"):
+        from_hf_config(SimpleNamespace(**dict(fields, qk_rope_head_dim=0)), length)
