@@ -556,18 +556,24 @@ def _hf_rope_parameters(config: object, layer_type: str | None) -> tuple[dict, s
 def _hf_attribute(config: object, name: str) -> object:
     """``config.<name>``, ``None`` when unset; a RoPEError where the config holds it per layer
     (transformers raises a RuntimeError when the global value of a per-layer attribute is read)
-    or reading it fails otherwise (a property of a config class raising)."""
+    or reading it fails otherwise (a property of a config class raising). A mapping (a
+    config.json's dict, or a dict whose missing attributes raise KeyError) is read by its keys
+    where it has no such attribute."""
+    keyed = isinstance(config, Mapping)
     try:
-        return getattr(config, name, None)
+        found = getattr(config, name, None)
     except RuntimeError as error:
         raise RoPEError(
             f"config.{name} differs between layers ({error}); pass layer_type= or the layer's own "
             "config (config.per_layer_config[i])"
         ) from error
     except Exception as error:
+        if keyed and name not in config:  # an attribute-dict's missing key: unset
+            return None
         raise RoPEError(
             f"config.{name} could not be read: {type(error).__name__}: {error}"
         ) from error
+    return config.get(name) if found is None and keyed else found
 
 
 def _hf_layer_config(config: object, layer_type: str | None) -> object:
@@ -615,7 +621,8 @@ def from_hf_config(
 
     Reads ``config.rope_parameters`` (``rope_type`` and its fields; ``config.rope_scaling`` for
     transformers 4 configs) with ``rope_theta``, ``partial_rotary_factor``, ``head_dim`` (or
-    ``hidden_size // num_attention_heads``) and ``max_position_embeddings``, with transformers'
+    ``hidden_size // num_attention_heads``) and ``max_position_embeddings`` (a mapping's keys,
+    for a config.json's dict), with transformers'
     defaults. The rotary dim is ``int(head_dim * partial_rotary_factor)``; every family honours
     ``partial_rotary_factor`` (as GPT-NeoX, Phi or GLM do; Llama's own default ignores it).
     ``layer_type`` picks one entry of per-layer-type parameters (Gemma 3's

@@ -204,3 +204,40 @@ def test_deepseek_config_json_rotates_qk_rope_head_dim_channels(scaling):
     assert from_hf_config(shared, length).rotary_dim == 64
     with pytest.raises(RoPEError, match=r"config.qk_rope_head_dim must be a positive int, got 0"):
         from_hf_config(SimpleNamespace(**dict(fields, qk_rope_head_dim=0)), length)
+
+
+# --- a config.json's dict ------------------------------------------------------------------------
+
+class AttributeDict(dict):
+    """A dict read by attribute, as hand-made config objects are: a missing key is a KeyError."""
+
+    __getattr__ = dict.__getitem__
+
+
+@pytest.mark.parametrize("kind", [dict, AttributeDict])
+@pytest.mark.parametrize("fields, layer_type", [
+    (GEMMA3_FIELDS, "sliding_attention"),
+    (GEMMA3_FIELDS, "full_attention"),
+    (DEEPSEEK_V3_FIELDS, None),
+    ({"hidden_size": 256, "num_attention_heads": 4, "max_position_embeddings": 2048,
+      "rope_theta": 5e5, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, None),
+])
+def test_a_mapping_config_is_read_by_its_keys(kind, fields, layer_type):
+    """json.load's dict was read by attributes only (a dict has none of them: refused as having
+    no head_dim), and a dict read by attribute raised its KeyError for any field it lacks."""
+    length = 3000
+    want = from_hf_config(SimpleNamespace(**fields), length, layer_type=layer_type)
+    got = from_hf_config(kind(fields), length, layer_type=layer_type)
+    assert torch.equal(got.inv_freq, want.inv_freq)
+    assert (got.attention_factor, got.rope_type) == (want.attention_factor, want.rope_type)
+
+
+def test_a_mapping_config_against_float64():
+    config = {"head_dim": 64, "rope_theta": 5e5, "max_position_embeddings": 1024,
+              "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    rates = 5e5 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64) / 4
+    for kind in (dict, AttributeDict):
+        got = from_hf_config(kind(config), 16).inv_freq.double()
+        torch.testing.assert_close(got, rates, rtol=4e-7, atol=0)
+    with pytest.raises(RoPEError, match=r"config must have head_dim, or hidden_size and "):
+        from_hf_config(AttributeDict(rope_theta=5e5), 16)
