@@ -576,6 +576,26 @@ def _hf_attribute(config: object, name: str) -> object:
     return config.get(name) if found is None and keyed else found
 
 
+_TEXT_SECTIONS = ("text_encoder", "decoder", "generator", "text_config")
+"""Where a composite config keeps its text model's (transformers' get_text_config)."""
+
+
+def _hf_text_section(config: object) -> object:
+    """The text section of a composite config given as its config.json's fields (no
+    ``get_text_config``), or the config itself when it has none."""
+    found = [
+        (name, section) for name in _TEXT_SECTIONS
+        if (section := _hf_attribute(config, name)) is not None
+        and not isinstance(section, (str, bytes, numbers.Number, Sequence))
+    ]
+    if len(found) > 1:
+        raise RoPEError(
+            f"config has several text sections ({', '.join(name for name, _ in found)}); pass "
+            "the one whose rotary embedding is wanted"
+        )
+    return found[0][1] if found else config
+
+
 def _hf_layer_config(config: object, layer_type: str | None) -> object:
     """The config transformers reads a model's rotary embedding from: the text model's of a
     composite (vision-language) config, and of a heterogeneous config the one of
@@ -589,6 +609,8 @@ def _hf_layer_config(config: object, layer_type: str | None) -> object:
             raise RoPEError(
                 f"config.get_text_config() failed: {type(error).__name__}: {error}"
             ) from error
+    elif text_config is None:  # a config.json's fields: its text section, as transformers finds it
+        config = _hf_text_section(config)
     if layer_type is not None:
         per_layer = _hf_attribute(config, "per_layer_config")
         if per_layer is not None:
@@ -629,7 +651,8 @@ def from_hf_config(
     ``"sliding_attention"`` and ``"full_attention"``; a transformers 4 Gemma 3 config's
     ``rope_local_base_freq`` is its sliding layers' base), and of a heterogeneous config (Gemma 4's,
     EmbeddingGemma 2's) that layer type's own config, with its own head dim. A composite
-    (vision-language) config is read through its ``get_text_config()``. A config with a
+    (vision-language) config is read through its ``get_text_config()`` (a config.json's through
+    its ``text_config``). A config with a
     ``rotary_dim`` field and no ``rope_parameters`` (GPT-J, CodeGen) rotates that many
     channels (an even number); those models rotate interleaved pairs
     (``RoPESpec(interleaved=True)``). One with ``qk_rope_head_dim`` and no partial factor

@@ -241,3 +241,32 @@ def test_a_mapping_config_against_float64():
         torch.testing.assert_close(got, rates, rtol=4e-7, atol=0)
     with pytest.raises(RoPEError, match=r"config must have head_dim, or hidden_size and "):
         from_hf_config(AttributeDict(rope_theta=5e5), 16)
+
+
+# --- a composite config.json -----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", [dict, lambda fields: SimpleNamespace(**fields)])
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+def test_a_composite_config_json_is_read_through_its_text_section(kind, layer_type):
+    """Gemma 3's vision-language config.json keeps its text model's fields under text_config;
+    without get_text_config() (a transformers config's) the top level was read: no head_dim."""
+    import json
+
+    from transformers import Gemma3Config
+
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": GEMMA3_FIELDS,
+           "vision_config": {"hidden_size": 64, "num_attention_heads": 4,
+                             "intermediate_size": 128, "num_hidden_layers": 1}}
+    length = 64
+    text = Gemma3Config(**json.loads(json.dumps(raw))).get_text_config()
+    cos, sin = Gemma3RotaryEmbedding(text)(torch.zeros(1, dtype=torch.float32),
+                                           torch.arange(length)[None], layer_type=layer_type)
+    cache = from_hf_config(kind(raw), length, layer_type=layer_type).cos_sin_cache(length)
+    torch.testing.assert_close(cache.cos, cos[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(cache.sin, sin[0], rtol=0, atol=2e-6)
+
+
+def test_a_config_json_with_two_text_sections_is_refused():
+    config = {"text_config": GEMMA3_FIELDS, "decoder": GEMMA3_FIELDS}
+    with pytest.raises(RoPEError, match=r"several text sections \(decoder, text_config\)"):
+        from_hf_config(config, 16, layer_type="full_attention")
