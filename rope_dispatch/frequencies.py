@@ -622,17 +622,23 @@ def _hf_layer_config(config: object, layer_type: str | None) -> object:
 
 
 def _hf_head_dim(config: object) -> int:
-    """``config.head_dim``, or ``hidden_size // num_attention_heads`` when it is unset."""
+    """``config.head_dim``, or ``hidden_size // num_attention_heads`` when it is unset (a GPT-J
+    or CodeGen config.json names them ``n_embd`` and ``n_head``, which transformers maps)."""
     head_dim = _hf_attribute(config, "head_dim")
     if head_dim is None:
-        hidden = _hf_attribute(config, "hidden_size")
-        heads = _hf_attribute(config, "num_attention_heads")
+        hidden_name, heads_name = "hidden_size", "num_attention_heads"
+        hidden = _hf_attribute(config, hidden_name)
+        heads = _hf_attribute(config, heads_name)
+        if hidden is None and _hf_attribute(config, "n_embd") is not None:
+            hidden_name, hidden = "n_embd", _hf_attribute(config, "n_embd")
+        if heads is None and _hf_attribute(config, "n_head") is not None:
+            heads_name, heads = "n_head", _hf_attribute(config, "n_head")
         if hidden is None or heads is None:
             raise RoPEError(
                 "config must have head_dim, or hidden_size and num_attention_heads; got "
                 f"head_dim=None, hidden_size={hidden!r}, num_attention_heads={heads!r}"
             )
-        head_dim = _count("config.hidden_size", hidden) // _count("config.num_attention_heads", heads)
+        head_dim = _count(f"config.{hidden_name}", hidden) // _count(f"config.{heads_name}", heads)
     return _count("config.head_dim", head_dim)
 
 

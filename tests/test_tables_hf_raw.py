@@ -270,3 +270,24 @@ def test_a_config_json_with_two_text_sections_is_refused():
     config = {"text_config": GEMMA3_FIELDS, "decoder": GEMMA3_FIELDS}
     with pytest.raises(RoPEError, match=r"several text sections \(decoder, text_config\)"):
         from_hf_config(config, 16, layer_type="full_attention")
+
+
+# --- GPT-J's field names -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["gptj", "codegen"])
+def test_gptj_config_json_field_names(family):
+    """GPT-J's and CodeGen's config.json name the width and head count n_embd and n_head (their
+    transformers configs map them): refused as having no hidden_size before."""
+    import transformers
+
+    fields = {"n_embd": 256, "n_head": 4, "rotary_dim": 16, "n_positions": 2048}
+    config_class = {"gptj": transformers.GPTJConfig, "codegen": transformers.CodeGenConfig}[family]
+    hf = config_class(**fields)
+    f = from_hf_config(SimpleNamespace(**fields), 16)
+    assert torch.equal(f.inv_freq, from_hf_config(hf, 16).inv_freq)
+    rates = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
+    with pytest.raises(RoPEError, match=r"config.rotary_dim=128 is more than the head dim 64"):
+        from_hf_config(dict(fields, rotary_dim=128), 16)
+    with pytest.raises(RoPEError, match=r"config.n_head must be a positive int, got 0"):
+        from_hf_config(dict(fields, n_head=0), 16)
