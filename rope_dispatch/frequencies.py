@@ -662,9 +662,10 @@ def from_hf_config(
     ``rotary_dim`` field and no ``rope_parameters`` (GPT-J, CodeGen) rotates that many
     channels (an even number); those models rotate interleaved pairs
     (``RoPESpec(interleaved=True)``). One with ``qk_rope_head_dim`` and no partial factor
-    (DeepSeek's latent attention) rotates that many channels, as transformers sets them. LongRoPE's ``short_mscale`` and
-    ``long_mscale`` (Phi-3.5-MoE) are its attention factor up to and beyond
-    ``original_max_position_embeddings``, as that model's rotary embedding applies them.
+    (DeepSeek's latent attention) rotates that many channels, as transformers sets them.
+    LongRoPE's ``short_mscale`` and ``long_mscale`` (Phi-3.5-MoE) are its attention factor up
+    to and beyond ``original_max_position_embeddings``, as that model's rotary embedding
+    applies them.
 
     ``max_positions`` is the length of the sequence the table serves. Dynamic NTK and LongRoPE
     choose their rates by it, as transformers does for a sequence of that length: dynamic NTK
