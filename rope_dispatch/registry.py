@@ -419,13 +419,16 @@ def get_backend(name: str, source: str | None = None) -> Backend:
 
 def list_backends(names: Collection[str] | None = None) -> list[BackendInfo]:
     """Every registered backend (or those of ``names``: one name or several), whether it is
-    available here, and why not; only the backends listed are probed."""
+    available here, and why not; only the backends listed are probed, and a name that is not
+    registered raises :class:`UnknownBackendError`."""
     if isinstance(names, str):  # one name, not its letters
         names = (names,)
     elif names is not None and (isinstance(names, (bytes, bytearray))
                                 or not isinstance(names, Collection)):
         raise RoPETypeError(
             f"list_backends() takes a backend name or a collection of names, got {names!r}")
+    for name in names or ():  # a misspelt name raises (listing the known ones), not skipped
+        get_backend(name)
     return [
         BackendInfo(b.name, b.available, b.availability, b.priority, b.description)
         for b in backends() if names is None or b.name in names

@@ -81,14 +81,20 @@ def test_list_backends_of_some_names_probes_only_those(monkeypatch):
     Dynamo's) to the processes that check them."""
     monkeypatch.setitem(registry._REGISTRY, "probe-counted", ProbeCounted())
     monkeypatch.setattr(ProbeCounted, "probes", 0)
-    assert [info.name for info in rd.list_backends(["eager", "no-such-name"])] == ["eager"]
+    assert [info.name for info in rd.list_backends(["eager"])] == ["eager"]
     assert ProbeCounted.probes == 0
     (info,) = rd.list_backends({"probe-counted"})
     assert not info.available and info.reasons == ("never available: a test backend",)
     assert ProbeCounted.probes == 1
     assert [b.name for b in registry.backends()] == [i.name for i in rd.list_backends()]
     assert [i.name for i in rd.list_backends("eager")] == ["eager"]  # one name, not letters
-    assert rd.list_backends("eagerte") == []
+    with pytest.raises(rd.UnknownBackendError, match="unknown backend 'eagerte'"):
+        rd.list_backends("eagerte")  # one name, not a substring test
+    with pytest.raises(rd.UnknownBackendError, match=r"unknown backend 'eagr'; known backends: "
+                       r"[^;]*\beager\b"):
+        rd.list_backends(["eagr"])  # a misspelt name raises, listing the known ones
+    with pytest.raises(rd.UnknownBackendError, match="unknown backend 'no-such-name'"):
+        rd.list_backends(["eager", "no-such-name"])
     for bad in (5, b"eager"):  # crashed inside the filter ("argument of type 'int' ...")
         with pytest.raises(rd.RoPETypeError, match="takes a backend name or a collection"):
             rd.list_backends(bad)
