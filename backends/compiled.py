@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from rope_dispatch.call import RoPECall, position_index
+from rope_dispatch.errors import user_stacklevel
 from rope_dispatch.norm import head_norm, head_norm_backward
 from rope_dispatch.registry import Backend
 from rope_dispatch.spec import dtype_name
@@ -474,7 +475,7 @@ class CompileBackend(Backend):
                     warnings.warn(
                         f"rope_dispatch: {_key_name(key, transpose)} reached Dynamo's recompile "
                         f"limit ({_summary(exc)}); inputs of layouts not compiled yet run the "
-                        "eager math", RuntimeWarning, stacklevel=4,
+                        "eager math", RuntimeWarning, stacklevel=user_stacklevel(),
                     )
                 return _math(key, transpose)(*args)
         try:
@@ -497,7 +498,7 @@ class CompileBackend(Backend):
             warnings.warn(
                 f"rope_dispatch: torch.compile failed for {_key_name(key, transpose)} "
                 f"({self._failed[key]}); running the eager math for it from now on",
-                RuntimeWarning, stacklevel=4,
+                RuntimeWarning, stacklevel=user_stacklevel(),
             )
             return out
         self._ready.add(slot)

@@ -43,7 +43,7 @@ from .autotune_cache import (
     dist_version, environment_dir, installed_versions, key_fields, lock, read_entry, store_entry,
 )
 from .call import RoPECall, reads_values, wants_grad
-from .errors import RoPEError
+from .errors import RoPEError, user_stacklevel
 from .registry import Backend
 from .tracing import PLAIN_TENSORS, constant_while_tracing, recompile_limit_hit, transformed
 
@@ -383,7 +383,7 @@ def _measure(call: RoPECall, candidates: list[Backend], key: CacheKey) -> dict[s
                 f"rope-dispatch autotune: backend {name!r} raised while being "
                 f"measured ({error}); it is skipped for this call shape",
                 RuntimeWarning,
-                stacklevel=5,
+                stacklevel=user_stacklevel(),
             )
     _log.info("measured %s: %s", key.digest[:12], {**times, **failed})
     choice = min(times, key=times.__getitem__) if times else None

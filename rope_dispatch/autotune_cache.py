@@ -41,7 +41,7 @@ import torch
 from . import registry
 from .call import RoPECall
 from .call_keys import CallKey, call_key
-from .errors import RoPETypeError
+from .errors import RoPETypeError, user_stacklevel
 from .registry import Backend
 
 SCHEMA_VERSION = 2
@@ -230,7 +230,8 @@ def _warn_once(what: str, message: str) -> None:
     if what in _warned:
         return
     _warned.add(what)
-    warnings.warn(f"rope-dispatch autotune: {message}", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"rope-dispatch autotune: {message}", RuntimeWarning,
+                  stacklevel=user_stacklevel())
 
 
 _MAX_TIME_US = 1e15

@@ -29,3 +29,27 @@ class UnknownBackendError(RoPEError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` made by this function's caller that names the
+    user's line: the first frame outside rope-dispatch (and torch, whose module and autograd
+    machinery may sit between), however deep the call that warns."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_internal_dirs()):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _internal_dirs() -> tuple[str, ...]:
+    import os
+
+    import torch
+
+    dirs = []
+    for d in (os.path.dirname(__file__), os.path.dirname(torch.__file__)):
+        for path in (d, os.path.realpath(d), os.path.realpath(os.path.join(d, "backends"))):
+            dirs.append(os.path.join(path, ""))
+    return tuple(dirs)

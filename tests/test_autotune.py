@@ -234,6 +234,7 @@ def test_corrupt_cache_file_warns_once_and_is_rewritten(fakes, measurements, cor
         out = rd.apply(t, freqs, SPEC)
     ours = [w for w in caught if "rope-dispatch autotune" in str(w.message)]
     assert len(ours) == 1 and str(path) in str(ours[0].message)
+    assert ours[0].filename == __file__  # the user's line (rd.explain), not the library's
     assert_matches(out, reference_for(t, freqs, SPEC), torch.float32)
     assert measurements() == 2
     rewritten = json.loads(path.read_text())
@@ -256,6 +257,7 @@ def test_unwritable_cache_directory_keeps_choices_in_memory(fakes, tmp_path, mon
         rd.apply(t, freqs, SPEC)
     ours = [w for w in caught if "rope-dispatch autotune" in str(w.message)]
     assert len(ours) == 1 and "cannot write the cache" in str(ours[0].message)
+    assert ours[0].filename == __file__  # it names the user's call, not a line of the library
     assert_matches(out, reference_for(t, freqs, SPEC), torch.float32)
     assert measurements() == 2
     assert rd.explain(t, freqs, SPEC).chosen == "fast"
@@ -565,6 +567,7 @@ def test_a_backend_that_raises_is_skipped_with_one_warning(fakes, measurements):
         rd.apply(*inputs(seq=16), SPEC)
     ours = [w for w in caught if "rope-dispatch autotune" in str(w.message)]
     assert len(ours) == 1 and "'broken'" in str(ours[0].message)
+    assert ours[0].filename == __file__  # the user's call, not a line of the library
     assert_matches(out, reference_for(t, freqs, SPEC), torch.float32)
     assert rd.explain(t, freqs, SPEC).chosen == "fast"
     entries = rd.cache_entries()

@@ -277,8 +277,9 @@ def test_compile_failure_falls_back_with_a_warning_and_is_then_refused(monkeypat
     monkeypatch.setattr(compiled, "_build", raising(RuntimeError("inductor exploded\nsecond line")))
     backend = CompileBackend()
     call = _call(5, 2)
-    with pytest.warns(RuntimeWarning, match="inductor exploded"):
+    with pytest.warns(RuntimeWarning, match="inductor exploded") as caught:
         out = backend.apply(call)
+    assert caught[0].filename == __file__  # the caller's line, not the library's
     assert_matches(
         out, reference_for(call.t, call.table, call.spec, call.start_positions), torch.float32
     )
