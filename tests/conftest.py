@@ -117,3 +117,4 @@ def hf_modules_restored():
     for (family, name), original in saved.items():
         setattr(modules[family], name, original)
     hf._originals.clear()
+    hf._holders.clear()

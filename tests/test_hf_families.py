@@ -15,6 +15,7 @@ cannot be run cheaply here are listed as skipped, with the reason, and are not i
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -480,6 +481,7 @@ def check_patched_equals_unpatched(family, monkeypatch, rebind):
     for name, original in originals.items():
         monkeypatch.setattr(module, name, original)  # and put back whatever happens
     monkeypatch.setattr(hf, "_originals", {})
+    monkeypatch.setattr(hf, "_holders", weakref.WeakKeyDictionary())
     calls = []
     real = hf.apply_qk
     monkeypatch.setattr(hf, "apply_qk", lambda *a, **kw: calls.append(1) or real(*a, **kw))

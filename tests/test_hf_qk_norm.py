@@ -78,6 +78,7 @@ def _restore_modeling_modules():
     for family, original in saved.items():
         modeling(family).apply_rotary_pos_emb = original
     hf._originals.clear()
+    hf._holders.clear()
 
 
 def tiny_model(family: str, **overrides) -> torch.nn.Module:
@@ -198,14 +199,18 @@ def test_glm_without_qk_norm_keeps_its_plain_rope_call(monkeypatch):
     assert own_forwards(model) == []
 
 
-def test_a_fused_model_runs_unfused_once_another_model_unpatches_the_family(monkeypatch):
-    """``unpatch`` of one model binds transformers' RoPE back for the whole family; another
-    model still fused then runs its norms itself, with the same results."""
+def test_a_fused_model_runs_unfused_once_the_family_name_is_not_ours(monkeypatch):
+    """Once the family's RoPE name is no longer ours (another library bound transformers'
+    function back, say), a model still fused runs its norms itself, with the same results."""
     first, second = tiny_model("Qwen3"), tiny_model("Qwen3")
+    module = modeling("Qwen3")
+    original = module.apply_rotary_pos_emb
     expected = step(second)
     hf.patch(first)
     hf.patch(second)
     hf.unpatch(first)
+    assert module.apply_rotary_pos_emb is hf.apply_rotary_pos_emb  # second holds it
+    module.apply_rotary_pos_emb = original
     calls = spy(monkeypatch)
     assert own_forwards(first) == [] and own_forwards(second)
     check_same(step(second), expected)

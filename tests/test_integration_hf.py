@@ -664,6 +664,48 @@ def test_unpatch_leaves_a_later_patch_alone():
     assert module.apply_rotary_pos_emb is later
 
 
+def test_unpatching_one_model_leaves_another_patched_model_patched(monkeypatch):
+    """Two Qwen3 models patched (their q and k norms fused), one unpatched: the other keeps our
+    call and its fused norms (one apply_qk call per layer, with the norms), its logits still
+    the unpatched ones; the module's own function comes back with the last unpatch. A model
+    dropped while patched holds nothing back."""
+    import gc
+
+    module = modeling("Qwen3")
+    original = module.apply_rotary_pos_emb
+    first, second = tiny_model("Qwen3").eval(), tiny_model("Qwen3").eval()
+    ids = torch.randint(0, 128, (BATCH, TOKENS), generator=torch.Generator().manual_seed(4))
+    ids = ids.to(MODEL_DEVICE)
+
+    def logits():
+        with torch.no_grad():
+            return second(input_ids=ids).logits
+
+    expected = logits()
+    hf.patch(tiny_model("Qwen3"))  # dropped at once, never unpatched
+    gc.collect()
+    hf.patch(first)
+    hf.patch(second)
+    hf.unpatch(first)
+    assert module.apply_rotary_pos_emb is hf.apply_rotary_pos_emb
+    assert not [name for name, m in first.named_modules() if "forward" in vars(m)]
+    norms = []
+    apply_qk = hf.apply_qk
+    monkeypatch.setattr(hf, "apply_qk", lambda *a, **kw: norms.append(
+        (kw.get("q_norm"), kw.get("k_norm"))) or apply_qk(*a, **kw))
+    torch.testing.assert_close(logits(), expected, **SAME)
+    assert len(norms) == second.config.num_hidden_layers
+    assert all(q is not None and k is not None for q, k in norms)
+    hf.unpatch(second)
+    assert module.apply_rotary_pos_emb is original
+    # a model is given back through a wrapper of it, and a wrapper through the model inside
+    for patched, unpatched in ((second, torch.nn.ModuleList([second])),
+                               (torch.nn.ModuleList([second]), second)):
+        hf.patch(patched)
+        hf.unpatch(unpatched)
+        assert module.apply_rotary_pos_emb is original
+
+
 def test_unsupported_model_is_refused_by_name():
     # GPT-J rotates one tensor at a time, (tensor, sin, cos): left alone (docs/hf.md)
     config = transformers.GPTJConfig(

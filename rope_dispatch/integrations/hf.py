@@ -8,8 +8,9 @@ Qwen2.5-VL, Llama 4, Qwen3-VL, Qwen3-VL-MoE and those of :mod:`.hf_families`; do
 
 The attention modules of these families call a global of their modeling module by name at every
 forward, so :func:`patch` rebinds that name to our function of the same name and signature, as
-Liger-Kernel does, and :func:`unpatch` binds the original object back. The rebinding is per
-modeling module: it reaches every model of the family in the process, not only the one passed.
+Liger-Kernel does, and :func:`unpatch` binds the original object back once no other patched
+model holds the family. The rebinding is per modeling module: it reaches every model of the
+family in the process, not only the one passed.
 
 The names, per family (:data:`SUPPORTED_MODELS`):
 
@@ -58,10 +59,12 @@ modules from ``sys.modules`` and never imports transformers itself.
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import operator
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -178,6 +181,10 @@ _last_streams: list = [None, None, None, None]
 """The latest ``[cos, sin, key, (cos_out, sin_out)]`` of :func:`_select_streams`."""
 _originals: dict[tuple[str, str], object] = {}
 """(modeling module name, global name) -> the object that name held before :func:`patch`."""
+_holders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each model passed to :func:`patch` and not yet to :func:`unpatch` -> the (modeling module
+name, global name) pairs it was patched for: :func:`unpatch` of one model restores a name only
+once no other such model holds it."""
 
 
 class _Window(threading.local):
@@ -739,15 +746,29 @@ def patch(model: Model) -> Model:
         _fuse(attention, module_name, offset, scope)
     for attention, eps in l2_fusable:
         hf_llama4.fuse(attention, eps)
+    _holders[model] = _holders.get(model, frozenset()) | frozenset(targets)
     return model
 
 
 def unpatch(model: torch.nn.Module) -> None:
     """Undo :func:`patch` for the families in ``model``: each rebound name of their modeling
-    modules gets back the exact object it held before, and each of ``model``'s attentions and
-    norms its own ``forward`` (none, or the instance's earlier one). A name or forward that was
-    not patched, or that another library has rebound since, is left as it is."""
-    for (module_name, name), ours in _targets(model).items():
+    modules gets back the exact object it held before, once no other model passed to
+    :func:`patch` (alive, not unpatched since, neither a part of ``model`` nor holding it)
+    holds that family: until then the name stays ours, so those models stay patched. Each of
+    ``model``'s attentions and norms gets back its own ``forward`` (none, or the instance's
+    earlier one). A name or forward that was not patched, or that another library has rebound
+    since, is left as it is."""
+    targets = _targets(model)
+    parts = {id(part) for part in model.modules()}
+    for holder in list(_holders):  # the model itself, a part of it, or a model holding it
+        if id(holder) in parts or any(part is model for part in holder.modules()):
+            del _holders[holder]
+    if any(not held.isdisjoint(targets) for held in _holders.values()):
+        gc.collect()  # a model dropped while patched may wait in a reference cycle
+    held = set().union(*_holders.values())
+    for (module_name, name), ours in targets.items():
+        if (module_name, name) in held:
+            continue
         original = _originals.pop((module_name, name), None)
         module = sys.modules[module_name]
         if original is not None and getattr(module, name) is ours:
