@@ -706,6 +706,28 @@ def test_unpatching_one_model_leaves_another_patched_model_patched(monkeypatch):
         assert module.apply_rotary_pos_emb is original
 
 
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_unpatch_releases_the_last_forwards_cos_and_sin(family):
+    """After ``unpatch`` no call of ours comes to release what the last one kept for the next
+    layer (its cos/sin table), so ``unpatch`` lets go of it: once the model and its outputs
+    are gone, so are its cos and sin, whatever device memory they hold."""
+    import gc
+    import weakref
+
+    model = tiny_model(family).eval()
+    made = []
+    model.model.rotary_emb.register_forward_hook(
+        lambda module, args, out: made.extend(weakref.ref(t) for t in out))
+    ids = torch.randint(0, 128, (BATCH, TOKENS), generator=torch.Generator().manual_seed(4))
+    hf.patch(model)
+    with torch.no_grad():
+        model(input_ids=ids.to(MODEL_DEVICE))
+    hf.unpatch(model)
+    del model
+    gc.collect()
+    assert len(made) == 2 and all(ref() is None for ref in made)
+
+
 def test_unsupported_model_is_refused_by_name():
     # GPT-J rotates one tensor at a time, (tensor, sin, cos): left alone (docs/hf.md)
     config = transformers.GPTJConfig(

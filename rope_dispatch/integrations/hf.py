@@ -774,6 +774,16 @@ def unpatch(model: torch.nn.Module) -> None:
         if original is not None and getattr(module, name) is ours:
             setattr(module, name, original)
     _unfuse(model)
+    _forget()
+
+
+def _forget() -> None:
+    """Drop what the latest calls kept for the next (cos/sin tables, picks, pairs), which only
+    a next call would release: the model's tensors, on its device, outlive it otherwise."""
+    _last_table[:] = [None] * len(_last_table)
+    _last_streams[:] = [None] * len(_last_streams)
+    _last_pairs[0] = None
+    hf_llama4._last_table[:] = [None] * len(hf_llama4._last_table)
 
 
 def _targets(model: object) -> dict[tuple[str, str], Callable]:
