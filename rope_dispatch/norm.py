@@ -57,6 +57,8 @@ class HeadNorm:
     def __delattr__(self, name: str) -> None:
         if name == "form":
             raise AttributeError("HeadNorm.form is fixed when the norm is made")
+        if name == "weight":  # (a norm without one: every call and repr an AttributeError)
+            raise AttributeError("HeadNorm.weight cannot be deleted; assign a new weight instead")
         object.__delattr__(self, name)
 
     def __init__(self, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0,
@@ -109,8 +111,13 @@ class HeadNorm:
         return _made, (self.weight, self.eps, self.offset, self.scope)
 
     def __repr__(self) -> str:
-        return (f"HeadNorm(weight[{self.weight.shape[0]}], eps={self.eps}, offset={self.offset}, "
-                f"scope={self.scope!r})")
+        weight = self.weight  # replaceable by anything after the norm is made: repr never fails
+        if isinstance(weight, torch.Tensor):
+            shown = (f"weight[{weight.shape[0]}]" if weight.dim() == 1
+                     else f"weight=<tensor of shape {tuple(weight.shape)}>")
+        else:
+            shown = f"weight=<{type(weight).__name__}>"
+        return f"HeadNorm({shown}, eps={self.eps}, offset={self.offset}, scope={self.scope!r})"
 
 
 _set_form = HeadNorm.form.__set__  # the slots' own setters (HeadNorm.__setattr__ refuses form)

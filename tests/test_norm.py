@@ -884,3 +884,25 @@ def test_a_weight_written_between_forward_and_backward(call, layout):
             assert_matches(got[1] / scale, want[1] / scale, torch.float32, f"{backend} dw")
         with torch.no_grad():
             source.copy_(saved)
+
+
+@pytest.mark.parametrize("bad", [None, "w", torch.ones(()), torch.ones(2, 8)])
+def test_a_norm_given_a_bad_weight_still_shows_itself(bad):
+    """A norm's weight may be replaced by anything after it is made (each call checks it):
+    repr raised AttributeError or IndexError for a non-tensor or a 0-d tensor, and a deleted
+    weight made every call raise AttributeError; deleting it is refused, repr names the bad
+    weight, and a call says what was wrong."""
+    norm = rd.HeadNorm(torch.ones(8, device=DEVICE), 0.125)
+    norm.weight = bad
+    text = repr(norm)
+    assert text.startswith("HeadNorm(weight=<") and "eps=0.125" in text, text
+    assert (type(bad).__name__ if not isinstance(bad, torch.Tensor)
+            else str(tuple(bad.shape))) in text, text
+    with pytest.raises(rd.RoPEError, match="norm.weight must be a 1-D float tensor"):
+        rd.apply(torch.randn(2, 1, 2, 8, device=DEVICE), torch.rand(2, 8, device=DEVICE),
+                 rd.RoPESpec(layout="sbhd", dtype="fp32"), norm=norm, backend="eager")
+    norm.weight = torch.ones(8, device=DEVICE)
+    assert repr(norm) == "HeadNorm(weight[8], eps=0.125, offset=0.0, scope='head')"
+    with pytest.raises(AttributeError, match="HeadNorm.weight cannot be deleted"):
+        del norm.weight
+    assert norm.weight.shape == (8,)
