@@ -107,8 +107,19 @@ class HeadNorm:
     def __reduce__(self) -> tuple:
         """Pickled and copied as its constructor's arguments: at every pickle protocol (below
         2, a class with ``__slots__`` and no ``__getstate__`` cannot be pickled), checked
-        again and its form interned where it is loaded."""
-        return _made, (self.weight, self.eps, self.offset, self.scope)
+        again and its form interned where it is loaded. A subclass's copy is of the subclass,
+        its own attributes (in a ``__dict__`` or slots of its own) copied too."""
+        made = (self.weight, self.eps, self.offset, self.scope)
+        if type(self) is HeadNorm:
+            return _made, made
+        slots = {name: getattr(self, name) for klass in type(self).__mro__
+                 if klass not in (HeadNorm, object)
+                 for name in ((klass.__dict__.get("__slots__", ()),)
+                              if isinstance(klass.__dict__.get("__slots__"), str)
+                              else klass.__dict__.get("__slots__", ()))
+                 if name not in ("__dict__", "__weakref__") and hasattr(self, name)}
+        return _made_as, (type(self), *made), (getattr(self, "__dict__", None) or None,
+                                               slots or None)
 
     def __repr__(self) -> str:
         weight = self.weight  # replaceable by anything after the norm is made: repr never fails
@@ -127,6 +138,15 @@ _set_weight = HeadNorm.weight.__set__
 def _made(weight: torch.Tensor, eps: float, offset: float, scope: str) -> HeadNorm:
     """A pickled :class:`HeadNorm` again."""
     return HeadNorm(weight, eps, offset=offset, scope=scope)
+
+
+def _made_as(cls: type, weight: torch.Tensor, eps: float, offset: float,
+             scope: str) -> HeadNorm:
+    """A pickled or copied instance of ``cls``, a subclass of :class:`HeadNorm` (made as a
+    HeadNorm: the subclass's constructor may take other arguments)."""
+    norm = object.__new__(cls)
+    HeadNorm.__init__(norm, weight, eps, offset=offset, scope=scope)
+    return norm
 
 
 _new_form = tuple.__new__

@@ -906,3 +906,39 @@ def test_a_norm_given_a_bad_weight_still_shows_itself(bad):
     with pytest.raises(AttributeError, match="HeadNorm.weight cannot be deleted"):
         del norm.weight
     assert norm.weight.shape == (8,)
+
+
+class NamedNorm(rd.HeadNorm):
+    """A subclass with attributes of its own (pickled: defined at module level)."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, weight, layer):
+        super().__init__(weight, 0.125, offset=1.0, scope="heads")
+        self.layer = layer
+        self.note = f"layer {layer}"  # (in the __dict__ of NamedNormWithDict, below)
+
+
+class NamedNormWithDict(NamedNorm):
+    pass
+
+
+@pytest.mark.parametrize("protocol", [0, pickle.HIGHEST_PROTOCOL])
+def test_a_copied_subclass_of_a_norm_stays_one(protocol):
+    """A HeadNorm subclass pickled or copied came back a plain HeadNorm (its type and its own
+    attributes lost): __reduce__ named HeadNorm's constructor. It stays its class, keeps its
+    attributes, and normalizes as the original."""
+    gen = torch.Generator().manual_seed(41)
+    x, angles = torch.randn(5, 2, 3, 8, generator=gen), torch.rand(5, 8, generator=gen) * 6
+    norm = NamedNormWithDict((torch.rand(24, generator=gen) + 0.5).to(DEVICE), 3)
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    want = reference_for(reference_head_norm(x, norm.weight.cpu(), 0.125, 1.0, "heads"),
+                         angles, spec)
+    for copied in (pickle.loads(pickle.dumps(norm, protocol)), copy.copy(norm),
+                   copy.deepcopy(norm)):
+        assert type(copied) is NamedNormWithDict
+        assert (copied.layer, copied.note) == (3, "layer 3")
+        assert (copied.eps, copied.offset, copied.scope) == (0.125, 1.0, "heads")
+        assert copied.form is norm.form
+        assert_matches(rd.apply(x.to(DEVICE), angles.to(DEVICE), spec, norm=copied,
+                                backend="eager"), want, torch.float32)
