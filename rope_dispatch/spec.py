@@ -83,7 +83,9 @@ def _real(value: Any) -> float:
 def _boolean(value: Any) -> bool:
     """A bool field's value: ``True`` or ``False`` (or a NumPy bool); pydantic alone would take
     ``1``, ``"yes"`` and ``"off"``."""
-    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):
+    kind = type(value)  # NumPy's bool by module and name (NumPy is not imported for it)
+    if isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool_",
+                                                                                   "bool")):
         return bool(value)
     raise ValueError(f"expected True or False, got {value!r} ({type(value).__name__})")
 

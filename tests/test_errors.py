@@ -103,6 +103,19 @@ def test_spec_takes_numpy_numbers():
     assert all(type(n) is int for n in multimodal.mrope_section)
 
 
+def test_spec_refuses_a_bool_look_alike():
+    """A bool field took any object whose class is named ``bool`` or ``bool_`` (meant for
+    NumPy's) as its truth value: an object of another library's class so named turned
+    interleaved on. Only Python's and NumPy's bools are taken."""
+    look_alike = type("bool", (), {"__module__": "other"})()
+    for field in ("interleaved", "inverse", "deinterleave"):
+        with pytest.raises(rd.RoPEError, match=f"^invalid RoPESpec: {field}: expected True or "
+                           "False, got <other.bool object"):
+            rd.RoPESpec(layout="sbhd", dtype="fp32", **{field: look_alike})
+    np = pytest.importorskip("numpy")
+    assert rd.RoPESpec(layout="sbhd", dtype="fp32", inverse=np.bool_(True)).inverse is True
+
+
 def test_spec_to_json_and_back():
     """A spec written as JSON (a config, a log) reads back as the same spec: its dtype as its
     name; cu_seqlens as numbers, which a spec takes back only as a tensor."""
