@@ -296,7 +296,8 @@ class RoPESpec(BaseModel):
         if torch.compiler.is_compiling():
             cu_seqlens = fields.pop("cu_seqlens", None)
             longest = fields.get("max_seqlen")
-            dynamic = _dynamic(longest)
+            # (not thd: refused below naming its value, which a placeholder 0 would hide)
+            dynamic = _dynamic(longest) and fields.get("layout") == "thd"
             if dynamic:  # validated as a number; the spec holds the symbol (_traced_copy)
                 fields["max_seqlen"] = 0
             # a size taken from a tensor is a symbol with dynamic=True: the spec's is a number

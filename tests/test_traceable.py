@@ -698,3 +698,17 @@ def test_a_symbolic_max_seqlen_of_a_spec_without_offsets_is_checked_by_name():
     assert counter.frame_count == 2
     with pytest.raises(Exception, match="max_seqlen must be >= 0, got -1"):
         compiled(torch.randn(4, 2, 8), positions, -1)
+
+
+def test_a_traced_spec_names_the_max_seqlen_it_refuses():
+    """A spec made while tracing with a symbolic max_seqlen (dynamic=True) was validated with
+    0 in its place, so a layout that takes none was refused with "got 0": the message now
+    names the value passed."""
+    def step(x, longest):
+        rd.RoPESpec(layout="sbhd", dtype="fp32", max_seqlen=longest)
+        return x + 1
+
+    compiled = torch.compile(step, dynamic=True, backend="eager")
+    with pytest.raises(Exception, match="max_seqlen is only for layout 'thd', got 7 with "
+                       "layout 'sbhd'"):
+        compiled(torch.ones(3, device=DEVICE), 7)
