@@ -6,6 +6,7 @@ import ast
 import math
 import numbers
 from collections.abc import Iterator
+from copy import deepcopy
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
@@ -473,10 +474,14 @@ class RoPESpec(BaseModel):
 
     def copy(self, **kwargs: Any) -> RoPESpec:  # type: ignore[override]
         """pydantic's deprecated ``copy`` (``include``, ``exclude``, ``update``, ``deep``), its
-        result validated as a new spec, as :meth:`model_copy`'s (pydantic's skips validation)."""
+        result validated as a new spec, as :meth:`model_copy`'s (pydantic's skips validation).
+        ``update`` is validated with the rest: a name that is no field is refused, not dropped."""
+        update = kwargs.pop("update", None) or {}
         copied = super().copy(**kwargs)
-        return type(self)(**{name: value for name, value in vars(copied).items()
-                             if name in type(self).model_fields})
+        fields = {name: value for name, value in vars(copied).items()
+                  if name in type(self).model_fields}
+        fields.update(deepcopy(update) if kwargs.get("deep") else update)
+        return type(self)(**fields)
 
     def __hash__(self) -> int:
         return hash(self.static_key) ^ id(self.cu_seqlens)

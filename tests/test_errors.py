@@ -176,6 +176,22 @@ def test_pydantics_deprecated_copy_validates_the_copy():
     assert spec.copy() == spec and spec.copy(exclude={"rotary_dim"}).rotary_dim is None
 
 
+@pytest.mark.filterwarnings("ignore:The `copy` method is deprecated")
+def test_pydantics_deprecated_copy_refuses_a_misspelled_update():
+    """``copy(update=...)`` dropped a name that is no field (a misspelling, or static_key)
+    without a word, returning the spec unchanged; model_copy refuses it, and now copy too."""
+    spec = rd.RoPESpec(layout="thd", dtype="fp32", rotary_dim=16)
+    for name in ("rotary_dimm", "static_key"):
+        with pytest.raises(rd.RoPEError, match=f"^invalid RoPESpec: {name}: Extra inputs are "
+                           "not permitted"):
+            spec.copy(update={name: 64})
+    cu = torch.tensor([0, 3, 5])
+    deep = spec.copy(update={"cu_seqlens": cu, "rotary_dim": 8}, deep=True)
+    assert deep.rotary_dim == 8 and deep.cu_seqlens is not cu
+    assert torch.equal(deep.cu_seqlens, cu)
+    assert spec.copy(update={"cu_seqlens": cu}).cu_seqlens is cu
+
+
 def test_a_spec_iterates_over_its_fields():
     """``dict(spec)`` (pydantic's iteration) gives the fields, which make the same spec again;
     it gave static_key and its texts too, which the constructor refuses as extra inputs."""
