@@ -78,6 +78,8 @@ class HeadNorm:
                             f"{FLOAT32_MAX}), got {offset!r}")
         if scope not in SCOPES:
             raise RoPEError(f"HeadNorm scope must be one of {SCOPES}, got {scope!r}")
+        if type(scope) is not str:  # a str subclass (NumPy's, from a config): the plain name
+            scope = SCOPES[SCOPES.index(scope)]
         # what a launch depends on; one object per form, so a plan's key compares by identity
         form = _new_form(NormForm, (scope, eps, offset))
         if torch.compiler.is_compiling():

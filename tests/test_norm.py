@@ -942,3 +942,14 @@ def test_a_copied_subclass_of_a_norm_stays_one(protocol):
         assert copied.form is norm.form
         assert_matches(rd.apply(x.to(DEVICE), angles.to(DEVICE), spec, norm=copied,
                                 backend="eager"), want, torch.float32)
+
+
+def test_a_norms_scope_given_as_a_numpy_string_is_the_plain_name():
+    """A scope given as a str subclass (NumPy's, read from a config) was kept as given: the
+    norm's form held np.str_, its repr read scope=np.str_('heads'), and a plain 'heads' norm
+    made later shared that interned form. The form holds the plain name."""
+    np = pytest.importorskip("numpy")
+    norm = rd.HeadNorm(torch.ones(16, device=DEVICE), 0.0625, scope=np.str_("heads"))
+    assert type(norm.scope) is str and type(norm.form.scope) is str
+    assert repr(norm) == "HeadNorm(weight[16], eps=0.0625, offset=0.0, scope='heads')"
+    assert rd.HeadNorm(torch.ones(16, device=DEVICE), 0.0625, scope="heads").form is norm.form
