@@ -54,34 +54,44 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
             if n > 1:
                 span = ranges.setdefault(s, [0, 0])
                 span[0 if sign < 0 else 1] += sign * (n - 1)
-    dims = sorted(ranges.items(), reverse=True)
+    return _offsets_reach([(s, lo, hi) for s, (lo, hi) in ranges.items()], distance)
+
+
+def _offsets_reach(dims: list[tuple[int, int, int]], target: int,
+                   nonzero: bool = False) -> bool | None:
+    """Whether index offsets ``c_i`` in ``lo_i .. hi_i`` (``dims``: ``(stride, lo, hi)``) make
+    ``sum(c_i * stride_i) == target``; with ``nonzero``, offsets not all 0, the first nonzero
+    one positive (``lo_i == -hi_i``: each solution or its negation). True or False, or None
+    where the search gives up after ``_OVERLAP_SEARCH_LIMIT`` steps. It runs from the largest
+    stride down, keeping only offsets the smaller strides can still complete."""
+    dims = sorted(dims, key=lambda d: (d[0], d[2]), reverse=True)  # by stride, then size
     lows = [0] * (len(dims) + 1)  # the least and greatest sum the dims from i on can make
     highs = [0] * (len(dims) + 1)
     for i in range(len(dims) - 1, -1, -1):
-        s, (lo, hi) = dims[i]
+        s, lo, hi = dims[i]
         lows[i], highs[i] = lows[i + 1] + lo * s, highs[i + 1] + hi * s
     budget = [_OVERLAP_SEARCH_LIMIT]
 
-    def reach(i: int, target: int) -> bool | None:
+    def reach(i: int, target: int, started: bool) -> bool | None:
         if not lows[i] <= target <= highs[i]:
             return False
         if i == len(dims):
-            return True  # lows == highs == 0 there, so target is 0
-        s, (lo, hi) = dims[i]
-        first = max(lo, -((highs[i + 1] - target) // s))
+            return started or not nonzero  # lows == highs == 0 there, so target is 0
+        s, lo, hi = dims[i]
+        first = max(0 if nonzero and not started else lo, -((highs[i + 1] - target) // s))
         last = min(hi, (target - lows[i + 1]) // s)
         unknown = False
         for c in range(first, last + 1):
             budget[0] -= 1
             if budget[0] < 0:
                 return None
-            found = reach(i + 1, target - c * s)
+            found = reach(i + 1, target - c * s, started or c != 0)
             if found:
                 return True
             unknown = unknown or found is None
         return None if unknown else False
 
-    return reach(0, distance)
+    return reach(0, target, False)
 
 
 def _apart_in_rows(a: torch.Tensor, b: torch.Tensor, distance: int, width: int,
@@ -108,13 +118,9 @@ def refuse_weights_in(norms: tuple[tuple[str, HeadNorm | None], ...],
     """A norm weight must share no element (it would be read while overwritten) with what the
     call writes (``written``: names and tensors, ``None`` skipped) by ``writer``."""
     for name, norm in norms:
-        for target, x in written if norm is not None else ():
-            if x is not None and _shares(norm.weight, x):
-                raise RoPEError(
-                    f"{name}.weight shares memory with {target} {tuple(x.shape)}, which "
-                    f"{writer} while it reads the weight; pass a weight of its own (a clone)"
-                    f"{remedy}"
-                )
+        if norm is not None:
+            _refuse_read_in(f"{name}.weight", norm.weight, "weight", "a clone", written, writer,
+                            remedy)
 
 
 def refuse_tables_in(tables: tuple[tuple[str, object], ...],
@@ -124,13 +130,20 @@ def refuse_tables_in(tables: tuple[tuple[str, object], ...],
     the call writes: a launch reads table rows while other programs write their tiles."""
     for name, table in tables:
         for tensor in table_tensors(table) if table is not None else ():
-            for target, x in written:
-                if x is not None and _shares(tensor, x):
-                    raise RoPEError(
-                        f"{name} shares memory with {target} {tuple(x.shape)}, which {writer} "
-                        f"while it reads the table; pass a table of its own ({name}.clone())"
-                        f"{remedy}"
-                    )
+            _refuse_read_in(name, tensor, "table", f"{name}.clone()", written, writer, remedy)
+
+
+def _refuse_read_in(name: str, read: torch.Tensor, what: str, own: str,
+                    written: tuple[tuple[str, torch.Tensor | None], ...], writer: str,
+                    remedy: str) -> None:
+    """Refuse ``read`` (the call's ``what``, argument ``name``; ``own``: how to give it memory
+    of its own) where it shares an element with a tensor of ``written``."""
+    for target, x in written:
+        if x is not None and _shares(read, x):
+            raise RoPEError(
+                f"{name} shares memory with {target} {tuple(x.shape)}, which {writer} while it "
+                f"reads the {what}; pass a {what} of its own ({own}){remedy}"
+            )
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -195,34 +208,8 @@ def self_overlap(t: torch.Tensor, start: int = 0, stop: int | None = None) -> bo
         return False
     if dims[0][0] == 0:
         return True
-    dims.reverse()
-    # a nonzero index difference c (|c_i| < n_i) with sum(c_i s_i) == 0, its first nonzero
-    # entry positive; highs[i]: the most the dims from i on can sum to
-    highs = [0] * (len(dims) + 1)
-    for i in range(len(dims) - 1, -1, -1):
-        highs[i] = highs[i + 1] + (dims[i][1] - 1) * dims[i][0]
-    budget = [_OVERLAP_SEARCH_LIMIT]
-
-    def reach(i: int, target: int, started: bool) -> bool | None:
-        if not -highs[i] <= target <= highs[i]:
-            return False
-        if i == len(dims):
-            return started
-        s, n = dims[i]
-        first = max(0 if not started else 1 - n, -((highs[i + 1] - target) // s))
-        last = min(n - 1, (target + highs[i + 1]) // s)
-        unknown = False
-        for c in range(first, last + 1):
-            budget[0] -= 1
-            if budget[0] < 0:
-                return None
-            found = reach(i + 1, target - c * s, started or c != 0)
-            if found:
-                return True
-            unknown = unknown or found is None
-        return None if unknown else False
-
-    return reach(0, 0, False)
+    # a nonzero index difference c (|c_i| < n_i) whose strided sum is 0
+    return _offsets_reach([(s, 1 - n, n - 1) for s, n in dims], 0, nonzero=True)
 
 
 def refuse_self_overlap(t: torch.Tensor, name: str, refusal: str, remedy: str,
