@@ -674,7 +674,7 @@ def _keep_plan(
     else:  # no autograd node while the table needs no gradient either (it may come to)
         guard = constant_table(guard, weakref.ref(freqs))
     weights = tuple(n.weight for n in (call.norm, call.k_norm) if n is not None)
-    tables = table_tensors(freqs) if call.in_place else ()  # the caller's (call.table: a copy?)
+    tables = table_tensors(freqs) if call.in_place else ()  # the caller's, whose address it guards
     if call.in_place and (call.k is not None or weights or tables):
         guard = apart_as_planned(guard, call.t, call.k, weights, tables)
     run = chosen.plan(call)
