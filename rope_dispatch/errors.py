@@ -37,19 +37,25 @@ def user_stacklevel() -> int:
     machinery may sit between), however deep the call that warns."""
     import sys
 
+    internal = _internal_dirs()
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_internal_dirs()):
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1
     return level
 
 
 def _internal_dirs() -> tuple[str, ...]:
+    """The folders of rope-dispatch's modules, its backends' and torch's (as given and
+    resolved)."""
     import os
 
     import torch
 
+    from . import backends  # its own folder: backends/ in a checkout (setuptools' package-dir)
+
     dirs = []
-    for d in (os.path.dirname(__file__), os.path.dirname(torch.__file__)):
-        for path in (d, os.path.realpath(d), os.path.realpath(os.path.join(d, "backends"))):
+    for file in (__file__, backends.__file__, torch.__file__):
+        d = os.path.dirname(file)
+        for path in (d, os.path.realpath(d)):
             dirs.append(os.path.join(path, ""))
     return tuple(dirs)
