@@ -16,6 +16,7 @@ from rope_dispatch.call import RoPECall, k_call, position_index, qkv_parts
 from rope_dispatch.norm import normalized
 from rope_dispatch.registry import Backend
 from rope_dispatch.tables import RateTable, table_cos_sin
+from rope_dispatch.tracing import forward_ad
 
 
 def zigzag_positions(local: torch.Tensor, local_len: torch.Tensor | int, cp_size: int, cp_rank: int):
@@ -204,11 +205,14 @@ def store(pages: torch.Tensor, page: torch.Tensor, entry: torch.Tensor, valid: t
     entry (0, 0). Traced, a cache of a model dtype, and any cache on a GPU, is written in its
     own dtype: Inductor stores a write through an integer view of the cache as a conversion of
     the integer's value (torch 2.13 on the CPU: 1.5's bits, 16320, stored as 16320.0; torch
-    2.11 on a GPU: no conversion of uint8 to FP8 compiles)."""
+    2.11 on a GPU: no conversion of uint8 to FP8 compiles). With a forward-mode AD level open
+    it is written in its own dtype too: an integer view has no tangent, and the cache takes the
+    written values' tangents (zero where the cache had none)."""
     tokens = values.shape[0]
     if tokens == 0:
         return
-    if torch.compiler.is_compiling() and (pages.dtype in _MODEL_DTYPES or pages.is_cuda):
+    if forward_ad() or torch.compiler.is_compiling() and (
+            pages.dtype in _MODEL_DTYPES or pages.is_cuda):
         target = pages
     else:
         bits = _BITS[values.element_size()]

@@ -354,8 +354,9 @@ def rope_to_cache(call: RoPECall) -> torch.Tensor:
     write = call.cache_write
     q, k, v = call.t, call.k, write.v
     weights = tuple(n.weight for n in (call.norm, call.k_norm) if n is not None)
-    if transformed() or _traced(q, k, v, *weights) or not (q.shape[-2] and k.shape[-2]):
-        return rope_to_cache_eager(call)
+    if (transformed() or forward_ad() or _traced(q, k, v, *weights)
+            or not (q.shape[-2] and k.shape[-2])):
+        return rope_to_cache_eager(call)  # (a dual tensor's tangent: torch ops carry it)
     q_out = write.q_out if write.q_out is not None else q.new_empty(q.shape, dtype=write.q_dtype)
     k_pages, v_pages = write.cache.pages()
     with on_device(q):
@@ -546,7 +547,7 @@ def plan_cache(call: RoPECall) -> Any:
 
     def run(freqs: object, tensors: tuple[torch.Tensor, ...]) -> Any:
         s = stream(device)
-        if (several and current_device() != device) or (
+        if (several and current_device() != device) or forward_ad() or (
                 flag is not None and stale(flag, freqs, s)):
             return NotImplemented
         made = forward(s, *tensors)

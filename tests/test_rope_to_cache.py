@@ -668,6 +668,48 @@ def test_a_q_out_sharing_memory_with_k_or_v_is_refused(backend, request):
         torch.testing.assert_close(g, e, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dual_tensors_of_forward_mode_ad_carry_their_tangents(backend, layout, request):
+    """With a forward-mode AD level open (``torch.autograd.forward_ad``) q's output gets q's
+    tangent rotated and the cache, at each written slot, k's rotated and v's (zero elsewhere):
+    the Triton launch dropped them all, and the eager composition's store through an integer
+    view dropped the cache's. Against the float64 reference (the rotation is linear), on a
+    first call and on calls met again (planned where a device has plans)."""
+    import torch.autograd.forward_ad as fwad
+
+    backend, device = backend_param(backend, request)
+    gen = torch.Generator().manual_seed(12)
+    q, k, v, tq, tk, tv = (torch.randn(6, h, 8, generator=gen) for h in (4, 2, 2, 4, 2, 2))
+    table, spec = angle_table(16, 8, False), rd.RoPESpec(layout="thd", dtype="fp32")
+    positions = torch.tensor([3, 0, 7, 1, 2, 15])
+    padded = [False, False, True, False, False, False]
+    on = {"device": device}
+    built = build_cache(layout, 6, 2, 8, torch.float32, padded, gen, device=device)
+    reference = (table, positions, False)
+    q_ref, k_ref = reference_rope(tq, *reference), reference_rope(tk, *reference)
+    for repeat in range(3):
+        args = (table.to(**on), spec)
+        rd.rope_to_cache(q.to(**on), k.to(**on), v.to(**on), *args, positions=positions.to(**on),
+                         cache=built.cache, backend=backend)  # (met outside forward AD)
+        with fwad.dual_level():
+            duals = [fwad.make_dual(x.to(**on), t.to(**on)) for x, t in ((q, tq), (k, tk), (v, tv))]
+            out = rd.rope_to_cache(*duals, *args, positions=positions.to(**on),
+                                   cache=built.cache, backend=backend)
+            got = fwad.unpack_dual(out).tangent
+            k_pages, v_pages = (fwad.unpack_dual(p).tangent for p in built.cache.pages())
+        assert got is not None, f"q's output has no tangent (call {repeat})"
+        assert_rounds_like(got, q_ref, 1.0, f"q's tangent (call {repeat})")
+        assert k_pages is not None and v_pages is not None, f"no cache tangent (call {repeat})"
+        written = torch.zeros(k_pages.shape[:2], dtype=torch.bool)
+        for token, (page, entry) in built.places.items():
+            written[page, entry] = True
+            assert_rounds_like(k_pages[page, entry], k_ref[token], 1.0, f"k's tangent {token}")
+            assert torch.equal(v_pages[page, entry].cpu(), tv[token])
+        for pages in (k_pages, v_pages):
+            assert not pages.cpu()[~written].any(), "a tangent where no token was written"
+
+
 def test_other_backends_say_why_they_refuse_and_explain_shows_the_stage(triton_backend):
     q, k, v, table, spec, positions, built = small_call(device=triton_device())
     text = str(rd.explain(q, table, spec, k=k, v=v, positions=positions, cache=built.cache))
