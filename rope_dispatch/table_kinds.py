@@ -175,8 +175,9 @@ class RateTable:
     position is treated as outside an angle table of ``rows`` rows (an error where the values
     are read, NaN rows where they are not).
 
-    The rates are copied at construction (``inv_freq`` twice over, ``[d2]``, the form the
-    kernels read); changing ``inv_freq`` in place afterwards changes nothing: build a new
+    The rates must be finite (a NaN or infinite one is refused). They are copied at
+    construction (``inv_freq`` twice over, ``[d2]``, the form the kernels read); changing
+    ``inv_freq`` in place afterwards changes nothing: build a new
     RateTable. They are constants, as an angle table's entries are: no gradient flows to
     ``inv_freq``. Backends that read whole angle tables (compile, TransformerEngine) get
     :meth:`angle_table`, made on first use and kept on the object: ``rows x d2`` float32
@@ -225,6 +226,19 @@ class RateTable:
                 f"RateTable's inv_freq must be contiguous, got stride {rates.stride()}; pass "
                 "inv_freq.contiguous()"
             )
+        # NaN or infinite rates: NaN or infinite angles at every position (not read where the
+        # rates have no memory: meta or fake tensors, a trace, a torch.func transform; nor while
+        # a CUDA graph captures, where no value may be read)
+        if not (memoryless() or rates.is_meta or fake(rates) or (
+                rates.is_cuda and torch.cuda.is_current_stream_capturing())):
+            finite = torch.isfinite(rates)
+            if not bool(finite.all()):
+                pair = int((~finite).nonzero()[0, 0])
+                raise RoPEError(
+                    f"RateTable's inv_freq must be finite rates (the angles would be NaN or "
+                    f"infinite at every position), got {rates[pair].item()!r} at pair {pair} of "
+                    f"{rates.numel()}"
+                )
         rows, d2 = self.rows, 2 * rates.numel()
         most = ((1 << 63) - 1) // d2  # the kernels' [rows, d2] view counts its elements in int64
         if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or not (

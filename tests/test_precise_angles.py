@@ -332,10 +332,16 @@ def test_precise_must_be_a_bool(value):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_precise_rates_must_be_finite(bad):
-    with pytest.raises(RoPEError, match="inv_freq must be finite"):
-        rd.RateTable(float32_rates([0.5, bad]), 8, precise=True)
-    rd.RateTable(float32_rates([0.5, bad]), 8)  # the default keeps its float32 products as given
+def test_rates_must_be_finite(bad):
+    """A NaN or infinite rate gives NaN or infinite angles at every position: refused, precise
+    or not (the default table kept it and rotated every token of that pair to NaN)."""
+    words = f"RateTable's inv_freq must be finite rates .*got {bad!r} at pair 1 of 2"
+    for precise in (True, False):
+        with pytest.raises(RoPEError, match=words):
+            rd.RateTable(float32_rates([0.5, bad]), 8, precise=precise)
+    turn_fractions = rd.table_kinds.turn_fractions  # the precise kernels' own check, as before
+    with pytest.raises(RoPEError, match="a precise RateTable's inv_freq must be finite"):
+        turn_fractions(float32_rates([0.5, bad]))
 
 
 @pytest.mark.parametrize(("rates", "shown"), [
