@@ -309,6 +309,60 @@ def test_unsqueeze_dim_0_takes_a_cos_shared_by_batch_and_heads(dtype):
                     modeling("Llama").apply_rotary_pos_emb)
 
 
+def _cos_sin_pairs(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` contiguous cos/sin pairs ``[1, 3, 4]`` of distinct values."""
+    return [(torch.full((1, 3, 4), 1.0 + i), torch.full((1, 3, 4), -1.0 - i))
+            for i in range(count)]
+
+
+def _holds(table: rd.CosSinCache, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    return torch.equal(table.cos, cos.reshape(-1, 4)) and torch.equal(table.sin, sin.reshape(-1, 4))
+
+
+def test_the_kept_token_table_is_never_another_calls():
+    """A call interrupted between any two of its instructions by another call (a thread
+    switch) gets the table of its own cos and sin: the kept table, its cos and sin were read
+    one by one, so a call that read the table kept for other tensors, then found its own
+    tensors kept by the interrupting call, returned that other table."""
+    from interleave import interrupted_at_every_instruction
+
+    (cos, sin), (other_cos, other_sin) = _cos_sin_pairs(2)
+    hf._forget()
+    try:
+        for before, between in (((other_cos, other_sin), (cos, sin)),
+                                ((cos, sin), (other_cos, other_sin)), (None, (cos, sin))):
+            def prepare(before=before):
+                hf._forget()
+                if before is not None:
+                    hf._token_table(*before)
+
+            results = interrupted_at_every_instruction(
+                hf._token_table.__code__, prepare, lambda: hf._token_table(cos, sin),
+                lambda between=between: hf._token_table(*between))
+            assert len(results) > 10
+            for k, table in results:
+                assert _holds(table, cos, sin), f"another call's table (interrupted at {k})"
+    finally:
+        hf._forget()
+
+
+def test_the_kept_token_table_hammered_from_threads():
+    """Threads calling at once, each over shared cos/sin pairs: every call gets its own."""
+    from interleave import hammered
+
+    pairs = _cos_sin_pairs(3)
+
+    def work(i: int) -> None:
+        for n in range(2000):
+            cos, sin = pairs[(n // (i + 1)) % 3]
+            assert _holds(hf._token_table(cos, sin), cos, sin), f"thread {i}, call {n}"
+
+    try:
+        hammered(work)
+    finally:
+        hf._forget()
+
+
 COMPILED_FIRST = """
 import sys, torch
 from rope_dispatch.integrations import hf

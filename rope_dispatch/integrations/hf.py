@@ -172,8 +172,9 @@ import: pydantic's validation cannot be traced, so a first call inside
 ``torch.compile(fullgraph=True)`` must find its spec made."""
 _last_pairs: list = [None]
 """The latest ``(cos, sin, their versions, (cos, sin) of pairs)`` of :func:`_pairs_of_halves`."""
-_last_table: list = [None, None, None, None]
-"""The latest ``[table, cos, sin, grad mode]`` of :func:`_token_table`."""
+_last_table: list = [None]
+"""The latest ``(table, cos, sin, grad mode)`` of :func:`_token_table`: one tuple, read and
+replaced whole, so a thread never pairs one call's table with another's tensors."""
 _starts: dict[tuple, torch.Tensor] = {}
 """Start positions of :func:`_sequence_starts` by (batch, sequence length, device)."""
 _MAX_STARTS = 64
@@ -475,12 +476,11 @@ def _token_table(cos: torch.Tensor, sin: torch.Tensor) -> CosSinCache:
     d2 = cos.shape[-1]
     if _unkept() or not (cos.is_contiguous() and sin.is_contiguous()):
         return CosSinCache(cos.reshape(-1, d2).contiguous(), sin.reshape(-1, d2).contiguous())
-    table, grad = _last_table[0], torch.is_grad_enabled()
-    if (table is not None and _last_table[1] is cos and _last_table[2] is sin
-            and _last_table[3] is grad):
-        return table
+    last, grad = _last_table[0], torch.is_grad_enabled()
+    if last is not None and last[1] is cos and last[2] is sin and last[3] is grad:
+        return last[0]
     table = CosSinCache(cos.view(-1, d2), sin.view(-1, d2))
-    _last_table[:] = [table, cos, sin, grad]
+    _last_table[0] = (table, cos, sin, grad)  # built, then published in one store
     return table
 
 
@@ -780,7 +780,7 @@ def unpatch(model: torch.nn.Module) -> None:
 def _forget() -> None:
     """Drop what the latest calls kept for the next (cos/sin tables, picks, pairs), which only
     a next call would release: the model's tensors, on its device, outlive it otherwise."""
-    _last_table[:] = [None] * len(_last_table)
+    _last_table[0] = None
     _last_streams[:] = [None] * len(_last_streams)
     _last_pairs[0] = None
     hf_llama4._last_table[:] = [None] * len(hf_llama4._last_table)
