@@ -232,6 +232,43 @@ def test_llama4_shapes_are_refused_naming_its_own_arguments(case):
         hf_llama4.apply_rotary_emb(xq, xk, table)
 
 
+def test_the_kept_llama4_pair_table_is_never_another_calls():
+    """A call interrupted between any two of its instructions by another call (a thread switch;
+    any instruction on a free-threaded Python) gets the table of its own ``freqs_cis``: the
+    kept table, its tensor and its key were read one by one."""
+    from interleave import hammered, interrupted_at_every_instruction
+
+    rows = [torch.polar(torch.ones(1, 3, 2), torch.full((1, 3, 2), 0.5 + i)) for i in range(3)]
+
+    def holds(table: rd.PairCosSinCache, freqs_cis: torch.Tensor) -> bool:
+        want = torch.cat((freqs_cis.real, freqs_cis.imag), -1).float().reshape(-1, 4)
+        return torch.equal(table.table, want)
+
+    ours, other = rows[0], rows[1]
+    try:
+        for before, between in ((other, ours), (ours, other), (None, ours)):
+            def prepare(before=before):
+                hf._forget()
+                if before is not None:
+                    hf_llama4._pair_table(before)
+
+            results = interrupted_at_every_instruction(
+                hf_llama4._pair_table.__code__, prepare, lambda: hf_llama4._pair_table(ours),
+                lambda between=between: hf_llama4._pair_table(between))
+            assert len(results) > 10
+            for k, table in results:
+                assert holds(table, ours), f"another call's table (interrupted at {k})"
+
+        def work(i: int) -> None:
+            for n in range(2000):
+                freqs_cis = rows[(n // (i + 1)) % 3]
+                assert holds(hf_llama4._pair_table(freqs_cis), freqs_cis), f"thread {i}, {n}"
+
+        hammered(work)
+    finally:
+        hf._forget()
+
+
 def test_llama4_dtype_rope_dispatch_does_not_compute_in_is_refused_by_name():
     """As the other families' call (docs/hf.md): a float64 model's call says to unpatch it."""
     q = torch.randn(1, 4, 2, 16, dtype=torch.float64)

@@ -783,7 +783,7 @@ def _forget() -> None:
     _last_table[0] = None
     _last_streams[:] = [None] * len(_last_streams)
     _last_pairs[0] = None
-    hf_llama4._last_table[:] = [None] * len(hf_llama4._last_table)
+    hf_llama4._last_table[0] = None
 
 
 def _targets(model: object) -> dict[tuple[str, str], Callable]:

@@ -41,8 +41,9 @@ _specs: dict[torch.dtype, RoPESpec] = {
     for dtype in (torch.float32, torch.bfloat16, torch.float16)
 }
 """The interleaved bshd spec of each model dtype, made at import (see ``hf._specs``)."""
-_last_table: list = [None, None, None]
-"""The latest ``[table, freqs_cis, (its version, the grad mode)]`` of :func:`_pair_table`."""
+_last_table: list = [None]
+"""The latest ``(table, freqs_cis, (its version, the grad mode))`` of :func:`_pair_table`: one
+tuple, read and replaced whole (``hf._token_table``'s)."""
 _unit: dict[tuple, torch.Tensor] = {}
 """Unit norm weights by (head dim, device)."""
 
@@ -105,14 +106,15 @@ def _pair_table(freqs_cis: torch.Tensor) -> PairCosSinCache:
     table with a graph to ``freqs_cis``, which its forward, without, did not make)."""
     cacheable = not (_hf._unkept() or freqs_cis.is_inference())
     key = None if not cacheable else (freqs_cis._version, torch.is_grad_enabled())
-    if cacheable and _last_table[1] is freqs_cis and _last_table[2] == key:
-        return _last_table[0]
+    last = _last_table[0]
+    if cacheable and last is not None and last[1] is freqs_cis and last[2] == key:
+        return last[0]
     pairs = freqs_cis.shape[-1]
     table = PairCosSinCache(
         torch.cat((freqs_cis.real, freqs_cis.imag), dim=-1).float().reshape(-1, 2 * pairs)
     )
     if cacheable:
-        _last_table[:] = [table, freqs_cis, key]
+        _last_table[0] = (table, freqs_cis, key)
     return table
 
 
