@@ -346,6 +346,49 @@ def test_the_kept_token_table_is_never_another_calls():
         hf._forget()
 
 
+def test_the_kept_stream_pick_is_never_another_calls():
+    """As the token table: a multimodal call interrupted between any two instructions of
+    ``_select_streams`` by another call (a thread switch; any instruction on a free-threaded
+    Python) gets the pick of its own cos and sin, channel ``c`` from the stream whose section
+    holds ``c`` modulo half the channels; the kept pick was read one slot at a time."""
+    from interleave import hammered, interrupted_at_every_instruction
+
+    sections, d2 = (1, 2, 1), 8
+    streams = [(torch.randn(3, 1, 2, d2, generator=torch.Generator().manual_seed(i)),
+                torch.randn(3, 1, 2, d2, generator=torch.Generator().manual_seed(10 + i)))
+               for i in range(3)]
+    owner = torch.tensor([0, 1, 1, 2] * 2)  # each channel's stream, from the sections
+
+    def holds(picked, cos, sin) -> bool:
+        return all(torch.equal(p, t[owner, ..., torch.arange(d2)].permute(1, 2, 0))
+                   for p, t in zip(picked, (cos, sin)))
+
+    ours, other = streams[0], streams[1]
+    try:
+        for before, between in ((other, ours), (ours, other), (None, ours)):
+            def prepare(before=before):
+                hf._forget()
+                if before is not None:
+                    hf._select_streams(*before, sections, 1)
+
+            results = interrupted_at_every_instruction(
+                hf._select_streams.__code__, prepare,
+                lambda: hf._select_streams(*ours, sections, 1),
+                lambda between=between: hf._select_streams(*between, sections, 1))
+            assert len(results) > 10
+            for k, picked in results:
+                assert holds(picked, *ours), f"another call's pick (interrupted at {k})"
+
+        def work(i: int) -> None:
+            for n in range(1000):
+                cos, sin = streams[(n // (i + 1)) % 3]
+                assert holds(hf._select_streams(cos, sin, sections, 1), cos, sin), f"{i}, {n}"
+
+        hammered(work)
+    finally:
+        hf._forget()
+
+
 def test_the_kept_token_table_hammered_from_threads():
     """Threads calling at once, each over shared cos/sin pairs: every call gets its own."""
     from interleave import hammered

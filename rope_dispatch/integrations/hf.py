@@ -178,8 +178,9 @@ replaced whole, so a thread never pairs one call's table with another's tensors.
 _starts: dict[tuple, torch.Tensor] = {}
 """Start positions of :func:`_sequence_starts` by (batch, sequence length, device)."""
 _MAX_STARTS = 64
-_last_streams: list = [None, None, None, None]
-"""The latest ``[cos, sin, key, (cos_out, sin_out)]`` of :func:`_select_streams`."""
+_last_streams: list = [None]
+"""The latest ``(cos, sin, key, (cos_out, sin_out))`` of :func:`_select_streams`: one tuple,
+read and replaced whole (as :data:`_last_table`)."""
 _originals: dict[tuple[str, str], object] = {}
 """(modeling module name, global name) -> the object that name held before :func:`patch`."""
 _holders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -417,8 +418,9 @@ def _select_streams(
     cacheable = not (_unkept() or cos.is_inference() or sin.is_inference())
     if cacheable:
         key = (sections, cos._version, sin._version, torch.is_grad_enabled())
-        if _last_streams[0] is cos and _last_streams[1] is sin and _last_streams[2] == key:
-            return _last_streams[3]
+        last = _last_streams[0]
+        if last is not None and last[0] is cos and last[1] is sin and last[2] == key:
+            return last[3]
     runs, start = [], 0
     for j, size in enumerate(sections * 2):  # both halves: temporal, height, width
         runs.append((j % _STREAMS, start, start + size))
@@ -428,7 +430,7 @@ def _select_streams(
         for t in (cos, sin)
     )
     if cacheable:
-        _last_streams[:] = [cos, sin, key, selected]
+        _last_streams[0] = (cos, sin, key, selected)
     return selected
 
 
@@ -781,7 +783,7 @@ def _forget() -> None:
     """Drop what the latest calls kept for the next (cos/sin tables, picks, pairs), which only
     a next call would release: the model's tensors, on its device, outlive it otherwise."""
     _last_table[0] = None
-    _last_streams[:] = [None] * len(_last_streams)
+    _last_streams[0] = None
     _last_pairs[0] = None
     hf_llama4._last_table[0] = None
 
