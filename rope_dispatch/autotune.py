@@ -45,7 +45,9 @@ from .autotune_cache import (
 from .call import RoPECall, reads_values, wants_grad
 from .errors import RoPEError, user_stacklevel
 from .registry import Backend
-from .tracing import PLAIN_TENSORS, constant_while_tracing, recompile_limit_hit, transformed
+from .tracing import (
+    PLAIN_TENSORS, constant_while_tracing, forward_ad, recompile_limit_hit, transformed,
+)
 
 __all__ = [
     "HOT_CALLS", "MEASURE_BUDGET_SECONDS", "SCHEMA_VERSION", "CacheKey", "autotune_enabled",
@@ -187,6 +189,8 @@ def _measuring_blocked(t: torch.Tensor) -> str | None:
         return "torch.compile is tracing"
     if transformed():
         return "a torch.func transform runs"
+    if forward_ad():  # the kernels' backends run the eager math then: their times would be its
+        return "a forward-mode AD level is open"
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return "a CUDA graph is being captured"
     if type(t) not in PLAIN_TENSORS:

@@ -558,6 +558,26 @@ def test_calls_that_cannot_measure_read_the_cache_file_once(fakes, cache, measur
     assert faster  # the measured choice, fast, serves the transformed call
 
 
+def test_no_measuring_while_a_forward_mode_ad_level_is_open(fakes, cache, measurements):
+    """With a forward-mode AD level open (``torch.autograd.forward_ad``) the kernels' backends
+    run the eager math, so a measurement then timed that math and kept its winner, on disk,
+    for every later call of the key. No call measures or keeps a decision there; the result
+    still carries the rotated tangent, and a later plain call measures."""
+    import torch.autograd.forward_ad as fwad
+
+    t, freqs = inputs()
+    tangent = torch.randn(t.shape, generator=torch.Generator().manual_seed(4))
+    with fwad.dual_level():
+        out = rd.apply(fwad.make_dual(t, tangent), freqs, SPEC)
+        value, got = fwad.unpack_dual(out)
+    assert measurements() == 0 and entry_files(cache) == []
+    assert calls(fakes)["fast"] == 0  # the provisional choice is the priority order
+    assert_matches(value, reference_for(t, freqs, SPEC), torch.float32)
+    assert_matches(got, reference_for(tangent, freqs, SPEC), torch.float32)  # (linear in t)
+    rd.apply(t, freqs, SPEC)  # the provisional choice was not kept: this call measures
+    assert measurements() == 1 and len(entry_files(cache)) == 1
+
+
 def test_a_backend_that_raises_is_skipped_with_one_warning(fakes, measurements):
     registry.register(autotune_fakes.FailingBackend("broken", 100, 0.0))
     t, freqs = inputs()
