@@ -613,6 +613,36 @@ def test_joined_parts_are_views_when_adjacent():
     assert fi._joined("q", whole[..., 8:], whole[..., :8]) is not None  # wrong order: a copy
 
 
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_dual_tensors_of_forward_mode_ad_get_the_quantized_tangents(attention):
+    """With a forward-mode AD level open (``torch.autograd.forward_ad``) every output carries
+    its input's tangent as the door maps the value: rotated (rope parts) and quantized. The
+    nope part's quantization was torch's division with ``out=``, which refuses a dual tensor
+    (a NotImplementedError naming ``div_out``; on a GPU the quantizing launch dropped it)."""
+    import torch.autograd.forward_ad as fwad
+
+    gen = torch.Generator().manual_seed(21)
+    args = small(attention)
+    names = ("q_rope", "k_rope", "q_nope", "k_nope")
+    tangents = {n: torch.randn(args[n].shape, generator=gen).to(args[n].dtype) for n in names}
+    scale_q, scale_kv = 0.75, 1.5
+    with fwad.dual_level():
+        duals = {n: fwad.make_dual(args[n], tangents[n]) for n in names}
+        got = rope_quantize_fp8(**{**args, **duals}, quant_scale_q=scale_q,
+                                quant_scale_kv=scale_kv)
+        got = [fwad.unpack_dual(g) for g in got]
+    cache, pos_ids, fp8 = args["cos_sin_cache"], args["pos_ids"], torch.float8_e4m3fn
+    want = [(rotated64(args[n], cache, pos_ids, True), rotated64(tangents[n], cache, pos_ids, True))
+            for n in names[:2]]
+    want += [(plain64(args[n]), plain64(tangents[n])) for n in names[2:]]
+    for name, (value, tangent), (value64, tangent64), scale in zip(
+            ("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out"), got, want,
+            (scale_q, scale_kv, scale_q, scale_kv)):
+        assert_fp8(value, *value64, scale, fp8, name)
+        assert tangent is not None, f"{name}: no tangent"
+        assert_fp8(tangent, *tangent64, scale, fp8, f"{name}'s tangent")
+
+
 # ---------------------------------------------------------------------------- bad input
 
 

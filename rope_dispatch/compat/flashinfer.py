@@ -77,7 +77,7 @@ from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache
 from ..registry import get_backend
 from ..spec import SUPPORTED_DTYPES, RoPESpec, _boolean, constant_spec, dtype_name
 from ..tables import PairCosSinCache
-from ..tracing import memoryless
+from ..tracing import forward_ad, memoryless
 
 __all__ = ["apply_rope_with_cos_sin_cache_inplace", "mla_rope_quantize_fp8", "rope_quantize_fp8",
            "rope_quantize_fp8_append_paged_kv_cache"]
@@ -686,8 +686,9 @@ def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -
     or the tensors are fake or traced (the launch reads addresses; the division traces)."""
     if out.numel() == 0:
         return
-    memory = not memoryless()
-    if memory and x.device.type == "cuda" and _scoped_or_env_backend()[0] in (None, "triton"):
+    memory, dual = not memoryless(), forward_ad()  # (a launch would drop x's tangent)
+    if memory and not dual and x.device.type == "cuda" and _scoped_or_env_backend()[0] in (
+            None, "triton"):
         triton = get_backend("triton")
         if triton.available and triton.quantize(x, out, scale):
             return
@@ -703,6 +704,9 @@ def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -
             _DIVISORS[key] = divisor
     # one kernel: a 1-element float32 divisor makes the division float32 (a 0-d one would leave
     # it in x's dtype), and the quotient is cast to out's FP8 as it is stored, as .to() casts
+    if dual:  # torch's out= division has no forward AD (it refuses a dual x): the same cast
+        out.copy_((x / divisor).to(out.dtype))  # quotient, its tangent quantized alike
+        return
     torch.div(x, divisor, out=out)
 
 
