@@ -758,7 +758,9 @@ def _autocast_off(device_type: str):
 
 
 def _check_rates(inv_freq: object) -> None:
-    """Refuse anything but a 1-D floating-point tensor of rates, naming ``inv_freq``."""
+    """Refuse anything but a 1-D floating-point tensor of rates, naming ``inv_freq``; on the
+    CPU (values read with no device sync) a NaN or infinite rate too, which would fill its
+    pair's columns with NaN or infinite angles."""
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1 or not (
         inv_freq.is_floating_point()
     ):
@@ -767,6 +769,14 @@ def _check_rates(inv_freq: object) -> None:
             + (f"{inv_freq.dtype} {tuple(inv_freq.shape)}" if isinstance(inv_freq, torch.Tensor)
                else type(inv_freq).__name__)
         )
+    if inv_freq.is_cpu and not (memoryless() or fake(inv_freq)):
+        finite = torch.isfinite(inv_freq)
+        if not bool(finite.all()):
+            pair = int((~finite).nonzero()[0, 0])
+            raise RoPEError(
+                f"inv_freq must hold finite rates, got {inv_freq[pair].item()!r} at pair {pair} "
+                f"of {inv_freq.numel()}"
+            )
 
 
 def angle_table(
@@ -782,7 +792,7 @@ def angle_table(
     dtype (float32, or float64; half-precision rates are refused: positions counted in them
     would be rounded) and device, is contiguous, and is computed with autocast off.
     ``offset`` must be a finite number (negative ones too: TE takes any), ``scale`` a finite
-    number > 0.
+    number > 0, the rates finite (read on the CPU only: no device sync).
     """
     _check_rates(inv_freq)
     if inv_freq.dtype not in (torch.float32, torch.float64):

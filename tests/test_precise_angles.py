@@ -344,6 +344,23 @@ def test_rates_must_be_finite(bad):
         turn_fractions(float32_rates([0.5, bad]))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_angle_tables_of_rates_on_the_cpu_must_be_finite(bad):
+    """angle_table and reduced_angle_table (public) filled a NaN or infinite rate's columns
+    with NaN or infinite angles without a word; on the CPU, where reading the rates costs no
+    device sync, they refuse it, naming it and its pair, as RateTable and RotaryFrequencies do."""
+    rates = torch.tensor([0.5, 0.25, bad], dtype=torch.float64)
+    words = f"inv_freq must hold finite rates, got {bad!r} at pair 2 of 3"
+    for build in (tables.reduced_angle_table, tables.angle_table):
+        with pytest.raises(RoPEError, match=words):
+            build(rates, 4)
+        with pytest.raises(RoPEError, match=words):
+            build(rates.float(), 4)
+    table = tables.angle_table(rates[:2].float(), 3)  # finite rates: position times rate
+    expected = torch.arange(3, dtype=torch.float64)[:, None] * rates[:2]
+    torch.testing.assert_close(table.reshape(3, 4).double(), torch.cat((expected, expected), -1))
+
+
 @pytest.mark.parametrize(("rates", "shown"), [
     ([1.0, 0.5], "list"), (torch.ones(2, 3), r"torch.float32 \(2, 3\)"),
     (torch.ones(3, dtype=torch.int64), r"torch.int64 \(3,\)"),
