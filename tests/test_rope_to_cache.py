@@ -710,6 +710,38 @@ def test_dual_tensors_of_forward_mode_ad_carry_their_tangents(backend, layout, r
             assert not pages.cpu()[~written].any(), "a tangent where no token was written"
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_jvp_of_a_step_given_its_caches_gives_the_caches_their_tangents(backend, request):
+    """``torch.func.jvp`` of a step that takes its caches as inputs (what jvp asks of a
+    function that writes them) and returns them: the written slots' tangents are k's rotated
+    and v's, the others the caches' own. The store through an integer view left every slot
+    the cache's own tangent: a wrong derivative, silently."""
+    backend, device = backend_param(backend, request)
+    gen = torch.Generator().manual_seed(13)
+    q, k, v, tk, tv = (torch.randn(5, h, 8, generator=gen) for h in (4, 2, 2, 2, 2))
+    caches = tuple(torch.randn(12, 2, 8, generator=gen) for _ in range(4))  # 2 values, 2 tangents
+    table, spec = angle_table(16, 8, False), rd.RoPESpec(layout="thd", dtype="fp32")
+    positions, slots = torch.tensor([3, 0, 7, 1, 2]), torch.tensor([4, 0, -1, 9, 2])
+    on = {"device": device}
+
+    def step(k, v, k_cache, v_cache):
+        rd.rope_to_cache(q.to(**on), k, v, table.to(**on), spec, positions=positions.to(**on),
+                         cache=rd.FlatKVCache(k_cache, v_cache, slots.to(**on)), backend=backend)
+        return k_cache, v_cache
+
+    primals = tuple(x.to(**on) for x in (k, v, *caches[:2]))
+    tangents = tuple(x.to(**on) for x in (tk, tv, *caches[2:]))
+    _, (k_tangent, v_tangent) = torch.func.jvp(step, primals, tangents)
+    k_ref = reference_rope(tk, table, positions, False)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert_rounds_like(k_tangent[slot], k_ref[token], 1.0, f"k's tangent {token}")
+            assert torch.equal(v_tangent[slot].cpu(), tv[token])
+    kept = [1, 3, 5, 6, 7, 8, 10, 11]
+    assert torch.equal(k_tangent[kept].cpu(), caches[2][kept])
+    assert torch.equal(v_tangent[kept].cpu(), caches[3][kept])
+
+
 def test_other_backends_say_why_they_refuse_and_explain_shows_the_stage(triton_backend):
     q, k, v, table, spec, positions, built = small_call(device=triton_device())
     text = str(rd.explain(q, table, spec, k=k, v=v, positions=positions, cache=built.cache))
