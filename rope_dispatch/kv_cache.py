@@ -126,13 +126,31 @@ def _cache_pair(k_cache: object, v_cache: object, names: tuple[str, str], dims: 
 class KVCache:
     """Base of the cache descriptors: what :func:`~rope_dispatch.rope_to_cache` and the
     backends read of one (see the module docstring). A descriptor's fields are set once, at
-    construction (what a planned call reads of it is worked out then); make a new one for other
-    tensors."""
+    construction (what a planned call reads of it is worked out then), and refuse assignment
+    afterwards; make a new one for other tensors."""
 
     __slots__ = ("k_cache", "v_cache", "k_scale", "v_scale", "plan_parts")
     kind: ClassVar[str]
     index_names: ClassVar[tuple[str, ...]]
     """The per-token index tensors' attribute names (one entry per token each)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """Fields are set by the constructor only: ``plan_parts``, set last, holds the tensors
+        and scales a planned call passes, so a field replaced afterwards would be read by
+        checked calls and not by planned ones (a GPU's repeated calls)."""
+        if hasattr(self, "plan_parts"):
+            self._refuse(name)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self._refuse(name)
+
+    def _refuse(self, name: str) -> None:
+        kind = type(self).__name__
+        raise AttributeError(
+            f"{kind}.{name} is fixed when the descriptor is made (what a planned call reads of "
+            f"it is worked out then); make a new {kind} for other tensors or scales"
+        )
 
     def _scales(self, k_scale: object, v_scale: object) -> None:
         device = self.k_cache.device

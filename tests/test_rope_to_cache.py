@@ -742,6 +742,31 @@ def test_jvp_of_a_step_given_its_caches_gives_the_caches_their_tangents(backend,
     assert torch.equal(v_tangent[kept].cpu(), caches[3][kept])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_descriptors_fields_are_fixed_once_made(layout):
+    """A planned call (a GPU's repeated step) passes the tensors and scales its descriptor
+    held when made (``plan_parts``), a checked call its fields: a field replaced afterwards
+    (``cache.slot_mapping = ...``) was written through by checked calls and not by planned
+    ones, silently. Assigning or deleting any field is refused, naming it; the descriptor
+    still serves its call."""
+    q, k, v, table, spec, positions, built = small_call(layout=layout)
+    cache = built.cache
+    kind = type(cache).__name__
+    for name in (*cache.index_names, "k_cache", "v_cache", "k_scale", "plan_parts"):
+        words = (f"^{kind}.{name} is fixed when the descriptor is made .* make a new {kind} "
+                 "for other tensors or scales$")
+        with pytest.raises(AttributeError, match=words):
+            setattr(cache, name, getattr(cache, name))
+        with pytest.raises(AttributeError, match=words):
+            delattr(cache, name)
+    out = rd.rope_to_cache(q, k, v, table, spec, positions=positions, cache=cache,
+                           backend="eager")
+    k_ref = reference_rope(k, table, positions, False)
+    assert_rounds_like(out, reference_rope(q, table, positions, False), 1.0, "q")
+    for token, (page, entry) in built.places.items():
+        assert_rounds_like(built.k_pages[page, entry], k_ref[token], 1.0, f"k of token {token}")
+
+
 def test_other_backends_say_why_they_refuse_and_explain_shows_the_stage(triton_backend):
     q, k, v, table, spec, positions, built = small_call(device=triton_device())
     text = str(rd.explain(q, table, spec, k=k, v=v, positions=positions, cache=built.cache))
@@ -922,8 +947,10 @@ def test_the_compiled_launch_key_follows_the_cache_stage(triton_backend):
         q, k, v, table, spec, positions, _ = small_call(tokens=tokens)
         built = build_cache(layout, tokens, 2, 8, cache_dtype, [False] * tokens,
                             torch.Generator().manual_seed(3), scales)
-        if int32 and layout == "vllm":
-            built.cache.slot_mapping = built.cache.slot_mapping.int()
+        if int32 and layout == "vllm":  # (a descriptor's fields are fixed: a new one)
+            made = built.cache
+            built.cache = rd.PagedKVCache(made.k_cache, made.v_cache, made.slot_mapping.int(),
+                                          k_scale=made.k_scale, v_scale=made.v_scale)
         call = rd.kv_cache.check_cache_call(q, k, v, table, spec, positions=positions,
                                             cache=built.cache, q_scale=q_scale)
         described = tl.describe(call)
@@ -1266,8 +1293,8 @@ def test_repeated_steps_are_served_by_the_recent_plan_set(monkeypatch):
     monkeypatch.setattr(rd.call, "_reads", lambda index: False)  # positions as a GPU's
     q, k, v, table, spec, positions, built = small_call()
     cache = built.cache
-    cache.plan_parts = ((cache.k_cache, cache.v_cache, cache.slot_mapping),
-                        (type(cache), None, 1.0, 1.0))
+    object.__setattr__(cache, "plan_parts", ((cache.k_cache, cache.v_cache, cache.slot_mapping),
+                                             (type(cache), None, 1.0, 1.0)))
 
     def plan(self, call):
         def run(freqs, tensors):
@@ -1357,8 +1384,9 @@ def test_a_bound_cache_plan_takes_the_tensors_dispatch_guards_in_its_slots(
     cache = build_cache(layout, 5, 2, 8, cache_dtype, [False] * 5, gen, scales).cache
     # a GPU cache's plan parts (a CPU cache has none: its index values are read): the caches,
     # their index tensors, the scales given as tensors, in the order kv_cache documents
-    cache.plan_parts = ((cache.k_cache, cache.v_cache, *rd.kv_cache.cache_index(cache),
-                         *(s for s in scales if isinstance(s, torch.Tensor))), ("cpu", quant))
+    object.__setattr__(cache, "plan_parts", (
+        (cache.k_cache, cache.v_cache, *rd.kv_cache.cache_index(cache),
+         *(s for s in scales if isinstance(s, torch.Tensor))), ("cpu", quant)))
     # q quantized where its output can be FP8: new, or a buffer of FP8
     quantized_q = quant != "none" and q_out != "q"
     out = {"new": None, "q": q, "buffer": torch.empty(
