@@ -18,6 +18,8 @@ from rope_dispatch.registry import Backend
 from rope_dispatch.tables import RateTable, table_cos_sin
 from rope_dispatch.tracing import forward_ad
 
+from .written import add_written, written_apart
+
 
 def zigzag_positions(local: torch.Tensor, local_len: torch.Tensor | int, cp_size: int, cp_rank: int):
     """Global positions of local indices under TransformerEngine's context-parallel split.
@@ -142,7 +144,7 @@ def to_pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_eager(
-    call: RoPECall, dtype: torch.dtype | None = None,
+    call: RoPECall, dtype: torch.dtype | None = None, apart: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE of a checked call in plain PyTorch (see :func:`rope_tensors`; an inverse spec
     applies the transpose, autograd's backward then the rotation), after its norm
@@ -150,13 +152,16 @@ def rope_eager(
     with a norm) are computed apart and copied back (autograd sees a ``copy_``). A packed
     qkv call is split into q and k calls and a copy of v, a q and k pair into two calls.
     ``dtype``: a single tensor's output dtype when not in place (default its own; float32 for
-    a cache stage that quantizes it)."""
+    a cache stage that quantizes it). ``apart``: a traced pair's memory checks
+    (:func:`~rope_dispatch.backends.written.written_apart`), made once for its two calls."""
     if call.tensors == "qkv":
         q_part, k_part, v = qkv_parts(call)
         return rope_eager(q_part), rope_eager(k_part), v.clone(memory_format=torch.contiguous_format)
+    if apart is None:
+        apart = written_apart(call)  # (traced in place: the checks of the memory written)
     if call.tensors == "qk":
-        return (rope_eager(call._replace(tensors="t", k=None, k_norm=None)),
-                rope_eager(k_call(call)))
+        return (rope_eager(call._replace(tensors="t", k=None, k_norm=None), apart=apart),
+                rope_eager(k_call(call), apart=apart))
     spec = call.spec
     table, angles_at = call.table, None
     if isinstance(table, RateTable):  # a long rate table's angle table is never made here
@@ -179,7 +184,7 @@ def rope_eager(
         offset=0 if sliced else offset, deinterleave=spec.deinterleave, angles_at=angles_at,
     )
     if call.in_place:
-        (call.t if call.norm is not None else t).copy_(out)
+        (call.t if call.norm is not None else t).copy_(add_written(out, apart))
         return call.t
     return out
 

@@ -46,6 +46,7 @@ from .triton_launch import (
     run,
 )
 from .eager import rope_eager, rope_to_cache_eager
+from .written import add_written, written_apart
 from .triton_tables import current_stream, on_device
 
 # torch.autograd.graph.increment_version's C entry, without its Python wrapper (a tensor or a
@@ -321,8 +322,9 @@ def rope(call: RoPECall) -> Any:
             k_table, k_sin = table, sin
         made = triton_rope_op(list(inputs), table, sin, k_table, k_sin, call.spec.cu_seqlens,
                               position_index(call), op_launch(_constants(described, call)))
-        if described.in_place:
-            made = [x.copy_(out) for x, out in zip(inputs, made)]
+        if described.in_place:  # (the copies depend on the memory checks of a traced call)
+            apart = written_apart(call)
+            made = [x.copy_(add_written(out, apart)) for x, out in zip(inputs, made)]
         return _result(described, made)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (*inputs, *weights))
     if described.tensors == "qk" and (

@@ -27,9 +27,7 @@ from .tables import (
     CosSinCache, PairCosSinCache, RateTable, RotaryTable, angles_2d, multimodal_rows, table_kind,
     table_requires_grad, table_shape, table_tensors,
 )
-from .overlap import (
-    _check_apart, expanded_dim, refuse_self_overlap, refuse_tables_in, refuse_weights_in,
-)
+from .overlap import expanded_dim, refuse_written_overlaps
 from .tracing import fake, memoryless
 
 
@@ -557,29 +555,9 @@ def check_call(
         _check_writable(t, "t" if k is None else "q")
         if k is not None:
             _check_writable(k, "k")
-        entry = "apply_" if k is None else "apply_qk_"
-        for name, x, norm in (("t" if k is None else "q", t, q_norm), ("k", k, k_norm)):
-            if x is not None:  # the channels written: the whole head where normalized
-                refuse_self_overlap(x, name, f"{entry} cannot rotate {name} in place",
-                                    f"use rope_dispatch.{entry[:-1]}", 0 if norm else offset,
-                                    None if norm else offset + d2)
-        if k is not None:
-            if q_norm is None and k_norm is None:  # the channels written: the rotary ones
-                _check_apart(t, k, d2, offset)
-            else:
-                _check_apart(t, k, head_dim)
-        rot = slice(offset, offset + d2)  # a side without a norm writes only these
-        remedy = f", or use rope_dispatch.{'apply' if k is None else 'apply_qk'}"
-        refuse_weights_in(
-            (("norm" if k is None else "q_norm", q_norm), ("k_norm", k_norm)),
-            (("t", t),) if k is None else (("q", t if q_norm or not k_norm else t[..., rot]),
-                                           ("k", k if k_norm or not q_norm else k[..., rot])),
-            "the call rotates in place", remedy,
-        )
-        refuse_tables_in((("freqs", table),),  # (no k_freqs: a packed qkv call is never in place)
-                         (("t" if k is None else "q", t if q_norm else t[..., rot]),
-                          ("k", None if k is None else k if k_norm else k[..., rot])),
-                         "the call rotates in place", remedy)
+        refuse_written_overlaps(t, k, None if q_norm is None else q_norm.weight,
+                                None if k_norm is None else k_norm.weight,
+                                table_tensors(table), d2, offset)
     # tuple.__new__ directly: the named tuple's generated __new__ adds a Python frame per call
     return _new_call(RoPECall, (
         t, table, spec, start_positions, seq_len, batch, heads, head_dim, d2, in_place,

@@ -225,3 +225,42 @@ def refuse_self_overlap(t: torch.Tensor, name: str, refusal: str, remedy: str,
             f"of its places{where} are one element in memory, as an as_strided view can make "
             f"them), so one write would land on another's result; {remedy}"
         )
+
+
+def refuse_written_overlaps(t: torch.Tensor, k: torch.Tensor | None,
+                            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                            tables: tuple[torch.Tensor, ...], d2: int, offset: int) -> None:
+    """An in-place call's memory checks (:func:`~rope_dispatch.check_call`'s): ``t`` (q of a
+    pair with ``k``) must not overlap itself, nor k, in the channels written (the rotary ones,
+    ``d2`` from ``offset``; a normalized side's whole heads), and no norm weight (q's, k's)
+    nor table tensor may share an element with them. Also run on a compiled graph's real
+    tensors (:func:`~rope_dispatch.backends.written.written_apart`)."""
+    entry = "apply_" if k is None else "apply_qk_"
+    for name, x, weight in (("t" if k is None else "q", t, q_weight), ("k", k, k_weight)):
+        if x is not None:  # the channels written: the whole head where normalized
+            refuse_self_overlap(x, name, f"{entry} cannot rotate {name} in place",
+                                f"use rope_dispatch.{entry[:-1]}", 0 if weight is not None
+                                else offset, None if weight is not None else offset + d2)
+    normed = q_weight is not None or k_weight is not None
+    if k is not None and normed:
+        _check_apart(t, k, t.shape[-1])
+    elif k is not None:  # without a norm, the channels written are the rotary ones
+        _check_apart(t, k, d2, offset)
+    rot = slice(offset, offset + d2)  # a side without a norm writes only these
+    remedy = f", or use rope_dispatch.{'apply' if k is None else 'apply_qk'}"
+    writer = "the call rotates in place"
+    q_written = t if q_weight is not None else t[..., rot]
+    k_written = None if k is None else k if k_weight is not None else k[..., rot]
+    if normed:  # (a side without a norm, beside one with one, writes its rotary channels)
+        written = (("t", t),) if k is None else (
+            ("q", t if q_weight is not None or k_weight is None else t[..., rot]),
+            ("k", k if k_weight is not None or q_weight is None else k[..., rot]))
+        for name, weight in (("norm" if k is None else "q_norm", q_weight),
+                             ("k_norm", k_weight)):
+            if weight is not None:
+                _refuse_read_in(f"{name}.weight", weight, "weight", "a clone", written, writer,
+                                remedy)
+    for tensor in tables:  # (no k_freqs: a packed qkv call is never in place)
+        _refuse_read_in("freqs", tensor, "table", "freqs.clone()",
+                        (("t" if k is None else "q", q_written), ("k", k_written)),
+                        writer, remedy)

@@ -316,3 +316,76 @@ def test_gpu_in_place_partial_rotary_repeated_and_unaligned(triton_backend):
             assert rd.apply_(x, freqs, spec) is x
         assert_matches(x, ref, torch.bfloat16, f"offset {offset}")
         assert torch.equal(x[..., 64:], original[..., 64:])
+
+
+
+def _compiled_table():
+    """An sbhd fp32 spec, rotary angles (float64) and their table on DEVICE; a compiler."""
+    half = torch.rand(8, 4, dtype=torch.float64) * 3
+    angles = torch.cat((half, half), dim=-1)
+    compiler = "inductor" if CUDA else "aot_eager"
+    return rd.RoPESpec(layout="sbhd", dtype="fp32"), angles, angles.float().view(8, 1, 1, 8).to(
+        DEVICE), compiler
+
+
+def _compiled(fn, compiler):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=compiler)
+
+
+
+_OVERLAPS = {  # a call's tensors in a [8, 1, 2, 8] buffer, apart (bad=0) or not; the refusal
+    "q and k": (lambda buf, table, bad: {"t": buf[:, :, :1 + bad], "k": buf[:, :, 1:2],
+                                         "table": table},
+                r"apply_qk_ cannot rotate q and k in place: they share memory .* overlap in "
+                r"their first 8 channels"),
+    "norm weight": (lambda buf, table, bad: {"t": buf[:, :, :1], "table": table,
+                                             "weight": buf[0, 0, 1 - bad]},
+                    r"norm.weight shares memory with t \(8, 1, 1, 8\), which the call "
+                    "rotates in place while it reads the weight"),
+    "table": (lambda buf, table, bad: {"t": buf.view(2, 8, 1, 1, 8)[0],
+                                       "table": buf.view(2, 8, 8)[1 - bad]},
+              r"freqs shares memory with t \(8, 1, 1, 8\), which the call rotates in place "
+              "while it reads the table"),
+    "self-overlapping view": (lambda buf, table, bad: {
+        "t": buf.as_strided((8, 1, 1, 8), (8 - 4 * bad, 8, 8, 1)),
+        "table": table},
+        r"apply_ cannot rotate t in place: t \(8, 1, 1, 8\) with strides \(4, 8, 8, 1\) "
+        "overlaps itself"),
+}
+
+
+def _rotate_in_place(tensors, spec, backend):
+    t, k, table, weight = (tensors.get(name) for name in ("t", "k", "table", "weight"))
+    if k is not None:
+        return rd.apply_qk_(t, k, table, spec, backend=backend)
+    return rd.apply_(t, table, spec, backend=backend,
+                     norm=None if weight is None else rd.HeadNorm(weight))
+
+
+@pytest.mark.parametrize("case", list(_OVERLAPS))
+def test_compiled_in_place_refuses_overlapping_memory(backend, case):
+    """Under ``torch.compile(fullgraph=True)`` a call's tensors are fake while it traces, so
+    the memory checks of an in-place call run in the graph, on its real tensors: q and k that
+    share elements, a norm weight or a table inside what is written, and a view that overlaps
+    itself are refused as in eager (they ran, and wrote whatever the last copy left); the same
+    calls on memory apart rotate as the reference does."""
+    spec, angles, table, compiler = _compiled_table()
+    views, refusal = _OVERLAPS[case]
+    run = _compiled(lambda buf, bad: _rotate_in_place(views(buf, table, bad), spec, backend),
+                    compiler)
+    buf = torch.rand(8, 1, 2, 8, device=DEVICE) + 0.5
+    before = views(buf.clone().cpu(), angles, 0)
+    after = views(buf, table, 0)
+    run(buf, 0)
+    for name in ("t", "k"):
+        if name in before:
+            x = before[name].double()
+            if "weight" in before:  # rms-normalized by the weight, then rotated
+                x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * before["weight"]
+            want = reference_for(x, before["table"].double(), spec)
+            assert_matches(after[name], want, torch.float32, f"{case}: {name}")
+    with pytest.raises(rd.RoPEError, match=refusal):
+        run(buf, 1)
