@@ -505,14 +505,28 @@ class RoPESpec(BaseModel):
     __str__ = __repr__
 
 
-@constant_while_tracing
 def constant_spec(**fields: Any) -> RoPESpec:
     """``RoPESpec(**fields)`` for code that makes a spec while ``torch.compile`` traces it (the
     compat doors, on a first call): Dynamo cannot trace pydantic's validation, so it runs once
     at trace time and the spec enters the graph as a constant. ``fields``: plain values, no
-    tensor (a thd spec's ``cu_seqlens`` comes by :meth:`RoPESpec.with_cu_seqlens`)."""
-    spec = object.__new__(RoPESpec)  # (the constructor, traced, comes here)
-    spec._validate(fields)
+    tensor (a thd spec's ``cu_seqlens`` comes by :meth:`RoPESpec.with_cu_seqlens`). A bad
+    field is refused here, in traced code, as every other refusal is (raised inside the
+    constant's call, Dynamo wrapped it in its ``InternalTorchDynamoError``)."""
+    made = _validated(**fields)  # (the constructor, traced, comes here)
+    if isinstance(made, tuple):
+        kind, problem = made
+        raise kind(problem)
+    return made
+
+
+@constant_while_tracing
+def _validated(**fields: Any) -> RoPESpec | tuple[type[RoPEError], str]:
+    """The spec of ``fields``, or the class and message of the error that refuses it."""
+    spec = object.__new__(RoPESpec)
+    try:
+        spec._validate(fields)
+    except RoPEError as exc:
+        return type(exc), str(exc)
     return spec
 
 

@@ -712,3 +712,28 @@ def test_a_traced_spec_names_the_max_seqlen_it_refuses():
     with pytest.raises(Exception, match="max_seqlen is only for layout 'thd', got 7 with "
                        "layout 'sbhd'"):
         compiled(torch.ones(3, device=DEVICE), 7)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("layout", "bhsd", "layout: Input should be 'sbhd', 'bshd' or 'thd'"),
+    ("interleaved", "yes", r"interleaved: expected True or False, got 'yes' \(str\)"),
+])
+def test_a_bad_spec_made_in_the_step_is_refused_as_other_calls_are(field, value, words):
+    """A spec with a bad field made in a compiled step was validated inside Dynamo (its
+    constant's call), whose ``InternalTorchDynamoError`` wrapped our error: it is refused in
+    the traced code now, as a bad call is, so without ``fullgraph`` the step raises
+    ``RoPEError`` itself, and with it Dynamo's error for an exception raised in a graph names
+    ours and its message."""
+    freqs = torch.rand(8, 1, 1, 8, device=DEVICE)
+
+    def step(x):
+        return rd.apply(x, freqs, rd.RoPESpec(**{"layout": "sbhd", "dtype": "fp32",
+                                                   field: value}))
+
+    torch._dynamo.reset()
+    with pytest.raises(rd.RoPEError, match=f"invalid RoPESpec: {words}"):
+        torch.compile(step, backend="aot_eager")(torch.randn(8, 1, 2, 8, device=DEVICE))
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=f"RoPEError.*{words}"):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(
+            torch.randn(8, 1, 2, 8, device=DEVICE))
