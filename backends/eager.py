@@ -18,7 +18,7 @@ from rope_dispatch.registry import Backend
 from rope_dispatch.tables import RateTable, table_cos_sin
 from rope_dispatch.tracing import forward_ad
 
-from .written import add_written, written_apart
+from .written import add_written, cache_apart, written_apart
 
 
 def zigzag_positions(local: torch.Tensor, local_len: torch.Tensor | int, cp_size: int, cp_rank: int):
@@ -235,8 +235,9 @@ def rope_to_cache_eager(call: RoPECall) -> torch.Tensor:
     write = call.cache_write
     cache = write.cache
     wide = torch.float32
+    apart = cache_apart(call)  # (traced: the checks of the memory written, which each adds)
     k_rot = rope_eager(k_call(call)._replace(cache_write=None), wide if cache.quantized else None)
-    v = write.v
+    k_rot, v = add_written(k_rot, apart), add_written(write.v, apart)
     if cache.quantized:
         k_rot = quantize(k_rot, cache.k_scale, cache.dtype)
         v = quantize(v, cache.v_scale, cache.dtype)
@@ -246,9 +247,10 @@ def rope_to_cache_eager(call: RoPECall) -> torch.Tensor:
     store(v_pages, page, entry, valid, v)
     q_call = call._replace(tensors="t", k=None, k_norm=None, cache_write=None)
     if write.q_scale is None:
-        q_rot = rope_eager(q_call)
+        q_rot = add_written(rope_eager(q_call), apart)
     else:
-        q_rot = quantize(rope_eager(q_call, wide), write.q_scale, write.q_dtype)
+        q_rot = quantize(add_written(rope_eager(q_call, wide), apart), write.q_scale,
+                         write.q_dtype)
     if write.q_out is None:
         return q_rot
     return write.q_out.copy_(q_rot)

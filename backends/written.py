@@ -1,4 +1,4 @@
-"""An in-place call's memory checks on a compiled graph's real tensors.
+"""An in-place or cache call's memory checks on a compiled graph's real tensors.
 
 While ``torch.compile`` traces, a call's tensors are fake: the checks that refuse an in-place
 call whose memory overlaps (q and k sharing elements, a norm weight or a table inside what is
@@ -7,7 +7,9 @@ them there. The graph runs them instead: :func:`written_apart` puts the custom o
 ``rope_dispatch::written_apart`` in it, whose implementation runs the same checks
 (:func:`~rope_dispatch.overlap.refuse_written_overlaps`) on the tensors the graph passes at
 run time and returns ``-0.0``, which the call's write-back adds (exactly: ``x + -0.0`` is
-``x``, signed zeros and NaN included), so no compiler drops the op as unused.
+``x``, signed zeros and NaN included), so no compiler drops the op as unused. A
+:func:`~rope_dispatch.rope_to_cache` call's checks (q, k, v, q's output, the norm weights
+and the table apart from the caches and q's output) run so, by :func:`cache_apart`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rope_dispatch.kv_cache import refuse_cache_overlaps, refuse_caches_overlap
 from rope_dispatch.overlap import refuse_written_overlaps
 from rope_dispatch.table_kinds import table_tensors
 from rope_dispatch.tracing import exact_size, transformed
@@ -48,6 +51,41 @@ def written_apart(call: Any) -> torch.Tensor | None:
         call.t.detach(), None if call.k is None else call.k.detach(), *weights,
         [x.detach() for x in table_tensors(call.table)], exact_size(call.rotary_dim),
         exact_size(call.spec.rotary_offset))
+
+
+@torch.library.custom_op("rope_dispatch::cache_apart", mutates_args=())
+def cache_apart_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_out: torch.Tensor | None,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None, tables: list[torch.Tensor], kind: str,
+) -> torch.Tensor:
+    """Refuse what :func:`~rope_dispatch.kv_cache.refuse_cache_overlaps` refuses, and caches
+    that overlap (the descriptor's checks, skipped where it is made while tracing); else a
+    float32 ``-0.0`` on ``q``'s device."""
+    refuse_caches_overlap(k_cache, v_cache, (f"{kind} k_cache", f"{kind} v_cache"))
+    refuse_cache_overlaps(kind, k_cache, v_cache, q, k, v, q_out, q_weight, k_weight,
+                          tuple(tables))
+    return torch.full((), -0.0, dtype=torch.float32, device=q.device)
+
+
+@cache_apart_op.register_fake
+def _cache_apart_fake(q, k, v, q_out, k_cache, v_cache, q_weight, k_weight, tables, kind):
+    return q.new_empty((), dtype=torch.float32)
+
+
+def cache_apart(call: Any) -> torch.Tensor | None:
+    """While ``torch.compile`` traces a :func:`~rope_dispatch.rope_to_cache` call: the op's
+    ``-0.0``, for what the call writes (k, v and q's output) to add; else ``None``."""
+    if not torch.compiler.is_compiling() or transformed():
+        return None
+    write = call.cache_write
+    cache, q_out = write.cache, write.q_out
+    weights = tuple(None if n is None else n.weight.detach() for n in (call.norm, call.k_norm))
+    return cache_apart_op(
+        call.t.detach(), call.k.detach(), write.v.detach(),
+        None if q_out is None else q_out.detach(), cache.k_cache.detach(),
+        cache.v_cache.detach(), *weights, [x.detach() for x in table_tensors(call.table)],
+        type(cache).__name__)
 
 
 def add_written(out: torch.Tensor, apart: torch.Tensor | None) -> torch.Tensor:

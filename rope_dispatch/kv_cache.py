@@ -34,10 +34,9 @@ from .call import (
     RoPECall, _host_reads_allowed, _reads, check_call, table_grad_wanted, wants_grad,
 )
 from .errors import RoPEError, RoPETypeError
-from .overlap import (
-    _shares, expanded_dim, refuse_self_overlap, refuse_tables_in, refuse_weights_in,
-)
+from .overlap import _refuse_read_in, _shares, expanded_dim, refuse_self_overlap
 from .spec import RoPESpec, dtype_name
+from .table_kinds import table_tensors
 from .tracing import memoryless
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -106,8 +105,6 @@ def _cache_pair(k_cache: object, v_cache: object, names: tuple[str, str], dims: 
             )
         if expanded_dim(value) is not None:
             raise RoPEError(f"{name} is an expanded tensor (a dim of stride 0); it cannot be written")
-        refuse_self_overlap(value, name, "rope_to_cache cannot write into this cache",
-                            "give each slot memory of its own")
     if (k_cache.shape[:-1] != v_cache.shape[:-1] or k_cache.dtype != v_cache.dtype
             or k_cache.device != v_cache.device):
         raise RoPEError(
@@ -116,6 +113,16 @@ def _cache_pair(k_cache: object, v_cache: object, names: tuple[str, str], dims: 
             f"{tuple(k_cache.shape)} {dtype_name(k_cache.dtype)} on {k_cache.device} and "
             f"{tuple(v_cache.shape)} {dtype_name(v_cache.dtype)} on {v_cache.device}"
         )
+    refuse_caches_overlap(k_cache, v_cache, names)
+
+
+def refuse_caches_overlap(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          names: tuple[str, str]) -> None:
+    """Neither cache (``names``: the messages') may overlap itself, nor share an element with
+    the other: one write would land on another's."""
+    for value, name in zip((k_cache, v_cache), names):
+        refuse_self_overlap(value, name, "rope_to_cache cannot write into this cache",
+                            "give each slot memory of its own")
     if _shares(k_cache, v_cache):
         shared = ("are the same memory" if k_cache.data_ptr() == v_cache.data_ptr() else
                   f"{tuple(k_cache.shape)} strides {k_cache.stride()} and "
@@ -571,20 +578,52 @@ def _check_apart_from_kv(q_out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
             )
 
 
-def _check_apart_from_cache(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _check_apart_from_cache(kind: str, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             q_out: torch.Tensor | None) -> None:
-    """q, k, v and q's output must share no element with the k or v cache: the call writes the
-    cache while it reads them (the eager composition first, the fused launch at once)."""
+    """q, k, v and q's output must share no element with the k or v cache (of a ``kind``
+    descriptor): the call writes the cache while it reads them (the eager composition first,
+    the fused launch at once)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("q_out", q_out)):
         if x is None or (name == "q_out" and x is q):
             continue
-        for cache_name, c in (("k_cache", cache.k_cache), ("v_cache", cache.v_cache)):
+        for cache_name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if _shares(x, c):
                 raise RoPEError(
-                    f"{name} {tuple(x.shape)} shares memory with {type(cache).__name__} "
+                    f"{name} {tuple(x.shape)} shares memory with {kind} "
                     f"{cache_name} {tuple(c.shape)}: rope_to_cache writes the cache while it "
                     f"reads q, k and v and writes q's output; give {name} memory of its own"
                 )
+
+
+def refuse_cache_overlaps(kind: str, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_out: torch.Tensor | None, q_weight: torch.Tensor | None,
+                          k_weight: torch.Tensor | None,
+                          tables: tuple[torch.Tensor, ...]) -> None:
+    """:func:`check_cache_call`'s memory checks: q's given output apart from k, v and q (but
+    q itself), q, k, v and q's output apart from the caches (of a ``kind`` descriptor), and the
+    norm weights and the table's tensors apart from what is written. Also run on a compiled
+    graph's real tensors (:func:`~rope_dispatch.backends.written.cache_apart`)."""
+    if q_out is not None:
+        _check_apart_from_kv(q_out, k, v)
+        if q_out is not q and _shares(q_out, q) and not (  # q itself: a view of its elements
+                q_out.data_ptr() == q.data_ptr() and q_out.stride() == q.stride()
+                and q_out.dtype == q.dtype):
+            raise RoPEError(
+                f"q_out shares memory with q but is not q (q_out {tuple(q_out.shape)} strides "
+                f"{q_out.stride()}, q strides {q.stride()}): rope_to_cache reads q while it "
+                "writes q's output; pass q_out=q to rotate in place, or memory of its own"
+            )
+    _check_apart_from_cache(kind, k_cache, v_cache, q, k, v, q_out)
+    written = (("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache))
+    for name, weight in (("q_norm", q_weight), ("k_norm", k_weight)):
+        if weight is not None:
+            _refuse_read_in(f"{name}.weight", weight, "weight", "a clone", written,
+                            "rope_to_cache writes", "")
+    for tensor in tables:
+        _refuse_read_in("freqs", tensor, "table", "freqs.clone()", written,
+                        "rope_to_cache writes", "")
 
 
 def check_cache_call(
@@ -631,21 +670,10 @@ def check_cache_call(
             "torch.inference_mode(), or keep the caches out of autograd"
         )
     q_dtype, q_scale = _check_q_out(q, q_out, q_scale)
-    if q_out is not None:
-        _check_apart_from_kv(q_out, k, v)
-        if q_out is not q and _shares(q_out, q) and not (  # q itself: a view of its elements
-                q_out.data_ptr() == q.data_ptr() and q_out.stride() == q.stride()
-                and q_out.dtype == q.dtype):
-            raise RoPEError(
-                f"q_out shares memory with q but is not q (q_out {tuple(q_out.shape)} strides "
-                f"{q_out.stride()}, q strides {q.stride()}): rope_to_cache reads q while it "
-                "writes q's output; pass q_out=q to rotate in place, or memory of its own"
-            )
-    _check_apart_from_cache(cache, q, k, v, q_out)
-    written = (("q_out", q_out), ("k_cache", cache.k_cache), ("v_cache", cache.v_cache))
-    refuse_weights_in((("q_norm", call.norm), ("k_norm", call.k_norm)), written,
-                      "rope_to_cache writes")
-    refuse_tables_in((("freqs", call.table),), written, "rope_to_cache writes")
+    refuse_cache_overlaps(type(cache).__name__, cache.k_cache, cache.v_cache, q, k, v, q_out,
+                          None if call.norm is None else call.norm.weight,
+                          None if call.k_norm is None else call.k_norm.weight,
+                          table_tensors(call.table))
     if _host_reads_allowed() and any(_reads(getattr(cache, f)) for f in cache.index_names):
         cache.check_values()
     v_head_dim = v.shape[-1] if v.shape[-1] != k.shape[-1] else None

@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 
 from .errors import RoPEError
-from .norm import HeadNorm
-from .table_kinds import table_tensors
 from .tracing import memoryless
 
 def expanded_dim(t: torch.Tensor) -> int | None:
@@ -110,27 +108,6 @@ def _apart_in_rows(a: torch.Tensor, b: torch.Tensor, distance: int, width: int,
         return False
     start = distance % period
     return start >= width and start + b_width <= period
-
-
-def refuse_weights_in(norms: tuple[tuple[str, HeadNorm | None], ...],
-                      written: tuple[tuple[str, torch.Tensor | None], ...], writer: str,
-                      remedy: str = "") -> None:
-    """A norm weight must share no element (it would be read while overwritten) with what the
-    call writes (``written``: names and tensors, ``None`` skipped) by ``writer``."""
-    for name, norm in norms:
-        if norm is not None:
-            _refuse_read_in(f"{name}.weight", norm.weight, "weight", "a clone", written, writer,
-                            remedy)
-
-
-def refuse_tables_in(tables: tuple[tuple[str, object], ...],
-                     written: tuple[tuple[str, torch.Tensor | None], ...], writer: str,
-                     remedy: str = "") -> None:
-    """A table's tensors (an angle table, a cache's members) must share no element with what
-    the call writes: a launch reads table rows while other programs write their tiles."""
-    for name, table in tables:
-        for tensor in table_tensors(table) if table is not None else ():
-            _refuse_read_in(name, tensor, "table", f"{name}.clone()", written, writer, remedy)
 
 
 def _refuse_read_in(name: str, read: torch.Tensor, what: str, own: str,

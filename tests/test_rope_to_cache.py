@@ -1545,3 +1545,71 @@ def test_a_table_in_written_memory_is_refused(backend, target, request):
     got = rd.rope_to_cache(q, k, v, own, spec, positions=positions, cache=cache, q_out=q_out,
                            backend=backend)
     torch.testing.assert_close(got.cpu().double(), expected, rtol=2e-5, atol=2e-5)
+
+
+def _overlapping(case: str, qkv: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor,
+                 bad: bool) -> dict:
+    """A rope_to_cache call's tensors: q [4, 2, 8], k and v [4, 1, 8] (views of ``qkv``), the
+    flat caches [8, 1, 8], with ``case``'s tensor inside what the call writes where ``bad``."""
+    q, k, v = qkv[:, :2], qkv[:, 2:3], qkv[:, 3:]
+    made = {"q": q, "k": k, "v": v, "q_out": None, "weight": None, "freqs": table,
+            "k_cache": k_cache, "v_cache": torch.zeros_like(k_cache)}
+    if case == "v cache over k cache":
+        made["v_cache"] = k_cache if bad else made["v_cache"]
+    elif case == "q in the cache":
+        made["q"] = k_cache.view(4, 2, 8) if bad else q
+    elif case == "q_out over k":
+        made["q_out"] = qkv[:, 1:3] if bad else torch.empty_like(q)
+    elif case == "norm weight in the cache":
+        made["weight"] = k_cache.view(8, 8)[0] if bad else table[1] + 0.5
+    else:  # the table in the cache
+        made["freqs"] = k_cache.view(8, 8) if bad else table
+    return made
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("case, refusal", [
+    ("q in the cache", r"q \(4, 2, 8\) shares memory with FlatKVCache k_cache"),
+    ("q_out over k", "q_out shares memory with k"),
+    ("norm weight in the cache", "q_norm.weight shares memory with k_cache"),
+    ("table in the cache", "freqs shares memory with k_cache"),
+    ("v cache over k cache", "FlatKVCache k_cache and FlatKVCache v_cache are the same memory"),
+])
+def test_compiled_calls_refuse_overlapping_memory(backend, case, refusal, request):
+    """Under ``torch.compile(fullgraph=True)`` the call's tensors are fake while it traces, so
+    its memory checks run in the graph, on its real tensors: q, q's output, a norm weight or the
+    table inside what the call writes is refused as in eager (the compiled step wrote the cache,
+    then read q, the weight or the table from it: q's output from the values just stored);
+    the same step on memory apart gives the reference's q and cache. The descriptor, made in
+    the step, has its caches checked there too (a v cache over the k cache)."""
+    import torch._dynamo
+
+    backend, device = backend_param(backend, request)
+    spec, positions = rd.RoPESpec(layout="thd", dtype="fp32"), torch.arange(4, device=device)
+    table = angle_table(8, 8, False).to(device)
+
+    def step(q, k, v, q_out, weight, freqs, k_cache, v_cache):
+        cache = rd.FlatKVCache(k_cache, v_cache, positions)
+        norm = None if weight is None else rd.HeadNorm(weight)
+        return rd.rope_to_cache(q, k, v, freqs, spec, positions=positions, cache=cache,
+                                q_out=q_out, q_norm=norm, backend=backend)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for bad in (False, True):
+        qkv = torch.rand(4, 4, 8, device=device) + 0.5
+        made = _overlapping(case, qkv, torch.rand(8, 1, 8, device=device), table, bad)
+        if bad:
+            with pytest.raises(rd.RoPEError, match=refusal):
+                compiled(**made)
+            continue
+        before = {name: None if x is None else x.detach().cpu().clone()
+                  for name, x in made.items()}
+        out = compiled(**made)
+        k_cache, v_cache = made["k_cache"], made["v_cache"]
+        angles, at = before["freqs"].double(), positions.cpu()
+        want_q = reference_rope(norm64(before["q"], before["weight"]), angles, at, False)
+        torch.testing.assert_close(out.cpu().double(), want_q, rtol=2e-5, atol=2e-5)
+        want_k = reference_rope(before["k"].double(), angles, at, False)
+        torch.testing.assert_close(k_cache[:4].cpu().double(), want_k, rtol=2e-5, atol=2e-5)
+        assert torch.equal(v_cache[:4].cpu(), before["v"])
