@@ -39,7 +39,10 @@ def shared_element(a: torch.Tensor, b: torch.Tensor, width: int,
         return None
     if a.is_meta and not torch._C._overlaps(a, b):  # meta storages all start at address 0
         return False
-    distance, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    if start_a + byte_span(a) <= start_b or start_b + byte_span(b) <= start_a:
+        return False  # bytes apart (q's heads, then k's, of one projection): no search
+    distance, rest = divmod(start_b - start_a, a.element_size())
     if rest:
         return None
     if _apart_in_rows(a, b, distance, width, b_width):
