@@ -9,11 +9,15 @@ them there. The graph runs them instead: :func:`written_apart` puts the custom o
 run time and returns ``-0.0``, which the call's write-back adds (exactly: ``x + -0.0`` is
 ``x``, signed zeros and NaN included), so no compiler drops the op as unused. A
 :func:`~rope_dispatch.rope_to_cache` call's checks (q, k, v, q's output, the norm weights
-and the table apart from the caches and q's output) run so, by :func:`cache_apart`.
+and the table apart from the caches and q's output) run so, by :func:`cache_apart`. The
+triton backend's traced call runs them in its own op (:func:`refuse_written_once`), with no
+second op to dispatch. A verdict is kept by the tensors' addresses and layouts, which alone
+decide it, so a graph run again on the same memory (a decode or training step) checks once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,6 +28,34 @@ from rope_dispatch.table_kinds import table_tensors
 from rope_dispatch.tracing import exact_size, transformed
 
 
+_verdicts: set[tuple] = set()  # the forms of the calls found apart
+
+
+def _form(x: torch.Tensor | None) -> tuple | None:
+    """What of ``x`` an overlap verdict depends on."""
+    return None if x is None else (x.data_ptr(), x.shape, x.stride(), x.dtype)
+
+
+def _kept(key: tuple) -> bool:
+    """Whether ``key``'s call was found apart before (the caller then keeps it once its
+    checks pass)."""
+    if key in _verdicts:
+        return True
+    if len(_verdicts) >= 4096:
+        _verdicts.clear()
+    return False
+
+
+def refuse_written_once(t: torch.Tensor, k: torch.Tensor | None, q_weight: torch.Tensor | None,
+                        k_weight: torch.Tensor | None, tables: Sequence[torch.Tensor], d2: int,
+                        offset: int) -> None:
+    """:func:`~rope_dispatch.overlap.refuse_written_overlaps`, once per form of the memory."""
+    key = (_form(t), _form(k), _form(q_weight), _form(k_weight), *map(_form, tables), d2, offset)
+    if not _kept(key):
+        refuse_written_overlaps(t, k, q_weight, k_weight, tuple(tables), d2, offset)
+        _verdicts.add(key)
+
+
 @torch.library.custom_op("rope_dispatch::written_apart", mutates_args=())
 def written_apart_op(
     t: torch.Tensor, k: torch.Tensor | None, q_weight: torch.Tensor | None,
@@ -31,7 +63,7 @@ def written_apart_op(
 ) -> torch.Tensor:
     """Refuse what :func:`~rope_dispatch.overlap.refuse_written_overlaps` refuses; else a
     float32 ``-0.0`` on ``t``'s device."""
-    refuse_written_overlaps(t, k, q_weight, k_weight, tuple(tables), d2, offset)
+    refuse_written_once(t, k, q_weight, k_weight, tables, d2, offset)
     return torch.full((), -0.0, dtype=torch.float32, device=t.device)
 
 
@@ -62,9 +94,12 @@ def cache_apart_op(
     """Refuse what :func:`~rope_dispatch.kv_cache.refuse_cache_overlaps` refuses, and caches
     that overlap (the descriptor's checks, skipped where it is made while tracing); else a
     float32 ``-0.0`` on ``q``'s device."""
-    refuse_caches_overlap(k_cache, v_cache, (f"{kind} k_cache", f"{kind} v_cache"))
-    refuse_cache_overlaps(kind, k_cache, v_cache, q, k, v, q_out, q_weight, k_weight,
-                          tuple(tables))
+    key = (kind, *map(_form, (q, k, v, q_out, k_cache, v_cache, q_weight, k_weight, *tables)))
+    if not _kept(key):
+        refuse_caches_overlap(k_cache, v_cache, (f"{kind} k_cache", f"{kind} v_cache"))
+        refuse_cache_overlaps(kind, k_cache, v_cache, q, k, v, q_out, q_weight, k_weight,
+                              tuple(tables))
+        _verdicts.add(key)
     return torch.full((), -0.0, dtype=torch.float32, device=q.device)
 
 
