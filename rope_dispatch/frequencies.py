@@ -503,14 +503,27 @@ _FLAT_KEYS = frozenset((
 its values (None too)."""
 
 
-def _hf_gemma3_parameters(config: object, parameters: Mapping) -> Mapping:
+_GEMMA3_MODEL_TYPES = frozenset((
+    "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "t5gemma2", "t5gemma2_encoder",
+    "t5gemma2_decoder", "t5gemma2_text",
+))
+"""``model_type`` of the configs that transformers 5.23 splits per layer type as Gemma 3's
+(their ``convert_rope_params_to_dict``), a composite's too (its text section's type)."""
+
+
+def _hf_gemma3_parameters(
+    config: object, parameters: Mapping, model_type: object = None
+) -> Mapping:
     """A transformers 4 Gemma 3 config's flat fields as transformers 5.23's Gemma 3 configs
     convert them: per layer type, ``rope_scaling`` and ``rope_theta`` (default 1e6) for
-    ``"full_attention"``, the default rates at ``rope_local_base_freq`` for
-    ``"sliding_attention"``. Any other config: ``parameters`` unchanged."""
+    ``"full_attention"``, the default rates at ``rope_local_base_freq`` (default 1e4) for
+    ``"sliding_attention"``. A config is Gemma 3's by ``rope_local_base_freq`` or by its
+    ``model_type`` (:data:`_GEMMA3_MODEL_TYPES`). Any other config: ``parameters`` unchanged."""
     local_theta = _hf_attribute(config, "rope_local_base_freq")
     if local_theta is None:
-        return parameters
+        if not (isinstance(model_type, str) and model_type in _GEMMA3_MODEL_TYPES):
+            return parameters
+        local_theta = 10_000.0
     full = dict(parameters)
     full.setdefault("rope_type", full.get("type", "default"))
     theta = _hf_attribute(config, "rope_theta")
@@ -519,8 +532,11 @@ def _hf_gemma3_parameters(config: object, parameters: Mapping) -> Mapping:
             "full_attention": full}
 
 
-def _hf_rope_parameters(config: object, layer_type: str | None) -> tuple[dict, str]:
-    """A copy of the config's flat rope parameters, and how to name them in messages."""
+def _hf_rope_parameters(
+    config: object, layer_type: str | None, model_type: object = None
+) -> tuple[dict, str]:
+    """A copy of the config's flat rope parameters, and how to name them in messages.
+    ``model_type``: the config's (or its composite's), which may make it Gemma 3's."""
     where = "config.rope_parameters"
     parameters = _hf_attribute(config, "rope_parameters")
     scaling = None if parameters else _hf_attribute(config, "rope_scaling")
@@ -530,7 +546,7 @@ def _hf_rope_parameters(config: object, layer_type: str | None) -> tuple[dict, s
     if not isinstance(parameters, Mapping):
         raise RoPEError(f"{where} must be a mapping of rope parameters, got {parameters!r}")
     if where == "config.rope_scaling" or not parameters:
-        parameters = _hf_gemma3_parameters(config, parameters)
+        parameters = _hf_gemma3_parameters(config, parameters, model_type)
     per_layer = bool(parameters) and all(
         value is None or isinstance(value, Mapping) for value in parameters.values()
     ) and not any(key in _FLAT_KEYS for key in parameters)  # ({"rope_type": None} is flat)
@@ -683,8 +699,11 @@ def from_hf_config(
     length = _count("max_positions", max_positions)
     if layer_type is not None and not isinstance(layer_type, str):
         raise RoPEError(f"layer_type must be a layer type's name (a str) or None, got {layer_type!r}")
+    outer_type = _hf_attribute(config, "model_type")
     config = _hf_layer_config(config, layer_type)
-    parameters, where = _hf_rope_parameters(config, layer_type)
+    # a composite's text section without a model_type is built as the composite's text config
+    model_type = _hf_attribute(config, "model_type") or outer_type
+    parameters, where = _hf_rope_parameters(config, layer_type, model_type)
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type == "mrope":  # Qwen2-VL's checkpoints: default rates, as transformers reads them
         rope_type = "default"

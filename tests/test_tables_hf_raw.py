@@ -49,6 +49,47 @@ def test_transformers_4_gemma3_fields_per_layer_type(layer_type, scaling):
         from_hf_config(SimpleNamespace(**fields), length)
 
 
+@pytest.mark.parametrize("kind", [dict, lambda fields: SimpleNamespace(**fields)])
+@pytest.mark.parametrize("composite", [False, True])
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 8.0}, None])
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+def test_gemma3_fields_without_a_local_base_are_split_per_layer_type(
+        layer_type, scaling, composite, kind):
+    """A Gemma 3 config.json without rope_local_base_freq (nor rope_theta) is split per layer
+    type all the same: transformers' Gemma 3 config gives the sliding layers its default local
+    base 1e4 and the full ones its default 1e6; it was read as one flat base of 1e4."""
+    import json
+
+    from transformers import Gemma3Config
+
+    fields = {key: value for key, value in GEMMA3_FIELDS.items()
+              if key not in ("rope_local_base_freq", "rope_theta")}
+    fields["rope_scaling"] = scaling
+    length = 64
+    if composite:  # its text section without a model_type: built as Gemma 3's text config
+        raw = {"model_type": "gemma3", "text_config": fields}
+        hf = Gemma3Config(**json.loads(json.dumps(raw))).get_text_config()
+        given = {"model_type": "gemma3", "text_config": kind(fields)}
+    else:
+        raw = dict(fields, model_type="gemma3_text")
+        hf = Gemma3TextConfig(**json.loads(json.dumps(raw)))
+        given = raw
+    cos, sin = Gemma3RotaryEmbedding(hf)(torch.zeros(1, dtype=torch.float32),
+                                         torch.arange(length)[None], layer_type=layer_type)
+    f = from_hf_config(kind(given), length, layer_type=layer_type)
+    cache = f.cos_sin_cache(length)
+    torch.testing.assert_close(cache.cos, cos[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(cache.sin, sin[0], rtol=0, atol=2e-6)
+    theta, factor = (1e4, 1.0) if layer_type == "sliding_attention" else (
+        1e6, 8.0 if scaling else 1.0)
+    pairs = torch.arange(16, dtype=torch.float64)
+    rates = theta ** (-2 * pairs / 32) / factor
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
+    # a config of another family without rope_local_base_freq stays flat
+    other = dict(fields, model_type="llama")
+    assert from_hf_config(kind(other), length).rope_type == ("linear" if scaling else "default")
+
+
 # --- lengths written as JSON floats ------------------------------------------------------------
 
 def _llama3(original):
