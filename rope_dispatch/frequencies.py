@@ -547,18 +547,21 @@ def _hf_rope_parameters(
         raise RoPEError(f"{where} must be a mapping of rope parameters, got {parameters!r}")
     if where == "config.rope_scaling" or not parameters:
         parameters = _hf_gemma3_parameters(config, parameters, model_type)
-    per_layer = bool(parameters) and all(
-        value is None or isinstance(value, Mapping) for value in parameters.values()
+    # transformers' YaRN reads "truncate" at the top level only, beside the layer types too
+    layers = {key: value for key, value in parameters.items() if key != "truncate"}
+    per_layer = bool(layers) and all(
+        value is None or isinstance(value, Mapping) for value in layers.values()
     ) and not any(key in _FLAT_KEYS for key in parameters)  # ({"rope_type": None} is flat)
+    names = ", ".join(map(repr, layers))
     if layer_type is None:
         if per_layer:
             raise RoPEError(
-                f"{where} holds rope parameters per layer type ({', '.join(map(repr, parameters))}); "
+                f"{where} holds rope parameters per layer type ({names}); "
                 "pass layer_type= to choose one"
             )
         return dict(parameters), where
-    if not per_layer or layer_type not in parameters:
-        known = f"its layer types are {', '.join(map(repr, parameters))}" if per_layer else (
+    if not per_layer or layer_type not in layers:
+        known = f"its layer types are {names}" if per_layer else (
             "they are not given per layer type"
         )
         raise RoPEError(f"layer_type={layer_type!r} is not in {where}: {known}")
@@ -566,7 +569,11 @@ def _hf_rope_parameters(
         raise RoPEError(
             f"{where}[{layer_type!r}] is None: layers of type {layer_type!r} use no rotary embedding"
         )
-    return dict(parameters[layer_type]), f"{where}[{layer_type!r}]"
+    chosen = dict(parameters[layer_type])
+    chosen.pop("truncate", None)  # a layer type's own is not read: the top level's, else True
+    if "truncate" in parameters:
+        chosen["truncate"] = parameters["truncate"]
+    return chosen, f"{where}[{layer_type!r}]"
 
 
 def _hf_attribute(config: object, name: str) -> object:

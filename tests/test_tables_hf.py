@@ -325,6 +325,37 @@ def test_per_layer_type_parameters_need_a_layer_type():
         from_hf_config(config, 32, layer_type="chunked")
 
 
+@pytest.mark.parametrize("top, own", [
+    (None, False), (False, None), (False, True), (None, None), (True, False)])
+def test_yarn_truncate_per_layer_type_is_read_at_the_top_level(top, own):
+    """transformers' YaRN reads ``truncate`` from the top level of ``config.rope_parameters``
+    only (default True), beside the layer types too: a layer type's own was read instead, and
+    a top-level one made the parameters look flat (the layer type refused)."""
+    full = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+            "original_max_position_embeddings": 1024}
+    if own is not None:
+        full["truncate"] = own
+    parameters = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                  "full_attention": full}
+    if top is not None:
+        parameters["truncate"] = top
+    config = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, head_dim=32,
+                              max_position_embeddings=4096, rope_parameters=parameters)
+    module = Gemma3RotaryEmbedding(config)
+    f = from_hf_config(config, 32, layer_type="full_attention")
+    torch.testing.assert_close(f.inv_freq, module.full_attention_inv_freq, rtol=RATES_RTOL, atol=0)
+    expected = formula_rates("yarn", dict(full, truncate=True if top is None else top), 32,
+                             4096, 32)
+    torch.testing.assert_close(f.inv_freq.double(), torch.tensor(expected, dtype=torch.float64),
+                               rtol=3e-6, atol=0)
+    sliding = from_hf_config(config, 32, layer_type="sliding_attention")
+    torch.testing.assert_close(sliding.inv_freq, module.sliding_attention_inv_freq,
+                               rtol=RATES_RTOL, atol=0)
+    with pytest.raises(RoPEError, match=r"per layer type \('sliding_attention', "
+                                        r"'full_attention'\); pass layer_type="):
+        from_hf_config(config, 32)
+
+
 def test_duck_typed_config_and_transformers_4_rope_scaling():
     hf = llama(2048, rope_type="yarn", factor=4.0, original_max_position_embeddings=512)
     plain = SimpleNamespace(
