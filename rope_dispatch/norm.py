@@ -155,6 +155,20 @@ _new_form = tuple.__new__
 _FORMS: dict[NormForm, NormForm] = {}
 
 
+def zero_eps_norm(weight: torch.Tensor) -> HeadNorm:
+    """A per-head :class:`HeadNorm` of ``eps=0``, ``y = x * rsqrt(mean(x**2)) * weight``, which
+    HeadNorm itself refuses: for adapters of ops whose semantics take it (vLLM's fused op), where
+    an all-zero head gives what that formula gives, ``0 * inf = NaN``."""
+    norm = HeadNorm(weight, 1.0)  # the weight checked as HeadNorm checks it
+    form = _new_form(NormForm, ("head", 0.0, 0.0))
+    if torch.compiler.is_compiling():  # not interned while tracing (HeadNorm.__init__ says why)
+        object.__setattr__(norm, "form", form)
+    else:
+        _set_form(norm, _FORMS.setdefault(form, form) if len(_FORMS) < 1024
+                  else _FORMS.get(form, form))
+    return norm
+
+
 def _finite(name: str, value: object) -> float:
     """``value`` as a float, where it is a finite real number (not a bool)."""
     if type(value) is not float and (not isinstance(value, numbers.Real) or isinstance(value, bool)):

@@ -396,6 +396,42 @@ def test_fused_rounds_once(backend):
     assert not within(twice)
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_fused_takes_eps_zero(backend, request):
+    """vLLM's fused op takes eps=0 (its kernel computes ``x * rsqrt(mean(x**2) + eps) * w``):
+    a head of non-zero values is normalized by rsqrt(mean(x**2)), and an all-zero head gives
+    what the formula gives, 0 * inf = NaN, in every channel. It was refused (HeadNorm's
+    float32-normal range)."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+    gen = torch.Generator().manual_seed(7)
+    tokens, head_dim, (hq, hk, hv) = 5, 16, (2, 1, 1)
+    cache = engine_cache(16, head_dim // 2, 7)
+    positions = torch.randint(0, 16, (tokens,), generator=gen)
+    qkv = torch.randn(tokens, (hq + hk + hv) * head_dim, generator=gen)
+    qkv[1, :head_dim] = 0  # token 1's first q head
+    qkv[3, hq * head_dim : (hq + hk) * head_dim] = 0  # token 3's k head
+    q_weight, k_weight = torch.rand(head_dim, generator=gen) + 0.5, torch.rand(head_dim) + 0.5
+    heads = qkv.double().view(tokens, -1, head_dim)
+    want_q = vllm_rope(rms_normed(heads[:, :hq], q_weight, 0.0), positions, head_dim, cache, True)
+    want_k = vllm_rope(rms_normed(heads[:, hq : hq + hk], k_weight, 0.0), positions, head_dim,
+                       cache, True)
+    assert want_q[1, 0].isnan().all() and want_k[3, 0].isnan().all()
+    qkv, cache, positions, q_weight, k_weight = (
+        x.to(device_of(backend)) for x in (qkv, cache, positions, q_weight, k_weight))
+    with rd.use_backend(backend):
+        fused_qk_norm_rope(qkv, hq, hk, hv, head_dim, 0.0, q_weight, k_weight, cache, True,
+                           positions)
+    got = qkv.view(tokens, -1, head_dim).cpu()
+    for part, want in ((got[:, :hq], want_q), (got[:, hq : hq + hk], want_k)):
+        assert torch.equal(part.isnan(), want.isnan())
+        finite = ~want.isnan()
+        assert err(part[finite], want[finite]) <= TOL[torch.float32]
+    with pytest.raises(rd.RoPEError, match=r"eps must be positive, got -1e-30"):
+        fused_qk_norm_rope(qkv, hq, hk, hv, head_dim, -1e-30, q_weight, k_weight, cache, True,
+                           positions)
+
+
 # ---- signatures and bad arguments ----------------------------------------------------------
 
 def test_signatures_are_vllms():

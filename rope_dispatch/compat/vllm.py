@@ -28,7 +28,9 @@ Decisions, where vLLM's op and ours could differ:
 - The fused op keeps the normalized value in float32 until the rotation, as vLLM's kernel does
   (its unfused path, ``RMSNorm`` then ``rotary_embedding``, rounds twice). Ours computes
   ``x * rsqrt(mean(x**2) + eps) * w``; vLLM's ``x * (rsqrtf(..) * w)`` with a warp-tree sum:
-  the same value up to float32 rounding order.
+  the same value up to float32 rounding order. ``eps=0`` is taken, as vLLM takes it (an
+  all-zero head is then ``0 * rsqrt(0) = NaN``, as the formula gives; :class:`HeadNorm`
+  itself refuses an eps below float32's normal range).
 - vLLM's argument checks are kept where the core would accept more: int64 ``positions``, a
   ``key`` head count dividing ``query``'s (``rotary_embedding``), ``q_weight``/``k_weight``
   ``[head_dim]`` of ``qkv``'s dtype, ``qkv`` ``[num_tokens, (hq + hk + hv) * head_dim]``. Each
@@ -54,7 +56,7 @@ import torch
 
 from ..dispatch import apply_, apply_qk_
 from ..errors import RoPEError, RoPETypeError
-from ..norm import HeadNorm
+from ..norm import HeadNorm, zero_eps_norm
 from ..spec import RoPESpec, constant_spec, dtype_name
 from ..table_kinds import _normal_tensors
 from ..tables import PairCosSinCache
@@ -293,9 +295,14 @@ def fused_qk_norm_rope(
         )
     _floating("qkv", qkv)
     positions = _positions("position_ids", position_ids, (1,))
+    q_weight = _weight("q_weight", q_weight, head_dim, qkv.dtype)
+    k_weight = _weight("k_weight", k_weight, head_dim, qkv.dtype)
     try:
-        q_norm = HeadNorm(_weight("q_weight", q_weight, head_dim, qkv.dtype), eps)
-        k_norm = HeadNorm(_weight("k_weight", k_weight, head_dim, qkv.dtype), eps)
+        # vLLM's kernel takes eps=0: rsqrt(mean(x**2) + 0), an all-zero head NaN (0 * inf)
+        if isinstance(eps, numbers.Real) and not isinstance(eps, bool) and eps == 0:
+            q_norm, k_norm = zero_eps_norm(q_weight), zero_eps_norm(k_weight)
+        else:
+            q_norm, k_norm = HeadNorm(q_weight, eps), HeadNorm(k_weight, eps)
     except RoPEError as error:  # HeadNorm's complaint about eps, told of the op's argument
         raise type(error)(str(error).replace("HeadNorm eps", "eps")) from error
     heads = qkv.view(qkv.shape[0], hq + hk + hv, head_dim)
