@@ -267,6 +267,33 @@ def test_a_copy_of_a_patched_model_runs_its_own_weights():
         check_same(step(twin), expected)
 
 
+def test_a_copy_of_a_patched_model_stays_patched_until_it_is_unpatched(monkeypatch):
+    """A ``copy.deepcopy`` of a patched model is patched as the model is: unpatching the
+    original leaves the family's name ours and the copy fused (it ran unfused before, the name
+    given back while the copy still held it); ``unpatch(copy)`` then gives everything back."""
+    model = tiny_model("Qwen3")
+    module = modeling("Qwen3")
+    original = module.apply_rotary_pos_emb
+    expected = step(model)
+    hf.patch(model)
+    twin = copy.deepcopy(model)
+    hf.unpatch(model)
+    assert own_forwards(model) == [] and module.apply_rotary_pos_emb is hf.apply_rotary_pos_emb
+    calls = spy(monkeypatch)
+    check_same(step(twin), expected)
+    assert len(calls) == 2 and all(call["q_norm"] is not None for call in calls)
+    hf.unpatch(twin)
+    assert module.apply_rotary_pos_emb is original and own_forwards(twin) == []
+    # a copy made after its original was unpatched is not patched
+    hf.patch(model)
+    hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is original
+    copy.deepcopy(model)
+    hf.patch(model)
+    hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is original
+
+
 @pytest.mark.filterwarnings("ignore:Calling .zero_grad.. from a module created with")
 @pytest.mark.parametrize("family", ["Qwen3", "OLMo2"])
 def test_a_data_parallel_replica_runs_its_own_weights_fused(family, monkeypatch):

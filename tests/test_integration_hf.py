@@ -803,6 +803,32 @@ def test_unpatching_one_model_leaves_another_patched_model_patched(monkeypatch):
         assert module.apply_rotary_pos_emb is original
 
 
+def test_a_deep_copy_of_a_patched_model_holds_the_family_until_unpatched():
+    """A ``copy.deepcopy`` of a patched Llama (no instance forwards to copy) is patched as the
+    model is: unpatching the original leaves the name ours for the copy; unpatching the copy
+    then gives the module's own function back. A pickled patched model loads unpatched."""
+    import copy
+    import pickle
+
+    module = modeling("Llama")
+    original = module.apply_rotary_pos_emb
+    model = tiny_model("Llama")
+    hf.patch(model)
+    twin = copy.deepcopy(model)
+    hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is hf.apply_rotary_pos_emb
+    hf.unpatch(twin)
+    assert module.apply_rotary_pos_emb is original
+    hf.patch(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is original
+    copy.deepcopy(loaded)
+    hf.patch(model)
+    hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is original
+
+
 @pytest.mark.parametrize("family", ["Llama", "Qwen3"])
 def test_unpatch_releases_the_last_forwards_cos_and_sin(family):
     """After ``unpatch`` no call of ours comes to release what the last one kept for the next

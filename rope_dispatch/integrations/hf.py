@@ -189,6 +189,34 @@ name, global name) pairs it was patched for: :func:`unpatch` of one model restor
 once no other such model holds it."""
 
 
+_MARK = "_rope_dispatch_patched"
+"""The attribute :func:`patch` sets on the model passed (a :class:`_Patched`)."""
+
+
+class _Patched:
+    """Set on a model passed to :func:`patch`, so that a ``copy.deepcopy`` of it (an EMA copy,
+    say) is held as the model is: its forwards are copied ours, and the family's names must
+    stay ours until the copy too is unpatched. Pickled (``torch.save``) it loads as a mark of
+    no model: a model loaded is not patched."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: torch.nn.Module | None = None):
+        self.model = None if model is None else weakref.ref(model)
+
+    def __deepcopy__(self, memo: dict) -> _Patched:
+        model = None if self.model is None else self.model()
+        held = None if model is None else _holders.get(model)
+        twin = None if held is None else memo.get(id(model))  # made before its state is copied
+        if not isinstance(twin, torch.nn.Module):
+            return _Patched()
+        _holders[twin] = held
+        return _Patched(twin)
+
+    def __reduce__(self) -> tuple:
+        return _Patched, ()
+
+
 class _Window(threading.local):
     """Per thread: the fused attention whose forward runs (``None`` outside one) and what its
     q_norm and k_norm handed on to :func:`apply_rotary_pos_emb`, ``[q's, k's]``, each ``None``
@@ -749,6 +777,7 @@ def patch(model: Model) -> Model:
     for attention, eps in l2_fusable:
         hf_llama4.fuse(attention, eps)
     _holders[model] = _holders.get(model, frozenset()) | frozenset(targets)
+    vars(model)[_MARK] = _Patched(model)
     return model
 
 
@@ -765,6 +794,7 @@ def unpatch(model: torch.nn.Module) -> None:
     for holder in list(_holders):  # the model itself, a part of it, or a model holding it
         if id(holder) in parts or any(part is model for part in holder.modules()):
             del _holders[holder]
+            vars(holder).pop(_MARK, None)
     if any(not held.isdisjoint(targets) for held in _holders.values()):
         gc.collect()  # a model dropped while patched may wait in a reference cycle
     held = set().union(*_holders.values())
