@@ -40,7 +40,8 @@ class HeadNorm:
     requires one. ``offset=1.0`` is Gemma's ``x * (1 + w)``. The whole head is normalized, the
     channels past the rotary dim too (and rewritten in place by ``apply_`` and ``apply_qk_``).
     ``eps``, ``offset`` and ``scope`` are fixed when it is made (the launches are compiled for
-    them); the weight may be replaced or written, the form not.
+    them); the weight may be replaced or written, the form not (calling ``__init__`` again
+    raises AttributeError, as assigning ``form`` does).
     """
 
     __slots__ = ("weight", "form")
@@ -90,6 +91,12 @@ class HeadNorm:
             object.__setattr__(self, "weight", weight)
             object.__setattr__(self, "form", form)
         else:  # the slots' own setters: no trip through __setattr__
+            if getattr(self, "form", None) is not None:  # (an unset slot: None, no raise)
+                raise AttributeError(
+                    f"{type(self).__name__} is made once: __init__ called again on {self!r} "
+                    "would change its fixed form (eps, offset and scope are compiled into the "
+                    "launches); make a new HeadNorm instead"
+                )
             _set_weight(self, weight)
             _set_form(self, _FORMS.setdefault(form, form) if len(_FORMS) < 1024
                       else _FORMS.get(form, form))

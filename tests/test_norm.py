@@ -525,6 +525,31 @@ def test_a_norms_form_is_read_only_and_its_weight_replaceable():
     assert_matches(rd.apply(x, angles, spec, norm=norm, backend="eager"), want, torch.float32)
 
 
+def test_init_again_on_a_made_norm_is_refused():
+    """Calling ``__init__`` again on a made norm changed its fixed form (and weight) behind the
+    read-only ``form``: refused, the norm left as it was and computing with its own form."""
+    gen = torch.Generator().manual_seed(38)
+    x, angles = torch.randn(5, 2, 3, 8, generator=gen), torch.rand(5, 8, generator=gen) * 6
+    weight = torch.rand(8, generator=gen) + 0.5
+    norm = rd.HeadNorm(weight, 0.25, offset=1.0)
+    form = norm.form
+    with pytest.raises(AttributeError, match=r"HeadNorm is made once: __init__ called again on "
+                                             r"HeadNorm\(weight\[8\], eps=0.25, offset=1.0"):
+        norm.__init__(torch.ones(8), 1e-6, scope="head")
+    assert norm.form is form and norm.weight is weight
+
+    class Scaled(rd.HeadNorm):
+        pass
+
+    sub = Scaled(weight, 0.25)
+    with pytest.raises(AttributeError, match="Scaled is made once"):
+        rd.HeadNorm.__init__(sub, weight, 0.5)
+    assert sub.eps == 0.25
+    spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
+    want = reference_for(reference_head_norm(x, weight, 0.25, 1.0, "head"), angles, spec)
+    assert_matches(rd.apply(x, angles, spec, norm=norm, backend="eager"), want, torch.float32)
+
+
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 def test_a_pickled_or_copied_norm_normalizes_as_the_original(protocol):
     """A HeadNorm pickled at any protocol (protocols 0 and 1 raised TypeError: a class with
