@@ -641,7 +641,57 @@ def _hf_layer_config(config: object, layer_type: str | None) -> object:
                 return per_layer[layer_type]
             except (KeyError, IndexError, TypeError, ValueError):
                 pass  # not a per-layer-type config: transformers reads the config itself
+            if isinstance(per_layer, Mapping):  # a config.json's: overrides by layer index
+                return _hf_layer_overrides(config, per_layer, layer_type)
     return config
+
+
+class _LayerView:
+    """A config read with one layer's overrides (a config.json's ``per_layer_config`` entry)
+    before its own fields, as transformers builds that layer's config."""
+
+    def __init__(self, overrides: Mapping, config: object):
+        self._overrides, self._config = overrides, config
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        overrides = self.__dict__["_overrides"]
+        return overrides[name] if name in overrides else _hf_attribute(self._config, name)
+
+
+def _hf_layer_overrides(config: object, per_layer: Mapping, layer_type: str) -> object:
+    """``config`` as the layers of ``layer_type`` see it, where its ``per_layer_config`` is a
+    config.json's: overrides by layer index (``"05"`` or ``5``) over the global fields, which
+    transformers applies to each layer; the layers of one type must agree (overrides equal to
+    the global value count as none, as transformers drops them). ``config`` itself where it
+    names no ``layer_types`` holding ``layer_type``."""
+    layer_types = _hf_attribute(config, "layer_types")
+    if not isinstance(layer_types, Sequence) or isinstance(layer_types, str) or (
+            layer_type not in layer_types):
+        return config
+    overrides = {}
+    for key, entry in per_layer.items():
+        try:
+            index = int(key)
+        except (TypeError, ValueError):
+            raise RoPEError(f"config.per_layer_config has a key {key!r}; expected layer indices "
+                            "(a config.json's overrides by layer)") from None
+        if not isinstance(entry, Mapping):
+            raise RoPEError(f"config.per_layer_config[{key!r}] must be a mapping of overrides, "
+                            f"got {entry!r}")
+        overrides[index] = {name: value for name, value in entry.items()
+                            if name != "skip" and value != _hf_attribute(config, name)}
+    layers = [index for index, kind in enumerate(layer_types) if kind == layer_type]
+    chosen = overrides.get(layers[0], {})
+    for index in layers:
+        if (other := overrides.get(index, {})) != chosen:
+            raise RoPEError(
+                f"config.per_layer_config gives layers {layers[0]} and {index}, both of type "
+                f"{layer_type!r}, different overrides ({chosen!r} and {other!r}); pass the "
+                "layer's own config"
+            )
+    return _LayerView(chosen, config) if chosen else config
 
 
 def _hf_head_dim(config: object) -> int:

@@ -597,6 +597,44 @@ def test_heterogeneous_transformers_config_equals_its_rotary_embedding():
         torch.testing.assert_close(f.inv_freq, expected, rtol=RATES_RTOL, atol=0)
 
 
+@pytest.mark.parametrize("kind", [dict, lambda fields: SimpleNamespace(**fields)])
+def test_heterogeneous_config_json_reads_its_overrides_by_layer_index(kind):
+    """A heterogeneous config.json (EmbeddingGemma 2's) keeps its per-layer fields as overrides
+    by layer index ({"05": {"head_dim": 512}}), which transformers applies to those layers: the
+    full-attention layers' head dim 512 was read as the global 256 (half the rates)."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "EmbeddingGemma2TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no EmbeddingGemma 2 (5.23 has)")
+    from transformers.models.embedding_gemma2.modeling_embedding_gemma2 import (
+        EmbeddingGemma2RotaryEmbedding,
+    )
+
+    raw = json.loads(transformers.EmbeddingGemma2TextConfig(
+        num_hidden_layers=6, layer_types=["sliding_attention"] * 2 + ["full_attention"]
+        + ["sliding_attention"] * 2 + ["full_attention"],
+        per_layer_config={2: {"head_dim": 64}, 5: {"head_dim": 64}}, head_dim=32,
+    ).to_json_string(use_diff=False))
+    assert raw["per_layer_config"] == {"2": {"head_dim": 64}, "5": {"head_dim": 64}}
+    module = EmbeddingGemma2RotaryEmbedding(transformers.EmbeddingGemma2TextConfig(**raw))
+    for layer_type, head_dim in (("full_attention", 64), ("sliding_attention", 32)):
+        padded = dict(raw, per_layer_config={"02": {"head_dim": 64}, "05": {"head_dim": 64}})
+        f = from_hf_config(kind(raw), 32, layer_type=layer_type)
+        assert torch.equal(from_hf_config(kind(padded), 32, layer_type=layer_type).inv_freq,
+                           f.inv_freq)  # (24 layers' config.json pads its indices: "05")
+        torch.testing.assert_close(f.inv_freq, getattr(module, f"{layer_type}_inv_freq"),
+                                   rtol=RATES_RTOL, atol=0)
+        theta = raw["rope_parameters"][layer_type]["rope_theta"]
+        want = torch.tensor([theta ** (-2 * k / head_dim) for k in range(head_dim // 2)],
+                            dtype=torch.float64)
+        torch.testing.assert_close(f.inv_freq.double(), want, rtol=RATES_RTOL, atol=0)
+    uneven = dict(raw, per_layer_config={"02": {"head_dim": 64}, "05": {"head_dim": 128}})
+    with pytest.raises(RoPEError, match=r"per_layer_config gives layers 2 and 5, both of type "
+                                        r"'full_attention', different overrides"):
+        from_hf_config(kind(uneven), 32, layer_type="full_attention")
+
+
 def test_qwen2_vl_checkpoint_config_of_rope_type_mrope():
     """Qwen2-VL's and Qwen2.5-VL's config.json name their rope type 'mrope' (default rates,
     several position streams): read as a plain object, as transformers' config reads it."""
