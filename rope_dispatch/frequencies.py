@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import ChainMap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 import torch
@@ -646,20 +647,6 @@ def _hf_layer_config(config: object, layer_type: str | None) -> object:
     return config
 
 
-class _LayerView:
-    """A config read with one layer's overrides (a config.json's ``per_layer_config`` entry)
-    before its own fields, as transformers builds that layer's config."""
-
-    def __init__(self, overrides: Mapping, config: object):
-        self._overrides, self._config = overrides, config
-
-    def __getattr__(self, name: str) -> object:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        overrides = self.__dict__["_overrides"]
-        return overrides[name] if name in overrides else _hf_attribute(self._config, name)
-
-
 def _hf_layer_overrides(config: object, per_layer: Mapping, layer_type: str) -> object:
     """``config`` as the layers of ``layer_type`` see it, where its ``per_layer_config`` is a
     config.json's: overrides by layer index (``"05"`` or ``5``) over the global fields, which
@@ -691,28 +678,43 @@ def _hf_layer_overrides(config: object, per_layer: Mapping, layer_type: str) -> 
                 f"{layer_type!r}, different overrides ({chosen!r} and {other!r}); pass the "
                 "layer's own config"
             )
-    return _LayerView(chosen, config) if chosen else config
+    if not chosen:
+        return config
+    return ChainMap(chosen, config if isinstance(config, Mapping) else vars(config))
 
 
-def _hf_head_dim(config: object) -> int:
-    """``config.head_dim``, or ``hidden_size // num_attention_heads`` when it is unset (a GPT-J
-    or CodeGen config.json names them ``n_embd`` and ``n_head``, which transformers maps)."""
-    head_dim = _hf_attribute(config, "head_dim")
-    if head_dim is None:
-        hidden_name, heads_name = "hidden_size", "num_attention_heads"
-        hidden = _hf_attribute(config, hidden_name)
-        heads = _hf_attribute(config, heads_name)
-        if hidden is None and _hf_attribute(config, "n_embd") is not None:
-            hidden_name, hidden = "n_embd", _hf_attribute(config, "n_embd")
-        if heads is None and _hf_attribute(config, "n_head") is not None:
-            heads_name, heads = "n_head", _hf_attribute(config, "n_head")
+_HF_ALIASES = {"head_dim": ("attention_head_dim", "kv_channels"), "hidden_size": (
+    "n_embd", "d_model"), "num_attention_heads": ("n_head", "n_heads")}
+"""The fields transformers' configs map these names to (their attribute_map: Zamba 2's and
+JetMoe's head dim; GPT-J's, CodeGen's and DBRX's width and head count): a config.json's."""
+
+
+def _hf_aliased(config: object, name: str) -> tuple[str, object]:
+    """``(field, value)`` of ``config.<name>`` or of its first alias set; ``(name, None)``."""
+    for field in (name, *_HF_ALIASES[name]):
+        if (found := _hf_attribute(config, field)) is not None:
+            return field, found
+    return name, None
+
+
+def _hf_head_dim(config: object, model_type: object = None) -> int:
+    """``config.head_dim``, or ``hidden_size // num_attention_heads`` when it is unset, each
+    under the names transformers maps (:data:`_HF_ALIASES`); as their configs set it, JetMoe's
+    is ``kv_channels`` (default 128) and Zamba 2's ``2 * hidden_size // num_attention_heads``."""
+    name, head_dim = _hf_aliased(config, "head_dim")
+    if head_dim is None and model_type == "jetmoe":
+        head_dim = 128
+    if head_dim is None or model_type == "zamba2":
+        hidden_name, hidden = _hf_aliased(config, "hidden_size")
+        heads_name, heads = _hf_aliased(config, "num_attention_heads")
         if hidden is None or heads is None:
             raise RoPEError(
                 "config must have head_dim, or hidden_size and num_attention_heads; got "
                 f"head_dim=None, hidden_size={hidden!r}, num_attention_heads={heads!r}"
             )
-        head_dim = _count(f"config.{hidden_name}", hidden) // _count(f"config.{heads_name}", heads)
-    return _count("config.head_dim", head_dim)
+        name, head_dim = "head_dim", (_count(f"config.{hidden_name}", hidden) * (
+            2 if model_type == "zamba2" else 1)) // _count(f"config.{heads_name}", heads)
+    return _count(f"config.{name}", head_dim)
 
 
 def from_hf_config(
@@ -723,29 +725,26 @@ def from_hf_config(
     Reads ``config.rope_parameters`` (``rope_type`` and its fields; ``config.rope_scaling`` for
     transformers 4 configs) with ``rope_theta``, ``partial_rotary_factor``, ``head_dim`` (or
     ``hidden_size // num_attention_heads``) and ``max_position_embeddings`` (a mapping's keys,
-    for a config.json's dict), with transformers'
-    defaults. The rotary dim is ``int(head_dim * partial_rotary_factor)``; every family honours
-    ``partial_rotary_factor`` (as GPT-NeoX, Phi or GLM do; Llama's own default ignores it).
-    ``layer_type`` picks one entry of per-layer-type parameters (Gemma 3's
-    ``"sliding_attention"`` and ``"full_attention"``; a transformers 4 Gemma 3 config's
-    ``rope_local_base_freq`` is its sliding layers' base), and of a heterogeneous config (Gemma 4's,
-    EmbeddingGemma 2's) that layer type's own config, with its own head dim. A composite
-    (vision-language) config is read through its ``get_text_config()`` (a config.json's through
-    its ``text_config``). A config with a
-    ``rotary_dim`` field and no ``rope_parameters`` (GPT-J, CodeGen) rotates that many
-    channels (an even number); those models rotate interleaved pairs
-    (``RoPESpec(interleaved=True)``). One with ``qk_rope_head_dim`` and no partial factor
-    (DeepSeek's latent attention) rotates that many channels, as transformers sets them.
-    LongRoPE's ``short_mscale`` and ``long_mscale`` (Phi-3.5-MoE) are its attention factor up
-    to and beyond ``original_max_position_embeddings``, as that model's rotary embedding
-    applies them.
+    for a config.json's dict), with transformers' defaults. The rotary dim is ``int(head_dim *
+    partial_rotary_factor)``; every family honours ``partial_rotary_factor`` (as GPT-NeoX, Phi
+    or GLM do; Llama's own default ignores it). ``layer_type`` picks one entry of
+    per-layer-type parameters (Gemma 3's ``"sliding_attention"`` and ``"full_attention"``; a
+    transformers 4 Gemma 3 config's ``rope_local_base_freq`` is its sliding layers' base), and
+    of a heterogeneous config (Gemma 4's, EmbeddingGemma 2's) that layer type's own config,
+    with its own head dim. A composite (vision-language) config is read through its
+    ``get_text_config()`` (a config.json's through its ``text_config``). A config with a
+    ``rotary_dim`` field and no ``rope_parameters`` (GPT-J, CodeGen) rotates that many channels
+    (an even number); those models rotate interleaved pairs (``RoPESpec(interleaved=True)``).
+    One with ``qk_rope_head_dim`` and no partial factor (DeepSeek's latent attention) rotates
+    that many channels, as transformers sets them. LongRoPE's ``short_mscale`` and
+    ``long_mscale`` (Phi-3.5-MoE) are its attention factor up to and beyond
+    ``original_max_position_embeddings``, as that model's rotary embedding applies them.
 
     ``max_positions`` is the length of the sequence the table serves. Dynamic NTK and LongRoPE
     choose their rates by it, as transformers does for a sequence of that length: dynamic NTK
     keeps the default rates up to ``max_position_embeddings`` and rescales for anything longer;
-    LongRoPE uses ``short_factor`` up to ``original_max_position_embeddings`` and
-    ``long_factor`` beyond. The result records that length (``max_positions``) for those
-    families. Then::
+    LongRoPE uses ``short_factor`` up to ``original_max_position_embeddings`` and ``long_factor``
+    beyond. The result records that length (``max_positions``) for those families. Then::
 
         f = rope_dispatch.tables.from_hf_config(model.config, 4096)
         table = f.cos_sin_cache(4096, device="cuda")  # attention factor included
@@ -818,7 +817,7 @@ def from_hf_config(
     if partial > 1.0:
         raise RoPEError(f"{partial_name} must be in (0, 1], got {partial!r}")
     head_dim = (
-        _hf_head_dim(config) if rope_head_dim is None
+        _hf_head_dim(config, model_type) if rope_head_dim is None
         else _count("config.qk_rope_head_dim", rope_head_dim)
     )
     dim = int(head_dim * partial)

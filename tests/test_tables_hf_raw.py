@@ -90,6 +90,42 @@ def test_gemma3_fields_without_a_local_base_are_split_per_layer_type(
     assert from_hf_config(kind(other), length).rope_type == ("linear" if scaling else "default")
 
 
+@pytest.mark.parametrize("kind", [dict, lambda fields: SimpleNamespace(**fields)])
+@pytest.mark.parametrize("family, fields, dropped, head_dim", [
+    ("JetMoe", dict(hidden_size=128, num_attention_heads=4, kv_channels=64), (), 64),
+    ("JetMoe", dict(hidden_size=128, num_attention_heads=4), ("kv_channels",), 128),
+    ("Zamba2", dict(hidden_size=64, num_attention_heads=4), (), 32),
+    ("Zamba2", dict(hidden_size=64, num_attention_heads=4),
+     ("attention_head_dim", "kv_channels"), 32),
+    ("Zamba2", dict(hidden_size=64, num_attention_heads=4), ("attention_head_dim",), 32),
+    ("Dbrx", dict(d_model=128, n_heads=8), (), 16),
+])
+def test_head_dim_under_the_names_transformers_maps(family, fields, dropped, head_dim, kind):
+    """A config.json keeps the fields transformers' config classes map head_dim, hidden_size
+    and num_attention_heads to (JetMoe's kv_channels, default 128; Zamba 2's attention head dim,
+    which its config always sets to 2 * hidden_size // num_attention_heads; DBRX's d_model and
+    n_heads): hidden_size // num_attention_heads was read instead (half JetMoe's and Zamba 2's
+    rates), or nothing (DBRX's refused)."""
+    import importlib
+    import json
+
+    import transformers
+
+    folder = family.lower()
+    config = getattr(transformers, f"{family}Config")(**fields)
+    raw = json.loads(config.to_json_string(use_diff=False))
+    for name in dropped:
+        raw.pop(name)
+    hf = getattr(transformers, f"{family}Config")(**raw)
+    module = getattr(importlib.import_module(f"transformers.models.{folder}.modeling_{folder}"),
+                     f"{family}RotaryEmbedding")(hf)
+    f = from_hf_config(kind(raw), 16)
+    torch.testing.assert_close(f.inv_freq, module.inv_freq, rtol=4e-7, atol=0)
+    theta = hf.rope_parameters["rope_theta"]
+    rates = theta ** (-2 * torch.arange(head_dim // 2, dtype=torch.float64) / head_dim)
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
+
+
 # --- lengths written as JSON floats ------------------------------------------------------------
 
 def _llama3(original):
