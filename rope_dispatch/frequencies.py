@@ -823,10 +823,10 @@ def from_hf_config(
     dim = int(head_dim * partial)
     # GPT-J and CodeGen give their rotated channels outright (and no rope_parameters); where a
     # config has rope_parameters, transformers' rotary modules read the partial factor, not a
-    # rotary_dim field beside it (MiniMax-M3's config keeps one that its model does not read).
-    rotary_dim = None if _hf_attribute(config, "rope_parameters") else (
-        _hf_attribute(config, "rotary_dim")
-    )
+    # rotary_dim field beside it (MiniMax-M3's config keeps one that its model does not read,
+    # with rope_parameters or, in a config.json, rope_theta beside it).
+    rotary_dim = None if _hf_attribute(config, "rope_parameters") or model_type in (
+        "minimax_m3_vl", "minimax_m3_vl_text") else _hf_attribute(config, "rotary_dim")
     if rotary_dim is not None:
         dim = _count("config.rotary_dim", rotary_dim)
         if dim > head_dim:

@@ -126,6 +126,34 @@ def test_head_dim_under_the_names_transformers_maps(family, fields, dropped, hea
     torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
 
 
+@pytest.mark.parametrize("kind", [dict, lambda fields: SimpleNamespace(**fields)])
+@pytest.mark.parametrize("composite", [False, True])
+def test_minimax_m3_rotary_dim_field_is_not_read_without_rope_parameters(kind, composite):
+    """MiniMax-M3's config keeps a rotary_dim (64) that its model does not read: transformers
+    rotates int(head_dim * partial_rotary_factor) = 128 channels. A config.json with rope_theta
+    and no rope_parameters had it read as GPT-J's rotated channels (half the rates)."""
+    import json
+
+    import transformers
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
+        MiniMaxM3VLRotaryEmbedding,
+    )
+
+    fields = json.loads(transformers.MiniMaxM3VLTextConfig(
+        hidden_size=256, num_attention_heads=2, head_dim=128, rotary_dim=64,
+    ).to_json_string(use_diff=False))
+    theta = fields.pop("rope_parameters")["rope_theta"]
+    fields["rope_theta"] = theta
+    module = MiniMaxM3VLRotaryEmbedding(transformers.MiniMaxM3VLTextConfig(**fields))
+    if composite:  # its text section without a model_type
+        fields.pop("model_type")
+        fields = {"model_type": "minimax_m3_vl", "text_config": kind(fields)}
+    f = from_hf_config(kind(fields), 16)
+    torch.testing.assert_close(f.inv_freq, module.inv_freq, rtol=4e-7, atol=0)
+    rates = theta ** (-2 * torch.arange(64, dtype=torch.float64) / 128)
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
+
+
 # --- lengths written as JSON floats ------------------------------------------------------------
 
 def _llama3(original):
