@@ -811,8 +811,11 @@ def from_hf_config(
         partial_name, partial = "config.rotary_pct", _hf_attribute(config, "rotary_pct")
     # DeepSeek's latent attention (MLA; Kimi K2, GLM-4.7-Flash, MiniCPM3 too) rotates
     # qk_rope_head_dim channels of each head: transformers 5.23's configs set head_dim to it (or
-    # the partial factor to its share of head_dim); a config.json gives neither.
-    rope_head_dim = None if partial is not None else _hf_attribute(config, "qk_rope_head_dim")
+    # the partial factor to its share of head_dim); a config.json gives neither. Where the
+    # config always sets head_dim to it, a partial factor given applies to it.
+    rope_head_dim = _hf_attribute(config, "qk_rope_head_dim") if partial is None or model_type in (
+        "deepseek_v2", "deepseek_v3", "kimi_linear", "minicpm3", "youtu", "axk1", "glm4_moe_lite"
+    ) else None
     partial = 1.0 if partial is None else _positive(partial_name, partial)
     if partial > 1.0:
         raise RoPEError(f"{partial_name} must be in (0, 1], got {partial!r}")

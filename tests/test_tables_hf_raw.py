@@ -154,6 +154,34 @@ def test_minimax_m3_rotary_dim_field_is_not_read_without_rope_parameters(kind, c
     torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
 
 
+@pytest.mark.parametrize("kind", [dict, lambda fields: SimpleNamespace(**fields)])
+@pytest.mark.parametrize("model_type, family", [
+    ("deepseek_v3", "DeepseekV3"), ("glm4_moe_lite", "Glm4MoeLite"), ("minicpm3", "MiniCPM3")])
+def test_latent_attention_partial_factor_applies_to_the_rope_head_dim(model_type, family, kind):
+    """These configs always set head_dim to qk_rope_head_dim (GLM-4.7-Flash's maps it there), so
+    transformers' rotary dim is int(qk_rope_head_dim * partial_rotary_factor). A config.json
+    with a partial factor and no head_dim was read as hidden_size // num_attention_heads times
+    the factor: other rates, or a YaRN dim refused as odd."""
+    import importlib
+    import json
+
+    import transformers
+
+    raw = json.loads(getattr(transformers, f"{family}Config")(
+        hidden_size=256, num_attention_heads=4, qk_rope_head_dim=32, qk_nope_head_dim=32,
+    ).to_json_string(use_diff=False))
+    raw.pop("head_dim", None)
+    raw["rope_parameters"].update(rope_type="yarn", factor=4.0, partial_rotary_factor=0.5,
+                                  original_max_position_embeddings=512)
+    hf = getattr(transformers, f"{family}Config")(**json.loads(json.dumps(raw)))
+    module = getattr(importlib.import_module(
+        f"transformers.models.{model_type}.modeling_{model_type}"), f"{family}RotaryEmbedding")(hf)
+    f = from_hf_config(kind(raw), 16)
+    assert f.rotary_dim == 16
+    torch.testing.assert_close(f.inv_freq, module.inv_freq, rtol=4e-7, atol=0)
+    assert f.attention_factor == pytest.approx(module.attention_scaling)
+
+
 # --- lengths written as JSON floats ------------------------------------------------------------
 
 def _llama3(original):
