@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import RoPEError
+from .hf_layer_types import split as split_per_layer_type
 from .tracing import fake
 from .table_kinds import (
     FLOAT32_MAX, CosSinCache, RateTable, _base, _count, _positive, _rotary_dim, add_frequency_type,
@@ -504,35 +505,6 @@ _FLAT_KEYS = frozenset((
 its values (None too)."""
 
 
-_GEMMA3_MODEL_TYPES = frozenset((
-    "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "t5gemma2", "t5gemma2_encoder",
-    "t5gemma2_decoder", "t5gemma2_text",
-))
-"""``model_type`` of the configs that transformers 5.23 splits per layer type as Gemma 3's
-(their ``convert_rope_params_to_dict``), a composite's too (its text section's type)."""
-
-
-def _hf_gemma3_parameters(
-    config: object, parameters: Mapping, model_type: object = None
-) -> Mapping:
-    """A transformers 4 Gemma 3 config's flat fields as transformers 5.23's Gemma 3 configs
-    convert them: per layer type, ``rope_scaling`` and ``rope_theta`` (default 1e6) for
-    ``"full_attention"``, the default rates at ``rope_local_base_freq`` (default 1e4) for
-    ``"sliding_attention"``. A config is Gemma 3's by ``rope_local_base_freq`` or by its
-    ``model_type`` (:data:`_GEMMA3_MODEL_TYPES`). Any other config: ``parameters`` unchanged."""
-    local_theta = _hf_attribute(config, "rope_local_base_freq")
-    if local_theta is None:
-        if not (isinstance(model_type, str) and model_type in _GEMMA3_MODEL_TYPES):
-            return parameters
-        local_theta = 10_000.0
-    full = dict(parameters)
-    full.setdefault("rope_type", full.get("type", "default"))
-    theta = _hf_attribute(config, "rope_theta")
-    full.setdefault("rope_theta", 1_000_000.0 if theta is None else theta)
-    return {"sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
-            "full_attention": full}
-
-
 def _hf_rope_parameters(
     config: object, layer_type: str | None, model_type: object = None
 ) -> tuple[dict, str]:
@@ -546,8 +518,9 @@ def _hf_rope_parameters(
     parameters = parameters or {}
     if not isinstance(parameters, Mapping):
         raise RoPEError(f"{where} must be a mapping of rope parameters, got {parameters!r}")
-    if where == "config.rope_scaling" or not parameters:
-        parameters = _hf_gemma3_parameters(config, parameters, model_type)
+    if where == "config.rope_scaling" or not parameters:  # flat fields transformers may split
+        parameters = split_per_layer_type(
+            lambda name: _hf_attribute(config, name), parameters, model_type) or parameters
     # transformers' YaRN reads "truncate" at the top level only, beside the layer types too
     layers = {key: value for key, value in parameters.items() if key != "truncate"}
     per_layer = bool(layers) and all(

@@ -182,6 +182,52 @@ def test_latent_attention_partial_factor_applies_to_the_rope_head_dim(model_type
     assert f.attention_factor == pytest.approx(module.attention_scaling)
 
 
+@pytest.mark.parametrize("kind", [dict, lambda fields: SimpleNamespace(**fields)])
+@pytest.mark.parametrize("family, fields", [
+    ("ModernBert", dict(global_rope_theta=80_000.0, local_rope_theta=5_000.0)),
+    ("ModernBert", {}),
+    ("ModernBertDecoder", dict(global_rope_theta=80_000.0)),
+    ("Olmo3", dict(rope_theta=12_345.0)),
+    ("Olmo3", {}),
+    ("Gemma3Text", dict(rope_theta=12_345.0, rope_local_base_freq=5_000.0)),
+])
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
+                                     {"type": "linear", "factor": 2.0}])
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+def test_flat_fields_split_per_layer_type_as_transformers_splits_them(
+        family, fields, scaling, layer_type, kind):
+    """A transformers 4 config.json of a model whose transformers 5.23 config splits its rope
+    fields per layer type: ModernBERT's global_rope_theta and local_rope_theta (defaults 160000
+    and 10000, its rope_scaling serving both), Olmo 3's rope_theta for the full layers (the
+    sliding ones keep the default 500000), Gemma 3's too. ModernBERT's and Olmo 3's were read as
+    flat (one base, 10000, for every layer; a layer type refused), and a legacy {"type": ...}
+    rope_scaling, which transformers leaves at its default rope type there, was applied."""
+    import importlib
+    import json
+
+    import transformers
+
+    folder = {"Gemma3Text": "gemma3", "ModernBertDecoder": "modernbert_decoder"}.get(
+        family, family.lower())
+    config_class = getattr(transformers, f"{family}Config")
+    raw = dict(hidden_size=64, num_attention_heads=4, intermediate_size=64, **fields,
+               model_type=config_class.model_type)
+    if family == "Gemma3Text":
+        raw["head_dim"] = 16
+    if scaling is not None:
+        raw["rope_scaling"] = scaling
+    hf = config_class(**json.loads(json.dumps(raw)))
+    rotary = getattr(importlib.import_module(f"transformers.models.{folder}.modeling_{folder}"),
+                     f"{family.removesuffix('Text')}RotaryEmbedding")(hf)
+    f = from_hf_config(kind(raw), 16, layer_type=layer_type)
+    torch.testing.assert_close(f.inv_freq, getattr(rotary, f"{layer_type}_inv_freq"),
+                               rtol=4e-7, atol=0)
+    parameters = hf.rope_parameters[layer_type]
+    factor = parameters.get("factor", 1.0) if parameters["rope_type"] == "linear" else 1.0
+    rates = parameters["rope_theta"] ** (-2 * torch.arange(8, dtype=torch.float64) / 16) / factor
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
+
+
 # --- lengths written as JSON floats ------------------------------------------------------------
 
 def _llama3(original):
