@@ -190,6 +190,8 @@ def test_latent_attention_partial_factor_applies_to_the_rope_head_dim(model_type
     ("Olmo3", dict(rope_theta=12_345.0)),
     ("Olmo3", {}),
     ("Gemma3Text", dict(rope_theta=12_345.0, rope_local_base_freq=5_000.0)),
+    ("NeoMME", dict(rope_theta=12_345.0, partial_rotary_factor=0.5)),
+    ("NeoMME", {}),
 ])
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
                                      {"type": "linear", "factor": 2.0}])
@@ -212,9 +214,11 @@ def test_flat_fields_split_per_layer_type_as_transformers_splits_them(
     config_class = getattr(transformers, f"{family}Config")
     raw = dict(hidden_size=64, num_attention_heads=4, intermediate_size=64, **fields,
                model_type=config_class.model_type)
-    if family == "Gemma3Text":
+    if family in ("Gemma3Text", "NeoMME"):  # (their own head_dim defaults)
         raw["head_dim"] = 16
     if scaling is not None:
+        if family == "NeoMME":
+            pytest.skip("NeoMME's config refuses rope_scaling")
         raw["rope_scaling"] = scaling
     hf = config_class(**json.loads(json.dumps(raw)))
     rotary = getattr(importlib.import_module(f"transformers.models.{folder}.modeling_{folder}"),
@@ -224,7 +228,9 @@ def test_flat_fields_split_per_layer_type_as_transformers_splits_them(
                                rtol=4e-7, atol=0)
     parameters = hf.rope_parameters[layer_type]
     factor = parameters.get("factor", 1.0) if parameters["rope_type"] == "linear" else 1.0
-    rates = parameters["rope_theta"] ** (-2 * torch.arange(8, dtype=torch.float64) / 16) / factor
+    dim = int(16 * parameters.get("partial_rotary_factor", 1.0))  # (NeoMME's full layers: 4)
+    rates = parameters["rope_theta"] ** (-2 * torch.arange(dim // 2, dtype=torch.float64) / dim)
+    rates = rates / factor
     torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
 
 
