@@ -120,7 +120,7 @@ class HeadNorm:
         its own attributes (in a ``__dict__`` or slots of its own) copied too."""
         made = (self.weight, self.eps, self.offset, self.scope)
         if type(self) is HeadNorm:
-            return _made, made
+            return (_made, made) if self.eps else (zero_eps_norm, (self.weight,))
         slots = {name: getattr(self, name) for klass in type(self).__mro__
                  if klass not in (HeadNorm, object)
                  for name in ((klass.__dict__.get("__slots__", ()),)

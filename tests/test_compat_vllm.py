@@ -4,7 +4,9 @@ their semantics (vLLM's CUDA kernels), written out here in float64."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
+import pickle
 
 import numpy as np
 import pytest
@@ -430,6 +432,20 @@ def test_fused_takes_eps_zero(backend, request):
     with pytest.raises(rd.RoPEError, match=r"eps must be positive, got -1e-30"):
         fused_qk_norm_rope(qkv, hq, hk, hv, head_dim, -1e-30, q_weight, k_weight, cache, True,
                            positions)
+
+
+@pytest.mark.parametrize("protocol", [0, 2, pickle.HIGHEST_PROTOCOL])
+def test_an_eps_zero_norm_copies_and_pickles(protocol):
+    """The eps-0 norm the fused op makes (norm.zero_eps_norm) is copied and pickled as itself:
+    its copy was made through HeadNorm's constructor, which refuses eps 0."""
+    from rope_dispatch.norm import zero_eps_norm
+
+    norm = zero_eps_norm(torch.rand(8) + 0.5)
+    for twin in (copy.copy(norm), copy.deepcopy(norm),
+                 pickle.loads(pickle.dumps(norm, protocol=protocol))):
+        assert type(twin) is rd.HeadNorm and twin.form is norm.form
+        assert (twin.eps, twin.offset, twin.scope) == (0.0, 0.0, "head")
+        assert torch.equal(twin.weight, norm.weight)
 
 
 # ---- signatures and bad arguments ----------------------------------------------------------
