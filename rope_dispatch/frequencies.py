@@ -623,9 +623,10 @@ def _hf_layer_config(config: object, layer_type: str | None) -> object:
 def _hf_layer_overrides(config: object, per_layer: Mapping, layer_type: str) -> object:
     """``config`` as the layers of ``layer_type`` see it, where its ``per_layer_config`` is a
     config.json's: overrides by layer index (``"05"`` or ``5``) over the global fields, which
-    transformers applies to each layer; the layers of one type must agree (overrides equal to
-    the global value count as none, as transformers drops them). ``config`` itself where it
-    names no ``layer_types`` holding ``layer_type``."""
+    transformers applies to each layer (overrides equal to the global value count as none, as
+    transformers drops them). ``config`` itself where it names no ``layer_types`` holding
+    ``layer_type``, or where layers of that type differ (``per_layer_config[layer_type]``
+    raises ValueError there, and transformers' rotary embedding reads the global config)."""
     layer_types = _hf_attribute(config, "layer_types")
     if not isinstance(layer_types, Sequence) or isinstance(layer_types, str) or (
             layer_type not in layer_types):
@@ -644,15 +645,8 @@ def _hf_layer_overrides(config: object, per_layer: Mapping, layer_type: str) -> 
                             if name != "skip" and value != _hf_attribute(config, name)}
     layers = [index for index, kind in enumerate(layer_types) if kind == layer_type]
     chosen = overrides.get(layers[0], {})
-    for index in layers:
-        if (other := overrides.get(index, {})) != chosen:
-            raise RoPEError(
-                f"config.per_layer_config gives layers {layers[0]} and {index}, both of type "
-                f"{layer_type!r}, different overrides ({chosen!r} and {other!r}); pass the "
-                "layer's own config"
-            )
-    if not chosen:
-        return config
+    if not chosen or any(overrides.get(index, {}) != chosen for index in layers):
+        return config  # (layers of the type that differ: transformers reads the global config)
     return ChainMap(chosen, config if isinstance(config, Mapping) else vars(config))
 
 

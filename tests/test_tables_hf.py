@@ -629,10 +629,17 @@ def test_heterogeneous_config_json_reads_its_overrides_by_layer_index(kind):
         want = torch.tensor([theta ** (-2 * k / head_dim) for k in range(head_dim // 2)],
                             dtype=torch.float64)
         torch.testing.assert_close(f.inv_freq.double(), want, rtol=RATES_RTOL, atol=0)
-    uneven = dict(raw, per_layer_config={"02": {"head_dim": 64}, "05": {"head_dim": 128}})
-    with pytest.raises(RoPEError, match=r"per_layer_config gives layers 2 and 5, both of type "
-                                        r"'full_attention', different overrides"):
-        from_hf_config(kind(uneven), 32, layer_type="full_attention")
+    # layers of one type that differ (NeoMME's sliding windows): per_layer_config[layer_type]
+    # raises ValueError, which transformers' rope functions pass over for the global config
+    from transformers.models.neomme.modeling_neomme import NeoMMERotaryEmbedding
+
+    neomme = json.loads(transformers.NeoMMEConfig().to_json_string(use_diff=False))
+    assert neomme["per_layer_config"]  # (sliding_window 1024 on some sliding layers)
+    module = NeoMMERotaryEmbedding(transformers.NeoMMEConfig(**json.loads(json.dumps(neomme))))
+    for layer_type in ("full_attention", "sliding_attention"):
+        f = from_hf_config(kind(neomme), 32, layer_type=layer_type)
+        torch.testing.assert_close(f.inv_freq, getattr(module, f"{layer_type}_inv_freq"),
+                                   rtol=RATES_RTOL, atol=0)
 
 
 def test_qwen2_vl_checkpoint_config_of_rope_type_mrope():
