@@ -573,8 +573,10 @@ def _hf_attribute(config: object, name: str) -> object:
     return config.get(name) if found is None and keyed else found
 
 
-_TEXT_SECTIONS = ("text_encoder", "decoder", "generator", "text_config")
-"""Where a composite config keeps its text model's (transformers' get_text_config)."""
+_TEXT_SECTIONS = ("text_encoder", "decoder", "generator", "text_config", "thinker_config",
+                  "decoder_config")
+"""Where a composite config keeps its text model's (transformers' get_text_config; Qwen Omni's
+overrides it with its thinker's, Dia's with its decoder's)."""
 
 
 def _hf_text_section(config: object) -> object:
@@ -590,7 +592,7 @@ def _hf_text_section(config: object) -> object:
             f"config has several text sections ({', '.join(name for name, _ in found)}); pass "
             "the one whose rotary embedding is wanted"
         )
-    return found[0][1] if found else config
+    return _hf_text_section(found[0][1]) if found else config  # (the thinker's text_config)
 
 
 def _hf_layer_config(config: object, layer_type: str | None) -> object:

@@ -451,6 +451,38 @@ def test_a_composite_config_json_is_read_through_its_text_section(kind, layer_ty
     torch.testing.assert_close(cache.sin, sin[0], rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("kind", [dict, lambda fields: SimpleNamespace(**fields)])
+@pytest.mark.parametrize("family, folder, rotary", [
+    ("Qwen2_5Omni", "qwen2_5_omni", "Qwen2_5OmniRotaryEmbedding"),
+    ("Dia", "dia", "DiaRotaryEmbedding"),
+])
+def test_a_config_json_read_through_the_text_config_transformers_picks(family, folder, rotary,
+                                                                      kind):
+    """Qwen Omni's get_text_config() is its thinker's text_config, Dia's its decoder_config:
+    given as config.json fields the top level was read (no head dim: refused)."""
+    import importlib
+    import json
+
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")()
+    raw = json.loads(config.to_json_string(use_diff=False))
+    module = getattr(importlib.import_module(f"transformers.models.{folder}.modeling_{folder}"),
+                     rotary)(config.get_text_config())
+
+    def nested(fields):  # a namespace at every level, as a config.json parsed so would be
+        return kind({k: nested(v) if isinstance(v, dict) and k.endswith("_config") else v
+                     for k, v in fields.items()})
+
+    f = from_hf_config(nested(raw), 16)
+    torch.testing.assert_close(f.inv_freq, module.inv_freq, rtol=4e-7, atol=0)
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    theta = text.rope_parameters["rope_theta"]
+    rates = theta ** (-2 * torch.arange(head_dim // 2, dtype=torch.float64) / head_dim)
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
+
+
 def test_a_config_json_with_two_text_sections_is_refused():
     config = {"text_config": GEMMA3_FIELDS, "decoder": GEMMA3_FIELDS}
     with pytest.raises(RoPEError, match=r"several text sections \(decoder, text_config\)"):
