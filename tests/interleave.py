@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import CodeType
 
 
@@ -14,38 +15,66 @@ def interrupted_at_every_instruction(code: CodeType, prepare: Callable[[], objec
                                      interrupt: Callable[[], object]) -> list:
     """``(k, call())`` for each instruction ``k`` of ``call``'s first frame of ``code``: run
     ``prepare()`` then ``call()`` again and again, the ``k``-th time with ``interrupt()`` run
-    (untraced) just before the frame's ``k``-th instruction, as a thread switch there would;
-    ends once ``k`` is past the instructions the frame runs."""
+    just before the frame's ``k``-th instruction, as a thread switch there would (the frames
+    it runs are not counted); ends once ``k`` is past the instructions the frame runs."""
     results = []
     k = 0
     while True:
         seen, fired = [0], [False]
 
-        def local(frame, event, arg, k=k, seen=seen, fired=fired):
-            if event == "opcode":
-                if seen[0] == k and not fired[0]:
-                    fired[0] = True
-                    interrupt()
-                seen[0] += 1
-            return local
-
-        def tracer(frame, event, arg):
-            if event == "call" and frame.f_code is code and not fired[0] and seen[0] == 0:
-                frame.f_trace_opcodes = True
-                return local
-            return None
+        def before(k=k, seen=seen, fired=fired) -> None:
+            if fired[0]:
+                return
+            if seen[0] == k:
+                fired[0] = True
+                interrupt()
+            seen[0] += 1
 
         prepare()
-        previous = sys.gettrace()
-        sys.settrace(tracer)
-        try:
+        with _each_instruction(code, before):
             result = call()
-        finally:
-            sys.settrace(previous)
         if not fired[0]:
             return results
         results.append((k, result))
         k += 1
+
+
+@contextmanager
+def _each_instruction(code: CodeType, before: Callable[[], None]) -> Iterator[None]:
+    """``before()`` called before each instruction a frame of ``code`` runs: by
+    ``sys.monitoring`` (Python 3.12 on, where opcode tracing of a frame called from an untraced
+    one gives no events), else by opcode tracing."""
+    monitoring = getattr(sys, "monitoring", None)
+    if monitoring is None:
+        def local(frame, event, arg):
+            if event == "opcode":
+                before()
+            return local
+
+        def tracer(frame, event, arg):
+            if event == "call" and frame.f_code is code:
+                frame.f_trace_opcodes = True
+                return local
+            return None
+
+        previous = sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            yield
+        finally:
+            sys.settrace(previous)
+        return
+    tool = next(i for i in range(6) if monitoring.get_tool(i) is None)
+    event = monitoring.events.INSTRUCTION
+    monitoring.use_tool_id(tool, "interleave")
+    monitoring.register_callback(tool, event, lambda c, offset: before() if c is code else None)
+    monitoring.set_local_events(tool, code, event)
+    try:
+        yield
+    finally:
+        monitoring.set_local_events(tool, code, 0)
+        monitoring.register_callback(tool, event, None)
+        monitoring.free_tool_id(tool)
 
 
 def hammered(work: Callable[[int], object], threads: int = 4) -> None:

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from transformers import Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
@@ -339,8 +340,13 @@ def test_yarn_truncate_per_layer_type_is_read_at_the_top_level(top, own):
                   "full_attention": full}
     if top is not None:
         parameters["truncate"] = top
-    config = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, head_dim=32,
-                              max_position_embeddings=4096, rope_parameters=parameters)
+    try:
+        config = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, head_dim=32,
+                                  max_position_embeddings=4096, rope_parameters=parameters)
+    except AttributeError as e:  # transformers 5.17 reads every top-level value as a layer's
+        assert top is not None, e
+        pytest.skip(f"transformers {transformers.__version__} refuses a top-level truncate "
+                    f"beside the layer types ({e})")
     module = Gemma3RotaryEmbedding(config)
     f = from_hf_config(config, 32, layer_type="full_attention")
     torch.testing.assert_close(f.inv_freq, module.full_attention_inv_freq, rtol=RATES_RTOL, atol=0)

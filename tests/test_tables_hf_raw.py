@@ -116,7 +116,8 @@ def test_head_dim_under_the_names_transformers_maps(family, fields, dropped, hea
     raw = json.loads(config.to_json_string(use_diff=False))
     for name in dropped:
         raw.pop(name)
-    hf = getattr(transformers, f"{family}Config")(**raw)
+    # (DBRX's sub-configs, made again from their JSON, refuse two of its keys in transformers 5.17)
+    hf = getattr(transformers, f"{family}Config")(**raw) if dropped else config
     module = getattr(importlib.import_module(f"transformers.models.{folder}.modeling_{folder}"),
                      f"{family}RotaryEmbedding")(hf)
     f = from_hf_config(kind(raw), 16)
