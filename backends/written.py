@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rope_dispatch.kv_cache import refuse_cache_overlaps, refuse_caches_overlap
-from rope_dispatch.overlap import refuse_written_overlaps
+from rope_dispatch.overlap import refuse_self_overlap, refuse_written_overlaps
 from rope_dispatch.table_kinds import table_tensors
 from rope_dispatch.tracing import exact_size, transformed
 
@@ -91,11 +91,14 @@ def cache_apart_op(
     k_cache: torch.Tensor, v_cache: torch.Tensor, q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None, tables: list[torch.Tensor], kind: str,
 ) -> torch.Tensor:
-    """Refuse what :func:`~rope_dispatch.kv_cache.refuse_cache_overlaps` refuses, and caches
-    that overlap (the descriptor's checks, skipped where it is made while tracing); else a
-    float32 ``-0.0`` on ``q``'s device."""
+    """Refuse what :func:`~rope_dispatch.kv_cache.refuse_cache_overlaps` refuses, a q_out that
+    overlaps itself, and caches that overlap (the descriptor's checks, skipped where it is made
+    while tracing); else a float32 ``-0.0`` on ``q``'s device."""
     key = (kind, *map(_form, (q, k, v, q_out, k_cache, v_cache, q_weight, k_weight, *tables)))
     if not _kept(key):
+        if q_out is not None:  # (_check_q_out's, skipped while traced)
+            refuse_self_overlap(q_out, "q_out", "rope_to_cache cannot write q's output",
+                                "give q_out memory of its own")
         refuse_caches_overlap(k_cache, v_cache, (f"{kind} k_cache", f"{kind} v_cache"))
         refuse_cache_overlaps(kind, k_cache, v_cache, q, k, v, q_out, q_weight, k_weight,
                               tuple(tables))

@@ -1560,6 +1560,9 @@ def _overlapping(case: str, qkv: torch.Tensor, k_cache: torch.Tensor, table: tor
         made["q"] = k_cache.view(4, 2, 8) if bad else q
     elif case == "q_out over k":
         made["q_out"] = qkv[:, 1:3] if bad else torch.empty_like(q)
+    elif case == "q_out over itself":  # token i's head 1 is token i + 1's head 0
+        made["q_out"] = (torch.empty(40, device=q.device).as_strided(q.shape, (8, 8, 1)) if bad
+                         else torch.empty_like(q))
     elif case == "norm weight in the cache":
         made["weight"] = k_cache.view(8, 8)[0] if bad else table[1] + 0.5
     else:  # the table in the cache
@@ -1571,6 +1574,8 @@ def _overlapping(case: str, qkv: torch.Tensor, k_cache: torch.Tensor, table: tor
 @pytest.mark.parametrize("case, refusal", [
     ("q in the cache", r"q \(4, 2, 8\) shares memory with FlatKVCache k_cache"),
     ("q_out over k", "q_out shares memory with k"),
+    ("q_out over itself", r"^rope_to_cache cannot write q's output: q_out \(4, 2, 8\) with "
+                          r"strides \(8, 8, 1\) overlaps itself"),
     ("norm weight in the cache", "q_norm.weight shares memory with k_cache"),
     ("table in the cache", "freqs shares memory with k_cache"),
     ("v cache over k cache", "FlatKVCache k_cache and FlatKVCache v_cache are the same memory"),
@@ -1578,7 +1583,7 @@ def _overlapping(case: str, qkv: torch.Tensor, k_cache: torch.Tensor, table: tor
 def test_compiled_calls_refuse_overlapping_memory(backend, case, refusal, request):
     """Under ``torch.compile(fullgraph=True)`` the call's tensors are fake while it traces, so
     its memory checks run in the graph, on its real tensors: q, q's output, a norm weight or the
-    table inside what the call writes is refused as in eager (the compiled step wrote the cache,
+    table inside what the call writes, and a q_out that overlaps itself, is refused as in eager (the compiled step wrote the cache,
     then read q, the weight or the table from it: q's output from the values just stored);
     the same step on memory apart gives the reference's q and cache. The descriptor, made in
     the step, has its caches checked there too (a v cache over the k cache)."""
