@@ -9,10 +9,12 @@ them there. The graph runs them instead: :func:`written_apart` puts the custom o
 run time and returns ``-0.0``, which the call's write-back adds (exactly: ``x + -0.0`` is
 ``x``, signed zeros and NaN included), so no compiler drops the op as unused. A
 :func:`~rope_dispatch.rope_to_cache` call's checks (q, k, v, q's output, the norm weights
-and the table apart from the caches and q's output) run so, by :func:`cache_apart`. The
-triton backend's traced call runs them in its own op (:func:`refuse_written_once`), with no
-second op to dispatch. A verdict is kept by the tensors' addresses and layouts, which alone
-decide it, so a graph run again on the same memory (a decode or training step) checks once.
+and the table apart from the caches and q's output) run so, by :func:`cache_apart`, and
+an output-taking door's (its outputs apart from themselves and from what it reads and writes,
+e.g. FlashInfer's FP8 prologue) by :func:`outs_apart`. The triton backend's traced call runs
+them in its own op (:func:`refuse_written_once`), with no second op to dispatch. A verdict is
+kept by the tensors' addresses and layouts, which alone decide it, so a graph run again on the
+same memory (a decode or training step) checks once.
 """
 
 from __future__ import annotations
@@ -124,6 +126,46 @@ def cache_apart(call: Any) -> torch.Tensor | None:
         None if q_out is None else q_out.detach(), cache.k_cache.detach(),
         cache.v_cache.detach(), *weights, [x.detach() for x in table_tensors(call.table)],
         type(cache).__name__)
+
+
+@torch.library.custom_op("rope_dispatch::outs_apart", mutates_args=())
+def outs_apart_op(tensors: list[torch.Tensor], names: str, refusal: str, selves: int,
+                  pairs: list[int]) -> torch.Tensor:
+    """A door's output checks: the first ``selves`` of ``tensors`` (``names``, joined by commas)
+    must not overlap themselves (``refusal``: who cannot write them), and each ``(i, j)`` of
+    ``pairs`` (flat) names ``tensors[i]``, written apart, that must share no element with
+    ``tensors[j]``. Else a float32 ``-0.0`` on the first tensor's device."""
+    key = (names, refusal, selves, *pairs, *map(_form, tensors))
+    if not _kept(key):
+        from rope_dispatch.overlap import refuse_shared
+
+        names = names.split(",")
+        for name, x in zip(names[:selves], tensors):
+            refuse_self_overlap(x, name, f"{refusal} {name}", f"give {name} memory of its own")
+        for i, j in zip(pairs[::2], pairs[1::2]):  # (one tensor given twice: not "apart")
+            if _form(tensors[i]) != _form(tensors[j]):
+                refuse_shared(names[i], tensors[i], names[j], tensors[j])
+        _verdicts.add(key)
+    return torch.full((), -0.0, dtype=torch.float32, device=tensors[0].device)
+
+
+@outs_apart_op.register_fake
+def _outs_apart_fake(tensors, names, refusal, selves, pairs):
+    return tensors[0].new_empty((), dtype=torch.float32)
+
+
+def outs_apart(named: Sequence[tuple[str, torch.Tensor | None]], refusal: str, selves: int,
+               pairs: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+    """While ``torch.compile`` traces a door that writes given outputs: :func:`outs_apart_op`'s
+    ``-0.0`` (on ``named``'s tensors, a ``None`` left out with its pairs) for each write the door
+    makes itself to add; else ``None`` (eagerly the door checked them)."""
+    if not torch.compiler.is_compiling() or transformed():
+        return None
+    index = {i: n for n, i in enumerate(i for i, (_, x) in enumerate(named) if x is not None)}
+    kept = [(name, x.detach()) for name, x in named if x is not None]
+    flat = [index[k] for i, j in pairs if i in index and j in index for k in (i, j)]
+    return outs_apart_op([x for _, x in kept], ",".join(name for name, _ in kept), refusal,
+                         sum(1 for i in range(selves) if i in index), flat)
 
 
 def add_written(out: torch.Tensor, apart: torch.Tensor | None) -> torch.Tensor:

@@ -126,13 +126,14 @@ def _refuse_read_in(name: str, read: torch.Tensor, what: str, own: str,
             )
 
 
-def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _shares(a: torch.Tensor, b: torch.Tensor, real: bool = False) -> bool:
     """Whether ``a`` and ``b`` address a common element (of different element sizes: whether
-    their byte ranges meet). False where that cannot be told
-    (traced tensors, strides that do not nest). Tensors whose byte ranges lie apart (views of
-    one ``[2, ...]`` cache, say) are told so from their addresses alone."""
+    their byte ranges meet). False where that cannot be told (traced tensors, unless the
+    caller knows them ``real``; strides that do not nest). Tensors whose byte ranges lie apart
+    (views of one ``[2, ...]`` cache, say) are told so from their addresses alone."""
     # torch's test: False for two storages, True for any two views of one
-    if memoryless() or not torch._C._overlaps(a, b) or a.numel() == 0 or b.numel() == 0:
+    if (not real and memoryless()) or not torch._C._overlaps(a, b) or a.numel() == 0 or (
+            b.numel() == 0):
         return False
     start_a, start_b = a.data_ptr(), b.data_ptr()
     if start_a + byte_span(a) <= start_b or start_b + byte_span(b) <= start_a:
@@ -204,6 +205,19 @@ def refuse_self_overlap(t: torch.Tensor, name: str, refusal: str, remedy: str,
             f"{refusal}: {name} {tuple(t.shape)} with strides {t.stride()} overlaps itself (two "
             f"of its places{where} are one element in memory, as an as_strided view can make "
             f"them), so one write would land on another's result; {remedy}"
+        )
+
+
+def refuse_shared(name: str, out: torch.Tensor, other: str, x: torch.Tensor) -> None:
+    """``out`` (the argument ``name``), written apart from ``other`` (``x``), must share no
+    element with it: else one write lands on the other's result, silently. Real tensors only
+    (the caller asked :func:`~rope_dispatch.tracing.memoryless`)."""
+    if _shares(out, x, real=True):
+        raise RoPEError(
+            f"{name} shares memory with {other} ({name} {tuple(out.shape)} strides "
+            f"{out.stride()}, {other} {tuple(x.shape)} strides {x.stride()}): the prologue "
+            f"writes {name} apart from {other}, so one would overwrite the other; give "
+            f"{name} memory of its own"
         )
 
 

@@ -1190,3 +1190,49 @@ def test_an_output_that_overlaps_itself_is_refused_before_any_write(door, name):
     assert not any(x.view(torch.uint8).any() for x in (*caches, out)), "written before"
     call(**{name: torch.zeros(5, 4, channels, dtype=torch.float8_e4m3fn)})
     assert caches[0].view(torch.uint8).any()
+
+
+def _compiled_door(door, q_rope_out, q_nope_out):
+    """``door`` (:func:`_door_with_outputs`) compiled whole (``fullgraph=True``), on its own
+    copies of the caches; ``(run, caches)``."""
+    import torch._dynamo
+
+    call, caches = _door_with_outputs(door, q_rope_out, q_nope_out)
+    torch._dynamo.reset()
+    return torch.compile(call, fullgraph=True, backend="aot_eager"), caches
+
+
+@pytest.mark.parametrize("door", ["rope_quantize_fp8", "mla_append"])
+@pytest.mark.parametrize("case", ["q_rope_out overlaps itself", "q_nope_out overlaps itself",
+                                  "q outputs share memory"])
+def test_compiled_doors_refuse_outputs_that_overlap(door, case):
+    """Under ``torch.compile`` the door's tensors are fake while it traces, so its output checks
+    (each output apart from itself, q_nope_out apart from what the call writes and reads) run
+    in the graph on its real tensors, refused as in eager (they ran, and wrote over each
+    other); outputs that are disjoint slices of one buffer (q_nope_out not contiguous: torch's
+    ``out=`` division did not trace) give the eager call's bytes."""
+    fp8 = dict(dtype=torch.float8_e4m3fn)
+    with torch.no_grad():
+        buf = torch.zeros(5, 4, 12, **fp8)
+        run, caches = _compiled_door(door, buf[..., 4:], buf[..., :4])
+        run()
+        apart = tuple(torch.zeros(5, 4, n, **fp8) for n in (8, 4))
+        eager, caches_eager = _door_with_outputs(door, *apart)
+        eager()
+        assert torch.equal(buf[..., 4:].view(torch.uint8), apart[0].view(torch.uint8))
+        assert torch.equal(buf[..., :4].view(torch.uint8), apart[1].view(torch.uint8))
+        assert buf.view(torch.uint8).any()
+        for c, c_eager in zip(caches, caches_eager):
+            assert torch.equal(c.view(torch.uint8), c_eager.view(torch.uint8))
+        if case == "q outputs share memory":
+            outs = (buf[..., :8], buf[..., 4:8])
+            refusal = r"^q_nope_out shares memory with q_rope_out \(q_nope_out \(5, 4, 4\)"
+        else:
+            name, n = ("q_rope_out", 8) if case.startswith("q_rope") else ("q_nope_out", 4)
+            bad = torch.zeros(100, **fp8).as_strided((5, 4, n), (n, n, 1))
+            outs = (bad, apart[1]) if n == 8 else (apart[0], bad)
+            refusal = (rf"^the FP8 prologue cannot write {name}: {name} \(5, 4, {n}\) with "
+                       rf"strides \({n}, {n}, 1\) overlaps itself")
+        run, _ = _compiled_door(door, *outs)
+        with pytest.raises(rd.RoPEError, match=refusal):
+            run()

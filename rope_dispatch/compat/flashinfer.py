@@ -70,7 +70,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..overlap import _shares, expanded_dim, refuse_self_overlap
+from ..backends.written import add_written, outs_apart
+from ..overlap import expanded_dim, refuse_self_overlap, refuse_shared
 from ..dispatch import _scoped_or_env_backend, apply_qk_, rope_to_cache
 from ..errors import RoPEError, RoPETypeError
 from ..kv_cache import FP8_DTYPES, FlashInferPagedKVCache, FlatKVCache
@@ -297,8 +298,9 @@ def rope_quantize_fp8(
     q_scale = _reciprocal("quant_scale_q", quant_scale_q)
     kv_scale = _reciprocal("quant_scale_kv", quant_scale_kv)
     table = _rope_table(cos_sin_cache, q_rope)
-    _written_apart("q_nope_out", q_nope_out, (("q_rope_out", q_rope_out),
-                   ("k_rope_out", k_rope_out), ("k_nope_out", k_nope_out), ("q_nope", q_nope)))
+    others = (("q_rope_out", q_rope_out), ("k_rope_out", k_rope_out),
+              ("k_nope_out", k_nope_out), ("q_nope", q_nope))
+    apart = _written_apart("q_nope_out", q_nope_out, others)
     if q_rope.shape[0]:
         heads = _one_head if mla else _as_is
         try:
@@ -310,7 +312,7 @@ def rope_quantize_fp8(
                           q_out=q_rope_out, q_scale=q_scale)
         except RoPEError as error:
             raise _mapped(error, name, _FLAT_MAPPING) from error
-    _quantize_into(q_nope_out, q_nope, q_scale)
+    _quantize_into(q_nope_out, q_nope, q_scale, apart)
     return q_rope_out, k_rope_out, q_nope_out, k_nope_out
 
 
@@ -407,8 +409,9 @@ def rope_quantize_fp8_append_paged_kv_cache(
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise RoPEError(
                 f"v must be None for MLA (2-D k_rope: k_nope is the compressed kv), got {got}")
-        _written_apart("q_nope_out", q_nope_out, (("q_rope_out", q_rope_out),
-                       ("q_nope", q_nope), *zip(("ckv_cache", "kpe_cache"), caches)))
+        others = (("q_rope_out", q_rope_out), ("q_nope", q_nope),
+                  *zip(("ckv_cache", "kpe_cache"), caches))
+        apart = _written_apart("q_nope_out", q_nope_out, others)
         try:
             cache = _paged_cache(caches, kv_indices, kv_indptr, batch_indices, positions, "NHD",
                                  page_size, kv_scale, mla=True)
@@ -416,7 +419,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
                           positions=pos_ids, cache=cache, q_out=q_rope_out, q_scale=q_scale)
         except RoPEError as error:
             raise _mapped(error, name, _PAGED_MLA_MAPPING) from error
-        _quantize_into(q_nope_out, q_nope, q_scale)
+        _quantize_into(q_nope_out, q_nope, q_scale, apart)
         return q_rope_out, q_nope_out
     if not isinstance(v, torch.Tensor):
         raise RoPETypeError(
@@ -662,28 +665,36 @@ def _joined(name: str, rope: torch.Tensor, nope: Optional[torch.Tensor],
 
 
 def _written_apart(name: str, out: torch.Tensor,
-                   others: tuple[tuple[str, Optional[torch.Tensor]], ...]) -> None:
+                   others: tuple[tuple[str, Optional[torch.Tensor]], ...]
+                   ) -> Optional[torch.Tensor]:
     """``out``, written after the core's call (or read while written, for its input), must
     share no element with what that call wrote or with its own input: else one write lands on
-    another's result, silently. Checked before anything is written."""
+    another's result, silently. Checked before anything is written. Traced (fake tensors), the
+    graph's op runs the checks, and :func:`_out`'s of ``out`` and the outputs among ``others``
+    (``..._out``), on its real tensors (:func:`~rope_dispatch.backends.written.outs_apart`):
+    its ``-0.0`` is returned, for the door's own writes to add; else None."""
     if out.numel() == 0:
-        return
+        return None
+    if memoryless():
+        outs = tuple(p for p in others if p[0].endswith("_out"))
+        named = ((name, out), *outs, *(p for p in others if not p[0].endswith("_out")))
+        return outs_apart(named, "the FP8 prologue cannot write", 1 + len(outs),
+                          tuple((0, j) for j in range(1, len(named))))
     for other, x in others:
-        if x is not None and x is not out and _shares(out, x):
-            raise RoPEError(
-                f"{name} shares memory with {other} ({name} {tuple(out.shape)} strides "
-                f"{out.stride()}, {other} {tuple(x.shape)} strides {x.stride()}): the prologue "
-                f"writes {name} apart from {other}, so one would overwrite the other; give "
-                f"{name} memory of its own"
-            )
+        if x is not None and x is not out:
+            refuse_shared(name, out, other, x)
+    return None
 
 
-def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -> None:
+def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float,
+                   apart: Optional[torch.Tensor] = None) -> None:
     """``out[...] = (x / scale)`` cast to ``out``'s FP8 dtype, the division in float32 (the
     core's formula: ``scale`` is ``1 / quant_scale``). ``x`` ``None``: a None nope part, whose
     ``out`` has no channels. On a GPU the Triton backend's quantizing copy stores it, unless
     another backend is forced (torch's division into FP8 ran at 15-28% of copy; the same bytes),
-    or the tensors are fake or traced (the launch reads addresses; the division traces)."""
+    or the tensors are fake or traced (the launch reads addresses; the division traces).
+    ``apart``: the traced door's output checks (:func:`_written_apart`), which the quotient
+    adds."""
     if out.numel() == 0:
         return
     memory, dual = not memoryless(), forward_ad()  # (a launch would drop x's tangent)
@@ -704,8 +715,9 @@ def _quantize_into(out: torch.Tensor, x: Optional[torch.Tensor], scale: float) -
             _DIVISORS[key] = divisor
     # one kernel: a 1-element float32 divisor makes the division float32 (a 0-d one would leave
     # it in x's dtype), and the quotient is cast to out's FP8 as it is stored, as .to() casts
-    if dual:  # torch's out= division has no forward AD (it refuses a dual x): the same cast
-        out.copy_((x / divisor).to(out.dtype))  # quotient, its tangent quantized alike
+    if dual or not memory:  # torch's out= division has no forward AD (it refuses a dual x),
+        # nor traces into an out of other strides: the same cast, quotient (tangent) quantized
+        out.copy_(add_written(x / divisor, apart).to(out.dtype))
         return
     torch.div(x, divisor, out=out)
 
