@@ -170,4 +170,8 @@ def outs_apart(named: Sequence[tuple[str, torch.Tensor | None]], refusal: str, s
 
 def add_written(out: torch.Tensor, apart: torch.Tensor | None) -> torch.Tensor:
     """``out`` to write back, depending on :func:`written_apart`'s ``apart`` where given."""
-    return out if apart is None else out + apart
+    if apart is None:
+        return out
+    if out.dtype.itemsize == 1 and out.dtype.is_floating_point:  # FP8: + 0 to its bytes
+        return (out.view(torch.uint8) + apart.to(torch.uint8)).view(out.dtype)
+    return out + apart

@@ -1202,7 +1202,7 @@ def _compiled_door(door, q_rope_out, q_nope_out):
     return torch.compile(call, fullgraph=True, backend="aot_eager"), caches
 
 
-@pytest.mark.parametrize("door", ["rope_quantize_fp8", "mla_append"])
+@pytest.mark.parametrize("door", ["rope_quantize_fp8", "mla_append", "gqa_append"])
 @pytest.mark.parametrize("case", ["q_rope_out overlaps itself", "q_nope_out overlaps itself",
                                   "q outputs share memory"])
 def test_compiled_doors_refuse_outputs_that_overlap(door, case):

@@ -129,7 +129,7 @@ def _memory(t: torch.Tensor) -> tuple:
 def _paged_cache(caches: tuple[torch.Tensor, torch.Tensor], kv_indices: torch.Tensor,
                  kv_indptr: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
                  kv_layout: str, page_size: int, scale: float,
-                 mla: bool = False) -> FlashInferPagedKVCache:
+                 mla: bool = False, traced: Optional[bool] = None) -> FlashInferPagedKVCache:
     """The same descriptor for the same tensors and settings, call after call: an engine passes
     each layer its own cache and every layer the step's index buffers, and a descriptor is
     checked, and works out what a planned call reads of it, when it is made (several us of
@@ -137,7 +137,8 @@ def _paged_cache(caches: tuple[torch.Tensor, torch.Tensor], kv_indices: torch.Te
     as k. The last few stay referenced here with the tensors given, so the ids in a kept
     descriptor's key name no other tensor while it is kept."""
     given = (*caches, kv_indices, kv_indptr, batch_indices, positions)
-    traced = torch.compiler.is_compiling()  # the trace's own (Dynamo may not id() a tensor)
+    if traced is None:  # (else the caller asked)
+        traced = torch.compiler.is_compiling()  # the trace's own (Dynamo may not id() a tensor)
     key = None if traced else (*map(id, given), kv_layout, page_size, scale, mla)
     kept = _paged.get(key) if type(page_size) is int and key else None  # (bad: the checks)
     if kept is not None:
@@ -430,26 +431,27 @@ def rope_quantize_fp8_append_paged_kv_cache(
     if widths[0] != widths[1]:  # q's and k's heads are joined to one head dim
         raise RoPEError(f"q_nope has {widths[0]} channels a head but k_nope {widths[1]} (None: "
                         "0); with GQA/MHA their nope parts must be equally wide")
-    q, k = _joined("q", q_rope, q_nope), _joined("k", k_rope, k_nope)
-    q_out = _joined("q_out", q_rope_out, q_nope_out, copy=False)
+    traced = torch.compiler.is_compiling()  # (no address to read: the joins are copies)
+    q, k = _joined("q", q_rope, q_nope, traced), _joined("k", k_rope, k_nope, traced)
+    q_out = _joined("q_out", q_rope_out, q_nope_out, traced, copy=False)
     if q_out is None:  # outputs apart: the core writes one, copied into them below
         named = tuple(zip(("k_cache", "v_cache"), caches))
-        _written_apart("q_rope_out", q_rope_out, named)
-        _written_apart("q_nope_out", q_nope_out, (("q_rope_out", q_rope_out), *named))
+        aparts = (_written_apart("q_rope_out", q_rope_out, named),
+                  _written_apart("q_nope_out", q_nope_out, (("q_rope_out", q_rope_out), *named)))
         q_into = torch.empty_like(q, dtype=dtype)
     else:
         q_into = q_out
     try:
         cache = _paged_cache(caches, kv_indices, kv_indptr, batch_indices, positions, kv_layout,
-                             page_size, kv_scale)
+                             page_size, kv_scale, traced=traced)
         q_rot = rope_to_cache(q, k, v, table, spec, positions=pos_ids, cache=cache,
                               q_out=q_into, q_scale=q_scale)
     except RoPEError as error:
         raise _mapped(error, name, _PAGED_MAPPING) from error
     if q_out is None:
         rope_dim = q_rope.shape[-1]
-        q_rope_out.copy_(q_rot[..., :rope_dim])
-        q_nope_out.copy_(q_rot[..., rope_dim:])
+        q_rope_out.copy_(add_written(q_rot[..., :rope_dim], aparts[0]))
+        q_nope_out.copy_(add_written(q_rot[..., rope_dim:], aparts[1]))
     return q_rope_out, q_nope_out
 
 
@@ -640,16 +642,18 @@ def _as_is(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _joined(name: str, rope: torch.Tensor, nope: Optional[torch.Tensor],
+def _joined(name: str, rope: torch.Tensor, nope: Optional[torch.Tensor], traced: bool = False,
             copy: bool = True) -> Optional[torch.Tensor]:
     """``[..., rope_dim + no_rope_dim]``: the rope part followed by the nope part. ``rope``
     itself without nope channels (``nope`` ``None`` too); a view where ``nope`` follows ``rope``
     in memory with its strides (slices of one tensor); else a copy, or ``None`` when ``copy`` is
-    False."""
+    False. ``traced`` (while torch.compile traces) no address is read: a copy (``None``)
+    always, which gives the same values (the door then checks and writes its q outputs
+    apart)."""
     if nope is None or nope.shape[-1] == 0:
         return rope
     if (rope.dtype == nope.dtype and rope.device == nope.device and rope.stride() == nope.stride()
-            and rope.stride(-1) == 1
+            and rope.stride(-1) == 1 and not traced
             and nope.data_ptr() == rope.data_ptr() + rope.shape[-1] * rope.element_size()
             and rope.untyped_storage().data_ptr() == nope.untyped_storage().data_ptr()):
         shape = (*rope.shape[:-1], rope.shape[-1] + nope.shape[-1])
