@@ -37,6 +37,7 @@ from .norm import HeadNorm, head_norm_backward
 from .registry import call_entry
 from .spec import RoPESpec
 from .tables import CosSinCache, PairCosSinCache, RateTable, angles_2d, table_kind
+from .tracing import exact_size, transformed
 
 _SEQ_DIM = {"sbhd": 0, "bshd": 1, "thd": 0}
 _BATCH_DIM = {"sbhd": 1, "bshd": 0}
@@ -692,15 +693,21 @@ def _rotate_in_place(t: DTensor, k: DTensor | None, p: _Prepared, backend: str |
                          k=local_k, norms=local_norms)
         torch.autograd.graph.increment_version(targets)
         return t if k is None else (t, k)
+    apart = None  # traced: the graph's check that q and k are apart, whose -0.0 each adds
     if k is not None and not torch.compiler.is_compiling():
         from .overlap import _check_apart
 
         _check_apart(t.to_local(), k.to_local(), t.shape[-1])  # every channel is written
+    elif k is not None and not transformed():  # the same check, on the graph's real shards
+        from .backends.written import written_apart_op
+
+        apart = written_apart_op(t.to_local().detach(), k.to_local().detach(), None, None, [],
+                                 exact_size(t.shape[-1]), 0)
     # a norm stage's backward reads its input, which the copy below overwrites: it reads a copy
     made = [_one(x.clone() if stage is not None and wanted else x, p, stage, backend)
             for x, stage in zip(targets, p.norms)]
     for x, out in zip(targets, made):
-        x.copy_(out)
+        x.copy_(out if apart is None else out + apart)
     return t if k is None else (t, k)
 
 

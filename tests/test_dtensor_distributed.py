@@ -663,6 +663,38 @@ def _check_refusals(mesh):
                      backend="eager")
 
 
+def _check_compiled_in_place_pair(mesh):
+    """``apply_qk_`` on DTensor views of one buffer, compiled (``fullgraph=True``): its tensors
+    are fake while it traces, so the check that q and k share no element runs in the graph, on
+    each rank's real shards, and refuses as in eager (the compiled call wrote q over k); q and
+    k apart rotate as the float64 reference does."""
+    import torch._dynamo
+
+    spec = rd.RoPESpec(layout="bshd", dtype=F32)
+    gen = torch.Generator().manual_seed(7)  # every rank the same full tensors
+    half = torch.rand(6, 4, dtype=torch.float64, generator=gen) * 3
+    angles = torch.cat((half, half), dim=-1)  # TE's freqs: each pair's angle twice
+    table = angles.float().view(6, 1, 1, 8)
+
+    def step(buf, bad):
+        q, k = buf[:, :, :1 + bad], buf[:, :, 1:2]
+        rd.apply_qk_(q, k, table, spec, backend="eager")  # (no alias of buf back: a DTensor's
+        # would be rebuilt by as_strided, which DTensor refuses)
+
+    torch._dynamo.reset()
+    run = torch.compile(step, fullgraph=True, backend="aot_eager")
+    full, at = torch.rand(2, 6, 2, 8, generator=gen) + 0.5, torch.arange(6).expand(2, 6)
+    for placements in (_placements([0]), _placements([1])):
+        buf = _shard(full, mesh, placements)
+        run(buf, 0)
+        want = torch.cat([reference_rope(full[:, :, i:i + 1], angles, at, False)
+                          for i in (0, 1)], dim=2)
+        assert_matches(buf.full_tensor(), want, F32, f"compiled apply_qk_ {placements}")
+        with pytest.raises(rd.RoPEError, match=r"^apply_qk_ cannot rotate q and k in place: "
+                           r"they share memory .* overlap in their first 8 channels"):
+            run(_shard(full, mesh, placements), 1)
+
+
 def _worker(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)
     os.environ.pop("ROPE_BACKEND", None)
@@ -715,6 +747,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                 _check_normed(mesh, case, rank, "graphs", in_place=in_place)
             torch._dynamo.reset()
             _check_multimodal(mesh, rank, "graphs")
+            _check_compiled_in_place_pair(mesh)
             torch._dynamo.reset()
             _check_dynamic_shapes(mesh, rank)
             torch._dynamo.reset()  # Inductor's code for one case: it compiles C++ on the CPU
