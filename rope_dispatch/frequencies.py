@@ -16,7 +16,7 @@ from .hf_layer_types import split as split_per_layer_type
 from .tracing import fake
 from .table_kinds import (
     FLOAT32_MAX, CosSinCache, RateTable, _base, _count, _positive, _rotary_dim, add_frequency_type,
-    angle_table, inverse_frequencies,
+    angle_table, inverse_frequencies, refuse_non_finite,
 )
 
 
@@ -78,13 +78,8 @@ class RotaryFrequencies:
         # (rates without memory, meta or fake tensors, cannot be read: a table of them neither;
         # nor while torch.compile traces, where reading them would break the graph)
         unread = torch.compiler.is_compiling() or rates.is_meta or fake(rates)
-        finite = None if unread else torch.isfinite(rates)
-        if finite is not None and not bool(finite.all()):  # NaN or infinite angles everywhere
-            pair = int((~finite).nonzero()[0, 0])
-            raise RoPEError(
-                f"inv_freq must hold finite rates, got {rates[pair].item()!r} at pair {pair} "
-                f"of {rates.numel()}"
-            )
+        if not unread:
+            refuse_non_finite(rates, "inv_freq")
         for name in ("attention_factor", "position_scale"):
             object.__setattr__(self, name, _positive(name, getattr(self, name)))
         if not isinstance(self.rope_type, str):

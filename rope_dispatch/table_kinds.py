@@ -231,14 +231,7 @@ class RateTable:
         # a CUDA graph captures, where no value may be read)
         if not (memoryless() or rates.is_meta or fake(rates) or (
                 rates.is_cuda and torch.cuda.is_current_stream_capturing())):
-            finite = torch.isfinite(rates)
-            if not bool(finite.all()):
-                pair = int((~finite).nonzero()[0, 0])
-                raise RoPEError(
-                    f"RateTable's inv_freq must be finite rates (the angles would be NaN or "
-                    f"infinite at every position), got {rates[pair].item()!r} at pair {pair} of "
-                    f"{rates.numel()}"
-                )
+            refuse_non_finite(rates, "RateTable's inv_freq")
         rows, d2 = self.rows, 2 * rates.numel()
         most = ((1 << 63) - 1) // d2  # the kernels' [rows, d2] view counts its elements in int64
         if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or not (
@@ -524,6 +517,18 @@ def address_reader(table: object) -> Callable[[Any], int | tuple[int, int]]:
     return _ADDRESS_READERS.get(type(table), _tensor_address)
 
 
+def refuse_non_finite(rates: torch.Tensor, name: str) -> None:
+    """Refuse 1-D ``rates`` (the argument ``name``) holding a NaN or an infinity, whose angles
+    would be NaN or infinite at every position; the error names the first."""
+    finite = torch.isfinite(rates)
+    if not bool(finite.all()):
+        pair = int((~finite).nonzero()[0, 0])
+        raise RoPEError(
+            f"{name} must hold finite rates (the angles would be NaN or infinite at every "
+            f"position), got {rates[pair].item()!r} at pair {pair} of {rates.numel()}"
+        )
+
+
 def table_tensors(table: object) -> tuple[torch.Tensor, ...]:
     """The caller's tensors a table holds: an angle table, a cache's members (a RateTable's
     rates are copied constants: none)."""
@@ -770,13 +775,7 @@ def _check_rates(inv_freq: object) -> None:
                else type(inv_freq).__name__)
         )
     if inv_freq.is_cpu and not (memoryless() or fake(inv_freq)):
-        finite = torch.isfinite(inv_freq)
-        if not bool(finite.all()):
-            pair = int((~finite).nonzero()[0, 0])
-            raise RoPEError(
-                f"inv_freq must hold finite rates, got {inv_freq[pair].item()!r} at pair {pair} "
-                f"of {inv_freq.numel()}"
-            )
+        refuse_non_finite(inv_freq, "inv_freq")
 
 
 def angle_table(
