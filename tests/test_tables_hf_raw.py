@@ -22,6 +22,19 @@ GEMMA3_FIELDS = {
 }
 
 
+def _assert_gemma3_rates(f, cos, sin, layer_type, scaling) -> None:
+    """``f``'s cos and sin equal transformers' ``cos`` and ``sin`` (CPU), and its rates the
+    float64 formula theta ** (-2k / d): 1e4 on sliding layers, 1e6 over the linear factor on
+    global ones (GEMMA3_FIELDS' head dim, 32)."""
+    cache = f.cos_sin_cache(cos.shape[1])
+    torch.testing.assert_close(cache.cos, cos[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(cache.sin, sin[0], rtol=0, atol=2e-6)
+    theta, factor = (1e4, 1.0) if layer_type == "sliding_attention" else (
+        1e6, 8.0 if scaling else 1.0)
+    rates = theta ** (-2 * torch.arange(16, dtype=torch.float64) / 32) / factor
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
+
+
 @pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 8.0}, None])
 @pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
 def test_transformers_4_gemma3_fields_per_layer_type(layer_type, scaling):
@@ -35,15 +48,7 @@ def test_transformers_4_gemma3_fields_per_layer_type(layer_type, scaling):
     cos, sin = module(torch.zeros(1, dtype=torch.float32), torch.arange(length)[None],
                       layer_type=layer_type)
     f = from_hf_config(SimpleNamespace(**fields), length, layer_type=layer_type)
-    cache = f.cos_sin_cache(length)
-    torch.testing.assert_close(cache.cos, cos[0], rtol=0, atol=2e-6)
-    torch.testing.assert_close(cache.sin, sin[0], rtol=0, atol=2e-6)
-    # and the float64 formula: theta ** (-2k / d), over the linear factor for global layers
-    theta, factor = (1e4, 1.0) if layer_type == "sliding_attention" else (
-        1e6, 8.0 if scaling else 1.0)
-    pairs = torch.arange(16, dtype=torch.float64)
-    rates = theta ** (-2 * pairs / 32) / factor
-    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
+    _assert_gemma3_rates(f, cos, sin, layer_type, scaling)
     with pytest.raises(RoPEError, match=r"per layer type \('sliding_attention', "
                                         r"'full_attention'\); pass layer_type="):
         from_hf_config(SimpleNamespace(**fields), length)
@@ -77,14 +82,7 @@ def test_gemma3_fields_without_a_local_base_are_split_per_layer_type(
     cos, sin = Gemma3RotaryEmbedding(hf)(torch.zeros(1, dtype=torch.float32),
                                          torch.arange(length)[None], layer_type=layer_type)
     f = from_hf_config(kind(given), length, layer_type=layer_type)
-    cache = f.cos_sin_cache(length)
-    torch.testing.assert_close(cache.cos, cos[0], rtol=0, atol=2e-6)
-    torch.testing.assert_close(cache.sin, sin[0], rtol=0, atol=2e-6)
-    theta, factor = (1e4, 1.0) if layer_type == "sliding_attention" else (
-        1e6, 8.0 if scaling else 1.0)
-    pairs = torch.arange(16, dtype=torch.float64)
-    rates = theta ** (-2 * pairs / 32) / factor
-    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
+    _assert_gemma3_rates(f, cos, sin, layer_type, scaling)
     # a config of another family without rope_local_base_freq stays flat
     other = dict(fields, model_type="llama")
     assert from_hf_config(kind(other), length).rope_type == ("linear" if scaling else "default")
