@@ -1583,8 +1583,9 @@ def _overlapping(case: str, qkv: torch.Tensor, k_cache: torch.Tensor, table: tor
 def test_compiled_calls_refuse_overlapping_memory(backend, case, refusal, request):
     """Under ``torch.compile(fullgraph=True)`` the call's tensors are fake while it traces, so
     its memory checks run in the graph, on its real tensors: q, q's output, a norm weight or the
-    table inside what the call writes, and a q_out that overlaps itself, is refused as in eager (the compiled step wrote the cache,
-    then read q, the weight or the table from it: q's output from the values just stored);
+    table inside what the call writes, and a q_out that overlaps itself, is refused as in eager
+    (the compiled step wrote the cache, then read q, the weight or the table from it: q's
+    output from the values just stored);
     the same step on memory apart gives the reference's q and cache. The descriptor, made in
     the step, has its caches checked there too (a v cache over the k cache)."""
     import torch._dynamo
