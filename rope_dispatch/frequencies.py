@@ -359,10 +359,10 @@ def longrope_frequencies(
     length = _count("seq_len", seq_len)
     factor = _positive("factor", factor)
     base = _base("rope_theta", rope_theta)
-    if length > original:
-        pair_factors = _factor_list("long_factor", long_factor, count)
-    else:
-        pair_factors = _factor_list("short_factor", short_factor, count)
+    # both lists are checked, whichever the length selects: a bad one is a bad model config
+    short = _factor_list("short_factor", short_factor, count)
+    long = _factor_list("long_factor", long_factor, count)
+    pair_factors = long if length > original else short
     if attention_factor is None:
         if factor <= 1.0:
             attention_factor = 1.0

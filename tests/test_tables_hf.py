@@ -764,6 +764,21 @@ def test_bad_longrope_mscale_is_named(length, key, bad):
         from_hf_config(config, length)
 
 
+@pytest.mark.parametrize("length", [16, 64], ids=["short-used", "long-used"])
+@pytest.mark.parametrize("key", ["short_factor", "long_factor"])
+@pytest.mark.parametrize("bad", [[1.0, math.nan] + [1.0] * 6, [1.0] * 7 + [0.0], [1.0] * 7],
+                         ids=["nan", "zero", "short"])
+def test_longrope_checks_the_factor_list_the_length_does_not_select(length, key, bad):
+    """Both lists are part of the model: a bad one was accepted while the sequence length
+    selected the other, and the same config then failed (or ran wrong) at another length."""
+    lists = {"short_factor": [1.0] * 8, "long_factor": [1.0] * 8, key: bad}
+    words = (rf"^{key} must be 8 finite positive numbers \(one per pair\), "
+             rf"got {re.escape(repr(bad))}$")
+    with pytest.raises(RoPEError, match=words):
+        tables.longrope_frequencies(16, original_max_position_embeddings=32, seq_len=length,
+                                    factor=2.0, **lists)
+
+
 def test_numpy_numbers_and_bad_helper_arguments():
     np = pytest.importorskip("numpy")
     config = SimpleNamespace(head_dim=np.int64(64), max_position_embeddings=np.int64(4096),
