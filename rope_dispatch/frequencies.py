@@ -845,10 +845,10 @@ def from_hf_config(
         # Phi-3.5-MoE gives its attention factor for each regime; its rotary embedding applies
         # the one of the running length (transformers 5.23 then keeps short_factor's rates at
         # any length, which its Phi-3 models and this function switch by that length).
-        mscale_key = "long_mscale" if length > original else "short_mscale"
-        mscale = value(mscale_key)
-        if mscale is not None:  # checked here, so that a bad one is named as what it is
-            mscale = _positive(mscale_key, mscale)
+        # Both are checked (here, so that a bad one is named as what it is), as both lists.
+        mscales = {key: value(key) for key in ("short_mscale", "long_mscale")}
+        mscales = {key: None if v is None else _positive(key, v) for key, v in mscales.items()}
+        mscale = mscales["long_mscale" if length > original else "short_mscale"]
         return longrope_frequencies(
             dim, short_factor=required("short_factor"), long_factor=required("long_factor"),
             original_max_position_embeddings=original, seq_len=length, factor=factor,

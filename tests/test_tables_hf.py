@@ -749,11 +749,13 @@ def test_longrope_short_and_long_mscale_are_the_attention_factor(length, mscale)
     torch.testing.assert_close(cache.cos[-1, :32].double(), mscale * torch.cos(angle), rtol=0, atol=2e-4)
 
 
-@pytest.mark.parametrize("length, key", [(64, "short_mscale"), (2048, "long_mscale")])
+@pytest.mark.parametrize("length", [64, 2048])
+@pytest.mark.parametrize("key", ["short_mscale", "long_mscale"])
 @pytest.mark.parametrize("bad", [math.nan, "1.2", 0.0])
 def test_bad_longrope_mscale_is_named(length, key, bad):
     """Phi-3.5-MoE's short_mscale and long_mscale are its attention factor; a bad one was
-    named ``attention_factor``, a field the config does not have."""
+    named ``attention_factor``, a field the config does not have, and one the length did not
+    select was not checked at all."""
     factors = [1.0] * 32
     config = _config(rope_type="longrope", short_factor=factors, long_factor=factors,
                      original_max_position_embeddings=1024, short_mscale=1.2, long_mscale=1.3)
