@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from rope_dispatch.errors import RoPEError
 from rope_dispatch.kv_cache import refuse_cache_overlaps, refuse_caches_overlap
 from rope_dispatch.overlap import refuse_self_overlap, refuse_written_overlaps
 from rope_dispatch.table_kinds import table_tensors
@@ -109,21 +110,43 @@ def written_apart(call: Any) -> torch.Tensor | None:
         exact_size(call.spec.rotary_offset))
 
 
+door: list[tuple[str, str, str] | None] = [None]
+"""Set by a door (a compat function) around its call of the core, for the in-graph cache checks
+to word a refusal as its eager checks do: ``(words, refusal, outs)``, ``words`` added to the
+core's refusal (how the door mapped its arguments), ``outs`` the door's names of q's output
+and the caches where they are its own outputs (``"q_name,k_name,v_name"``, an empty name where
+not), each refused as ``"{refusal} {name}"`` when it overlaps itself. ``None``: the core called
+directly."""
+
+
 @_check_op("cache_apart", "(Tensor q, Tensor k, Tensor v, Tensor? q_out, Tensor k_cache, "
-           "Tensor v_cache, Tensor? q_weight, Tensor? k_weight, Tensor[] tables, str kind)")
-def cache_apart_op(q, k, v, q_out, k_cache, v_cache, q_weight, k_weight, tables, kind) -> None:
+           "Tensor v_cache, Tensor? q_weight, Tensor? k_weight, Tensor[] tables, str kind, "
+           "str words, str refusal, str outs)")
+def cache_apart_op(q, k, v, q_out, k_cache, v_cache, q_weight, k_weight, tables, kind, words,
+                   refusal, outs) -> None:
     """Refuse what :func:`~rope_dispatch.kv_cache.refuse_cache_overlaps` refuses, a q_out that
     overlaps itself, and caches that overlap (the descriptor's checks, skipped where it is made
-    while tracing)."""
+    while tracing); worded as the door's eager checks (:data:`door`) where a door called."""
     key = (kind, *map(_form, (q, k, v, q_out, k_cache, v_cache, q_weight, k_weight, *tables)))
-    if not _kept(key):
+    if _kept(key):
+        return
+    if outs:  # the door's own outputs: its own check first, as eagerly
+        for name, x in zip(outs.split(","), (q_out, k_cache, v_cache)):
+            if name and x is not None:
+                refuse_self_overlap(x, name, f"{refusal} {name}",
+                                    f"give {name} memory of its own")
+    try:
         if q_out is not None:  # (_check_q_out's, skipped while traced)
             refuse_self_overlap(q_out, "q_out", "rope_to_cache cannot write q's output",
                                 "give q_out memory of its own")
         refuse_caches_overlap(k_cache, v_cache, (f"{kind} k_cache", f"{kind} v_cache"))
         refuse_cache_overlaps(kind, k_cache, v_cache, q, k, v, q_out, q_weight, k_weight,
                               tuple(tables))
-        _verdicts.add(key)
+    except RoPEError as error:
+        if not words:
+            raise
+        raise type(error)(f"{error} {words}") from error
+    _verdicts.add(key)
 
 
 def cache_apart(call: Any) -> torch.Tensor | None:
@@ -138,7 +161,7 @@ def cache_apart(call: Any) -> torch.Tensor | None:
         call.t.detach(), call.k.detach(), write.v.detach(),
         None if q_out is None else q_out.detach(), cache.k_cache.detach(),
         cache.v_cache.detach(), *weights, [x.detach() for x in table_tensors(call.table)],
-        type(cache).__name__)
+        type(cache).__name__, *(door[0] or ("", "", "")))
 
 
 @_check_op("outs_apart", "(Tensor[] tensors, str names, str refusal, SymInt selves, "

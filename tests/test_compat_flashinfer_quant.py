@@ -1236,3 +1236,59 @@ def test_compiled_doors_refuse_outputs_that_overlap(door, case):
         run, _ = _compiled_door(door, *outs)
         with pytest.raises(rd.RoPEError, match=refusal):
             run()
+
+
+
+def _refused_by_the_core(case):
+    """A door's call (no q_nope: q's outputs not checked by the door's own in-graph op) that the
+    core's cache checks refuse, its arguments made outside (a compiled call takes them)."""
+    fp8 = dict(dtype=torch.float8_e4m3fn)
+    if not case.startswith(("mla", "gqa")):
+        args = small("gqa")
+        args.update(q_nope=None, k_nope=None)
+        if case == "k_rope_out overlaps itself":
+            args.update(k_rope_out=torch.zeros(100, **fp8).as_strided((5, 2, 8), (8, 8, 1)))
+        elif case == "k_rope_out inside q_rope_out":
+            q_out = torch.zeros(5, 4, 8, **fp8)
+            args.update(q_rope_out=q_out, k_rope_out=q_out[:, :2])
+        else:
+            args.update(q_rope_out=torch.zeros(200, **fp8).as_strided((5, 4, 8), (8, 8, 1)))
+        return lambda: rope_quantize_fp8(**args)
+    args = small(case[:3])
+    index = dict(dtype=torch.int32)
+    args.update(q_nope=None, kv_indices=torch.tensor([2, 0, 1, 3], **index),
+                kv_indptr=torch.tensor([0, 2, 4], **index),
+                batch_indices=torch.tensor([0, 0, 1, 1, -1], **index),
+                positions=torch.tensor([0, 5, 2, 3, 0], **index), page_size=4)
+    if case.startswith("mla"):
+        memory = torch.zeros(256, **fp8)  # q_rope_out inside kpe_cache
+        args.update(v=None, q_rope_out=memory[64:224].view(5, 4, 8),
+                    paged_kv_cache=(torch.zeros(4, 4, 4, **fp8), memory[:128].view(4, 4, 8)))
+    else:
+        memory = torch.zeros(384, **fp8)  # the k and v caches overlap
+        args.update(k_nope=None, v=torch.zeros(5, 2, 8, dtype=torch.bfloat16),
+                    paged_kv_cache=(memory[:256].view(4, 4, 2, 8),
+                                    memory[128:].view(4, 4, 2, 8)))
+    return lambda: rope_quantize_fp8_append_paged_kv_cache(**args)
+
+
+@pytest.mark.parametrize("case, name", [
+    ("k_rope_out overlaps itself", "k_rope_out"), ("k_rope_out inside q_rope_out", "k_rope_out"),
+    ("q_rope_out overlaps itself", "q_rope_out"),
+    ("mla q_rope_out inside kpe_cache", "kpe_cache"), ("gqa caches overlap", "paged_kv_cache")])
+def test_compiled_doors_word_the_cores_refusals_as_eager(case, name):
+    """A compiled door's memory the core refuses in the graph (on its real tensors) was refused
+    in the core's words (``FlatKVCache k_cache``, ``q_out``), not naming the door's argument as
+    the eager door does (its own check, or the core's refusal with how it maps its arguments):
+    the same message now."""
+    import torch._dynamo
+
+    call = _refused_by_the_core(case)
+    with torch.no_grad():
+        with pytest.raises(rd.RoPEError) as eager:
+            call()
+        torch._dynamo.reset()
+        with pytest.raises(rd.RoPEError) as compiled:
+            torch.compile(call, fullgraph=True, backend="aot_eager")()
+    assert name in str(eager.value)
+    assert str(compiled.value) == str(eager.value)

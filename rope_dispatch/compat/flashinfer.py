@@ -70,7 +70,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..backends.written import add_written, outs_apart
+from ..backends.written import add_written, door, outs_apart
 from ..overlap import expanded_dim, refuse_self_overlap, refuse_shared
 from ..dispatch import _scoped_or_env_backend, apply_qk_, rope_to_cache
 from ..errors import RoPEError, RoPETypeError
@@ -304,6 +304,7 @@ def rope_quantize_fp8(
     apart = _written_apart("q_nope_out", q_nope_out, others)
     if q_rope.shape[0]:
         heads = _one_head if mla else _as_is
+        door[0] = _FLAT_DOOR  # (the in-graph checks' words, traced)
         try:
             slots = torch.arange(q_rope.shape[0], device=k_rope.device)
             cache = FlatKVCache(heads(k_rope_out), heads(k_nope_out), slots,
@@ -313,6 +314,8 @@ def rope_quantize_fp8(
                           q_out=q_rope_out, q_scale=q_scale)
         except RoPEError as error:
             raise _mapped(error, name, _FLAT_MAPPING) from error
+        finally:
+            door[0] = None
     _quantize_into(q_nope_out, q_nope, q_scale, apart)
     return q_rope_out, k_rope_out, q_nope_out, k_nope_out
 
@@ -413,6 +416,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
         others = (("q_rope_out", q_rope_out), ("q_nope", q_nope),
                   *zip(("ckv_cache", "kpe_cache"), caches))
         apart = _written_apart("q_nope_out", q_nope_out, others)
+        door[0] = _PAGED_MLA_DOOR
         try:
             cache = _paged_cache(caches, kv_indices, kv_indptr, batch_indices, positions, "NHD",
                                  page_size, kv_scale, mla=True)
@@ -420,6 +424,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
                           positions=pos_ids, cache=cache, q_out=q_rope_out, q_scale=q_scale)
         except RoPEError as error:
             raise _mapped(error, name, _PAGED_MLA_MAPPING) from error
+        finally:
+            door[0] = None
         _quantize_into(q_nope_out, q_nope, q_scale, apart)
         return q_rope_out, q_nope_out
     if not isinstance(v, torch.Tensor):
@@ -441,6 +447,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
         q_into = torch.empty_like(q, dtype=dtype)
     else:
         q_into = q_out
+    door[0] = _PAGED_DOOR
     try:
         cache = _paged_cache(caches, kv_indices, kv_indptr, batch_indices, positions, kv_layout,
                              page_size, kv_scale, traced=traced)
@@ -448,6 +455,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
                               q_out=q_into, q_scale=q_scale)
     except RoPEError as error:
         raise _mapped(error, name, _PAGED_MAPPING) from error
+    finally:
+        door[0] = None
     if q_out is None:
         rope_dim = q_rope.shape[-1]
         q_rope_out.copy_(add_written(q_rot[..., :rope_dim], aparts[0]))
@@ -735,6 +744,16 @@ _PAGED_MLA_MAPPING = ("q=q_rope, k=k_rope, v=k_nope, freqs=cos_sin_cache, positi
 _PAGED_MAPPING = ("q=q_rope joined with q_nope, k=k_rope joined with k_nope, v=v, "
                   "freqs=cos_sin_cache, positions=pos_ids, a FlashInferPagedKVCache of "
                   "paged_kv_cache, positions=positions, q_out=q_rope_out joined with q_nope_out")
+
+
+# What a compiled door's in-graph cache checks add to a refusal, and its own outputs among what
+# they check (backends.written.door): its eager refusals' words.
+_FLAT_DOOR = (f"(rope_quantize_fp8 calls rope_dispatch.rope_to_cache with {_FLAT_MAPPING})",
+              "the FP8 prologue cannot write", "q_rope_out,k_rope_out,k_nope_out")
+_PAGED_MLA_DOOR = ("(rope_quantize_fp8_append_paged_kv_cache calls rope_dispatch.rope_to_cache "
+                   f"with {_PAGED_MLA_MAPPING})", "the FP8 prologue cannot write", "q_rope_out,,")
+_PAGED_DOOR = ("(rope_quantize_fp8_append_paged_kv_cache calls rope_dispatch.rope_to_cache "
+               f"with {_PAGED_MAPPING})", "", "")
 
 
 _INPLACE_MAPPING = ("t=query, k=key (each as [nnz, heads, head_size]), freqs=cos_sin_cache, "
