@@ -46,7 +46,7 @@ from .triton_launch import (
     run,
 )
 from .eager import rope_eager, rope_to_cache_eager
-from .written import refuse_written_once
+from .written import door, refuse_written_once
 from .triton_tables import current_stream, on_device
 
 # torch.autograd.graph.increment_version's C entry, without its Python wrapper (a tensor or a
@@ -244,23 +244,29 @@ def op_launch(described: Launch) -> str:
 def triton_rope_op(
     inputs: list[torch.Tensor], table: torch.Tensor, sin: torch.Tensor | None,
     k_table: torch.Tensor | None, k_sin: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-    index: torch.Tensor | None, described: str, written: int,
+    index: torch.Tensor | None, described: str, written: int, words: str,
 ) -> list[torch.Tensor]:
     """A launch (:func:`op_launch`) as an opaque op for torch.compile: new contiguous outputs.
     ``written``: a traced in-place call's rotary dim, whose memory checks the op runs first on
     the graph's real tensors (:func:`~.written.refuse_written_once`); else 0. (No default: the
-    dispatcher drops an argument equal to its default, which changes the backward's arity.)"""
+    dispatcher drops an argument equal to its default, which changes the backward's arity.)
+    ``words``: a door's (``written.door``), added to a refusal."""
     launch = _decoded(described)
     if written:
-        refuse_written_once(inputs[0], inputs[1] if len(inputs) > 1 else None, None, None,
-                            (table,) if sin is None or sin is table else (table, sin), written,
-                            launch.offset)
+        try:
+            refuse_written_once(inputs[0], inputs[1] if len(inputs) > 1 else None, None, None,
+                                (table,) if sin is None or sin is table else (table, sin),
+                                written, launch.offset)
+        except RoPEError as error:
+            if not words:
+                raise
+            raise type(error)(f"{error} {words}") from error
     return list(run(launch, inputs, Tables(table, sin, cu_seqlens, index, k_table, k_sin)))
 
 
 @triton_rope_op.register_fake
 def _triton_rope_fake(inputs, table, sin, k_table, k_sin, cu_seqlens, index, described,
-                      written):
+                      written, words):
     return list(outputs(_decoded(described), inputs))
 
 
@@ -274,10 +280,10 @@ def _op_setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
 def _op_backward(ctx: Any, grads: list[torch.Tensor | None]):
     unused = [g is None for g in grads]  # an output unused: its input gets None, as apply's
     back = op_launch(_decoded(ctx.described).transposed())
-    made = triton_rope_op(_filled(grads, ctx.likes), *ctx.saved_tensors, back, 0)
+    made = triton_rope_op(_filled(grads, ctx.likes), *ctx.saved_tensors, back, 0, "")
     if len(made) == len(unused):  # (a packed qkv call: one input, its gradient in one piece)
         made = [None if idle else g for g, idle in zip(made, unused)]
-    return (made,) + (None,) * 8
+    return (made,) + (None,) * 9
 
 
 triton_rope_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -331,7 +337,8 @@ def rope(call: RoPECall) -> Any:
         checked = described.in_place and torch.compiler.is_compiling()
         made = triton_rope_op(list(inputs), table, sin, k_table, k_sin, call.spec.cu_seqlens,
                               position_index(call), op_launch(_constants(described, call)),
-                              exact_size(call.rotary_dim) if checked else 0)
+                              exact_size(call.rotary_dim) if checked else 0,
+                              door[0][0] if checked and door[0] else "")
         if described.in_place:  # (the op checked the memory of a compiled call first)
             made = [x.copy_(out) for x, out in zip(inputs, made)]
         return _result(described, made)

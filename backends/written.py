@@ -90,11 +90,26 @@ def _check_op(name: str, schema: str) -> Callable[[Callable[..., None]], Any]:
     return define
 
 
+door: list[tuple[str, str, str] | None] = [None]
+"""Set by a door (a compat function) around its call of the core, for the in-graph checks to
+word a refusal as its eager checks do: ``(words, refusal, outs)``, ``words`` added to the
+core's refusal (how the door mapped its arguments), ``outs`` the door's names of q's output
+and the caches where they are its own outputs (``"q_name,k_name,v_name"``, an empty name where
+not), each refused as ``"{refusal} {name}"`` when it overlaps itself. ``None``: the core called
+directly."""
+
+
 @_check_op("written_apart", "(Tensor t, Tensor? k, Tensor? q_weight, Tensor? k_weight, "
-           "Tensor[] tables, SymInt d2, SymInt offset)")
-def written_apart_op(t, k, q_weight, k_weight, tables, d2, offset) -> None:
-    """Refuse what :func:`~rope_dispatch.overlap.refuse_written_overlaps` refuses."""
-    refuse_written_once(t, k, q_weight, k_weight, tables, d2, offset)
+           "Tensor[] tables, SymInt d2, SymInt offset, str words)")
+def written_apart_op(t, k, q_weight, k_weight, tables, d2, offset, words) -> None:
+    """Refuse what :func:`~rope_dispatch.overlap.refuse_written_overlaps` refuses, ``words``
+    (a door's, :data:`door`) added to the refusal."""
+    try:
+        refuse_written_once(t, k, q_weight, k_weight, tables, d2, offset)
+    except RoPEError as error:
+        if not words:
+            raise
+        raise type(error)(f"{error} {words}") from error
 
 
 def written_apart(call: Any) -> torch.Tensor | None:
@@ -107,16 +122,7 @@ def written_apart(call: Any) -> torch.Tensor | None:
     return written_apart_op(
         call.t.detach(), None if call.k is None else call.k.detach(), *weights,
         [x.detach() for x in table_tensors(call.table)], exact_size(call.rotary_dim),
-        exact_size(call.spec.rotary_offset))
-
-
-door: list[tuple[str, str, str] | None] = [None]
-"""Set by a door (a compat function) around its call of the core, for the in-graph cache checks
-to word a refusal as its eager checks do: ``(words, refusal, outs)``, ``words`` added to the
-core's refusal (how the door mapped its arguments), ``outs`` the door's names of q's output
-and the caches where they are its own outputs (``"q_name,k_name,v_name"``, an empty name where
-not), each refused as ``"{refusal} {name}"`` when it overlaps itself. ``None``: the core called
-directly."""
+        exact_size(call.spec.rotary_offset), door[0][0] if door[0] else "")
 
 
 @_check_op("cache_apart", "(Tensor q, Tensor k, Tensor v, Tensor? q_out, Tensor k_cache, "

@@ -702,7 +702,7 @@ def _rotate_in_place(t: DTensor, k: DTensor | None, p: _Prepared, backend: str |
         from .backends.written import written_apart_op
 
         apart = written_apart_op(t.to_local().detach(), k.to_local().detach(), None, None, [],
-                                 exact_size(t.shape[-1]), 0)
+                                 exact_size(t.shape[-1]), 0, "")
     # a norm stage's backward reads its input, which the copy below overwrites: it reads a copy
     made = [_one(x.clone() if stage is not None and wanted else x, p, stage, backend)
             for x, stage in zip(targets, p.norms)]

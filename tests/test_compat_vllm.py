@@ -667,3 +667,45 @@ def test_core_errors_say_how_the_door_mapped_its_arguments():
                        r"with t=qkv's q heads.*positions=position_ids, q_norm=q_weight"):
         fused_qk_norm_rope(torch.randn(3, 64), 2, 1, 1, 16, 1e-6, torch.ones(16), torch.ones(16),
                            cache, True, torch.arange(3))
+
+
+def _overlapping_door_call(door):
+    """An in-place door's call whose memory the core refuses (q and k sharing elements, a norm
+    weight inside what is written), its tensors made outside (a compiled call takes them)."""
+    from rope_dispatch.compat.flashinfer import apply_rope_with_cos_sin_cache_inplace
+
+    gen = torch.Generator().manual_seed(3)
+    cache, positions = torch.randn(16, 8, generator=gen), torch.arange(3)
+    buf = torch.randn(3, 64, generator=gen)
+    q, k = buf[:, :32], buf[:, 16:48]  # k's first head is q's third
+    if door == "flashinfer":
+        return lambda: apply_rope_with_cos_sin_cache_inplace(positions, q, k, 8, cache)
+    if door == "rotary_embedding":
+        return lambda: rotary_embedding(positions, q, k, 8, cache, True)
+    qkv = torch.randn(3, 6 * 8, generator=gen)
+    weight = qkv[0, :8]  # q's norm weight inside what is written
+    return lambda: fused_qk_norm_rope(qkv, 2, 2, 2, 8, 1e-6, weight, torch.ones(8), cache, True,
+                                      positions)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("door, name", [("flashinfer", "apply_rope_with_cos_sin_cache_inplace"),
+                                        ("rotary_embedding", "rotary_embedding"),
+                                        ("fused_qk_norm_rope", "fused_qk_norm_rope")])
+def test_compiled_in_place_doors_word_the_cores_refusals_as_eager(request, backend, door, name):
+    """Compiled, an in-place door's memory checks run in the graph (on its real tensors), after
+    the door's try/except has returned: the refusal lacked how the door maps its arguments onto
+    the core's (query, key, q_weight), which the eager refusal gives. The same message now."""
+    import torch._dynamo
+
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")  # (its op checks the memory itself)
+    call = _overlapping_door_call(door)
+    with torch.no_grad(), rd.use_backend(backend):
+        with pytest.raises(rd.RoPEError) as eager:
+            call()
+        torch._dynamo.reset()
+        with pytest.raises(rd.RoPEError) as compiled:
+            torch.compile(call, fullgraph=True, backend="aot_eager")()
+    assert f"({name} calls rope_dispatch.apply_qk_ with " in str(eager.value)
+    assert str(compiled.value) == str(eager.value)

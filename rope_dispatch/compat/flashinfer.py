@@ -194,12 +194,15 @@ def apply_rope_with_cos_sin_cache_inplace(
     _floating("query", q)
     if positions is None:  # the core would ask for a thd spec's cu_seqlens instead
         raise RoPETypeError("positions must be an int32 or int64 tensor [nnz], got None")
+    door[0] = _INPLACE_DOOR  # (the in-graph checks' words, traced)
     try:
         apply_qk_(q, k, _pair_cache(cos_sin_cache), _spec(query.dtype, not is_neox),
                   positions=positions)
     except RoPEError as error:
         raise _mapped(error, "apply_rope_with_cos_sin_cache_inplace", _INPLACE_MAPPING,
                       "apply_qk_") from error
+    finally:
+        door[0] = None
 
 
 def _floating(name: str, x: torch.Tensor) -> None:
@@ -746,16 +749,6 @@ _PAGED_MAPPING = ("q=q_rope joined with q_nope, k=k_rope joined with k_nope, v=v
                   "paged_kv_cache, positions=positions, q_out=q_rope_out joined with q_nope_out")
 
 
-# What a compiled door's in-graph cache checks add to a refusal, and its own outputs among what
-# they check (backends.written.door): its eager refusals' words.
-_FLAT_DOOR = (f"(rope_quantize_fp8 calls rope_dispatch.rope_to_cache with {_FLAT_MAPPING})",
-              "the FP8 prologue cannot write", "q_rope_out,k_rope_out,k_nope_out")
-_PAGED_MLA_DOOR = ("(rope_quantize_fp8_append_paged_kv_cache calls rope_dispatch.rope_to_cache "
-                   f"with {_PAGED_MLA_MAPPING})", "the FP8 prologue cannot write", "q_rope_out,,")
-_PAGED_DOOR = ("(rope_quantize_fp8_append_paged_kv_cache calls rope_dispatch.rope_to_cache "
-               f"with {_PAGED_MAPPING})", "", "")
-
-
 _INPLACE_MAPPING = ("t=query, k=key (each as [nnz, heads, head_size]), freqs=cos_sin_cache, "
                     "positions=positions")
 
@@ -766,7 +759,27 @@ def _mapped(error: RoPEError, function: str, mapping: str,
     arguments onto ``core``'s (raised from the core's). A door catches the core's errors with a
     plain ``try`` (free where nothing is raised) rather than a generator context manager, which
     cost about 2 us a call."""
-    return type(error)(f"{error} ({function} calls rope_dispatch.{core} with {mapping})")
+    return type(error)(f"{error} {_words(function, mapping, core)}")
+
+
+def _words(function: str, mapping: str, core: str = "rope_to_cache") -> str:
+    return f"({function} calls rope_dispatch.{core} with {mapping})"
+
+
+def _door_words(function: str, mapping: str, core: str = "rope_to_cache", refusal: str = "",
+               outs: str = "") -> tuple[str, str, str]:
+    """What a compiled door's in-graph checks add to the core's refusal (:func:`_mapped`'s
+    words), and its own outputs among what they check (``backends.written.door``)."""
+    return _words(function, mapping, core), refusal, outs
+
+
+_FLAT_DOOR = _door_words("rope_quantize_fp8", _FLAT_MAPPING, refusal="the FP8 prologue cannot "
+                        "write", outs="q_rope_out,k_rope_out,k_nope_out")
+_PAGED_MLA_DOOR = _door_words("rope_quantize_fp8_append_paged_kv_cache", _PAGED_MLA_MAPPING,
+                             refusal="the FP8 prologue cannot write", outs="q_rope_out,,")
+_PAGED_DOOR = _door_words("rope_quantize_fp8_append_paged_kv_cache", _PAGED_MAPPING)
+_INPLACE_DOOR = _door_words("apply_rope_with_cos_sin_cache_inplace", _INPLACE_MAPPING,
+                           "apply_qk_")
 
 
 def _described(x: object) -> str:

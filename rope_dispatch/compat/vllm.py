@@ -54,6 +54,7 @@ from typing import Optional
 
 import torch
 
+from ..backends.written import door
 from ..dispatch import apply_, apply_qk_
 from ..errors import RoPEError, RoPETypeError
 from ..norm import HeadNorm, zero_eps_norm
@@ -61,7 +62,7 @@ from ..spec import RoPESpec, constant_spec, dtype_name
 from ..table_kinds import _normal_tensors
 from ..tables import PairCosSinCache
 from ..tracing import memoryless
-from .flashinfer import _flag, _floating, _mapped, _pair_cache
+from .flashinfer import _flag, _floating, _mapped, _pair_cache, _door_words
 
 __all__ = ["rotary_embedding", "fused_qk_norm_rope"]
 
@@ -237,12 +238,16 @@ def rotary_embedding(
     spec = _spec("thd" if len(lead) == 1 else "bshd", query.dtype, not is_neox, inverse)
     try:
         if k is None:
+            door[0] = _ROTARY_ALONE_DOOR  # (the in-graph checks' words, traced)
             apply_(q, table, spec, positions=positions)
         else:
+            door[0] = _ROTARY_DOOR
             apply_qk_(q, k, table, spec, positions=positions)
     except RoPEError as error:
         raise (_mapped(error, "rotary_embedding", _ROTARY_ALONE, "apply_") if k is None else
                _mapped(error, "rotary_embedding", _ROTARY_MAPPING, "apply_qk_")) from error
+    finally:
+        door[0] = None
 
 
 def _weight(name: str, weight: object, head_dim: int, dtype: torch.dtype) -> HeadNorm:
@@ -307,12 +312,15 @@ def fused_qk_norm_rope(
         raise type(error)(str(error).replace("HeadNorm eps", "eps")) from error
     heads = qkv.view(qkv.shape[0], hq + hk + hv, head_dim)
     table, positions = _table(cos_sin_cache, positions)
+    door[0] = _FUSED_DOOR  # (the in-graph checks' words, traced)
     try:
         apply_qk_(heads[:, :hq], heads[:, hq : hq + hk], table,
                   _spec("thd", qkv.dtype, not is_neox), positions=positions, q_norm=q_norm,
                   k_norm=k_norm)
     except RoPEError as error:
         raise _mapped(error, "fused_qk_norm_rope", _FUSED_MAPPING, "apply_qk_") from error
+    finally:
+        door[0] = None
 
 
 # How each door maps its arguments onto the core's, for the core's errors (_mapped).
@@ -322,3 +330,6 @@ _ROTARY_ALONE = ("t=query (as heads of head_size, from rope_dim_offset), freqs=c
                  "positions=positions")
 _FUSED_MAPPING = ("t=qkv's q heads, k=qkv's k heads (each [num_tokens, heads, head_dim]), "
                   "freqs=cos_sin_cache, positions=position_ids, q_norm=q_weight, k_norm=k_weight")
+_ROTARY_DOOR = _door_words("rotary_embedding", _ROTARY_MAPPING, "apply_qk_")
+_ROTARY_ALONE_DOOR = _door_words("rotary_embedding", _ROTARY_ALONE, "apply_")
+_FUSED_DOOR = _door_words("fused_qk_norm_rope", _FUSED_MAPPING, "apply_qk_")
