@@ -829,6 +829,36 @@ def test_a_deep_copy_of_a_patched_model_holds_the_family_until_unpatched():
     assert module.apply_rotary_pos_emb is original
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["of-the-model", "of-its-deep-copy"])
+def test_a_deep_copy_of_a_part_of_a_patched_model_holds_the_family_until_unpatched(whole):
+    """A ``copy.deepcopy`` of a layer of a patched Llama (of the model, or of the model's own
+    deep copy) runs our apply_rotary_pos_emb as the model's layer does, and was not held:
+    unpatching the model gave the name back and the copy ran unfused. It is held, as a whole
+    model's copy is, until ``unpatch(copy)``; a part copied within a model's copy is held by
+    that copy alone."""
+    import copy
+
+    module = modeling("Llama")
+    original = module.apply_rotary_pos_emb
+    model = tiny_model("Llama")
+    hf.patch(model)
+    source = model
+    if whole:
+        source = copy.deepcopy(model)
+        held = len(hf._holders)
+        hf.unpatch(model)
+        assert len(hf._holders) == held - 1  # the model's copy alone, not its parts too
+    layer = copy.deepcopy(source.model.layers[0])
+    hf.unpatch(source)
+    assert module.apply_rotary_pos_emb is hf.apply_rotary_pos_emb
+    hf.unpatch(layer)
+    assert module.apply_rotary_pos_emb is original
+    copy.deepcopy(model.model.layers[1])  # unpatched: a copy holds nothing
+    hf.patch(model)
+    hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is original
+
+
 @pytest.mark.parametrize("family", ["Llama", "Qwen3"])
 def test_unpatch_releases_the_last_forwards_cos_and_sin(family):
     """After ``unpatch`` no call of ours comes to release what the last one kept for the next

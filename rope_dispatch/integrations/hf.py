@@ -189,27 +189,29 @@ name, global name) pairs it was patched for: :func:`unpatch` of one model restor
 once no other such model holds it."""
 
 
-_MARK = "_rope_dispatch_patched"
-"""The attribute :func:`patch` sets on the model passed (a :class:`_Patched`)."""
+_MARK = "_rope_dispatch_patched"  # patch's mark (a _Patched) on the model and its attentions
 
 
 class _Patched:
-    """Set on a model passed to :func:`patch`, so that a ``copy.deepcopy`` of it (an EMA copy,
-    say) is held as the model is: its forwards are copied ours, and the family's names must
-    stay ours until the copy too is unpatched. Pickled (``torch.save``) it loads as a mark of
-    no model: a model loaded is not patched."""
+    """Set on a model passed to :func:`patch` and on its attentions, so that a ``copy.deepcopy``
+    of it or of a part (an EMA copy, a layer) is held as the model is: the family's names stay
+    ours until the copy too is unpatched (a part copied in its model's copy: that copy holds
+    it). Pickled (``torch.save``) it loads as a mark of no model: a loaded model is unpatched."""
 
-    __slots__ = ("model",)
+    __slots__ = ("model", "root")
 
-    def __init__(self, model: torch.nn.Module | None = None):
-        self.model = None if model is None else weakref.ref(model)
+    def __init__(self, model: torch.nn.Module | None = None, root: torch.nn.Module | None = None):
+        self.model, self.root = (None if x is None else weakref.ref(x) for x in (model, root))
 
     def __deepcopy__(self, memo: dict) -> _Patched:
         model = None if self.model is None else self.model()
-        held = None if model is None else _holders.get(model)
+        root = model if self.root is None else self.root()
+        held = None if root is None else _holders.get(root)
         twin = None if held is None else memo.get(id(model))  # made before its state is copied
         if not isinstance(twin, torch.nn.Module):
             return _Patched()
+        if root is not model and isinstance(memo.get(id(root)), torch.nn.Module):
+            return _Patched(twin, memo[id(root)])  # a part of its model's copy
         _holders[twin] = held
         return _Patched(twin)
 
@@ -778,6 +780,12 @@ def patch(model: Model) -> Model:
         hf_llama4.fuse(attention, eps)
     _holders[model] = _holders.get(model, frozenset()) | frozenset(targets)
     vars(model)[_MARK] = _Patched(model)
+    kinds = {module_name for module_name, _ in targets}
+    attentions = tuple(getattr(sys.modules[m], a) for m, a, _ in SUPPORTED_MODELS.values()
+                       if m in kinds and hasattr(sys.modules[m], a))
+    for part in model.modules():
+        if part is not model and isinstance(part, attentions):
+            vars(part)[_MARK] = _Patched(part, model)
     return model
 
 
@@ -795,6 +803,8 @@ def unpatch(model: torch.nn.Module) -> None:
         if id(holder) in parts or any(part is model for part in holder.modules()):
             del _holders[holder]
             vars(holder).pop(_MARK, None)
+    for part in model.modules():
+        vars(part).pop(_MARK, None)
     if any(not held.isdisjoint(targets) for held in _holders.values()):
         gc.collect()  # a model dropped while patched may wait in a reference cycle
     held = set().union(*_holders.values())
