@@ -709,3 +709,29 @@ def test_compiled_in_place_doors_word_the_cores_refusals_as_eager(request, backe
             torch.compile(call, fullgraph=True, backend="aot_eager")()
     assert f"({name} calls rope_dispatch.apply_qk_ with " in str(eager.value)
     assert str(compiled.value) == str(eager.value)
+
+
+
+def test_a_door_in_another_thread_does_not_recompile_a_compiled_core_call():
+    """A compiled core call's graph reads the door's words (backends.written.door, ``None``
+    without a door): shared by the threads and guarded, a door running eagerly in another
+    thread (a serving worker) made each entry here recompile. They are per thread."""
+    import threading
+
+    import torch._dynamo
+    from rope_dispatch.backends import written
+
+    graphs = []
+    table, positions = rd.PairCosSinCache(torch.randn(16, 8)), torch.arange(3)
+    q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    spec = rd.RoPESpec(layout="thd", dtype=torch.float32)
+    torch._dynamo.reset()
+    run = torch.compile(lambda: rd.apply_qk_(q, k, table, spec, positions=positions),
+                        backend=lambda gm, _: graphs.append(gm) or gm.forward)
+    run()
+    made = len(graphs)
+    worker = threading.Thread(target=lambda: setattr(written.door, "words", ("(x)", "", "")))
+    worker.start()
+    worker.join()  # (as if in the middle of its door's call)
+    run()
+    assert len(graphs) == made
