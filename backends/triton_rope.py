@@ -46,7 +46,7 @@ from .triton_launch import (
     run,
 )
 from .eager import rope_eager, rope_to_cache_eager
-from .written import door, refuse_written_once
+from .written import door, refuse_written_once, worded
 from .triton_tables import current_stream, on_device
 
 # torch.autograd.graph.increment_version's C entry, without its Python wrapper (a tensor or a
@@ -253,14 +253,10 @@ def triton_rope_op(
     ``words``: a door's (``written.door``), added to a refusal."""
     launch = _decoded(described)
     if written:
-        try:
+        with worded(words):
             refuse_written_once(inputs[0], inputs[1] if len(inputs) > 1 else None, None, None,
                                 (table,) if sin is None or sin is table else (table, sin),
                                 written, launch.offset)
-        except RoPEError as error:
-            if not words:
-                raise
-            raise type(error)(f"{error} {words}") from error
     return list(run(launch, inputs, Tables(table, sin, cu_seqlens, index, k_table, k_sin)))
 
 

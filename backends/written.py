@@ -20,7 +20,8 @@ same memory (a decode or training step) checks once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -107,17 +108,24 @@ class _Door(threading.local):
 door = _Door()
 
 
+@contextmanager
+def worded(words: str) -> Iterator[None]:
+    """A refusal raised inside, with a door's ``words`` (how it mapped its arguments) added."""
+    try:
+        yield
+    except RoPEError as error:
+        if not words:
+            raise
+        raise type(error)(f"{error} {words}") from error
+
+
 @_check_op("written_apart", "(Tensor t, Tensor? k, Tensor? q_weight, Tensor? k_weight, "
            "Tensor[] tables, SymInt d2, SymInt offset, str words)")
 def written_apart_op(t, k, q_weight, k_weight, tables, d2, offset, words) -> None:
     """Refuse what :func:`~rope_dispatch.overlap.refuse_written_overlaps` refuses, ``words``
     (a door's, :data:`door`) added to the refusal."""
-    try:
+    with worded(words):
         refuse_written_once(t, k, q_weight, k_weight, tables, d2, offset)
-    except RoPEError as error:
-        if not words:
-            raise
-        raise type(error)(f"{error} {words}") from error
 
 
 def written_apart(call: Any) -> torch.Tensor | None:
@@ -149,17 +157,13 @@ def cache_apart_op(q, k, v, q_out, k_cache, v_cache, q_weight, k_weight, tables,
             if name and x is not None:
                 refuse_self_overlap(x, name, f"{refusal} {name}",
                                     f"give {name} memory of its own")
-    try:
+    with worded(words):
         if q_out is not None:  # (_check_q_out's, skipped while traced)
             refuse_self_overlap(q_out, "q_out", "rope_to_cache cannot write q's output",
                                 "give q_out memory of its own")
         refuse_caches_overlap(k_cache, v_cache, (f"{kind} k_cache", f"{kind} v_cache"))
         refuse_cache_overlaps(kind, k_cache, v_cache, q, k, v, q_out, q_weight, k_weight,
                               tuple(tables))
-    except RoPEError as error:
-        if not words:
-            raise
-        raise type(error)(f"{error} {words}") from error
     _verdicts.add(key)
 
 

@@ -237,7 +237,7 @@ def test_triton_custom_op_and_its_autograd():
     spec = inverted(spec)
     described = op_launch(Launch("t", "sbhd", True, 1.0, 1, 0, inverse=True))
     (out,) = triton_rope_op([t], table.reshape(table.shape[0], -1), None, None, None, None, None,
-                            described, 0)
+                            described, 0, "")
     grad_out = grad_like(out, 5)
     (grad,) = torch.autograd.grad(out, t, grad_out)
     ref_out, ref_grad = reference_forward_backward(t, angles, spec, grad_out)

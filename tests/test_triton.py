@@ -298,9 +298,9 @@ def test_opcheck_contiguous_and_permuted():
         ([contiguous], angles[:, :4], None, None, None, None, None,
          described("t", "sbhd", offset=4, deinterleave=True)),
     ):
-        opcheck(op, (*args, 0))
+        opcheck(op, (*args, 0, ""))
     # with the memory checks of a compiled in-place call (its rotary dim), which find it apart
-    opcheck(op, ([contiguous], angles, None, None, None, None, None, described("t", "sbhd"), 8))
+    opcheck(op, ([contiguous], angles, None, None, None, None, None, described("t", "sbhd"), 8, ""))
 
 
 def test_compile_fullgraph_forward_and_backward():
