@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import RoPEError
+from .hf_defaults import with_class_defaults
 from .hf_layer_types import split as split_per_layer_type
 from .tracing import fake
 from .table_kinds import (
@@ -689,7 +690,8 @@ def from_hf_config(
     Reads ``config.rope_parameters`` (``rope_type`` and its fields; ``config.rope_scaling`` for
     transformers 4 configs) with ``rope_theta``, ``partial_rotary_factor``, ``head_dim`` (or
     ``hidden_size // num_attention_heads``) and ``max_position_embeddings`` (a mapping's keys,
-    for a config.json's dict), with transformers' defaults. The rotary dim is ``int(head_dim *
+    for a config.json's dict), with transformers' defaults (a config.json's missing head dim and
+    lengths from its model_type's config class where transformers is installed: hf_defaults). The rotary dim is ``int(head_dim *
     partial_rotary_factor)``; every family honours ``partial_rotary_factor`` (as GPT-NeoX, Phi
     or GLM do; Llama's own default ignores it). ``layer_type`` picks one entry of
     per-layer-type parameters (Gemma 3's ``"sliding_attention"`` and ``"full_attention"``; a
@@ -720,9 +722,12 @@ def from_hf_config(
     if layer_type is not None and not isinstance(layer_type, str):
         raise RoPEError(f"layer_type must be a layer type's name (a str) or None, got {layer_type!r}")
     outer_type = _hf_attribute(config, "model_type")
-    config = _hf_layer_config(config, layer_type)
+    original, config = config, _hf_layer_config(config, layer_type)
     # a composite's text section without a model_type is built as the composite's text config
-    model_type = _hf_attribute(config, "model_type") or outer_type
+    own_type = _hf_attribute(config, "model_type")
+    model_type = own_type or outer_type
+    if not callable(_hf_attribute(config, "get_text_config")):  # a config.json's fields
+        config = with_class_defaults(config, model_type, own_type is not None or config is original)
     parameters, where = _hf_rope_parameters(config, layer_type, model_type)
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type == "mrope":  # Qwen2-VL's checkpoints: default rates, as transformers reads them

@@ -1,0 +1,71 @@
+"""The fields a config.json (a dict or namespace of its fields) lacks, as transformers' config
+class of its ``model_type`` sets them: read by :func:`rope_dispatch.tables.from_hf_config`.
+Where transformers is not installed, or the class refuses the fields, nothing is filled."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections import ChainMap
+from collections.abc import Mapping
+from types import SimpleNamespace
+
+FIELDS = ("head_dim", "hidden_size", "num_attention_heads", "max_position_embeddings")
+"""The fields filled: those whose class default (or value derived from the other fields in the
+class's ``__init__``, as Llama's ``head_dim``) changes the rates."""
+
+
+def _plain(value: object) -> object:
+    """A namespace's fields as a dict, recursively (what a config class takes)."""
+    if isinstance(value, SimpleNamespace):
+        value = vars(value)
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    return value
+
+
+def _config_class(model_type: str, own_type: bool) -> type | None:
+    """transformers' config class of ``model_type`` (a composite's text config class where the
+    section has no model_type of its own), ``None`` when there is none."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    try:
+        from transformers import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[model_type]
+    except Exception:  # an unknown model_type, or a transformers that fails to import
+        return None
+    if not own_type:
+        cls = (getattr(cls, "sub_configs", None) or {}).get("text_config")
+    return cls if isinstance(cls, type) else None
+
+
+def with_class_defaults(config: object, model_type: object, own_type: bool) -> object:
+    """``config`` (a config.json's fields: a mapping or a namespace) with each of
+    :data:`FIELDS` that it lacks (or holds as ``None``) taken from transformers' config class of
+    ``model_type`` built from those fields, so that derived defaults follow them; the config's
+    own fields come first. ``config`` itself where nothing is filled."""
+    if not isinstance(model_type, str):
+        return config
+    fields = config if isinstance(config, Mapping) else getattr(config, "__dict__", None)
+    if not isinstance(fields, Mapping) or all(fields.get(n) is not None for n in FIELDS):
+        return config
+    cls = _config_class(model_type, own_type)
+    if cls is None:
+        return config
+    try:
+        built = cls(**copy.deepcopy(_plain(dict(fields))))
+    except Exception:  # the class refuses these fields: read them as they are
+        return config
+    filled = {}
+    for name in FIELDS:
+        if fields.get(name) is None:
+            try:
+                found = getattr(built, name, None)
+            except Exception:  # (a per-layer attribute read globally)
+                found = None
+            if found is not None:
+                filled[name] = found
+    return ChainMap(filled, fields) if filled else config

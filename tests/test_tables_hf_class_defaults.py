@@ -1,0 +1,143 @@
+"""``rope_dispatch.tables.from_hf_config`` on a config.json's fields (a dict or a namespace)
+that lack a field: read as transformers' config class of its ``model_type`` sets it (its
+default, or a value derived from the other fields), against that class's rotary embedding."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from rope_dispatch.tables import from_hf_config
+
+KINDS = [dict, lambda fields: SimpleNamespace(**fields)]
+
+
+def _built(raw: dict):
+    """transformers' config of ``raw`` and its rotary embedding, or a skip naming the version
+    where this transformers has no such class or refuses the fields."""
+    try:
+        cls = transformers.CONFIG_MAPPING[raw["model_type"]]
+    except KeyError:
+        pytest.skip(f"transformers {transformers.__version__} has no {raw['model_type']}")
+    try:
+        hf = cls(**json.loads(json.dumps(raw)))
+    except Exception as error:
+        pytest.skip(f"transformers {transformers.__version__}'s {cls.__name__} refuses {raw}: "
+                    f"{error}")
+    module = importlib.import_module(cls.__module__.replace(".configuration_", ".modeling_"))
+    rotary = next(getattr(module, name) for name in dir(module)
+                  if name.endswith("RotaryEmbedding"))
+    return hf, rotary(hf)
+
+
+def _rates(theta: float, dim: int) -> torch.Tensor:
+    """float64 ``theta ** (-2k / dim)``."""
+    return theta ** (-2 * torch.arange(dim // 2, dtype=torch.float64) / dim)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("model_type, layer_type", [
+    ("gemma", None), ("gemma2", None), ("gemma3_text", "full_attention"),
+    ("gemma3_text", "sliding_attention"), ("neomme", "full_attention"),
+    ("neomme", "sliding_attention"),
+])
+def test_gemma_head_dim_default_without_head_dim(model_type, layer_type, kind):
+    """Gemma's configs default head_dim (256; NeoMME's 64) whatever the width: a config.json
+    without head_dim was read as hidden_size // num_attention_heads (288 here)."""
+    raw = {"model_type": model_type, "hidden_size": 2304, "num_attention_heads": 8}
+    hf, rotary = _built(raw)
+    assert hf.head_dim != 2304 // 8
+    f = from_hf_config(kind(raw), 16, layer_type=layer_type)
+    name = "inv_freq" if layer_type is None else f"{layer_type}_inv_freq"
+    torch.testing.assert_close(f.inv_freq, getattr(rotary, name), rtol=4e-7, atol=0)
+    parameters = hf.rope_parameters if layer_type is None else hf.rope_parameters[layer_type]
+    dim = int(hf.head_dim * parameters.get("partial_rotary_factor", 1.0))
+    torch.testing.assert_close(f.inv_freq.double(), _rates(parameters["rope_theta"], dim),
+                               rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("model_type", [
+    "deepseek_v32", "glm_moe_dsa", "longcat_flash", "bailing_hybrid", "hy_v4", "axk2"])
+def test_partial_factor_applies_to_the_class_head_dim(model_type, kind):
+    """These configs set head_dim to qk_rope_head_dim (or default it): with a partial factor and
+    no head_dim, a config.json was read as hidden_size // num_attention_heads times the
+    factor, where transformers rotates int(head_dim * factor) of the class's head dim."""
+    raw = {"model_type": model_type, "hidden_size": 1024, "num_attention_heads": 4,
+           "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 512,
+                               "partial_rotary_factor": 0.5}}
+    hf, rotary = _built(raw)
+    assert hf.head_dim != 1024 // 4
+    f = from_hf_config(kind(raw), 16)
+    assert f.rotary_dim == int(hf.head_dim * 0.5)
+    torch.testing.assert_close(f.inv_freq, rotary.inv_freq, rtol=4e-7, atol=0)
+    assert f.attention_factor == pytest.approx(rotary.attention_scaling)
+    # float64 YaRN: pairs faster than 32 turns in 512 positions kept, slower than 1 turn
+    # divided by 4, a linear ramp between (beta_fast 32, beta_slow 1)
+    d = f.rotary_dim
+    rates = _rates(10000.0, d)
+    bound = [d * math.log(512 / (n * 2 * math.pi)) / (2 * math.log(10000.0)) for n in (32, 1)]
+    low, high = max(math.floor(bound[0]), 0), min(math.ceil(bound[1]), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    want = rates / 4 * ramp + rates * (1 - ramp)
+    torch.testing.assert_close(f.inv_freq.double(), want, rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length", [1024, 5000])  # within, then beyond the default length 2048
+def test_dynamic_scaling_reads_the_class_max_position_embeddings(length, kind):
+    """Llama's config defaults max_position_embeddings (2048): dynamic NTK scaling without it
+    in a config.json was refused."""
+    raw = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4,
+           "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    hf, rotary = _built(raw)
+    f = from_hf_config(kind(raw), length)
+    rates, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf, "cpu", seq_len=length)
+    torch.testing.assert_close(f.inv_freq, rates, rtol=4e-7, atol=0)
+    # float64: the base grows to theta * (factor * length / 2048 - factor + 1) ** (d / (d - 2))
+    original = hf.max_position_embeddings
+    base = 10000.0 * ((2.0 * length / original - 1.0) ** (64 / 62) if length > original else 1.0)
+    torch.testing.assert_close(f.inv_freq.double(), _rates(base, 64), rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_own_fields_come_first(kind):
+    """The config.json's own fields are read before the class's defaults (and a config of a
+    model_type transformers does not know keeps hidden_size // num_attention_heads)."""
+    raw = {"model_type": "gemma", "hidden_size": 2304, "num_attention_heads": 8, "head_dim": 32,
+           "max_position_embeddings": 512, "rope_scaling": {"rope_type": "dynamic", "factor": 2}}
+    hf, rotary = _built(raw)
+    f = from_hf_config(kind(raw), 1024)
+    assert f.rotary_dim == 32
+    rates, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf, "cpu", seq_len=1024)
+    torch.testing.assert_close(f.inv_freq, rates, rtol=4e-7, atol=0)
+    base = 10000.0 * (2.0 * 1024 / 512 - 1.0) ** (32 / 30)
+    torch.testing.assert_close(f.inv_freq.double(), _rates(base, 32), rtol=4e-7, atol=0)
+    unknown = {"model_type": "no_such_model", "hidden_size": 2304, "num_attention_heads": 8}
+    assert from_hf_config(kind(unknown), 16).rotary_dim == 288
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_transformers_the_fields_are_read_as_they_are(kind, monkeypatch):
+    """Where transformers cannot be imported, a missing head_dim is hidden_size //
+    num_attention_heads and a missing max_position_embeddings is refused by name
+    (docs/hf.md)."""
+    import sys
+
+    from rope_dispatch.errors import RoPEError
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    raw = {"model_type": "gemma", "hidden_size": 2304, "num_attention_heads": 8}
+    assert from_hf_config(kind(raw), 16).rotary_dim == 288
+    raw["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    with pytest.raises(RoPEError, match=r"config has no max_position_embeddings, which "
+                                        r"rope_type 'dynamic' needs"):
+        from_hf_config(kind(raw), 16)
