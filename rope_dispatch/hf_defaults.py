@@ -10,9 +10,11 @@ from collections import ChainMap
 from collections.abc import Mapping
 from types import SimpleNamespace
 
-FIELDS = ("head_dim", "hidden_size", "num_attention_heads", "max_position_embeddings")
+FIELDS = ("head_dim", "hidden_size", "num_attention_heads", "max_position_embeddings",
+          "default_theta")
 """The fields filled: those whose class default (or value derived from the other fields in the
-class's ``__init__``, as Llama's ``head_dim``) changes the rates."""
+class's ``__init__``, as Llama's ``head_dim``) changes the rates. ``default_theta`` is the base
+of the built config's flat rope parameters: read where the fields give no base."""
 
 
 def _plain(value: object) -> object:
@@ -63,9 +65,20 @@ def with_class_defaults(config: object, model_type: object, own_type: bool) -> o
     for name in FIELDS:
         if fields.get(name) is None:
             try:
-                found = getattr(built, name, None)
+                found = _theta(built) if name == "default_theta" else getattr(built, name, None)
             except Exception:  # (a per-layer attribute read globally)
                 found = None
             if found is not None:
                 filled[name] = found
     return ChainMap(filled, fields) if filled else config
+
+
+def _theta(built: object) -> object:
+    """The base of the built config's flat rope parameters (its class default where the fields
+    give none), ``None`` where it has none or keeps them per layer type."""
+    parameters = getattr(built, "rope_parameters", None)
+    if not isinstance(parameters, Mapping) or any(
+            isinstance(value, Mapping) for value in parameters.values()):
+        return None
+    theta = parameters.get("rope_theta")
+    return theta if isinstance(theta, (int, float)) and not isinstance(theta, bool) else None

@@ -19,9 +19,10 @@ from rope_dispatch.tables import from_hf_config
 KINDS = [dict, lambda fields: SimpleNamespace(**fields)]
 
 
-def _built(raw: dict):
-    """transformers' config of ``raw`` and its rotary embedding, or a skip naming the version
-    where this transformers has no such class or refuses the fields."""
+def _built(raw: dict, rotary: bool = True):
+    """transformers' config of ``raw`` and its rotary embedding (``None`` without ``rotary``),
+    or a skip naming the version where this transformers has no such class or refuses the
+    fields."""
     try:
         cls = transformers.CONFIG_MAPPING[raw["model_type"]]
     except KeyError:
@@ -31,10 +32,12 @@ def _built(raw: dict):
     except Exception as error:
         pytest.skip(f"transformers {transformers.__version__}'s {cls.__name__} refuses {raw}: "
                     f"{error}")
+    if not rotary:
+        return hf, None
     module = importlib.import_module(cls.__module__.replace(".configuration_", ".modeling_"))
-    rotary = next(getattr(module, name) for name in dir(module)
-                  if name.endswith("RotaryEmbedding"))
-    return hf, rotary(hf)
+    embedding = next(getattr(module, name) for name in dir(module)
+                     if name.endswith("RotaryEmbedding"))
+    return hf, embedding(hf)
 
 
 def _rates(theta: float, dim: int) -> torch.Tensor:
@@ -141,3 +144,36 @@ def test_without_transformers_the_fields_are_read_as_they_are(kind, monkeypatch)
     with pytest.raises(RoPEError, match=r"config has no max_position_embeddings, which "
                                         r"rope_type 'dynamic' needs"):
         from_hf_config(kind(raw), 16)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}])
+@pytest.mark.parametrize("model_type", [
+    "mixtral", "longcat_flash", "bailing_hybrid", "smollm3", "qwen2_vl_text", "qwen2_5_vl"])
+def test_the_class_base_without_rope_theta(model_type, scaling, kind):
+    """Many configs default the base to other than 10000 (Mixtral's 1e6, LongCat-Flash's 1e7,
+    Bailing-Hybrid's 6e6, SmolLM3's 2e6, Qwen2-VL's text model's 1e6): a config.json without
+    rope_theta was read with 10000. (Qwen2.5-VL: its text section without a model_type.)"""
+    raw = {"hidden_size": 256, "num_attention_heads": 4}
+    if scaling is not None:
+        raw["rope_scaling"] = scaling
+    if model_type == "qwen2_5_vl":
+        composite = {"model_type": model_type, "text_config": raw}
+        hf, _ = _built(composite, rotary=False)
+        hf = hf.get_text_config()
+        module = importlib.import_module(type(hf).__module__.replace(
+            ".configuration_", ".modeling_"))
+        rotary = module.Qwen2_5_VLRotaryEmbedding(hf)
+        given = {"model_type": model_type, "text_config": kind(raw)}
+    else:
+        raw["model_type"] = model_type
+        hf, rotary = _built(raw)
+        given = raw
+    theta = hf.rope_parameters["rope_theta"]
+    assert theta != 10000.0
+    f = from_hf_config(kind(given), 16)
+    torch.testing.assert_close(f.inv_freq, rotary.inv_freq, rtol=4e-7, atol=0)
+    head_dim = getattr(hf, "head_dim", None) or 256 // 4
+    dim = int(head_dim * hf.rope_parameters.get("partial_rotary_factor", 1.0))
+    rates = _rates(theta, dim) / (2.0 if scaling else 1.0)
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
