@@ -11,10 +11,13 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 
 FIELDS = ("head_dim", "hidden_size", "num_attention_heads", "max_position_embeddings",
-          "default_theta")
+          "default_theta", "partial_rotary_factor")
 """The fields filled: those whose class default (or value derived from the other fields in the
-class's ``__init__``, as Llama's ``head_dim``) changes the rates. ``default_theta`` is the base
-of the built config's flat rope parameters: read where the fields give no base."""
+class's ``__init__``, as Llama's ``head_dim``) changes the rates."""
+
+_FLAT = {"default_theta": "rope_theta", "partial_rotary_factor": "partial_rotary_factor"}
+"""Fields taken from the built config's flat rope parameters: ``default_theta`` is its base,
+read where the fields give no base (from_hf_config reads it last)."""
 
 
 def _plain(value: object) -> object:
@@ -65,7 +68,7 @@ def with_class_defaults(config: object, model_type: object, own_type: bool) -> o
     for name in FIELDS:
         if fields.get(name) is None:
             try:
-                found = _theta(built) if name == "default_theta" else getattr(built, name, None)
+                found = _flat(built, _FLAT[name]) if name in _FLAT else getattr(built, name, None)
             except Exception:  # (a per-layer attribute read globally)
                 found = None
             if found is not None:
@@ -73,12 +76,12 @@ def with_class_defaults(config: object, model_type: object, own_type: bool) -> o
     return ChainMap(filled, fields) if filled else config
 
 
-def _theta(built: object) -> object:
-    """The base of the built config's flat rope parameters (its class default where the fields
+def _flat(built: object, key: str) -> object:
+    """``key`` of the built config's flat rope parameters (its class default where the fields
     give none), ``None`` where it has none or keeps them per layer type."""
     parameters = getattr(built, "rope_parameters", None)
     if not isinstance(parameters, Mapping) or any(
             isinstance(value, Mapping) for value in parameters.values()):
         return None
-    theta = parameters.get("rope_theta")
-    return theta if isinstance(theta, (int, float)) and not isinstance(theta, bool) else None
+    found = parameters.get(key)
+    return found if isinstance(found, (int, float)) and not isinstance(found, bool) else None

@@ -177,3 +177,32 @@ def test_the_class_base_without_rope_theta(model_type, scaling, kind):
     dim = int(head_dim * hf.rope_parameters.get("partial_rotary_factor", 1.0))
     rates = _rates(theta, dim) / (2.0 if scaling else 1.0)
     torch.testing.assert_close(f.inv_freq.double(), rates, rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("model_type", [
+    "gpt_neox", "phi", "stablelm", "persimmon", "glm", "glm4", "nemotron", "qwen3_next",
+    "recurrent_gemma", "bamba"])
+def test_the_class_partial_factor_without_one(model_type, dynamic, kind):
+    """These configs default a partial rotary factor (GPT-NeoX's and StableLM's 0.25, Phi's,
+    Persimmon's and GLM's 0.5, ...): a config.json without one (nor rotary_pct) rotated every
+    channel of the head."""
+    raw = {"model_type": model_type, "hidden_size": 256, "num_attention_heads": 4,
+           "rope_theta": 10000.0, "max_position_embeddings": 2048}
+    if dynamic:
+        if model_type == "recurrent_gemma":
+            pytest.skip("RecurrentGemma's rotary embedding refuses rope types but default")
+        raw["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    hf, rotary = _built(raw)
+    partial = hf.rope_parameters["partial_rotary_factor"]
+    assert partial < 1.0
+    length = 5000 if dynamic else 16
+    f = from_hf_config(kind(raw), length)
+    want, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf, "cpu", seq_len=length) if dynamic else (
+        rotary.inv_freq, None)
+    torch.testing.assert_close(f.inv_freq, want, rtol=4e-7, atol=0)
+    head_dim = getattr(hf, "head_dim", None) or 256 // 4
+    dim = int(head_dim * partial)
+    base = 10000.0 * ((2.0 * length / 2048 - 1.0) ** (dim / (dim - 2)) if dynamic else 1.0)
+    torch.testing.assert_close(f.inv_freq.double(), _rates(base, dim), rtol=4e-7, atol=0)
