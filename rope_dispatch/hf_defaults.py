@@ -73,15 +73,22 @@ def with_class_defaults(config: object, model_type: object, own_type: bool) -> o
                 found = None
             if found is not None:
                 filled[name] = found
+    if fields.get("rope_parameters") is None and fields.get("rope_scaling") is None:
+        scaled = _flat(built, None)  # a class whose default rope parameters scale (GPT-OSS's)
+        if scaled and scaled.get("rope_type", scaled.get("type")) not in (None, "default"):
+            filled["rope_parameters"] = scaled
     return ChainMap(filled, fields) if filled else config
 
 
-def _flat(built: object, key: str) -> object:
+def _flat(built: object, key: str | None) -> object:
     """``key`` of the built config's flat rope parameters (its class default where the fields
-    give none), ``None`` where it has none or keeps them per layer type."""
+    give none; a copy of them all for ``None``), ``None`` where it has none or keeps them per
+    layer type."""
     parameters = getattr(built, "rope_parameters", None)
     if not isinstance(parameters, Mapping) or any(
             isinstance(value, Mapping) for value in parameters.values()):
         return None
+    if key is None:
+        return copy.deepcopy(dict(parameters))
     found = parameters.get(key)
     return found if isinstance(found, (int, float)) and not isinstance(found, bool) else None

@@ -206,3 +206,31 @@ def test_the_class_partial_factor_without_one(model_type, dynamic, kind):
     dim = int(head_dim * partial)
     base = 10000.0 * ((2.0 * length / 2048 - 1.0) ** (dim / (dim - 2)) if dynamic else 1.0)
     torch.testing.assert_close(f.inv_freq.double(), _rates(base, dim), rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("theta", [None, 500_000.0])
+@pytest.mark.parametrize("model_type", [
+    "apertus", "cwm", "gpt_oss", "openai_privacy_filter", "ministral3", "mistral4",
+    "mistral_large4_text"])
+def test_the_class_scaling_without_rope_parameters(model_type, theta, kind):
+    """These configs default scaled rope parameters (Apertus's and CWM's Llama 3, GPT-OSS's and
+    the Mistral 3/4 configs' YaRN): a config.json without rope_parameters or rope_scaling was
+    read with the default rates (of the wrong base too), no attention factor."""
+    from test_tables_hf import formula_rates
+
+    raw = {"model_type": model_type, "hidden_size": 256, "num_attention_heads": 4}
+    if theta is not None:
+        raw["rope_theta"] = theta
+    hf, rotary = _built(raw)
+    parameters = hf.rope_parameters
+    assert parameters["rope_type"] != "default"
+    f = from_hf_config(kind(raw), 16)
+    torch.testing.assert_close(f.inv_freq, rotary.inv_freq, rtol=4e-7, atol=0)
+    assert f.attention_factor == pytest.approx(rotary.attention_scaling)
+    head_dim = getattr(hf, "head_dim", None) or 256 // 4
+    dim = int(head_dim * parameters.get("partial_rotary_factor", 1.0))
+    rates = torch.tensor(formula_rates(parameters["rope_type"], parameters, dim,
+                                       hf.max_position_embeddings, 16), dtype=torch.float64)
+    # (YaRN's ramp is float32 arithmetic, as in transformers: a few float32 steps apart)
+    torch.testing.assert_close(f.inv_freq.double(), rates, rtol=3e-6, atol=0)
