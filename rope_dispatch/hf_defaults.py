@@ -51,11 +51,13 @@ def with_class_defaults(config: object, model_type: object, own_type: bool) -> o
     """``config`` (a config.json's fields: a mapping or a namespace) with each of
     :data:`FIELDS` that it lacks (or holds as ``None``) taken from transformers' config class of
     ``model_type`` built from those fields, so that derived defaults follow them; the config's
-    own fields come first. ``config`` itself where nothing is filled."""
+    own fields come first, but for ``head_dim``: the built class's, which transformers' rotary
+    embeddings read (the latent-attention classes replace a given one by qk_rope_head_dim).
+    ``config`` itself where nothing is filled."""
     if not isinstance(model_type, str):
         return config
     fields = config if isinstance(config, Mapping) else getattr(config, "__dict__", None)
-    if not isinstance(fields, Mapping) or all(fields.get(n) is not None for n in FIELDS):
+    if not isinstance(fields, Mapping):
         return config
     cls = _config_class(model_type, own_type)
     if cls is None:
@@ -66,7 +68,7 @@ def with_class_defaults(config: object, model_type: object, own_type: bool) -> o
         return config
     filled = {}
     for name in FIELDS:
-        if fields.get(name) is None:
+        if fields.get(name) is None or name == "head_dim":  # (one the class replaces: its own)
             try:
                 found = _flat(built, _FLAT[name]) if name in _FLAT else getattr(built, name, None)
             except Exception:  # (a per-layer attribute read globally)

@@ -234,3 +234,32 @@ def test_the_class_scaling_without_rope_parameters(model_type, theta, kind):
                                        hf.max_position_embeddings, 16), dtype=torch.float64)
     # (YaRN's ramp is float32 arithmetic, as in transformers: a few float32 steps apart)
     torch.testing.assert_close(f.inv_freq.double(), rates, rtol=3e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("partial", [False, True])
+@pytest.mark.parametrize("model_type", [
+    "deepseek_v2", "deepseek_v32", "glm_moe_dsa", "hy_v4", "bailing_hybrid",
+    "mistral_large4_text", "unlimited_ocr_text", "deepseek_ocr2_text"])
+def test_a_head_dim_the_class_replaces(model_type, partial, kind):
+    """These configs set head_dim to qk_rope_head_dim whatever the fields say (their rotary
+    embeddings read it): a config.json's own head_dim was read instead where it gives no
+    qk_rope_head_dim (the class's 64) or gives a partial factor (a quarter of the rotated
+    channels here)."""
+    raw = {"model_type": model_type, "hidden_size": 256, "num_attention_heads": 4,
+           "head_dim": 16}
+    if partial:
+        raw["qk_rope_head_dim"] = 64
+        raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 512,
+                                  "partial_rotary_factor": 0.5}
+    hf, rotary = _built(raw)
+    assert hf.head_dim != 16
+    f = from_hf_config(kind(raw), 16)
+    torch.testing.assert_close(f.inv_freq, rotary.inv_freq, rtol=4e-7, atol=0)
+    parameters = hf.rope_parameters
+    dim = int(hf.head_dim * parameters.get("partial_rotary_factor", 1.0))
+    assert f.rotary_dim == dim
+    if parameters["rope_type"] == "default":
+        torch.testing.assert_close(f.inv_freq.double(), _rates(parameters["rope_theta"], dim),
+                                   rtol=4e-7, atol=0)
