@@ -665,11 +665,12 @@ def _hf_aliased(config: object, name: str) -> tuple[str, object]:
 def _hf_head_dim(config: object, model_type: object = None) -> int:
     """``config.head_dim``, or ``hidden_size // num_attention_heads`` when it is unset, each
     under the names transformers maps (:data:`_HF_ALIASES`); as their configs set it, JetMoe's
-    is ``kv_channels`` (default 128) and Zamba 2's ``2 * hidden_size // num_attention_heads``."""
+    is ``kv_channels`` (default 128) and Zamba 2's ``2 * hidden_size // num_attention_heads``
+    (where no head dim is given: its config keeps a given one)."""
     name, head_dim = _hf_aliased(config, "head_dim")
     if head_dim is None and model_type == "jetmoe":
         head_dim = 128
-    if head_dim is None or model_type == "zamba2":
+    if head_dim is None:
         hidden_name, hidden = _hf_aliased(config, "hidden_size")
         heads_name, heads = _hf_aliased(config, "num_attention_heads")
         if hidden is None or heads is None:

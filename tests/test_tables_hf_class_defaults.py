@@ -263,3 +263,25 @@ def test_a_head_dim_the_class_replaces(model_type, partial, kind):
     if parameters["rope_type"] == "default":
         torch.testing.assert_close(f.inv_freq.double(), _rates(parameters["rope_theta"], dim),
                                    rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("installed", [True, False])
+@pytest.mark.parametrize("field, value", [("head_dim", 32), ("attention_head_dim", 32), (None, 0)])
+def test_zamba2_head_dim_field_is_kept(field, value, installed, kind, monkeypatch):
+    """Zamba 2's config derives attention_head_dim (head_dim's alias) as 2 * hidden_size //
+    num_attention_heads only where none is given, and its rotary embedding reads it: a
+    config.json's own was replaced by the derived 128 here, with or without transformers."""
+    import sys
+
+    raw = {"model_type": "zamba2", "hidden_size": 256, "num_attention_heads": 4}
+    if field is not None:
+        raw[field] = value
+    hf, rotary = _built(raw)
+    if not installed:
+        monkeypatch.setitem(sys.modules, "transformers", None)
+    f = from_hf_config(kind(raw), 16)
+    torch.testing.assert_close(f.inv_freq, rotary.inv_freq, rtol=4e-7, atol=0)
+    dim = 2 * 256 // 4 if field is None else value
+    torch.testing.assert_close(f.inv_freq.double(), _rates(hf.rope_parameters["rope_theta"], dim),
+                               rtol=4e-7, atol=0)
