@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 
 FIELDS = ("head_dim", "hidden_size", "num_attention_heads", "max_position_embeddings",
-          "default_theta", "partial_rotary_factor")
+          "original_max_position_embeddings", "default_theta", "partial_rotary_factor")
 """The fields filled: those whose class default (or value derived from the other fields in the
 class's ``__init__``, as Llama's ``head_dim``) changes the rates."""
 

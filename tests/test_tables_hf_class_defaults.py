@@ -285,3 +285,27 @@ def test_zamba2_head_dim_field_is_kept(field, value, installed, kind, monkeypatc
     dim = 2 * 256 // 4 if field is None else value
     torch.testing.assert_close(f.inv_freq.double(), _rates(hf.rope_parameters["rope_theta"], dim),
                                rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length", [16, 8000])  # short factors, then long ones (beyond 4096)
+def test_phi4_multimodal_original_length_default(length, kind):
+    """Phi-4-multimodal's config defaults original_max_position_embeddings to 4096 (and
+    max_position_embeddings to 131072): a config.json's LongRoPE without it read the original
+    length as 131072, so a factor of 1 and no attention factor (transformers': 32, and
+    sqrt(1 + ln 32 / ln 4096)), and the short factors beyond 4096 positions."""
+    raw = {"model_type": "phi4_multimodal", "hidden_size": 256, "num_attention_heads": 4,
+           "rope_scaling": {"rope_type": "longrope", "short_factor": [1.5] * 32,
+                            "long_factor": [3.0] * 32}}
+    hf, _ = _built(raw, rotary=False)
+    assert hf.max_position_embeddings != hf.original_max_position_embeddings
+    rates, attention = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=length)
+    f = from_hf_config(kind(raw), length)
+    torch.testing.assert_close(f.inv_freq, rates, rtol=4e-7, atol=0)
+    assert f.attention_factor == pytest.approx(attention)
+    original = hf.original_max_position_embeddings
+    factor = hf.max_position_embeddings / original
+    assert f.attention_factor == pytest.approx(math.sqrt(1 + math.log(factor) / math.log(original)))
+    per_pair = 3.0 if length > original else 1.5
+    torch.testing.assert_close(f.inv_freq.double(), _rates(10000.0, 64) / per_pair,
+                               rtol=4e-7, atol=0)
