@@ -728,7 +728,8 @@ def from_hf_config(
     own_type = _hf_attribute(config, "model_type")
     model_type = own_type or outer_type
     if not callable(_hf_attribute(config, "get_text_config")):  # a config.json's fields
-        config = with_class_defaults(config, model_type, own_type is not None or config is original)
+        config = with_class_defaults(config, model_type, (
+            None if own_type is not None or config is original else original))
     parameters, where = _hf_rope_parameters(config, layer_type, model_type)
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type == "mrope":  # Qwen2-VL's checkpoints: default rates, as transformers reads them

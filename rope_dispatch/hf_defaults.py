@@ -31,9 +31,8 @@ def _plain(value: object) -> object:
     return value
 
 
-def _config_class(model_type: str, own_type: bool) -> type | None:
-    """transformers' config class of ``model_type`` (a composite's text config class where the
-    section has no model_type of its own), ``None`` when there is none."""
+def _config_class(model_type: str) -> type | None:
+    """transformers' config class of ``model_type``, ``None`` when there is none."""
     if importlib.util.find_spec("transformers") is None:
         return None
     try:
@@ -42,33 +41,41 @@ def _config_class(model_type: str, own_type: bool) -> type | None:
         cls = CONFIG_MAPPING[model_type]
     except Exception:  # an unknown model_type, or a transformers that fails to import
         return None
-    if not own_type:
-        cls = (getattr(cls, "sub_configs", None) or {}).get("text_config")
     return cls if isinstance(cls, type) else None
 
 
-def with_class_defaults(config: object, model_type: object, own_type: bool) -> object:
+def _fields(config: object) -> Mapping | None:
+    """A config.json's fields: the mapping itself, or a namespace's attributes."""
+    fields = config if isinstance(config, Mapping) else getattr(config, "__dict__", None)
+    return fields if isinstance(fields, Mapping) else None
+
+
+def with_class_defaults(config: object, model_type: object, outer: object = None) -> object:
     """``config`` (a config.json's fields: a mapping or a namespace) with each of
     :data:`FIELDS` that it lacks (or holds as ``None``) taken from transformers' config class of
     ``model_type`` built from those fields, so that derived defaults follow them; the config's
     own fields come first, but for ``head_dim``: the built class's, which transformers' rotary
     embeddings read (the latent-attention classes replace a given one by qk_rope_head_dim).
-    ``config`` itself where nothing is filled."""
+    ``outer``: the composite config whose text section ``config`` is, where the section has no
+    model_type of its own: the composite (of ``model_type``) is built, and its
+    ``get_text_config()`` read (only for the fields the section lacks). ``config`` itself where
+    nothing is filled."""
     if not isinstance(model_type, str):
         return config
-    fields = config if isinstance(config, Mapping) else getattr(config, "__dict__", None)
-    if not isinstance(fields, Mapping):
-        return config
-    cls = _config_class(model_type, own_type)
-    if cls is None:
+    fields, whole = _fields(config), _fields(config if outer is None else outer)
+    cls = _config_class(model_type)
+    if fields is None or whole is None or cls is None:
         return config
     try:
-        built = cls(**copy.deepcopy(_plain(dict(fields))))
+        built = cls(**copy.deepcopy(_plain(dict(whole))))
+        if outer is not None:
+            built = built.get_text_config()
     except Exception:  # the class refuses these fields: read them as they are
         return config
     filled = {}
     for name in FIELDS:
-        if fields.get(name) is None or name == "head_dim":  # (one the class replaces: its own)
+        # (a head_dim the class replaces: its own; a composite's is read for a missing one only)
+        if fields.get(name) is None or (name == "head_dim" and outer is None):
             try:
                 found = _flat(built, _FLAT[name]) if name in _FLAT else getattr(built, name, None)
             except Exception:  # (a per-layer attribute read globally)

@@ -309,3 +309,43 @@ def test_phi4_multimodal_original_length_default(length, kind):
     per_pair = 3.0 if length > original else 1.5
     torch.testing.assert_close(f.inv_freq.double(), _rates(10000.0, 64) / per_pair,
                                rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("model_type, section, rotary", [
+    ("qwen2_5_omni", ("thinker_config", "text_config"), "Qwen2_5OmniRotaryEmbedding"),
+    ("qwen3_omni_moe", ("thinker_config", "text_config"), "Qwen3OmniMoeThinkerTextRotaryEmbedding"),
+    ("gemma3", ("text_config",), "Gemma3RotaryEmbedding")])
+def test_a_text_section_deep_in_a_composite(model_type, section, rotary, kind):
+    """A composite's text section without a model_type is built as the composite builds it
+    (Qwen Omni's in its thinker's text_config, whose class is no sub-config of the composite's
+    own): it was read with no class defaults (Qwen2.5-Omni's base 1e6 as 10000)."""
+    text = {"hidden_size": 1024, "num_attention_heads": 4}
+    raw = {"model_type": model_type}
+    given = {"model_type": model_type}
+    inner, inner_given = raw, given
+    for name in section[:-1]:
+        inner[name], inner_given[name] = {}, {}
+        inner, inner_given = inner[name], inner_given[name]
+    inner[section[-1]] = text
+    inner_given[section[-1]] = text
+    hf, _ = _built(raw, rotary=False)
+    hf = hf.get_text_config()
+    parameters = hf.rope_parameters
+    layer_type = None
+    if "full_attention" in parameters:
+        layer_type, parameters = "full_attention", parameters["full_attention"]
+    assert parameters["rope_theta"] != 10000.0 or hf.head_dim != 1024 // 4
+
+    def wrap(fields):
+        return kind({key: wrap(value) if isinstance(value, dict) else value
+                     for key, value in fields.items()})
+
+    f = from_hf_config(wrap(given), 16, layer_type=layer_type)
+    head_dim = getattr(hf, "head_dim", None) or 1024 // 4
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    embedding = getattr(module, rotary)(hf)
+    want = getattr(embedding, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
+    torch.testing.assert_close(f.inv_freq, want, rtol=4e-7, atol=0)
+    torch.testing.assert_close(f.inv_freq.double(), _rates(parameters["rope_theta"], head_dim),
+                               rtol=4e-7, atol=0)
