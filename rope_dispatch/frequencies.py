@@ -692,8 +692,8 @@ def from_hf_config(
     transformers 4 configs) with ``rope_theta``, ``partial_rotary_factor``, ``head_dim`` (or
     ``hidden_size // num_attention_heads``) and ``max_position_embeddings`` (a mapping's keys,
     for a config.json's dict), with transformers' defaults (a config.json's missing head dim and
-    lengths from its model_type's config class where transformers is installed: hf_defaults). The rotary dim is ``int(head_dim *
-    partial_rotary_factor)``; every family honours ``partial_rotary_factor`` (as GPT-NeoX, Phi
+    lengths from its model_type's config class where transformers is installed: hf_defaults).
+    The rotary dim is ``int(head_dim * partial_rotary_factor)``; every family honours ``partial_rotary_factor`` (as GPT-NeoX, Phi
     or GLM do; Llama's own default ignores it). ``layer_type`` picks one entry of
     per-layer-type parameters (Gemma 3's ``"sliding_attention"`` and ``"full_attention"``; a
     transformers 4 Gemma 3 config's ``rope_local_base_freq`` is its sliding layers' base), and
