@@ -669,23 +669,24 @@ def test_core_errors_say_how_the_door_mapped_its_arguments():
                            cache, True, torch.arange(3))
 
 
-def _overlapping_door_call(door):
+def _overlapping_door_call(door, device):
     """An in-place door's call whose memory the core refuses (q and k sharing elements, a norm
     weight inside what is written), its tensors made outside (a compiled call takes them)."""
     from rope_dispatch.compat.flashinfer import apply_rope_with_cos_sin_cache_inplace
 
     gen = torch.Generator().manual_seed(3)
-    cache, positions = torch.randn(16, 8, generator=gen), torch.arange(3)
-    buf = torch.randn(3, 64, generator=gen)
+    cache = torch.randn(16, 8, generator=gen).to(device)
+    positions = torch.arange(3, device=device)
+    buf = torch.randn(3, 64, generator=gen).to(device)
     q, k = buf[:, :32], buf[:, 16:48]  # k's first head is q's third
     if door == "flashinfer":
         return lambda: apply_rope_with_cos_sin_cache_inplace(positions, q, k, 8, cache)
     if door == "rotary_embedding":
         return lambda: rotary_embedding(positions, q, k, 8, cache, True)
-    qkv = torch.randn(3, 6 * 8, generator=gen)
+    qkv = torch.randn(3, 6 * 8, generator=gen).to(device)
     weight = qkv[0, :8]  # q's norm weight inside what is written
-    return lambda: fused_qk_norm_rope(qkv, 2, 2, 2, 8, 1e-6, weight, torch.ones(8), cache, True,
-                                      positions)
+    return lambda: fused_qk_norm_rope(qkv, 2, 2, 2, 8, 1e-6, weight, torch.ones(8, device=device),
+                                      cache, True, positions)
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
@@ -700,7 +701,7 @@ def test_compiled_in_place_doors_word_the_cores_refusals_as_eager(request, backe
 
     if backend == "triton":
         request.getfixturevalue("triton_backend")  # (its op checks the memory itself)
-    call = _overlapping_door_call(door)
+    call = _overlapping_door_call(door, device_of(backend))
     with torch.no_grad(), rd.use_backend(backend):
         with pytest.raises(rd.RoPEError) as eager:
             call()
