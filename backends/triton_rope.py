@@ -334,7 +334,7 @@ def rope(call: RoPECall) -> Any:
         made = triton_rope_op(list(inputs), table, sin, k_table, k_sin, call.spec.cu_seqlens,
                               position_index(call), op_launch(_constants(described, call)),
                               exact_size(call.rotary_dim) if checked else 0,
-                              door.words[0] if checked and door.words else "")
+                              door.state.words[0] if checked and door.state.words else "")
         if described.in_place:  # (the op checked the memory of a compiled call first)
             made = [x.copy_(out) for x, out in zip(inputs, made)]
         return _result(described, made)

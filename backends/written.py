@@ -92,17 +92,26 @@ def _check_op(name: str, schema: str) -> Callable[[Callable[..., None]], Any]:
     return define
 
 
-class _Door(threading.local):
-    """Per thread (a compiled region's guard reads it: another thread's door must not make it
-    recompile): :attr:`words`."""
+class _DoorWords:
+    """What a door (a compat function) sets around its call of the core: :attr:`words`."""
 
     words: tuple[str, str, str] | None = None
-    """Set by a door (a compat function) around its call of the core, for the in-graph checks
-    to word a refusal as its eager checks do: ``(words, refusal, outs)``, ``words`` added to
-    the core's refusal (how the door mapped its arguments), ``outs`` the door's names of q's
-    output and the caches where they are its own outputs (``"q_name,k_name,v_name"``, an
-    empty name where not), each refused as ``"{refusal} {name}"`` when it overlaps itself.
-    ``None``: the core called directly."""
+    """For the in-graph checks to word a refusal as its eager checks do: ``(words, refusal,
+    outs)``, ``words`` added to the core's refusal (how the door mapped its arguments),
+    ``outs`` the door's names of q's output and the caches where they are its own outputs
+    (``"q_name,k_name,v_name"``, an empty name where not), each refused as ``"{refusal}
+    {name}"`` when it overlaps itself. ``None``: the core called directly."""
+
+
+class _Door(threading.local):
+    """One :class:`_DoorWords` per thread, :attr:`state`: a compiled region's guard reads it
+    (another thread's door must not make it recompile). A plain object, as Dynamo replays a
+    traced door's writes on it where it reads them: written to a thread-local itself, they
+    landed where the guards did not look, and every compiled in-place call after a traced door
+    failed its own guards."""
+
+    def __init__(self) -> None:
+        self.state = _DoorWords()
 
 
 door = _Door()
@@ -138,7 +147,7 @@ def written_apart(call: Any) -> torch.Tensor | None:
     return written_apart_op(
         call.t.detach(), None if call.k is None else call.k.detach(), *weights,
         [x.detach() for x in table_tensors(call.table)], exact_size(call.rotary_dim),
-        exact_size(call.spec.rotary_offset), door.words[0] if door.words else "")
+        exact_size(call.spec.rotary_offset), door.state.words[0] if door.state.words else "")
 
 
 @_check_op("cache_apart", "(Tensor q, Tensor k, Tensor v, Tensor? q_out, Tensor k_cache, "
@@ -179,7 +188,7 @@ def cache_apart(call: Any) -> torch.Tensor | None:
         call.t.detach(), call.k.detach(), write.v.detach(),
         None if q_out is None else q_out.detach(), cache.k_cache.detach(),
         cache.v_cache.detach(), *weights, [x.detach() for x in table_tensors(call.table)],
-        type(cache).__name__, *(door.words or ("", "", "")))
+        type(cache).__name__, *(door.state.words or ("", "", "")))
 
 
 @_check_op("outs_apart", "(Tensor[] tensors, str names, str refusal, SymInt selves, "

@@ -372,6 +372,31 @@ def test_compiled_in_place_refuses_overlapping_memory(backend, case):
     share elements, a norm weight or a table inside what is written, and a view that overlaps
     itself are refused as in eager (they ran, and wrote whatever the last copy left); the same
     calls on memory apart rotate as the reference does."""
+    _rotated_apart_refused_together(backend, case)
+
+
+def test_compiled_in_place_call_after_a_door_was_traced(backend):
+    """A door traced inside ``torch.compile`` sets the words of the in-graph checks and clears
+    them, writes Dynamo replays after its graph: compiled in-place calls traced afterwards pass
+    their own guards, rotate and refuse as before (Dynamo once failed every one of them,
+    "Guard failed on the same frame it was created")."""
+    from rope_dispatch.compat import vllm
+
+    _, angles, _, compiler = _compiled_table()
+    cache = torch.cat((angles[:, :4].cos(), angles[:, :4].sin()), -1).float().to(DEVICE)
+    positions = torch.tensor([3, 0], device=DEVICE)
+    q, k = torch.rand(2, 16, device=DEVICE), torch.rand(2, 8, device=DEVICE)
+    want = [reference_for(x.unflatten(-1, (-1, 8)).cpu().double(), angles,
+                          rd.RoPESpec(layout="thd", dtype="fp32"), positions=positions.cpu())
+            for x in (q, k)]
+    _compiled(lambda q, k: vllm.rotary_embedding(positions, q, k, 8, cache, True), compiler)(q, k)
+    for x, expected, name in zip((q, k), want, "qk"):
+        assert_matches(x.unflatten(-1, (-1, 8)), expected, torch.float32, name)
+    for case in ("q and k", "table"):
+        _rotated_apart_refused_together(backend, case)
+
+
+def _rotated_apart_refused_together(backend, case):
     spec, angles, table, compiler = _compiled_table()
     views, refusal = _OVERLAPS[case]
     run = _compiled(lambda buf, bad: _rotate_in_place(views(buf, table, bad), spec, backend),

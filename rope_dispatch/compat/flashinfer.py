@@ -194,7 +194,7 @@ def apply_rope_with_cos_sin_cache_inplace(
     _floating("query", q)
     if positions is None:  # the core would ask for a thd spec's cu_seqlens instead
         raise RoPETypeError("positions must be an int32 or int64 tensor [nnz], got None")
-    door.words = _INPLACE_DOOR  # (the in-graph checks' words, traced)
+    door.state.words = _INPLACE_DOOR  # (the in-graph checks' words, traced)
     try:
         apply_qk_(q, k, _pair_cache(cos_sin_cache), _spec(query.dtype, not is_neox),
                   positions=positions)
@@ -202,7 +202,7 @@ def apply_rope_with_cos_sin_cache_inplace(
         raise _mapped(error, "apply_rope_with_cos_sin_cache_inplace", _INPLACE_MAPPING,
                       "apply_qk_") from error
     finally:
-        door.words = None
+        door.state.words = None
 
 
 def _floating(name: str, x: torch.Tensor) -> None:
@@ -307,7 +307,7 @@ def rope_quantize_fp8(
     apart = _written_apart("q_nope_out", q_nope_out, others)
     if q_rope.shape[0]:
         heads = _one_head if mla else _as_is
-        door.words = _FLAT_DOOR  # (the in-graph checks' words, traced)
+        door.state.words = _FLAT_DOOR  # (the in-graph checks' words, traced)
         try:
             slots = torch.arange(q_rope.shape[0], device=k_rope.device)
             cache = FlatKVCache(heads(k_rope_out), heads(k_nope_out), slots,
@@ -318,7 +318,7 @@ def rope_quantize_fp8(
         except RoPEError as error:
             raise _mapped(error, name, _FLAT_MAPPING) from error
         finally:
-            door.words = None
+            door.state.words = None
     _quantize_into(q_nope_out, q_nope, q_scale, apart)
     return q_rope_out, k_rope_out, q_nope_out, k_nope_out
 
@@ -419,7 +419,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
         others = (("q_rope_out", q_rope_out), ("q_nope", q_nope),
                   *zip(("ckv_cache", "kpe_cache"), caches))
         apart = _written_apart("q_nope_out", q_nope_out, others)
-        door.words = _PAGED_MLA_DOOR
+        door.state.words = _PAGED_MLA_DOOR
         try:
             cache = _paged_cache(caches, kv_indices, kv_indptr, batch_indices, positions, "NHD",
                                  page_size, kv_scale, mla=True)
@@ -428,7 +428,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
         except RoPEError as error:
             raise _mapped(error, name, _PAGED_MLA_MAPPING) from error
         finally:
-            door.words = None
+            door.state.words = None
         _quantize_into(q_nope_out, q_nope, q_scale, apart)
         return q_rope_out, q_nope_out
     if not isinstance(v, torch.Tensor):
@@ -450,7 +450,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
         q_into = torch.empty_like(q, dtype=dtype)
     else:
         q_into = q_out
-    door.words = _PAGED_DOOR
+    door.state.words = _PAGED_DOOR
     try:
         cache = _paged_cache(caches, kv_indices, kv_indptr, batch_indices, positions, kv_layout,
                              page_size, kv_scale, traced=traced)
@@ -459,7 +459,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
     except RoPEError as error:
         raise _mapped(error, name, _PAGED_MAPPING) from error
     finally:
-        door.words = None
+        door.state.words = None
     if q_out is None:
         rope_dim = q_rope.shape[-1]
         q_rope_out.copy_(add_written(q_rot[..., :rope_dim], aparts[0]))

@@ -238,16 +238,16 @@ def rotary_embedding(
     spec = _spec("thd" if len(lead) == 1 else "bshd", query.dtype, not is_neox, inverse)
     try:
         if k is None:
-            door.words = _ROTARY_ALONE_DOOR  # (the in-graph checks' words, traced)
+            door.state.words = _ROTARY_ALONE_DOOR  # (the in-graph checks' words, traced)
             apply_(q, table, spec, positions=positions)
         else:
-            door.words = _ROTARY_DOOR
+            door.state.words = _ROTARY_DOOR
             apply_qk_(q, k, table, spec, positions=positions)
     except RoPEError as error:
         raise (_mapped(error, "rotary_embedding", _ROTARY_ALONE, "apply_") if k is None else
                _mapped(error, "rotary_embedding", _ROTARY_MAPPING, "apply_qk_")) from error
     finally:
-        door.words = None
+        door.state.words = None
 
 
 def _weight(name: str, weight: object, head_dim: int, dtype: torch.dtype) -> HeadNorm:
@@ -312,7 +312,7 @@ def fused_qk_norm_rope(
         raise type(error)(str(error).replace("HeadNorm eps", "eps")) from error
     heads = qkv.view(qkv.shape[0], hq + hk + hv, head_dim)
     table, positions = _table(cos_sin_cache, positions)
-    door.words = _FUSED_DOOR  # (the in-graph checks' words, traced)
+    door.state.words = _FUSED_DOOR  # (the in-graph checks' words, traced)
     try:
         apply_qk_(heads[:, :hq], heads[:, hq : hq + hk], table,
                   _spec("thd", qkv.dtype, not is_neox), positions=positions, q_norm=q_norm,
@@ -320,7 +320,7 @@ def fused_qk_norm_rope(
     except RoPEError as error:
         raise _mapped(error, "fused_qk_norm_rope", _FUSED_MAPPING, "apply_qk_") from error
     finally:
-        door.words = None
+        door.state.words = None
 
 
 # How each door maps its arguments onto the core's, for the core's errors (_mapped).
