@@ -7,7 +7,8 @@ Every way in ends in the launcher (backends/triton_launch.py):
   backward is the transposed launch (a norm stage's backward also sums the weights' gradients);
 - ``torch.compile``, tensor subclasses or a dispatch mode: the custom op
   ``rope_dispatch::triton_rope`` with its fake and its autograd formula (the op transposed),
-  so ``fullgraph=True`` holds and a selective checkpoint policy sees one op;
+  so ``fullgraph=True`` holds and a selective checkpoint policy sees one op (a compiled
+  in-place call that needs no gradient: its mutating twin ``rope_dispatch::triton_rope_``);
 - a repeated call: its plan binds the compiled launch with its constant arguments, one call
   into C;
 - a call with a cache stage (:func:`rope_to_cache`): one launch that norms (optionally),
@@ -46,7 +47,7 @@ from .triton_launch import (
     run,
 )
 from .eager import rope_eager, rope_to_cache_eager
-from .written import door, refuse_written_once, worded
+from .written import door, refuse_written_once, worded, written_apart
 from .triton_tables import current_stream, on_device
 
 # torch.autograd.graph.increment_version's C entry, without its Python wrapper (a tensor or a
@@ -234,9 +235,10 @@ def _decoded(described: str) -> Launch:
     return Launch(**ast.literal_eval(described))
 
 
-def op_launch(described: Launch) -> str:
-    """``described`` as the custom op takes it: its fields, out of place, with no stage."""
-    return repr(described._replace(in_place=False, grad_in_place=False, norm=None,
+def op_launch(described: Launch, in_place: bool = False) -> str:
+    """``described`` as the custom ops take it: its fields, with no stage; out of place but for
+    :func:`triton_rope_inplace_op`'s."""
+    return repr(described._replace(in_place=in_place, grad_in_place=False, norm=None,
                                    store=None)._asdict())
 
 
@@ -258,6 +260,28 @@ def triton_rope_op(
                                 (table,) if sin is None or sin is table else (table, sin),
                                 written, launch.offset)
     return list(run(launch, inputs, Tables(table, sin, cu_seqlens, index, k_table, k_sin)))
+
+
+def _rotate_in_place(inputs, table, sin, k_table, k_sin, cu_seqlens, index, described,
+                     checked) -> None:
+    run(_decoded(described), inputs, Tables(table, sin, cu_seqlens, index, k_table, k_sin))
+    _bump(inputs)
+
+
+_library = torch.library.Library("rope_dispatch", "FRAGMENT")
+_library.define("triton_rope_(Tensor(a!)[] inputs, Tensor table, Tensor? sin, Tensor? k_table, "
+                "Tensor? k_sin, Tensor? cu_seqlens, Tensor? index, str described, "
+                "Tensor checked) -> ()")
+_library.impl("triton_rope_", _rotate_in_place, "CompositeExplicitAutograd")
+torch.library.register_fake("rope_dispatch::triton_rope_", lambda *args: None, lib=_library)
+triton_rope_inplace_op = torch.ops.rope_dispatch.triton_rope_.default
+""":func:`triton_rope_op` rotating ``inputs`` in place, for a traced in-place call that needs no
+gradient (an op that mutates has no autograd formula): one launch, where the functional op's
+outputs cost an allocation and a copy back into each input. ``checked``: the result of the
+call's memory checks (:func:`~.written.written_apart`), run before on its own tensors: where
+another argument reads their memory, Inductor hands this op copies, on which an overlap no
+longer shows. Defined on the dispatcher directly: ``custom_op``'s wrapper of an op that
+mutates cost 34 us a call (development CPU)."""
 
 
 @triton_rope_op.register_fake
@@ -331,10 +355,15 @@ def rope(call: RoPECall) -> Any:
         if described.tensors == "qkv" and k_table is None:
             k_table, k_sin = table, sin
         checked = described.in_place and torch.compiler.is_compiling()
-        made = triton_rope_op(list(inputs), table, sin, k_table, k_sin, call.spec.cu_seqlens,
-                              position_index(call), op_launch(_constants(described, call)),
-                              exact_size(call.rotary_dim) if checked else 0,
-                              door.state.words[0] if checked and door.state.words else "")
+        args = (list(inputs), table, sin, k_table, k_sin, call.spec.cu_seqlens,
+                position_index(call))
+        constant = _constants(described, call)
+        if checked and not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
+            triton_rope_inplace_op(*args, op_launch(constant, in_place=True),
+                                   written_apart(call, filled=False))
+            return _result(described, inputs)
+        made = triton_rope_op(*args, op_launch(constant), exact_size(call.rotary_dim) if checked
+                              else 0, door.state.words[0] if checked and door.state.words else "")
         if described.in_place:  # (the op checked the memory of a compiled call first)
             made = [x.copy_(out) for x, out in zip(inputs, made)]
         return _result(described, made)

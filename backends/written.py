@@ -70,17 +70,22 @@ def _first(args: tuple) -> torch.Tensor:
     return args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
 
 
-def _check_op(name: str, schema: str) -> Callable[[Callable[..., None]], Any]:
+def _check_op(name: str, schema: str,
+              filled: bool = True) -> Callable[[Callable[..., None]], Any]:
     """``check`` (which refuses, by raising) as the op ``rope_dispatch::<name><schema> ->
-    Tensor``, which runs it on a graph's real tensors and returns a float32 ``-0.0``. Defined on
-    the dispatcher directly, not by ``custom_op``, whose autograd wrapper it does not need (its
-    tensors come detached): a call costs 5 us against 13 (development CPU)."""
+    Tensor``, which runs it on a graph's real tensors and returns a float32 ``-0.0`` (not
+    ``filled``: a scalar never written, for an op that takes it only to run after the checks;
+    no fill kernel in a CUDA graph's replays). Defined on the dispatcher directly, not by
+    ``custom_op``, whose autograd wrapper it does not need (its tensors come detached): a call
+    costs 5 us against 13 (development CPU)."""
     def define(check: Callable[..., None]) -> Any:
         if not hasattr(torch.ops.rope_dispatch, name):  # (the module imported under two names)
             _library.define(name + schema + " -> Tensor")
 
             def run(*args: Any) -> torch.Tensor:
                 check(*args)
+                if not filled:
+                    return _first(args).new_empty((), dtype=torch.float32)
                 return torch.full((), -0.0, dtype=torch.float32, device=_first(args).device)
 
             _library.impl(name, run, "CompositeExplicitAutograd")
@@ -128,23 +133,29 @@ def worded(words: str) -> Iterator[None]:
         raise type(error)(f"{error} {words}") from error
 
 
-@_check_op("written_apart", "(Tensor t, Tensor? k, Tensor? q_weight, Tensor? k_weight, "
-           "Tensor[] tables, SymInt d2, SymInt offset, str words)")
-def written_apart_op(t, k, q_weight, k_weight, tables, d2, offset, words) -> None:
+def _refuse_written(t, k, q_weight, k_weight, tables, d2, offset, words) -> None:
     """Refuse what :func:`~rope_dispatch.overlap.refuse_written_overlaps` refuses, ``words``
     (a door's, :data:`door`) added to the refusal."""
     with worded(words):
         refuse_written_once(t, k, q_weight, k_weight, tables, d2, offset)
 
 
-def written_apart(call: Any) -> torch.Tensor | None:
+_WRITTEN_SCHEMA = ("(Tensor t, Tensor? k, Tensor? q_weight, Tensor? k_weight, Tensor[] tables, "
+                   "SymInt d2, SymInt offset, str words)")
+written_apart_op = _check_op("written_apart", _WRITTEN_SCHEMA)(_refuse_written)
+written_apart_first_op = _check_op("written_apart_first", _WRITTEN_SCHEMA, filled=False)(
+    _refuse_written)
+
+
+def written_apart(call: Any, filled: bool = True) -> torch.Tensor | None:
     """While ``torch.compile`` traces an in-place call: the op's ``-0.0``, for the call's
-    write-back to add (every tensor the call writes, so each depends on the checks); else
-    ``None`` (eager calls were checked by :func:`~rope_dispatch.check_call`)."""
+    write-back to add (every tensor the call writes, so each depends on the checks), or (not
+    ``filled``) a scalar never written, for an op that writes in place to take; else ``None``
+    (eager calls were checked by :func:`~rope_dispatch.check_call`)."""
     if not call.in_place or not torch.compiler.is_compiling() or transformed():
         return None
     weights = tuple(None if n is None else n.weight.detach() for n in (call.norm, call.k_norm))
-    return written_apart_op(
+    return (written_apart_op if filled else written_apart_first_op)(
         call.t.detach(), None if call.k is None else call.k.detach(), *weights,
         [x.detach() for x in table_tensors(call.table)], exact_size(call.rotary_dim),
         exact_size(call.spec.rotary_offset), door.state.words[0] if door.state.words else "")

@@ -301,6 +301,54 @@ def test_opcheck_contiguous_and_permuted():
         opcheck(op, (*args, 0, ""))
     # with the memory checks of a compiled in-place call (its rotary dim), which find it apart
     opcheck(op, ([contiguous], angles, None, None, None, None, None, described("t", "sbhd"), 8, ""))
+    # the twin that rotates its inputs in place (a compiled in-place call needing no gradient),
+    # after the memory checks whose result it takes
+    inplace = torch.ops.rope_dispatch.triton_rope_.default
+    q, k, checked = q.detach(), k.detach(), torch.zeros((), device=DEVICE)
+    for args in (([q, k], angles, None, None, None, None, None,
+                  op_launch(Launch("qk", "bshd", False, 1.0, 1, 0), in_place=True), checked),
+                 ([permuted.detach()], angles.cos(), angles.sin(), None, None, None, None,
+                  op_launch(Launch("t", "sbhd", True, 1.25, 1, 0, inverse=True), in_place=True),
+                  checked)):
+        opcheck(inplace, args)
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_compiled_in_place_call_without_gradient_rotates_its_inputs_in_place(views):
+    """A compiled in-place call that needs no gradient (a decode step) is its memory checks and
+    one launch on the inputs' own memory: the mutating op ``triton_rope_`` with no output to
+    allocate and no copy back, q and k whole tensors or views of one projection, positions on
+    the device."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(11)
+    angles = (torch.rand(32, 16, generator=gen) * 6).to(DEVICE)
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    proj = torch.randn(3, 1, 6 * 16, generator=gen).to(DEVICE)
+    pos = torch.tensor([[5], [0], [31]], device=DEVICE)
+    want_q, want_k = (reference_for(proj[..., a:b].unflatten(-1, (-1, 16)).cpu().double(),
+                                    angles.cpu(), spec, positions=pos.cpu())
+                      for a, b in ((0, 64), (64, 96)))
+
+    def step(proj, q, k):
+        if views:
+            q, k = proj[..., :64].unflatten(-1, (4, 16)), proj[..., 64:].unflatten(-1, (2, 16))
+        rd.apply_qk_(q, k, angles, spec, positions=pos, backend="triton")
+
+    q = proj[..., :64].unflatten(-1, (4, 16)).contiguous()
+    k = proj[..., 64:].unflatten(-1, (2, 16)).contiguous()
+    with torch.inference_mode():
+        _, code = run_and_get_code(torch.compile(step, fullgraph=True), proj, q, k)
+    calls = [line for line in "\n".join(code).splitlines()
+             if line.split("= ")[-1].lstrip().startswith("torch.ops.rope_dispatch.")]
+    assert len(calls) == 2, calls
+    assert "written_apart_first.default" in calls[0] and "triton_rope_.default" in calls[1], calls
+    assert "copy_" not in "\n".join(code)
+    got_q, got_k = (proj[..., :64].unflatten(-1, (4, 16)), proj[..., 64:].unflatten(-1, (2, 16))
+                    ) if views else (q, k)
+    assert_matches(got_q, want_q, torch.float32, "q")
+    assert_matches(got_k, want_k, torch.float32, "k")
 
 
 def test_compile_fullgraph_forward_and_backward():
