@@ -20,7 +20,9 @@ host path is longer than the kernels, it sets the pace).
 
 Then decode: ``apply_qk_`` in place with per-token positions on the GPU, with and without the
 norms, under ``no_grad`` and under ``inference_mode`` (how serving code runs a decode step),
-end to end on the host clock. Prints a markdown table; ``--out`` also writes JSON.
+and without norms under ``torch.compile`` (no CUDA graphs), end to end on the host clock;
+then eager and compiled without norms captured 100 times in one CUDA graph, GPU time a call.
+Prints a markdown table; ``--out`` also writes JSON.
 
     python -m benchmarks.qk_norm                      # b1 s4096, b4 s4096, b1 s32768; decode
     python -m benchmarks.qk_norm --shapes 1x4096 --no-decode --device cpu   # smoke (eager)
@@ -140,6 +142,29 @@ def device_us(fn: Callable[[], Any], iters: int = 10) -> float:
     return total / iters
 
 
+def graph_us(fn: Callable[[], Any], calls: int = 100, rounds: int = 11) -> float:
+    """GPU us a call of ``fn`` captured ``calls`` times in one CUDA graph (as a serving step
+    replays it: no host work), median of ``rounds`` replays timed with events."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def reference(q, k, wq, wk, table) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 normalize-then-rotate, from the formula."""
     def one(x, w):
@@ -240,15 +265,24 @@ def run_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
                                     k_norm=k_norm)
 
         inference = torch.inference_mode
+        compiled = torch.compile(rd.apply_qk_)  # Inductor's graph, no CUDA graphs
+
+        def rope_compiled():
+            with torch.inference_mode():
+                return compiled(q, k, table, spec, positions=pos)
+
         fns = {"rope": rope, "norm+rope": norm_rope,
                "rope (inference)": lambda: rope(inference),
-               "norm+rope (inference)": lambda: norm_rope(inference)}
+               "norm+rope (inference)": lambda: norm_rope(inference),
+               "rope (compiled)": rope_compiled}
         for fn in fns.values():
             for _ in range(3):
                 fn()
         measured = host_us_interleaved(fns)
         rows.append({"batch": batch, **{name: {"host_us": h, "end_to_end_us": e}
-                                        for name, (h, e) in measured.items()}})
+                                        for name, (h, e) in measured.items()},
+                     "graph_us": {name: graph_us(fns[name])
+                                  for name in ("rope (inference)", "rope (compiled)")}})
     return rows
 
 
@@ -278,6 +312,12 @@ def format_report(rows: list[dict[str, Any]], decode: list[dict[str, Any]]) -> s
                     f"| {row['batch']} | {mode} | {a['host_us']:.1f} / {a['end_to_end_us']:.1f} | "
                     f"{b['host_us']:.1f} / {b['end_to_end_us']:.1f} | "
                     f"{b['end_to_end_us'] / a['end_to_end_us']:.2f}x |")
+            c = row["rope (compiled)"]
+            lines.append(f"| {row['batch']} | torch.compile, inference_mode | "
+                         f"{c['host_us']:.1f} / {c['end_to_end_us']:.1f} | | |")
+            g = row["graph_us"]
+            lines.append(f"| {row['batch']} | CUDA graph, GPU us a call: eager / compiled | "
+                         f"{g['rope (inference)']:.2f} / {g['rope (compiled)']:.2f} | | |")
     return "\n".join(lines)
 
 
