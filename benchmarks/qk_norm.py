@@ -25,7 +25,9 @@ then eager and compiled without norms captured 100 times in one CUDA graph, GPU 
 Prints a markdown table; ``--out`` also writes JSON.
 
     python -m benchmarks.qk_norm                      # b1 s4096, b4 s4096, b1 s32768; decode
-    python -m benchmarks.qk_norm --shapes 1x4096 --no-decode --device cpu   # smoke (eager)
+    python -m benchmarks.qk_norm --shapes '' --decode-batches 1,64   # decode only
+
+Needs a CUDA device (the timings are ``triton.testing.do_bench``'s and CUDA graphs').
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 import torch
 
 import rope_dispatch as rd
-from benchmarks.bench import _versions, bench_ms, host_us_interleaved
+from benchmarks.bench import _versions, bench_ms, graph_replay_us, host_us_interleaved
 
 EPS = 1e-6
 
@@ -140,29 +142,6 @@ def device_us(fn: Callable[[], Any], iters: int = 10) -> float:
     total = sum(e.self_device_time_total for e in prof.key_averages()
                 if e.self_device_time_total and "FillFunctor" not in e.key)
     return total / iters
-
-
-def graph_us(fn: Callable[[], Any], calls: int = 100, rounds: int = 11) -> float:
-    """GPU us a call of ``fn`` captured ``calls`` times in one CUDA graph (as a serving step
-    replays it: no host work), median of ``rounds`` replays timed with events."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def reference(q, k, wq, wk, table) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,7 +260,7 @@ def run_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
         measured = host_us_interleaved(fns)
         rows.append({"batch": batch, **{name: {"host_us": h, "end_to_end_us": e}
                                         for name, (h, e) in measured.items()},
-                     "graph_us": {name: graph_us(fns[name])
+                     "graph_us": {name: graph_replay_us(fns[name], calls=100)
                                   for name in ("rope (inference)", "rope (compiled)")}})
     return rows
 
