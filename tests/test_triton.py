@@ -351,6 +351,25 @@ def test_compiled_in_place_call_without_gradient_rotates_its_inputs_in_place(vie
     assert_matches(got_k, want_k, torch.float32, "k")
 
 
+def test_compiled_in_place_call_without_gradient_moves_the_version_counters():
+    """A tensor a graph saved for its backward, then rotated in place by a compiled call under
+    ``no_grad``: that backward refuses, as after an eager in-place call (no silently wrong
+    gradient from the rotated values)."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 1, 2, 16, device=DEVICE, requires_grad=True)
+    q = x * 2
+    saved = (q * q).sum()  # keeps q for its backward
+    angles = torch.rand(8, 16, device=DEVICE)
+    spec = rd.RoPESpec(layout="bshd", dtype="fp32")
+    rotate = torch.compile(lambda q: rd.apply_(q, angles, spec, backend="triton"), fullgraph=True)
+    version = q._version
+    with torch.no_grad():
+        rotate(q)
+    assert q._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+
+
 def test_compile_fullgraph_forward_and_backward():
     """torch.compile(fullgraph=True) over code calling rope_dispatch.apply: no graph break."""
     backend = "inductor" if CUDA else "aot_eager"
