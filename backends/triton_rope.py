@@ -347,6 +347,7 @@ def rope(call: RoPECall) -> Any:
     inputs = (call.t,) if call.k is None else (call.t, call.k)
     weights = () if described.norm is None else tuple(
         n.weight for n in (call.norm, call.k_norm) if n is not None)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (*inputs, *weights))
     if _traced(*inputs, *weights):
         if described.norm is not None:  # traced: the float32 composition, for Inductor to fuse
             return rope_eager(call)
@@ -358,7 +359,7 @@ def rope(call: RoPECall) -> Any:
         args = (list(inputs), table, sin, k_table, k_sin, call.spec.cu_seqlens,
                 position_index(call))
         constant = _constants(described, call)
-        if checked and not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
+        if checked and not grad:
             triton_rope_inplace_op(*args, op_launch(constant, in_place=True),
                                    written_apart(call, filled=False))
             return _result(described, inputs)
@@ -367,7 +368,6 @@ def rope(call: RoPECall) -> Any:
         if described.in_place:  # (the op checked the memory of a compiled call first)
             made = [x.copy_(out) for x, out in zip(inputs, made)]
         return _result(described, made)
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (*inputs, *weights))
     if described.tensors == "qk" and (
         not (inputs[0].shape[-2] and inputs[1].shape[-2])
         or (described.in_place and grad and (inputs[0]._is_view() or inputs[1]._is_view()))
