@@ -6,7 +6,9 @@ Liger-Kernel's, when Liger is installed.
 only ``rope=True``. ``--model qwen3``: a Qwen3-shaped model, whose attention applies q_norm and
 k_norm right before RoPE: our patch fuses both norms into the RoPE call, and Liger's is
 ``apply_liger_kernel_to_qwen3`` with only ``rope=True`` and ``rms_norm=True`` (LigerRMSNorm for
-every RMSNorm of the model, the layer norms too), in a copy of the model built under its patch.
+every RMSNorm of the model, the layer norms too), in a copy of the model built under its patch;
+``Liger + rope-dispatch`` is that copy with our patch on top (its q_norm and k_norm, Liger's,
+fused into our RoPE call; Liger's layer norms stay).
 
 A step is forward + backward + AdamW step on random token ids with random weights (no
 download). The variants take turns step block by step block, in a rotating order, so clock and
@@ -194,7 +196,7 @@ Variant = tuple[Callable[[], contextlib.AbstractContextManager], torch.nn.Module
 
 def variants(
     family: Family, model: torch.nn.Module, patched: torch.nn.Module, liger: Callable | None,
-    liger_model: torch.nn.Module | None,
+    liger_model: torch.nn.Module | None, liger_patched: torch.nn.Module | None,
 ) -> dict[str, Variant]:
     """Each variant as a context that installs its ``apply_rotary_pos_emb`` in the family's
     modeling module (and restores transformers' own on exit), and the model it trains. Ours
@@ -219,6 +221,8 @@ def variants(
     }
     if liger is not None:
         chosen["Liger"] = (installs(liger), liger_model if liger_model is not None else model)
+    if liger_patched is not None:
+        chosen["Liger + rope-dispatch"] = (installs(hf.apply_rotary_pos_emb), liger_patched)
     return chosen
 
 
@@ -274,8 +278,10 @@ def main() -> None:
         liger_model.load_state_dict(model.state_dict())
     original = family.module.apply_rotary_pos_emb
     patched = hf.patch(copy.deepcopy(model))
+    # Liger's model with ours on top: its q_norm and k_norm (Liger's) fused into our call
+    liger_patched = None if liger_model is None else hf.patch(copy.deepcopy(liger_model))
     family.module.apply_rotary_pos_emb = original  # each variant installs its own (variants)
-    variant_list = variants(family, model, patched, liger, liger_model)
+    variant_list = variants(family, model, patched, liger, liger_model, liger_patched)
     optimizers = {
         id(m): torch.optim.AdamW(m.parameters(), lr=1e-5, fused=args.device.startswith("cuda"))
         for m in {id(m): m for _, m in variant_list.values()}.values()
@@ -342,7 +348,8 @@ def main() -> None:
         print(
             "transformers: its RMSNorm on q and k, then its RoPE; rope-dispatch: q_norm + k_norm + "
             "RoPE in one call (the other RMSNorms transformers'); Liger: its RMSNorm for every "
-            "RMSNorm (layer norms too), then its RoPE."
+            "RMSNorm (layer norms too), then its RoPE; Liger + rope-dispatch: Liger's model, its "
+            "q_norm + k_norm + RoPE in our one call."
         )
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, rope-dispatch "

@@ -529,3 +529,98 @@ def test_a_first_call_traced_in_a_fresh_process(forced):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0 and "same logits" in proc.stdout, proc.stderr[-3000:]
+
+
+def _liger_norms(model, family: str, kind: str) -> type:
+    """``model``'s q_norm and k_norm made Liger-Kernel's as its patches make them: ``instance``
+    rebinds each module's forward to ``LigerRMSNorm.forward`` (``_patch_rms_norm_module``, which
+    ``apply_liger_kernel_to_*(model=...)`` runs, with the family's offset and casting mode);
+    ``class`` puts Liger's class for the family in their place, as a model built after Liger's
+    patch holds (the same weights). Returns ``LigerRMSNorm``."""
+    try:  # (an ImportError where it is not installed; on a GPU machine whose TransformerEngine,
+        # which Liger's import of peft loads, finds torch's cuDNN loaded first: an OSError)
+        from liger_kernel.transformers import rms_norm
+        from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"Liger-Kernel does not import here ({type(exc).__name__}: {exc})")
+
+    for attention in attentions(model):
+        for part in ("q_norm", "k_norm"):
+            norm = getattr(attention, part)
+            if kind == "instance":
+                gemma = family == "Gemma3"
+                _patch_rms_norm_module(norm, offset=1.0 if gemma else 0.0,
+                                       casting_mode="gemma" if gemma else "llama", in_place=False)
+                continue
+            liger = rms_norm.LigerRMSNormForOlmo2(norm.weight.shape[0], norm.variance_epsilon)
+            with torch.no_grad():
+                liger.weight.copy_(norm.weight)
+            setattr(attention, part, liger.to(norm.weight.device))
+    return rms_norm.LigerRMSNorm
+
+
+@pytest.mark.parametrize("family, kind", [("Qwen3", "instance"), ("Gemma3", "instance"),
+                                          ("OLMo2", "class")])
+def test_norms_liger_made_its_own_are_fused_with_their_offset(family, kind, monkeypatch):
+    """A model whose q_norm and k_norm run Liger-Kernel's ``LigerRMSNorm`` (Liger's patch of the
+    built model, or Liger's class in a model built after its patch): the norms fuse into the
+    RoPE call with each module's weight, epsilon and offset (Gemma3's 1), the results are the
+    unpatched model's, and ``unpatch`` gives each norm Liger's forward back."""
+    model = tiny_model(family)
+    offset, scope, _, _, _ = NORMS[family]
+    expected = step(model)
+    liger = _liger_norms(model, family, kind)
+    calls = spy(monkeypatch)
+    hf.patch(model)
+    check_same(step(model), expected)
+    assert len(calls) == model.config.num_hidden_layers
+    for call, attention in zip(calls, attentions(model)):
+        for norm, module_norm in ((call["q_norm"], attention.q_norm),
+                                  (call["k_norm"], attention.k_norm)):
+            assert norm.weight is module_norm.weight
+            assert (norm.offset, norm.scope, norm.eps) == (offset, scope, EPS)
+    hf.unpatch(model)
+    for attention in attentions(model):
+        for norm in (attention.q_norm, attention.k_norm):
+            own = vars(norm).get("forward")
+            if kind == "instance":
+                assert own.__func__ is liger.forward and own.__self__ is norm
+            else:
+                assert own is None and type(norm).forward is liger.forward
+
+
+def test_a_liger_norm_called_outside_its_attention_runs_liger_bound_to_it(monkeypatch):
+    """Outside its attention's forward a fused Liger norm runs Liger's forward with its own
+    weight, in a data-parallel replica the replica's (Liger's kernel stood in for by the
+    formula, so this runs on the CPU); a Liger norm without a weight
+    (``elementwise_affine=False``) is left unfused, and with it its attention."""
+    model = tiny_model("Qwen3")
+    liger = _liger_norms(model, "Qwen3", "instance")
+    weights = []
+
+    class Kernel:  # LigerRMSNormFunction.apply's arguments, RMSNorm by the formula
+        @staticmethod
+        def apply(x, weight, eps, offset, *rest):
+            weights.append(weight)
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight)
+
+    monkeypatch.setattr(sys.modules[liger.__module__], "LigerRMSNormFunction", Kernel)
+    hf.patch(model)
+    norm = attentions(model)[1].k_norm
+    x = torch.randn(3, 16, device=norm.weight.device)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * norm.weight
+    torch.testing.assert_close(norm(x), want)
+    assert weights == [norm.weight]
+    twin_norm = attentions(replicate(model))[1].k_norm
+    assert twin_norm.weight is not norm.weight
+    torch.testing.assert_close(twin_norm(x), want)
+    assert weights[-1] is twin_norm.weight
+    hf.unpatch(model)
+
+    weightless = tiny_model("Qwen3")
+    attention = attentions(weightless)[0]
+    attention.q_norm = liger(16, EPS, elementwise_affine=False)
+    hf.patch(weightless)
+    assert "forward" not in vars(attention) and "forward" not in vars(attention.k_norm)
+    assert "forward" in vars(attentions(weightless)[1])
+    hf.unpatch(weightless)

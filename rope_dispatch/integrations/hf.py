@@ -12,31 +12,16 @@ Liger-Kernel does, and :func:`unpatch` binds the original object back once no ot
 model holds the family. The rebinding is per modeling module: it reaches every model of the
 family in the process, not only the one passed.
 
-The names, per family (:data:`SUPPORTED_MODELS`):
-
-- ``apply_rotary_pos_emb`` -> :func:`apply_rotary_pos_emb`, in every family but Llama 4 and
-  those below.
-  Qwen2-VL and Qwen2.5-VL call it too in transformers 5.23: their rotary embedding already picks each
-  channel's position stream (temporal, height, width) and returns per-token ``[b, s, d]``
-  cos/sin.
-- ``apply_rotary_pos_emb`` -> :func:`apply_rotary_pos_emb_pairs` or
-  :func:`apply_rotary_pos_emb_pairs_of_halves` in the families that rotate interleaved pairs
-  (Cohere, GLM, GLM-4, GLM-4V, ERNIE 4.5, Helium: :data:`.hf_families.PAIR_FAMILIES`).
-- ``apply_rotary_pos_emb_interleave`` -> :func:`apply_rotary_pos_emb_interleave`, for
-  DeepSeek-V3 and the other multi-head latent attention families (:data:`.hf_families.MLA_FAMILIES`)
-  with ``rope_interleave`` (its rotary channels in interleaved pairs, rotated into
-  halves: ``RoPESpec(deinterleave=True)``). DeepSeek's attention splits the rotary part off
-  each query head (``q_rot``) and off the shared key latent (``k_rot``, one head) before the
-  call, so both arrive as views of their projections and their gradients flow back to them.
-- ``apply_multimodal_rotary_pos_emb`` -> :func:`apply_multimodal_rotary_pos_emb`, for Qwen2-VL and
-  Qwen2.5-VL where the modeling module defines it (transformers 4.x: the attention picked the
-  streams from ``[3, b, s, d]`` cos/sin). A name the module lacks is skipped.
-- ``apply_rotary_emb`` -> :func:`.hf_llama4.apply_rotary_emb`, for Llama 4 (complex pairs,
-  ``interleaved=True``; its L2 QK norm after RoPE fused by :mod:`.hf_llama4`).
-
-The vision towers' ``apply_rotary_pos_emb_vision`` (``[s, heads, d]`` q and k without a batch
-dim, ``[s, d]`` float32 cos/sin, each output in its input's dtype) is a different call and is left
-to transformers: the vision tower runs as before.
+The names, per family (:data:`SUPPORTED_MODELS`; docs/hf.md): ``apply_rotary_pos_emb``
+(:func:`apply_rotary_pos_emb`, or :func:`apply_rotary_pos_emb_pairs` and
+:func:`apply_rotary_pos_emb_pairs_of_halves` in the families that rotate interleaved pairs,
+:data:`.hf_families.PAIR_FAMILIES`), ``apply_rotary_pos_emb_interleave`` (DeepSeek-V3 and the
+other latent-attention families with ``rope_interleave``: ``RoPESpec(deinterleave=True)``; q's and
+the key latent's rotary parts arrive as views of their projections, whose gradients flow back to
+them), ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL and Qwen2.5-VL where the modeling module
+defines it) and Llama 4's ``apply_rotary_emb`` (:mod:`.hf_llama4`). A name the module lacks is
+skipped. The vision towers' ``apply_rotary_pos_emb_vision`` is a different call, left to
+transformers.
 
 QK norm (:data:`QK_NORM_MODELS`: Qwen3, Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE, Gemma3, OLMo2,
 GLM-4-MoE with ``use_qk_norm``): these attentions normalize q and k (their ``q_norm`` and
@@ -46,9 +31,9 @@ runs, its norms hand their input on unchanged and :func:`apply_rotary_pos_emb` p
 :func:`rope_dispatch.apply_qk` as ``q_norm``/``k_norm`` (:class:`~rope_dispatch.HeadNorm` of the
 module's weight and epsilon, with the family's offset and scope), so norm and rotation are one
 call. The call checks that the q and k it gets are the norms' inputs, and the forward that every
-input handed on was normalized; either failing raises instead of leaving a norm out. A norm
-whose class is not the family's own RMSNorm, or that already has an instance ``forward``
-(another library's patch, an offload hook), is left to run as it is.
+input handed on was normalized; either failing raises instead of leaving a norm out. Norms that
+Liger-Kernel's patch made ``LigerRMSNorm`` fuse too (its offset read from the module); a norm of
+another class, or with another instance ``forward`` (an offload hook), is left as it is.
 
 An adapter: it maps arguments and checks only what the mapping needs. q and k go to
 :func:`rope_dispatch.apply_qk` as bshd views (no copy), the per-token ``cos``/``sin`` as a
@@ -110,6 +95,14 @@ SUPPORTED_MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "Qwen2.5-VL": (
         "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLAttention", _MULTIMODAL
     ),
+    "Llama4": ("transformers.models.llama4.modeling_llama4", "Llama4TextAttention",
+               ("apply_rotary_emb",)),
+    "Qwen3-VL": (
+        "transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextAttention", _PLAIN
+    ),
+    "Qwen3-VL-MoE": (
+        "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeTextAttention", _PLAIN
+    ),
 }
 """Family -> (its modeling module, its attention class, the module globals that attention looks
 up at call time): a model is supported when it holds attention modules of these classes;
@@ -121,28 +114,14 @@ QK_NORM_MODELS: dict[str, tuple[str, float, str]] = {
     "Gemma3": ("Gemma3RMSNorm", 1.0, "head"),
     "OLMo2": ("Olmo2RMSNorm", 0.0, "heads"),
     "GLM-4-MoE": ("Glm4MoeRMSNorm", 0.0, "head"),
+    "Qwen3-VL": ("Qwen3VLTextRMSNorm", 0.0, "head"),
+    "Qwen3-VL-MoE": ("Qwen3VLMoeTextRMSNorm", 0.0, "head"),
 }
 """Family (of :data:`SUPPORTED_MODELS`) -> (the RMSNorm class of its attention's ``q_norm`` and
 ``k_norm``, the :class:`~rope_dispatch.HeadNorm` offset and scope that reproduce it): Gemma3
 multiplies by ``1 + weight``; OLMo2 normalizes a token's heads together, before the head split
 (weights of ``heads * head_dim``, and ``kv_heads * head_dim`` for k)."""
 
-# Issue 64: Llama 4 (its own call, hf_llama4.py), Qwen3-VL and every family of hf_families.py
-# whose attention calls the standard apply_rotary_pos_emb; kept apart to ease merging.
-SUPPORTED_MODELS.update({
-    "Llama4": ("transformers.models.llama4.modeling_llama4", "Llama4TextAttention",
-               ("apply_rotary_emb",)),
-    "Qwen3-VL": (
-        "transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextAttention", _PLAIN
-    ),
-    "Qwen3-VL-MoE": (
-        "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeTextAttention", _PLAIN
-    ),
-})
-QK_NORM_MODELS.update({
-    "Qwen3-VL": ("Qwen3VLTextRMSNorm", 0.0, "head"),
-    "Qwen3-VL-MoE": ("Qwen3VLMoeTextRMSNorm", 0.0, "head"),
-})
 SUPPORTED_MODELS.update({
     family: (f"transformers.models.{folder}.modeling_{folder}", attention, names)
     for families, names in ((STANDARD_FAMILIES, _PLAIN), (MLA_FAMILIES, _INTERLEAVE))
@@ -633,14 +612,14 @@ def _traced_with_grad() -> bool:
 
 
 def _deferred_norm(norm: torch.nn.Module, slot: int, offset: float, scope: str,
-                   x: torch.Tensor) -> torch.Tensor:
+                   previous: Callable | None, x: torch.Tensor) -> torch.Tensor:
     """A q_norm's (``slot`` 0) or k_norm's (1) forward: inside the fused forward of the attention
     holding it, ``x`` unchanged, its :class:`~rope_dispatch.HeadNorm` kept for the RoPE call;
-    elsewhere the norm's class's forward. The attention is found by what it holds, not kept, so
-    a replica's norm (:func:`_replicate`) serves the replica's attention."""
+    elsewhere its earlier forward (``previous``, Liger's) or its class's. The attention is found
+    by what it holds, so a replica's norm (:func:`_replicate`) serves the replica's attention."""
     if (getattr(_window.attention, ("q_norm", "k_norm")[slot], None) is not norm
             or _window.handed[slot] is not None):
-        return type(norm).forward(norm, x)
+        return type(norm).forward(norm, x) if previous is None else previous(x)
     _window.handed[slot] = (
         x, HeadNorm(norm.weight, _norm_eps(norm), offset=offset, scope=scope), _version(x)
     )
@@ -660,11 +639,11 @@ def _norm_eps(norm: torch.nn.Module) -> object:
     return getattr(norm, "eps", None) if eps is None else eps
 
 
-def _fusable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, float, str]]:
-    """(attention, its modeling module's name, the HeadNorm offset and scope) for each attention
-    of ``model`` of a :data:`QK_NORM_MODELS` family whose q_norm and k_norm are the family's
-    RMSNorm running its class's forward (GLM without ``use_qk_norm`` has none); a
-    :class:`~rope_dispatch.RoPEError` naming a norm without a 1-D weight or a positive epsilon."""
+def _fusable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, tuple, str]]:
+    """(attention, its modeling module's name, q_norm's and k_norm's HeadNorm offsets, the
+    scope) for each attention of ``model`` of a :data:`QK_NORM_MODELS` family whose norms both
+    run a forward we fuse (:func:`_norm_offset`); a :class:`~rope_dispatch.RoPEError` naming a
+    norm without a 1-D weight or a positive epsilon."""
     families = {}
     for family, (norm_class, offset, scope) in QK_NORM_MODELS.items():
         module_name, attention_class, _ = SUPPORTED_MODELS[family]
@@ -679,7 +658,8 @@ def _fusable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, float, 
             continue
         module_name, norm_class, offset, scope = families[type(child)]
         norms = {part: getattr(child, part, None) for part in ("q_norm", "k_norm")}
-        if any(type(norm) is not norm_class or _own_forward(norm) for norm in norms.values()):
+        offsets = tuple(_norm_offset(norm, norm_class, offset) for norm in norms.values())
+        if None in offsets:
             continue
         for part, norm in norms.items():
             weight, eps = getattr(norm, "weight", None), _norm_eps(norm)
@@ -689,8 +669,25 @@ def _fusable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, float, 
             if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
                 raise RoPEError(f"{name}.{part} must have a positive variance_epsilon or eps to "
                                 f"fuse the norm, got {eps!r}")
-        found.append((child, module_name, offset, scope))
+        found.append((child, module_name, offsets, scope))
     return found
+
+
+def _norm_offset(norm: object, norm_class: type, offset: float) -> float | None:
+    """The HeadNorm offset of a q_norm or k_norm we fuse (``None``: left as it is): the family's
+    ``offset`` for the family's RMSNorm, its own ``offset`` for a norm with a weight running
+    Liger-Kernel's ``LigerRMSNorm.forward`` (its class's, or bound on it by Liger's patch)."""
+    if not isinstance(norm, torch.nn.Module):  # (GLM without use_qk_norm has none)
+        return None
+    own = _own_forward(norm)
+    liger = getattr(sys.modules.get("liger_kernel.transformers.rms_norm"), "LigerRMSNorm", None)
+    if liger is not None and (
+        own is None and getattr(type(norm), "forward", None) is liger.forward
+        or getattr(own, "__func__", None) is liger.forward and own.__self__ is norm
+    ):
+        shift, weight = getattr(norm, "offset", None), getattr(norm, "weight", None)
+        return float(shift) if weight is not None and isinstance(shift, (int, float)) else None
+    return offset if type(norm) is norm_class and own is None else None
 
 
 def _own_forward(module: torch.nn.Module) -> Callable | None:
@@ -705,12 +702,13 @@ def _is_ours(forward: object) -> bool:
     )
 
 
-def _fuse(attention: torch.nn.Module, module_name: str, offset: float, scope: str) -> None:
+def _fuse(attention: torch.nn.Module, module_name: str, offsets: tuple, scope: str) -> None:
     """Give ``attention`` and its two norms our forwards (once: a fused attention is left)."""
     if _is_ours(_own_forward(attention)):
         return
     for slot, norm in ((0, attention.q_norm), (1, attention.k_norm)):
-        _set_forward(norm, functools.partial(_deferred_norm, norm, slot, offset, scope))
+        _set_forward(norm, functools.partial(_deferred_norm, norm, slot, offsets[slot], scope,
+                                             _own_forward(norm)))
     _set_forward(attention, functools.partial(_fused_forward, attention, module_name,
                                              _own_forward(attention)))
 
@@ -729,8 +727,10 @@ def _replicate(module: torch.nn.Module) -> torch.nn.Module:
     """``module``'s data-parallel replica, its forward (while ours) bound to the replica."""
     replica = type(module)._replicate_for_data_parallel(module)
     forward = _own_forward(replica)
-    if _is_ours(forward):
-        _set_forward(replica, functools.partial(forward.func, replica, *forward.args[1:]))
+    if _is_ours(forward):  # (an earlier forward bound to the module, Liger's, rebound too)
+        _set_forward(replica, functools.partial(forward.func, replica, *(
+            a.__func__.__get__(replica) if getattr(a, "__self__", None) is module else a
+            for a in forward.args[1:])))
     else:
         replica._replicate_for_data_parallel = functools.partial(_replicate, replica)
     return replica
@@ -745,7 +745,7 @@ def _unfuse(model: torch.nn.Module) -> None:
             continue
         del module._replicate_for_data_parallel
         previous = (forward.args[2] if forward.func in (_fused_forward, hf_llama4.FORWARDS[0])
-                    else None)
+                    else forward.args[4] if forward.func is _deferred_norm else None)
         if previous is None:
             del module.forward
         else:
@@ -774,8 +774,8 @@ def patch(model: Model) -> Model:
         if current is not ours:
             _originals[module_name, name] = current
             setattr(module, name, ours)
-    for attention, module_name, offset, scope in fusable:
-        _fuse(attention, module_name, offset, scope)
+    for attention, module_name, offsets, scope in fusable:
+        _fuse(attention, module_name, offsets, scope)
     for attention, eps in l2_fusable:
         hf_llama4.fuse(attention, eps)
     _holders[model] = _holders.get(model, frozenset()) | frozenset(targets)
