@@ -327,6 +327,18 @@ def _load_chunk(
 
 
 @triton.jit
+def _rounded(x, out_ty: tl.constexpr):
+    """``x`` rounded once to ``out_ty``, to nearest even as the GPU converts. The CPU
+    interpreter's float32 to bfloat16 conversion truncates: there the float32 bits are rounded
+    to bfloat16's first (NaN kept), so its conversion is then exact."""
+    if _INTERPRETER and out_ty == tl.bfloat16 and x.dtype == tl.float32:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+    return x.to(out_ty)
+
+
+@triton.jit
 def _store_chunk(
     out_a, out_b, kept, x_row, o_row, tok_mask, head_lo, it, heads, group, sxg, sxh, sog, soh,
     sod, c_mask, p_mask, ROT_DIM: tl.constexpr, PASS_DIM: tl.constexpr,
@@ -357,26 +369,26 @@ def _store_chunk(
         to_pairs = o_h[:, :, None] + (w * sod)[None, None, :]
         if QUANT and 2 * BLOCK_R > FP8_RUN:
             to_pairs = tl.max_contiguous(to_pairs, [1, 1, FP8_RUN])
-        tl.store(to_pairs, pairs.to(out_ty),
+        tl.store(to_pairs, _rounded(pairs, out_ty),
                  mask=row_mask[:, :, None] & (w < ROT_OFFSET + ROT_DIM)[None, None, :])
     else:
         ch_a, ch_b = rotary_channels(BLOCK_R, ROT_DIM, ROT_OFFSET)
         to_a = o_h[:, :, None] + (ch_a * sod)[None, None, :]
         if QUANT and BLOCK_R > FP8_RUN:
             to_a = tl.max_contiguous(to_a, [1, 1, FP8_RUN])
-        tl.store(to_a, out_a.to(out_ty), mask=mask)
+        tl.store(to_a, _rounded(out_a, out_ty), mask=mask)
         if not INTERLEAVED:
             to_b = o_h[:, :, None] + (ch_b * sod)[None, None, :]
             if QUANT and BLOCK_R > FP8_RUN:
                 to_b = tl.max_contiguous(to_b, [1, 1, FP8_RUN])
-            tl.store(to_b, out_b.to(out_ty), mask=mask)
+            tl.store(to_b, _rounded(out_b, out_ty), mask=mask)
     if PASS_DIM > 0:
         p = pass_channels(BLOCK_P, ROT_DIM, ROT_OFFSET)
         p_full = row_mask[:, :, None] & p_mask[None, None, :]
         to_p = o_h[:, :, None] + (p * sod)[None, None, :]
         if QUANT and BLOCK_P > FP8_RUN:
             to_p = tl.max_contiguous(to_p, [1, 1, FP8_RUN])
-        tl.store(to_p, kept.to(out_ty), mask=p_full)
+        tl.store(to_p, _rounded(kept, out_ty), mask=p_full)
 
 
 @triton.jit
@@ -729,11 +741,11 @@ def rope_lean_kernel(
     out_a, out_b = _rotated(x_a, x_b, cos_a, cos_b, coef_a, coef_b, INTERLEAVED, BLOCK_T, BLOCK_H,
                             BLOCK_R)
     out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + offsets, out_a.to(out_ty), mask=mask)
+    tl.store(out_ptr + offsets, _rounded(out_a, out_ty), mask=mask)
     if not INTERLEAVED:
-        tl.store(out_ptr + offsets + HALF, out_b.to(out_ty), mask=mask)
+        tl.store(out_ptr + offsets + HALF, _rounded(out_b, out_ty), mask=mask)
     if PASS_DIM > 0:
-        tl.store(out_ptr + p_offsets, kept.to(out_ty), mask=p_full)
+        tl.store(out_ptr + p_offsets, _rounded(kept, out_ty), mask=p_full)
 
 
 @triton.jit(do_not_specialize=[
@@ -872,3 +884,4 @@ def halves_table_kernel(
 
 
 INTERPRETED: bool = isinstance(rope_kernel, InterpretedFunction)
+_INTERPRETER: tl.constexpr = tl.constexpr(INTERPRETED)  # (read by _rounded)

@@ -16,7 +16,7 @@ import triton.language as tl
 from .triton_cache_kernels import _cache_rows, _quant_scale
 from .triton_kernels import (
     _add, _coefficients, _copy_program, _load_chunk, _positions, _rotate_store, _rotated,
-    _store_chunk, _token_block, _token_rows,
+    _rounded, _store_chunk, _token_block, _token_rows,
 )
 
 
@@ -401,7 +401,7 @@ def rope_norm_kernel(
 def _column_sums(part_ptr, grad_ptr, rows, width, block, BLOCK_ROWS: tl.constexpr,
                  BLOCK_COLS: tl.constexpr, ROW_ITERS: tl.constexpr):
     """Columns ``block * BLOCK_COLS ...`` of float32 ``[rows, width]`` summed in row order into
-    ``grad_ptr`` (cast to its dtype by the store); ``rows`` is at most ``ROW_ITERS *
+    ``grad_ptr`` (rounded once to its dtype); ``rows`` is at most ``ROW_ITERS *
     BLOCK_ROWS``."""
     cols = block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_mask = cols < width
@@ -412,7 +412,7 @@ def _column_sums(part_ptr, grad_ptr, rows, width, block, BLOCK_ROWS: tl.constexp
         mask = ((start + r) < rows)[:, None] & col_mask[None, :]
         acc += tl.load(part_ptr + (start + r).to(tl.int64)[:, None] * width + cols[None, :],
                        mask=mask, other=0.0)
-    tl.store(grad_ptr + cols, _total(acc, 0), mask=col_mask)
+    tl.store(grad_ptr + cols, _rounded(_total(acc, 0), grad_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit(do_not_specialize=["q_rows", "k_rows"])

@@ -179,6 +179,10 @@ def main() -> int:
         if not compiles(f"rope_norm_kernel {name}", N.rope_norm_kernel,
                         norm_pointers(q_out, cache, index), {**NORM, **changes}):
             return 1
+    if not compiles("weight_grad_kernel", N.weight_grad_kernel,
+                    {"q_part": "*fp32", "q_grad": "*bf16", "k_part": "*fp32", "k_grad": "*bf16"},
+                    dict(BLOCK_ROWS=512, BLOCK_COLS=16, ROW_ITERS=2)):
+        return 1
     if not compiles("linear_table_kernel", K.linear_table_kernel,
                     {"tab_ptr": "*fp32", "flag_ptr": "*i32"},
                     dict(ROT_DIM=128, BLOCK_ROWS=32, BLOCK_C=128)):

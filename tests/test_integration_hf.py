@@ -1070,8 +1070,7 @@ def test_multimodal_name_is_rebound_where_the_module_defines_it(monkeypatch):
 @pytest.mark.parametrize("batch_cos", [BATCH, 1])
 def test_triton_backend_serves_the_call(triton_backend, unsqueeze_dim, batch_cos):
     """The GPU path (Triton's interpreter without CUDA): q and k of a model's shapes, per-token
-    cos and sin, forward and gradients against the float64 reference, within one bf16 ulp (the
-    interpreter rounds float32 to bf16 toward zero)."""
+    cos and sin, forward and gradients against the float64 reference, within one bf16 ulp."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, cos, sin = inputs(torch.bfloat16, unsqueeze_dim, batch_cos=batch_cos, seed=6, device=device)
     grad_q = torch.randn(q.shape).bfloat16().to(device)

@@ -2,7 +2,8 @@
 on this machine without a GPU: every table kind (the linear-table flag's branch included),
 thd, context parallelism, backward, packed qkv, the channel stage (rotary offset,
 deinterleaved pairs both ways), the lean kernel of small contiguous calls,
-the norm kernel with its cache stage (FP8 stores included), and the linear-table check. The interpreter runs the kernels' logic on the CPU elsewhere in
+the norm kernel with its cache stage (FP8 stores included), the weights' gradient sum (bf16),
+and the linear-table check. The interpreter runs the kernels' logic on the CPU elsewhere in
 the suite; this catches what only the GPU compiler would reject. Runs
 ``tests/compile_for_gpu.py`` in a process of its own (the kernels must be imported with
 ``TRITON_INTERPRET`` unset)."""
@@ -28,9 +29,10 @@ def test_every_kernel_family_compiles_for_sm_90():
     lines = proc.stdout.splitlines()
     # 13 variants of rope_kernel and rope_qkv_kernel, 9 of rope_lean_kernel (no thd, cp or
     # channel stage), its two layouts of two channels a thread and a batch of one, 7 of
-    # rope_norm_kernel (norms, a pipelined backward, cache stages, MLA's wide v) and the two
-    # table-check kernels
-    assert len(lines) == 47 and all(line.startswith("ok ") for line in lines), proc.stdout
+    # rope_norm_kernel (norms, a pipelined backward, cache stages, MLA's wide v), the weight
+    # gradients' sum and the two table-check kernels
+    assert len(lines) == 48 and all(line.startswith("ok ") for line in lines), proc.stdout
+    assert "ok weight_grad_kernel" in lines
     assert "ok rope_kernel precise rate table" in lines
     assert "ok rope_norm_kernel norm, backward, pipelined token loop" in lines
     assert "ok rope_qkv_kernel deinterleave, offset, cos/sin cache" in lines

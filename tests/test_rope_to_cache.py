@@ -8,11 +8,9 @@ rounding boundary: :func:`assert_rounds_like` accepts exactly the casts of the v
 that error. Every cache layout (vLLM paged, FlashInfer NHD and HND, SGLang flat), model-dtype
 and FP8 caches, padded tokens skipped, and every byte the call must not write left as it was.
 
-The eager composition and the Triton backend's fused launch are both checked so. On a CPU the
-Triton kernels run on Triton's interpreter, which casts float32 to bfloat16 by truncation (its
-own conversion; the GPU rounds to nearest): there bfloat16 outputs are held to the truncated
-casts of the same window (:func:`cast`). The interpreter's float8 conversion is no cast at all
-(it rounds without carrying into the exponent and never saturates), so the Triton backend
+The eager composition and the Triton backend's fused launch are both checked so (on a CPU the
+Triton kernels run on Triton's interpreter). The interpreter's float8 conversion is no cast at
+all (it rounds without carrying into the exponent and never saturates), so the Triton backend
 refuses FP8 there and its FP8 cases are GPU tests; the eager composition is checked on FP8 here.
 """
 
@@ -55,27 +53,20 @@ def norm64(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
 
 
-def cast(x64: torch.Tensor, dtype: torch.dtype, scale: float,
-         truncated: bool = False) -> torch.Tensor:
-    """As the cache stores a float64 value: float32, divided by the scale, cast. ``truncated``:
-    a bfloat16 cast by truncation (Triton's interpreter: the float32 bits' low half dropped)."""
-    if truncated and dtype == torch.bfloat16:
-        bits = x64.to(torch.float32).view(torch.int32) & -65536
-        return bits.view(torch.float32).to(dtype)
+def cast(x64: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """As the cache stores a float64 value: float32, divided by the scale, cast."""
     if dtype not in FP8:
         return x64.to(torch.float32).to(dtype)
     return (x64.to(torch.float32) / torch.tensor(scale, dtype=torch.float32)).to(dtype)
 
 
-def assert_rounds_like(got: torch.Tensor, ref64: torch.Tensor, scale: float, what: str,
-                       truncated: bool = False) -> None:
+def assert_rounds_like(got: torch.Tensor, ref64: torch.Tensor, scale: float, what: str) -> None:
     """``got`` (any dtype) lies between the casts of the float64 reference moved down and up
-    by float32 error; FP8 values are further mostly the reference's own cast. ``truncated``:
-    bfloat16 cast by truncation (:func:`cast`)."""
+    by float32 error; FP8 values are further mostly the reference's own cast."""
     window = 3e-5 * ref64.abs() + 2e-6
     got = got.cpu()
-    low = cast(ref64 - window, got.dtype, scale, truncated).double()
-    high = cast(ref64 + window, got.dtype, scale, truncated).double()
+    low = cast(ref64 - window, got.dtype, scale).double()
+    high = cast(ref64 + window, got.dtype, scale).double()
     value = got.double()
     bad = ~((low <= value) & (value <= high))
     assert not bad.any(), (
@@ -205,7 +196,6 @@ def check_call_against_reference(
         q_out=q_out, q_scale=q_scale, backend=backend,
     )
 
-    truncated = backend == "triton" and device == "cpu"  # the interpreter's bfloat16 cast
     q_ref = reference_rope(norm64(q_in, q_weight), angles, positions, interleaved,
                            inverse=inverse)
     k_ref = reference_rope(norm64(k, k_weight), angles, positions, interleaved, inverse=inverse)
@@ -214,14 +204,13 @@ def check_call_against_reference(
     want_q = {"model": model, "into-q": model, "fp8-scale": torch.float8_e4m3fn,
               "fp8-out": torch.float8_e5m2}[q_mode]
     assert out.dtype == want_q and out.shape == q.shape and out.device.type == device
-    assert_rounds_like(out, q_ref, 0.05 if q_mode == "fp8-scale" else 1.0, "q", truncated)
+    assert_rounds_like(out, q_ref, 0.05 if q_mode == "fp8-scale" else 1.0, "q")
 
     k_pages, v_pages = built.k_pages.cpu(), built.v_pages.cpu()
     written = torch.zeros(k_pages.shape[:2], dtype=torch.bool)
     for token, (page, entry) in built.places.items():
         written[page, entry] = True
-        assert_rounds_like(k_pages[page, entry], k_ref[token], scales[0], f"k of token {token}",
-                           truncated)
+        assert_rounds_like(k_pages[page, entry], k_ref[token], scales[0], f"k of token {token}")
         if v.shape[-1] == 0:
             continue
         assert_rounds_like(v_pages[page, entry], v[token].double(), scales[1],

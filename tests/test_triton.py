@@ -18,7 +18,8 @@ from hypothesis import given, settings
 import rope_dispatch as rd
 from cases import Case, build, cases, fixed_case
 from reference import (
-    assert_matches, reference_for, reference_forward_backward, reference_positions, reference_rope,
+    assert_matches, reference_for, reference_forward_backward, reference_head_norm,
+    reference_positions, reference_rope,
 )
 from rope_dispatch.backends.triton_rope import TritonBackend
 
@@ -219,6 +220,45 @@ def test_large_angles_keep_float32_accuracy():
     spec = rd.RoPESpec(layout="sbhd", dtype="fp32")
     out = rd.apply(x, freqs, spec, backend="triton")
     assert_matches(out, reference_for(x.cpu(), freqs.cpu(), spec), torch.float32)
+
+
+def _rounded_apart(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """The share of ``got``'s elements that differ from ``exact`` (float64) rounded to nearest
+    in ``got``'s dtype: float32 math rounded once is off only where float32's own error crosses
+    a rounding boundary (well under 1%); a conversion that truncates is off at about half."""
+    return (got.cpu() != exact.to(got.dtype)).float().mean().item()
+
+
+@pytest.mark.parametrize("kernel", ["lean", "general"])
+def test_bfloat16_outputs_and_gradients_round_to_nearest(request, kernel):
+    """bf16 outputs, input gradients, a norm's outputs and its weights' gradients are the
+    float32 results rounded to nearest, as the GPU converts (the CPU interpreter's own
+    conversion to bfloat16 truncates: ``_rounded`` rounds around it)."""
+    if kernel == "general":
+        request.getfixturevalue("general_kernel")
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(16, 2, 4, 32, generator=gen) * 3).bfloat16().to(DEVICE).requires_grad_(True)
+    grad_out = torch.randn(x.shape, generator=gen).bfloat16().to(DEVICE)
+    angles = torch.rand(16, 32, generator=gen) * 6
+    spec = rd.RoPESpec(layout="sbhd", dtype="bf16")
+    out = rd.apply(x, angles.to(DEVICE), spec, backend="triton")
+    (grad,) = torch.autograd.grad(out, x, grad_out)
+    want, want_grad = reference_forward_backward(x.cpu(), angles, spec, grad_out.cpu())
+    assert _rounded_apart(out, want) < 0.01 and _rounded_apart(grad, want_grad) < 0.01
+    in_place = x.detach().clone()
+    rd.apply_(in_place, angles.to(DEVICE), spec, backend="triton")
+    assert torch.equal(in_place, out)
+
+    weight = (torch.rand(32, generator=gen) + 0.5).bfloat16().to(DEVICE).requires_grad_(True)
+    norm = rd.HeadNorm(weight, eps=1e-6)
+    normed = rd.apply(x, angles.to(DEVICE), spec, norm=norm, backend="triton")
+    x64 = x.detach().cpu().double().requires_grad_(True)
+    w64 = weight.detach().cpu().double().requires_grad_(True)
+    exact = reference_for(reference_head_norm(x64, w64, 1e-6, 0.0, "head"), angles, spec)
+    weight_grad, = torch.autograd.grad(normed, weight, grad_out)
+    exact_weight_grad, = torch.autograd.grad(exact, w64, grad_out.cpu().double())
+    assert _rounded_apart(normed, exact) < 0.01
+    assert _rounded_apart(weight_grad, exact_weight_grad) <= 1 / 32
 
 
 @pytest.mark.parametrize("kernel", ["lean", "general"])
