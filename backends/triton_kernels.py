@@ -330,11 +330,12 @@ def _load_chunk(
 def _rounded(x, out_ty: tl.constexpr):
     """``x`` rounded once to ``out_ty``, to nearest even as the GPU converts. The CPU
     interpreter's float32 to bfloat16 conversion truncates: there the float32 bits are rounded
-    to bfloat16's first (NaN kept), so its conversion is then exact."""
+    to bfloat16's first (a NaN made the quiet NaN), so its conversion of them is exact (float32
+    subnormals aside, which it flushes)."""
     if _INTERPRETER and out_ty == tl.bfloat16 and x.dtype == tl.float32:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
-        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), float("nan"))
     return x.to(out_ty)
 
 

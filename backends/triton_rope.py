@@ -47,7 +47,7 @@ from .triton_launch import (
     run,
 )
 from .eager import rope_eager, rope_to_cache_eager
-from .written import door, refuse_written_once, worded, written_apart
+from .written import door_words, library, refuse_written_once, worded, written_apart
 from .triton_tables import current_stream, on_device
 
 # torch.autograd.graph.increment_version's C entry, without its Python wrapper (a tensor or a
@@ -268,12 +268,11 @@ def _rotate_in_place(inputs, table, sin, k_table, k_sin, cu_seqlens, index, desc
     _bump(inputs)
 
 
-_library = torch.library.Library("rope_dispatch", "FRAGMENT")
-_library.define("triton_rope_(Tensor(a!)[] inputs, Tensor table, Tensor? sin, Tensor? k_table, "
+library.define("triton_rope_(Tensor(a!)[] inputs, Tensor table, Tensor? sin, Tensor? k_table, "
                 "Tensor? k_sin, Tensor? cu_seqlens, Tensor? index, str described, "
                 "Tensor checked) -> ()")
-_library.impl("triton_rope_", _rotate_in_place, "CompositeExplicitAutograd")
-torch.library.register_fake("rope_dispatch::triton_rope_", lambda *args: None, lib=_library)
+library.impl("triton_rope_", _rotate_in_place, "CompositeExplicitAutograd")
+torch.library.register_fake("rope_dispatch::triton_rope_", lambda *args: None, lib=library)
 triton_rope_inplace_op = torch.ops.rope_dispatch.triton_rope_.default
 """:func:`triton_rope_op` rotating ``inputs`` in place, for a traced in-place call that needs no
 gradient (an op that mutates has no autograd formula): one launch, where the functional op's
@@ -364,7 +363,7 @@ def rope(call: RoPECall) -> Any:
                                    written_apart(call, filled=False))
             return _result(described, inputs)
         made = triton_rope_op(*args, op_launch(constant), exact_size(call.rotary_dim) if checked
-                              else 0, door.state.words[0] if checked and door.state.words else "")
+                              else 0, door_words() if checked else "")
         if described.in_place:  # (the op checked the memory of a compiled call first)
             made = [x.copy_(out) for x, out in zip(inputs, made)]
         return _result(described, made)

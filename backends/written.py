@@ -61,7 +61,7 @@ def refuse_written_once(t: torch.Tensor, k: torch.Tensor | None, q_weight: torch
         _verdicts.add(key)
 
 
-_library = torch.library.Library("rope_dispatch", "FRAGMENT")
+library = torch.library.Library("rope_dispatch", "FRAGMENT")  # the backends' own ops
 
 
 def _first(args: tuple) -> torch.Tensor:
@@ -80,7 +80,7 @@ def _check_op(name: str, schema: str,
     costs 5 us against 13 (development CPU)."""
     def define(check: Callable[..., None]) -> Any:
         if not hasattr(torch.ops.rope_dispatch, name):  # (the module imported under two names)
-            _library.define(name + schema + " -> Tensor")
+            library.define(name + schema + " -> Tensor")
 
             def run(*args: Any) -> torch.Tensor:
                 check(*args)
@@ -88,10 +88,10 @@ def _check_op(name: str, schema: str,
                     return _first(args).new_empty((), dtype=torch.float32)
                 return torch.full((), -0.0, dtype=torch.float32, device=_first(args).device)
 
-            _library.impl(name, run, "CompositeExplicitAutograd")
+            library.impl(name, run, "CompositeExplicitAutograd")
             torch.library.register_fake(
                 f"rope_dispatch::{name}",
-                lambda *args: _first(args).new_empty((), dtype=torch.float32), lib=_library)
+                lambda *args: _first(args).new_empty((), dtype=torch.float32), lib=library)
         return getattr(torch.ops.rope_dispatch, name).default
 
     return define
@@ -120,6 +120,13 @@ class _Door(threading.local):
 
 
 door = _Door()
+
+
+def door_words() -> str:
+    """What the calling door adds to a refusal (:attr:`_DoorWords.words`' first); "" where the
+    core was called directly."""
+    words = door.state.words
+    return words[0] if words else ""
 
 
 @contextmanager
@@ -158,7 +165,7 @@ def written_apart(call: Any, filled: bool = True) -> torch.Tensor | None:
     return (written_apart_op if filled else written_apart_first_op)(
         call.t.detach(), None if call.k is None else call.k.detach(), *weights,
         [x.detach() for x in table_tensors(call.table)], exact_size(call.rotary_dim),
-        exact_size(call.spec.rotary_offset), door.state.words[0] if door.state.words else "")
+        exact_size(call.spec.rotary_offset), door_words())
 
 
 @_check_op("cache_apart", "(Tensor q, Tensor k, Tensor v, Tensor? q_out, Tensor k_cache, "

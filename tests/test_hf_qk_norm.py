@@ -531,26 +531,48 @@ def test_a_first_call_traced_in_a_fresh_process(forced):
     assert proc.returncode == 0 and "same logits" in proc.stdout, proc.stderr[-3000:]
 
 
-def _liger_norms(model, family: str, kind: str) -> type:
-    """``model``'s q_norm and k_norm made Liger-Kernel's as its patches make them: ``instance``
-    rebinds each module's forward to ``LigerRMSNorm.forward`` (``_patch_rms_norm_module``, which
-    ``apply_liger_kernel_to_*(model=...)`` runs, with the family's offset and casting mode);
-    ``class`` puts Liger's class for the family in their place, as a model built after Liger's
-    patch holds (the same weights). Returns ``LigerRMSNorm``."""
+def _liger() -> tuple:
+    """Liger-Kernel's ``rms_norm`` and ``monkey_patch`` modules (the test skips without them)."""
     try:  # (an ImportError where it is not installed; on a GPU machine whose TransformerEngine,
         # which Liger's import of peft loads, finds torch's cuDNN loaded first: an OSError)
-        from liger_kernel.transformers import rms_norm
-        from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module
+        from liger_kernel.transformers import monkey_patch, rms_norm
     except (ImportError, OSError) as exc:
         pytest.skip(f"Liger-Kernel does not import here ({type(exc).__name__}: {exc})")
+    return rms_norm, monkey_patch
 
+
+@pytest.fixture
+def liger_kernel(monkeypatch) -> list:
+    """Liger's RMSNorm kernel stood in for by the formula (its Triton kernel needs a GPU), so
+    Liger's norms run on the CPU: returns the weights it was called with."""
+    rms_norm, _ = _liger()
+    weights = []
+
+    class Kernel:  # LigerRMSNormFunction.apply's arguments
+        @staticmethod
+        def apply(x, weight, eps, offset, *rest):
+            weights.append(weight)
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight)
+
+    monkeypatch.setattr(rms_norm, "LigerRMSNormFunction", Kernel)
+    return weights
+
+
+def _liger_norms(model, family: str, kind: str, offset: float | None = None) -> type:
+    """``model``'s q_norm and k_norm made Liger-Kernel's as its patches make them: ``instance``
+    rebinds each module's forward to ``LigerRMSNorm.forward`` (``_patch_rms_norm_module``, which
+    ``apply_liger_kernel_to_*(model=...)`` runs, with the family's offset, or ``offset``, and
+    casting mode); ``class`` puts Liger's class for the family in their place, as a model built
+    after Liger's patch holds (the same weights). Returns ``LigerRMSNorm``."""
+    rms_norm, monkey_patch = _liger()
     for attention in attentions(model):
         for part in ("q_norm", "k_norm"):
             norm = getattr(attention, part)
             if kind == "instance":
                 gemma = family == "Gemma3"
-                _patch_rms_norm_module(norm, offset=1.0 if gemma else 0.0,
-                                       casting_mode="gemma" if gemma else "llama", in_place=False)
+                monkey_patch._patch_rms_norm_module(
+                    norm, offset=NORMS[family][0] if offset is None else offset,
+                    casting_mode="gemma" if gemma else "llama", in_place=False)
                 continue
             liger = rms_norm.LigerRMSNormForOlmo2(norm.weight.shape[0], norm.variance_epsilon)
             with torch.no_grad():
@@ -559,17 +581,26 @@ def _liger_norms(model, family: str, kind: str) -> type:
     return rms_norm.LigerRMSNorm
 
 
-@pytest.mark.parametrize("family, kind", [("Qwen3", "instance"), ("Gemma3", "instance"),
-                                          ("OLMo2", "class")])
-def test_norms_liger_made_its_own_are_fused_with_their_offset(family, kind, monkeypatch):
+@pytest.mark.parametrize("family, kind, offset", [
+    ("Qwen3", "instance", None), ("Gemma3", "instance", None), ("OLMo2", "class", None),
+    ("Qwen3", "instance", 1.0),
+])
+def test_norms_liger_made_its_own_are_fused_with_their_offset(family, kind, offset, monkeypatch):
     """A model whose q_norm and k_norm run Liger-Kernel's ``LigerRMSNorm`` (Liger's patch of the
     built model, or Liger's class in a model built after its patch): the norms fuse into the
-    RoPE call with each module's weight, epsilon and offset (Gemma3's 1), the results are the
-    unpatched model's, and ``unpatch`` gives each norm Liger's forward back."""
+    RoPE call with each module's weight, epsilon and offset (the family's, Gemma3's 1, or one
+    of Liger's own), the results are those of the unpatched model with weights ``offset + w``
+    in the family's form, and ``unpatch`` gives each norm Liger's forward back."""
     model = tiny_model(family)
-    offset, scope, _, _, _ = NORMS[family]
-    expected = step(model)
-    liger = _liger_norms(model, family, kind)
+    family_offset, scope, _, _, _ = NORMS[family]
+    offset = family_offset if offset is None else offset
+    shifted = copy.deepcopy(model)
+    with torch.no_grad():
+        for attention in attentions(shifted):
+            for norm in (attention.q_norm, attention.k_norm):
+                norm.weight += offset - family_offset
+    expected = step(shifted)
+    liger = _liger_norms(model, family, kind, offset)
     calls = spy(monkeypatch)
     hf.patch(model)
     check_same(step(model), expected)
@@ -589,22 +620,51 @@ def test_norms_liger_made_its_own_are_fused_with_their_offset(family, kind, monk
                 assert own is None and type(norm).forward is liger.forward
 
 
-def test_a_liger_norm_called_outside_its_attention_runs_liger_bound_to_it(monkeypatch):
+@pytest.mark.parametrize("order", ["liger first", "ours first"])
+def test_liger_s_own_model_patch_with_its_rope_keeps_the_norms_fused(order, liger_kernel,
+                                                                     monkeypatch):
+    """Liger's patch of a built Qwen3 (``apply_liger_kernel_to_qwen3(model=...)``: its RMSNorm
+    for every norm, its RoPE in the modeling module): patched after it, the q and k norms run
+    in our RoPE call. Patched before it (the Trainer applies Liger inside ``train()``), Liger
+    takes the norms back and the model runs Liger's; patching again fuses them again."""
+    rms_norm, monkey_patch = _liger()
+    module = modeling("Qwen3")
+    monkeypatch.setattr(module, "Qwen3RMSNorm", module.Qwen3RMSNorm)  # (Liger rebinds it)
+    model = tiny_model("Qwen3")
+    expected = step(model)
+    calls = spy(monkeypatch)
+
+    def liger_patch():
+        monkey_patch.apply_liger_kernel_to_qwen3(
+            model=model, rope=True, rms_norm=True, swiglu=False, cross_entropy=False,
+            fused_linear_cross_entropy=False)
+
+    if order == "ours first":
+        hf.patch(model)
+        liger_patch()  # (Liger's RoPE, which needs a GPU, is not run here)
+        assert all(vars(a.q_norm)["forward"].__func__ is rms_norm.LigerRMSNorm.forward
+                   for a in attentions(model))
+    else:
+        liger_patch()
+    hf.patch(model)
+    liger_kernel.clear()
+    check_same(step(model), expected)
+    assert len(calls) == 2 and all(c["q_norm"] is not None and c["k_norm"] is not None
+                                   for c in calls)
+    layer_norms = [model.model.norm.weight] + [
+        norm.weight for layer in model.model.layers
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+    assert liger_kernel and all(any(w is x for x in layer_norms) for w in liger_kernel)
+    hf.unpatch(model)
+
+
+def test_a_liger_norm_called_outside_its_attention_runs_liger_bound_to_it(liger_kernel):
     """Outside its attention's forward a fused Liger norm runs Liger's forward with its own
-    weight, in a data-parallel replica the replica's (Liger's kernel stood in for by the
-    formula, so this runs on the CPU); a Liger norm without a weight
+    weight, in a data-parallel replica the replica's; a Liger norm without a weight
     (``elementwise_affine=False``) is left unfused, and with it its attention."""
     model = tiny_model("Qwen3")
     liger = _liger_norms(model, "Qwen3", "instance")
-    weights = []
-
-    class Kernel:  # LigerRMSNormFunction.apply's arguments, RMSNorm by the formula
-        @staticmethod
-        def apply(x, weight, eps, offset, *rest):
-            weights.append(weight)
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight)
-
-    monkeypatch.setattr(sys.modules[liger.__module__], "LigerRMSNormFunction", Kernel)
+    weights = liger_kernel
     hf.patch(model)
     norm = attentions(model)[1].k_norm
     x = torch.randn(3, 16, device=norm.weight.device)
@@ -624,3 +684,17 @@ def test_a_liger_norm_called_outside_its_attention_runs_liger_bound_to_it(monkey
     assert "forward" not in vars(attention) and "forward" not in vars(attention.k_norm)
     assert "forward" in vars(attentions(weightless)[1])
     hf.unpatch(weightless)
+
+
+def test_a_family_norm_is_known_by_its_class_not_the_module_name_now(monkeypatch):
+    """A model built before Liger's patch of the modeling module (``Qwen3RMSNorm`` rebound to
+    Liger's class there) still holds transformers' norms: they fuse."""
+    module = modeling("Qwen3")
+    model = tiny_model("Qwen3")
+    expected = step(model)
+    monkeypatch.setattr(module, "Qwen3RMSNorm", type("LigerRMSNorm", (torch.nn.Module,), {}))
+    calls = spy(monkeypatch)
+    hf.patch(model)
+    check_same(step(model), expected)
+    assert len(calls) == 2 and all(call["q_norm"] is not None for call in calls)
+    hf.unpatch(model)

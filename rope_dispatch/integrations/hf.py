@@ -583,10 +583,9 @@ def _fused_forward(attention: torch.nn.Module, module_name: str, previous: Calla
     the modeling module's (else nothing would apply them: another model's :func:`unpatch`, or
     another library's rebinding); a norm handed on and never taken raises."""
     run = previous or functools.partial(type(attention).forward, attention)
-    if _traced_with_grad() or getattr(
-        sys.modules[module_name], "apply_rotary_pos_emb", None
-    ) is not apply_rotary_pos_emb:
-        return run(*args, **kwargs)
+    current = getattr(sys.modules[module_name], "apply_rotary_pos_emb", None)
+    if _traced_with_grad() or getattr(current, "__module__", None) != __name__:
+        return run(*args, **kwargs)  # (ours: each of this module's forms takes the norms)
     outer = _window.attention, _window.handed
     _window.attention, _window.handed = attention, [None, None]
     try:
@@ -605,7 +604,7 @@ def _fused_forward(attention: torch.nn.Module, module_name: str, previous: Calla
 
 def _traced_with_grad() -> bool:
     """Whether torch.compile traces a step that may be activation-checkpointed (grad enabled):
-    there the norms run unfused (their class's forward, the rotation ours), since the
+    there the norms run unfused (their own forward, the rotation ours), since the
     hand-over mutates ``_window``, which Dynamo refuses inside a checkpointed layer (an error
     under ``fullgraph=True``, else a graph break). Traced without grad (generation) they fuse."""
     return torch.compiler.is_compiling() and torch.is_grad_enabled()
@@ -648,17 +647,15 @@ def _fusable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, tuple, 
     for family, (norm_class, offset, scope) in QK_NORM_MODELS.items():
         module_name, attention_class, _ = SUPPORTED_MODELS[family]
         module = sys.modules.get(module_name)
-        if hasattr(module, attention_class) and hasattr(module, norm_class):
-            families[getattr(module, attention_class)] = (
-                module_name, getattr(module, norm_class), offset, scope
-            )
+        if hasattr(module, attention_class):  # (its norm class by name: Liger rebinds it)
+            families[getattr(module, attention_class)] = (module_name, norm_class, offset, scope)
     found = []
     for name, child in model.named_modules():
         if type(child) not in families:
             continue
-        module_name, norm_class, offset, scope = families[type(child)]
+        module_name, _, _, scope = family = families[type(child)]
         norms = {part: getattr(child, part, None) for part in ("q_norm", "k_norm")}
-        offsets = tuple(_norm_offset(norm, norm_class, offset) for norm in norms.values())
+        offsets = tuple(_norm_offset(norm, family) for norm in norms.values())
         if None in offsets:
             continue
         for part, norm in norms.items():
@@ -673,10 +670,11 @@ def _fusable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, tuple, 
     return found
 
 
-def _norm_offset(norm: object, norm_class: type, offset: float) -> float | None:
+def _norm_offset(norm: object, family: tuple) -> float | None:
     """The HeadNorm offset of a q_norm or k_norm we fuse (``None``: left as it is): the family's
-    ``offset`` for the family's RMSNorm, its own ``offset`` for a norm with a weight running
-    Liger-Kernel's ``LigerRMSNorm.forward`` (its class's, or bound on it by Liger's patch)."""
+    for its RMSNorm (``family``: modeling module, norm class name, offset, scope), its own
+    ``offset`` for one with a weight running ``LigerRMSNorm.forward`` (its class's, or bound on
+    it by Liger-Kernel's patch)."""
     if not isinstance(norm, torch.nn.Module):  # (GLM without use_qk_norm has none)
         return None
     own = _own_forward(norm)
@@ -687,7 +685,8 @@ def _norm_offset(norm: object, norm_class: type, offset: float) -> float | None:
     ):
         shift, weight = getattr(norm, "offset", None), getattr(norm, "weight", None)
         return float(shift) if weight is not None and isinstance(shift, (int, float)) else None
-    return offset if type(norm) is norm_class and own is None else None
+    kind = type(norm)
+    return family[2] if (kind.__module__, kind.__qualname__) == family[:2] and own is None else None
 
 
 def _own_forward(module: torch.nn.Module) -> Callable | None:
@@ -703,14 +702,15 @@ def _is_ours(forward: object) -> bool:
 
 
 def _fuse(attention: torch.nn.Module, module_name: str, offsets: tuple, scope: str) -> None:
-    """Give ``attention`` and its two norms our forwards (once: a fused attention is left)."""
-    if _is_ours(_own_forward(attention)):
-        return
+    """Give ``attention`` and its two norms our forwards, where not ours yet (a norm that
+    Liger's patch rebound after ours gets ours again, around Liger's)."""
     for slot, norm in ((0, attention.q_norm), (1, attention.k_norm)):
-        _set_forward(norm, functools.partial(_deferred_norm, norm, slot, offsets[slot], scope,
-                                             _own_forward(norm)))
-    _set_forward(attention, functools.partial(_fused_forward, attention, module_name,
-                                             _own_forward(attention)))
+        if not _is_ours(_own_forward(norm)):
+            _set_forward(norm, functools.partial(_deferred_norm, norm, slot, offsets[slot], scope,
+                                                 _own_forward(norm)))
+    if not _is_ours(_own_forward(attention)):
+        _set_forward(attention, functools.partial(_fused_forward, attention, module_name,
+                                                 _own_forward(attention)))
 
 
 def _set_forward(module: torch.nn.Module, forward: functools.partial) -> None:
