@@ -128,12 +128,15 @@ def build_model(args: argparse.Namespace, family: Family) -> transformers.PreTra
 
 
 def liger_patch(
-    family: Family, build: Callable[[], torch.nn.Module]
+    family: Family, build: Callable[[], torch.nn.Module], device: str
 ) -> tuple[Callable | None, torch.nn.Module | None, str]:
     """Liger's ``apply_rotary_pos_emb`` for the family, as its patch installs it; for a QK-norm
     family also a model from ``build`` made while the patch is in place (its norms are Liger's);
     and a note. The patch is undone at once: every other Liger kernel is turned off, and what it
-    changed in the modeling module is put back (and reported)."""
+    changed in the modeling module is put back (and reported). Not on a CPU ``device``: Liger's
+    Triton kernels need a GPU."""
+    if not device.startswith("cuda"):
+        return None, None, f"Liger-Kernel runs on CUDA only; skipped on {device}"
     try:
         import liger_kernel.transformers as liger_transformers
 
@@ -273,7 +276,7 @@ def main() -> None:
     family = FAMILIES[args.model]
     model = build_model(args, family)
     reference = copy.deepcopy(model).float()
-    liger, liger_model, liger_note = liger_patch(family, lambda: build_model(args, family))
+    liger, liger_model, liger_note = liger_patch(family, lambda: build_model(args, family), args.device)
     if liger_model is not None:
         liger_model.load_state_dict(model.state_dict())
     original = family.module.apply_rotary_pos_emb
