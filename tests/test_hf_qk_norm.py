@@ -640,10 +640,17 @@ def test_liger_s_own_model_patch_with_its_rope_keeps_the_norms_fused(order, lige
             fused_linear_cross_entropy=False)
 
     if order == "ours first":
+        twin = copy.deepcopy(model)
         hf.patch(model)
         liger_patch()  # (Liger's RoPE, which needs a GPU, is not run here)
         assert all(vars(a.q_norm)["forward"].__func__ is rms_norm.LigerRMSNorm.forward
                    for a in attentions(model))
+        hf.patch(twin)  # unpatched with Liger's norms: nothing of ours stays on any module
+        monkey_patch.apply_liger_kernel_to_qwen3(
+            model=twin, rope=False, rms_norm=True, swiglu=False, cross_entropy=False,
+            fused_linear_cross_entropy=False)
+        hf.unpatch(twin)
+        assert not [m for m in twin.modules() if "_replicate_for_data_parallel" in vars(m)]
     else:
         liger_patch()
     hf.patch(model)

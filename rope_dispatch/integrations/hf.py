@@ -632,8 +632,7 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def _norm_eps(norm: torch.nn.Module) -> object:
-    """An RMSNorm's epsilon: ``variance_epsilon`` (Qwen3, OLMo2, GLM) or ``eps`` (Gemma3);
-    ``None`` without either."""
+    """An RMSNorm's ``variance_epsilon`` (Qwen3, OLMo2, GLM) or ``eps`` (Gemma3), else None."""
     eps = getattr(norm, "variance_epsilon", None)
     return getattr(norm, "eps", None) if eps is None else eps
 
@@ -740,10 +739,11 @@ def _unfuse(model: torch.nn.Module) -> None:
     """Give every module of ``model`` whose ``forward`` attribute is ours the one it had (an
     attention's earlier instance forward, else none: its class's again)."""
     for module in model.modules():
+        if getattr(vars(module).get("_replicate_for_data_parallel"), "func", None) is _replicate:
+            del module._replicate_for_data_parallel  # (also where a later patch took forward)
         forward = _own_forward(module)
         if not _is_ours(forward):
             continue
-        del module._replicate_for_data_parallel
         previous = (forward.args[2] if forward.func in (_fused_forward, hf_llama4.FORWARDS[0])
                     else forward.args[4] if forward.func is _deferred_norm else None)
         if previous is None:
