@@ -276,7 +276,8 @@ def main() -> None:
     family = FAMILIES[args.model]
     model = build_model(args, family)
     reference = copy.deepcopy(model).float()
-    liger, liger_model, liger_note = liger_patch(family, lambda: build_model(args, family), args.device)
+    liger, liger_model, liger_note = liger_patch(
+        family, lambda: build_model(args, family), args.device)
     if liger_model is not None:
         liger_model.load_state_dict(model.state_dict())
     original = family.module.apply_rotary_pos_emb
