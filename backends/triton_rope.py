@@ -269,8 +269,8 @@ def _rotate_in_place(inputs, table, sin, k_table, k_sin, cu_seqlens, index, desc
 
 
 library.define("triton_rope_(Tensor(a!)[] inputs, Tensor table, Tensor? sin, Tensor? k_table, "
-                "Tensor? k_sin, Tensor? cu_seqlens, Tensor? index, str described, "
-                "Tensor checked) -> ()")
+               "Tensor? k_sin, Tensor? cu_seqlens, Tensor? index, str described, "
+               "Tensor checked) -> ()")
 library.impl("triton_rope_", _rotate_in_place, "CompositeExplicitAutograd")
 torch.library.register_fake("rope_dispatch::triton_rope_", lambda *args: None, lib=library)
 triton_rope_inplace_op = torch.ops.rope_dispatch.triton_rope_.default

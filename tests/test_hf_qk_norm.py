@@ -634,9 +634,9 @@ def test_liger_s_own_model_patch_with_its_rope_keeps_the_norms_fused(order, lige
     expected = step(model)
     calls = spy(monkeypatch)
 
-    def liger_patch():
+    def liger_patch(target=model, rope=True):
         monkey_patch.apply_liger_kernel_to_qwen3(
-            model=model, rope=True, rms_norm=True, swiglu=False, cross_entropy=False,
+            model=target, rope=rope, rms_norm=True, swiglu=False, cross_entropy=False,
             fused_linear_cross_entropy=False)
 
     if order == "ours first":
@@ -646,9 +646,7 @@ def test_liger_s_own_model_patch_with_its_rope_keeps_the_norms_fused(order, lige
         assert all(vars(a.q_norm)["forward"].__func__ is rms_norm.LigerRMSNorm.forward
                    for a in attentions(model))
         hf.patch(twin)  # unpatched with Liger's norms: nothing of ours stays on any module
-        monkey_patch.apply_liger_kernel_to_qwen3(
-            model=twin, rope=False, rms_norm=True, swiglu=False, cross_entropy=False,
-            fused_linear_cross_entropy=False)
+        liger_patch(twin, rope=False)
         hf.unpatch(twin)
         assert not [m for m in twin.modules() if "_replicate_for_data_parallel" in vars(m)]
     else:
