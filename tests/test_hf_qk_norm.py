@@ -703,3 +703,28 @@ def test_a_family_norm_is_known_by_its_class_not_the_module_name_now(monkeypatch
     check_same(step(model), expected)
     assert len(calls) == 2 and all(call["q_norm"] is not None for call in calls)
     hf.unpatch(model)
+
+
+def test_a_pickled_patched_model_runs_fused_while_the_name_is_ours(monkeypatch):
+    """A patched Qwen3 pickled loads with patch's forwards on its attentions and norms but is
+    not held: it runs fused while the patched model holds the name, unfused once the name is
+    given back, with the unpatched model's logits and gradients either way; ``unpatch`` of
+    the loaded model removes its forwards."""
+    import pickle
+
+    module = modeling("Qwen3")
+    original = module.apply_rotary_pos_emb
+    model = tiny_model("Qwen3")
+    expected = step(model)
+    hf.patch(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    assert own_forwards(loaded) == own_forwards(model) != []
+    calls = spy(monkeypatch)
+    check_same(step(loaded), expected)
+    assert len(calls) == 2 and all(call["q_norm"] is not None for call in calls)
+    hf.unpatch(model)
+    assert module.apply_rotary_pos_emb is original
+    check_same(step(loaded), expected)
+    assert len(calls) == 2
+    hf.unpatch(loaded)
+    assert own_forwards(loaded) == [] and module.apply_rotary_pos_emb is original

@@ -175,7 +175,7 @@ class _Patched:
     """Set on a model passed to :func:`patch` and on its attentions, so that a ``copy.deepcopy``
     of it or of a part (an EMA copy, a layer) is held as the model is: the family's names stay
     ours until the copy too is unpatched (a part copied in its model's copy: that copy holds
-    it). Pickled (``torch.save``) it loads as a mark of no model: a loaded model is unpatched."""
+    it). Pickled (``torch.save``) it loads as a mark of no model: a loaded model is not held."""
 
     __slots__ = ("model", "root")
 
