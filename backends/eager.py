@@ -15,7 +15,7 @@ import torch
 from rope_dispatch.call import RoPECall, k_call, position_index, qkv_parts
 from rope_dispatch.norm import normalized
 from rope_dispatch.registry import Backend
-from rope_dispatch.tables import RateTable, table_cos_sin
+from rope_dispatch.tables import PairCosSinCache, RateTable, table_cos_sin
 from rope_dispatch.tracing import forward_ad
 
 from .written import add_written, cache_apart, written_apart
@@ -86,7 +86,7 @@ def rope_tensors(
     index: torch.Tensor | None, *, layout: str, interleaved: bool, cp_size: int,
     cp_rank: int, scale: float = 1.0, transpose: bool = False, dtype: torch.dtype | None = None,
     offset: int = 0, deinterleave: bool = False,
-    angles_at: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    angles_at: Callable[[torch.Tensor], torch.Tensor] | None = None, pairs: bool = False,
 ) -> torch.Tensor:
     """``out = x cos + rotate(x) sin`` on the first d2 channels in float32, the rest copied;
     ``scale`` (the spec's ``cos_sin_scale``) multiplies cos and sin.
@@ -99,7 +99,8 @@ def rope_tensors(
     (default ``t``'s; a normalized ``t`` comes in float32). With ``sin`` None, ``cos`` is an
     angle table ``[s2, d2]``: the cosines and sines of the rows read, not of the whole table;
     ``angles_at`` (a rate table's :meth:`~rope_dispatch.tables.RateTable.angles_at`) gives
-    those rows' angles from the positions instead.
+    those rows' angles from the positions instead. ``pairs``: ``cos`` and ``sin`` are a pair
+    cache's halves ``[s2, d2 / 2]``, each row read given to both channels of its pairs.
 
     ``offset``: the rotary channels are ``[offset, offset + d2)``, every other one is copied.
     ``deinterleave``: their pairs ``(2k, 2k+1)`` are first moved to ``(k, k + d2/2)`` (then
@@ -111,7 +112,11 @@ def rope_tensors(
         angles = table_rows(cos, pos) if angles_at is None else angles_at(pos)
         cos, sin = torch.cos(angles).unsqueeze(-2), torch.sin(angles).unsqueeze(-2)
     else:
-        cos, sin = table_rows(cos, pos).unsqueeze(-2), table_rows(sin, pos).unsqueeze(-2)
+        cos, sin = table_rows(cos, pos), table_rows(sin, pos)
+        if pairs:  # the rows read widened, not the whole cache (10^5 rows in engines)
+            cos, sin = ((x.repeat_interleave(2, dim=-1) if interleaved
+                         else torch.cat((x, x), dim=-1)) for x in (cos, sin))
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if scale != 1.0:  # in float32: a 16-bit cos/sin cache's product would round to 16 bits
         cos, sin = cos.float() * scale, sin.float() * scale
     d2 = cos.shape[-1]
@@ -169,6 +174,8 @@ def rope_eager(
         angles_at = functools.partial(table.angles_at, interleaved=spec.interleaved)
     elif isinstance(table, torch.Tensor):
         cos, sin = table, None
+    elif isinstance(table, PairCosSinCache):
+        cos, sin = table.table.chunk(2, dim=-1)
     else:
         cos, sin = table_cos_sin(table, spec.interleaved)
     offset = spec.rotary_offset
@@ -182,6 +189,7 @@ def rope_eager(
         cp_size=spec.cp_size, cp_rank=spec.cp_rank, scale=spec.cos_sin_scale,
         dtype=t.dtype if dtype is None or call.in_place else dtype, transpose=spec.inverse,
         offset=0 if sliced else offset, deinterleave=spec.deinterleave, angles_at=angles_at,
+        pairs=isinstance(table, PairCosSinCache),
     )
     if call.in_place:
         (call.t if call.norm is not None else t).copy_(add_written(out, apart))

@@ -169,6 +169,31 @@ def test_a_half_cache_is_copied_once_and_again_after_a_write():
     assert tables[0] is tables[1] is not tables[2]
 
 
+def test_an_inference_half_cache_written_in_place_is_read_as_written():
+    """An inference tensor has no version counter to tell a write into it: a bfloat16 cache
+    made under inference mode (as vLLM's is where it converts the cache in its forward) is
+    read at the call's own rows, so a write in place between calls is seen."""
+    with torch.inference_mode():
+        cache = engine_cache(16, 8, 3, torch.bfloat16)
+        positions = torch.tensor([0, 5, 15])
+        for step in range(3):
+            if step == 2:
+                cache.copy_(engine_cache(16, 8, 4, torch.bfloat16))
+            query, key = torch.randn(3, 16), torch.randn(3, 8)
+            want_q = vllm_rope(query, positions, 8, cache, True)
+            want_k = vllm_rope(key, positions, 8, cache, True)
+            rotary_embedding(positions, query, key, 8, cache, True)
+            assert err(query, want_q) <= 2e-6 and err(key, want_k) <= 2e-6, step
+            qkv, weight = torch.randn(3, 3 * 8), torch.rand(8) + 0.5
+            want = [vllm_rope(x / x.double().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+                              * weight.double(), positions, 8, cache, True)
+                    for x in (qkv[:, :8], qkv[:, 8:16])]
+            v = qkv[:, 16:].clone()
+            fused_qk_norm_rope(qkv, 1, 1, 1, 8, 1e-6, weight, weight, cache, True, positions)
+            assert max(err(qkv[:, :8], want[0]), err(qkv[:, 8:16], want[1])) <= 1e-5, step
+            assert torch.equal(qkv[:, 16:], v)
+
+
 def test_a_half_cache_given_new_memory_is_copied_again():
     """``cache.data = ...`` (new memory, no write torch counts) makes the float32 copy again,
     as a table given new memory is checked again (docs/semantics.md)."""
@@ -482,6 +507,11 @@ def test_signatures_are_vllms():
          ["cos_sin_cache must be a float32, bfloat16 or float16 tensor [max_position, rot_dim]",
           "(128,) bfloat16"]),
         (dict(cos_sin_cache=torch.rand(8, 1, 16).half()), ["(8, 1, 16) float16"]),
+        (dict(cos_sin_cache=torch.rand(8 * 16)),
+         ["cos_sin_cache must be a float32, bfloat16 or float16 tensor [max_position, rot_dim]",
+          "(128,) float32"]),
+        (dict(cos_sin_cache=torch.rand(8, 32).bfloat16()[:, :16]),
+         ["cos_sin_cache must be contiguous", "(32, 1)", "(.contiguous())"]),
         (dict(cos_sin_cache=torch.rand(16, 8).t()),
          ["cos_sin_cache must be contiguous", "(1, 8)", "(.contiguous())"]),
         (dict(cos_sin_cache=torch.rand(16, 8).bfloat16().t()),

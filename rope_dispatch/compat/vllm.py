@@ -20,10 +20,11 @@ Decisions, where vLLM's op and ours could differ:
 - A float32 cache is read as it is; one that requires grad as a constant (vLLM's ops do not
   differentiate it). A bfloat16 or float16 one (vLLM's ``RotaryEmbedding`` hands its kernel
   the cache in the query's dtype) is widened to a float32 copy, made once per cache tensor
-  and made again when the cache is written in place (not seen for an inference tensor, which
-  has no version counter; a call traced by ``torch.compile``, on fake tensors or under a
-  ``torch.func`` transform widens the rows it reads and keeps nothing): exact, as vLLM's
-  kernels widen each entry too. ``inverse=True`` is the spec's ``inverse`` (the rotation
+  and made again when the cache is written in place; an inference tensor (no version counter
+  to tell a write), and a call traced by ``torch.compile``, on fake tensors or under a
+  ``torch.func`` transform, widen the rows the call reads and keep nothing: exact, as vLLM's
+  kernels widen each entry too. A write torch does not count (through ``.data``, DLPack) is
+  not seen. Either cache must be contiguous, as vLLM's fused op checks. ``inverse=True`` is the spec's ``inverse`` (the rotation
   by minus the angle, exact: the transpose, whose pair shares one sine), on the same table.
 - The fused op keeps the normalized value in float32 until the rotation, as vLLM's kernel does
   (its unfused path, ``RMSNorm`` then ``rotary_embedding``, rounds twice). Ours computes
@@ -97,51 +98,57 @@ def _named(argument: str):
 
 
 def _version(t: torch.Tensor) -> tuple:
-    """What a float32 copy of ``t`` stays valid for: its version counter (``None`` for an
-    inference tensor, which has none) and its memory, shape and strides (``t.data = ...`` gives
-    it new memory with no write torch counts)."""
-    return (None if t.is_inference() else t._version, t.data_ptr(), t.shape, t.stride())
+    """What a float32 copy of ``t`` (not an inference tensor) stays valid for: its version
+    counter and its memory, shape and strides (``t.data = ...`` gives it new memory with no
+    write torch counts)."""
+    return (t._version, t.data_ptr(), t.shape, t.stride())
 
 
 def _table(cos_sin_cache: object,
            positions: torch.Tensor) -> tuple[PairCosSinCache, torch.Tensor]:
     """The engine's cache as a PairCosSinCache, and the positions to read it at: itself when
-    float32 (no copy), else a float32 copy, kept while the cache is unchanged. Traced, on fake
-    tensors or under torch.func (no version counter or address to read, perhaps no values to
-    keep) the call's own rows are widened instead, each token's at index ``i``: a copy of the
-    whole cache (10^5 positions in vLLM's models) on every call would cost more than the
-    rotation. A position outside the cache gives a NaN row there, as the kernels do."""
-    if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dtype == torch.float32:
-        return _pair_cache(cos_sin_cache), positions
-    traced = memoryless()
-    if traced and isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 2 and (
-            cos_sin_cache.dtype in _CACHE_DTYPES and cos_sin_cache.shape[0]
-            and cos_sin_cache.shape[1] >= 2 and not cos_sin_cache.shape[1] % 2
-            and cos_sin_cache.is_contiguous()):  # else checked (and refused) as in eager
-        flat = positions.reshape(-1)
-        index = torch.arange(flat.shape[0], device=positions.device).view(positions.shape)
-        if not flat.shape[0]:  # no token reads a row, but a table has at least one
-            flat = flat.new_zeros(1)
-        inside = ((flat >= 0) & (flat < cos_sin_cache.shape[0])).unsqueeze(-1)
-        rows = cos_sin_cache.detach()[flat.clamp(0, cos_sin_cache.shape[0] - 1)].float()
-        with _named("cos_sin_cache"), _normal_tensors():
-            table = PairCosSinCache(torch.where(inside, rows, torch.nan)).table
-        return PairCosSinCache(table), index
-    key = id(cos_sin_cache)
-    entry = None if traced else _copies.get(key)
-    if entry is not None and entry[0] is cos_sin_cache and entry[1] == _version(cos_sin_cache):
-        return entry[2], positions
+    float32 (no copy), else a float32 copy, kept while the cache is unchanged (its version
+    counter, memory, shape and strides). An inference tensor has no version counter to tell a
+    write into it, and a call traced, on fake tensors or under torch.func has no memory or
+    values to keep: there the call's own rows are widened instead, each token's at index
+    ``i`` (a copy of the whole cache, 10^5 positions in vLLM's models, on every call would
+    cost more than the rotation). A position outside the cache gives a NaN row there, as the
+    kernels do."""
     if (not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dtype not in _CACHE_DTYPES
-            or cos_sin_cache.dim() != 2):  # (checked on the copy, the error would say float32)
+            or cos_sin_cache.dim() != 2):
         got = (f"{tuple(cos_sin_cache.shape)} {dtype_name(cos_sin_cache.dtype)}"
                if isinstance(cos_sin_cache, torch.Tensor) else type(cos_sin_cache).__name__)
         raise (RoPEError if isinstance(cos_sin_cache, torch.Tensor) else RoPETypeError)(
             f"cos_sin_cache must be a float32, bfloat16 or float16 tensor [max_position, rot_dim] "
             f"(cosines, then sines), got {got}"
         )
+    if cos_sin_cache.dtype == torch.float32:
+        return _pair_cache(cos_sin_cache), positions
+    if not cos_sin_cache.is_contiguous():  # as a float32 one (vLLM's fused op checks it too)
+        raise RoPEError(
+            f"cos_sin_cache must be contiguous, got strides {cos_sin_cache.stride()}; pass a "
+            "contiguous one (.contiguous())"
+        )
+    traced = memoryless()
+    if (traced or cos_sin_cache.is_inference()) and (
+            cos_sin_cache.shape[0] and cos_sin_cache.shape[1] >= 2
+            and not cos_sin_cache.shape[1] % 2):  # else refused by the copy's checks
+        flat = positions.reshape(-1)
+        index = torch.arange(flat.shape[0], device=positions.device).view(positions.shape)
+        if not flat.shape[0]:  # no token reads a row, but a table has at least one
+            flat = flat.new_zeros(1)
+        inside = ((flat >= 0) & (flat < cos_sin_cache.shape[0])).unsqueeze(-1)
+        with _named("cos_sin_cache"), _normal_tensors():
+            rows = cos_sin_cache.detach()[flat.clamp(0, cos_sin_cache.shape[0] - 1)].float()
+            table = PairCosSinCache(torch.where(inside, rows, torch.nan)).table
+        return PairCosSinCache(table), index
+    key = id(cos_sin_cache)
+    entry = None if traced else _copies.get(key)
+    if entry is not None and entry[0] is cos_sin_cache and entry[1] == _version(cos_sin_cache):
+        return entry[2], positions
     with _named("cos_sin_cache"), _normal_tensors():  # a copy autograd may save later
         # a constant (vLLM's ops never differentiate the cache): no graph kept with the copy
-        table = PairCosSinCache(cos_sin_cache.detach().float()).table  # checks shape, strides
+        table = PairCosSinCache(cos_sin_cache.detach().float()).table  # checks its shape
     wrapper = PairCosSinCache(table)
     if traced:
         return wrapper, positions
