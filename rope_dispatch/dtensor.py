@@ -24,6 +24,7 @@ each rank's local shard (:func:`_rotate_in_place`).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -34,7 +35,7 @@ from torch.distributed.tensor.experimental import register_sharding
 
 from .errors import RoPEError, RoPETypeError
 from .norm import HeadNorm, head_norm_backward
-from .registry import call_entry
+from .registry import call_entry, get_backend
 from .spec import RoPESpec
 from .tables import CosSinCache, PairCosSinCache, RateTable, angles_2d, table_kind
 from .tracing import exact_size, transformed
@@ -288,23 +289,26 @@ def _as_dtensor(x: torch.Tensor | None, mesh, name: str) -> DTensor | None:
     return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _table_tensors(freqs: object) -> tuple[str, torch.Tensor, torch.Tensor | None, int]:
-    """``(kind, table, sin, rows)``: the tensors the op takes for ``freqs`` (a rate table's
-    doubled rates, which each shard makes its RateTable of; ``rows`` is its row count)."""
+def _table_tensors(freqs: object, name: str
+                   ) -> tuple[str, torch.Tensor, torch.Tensor | None, int]:
+    """``(kind, table, sin, rows)``: the tensors the op takes for ``freqs`` (argument ``name``;
+    a rate table's doubled rates, which each shard makes its RateTable of; ``rows`` is its row
+    count)."""
     if isinstance(freqs, CosSinCache):
         return "cos_sin_cache", freqs.cos, freqs.sin, 0
     if isinstance(freqs, PairCosSinCache):
         return "pair_cos_sin_cache", freqs.table, None, 0
     if isinstance(freqs, RateTable):
         if isinstance(freqs.inv_freq, DTensor):
-            raise _refuse("freqs is a RateTable of DTensor rates; build it of a plain tensor "
-                          "(every rank computes the same rows from the same rates)")
+            raise _refuse(f"{name} is a RateTable of DTensor rates; build it of a plain "
+                          "tensor (every rank computes the same rows from the same rates)")
         return table_kind(freqs), freqs._kernel_rates, None, freqs.rows
     if not isinstance(freqs, torch.Tensor):
-        angles_2d(freqs)  # raises, saying what freqs may be (and what to build from rates)
+        angles_2d(freqs, name)  # raises, saying what it may be (and what to build from rates)
     if freqs.dim() == 4:
         if tuple(freqs.shape[1:3]) != (1, 1):
-            raise RoPEError(f"freqs must be [s2, 1, 1, d2] or [s2, d2], got {tuple(freqs.shape)}")
+            raise RoPEError(f"{name} must be [s2, 1, 1, d2] or [s2, d2], got "
+                            f"{tuple(freqs.shape)}")
         freqs = freqs.view(freqs.shape[0], freqs.shape[3])
     return "angles", freqs, None, 0
 
@@ -536,7 +540,7 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
     from .spec import dtype_name
 
     if not isinstance(spec, RoPESpec):
-        raise RoPEError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
+        raise RoPETypeError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
     _check_spec(spec)
     if t.dtype != spec.dtype:
         raise RoPEError(
@@ -592,7 +596,7 @@ def _prepare(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positio
 def _op_table(freqs: object, name: str, t: DTensor, spec: RoPESpec) -> tuple:
     """``(kind, table, sin, rows, sharded)``: ``freqs``' tensors as the op takes them, DTensors
     on ``t``'s mesh, checked against ``t``'s placements."""
-    kind, table, sin, rows = _table_tensors(freqs)
+    kind, table, sin, rows = _table_tensors(freqs, name)
     if torch.is_grad_enabled() and any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in (table, sin)):
         raise _refuse(
@@ -642,6 +646,8 @@ def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions
     """A public call (``apply``, ``apply_qk``, ``apply_qkv``, and in place ``apply_`` and
     ``apply_qk_``) whose tensor is a DTensor: new DTensors with the input's placements (or the
     inputs, rotated in place), computed shard by shard without communication."""
+    if backend is not None:  # refused by name here, as a plain call's, not inside each shard
+        get_backend(backend, "the backend= argument")
     p = _prepare(t, freqs, spec, start_positions, positions, in_place, k_freqs, k, norms, split)
     if in_place:
         return _rotate_in_place(t, k, p, backend)
@@ -653,15 +659,16 @@ def rotate(t: DTensor, freqs: object, spec: RoPESpec, start_positions, positions
 
     q_len, k_len, _ = _check_split(split, t.shape[-1])
     groups = t.dim() - 2
-    for i, placement in enumerate(t.placements):
-        if (isinstance(placement, Shard) and placement.dim in (groups, -2) and q_len > k_len
-                and t.shape[groups] % t.device_mesh.size(i)):
-            raise _refuse(
-                f"apply_qkv's tensor is sharded on its {t.shape[groups]} head groups (mesh dim "
-                f"{i}, {t.device_mesh.size(i)} ranks), which do not divide evenly: its q heads "
-                f"({q_len // k_len} a group) cannot be laid out as one sharded head dim; use a "
-                "number of groups the mesh divides, or split q, k and v and call apply_qk"
-            )
+    dims = [i for i, placement in enumerate(t.placements)
+            if isinstance(placement, Shard) and placement.dim in (groups, -2)]
+    ranks = math.prod(t.device_mesh.size(i) for i in dims)
+    if q_len > k_len and t.shape[groups] % ranks:  # (sharded twice: split, then split again)
+        raise _refuse(
+            f"apply_qkv's tensor is sharded on its {t.shape[groups]} head groups (mesh dims "
+            f"{dims}, {ranks} ranks), which do not divide evenly: its q heads "
+            f"({q_len // k_len} a group) cannot be laid out as one sharded head dim; use a "
+            "number of groups the mesh divides, or split q, k and v and call apply_qk"
+        )
     q = t[..., :q_len]
     q = q.reshape(*q.shape[:-2], q.shape[-2] * (q_len // k_len), k_len)
     k_part = t[..., q_len:q_len + k_len]

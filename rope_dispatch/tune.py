@@ -39,6 +39,7 @@ from .call import check_call
 from .errors import NoBackendError, RoPEError, RoPETypeError
 from .spec import RoPESpec
 from .tables import cos_sin_cache
+from .tracing import distributed
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ def tune_call(
     why)``. Called as ``rope_dispatch.tune(...)``. Like a first call, it measures on private
     copies: ``t`` is not touched. A key already measured in full is read, not measured again,
     unless ``retune``. Tunes forward+backward where ``t`` requires grad (under grad mode), as
-    a training step's call does."""
+    a training step's call does. A DTensor call tunes the plain call its rank's shard runs."""
     if type(retune) is not bool:  # a truthy "no" would measure again and overwrite the entry
         raise RoPETypeError(f"retune must be True or False, got {retune!r}")
     if not autotune.autotune_enabled():
@@ -285,6 +286,10 @@ def tune_call(
             "ROPE_AUTOTUNE is off (got "
             f"{os.environ.get('ROPE_AUTOTUNE')!r}); unset it to tune"
         )
+    if distributed(t):  # the plain call this rank's shard runs, as explain does
+        t, freqs, spec, positions, _, _ = dispatch._dtensor().shard_call(
+            t, freqs, spec, start_positions, positions)
+        start_positions = None
     call = check_call(t, freqs, spec, start_positions, positions=positions)
     supported, rejected = dispatch.capable_backends(call)
     if not supported:

@@ -650,6 +650,13 @@ def _check_refusals(mesh):
     qkv = _shard(torch.randn(8, 2, 32), mesh, _placements([0]))  # k's table of other channels
     with pytest.raises(rd.RoPEError, match="k_freqs has rotary dim 6 but freqs has 8"):
         rd.apply_qkv(qkv, angles, spec, (16, 8, 8), k_freqs=angles[:, :6], backend="eager")
+    with pytest.raises(rd.RoPETypeError, match="k_freqs must be"):  # named as the plain call
+        rd.apply_qkv(qkv, angles, spec, (16, 8, 8), k_freqs=[1], backend="eager")
+    with pytest.raises(rd.RoPETypeError, match="spec must be a rope_dispatch.RoPESpec, got str"):
+        rd.apply(z, angles, "sbhd", backend="eager")
+    for backend in (3, "nope"):  # refused by name before any shard's call, as a plain call
+        with pytest.raises(rd.UnknownBackendError, match=f"unknown backend {backend!r}"):
+            rd.apply(z, angles, rd.RoPESpec(layout="sbhd", dtype=F32), backend=backend)
     with pytest.raises(rd.RoPEError, match="cp_size"):
         rd.apply(z, angles, rd.RoPESpec(layout="sbhd", dtype=F32, cp_size=2), backend="eager")
     learned = torch.rand(8, 8, requires_grad=True)  # its gradient would be dropped: refused
@@ -661,6 +668,27 @@ def _check_refusals(mesh):
         with pytest.raises(rd.RoPEError, match="spec.rotary_dim=4 but freqs has last dim d2=8"):
             rd.apply(z, table, rd.RoPESpec(layout="sbhd", dtype=F32, rotary_dim=4),
                      backend="eager")
+
+
+def _check_tune(mesh):
+    """``rd.tune`` of a DTensor call tunes the plain call this rank's shard runs (its local
+    tensor and per-token positions), as ``rd.explain`` explains it; it had measured nothing.
+    The measurement itself is replaced by a record of the call it was given."""
+    from rope_dispatch import autotune
+
+    seen, real = [], autotune.tune
+    autotune.tune = lambda call, supported, retune=False: (seen.append(call)
+                                                           or (supported[0], "recorded"))
+    os.environ["ROPE_AUTOTUNE"] = "1"
+    try:
+        x = _shard(torch.randn(8, 2, 2, 8), mesh, _placements([0]))
+        rd.tune(x, torch.rand(8, 8), rd.RoPESpec(layout="sbhd", dtype=F32))
+    finally:
+        autotune.tune = real
+        os.environ["ROPE_AUTOTUNE"] = "0"
+    (call,) = seen
+    assert type(call.t) is torch.Tensor and call.t.shape == x.to_local().shape
+    assert call.positions is not None and call.positions.shape == x.to_local().shape[:2]
 
 
 def _check_compiled_in_place_pair(mesh):
@@ -718,6 +746,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             _check_normed(mesh, case, rank, in_place=True)
             _check_normed(mesh, case, rank, in_place=True, grad=False)
         _check_refusals(mesh)
+        _check_tune(mesh)
         _check_index_refusals(mesh)
         _check_k_refusals(mesh)
         _check_plain_t_beside_dtensors(mesh)
@@ -738,6 +767,11 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                 _check_single(grid, case, rank)
             _check_normed(grid, NORMED_GRID, rank)
             _check_small_shards(grid, rank, (2, None))
+            # 6 head groups split on both mesh dims: 3 a rank on one, then 2 and 1 on the other
+            nested = _shard(torch.randn(4, 2, 6, 32), grid, _placements([2, 2]))
+            with pytest.raises(rd.RoPEError, match=r"6 head groups \(mesh dims \[0, 1\], 4 ranks"):
+                rd.apply_qkv(nested, torch.rand(4, 8), rd.RoPESpec(layout="sbhd", dtype=F32),
+                             (16, 8, 8), backend="eager")
         else:  # torch.compile once, on the smaller job: the DTensor op traced, then run
             for case in COMPILED:
                 torch._dynamo.reset()
