@@ -24,8 +24,9 @@ Decisions, where vLLM's op and ours could differ:
   to tell a write), and a call traced by ``torch.compile``, on fake tensors or under a
   ``torch.func`` transform, widen the rows the call reads and keep nothing: exact, as vLLM's
   kernels widen each entry too. A write torch does not count (through ``.data``, DLPack) is
-  not seen. Either cache must be contiguous, as vLLM's fused op checks. ``inverse=True`` is the spec's ``inverse`` (the rotation
-  by minus the angle, exact: the transpose, whose pair shares one sine), on the same table.
+  not seen. Either cache must be contiguous, as vLLM's fused op checks. ``inverse=True`` is
+  the spec's ``inverse`` (the rotation by minus the angle, exact: the transpose, whose pair
+  shares one sine), on the same table.
 - The fused op keeps the normalized value in float32 until the rotation, as vLLM's kernel does
   (its unfused path, ``RMSNorm`` then ``rotary_embedding``, rounds twice). Ours computes
   ``x * rsqrt(mean(x**2) + eps) * w``; vLLM's ``x * (rsqrtf(..) * w)`` with a warp-tree sum:
