@@ -222,7 +222,7 @@ def store(pages: torch.Tensor, page: torch.Tensor, entry: torch.Tensor, valid: t
     it is written in its own dtype too: an integer view has no tangent, and the cache takes the
     written values' tangents (zero where the cache had none)."""
     tokens = values.shape[0]
-    if tokens == 0:
+    if values.numel() == 0:  # no token, or no channel (a v of none): no byte to write
         return
     if forward_ad() or torch.compiler.is_compiling() and (
             pages.dtype in _MODEL_DTYPES or pages.is_cuda):

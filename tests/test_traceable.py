@@ -180,6 +180,39 @@ def test_inductor_writes_a_half_precision_cache_by_value(dtype, cache_dtype, dev
     assert int(k_cache.float().count_nonzero()) == int(written.float().count_nonzero())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_inductor_writes_an_fp8_cache_beside_a_v_of_no_channels(device):
+    """An FP8 cache whose v has no channels (FlashInfer's MLA door without a nope part) under
+    Inductor: k rotated and cast at its slots, a padded token skipped, nothing else written.
+    Inductor failed to lower the write of v's no bytes through a byte view of its cache."""
+    torch._dynamo.reset()
+    fp8 = torch.float8_e4m3fn
+    spec = rd.RoPESpec(layout="thd", dtype=torch.bfloat16)
+    angles = torch.rand(16, 8, device=device) * 6
+    k_cache = torch.zeros(4, 1, 8, dtype=fp8, device=device)
+    v_cache = torch.zeros(4, 1, 0, dtype=fp8, device=device)
+
+    def step(q, k, v, positions, slots):
+        cache = rd.FlatKVCache(k_cache, v_cache, slots)
+        return rd.rope_to_cache(q, k, v, angles, spec, positions=positions, cache=cache,
+                                backend="eager")
+
+    gen = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(3, h, 8, generator=gen).bfloat16().to(device) for h in (2, 1))
+    v = torch.empty(3, 1, 0, dtype=torch.bfloat16, device=device)
+    positions, slots = torch.tensor([0, 3, 7]), torch.tensor([2, -1, 0])
+    q_out = torch.compile(step, fullgraph=True, backend="inductor")(
+        q, k, v, positions.to(device), slots.to(device))
+    thd = rd.RoPESpec(layout="thd", dtype="fp32")
+    assert_matches(q_out.cpu(), reference_for(q.float().cpu(), angles.cpu(), thd,
+                                              positions=positions), torch.bfloat16, "q")
+    k_ref = reference_for(k.float().cpu(), angles.cpu(), thd, positions=positions)[[0, 2]]
+    written = k_cache.cpu()[[2, 0]]
+    err = (written.double() - k_ref).abs() / k_ref.abs().clamp_min(1)
+    assert float(err.max()) <= 2 ** -3, float(err.max())
+    assert not k_cache.cpu()[[1, 3]].float().any()
+
+
 @pytest.mark.parametrize("positions", [False, True])
 @pytest.mark.parametrize("dynamic", ["mark_dynamic", "new lengths", "dynamic=True"])
 def test_fullgraph_default_choice_with_a_dynamic_sequence_length(dynamic, positions):
