@@ -66,7 +66,7 @@ def check_scale(value: object, name: str, device: torch.device) -> Scale:
             )
         value = value.detach()  # a constant of the cache write, which has no backward
         if value.is_cpu and not memoryless() and not 0 < float(value) < math.inf:
-            raise RoPEError(f"{name} must be positive, got {float(value)}")
+            raise RoPEError(f"{name} must be positive and finite, got {float(value)}")
         return value.reshape(())
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         if not (math.isfinite(value) and value > 0):
