@@ -444,6 +444,12 @@ def check_index(spec: RoPESpec, shape: torch.Size, table_len: int, start_positio
     return seq_len, batch, bounded
 
 
+def _named_t(k: object, split: object) -> str:
+    """The caller's name for check_call's ``t``: apply_qk's and rope_to_cache's ``q``,
+    apply_qkv's ``qkv``."""
+    return "q" if k is not None else "qkv" if split is not None else "t"
+
+
 def check_call(
     t: torch.Tensor, freqs: object, spec: RoPESpec, start_positions: torch.Tensor | None = None,
     *, in_place: bool = False, grad_in_place: bool = False,
@@ -461,13 +467,15 @@ def check_call(
     if not isinstance(spec, RoPESpec):
         raise RoPETypeError(f"spec must be a rope_dispatch.RoPESpec, got {type(spec).__name__}")
     if not isinstance(t, torch.Tensor):
-        raise RoPETypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+        raise RoPETypeError(f"{_named_t(k, split)} must be a torch.Tensor, got "
+                            f"{type(t).__name__}")
     for name, flag in (("in_place", in_place), ("grad_in_place", grad_in_place)):
         if type(flag) is not bool:  # a truthy "yes" is no answer
             raise RoPETypeError(f"{name} must be True or False, got {flag!r}")
     if t.dtype != spec.dtype:
         raise RoPEError(
-            f"t has dtype {dtype_name(t.dtype)} but spec.dtype is {dtype_name(spec.dtype)}; "
+            f"{_named_t(k, split)} has dtype {dtype_name(t.dtype)} but spec.dtype is "
+            f"{dtype_name(spec.dtype)}; "
             "build the spec with the tensor's dtype"
         )
     # t.shape, t.device and table.shape are each read once: every read builds a new object, and
@@ -477,7 +485,8 @@ def check_call(
     rank = 3 if layout == "thd" else 4
     if len(shape) != rank:
         raise RoPEError(
-            f"t must have {rank} dims for layout {layout!r} ([{', '.join(layout)}]), got shape "
+            f"{_named_t(k, split)} must have {rank} dims for layout {layout!r} "
+            f"([{', '.join(layout)}]), got shape "
             f"{tuple(shape)}"
         )
     device = t.device
@@ -494,7 +503,7 @@ def check_call(
             raise RoPEError("a packed qkv call writes new q, k and v; it has no in-place form")
         if k is not None:
             raise RoPEError("k is for q and k pairs (apply_qk); a packed qkv call (split=) takes "
-                            "its k from t's channels")
+                            "its k from qkv's channels")
         kind, split = "qkv", _check_split(split, shape[-1])
         head_dim = split[1]
         q_heads, k_heads = heads * (split[0] // head_dim), heads
@@ -513,14 +522,16 @@ def check_call(
             k_heads = k.shape[-2]
     if d2 > head_dim:
         raise RoPEError(
-            f"rotary dim d2={d2} (freqs' last dim) exceeds the head dim d={head_dim} of t "
+            f"rotary dim d2={d2} (freqs' last dim) exceeds the head dim d={head_dim} of "
+            f"{_named_t(k, split)} "
             f"{tuple(shape)}" + (f" (the k part of split {split})" if split else "")
         )
     offset = spec.rotary_offset
     if offset and offset + d2 > head_dim:
         raise RoPEError(
             f"spec.rotary_offset={offset} plus the rotary dim d2={d2} (freqs' last dim) is "
-            f"{offset + d2}, past the head dim d={head_dim} of t {tuple(shape)}"
+            f"{offset + d2}, past the head dim d={head_dim} of "
+            f"{_named_t(k, split)} {tuple(shape)}"
             + (f" (the k part of split {split})" if split else "")
             + f"; expected rotary_offset + d2 <= d, so rotary_offset <= {head_dim - d2}"
         )

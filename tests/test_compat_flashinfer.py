@@ -245,7 +245,7 @@ def test_core_errors_say_how_the_door_mapped_its_arguments():
     error says which of FlashInfer's arguments those are."""
     with pytest.raises(rd.RoPEError, match=r"exceeds the head dim .*"
                        r"apply_rope_with_cos_sin_cache_inplace calls rope_dispatch\.apply_qk_ "
-                       r"with t=query, k=key.*freqs=cos_sin_cache"):
+                       r"with q=query, k=key.*freqs=cos_sin_cache"):
         apply_rope_with_cos_sin_cache_inplace(torch.arange(3), torch.randn(3, 32),
                                               torch.randn(3, 16), 16, torch.randn(16, 32))
 

@@ -569,20 +569,20 @@ def test_core_errors_are_rope_errors():
 
 
 def test_qkv_core_errors_say_how_the_door_mapped_its_arguments():
-    """The core names its own arguments (t, freqs, split); a caller of TE's API passed qkv,
+    """The core names its own arguments (qkv, freqs, split); a caller of TE's API passed qkv,
     q_freqs and qkv_split_arg_list, so each such error says how the door mapped them."""
     qkv, q, k, split, _ = _qkv_inputs()
     bad = {
         "split": lambda: apply_fused_qkv_rotary_pos_emb(qkv, q, k, [4 * QKV_D, QKV_D, 1]),
         "freqs": lambda: apply_fused_qkv_rotary_pos_emb(qkv, q[:SEQ - 1], k, list(split)),
-        "t": lambda: apply_fused_qkv_rotary_pos_emb(qkv[0], q, k, list(split)),
+        "qkv": lambda: apply_fused_qkv_rotary_pos_emb(qkv[0], q, k, list(split)),
     }
     for core_name, call in bad.items():
         with pytest.raises(rd.RoPEError) as info:
             call()
         message = str(info.value)
         assert message.startswith(core_name), message
-        for part in ("rope_dispatch.apply_qkv", "t=qkv", "freqs=q_freqs",
+        for part in ("rope_dispatch.apply_qkv", "qkv=qkv", "freqs=q_freqs",
                      "split=qkv_split_arg_list"):
             assert part in message, (part, message)
 

@@ -687,14 +687,14 @@ def test_core_errors_say_how_the_door_mapped_its_arguments():
     error says which of vLLM's arguments those are."""
     cache = torch.randn(16, 32)
     with pytest.raises(rd.RoPEError, match=r"exceeds the head dim .*rotary_embedding calls "
-                       r"rope_dispatch\.apply_qk_ with t=query, k=key.*freqs=cos_sin_cache"):
+                       r"rope_dispatch\.apply_qk_ with q=query, k=key.*freqs=cos_sin_cache"):
         rotary_embedding(torch.arange(3), torch.randn(3, 32), torch.randn(3, 16), 16, cache, True)
     with pytest.raises(rd.RoPEError, match=r"rotary_embedding calls rope_dispatch\.apply_ "
                        r"with t=query \(as heads") as info:
         rotary_embedding(torch.arange(3), torch.randn(3, 32), None, 16, cache, True)
     assert "k=key" not in str(info.value), "apply_ has no k: key is None"
     with pytest.raises(rd.RoPEError, match=r"fused_qk_norm_rope calls rope_dispatch\.apply_qk_ "
-                       r"with t=qkv's q heads.*positions=position_ids, q_norm=q_weight"):
+                       r"with q=qkv's q heads.*positions=position_ids, q_norm=q_weight"):
         fused_qk_norm_rope(torch.randn(3, 64), 2, 1, 1, 16, 1e-6, torch.ones(16), torch.ones(16),
                            cache, True, torch.arange(3))
 

@@ -258,6 +258,23 @@ def test_bad_call(kwargs, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+def test_pair_and_packed_calls_name_their_tensor():
+    """apply_qk's and rope_to_cache's first tensor is q and apply_qkv's qkv: their errors say
+    so (they said t, apply's name)."""
+    spec, freqs = rd.RoPESpec(**SBHD), torch.rand(8, 16)
+    with pytest.raises(rd.RoPEError, match="q has dtype float16 but spec.dtype is float32"):
+        rd.apply_qk(torch.randn(8, 2, 3, 16).half(), torch.randn(8, 2, 1, 16), freqs, spec)
+    with pytest.raises(rd.RoPEError, match="qkv must have 4 dims"):
+        rd.apply_qkv(torch.randn(8, 2, 48), freqs, spec, (16, 16, 16))
+    with pytest.raises(rd.RoPEError, match="head dim d=8 of q"):
+        rd.apply_qk_(torch.randn(8, 2, 3, 8), torch.randn(8, 2, 1, 8), freqs, spec)
+    cache = rd.FlatKVCache(torch.zeros(4, 1, 16), torch.zeros(4, 1, 16), torch.tensor([0, 1]))
+    with pytest.raises(rd.RoPEError, match="q has dtype float16"):
+        rd.rope_to_cache(torch.randn(2, 2, 16).half(), torch.randn(2, 1, 16),
+                         torch.randn(2, 1, 16), freqs, rd.RoPESpec(layout="thd", dtype="fp32"),
+                         positions=torch.tensor([0, 1]), cache=cache)
+
+
 THD_T = torch.randn(10, 2, 8)
 
 

@@ -749,7 +749,7 @@ _PAGED_MAPPING = ("q=q_rope joined with q_nope, k=k_rope joined with k_nope, v=v
                   "paged_kv_cache, positions=positions, q_out=q_rope_out joined with q_nope_out")
 
 
-_INPLACE_MAPPING = ("t=query, k=key (each as [nnz, heads, head_size]), freqs=cos_sin_cache, "
+_INPLACE_MAPPING = ("q=query, k=key (each as [nnz, heads, head_size]), freqs=cos_sin_cache, "
                     "positions=positions")
 
 

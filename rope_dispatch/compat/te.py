@@ -26,7 +26,7 @@ once per layer; ``freqs`` that are not float32 are converted with ``.float()``, 
 path does; then :func:`rope_dispatch.apply` or :func:`rope_dispatch.apply_qkv` checks the call,
 picks the backend and runs it. Bad arguments raise :class:`~rope_dispatch.RoPEError` from those
 checks (where TE asserts, the core raises for the same condition); those of ``apply_qkv``, which
-names its own arguments, say how the door mapped them (``t=qkv``, ``freqs=q_freqs``,
+names its own arguments, say how the door mapped them (``qkv=qkv``, ``freqs=q_freqs``,
 ``split=qkv_split_arg_list``).
 
 ``fused`` is accepted and changes nothing: every rope-dispatch backend computes what TE's fused
@@ -224,7 +224,7 @@ def apply_fused_qkv_rotary_pos_emb(
 
 
 # How apply_fused_qkv_rotary_pos_emb maps its arguments onto apply_qkv's, for the core's errors.
-_QKV_MAPPING = "t=qkv, freqs=q_freqs, split=qkv_split_arg_list, k_freqs=k_freqs"
+_QKV_MAPPING = "qkv=qkv, freqs=q_freqs, split=qkv_split_arg_list, k_freqs=k_freqs"
 
 
 class RotaryPositionEmbedding(torch.nn.Module):

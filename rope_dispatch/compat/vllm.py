@@ -332,11 +332,11 @@ def fused_qk_norm_rope(
 
 
 # How each door maps its arguments onto the core's, for the core's errors (_mapped).
-_ROTARY_MAPPING = ("t=query, k=key (each as heads of head_size, from rope_dim_offset), "
+_ROTARY_MAPPING = ("q=query, k=key (each as heads of head_size, from rope_dim_offset), "
                    "freqs=cos_sin_cache, positions=positions")
 _ROTARY_ALONE = ("t=query (as heads of head_size, from rope_dim_offset), freqs=cos_sin_cache, "
                  "positions=positions")
-_FUSED_MAPPING = ("t=qkv's q heads, k=qkv's k heads (each [num_tokens, heads, head_dim]), "
+_FUSED_MAPPING = ("q=qkv's q heads, k=qkv's k heads (each [num_tokens, heads, head_dim]), "
                   "freqs=cos_sin_cache, positions=position_ids, q_norm=q_weight, k_norm=k_weight")
 _ROTARY_DOOR = _door_words("rotary_embedding", _ROTARY_MAPPING, "apply_qk_")
 _ROTARY_ALONE_DOOR = _door_words("rotary_embedding", _ROTARY_ALONE, "apply_")
