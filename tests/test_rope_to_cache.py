@@ -563,7 +563,8 @@ def test_bad_arguments_are_named():
         (lambda: paged(v_scale=torch.ones((), dtype=torch.float16)),
          "PagedKVCache v_scale must be .* got float16"),
         (lambda: paged(k_scale=0.0), "k_scale must be a positive finite number, got 0.0"),
-        (lambda: paged(k_scale=torch.tensor(-1.0)), "k_scale must be positive and finite, got -1.0"),
+        (lambda: paged(k_scale=torch.tensor(-1.0)),
+         "k_scale must be positive and finite, got -1.0"),
         (lambda: paged(v_cache=vc[:-1]), "must have one dtype, device and shape but for the head dim"),
         (lambda: call(v=v[..., :4]), r"PagedKVCache v_cache \(4, 4, 2, 8\) holds a head dim of 8 but "
                                      r"v \(5, 2, 4\) has 4"),
@@ -596,7 +597,8 @@ def test_bad_arguments_are_named():
     fp8_over_q = torch.empty(0, dtype=torch.float8_e4m3fn).set_(
         q_own.untyped_storage(), 0, q.shape, q.stride())
     cases += [
-        (lambda: paged(k_scale=torch.tensor(float("inf"))), "k_scale must be positive and finite, got inf"),
+        (lambda: paged(k_scale=torch.tensor(float("inf"))),
+         "k_scale must be positive and finite, got inf"),
         (lambda: paged(flat[:kc.numel()].view(kc.shape), flat[8:].view(kc.shape)),
          "share memory; v would overwrite k"),
         (lambda: call(q=q_in_flat, q_out=q_flat[8:].view(q.shape)),
