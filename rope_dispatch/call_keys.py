@@ -21,8 +21,9 @@ class CallKey(NamedTuple):
     and the environment. Sizes enter as power-of-two buckets."""
 
     spec: tuple
-    """The spec's static key (``RoPESpec.static_key``), then the table's rotary dim; traced,
-    the key as text (``static_text``: ``max_seqlen`` only as set or not), then the rotary dim."""
+    """The spec's static key with ``max_seqlen`` only as set or not (``RoPESpec.choice_key``:
+    a thd loop passes a new batch's longest sequence every step), then the table's rotary dim;
+    traced, the key as text (``static_text``), then the rotary dim."""
     device_type: str
     device_index: int | None
     shape_bucket: tuple
@@ -86,7 +87,7 @@ def call_key(call: RoPECall, size_limits: Sequence[int] = ()) -> CallKey:
     ``size_limits``: the sorted element-count limits backends declare."""
     t, traced = call.t, torch.compiler.is_compiling()
     spec = ((call.spec.static_text, exact_size(call.rotary_dim)) if traced
-            else (*call.spec.static_key, call.rotary_dim))
+            else (*call.spec.choice_key, call.rotary_dim))
     split = (tuple(exact_size(n) for n in call.split) if traced and call.split is not None
              else call.split)
     return CallKey(

@@ -233,6 +233,9 @@ class RoPESpec(BaseModel):
     """Hashable tuple of every field but the ``cu_seqlens`` tensor, set once at validation."""
     static_text: ClassVar[str]
     """``repr(static_key)``: the key traced code passes on (:func:`.call_keys.call_key`)."""
+    choice_key: ClassVar[tuple]
+    """:attr:`static_key` with ``max_seqlen`` only as set or not: what an eager call's backend
+    choice keys on (:func:`.call_keys.call_key`), as a traced call's ``static_text``."""
     scale_text: ClassVar[str]
     """``repr(cos_sin_scale)``: the scale a traced launch passes on."""
 
@@ -435,6 +438,11 @@ class RoPESpec(BaseModel):
         # as text, which Dynamo reads as constants: with dynamic=True it reads a float held by
         # an object as a symbol, which a key or an op's constant argument cannot hold
         self.__dict__["static_text"] = _key_text(self.static_key)
+        # what a backend's choice keys on: max_seqlen only as set or not, as traced calls'
+        at = STATIC_FIELDS.index("max_seqlen")
+        self.__dict__["choice_key"] = (
+            *self.static_key[:at], None if self.max_seqlen is None else MAX_SEQLEN_SET,
+            *self.static_key[at + 1:])
         self.__dict__["scale_text"] = repr(float(self.cos_sin_scale))
 
     def static_fields(self) -> dict[str, Any]:
@@ -530,7 +538,7 @@ def _validated(**fields: Any) -> RoPESpec | tuple[type[RoPEError], str]:
     return spec
 
 
-_ATTRIBUTES = (*RoPESpec.model_fields, "static_key", "static_text", "scale_text")
+_ATTRIBUTES = (*RoPESpec.model_fields, "static_key", "static_text", "scale_text", "choice_key")
 """What a spec's methods and the calls read of it (a traced copy is given these)."""
 
 
@@ -553,7 +561,9 @@ def _traced_copy(spec: RoPESpec, cu_seqlens: Any, max_seqlen: Any) -> RoPESpec:
     changed = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen,
                "static_key": (*key[:at], keyed, *key[at + 1:]),
                "static_text": _text_with(spec.static_text, at,
-                                         None if max_seqlen is None else MAX_SEQLEN_SET)}
+                                         None if max_seqlen is None else MAX_SEQLEN_SET),
+               "choice_key": (*key[:at], None if max_seqlen is None else MAX_SEQLEN_SET,
+                              *key[at + 1:])}
     new = object.__new__(RoPESpec)
     for name in _ATTRIBUTES:
         object.__setattr__(new, name, changed[name] if name in changed else getattr(spec, name))

@@ -14,7 +14,8 @@ written to the cache that ``apply`` reads. Run it once per machine type with
 
 A specs file is a JSON list of objects with the same names as the options: ``layout``, ``dtype``,
 ``shape`` (a list), and optionally ``rotary_dim``, ``interleaved``, ``grad``, ``device``,
-``cos_sin_cache``, ``start_positions``, ``cu_seqlens`` (a list), ``cp_size``, ``cp_rank``,
+``cos_sin_cache``, ``start_positions``, ``cu_seqlens`` (a list), ``max_seqlen`` (thd: the
+spec says the longest sequence, as varlen training code passes it), ``cp_size``, ``cp_rank``,
 ``qkv_slice``.
 Exit status: 0 when every shape was tuned (or needed no tuning), 1 when one failed, 2 for bad
 arguments or when ``ROPE_AUTOTUNE`` is off (``0``) or neither on nor off, 130 when
@@ -56,6 +57,7 @@ class Job:
     cos_sin_cache: bool = False
     start_positions: bool = False
     cu_seqlens: tuple[int, ...] | None = None
+    max_seqlen: bool = False
     cp_size: int = 1
     cp_rank: int = 0
     qkv_slice: bool = False
@@ -65,7 +67,7 @@ class Job:
             name for name, on in (
                 ("interleaved", self.interleaved), ("grad", self.grad),
                 ("cos_sin_cache", self.cos_sin_cache), ("start_positions", self.start_positions),
-                ("qkv_slice", self.qkv_slice),
+                ("qkv_slice", self.qkv_slice), ("max_seqlen", self.max_seqlen),
             ) if on
         ]
         if self.rotary_dim is not None:
@@ -119,7 +121,8 @@ def _job_from_json(item: Any, where: str) -> Job:
 
 _KEY_TYPES = {
     **dict.fromkeys(("layout", "dtype", "device"), str),
-    **dict.fromkeys(("interleaved", "grad", "cos_sin_cache", "start_positions", "qkv_slice"), bool),
+    **dict.fromkeys(("interleaved", "grad", "cos_sin_cache", "start_positions", "qkv_slice",
+                     "max_seqlen"), bool),
     **dict.fromkeys(("rotary_dim", "cp_size", "cp_rank"), int),
 }
 _TYPE_NAMES = {str: "a string", bool: "true or false", int: "an integer"}
@@ -135,6 +138,8 @@ def job_problem(job: Job, named: Any) -> str | None:
         return f"{named('shape')} {job.shape}: every size must be a positive integer"
     if job.cu_seqlens is not None and job.layout != "thd":
         return f"{named('cu_seqlens')} is only for layout thd, got layout {job.layout!r}"
+    if job.max_seqlen and job.layout != "thd":
+        return f"{named('max_seqlen')} is only for layout thd, got layout {job.layout!r}"
     if job.cu_seqlens is not None and len(job.cu_seqlens) < 2:
         return (f"{named('cu_seqlens')} {list(job.cu_seqlens)}: give every sequence's start "
                 "and the end of the last, at least two offsets such as 0,4096")
@@ -196,6 +201,8 @@ def build(job: Job, check_only: bool = False):
         spec_args["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
         positions = max(1, *(b - a for a, b in zip(cu, cu[1:])))  # checked in check_call
         sequences = len(cu) - 1
+        if job.max_seqlen:  # keyed only as set: any value stands for a loop's every step
+            spec_args["max_seqlen"] = positions
     else:
         seq = shape[0] if job.layout == "sbhd" else shape[1]
         positions = seq * job.cp_size
@@ -366,6 +373,10 @@ def parse_args(argv: Iterable[str] | None = None) -> tuple[argparse.Namespace, l
         "--cu-seqlens", type=lambda s: _ints(s, "--cu-seqlens"),
         help="thd: global sequence offsets, e.g. 0,1000,4096 (default: one sequence)",
     )
+    parser.add_argument(
+        "--max-seqlen", action="store_true",
+        help="thd: the spec gives max_seqlen (the longest sequence), as varlen training does",
+    )
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size")
     parser.add_argument("--cp-rank", type=int, default=0, help="context-parallel rank")
     parser.add_argument("--specs", action="append", default=[], help="a JSON file of shapes")
@@ -382,7 +393,8 @@ def parse_args(argv: Iterable[str] | None = None) -> tuple[argparse.Namespace, l
             layout=args.layout, dtype=args.dtype, shape=shape, rotary_dim=args.rotary_dim,
             interleaved=args.interleaved, grad=args.grad, cos_sin_cache=args.cos_sin_cache,
             start_positions=args.start_positions, cu_seqlens=args.cu_seqlens,
-            cp_size=args.cp_size, cp_rank=args.cp_rank, qkv_slice=args.qkv_slice, **extra,
+            max_seqlen=args.max_seqlen, cp_size=args.cp_size, cp_rank=args.cp_rank,
+            qkv_slice=args.qkv_slice, **extra,
         )
         problem = job_problem(job, lambda key: "--" + key.replace("_", "-"))
         if problem is not None:

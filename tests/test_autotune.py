@@ -199,6 +199,39 @@ def test_key_separates_grad_and_shape_buckets(fakes, measurements):
     assert measurements() == 4
 
 
+def test_a_varlen_loop_measures_once_whatever_its_longest_sequence(fakes, cache, measurements):
+    """A thd loop passes each batch's longest sequence as ``max_seqlen``: the key holds it only
+    as set, so steps of one bucket measure once, and the same call traced by torch.compile (which
+    keys it so) runs the eager call's measured choice. The tune tool's ``--max-seqlen`` writes
+    that key. Each step had measured again, and the compiled call had run the priority order."""
+    freqs = torch.rand(64, 1, 1, 16)
+    for first in (20, 25, 30, 17):  # 32 tokens in two sequences, the longest changing
+        cu = torch.tensor([0, first, 32], dtype=torch.int32)
+        spec = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=cu,
+                           max_seqlen=max(first, 32 - first))
+        t = torch.randn(32, 2, 16)
+        assert_matches(rd.apply(t, freqs, spec), reference_for(t, freqs, spec), torch.float32)
+    assert measurements() == 1 and len(rd.cache_entries()) == 1
+    assert rd.cache_entries()[0]["fields"]["spec"]["max_seqlen"] == "set"
+    torch._dynamo.reset()
+    try:
+        before = calls(fakes)
+        out = torch.compile(lambda x: rd.apply(x, freqs, spec), backend="eager",
+                            fullgraph=True)(t)
+        assert calls(fakes)["slow"] == before["slow"] and calls(fakes)["fast"] > before["fast"]
+        assert_matches(out, reference_for(t, freqs, spec), torch.float32)
+    finally:
+        torch._dynamo.reset()
+    autotune.clear_cache()
+    shape = ["--layout", "thd", "--dtype", "fp32", "--device", "cpu", "--shape", "32,2,16",
+             "--cu-seqlens", "0,20,32"]
+    assert tune.main([*shape, "--max-seqlen"]) == 0
+    autotune.clear_cache(memory_only=True)
+    assert rd.explain(t, freqs, spec).why.startswith("cached measurement from")
+    no_max = rd.RoPESpec(layout="thd", dtype="fp32", cu_seqlens=spec.cu_seqlens)
+    assert not rd.explain(t, freqs, no_max).why.startswith("cached measurement from")
+
+
 CORRUPT = {  # name -> the bad file's bytes, made from the good entry
     "truncated": lambda entry: b'{"schema": 1, "key": "',
     "binary": lambda entry: b"\x00\xff garbage",
