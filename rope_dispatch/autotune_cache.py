@@ -289,12 +289,17 @@ def _entry_problem(entry: Any, digest: str | None) -> str | None:
     return None
 
 
+_MISSING = object()
+"""What :func:`_read_json` returns for a file that does not exist (a file may hold ``null``)."""
+
+
 def _read_json(path: Path) -> Any:
-    """Parsed JSON of ``path``, ``None`` when it does not exist; raises ValueError when unreadable."""
+    """Parsed JSON of ``path``, :data:`_MISSING` when it does not exist; raises ValueError when
+    unreadable."""
     try:
         text = path.read_text(encoding="utf-8")
     except (FileNotFoundError, NotADirectoryError):  # no entry, or no cache directory yet
-        return None
+        return _MISSING
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"it cannot be read ({exc})") from exc
     try:
@@ -310,7 +315,7 @@ def read_entry(key: CacheKey) -> dict[str, Any] | None:
     except ValueError as exc:
         _warn_once(str(key.path), f"ignoring cache file {key.path}: {exc}; it will be rewritten")
         return None
-    if entry is None:
+    if entry is _MISSING:
         return None
     problem = _entry_problem(entry, key.digest)
     if problem is None and entry["fields"].get("candidates") != key.fields["candidates"]:
@@ -411,6 +416,8 @@ def cache_entries() -> list[dict[str, Any]]:
             environment = _read_json(folder / _ENVIRONMENT_FILE)
         except ValueError:
             environment = None
+        if environment is _MISSING:
+            environment = None
         for path in _listing(folder):
             if not _ENTRY_NAME.match(path.name):
                 continue
@@ -418,6 +425,8 @@ def cache_entries() -> list[dict[str, Any]]:
                 entry = _read_json(path)
             except ValueError as exc:
                 _warn_once(str(path), f"ignoring cache file {path}: {exc}; it will be rewritten")
+                continue
+            if entry is _MISSING:  # removed since it was listed
                 continue
             problem = _entry_problem(entry, path.stem)
             if problem is not None:

@@ -236,6 +236,7 @@ CORRUPT = {  # name -> the bad file's bytes, made from the good entry
     "truncated": lambda entry: b'{"schema": 1, "key": "',
     "binary": lambda entry: b"\x00\xff garbage",
     "foreign-json": lambda entry: b"[1, 2, 3]",
+    "json-null": lambda entry: b"null",
     "other-schema": lambda entry: b'{"schema": 999}',
     "failed-not-a-mapping": lambda entry: json.dumps({**entry, "failed": "boom"}).encode(),
     "time-past-float": lambda entry: json.dumps(
