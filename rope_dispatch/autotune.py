@@ -527,7 +527,8 @@ def _select(
         if blocked is not None:
             _unread.add(key.digest)
             return _provisional(candidates, blocked)
-        later = [] if complete or key.digest in _pending else deferred(candidates)
+        later = ([] if complete or key.digest in _pending or hot_calls() == 1  # call 1 is hot
+                 else deferred(candidates))
         quick = [b for b in candidates if b.name not in later]
         if later and len(quick) < 2:
             # nothing to compare without compiling: the first that needs no compilation (the

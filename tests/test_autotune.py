@@ -1040,6 +1040,20 @@ def test_a_first_call_leaves_out_backends_that_compile_until_the_key_is_hot(
     assert measurements() == 2 and sum(calls(fakes).values()) == sum(counted.values()) + 1
 
 
+def test_a_hot_call_setting_of_1_measures_backends_that_compile_at_the_first_call(
+    compiling, fakes, cache, monkeypatch, measurements
+):
+    """``ROPE_AUTOTUNE_HOT_CALLS=1``: a key's first call is its hot call, so backends that
+    compile are measured there with the others (they waited for call 2)."""
+    monkeypatch.setenv("ROPE_AUTOTUNE_HOT_CALLS", "1")
+    t, freqs = inputs()
+    assert_matches(rd.apply(t, freqs, SPEC), reference_for(t, freqs, SPEC), torch.float32)
+    assert compiling.calls > 0 and measurements() == 1
+    (entry,) = rd.cache_entries()
+    assert "deferred" not in entry and set(entry["times_us"]) == {"fast", "slow", "compiling"}
+    assert rd.explain(t, freqs, SPEC).why.startswith("autotuned (forward): ")
+
+
 def test_a_key_only_backends_that_compile_can_serve_measures_nothing_at_first(
     compiling, fakes, monkeypatch, measurements
 ):
