@@ -418,6 +418,14 @@ def _token_block():
 
 
 @triton.jit
+def _nth_token_block(block, n):
+    """The ``n``-th of the token blocks a program of first block ``block`` takes in turn: every
+    ``P``-th (``P`` the programs along the token axes), so the programs of one wave work on
+    neighbouring blocks."""
+    return n * (tl.num_programs(1) * tl.num_programs(2)) + block
+
+
+@triton.jit
 def _token_rows(
     token_block, head_group, x_ptr, out_ptr, n_tokens, dim1,
     sx0, sx1, so0, so1,

@@ -15,8 +15,8 @@ import triton.language as tl
 
 from .triton_cache_kernels import _cache_rows, _quant_scale
 from .triton_kernels import (
-    _add, _coefficients, _copy_program, _load_chunk, _positions, _rotate_store, _rotated,
-    _rounded, _store_chunk, _token_block, _token_rows,
+    _add, _coefficients, _copy_program, _load_chunk, _nth_token_block, _positions, _rotate_store,
+    _rotated, _rounded, _store_chunk, _token_block, _token_rows,
 )
 
 
@@ -147,11 +147,10 @@ def _norm_rope_program(
     ``dx = r w z - x r^3 sum(w z x) / n`` and, at row ``part_row`` of ``part_ptr`` (float32),
     this program's share of the weight's gradient ``sum(z x r)`` over its tokens (and its
     heads, for ``NORM == 1``); the host sums the rows. Every head's channels are read and
-    written, the pass-through ones too. A program takes ``TOKEN_ITERS`` token blocks in turn,
-    ``super_block`` and every ``P``-th after it (``P`` the programs along the token axes, so the
-    programs of one wave work on neighbouring blocks), summing the weight's gradient
-    elementwise over all of them and reducing it once: a reduction across the tile per block
-    cost a third of the backward's time; with
+    written, the pass-through ones too. A program takes ``TOKEN_ITERS`` token blocks in turn
+    (:func:`_nth_token_block` of ``super_block``), summing the weight's gradient elementwise
+    over all of them and reducing it once: a reduction across the tile per block cost a third
+    of the backward's time; with
     ``TOKEN_STAGES`` above 1 the loop is software-pipelined (Triton copies the next blocks' data
     into shared memory while this one is worked on). A norm over a token's heads keeps one token
     block a program.
@@ -177,10 +176,9 @@ def _norm_rope_program(
         acc_a = (rows + c[None, None, :] * 0).to(tl.float32)
         acc_b = (rows + c[None, None, :] * 0).to(tl.float32)
         acc_p = (rows + tl.arange(0, BLOCK_P)[None, None, :] * 0).to(tl.float32)
-    blocks_apart = tl.num_programs(1) * tl.num_programs(2)
     for tb in tl.range(TOKEN_ITERS, num_stages=TOKEN_STAGES):
         tok, tok_mask, i0, i1, x_row, o_row, head_lo = _token_rows(
-            tb * blocks_apart + super_block, head_group, x_ptr, out_ptr, n_tokens, dim1,
+            _nth_token_block(super_block, tb), head_group, x_ptr, out_ptr, n_tokens, dim1,
             sx0, sx1, so0, so1, LAYOUT, BLOCK_T, BLOCK_H, HEAD_ITERS,
         )
         o_row, write = _cache_rows(tok, tok_mask, o_row, out_ptr, so0, so1, slot_ptr, place_ptr,
@@ -391,8 +389,8 @@ def rope_norm_kernel(
         v_scale_value = _quant_scale(v_scale_ptr, v_scale, V_QUANT)
         for tb in range(TOKEN_ITERS):
             _copy_program(
-                tb * tl.num_programs(1) * tl.num_programs(2) + block, r - q_per - k_per, v_x,
-                v_out, n_tokens, dim1, v_heads, v_group,
+                _nth_token_block(block, tb), r - q_per - k_per, v_x, v_out, n_tokens, dim1,
+                v_heads, v_group,
                 vx0, vx1, vxg, vxh, vxd, vo0, vo1, vog, voh, vod,
                 LAYOUT, V_WIDTH, BLOCK_T, BLOCK_H, HEAD_ITERS, BLOCK_W,
                 slot_ptr, place_ptr, indptr_ptr, indices_ptr, n_pages, n_requests, n_indices,
