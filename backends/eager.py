@@ -15,6 +15,7 @@ import torch
 from rope_dispatch.call import RoPECall, k_call, position_index, qkv_parts
 from rope_dispatch.norm import normalized
 from rope_dispatch.registry import Backend
+from rope_dispatch.table_kinds import pair_channels
 from rope_dispatch.tables import PairCosSinCache, RateTable, table_cos_sin
 from rope_dispatch.tracing import forward_ad
 
@@ -114,8 +115,7 @@ def rope_tensors(
     else:
         cos, sin = table_rows(cos, pos), table_rows(sin, pos)
         if pairs:  # the rows read widened, not the whole cache (10^5 rows in engines)
-            cos, sin = ((x.repeat_interleave(2, dim=-1) if interleaved
-                         else torch.cat((x, x), dim=-1)) for x in (cos, sin))
+            cos, sin = pair_channels(cos, interleaved), pair_channels(sin, interleaved)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if scale != 1.0:  # in float32: a 16-bit cos/sin cache's product would round to 16 bits
         cos, sin = cos.float() * scale, sin.float() * scale

@@ -679,10 +679,15 @@ def table_cos_sin(table: RotaryTable, interleaved: bool) -> tuple[torch.Tensor, 
         return table.cos, table.sin
     if isinstance(table, PairCosSinCache):
         cos, sin = table.table.chunk(2, dim=-1)
-        if interleaved:
-            return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
-        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return pair_channels(cos, interleaved), pair_channels(sin, interleaved)
     return torch.cos(table), torch.sin(table)
+
+
+def pair_channels(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """A pair cache's cosines or sines ``[.., d2 / 2]`` as one value per channel ``[.., d2]``:
+    each pair's value given to both its channels (``2k`` and ``2k + 1`` when interleaved, ``k``
+    and ``k + d2 / 2`` otherwise)."""
+    return x.repeat_interleave(2, dim=-1) if interleaved else torch.cat((x, x), dim=-1)
 
 
 # --- building angle tables --------------------------------------------------------------------
