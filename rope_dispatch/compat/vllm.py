@@ -56,6 +56,7 @@ from typing import Optional
 
 import torch
 
+from ..backends.eager import table_rows
 from ..backends.written import door
 from ..dispatch import apply_, apply_qk_
 from ..errors import RoPEError, RoPETypeError
@@ -138,10 +139,8 @@ def _table(cos_sin_cache: object,
         index = torch.arange(flat.shape[0], device=positions.device).view(positions.shape)
         if not flat.shape[0]:  # no token reads a row, but a table has at least one
             flat = flat.new_zeros(1)
-        inside = ((flat >= 0) & (flat < cos_sin_cache.shape[0])).unsqueeze(-1)
         with _named("cos_sin_cache"), _normal_tensors():
-            rows = cos_sin_cache.detach()[flat.clamp(0, cos_sin_cache.shape[0] - 1)].float()
-            table = PairCosSinCache(torch.where(inside, rows, torch.nan)).table
+            table = PairCosSinCache(table_rows(cos_sin_cache.detach(), flat).float()).table
         return PairCosSinCache(table), index
     key = id(cos_sin_cache)
     entry = None if traced else _copies.get(key)
