@@ -178,10 +178,10 @@ thd loop changes every step, and a key read while Dynamo traces is a guard (a re
 value)."""
 
 
-def _key_text(key: tuple) -> str:
-    """A spec's key as the text traced calls key on: ``max_seqlen`` only as set or not."""
+def _choice_key(key: tuple) -> tuple:
+    """A spec's key with ``max_seqlen`` only as set or not: what a backend's choice keys on."""
     at = STATIC_FIELDS.index("max_seqlen")
-    return repr((*key[:at], None if key[at] is None else MAX_SEQLEN_SET, *key[at + 1:]))
+    return (*key[:at], None if key[at] is None else MAX_SEQLEN_SET, *key[at + 1:])
 
 
 @constant_while_tracing
@@ -232,7 +232,7 @@ class RoPESpec(BaseModel):
     static_key: ClassVar[tuple]
     """Hashable tuple of every field but the ``cu_seqlens`` tensor, set once at validation."""
     static_text: ClassVar[str]
-    """``repr(static_key)``: the key traced code passes on (:func:`.call_keys.call_key`)."""
+    """``repr(choice_key)``: the key traced code passes on (:func:`.call_keys.call_key`)."""
     choice_key: ClassVar[tuple]
     """:attr:`static_key` with ``max_seqlen`` only as set or not: what an eager call's backend
     choice keys on (:func:`.call_keys.call_key`), as a traced call's ``static_text``."""
@@ -435,14 +435,10 @@ class RoPESpec(BaseModel):
             dtype_name(self.dtype) if name == "dtype" else getattr(self, name)
             for name in STATIC_FIELDS
         )
+        self.__dict__["choice_key"] = _choice_key(self.static_key)
         # as text, which Dynamo reads as constants: with dynamic=True it reads a float held by
         # an object as a symbol, which a key or an op's constant argument cannot hold
-        self.__dict__["static_text"] = _key_text(self.static_key)
-        # what a backend's choice keys on: max_seqlen only as set or not, as traced calls'
-        at = STATIC_FIELDS.index("max_seqlen")
-        self.__dict__["choice_key"] = (
-            *self.static_key[:at], None if self.max_seqlen is None else MAX_SEQLEN_SET,
-            *self.static_key[at + 1:])
+        self.__dict__["static_text"] = repr(self.choice_key)
         self.__dict__["scale_text"] = repr(float(self.cos_sin_scale))
 
     def static_fields(self) -> dict[str, Any]:
@@ -562,8 +558,7 @@ def _traced_copy(spec: RoPESpec, cu_seqlens: Any, max_seqlen: Any) -> RoPESpec:
                "static_key": (*key[:at], keyed, *key[at + 1:]),
                "static_text": _text_with(spec.static_text, at,
                                          None if max_seqlen is None else MAX_SEQLEN_SET),
-               "choice_key": (*key[:at], None if max_seqlen is None else MAX_SEQLEN_SET,
-                              *key[at + 1:])}
+               "choice_key": _choice_key((*key[:at], max_seqlen, *key[at + 1:]))}
     new = object.__new__(RoPESpec)
     for name in _ATTRIBUTES:
         object.__setattr__(new, name, changed[name] if name in changed else getattr(spec, name))
