@@ -892,7 +892,10 @@ def test_unsupported_model_is_refused_by_name():
             hf.patch(model)
         message = str(err.value)
         assert type(model).__name__ in message
-        assert all(family in message for family in FAMILIES)
+        # the families counted and pointed to, not listed: the whole list ran to 3,000 characters
+        assert f"{len(hf.SUPPORTED_MODELS)} families" in message
+        assert "hf.SUPPORTED_MODELS" in message
+        assert len(message) < 400
 
 
 def tiny_vl_model(family: str, mrope_section=(2, 3, 3)) -> torch.nn.Module:

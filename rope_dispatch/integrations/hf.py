@@ -844,9 +844,9 @@ def _targets(model: object) -> dict[tuple[str, str], Callable]:
                     found.add(entry)
     if not found:
         raise RoPEError(
-            f"{type(model).__name__} holds no attention module that rope-dispatch can patch; "
-            f"supported: {', '.join(SUPPORTED_MODELS)} models (their attention classes: "
-            "hf.SUPPORTED_MODELS, docs/hf.md)"
+            f"{type(model).__name__} holds no attention module that rope-dispatch can patch: "
+            f"it patches {len(SUPPORTED_MODELS)} families ({', '.join(list(SUPPORTED_MODELS)[:6])}"
+            ", ...; each with its attention class in hf.SUPPORTED_MODELS, listed in docs/hf.md)"
         )
     targets = {}
     for family, module_name, names in sorted(found):
