@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import rope_dispatch as rd
-from rope_dispatch.integrations import hf
+from rope_dispatch.integrations import hf, hf_shared
 
 TOKENS = 12
 MODEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -435,13 +435,13 @@ def test_first_call_of_a_process_compiles_with_fullgraph(tmp_path):
 
 def test_start_positions_cache_stays_small():
     q, k, cos, sin = inputs(torch.float32, 2)
-    hf._starts.clear()
+    hf_shared._starts.clear()
     for _ in range(3):
         hf.apply_rotary_pos_emb(q, k, cos, sin, 2)
-    assert len(hf._starts) == 1
-    for tokens in range(1, hf._MAX_STARTS + 10):
-        hf._sequence_starts(cos[:, :tokens], q[:, :tokens])
-    assert len(hf._starts) <= hf._MAX_STARTS
+    assert len(hf_shared._starts) == 1
+    for tokens in range(1, hf_shared._MAX_STARTS + 10):
+        hf_shared._sequence_starts(cos[:, :tokens], q[:, :tokens])
+    assert len(hf_shared._starts) <= hf_shared._MAX_STARTS
 
 
 def test_per_token_cos_reaches_the_kernels_as_start_positions(monkeypatch):

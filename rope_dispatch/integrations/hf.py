@@ -60,8 +60,12 @@ from ..errors import RoPEError
 from ..norm import HeadNorm, normalized
 from ..spec import SUPPORTED_DTYPES, RoPESpec
 from ..tables import CosSinCache
-from ..tracing import _dispatch_modes, memoryless
+from ..tracing import memoryless
+from . import hf_llama4
 from .hf_families import MLA_FAMILIES, PAIR_FAMILIES, STANDARD_FAMILIES
+from .hf_shared import (
+    _own_forward, _sequence_starts, _traced_with_grad, _unkept, _version, unsupported_dtype,
+)
 
 __all__ = [
     "QK_NORM_MODELS", "SUPPORTED_MODELS", "apply_multimodal_rotary_pos_emb",
@@ -154,9 +158,6 @@ _last_pairs: list = [None]
 _last_table: list = [None]
 """The latest ``(table, cos, sin, grad mode)`` of :func:`_token_table`: one tuple, read and
 replaced whole, so a thread never pairs one call's table with another's tensors."""
-_starts: dict[tuple, torch.Tensor] = {}
-"""Start positions of :func:`_sequence_starts` by (batch, sequence length, device)."""
-_MAX_STARTS = 64
 _last_streams: list = [None]
 """The latest ``(cos, sin, key, (cos_out, sin_out))`` of :func:`_select_streams`: one tuple,
 read and replaced whole (as :data:`_last_table`)."""
@@ -304,14 +305,6 @@ def apply_rotary_pos_emb_pairs_of_halves(
     return _rotate_qk(q, k, cos, sin, unsqueeze_dim, False, interleaved=True, of_halves=True)
 
 
-def _unkept() -> bool:
-    """Whether nothing made for one layer may be handed to the next: tensors without memory
-    (:func:`~rope_dispatch.tracing.memoryless`), or a torch dispatch mode (a selective
-    activation checkpoint's records the forward's ops and hands their saved outputs back in
-    order at the recomputation, which a kept table, made once in the forward, would shift)."""
-    return memoryless() or _dispatch_modes() > 0
-
-
 def _pairs_of_halves(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Halves ``cos`` and ``sin`` ``[.., d2]`` as one value per channel of interleaved pairs
     (entry ``j`` of the first half at channels ``2j`` and ``2j+1``). A model passes the same
@@ -329,12 +322,6 @@ def _pairs_of_halves(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor
     if versions is not None and not (cos.requires_grad or sin.requires_grad):
         _last_pairs[0] = (cos, sin, versions, pairs)
     return pairs
-
-
-def unsupported_dtype(name: str, dtype: torch.dtype) -> RoPEError:
-    """The error of a patched call on ``name`` of a dtype rope-dispatch does not compute in."""
-    return RoPEError(f"{name} is {dtype}: rope-dispatch computes in float32, bfloat16 and "
-                     "float16 only; hf.unpatch the model to run it in another dtype")
 
 
 def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -495,38 +482,6 @@ def _token_table(cos: torch.Tensor, sin: torch.Tensor) -> CosSinCache:
     return table
 
 
-def _sequence_starts(cos: torch.Tensor, q: torch.Tensor, name: str = "cos",
-                     width: str = "rotary_dim") -> torch.Tensor | None:
-    """Where each sequence's rows begin in :func:`_token_table`, as start positions: none for
-    ``cos`` ``[1, s, d2]`` (a token's row is its place in its sequence), else ``[b]`` int64
-    ``i * s`` (token ``(i, j)`` reads row ``i * s + j``), cached per shape and device.
-
-    Start positions rather than a ``[b, s]`` index of each token's row: a kernel then finds
-    the row from one value per sequence, which the L2 holds, instead of first reading the
-    token's own index from memory. At model shapes in bf16 on the H200 the q+k launch took
-    3-12% less (Phi-3 mini at 4 x 4,096 tokens 101.7 / 98.5 us forward / backward against
-    113.2 / 107.8, within 3% of rows shared by the batch; run AS). ``name`` and ``width``: the
-    caller's argument and its last dim, for the error (Llama 4's ``freqs_cis``)."""
-    batch, seq_len = q.shape[0], q.shape[1]
-    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1] != seq_len:
-        raise RoPEError(
-            f"{name} must be [batch, seq, {width}] with batch 1 or q's batch {batch} and q's "
-            f"sequence length {seq_len}, got {tuple(cos.shape)}"
-        )
-    if cos.shape[0] == 1:
-        return None
-    if _unkept():  # made each call, out of place (a checkpoint may save arange's output)
-        return torch.arange(batch, device=q.device) * seq_len
-    key = (batch, seq_len, q.device)
-    starts = _starts.get(key)
-    if starts is None:
-        if len(_starts) >= _MAX_STARTS:
-            _starts.clear()
-        with torch.inference_mode(False):  # a normal tensor, served in and out of inference mode
-            starts = _starts[key] = torch.arange(batch, device=q.device).mul_(seq_len)
-    return starts
-
-
 def _spec(dtype: torch.dtype, deinterleave: bool = False, interleaved: bool = False) -> RoPESpec:
     """The bshd spec of a dtype and pairing, from :data:`_specs` (pydantic validation costs
     microseconds, and a model calls this once per layer; other dtypes get the spec's error)."""
@@ -602,14 +557,6 @@ def _fused_forward(attention: torch.nn.Module, module_name: str, previous: Calla
     return result
 
 
-def _traced_with_grad() -> bool:
-    """Whether torch.compile traces a step that may be activation-checkpointed (grad enabled):
-    there the norms run unfused (their own forward, the rotation ours), since the
-    hand-over mutates ``_window``, which Dynamo refuses inside a checkpointed layer (an error
-    under ``fullgraph=True``, else a graph break). Traced without grad (generation) they fuse."""
-    return torch.compiler.is_compiling() and torch.is_grad_enabled()
-
-
 def _deferred_norm(norm: torch.nn.Module, slot: int, offset: float, scope: str,
                    previous: Callable | None, x: torch.Tensor) -> torch.Tensor:
     """A q_norm's (``slot`` 0) or k_norm's (1) forward: inside the fused forward of the attention
@@ -623,12 +570,6 @@ def _deferred_norm(norm: torch.nn.Module, slot: int, offset: float, scope: str,
         x, HeadNorm(norm.weight, _norm_eps(norm), offset=offset, scope=scope), _version(x)
     )
     return x
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """``t``'s version counter, to catch an in-place write later; ``None`` while torch.compile
-    traces or a ``torch.func`` transform runs, and for an inference-mode tensor (none kept)."""
-    return None if memoryless() or t.is_inference() else t._version
 
 
 def _norm_eps(norm: torch.nn.Module) -> object:
@@ -686,11 +627,6 @@ def _norm_offset(norm: object, family: tuple) -> float | None:
         return float(shift) if weight is not None and isinstance(shift, (int, float)) else None
     kind = type(norm)
     return family[2] if (kind.__module__, kind.__qualname__) == family[:2] and own is None else None
-
-
-def _own_forward(module: torch.nn.Module) -> Callable | None:
-    """The instance's own ``forward`` attribute, ``None`` without one."""
-    return vars(module).get("forward")
 
 
 def _is_ours(forward: object) -> bool:
@@ -777,7 +713,7 @@ def patch(model: Model) -> Model:
     for attention, module_name, offsets, scope in fusable:
         _fuse(attention, module_name, offsets, scope)
     for attention, eps in l2_fusable:
-        hf_llama4.fuse(attention, eps)
+        hf_llama4.fuse(attention, eps, _set_forward)
     _holders[model] = _holders.get(model, frozenset()) | frozenset(targets)
     vars(model)[_MARK] = _Patched(model)
     kinds = {module_name for module_name, _ in targets}
@@ -885,6 +821,7 @@ _REPLACEMENTS: dict[str, Callable] = {
     "apply_rotary_pos_emb": apply_rotary_pos_emb,
     "apply_multimodal_rotary_pos_emb": apply_multimodal_rotary_pos_emb,
     "apply_rotary_pos_emb_interleave": apply_rotary_pos_emb_interleave,
+    "apply_rotary_emb": hf_llama4.apply_rotary_emb,
 }
 """Each global name :func:`patch` rebinds -> our function of that name."""
 _PAIR_FUNCTIONS: dict[str, Callable] = {
@@ -894,7 +831,3 @@ _PAIR_FUNCTIONS: dict[str, Callable] = {
 }
 """The modeling module of each family of :data:`.hf_families.PAIR_FAMILIES` -> our function
 for its ``apply_rotary_pos_emb``."""
-
-# Llama 4's call and norm fusion: the module reads this one's helpers and adds its call to
-# _REPLACEMENTS when it is loaded, so either module may be imported first.
-from . import hf_llama4  # noqa: E402

@@ -23,15 +23,18 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 
-from . import hf as _hf
 from ..dispatch import apply_qk
 from ..errors import RoPEError
 from ..norm import HeadNorm
 from ..spec import RoPESpec
 from ..tables import PairCosSinCache
+from .hf_shared import (
+    _own_forward, _sequence_starts, _traced_with_grad, _unkept, _version, unsupported_dtype,
+)
 
 MODULE = "transformers.models.llama4.modeling_llama4"
 ATTENTION, NORM, ROTARY = "Llama4TextAttention", "Llama4TextL2Norm", "Llama4TextRotaryEmbedding"
@@ -83,17 +86,17 @@ def apply_rotary_emb(
                         f"xk {tuple(xk.shape)}")
     spec = _specs.get(xq.dtype)
     if spec is None:
-        raise _hf.unsupported_dtype("xq", xq.dtype)
+        raise unsupported_dtype("xq", xq.dtype)
     norm = None
     if _window.attention is not None and _window.eps is not None:
         norm = HeadNorm(_unit_weight(xq.shape[-1], xq.device), _window.eps)
     q_out, k_out = apply_qk(
         xq, xk, _pair_table(freqs_cis), spec,
-        start_positions=_hf._sequence_starts(freqs_cis, xq, "freqs_cis", "rotary_dim / 2"),
+        start_positions=_sequence_starts(freqs_cis, xq, "freqs_cis", "rotary_dim / 2"),
         q_norm=norm, k_norm=norm,
     )
     if norm is not None:
-        _window.normalized += [(t, _hf._version(t)) for t in (q_out, k_out)]
+        _window.normalized += [(t, _version(t)) for t in (q_out, k_out)]
     return q_out, k_out
 
 
@@ -104,7 +107,7 @@ def _pair_table(freqs_cis: torch.Tensor) -> PairCosSinCache:
     torch.compile traces, nor for inference-mode tensors, which have no version counter), in
     the grad mode it was made in (a reentrant checkpoint's recomputation, with grad, needs a
     table with a graph to ``freqs_cis``, which its forward, without, did not make)."""
-    cacheable = not (_hf._unkept() or freqs_cis.is_inference())
+    cacheable = not (_unkept() or freqs_cis.is_inference())
     key = None if not cacheable else (freqs_cis._version, torch.is_grad_enabled())
     last = _last_table[0]
     if cacheable and last is not None and last[1] is freqs_cis and last[2] == key:
@@ -135,7 +138,7 @@ def _fused_forward(attention: torch.nn.Module, eps: float, previous, *args, **kw
     an output normalized and never handed on by ``qk_norm`` raises."""
     run = previous or functools.partial(type(attention).forward, attention)
     module = sys.modules[MODULE]
-    if _hf._traced_with_grad() or getattr(module, "apply_rotary_emb", None) is not apply_rotary_emb:
+    if _traced_with_grad() or getattr(module, "apply_rotary_emb", None) is not apply_rotary_emb:
         return run(*args, **kwargs)
     outer = _window.attention, _window.eps, _window.normalized
     # the norm's epsilon as it is now, not at the patch (the other families' too)
@@ -197,7 +200,7 @@ def l2_fusable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, float]]:
     for name, attention in model.named_modules():
         norm = getattr(attention, "qk_norm", None)
         if (type(attention) is not attention_class or type(norm) is not norm_class
-                or _hf._own_forward(norm) is not None):
+                or _own_forward(norm) is not None):
             continue
         eps = getattr(norm, "eps", None)
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
@@ -207,11 +210,10 @@ def l2_fusable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, float]]:
     return found
 
 
-def fuse(attention: torch.nn.Module, eps: float) -> None:
-    """Give a Llama 4 attention and its ``qk_norm`` the forwards that fuse the norm."""
-    _hf._set_forward(attention.qk_norm, functools.partial(_handed_on_norm, attention.qk_norm))
-    _hf._set_forward(attention, functools.partial(_fused_forward, attention, eps,
-                                                 _hf._own_forward(attention)))
-
-
-_hf._REPLACEMENTS["apply_rotary_emb"] = apply_rotary_emb
+def fuse(attention: torch.nn.Module, eps: float,
+         set_forward: Callable[[torch.nn.Module, functools.partial], None]) -> None:
+    """Give a Llama 4 attention and its ``qk_norm`` the forwards that fuse the norm, each set
+    by ``set_forward`` (``hf._set_forward``, which also makes data-parallel replicas their own)."""
+    set_forward(attention.qk_norm, functools.partial(_handed_on_norm, attention.qk_norm))
+    set_forward(attention, functools.partial(_fused_forward, attention, eps,
+                                             _own_forward(attention)))
