@@ -64,7 +64,6 @@ MODULE_PATHS = (
 )
 FEATURES_SINCE = (2, 3)  # interleaved, start_positions, context parallel for sbhd/bshd (fused)
 STARTS_EVERYWHERE_SINCE = (2, 10)  # start_positions in the backward and with context parallelism
-QKV_SINCE = (2, 8)  # apply_fused_qkv_rotary_pos_emb
 INT32_LIMIT = 2**31
 GRID_Y_LIMIT = 65535
 INSTALL_HINT = "pip install 'transformer-engine[pytorch]>=2.2'"

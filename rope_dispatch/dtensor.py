@@ -44,10 +44,6 @@ _SEQ_DIM = {"sbhd": 0, "bshd": 1, "thd": 0}
 _BATCH_DIM = {"sbhd": 1, "bshd": 0}
 
 
-def is_dtensor(x: object) -> bool:
-    return isinstance(x, DTensor)
-
-
 # ---------------------------------------------------------------------------------------------
 # The ops, their sharding rules and the autograd formula
 
