@@ -1067,6 +1067,21 @@ def test_a_key_only_backends_that_compile_can_serve_measures_nothing_at_first(
     assert why.startswith("pending (compiling") and "fast, the only candidate" in why
 
 
+
+def test_memory_of_keys_stays_bounded_in_a_long_process(compiling, fakes, monkeypatch):
+    """A process meeting ever new keys (a spec per step, shape buckets) keeps at most
+    ``_MAX_KEYS`` of them in memory; a key met again after that still runs its choice."""
+    registry.unregister("slow")  # one candidate that needs no compilation: nothing measured
+    monkeypatch.setattr(autotune, "_MAX_KEYS", 4, raising=False)
+    t, freqs = inputs()
+    for i in range(10):
+        spec = rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=1.0 + i / 8)
+        assert_matches(rd.apply(t, freqs, spec), reference_for(t, freqs, spec), torch.float32)
+        assert len(autotune._memory) <= 4 and len(autotune._pending) <= 4
+    assert compiling.calls == 0 and fakes["fast"].calls == 10
+    assert rd.explain(t, freqs, spec).why.startswith("pending (compiling")
+
+
 def test_tune_measures_backends_that_compile(compiling, fakes, measurements):
     t, freqs = inputs(requires_grad=True)
     rd.apply(t, freqs, SPEC)
