@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import autotune_cache
+from . import autotune_cache, registry
 from .autotune_cache import (
     SCHEMA_VERSION, CacheKey, cache_dir, cache_entries, cache_key, call_signature, clear_cache,
     dist_version, environment_dir, installed_versions, key_fields, lock, read_entry, store_entry,
@@ -501,9 +501,13 @@ def tune(call: RoPECall, candidates: list[Backend], *, retune: bool = False) -> 
     unless its key holds a complete measurement and not ``retune``; store the result.
 
     This is :func:`select` for ahead-of-time tuning (``rope_dispatch.tune``): with ``retune``
-    an existing entry is measured again and overwritten.
+    an existing entry is measured again and overwritten, and dispatch forgets its decisions and
+    plans, which may hold the choice measured before.
     """
-    return _select(call, candidates, use_cache=not retune, complete=True)
+    chosen = _select(call, candidates, use_cache=not retune, complete=True)
+    if retune:
+        registry.invalidate()
+    return chosen
 
 
 def _select(
