@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import autotune_cache
+from . import autotune_cache, registry
 from .autotune_cache import (
     SCHEMA_VERSION, CacheKey, cache_dir, cache_entries, cache_key, call_signature, clear_cache,
     dist_version, environment_dir, installed_versions, key_fields, lock, read_entry, store_entry,
@@ -101,6 +101,7 @@ _memory: dict[str, tuple[str, str]] = {}  # key digest -> (backend name, why)
 _failed_backends: set[str] = set()  # backends already warned about for raising while measured
 _pending: dict[str, int] = {}  # digest of a key whose deferred candidates are unmeasured -> calls
 _unread: set[str] = set()  # digests whose file held nothing when a blocked call read it
+_MAX_KEYS = 4096  # keys remembered at most (as dispatch's decisions): then all are forgotten
 
 
 def _forget() -> None:
@@ -112,6 +113,18 @@ def _forget() -> None:
 
 
 autotune_cache.on_clear(_forget)
+
+
+def _make_room() -> None:
+    """Keep this module's memory bounded (a process meeting a new spec or shape bucket every
+    few steps would otherwise grow it without end): at :data:`_MAX_KEYS` keys it is forgotten,
+    as dispatch forgets its decisions; a key met again reads its file again (a pending key's
+    count starts over, and under saved-tensor hooks its choice is held again before anything
+    is measured). Called under :data:`lock`, before a key is looked up."""
+    if len(_memory) >= _MAX_KEYS or len(_unread) >= _MAX_KEYS:
+        _memory.clear()
+        _pending.clear()
+        _unread.clear()
 
 
 def autotune_enabled() -> bool:
@@ -488,9 +501,13 @@ def tune(call: RoPECall, candidates: list[Backend], *, retune: bool = False) -> 
     unless its key holds a complete measurement and not ``retune``; store the result.
 
     This is :func:`select` for ahead-of-time tuning (``rope_dispatch.tune``): with ``retune``
-    an existing entry is measured again and overwritten.
+    an existing entry is measured again and overwritten, and dispatch forgets its decisions and
+    plans, which may hold the choice measured before.
     """
-    return _select(call, candidates, use_cache=not retune, complete=True)
+    chosen = _select(call, candidates, use_cache=not retune, complete=True)
+    if retune:
+        registry.invalidate()
+    return chosen
 
 
 def _select(
@@ -507,6 +524,7 @@ def _select(
         return candidates[0], _off_why(candidates)
     blocked = _measuring_blocked(call.t)
     with lock:
+        _make_room()
         key = _call_key(call, candidates)
         # a blocked call reads a key's file once: calls that cannot measure (under vmap, say)
         # would otherwise read it on each call, none of them keeping a decision
@@ -578,6 +596,7 @@ def peek(call: RoPECall, candidates: list[Backend]) -> tuple[Backend, str]:
         return candidates[0], _off_why(candidates)
     else:
         with lock:
+            _make_room()
             key = _call_key(call, candidates)
             hit = _remembered(key)
             calls = _pending.get(key.digest)

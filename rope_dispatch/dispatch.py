@@ -41,11 +41,17 @@ _forced: contextvars.ContextVar[object] = contextvars.ContextVar("rope_backend",
 _AUTOMATIC = object()  # use_backend(None)'s scope: no backend forced, ROPE_BACKEND's neither
 _decisions: dict[tuple, tuple[Backend, str]] = {}
 _MAX_DECISIONS = 4096
+# How many times decisions and plans were forgotten: a decision or plan made while another
+# thread forgot them (clear_cache, register, rd.tune(retune=True)) is dropped again, not kept
+# past the forgetting (it may be the choice the forgetting was for).
+_forgotten = 0
 _INT32_LIMIT = 2**31
 
 
 def clear_decisions() -> None:
     """Forget cached decisions (after registering a backend or clearing the autotune cache)."""
+    global _forgotten
+    _forgotten += 1
     _decisions.clear()
     forget_plans()
     _size_limits.cache_clear()
@@ -198,12 +204,16 @@ def _choose(call: RoPECall, backend: str | None) -> tuple[Backend, bool]:
     key = decision_key(call, forced)
     decision = _decisions.get(key)
     if decision is None:
+        forgotten = _forgotten
         decision = _decide(call, forced, source)
         if not autotune.decision_is_final(decision[1]):
             return decision[0], False
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.clear()
         _decisions[key] = decision
+        if forgotten != _forgotten:  # forgotten meanwhile (another thread): kept, then dropped,
+            _decisions.pop(key, None)  # so a forgetting after the check removes it too
+            return decision[0], False
     return decision[0], True
 
 
@@ -577,6 +587,7 @@ def _run(
         call = check_call(t, freqs, spec, start_positions, in_place=in_place,
                           grad_in_place=grad_in_place, split=split, k_freqs=k_freqs,
                           positions=positions, k=k, q_norm=norms[0], k_norm=norms[1])
+        forgotten = _forgotten
         chosen, final = _choose(call, backend)
         out = chosen.apply(call)
     except (RuntimeError, NotImplementedError, TypeError) as error:  # a DTensor beside t?
@@ -584,7 +595,7 @@ def _run(
         raise
     if key is not None and final and not reads_values(spec) and spec.mrope_section is None:
         # planned after the call ran, so a backend can bind what that call compiled
-        _keep_plan(key, tensors, spec, freqs, chosen, call)
+        _keep_plan(key, tensors, spec, freqs, chosen, call, forgotten)
     return out
 
 
@@ -640,13 +651,14 @@ def _in_grad_state(
 
 def _keep_plan(
     key: tuple, tensors: tuple[torch.Tensor, ...], spec: RoPESpec, freqs: object,
-    chosen: Backend, call: RoPECall,
+    chosen: Backend, call: RoPECall, forgotten: int,
 ) -> None:
     """Put ``chosen``'s plan for ``call`` first among ``key``'s plans, guarded by ``tensors``'
     metadata, in place of any plan those tensors would have met (one whose table has since
     moved). A key is planned the second time it is met: a spec or table made for one call
     (a new spec per step, say) would pay for a plan, about 6 us on the development CPU, and
-    never use it."""
+    never use it. ``forgotten``: :data:`_forgotten` before the call was decided (a plan
+    forgotten meanwhile is not kept)."""
     global _recent, _recent_run, _recent_cache
     if table_requires_grad(freqs):
         return  # needs a backend that differentiates the table while grad is on: never planned
@@ -682,6 +694,8 @@ def _keep_plan(
         return
     _plans[key] = entry._replace(plans=(_Plan(guard, address, address(freqs), run), *kept))
     _recent = _recent_run = _recent_cache = None
+    if forgotten != _forgotten:  # decided before another thread forgot every plan: as _choose's
+        _plans.pop(key, None)
 
 
 def rope_to_cache(
@@ -752,10 +766,11 @@ def rope_to_cache(
     _refuse_torchscript()
     call = check_cache_call(q, k, v, freqs, spec, positions=positions, cache=cache,
                             q_norm=q_norm, k_norm=k_norm, q_out=q_out, q_scale=q_scale)
+    forgotten = _forgotten
     chosen, final = _choose(call, backend)
     out = chosen.apply(call)
     if key is not None and final:
-        _keep_plan(key, tensors, spec, freqs, chosen, call)
+        _keep_plan(key, tensors, spec, freqs, chosen, call, forgotten)
     return out
 
 

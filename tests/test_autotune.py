@@ -1067,6 +1067,58 @@ def test_a_key_only_backends_that_compile_can_serve_measures_nothing_at_first(
     assert why.startswith("pending (compiling") and "fast, the only candidate" in why
 
 
+
+def test_memory_of_keys_stays_bounded_in_a_long_process(compiling, fakes, monkeypatch):
+    """A process meeting ever new keys (a spec per step, shape buckets) keeps at most
+    ``_MAX_KEYS`` of them in memory; a key met again after that still runs its choice."""
+    registry.unregister("slow")  # one candidate that needs no compilation: nothing measured
+    monkeypatch.setattr(autotune, "_MAX_KEYS", 4, raising=False)
+    t, freqs = inputs()
+    for i in range(10):
+        spec = rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=1.0 + i / 8)
+        assert_matches(rd.apply(t, freqs, spec), reference_for(t, freqs, spec), torch.float32)
+        assert len(autotune._memory) <= 4 and len(autotune._pending) <= 4
+    assert compiling.calls == 0 and fakes["fast"].calls == 10
+    assert rd.explain(t, freqs, spec).why.startswith("pending (compiling")
+
+
+
+def test_a_retune_replaces_the_choice_calls_run(fakes, measurements):
+    """``rd.tune(..., retune=True)`` measures again: the calls of its key run the new choice,
+    as explain says, not the decision dispatch kept from the first measurement."""
+    t, freqs = inputs()
+    rd.apply(t, freqs, SPEC)
+    rd.apply(t, freqs, SPEC)  # decided and planned
+    assert rd.explain(t, freqs, SPEC).chosen == "fast"
+    fakes["slow"].delay, fakes["fast"].delay = 0.0, autotune_fakes.SLOW_SECONDS
+    assert rd.tune(t, freqs, SPEC, retune=True)[0] == "slow" and measurements() == 2
+    before = calls(fakes)
+    assert_matches(rd.apply(t, freqs, SPEC), reference_for(t, freqs, SPEC), torch.float32)
+    assert calls(fakes) == {"fast": before["fast"], "slow": before["slow"] + 1}
+
+
+def test_a_decision_made_while_another_thread_clears_the_cache_is_not_kept(
+        fakes, monkeypatch, measurements):
+    """clear_cache in another thread while a call is being decided (between autotune's choice
+    and dispatch keeping it): the decision is not kept past the clearing, so the key's next call
+    is decided again."""
+    selected = []
+    select = autotune.select
+
+    def select_then_cleared(call, candidates):
+        selected.append(call)
+        chosen = select(call, candidates)
+        if len(selected) == 1:
+            rd.clear_cache(memory_only=True)  # what another thread may do at this point
+        return chosen
+
+    monkeypatch.setattr(autotune, "select", select_then_cleared)
+    t, freqs = inputs()
+    for _ in range(3):
+        assert_matches(rd.apply(t, freqs, SPEC), reference_for(t, freqs, SPEC), torch.float32)
+    assert len(selected) == 2 and measurements() == 1  # decided again: read from its file
+
+
 def test_tune_measures_backends_that_compile(compiling, fakes, measurements):
     t, freqs = inputs(requires_grad=True)
     rd.apply(t, freqs, SPEC)
