@@ -41,9 +41,8 @@ _forced: contextvars.ContextVar[object] = contextvars.ContextVar("rope_backend",
 _AUTOMATIC = object()  # use_backend(None)'s scope: no backend forced, ROPE_BACKEND's neither
 _decisions: dict[tuple, tuple[Backend, str]] = {}
 _MAX_DECISIONS = 4096
-# How many times decisions and plans were forgotten: a decision or plan made while another
-# thread forgot them (clear_cache, register, rd.tune(retune=True)) is dropped again, not kept
-# past the forgetting (it may be the choice the forgetting was for).
+# Times decisions and plans were forgotten (clear_cache, register, a retune): one a call made
+# while another thread forgot them is dropped again (it may be what the forgetting was for).
 _forgotten = 0
 _INT32_LIMIT = 2**31
 
@@ -231,13 +230,10 @@ class _Plan(NamedTuple):
 
 class _PlanSet(NamedTuple):
     """The plans kept under one key (the ids of a spec and a table, the forced backend and the
-    call's form), most recent first: one per tensor layout (and, for tensors that require
-    grad, gradient mode) met, as the q and k of a decode step, or the layers of a model that
-    share a spec and table.
-
-    The key holds ids, so ``refs`` are weak references whose callbacks drop the set when the
-    spec or the table dies: a key's ids always name live objects (never a later object given a
-    freed id) and a planned call need not dereference them. A plan never keeps a table alive."""
+    call's form), most recent first: one per tensor layout (and grad mode, for tensors that
+    require grad) met, as a decode step's q and k, or the layers of a model sharing a spec and
+    table. ``refs``: weak references whose callbacks drop the set when the spec or table dies,
+    so a key's ids always name live objects and a plan never keeps a table alive."""
 
     refs: tuple[weakref.ref, ...]  # the spec's and the table's
     plans: tuple[_Plan, ...]
@@ -257,24 +253,20 @@ _Tensor = torch.Tensor
 _NO_NORMS = (None, None)
 _grad_enabled = torch.is_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
-# Dynamo knows this function (True while it traces); at run time it is one frame returning
-# False, where torch.compiler.is_compiling takes two. Other tracers (export, make_fx) trace
-# tensor subclasses, which never take the planned path.
+# Dynamo knows this function (True while it traces); at run time one frame, is_compiling's two.
+# Other tracers (export, make_fx) trace tensor subclasses, which never take the planned path.
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 _plans: dict[tuple, _PlanSet] = {}
 _met_once: set[tuple] = set()  # keys met once and not planned yet (see _keep_plan)
-# The plan set of apply's most recent planned call: a repeated call finds it by comparing its
-# spec and table with the set's weak references, without the key's id() calls and tuple hash
-# (id() took 0.18 us a call on the GPU machine's Python 3.12, 0.03 us on the development
-# CPU's 3.11). Replaced by the next set apply finds in _plans, dropped when a key's plans
-# change or are forgotten; a set whose spec or table died matches no call.
+# The plan set of apply's latest planned call, found by comparing a call's spec and table with
+# its weak references, without the key's id() calls and hash (id() took 0.18 us on the GPU
+# machine's Python 3.12). Replaced by the next set apply finds in _plans, dropped when a key's
+# plans change or are forgotten; a set whose spec or table died matches no call. _run's calls
+# (in place, q+k, qkv, index tensors) and rope_to_cache's keep their own, compared by form too.
 _recent: _PlanSet | None = None
-# The same for _run's calls (in place, q+k, packed qkv, index tensors), compared by their form
-# too: a set of its own, so apply's check, whose calls have no form, compares none.
 _recent_run: _PlanSet | None = None
-# The same for rope_to_cache's calls (a serving step's), compared by their form.
 _recent_cache: _PlanSet | None = None
 _MAX_PLANS = 256  # keys
 _MAX_PLANS_PER_KEY = 8
@@ -655,10 +647,9 @@ def _keep_plan(
 ) -> None:
     """Put ``chosen``'s plan for ``call`` first among ``key``'s plans, guarded by ``tensors``'
     metadata, in place of any plan those tensors would have met (one whose table has since
-    moved). A key is planned the second time it is met: a spec or table made for one call
-    (a new spec per step, say) would pay for a plan, about 6 us on the development CPU, and
-    never use it. ``forgotten``: :data:`_forgotten` before the call was decided (a plan
-    forgotten meanwhile is not kept)."""
+    moved). A key is planned the second time it is met: a spec or table made for one call (a
+    new spec per step) would pay for a plan, about 6 us on the development CPU, and never use
+    it. ``forgotten``: :data:`_forgotten` before the call was decided."""
     global _recent, _recent_run, _recent_cache
     if table_requires_grad(freqs):
         return  # needs a backend that differentiates the table while grad is on: never planned
