@@ -191,16 +191,20 @@ def _records(call: RoPECall) -> bool:
 def _mark_dynamic(key: CompileKey, args: tuple) -> None:
     """Ask Dynamo for symbolic sizes where calls vary: every dim of ``t`` (and of a norm's
     saved input) but the head dim, and the heads dim too where a ``"heads"`` norm's weight
-    fixes it; the table length; the number of sequences."""
-    t, a, b, cu, starts, *norm_args = args
+    fixes it; the table length; the number of sequences; every dim of the index tensor (per-token
+    positions are ``[s, b]`` or ``[b, s]``: a static second dim, shared with ``t``'s, made a
+    new batch, or bshd's new length, compile again)."""
+    t, a, b, cu, index, *norm_args = args
     fixed = 2 if key.norm is not None and key.norm.scope == "heads" else 1
     dynamo = import_dynamo()
     for x in (t, *norm_args[1:]):
         for dim in range(x.dim() - fixed):
             dynamo.maybe_mark_dynamic(x, dim)
-    for x in (a, b, cu, starts):
+    for x in (a, b, cu):
         if x is not None:
             dynamo.maybe_mark_dynamic(x, 0)
+    for dim in range(0 if index is None else index.dim()):
+        dynamo.maybe_mark_dynamic(index, dim)
 
 
 def _constants(args: tuple) -> tuple:

@@ -320,3 +320,39 @@ def test_a_cache_that_requires_grad_is_read_as_a_constant():
     want_grad = flashinfer_reference(positions, grad, 8, inverse, True)
     torch.testing.assert_close(base.grad.double(), want_grad, rtol=0, atol=2e-6)
     assert cache.grad is None
+
+
+@pytest.mark.parametrize("made", ["passed in", "made in the step"])
+def test_compiled_steps_keep_one_graph_over_a_steady_decode_loop(made, monkeypatch):
+    """A compiled serving step calling the door, its first in the process: the trace stored
+    the cache's wrapper in the door's memo, on which the trace's lookup had put a guard (not
+    there), so the next step compiled a second graph that plain torch math does not; a cache
+    made inside the step (an intermediate) could not be stored at all (fullgraph refused
+    Dynamo's id() of it). One graph over four steps, each matching FlashInfer's definition."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from rope_dispatch.compat import flashinfer
+
+    monkeypatch.setattr(flashinfer, "_caches", {})
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(23)
+    angles = torch.rand(32, 4, generator=gen) * 6
+
+    def step(positions, query, key, table):
+        cache = torch.cat((table.cos(), table.sin()), -1) if made != "passed in" else table
+        query, key = query.clone(), key.clone()
+        apply_rope_with_cos_sin_cache_inplace(positions, query, key, 8, cache, True)
+        return query, key
+
+    table = angles if made != "passed in" else torch.cat((angles.cos(), angles.sin()), -1)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    cache = torch.cat((angles.double().cos(), angles.double().sin()), -1)
+    for _ in range(4):
+        positions = torch.randint(0, 32, (3,), generator=gen)
+        query, key = torch.randn(3, 16, generator=gen), torch.randn(3, 8, generator=gen)
+        got = compiled(positions, query, key, table)
+        for name, out, x in (("query", got[0], query), ("key", got[1], key)):
+            want = flashinfer_reference(positions, x, 8, cache, True)
+            torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5, msg=name)
+    assert counter.frame_count == 1

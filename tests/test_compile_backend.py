@@ -126,6 +126,39 @@ def test_new_sequence_length_and_batch_do_not_recompile(recompile_log):
 
 
 @needs_compile
+@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+def test_new_lengths_and_batches_with_per_token_positions_do_not_recompile(layout,
+                                                                          recompile_log):
+    """Per-token positions (``[s, b]`` or ``[b, s]``): only their first dim was marked dynamic,
+    so the second, shared with ``t``'s, stayed static, and a new batch (sbhd) or sequence
+    length (bshd) compiled the forward and the transpose again."""
+    backend = CompileBackend()
+    spec = rd.RoPESpec(layout=layout, dtype="fp32")
+    freqs = torch.rand(24, 8, generator=torch.Generator().manual_seed(1)) * 20
+
+    def run(lead: tuple[int, int]) -> None:
+        gen = torch.Generator().manual_seed(lead[0] * 100 + lead[1])
+        t = torch.randn(*lead, 2, 8, generator=gen).requires_grad_(True)
+        positions = torch.randint(0, 24, lead, generator=gen)
+        call = rd.check_call(t, freqs, spec, positions=positions)
+        out = backend.apply(call)
+        grad_out = torch.randn(out.shape, generator=gen)
+        (grad_t,) = torch.autograd.grad(out, t, grad_out)
+        ref_out, ref_grad = reference_forward_backward(t, freqs, spec, grad_out,
+                                                       positions=positions)
+        assert_matches(out, ref_out, torch.float32, f"forward {lead}")
+        assert_matches(grad_t, ref_grad, torch.float32, f"backward {lead}")
+
+    run((6, 2))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    recompile_log.clear()
+    for lead in ((6, 3), (9, 4), (5, 3)):
+        run(lead)
+    assert "Recompiling" not in recompile_log.text
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_compile
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward-backward"])
 def test_warm_up_compiles_so_later_calls_do_not(grad):
     backend = CompileBackend()

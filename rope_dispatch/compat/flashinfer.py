@@ -100,8 +100,12 @@ def _pair_cache(cos_sin_cache: torch.Tensor) -> PairCosSinCache:
     requires grad is read as a constant (``detach()``, the same memory): the engines' ops
     never differentiate it, and take it as it is. That constant is kept while it is the cache's
     memory (``cache.data = ...`` gives the cache new memory), and never from a call with no
-    memory to read (traced, fake tensors, torch.func), whose constant is its own."""
-    entry = _caches.get(id(cos_sin_cache))
+    memory to read (traced, fake tensors, torch.func), whose constant is its own. A call
+    Dynamo traces makes its own wrapper and leaves the memo alone: a lookup there is a guard on
+    the memo's contents, which the trace's own store made fail at the next step (one more
+    graph), and an intermediate's id() cannot be stored (fullgraph refused it)."""
+    traced = torch.compiler.is_compiling()
+    entry = None if traced else _caches.get(id(cos_sin_cache))
     if entry is not None and entry[0] is cos_sin_cache and (
             entry[1].table is cos_sin_cache
             or (not memoryless() and entry[2] == _memory(cos_sin_cache))):
@@ -113,7 +117,7 @@ def _pair_cache(cos_sin_cache: torch.Tensor) -> PairCosSinCache:
     except RoPEError as error:  # the wrapper's complaint, told of the door's argument
         raise type(error)(str(error).replace("PairCosSinCache's table", "cos_sin_cache")
                           ) from error
-    if detached and memoryless():
+    if traced or (detached and memoryless()):
         return made
     if len(_caches) >= _MAX_CACHES:
         _caches.clear()
