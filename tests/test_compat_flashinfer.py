@@ -356,3 +356,33 @@ def test_compiled_steps_keep_one_graph_over_a_steady_decode_loop(made, monkeypat
             want = flashinfer_reference(positions, x, 8, cache, True)
             torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5, msg=name)
     assert counter.frame_count == 1
+
+
+def test_an_eager_call_between_compiled_steps_compiles_nothing_again():
+    """The door's specs are made at import: a compiled step reads their dict, and an eager call
+    in another dtype that added its spec there later failed that read's guard, so the next
+    compiled step compiled a second graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(29)
+    angles = torch.rand(32, 4, generator=gen) * 6
+    cache = torch.cat((angles.cos(), angles.sin()), -1)
+    want_cache = torch.cat((angles.double().cos(), angles.double().sin()), -1)
+
+    def step(positions, query, key):
+        query, key = query.clone(), key.clone()
+        apply_rope_with_cos_sin_cache_inplace(positions, query, key, 8, cache, False)
+        return query, key
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float32):
+        positions = torch.randint(0, 32, (3,), generator=gen)
+        query, key = torch.randn(3, 16, generator=gen), torch.randn(3, 8, generator=gen)
+        got = compiled(positions, query, key)
+        step(positions, query.to(dtype), key.to(dtype))  # eager, in a dtype the trace did not see
+        for name, out, x in (("query", got[0], query), ("key", got[1], key)):
+            want = flashinfer_reference(positions, x, 8, want_cache, False)
+            torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5, msg=name)
+    assert counter.frame_count == 1

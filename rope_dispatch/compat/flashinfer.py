@@ -83,7 +83,12 @@ from ..tracing import forward_ad, memoryless
 __all__ = ["apply_rope_with_cos_sin_cache_inplace", "mla_rope_quantize_fp8", "rope_quantize_fp8",
            "rope_quantize_fp8_append_paged_kv_cache"]
 
-_specs: dict[tuple, RoPESpec] = {}
+_specs: dict[tuple, RoPESpec] = {
+    (dtype, interleaved): RoPESpec(layout="thd", dtype=dtype, interleaved=interleaved)
+    for dtype in SUPPORTED_DTYPES for interleaved in (False, True)
+}
+"""Each spec a door call can take, made at import: a compiled step reads this dict (pydantic is
+not traced), and an eager call adding to it later would fail that read's guard (a new graph)."""
 _caches: dict[int, tuple[torch.Tensor, PairCosSinCache, Optional[tuple]]] = {}
 _MAX_CACHES = 4
 _paged: dict[tuple, tuple[FlashInferPagedKVCache, tuple]] = {}

@@ -61,7 +61,7 @@ from ..backends.written import door
 from ..dispatch import apply_, apply_qk_
 from ..errors import RoPEError, RoPETypeError
 from ..norm import HeadNorm, zero_eps_norm
-from ..spec import RoPESpec, constant_spec, dtype_name
+from ..spec import SUPPORTED_DTYPES, RoPESpec, constant_spec, dtype_name
 from ..table_kinds import _normal_tensors
 from ..tables import PairCosSinCache
 from ..tracing import memoryless
@@ -70,7 +70,13 @@ from .flashinfer import _flag, _floating, _mapped, _pair_cache, _door_words
 __all__ = ["rotary_embedding", "fused_qk_norm_rope"]
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_specs: dict[tuple, RoPESpec] = {}
+_specs: dict[tuple, RoPESpec] = {
+    (layout, dtype, interleaved, inverse): RoPESpec(layout=layout, dtype=dtype,
+                                                    interleaved=interleaved, inverse=inverse)
+    for layout in ("thd", "bshd") for dtype in SUPPORTED_DTYPES for interleaved in (False, True)
+    for inverse in (False, True)
+}
+"""Each spec a door call can take, made at import (as :data:`.flashinfer._specs`)."""
 _copies: dict[int, tuple[torch.Tensor, tuple, PairCosSinCache]] = {}
 _MAX_COPIES = 4
 
