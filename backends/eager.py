@@ -73,10 +73,17 @@ def table_rows(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.where(inside.unsqueeze(-1), rows, float("nan"))
 
 
+def pair_members(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and second members of the last dim's pairs ``(2k, 2k+1)``. An unbind, not two
+    strided slices: autograd adds the +0 gradients of the channels a slice leaves out to the
+    others', which turns a -0.0 gradient into +0.0; an unbind's backward stacks them."""
+    return x.unflatten(-1, (-1, 2)).unbind(-1)
+
+
 def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """The partner of every channel with its sign: rotate-half (NeoX) or pairwise (GPT-J)."""
     if interleaved:
-        even, odd = x[..., 0::2], x[..., 1::2]
+        even, odd = pair_members(x)
         return torch.stack((-odd, even), dim=-1).flatten(-2)
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -120,7 +127,10 @@ def rope_tensors(
     if scale != 1.0:  # in float32: a 16-bit cos/sin cache's product would round to 16 bits
         cos, sin = cos.float() * scale, sin.float() * scale
     d2 = cos.shape[-1]
-    x = t[..., offset:offset + d2].float()
+    # one split, not three slices, for the same reason as pair_members: the backward cats the
+    # parts' gradients, so a -0.0 gradient (pass-through or rotated) stays -0.0, as in TE
+    before, x, after = t.split((offset, d2, t.shape[-1] - offset - d2), dim=-1)
+    x = x.float()
     if deinterleave and not transpose:
         x = to_halves(x)
     if transpose:
@@ -133,13 +143,13 @@ def rope_tensors(
     if d2 == t.shape[-1]:
         return rotated.contiguous()
     # cat keeps a permuted input's memory format: the output is contiguous in the layout
-    parts = (t[..., :offset].to(dtype), rotated, t[..., offset + d2:].to(dtype))
+    parts = (before.to(dtype), rotated, after.to(dtype))
     return torch.cat(parts if offset else parts[1:], dim=-1).contiguous()
 
 
 def to_halves(x: torch.Tensor) -> torch.Tensor:
     """Interleaved pairs ``(2k, 2k+1)`` of the last dim moved to ``(k, k + d/2)``."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    return torch.cat(pair_members(x), dim=-1)
 
 
 def to_pairs(x: torch.Tensor) -> torch.Tensor:

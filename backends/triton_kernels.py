@@ -256,7 +256,10 @@ def _positions(
         else:
             pos = local
         if POSITIONS == STARTS:  # in the index tensor's dtype: an int64 start is never narrowed
-            pos += tl.load(pos_ptr + seq, mask=tok_mask, other=0)
+            start = tl.load(pos_ptr + seq, mask=tok_mask, other=0)
+            if table_len.dtype != tl.int32:  # rows past 2^31 (a RateTable): an int32 start plus
+                start = start.to(tl.int64)  # the place may pass 2^31, still inside the table
+            pos += start
         pos = tl.where(past, -1, pos)  # outside the table: such a token's rows come out NaN
     return pos
 

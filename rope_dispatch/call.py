@@ -139,10 +139,10 @@ def qkv_parts(call: RoPECall) -> tuple[RoPECall, RoPECall, torch.Tensor]:
     where the view allows it, else a copy; k ``[.., h, d]``) and the v view ``[.., h, v]``."""
     q_len, k_len, _ = call.split
     t = call.t
-    q = t[..., :q_len]
+    # one split, not three slices: its backward cats the parts' gradients, where autograd would
+    # add each slice's +0 padding to the others' and so turn a -0.0 gradient into +0.0
+    q, k, v = t.split((q_len, k_len, t.shape[-1] - q_len - k_len), dim=-1)
     q = q.reshape(*q.shape[:-2], call.heads * q_len // k_len, k_len)
-    k = t[..., q_len : q_len + k_len]
-    v = t[..., q_len + k_len :]
     single = dict(tensors="t", split=None, k_table=None, k_norm=None)
     q_call = call._replace(t=q, heads=q.shape[-2], **single)
     k_table = call.table if call.k_table is None else call.k_table

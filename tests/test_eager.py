@@ -119,3 +119,30 @@ def test_meta_tensors_get_the_shapes_torch_ops_give(monkeypatch):
     x = torch.empty(5, 2, 4, 12, dtype=torch.bfloat16, device="meta")
     with pytest.raises(rd.RoPEError, match="share memory"):
         rd.apply_qk_(x[..., :8], x[..., 4:], table.to("meta"), spec)
+
+
+@pytest.mark.parametrize("kind", ["partial", "interleaved", "offset", "deinterleave", "qkv"])
+def test_backward_keeps_negative_zero_gradients(kind):
+    """A -0.0 gradient at angle 0 comes back as the transpose gives it (TE's kernel, the Triton
+    backend): its pass-through channels -0.0, its rotated ones -0.0 where the partner's term is
+    -0.0. Three slices of one tensor (or an interleaved pair's two strided slices) would add
+    each other's +0 padding in autograd and make every such zero +0.0."""
+    d = 8
+    fields = {"partial": {}, "interleaved": {"interleaved": True}, "offset": {"rotary_offset": 2},
+              "deinterleave": {"deinterleave": True}, "qkv": {}}[kind]
+    spec = rd.RoPESpec(layout="sbhd", dtype=torch.float32, **fields)
+    freqs = torch.zeros(2, 1, 1, d if kind == "qkv" else 4)
+    width = 3 * d if kind == "qkv" else d
+    t = torch.full((1, 1, 2, width), -0.0, requires_grad=True)
+    if kind == "qkv":
+        outs = rd.apply_qkv(t, freqs, spec, split=(d, d, d), backend="eager")
+    else:
+        outs = (rd.apply(t, freqs, spec, backend="eager"),)
+    (grad,) = torch.autograd.grad(outs, t, [torch.full_like(o, -0.0) for o in outs])
+    # the formula (TE's backward kernel): g_i cos_i plus the partner's g sin (0 here), whose
+    # sign flips on one member of each pair: -0.0 + -0.0 there, -0.0 + +0.0 on the other
+    pairs = 4 if kind == "qkv" else 1
+    assert int((~torch.signbit(grad)).sum()) == 2 * 2 * pairs  # 2 heads (+2 k heads)
+    kept = {"partial": slice(4, 8), "interleaved": slice(4, 8), "offset": slice(0, 2),
+            "deinterleave": slice(4, 8), "qkv": slice(16, 24)}[kind]
+    assert bool(torch.signbit(grad[..., kept]).all())  # pass-through / v: copied, -0.0

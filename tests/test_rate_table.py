@@ -336,6 +336,25 @@ def test_triton_long_positions_match_reference(kind):
 
 
 @pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_int32_starts_past_2_31_inside_a_longer_table(layout):
+    """A rate table of more than 2^31 rows takes int32 start positions whose sum with a
+    token's place passes 2^31: the row is that sum, inside the table (eager's), not an int32
+    sum wrapped negative, which the kernels took for a row outside it (NaN)."""
+    inv_freq = torch.tensor([1.0, 1e-6], device=DEVICE)
+    rates = rd.RateTable(inv_freq, 1 << 40)
+    starts = torch.tensor([2**31 - 2, 2**31 - 3], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32, device=DEVICE)
+    spec = rd.RoPESpec(layout=layout, dtype=torch.float32,
+                       **({"cu_seqlens": cu, "max_seqlen": 3} if layout == "thd" else {}))
+    t = torch.randn(6, 1, 4, device=DEVICE).view(*((6, 1) if layout == "thd" else (3, 2, 1)), 4)
+    out = rd.apply(t, rates, spec, start_positions=starts, backend="triton")
+    want = rd.apply(t, rates, spec, start_positions=starts, backend="eager")
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.usefixtures("triton_backend")
 def test_triton_runs_the_rates_branch_of_its_kernels(monkeypatch):
     """The launcher hands the kernels ``RATES=True`` (and no cache flag) for a rate table, and
     ``RATES=False`` for the angle table and a cos/sin cache of the same shape: the lean kernel
