@@ -349,9 +349,19 @@ def test_int32_starts_past_2_31_inside_a_longer_table(layout):
                        **({"cu_seqlens": cu, "max_seqlen": 3} if layout == "thd" else {}))
     t = torch.randn(6, 1, 4, device=DEVICE).view(*((6, 1) if layout == "thd" else (3, 2, 1)), 4)
     out = rd.apply(t, rates, spec, start_positions=starts, backend="triton")
-    want = rd.apply(t, rates, spec, start_positions=starts, backend="eager")
+    # the definition: a token's row is its start plus its place, its angle that row times the
+    # rate as a float32 product (a default RateTable), rotate-half, in float64
+    tokens = t.reshape(6, 4).double()
+    if layout == "thd":
+        rows = torch.cat([starts[i].long() + torch.arange(3, device=DEVICE) for i in range(2)])
+    else:  # sbhd [3, 2]: token (s, b) at row starts[b] + s
+        rows = (torch.arange(3, device=DEVICE)[:, None] + starts.long()[None, :]).reshape(6)
+    angles = (rows.float()[:, None] * inv_freq[None, :]).double()
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    partner = torch.cat((-tokens[:, 2:], tokens[:, :2]), dim=-1)
+    want = tokens * cos + partner * sin
     assert not out.isnan().any()
-    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.reshape(6, 4).double(), want, rtol=0, atol=2e-6)
 
 
 @pytest.mark.usefixtures("triton_backend")
