@@ -1067,12 +1067,11 @@ def test_a_key_only_backends_that_compile_can_serve_measures_nothing_at_first(
     assert why.startswith("pending (compiling") and "fast, the only candidate" in why
 
 
-
 def test_memory_of_keys_stays_bounded_in_a_long_process(compiling, fakes, monkeypatch):
     """A process meeting ever new keys (a spec per step, shape buckets) keeps at most
     ``_MAX_KEYS`` of them in memory; a key met again after that still runs its choice."""
     registry.unregister("slow")  # one candidate that needs no compilation: nothing measured
-    monkeypatch.setattr(autotune, "_MAX_KEYS", 4, raising=False)
+    monkeypatch.setattr(autotune, "_MAX_KEYS", 4)
     t, freqs = inputs()
     for i in range(10):
         spec = rd.RoPESpec(layout="sbhd", dtype="fp32", cos_sin_scale=1.0 + i / 8)
@@ -1080,7 +1079,6 @@ def test_memory_of_keys_stays_bounded_in_a_long_process(compiling, fakes, monkey
         assert len(autotune._memory) <= 4 and len(autotune._pending) <= 4
     assert compiling.calls == 0 and fakes["fast"].calls == 10
     assert rd.explain(t, freqs, spec).why.startswith("pending (compiling")
-
 
 
 def test_a_retune_replaces_the_choice_calls_run(fakes, measurements):
